@@ -1,0 +1,112 @@
+"""`python -m raysys <command>`: bench, report (and the planner / advisor subcommands).
+
+Defaults run on a laptop CPU: `python -m raysys bench --size tiny` finishes in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+from raysys.bench import DTYPES, MODES, BenchConfig, run_benchmark
+from raysys.config import SIZES
+from raysys.results import ResultWriter
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="end-to-end benchmark of the model (forward / backward / optimizer times)")
+    p.add_argument("--size", nargs="+", default=["small"], choices=sorted(SIZES), help="named model size(s)")
+    p.add_argument("--context-length", nargs="+", type=int, default=[None], help="sequence length(s); default the size's")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per step")
+    p.add_argument("--vocab-size", type=int, default=None, help="vocabulary override")
+    p.add_argument("--mode", nargs="+", default=["train-step"], choices=MODES, help="what one step runs")
+    p.add_argument("--dtype", nargs="+", default=["fp32"], choices=sorted(DTYPES), help="fp32 or autocast bf16/fp16")
+    p.add_argument("--compile", action="store_true", help="wrap the model in torch.compile")
+    p.add_argument("--attention", default="naive", help="attention backend (naive, sdpa, annotated, flash_triton, ...)")
+    p.add_argument("--device", default="auto", help="auto | cuda | cuda:N | cpu")
+    p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps")
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--profile", action="store_true", help="torch.profiler kernel summary per phase + Chrome trace")
+    p.add_argument("--memory-profile", action="store_true", help="peak memory, CUDA snapshot and timeline picture")
+    p.add_argument("--out", default="results", help="directory for bench.parquet (+ traces/, snapshots/)")
+
+
+def _bench(args) -> int:
+    configs = [BenchConfig(size=s, context_length=c, batch_size=args.batch_size, vocab_size=args.vocab_size, mode=m,
+                           dtype=d, compile=args.compile, attention=args.attention, device=args.device,
+                           warmup=args.warmup, steps=args.steps, profile=args.profile,
+                           memory_profile=args.memory_profile)
+               for s, c, m, d in itertools.product(args.size, args.context_length, args.mode, args.dtype)]
+    out = Path(args.out).expanduser().resolve()
+    rows_writer = ResultWriter(out, "bench", resume=True)
+    kernels_writer = ResultWriter(out, "bench_kernels", resume=True) if args.profile else None
+    rows = []
+    for cfg in configs:
+        row, kernels = run_benchmark(cfg, out)
+        rows.append(row)
+        rows_writer.write([row])
+        if kernels is not None and not kernels.empty:
+            kernels_writer.rows = [r for r in kernels_writer.rows if r.get("trial_id") != row["trial_id"]]
+            kernels_writer.rows += kernels.to_dict("records")
+            kernels_writer.write([])
+            from raysys.profiling import format_top
+            print(format_top(kernels.drop(columns=["trial_id", "size", "context_length", "dtype", "mode"])))
+    _print_bench(rows)
+    print(f"\nwrote {rows_writer.path}")
+    return 0
+
+
+def _print_bench(rows: list[dict]) -> None:
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    cols = ["size", "context_length", "mode", "dtype", "compile", "status"]
+    for phase in ("forward", "backward", "optimizer", "step"):
+        if f"{phase}_mean_s" in df:
+            df[f"{phase} (ms)"] = [f"{m * 1e3:.2f} ± {s * 1e3:.2f}" if m == m else "-"
+                                   for m, s in zip(df[f"{phase}_mean_s"], df[f"{phase}_std_s"])]
+            cols.append(f"{phase} (ms)")
+    if "peak_memory_bytes" in df:
+        df["peak (GiB)"] = df["peak_memory_bytes"] / 2**30
+        cols.append("peak (GiB)")
+    print(df[[c for c in cols if c in df]].to_markdown(index=False, floatfmt=".3g"))
+
+
+def _add_report(sub) -> None:
+    p = sub.add_parser("report", help="markdown tables from a results directory or Parquet file")
+    p.add_argument("path", help="results directory or a <sweep>.parquet file")
+    p.add_argument("--only", nargs="+", help="sweep names to include")
+    p.add_argument("--markdown", help="also write the tables to this file")
+
+
+def _report(args) -> int:
+    from raysys.report import report
+
+    text = report(args.path, args.only)
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raysys", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_bench(sub)
+    _add_report(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"bench": _bench, "report": _report}[args.command](args)
+    except ValueError as exc:
+        print(f"raysys {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

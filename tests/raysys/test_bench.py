@@ -1,0 +1,146 @@
+"""The benchmark harness, CLI, results I/O, profiling summary and memory accounting on CPU."""
+
+import pandas as pd
+import pytest
+import torch
+
+from raysys import bench, cli, memory, profiling
+from raysys.bench import BenchConfig, run_benchmark
+from raysys.config import ModelConfig
+from raysys.model import TransformerLM, cross_entropy
+from raysys.results import ResultWriter, make_row, read_results, status_of, trial_id
+
+TINY = dict(size="tiny", context_length=16, batch_size=2, warmup=1, steps=2, device="cpu")
+
+
+def test_cli_bench_writes_parquet_with_expected_columns(tmp_path, capsys):
+    rc = cli.main(["bench", "--size", "tiny", "--context-length", "16", "--batch-size", "2", "--mode", "forward",
+                   "train-step", "--warmup", "1", "--steps", "2", "--device", "cpu", "--out", str(tmp_path)])
+    assert rc == 0
+    df = pd.read_parquet(tmp_path / "bench.parquet")
+    assert len(df) == 2 and set(df["status"]) == {"ok"}
+    for col in ("sweep", "trial_id", "size", "mode", "dtype", "forward_mean_s", "forward_std_s", "step_mean_s",
+                "git_sha", "torch_version", "triton_version", "ray_version", "device_name", "host", "utc", "error"):
+        assert col in df.columns, col
+    train = df[df["mode"] == "train-step"].iloc[0]
+    assert train.backward_mean_s > 0 and train.optimizer_mean_s > 0
+    assert pd.isna(df[df["mode"] == "forward"].iloc[0].backward_mean_s)
+    assert "forward (ms)" in capsys.readouterr().out
+    # a second invocation accumulates rows instead of replacing the file
+    cli.main(["bench", "--size", "tiny", "--context-length", "8", "--batch-size", "1", "--mode", "forward",
+              "--warmup", "0", "--steps", "1", "--device", "cpu", "--out", str(tmp_path)])
+    assert len(pd.read_parquet(tmp_path / "bench.parquet")) == 3
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(size="gigantic"), "size 'gigantic'"),
+    (dict(mode="backward"), "mode 'backward'"),
+    (dict(dtype="int8"), "dtype 'int8'"),
+    (dict(steps=0), r"steps \(0\) must be >= 1"),
+    (dict(attention="magic"), "attention 'magic'"),
+    (dict(size="small", context_length=0), r"context_length \(0\) must be a positive integer"),
+])
+def test_bad_bench_configs_raise(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        BenchConfig(**kwargs)
+
+
+def test_cuda_without_gpu_is_a_value_error():
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        run_benchmark(BenchConfig(**{**TINY, "device": "cuda"}))
+    assert cli.main(["bench", "--size", "tiny", "--device", "cuda"]) == 2
+
+
+def test_oom_becomes_a_row(monkeypatch):
+    def boom(self):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+
+    monkeypatch.setattr(bench._Run, "forward_loss", boom)
+    row, kernels = run_benchmark(BenchConfig(**TINY))
+    assert row["status"] == "oom" and "80.00 GiB" in row["error"] and kernels is None
+
+
+def test_other_errors_propagate(monkeypatch):
+    monkeypatch.setattr(bench._Run, "forward_loss", lambda self: (_ for _ in ()).throw(RuntimeError("shape bug")))
+    with pytest.raises(RuntimeError, match="shape bug"):
+        run_benchmark(BenchConfig(**TINY))
+
+
+def test_profile_summary_on_cpu(tmp_path):
+    row, kernels = run_benchmark(BenchConfig(**TINY, profile=True), tmp_path)
+    assert row["status"] == "ok"
+    assert {"forward", "backward", "optimizer"} <= set(kernels["phase"])
+    fwd = kernels[kernels.phase == "forward"]
+    assert fwd["share_of_phase"].sum() == pytest.approx(1.0)
+    assert fwd["is_matmul"].any()  # aten::mm self time is attributed to the forward phase
+    assert 0 < row["matmul_share_forward"] < 1
+    assert (tmp_path / "traces").exists() and row["trace_path"].endswith(".json")
+    assert "**forward**" in profiling.format_top(kernels)
+
+
+def test_is_matmul_names():
+    assert profiling.is_matmul("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64")
+    assert profiling.is_matmul("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN")
+    assert profiling.is_matmul("aten::mm")
+    assert not profiling.is_matmul("void at::native::vectorized_elementwise_kernel<4, at::native::exp_kernel>")
+    assert not profiling.is_matmul("aten::mul")
+
+
+def test_saved_tensor_accounting_counts_storages_once():
+    lin = torch.nn.Linear(8, 8, bias=False)
+    model = torch.nn.Sequential(lin, torch.nn.ReLU())
+    x = torch.randn(4, 8)
+    account = memory.SavedTensorAccount(model)
+    with account.track():
+        y = model(x).sum()
+    # linear saves its input x (the weight is a parameter, excluded); relu saves its output: 2 x (4*8*4 bytes)
+    assert account.by_module["0"] == 4 * 8 * 4
+    assert account.by_module["1"] == 4 * 8 * 4
+    assert account.total_bytes == 256
+    y.backward()
+
+
+def test_saved_bytes_per_block_of_transformer():
+    cfg = ModelConfig.from_name("tiny", context_length=16)
+    model = TransformerLM(cfg)
+    x = torch.randint(0, cfg.vocab_size, (2, 16))
+    per_block, detail = memory.saved_bytes_per_block(model, lambda: cross_entropy(model(x), x))
+    blocks = per_block[per_block.module.str.startswith("layers.")]
+    assert len(blocks) == cfg.num_layers
+    # identical blocks save the same, up to the RoPE tables the shared positional encoder saves once
+    assert blocks.saved_bytes.max() - blocks.saved_bytes.min() <= 2 * 16 * (cfg.d_head // 2) * 4 * 4
+    # every block keeps at least its input and the (B, H, S, S) attention probabilities
+    assert blocks.saved_bytes.iloc[0] > 2 * 16 * cfg.d_model * 4 + 2 * cfg.num_heads * 16 * 16 * 4
+    assert detail["bytes"].sum() == blocks.saved_bytes.iloc[0]
+
+
+def test_results_writer_atomic_and_resume(tmp_path):
+    cfg = {"a": 1, "b": "x"}
+    w = ResultWriter(tmp_path, "demo")
+    w.write([make_row("demo", cfg, {"m": 1.0})])
+    w.write([make_row("demo", {"a": 2, "b": "y"}, status="error", error="boom")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo.parquet"]  # no temp files left behind
+    resumed = ResultWriter(tmp_path, "demo", resume=True)
+    assert resumed.done(trial_id(cfg)) and not resumed.done(trial_id({"a": 2, "b": "y"}))  # errors are retried
+    resumed.write([make_row("demo", {"a": 2, "b": "y"}, {"m": 2.0})])
+    df = read_results(tmp_path / "demo.parquet")
+    assert len(df) == 2 and set(df.status) == {"ok"}
+    assert trial_id({"b": "x", "a": 1}) == trial_id(cfg)
+    with pytest.raises(ValueError, match="status 'weird'"):
+        make_row("demo", cfg, status="weird")
+
+
+def test_status_of_classifies():
+    assert status_of(torch.OutOfMemoryError("CUDA out of memory")) == "oom"
+    assert status_of(TimeoutError("collective timed out")) == "timeout"
+    assert status_of(RuntimeError("bad")) == "error"
+
+
+def test_report_cli(tmp_path, capsys):
+    ResultWriter(tmp_path, "demo").write([make_row("demo", {"n": n}, {"time_s": n / 10}) for n in (1, 2)])
+    assert cli.main(["report", str(tmp_path), "--markdown", str(tmp_path / "out.md")]) == 0
+    text = (tmp_path / "out.md").read_text()
+    assert "## demo" in text and "time_s" in text and "0.2" in text
+    assert cli.main(["report", str(tmp_path / "missing")]) == 2
