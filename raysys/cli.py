@@ -23,7 +23,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--vocab-size", type=int, default=None, help="vocabulary override")
     p.add_argument("--mode", nargs="+", default=["train-step"], choices=MODES, help="what one step runs")
     p.add_argument("--dtype", nargs="+", default=["fp32"], choices=sorted(DTYPES), help="fp32 or autocast bf16/fp16")
-    p.add_argument("--compile", action="store_true", help="wrap the model in torch.compile")
+    p.add_argument("--compile", action="store_true", help="torch.compile every Transformer block")
     p.add_argument("--attention", default="naive", help="attention backend (naive, sdpa, annotated, flash_triton, ...)")
     p.add_argument("--device", default="auto", help="auto | cuda | cuda:N | cpu")
     p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps")

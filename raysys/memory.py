@@ -47,7 +47,7 @@ def record_memory_history(device: torch.device, max_entries: int = 200_000):
     if device.type != "cuda":
         yield
         return
-    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
     try:
         yield
     finally:  # dump_snapshot() inside the block stops recording too; stopping twice is harmless

@@ -1,0 +1,194 @@
+"""The same gang without Ray: one `torch.multiprocessing` process per rank on this machine.
+
+`ProcessGang` has `Gang`'s interface (`with ... as gang: gang.run(fn, *args)`, `broken`, `ranks`) and runs
+the same trial functions with the same `RankContext` and process-group bootstrap (`raysys.rank.init_rank`),
+so a benchmark can be launched both ways in one run and the difference is what Ray costs. Rank r uses
+`cuda:r` of the GPUs this process sees (all ranks see all of them, like Ray's `shared` visibility).
+
+Each rank is a persistent `spawn`ed process that joins the group once and then serves calls over a pipe:
+the driver sends a pickled `(fn, args, kwargs)`, the rank answers with the pickled result or the exception
+and its traceback. Results and arguments are pickled by value (never as shared-memory handles) so they
+outlive the process that made them. A rank that raises, dies or exceeds the timeout makes `run` raise at
+once and marks the gang `broken`; `shutdown` always leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.connection as mpc
+import os
+import pickle
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+from raysys.rank import DEVICES, PlacementInfeasible, RankSpec, destroy_rank, device_description, free_port, init_rank
+
+
+class RankFailed(RuntimeError):
+    """A rank process raised an exception that could not be sent back as itself, or died."""
+
+
+def _serve(spec: RankSpec, conn) -> None:
+    try:
+        ctx = init_rank(spec)
+        conn.send_bytes(pickle.dumps(("ok", device_description(ctx))))
+    except BaseException as exc:
+        conn.send_bytes(_error_payload(exc))
+        return
+    try:
+        while True:
+            msg = conn.recv_bytes()
+            if not msg:  # shutdown
+                break
+            fn, args, kwargs = pickle.loads(msg)
+            try:
+                payload = pickle.dumps(("ok", fn(ctx, *args, **kwargs)))
+            except BaseException as exc:
+                payload = _error_payload(exc)
+            conn.send_bytes(payload)
+    except (EOFError, OSError):  # the driver went away
+        pass
+    finally:
+        destroy_rank()
+
+
+def _error_payload(exc: BaseException) -> bytes:
+    text = traceback.format_exc()
+    try:
+        return pickle.dumps(("error", (exc, text)))
+    except Exception:  # unpicklable exception: send its text
+        return pickle.dumps(("error", (None, text)))
+
+
+class ProcessGang:
+    """`world_size` local rank processes joined in one process group; same interface as `raysys.gang.Gang`."""
+
+    def __init__(self, world_size: int, *, device: str = "auto", name: str = "gang", timeout_s: float = 600.0,
+                 start_timeout_s: float = 120.0):
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size ({world_size!r}) must be an int >= 1")
+        if device not in DEVICES:
+            raise ValueError(f"device {device!r} must be one of {DEVICES}")
+        if timeout_s <= 0 or start_timeout_s <= 0:
+            raise ValueError(f"timeout_s ({timeout_s}) and start_timeout_s ({start_timeout_s}) must be > 0")
+        self.world_size, self.name, self.timeout_s, self.start_timeout_s = world_size, name, timeout_s, start_timeout_s
+        self.requested_device = device
+        self.device = ""
+        self.backend = ""
+        self.gpu_visibility = "shared"
+        self.ranks: list[dict] = []
+        self.broken = False
+        self._procs: list = []
+        self._conns: list = []
+
+    def __enter__(self) -> "ProcessGang":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def start(self) -> "ProcessGang":
+        num_gpus = torch.cuda.device_count()
+        self.device = ("cuda" if num_gpus else "cpu") if self.requested_device == "auto" else self.requested_device
+        self.backend = "nccl" if self.device == "cuda" else "gloo"
+        if self.device == "cuda" and num_gpus < self.world_size:
+            raise PlacementInfeasible(f"asked for {self.world_size} GPUs on this machine (multiprocessing launch); "
+                                      f"it has {num_gpus}")
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        threads = max(1, (os.cpu_count() or 1) // self.world_size)
+        try:
+            for rank in range(self.world_size):
+                spec = RankSpec(rank=rank, world_size=self.world_size, local_rank=rank,
+                                local_world_size=self.world_size, node_rank=0, master_addr="127.0.0.1",
+                                master_port=port, device_type=self.device,
+                                device_index=rank if self.device == "cuda" else None, timeout_s=self.timeout_s,
+                                num_threads=threads)
+                parent, child = ctx.Pipe(duplex=True)
+                proc = ctx.Process(target=_serve, args=(spec, child), name=f"{self.name}.rank{rank}", daemon=True)
+                proc.start()
+                child.close()
+                self._procs.append(proc)
+                self._conns.append(parent)
+            names = self._collect(self.start_timeout_s, "process-group init")
+        except BaseException:
+            self.broken = True
+            self.shutdown()
+            raise
+        self.ranks = [{"rank": r, "local_rank": r, "node_rank": 0, "pid": p.pid, "device_name": n,
+                       "device_index": r if self.device == "cuda" else None}
+                      for r, (p, n) in enumerate(zip(self._procs, names))]
+        return self
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list:
+        """`fn(ctx, *args, **kwargs)` on every rank; the results ordered by rank."""
+        return self.call(fn, args, kwargs)
+
+    def call(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, *,
+             label: str | None = None, timeout_s: float | None = None) -> list:
+        if not self._procs:
+            raise RuntimeError(f"gang {self.name!r} is not running (use it in a `with` block)")
+        if self.broken:
+            raise RuntimeError(f"gang {self.name!r} is broken by an earlier failure; build a new one")
+        msg = pickle.dumps((fn, tuple(args), dict(kwargs or {})))
+        try:
+            for conn in self._conns:
+                conn.send_bytes(msg)
+            return self._collect(self.timeout_s if timeout_s is None else timeout_s,
+                                 f"{self.name}:{label or getattr(fn, '__name__', 'fn')}")
+        except BaseException:
+            self.broken = True
+            raise
+
+    def _collect(self, timeout_s: float, what: str) -> list:
+        """One reply per rank; the first error, death or the deadline raises at once."""
+        deadline = time.monotonic() + timeout_s
+        results: dict[int, Any] = {}
+        while len(results) < self.world_size:
+            waiting = {c: r for r, c in enumerate(self._conns) if r not in results}
+            sentinels = {self._procs[r].sentinel: r for r in waiting.values()}
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{what}: ranks {sorted(waiting.values())} still running after {timeout_s:g} s")
+            ready = mpc.wait(list(waiting) + list(sentinels), timeout=remaining)
+            for obj in ready:
+                if obj in waiting:
+                    rank = waiting[obj]
+                    try:
+                        status, payload = pickle.loads(obj.recv_bytes())
+                    except (EOFError, OSError):
+                        continue  # the sentinel reports the death
+                    if status == "error":
+                        exc, text = payload
+                        err = exc if exc is not None else RankFailed(text.strip().splitlines()[-1])
+                        err.add_note(f"(raised on rank {rank} during {what})\n--- remote traceback ---\n{text}")
+                        raise err
+                    results[rank] = payload
+            for obj in ready:
+                rank = sentinels.get(obj)
+                if rank is not None and rank not in results and not self._conns[rank].poll():
+                    raise RankFailed(f"{what}: rank {rank} (pid {self._procs[rank].pid}) exited with code "
+                                     f"{self._procs[rank].exitcode}")
+        return [results[r] for r in range(self.world_size)]
+
+    def shutdown(self) -> None:
+        """Ask healthy ranks to leave the group and exit; kill whatever is still running after 10 s."""
+        if not self.broken:
+            for conn in self._conns:
+                try:
+                    conn.send_bytes(b"")
+                except (BrokenPipeError, OSError):
+                    pass
+        deadline = time.monotonic() + (10.0 if not self.broken else 0.0)
+        for proc in self._procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []

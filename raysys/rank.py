@@ -1,0 +1,160 @@
+"""One rank of a gang: the process-group bootstrap shared by Ray actors (`raysys.gang`) and plain processes
+(`raysys.mp_gang`).
+
+A launcher decides, for every rank, a `RankSpec` (rank, local rank, node rank, rendezvous address, backend,
+which GPUs the process sees and which one it uses); `init_rank(spec)` runs inside the rank's process, sets the
+torchrun-style environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `NODE_RANK`, `MASTER_ADDR`,
+`MASTER_PORT`), selects the device and initialises the default process group (NCCL on CUDA, gloo on CPU) with
+the spec's timeout, and returns the `RankContext` that trial functions receive.
+
+Invariants: CUDA_VISIBLE_DEVICES is set before CUDA is initialised in the process (else it would be ignored);
+NVLink multicast (NVLS / symmetric-memory multicast) stays off, because the GPU hosts this runs on require it;
+NCCL errors are asynchronous-handled (`TORCH_NCCL_ASYNC_ERROR_HANDLING=1`), so a dead peer makes collectives
+fail after the timeout instead of hanging forever.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# The GPU hosts require NVLink multicast off; set in every rank's environment (Ray runtime env and in-process).
+MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# A dead or stuck peer must surface as an error after the process-group timeout, not as a hang.
+RANK_ENV = {**MULTICAST_OFF_ENV, "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+DEVICES = ("auto", "cuda", "cpu")
+
+
+class PlacementInfeasible(ValueError):
+    """The cluster (or this machine) can never hold the requested gang - not: it is busy now."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankSpec:
+    """Everything one rank needs to join its gang; built by the launcher, sent to the rank's process."""
+
+    rank: int
+    """Global rank: ranks are ordered by node, then by GPU."""
+    world_size: int
+    """Number of ranks in the gang."""
+    local_rank: int
+    """Index of this rank among the ranks of its node."""
+    local_world_size: int
+    """Number of ranks on this rank's node."""
+    node_rank: int
+    """Index of this rank's node among the gang's nodes."""
+    master_addr: str
+    """Address of rank 0's node (the TCPStore rendezvous)."""
+    master_port: int
+    """A free port on rank 0's node."""
+    device_type: str
+    """`cuda` or `cpu`."""
+    device_index: int | None = None
+    """CUDA device index within the process's CUDA_VISIBLE_DEVICES (None on CPU)."""
+    visible_devices: str | None = None
+    """CUDA_VISIBLE_DEVICES to set before CUDA starts (None keeps what the launcher gave the process)."""
+    timeout_s: float = 600.0
+    """Process-group timeout: a collective that waits longer than this fails."""
+    num_threads: int = 1
+    """torch intra-op threads of this rank (the CPUs reserved for it)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank ({self.rank}) must be in [0, world_size={self.world_size})")
+        if self.device_type not in ("cuda", "cpu"):
+            raise ValueError(f"device_type {self.device_type!r} must be 'cuda' or 'cpu'")
+        if self.device_type == "cuda" and self.device_index is None:
+            raise ValueError("a cuda rank needs a device_index")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s ({self.timeout_s}) must be > 0")
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device_type == "cuda" else "gloo"
+
+
+@dataclass
+class RankContext:
+    """What a trial function receives on every rank: its place in the gang and the initialised group."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    node_rank: int
+    device: torch.device
+    """cuda:<local index> or cpu."""
+    backend: str
+    """"nccl" or "gloo"."""
+    process_group: dist.ProcessGroup
+    """The gang's default group (already initialised)."""
+    local_world_size: int = 1
+
+    def barrier(self) -> None:
+        if self.backend == "nccl":  # without device_ids NCCL guesses the device and warns
+            dist.barrier(group=self.process_group, device_ids=[self.device.index])
+        else:
+            dist.barrier(group=self.process_group)
+
+    def synchronize(self) -> None:
+        """Wait for this rank's queued device work (a no-op on CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def free_port() -> int:
+    """A TCP port that is free on this host right now (the OS picks it; never a fixed number)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        return s.getsockname()[1]
+
+
+def init_rank(spec: RankSpec) -> RankContext:
+    """Join the gang described by `spec` from inside the rank's process; returns its `RankContext`."""
+    if spec.visible_devices is not None:
+        if torch.cuda.is_initialized():
+            raise RuntimeError("CUDA is already initialised in this process; CUDA_VISIBLE_DEVICES would be ignored")
+        os.environ["CUDA_VISIBLE_DEVICES"] = spec.visible_devices
+    for key, value in RANK_ENV.items():
+        os.environ.setdefault(key, value)
+    os.environ.update({
+        "RANK": str(spec.rank), "WORLD_SIZE": str(spec.world_size), "LOCAL_RANK": str(spec.local_rank),
+        "LOCAL_WORLD_SIZE": str(spec.local_world_size), "NODE_RANK": str(spec.node_rank),
+        "MASTER_ADDR": spec.master_addr, "MASTER_PORT": str(spec.master_port),
+    })
+    torch.set_num_threads(max(1, spec.num_threads))
+    if spec.device_type == "cuda":
+        if spec.device_index >= torch.cuda.device_count():
+            raise RuntimeError(f"rank {spec.rank} wants cuda:{spec.device_index} but sees {torch.cuda.device_count()} "
+                               f"GPU(s) (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+        device = torch.device("cuda", spec.device_index)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(
+        spec.backend, init_method="env://", rank=spec.rank, world_size=spec.world_size,
+        timeout=_dt.timedelta(seconds=spec.timeout_s),
+        # Binding the device makes NCCL create its communicator now, not inside the first timed collective.
+        device_id=device if spec.device_type == "cuda" else None,
+    )
+    return RankContext(rank=spec.rank, world_size=spec.world_size, local_rank=spec.local_rank,
+                       node_rank=spec.node_rank, device=device, backend=spec.backend,
+                       process_group=dist.group.WORLD, local_world_size=spec.local_world_size)
+
+
+def destroy_rank() -> None:
+    """Leave the gang: destroy the default process group if this process has one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def device_description(ctx: RankContext) -> str:
+    """Human-readable device of a rank (`NVIDIA H200` or `cpu`), for result rows."""
+    if ctx.device.type == "cuda":
+        return torch.cuda.get_device_name(ctx.device)
+    return "cpu"
