@@ -116,6 +116,8 @@ class _Run:
         self.cfg, self.device, self.mc = cfg, device, mc
         self.model = TransformerLM(mc, device=device)
         if cfg.compile:
+            # A new model size must not count against dynamo's recompile limit of the previous runs' graphs.
+            torch._dynamo.reset()
             # Per block, as torchtitan does: the blocks share one compiled graph, so compile time does not
             # grow with depth (whole-model compile unrolls every layer).
             for block in self.model.layers:

@@ -71,3 +71,73 @@ def report(results_dir: str | Path, only: list[str] | None = None) -> str:
     if not files:
         raise ValueError(f"no .parquet files in {results_dir}")
     return "\n".join(section(f) for f in files)
+
+
+# --- sections of the end-to-end study (sweeps/end_to_end.py) ----------------------------------------------
+
+def _ms(mean: pd.Series, std: pd.Series) -> pd.Series:
+    return [f"{m * 1e3:.1f} ± {s * 1e3:.1f}" if pd.notna(m) else "-" for m, s in zip(mean, std)]
+
+
+def _e2e_timing(df: pd.DataFrame) -> str:
+    df = df.copy()
+    for phase in ("forward", "backward", "optimizer", "step"):
+        df[f"{phase} (ms)"] = _ms(df[f"{phase}_mean_s"], df[f"{phase}_std_s"])
+    df["peak (GiB)"] = df["peak_memory_bytes"] / 2**30
+    df["TFLOP/s"] = df["tflops_per_s"]
+    cols = ["size", "dtype", "compile", "status", "forward (ms)", "backward (ms)", "optimizer (ms)", "step (ms)",
+            "TFLOP/s", "peak (GiB)"]
+    order = {s: i for i, s in enumerate(("small", "medium", "large", "xl", "10B"))}
+    df = df.sort_values(["compile", "dtype", "size"], key=lambda c: c.map(order) if c.name == "size" else c)
+    note = (f"Context {int(df.context_length.iloc[0])}, batch {int(df.batch_size.iloc[0])}, train step with AdamW, "
+            f"{int(df.warmup.iloc[0])} warm-up and {int(df.steps.iloc[0])} timed steps, mean ± std. fp32 runs use "
+            "PyTorch's default (no TF32); bf16 is autocast with fp32 master weights; `compile` compiles each block.")
+    return note + "\n\n" + df[cols].to_markdown(index=False, floatfmt=".3g")
+
+
+def _e2e_warmup(df: pd.DataFrame) -> str:
+    df = df.copy()
+    df["step (ms)"] = _ms(df["step_mean_s"], df["step_std_s"])
+    df["first timed step (ms)"] = df["first_step_s"] * 1e3
+    note = "Each warm-up count runs in a fresh process (CUDA context, cuBLAS handles and allocator start cold)."
+    return note + "\n\n" + df[["size", "warmup", "steps", "status", "step (ms)", "first timed step (ms)"]].to_markdown(
+        index=False, floatfmt=".1f")
+
+
+def _e2e_kernels(df: pd.DataFrame) -> str:
+    df = df.copy()
+    share = [c for c in df.columns if c.startswith("matmul_share_")]
+    df["step (ms)"] = _ms(df["step_mean_s"], df["step_std_s"])
+    note = ("Share of GPU kernel time spent in matrix multiplies (fp32, batch 4), per phase; the top kernels of each "
+            "run are in `e2e_kernel_table.parquet`.")
+    return note + "\n\n" + df[["size", "context_length", "mode", "status", "step (ms)"] + share].to_markdown(
+        index=False, floatfmt=".3f")
+
+
+def _e2e_memory(df: pd.DataFrame) -> str:
+    df = df.copy()
+    for col in ("memory_after_init_bytes", "peak_forward_only_bytes", "peak_full_step_bytes"):
+        df[col.replace("_bytes", " (GiB)")] = df[col] / 2**30 if col in df else float("nan")
+    cols = ["size", "context_length", "dtype", "mode", "status", "memory_after_init (GiB)", "peak_forward_only (GiB)",
+            "peak_full_step (GiB)"]
+    note = ("Peak allocated memory, batch 4; `forward` rows run the forward pass under no_grad, `train-step` rows a "
+            "full step with AdamW (its peak includes optimizer state). Timelines: `results/plots/memory_*.png`.")
+    return note + "\n\n" + df[cols].to_markdown(index=False, floatfmt=".2f")
+
+
+def _e2e_saved(df: pd.DataFrame) -> str:
+    df = df.copy()
+    df["saved (MiB)"] = df["saved_bytes"] / 2**20
+    blocks = df[df.module.str.startswith("layers.")]
+    rest = df[~df.module.str.startswith("layers.")]
+    summary = pd.concat([blocks.head(1), rest])[["size", "context_length", "batch_size", "module", "saved (MiB)"]]
+    return (f"Bytes autograd saves for backward (fp32); all {len(blocks)} blocks save the same as `layers.0` "
+            f"(total over blocks {blocks['saved (MiB)'].sum() / 1024:.1f} GiB). Per-module detail of one block: "
+            "`e2e_saved_detail.parquet`.\n\n" + summary.to_markdown(index=False, floatfmt=".1f"))
+
+
+register_section("e2e_timing", _e2e_timing)
+register_section("e2e_warmup", _e2e_warmup)
+register_section("e2e_kernels", _e2e_kernels)
+register_section("e2e_memory", _e2e_memory)
+register_section("e2e_saved", _e2e_saved)
