@@ -79,6 +79,7 @@ def _add_report(sub) -> None:
     p.add_argument("path", help="results directory or a <sweep>.parquet file")
     p.add_argument("--only", nargs="+", help="sweep names to include")
     p.add_argument("--markdown", help="also write the tables to this file")
+    p.add_argument("--plots", help="also draw PNG plots of the sweeps that have one into this directory")
 
 
 def _report(args) -> int:
@@ -88,6 +89,11 @@ def _report(args) -> int:
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text)
+    if args.plots:
+        from raysys.report import plots
+
+        for path in plots(args.path, args.plots):
+            print(f"wrote {path}")
     return 0
 
 

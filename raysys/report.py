@@ -17,11 +17,31 @@ from raysys.results import read_results
 PROVENANCE = ("git_sha", "torch_version", "triton_version", "ray_version", "device_name", "host", "utc", "sweep",
               "trial_id", "source", "error")
 _SECTIONS: dict[str, Callable[[pd.DataFrame], str]] = {}
+_PLOTS: dict[str, Callable[[pd.DataFrame, Path], list[Path]]] = {}
 
 
 def register_section(sweep: str, formatter: Callable[[pd.DataFrame], str]) -> None:
     """Use `formatter(df) -> markdown` for the `<sweep>.parquet` file instead of the generic table."""
     _SECTIONS[sweep] = formatter
+
+
+def register_plot(sweep: str, plotter: Callable[[pd.DataFrame, Path], list[Path]]) -> None:
+    """Use `plotter(df, out_dir) -> [png paths]` to draw the `<sweep>.parquet` file."""
+    _PLOTS[sweep] = plotter
+
+
+def plots(results_dir: str | Path, out_dir: str | Path) -> list[Path]:
+    """Draw every registered plot whose sweep file exists in `results_dir`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    made = []
+    for path in sorted(Path(results_dir).glob("*.parquet")):
+        if path.stem in _PLOTS:
+            made += _PLOTS[path.stem](read_results(path), out_dir)
+    return made
 
 
 def varying_columns(df: pd.DataFrame) -> list[str]:
@@ -141,3 +161,37 @@ register_section("e2e_warmup", _e2e_warmup)
 register_section("e2e_kernels", _e2e_kernels)
 register_section("e2e_memory", _e2e_memory)
 register_section("e2e_saved", _e2e_saved)
+
+
+def _plot_e2e_timing(df: pd.DataFrame, out_dir: Path) -> list[Path]:
+    """Stacked forward / backward / optimizer bars, one panel per model size (linear time axis)."""
+    import matplotlib.pyplot as plt
+
+    ok = df[df.status == "ok"]
+    sizes = [s for s in ("small", "medium", "large", "xl", "10B") if s in set(ok["size"])]
+    variants = [(d, c) for d in ("fp32", "bf16") for c in (False, True) if ((ok.dtype == d) & (ok.compile == c)).any()]
+    labels = [f"{d}{' comp.' if c else ''}" for d, c in variants]
+    colors = {"forward": "#4C72B0", "backward": "#DD8452", "optimizer": "#55A868"}
+    fig, axes = plt.subplots(1, len(sizes), figsize=(2.6 * len(sizes), 3.4), squeeze=False)
+    for ax, size in zip(axes[0], sizes):
+        part = ok[ok["size"] == size]
+        bottom = [0.0] * len(variants)
+        for phase, color in colors.items():
+            values = [float(part.loc[(part.dtype == d) & (part.compile == c), f"{phase}_mean_s"].mean() * 1e3)
+                      if ((part.dtype == d) & (part.compile == c)).any() else 0.0 for d, c in variants]
+            ax.bar(range(len(variants)), values, bottom=bottom, color=color, label=phase)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        ax.set_xticks(range(len(variants)), labels, rotation=45, ha="right", fontsize=8)
+        ax.set_title(size)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("ms per train step")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("Train step by phase (context 512, batch 4)", fontsize=10)
+    fig.tight_layout()
+    path = out_dir / "e2e_timing.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+register_plot("e2e_timing", _plot_e2e_timing)
