@@ -97,18 +97,45 @@ def _report(args) -> int:
     return 0
 
 
+def _add_advise(sub) -> None:
+    from raysys.advisor import build_advise_parser
+
+    build_advise_parser(sub.add_parser("advise", help="per-layer activation-checkpointing plan that fits a GPU"))
+
+
+def _advise(args) -> int:
+    from raysys.advisor import run_advise
+
+    return run_advise(args)  # 0: a plan fits, 1: nothing fits
+
+
+def _add_plan(sub) -> None:
+    from parallel.planner import build_plan_parser
+
+    build_plan_parser(sub.add_parser("plan", help="parallelism planner: DP / FSDP / TP / FSDP+TP limits (handout 8)"),
+                      sizes=SIZES)
+
+
+def _plan(args) -> int:
+    from parallel.planner import run_plan
+
+    return run_plan(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raysys", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_bench(sub)
     _add_report(sub)
+    _add_advise(sub)
+    _add_plan(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"bench": _bench, "report": _report}[args.command](args)
+        return {"bench": _bench, "report": _report, "advise": _advise, "plan": _plan}[args.command](args)
     except ValueError as exc:
         print(f"raysys {args.command}: error: {exc}", file=sys.stderr)
         return 2

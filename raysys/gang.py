@@ -13,12 +13,15 @@ GPU visibility (`gpu_visibility`):
 
 Invariants: ranks are ordered by node (the driver's node first), then GPU/bundle; the placement group is
 removed and the actors killed when the gang ends, whatever happened; a rank that raises, dies or outlives the
-timeout makes `Gang.run` raise at once (the error of the first failing rank, annotated with its rank) instead
-of waiting for the others, and marks the gang `broken`.
+timeout makes `Gang.run` raise at once instead of waiting for the others (the error of the first failing rank,
+annotated with its rank; a dead rank's `RayActorError` wins over the collective errors it causes in its
+peers), and marks the gang `broken`.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import itertools
 import logging
 import os
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import ray
-from ray.exceptions import GetTimeoutError
+from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -51,7 +54,7 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, num_gpu
     Address resolution: `address` ("local" forces an embedded Ray), else `RAY_ADDRESS` (set by
     `ray job submit` in the job's driver), else a cluster started with `ray start` on this machine, else an
     embedded Ray with `num_cpus` (default: all cores), `num_gpus` (default: detected) and a modest object store
-    (default: 10% of RAM, clamped to [256 MiB, 4 GiB]; gangs exchange small results, not tensors).
+    (default: 5% of RAM, clamped to [256 MiB, 2 GiB]; gangs exchange small results, not tensors).
     The sizes only apply to an embedded Ray. Returns `cluster_info()`. Idempotent.
     """
     if ray.is_initialized():
@@ -64,9 +67,9 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, num_gpu
                         address)
         context = ray.init(address=address, logging_level=logging.WARNING)
     else:
-        context = ray.init(address="local", num_cpus=num_cpus if num_cpus is not None else os.cpu_count(), num_gpus=num_gpus,
-                 object_store_memory=object_store_memory or _default_object_store_bytes(),
-                 include_dashboard=dashboard, logging_level=logging.WARNING)
+        context = ray.init(address="local", num_cpus=os.cpu_count() if num_cpus is None else num_cpus,
+                           num_gpus=num_gpus, object_store_memory=object_store_memory or _default_object_store_bytes(),
+                           include_dashboard=dashboard, logging_level=logging.WARNING)
     _DASHBOARD["url"] = context.dashboard_url or ""
     info = cluster_info()
     if info["dashboard_url"]:
@@ -85,7 +88,7 @@ def _local_cluster_address() -> str | None:
 
 def _default_object_store_bytes() -> int:
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(min(max(total // 10, 256 * 2**20), 4 * 2**30))
+    return int(min(max(total // 20, 256 * 2**20), 2 * 2**30))
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,7 @@ def check_placement(world_size: int, *, device: str, strategy: str, cpus_per_ran
         return min(by_cpu, int(n.num_gpus)) if gpu else by_cpu
 
     per_node = [fits(n) for n in nodes]
-    unit = "GPUs" if gpu else f"CPUs (x{cpus_per_rank:g} per rank)"
+    unit = "GPUs" if gpu else "CPUs"
     have = ", ".join(f"{n.num_gpus:g}" if gpu else f"{n.num_cpus:g}" for n in nodes) or "none"
     if strategy == "STRICT_PACK":
         ok, where = max(per_node, default=0) >= world_size, "in one node"
@@ -203,8 +206,25 @@ def _gather(refs: list, timeout_s: float, what: str) -> list:
                 ray.get(ref)
             except Exception as exc:
                 exc.add_note(f"(raised on rank {rank} during {what})")
-                raise
+                raise _root_cause(exc, pending) from None
     return ray.get(refs)
+
+
+def _root_cause(exc: Exception, pending: dict, grace_s: float = 1.0) -> Exception:
+    """A dead rank makes its peers' collectives fail too; prefer the death (RayActorError) as the error."""
+    if isinstance(exc, RayActorError) or not pending:
+        return exc
+    ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=grace_s)
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except RayActorError as death:
+            death.add_note(f"(rank {pending[ref]} died; rank errors that followed: {type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0][:200]})")
+            return death
+        except Exception:
+            pass
+    return exc
 
 
 class Gang:
@@ -276,28 +296,29 @@ class Gang:
                 f"placement group for {self.world_size} x {bundle} ({self.strategy}) not ready after "
                 f"{self.placement_timeout_s:g} s; available now: {ray.available_resources()}") from None
         order = _placement_order(self._pg, ray.get_runtime_context().get_node_id())
+        names = [f"{self.name}#{gid}.rank{rank}" for rank in range(self.world_size)]
         self.actors = [
             RankActor.options(
-                name=f"{self.name}#{gid}.rank{rank}", num_cpus=self.cpus_per_rank,
+                name=names[rank], num_cpus=self.cpus_per_rank,
                 num_gpus=1 if self.device == "cuda" else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=b),
-                runtime_env={"env_vars": dict(RANK_ENV)},
+                runtime_env=_runtime_env(),
             ).remote(f"{self.name}.rank{rank}")
             for rank, (b, _) in enumerate(order)]
         infos = _gather([a.describe.remote() for a in self.actors], self.placement_timeout_s, "actor start")
         specs = self._rank_specs(infos, port=ray.get(self.actors[0].free_port.remote()))
-        names = _gather([a.setup.remote(s) for a, s in zip(self.actors, specs)], self.timeout_s,
-                        "process-group init")
-        self.ranks = [{**info, "rank": s.rank, "local_rank": s.local_rank, "node_rank": s.node_rank,
-                       "device_index": s.device_index, "visible_devices": s.visible_devices, "device_name": name}
-                      for info, s, name in zip(infos, specs, names)]
+        devices = _gather([a.setup.remote(s) for a, s in zip(self.actors, specs)], self.timeout_s,
+                          "process-group init")
+        self.ranks = [{**info, "actor_name": name, "rank": s.rank, "local_rank": s.local_rank,
+                       "node_rank": s.node_rank, "device_index": s.device_index, "visible_devices": s.visible_devices,
+                       "device_name": device} for info, s, name, device in zip(infos, specs, names, devices)]
 
     def _rank_specs(self, infos: list[dict], port: int) -> list[RankSpec]:
         node_order = list(dict.fromkeys(info["node_id"] for info in infos))
         by_node = {n: [r for r, info in enumerate(infos) if info["node_id"] == n] for n in node_order}
         node_gpus = {n: sorted({g for r in rs for g in infos[r]["gpu_ids"]}, key=_gpu_key) for n, rs in by_node.items()}
         if self.device == "cuda" and self.gpu_visibility == "isolated":
-            for n, rs in by_node.items():
+            for rs in by_node.values():
                 firsts = [_gpu_key(infos[r]["gpu_ids"][0]) for r in rs]
                 if firsts != sorted(firsts):
                     log.warning("%s: Ray assigned GPUs %s to ranks %s of a node out of order (isolated visibility "
@@ -353,6 +374,17 @@ class Gang:
         except BaseException:
             self.broken = True
             raise
+
+
+@functools.cache
+def _runtime_env() -> dict | None:
+    """RANK_ENV as the actors' runtime env. Ray's runtime-env agent needs `ray[default]` (aiohttp); on a bare
+    `ray` install the same variables are set in-process by `init_rank`, before NCCL or CUDA read them."""
+    if importlib.util.find_spec("aiohttp") is None:
+        log.warning("aiohttp missing (ray without [default]): the rank env vars are set in-process, "
+                    "not through the actors' runtime env")
+        return None
+    return {"env_vars": dict(RANK_ENV)}
 
 
 def _own_index(info: dict) -> int:

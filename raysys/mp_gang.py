@@ -27,6 +27,15 @@ import torch.multiprocessing as mp
 from raysys.rank import DEVICES, PlacementInfeasible, RankSpec, destroy_rank, device_description, free_port, init_rank
 
 
+def local_device(device: str) -> str:
+    """`auto` -> `cuda` when this machine has a GPU, else `cpu` (a `cuda` gang checks the count at start)."""
+    if device not in DEVICES:
+        raise ValueError(f"device {device!r} must be one of {DEVICES}")
+    if device != "auto":
+        return device
+    return "cuda" if torch.cuda.device_count() else "cpu"  # counting does not create a CUDA context
+
+
 class RankFailed(RuntimeError):
     """A rank process raised an exception that could not be sent back as itself, or died."""
 
@@ -92,9 +101,9 @@ class ProcessGang:
         self.shutdown()
 
     def start(self) -> "ProcessGang":
-        num_gpus = torch.cuda.device_count()
-        self.device = ("cuda" if num_gpus else "cpu") if self.requested_device == "auto" else self.requested_device
+        self.device = local_device(self.requested_device)
         self.backend = "nccl" if self.device == "cuda" else "gloo"
+        num_gpus = torch.cuda.device_count()
         if self.device == "cuda" and num_gpus < self.world_size:
             raise PlacementInfeasible(f"asked for {self.world_size} GPUs on this machine (multiprocessing launch); "
                                       f"it has {num_gpus}")
@@ -166,14 +175,32 @@ class ProcessGang:
                         exc, text = payload
                         err = exc if exc is not None else RankFailed(text.strip().splitlines()[-1])
                         err.add_note(f"(raised on rank {rank} during {what})\n--- remote traceback ---\n{text}")
-                        raise err
+                        raise self._dead_rank(what, err) or err
                     results[rank] = payload
             for obj in ready:
                 rank = sentinels.get(obj)
                 if rank is not None and rank not in results and not self._conns[rank].poll():
-                    raise RankFailed(f"{what}: rank {rank} (pid {self._procs[rank].pid}) exited with code "
-                                     f"{self._procs[rank].exitcode}")
+                    raise self._died(what, rank)
         return [results[r] for r in range(self.world_size)]
+
+    def _died(self, what: str, rank: int) -> RankFailed:
+        proc = self._procs[rank]
+        proc.join(timeout=2.0)  # its sentinel fires when its pipes close, a moment before it can be reaped
+        return RankFailed(f"{what}: rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
+
+    def _dead_rank(self, what: str, err: BaseException, grace_s: float = 1.0) -> RankFailed | None:
+        """A dead rank makes its peers' collectives fail too; report the death, not the echo."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            dead = [r for r, p in enumerate(self._procs) if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if not dead:
+            return None
+        death = self._died(what, dead[0])
+        death.add_note(f"(errors that followed: {type(err).__name__}: {str(err).splitlines()[0][:200]})")
+        return death
 
     def shutdown(self) -> None:
         """Ask healthy ranks to leave the group and exit; kill whatever is still running after 10 s."""

@@ -110,7 +110,6 @@ def free_port() -> int:
     """A TCP port that is free on this host right now (the OS picks it; never a fixed number)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         return s.getsockname()[1]
 
 

@@ -75,8 +75,15 @@ def provenance_line(df: pd.DataFrame) -> str:
 
 
 def section(path: Path) -> str:
+    """A sweep's markdown: its registered formatter, else the `<sweep>.md` its script wrote, else a generic table."""
     df = read_results(path)
-    body = _SECTIONS.get(path.stem, generic_table)(df)
+    own_md = path.with_suffix(".md")
+    if path.stem in _SECTIONS:
+        body = _SECTIONS[path.stem](df)
+    elif own_md.exists():
+        body = own_md.read_text().strip()
+    else:
+        body = generic_table(df)
     prov = provenance_line(df)
     return f"## {path.stem}\n\n" + (f"_{prov}_\n\n" if prov else "") + f"{body}\n"
 

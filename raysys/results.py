@@ -52,12 +52,28 @@ def _version(module: str) -> str:
         return "absent"
 
 
+def _nvidia_gpu_name() -> str | None:
+    """The first NVIDIA GPU's model from the driver's /proc files: no CUDA context needed."""
+    for info in sorted(Path("/proc/driver/nvidia/gpus").glob("*/information")):
+        for line in info.read_text().splitlines():
+            if line.startswith("Model:"):
+                return line.split(":", 1)[1].strip()
+    return None
+
+
 def device_name(device: Any = None) -> str:
+    """Name of `device`, or of the machine's accelerator when none is given.
+
+    Without an explicit device, a process that has not initialised CUDA (a sweep driver whose ranks run
+    elsewhere) does not create a CUDA context just to name the GPU: that would pin ~500 MB on GPU 0.
+    """
     import torch
 
     dev = torch.device(device) if device is not None else None
-    if (dev is None or dev.type == "cuda") and torch.cuda.is_available():
+    if dev is not None and dev.type == "cuda" or dev is None and torch.cuda.is_initialized():
         return torch.cuda.get_device_name(dev if dev is not None and dev.index is not None else None)
+    if dev is None and (name := _nvidia_gpu_name()):
+        return name
     return f"cpu ({platform.processor() or platform.machine()})"
 
 

@@ -2,9 +2,15 @@ import os
 
 # Ray in tests: no usage stats, no dashboard unless a test asks for one.
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# No test may write ~/.ray/auth_token (Ray 2.60 enables token auth for an embedded ray.init() by default).
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import pytest
 import torch
+
+
+# Tiny models on a 2-core CI machine run several times faster on one thread than on two fighting ones.
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

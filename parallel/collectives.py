@@ -1,0 +1,174 @@
+"""Collective-communication benchmark: all-reduce, all-gather, reduce-scatter and broadcast of float32 data.
+
+What is communicated, for a message of `num_bytes` (nccl-tests conventions, n = group size):
+  * all_reduce      every rank holds `num_bytes`; afterwards every rank holds the elementwise sum.
+  * all_gather      every rank contributes `num_bytes / n`; afterwards every rank holds all `num_bytes`.
+  * reduce_scatter  every rank holds `num_bytes`; afterwards rank i holds the sum of the i-th `1/n` slice.
+  * broadcast       the group's rank 0 sends `num_bytes` to every rank.
+
+Timing: `warmup` untimed calls, then `iters` timed calls each bracketed by CUDA events (GPU) or
+`perf_counter` (CPU, where gloo collectives are synchronous); the ranks start together after a barrier. One
+rank's numbers are its mean/std per call; a trial's time is the max over ranks of the mean (the collective
+is done when its slowest rank is), `aggregate` computes it from the per-rank results.
+
+Bandwidths (GB/s = 1e9 B/s): algbw = num_bytes / time; busbw = algbw * factor, with factor 2(n-1)/n for
+all-reduce, (n-1)/n for all-gather and reduce-scatter, 1 for broadcast: the per-link traffic of the optimal
+ring algorithm, so busbw is comparable across ops and world sizes and bounded by the link bandwidth.
+
+Invariant (checked by `verify_collective` on the benchmark's own buffers, after timing): with rank r's input
+filled with r + 1, all-reduce gives n(n+1)/2 everywhere, all-gather gives slice j = j + 1, reduce-scatter
+gives n(n+1)/2, broadcast gives 1.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+_BYTES_PER_ELEMENT = 4  # float32
+
+# Newer torch names the tensor-in/tensor-out collectives *_single; older ones *_into_tensor / *_tensor.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def bus_factor(op: str, world_size: int) -> float:
+    """busbw / algbw for `op` on `world_size` ranks (nccl-tests)."""
+    _check_op(op)
+    n = world_size
+    return {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
+            "broadcast": 1.0}[op]
+
+
+def _check_op(op: str) -> None:
+    if op not in OPS:
+        raise ValueError(f"collective {op!r} must be one of {OPS}")
+
+
+@dataclass
+class Buffers:
+    """The tensors of one collective: `input` and `output` (the same tensor for in-place ops)."""
+
+    op: str
+    input: torch.Tensor
+    output: torch.Tensor
+
+    @property
+    def num_bytes(self) -> int:
+        """The message size as nccl-tests counts it: the larger of the two buffers."""
+        return max(self.input.numel(), self.output.numel()) * _BYTES_PER_ELEMENT
+
+
+def make_buffers(op: str, num_bytes: int, world_size: int, device: torch.device | str) -> Buffers:
+    """Float32 buffers for a `num_bytes` message, rounded down to a multiple of `world_size` elements.
+
+    The data are zeros: collective time does not depend on values, and zeros never overflow however many
+    times the sum is taken.
+    """
+    _check_op(op)
+    if num_bytes < _BYTES_PER_ELEMENT * world_size:
+        raise ValueError(f"num_bytes ({num_bytes}) must hold at least one float32 per rank ({world_size} ranks)")
+    numel = num_bytes // _BYTES_PER_ELEMENT // world_size * world_size
+    full = torch.zeros(numel, dtype=torch.float32, device=device)
+    if op == "all_gather":
+        return Buffers(op, torch.zeros(numel // world_size, dtype=torch.float32, device=device), full)
+    if op == "reduce_scatter":
+        return Buffers(op, full, torch.zeros(numel // world_size, dtype=torch.float32, device=device))
+    return Buffers(op, full, full)
+
+
+def run_collective(buffers: Buffers, group: dist.ProcessGroup) -> None:
+    """Issue one collective on `buffers` over `group` (synchronous from the host's point of view)."""
+    op = buffers.op
+    if op == "all_reduce":
+        dist.all_reduce(buffers.input, group=group)
+    elif op == "all_gather":
+        _all_gather(buffers.output, buffers.input, group=group)
+    elif op == "reduce_scatter":
+        _reduce_scatter(buffers.output, buffers.input, group=group)
+    elif op == "broadcast":
+        dist.broadcast(buffers.input, src=dist.get_global_rank(group, 0), group=group)
+    else:
+        _check_op(op)
+
+
+def verify_collective(buffers: Buffers, group: dist.ProcessGroup) -> None:
+    """Fill rank r's input with r + 1, run the collective once, check the closed-form result (invariant above)."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    buffers.input.fill_(r + 1.0)
+    run_collective(buffers, group)
+    out = buffers.output
+    # Compare without materialising an expected tensor as large as the message (1 GB on the GPU).
+    if buffers.op in ("all_reduce", "reduce_scatter"):
+        expected = torch.tensor([n * (n + 1) / 2], device=out.device)
+    elif buffers.op == "all_gather":
+        expected = (torch.arange(n, device=out.device, dtype=out.dtype) + 1)[:, None]
+    else:
+        expected = torch.ones(1, device=out.device)
+    view = out.view(n, -1) if buffers.op == "all_gather" else out
+    if not bool(view.eq(expected).all()):
+        bad = int((view != expected).flatten().nonzero()[0])
+        raise RuntimeError(f"{buffers.op} on rank {r}/{n}: element {bad} is {out[bad].item()}, which breaks the "
+                           f"invariant (inputs filled with rank + 1)")
+    buffers.input.zero_()
+    buffers.output.zero_()
+
+
+def benchmark_collective(op: str, num_bytes: int, group: dist.ProcessGroup, device: torch.device | str, *,
+                         warmup: int = 5, iters: int = 20, verify: bool = True) -> dict:
+    """This rank's timing of `iters` calls of `op` on a `num_bytes` message (after `warmup` untimed calls)."""
+    if warmup < 0 or iters < 1:
+        raise ValueError(f"warmup ({warmup}) must be >= 0 and iters ({iters}) >= 1")
+    device = torch.device(device)
+    n = dist.get_world_size(group)
+    buffers = make_buffers(op, num_bytes, n, device)
+    for _ in range(warmup):
+        run_collective(buffers, group)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group, device_ids=[device.index])
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        for start, end in zip(starts, ends):
+            start.record()
+            run_collective(buffers, group)
+            end.record()
+        torch.cuda.synchronize(device)
+        times = [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
+    else:
+        dist.barrier(group=group)
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            run_collective(buffers, group)
+            times.append(time.perf_counter() - t0)
+    if verify:
+        verify_collective(buffers, group)
+    return {"op": op, "num_bytes": buffers.num_bytes, "world_size": n, "time_mean_s": statistics.fmean(times),
+            "time_std_s": statistics.stdev(times) if len(times) > 1 else 0.0, "time_min_s": min(times),
+            "iters": iters, "verified": verify}
+
+
+def aggregate(per_rank: Sequence[dict]) -> dict:
+    """One trial's metrics from every rank's `benchmark_collective` result: slowest rank's mean, bandwidths."""
+    if not per_rank:
+        raise ValueError("aggregate needs at least one rank's result")
+    first = per_rank[0]
+    if any((r["op"], r["num_bytes"], r["world_size"]) != (first["op"], first["num_bytes"], first["world_size"])
+           for r in per_rank):
+        raise ValueError("per-rank results describe different collectives")
+    slowest = max(per_rank, key=lambda r: r["time_mean_s"])
+    t = slowest["time_mean_s"]
+    algbw = first["num_bytes"] / t / 1e9
+    return {"num_bytes": first["num_bytes"], "time_ms": t * 1e3, "time_std_ms": slowest["time_std_s"] * 1e3,
+            "time_min_ms": min(r["time_min_s"] for r in per_rank) * 1e3,
+            "rank_spread": t / min(r["time_mean_s"] for r in per_rank),
+            "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(first["op"], first["world_size"]),
+            "verified": all(r["verified"] for r in per_rank)}

@@ -1,0 +1,318 @@
+"""Activation-checkpointing advisor: the cheapest per-layer recompute plan that fits a memory budget.
+
+For a model size, batch, sequence length, precision and attention backend, every per-layer plan with n_full
+blocks under full checkpointing, n_offload offloaded, n_selective under selective checkpointing and the rest
+kept is scored with `raysys.recompute_model`: predicted peak memory of a training step (weights + AdamW state +
+gradients + activations + transients + workspace) and predicted overhead = (recomputed FLOPs / achieved FLOP/s
++ transfer time not hidden behind compute) / predicted step time. The advisor returns the plan with the least
+overhead whose peak fits the usable memory; ties go to the lower peak. Blocks are ordered full, offload,
+selective, none from the first block on (the blocks whose backward runs last rematerialise when most of the
+others are already freed); the reverse order is scored too and the better one kept. When no per-layer plan
+fits, nested (recursive, O(log N)) checkpointing is tried before reporting that nothing fits.
+
+CLI (mounted as `python -m raysys advise`):
+    python -m raysys advise --size xl --context-length 2048 --batch-size 4 --gpu-memory 80GiB [--dtype bf16]
+        [--attention naive|sdpa|flash_triton] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import re
+import sys
+from dataclasses import dataclass
+
+from parallel.checkpointing import (FullCheckpoint, NestedCheckpoint, NoCheckpoint, Offload, PerLayer, Policy,
+                                    SelectiveCheckpoint)
+from raysys.config import SIZES, ModelConfig
+from raysys.recompute_model import (PRECISIONS, GiB, PeakEstimate, Workload, block_flops, fmt_bytes,
+                                    predict_peak, saved_per_block, step_flops)
+
+KINDS = ("none", "selective", "full", "offload")
+DEFAULT_TFLOPS = {"fp32": 50.0, "bf16": 400.0, "fp16": 400.0}
+"""Achieved matmul TFLOP/s assumed when none is given (H100/H200 class; fp32 without TF32)."""
+CONTEXT_RESERVE_BYTES = GiB // 2
+"""Device memory the CUDA context and kernels' code take outside the caching allocator."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The advisor's answer: one policy per block, its predicted peak and overhead, and why."""
+
+    workload: Workload
+    layers: tuple[str, ...]
+    """Per-block kind: none | selective | full | offload, or nested for every block."""
+    fits: bool
+    predicted_peak_bytes: int
+    usable_bytes: int
+    overhead: float
+    """Predicted extra step time over no checkpointing, as a fraction."""
+    recompute_flops: int
+    step_flops: int
+    where: str
+    """The moment of the step where the predicted peak happens."""
+    reason: str
+
+    @property
+    def policy(self) -> Policy:
+        """The plan as a `parallel.checkpointing` policy, ready for `apply_activation_checkpointing`."""
+        return policy_for(self.layers)
+
+    @property
+    def spec(self) -> str:
+        """`parallel.checkpointing.parse_policy` form (`full*8+none*24`)."""
+        return self.policy.spec
+
+    def as_dict(self) -> dict:
+        c = self.workload.config
+        return {"size": c.name, "num_layers": c.num_layers, "batch_size": self.workload.batch_size,
+                "seq_len": self.workload.S, "precision": self.workload.precision, "attention": c.attention,
+                "policy": self.spec, "layers": list(self.layers), "fits": self.fits,
+                "predicted_peak_bytes": self.predicted_peak_bytes, "usable_bytes": self.usable_bytes,
+                "overhead": self.overhead, "recompute_flops": self.recompute_flops, "step_flops": self.step_flops,
+                "peak_at": self.where, "reason": self.reason}
+
+    def format(self) -> str:
+        w, c = self.workload, self.workload.config
+        runs: list[list] = []
+        for i, kind in enumerate(self.layers):
+            if runs and runs[-1][0] == kind:
+                runs[-1][2] = i
+            else:
+                runs.append([kind, i, i])
+        lines = [f"{c.name} ({c.num_layers} layers, d_model {c.d_model}), batch {w.batch_size} x {w.S} tokens, "
+                 f"{w.precision}, attention {c.attention}",
+                 "per-layer policy:"]
+        lines += [f"  blocks {lo:>3}-{hi:<3} {kind}" for kind, lo, hi in runs]
+        lines += [f"policy spec:     {self.spec}",
+                  f"predicted peak:  {fmt_bytes(self.predicted_peak_bytes)} of {fmt_bytes(self.usable_bytes)} usable"
+                  f" ({'fits' if self.fits else 'DOES NOT FIT'}; peak at {self.where})",
+                  f"overhead:        +{100 * self.overhead:.1f}% step time "
+                  f"({self.recompute_flops / 1e12:.2f} of {self.step_flops / 1e12:.2f} TFLOP recomputed)",
+                  f"why:             {self.reason}"]
+        return "\n".join(lines)
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '80GB', '141e9', '512MiB' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([KMGT]i?B?|B)?\s*", str(text))
+    if not m:
+        raise ValueError(f"memory size {text!r} must look like 80GiB, 80GB or 8.5e10")
+    value, unit = float(m.group(1)), (m.group(2) or "B").upper().rstrip("B") or "B"
+    scale = {"B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+    if unit not in scale:
+        raise ValueError(f"memory unit in {text!r} must be one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
+    if value <= 0:
+        raise ValueError(f"memory size {text!r} must be positive")
+    return int(value * scale[unit])
+
+
+def policy_for(layers: tuple[str, ...]) -> Policy:
+    """Per-block kinds -> policy (a single policy when every block has the same kind)."""
+    if set(layers) == {"nested"}:
+        return NestedCheckpoint()
+    make = {"none": NoCheckpoint, "selective": SelectiveCheckpoint, "full": FullCheckpoint, "offload": Offload}
+    if len(set(layers)) == 1:
+        return make[layers[0]]()
+    return PerLayer(tuple(make[k]() for k in layers))
+
+
+@dataclass(frozen=True)
+class _Cost:
+    tflops: float
+    pcie_gbps: float
+
+    def seconds(self, flops: float) -> float:
+        return flops / (self.tflops * 1e12)
+
+
+def _single(kind: str, n: int) -> tuple[str, ...]:
+    return (kind,) * n
+
+
+def _layers(order: tuple[str, ...], counts: dict[str, int]) -> tuple[str, ...]:
+    return tuple(k for k in order for _ in range(counts[k]))
+
+
+@functools.lru_cache(maxsize=None)
+def _score(w: Workload, layers: tuple[str, ...], cost: _Cost) -> tuple[float, PeakEstimate, dict]:
+    regions = policy_for(layers).regions(w.config.num_layers)
+    peak = predict_peak(w, regions)
+    flops = step_flops(w, regions)
+    base_s = cost.seconds(flops["forward"] + flops["backward"])
+    extra_s = cost.seconds(flops["recompute"])
+    n_off = layers.count("offload")
+    if n_off:  # each offloaded block crosses PCIe twice, hidden behind that block's forward / its backward
+        bf = block_flops(w)
+        fwd_s = cost.seconds(bf["linear"] + bf["core"])
+        bwd_s = cost.seconds(2 * bf["linear"] + (2.5 if w.fused else 2.0) * bf["core"])
+        transfer_s = saved_per_block(w, "none") / (cost.pcie_gbps * 1e9)
+        extra_s += n_off * (max(0.0, transfer_s - fwd_s) + max(0.0, transfer_s - bwd_s))
+    return extra_s / base_s, peak, flops
+
+
+def advise(config: ModelConfig, batch_size: int, gpu_memory_bytes: int, dtype: str = "fp32", *,
+           seq_len: int | None = None, attention: str | None = None, tflops: float | None = None,
+           pcie_gbps: float = 25.0, margin: float = 0.05, kinds: tuple[str, ...] = KINDS,
+           host_memory_bytes: int | None = None) -> Plan:
+    """The per-layer plan with the least predicted overhead whose predicted peak fits
+    `(gpu_memory_bytes - CUDA context) * (1 - margin)` (and whose offloaded bytes fit `host_memory_bytes`)."""
+    if attention is not None:
+        config = config.replace(attention=attention)
+    if gpu_memory_bytes <= CONTEXT_RESERVE_BYTES:
+        raise ValueError(f"gpu_memory_bytes ({gpu_memory_bytes}) must exceed the {CONTEXT_RESERVE_BYTES} bytes "
+                         f"the CUDA context takes")
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin ({margin}) must lie in [0, 1)")
+    if dtype not in PRECISIONS:
+        raise ValueError(f"dtype {dtype!r} must be one of {PRECISIONS}")
+    unknown = set(kinds) - set(KINDS)
+    if unknown or "none" not in kinds:
+        raise ValueError(f"kinds {kinds} must be a subset of {KINDS} containing 'none'")
+    if pcie_gbps <= 0 or (tflops is not None and tflops <= 0):
+        raise ValueError(f"pcie_gbps ({pcie_gbps}) and tflops ({tflops}) must be positive")
+    w = Workload(config=config, batch_size=batch_size, seq_len=seq_len, precision=dtype, device_type="cuda")
+    cost = _Cost(tflops or DEFAULT_TFLOPS[dtype], pcie_gbps)
+    usable = int((gpu_memory_bytes - CONTEXT_RESERVE_BYTES) * (1 - margin))
+    n = config.num_layers
+    kinds = tuple(k for k in kinds if not (k == "selective" and w.fused))  # a no-op with fused attention
+
+    # Overhead is additive per converted block, so for each (n_full, n_offload) only the fewest selective
+    # blocks that fit matter: peak memory falls as blocks turn selective, so bisect on n_selective.
+    # Offload is skipped when a full block costs less time than an offloaded one (it saves as much memory).
+    one = {k: _score(w, _single(k, n), cost)[0] / n for k in kinds}
+    offload_useful = "offload" in kinds and ("full" not in kinds or one["offload"] < one["full"])
+    candidates: dict[tuple[str, ...], tuple] = {}
+
+    def evaluate(counts: dict[str, int]) -> bool:
+        fit = False
+        for order in (("full", "offload", "selective", "none"), ("none", "selective", "offload", "full")):
+            layers = _layers(order, counts)
+            if layers not in candidates:
+                overhead, peak, flops = _score(w, layers, cost)
+                candidates[layers] = (peak.peak_bytes <= usable, overhead, peak.peak_bytes, layers, peak, flops)
+            fit |= candidates[layers][0]
+        return fit
+
+    max_off = n if host_memory_bytes is None else min(n, host_memory_bytes // max(saved_per_block(w, "none"), 1))
+    for n_full in range(n + 1) if "full" in kinds else (0,):
+        for n_off in range(min(n - n_full, max_off) + 1) if offload_useful else (0,):
+            rest = n - n_full - n_off
+            if "selective" not in kinds:
+                evaluate({"full": n_full, "offload": n_off, "selective": 0, "none": rest})
+                continue
+            lo, hi = 0, rest  # smallest n_sel that fits lies in [lo, hi] if any does
+            if not evaluate({"full": n_full, "offload": n_off, "selective": hi, "none": 0}):
+                continue
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if evaluate({"full": n_full, "offload": n_off, "selective": mid, "none": rest - mid}):
+                    hi = mid
+                else:
+                    lo = mid + 1
+    candidates = list(candidates.values())
+    fitting = [c for c in candidates if c[0]]
+    if fitting:
+        _, overhead, _, layers, peak, flops = min(fitting, key=lambda c: (round(c[1], 6), c[2]))
+        reason = _why(w, layers, peak, usable, cost)
+        return _plan(w, layers, True, peak, usable, overhead, flops, reason)
+    nested = ("nested",) * n
+    overhead, peak, flops = _score(w, nested, cost)
+    smallest = min(candidates, key=lambda c: (c[2], c[1]))
+    if peak.peak_bytes <= usable:
+        reason = (f"no per-layer plan fits (smallest: {smallest[3][0]} everywhere, {fmt_bytes(smallest[2])}); "
+                  f"nested checkpointing keeps one input per recursion level")
+        return _plan(w, nested, True, peak, usable, overhead, flops, reason)
+    _, overhead, _, layers, peak, flops = smallest
+    reason = (f"nothing fits: the smallest predicted peak ({fmt_bytes(peak.peak_bytes)}, at {peak.where}) exceeds "
+              f"{fmt_bytes(usable)}; fp32 weights, gradients and AdamW state alone take "
+              f"{fmt_bytes(16 * config.num_params())} - shard them (FSDP / ZeRO) or cut the batch")
+    return _plan(w, layers, False, peak, usable, overhead, flops, reason)
+
+
+def _plan(w, layers, fits, peak: PeakEstimate, usable, overhead, flops, reason) -> Plan:
+    return Plan(w, tuple(layers), fits, peak.peak_bytes, usable, overhead, flops["recompute"],
+                flops["forward"] + flops["backward"] + flops["recompute"], peak.where, reason)
+
+
+def _why(w: Workload, layers: tuple[str, ...], peak: PeakEstimate, usable: int, cost: _Cost) -> str:
+    n = len(layers)
+    none_peak = _score(w, ("none",) * n, cost)[1].peak_bytes
+    if set(layers) == {"none"}:
+        return f"everything fits without recomputation ({fmt_bytes(none_peak)} <= {fmt_bytes(usable)})"
+    parts = [f"no checkpointing needs {fmt_bytes(none_peak)} > {fmt_bytes(usable)} usable"]
+    per_block = {k: saved_per_block(w, k) for k in ("none", "selective", "full")}
+    if "selective" in layers or "full" in layers:
+        selective = ("selective is a no-op with fused attention" if w.fused else
+                     f"selective {fmt_bytes(per_block['selective'])} (recomputes the attention core only)")
+        parts.append(f"a block keeps {fmt_bytes(per_block['none'])}; {selective}; "
+                     f"full {fmt_bytes(per_block['full'])} (reruns the block)")
+    if "offload" in layers:
+        parts.append(f"offload moves {fmt_bytes(per_block['none'])} per block over {cost.pcie_gbps:g} GB/s, "
+                     f"cheaper than rerunning it at {cost.tflops:g} TFLOP/s")
+    elif "full" in layers:
+        t_copy = per_block["none"] / (cost.pcie_gbps * 1e9)
+        parts.append(f"offloading a block would take {1e3 * t_copy:.0f} ms per direction over {cost.pcie_gbps:g} GB/s, "
+                     f"more than recomputing it")
+    counts = {k: layers.count(k) for k in KINDS if layers.count(k)}
+    parts.append("the cheapest mix that fits: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+    return "; ".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# CLI
+
+def build_advise_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Add the advise flags to `parser` (a subcommand parser) or to a new one."""
+    p = parser or argparse.ArgumentParser(prog="raysys advise", description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="small", choices=sorted(SIZES), help="named model size")
+    p.add_argument("--context-length", type=int, default=None, help="sequence length (default: the size's)")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per step")
+    p.add_argument("--vocab-size", type=int, default=None, help="vocabulary override")
+    p.add_argument("--gpu-memory", default="80GiB", help="device memory, e.g. 80GiB, 141GB, 8.5e10")
+    p.add_argument("--dtype", default="fp32", choices=PRECISIONS,
+                   help="fp32, or bf16/fp16 autocast (fp32 master weights)")
+    p.add_argument("--attention", default="naive", help="attention backend: naive, sdpa, flash_triton, flash_pytorch")
+    p.add_argument("--tflops", type=float, default=None,
+                   help=f"achieved matmul TFLOP/s for the overhead estimate (default {DEFAULT_TFLOPS})")
+    p.add_argument("--pcie-gbps", type=float, default=25.0, help="host<->device bandwidth for offload, GB/s")
+    p.add_argument("--host-memory", default=None, help="pinned host memory offload may fill, e.g. 100GiB "
+                                                       "(default: unlimited)")
+    p.add_argument("--margin", type=float, default=0.05, help="fraction of memory kept free for fragmentation")
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS, help="per-layer policies allowed")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return p
+
+
+def run_advise(args: argparse.Namespace) -> int:
+    overrides = {"attention": args.attention}
+    if args.context_length is not None:
+        overrides["context_length"] = args.context_length
+    if args.vocab_size is not None:
+        overrides["vocab_size"] = args.vocab_size
+    from raysys.model import attention_backends
+
+    if args.attention not in attention_backends():
+        raise ValueError(f"attention {args.attention!r} is not one of {attention_backends()}")
+    config = ModelConfig.from_name(args.size, **overrides)
+    host = parse_bytes(args.host_memory) if args.host_memory else None
+    plan = advise(config, args.batch_size, parse_bytes(args.gpu_memory), args.dtype, tflops=args.tflops,
+                  pcie_gbps=args.pcie_gbps, margin=args.margin, kinds=tuple(args.kinds), host_memory_bytes=host)
+    print(json.dumps(plan.as_dict(), indent=2) if args.json else plan.format())
+    return 0 if plan.fits else 1
+
+
+def advise_main(argv: list[str] | None = None) -> int:
+    """`raysys advise ...`; exit status 0 when the plan fits, 1 when nothing fits, 2 on bad input."""
+    args = build_advise_parser().parse_args(argv)
+    try:
+        return run_advise(args)
+    except ValueError as exc:
+        print(f"raysys advise: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(advise_main())

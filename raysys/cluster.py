@@ -1,0 +1,256 @@
+"""Sweeps on Ray: run a list of trials on a gang of ranks and record one Parquet row per trial.
+
+    from raysys.cluster import init_ray, Gang, RankContext, run_sweep
+
+    def trial(ctx: RankContext, config: dict) -> dict:      # module-level; runs on every rank
+        ...                                                 # warm-up, timing, collectives on ctx.process_group
+        return {"step_s": 0.12}
+
+    df = run_sweep("ddp", trials=[{"bucket_mb": 1}, {"bucket_mb": 25}], trial_fn=trial, world_size=2,
+                   reduce=lambda config, per_rank: max(per_rank, key=lambda m: m["step_s"]))
+
+`run_sweep` keeps one gang (Ray actors, or plain processes with `launcher="mp"`) for consecutive trials. A
+trial that raises (OOM included), loses a rank (`RayActorError`) or exceeds `trial_timeout_s`
+(`GetTimeoutError`) becomes a row with status `oom|error|timeout` and its error text; the gang is torn down
+and a fresh one built for the next trial. A gang the cluster can never hold makes `skipped` rows. Every
+trial's row is written at once (atomically, `raysys.results.ResultWriter`), so an interrupted sweep leaves a
+complete file and `resume=True` skips the trials already in it.
+
+`tune_run` does the same for single-process trials scheduled by Ray Tune (kernel tiles, checkpointing).
+Gang mechanics (placement, GPU visibility, process-group bootstrap) live in `raysys.gang`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import pandas as pd
+from tqdm.auto import tqdm
+
+from raysys.gang import Gang, cluster_info, cluster_nodes, init_ray, resolve_device
+from raysys.mp_gang import ProcessGang, local_device
+from raysys.rank import PlacementInfeasible, RankContext
+from raysys.results import ResultWriter, error_row, make_row, trial_id
+
+__all__ = ["Gang", "PlacementInfeasible", "ProcessGang", "RankContext", "cluster_info", "cluster_nodes", "init_ray",
+           "resolve_out_dir", "run_sweep", "tune_run"]
+
+LAUNCHERS = ("ray", "mp")
+_METRIC_SKIP = {"trial_id", "config", "date", "timestamp", "time_this_iter_s", "time_total_s", "pid", "hostname",
+                "node_ip", "time_since_restore", "iterations_since_restore", "checkpoint_dir_name", "done",
+                "training_iteration", "experiment_tag"}
+
+
+def resolve_out_dir(out: str | os.PathLike | None = None) -> Path:
+    """The absolute results directory of a sweep.
+
+    `out` if given (a relative path resolves against the current directory), else `$RAYSYS_RESULTS_DIR`,
+    else `results/` of the repository this package was imported from. Under `ray job submit --working-dir .`
+    the driver runs in a temporary copy of the working directory, so both defaults would land in that copy:
+    pass an absolute `--out` (e.g. `--out "$PWD/results"`, expanded by the submitting shell).
+    """
+    chosen = out if out is not None else os.environ.get("RAYSYS_RESULTS_DIR")
+    path = Path(chosen).expanduser() if chosen else Path(__file__).resolve().parents[1] / "results"
+    path = path.resolve()
+    if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ and path.is_relative_to(Path.cwd()):
+        warnings.warn(f"results go to {path}, inside this Ray job's temporary working directory; pass an absolute "
+                      f"--out (e.g. --out \"$PWD/results\" at submit time) to keep them", stacklevel=2)
+    return path
+
+
+def _default_reduce(config: Mapping[str, Any], per_rank: list) -> dict:
+    """Rank 0's result (a dict of metrics, or any value as `result`)."""
+    return dict(per_rank[0]) if isinstance(per_rank[0], Mapping) else {"result": per_rank[0]}
+
+
+def _label(config: Mapping[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in config.items())[:120] or "trial"
+
+
+def run_sweep(sweep: str, trials: Sequence[Mapping[str, Any]], trial_fn: Callable[..., Any], world_size: int,
+              out_dir: str | os.PathLike | None = "results", *, device: str = "auto", resume: bool = False,
+              reduce: Callable[[Mapping[str, Any], list], Mapping[str, Any]] | None = None,
+              launcher: str = "ray", strategy: str = "STRICT_PACK", gpu_visibility: str = "shared",
+              cpus_per_rank: float = 1, timeout_s: float = 600.0, trial_timeout_s: float | None = None,
+              writer: ResultWriter | None = None, show: bool = True) -> pd.DataFrame:
+    """Run `trial_fn(ctx, config)` on `world_size` ranks for every config of `trials`; one row per trial.
+
+    The row's configuration is the trial's config plus `world_size`, `launcher`, `device` and
+    `gpu_visibility` (unless the config sets them); its id hashes that configuration. Metrics are
+    `reduce(config, per_rank_results)` (default: rank 0's dict). `timeout_s` is the process-group timeout
+    and the default per-trial limit (`trial_timeout_s`). Pass a shared `writer` when several calls fill one
+    file (otherwise each call opens `<out_dir>/<sweep>.parquet`, replacing it unless `resume`). Returns the
+    rows of this call's trials; prints them as a table when `show`.
+    """
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher {launcher!r} must be one of {LAUNCHERS}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size ({world_size!r}) must be an int >= 1")
+    trials = [dict(t) for t in trials]
+    if len({trial_id(t) for t in trials}) != len(trials):
+        raise ValueError(f"sweep {sweep!r}: the trials contain duplicate configurations")
+    reduce = reduce or _default_reduce
+    writer = writer or ResultWriter(resolve_out_dir(out_dir), sweep, resume=resume)
+    if launcher == "ray":
+        init_ray()
+        resolved = resolve_device(device)
+        make_gang = lambda: Gang(world_size, device=resolved, strategy=strategy, name=sweep, timeout_s=timeout_s,  # noqa: E731
+                                 gpu_visibility=gpu_visibility, cpus_per_rank=cpus_per_rank)
+    else:
+        resolved = local_device(device)
+        make_gang = lambda: ProcessGang(world_size, device=resolved, name=sweep, timeout_s=timeout_s)  # noqa: E731
+    visibility = (gpu_visibility if launcher == "ray" else "shared") if resolved == "cuda" else "none"
+    fixed = {"world_size": world_size, "launcher": launcher, "device": resolved, "gpu_visibility": visibility}
+    configs = [{**t, **{k: v for k, v in fixed.items() if k not in t}} for t in trials]
+
+    rows: list[dict] = []
+    gang, infeasible = None, ""
+    bar = tqdm(total=len(configs), desc=f"{sweep} [{launcher} x{world_size} {resolved}]", unit="trial")
+    try:
+        for trial, config in zip(trials, configs):
+            tid = trial_id(config)
+            if writer.done(tid):
+                rows.extend(r for r in writer.rows if r.get("trial_id") == tid)
+                bar.set_postfix_str("resumed")
+                bar.update()
+                continue
+            extra = {"backend": "nccl" if resolved == "cuda" else "gloo"}
+            if infeasible:
+                row = make_row(sweep, config, status="skipped", error=infeasible, **extra)
+            else:
+                try:
+                    if gang is None:
+                        gang = make_gang().start()
+                    per_rank = gang.call(trial_fn, (trial,), label=_label(trial), timeout_s=trial_timeout_s)
+                    extra["device_name"] = gang.ranks[0].get("device_name", "")
+                    row = make_row(sweep, config, dict(reduce(trial, per_rank)), **extra)
+                except PlacementInfeasible as exc:
+                    infeasible = str(exc)
+                    row = make_row(sweep, config, status="skipped", error=infeasible, **extra)
+                except Exception as exc:  # the trial's failure is a result; the sweep goes on
+                    row = error_row(sweep, config, exc, **extra)
+                    if gang is not None and gang.broken:
+                        gang.shutdown()
+                        gang = None
+            writer.write([row])
+            rows.append(row)
+            bar.set_postfix_str(row["status"])
+            bar.update()
+    finally:
+        bar.close()
+        if gang is not None:
+            gang.shutdown()
+    df = pd.DataFrame(rows)
+    if show and not df.empty:
+        print(summary_table(df))
+    return df
+
+
+def summary_table(df: pd.DataFrame) -> str:
+    """The varying configuration, metric and status columns of `df`, as text."""
+    hide = {"sweep", "trial_id", "git_sha", "torch_version", "triton_version", "ray_version", "host", "utc",
+            "error", "device_name"}
+    cols = [c for c in df.columns if c not in hide and (c == "status" or df[c].astype(str).nunique() > 1)]
+    view = df[cols].copy()
+    if "error" in df and (df["status"] != "ok").any():
+        view["error"] = df["error"].astype(str).str.split("\n").str[0].str[:60]
+    return view.to_string(index=False, float_format=lambda v: f"{v:.4g}")
+
+
+# ---------------------------------------------------------------------------------------------------- Ray Tune
+def _expand_grid(param_space: Mapping[str, Any]) -> list[dict] | None:
+    """Cartesian product of a param space of constants and `tune.grid_search`; None if it has samplers."""
+    axes = []
+    for key, value in param_space.items():
+        if isinstance(value, Mapping) and set(value) == {"grid_search"}:
+            axes.append([(key, v) for v in value["grid_search"]])
+        elif hasattr(value, "sample"):  # a tune.choice / tune.uniform / ... sampler
+            return None
+        else:
+            axes.append([(key, value)])
+    return [dict(combo) for combo in itertools.product(*axes)]
+
+
+def tune_run(trainable: Callable[[dict], Any], param_space: Mapping[str, Any], *, sweep: str,
+             out_dir: str | os.PathLike | None = "results", resources: Mapping[str, float] | None = None,
+             num_samples: int = 1, max_concurrent_trials: int | None = None, resume: bool = False,
+             writer: ResultWriter | None = None, show: bool = True) -> pd.DataFrame:
+    """Run `trainable(config)` for every config of `param_space` with Ray Tune; one Parquet row per trial.
+
+    The trainable reports its metrics with `ray.tune.report({...})` (the last report is the row), or returns
+    a dict. `resources` per trial: `{"gpu": 1}` (plus one CPU) or `{"cpu": n}` (default: one CPU). A trial
+    that raises becomes a row with status `oom|error|timeout`. A grid (constants and `tune.grid_search`) is
+    expanded here and runs each config once, so `resume=True` can skip the trials already in
+    `<out_dir>/<sweep>.parquet`; sampled spaces (`tune.choice`, ...) go to Tune as they are, `num_samples`
+    times, and cannot resume.
+    """
+    from ray import tune
+
+    init_ray()
+    resources = {"cpu": 1, **{k.lower(): v for k, v in (resources or {}).items()}}
+    if not set(resources) <= {"cpu", "gpu"}:
+        raise ValueError(f"resources {dict(resources)} may only name 'cpu' and 'gpu'")
+    writer = writer or ResultWriter(resolve_out_dir(out_dir), sweep, resume=resume)
+    grid = _expand_grid(param_space)
+    if grid is None and resume:
+        raise ValueError("resume=True needs a grid param_space (constants and tune.grid_search), not samplers")
+    if grid is not None and num_samples != 1:
+        raise ValueError(f"num_samples ({num_samples}) applies to sampled param spaces; a grid runs each config once")
+    todo = None if grid is None else [c for c in grid if not writer.done(trial_id(c))]
+    total = len(todo) if todo is not None else None
+    rows: list[dict] = []
+    if todo is None or todo:
+        space = {"_raysys_config": tune.grid_search(todo)} if todo is not None else dict(param_space)
+
+        def run_trial(cfg: dict) -> None:
+            out = trainable(cfg["_raysys_config"] if "_raysys_config" in cfg else cfg)
+            if isinstance(out, Mapping):
+                tune.report(dict(out))
+
+        class _Progress(tune.Callback):
+            """Advances the sweep's progress bar; the Tuner pickles its callbacks, so the bar is not state."""
+
+            def __init__(self, bar):
+                self.bar = bar
+
+            def __getstate__(self):
+                return {"bar": None}
+
+            def on_trial_complete(self, iteration, trials, trial, **info):
+                if self.bar is not None:
+                    self.bar.update()
+
+            on_trial_error = on_trial_complete
+
+        bar = tqdm(total=total, desc=f"{sweep} [tune]", unit="trial")
+
+        with tempfile.TemporaryDirectory(prefix=f"tune_{sweep}_") as storage:
+            tuner = tune.Tuner(
+                tune.with_resources(run_trial, {k: float(v) for k, v in resources.items()}),
+                param_space=space,
+                tune_config=tune.TuneConfig(num_samples=num_samples,
+                                            max_concurrent_trials=max_concurrent_trials),
+                run_config=tune.RunConfig(name=sweep, storage_path=storage, verbose=0, callbacks=[_Progress(bar)]),
+            )
+            try:
+                results = tuner.fit()
+            finally:
+                bar.close()
+            for result in results:
+                cfg = result.config.get("_raysys_config", result.config)
+                if result.error is not None:
+                    row = error_row(sweep, cfg, result.error)
+                else:
+                    metrics = {k: v for k, v in (result.metrics or {}).items() if k not in _METRIC_SKIP}
+                    row = make_row(sweep, cfg, metrics)
+                writer.write([row])
+                rows.append(row)
+    df = pd.DataFrame(rows)
+    if show and not df.empty:
+        print(summary_table(df))
+    return df

@@ -1,0 +1,504 @@
+"""Activation checkpointing study (handout 3.2, problem gradient_checkpointing; one GPU per trial, Ray Tune).
+
+Studies (`--study`, default all three), one row per trial in `<out>/checkpointing.parquet`:
+- segments: xl, batch 4, context 2048. Full checkpointing with segments of k blocks (one level of
+            recomputation) for k = 1, 2, 4, ..., N, then the measured best k's untested neighbours; plus no
+            checkpointing, k = sqrt(N), nested (recursive) and selective checkpointing.
+- context:  selective vs full vs none at contexts 2048, 4096 and 8192 (medium, batch 1: with naive attention
+            the xl model does not fit even one un-checkpointed block's scores at 8192).
+- offload:  none vs full vs offload (medium, batch 1, contexts 1024 and 2048) with the measured pinned
+            host<->device bandwidth, which gives the bandwidth at which offloading breaks even with recomputing.
+
+Every trial builds the model, applies the policy (`parallel.checkpointing`), runs `--warmup` untimed and
+`--steps` timed training steps (AdamW, zero_grad(set_to_none) first) and records: step time (mean / std,
+synchronised per phase), measured peak memory (`torch.cuda.max_memory_allocated` over the timed steps; on
+the CPU the allocator trace of one step plus the computed weights / AdamW / input bytes), the memory
+allocated between steps, the advisor model's predicted peak (`raysys.recompute_model.predict_peak`) and its
+relative error, and the model's forward / recompute / backward FLOPs. An OOM is a row with status `oom`.
+
+Defaults: fp32 with TF32 matmuls on the GPU (memory is that of fp32; TF32 only speeds up the matmuls so the
+study fits in about five GPU minutes: 25 trials of 2 + 5 steps). The segments study measures k = 1, 2, 4,
+..., N rather than every k, then the untested neighbours of the best k (`--ks` picks another list). `--quick`, or a host without a GPU, runs
+tiny models on the CPU (under a minute) through the same code. The report (`checkpointing.md` and
+`plots/checkpointing_*.png`) answers: the best single-level k with its neighbours, selective's activation
+memory and step-time overhead against none (target: >= 4x less at <= 5%), the break-even bandwidth of
+offloading, and how many configurations the model predicts within 10% (target: >= 6).
+
+    python sweeps/checkpointing.py --out "$PWD/results"                 # GPU, Ray Tune, all studies
+    python sweeps/checkpointing.py --study segments --out "$PWD/results"
+    python sweeps/checkpointing.py --quick --out /tmp/ckpt              # tiny models on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import math
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+
+from parallel.checkpointing import apply_activation_checkpointing, parse_policy  # noqa: E402
+from raysys import memory  # noqa: E402
+from raysys.config import SIZES, ModelConfig  # noqa: E402
+from raysys.model import AdamW, TransformerLM, cross_entropy  # noqa: E402
+from raysys.recompute_model import (GiB, Workload, cpu_allocation_trace, predict_peak, saved_per_block,  # noqa: E402
+                                    static_bytes, step_flops)
+from raysys.results import ResultWriter, error_row, make_row, trial_id  # noqa: E402
+from raysys.timing import PhaseTimer, resolve_device  # noqa: E402
+
+SWEEP = "checkpointing"
+STUDIES = ("segments", "context", "offload")
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Trial:
+    """One training run under one checkpoint policy."""
+
+    study: str
+    """segments | context | offload."""
+    policy: str
+    """`parallel.checkpointing.parse_policy` spec: none, full:K, sqrt, nested, selective, offload[:MIN_BYTES]."""
+    size: str = "xl"
+    """Named model size."""
+    num_layers: int | None = None
+    """Override of the size's block count (the CPU grid uses 8 tiny blocks)."""
+    context_length: int = 2048
+    """Sequence length (the model is built with this context length)."""
+    batch_size: int = 4
+    """Sequences per step."""
+    dtype: str = "fp32"
+    """fp32, or bf16 / fp16 autocast with fp32 master weights."""
+    tf32: bool = True
+    """Allow TF32 matmuls on the GPU (fp32 memory, faster steps)."""
+    attention: str = "naive"
+    """Attention backend."""
+    warmup: int = 2
+    """Untimed steps."""
+    steps: int = 5
+    """Timed steps."""
+    device: str = "auto"
+    """auto | cuda | cpu."""
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.study not in STUDIES:
+            raise ValueError(f"study {self.study!r} must be one of {STUDIES}")
+        if self.size not in SIZES:
+            raise ValueError(f"size {self.size!r} must be one of {sorted(SIZES)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} must be one of {sorted(DTYPES)}")
+        if self.batch_size < 1 or self.warmup < 0 or self.steps < 1:
+            raise ValueError(f"batch_size ({self.batch_size}) and steps ({self.steps}) must be >= 1, "
+                             f"warmup ({self.warmup}) >= 0")
+        parse_policy(self.policy, self.model_config().num_layers).regions(self.model_config().num_layers)
+
+    def model_config(self) -> ModelConfig:
+        overrides = dict(context_length=self.context_length, attention=self.attention)
+        if self.num_layers is not None:
+            overrides["num_layers"] = self.num_layers
+        return ModelConfig.from_name(self.size, **overrides)
+
+
+def segment_k(spec: str, num_layers: int) -> int | None:
+    """k of a single-level full-checkpoint policy (sqrt resolved), else None."""
+    policy = parse_policy(spec, num_layers)
+    return getattr(policy, "every_k", None) if policy.kind == "full" else None
+
+
+# ---------------------------------------------------------------------------------------------------- trial
+def run_trial(config: dict) -> dict:
+    """Measure one `Trial` (given as a dict); returns its metrics. Raises on failure (OOM included)."""
+    t = Trial(**config)
+    device = resolve_device(t.device)
+    mc = t.model_config()
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = t.tf32
+        torch.backends.cudnn.allow_tf32 = t.tf32
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    torch.manual_seed(t.seed)
+    model = TransformerLM(mc, device=device)
+    handle = apply_activation_checkpointing(model, parse_policy(t.policy, mc.num_layers))
+    optimizer = AdamW(model.parameters())
+    gen = torch.Generator(device=device).manual_seed(t.seed)
+    x = torch.randint(0, mc.vocab_size, (t.batch_size, mc.context_length), device=device, generator=gen)
+    y = torch.randint(0, mc.vocab_size, (t.batch_size, mc.context_length), device=device, generator=gen)
+    amp = (torch.autocast(device.type, dtype=DTYPES[t.dtype]) if DTYPES[t.dtype] is not None
+           else contextlib.nullcontext())
+
+    def forward():
+        with amp:
+            return cross_entropy(model(x), y)
+
+    def step(timer: PhaseTimer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss = timer.time("forward", forward)
+        timer.time("backward", loss.backward)
+        timer.time("optimizer", optimizer.step)
+
+    timer = PhaseTimer(device, recording=False)
+    for _ in range(t.warmup):
+        step(timer)
+    optimizer.zero_grad(set_to_none=True)
+    between_steps = memory.allocated_bytes(device)  # weights + AdamW state + inputs (+ workspaces)
+    memory.reset_peak(device)
+    timer.recording = True
+    for _ in range(t.steps):
+        step(timer)
+    w = Workload(config=mc, batch_size=t.batch_size, precision=t.dtype, device_type=device.type)
+    if device.type == "cuda":
+        peak = memory.peak_bytes(device)
+        method = "cuda max_memory_allocated"
+    else:
+        optimizer.zero_grad(set_to_none=True)
+        peak = float(sum(static_bytes(w).values()) + max(cpu_allocation_trace(lambda: step(PhaseTimer(device)))))
+        between_steps = float(sum(static_bytes(w).values()))
+        method = "cpu allocation trace + computed static bytes"
+
+    estimate = predict_peak(w, handle.regions)
+    flops = step_flops(w, handle.regions)
+    summary = timer.summary()
+    metrics = {
+        "num_layers": mc.num_layers, "segment_k": float(segment_k(t.policy, mc.num_layers) or "nan"),
+        "policy_kind": handle.policy.kind,
+        "step_mean_s": summary["step_mean_s"], "step_std_s": summary["step_std_s"],
+        "forward_mean_s": summary["forward_mean_s"], "backward_mean_s": summary["backward_mean_s"],
+        "optimizer_mean_s": summary["optimizer_mean_s"],
+        "tokens_per_s": t.batch_size * mc.context_length / summary["step_mean_s"],
+        "peak_bytes": peak, "between_steps_bytes": between_steps, "activation_peak_bytes": peak - between_steps,
+        "memory_method": method,
+        "predicted_peak_bytes": estimate.peak_bytes, "predicted_peak_at": estimate.where,
+        "predicted_activation_peak_bytes": estimate.activation_peak_bytes,
+        "predicted_rel_error": (estimate.peak_bytes - peak) / peak,
+        "saved_per_block_none_bytes": saved_per_block(w, "none"),
+        "forward_flops": flops["forward"], "recompute_flops": flops["recompute"], "backward_flops": flops["backward"],
+        "recompute_fraction": flops["recompute"] / (flops["forward"] + flops["backward"]),
+        "notes": "; ".join(handle.notes[:1]),
+    }
+    if handle.stores and device.type == "cpu":
+        metrics["notes"] = "CPU: the offload store is host memory too, so the measured peak is not a device peak"
+    if handle.stores:
+        stats = handle.stores[0].stats
+        metrics.update(offloaded_bytes_per_step=stats.offloaded_bytes / (t.warmup + t.steps + (device.type == "cpu")),
+                       **link_bandwidth(device))
+    del model, optimizer, handle
+    return metrics
+
+
+def link_bandwidth(device: torch.device, nbytes: int = 512 * 2**20, reps: int = 3) -> dict:
+    """Pinned host->device and device->host copy bandwidth (GB/s, median of `reps`); NaN off CUDA."""
+    if device.type != "cuda":
+        return {"h2d_gbps": float("nan"), "d2h_gbps": float("nan")}
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    out = {}
+    for name, dst, src in (("h2d_gbps", dev, host), ("d2h_gbps", host, dev)):
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        out[name] = nbytes / statistics.median(times) / 1e9
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- grids
+def grid(study: str, device: torch.device, quick: bool, dtype: str, warmup: int, steps: int,
+         ks: list[int] | None = None, policies: list[str] | None = None) -> list[dict]:
+    """The trials of one study (`policies` replaces the segments study's list). CPU / --quick: tiny models
+    with the same structure."""
+    tiny = quick or device.type == "cpu"
+    common = dict(study=study, dtype=dtype, warmup=warmup, steps=steps, device=device.type)
+    if tiny:
+        common.update(size="tiny", num_layers=8 if study == "segments" else 4, batch_size=2, warmup=1, steps=2)
+    if study == "segments":
+        base = dict(common, **({} if tiny else dict(size="xl", context_length=2048, batch_size=4)))
+        if tiny:
+            base["context_length"] = 64
+        n = base.get("num_layers") or SIZES[base["size"]]["num_layers"]
+        ks = ks or [2**i for i in range(int(math.log2(n)) + 1)] + ([n] if n & (n - 1) else [])
+        specs = policies or ["none", "selective", "nested", "sqrt"] + [f"full:{k}" for k in ks]
+        return [dict(base, policy=s) for s in specs]
+    if study == "context":
+        contexts = (32, 64, 128) if tiny else (2048, 4096, 8192)
+        base = dict(common, **({} if tiny else dict(size="medium", batch_size=1)))
+        return [dict(base, context_length=c, policy=p) for c in contexts for p in ("none", "selective", "full")]
+    contexts = (64,) if tiny else (1024, 2048)  # 24 blocks x ~1 GiB of pinned host memory at 2048
+    base = dict(common, **({} if tiny else dict(size="medium", batch_size=1)))
+    offload = "offload:0" if tiny else "offload"  # tiny tensors are below the default 64 KiB threshold
+    return [dict(base, context_length=c, policy=p) for c in contexts for p in ("none", "full", offload)]
+
+
+def neighbours_of_best(df: pd.DataFrame, num_layers: int) -> list[int]:
+    """Untested k next to the single-level k with the lowest measured peak."""
+    ok = df[(df.study == "segments") & (df.status == "ok") & df.segment_k.notna()]
+    if ok.empty:
+        return []
+    best = int(ok.loc[ok.peak_bytes.idxmin(), "segment_k"])
+    tested = set(df[df.study == "segments"].segment_k.dropna().astype(int))
+    return [k for k in (best - 1, best + 1) if 1 <= k <= num_layers and k not in tested]
+
+
+# ---------------------------------------------------------------------------------------------------- launch
+def run_local(trials: list[dict], writer: ResultWriter) -> None:
+    """Run trials one after another in this process (the CPU fallback)."""
+    for config in trials:
+        tid = trial_id(config)
+        if writer.done(tid):
+            continue
+        try:
+            row = make_row(SWEEP, config, run_trial(config), device=config["device"])
+        except Exception as exc:  # an OOM or a crash is a row, not the end of the sweep
+            row = error_row(SWEEP, config, exc)
+        writer.write([row])
+        _log(row)
+
+
+def run_tune(trials: list[dict], writer: ResultWriter, gpus: float) -> None:
+    """Ray Tune, one trial per GPU: `raysys.cluster.tune_run` turns each trial into a row."""
+    from ray import tune
+
+    from raysys.cluster import tune_run
+
+    keys = sorted({k for t in trials for k in t})
+    varying = [k for k in keys if len({repr(t.get(k)) for t in trials}) > 1]
+    axes = [len({repr(t[k]) for t in trials}) for k in varying] if all(set(t) == set(keys) for t in trials) else []
+    if len(varying) > 2 or not axes or math.prod(axes) != len(trials):
+        raise ValueError(f"trials must form a full grid of at most two axes; they vary in {varying}")
+    space = {k: trials[0][k] for k in keys if k not in varying}
+    space.update({k: tune.grid_search(list(dict.fromkeys(t[k] for t in trials))) for k in varying})
+    resources = {"cpu": 1, "gpu": gpus} if gpus else {"cpu": 1}
+    # The trainable goes by reference (module sweeps.checkpointing), not by value from __main__.
+    from sweeps.checkpointing import run_trial as trainable
+
+    tune_run(trainable, space, sweep=SWEEP, resources=resources, writer=writer, show=False)
+    for row in writer.rows:
+        if any(all(row.get(k) == t[k] for k in t) for t in trials):
+            _log(row)
+
+
+def _log(row: dict) -> None:
+    peak, pred = row.get("peak_bytes", float("nan")), row.get("predicted_peak_bytes", float("nan"))
+    step = row.get("step_mean_s", float("nan"))
+    print(f"  {row.get('study'):>8} {row.get('size'):>6} S={row.get('context_length'):<5} {row.get('policy'):<10} "
+          f"-> {row['status']:<5} step {step * 1e3:8.1f} ms  peak {peak / GiB:7.2f} GiB  "
+          f"predicted {pred / GiB:7.2f} GiB",
+          flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------- report
+def _segment_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows of single-level full checkpointing (k known), by k."""
+    if "segment_k" not in df:
+        return df.iloc[0:0]
+    return df[(df.study == "segments") & df.segment_k.notna()].sort_values("segment_k")
+
+
+def summarize(df: pd.DataFrame) -> str:
+    """Markdown: the tables and the answers the study exists for."""
+    lines = ["## Activation checkpointing (`sweeps/checkpointing.py`)", ""]
+    if df.empty:
+        return "\n".join(lines + ["no rows"])
+    view_cols = ["study", "size", "context_length", "batch_size", "policy", "status", "step_mean_s", "peak_bytes",
+                 "predicted_peak_bytes", "predicted_rel_error"]
+    view = df[[c for c in view_cols if c in df]].copy()
+    for col in ("peak_bytes", "predicted_peak_bytes"):
+        if col in view:
+            view[col.replace("_bytes", "_GiB")] = view.pop(col) / GiB
+    lines += [view.to_markdown(index=False, floatfmt=".4g"), ""]
+    ok = df[df.status == "ok"] if "status" in df else df.iloc[0:0]
+
+    seg = _segment_rows(ok)
+    if not seg.empty:
+        best = seg.loc[seg.peak_bytes.idxmin()]
+        k = int(best.segment_k)
+        near = {int(r.segment_k): r.peak_bytes / GiB for r in seg.itertuples() if abs(int(r.segment_k) - k) == 1}
+        lines.append(f"- best single-level segment size: k = {k}, peak {best.peak_bytes / GiB:.2f} GiB; neighbours: "
+                     + (", ".join(f"k = {kk}: {v:.2f} GiB" for kk, v in sorted(near.items())) or "none measured"))
+
+    for (study, size, ctx, batch), group in ok.groupby(["study", "size", "context_length", "batch_size"]):
+        by = {r.policy: r for r in group.itertuples()}
+        if "none" in by and "selective" in by:
+            none, sel = by["none"], by["selective"]
+            ratio = none.activation_peak_bytes / max(sel.activation_peak_bytes, 1)
+            overhead = sel.step_mean_s / none.step_mean_s - 1
+            verdict = "met" if ratio >= 4 and overhead <= 0.05 else "not met"
+            lines.append(f"- {study} {size} S={ctx} B={batch}: selective keeps {ratio:.2f}x less activation memory "
+                         f"than none at {100 * overhead:+.1f}% step time (target >= 4x at <= 5%: {verdict})")
+
+    off = ok[ok.policy.astype(str).str.startswith("offload")]
+    for row in off.itertuples():
+        same = ok[(ok.study == row.study) & (ok.context_length == row.context_length) & (ok.size == row.size)]
+        by = {r.policy: r for r in same.itertuples()}
+        if "none" in by and "full" in by and row.h2d_gbps == row.h2d_gbps:
+            n = row.num_layers
+            recompute_s = (by["full"].step_mean_s - by["none"].step_mean_s) / n
+            offload_s = (row.step_mean_s - by["none"].step_mean_s) / n
+            moved = 2 * row.saved_per_block_none_bytes  # out in forward, back in backward
+            breakeven = moved / max(recompute_s, 1e-9) / 1e9
+            lines.append(f"- offload S={row.context_length}: link {row.h2d_gbps:.1f} GB/s h2d / "
+                         f"{row.d2h_gbps:.1f} GB/s "
+                         f"d2h; per block: recompute {1e3 * recompute_s:.1f} ms, offload {1e3 * offload_s:.1f} ms "
+                         f"extra; moving {moved / GiB:.2f} GiB per block breaks even with recomputation at "
+                         f"{breakeven:.0f} GB/s")
+
+    if "predicted_rel_error" in ok:
+        # on the CPU an offloaded tensor stays in the same (host) memory: no device peak to predict
+        scored = ok[~(ok.policy.astype(str).str.startswith("offload") & (ok.device == "cpu"))]
+        within = int((scored.predicted_rel_error.abs() <= 0.10).sum())
+        lines.append(f"- predicted peak within 10% of measured on {within} of {len(scored)} configurations "
+                     f"(target >= 6: {'met' if within >= 6 else 'not met'}); median |error| "
+                     f"{100 * scored.predicted_rel_error.abs().median():.1f}%")
+    return "\n".join(lines) + "\n"
+
+
+def plot(df: pd.DataFrame, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    (out / "plots").mkdir(parents=True, exist_ok=True)
+    seg = _segment_rows(df)
+    if not seg.empty:
+        ok = seg[seg.status == "ok"]
+        small = seg.predicted_peak_bytes.max() < GiB  # the CPU grid: MiB, not 0.01 GiB
+        unit, mem_scale = ("MiB", 2**20) if small else ("GiB", GiB)
+        for metric, label, name in (("peak_bytes", f"peak memory ({unit})", "memory"),
+                                    ("step_mean_s", "step time (s)", "time")):
+            fig, ax = plt.subplots(figsize=(6, 3.6))
+            scale = 1 / mem_scale if metric == "peak_bytes" else 1
+            ax.plot(ok.segment_k, ok[metric] * scale, "o-", label="measured")
+            if metric == "peak_bytes":
+                ax.plot(seg.segment_k, seg.predicted_peak_bytes * scale, "x--", label="predicted")
+                for r in seg[seg.status == "oom"].itertuples():
+                    ax.annotate("OOM", (r.segment_k, r.predicted_peak_bytes * scale), fontsize=8)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("blocks per checkpointed segment (k)")
+            ax.set_ylabel(label)
+            first = seg.iloc[0]
+            ax.set_title(f"{first['size']}, batch {first.batch_size}, context {first.context_length}")
+            ax.grid(alpha=0.3)
+            ax.legend()
+            fig.tight_layout()
+            path = out / "plots" / f"checkpointing_k_{name}.png"
+            fig.savefig(path, dpi=120)
+            plt.close(fig)
+            paths.append(path)
+    ctx = df[df.study == "context"]
+    if not ctx.empty:
+        unit, mem_scale = ("MiB", 2**20) if ctx.predicted_peak_bytes.max() < GiB else ("GiB", GiB)
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+        for i, (policy, group) in enumerate(ctx.groupby("policy")):
+            g = group.sort_values("context_length")
+            okg = g[g.status == "ok"]
+            color = f"C{i}"
+            axes[0].plot(okg.context_length, okg.peak_bytes / mem_scale, "o-", color=color, label=f"{policy} measured")
+            axes[0].plot(g.context_length, g.predicted_peak_bytes / mem_scale, "x:", color=color,
+                         label=f"{policy} predicted")
+            axes[1].plot(okg.context_length, okg.step_mean_s, "o-", color=color, label=policy)
+        for ax, label in zip(axes, (f"peak memory ({unit})", "step time (s)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("context length")
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out / "plots" / "checkpointing_context.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    off = df[(df.study == "offload") & (df.status == "ok")]
+    if not off.empty:
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        table = off.pivot_table(index="context_length", columns="policy", values="step_mean_s")
+        table.plot.bar(ax=ax, rot=0)
+        ax.set_xlabel("context length")
+        ax.set_ylabel("step time (s)")
+        link = off.h2d_gbps.dropna()
+        ax.set_title("offload vs recompute" + (f" (h2d {link.median():.0f} GB/s)" if len(link) else ""))
+        ax.grid(alpha=0.3, axis="y")
+        fig.tight_layout()
+        path = out / "plots" / "checkpointing_offload.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--study", nargs="+", default=list(STUDIES), choices=STUDIES, help="which studies (default all)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="auto: cuda when present")
+    p.add_argument("--out", default=None, help="results directory (default: the repository's results/; give an "
+                                               "absolute path under `ray job submit`)")
+    p.add_argument("--resume", action="store_true", help="skip trials already in <out>/checkpointing.parquet")
+    p.add_argument("--quick", action="store_true", help="tiny models (the CPU grid) on any device")
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="fp32, or bf16/fp16 autocast")
+    p.add_argument("--ks", default=None, help="segments study: comma list of k (default 1,2,4,..,N)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per trial (default 2)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per trial (default 5)")
+    p.add_argument("--launcher", choices=("auto", "tune", "local"), default="auto",
+                   help="tune: Ray Tune, one GPU per trial; local: in this process; auto: tune on a GPU host")
+    p.add_argument("--report-only", action="store_true", help="only redraw checkpointing.md and plots")
+    return p
+
+
+def main(argv: list[str] | None = None) -> pd.DataFrame:
+    args = build_parser().parse_args(argv)
+    from raysys.cluster import resolve_out_dir
+
+    out = resolve_out_dir(args.out)
+    device = resolve_device(args.device)
+    ks = [int(k) for k in args.ks.split(",")] if args.ks else None
+    if ks is not None and any(k < 1 for k in ks):
+        raise ValueError(f"--ks {args.ks}: every k must be >= 1")
+    writer = ResultWriter(out, SWEEP, resume=args.resume or args.report_only)
+    launcher = args.launcher if args.launcher != "auto" else ("tune" if device.type == "cuda" else "local")
+    if device.type == "cpu" and launcher == "local":
+        torch.set_num_threads(1)  # tiny models: intra-op threads only add synchronisation
+    run = (lambda trials: run_local(trials, writer)) if launcher == "local" else \
+        (lambda trials: run_tune(trials, writer, gpus=1 if device.type == "cuda" else 0))
+    if not args.report_only:
+        for study in args.study:
+            print(f"== {study} ({launcher}, {device.type})", flush=True)
+            trials = grid(study, device, args.quick, args.dtype, args.warmup, args.steps, ks)
+            for t in trials:
+                Trial(**t)  # every trial is valid before any GPU time is spent
+            run(trials)
+            if study == "segments":
+                df = writer.frame()
+                n = Trial(**trials[0]).model_config().num_layers
+                extra = neighbours_of_best(df, n)
+                if extra:
+                    print(f"   neighbours of the best k: {extra}", flush=True)
+                    run(grid(study, device, args.quick, args.dtype, args.warmup, args.steps,
+                             policies=[f"full:{k}" for k in extra]))
+    df = writer.frame()
+    text = summarize(df)
+    (out / f"{SWEEP}.md").write_text(text)
+    paths = plot(df, out) if not df.empty else []
+    print(text)
+    print(f"wrote {writer.path}, {out / f'{SWEEP}.md'}" + "".join(f", {p}" for p in paths))
+    return df
+
+
+if __name__ == "__main__":
+    main()

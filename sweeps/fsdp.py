@@ -1,0 +1,453 @@
+"""Fully sharded data parallel on a gang of ranks (handout 7, fsdp_accounting): time per step, peak memory and
+all-gather overlap of `parallel.fsdp.FSDP` against DDP, DDP + optimizer-state sharding and torch's FSDP2, in one run.
+
+Variants (one row per dtype x variant, `fsdp.parquet`); every rank runs `--batch-per-rank` sequences per step:
+
+    single        each rank trains its own replica, no communication (the reference step; bf16 = autocast, as in
+                  sweeps/ddp.py)
+    single_cast   the same with FSDP's compute policy (`CastForCompute`: Linear/Embedding weights cast to bf16 per
+                  forward): FSDP's arithmetic without sharding or communication
+    ddp           BucketedDDP (100 MiB buckets) + AdamW; bf16 = autocast
+    ddp_sharded   BucketedDDP + ShardedOptimizer(AdamW) (ZeRO-1 style); bf16 = autocast
+    fsdp          parallel.fsdp.FSDP(compute_dtype=bf16 for bf16) + AdamW over the shards
+    fsdp2         torch.distributed.fsdp.fully_shard per TransformerBlock and on the root, with
+                  MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) for bf16
+
+AdamW is torch's (fused on CUDA) everywhere. Timing: `--warmup` untimed steps, then `--steps` steps with a device
+synchronisation around each (mean ± std; forward / backward / exposed-communication / optimizer split by CUDA
+events, as sweeps/ddp.py). Memory (rank 0 and the maximum over ranks): the CUDA allocator's peak over warm-up and
+timed steps, and the bytes of parameters, gradients and optimizer state counted tensor by tensor after a step,
+against what the sharding predicts (`expected_state`): per rank, fp32 params P_r, grads P_r and AdamW moments
+2 P_r, with P_r = P (single, ddp; ddp_sharded's moments ~P/N), Linear/Embedding weights padded to ceil(rows/N)
+rows plus replicated norms (fsdp), every parameter padded that way (fsdp2).
+
+Overlap (variants in `--profile`, default fsdp and fsdp2): two more steps under torch.profiler; from the second
+one's GPU kernels, all-gather and reduce-scatter kernel time and the part of it during which no compute kernel
+runs (`*_exposed_ms`: the compute stream waiting for communication), and `stalled_allgathers`, the all-gather
+kernels with more than 5 us exposed (an all-gather that finished after its layer needed it). Rank 0's Chrome trace
+goes to `<out>/traces/fsdp_<variant>_<dtype>.json`. For `fsdp`, `gather_wait_ms` is the host time spent waiting for
+all-gathers per step: the stall itself on gloo, ~0 on NCCL (waits are stream-ordered).
+
+Defaults: CUDA - xl, context 512, 4 sequences per rank, 2 ranks, fp32 and bf16 (budget: under 4 minutes on 2
+H200). Four sequences, not sweeps/ddp.py's two: by the planner (parallel/planner.py, H200 peak BF16 and NVLink
+spec), an xl FFN's weight all-gathers on 2 ranks take 1.07x its matmul time at 2 x 2 x 512 tokens and 0.54x at
+2 x 4 x 512, and the fp32 reduce-scatter adds twice the bf16 gather's bytes to the backward. CPU (gloo) - the tiny model at context 64, 2 sequences per rank
+(about a minute). Outputs in `--out`: `fsdp.parquet`, `fsdp.md` (tables and the targets: bf16 fsdp <= 1.10x
+single, peak <= fsdp2's).
+
+    python sweeps/fsdp.py                                         # embedded Ray; CPU/gloo without a GPU
+    ray job submit --working-dir . -- python sweeps/fsdp.py --out "$PWD/results"
+    python sweeps/fsdp.py --variants single,fsdp,fsdp2 --dtypes bf16
+    python sweeps/fsdp.py --report-only --out results
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import sys
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from parallel.ddp import make_ddp  # noqa: E402
+from parallel.fsdp import FSDP, CastForCompute, is_sharded_module  # noqa: E402
+from parallel.sharded_optimizer import ShardedOptimizer  # noqa: E402
+from raysys.config import SIZES, ModelConfig  # noqa: E402
+from raysys.model import TransformerLM  # noqa: E402
+from sweeps.ddp import (DTYPES, TrainStep, adamw_kwargs, free_memory, make_batch, model_config,  # noqa: E402
+                        overlap, parse_list, sync, time_steps)
+
+SWEEP = "fsdp"
+VARIANTS = ("single", "single_cast", "ddp", "ddp_sharded", "fsdp", "fsdp2")
+AUTOCAST_VARIANTS = ("single", "ddp", "ddp_sharded")  # the others cast weights to the compute dtype themselves
+DDP_BUCKET_MB = 100.0
+STALL_US = 5.0
+DEFAULTS = {"cuda": dict(size="xl", context_length=512, batch_per_rank=4, warmup=2, steps=8),
+            "cpu": dict(size="tiny", context_length=64, batch_per_rank=2, warmup=1, steps=3)}
+
+
+# ---------------------------------------------------------------------------------------------------- grid
+def trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: list[str], variants: list[str],
+           profile: list[str], warmup: int, steps: int, seed: int = 0) -> list[dict]:
+    """One config per dtype x variant, validated before any rank starts."""
+    model_config(size, context_length)
+    if batch_per_rank < 1 or warmup < 0 or steps < 2:
+        raise ValueError(f"batch_per_rank ({batch_per_rank}) must be >= 1, warmup ({warmup}) >= 0, "
+                         f"steps ({steps}) >= 2")
+    for what, items, allowed in (("dtypes", dtypes, tuple(DTYPES)), ("variants", variants, VARIANTS),
+                                 ("profile", profile, VARIANTS)):
+        bad = [x for x in items if x not in allowed]
+        if bad:
+            raise ValueError(f"{what} {bad} not in {allowed}")
+    return [{"size": size, "context_length": context_length, "batch_per_rank": batch_per_rank, "dtype": dtype,
+             "variant": variant, "profile": variant in profile, "warmup": warmup, "steps": steps, "seed": seed}
+            for dtype in dtypes for variant in variants]
+
+
+# ---------------------------------------------------------------------------------------------------- build
+def build(config: dict, device: torch.device, process_group) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The wrapped model and its optimizer for `config['variant']` (same initial weights on every rank)."""
+    variant, compute_dtype = config["variant"], DTYPES[config["dtype"]]
+    torch.manual_seed(config["seed"])
+    model = TransformerLM(model_config(config["size"], config["context_length"]), device=device)
+    if variant == "single_cast" and compute_dtype is not None:
+        model = CastForCompute(model, compute_dtype)
+    elif variant in ("ddp", "ddp_sharded"):
+        model = make_ddp("bucketed", model, bucket_size_mb=DDP_BUCKET_MB, process_group=process_group)
+    elif variant == "fsdp":
+        model = FSDP(model, compute_dtype=compute_dtype, process_group=process_group)
+    elif variant == "fsdp2":
+        model = _fully_shard(model, compute_dtype, device, process_group)
+    if variant == "ddp_sharded":
+        return model, ShardedOptimizer(model.parameters(), torch.optim.AdamW, process_group=process_group,
+                                       **adamw_kwargs(device))
+    return model, torch.optim.AdamW(model.parameters(), **adamw_kwargs(device))
+
+
+def _fully_shard(model: TransformerLM, compute_dtype, device: torch.device, process_group) -> nn.Module:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = DeviceMesh.from_group(process_group, device.type)
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32 if compute_dtype else None)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------- memory
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # FSDP2's DTensors: this rank's shard
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state held by this rank; each storage counted once."""
+    seen: set[int] = set()
+
+    def count(tensors) -> int:
+        total = 0
+        for t in tensors:
+            storage = _local(t).untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        return total
+
+    params = list(model.parameters())
+    inner = optimizer.local_optimizer if isinstance(optimizer, ShardedOptimizer) else optimizer
+    grads = [p.grad for p in params if p.grad is not None] + [b.buffer for b in getattr(model, "buckets", [])
+                                                              if getattr(b, "buffer", None) is not None]
+    return {"params_bytes": count(params), "grads_bytes": count(grads),
+            "optimizer_state_bytes": count(v for s in inner.state.values() for v in s.values()
+                                           if torch.is_tensor(v) and v.dim() > 0)}
+
+
+def expected_state(config: dict, world_size: int) -> dict[str, float]:
+    """Predicted per-rank bytes of fp32 params, grads and AdamW moments (see the module docstring)."""
+    model = TransformerLM(model_config(config["size"], config["context_length"]), device="meta")
+    padded = lambda p: math.ceil(p.shape[0] / world_size) * (p.numel() // p.shape[0])  # noqa: E731
+    sharded = {id(m.weight) for m in model.modules() if is_sharded_module(m)}
+    params = list(model.parameters())
+    total = sum(p.numel() for p in params)
+    per_rank = {"single": total, "single_cast": total, "ddp": total, "ddp_sharded": total,
+                "fsdp": sum(padded(p) if id(p) in sharded else p.numel() for p in params),
+                "fsdp2": sum(padded(p) for p in params)}[config["variant"]]
+    moments = 2 * (total / world_size if config["variant"] == "ddp_sharded" else per_rank)
+    return {"expected_params_bytes": 4.0 * per_rank, "expected_grads_bytes": 4.0 * per_rank,
+            "expected_optimizer_state_bytes": 4.0 * moments,
+            "expected_state_bytes": 4.0 * (2 * per_rank + moments)}
+
+
+# ---------------------------------------------------------------------------------------------------- overlap
+def nccl_kernels(events) -> tuple[dict[str, list], list]:
+    """({all_gather|reduce_scatter|all_reduce|other: [(start, end)]}, compute kernel intervals), microseconds."""
+    from torch.autograd import DeviceType
+
+    comm: dict[str, list] = {"all_gather": [], "reduce_scatter": [], "all_reduce": [], "other": []}
+    compute = []
+    for e in events:
+        if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
+            continue
+        name = e.name.lower()
+        if name.startswith(("memcpy", "memset")):
+            continue
+        interval = (e.time_range.start, e.time_range.end)
+        if "nccl" not in name:
+            compute.append(interval)
+        else:
+            kind = next((k for k in ("all_gather", "reduce_scatter", "all_reduce") if k.replace("_", "") in name),
+                        "other")
+            comm[kind].append(interval)
+    return comm, compute
+
+
+def exposed(interval: tuple[float, float], compute: list[tuple[float, float]]) -> float:
+    """Length of `interval` during which no compute interval runs."""
+    return (interval[1] - interval[0]) - overlap([interval], compute)[1]
+
+
+def overlap_metrics(events) -> dict[str, float]:
+    comm, compute = nccl_kernels(events)
+    out: dict[str, float] = {}
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        key = kind.replace("_", "")
+        total, shared = overlap(comm[kind], compute)
+        out[f"{key}_kernels"] = len(comm[kind])
+        out[f"{key}_ms"] = total / 1e3
+        out[f"{key}_exposed_ms"] = (total - shared) / 1e3
+    out["stalled_allgathers"] = sum(exposed(iv, compute) > STALL_US for iv in comm["all_gather"])
+    return out
+
+
+def profile_step(step: TrainStep, trace_path: Path | None) -> dict[str, float]:
+    """Profile one step after one profiler warm-up step; overlap metrics from its GPU kernels (none on the CPU)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if step.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
+        with torch.profiler.profile(activities=activities,
+                                    schedule=torch.profiler.schedule(wait=0, warmup=1, active=1)) as prof:
+            for _ in range(2):
+                step()
+                sync(step.device)
+                prof.step()
+    out = overlap_metrics(prof.events()) if step.device.type == "cuda" else {}
+    if trace_path is not None:
+        trace_path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace_path))
+        out["trace_path"] = str(trace_path)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- trial
+def fsdp_trial(ctx, config: dict, out_dir: str | None = None) -> dict:
+    """On every rank: build `config['variant']`, time it, count its memory, profile it if asked."""
+    try:
+        return _fsdp_trial(ctx, config, out_dir)
+    finally:
+        free_memory(ctx.device)
+
+
+def _fsdp_trial(ctx, config: dict, out_dir: str | None) -> dict:
+    device = ctx.device
+    model, optimizer = build(config, device, ctx.process_group)
+    mc = model_config(config["size"], config["context_length"])
+    batch = make_batch(mc, config["batch_per_rank"], device, seed=config["seed"] + 1000 * (ctx.rank + 1))
+    autocast_dtype = config["dtype"] if config["variant"] in AUTOCAST_VARIANTS else "fp32"
+    step = TrainStep(model, optimizer, batch, autocast_dtype, device)
+    if device.type == "cuda":
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    metrics = time_steps(step, config["warmup"], config["steps"])
+    metrics["peak_memory_bytes"] = float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else math.nan
+    metrics.update(state_bytes(model, optimizer))
+    metrics["state_bytes"] = metrics["params_bytes"] + metrics["grads_bytes"] + metrics["optimizer_state_bytes"]
+    metrics.update(expected_state(config, ctx.world_size))
+    if isinstance(model, FSDP):
+        model.stats.reset()
+        step()
+        sync(device)
+        metrics["gather_wait_ms"] = (model.stats.forward_wait_s + model.stats.backward_wait_s) * 1e3
+        metrics["all_gathers_per_step"] = model.stats.all_gathers
+        metrics["peak_gathered_bytes"] = model.stats.peak_gathered_bytes
+    if config["profile"]:
+        trace = None
+        if out_dir is not None and ctx.rank == 0:
+            trace = Path(out_dir) / "traces" / f"fsdp_{config['variant']}_{config['dtype']}.json"
+        metrics.update(profile_step(step, trace))
+    return metrics
+
+
+def reduce_ranks(config: dict, per_rank: list[dict]) -> dict:
+    """Rank 0's metrics, the slowest rank's step and the largest peak memory."""
+    out = dict(per_rank[0])
+    out["step_ms_max_rank"] = max(r["step_ms"] for r in per_rank)
+    out["peak_memory_max_rank_bytes"] = max(r["peak_memory_bytes"] for r in per_rank)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- report
+def with_ratios(df: pd.DataFrame) -> pd.DataFrame:
+    """Step time relative to single, single_cast and fsdp2 of the same dtype."""
+    df = df.copy()
+    ok = df[df["status"] == "ok"]
+    for ref in ("single", "single_cast", "fsdp2"):
+        base = ok[ok["variant"] == ref].groupby("dtype")["step_ms"].first()
+        df[f"vs_{ref}"] = df["step_ms"] / df["dtype"].map(base)
+    return df
+
+
+def targets(df: pd.DataFrame) -> list[str]:
+    """bf16 fsdp: step <= 1.10x single and peak memory <= fsdp2's (same run)."""
+    df = with_ratios(df)
+    ok = df[(df["status"] == "ok") & (df["dtype"] == "bf16")]
+    ours, theirs = ok[ok["variant"] == "fsdp"], ok[ok["variant"] == "fsdp2"]
+    if ours.empty:
+        return []
+    row, lines = ours.iloc[0], []
+    if pd.notna(row.get("vs_single")):
+        lines.append(f"- bf16 step: {row['step_ms']:.1f} ms = {row['vs_single']:.3f}x single "
+                     f"({'met' if row['vs_single'] <= 1.10 else 'missed'}: <= 1.10x)"
+                     + (f"; fsdp2 {theirs.iloc[0]['vs_single']:.3f}x" if not theirs.empty else ""))
+    if not theirs.empty and pd.notna(row["peak_memory_max_rank_bytes"]):
+        mine, ref = row["peak_memory_max_rank_bytes"] / 2**30, theirs.iloc[0]["peak_memory_max_rank_bytes"] / 2**30
+        lines.append(f"- bf16 peak memory: {mine:.2f} GiB vs fsdp2 {ref:.2f} GiB "
+                     f"({'met' if mine <= ref else 'missed'}: <= fsdp2)")
+    return lines
+
+
+def _unit(ok: pd.DataFrame) -> tuple[str, int]:
+    """GiB, or MiB for models with less than 1 GiB of state (the CPU fallback)."""
+    return ("GiB", 2**30) if ok["state_bytes"].max() >= 2**30 else ("MiB", 2**20)
+
+
+def memory_savings(df: pd.DataFrame) -> pd.DataFrame:
+    """Per dtype: what ddp_sharded, fsdp and fsdp2 save against ddp and ddp_sharded, expected from the sharding and
+    measured (counted state, allocator peak)."""
+    ok = df[df["status"] == "ok"]
+    unit, scale = _unit(ok)
+    pairs = [("ddp_sharded", "ddp"), ("fsdp", "ddp"), ("fsdp", "ddp_sharded"), ("fsdp2", "ddp"),
+             ("fsdp2", "ddp_sharded")]
+    rows = []
+    for dtype, part in ok.groupby("dtype", sort=False):
+        by = part.set_index("variant")
+        for variant, ref in pairs:
+            if variant in by.index and ref in by.index:
+                a, b = by.loc[ref], by.loc[variant]
+                rows.append({"dtype": dtype, "variant": variant, "against": ref,
+                             f"expected ({unit})": (a["expected_state_bytes"] - b["expected_state_bytes"]) / scale,
+                             f"counted ({unit})": (a["state_bytes"] - b["state_bytes"]) / scale,
+                             f"peak ({unit})": (a["peak_memory_max_rank_bytes"] - b["peak_memory_max_rank_bytes"])
+                             / scale})
+    return pd.DataFrame(rows)
+
+
+def markdown(df: pd.DataFrame) -> str:
+    df = with_ratios(df)
+    ok = df[df["status"] == "ok"]
+    parts = []
+    if not ok.empty:
+        first = ok.iloc[0]
+        parts.append(
+            f"{first['size']} model, context {int(first['context_length'])}, {int(first['world_size'])} ranks "
+            f"({first.get('backend', '')}, {first.get('device_name', '')}), {int(first['batch_per_rank'])} sequences "
+            f"per rank, AdamW; {int(first['warmup'])} warm-up + {int(first['steps'])} timed steps, mean ± std. "
+            "`state`: params + grads + optimizer state per rank, counted (expected). `AG exposed`: all-gather kernel "
+            "time with no compute kernel running; `stalled AG`: all-gathers with > 5 us of it.")
+        nan = pd.Series(math.nan, index=ok.index)
+        unit, scale = _unit(ok)
+        view = pd.DataFrame({
+            "dtype": ok["dtype"], "variant": ok["variant"],
+            "step (ms)": [f"{m:.1f} ± {s:.1f}" for m, s in zip(ok["step_ms"], ok["step_ms_std"])],
+            "vs single": ok["vs_single"], "vs single_cast": ok["vs_single_cast"], "vs fsdp2": ok["vs_fsdp2"],
+            "peak (GiB)": ok["peak_memory_max_rank_bytes"] / 2**30,
+            f"state ({unit})": [f"{s / scale:.3g} ({e / scale:.3g})" for s, e in zip(ok["state_bytes"],
+                                                                                     ok["expected_state_bytes"])],
+            "AG (ms)": ok.get("allgather_ms", nan), "AG exposed (ms)": ok.get("allgather_exposed_ms", nan),
+            "stalled AG": ok.get("stalled_allgathers", nan), "RS exposed (ms)": ok.get("reducescatter_exposed_ms", nan),
+            "gather wait (ms)": ok.get("gather_wait_ms", nan)})
+        parts.append(view.to_markdown(index=False, floatfmt=".3g"))
+        savings = memory_savings(df)
+        if not savings.empty:
+            parts.append("Memory saved per rank (expected from the sharding; counted tensors; allocator peak):\n\n"
+                         + savings.to_markdown(index=False, floatfmt=".3g"))
+        lines = targets(df)
+        if lines:
+            parts.append("Targets (same run):\n\n" + "\n".join(lines))
+    failed = df[df["status"] != "ok"]
+    if not failed.empty:
+        view = failed[["dtype", "variant", "status"]].assign(
+            error=failed["error"].astype(str).str.split("\n").str[0].str[:120])
+        parts.append("Not measured:\n\n" + view.to_markdown(index=False))
+    return "\n\n".join(parts) + "\n"
+
+
+def write_report(df: pd.DataFrame, out: Path) -> Path:
+    path = out / f"{SWEEP}.md"
+    path.write_text(f"## Fully sharded data parallel ({SWEEP})\n\n{markdown(df)}")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="cuda: NCCL, one GPU per rank; cpu: gloo; auto: cuda if the cluster has GPUs")
+    p.add_argument("--out", default=None, help="results directory (default: the repository's results/; give an "
+                                               "absolute path under `ray job submit`)")
+    p.add_argument("--resume", action="store_true", help="skip trials already in <out>/fsdp.parquet")
+    p.add_argument("--size", default=None, help="model size (default: xl on cuda, tiny on cpu)")
+    p.add_argument("--context-length", type=int, default=None, help="sequence length (default: 512 on cuda, 64 on cpu)")
+    p.add_argument("--batch-per-rank", type=int, default=None, help="sequences per rank per step (default: 4 on "
+                                                                    "cuda, 2 on cpu)")
+    p.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16 (default: both)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list (default: {','.join(VARIANTS)})")
+    p.add_argument("--profile", default="fsdp,fsdp2", help="variants to profile for all-gather overlap "
+                                                           "(default: fsdp,fsdp2; '' for none)")
+    p.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per trial (default: 2 on cuda, 1 on cpu)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per trial (default: 8 on cuda, 3 on cpu)")
+    p.add_argument("--launcher", choices=("ray", "mp"), default="ray", help="ray gang (default) or plain processes")
+    p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, a local cluster, else embedded)")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="per-trial and process-group timeout (s)")
+    p.add_argument("--report-only", action="store_true", help="only redraw fsdp.md from the Parquet file")
+    return p
+
+
+def resolve_device(args) -> str:
+    if args.launcher == "ray":
+        from raysys.cluster import init_ray
+        from raysys.gang import resolve_device as ray_device
+
+        init_ray(args.address)
+        return ray_device(args.device)
+    from raysys.mp_gang import local_device
+
+    return local_device(args.device)
+
+
+def main(argv: list[str] | None = None) -> pd.DataFrame:
+    from raysys.cluster import resolve_out_dir, run_sweep
+
+    args = build_parser().parse_args(argv)
+    out = resolve_out_dir(args.out)
+    if args.report_only:
+        path = out / f"{SWEEP}.parquet"
+        if not path.exists():
+            raise ValueError(f"--report-only: {path} does not exist")
+        df = pd.read_parquet(path)
+    else:
+        if args.world_size < 2:
+            raise ValueError(f"--world-size ({args.world_size}) must be >= 2 for sharding")
+        device = resolve_device(args)
+        d = DEFAULTS[device]
+        size = args.size or d["size"]
+        if size not in SIZES:
+            raise ValueError(f"--size {size!r} is not one of {sorted(SIZES)}")
+        context = args.context_length or min(d["context_length"], ModelConfig.from_name(size).context_length)
+        grid = trials(size=size, context_length=context, batch_per_rank=args.batch_per_rank or d["batch_per_rank"],
+                      dtypes=parse_list(args.dtypes, "dtypes", tuple(DTYPES)),
+                      variants=parse_list(args.variants, "variants", VARIANTS),
+                      profile=[v.strip() for v in args.profile.split(",") if v.strip()],
+                      warmup=d["warmup"] if args.warmup is None else args.warmup, steps=args.steps or d["steps"])
+        df = run_sweep(SWEEP, grid, functools.partial(fsdp_trial, out_dir=str(out)), args.world_size, out_dir=out,
+                       device=device, resume=args.resume, reduce=reduce_ranks, launcher=args.launcher,
+                       timeout_s=args.timeout_s, show=False)
+    md = write_report(df, out)
+    print(md.read_text())
+    print(f"wrote {out / f'{SWEEP}.parquet'}, {md}")
+    return df
+
+
+if __name__ == "__main__":
+    main()

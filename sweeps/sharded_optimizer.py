@@ -1,0 +1,240 @@
+"""Optimizer-state sharding on a gang of ranks (handout 6, optimizer_state_sharding_accounting): peak memory
+and time per step with and without `parallel.sharded_optimizer.ShardedOptimizer`.
+
+Both arms train the same model under `BucketedDDP` (100 MiB buckets, gradients as bucket views) with torch's
+AdamW (fused on CUDA); the sharded arm wraps that AdamW in `ShardedOptimizer`, so each rank keeps the two
+moments of only ~1/N of the parameters and broadcasts its updated parameters after the step.
+
+Memory at three points (rank 0; CUDA allocator statistics): right after the model, the DDP wrapper and the
+optimizer are built (`init`); directly before the optimizer step of a steady-state step (`before_step`, after
+backward and gradient synchronisation); directly after it (`after_step`). At each point `peak_*` is the peak
+allocated since the previous point, and the memory allocated at that moment is split into parameters,
+gradients (`.grad` and DDP bucket buffers, each storage once), optimizer state (this rank's) and the rest
+(activations still alive, the optimizer's and NCCL's temporaries, the allocator's rounding). Time per step:
+warm-up, then timed steps as in `sweeps/ddp.py` (the optimizer phase includes the parameter broadcasts).
+
+Run by `python sweeps/ddp.py` (study `sharded`), or alone:
+
+    python sweeps/sharded_optimizer.py [--device cuda] [--out DIR] [--dtypes fp32,bf16] [--size xl]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+
+from parallel.ddp import BucketedDDP  # noqa: E402
+from parallel.sharded_optimizer import ShardedOptimizer  # noqa: E402
+from raysys.model import TransformerLM  # noqa: E402
+from sweeps.ddp import (Marks, TrainStep, adamw_kwargs, free_memory, make_batch, model_config,  # noqa: E402
+                        sync, time_steps)
+
+SWEEP = "sharded_optimizer"
+POINTS = ("init", "before_step", "after_step")
+PARTS = ("params", "grads", "optimizer_state", "other")
+DDP_BUCKET_MB = 100.0
+
+
+def trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: list[str], warmup: int, steps: int,
+           seed: int = 0) -> list[dict]:
+    model_config(size, context_length)
+    if warmup < 1:
+        raise ValueError(f"warmup ({warmup}) must be >= 1: the optimizer state must exist before memory is measured")
+    return [{"size": size, "context_length": context_length, "batch_per_rank": batch_per_rank, "dtype": dtype,
+             "sharded": sharded, "ddp_bucket_mb": DDP_BUCKET_MB, "warmup": warmup, "steps": steps, "seed": seed}
+            for dtype in dtypes for sharded in (False, True)]
+
+
+# ---------------------------------------------------------------------------------------------------- memory
+def memory_breakdown(model: BucketedDDP, optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, float]:
+    """Bytes allocated now, split into PARTS; every storage is counted once, in the first part that holds it."""
+    seen: set[int] = set()
+
+    def storage_bytes(tensors) -> int:
+        total = 0
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage.data_ptr() and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        return total
+
+    params = list(model.parameters())
+    inner = optimizer.local_optimizer if isinstance(optimizer, ShardedOptimizer) else optimizer
+    out = {
+        "params": storage_bytes(params),
+        "grads": storage_bytes([p.grad for p in params if p.grad is not None]
+                               + [b.buffer for b in model.buckets if b.buffer is not None]),
+        "optimizer_state": storage_bytes(v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)),
+    }
+    if device.type == "cuda":
+        out["other"] = torch.cuda.memory_allocated(device) - sum(out.values())
+    else:
+        out["other"] = float("nan")    # the CPU has no allocator statistics
+    return out
+
+
+def _peak(device: torch.device) -> float:
+    if device.type != "cuda":
+        return float("nan")
+    sync(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return float(peak)
+
+
+# ---------------------------------------------------------------------------------------------------- trial
+def sharded_trial(ctx, config: dict) -> dict:
+    """On every rank: memory at POINTS and time per step, with or without optimizer-state sharding."""
+    try:
+        return _sharded_trial(ctx, config)
+    finally:
+        free_memory(ctx.device)
+
+
+def _sharded_trial(ctx, config: dict) -> dict:
+    device = ctx.device
+    mc = model_config(config["size"], config["context_length"])
+    if device.type == "cuda":
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    torch.manual_seed(config["seed"])
+    model = BucketedDDP(TransformerLM(mc, device=device), config["ddp_bucket_mb"], process_group=ctx.process_group)
+    if config["sharded"]:
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, process_group=ctx.process_group,
+                                     **adamw_kwargs(device))
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), **adamw_kwargs(device))
+    batch = make_batch(mc, config["batch_per_rank"], device, seed=config["seed"] + 1000 * (ctx.rank + 1))
+    step = TrainStep(model, optimizer, batch, config["dtype"], device)
+    metrics: dict[str, float] = {}
+
+    def record(point: str) -> None:
+        metrics[f"peak_{point}_bytes"] = _peak(device)
+        for part, nbytes in memory_breakdown(model, optimizer, device).items():
+            metrics[f"{part}_{point}_bytes"] = nbytes
+
+    record("init")
+    for _ in range(config["warmup"]):
+        step()
+    # One steady-state step, opened up at the optimizer step.
+    _peak(device)
+    step.gradients(Marks(device))
+    record("before_step")
+    optimizer.step()
+    record("after_step")
+    metrics.update(time_steps(step, 0, config["steps"]))
+    inner = optimizer.local_optimizer if isinstance(optimizer, ShardedOptimizer) else optimizer
+    metrics["owned_params"] = sum(len(g["params"]) for g in inner.param_groups)
+    return metrics
+
+
+def reduce_ranks(config: dict, per_rank: list[dict]) -> dict:
+    """Rank 0's metrics, the slowest rank's step, and the spread of optimizer state over ranks."""
+    out = dict(per_rank[0])
+    out["step_ms_max_rank"] = max(r["step_ms"] for r in per_rank)
+    state = [r["optimizer_state_after_step_bytes"] for r in per_rank]
+    out["optimizer_state_max_rank_bytes"] = max(state)
+    out["optimizer_state_total_bytes"] = sum(state)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- report
+def long_memory(df: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """One row per (dtype, sharded, point): peak and the breakdown; in GiB, or MiB for small models."""
+    ok = df[df["status"] == "ok"]
+    byte_cols = [f"{key}_{point}_bytes" for point in POINTS for key in ("peak", *PARTS)]
+    largest = ok[[c for c in byte_cols if c in ok]].max().max() if not ok.empty else 0
+    unit, scale = ("GiB", 2**30) if largest >= 2**30 else ("MiB", 2**20)
+    rows = []
+    for _, r in ok.iterrows():
+        for point in POINTS:
+            row = {"dtype": r["dtype"], "sharded": bool(r["sharded"]), "point": point,
+                   "peak": r[f"peak_{point}_bytes"] / scale}
+            row.update({part: r[f"{part}_{point}_bytes"] / scale for part in PARTS})
+            rows.append(row)
+    return pd.DataFrame(rows), unit
+
+
+def markdown(df: pd.DataFrame) -> str:
+    ok = df[df["status"] == "ok"]
+    parts = []
+    if not ok.empty:
+        first = ok.iloc[0]
+        parts.append(
+            f"{first['size']} model, context {int(first['context_length'])}, {int(first['world_size'])} ranks, "
+            f"{int(first['batch_per_rank'])} sequences per rank, BucketedDDP ({first['ddp_bucket_mb']:g} MiB) + AdamW. "
+            "Rank 0's memory: `peak` since the previous point; the other columns split what is allocated at the "
+            "point (no allocator statistics on the CPU: peak and other are NaN there).")
+        mem, unit = long_memory(df)
+        parts.append(f"Memory ({unit}):\n\n" + mem.to_markdown(index=False, floatfmt=".2f"))
+        timing = pd.DataFrame({
+            "dtype": ok["dtype"], "sharded": ok["sharded"].astype(bool),
+            "step (ms)": [f"{m:.1f} ± {s:.1f}" for m, s in zip(ok["step_ms"], ok["step_ms_std"])],
+            "optimizer (ms)": ok["optimizer_ms"], "forward+backward (ms)": ok["forward_ms"] + ok["backward_ms"],
+            "optimizer state, max rank (MiB)": ok["optimizer_state_max_rank_bytes"] / 2**20})
+        parts.append("Time per step (the sharded optimizer phase includes the parameter broadcasts):\n\n"
+                     + timing.to_markdown(index=False, floatfmt=".3g"))
+    failed = df[df["status"] != "ok"]
+    if not failed.empty:
+        error = failed["error"].astype(str).str.split("\n").str[0].str[:120]
+        view = failed[["dtype", "sharded", "status"]].assign(error=error)
+        parts.append("Not measured:\n\n" + view.to_markdown(index=False))
+    return "\n\n".join(parts) + "\n"
+
+
+def plot(df: pd.DataFrame, path: Path) -> Path | None:
+    """Stacked memory breakdown per point, unsharded next to sharded, one panel per dtype."""
+    mem, unit = long_memory(df)
+    if mem.empty:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dtypes = list(dict.fromkeys(mem["dtype"]))
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 3.8), squeeze=False)
+    colors = {"params": "tab:blue", "grads": "tab:green", "optimizer_state": "tab:red", "other": "tab:gray"}
+    for ax, dtype in zip(axes[0], dtypes):
+        part = mem[mem["dtype"] == dtype]
+        labels = [f"{p}\n{'sharded' if s else 'full'}" for p, s in zip(part["point"], part["sharded"])]
+        bottom = pd.Series(0.0, index=part.index)
+        for name in PARTS:   # "other" and "peak" are NaN on the CPU (no allocator statistics): drawn as nothing
+            ax.bar(labels, part[name].fillna(0), bottom=bottom, color=colors[name], label=name)
+            bottom = bottom + part[name].fillna(0)
+        if part["peak"].notna().any():
+            ax.scatter(labels, part["peak"], marker="_", s=400, color="k", label="peak since previous point", zorder=3)
+        ax.set_ylabel(f"{unit} (rank 0)")
+        ax.set_title(dtype)
+        ax.tick_params(axis="x", labelsize=7)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("Optimizer-state sharding: memory by point", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_report(df: pd.DataFrame, out: Path) -> tuple[Path, Path | None]:
+    md_path = out / f"{SWEEP}.md"
+    md_path.write_text(f"## Optimizer-state sharding ({SWEEP})\n\n{markdown(df)}")
+    return md_path, plot(df, out / f"{SWEEP}.png")
+
+
+def main(argv: list[str] | None = None):
+    """The `sharded` study of `sweeps/ddp.py` alone (same flags)."""
+    from sweeps import ddp
+
+    return ddp.main(["--studies", "sharded", *(argv if argv is not None else sys.argv[1:])])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Run a function on N gloo ranks in fresh processes: the test harness for everything in `parallel/`.
+
+    from tests.parallel.dist_utils import run_ranks
+
+    def _check(rank, world_size, n):                 # module-level, so the spawned children can unpickle it
+        t = torch.full((n,), float(rank))
+        dist.all_reduce(t)                            # the default group is initialised (gloo, CPU)
+        return t.tolist()
+
+    results = run_ranks(_check, 2, 3)                 # [rank0's return, rank1's return]
+
+Each rank is a `spawn`ed process (never `fork`: the parent may hold Ray or OpenMP threads) that joins a
+gloo group rendezvousing through a `FileStore` in a fresh temporary directory, so no port is ever chosen
+and parallel test runs cannot collide. `fn(rank, world_size, *args)` runs with the group as the default
+process group (`torch.distributed.group.WORLD`); its return value must be picklable (tensors are fine:
+they are pickled by value, not shared).
+
+An exception on any rank is re-raised in the caller as `RankError` carrying every failing rank's
+traceback; a rank that dies without reporting (os._exit, segfault) is reported with its exit code as soon
+as it is noticed; ranks still running after `timeout_s` are reported as hung. In every case all ranks are
+killed: nothing is left running when `run_ranks` returns or raises.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue as queue_mod
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["RankError", "run_ranks"]
+
+
+class RankError(RuntimeError):
+    """One or more ranks raised, died or timed out; the message holds each failing rank's traceback."""
+
+
+def _worker(rank: int, world_size: int, store_path: str, fn: Callable[..., Any], args: tuple,
+            results: "mp.Queue", num_threads: int) -> None:
+    torch.set_num_threads(num_threads)
+    try:
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        try:
+            out = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        # Plain pickle, not torch's shared-memory reduction: the tensors must outlive this process.
+        payload = pickle.dumps(out)
+    except BaseException:  # report everything, including SystemExit/KeyboardInterrupt, to the parent
+        results.put((rank, False, traceback.format_exc()))
+        return
+    results.put((rank, True, payload))
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the results ordered by rank.
+
+    `fn` must be a module-level function. Raises `RankError` if any rank raises, exits without a result,
+    or if the ranks have not all finished after `timeout_s` seconds.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size ({world_size}) must be >= 1")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    num_threads = max(1, (os.cpu_count() or 1) // world_size)
+    with tempfile.TemporaryDirectory(prefix="dist_utils_") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_worker, args=(rank, world_size, store_path, fn, args, results, num_threads),
+                             name=f"rank{rank}", daemon=True) for rank in range(world_size)]
+        for p in procs:
+            p.start()
+        outputs: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+
+        def pending() -> list[int]:
+            return [r for r in range(world_size) if r not in outputs and r not in failures]
+
+        def collect(wait_s: float) -> bool:
+            try:
+                rank, ok, payload = results.get(timeout=wait_s)
+            except queue_mod.Empty:
+                return False
+            if ok:
+                outputs[rank] = pickle.loads(payload)
+            else:
+                failures[rank] = payload
+            return True
+
+        deadline = time.monotonic() + timeout_s
+        try:
+            while pending() and not failures and time.monotonic() < deadline:
+                if not collect(0.2):
+                    # A rank that died without reporting (os._exit, segfault, OOM kill) leaves the others
+                    # blocked in a collective: record it and stop waiting.
+                    for r in pending():
+                        if not procs[r].is_alive() and not collect(0.5) and r in pending():
+                            failures[r] = f"process exited with code {procs[r].exitcode} without a result"
+            if failures:
+                # Give the survivors a moment to report their own errors (often the more telling ones).
+                grace = time.monotonic() + 2.0
+                while pending() and time.monotonic() < grace:
+                    collect(0.1)
+            timed_out = not failures
+            for r in pending():
+                procs[r].join(timeout=0.1)
+                failures[r] = (f"process exited with code {procs[r].exitcode} without a result"
+                               if not procs[r].is_alive() else
+                               f"no result after {timeout_s:.0f} s (hung?)" if timed_out else
+                               "killed after another rank failed")
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join(timeout=10)
+            results.close()
+    if failures:
+        detail = "\n".join(f"--- rank {r} ---\n{failures[r]}" for r in sorted(failures))
+        name = getattr(fn, "__name__", fn)
+        raise RankError(f"{len(failures)} of {world_size} ranks failed running {name}:\n{detail}")
+    return [outputs[r] for r in range(world_size)]

@@ -1,0 +1,348 @@
+"""DDP variants against single-process training on the full batch, on 2 gloo ranks.
+
+Each rank function trains every variant in turn (one process spawn per model keeps the file fast) and
+returns, per variant and step, the largest parameter difference to a single-process replica trained on the
+whole batch, and how many all-reduces the step issued (counted by wrapping `dist.all_reduce`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel.ddp import BucketedDDP, assign_buckets, make_ddp
+from raysys.config import ModelConfig
+from raysys.model import TransformerLM, cross_entropy
+from tests.parallel.dist_utils import run_ranks
+
+pytestmark = pytest.mark.multiproc
+
+WORLD_SIZE = 2
+ATOL = 1e-6
+
+
+class ToyModel(nn.Module):
+    """A frozen bias (differs per rank before the broadcast) and a frozen constant parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(10, 10, bias=False)
+        self.fc2 = nn.Linear(10, 50)
+        self.fc2.bias.requires_grad_(False)
+        self.fc3 = nn.Linear(50, 5, bias=False)
+        self.no_grad_fixed_param = nn.Parameter(torch.tensor([2.0, 2.0]), requires_grad=False)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+class TiedModel(nn.Module):
+    """fc4 reuses fc2's weight: one parameter, two uses, reduced once."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(10, 10, bias=False)
+        self.fc2 = nn.Linear(10, 50, bias=False)
+        self.fc3 = nn.Linear(50, 10, bias=False)
+        self.fc4 = nn.Linear(10, 50, bias=False)
+        self.fc4.weight = self.fc2.weight
+        self.fc5 = nn.Linear(50, 5, bias=False)
+
+    def forward(self, x):
+        h = torch.relu(self.fc2(torch.relu(self.fc1(x))))
+        return self.fc5(torch.relu(self.fc4(torch.relu(self.fc3(h)))))
+
+
+class BranchModel(nn.Module):
+    """`branch` takes part only when asked: its parameters get no gradient in some steps on some ranks."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(10, 10)
+        self.branch = nn.Linear(10, 10)
+        self.head = nn.Linear(10, 5)
+
+    def forward(self, x, use_branch: bool = True):
+        h = torch.relu(self.trunk(x))
+        if use_branch:
+            h = h + torch.tanh(self.branch(h))
+        return self.head(h)
+
+
+# Whether each rank uses BranchModel's branch, per step: both, rank 0 only, neither, rank 1 only.
+BRANCH_SCHEDULE = [(True, True), (True, False), (False, False), (False, True)]
+
+TOY_VARIANTS = [
+    ("naive", {}),
+    ("flat", {}),
+    ("overlapped", {}),
+    ("bucketed", {"bucket_size_mb": 1e-4}),                                # smaller than any parameter
+    ("bucketed", {"bucket_size_mb": 0.003}),                               # multi-parameter buckets
+    ("bucketed", {"bucket_size_mb": 0.003, "grad_as_bucket_view": False}),  # copy-in / copy-out
+    ("bucketed", {"bucket_size_mb": 1000.0}),                              # everything in one bucket
+]
+
+
+def _name(kind: str, kwargs: dict) -> str:
+    return kind + "".join(f",{k}={v}" for k, v in sorted(kwargs.items()))
+
+
+def _build(model_name: str) -> nn.Module:
+    if model_name == "transformer":
+        return TransformerLM(ModelConfig.from_name("tiny"))
+    return {"toy": ToyModel, "tied": TiedModel, "branch": BranchModel}[model_name]()
+
+
+def _batch(model_name: str, step: int, n: int = 8):
+    g = torch.Generator().manual_seed(1000 + step)
+    if model_name == "transformer":
+        tokens = torch.randint(0, 256, (n, 17), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]
+    return torch.randn(n, 10, generator=g), torch.randn(n, 5, generator=g)
+
+
+def _loss(model_name: str, model: nn.Module, x, y, use_branch: bool = True) -> torch.Tensor:
+    if model_name == "transformer":
+        return cross_entropy(model(x), y)
+    out = model(x, use_branch) if model_name == "branch" else model(x)
+    return nn.functional.mse_loss(out, y)
+
+
+def _optimizer(model_name: str, params):
+    if model_name == "transformer":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    if model_name == "branch":   # no momentum: a zero gradient and no gradient are then the same update
+        return torch.optim.SGD(params, lr=0.1)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+@contextlib.contextmanager
+def _count_all_reduces():
+    """Counts calls to dist.all_reduce (the variants look it up at call time)."""
+    calls: list[int] = []
+    original = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        yield calls
+    finally:
+        dist.all_reduce = original
+
+
+def _train_variants(rank: int, world_size: int, model_name: str, variants: list, num_steps: int) -> dict:
+    results = {}
+    for kind, kwargs in variants:
+        torch.manual_seed(0)
+        reference = _build(model_name)
+        torch.manual_seed(rank)              # every rank starts different: the wrapper must broadcast rank 0's
+        ddp = make_ddp(kind, _build(model_name), **kwargs)
+        init_diff = max((a - b).abs().max().item() for a, b in zip(reference.state_dict().values(),
+                                                                   ddp.module.state_dict().values()))
+        ref_opt = _optimizer(model_name, reference.parameters())
+        ddp_opt = _optimizer(model_name, ddp.parameters())
+        step_diffs, step_calls = [], []
+        for step in range(num_steps):
+            x, y = _batch(model_name, step)
+            half = x.shape[0] // world_size
+            lo, hi = rank * half, (rank + 1) * half
+            use = BRANCH_SCHEDULE[step % len(BRANCH_SCHEDULE)]
+
+            ref_opt.zero_grad()
+            ref_loss = sum(_loss(model_name, reference, x[r * half:(r + 1) * half], y[r * half:(r + 1) * half],
+                                 use[r]) for r in range(world_size)) / world_size
+            ref_loss.backward()
+            ref_opt.step()
+
+            ddp_opt.zero_grad()
+            with _count_all_reduces() as calls:
+                _loss(model_name, ddp, x[lo:hi], y[lo:hi], use[rank]).backward()
+                ddp.finish_gradient_synchronization()
+            ddp_opt.step()
+            step_calls.append(len(calls))
+            step_diffs.append(max((a - b).abs().max().item() for a, b in zip(reference.parameters(),
+                                                                            ddp.module.parameters())))
+        trainable = [p for p in ddp.module.parameters() if p.requires_grad]
+        results[_name(kind, kwargs)] = dict(
+            init_diff=init_diff, step_diffs=step_diffs, step_calls=step_calls, num_trainable=len(trainable),
+            num_buckets=getattr(ddp, "num_buckets", None),
+            grads_in_buckets=_grads_alias_buckets(ddp) if isinstance(ddp, BucketedDDP) else None)
+    return results
+
+
+def _grads_alias_buckets(ddp: BucketedDDP) -> bool:
+    """Whether every parameter of a multi-parameter bucket has its .grad inside the bucket's buffer."""
+    for bucket in ddp.buckets:
+        if bucket.buffer is None:
+            continue
+        lo = bucket.buffer.data_ptr()
+        hi = lo + bucket.buffer.numel() * bucket.buffer.element_size()
+        if not all(p.grad is not None and lo <= p.grad.data_ptr() < hi for p in bucket.params):
+            return False
+    return True
+
+
+def _expected_calls(kind: str, result: dict) -> int:
+    return {"naive": result["num_trainable"], "flat": 1, "overlapped": result["num_trainable"],
+            "bucketed": result["num_buckets"]}[kind]
+
+
+def _check(results_by_rank: list[dict], variants: list, num_steps: int) -> None:
+    for kind, kwargs in variants:
+        name = _name(kind, kwargs)
+        for rank, results in enumerate(results_by_rank):
+            r = results[name]
+            assert r["init_diff"] == 0.0, f"{name} rank {rank}: replica differs from rank 0's initial state"
+            assert max(r["step_diffs"]) <= ATOL, f"{name} rank {rank}: parameter diffs per step {r['step_diffs']}"
+            if kind != "torch":   # torch's reducer calls its process group directly, not dist.all_reduce
+                assert r["step_calls"] == [_expected_calls(kind, r)] * num_steps, f"{name}: {r['step_calls']}"
+            if kind == "bucketed":
+                size = kwargs["bucket_size_mb"]
+                if size < 1e-3:
+                    assert r["num_buckets"] == r["num_trainable"], f"{name}: tiny buckets hold one parameter each"
+                if size >= 1000:
+                    assert r["num_buckets"] == 1, f"{name}: a huge bucket holds everything"
+                if 1e-3 < size < 1000:
+                    assert r["num_buckets"] < r["num_trainable"], f"{name}: no bucket holds several parameters"
+                assert r["grads_in_buckets"] == kwargs.get("grad_as_bucket_view", True), name
+
+
+TOY_STEPS = 4
+
+
+def _toy_checks(rank: int, world_size: int) -> dict:
+    """Everything the toy-model tests below assert on, computed in one spawn of the ranks (spawns are slow)."""
+    return {"train": {name: _train_variants(rank, world_size, name, TOY_VARIANTS, TOY_STEPS)
+                      for name in ("toy", "tied", "branch")},
+            "no_sync": {kind: _no_sync_accumulation(rank, world_size, kind)
+                        for kind in ("naive", "flat", "overlapped", "bucketed")},
+            "misuse": _misuse(rank, world_size),
+            "torch": _train_variants(rank, world_size, "toy", [("torch", {})], TOY_STEPS)}
+
+
+@pytest.fixture(scope="module")
+def toy_checks() -> list[dict]:
+    return run_ranks(_toy_checks, WORLD_SIZE)
+
+
+@pytest.mark.parametrize("model_name", ["toy", "tied", "branch"])
+def test_variants_match_single_process_training(toy_checks, model_name):
+    results = [r["train"][model_name] for r in toy_checks]
+    _check(results, TOY_VARIANTS, TOY_STEPS)
+    if model_name == "toy":   # 3 trainable tensors: fc1.weight, fc2.weight, fc3.weight (fc2.bias is frozen)
+        assert results[0]["naive"]["num_trainable"] == 3
+    if model_name == "tied":  # the shared weight counts once: fc1, fc2 (= fc4), fc3, fc5
+        assert results[0]["naive"]["num_trainable"] == 4
+
+
+def test_torch_ddp_adapter_matches_too(toy_checks):
+    _check([r["torch"] for r in toy_checks], [("torch", {})], TOY_STEPS)
+
+
+def test_assign_buckets_reverse_order_cap_and_dtype():
+    p = {name: nn.Parameter(torch.zeros(n, dtype=dtype)) for name, n, dtype in [
+        ("a", 100, torch.float32), ("b", 300, torch.float32), ("c", 200, torch.float32),
+        ("d", 50, torch.float32), ("e", 10, torch.bfloat16), ("f", 2000, torch.float32)]}
+    names = {id(t): n for n, t in p.items()}
+    partition = lambda mb: [[names[id(t)] for t in bucket] for bucket in assign_buckets(list(p.values()), mb)]
+    # 2000 B cap: f (8000 B) alone; e is another dtype; d + c (1000 B) fit, b (1200 B) would not; then b + a.
+    assert partition(2000 / 2**20) == [["f"], ["e"], ["d", "c"], ["b", "a"]]
+    assert partition(0) == [["f"], ["e"], ["d"], ["c"], ["b"], ["a"]]
+    assert partition(1.0) == [["f"], ["e"], ["d", "c", "b", "a"]]
+
+
+TRANSFORMER_VARIANTS = [
+    ("naive", {}),
+    ("flat", {}),
+    ("overlapped", {}),
+    ("bucketed", {"bucket_size_mb": 0.05}),
+    ("bucketed", {"bucket_size_mb": 0.05, "grad_as_bucket_view": False}),
+    ("bucketed", {"bucket_size_mb": 1000.0}),
+]
+
+
+@pytest.mark.slow
+def test_variants_match_single_process_training_transformer():
+    num_steps = 3
+    results = run_ranks(_train_variants, WORLD_SIZE, "transformer", TRANSFORMER_VARIANTS, num_steps)
+    _check(results, TRANSFORMER_VARIANTS, num_steps)
+
+
+def _no_sync_accumulation(rank: int, world_size: int, kind: str) -> dict:
+    """Two micro-batches per rank, the first under no_sync(), against one full-batch step."""
+    torch.manual_seed(0)
+    reference = ToyModel()
+    torch.manual_seed(rank)
+    ddp = make_ddp(kind, ToyModel(), **({"bucket_size_mb": 0.003} if kind == "bucketed" else {}))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    diffs, calls_in_no_sync, calls_total = [], [], []
+    for step in range(3):
+        x, y = _batch("toy", step)
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+
+        ddp_opt.zero_grad(set_to_none=step % 2 == 0)   # both zero_grad modes
+        local_x, local_y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+        micro = list(zip(local_x.chunk(2), local_y.chunk(2)))
+        with _count_all_reduces() as calls:
+            with ddp.no_sync():
+                (nn.functional.mse_loss(ddp(micro[0][0]), micro[0][1]) / 2).backward()
+                ddp.finish_gradient_synchronization()   # a no-op inside no_sync
+            calls_in_no_sync.append(len(calls))
+            (nn.functional.mse_loss(ddp(micro[1][0]), micro[1][1]) / 2).backward()
+            ddp.finish_gradient_synchronization()
+        calls_total.append(len(calls))
+        ddp_opt.step()
+        diffs.append(max((a - b).abs().max().item() for a, b in zip(reference.parameters(), ddp.module.parameters())))
+    return dict(diffs=diffs, calls_in_no_sync=calls_in_no_sync, calls_total=calls_total)
+
+
+def _misuse(rank: int, world_size: int) -> dict:
+    errors = {}
+    ddp = make_ddp("bucketed", ToyModel(), bucket_size_mb=0.003)
+    x, y = _batch("toy", 0)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    try:
+        ddp(x)          # the previous backward's reductions were never finished
+    except RuntimeError as exc:
+        errors["forward_before_finish"] = str(exc)
+    ddp.finish_gradient_synchronization()
+    for key, build in [("negative_bucket", lambda: make_ddp("bucketed", ToyModel(), bucket_size_mb=-1.0)),
+                       ("unknown_kind", lambda: make_ddp("ring", ToyModel())),
+                       ("structure", lambda: make_ddp("naive", nn.Linear(4, 4 + rank)))]:
+        try:
+            build()
+        except ValueError as exc:
+            errors[key] = str(exc)
+    return errors
+
+
+def test_no_sync_accumulates_locally_then_reduces_once(toy_checks):
+    for rank, checks in enumerate(toy_checks):
+        for kind, r in checks["no_sync"].items():
+            assert max(r["diffs"]) <= ATOL, f"{kind} rank {rank}: {r['diffs']}"
+            assert r["calls_in_no_sync"] == [0, 0, 0], f"{kind}: no_sync must not communicate"
+            assert min(r["calls_total"]) > 0
+
+
+def test_misuse_is_reported(toy_checks):
+    for checks in toy_checks:
+        errors = checks["misuse"]
+        assert "finish_gradient_synchronization" in errors["forward_before_finish"]
+        assert "bucket_size_mb (-1.0)" in errors["negative_bucket"]
+        assert "'ring'" in errors["unknown_kind"]
+        assert "module structure differs across ranks" in errors["structure"]
+
+
+def test_wrapper_without_process_group_is_a_value_error():
+    with pytest.raises(ValueError, match="process group"):
+        make_ddp("naive", nn.Linear(2, 2))

@@ -1,0 +1,299 @@
+"""FSDP (parallel/fsdp.py) on 2 gloo ranks against single-process training.
+
+Bitwise invariant (fp32). Rank r computes the gradient g_r of the mean loss over its half of the batch; FSDP
+sums the two with one fp32 add inside the reduce-scatter / all-reduce and divides by 2. An fp32 add of two
+numbers is commutative and / 2 is exact, so the reference below, which runs the same model on the same two
+halves in one process and sets grad = (g_0 + g_1) / 2, must produce bit-identical parameters after every
+optimizer step (SGD, the project's AdamW). A reference on the full batch would differ in the last bits: it
+sums the per-example contributions in one matmul, in another order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel.fsdp import FSDP, CastForCompute
+from raysys.config import ModelConfig
+from raysys.model import AdamW, Embedding, Linear, RMSNorm, TransformerLM, cross_entropy
+from tests.parallel.dist_utils import run_ranks
+
+WORLD = 2
+BATCH, SEQ = 6, 8
+
+
+class ToyModel(nn.Module):
+    """Embedding, RMSNorm, raysys Linear layers, a torch nn.Linear with bias and a final projection.
+
+    Odd sizes (101 vocab rows, 37 hidden rows) make every sharded weight need padding on 2 ranks.
+    """
+
+    def __init__(self, vocab_size: int = 101, d_model: int = 24, d_ff: int = 37):
+        super().__init__()
+        self.embedding = Embedding(vocab_size, d_model)
+        self.norm1 = RMSNorm(d_model)
+        self.up = Linear(d_model, d_ff)
+        self.norm2 = RMSNorm(d_ff)
+        self.down = nn.Linear(d_ff, d_model, bias=True)
+        self.lm_head = Linear(d_model, vocab_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(self.norm1(self.embedding(x)))
+        return self.lm_head(self.down(self.norm2(torch.relu(h))))
+
+
+def _build(kind: str, num_layers: int = 2) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "toy":
+        return ToyModel()
+    return TransformerLM(ModelConfig.from_name("tiny", num_layers=num_layers))
+
+
+def _data(kind: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and targets of one step's whole batch (the same on every rank; each rank takes its slice)."""
+    vocab = {"toy": 101, "tiny": ModelConfig.from_name("tiny").vocab_size}[kind]
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+    return x, torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return cross_entropy(model(x).float(), y)
+
+
+def _optimizer(name: str, params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05) if name == "sgd" else AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+@contextlib.contextmanager
+def _cast_weights(model: nn.Module, dtype: torch.dtype | None):
+    """Run Linear/Embedding with weights (and biases) cast to `dtype`; gradients flow back to the fp32 masters."""
+    if dtype is None:
+        yield
+        return
+    saved = []
+    for mod in model.modules():
+        if isinstance(mod, (Linear, Embedding, nn.Linear)):
+            for name, p in list(mod._parameters.items()):
+                if p is not None:
+                    saved.append((mod, name, p))
+                    mod._parameters[name] = p.to(dtype)
+    try:
+        yield
+    finally:
+        for mod, name, p in saved:
+            mod._parameters[name] = p
+
+
+def _train_and_compare(rank: int, world_size: int, kind: str, opt_name: str, compute_dtype, steps: int) -> dict:
+    """Train FSDP and the single-process reference side by side; per step: max |difference|, names not bitwise equal."""
+    base = _build(kind)
+    ref = copy.deepcopy(base)
+    fsdp = FSDP(copy.deepcopy(base), compute_dtype=compute_dtype)
+    ref_opt, fsdp_opt = _optimizer(opt_name, ref.parameters()), _optimizer(opt_name, fsdp.parameters())
+    local = BATCH // world_size
+    diffs, mismatched, names = [], [], []
+    for step in range(steps):
+        x, y = _data(kind, step)
+        if compute_dtype is None:
+            # Per-slice gradients, averaged exactly as the two-rank reduction does: (g_0 + g_1) / 2.
+            grads = []
+            for r in range(world_size):
+                ref.zero_grad(set_to_none=True)
+                _loss(ref, x[r * local:(r + 1) * local], y[r * local:(r + 1) * local]).backward()
+                grads.append({n: p.grad for n, p in ref.named_parameters()})
+            for n, p in ref.named_parameters():
+                p.grad = (grads[0][n] + grads[1][n]) / 2
+        else:
+            ref.zero_grad(set_to_none=True)
+            with _cast_weights(ref, compute_dtype):
+                _loss(ref, x, y).backward()
+        ref_opt.step()
+
+        fsdp_opt.zero_grad(set_to_none=True)
+        _loss(fsdp, x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]).backward()
+        fsdp.finish_gradient_synchronization()
+        fsdp_opt.step()
+
+        full = fsdp.gather_full_params()
+        names = list(full)
+        diffs.append(max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()))
+        mismatched.append([n for n, p in ref.named_parameters() if not torch.equal(full[n], p.detach())])
+    return dict(diffs=diffs, mismatched=mismatched, names=names, ref_names=[n for n, _ in ref.named_parameters()])
+
+
+def _check_training(rank: int, world_size: int) -> dict:
+    return {(kind, opt, str(dtype)): _train_and_compare(rank, world_size, kind, opt, dtype, steps)
+            for kind, opt, dtype, steps in [("toy", "sgd", None, 3), ("toy", "adamw", None, 3),
+                                            ("tiny", "adamw", None, 2), ("toy", "sgd", torch.float16, 3)]}
+
+
+def _check_sync_and_memory(rank: int, world_size: int, compute_dtype) -> dict:
+    """Grad shapes/dtypes, replicated grads across ranks, freed weights, collective counts, 1 vs 4 blocks."""
+    out = {}
+    for num_layers in (1, 4):
+        fsdp = FSDP(_build("tiny", num_layers), compute_dtype=compute_dtype)
+        x, _ = _data("tiny", step=rank)  # different data on each rank
+        live_after = []
+        for _ in range(2):  # the second step prefetches
+            fsdp.zero_grad(set_to_none=True)
+            fsdp.stats.reset()
+            y = fsdp(x)
+            live_after.append(fsdp.gathered_storage_bytes())
+            y.float().sum().backward()
+            fsdp.finish_gradient_synchronization()
+            live_after.append(fsdp.gathered_storage_bytes())
+        replicated_equal = {}
+        for name, p in fsdp.module.named_parameters():
+            if id(p) not in fsdp._layer_of_shard:
+                both = [torch.empty_like(p.grad) for _ in range(world_size)]
+                dist.all_gather(both, p.grad)
+                replicated_equal[name] = torch.equal(both[0], both[1])
+        s = fsdp.stats
+        out[num_layers] = dict(
+            grads={n: (p.grad is not None and p.grad.shape == p.shape, p.grad.dtype if p.grad is not None else None)
+                   for n, p in fsdp.module.named_parameters()},
+            replicated_equal=replicated_equal, live_after=live_after,
+            peak=s.peak_gathered_bytes, max_layer=max(layer.nbytes for layer in fsdp._layers),
+            counts=(s.all_gathers, s.reduce_scatters, s.all_reduces),
+            expected=(2 * len(fsdp._layers) - 1, len(fsdp._layers), 1))  # replicated grads: one flat all-reduce
+        if num_layers == 1:
+            # Accumulation: two forward/backward passes on the same data, one finish -> exactly twice the gradients.
+            once = [p.grad.clone() for p in fsdp.module.parameters()]
+            fsdp.zero_grad(set_to_none=True)
+            for _ in range(2):
+                fsdp(x).float().sum().backward()
+            fsdp.finish_gradient_synchronization()
+            out["accumulated_equal"] = all(torch.equal(p.grad, 2 * g) for p, g in zip(fsdp.module.parameters(), once))
+            # The all-reduce + narrow fallback (gloo builds without reduce-scatter) gives the same gradients.
+            fallback = FSDP(_build("tiny", num_layers), compute_dtype=compute_dtype)
+            fallback._reduce_scatter_ok = False
+            fallback(x).float().sum().backward()
+            fallback.finish_gradient_synchronization()
+            out["fallback_equal"] = all(torch.equal(g, q.grad) for g, q in zip(once, fallback.module.parameters()))
+    return out
+
+
+def _check_prefetch(rank: int, world_size: int) -> list:
+    events: list = []
+    model = _build("tiny", 2)
+    for name, mod in model.named_modules():  # registered before FSDP's hooks, so they run first
+        if isinstance(mod, (Linear, Embedding)):
+            mod.register_forward_hook(lambda m, a, o, name=name: events.append(("forward_done", f"{name}.weight", "")))
+    fsdp = FSDP(model, event_log=events)
+    x, y = _data("tiny", 0)
+    for _ in range(2):
+        events.append(("step", "", ""))
+        _loss(fsdp, x, y).backward()
+        fsdp.finish_gradient_synchronization()
+    return events
+
+
+def _all_checks(rank: int, world_size: int) -> dict:
+    # One pair of processes for the whole file: spawning and importing torch (dynamo, on the first optimizer)
+    # costs more than all the checks together.
+    # As the course's test_fsdp.py runs: deterministic kernels, anomaly mode, every warning an error.
+    torch.use_deterministic_algorithms(True)
+    torch.autograd.set_detect_anomaly(True, check_nan=False)
+    warnings.simplefilter("error")
+    return dict(training=_check_training(rank, world_size),
+                sync={str(dt): _check_sync_and_memory(rank, world_size, dt) for dt in (None, torch.bfloat16)},
+                prefetch=_check_prefetch(rank, world_size))
+
+
+@pytest.fixture(scope="module")
+def per_rank() -> list[dict]:
+    return run_ranks(_all_checks, WORLD)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("kind,opt", [("toy", "sgd"), ("toy", "adamw"), ("tiny", "adamw")])
+def test_fp32_training_is_bitwise_equal_to_single_process(per_rank, kind, opt):
+    for res in per_rank:
+        r = res["training"][(kind, opt, "None")]
+        assert r["names"] == r["ref_names"]  # gather_full_params names = the unwrapped model's
+        assert r["mismatched"] == [[]] * len(r["diffs"]), f"max |diff| per step {r['diffs']}"
+
+
+@pytest.mark.multiproc
+def test_fp16_compute_matches_mixed_precision_reference(per_rank):
+    for res in per_rank:
+        diffs = res["training"][("toy", "sgd", str(torch.float16))]["diffs"]
+        assert max(diffs) < 1e-4, diffs
+        assert max(diffs) > 0, diffs  # fp16 is really in use: per-slice fp16 sums differ from the full batch's
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gradients_synchronised_and_gathered_weights_freed(per_rank, dtype):
+    for res in per_rank:
+        r = res["sync"][str(dtype)]
+        for num_layers in (1, 4):
+            got = r[num_layers]
+            assert all(ok and dt == torch.float32 for ok, dt in got["grads"].values()), got["grads"]
+            assert all(got["replicated_equal"].values()), got["replicated_equal"]
+            assert got["live_after"] == [0] * 4  # after each forward and each backward: nothing gathered
+            # forward gathers every layer; backward every layer but the embedding (its backward never reads it)
+            assert got["counts"] == got["expected"]
+            assert got["peak"] <= 3 * got["max_layer"]
+        assert r[4]["peak"] == r[1]["peak"]  # gathered memory does not grow with depth
+        assert r["fallback_equal"] and r["accumulated_equal"]
+
+
+@pytest.mark.multiproc
+def test_forward_prefetch_starts_after_the_layer_two_before(per_rank):
+    events = per_rank[0]["prefetch"]
+    steps = [i for i, e in enumerate(events) if e[0] == "step"]
+    for first, step_events in ((True, events[steps[0]:steps[1]]), (False, events[steps[1]:])):
+        forward = [e for e in step_events if e[2] in ("forward", "")]
+        order = [name for kind, name, _ in forward if kind == "forward_done"]
+        assert len(order) == 2 * 7 + 2  # embedding, 7 linears per block, lm_head
+        where = {(kind, name): i for i, (kind, name, _) in enumerate(forward) if kind != "step"}
+        for i, name in enumerate(order):
+            assert [n for _, n, _ in forward].count(name) == 2  # one gather, one forward
+            gather = where[("all_gather", name)]
+            if i >= 2:  # the rule: gather(i) only after layer i-2 finished its forward pass
+                assert gather > where[("forward_done", order[i - 2])], name
+            if not first and i >= 1:  # and, once the order is known, before layer i-1 finished (overlapping it)
+                assert gather < where[("forward_done", order[i - 1])], name
+        backward = [e for e in step_events if e[2] == "backward"]
+        for name in order[1:]:  # every linear is gathered again before its gradient is reduce-scattered
+            gathered = backward.index(("all_gather", name, "backward"))
+            assert gathered < backward.index(("reduce_scatter", name, "backward"))
+        assert ("all_gather", order[0], "backward") not in backward
+        # Backward prefetch: the next layer's gather is issued before the current layer's gradient is done.
+        gathers = [name for kind, name, _ in backward if kind == "all_gather"]
+        for current, nxt in zip(gathers, gathers[1:]):
+            assert backward.index(("all_gather", nxt, "backward")) < backward.index(("reduce_scatter", current,
+                                                                                     "backward")), nxt
+
+
+def test_invalid_arguments_raise_before_any_communication():
+    with pytest.raises(ValueError, match="compute_dtype"):
+        FSDP(nn.Linear(2, 2), compute_dtype=torch.int32)
+    with pytest.raises(ValueError, match="max_inflight_reductions"):
+        FSDP(nn.Linear(2, 2), max_inflight_reductions=0)
+    with pytest.raises(ValueError, match="process group"):
+        FSDP(nn.Linear(2, 2))
+
+
+def test_cast_for_compute_is_the_single_process_compute_policy():
+    # CastForCompute (the sweep's `single_cast` reference) computes what the test's own weight-casting does.
+    ref, model = _build("toy"), CastForCompute(_build("toy"), torch.float16)
+    x, y = _data("toy", 0)
+    with _cast_weights(ref, torch.float16):
+        out_ref = ref(x)
+    out = model(x)
+    assert out.dtype == torch.float16 and torch.equal(out, out_ref)
+    out_ref.float().sum().backward()
+    out.float().sum().backward()
+    for (name, p), q in zip(ref.named_parameters(), model.module.parameters()):
+        assert q.dtype == torch.float32 and q.grad.dtype == torch.float32 and torch.equal(p.grad, q.grad), name
+    with pytest.raises(ValueError, match="compute_dtype"):
+        CastForCompute(ref, torch.int8)

@@ -1,0 +1,215 @@
+"""The Ray layer on the session's simulated two-node cluster (CPU, gloo): gangs give the right collective
+values, ranks/env are set up as documented, SPREAD spans nodes, impossible requests fail fast, and
+run_sweep turns a dead actor / a hang / an exception into rows and goes on, and resumes."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+import torch.distributed as dist
+from ray.util.placement_group import placement_group_table
+
+from parallel.collectives import Buffers, run_collective
+from raysys.cluster import Gang, PlacementInfeasible, ProcessGang, run_sweep
+from raysys.gang import NodeInfo, check_placement
+from raysys.results import read_results
+
+pytestmark = pytest.mark.ray
+# pytest imports this file as a top-level module the Ray workers cannot import: ship its functions by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def _live_placement_groups() -> int:
+    return sum(1 for pg in placement_group_table().values() if pg["state"] != "REMOVED")
+
+
+# ---------------------------------------------------------------------------------------------------- no Ray work
+def test_check_placement_says_what_was_asked_and_what_exists():
+    two_by_two = [NodeInfo("a", "10.0.0.1", 16, 2), NodeInfo("b", "10.0.0.2", 16, 2)]
+    with pytest.raises(PlacementInfeasible) as err:
+        check_placement(4, device="cuda", strategy="STRICT_PACK", cpus_per_rank=1, nodes=two_by_two)
+    assert str(err.value) == ("asked for 4 ranks with 1 GPU each in one node (STRICT_PACK); "
+                              "the cluster has 2 node(s) with 2, 2 GPUs")
+    check_placement(4, device="cuda", strategy="PACK", cpus_per_rank=1, nodes=two_by_two)  # fits across nodes
+    with pytest.raises(PlacementInfeasible, match="on distinct nodes"):
+        check_placement(3, device="cuda", strategy="STRICT_SPREAD", cpus_per_rank=1, nodes=two_by_two)
+    with pytest.raises(PlacementInfeasible, match=r"with 2 CPU each in the cluster \(SPREAD\).*16, 16 CPUs"):
+        check_placement(17, device="cpu", strategy="SPREAD", cpus_per_rank=2, nodes=two_by_two)
+    check_placement(16, device="cpu", strategy="SPREAD", cpus_per_rank=2, nodes=two_by_two)
+
+
+def test_gang_rejects_bad_arguments():
+    for kwargs, match in [({"strategy": "PACKED"}, "strategy 'PACKED'"), ({"device": "tpu"}, "device 'tpu'"),
+                          ({"gpu_visibility": "all"}, "gpu_visibility 'all'"), ({"timeout_s": 0}, "timeout_s"),
+                          ({"cpus_per_rank": 0}, "cpus_per_rank")]:
+        with pytest.raises(ValueError, match=match):
+            Gang(2, **kwargs)
+    with pytest.raises(ValueError, match="world_size"):
+        Gang(0)
+    with pytest.raises(ValueError, match="launcher 'slurm'"):
+        run_sweep("x", [{}], _toy_trial, 2, launcher="slurm")
+
+
+def _infos(*nodes_gpus: tuple[str, list[str], str | None]) -> list[dict]:
+    """describe() results of rank-ordered actors: (node id, Ray's GPU ids, CUDA_VISIBLE_DEVICES)."""
+    return [{"node_id": node, "ip": f"10.0.0.{ord(node[-1])}", "gpu_ids": gpus, "cuda_visible_devices": visible}
+            for node, gpus, visible in nodes_gpus]
+
+
+@pytest.mark.parametrize("visibility", ["shared", "isolated"])
+def test_rank_specs_gpu_visibility(visibility):
+    """Without GPUs: what each rank of a two-node CUDA gang is told to see and use."""
+    gang = Gang(4, device="cuda", gpu_visibility=visibility, timeout_s=30)
+    gang.device = "cuda"
+    # Ray gave node a GPUs 3 and 1 (in rank order: out of order), node b GPUs 0 and 2.
+    infos = _infos(("a", ["3"], "3"), ("a", ["1"], "1"), ("b", ["0"], "0"), ("b", ["2"], "2"))
+    specs = gang._rank_specs(infos, port=12345)
+    assert [(s.rank, s.node_rank, s.local_rank, s.local_world_size) for s in specs] == \
+        [(0, 0, 0, 2), (1, 0, 1, 2), (2, 1, 0, 2), (3, 1, 1, 2)]
+    assert {(s.master_addr, s.master_port, s.backend, s.timeout_s) for s in specs} == {("10.0.0.97", 12345, "nccl", 30)}
+    if visibility == "shared":  # a node's ranks all see its gang GPUs and take them in order: NVLink P2P works
+        assert [s.visible_devices for s in specs] == ["1,3", "1,3", "0,2", "0,2"]
+        assert [s.device_index for s in specs] == [0, 1, 0, 1]
+    else:  # Ray's per-actor isolation: each rank sees only its GPU, as cuda:0
+        assert [s.visible_devices for s in specs] == [None] * 4
+        assert [s.device_index for s in specs] == [0, 0, 0, 0]
+    # With RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES every actor sees all GPUs: use the own one's index.
+    nonset = gang._rank_specs(_infos(("a", ["1"], None), ("a", ["0"], None), ("b", ["0"], None), ("b", ["1"], None)),
+                              port=1)
+    assert [s.device_index for s in nonset] == ([0, 1, 0, 1] if visibility == "shared" else [1, 0, 0, 1])
+
+
+# ---------------------------------------------------------------------------------------------------- gangs
+def test_more_gpus_than_exist_fails_fast(ray_cluster):
+    before = _live_placement_groups()
+    t0 = time.monotonic()
+    with pytest.raises(PlacementInfeasible, match=r"asked for 2 ranks with 1 GPU each in one node \(STRICT_PACK\); "
+                                                  r"the cluster has 2 node\(s\) with 0, 0 GPUs"):
+        with Gang(2, device="cuda", name="too-big"):
+            pass
+    assert time.monotonic() - t0 < 10
+    assert _live_placement_groups() == before  # nothing was reserved
+
+
+def _rank_report(ctx, numel: int) -> dict:
+    """Everything a rank should have been given, plus the three collectives on rank-dependent data."""
+    group = ctx.process_group
+    x = torch.arange(numel, dtype=torch.float32) * (ctx.rank + 1)
+    reduced = x.clone()
+    run_collective(Buffers("all_reduce", reduced, reduced), group)
+    gathered = torch.empty(numel * ctx.world_size)
+    run_collective(Buffers("all_gather", x, gathered), group)
+    scattered = torch.empty(numel // ctx.world_size)
+    run_collective(Buffers("reduce_scatter", x, scattered), group)
+    ctx.barrier()
+    env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                                          "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                          "NVSHMEM_DISABLE_NVLS", "TORCH_NCCL_ASYNC_ERROR_HANDLING")}
+    return {"rank": ctx.rank, "world_size": ctx.world_size, "local_rank": ctx.local_rank, "node_rank": ctx.node_rank,
+            "backend": ctx.backend, "device": str(ctx.device), "threads": torch.get_num_threads(), "env": env,
+            "node_id": ray.get_runtime_context().get_node_id(), "all_reduce": reduced, "all_gather": gathered,
+            "reduce_scatter": scattered}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size,strategy", [(2, "SPREAD"), (4, "STRICT_PACK")])
+def test_gang_collectives_ranks_and_placement(ray_cluster, world_size, strategy):
+    numel = 12
+    before = _live_placement_groups()
+    with Gang(world_size, device="cpu", strategy=strategy, name=f"test-{strategy.lower()}") as gang:
+        assert gang.backend == "gloo" and len(gang.actors) == world_size
+        names = [info["actor_name"] for info in gang.ranks]
+        assert names[1].startswith(f"test-{strategy.lower()}#") and names[1].endswith(".rank1")
+        assert ray.get_actor(names[0]) is not None  # visible by its readable name (dashboard, `ray list actors`)
+        out = gang.run(_rank_report, numel)
+    xs = [torch.arange(numel, dtype=torch.float32) * (r + 1) for r in range(world_size)]
+    total = torch.stack(xs).sum(0)
+    chunk = numel // world_size
+    for r, rep in enumerate(out):
+        assert (rep["rank"], rep["world_size"], rep["backend"], rep["device"]) == (r, world_size, "gloo", "cpu")
+        assert rep["env"]["RANK"] == str(r) and rep["env"]["WORLD_SIZE"] == str(world_size)
+        assert rep["env"]["LOCAL_RANK"] == str(rep["local_rank"]) and rep["env"]["MASTER_PORT"].isdigit()
+        assert rep["env"]["NCCL_NVLS_ENABLE"] == "0" and rep["env"]["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+        assert rep["env"]["NVSHMEM_DISABLE_NVLS"] == "1" and rep["env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+        assert rep["threads"] == 1  # one CPU reserved per rank
+        torch.testing.assert_close(rep["all_reduce"], total)
+        torch.testing.assert_close(rep["all_gather"], torch.cat(xs))
+        torch.testing.assert_close(rep["reduce_scatter"], total[r * chunk:(r + 1) * chunk])
+    if strategy == "SPREAD":  # the two ranks landed on the two nodes
+        assert out[0]["node_id"] != out[1]["node_id"]
+        assert [(rep["node_rank"], rep["local_rank"]) for rep in out] == [(0, 0), (1, 0)]
+    else:  # one node: local ranks follow global ranks
+        assert len({rep["node_id"] for rep in out}) == 1
+        assert [(rep["node_rank"], rep["local_rank"]) for rep in out] == [(0, r) for r in range(world_size)]
+    assert _live_placement_groups() == before  # removed on exit
+    with pytest.raises(ValueError):  # the actors are gone too
+        for _ in range(50):
+            ray.get_actor(names[0])
+            time.sleep(0.1)
+
+
+# ---------------------------------------------------------------------------------------------------- sweeps
+def _toy_trial(ctx, config: dict) -> dict:
+    """kind ok: all-reduce rank+1 and log the call; die: rank 1 exits; hang: sleep; raise: rank 0 raises."""
+    kind = config["kind"]
+    if kind == "die" and ctx.rank == 1:
+        os._exit(1)
+    if kind == "hang":
+        time.sleep(600)
+    if kind == "raise" and ctx.rank == 0:
+        raise ValueError("trial raised on purpose")
+    t = torch.tensor([ctx.rank + 1.0])
+    dist.all_reduce(t, group=ctx.process_group)
+    Path(config["log"], f"{config['i']}.rank{ctx.rank}").touch()
+    return {"total": t.item(), "i": config["i"]}
+
+
+@pytest.mark.slow
+def test_run_sweep_survives_dead_actor_and_hang_then_resumes(ray_cluster, tmp_path):
+    log = tmp_path / "calls"
+    log.mkdir()
+    trials = [{"kind": k, "i": i, "log": str(log)} for i, k in enumerate(["ok", "die", "ok", "hang"])]
+    t0 = time.monotonic()
+    df = run_sweep("toy", trials, _toy_trial, 2, tmp_path, device="cpu", trial_timeout_s=10, timeout_s=60)
+    assert time.monotonic() - t0 < 120  # nothing waited for the 60 s process-group timeout
+    assert list(df["status"]) == ["ok", "error", "ok", "timeout"]  # a fresh gang ran trial 2 after the death
+    assert list(df.loc[df["status"] == "ok", "total"]) == [3.0, 3.0]
+    assert "ActorDied" in df["error"][1] or "RayActorError" in df["error"][1], df["error"][1]
+    assert "still running after 10 s" in df["error"][3]
+    on_disk = read_results(tmp_path / "toy.parquet")
+    assert list(on_disk["status"]) == list(df["status"])
+    assert {"world_size", "launcher", "device", "gpu_visibility", "backend"} <= set(on_disk.columns)
+    assert (on_disk["world_size"] == 2).all() and (on_disk["launcher"] == "ray").all()
+
+    # --resume: the ok trials are not run again, the new one is; failed ones are retried (here: dropped).
+    done_calls = sorted(p.name for p in log.iterdir())
+    resumed = [t for t in trials if t["kind"] == "ok"] + [{"kind": "ok", "i": 5, "log": str(log)}]
+    df2 = run_sweep("toy", resumed, _toy_trial, 2, tmp_path, device="cpu", resume=True, show=False)
+    assert sorted(p.name for p in log.iterdir()) == sorted(done_calls + ["5.rank0", "5.rank1"])
+    assert list(df2["status"]) == ["ok"] * 3
+    old_utc = dict(zip(on_disk["trial_id"], on_disk["utc"]))
+    assert all(old_utc[tid] == utc for tid, utc in zip(df2["trial_id"][:2], df2["utc"][:2]))
+    assert len(read_results(tmp_path / "toy.parquet")) == 5  # 4 old rows (2 failed) + 1 new
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_process_gang_sweep_turns_exception_and_death_into_rows(tmp_path):
+    trials = [{"kind": "raise", "i": 0, "log": str(tmp_path)}, {"kind": "die", "i": 1, "log": str(tmp_path)}]
+    df = run_sweep("toy-mp", trials, _toy_trial, 2, tmp_path, device="cpu", launcher="mp", show=False)
+    assert list(df["status"]) == ["error", "error"]
+    assert df["error"][0].startswith("ValueError: trial raised on purpose")
+    assert "rank 1" in df["error"][1] and "exited with code 1" in df["error"][1]
+    assert (df["launcher"] == "mp").all()
+
+
+def test_process_gang_more_gpus_than_exist_fails_fast():
+    have = torch.cuda.device_count()
+    with pytest.raises(PlacementInfeasible, match=f"asked for {have + 1} GPUs on this machine .*it has {have}"):
+        ProcessGang(have + 1, device="cuda").start()

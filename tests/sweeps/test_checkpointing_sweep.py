@@ -1,0 +1,75 @@
+"""sweeps/checkpointing.py on the CPU: trial validation, one trial's metrics, the best-k neighbours, the report,
+and the script end to end (local launcher, offload study)."""
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from sweeps import checkpointing as sweep
+
+TINY = dict(study="segments", size="tiny", num_layers=4, context_length=32, batch_size=2, warmup=1, steps=2,
+            device="cpu")
+
+
+@pytest.fixture(autouse=True)
+def single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_trial_validation():
+    for bad, match in ((dict(study="x"), "study"), (dict(size="huge"), "size"), (dict(dtype="int8"), "dtype"),
+                       (dict(policy="full*3"), "add up|entries"), (dict(steps=0), "steps")):
+        with pytest.raises(ValueError, match=match):
+            sweep.Trial(**{**TINY, "policy": "none", **bad})
+
+
+def test_run_trial_metrics_match_the_model():
+    none = sweep.run_trial({**TINY, "policy": "none"})
+    full = sweep.run_trial({**TINY, "policy": "full:2"})
+    assert full["segment_k"] == 2 and math.isnan(none["segment_k"])
+    assert full["peak_bytes"] < none["peak_bytes"]
+    assert full["recompute_flops"] > 0 == none["recompute_flops"]
+    for m in (none, full):
+        assert abs(m["predicted_rel_error"]) < 0.05
+        assert m["step_mean_s"] > 0 and m["memory_method"].startswith("cpu")
+
+
+def test_grid_and_neighbours_of_best():
+    cpu = torch.device("cpu")
+    seg = sweep.grid("segments", cpu, True, "fp32", 2, 5)
+    assert [t["policy"] for t in seg] == ["none", "selective", "nested", "sqrt", "full:1", "full:2", "full:4",
+                                          "full:8"]
+    assert {t["size"] for t in seg} == {"tiny"} and all(sweep.Trial(**t) for t in seg)
+    assert len(sweep.grid("context", cpu, True, "fp32", 2, 5)) == 9
+    gpu = sweep.grid("segments", torch.device("cuda"), False, "fp32", 2, 5)
+    assert gpu[0]["size"] == "xl" and gpu[-1]["policy"] == "full:32"
+    df = pd.DataFrame({"study": "segments", "status": ["ok", "ok", "ok", "oom"], "segment_k": [1, 2, 8, 32],
+                       "peak_bytes": [5.0, 4.0, 6.0, float("nan")]})
+    assert sweep.neighbours_of_best(df, 32) == [3]
+
+
+def test_summarize_answers_the_questions():
+    gib = 2**30
+    rows = [dict(study="context", size="m", context_length=4096, batch_size=1, policy=p, status="ok", device="cuda",
+                 segment_k=float("nan"), step_mean_s=t, peak_bytes=pk * gib, between_steps_bytes=10 * gib,
+                 activation_peak_bytes=(pk - 10) * gib, predicted_peak_bytes=pk * gib * 1.05,
+                 predicted_rel_error=0.05)
+            for p, t, pk in (("none", 1.0, 60), ("selective", 1.04, 20), ("full", 1.3, 12))]
+    text = sweep.summarize(pd.DataFrame(rows))
+    assert "selective keeps 5.00x less activation memory than none at +4.0% step time" in text
+    assert "target >= 4x at <= 5%: met" in text
+    assert "within 10% of measured on 3 of 3" in text
+
+
+def test_script_writes_parquet_and_report(tmp_path):
+    df = sweep.main(["--quick", "--device", "cpu", "--study", "offload", "--out", str(tmp_path)])
+    assert (tmp_path / "checkpointing.parquet").exists() and (tmp_path / "checkpointing.md").exists()
+    assert list(df.policy) == ["none", "full", "offload:0"] and set(df.status) == {"ok"}
+    assert df.loc[df.policy == "offload:0", "offloaded_bytes_per_step"].iloc[0] > 0
+    again = sweep.main(["--quick", "--device", "cpu", "--study", "offload", "--out", str(tmp_path), "--resume"])
+    assert list(again.trial_id) == list(df.trial_id)  # resumed: nothing re-run, nothing duplicated

@@ -1,0 +1,128 @@
+"""CPU tests of the attention / FlashAttention sweeps: rows, statuses, speedups, tuned-config round trip.
+
+The GPU parts (Triton timings, SDPA backends, Ray Tune trials) need a GPU; here the scripts run their CPU
+paths on tiny grids, and the table logic runs on hand-made rows whose answers are known.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pandas as pd
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # one interpreter decision per process for every flash test module
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from sweeps import attention, flash_bench, flash_summary, flash_tiles  # noqa: E402
+
+
+def test_flash_bench_cpu_rows(tmp_path):
+    df = flash_bench.main(["--study", "target", "--quick", "--device", "cpu", "--out", str(tmp_path),
+                           "--providers", "naive,pytorch_tiled,triton,sdpa_flash"])
+    on_disk = pd.read_parquet(tmp_path / "flash_bench.parquet")
+    assert len(on_disk) == len(df) == 4
+    status = dict(zip(df["provider"], df["status"]))
+    assert status == {"naive": "ok", "pytorch_tiled": "ok", "triton": "skipped", "sdpa_flash": "skipped"}
+    ok = df[df["status"] == "ok"]
+    assert (ok[["fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_tflops"]] > 0).all().all()
+    assert (ok["max_abs_err"] < 1e-5).all()  # fp32 providers against fp32 SDPA
+    assert df.loc[df["provider"] == "triton", "error"].str.contains("CUDA").all()
+
+
+def test_flash_bench_rejects_unknown_provider(tmp_path):
+    with pytest.raises(ValueError, match="unknown providers"):
+        flash_bench.main(["--quick", "--device", "cpu", "--out", str(tmp_path), "--providers", "cutlass"])
+
+
+def test_speedups_against_each_sdpa_backend():
+    shape = dict(study="target", batch=1, heads=16, seq=16384, head_dim=128, dtype="bf16", causal=True, status="ok")
+    rows = [dict(shape, provider="triton", fwd_ms=1.0, bwd_ms=4.0, fwd_bwd_ms=5.0),
+            dict(shape, provider="sdpa_flash", fwd_ms=2.0, bwd_ms=6.0, fwd_bwd_ms=8.0),
+            dict(shape, provider="sdpa_cudnn", fwd_ms=1.5, bwd_ms=3.0, fwd_bwd_ms=4.5),
+            dict(shape, provider="naive", status="oom", fwd_ms=float("nan"), bwd_ms=float("nan"),
+                 fwd_bwd_ms=float("nan"))]
+    df = flash_bench.add_speedups(pd.DataFrame(rows)).set_index("provider")
+    assert df.loc["triton", "speedup_fwd_vs_sdpa_flash"] == pytest.approx(2.0)
+    assert df.loc["triton", "speedup_fwd_vs_sdpa_cudnn"] == pytest.approx(1.5)
+    assert df.loc["triton", "speedup_fwd_vs_best_sdpa"] == pytest.approx(1.5)
+    assert df.loc["triton", "speedup_fwd_bwd_vs_best_sdpa"] == pytest.approx(0.9)
+    assert df.loc["triton", "speedup_bwd_vs_sdpa_flash"] == pytest.approx(1.5)
+    assert pd.isna(df.loc["naive", "speedup_fwd_vs_best_sdpa"])
+
+
+def test_flash_tiles_grids_hold_only_valid_configs():
+    from kernels.flash_attention_tuning import FlashConfig
+
+    spaces = flash_tiles.param_spaces(False, flash_tiles.SHAPES)
+    for kernel, space in spaces.items():
+        configs = flash_tiles.grid_configs(space)
+        assert len(configs) == (len(flash_tiles.TILES[kernel]) * len(flash_tiles.WARPS) * len(flash_tiles.STAGES)
+                                * len(flash_tiles.SHAPES))
+        for c in configs:
+            m, n = map(int, c["tile"].split("x"))
+            FlashConfig(m, n, c["num_warps"], c["num_stages"]).check(kernel)
+            flash_tiles.parse_shape(c["shape"])
+    with pytest.raises(ValueError, match="shape"):
+        flash_tiles.parse_shape("4096/128/int8/causal")
+
+
+def _tile_row(kernel, tile, warps, stages, shape, ms, status="ok"):
+    m, n = map(int, tile.split("x"))
+    return dict(kernel=kernel, tile=tile, num_warps=warps, num_stages=stages, shape=shape, status=status,
+                block_m=m, block_n=n, median_ms=ms, tflops=100.0 / ms, error="",
+                **flash_tiles.parse_shape(shape))
+
+
+def test_best_configs_round_trip_into_the_kernels_loader(tmp_path):
+    from kernels.flash_attention_tuning import load_tuned_configs
+
+    a, b = "16384/128/bfloat16/causal", "4096/128/bfloat16/causal"
+    rows = [_tile_row("fwd", "128x64", 8, 3, a, 2.0), _tile_row("fwd", "128x64", 8, 3, b, 0.6),
+            _tile_row("fwd", "128x128", 8, 3, a, 1.9), _tile_row("fwd", "128x128", 8, 3, b, 0.9),  # worse geomean
+            _tile_row("fwd", "64x64", 4, 2, a, 1.5),  # fastest on a, but never ran on b
+            _tile_row("fwd", "64x32", 4, 2, b, 0.1, status="error")]
+    best = flash_tiles.best_configs(pd.DataFrame(rows))
+    first = best["fwd"][0]
+    assert (first["block_m"], first["block_n"], first["num_warps"], first["num_stages"]) == (128, 64, 8, 3)
+    assert first["head_dim"] == 128 and first["dtype"] == "bfloat16"
+    per_shape = {e["shape"]: (e["block_m"], e["block_n"]) for e in best["fwd"][1:]}
+    assert per_shape == {a: (64, 64), b: (128, 64)}
+    assert best["dkdv"] == [] and best["dq"] == []
+    path = tmp_path / "tuned.json"
+    flash_tiles.write_json({"note": "test", **best}, path)
+    assert load_tuned_configs(path)["fwd"] == json.loads(path.read_text())["fwd"]
+
+
+def test_summary_tables_render():
+    rows = [_tile_row("dq", "128x32", 8, 3, "16384/128/bfloat16/causal", 2.8),
+            _tile_row("dq", "64x16", 8, 2, "16384/128/bfloat16/causal", float("nan"), status="error")]
+    text = flash_summary.tiles_table(pd.DataFrame(rows))
+    assert "128x32" in text and "error" in text
+
+
+def test_attention_sweep_cpu_rows_and_saved_bytes(tmp_path):
+    df = attention.main(["--quick", "--device", "cpu", "--out", str(tmp_path)])
+    assert (tmp_path / "attention.parquet").exists() and len(df) == 2 and (df["status"] == "ok").all()
+    # autograd keeps three B x N x N fp32 matrices, the N x N mask and Q, K, V: the analytic count holds
+    ratio = df["saved_for_backward_bytes"] / df["expected_saved_bytes"]
+    assert ((ratio > 0.99) & (ratio < 1.02)).all()
+    assert (df["backward_mean_s"] > 0).all()
+    assert "largest: batch 8, seq 128" in (tmp_path / "attention_memory.md").read_text()
+
+
+def test_attention_oom_is_a_row_and_gets_accounted(tmp_path, monkeypatch):
+    def fake_trial(cfg, device, steps, warmup):
+        if cfg["seq"] >= 128:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+        return {"forward_mean_s": 1e-3, "forward_std_s": 0.0, "backward_mean_s": 2e-3, "backward_std_s": 0.0,
+                "memory_before_backward_bytes": float("nan"), "saved_for_backward_bytes": 1.0}
+
+    monkeypatch.setattr(attention, "run_trial", fake_trial)
+    df = attention.main(["--quick", "--device", "cpu", "--out", str(tmp_path)])
+    assert dict(zip(df["seq"], df["status"])) == {64: "ok", 128: "oom"}
+    report = (tmp_path / "attention_memory.md").read_text()
+    assert "ran out of memory: batch 8, seq 128, d 16" in report
+    assert f"{8 * 128 * 128 * 4 / 2**30:.2f} GiB" in report

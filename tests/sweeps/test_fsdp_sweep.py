@@ -1,0 +1,130 @@
+"""sweeps/fsdp.py on the CPU: the grid, the memory prediction, the trace arithmetic and the report (pure logic),
+the trial function on 2 gloo ranks with a stand-in RankContext, and the whole script on plain processes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+import torch
+import torch.distributed as dist
+from torch.autograd import DeviceType
+
+from raysys.rank import RankContext
+from sweeps import fsdp as fsdp_sweep
+from tests.parallel.dist_utils import run_ranks
+
+TINY = dict(size="tiny", context_length=16, batch_per_rank=2, warmup=1, steps=2)
+
+
+def test_trials_grid_and_validation():
+    trials = fsdp_sweep.trials(dtypes=["fp32", "bf16"], variants=["single", "fsdp"], profile=["fsdp"], **TINY)
+    assert [(t["dtype"], t["variant"], t["profile"]) for t in trials] == [
+        ("fp32", "single", False), ("fp32", "fsdp", True), ("bf16", "single", False), ("bf16", "fsdp", True)]
+    for bad, match in ((dict(dtypes=["fp8"]), "fp8"), (dict(variants=["zero3"]), "zero3"),
+                       (dict(profile=["x"]), "profile"), (dict(steps=1), "steps"), (dict(size="huge"), "huge")):
+        kwargs = dict(dtypes=["fp32"], variants=["fsdp"], profile=[], **TINY)
+        kwargs.update(bad)
+        with pytest.raises(ValueError, match=match):
+            fsdp_sweep.trials(**kwargs)
+
+
+def test_expected_state_by_hand():
+    # tiny: vocab 256, d 64, d_ff 128, 2 blocks. Embedding and LM head 256*64 = 16384 each; a block has
+    # 4*64*64 + 3*64*128 = 40960 Linear weights and 2*64 = 128 norm weights; final norm 64.
+    # P = 2*16384 + 2*(40960 + 128) + 64 = 115008. fp32 params + grads + AdamW's 2 moments = 16 bytes per element.
+    per_rank = lambda variant: fsdp_sweep.expected_state(dict(variant=variant, size="tiny", context_length=16), 2)
+    assert per_rank("single")["expected_state_bytes"] == 16 * 115008
+    assert per_rank("ddp")["expected_state_bytes"] == 16 * 115008
+    # ddp_sharded: params and grads whole (8P), moments split over 2 ranks (8P / 2).
+    assert per_rank("ddp_sharded")["expected_state_bytes"] == 8 * 115008 + 4 * 115008
+    # fsdp: every Linear/Embedding weight has an even row count, so halves: (2*16384 + 2*40960) / 2 = 57344,
+    # plus the 2*128 + 64 = 320 replicated norm weights = 57664 per rank.
+    assert per_rank("fsdp")["expected_params_bytes"] == 4 * 57664
+    assert per_rank("fsdp")["expected_state_bytes"] == 16 * 57664
+    # fsdp2 shards the norms as well: 115008 / 2 = 57504.
+    assert per_rank("fsdp2")["expected_state_bytes"] == 16 * 57504
+
+
+def _event(name: str, start: float, end: float, device=DeviceType.CUDA) -> SimpleNamespace:
+    return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
+                           is_user_annotation=False)
+
+
+def test_overlap_metrics_from_kernel_intervals():
+    events = [_event("ampere_sgemm", 0, 10), _event("elementwise_kernel", 12, 20), _event("sm90_xmma_gemm", 30, 40),
+              _event("ncclDevKernel_AllGather_RING_LL", 5, 11),      # 1 us with no compute: hidden enough
+              _event("ncclDevKernel_AllGather_RING_LL", 20, 28),     # 8 us exposed: compute waited, a stall
+              _event("ncclDevKernel_ReduceScatter_Sum_f32", 35, 45),  # 5 us exposed after the last kernel
+              _event("Memcpy HtoD", 50, 60), _event("aten::mm", 0, 100, DeviceType.CPU)]
+    m = fsdp_sweep.overlap_metrics(events)
+    assert m["allgather_kernels"] == 2 and m["allgather_ms"] == pytest.approx(0.014)
+    assert m["allgather_exposed_ms"] == pytest.approx(0.009)
+    assert m["stalled_allgathers"] == 1
+    assert m["reducescatter_ms"] == pytest.approx(0.010) and m["reducescatter_exposed_ms"] == pytest.approx(0.005)
+    assert m["allreduce_kernels"] == 0
+
+
+def _row(variant: str, step_ms: float, peak: float, state: float, expected: float) -> dict:
+    return dict(status="ok", dtype="bf16", variant=variant, size="xl", context_length=512, world_size=2,
+                batch_per_rank=4, warmup=2, steps=8, step_ms=step_ms, step_ms_std=1.0,
+                peak_memory_max_rank_bytes=peak * 2**30, state_bytes=state * 2**30,
+                expected_state_bytes=expected * 2**30, error="")
+
+
+def test_report_ratios_savings_and_targets():
+    df = pd.DataFrame([_row("single", 100.0, 60, 54, 54), _row("ddp_sharded", 104.0, 50, 41, 41),
+                       _row("fsdp", 108.0, 30, 27.5, 27.3), _row("fsdp2", 137.0, 32, 27.4, 27.3)])
+    ratios = fsdp_sweep.with_ratios(df)
+    assert ratios["vs_single"].tolist() == pytest.approx([1.0, 1.04, 1.08, 1.37])
+    assert ratios["vs_fsdp2"].tolist() == pytest.approx([100 / 137, 104 / 137, 108 / 137, 1.0])
+    savings = fsdp_sweep.memory_savings(df)
+    fsdp_row = savings[(savings["variant"] == "fsdp") & (savings["against"] == "ddp_sharded")].iloc[0]
+    assert fsdp_row["expected (GiB)"] == pytest.approx(41 - 27.3) and fsdp_row["peak (GiB)"] == pytest.approx(20)
+    lines = fsdp_sweep.targets(df)
+    assert "1.080x single (met" in lines[0] and "fsdp2 1.370x" in lines[0]
+    assert "30.00 GiB vs fsdp2 32.00 GiB (met" in lines[1]
+    text = fsdp_sweep.markdown(df)
+    assert "| bf16    | fsdp " in text and "Targets (same run)" in text
+
+
+def _ctx(rank: int, world_size: int) -> RankContext:
+    return RankContext(rank=rank, world_size=world_size, local_rank=rank, node_rank=0, device=torch.device("cpu"),
+                       backend="gloo", process_group=dist.group.WORLD)
+
+
+def _run_trials(rank: int, world_size: int, configs: list[dict]) -> list[dict]:
+    return [fsdp_sweep.fsdp_trial(_ctx(rank, world_size), c) for c in configs]
+
+
+@pytest.mark.multiproc
+def test_trial_function_on_gloo_ranks():
+    configs = fsdp_sweep.trials(dtypes=["fp32"], variants=list(fsdp_sweep.VARIANTS), profile=["fsdp"], **TINY)
+    configs += fsdp_sweep.trials(dtypes=["bf16"], variants=["single_cast", "fsdp"], profile=[], **TINY)
+    per_rank = run_ranks(_run_trials, 2, configs, timeout_s=300)
+    for i, config in enumerate(configs):
+        ranks = [r[i] for r in per_rank]
+        m = fsdp_sweep.reduce_ranks(config, ranks)
+        assert m["step_ms"] > 0 and m["step_ms_max_rank"] >= m["step_ms"]
+        if config["variant"] == "ddp_sharded":  # moments split over the ranks: their sum is the whole
+            assert sum(r["optimizer_state_bytes"] for r in ranks) == sum(r["expected_optimizer_state_bytes"]
+                                                                         for r in ranks)
+            assert m["params_bytes"] + m["grads_bytes"] == m["expected_params_bytes"] + m["expected_grads_bytes"]
+        else:  # what the tensors hold is what the sharding predicts, to the byte
+            assert m["state_bytes"] == m["expected_state_bytes"], config["variant"]
+        if config["variant"] == "fsdp":
+            assert m["all_gathers_per_step"] == 2 * 16 - 1  # 16 layers, the embedding not re-gathered in backward
+            assert m["gather_wait_ms"] >= 0 and m["peak_gathered_bytes"] > 0
+
+
+@pytest.mark.multiproc
+def test_script_without_ray_writes_table_and_resumes(tmp_path):
+    argv = ["--device", "cpu", "--launcher", "mp", "--out", str(tmp_path), "--variants", "single,fsdp",
+            "--dtypes", "bf16", "--context-length", "16", "--warmup", "1", "--steps", "2", "--profile", "fsdp"]
+    df = fsdp_sweep.main(argv)
+    assert df["status"].tolist() == ["ok", "ok"]
+    assert (tmp_path / "fsdp.parquet").exists() and (tmp_path / "traces" / "fsdp_fsdp_bf16.json").exists()
+    assert "| bf16    | fsdp " in (tmp_path / "fsdp.md").read_text()
+    again = fsdp_sweep.main([*argv, "--resume"])  # everything done: no gang starts, same rows
+    assert again["trial_id"].tolist() == df["trial_id"].tolist()
