@@ -1,0 +1,643 @@
+"""FlashAttention-2 in Triton: fused forward (Algorithm 1) and a two-pass backward (Algorithm 2), no atomics.
+
+Computes O = softmax(Q K^T / sqrt(d) + mask) V and the row log-sum-exp L = logsumexp(Q K^T / sqrt(d) + mask)
+(natural log), where the causal mask adds -1e6 to the score of key j for query i when j > i
+[T. Dao, FlashAttention-2, 2023; CS336 assignment 2, section 4.2].
+
+Shape legend: B batch, H heads (absent for 3-D input), M n_queries, N n_keys, D head dim in [16, 128],
+BLOCK_D = next power of two >= D (the padded columns are masked on load and store). Inputs are
+(B, M, D) / (B, N, D) or (B, H, M, D) / (B, H, N, D), any strides, fp32 / fp16 / bf16; causal needs M == N.
+
+Forward (`_flash_fwd_kernel`, grid (cdiv(M, BLOCK_M), B*H)): a program keeps one query tile in registers and
+walks the key tiles once with fp32 running max m, denominator l and output accumulator. Scores live in base-2
+units (s2 = q.k * scale * log2 e, so exp2(s2 - m2) == exp(s - m) and the exponent is one FMA + MUFU.EX2).
+Causal: key tiles above the diagonal are never visited; the tiles strictly below it run without any index
+comparison; only the BLOCK_M / BLOCK_N diagonal tiles build the mask. Programs are handed out longest-row
+first, so the heaviest query tiles do not start last and leave a tail on the SMs. Writes O and L.
+
+Backward (Algorithm 2): `_flash_bwd_preprocess_kernel` writes D = rowsum(O * dO); `_flash_bwd_dkdv_kernel`
+keeps one (K, V) tile in registers and walks the query tiles (dV += P^T dO, dK += dS^T Q); `_flash_bwd_dq_kernel`
+keeps one (Q, dO) tile and walks the key tiles (dQ += dS K). P = exp(S - L) is recomputed in both passes,
+so no program writes another's output and there are no atomics. The same causal split (skip, unmasked,
+diagonal) and heavy-first ordering apply. Accumulators are fp32; P and dS are cast to the input dtype
+before their matmuls. fp32 inputs use exact fp32 products unless `torch.set_float32_matmul_precision`
+allows TF32.
+
+Tile sizes, warps and stages are autotuned per (sequence bucket, head dim, causal, dtype) over the candidates
+of `kernels/flash_attention_tuning.py` that its pruning predicate keeps (tile divisibility, shared memory,
+registers), the Ray Tune sweep's best configs first. `RAYSYS_FLASH_AUTOTUNE=0` skips the benchmark and takes
+the first valid config. Under `TRITON_INTERPRET=1` (read when this module is imported) there is one small
+config per kernel and CPU tensors are accepted; the interpreter has no bf16.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.flash_attention_pytorch import MASK_VALUE, autocast_inputs, check_attention_inputs
+from kernels.flash_attention_tuning import (
+    AUTOTUNE_KEY,
+    INTERPRET,
+    FlashConfig,
+    config_list,
+    even_heuristics,
+    make_pruner,
+)
+
+LOG2E = 1.4426950408889634
+
+
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _load_tile(ptrs, rows, cols, n_rows, n_cols, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
+    """Load a (rows, cols) tile; masked-off elements read as 0. Masks exist only where asked for."""
+    if MASK_ROWS:
+        if MASK_COLS:
+            x = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
+        else:
+            x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+    else:
+        if MASK_COLS:
+            x = tl.load(ptrs, mask=cols[None, :] < n_cols, other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _store_tile(ptrs, x, rows, cols, n_rows, n_cols, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
+    if MASK_ROWS:
+        if MASK_COLS:
+            tl.store(ptrs, x, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols))
+        else:
+            tl.store(ptrs, x, mask=rows[:, None] < n_rows)
+    else:
+        if MASK_COLS:
+            tl.store(ptrs, x, mask=cols[None, :] < n_cols)
+        else:
+            tl.store(ptrs, x)
+
+
+@triton.jit
+def _load_rowvec(ptrs, rows, n_rows, other, MASK_ROWS: tl.constexpr):
+    if MASK_ROWS:
+        x = tl.load(ptrs, mask=rows < n_rows, other=other)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _program_ids(IS_CAUSAL: tl.constexpr, HEAVY_LAST_TILE: tl.constexpr):
+    """(tile index, batch*head index) of this program.
+
+    Programs start in launch order (axis 0 fastest). With a causal mask the work of a tile grows with its
+    distance from the first key (forward, dQ: the last query tiles) or shrinks with it (dK/dV: the first key
+    tiles are heaviest), so the launch order is remapped to hand out the heaviest tiles of every head first.
+    """
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    if IS_CAUSAL:
+        num_t = tl.num_programs(0)
+        num_bh = tl.num_programs(1)
+        lin = pid_bh * num_t + pid_t
+        pid_bh = lin % num_bh
+        if HEAVY_LAST_TILE:
+            pid_t = num_t - 1 - lin // num_bh
+        else:
+            pid_t = lin // num_bh
+    return pid_t, pid_bh
+
+
+@triton.jit
+def _flash_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                     offs_m, offs_d, lo, hi, N_K, qk_scale,
+                     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+                     MASK_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """Algorithm 1, lines 7-14, over key tiles [lo, hi) (lo a multiple of BLOCK_N)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    k_ptrs = k_base + (lo + offs_n)[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = v_base + (lo + offs_n)[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        # 1. S = Q K^T, in base-2 units once scaled.
+        k = _load_tile(k_ptrs, cols, offs_d, N_K, HEAD_DIM, MASK_N, not EVEN_D)
+        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+        # 2. Running max. Masked scores get -1e6 (times log2 e, as all scores here); the unmasked tiles fold
+        #    the scale into one FMA per score.
+        if CAUSAL_MASK:
+            qk = qk * qk_scale + tl.where(offs_m[:, None] >= cols[None, :], 0.0, -1.4426950408889634e6)
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            qk = qk - m_new[:, None]
+        elif MASK_N:
+            qk = qk * qk_scale + tl.where(cols[None, :] < N_K, 0.0, -1.4426950408889634e6)
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            qk = qk - m_new[:, None]
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            qk = qk * qk_scale - m_new[:, None]
+        # 3. P~ = exp(S - m), rescale the old l and O by exp(m_old - m_new), accumulate P~ V in fp32.
+        p = tl.math.exp2(qk)
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = _load_tile(v_ptrs, cols, offs_d, N_K, HEAD_DIM, MASK_N, not EVEN_D)
+        acc = tl.dot(p.to(v.dtype), v, acc=acc, input_precision=INPUT_PRECISION)
+        m_i = m_new
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _flash_fwd_kernel(Q, K, V, O, L,
+                      stride_qb, stride_qh, stride_qm, stride_qd,
+                      stride_kb, stride_kh, stride_kn, stride_kd,
+                      stride_vb, stride_vh, stride_vn, stride_vd,
+                      stride_ob, stride_oh, stride_om, stride_od,
+                      H, N_Q, N_K, qk_scale, SEQ_BUCKET,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
+                      EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    # SEQ_BUCKET (next power of two of max(M, N)) is only an autotuning key.
+    pid_m, pid_bh = _program_ids(IS_CAUSAL, True)
+    off_b = (pid_bh // H).to(tl.int64)
+    off_h = (pid_bh % H).to(tl.int64)
+    q_base = Q + off_b * stride_qb + off_h * stride_qh
+    k_base = K + off_b * stride_kb + off_h * stride_kh
+    v_base = V + off_b * stride_vb + off_h * stride_vh
+    o_base = O + off_b * stride_ob + off_h * stride_oh
+    l_base = L + pid_bh.to(tl.int64) * N_Q
+
+    # 1. Load the query tile once (Algorithm 1, line 5); init m = -inf, l = 0, O = 0 in fp32 (line 6).
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = _load_tile(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, offs_m, offs_d,
+                   N_Q, HEAD_DIM, not EVEN_M, not EVEN_D)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # 2. Key loop (lines 7-14).
+    if IS_CAUSAL:
+        # Off-diagonal tiles: every key < start_m, so no comparison (BLOCK_M % BLOCK_N == 0 aligns them).
+        acc, l_i, m_i = _flash_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                                         stride_vd, offs_m, offs_d, 0, start_m, N_K, qk_scale, HEAD_DIM,
+                                         BLOCK_N, False, False, EVEN_D, INPUT_PRECISION)
+        # Diagonal tiles: keys [start_m, start_m + BLOCK_M); the later ones are masked for every row.
+        acc, l_i, m_i = _flash_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                                         stride_vd, offs_m, offs_d, start_m, tl.minimum(start_m + BLOCK_M, N_K),
+                                         N_K, qk_scale, HEAD_DIM, BLOCK_N, True, not EVEN_N, EVEN_D,
+                                         INPUT_PRECISION)
+    else:
+        n_full = (N_K // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _flash_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                                         stride_vd, offs_m, offs_d, 0, n_full, N_K, qk_scale, HEAD_DIM,
+                                         BLOCK_N, False, False, EVEN_D, INPUT_PRECISION)
+        if not EVEN_N:  # the one partial key tile: out-of-range keys are masked like causal ones
+            acc, l_i, m_i = _flash_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                                             stride_vd, offs_m, offs_d, n_full, N_K, N_K, qk_scale, HEAD_DIM,
+                                             BLOCK_N, False, True, EVEN_D, INPUT_PRECISION)
+
+    # 3. O = O~ / l (line 15), L = m + log l (line 16; back from base 2 to natural log), write both.
+    acc = acc / l_i[:, None]
+    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+    _store_tile(o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, acc.to(O.dtype.element_ty),
+                offs_m, offs_d, N_Q, HEAD_DIM, not EVEN_M, not EVEN_D)
+    if EVEN_M:
+        tl.store(l_base + offs_m, lse)
+    else:
+        tl.store(l_base + offs_m, lse, mask=offs_m < N_Q)
+
+
+@triton.jit
+def _flash_bwd_preprocess_kernel(O, DO, Delta,
+                                 stride_ob, stride_oh, stride_om, stride_od,
+                                 stride_dob, stride_doh, stride_dom, stride_dod,
+                                 H, N_Q, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Algorithm 2, line 2: D = rowsum(O * dO) in fp32."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // H).to(tl.int64)
+    off_h = (pid_bh % H).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    o = _load_tile(O + off_b * stride_ob + off_h * stride_oh + rows[:, None] * stride_om + cols[None, :] * stride_od,
+                   rows, cols, N_Q, HEAD_DIM, True, True)
+    do = _load_tile(DO + off_b * stride_dob + off_h * stride_doh + rows[:, None] * stride_dom
+                    + cols[None, :] * stride_dod, rows, cols, N_Q, HEAD_DIM, True, True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(Delta + pid_bh.to(tl.int64) * N_Q + rows, delta, mask=rows < N_Q)
+
+
+@triton.jit
+def _flash_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, delta_base,
+                          stride_qm, stride_qd, stride_dom, stride_dod,
+                          offs_n, offs_d, lo, hi, N_Q, qk_scale,
+                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+                          MASK_M: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """Algorithm 2, lines 9-17, over query tiles [lo, hi), in the transposed (keys x queries) orientation."""
+    offs_mb = tl.arange(0, BLOCK_M)
+    q_ptrs = q_base + (lo + offs_mb)[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    do_ptrs = do_base + (lo + offs_mb)[:, None] * stride_dom + offs_d[None, :] * stride_dod
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        rows = start_m + offs_mb
+        q = _load_tile(q_ptrs, rows, offs_d, N_Q, HEAD_DIM, MASK_M, not EVEN_D)
+        # Out-of-range queries get L = +inf, hence P = 0, and contribute nothing.
+        lse2 = _load_rowvec(l_base + rows, rows, N_Q, float("inf"), MASK_M) * 1.4426950408889634
+        # 1. P^T = exp(S^T - L) (eqs. 13-14), recomputed from Q, K and L.
+        qk_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)
+        p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])
+        if CAUSAL_MASK:
+            p_t = tl.where(rows[None, :] >= offs_n[:, None], p_t, 0.0)
+        # 2. dV += P^T dO (eq. 15).
+        do = _load_tile(do_ptrs, rows, offs_d, N_Q, HEAD_DIM, MASK_M, not EVEN_D)
+        dv = tl.dot(p_t.to(do.dtype), do, acc=dv, input_precision=INPUT_PRECISION)
+        # 3. dS^T = P^T * (dP^T - D) with dP^T = V dO^T (eqs. 16-17); dK += dS^T Q (eq. 19, scaled later).
+        delta = _load_rowvec(delta_base + rows, rows, N_Q, 0.0, MASK_M)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, acc=dk, input_precision=INPUT_PRECISION)
+        q_ptrs += BLOCK_M * stride_qm
+        do_ptrs += BLOCK_M * stride_dom
+    return dk, dv
+
+
+@triton.jit
+def _flash_bwd_dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV,
+                           stride_qb, stride_qh, stride_qm, stride_qd,
+                           stride_kb, stride_kh, stride_kn, stride_kd,
+                           stride_vb, stride_vh, stride_vn, stride_vd,
+                           stride_dob, stride_doh, stride_dom, stride_dod,
+                           stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                           stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                           H, N_Q, N_K, scale, qk_scale, SEQ_BUCKET,
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
+                           EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    pid_n, pid_bh = _program_ids(IS_CAUSAL, False)
+    off_b = (pid_bh // H).to(tl.int64)
+    off_h = (pid_bh % H).to(tl.int64)
+    q_base = Q + off_b * stride_qb + off_h * stride_qh
+    do_base = DO + off_b * stride_dob + off_h * stride_doh
+    l_base = L + pid_bh.to(tl.int64) * N_Q
+    delta_base = Delta + pid_bh.to(tl.int64) * N_Q
+
+    # 1. K, V tiles stay in registers for the whole query loop (Algorithm 2, lines 7-8).
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = _load_tile(K + off_b * stride_kb + off_h * stride_kh + offs_n[:, None] * stride_kn
+                   + offs_d[None, :] * stride_kd, offs_n, offs_d, N_K, HEAD_DIM, not EVEN_N, not EVEN_D)
+    v = _load_tile(V + off_b * stride_vb + off_h * stride_vh + offs_n[:, None] * stride_vn
+                   + offs_d[None, :] * stride_vd, offs_n, offs_d, N_K, HEAD_DIM, not EVEN_N, not EVEN_D)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    # 2. Query loop. Causal: queries before start_n see none of these keys (skipped); the BLOCK_N / BLOCK_M
+    #    diagonal query tiles compare indices; every later query sees all of them.
+    m_full = (N_Q // BLOCK_M) * BLOCK_M
+    if IS_CAUSAL:
+        dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, delta_base, stride_qm, stride_qd,
+                                       stride_dom, stride_dod, offs_n, offs_d, start_n,
+                                       tl.minimum(start_n + BLOCK_N, N_Q), N_Q, qk_scale, HEAD_DIM, BLOCK_M,
+                                       True, not EVEN_M, EVEN_D, INPUT_PRECISION)
+        lo = start_n + BLOCK_N
+        dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, delta_base, stride_qm, stride_qd,
+                                       stride_dom, stride_dod, offs_n, offs_d, lo, m_full, N_Q, qk_scale,
+                                       HEAD_DIM, BLOCK_M, False, False, EVEN_D, INPUT_PRECISION)
+        if not EVEN_M:
+            dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, delta_base, stride_qm,
+                                           stride_qd, stride_dom, stride_dod, offs_n, offs_d,
+                                           tl.maximum(lo, m_full), N_Q, N_Q, qk_scale, HEAD_DIM, BLOCK_M,
+                                           False, True, EVEN_D, INPUT_PRECISION)
+    else:
+        dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, delta_base, stride_qm, stride_qd,
+                                       stride_dom, stride_dod, offs_n, offs_d, 0, m_full, N_Q, qk_scale,
+                                       HEAD_DIM, BLOCK_M, False, False, EVEN_D, INPUT_PRECISION)
+        if not EVEN_M:
+            dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, delta_base, stride_qm,
+                                           stride_qd, stride_dom, stride_dod, offs_n, offs_d, m_full, N_Q, N_Q,
+                                           qk_scale, HEAD_DIM, BLOCK_M, False, True, EVEN_D, INPUT_PRECISION)
+
+    # 3. Write dK (with the 1/sqrt(d) of eq. 19) and dV (line 18).
+    dk = dk * scale
+    _store_tile(DK + off_b * stride_dkb + off_h * stride_dkh + offs_n[:, None] * stride_dkn
+                + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), offs_n, offs_d, N_K, HEAD_DIM,
+                not EVEN_N, not EVEN_D)
+    _store_tile(DV + off_b * stride_dvb + off_h * stride_dvh + offs_n[:, None] * stride_dvn
+                + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), offs_n, offs_d, N_K, HEAD_DIM,
+                not EVEN_N, not EVEN_D)
+
+
+@triton.jit
+def _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                        offs_m, offs_d, lo, hi, N_K, qk_scale,
+                        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+                        MASK_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """Algorithm 2, lines 23-30, over key tiles [lo, hi)."""
+    offs_nb = tl.arange(0, BLOCK_N)
+    k_ptrs = k_base + (lo + offs_nb)[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = v_base + (lo + offs_nb)[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_nb
+        # Out-of-range keys load as zero rows of K and V, so they add nothing to dQ = dS K.
+        k = _load_tile(k_ptrs, cols, offs_d, N_K, HEAD_DIM, MASK_N, not EVEN_D)
+        v = _load_tile(v_ptrs, cols, offs_d, N_K, HEAD_DIM, MASK_N, not EVEN_D)
+        # 1. P = exp(S - L) (eqs. 13-14).
+        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        if CAUSAL_MASK:
+            p = tl.where(offs_m[:, None] >= cols[None, :], p, 0.0)
+        # 2. dS = P * (dO V^T - D) (eqs. 16-17); dQ += dS K (eq. 18, scaled later).
+        dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, acc=dq, input_precision=INPUT_PRECISION)
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    return dq
+
+
+@triton.jit
+def _flash_bwd_dq_kernel(Q, K, V, DO, L, Delta, DQ,
+                         stride_qb, stride_qh, stride_qm, stride_qd,
+                         stride_kb, stride_kh, stride_kn, stride_kd,
+                         stride_vb, stride_vh, stride_vn, stride_vd,
+                         stride_dob, stride_doh, stride_dom, stride_dod,
+                         stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+                         H, N_Q, N_K, scale, qk_scale, SEQ_BUCKET,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
+                         EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    pid_m, pid_bh = _program_ids(IS_CAUSAL, True)
+    off_b = (pid_bh // H).to(tl.int64)
+    off_h = (pid_bh % H).to(tl.int64)
+    k_base = K + off_b * stride_kb + off_h * stride_kh
+    v_base = V + off_b * stride_vb + off_h * stride_vh
+
+    # 1. Q, dO, L, D of this query tile stay on chip (Algorithm 2, lines 21-22).
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = _load_tile(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm
+                   + offs_d[None, :] * stride_qd, offs_m, offs_d, N_Q, HEAD_DIM, not EVEN_M, not EVEN_D)
+    do = _load_tile(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom
+                    + offs_d[None, :] * stride_dod, offs_m, offs_d, N_Q, HEAD_DIM, not EVEN_M, not EVEN_D)
+    lse2 = _load_rowvec(L + pid_bh.to(tl.int64) * N_Q + offs_m, offs_m, N_Q, float("inf"),
+                        not EVEN_M) * 1.4426950408889634
+    delta = _load_rowvec(Delta + pid_bh.to(tl.int64) * N_Q + offs_m, offs_m, N_Q, 0.0, not EVEN_M)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # 2. Key loop: unmasked tiles below the diagonal, then the masked diagonal tiles.
+    if IS_CAUSAL:
+        dq = _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                                 stride_vd, offs_m, offs_d, 0, start_m, N_K, qk_scale, HEAD_DIM, BLOCK_N,
+                                 False, False, EVEN_D, INPUT_PRECISION)
+        dq = _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                                 stride_vd, offs_m, offs_d, start_m, tl.minimum(start_m + BLOCK_M, N_K), N_K,
+                                 qk_scale, HEAD_DIM, BLOCK_N, True, not EVEN_N, EVEN_D, INPUT_PRECISION)
+    else:
+        n_full = (N_K // BLOCK_N) * BLOCK_N
+        dq = _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                                 stride_vd, offs_m, offs_d, 0, n_full, N_K, qk_scale, HEAD_DIM, BLOCK_N,
+                                 False, False, EVEN_D, INPUT_PRECISION)
+        if not EVEN_N:
+            dq = _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                                     stride_vd, offs_m, offs_d, n_full, N_K, N_K, qk_scale, HEAD_DIM, BLOCK_N,
+                                     False, True, EVEN_D, INPUT_PRECISION)
+
+    # 3. Write dQ with the 1/sqrt(d) of eq. 18 (line 31).
+    dq = dq * scale
+    _store_tile(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqm
+                + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), offs_m, offs_d, N_Q, HEAD_DIM,
+                not EVEN_M, not EVEN_D)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Autotuning (configs and the pruning predicate live in kernels/flash_attention_tuning.py)
+# ----------------------------------------------------------------------------------------------------------
+def _build(kernel: str, fn):
+    """(explicit-config launcher, autotuned launcher) around one jitted kernel."""
+    explicit = triton.heuristics(even_heuristics())(fn)
+    tuned = triton.autotune(configs=[c.to_triton() for c in config_list(kernel)], key=AUTOTUNE_KEY,
+                            prune_configs_by={"early_config_prune": make_pruner(kernel)})(explicit)
+    return explicit, tuned
+
+
+_fwd_explicit, _fwd_tuned = _build("fwd", _flash_fwd_kernel)
+_dkdv_explicit, _dkdv_tuned = _build("dkdv", _flash_bwd_dkdv_kernel)
+_dq_explicit, _dq_tuned = _build("dq", _flash_bwd_dq_kernel)
+
+
+def best_configs() -> dict[str, dict[tuple, FlashConfig]]:
+    """What the autotuners picked so far in this process: kernel -> {autotune key: config}."""
+    return {name: {key: FlashConfig.from_triton(cfg) for key, cfg in tuner.cache.items()}
+            for name, tuner in (("fwd", _fwd_tuned), ("dkdv", _dkdv_tuned), ("dq", _dq_tuned))}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _device_of(t: torch.Tensor):
+    if t.device.type == "cuda":
+        with torch.cuda.device(t.device):
+            yield
+    else:
+        yield
+
+
+# Every buffer the kernels write is allocated here, uninitialised; the tests swap in a NaN-filled allocator with
+# guard elements to prove each element is written exactly within bounds.
+_empty = torch.empty
+
+
+def _check_device(q: torch.Tensor) -> None:
+    if q.device.type == "cuda":
+        return
+    if not INTERPRET:
+        raise ValueError(f"tensors on {q.device} need a CUDA device, or TRITON_INTERPRET=1 set before "
+                         "kernels.flash_attention is imported (CPU interpreter)")
+    if q.dtype == torch.bfloat16:
+        raise ValueError("dtype torch.bfloat16 is not supported by the Triton CPU interpreter (NumPy has no "
+                         "bfloat16); use float16 or float32 under TRITON_INTERPRET=1")
+
+
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 4 else t.unsqueeze(1)
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int, int]:
+    return tuple(t.stride())
+
+
+def _input_precision(dtype: torch.dtype) -> str:
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"  # ignored by tl.dot for 16-bit inputs
+
+
+def _launch_meta(q: torch.Tensor, is_causal: bool) -> dict:
+    """Constexprs shared by the kernels: the head dim padded to a power of two, masks, dot precision."""
+    head_dim = q.shape[-1]
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    return dict(HEAD_DIM=head_dim, BLOCK_D=block_d, IS_CAUSAL=is_causal, EVEN_D=head_dim == block_d,
+                INPUT_PRECISION=_input_precision(q.dtype))
+
+
+def _explicit_kwargs(config: FlashConfig | None, kernel: str) -> dict:
+    if config is None:
+        return {}
+    config.check(kernel)
+    return dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
+                num_stages=config.num_stages)
+
+
+def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
+                        config: FlashConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the forward kernel: (O like q, L fp32 of shape q.shape[:-1]). `config` skips autotuning."""
+    check_attention_inputs(q, k, v, is_causal)
+    _check_device(q)
+    q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
+    batch, heads, n_q, _ = q4.shape
+    n_k = k4.shape[2]
+    out = _empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = _empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    o4 = _as_4d(out)
+    meta = _launch_meta(q, is_causal)
+
+    def grid(m):
+        return (triton.cdiv(n_q, m["BLOCK_M"]), batch * heads)
+
+    launcher = _fwd_tuned if config is None else _fwd_explicit
+    with _device_of(q):
+        launcher[grid](q4, k4, v4, o4, lse, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4),
+                       heads, n_q, n_k, LOG2E / math.sqrt(q.shape[-1]), triton.next_power_of_2(max(n_q, n_k)),
+                       **meta, **_explicit_kwargs(config, "fwd"))
+    return out, lse
+
+
+def flash_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                        grad_out: torch.Tensor, is_causal: bool = False, *, dkdv_config: FlashConfig | None = None,
+                        dq_config: FlashConfig | None = None, compute_dq: bool = True, compute_dkdv: bool = True
+                        ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Run the backward kernels (D, then dK/dV, then dQ): returns (dQ, dK, dV) in the inputs' dtypes."""
+    check_attention_inputs(q, k, v, is_causal)
+    if out.shape != q.shape or grad_out.shape != q.shape:
+        raise ValueError(f"out {tuple(out.shape)} and grad_out {tuple(grad_out.shape)} must have q's shape "
+                         f"{tuple(q.shape)}")
+    if lse.shape != q.shape[:-1] or lse.dtype != torch.float32:
+        raise ValueError(f"lse must be float32 of shape {tuple(q.shape[:-1])}, got {lse.dtype} {tuple(lse.shape)}")
+    _check_device(q)
+    grad_out = grad_out.to(q.dtype)
+    lse = lse.contiguous()
+    q4, k4, v4, o4, do4 = (_as_4d(t) for t in (q, k, v, out, grad_out))
+    batch, heads, n_q, head_dim = q4.shape
+    n_k = k4.shape[2]
+    meta = _launch_meta(q, is_causal)
+    scale = 1.0 / math.sqrt(head_dim)
+    bucket = triton.next_power_of_2(max(n_q, n_k))
+    dq = dk = dv = None
+    with _device_of(q):
+        delta = _empty(lse.shape, dtype=torch.float32, device=lse.device)
+        pre_block = 64
+        _flash_bwd_preprocess_kernel[(triton.cdiv(n_q, pre_block), batch * heads)](
+            o4, do4, delta, *_strides(o4), *_strides(do4), heads, n_q,
+            HEAD_DIM=head_dim, BLOCK_D=meta["BLOCK_D"], BLOCK_M=pre_block, num_warps=4 if not INTERPRET else 1)
+        if compute_dkdv:
+            dk = _empty(k.shape, dtype=k.dtype, device=k.device)
+            dv = _empty(v.shape, dtype=v.dtype, device=v.device)
+            dk4, dv4 = _as_4d(dk), _as_4d(dv)
+            launcher = _dkdv_tuned if dkdv_config is None else _dkdv_explicit
+            launcher[lambda m: (triton.cdiv(n_k, m["BLOCK_N"]), batch * heads)](
+                q4, k4, v4, do4, lse, delta, dk4, dv4, *_strides(q4), *_strides(k4), *_strides(v4),
+                *_strides(do4), *_strides(dk4), *_strides(dv4), heads, n_q, n_k, scale, scale * LOG2E, bucket,
+                **meta, **_explicit_kwargs(dkdv_config, "dkdv"))
+        if compute_dq:
+            dq = _empty(q.shape, dtype=q.dtype, device=q.device)
+            dq4 = _as_4d(dq)
+            launcher = _dq_tuned if dq_config is None else _dq_explicit
+            launcher[lambda m: (triton.cdiv(n_q, m["BLOCK_M"]), batch * heads)](
+                q4, k4, v4, do4, lse, delta, dq4, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4),
+                *_strides(dq4), heads, n_q, n_k, scale, scale * LOG2E, bucket,
+                **meta, **_explicit_kwargs(dq_config, "dq"))
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------------------
+# autograd.Function and public API
+# ----------------------------------------------------------------------------------------------------------
+class FlashAttentionTriton(torch.autograd.Function):
+    """FlashAttention-2 with Triton forward and backward; saves Q, K, V, O and L only."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal=False):
+        out, lse = flash_attention_fwd(q, k, v, is_causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.is_causal = is_causal
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        dq, dk, dv = flash_attention_bwd(q, k, v, out, lse, grad_out, ctx.is_causal, compute_dq=need_q,
+                                         compute_dkdv=need_k or need_v)
+        return dq, dk, dv, None
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
+    """softmax(Q K^T / sqrt(d) + causal mask) V with the Triton kernels (differentiable)."""
+    return FlashAttentionTriton.apply(q, k, v, is_causal)
+
+
+def attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> torch.Tensor:
+    """Model backend `flash_triton`: (batch, heads, seq, d_head) in and out; follows autocast like SDPA."""
+    return FlashAttentionTriton.apply(*autocast_inputs(q, k, v), is_causal)
+
+
+def flash_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
+                              return_lse: bool = False):
+    """Plain-torch attention (eqs. 4-6 and 12) in q's dtype: the test oracle (in fp64) and the naive baseline.
+
+    Masked scores are replaced by -1e6, as in the course's reference, so L matches the kernels' L.
+    Returns O, or (O, L) with `return_lse=True`.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = q @ k.transpose(-2, -1) * scale
+    if is_causal:
+        rows = torch.arange(q.shape[-2], device=q.device)[:, None]
+        cols = torch.arange(k.shape[-2], device=q.device)[None, :]
+        scores = scores.masked_fill(cols > rows, MASK_VALUE)
+    out = torch.softmax(scores, dim=-1) @ v
+    return (out, torch.logsumexp(scores, dim=-1)) if return_lse else out
+
+
+def flash_attention_flops(batch: int, heads: int, n_q: int, n_k: int, d: int, is_causal: bool,
+                          mode: str = "fwd") -> float:
+    """Matmul FLOPs of attention: 2 matmuls forward (QK^T, PV) and 5 backward (S recompute, dV, dP, dQ, dK).
+
+    Causal counts only the unmasked (query, key) pairs, n (n + 1) / 2 per head. `mode` is fwd, bwd or fwd_bwd.
+    """
+    if mode not in ("fwd", "bwd", "fwd_bwd"):
+        raise ValueError(f"mode {mode!r} must be one of fwd, bwd, fwd_bwd")
+    if is_causal:
+        pairs = sum(min(i + 1, n_k) for i in range(n_q)) if n_q != n_k else n_q * (n_q + 1) // 2
+    else:
+        pairs = n_q * n_k
+    per_matmul = 2.0 * batch * heads * pairs * d
+    return per_matmul * {"fwd": 2, "bwd": 5, "fwd_bwd": 7}[mode]

@@ -1,0 +1,223 @@
+"""Launch configurations of the FlashAttention-2 Triton kernels: candidates, pruning predicate, tuned file.
+
+Three kernels are tuned separately: `fwd` (query tile resident, key tiles streamed), `dkdv` (key tile
+resident, query tiles streamed) and `dq` (query tile resident, key tiles streamed). A config is
+(block_m query rows, block_n key rows, num_warps, num_stages). The causal split into unmasked and diagonal
+tiles needs whole tiles on the diagonal: block_m % block_n == 0 for fwd and dq, block_n % block_m == 0 for dkdv.
+
+The pruning predicate `config_fits` also drops configs whose operand tiles overflow shared memory or whose
+fp32 accumulators would spill registers (thresholds measured on sm_90 builds). The Ray Tune sweep
+`sweeps/flash_tiles.py` writes its best configs to `flash_attention_tuned.json` beside this file; they are
+tried first and, with `RAYSYS_FLASH_AUTOTUNE=0`, used without benchmarking when one matches the head dim and
+dtype. Under `TRITON_INTERPRET=1` each kernel has one small config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+
+
+def _interpret_mode() -> bool:
+    """Whether `@triton.jit` below builds interpreted kernels: Triton decides this at decoration time."""
+    try:
+        from triton import knobs
+
+        return bool(knobs.runtime.interpret)
+    except (ImportError, AttributeError):  # older Triton without knobs
+        return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+INTERPRET = _interpret_mode()
+
+
+KERNELS = ("fwd", "dkdv", "dq")
+TUNED_CONFIGS_PATH = Path(__file__).with_name("flash_attention_tuned.json")
+
+
+@dataclass(frozen=True)
+class FlashConfig:
+    """Launch parameters of one FlashAttention kernel (block_m: query rows per tile, block_n: key rows)."""
+
+    block_m: int
+    """Query rows per tile (power of two, >= 16)."""
+    block_n: int
+    """Key rows per tile (power of two, >= 16)."""
+    num_warps: int = 4
+    """Warps per program (1, 2, 4, 8 or 16)."""
+    num_stages: int = 2
+    """Software-pipelining depth of the tile loop (>= 1)."""
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 16 or value & (value - 1):
+                raise ValueError(f"{name} ({value!r}) must be a power of two >= 16")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps ({self.num_warps!r}) must be one of 1, 2, 4, 8, 16")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"num_stages ({self.num_stages!r}) must be an int >= 1")
+
+    def check(self, kernel: str) -> FlashConfig:
+        """Raise ValueError unless the tiles fit `kernel`'s causal split (diagonal = whole tiles)."""
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel {kernel!r} must be one of {KERNELS}")
+        if kernel in ("fwd", "dq") and self.block_m % self.block_n:
+            raise ValueError(f"{kernel}: block_m ({self.block_m}) must be a multiple of block_n ({self.block_n})")
+        if kernel == "dkdv" and self.block_n % self.block_m:
+            raise ValueError(f"dkdv: block_n ({self.block_n}) must be a multiple of block_m ({self.block_m})")
+        return self
+
+    def to_triton(self) -> triton.Config:
+        return triton.Config({"BLOCK_M": self.block_m, "BLOCK_N": self.block_n},
+                             num_warps=self.num_warps, num_stages=self.num_stages)
+
+    @classmethod
+    def from_triton(cls, config: triton.Config) -> FlashConfig:
+        return cls(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
+
+
+# Candidates per dtype family, in order of preference (with autotuning off the first valid one wins).
+# 16-bit inputs, Hopper-oriented and ordered by the H200 sweep (bf16, d 128, seq 16384, causal;
+# results/flash_tiles.parquet): 128-row query tiles with 8 warps feed wgmma; 3 stages hide the K/V loads;
+# the dK/dV pass wants tall key tiles and short query tiles (and dQ the reverse), its registers holding two
+# fp32 accumulators.
+_GPU_CONFIGS = {
+    "fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 2),
+            (128, 32, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3), (32, 32, 4, 2)],
+    "dkdv": [(64, 128, 8, 3), (32, 128, 8, 3), (64, 128, 8, 4), (32, 64, 4, 3), (32, 128, 8, 2),
+             (32, 128, 4, 4), (16, 128, 8, 3), (64, 64, 4, 3), (16, 64, 4, 3), (16, 32, 4, 2)],
+    "dq": [(128, 32, 8, 3), (128, 64, 8, 3), (128, 32, 8, 4), (128, 32, 4, 3), (128, 64, 8, 2),
+           (64, 32, 4, 3), (64, 64, 4, 2), (64, 16, 4, 3), (32, 16, 4, 2)],
+}
+# fp32 inputs with exact fp32 products (FMA, no tensor cores) hold whole operand tiles in registers: small
+# tiles, and 8 warps where the tiles are larger.
+_GPU_CONFIGS_FP32 = {
+    "fwd": [(64, 32, 8, 2), (32, 32, 4, 2), (32, 16, 4, 2), (64, 16, 4, 2)],
+    "dkdv": [(16, 64, 8, 2), (16, 32, 4, 2), (32, 64, 8, 2), (16, 16, 4, 2)],
+    "dq": [(64, 16, 8, 2), (32, 16, 4, 2), (64, 32, 8, 2), (16, 16, 4, 2)],
+}
+# The interpreter runs every tile op in NumPy: one small config, with BLOCK_M != BLOCK_N so that the
+# diagonal split takes several steps and the tail tiles are exercised at test sizes.
+_INTERPRET_CONFIGS = {"fwd": [(32, 16, 1, 1)], "dkdv": [(16, 32, 1, 1)], "dq": [(32, 16, 1, 1)]}
+
+
+def load_tuned_configs(path: str | os.PathLike = TUNED_CONFIGS_PATH) -> dict[str, list[dict]]:
+    """Entries `{block_m, block_n, num_warps, num_stages[, head_dim, dtype, ...]}` per kernel, or {} if no file."""
+    path = Path(path)
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    out: dict[str, list[dict]] = {}
+    for kernel in KERNELS:
+        entries = data.get(kernel, [])
+        if not isinstance(entries, list):
+            raise ValueError(f"{path}: '{kernel}' must be a list of config objects")
+        for entry in entries:
+            _entry_config(entry).check(kernel)
+        out[kernel] = entries
+    return out
+
+
+def _entry_config(entry: dict) -> FlashConfig:
+    return FlashConfig(entry["block_m"], entry["block_n"], entry["num_warps"], entry["num_stages"])
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+_TUNED = {} if INTERPRET else load_tuned_configs()
+
+
+def candidates(kernel: str, dtype: torch.dtype, head_dim: int | None = None) -> list[FlashConfig]:
+    """Configs worth trying, best guess first: tuned for this head dim and dtype, the built-in family, then
+    configs tuned for other head dims of this dtype."""
+    if INTERPRET:
+        return [FlashConfig(*c).check(kernel) for c in _INTERPRET_CONFIGS[kernel]]
+    tuned = [e for e in _TUNED.get(kernel, []) if e.get("dtype", _dtype_name(dtype)) == _dtype_name(dtype)]
+    exact = [_entry_config(e) for e in tuned if e.get("head_dim") == head_dim]
+    other = [_entry_config(e) for e in tuned if e.get("head_dim") != head_dim]
+    family = _GPU_CONFIGS_FP32 if dtype == torch.float32 else _GPU_CONFIGS
+    return list(dict.fromkeys(exact + [FlashConfig(*c).check(kernel) for c in family[kernel]] + other))
+
+
+def config_list(kernel: str) -> list[FlashConfig]:
+    """Every config the autotuner of `kernel` knows (all dtypes); the pruner keeps those of the call's dtype."""
+    if INTERPRET:
+        return candidates(kernel, torch.float32)
+    return list(dict.fromkeys(candidates(kernel, torch.bfloat16) + candidates(kernel, torch.float32)))
+
+
+def autotune_enabled() -> bool:
+    return os.environ.get("RAYSYS_FLASH_AUTOTUNE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _shared_memory_limit(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1 << 30
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or 49152)
+
+
+def _estimated_shared_bytes(kernel: str, cfg: FlashConfig, block_d: int, elem: int) -> int:
+    """Operand tiles Triton stages through shared memory: the resident tile(s) plus `num_stages` streamed ones."""
+    if kernel == "fwd":  # Q resident; K, V streamed
+        resident, streamed = cfg.block_m, 2 * cfg.block_n
+    elif kernel == "dkdv":  # K, V resident; Q, dO streamed
+        resident, streamed = 2 * cfg.block_n, 2 * cfg.block_m
+    else:  # Q, dO resident; K, V streamed
+        resident, streamed = 2 * cfg.block_m, 2 * cfg.block_n
+    return (resident + cfg.num_stages * streamed) * block_d * elem
+
+
+def config_fits(kernel: str, cfg: FlashConfig, block_d: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """The pruning predicate: tile divisibility for the causal split and a shared-memory / register budget."""
+    try:
+        cfg.check(kernel)
+    except ValueError:
+        return False
+    if INTERPRET:
+        return True
+    elem = torch.tensor([], dtype=dtype).element_size()
+    if _estimated_shared_bytes(kernel, cfg, block_d, elem) > 0.9 * _shared_memory_limit(device):
+        return False
+    if elem == 4 and cfg.block_m * cfg.block_n > 64 * 32:  # see _GPU_CONFIGS_FP32
+        return False
+    # Register budget: fp32 accumulators (O, or dK and dV, or dQ) plus the score tile, per thread. Past ~160
+    # values a thread the sm_90 builds spill heavily and run 2-3x slower (H200 sweep, results/flash_tiles.parquet).
+    rows = cfg.block_n if kernel == "dkdv" else cfg.block_m
+    accumulators = (2 if kernel == "dkdv" else 1) * rows * block_d + cfg.block_m * cfg.block_n
+    return accumulators <= 160 * 32 * cfg.num_warps
+
+
+def make_pruner(kernel: str):
+    """`early_config_prune` for `kernel`: the call's candidates in order of preference, filtered by
+    `config_fits`; only the first one when autotuning is off."""
+
+    def prune(configs, named_args, **kwargs):
+        args = {**named_args, **kwargs}
+        q = args["Q"]
+        known = {FlashConfig.from_triton(c): c for c in configs}
+        valid = [known[c] for c in candidates(kernel, q.dtype, args["HEAD_DIM"])
+                 if c in known and config_fits(kernel, c, args["BLOCK_D"], q.dtype, q.device)]
+        if not valid:  # nothing fits the estimates: the smallest tiles rather than no launch at all
+            valid = [min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.num_stages))]
+        return valid if autotune_enabled() else valid[:1]
+
+    return prune
+
+
+def even_heuristics():
+    return {"EVEN_M": lambda a: a["N_Q"] % a["BLOCK_M"] == 0, "EVEN_N": lambda a: a["N_K"] % a["BLOCK_N"] == 0}
+
+
+AUTOTUNE_KEY = ["SEQ_BUCKET", "HEAD_DIM", "IS_CAUSAL", "INPUT_PRECISION"]  # + the dtypes of the tensor args

@@ -1,0 +1,171 @@
+"""PyTorch attention at scale (handout 4.1.1 pytorch_attention and 4.2 torch_compile): time and memory.
+
+Grid: batch 8, no heads, head dim d in {16, 32, 64, 128} x seq in {256, 1024, 4096, 8192, 16384}, fp32,
+causal (the model's `raysys.model.naive_attention`: scores, masked_fill, softmax, P V), eager and
+`torch.compile`d. Per trial: warm-up passes, then `--steps` (100) forward passes and `--steps` backward
+passes, each synchronised (`raysys.timing.PhaseTimer`); the memory allocated just before a backward pass
+starts; and, for eager, the bytes autograd saved for that backward (`raysys.memory.SavedTensorAccount`).
+Every row also carries the analytic accounting: one B x N x N fp32 score matrix is `score_matrix_bytes`;
+the naive forward keeps three of them for backward (the masked scores for the row max, exp(S - max) and P)
+plus the N x N bool mask and Q, K, V (`expected_saved_bytes`, which the measured saved bytes match): O(B N^2),
+quadratic in the sequence length, against O(B N d) for Q, K, V, O.
+An OOM is a row (status `oom`); at the end the smallest configuration that ran out of memory (fewest score
+elements) is accounted for in `<out>/attention_memory.md`. `--memory-fraction` caps the CUDA allocator to
+emulate a smaller GPU (an H200 holds the whole grid). Writes `<out>/attention.parquet`.
+
+    python sweeps/attention.py --out results
+    python sweeps/attention.py --memory-fraction 0.17 --out results   # behave like a 24 GB card
+    python sweeps/attention.py --quick --device cpu --out /tmp/a      # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from raysys import memory  # noqa: E402
+from raysys.model import naive_attention  # noqa: E402
+from raysys.results import ResultWriter, make_row, status_of, trial_id  # noqa: E402
+from raysys.timing import PhaseTimer, resolve_device  # noqa: E402
+
+SWEEP = "attention"
+BATCH = 8
+HEAD_DIMS = (16, 32, 64, 128)
+SEQS = (256, 1024, 4096, 8192, 16384)
+FP32 = 4
+
+
+def accounting(batch: int, seq: int, head_dim: int) -> dict:
+    """Analytic bytes (fp32): inputs, one score matrix, and what the naive forward keeps for backward."""
+    score = batch * seq * seq * FP32
+    inputs = 3 * batch * seq * head_dim * FP32
+    return {"input_bytes": float(inputs), "score_matrix_bytes": float(score),
+            # the masked scores (amax's backward), exp(S - max) and P (the P V matmul); the bool mask; Q, K, V
+            "expected_saved_bytes": float(3 * score + seq * seq + inputs)}
+
+
+def run_trial(cfg: dict, device: torch.device, steps: int, warmup: int) -> dict:
+    batch, seq, head_dim = cfg["batch"], cfg["seq"], cfg["head_dim"]
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(batch, seq, head_dim, generator=gen, device=device, requires_grad=True) for _ in range(3))
+    grad = torch.randn(batch, seq, head_dim, generator=gen, device=device)
+    attn = torch.compile(naive_attention) if cfg["compiled"] else naive_attention
+    timer = PhaseTimer(device, recording=False)
+    for _ in range(warmup):
+        timer.time("forward", lambda: attn(q, k, v, True)).backward(grad)
+    timer.recording = True
+    for _ in range(steps):
+        timer.time("forward", lambda: attn(q, k, v, True))
+    metrics = {}
+    saved = None
+    for i in range(steps):
+        if i == 0 and not cfg["compiled"]:  # what autograd keeps alive for this backward
+            account = memory.SavedTensorAccount(nn.Module())
+            with account.track():
+                out = attn(q, k, v, True)
+            saved = account.total_bytes
+        else:
+            out = attn(q, k, v, True)
+        if i == 0:
+            metrics["memory_before_backward_bytes"] = memory.allocated_bytes(device)
+        timer.time("backward", lambda out=out: out.backward(grad))
+        del out
+    stats = timer.summary()
+    metrics.update({k: stats[k] for k in ("forward_mean_s", "forward_std_s", "backward_mean_s", "backward_std_s")})
+    metrics["saved_for_backward_bytes"] = float("nan") if saved is None else float(saved)
+    return metrics
+
+
+def memory_report(df: pd.DataFrame) -> str:
+    """Markdown accounting of the smallest OOM configuration, or of the largest one when none ran out."""
+    oom = df[df["status"] == "oom"]
+    pick = oom if len(oom) else df[df["status"] == "ok"]
+    if pick.empty:
+        return "No finished trials.\n"
+    row = (pick.sort_values(["seq", "head_dim"]).iloc[0] if len(oom)
+           else pick.sort_values(["seq", "head_dim"]).iloc[-1])
+    b, n, d = int(row["batch"]), int(row["seq"]), int(row["head_dim"])
+    gib = 2**30
+    what = "Smallest configuration that ran out of memory" if len(oom) else "No configuration ran out of memory; largest"
+    lines = [f"## Attention memory accounting ({row.get('device_name', '')})", "",
+             f"{what}: batch {b}, seq {n}, d {d}, {'compiled' if row['compiled'] else 'eager'}.", "",
+             f"- Q, K, V: 3 x {b} x {n} x {d} x 4 B = {row['input_bytes'] / gib:.3f} GiB",
+             f"- one score matrix S = Q K^T / sqrt(d): {b} x {n} x {n} x 4 B = {row['score_matrix_bytes'] / gib:.2f} GiB",
+             (f"- kept for backward (masked S, exp(S - max), P, bool mask, Q, K, V): "
+              f"{row['expected_saved_bytes'] / gib:.2f} GiB"),
+             ("- transient in the forward: S before masking and S - max, two more score matrices; the backward "
+              "allocates dP and dS (two more) while the saved ones are alive"),
+             ""]
+    if pd.notna(row.get("memory_before_backward_bytes")):
+        lines.append(f"Measured before backward: {row['memory_before_backward_bytes'] / gib:.2f} GiB.")
+    lines.append("The saved bytes grow with seq^2 (x4 per doubling) and not with d; FlashAttention keeps only O and "
+                 "the row log-sum-exp (B x N x (d + 1) values) and recomputes P in the backward.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> pd.DataFrame:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="where to run")
+    parser.add_argument("--out", default="results", help="directory for attention.parquet (made absolute)")
+    parser.add_argument("--quick", action="store_true", help="tiny grid, few steps, eager only (CPU smoke test)")
+    parser.add_argument("--resume", action="store_true", help="skip trials already in the Parquet file")
+    parser.add_argument("--steps", type=int, default=100, help="timed forward and backward passes per trial")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed forward+backward passes first")
+    parser.add_argument("--modes", default="eager,compiled", help="comma-separated subset of eager,compiled")
+    parser.add_argument("--memory-fraction", type=float, default=None,
+                        help="cap the CUDA allocator at this fraction of the GPU (emulate a smaller card)")
+    args = parser.parse_args(argv)
+    device = resolve_device(args.device)
+    out = Path(args.out).expanduser().resolve()
+    modes = [m for m in args.modes.split(",") if m]
+    if set(modes) - {"eager", "compiled"}:
+        raise ValueError(f"--modes {args.modes!r} must name some of eager, compiled")
+    if args.memory_fraction is not None:
+        if not 0 < args.memory_fraction <= 1 or device.type != "cuda":
+            raise ValueError(f"--memory-fraction {args.memory_fraction} needs a CUDA device and a value in (0, 1]")
+        torch.cuda.set_per_process_memory_fraction(args.memory_fraction, device)
+    head_dims, seqs, steps, warmup = HEAD_DIMS, SEQS, args.steps, args.warmup
+    if args.quick:
+        head_dims, seqs, steps, warmup, modes = (16,), (64, 128), 3, 1, ["eager"]
+    writer = ResultWriter(out, SWEEP, resume=args.resume)
+    for mode in modes:
+        for head_dim in head_dims:
+            for seq in seqs:
+                cfg = {"batch": BATCH, "seq": seq, "head_dim": head_dim, "dtype": "fp32", "causal": True,
+                       "compiled": mode == "compiled", "device": device.type}
+                if args.resume and writer.done(trial_id(cfg)):
+                    continue
+                extra = accounting(BATCH, seq, head_dim)
+                try:
+                    row = make_row(SWEEP, cfg, {**extra, **run_trial(cfg, device, steps, warmup)}, device=device)
+                except Exception as exc:  # OOM (expected at long sequences) or a failed trial: a row
+                    row = make_row(SWEEP, cfg, extra, status=status_of(exc), error=f"{type(exc).__name__}: {exc}",
+                                   device=device)
+                finally:
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                writer.write([row])
+                timing = (f" fwd {row['forward_mean_s'] * 1e3:.3f} ms, bwd {row['backward_mean_s'] * 1e3:.3f} ms"
+                          if row["status"] == "ok" else "")
+                print(f"{mode:8} d={head_dim:<3} seq={seq:<5} -> {row['status']}{timing}", flush=True)
+    df = writer.frame()
+    report = memory_report(df)
+    (out / "attention_memory.md").write_text(report)
+    cols = ["compiled", "head_dim", "seq", "status", "forward_mean_s", "backward_mean_s",
+            "memory_before_backward_bytes", "saved_for_backward_bytes", "expected_saved_bytes"]
+    print(df[[c for c in cols if c in df]].to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+    print(report)
+    return df
+
+
+if __name__ == "__main__":
+    main()

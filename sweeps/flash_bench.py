@@ -1,0 +1,281 @@
+"""FlashAttention-2 benchmark (handout 4.2.2 flash_benchmarking): raysys kernels against PyTorch baselines.
+
+Studies (`--study`, default both):
+- grid:   the handout's table: batch 1, causal, one head, seq 128..65536 (powers of two), head dim 16..128
+          (powers of two), bf16 and fp32.
+- target: the shape this kernel exists for: bf16, causal, batch 1, 16 heads, head dim 128, seq 16384.
+Providers: `triton` (kernels.flash_attention, autotuned), `pytorch_tiled` (kernels.flash_attention_pytorch:
+Python tile loops, compiled backward), `naive` (plain-torch reference in the input dtype), `sdpa_flash` and
+`sdpa_cudnn` (torch SDPA pinned to one backend with `torch.nn.attention.sdpa_kernel`).
+
+One row per (study, provider, shape): median latency (`triton.testing.do_bench`) of the forward, the backward
+(over a retained graph) and forward+backward, TFLOP/s of each (`flash_attention_flops`: 2 matmuls forward,
+5 backward, causal counts n(n+1)/2 pairs), the output's max abs error against an fp32 SDPA reference, the
+peak memory of one forward+backward, and the speedup against sdpa_flash, sdpa_cudnn and the faster of the
+two (`speedup_*_vs_best_sdpa` > 1: raysys is faster). An unsupported provider/dtype is a `skipped` row, an
+OOM an `oom` row. The Python-loop and naive providers are capped (`--max-seq-pytorch`, `--max-seq-naive`)
+and `--max-seconds` bounds the whole run (later trials become `skipped` rows), so the study fits in a few
+GPU minutes. Writes `<out>/flash_bench.parquet`.
+
+    python sweeps/flash_bench.py --out results                    # both studies on the GPU
+    python sweeps/flash_bench.py --study target --out results     # the target shape only
+    python sweeps/flash_bench.py --study grid --dtypes bf16 --head-dims 64,128 --seqs 1024,16384 --no-autotune
+    python sweeps/flash_bench.py --quick --device cpu --out /tmp/x # CPU smoke run (tiny grid, no Triton)
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import statistics
+import sys
+import time
+import timeit
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from raysys.results import ResultWriter, make_row, status_of, trial_id  # noqa: E402
+from raysys.timing import resolve_device  # noqa: E402
+
+SWEEP = "flash_bench"
+PROVIDERS = ("triton", "pytorch_tiled", "naive", "sdpa_flash", "sdpa_cudnn")
+SDPA_PROVIDERS = ("sdpa_flash", "sdpa_cudnn")
+MODES = ("fwd", "bwd", "fwd_bwd")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+TARGET = dict(batch=1, heads=16, seq=16384, head_dim=128, dtype="bf16", causal=True)
+
+
+class Unsupported(Exception):
+    """The provider cannot run this shape/dtype/device (a `skipped` row)."""
+
+
+def grid(study: str, quick: bool, seqs=None, head_dims=None, dtypes=None) -> list[dict]:
+    """The trials of one study; `seqs`, `head_dims`, `dtypes` narrow the grid study."""
+    if study == "target":
+        shape = dict(TARGET, heads=2, seq=128, head_dim=32, dtype="fp32") if quick else TARGET
+        return [dict(study="target", provider=p, **shape) for p in PROVIDERS]
+    seqs = seqs or ((64, 128) if quick else tuple(2**i for i in range(7, 17)))  # 128 .. 65536
+    head_dims = head_dims or ((16,) if quick else (16, 32, 64, 128))
+    dtypes = dtypes or (("fp32",) if quick else ("bf16", "fp32"))
+    return [dict(study="grid", provider=p, batch=1, heads=1, seq=s, head_dim=d, dtype=dt, causal=True)
+            for dt in dtypes for d in head_dims for s in seqs for p in PROVIDERS]
+
+
+def _sdpa(backend_name: str) -> Callable:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, backend_name)
+
+    def run(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return run
+
+
+def provider_fn(name: str, device: torch.device) -> Callable:
+    if name == "triton":
+        if device.type != "cuda":
+            raise Unsupported("the Triton kernels need a CUDA device (or TRITON_INTERPRET=1, far too slow here)")
+        from kernels.flash_attention import flash_attention
+
+        return flash_attention
+    if name == "pytorch_tiled":
+        from kernels.flash_attention_pytorch import flash_attention_pytorch
+
+        return flash_attention_pytorch
+    if name == "naive":
+        from kernels.flash_attention import flash_attention_reference
+
+        return flash_attention_reference
+    if device.type != "cuda":
+        raise Unsupported(f"{name} is a CUDA backend")
+    return _sdpa({"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}[name])
+
+
+def bench_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Median milliseconds: `triton.testing.do_bench` on CUDA (L2 flushed between calls), else wall clock."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    fn()
+    times = [timeit.timeit(fn, number=1) for _ in range(3)]
+    return statistics.median(times) * 1e3
+
+
+def _flops(cfg: dict, mode: str) -> float:
+    from kernels.flash_attention import flash_attention_flops
+
+    return flash_attention_flops(cfg["batch"], cfg["heads"], cfg["seq"], cfg["seq"], cfg["head_dim"],
+                                 cfg["causal"], mode)
+
+
+def run_trial(cfg: dict, device: torch.device, caps: dict) -> dict:
+    """Time one provider on one shape; raises Unsupported for a skipped row."""
+    cap = caps.get(cfg["provider"])
+    if cap is not None and cfg["seq"] > cap:
+        raise Unsupported(f"seq {cfg['seq']} above the cap {cap} for {cfg['provider']}")
+    fn = provider_fn(cfg["provider"], device)
+    dtype = DTYPES[cfg["dtype"]]
+    gen = torch.Generator(device=device).manual_seed(0)
+    shape = (cfg["batch"], cfg["heads"], cfg["seq"], cfg["head_dim"])
+    q, k, v = (torch.randn(shape, generator=gen, device=device, dtype=dtype).requires_grad_() for _ in range(3))
+    do = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    causal = cfg["causal"]
+    try:
+        out = fn(q, k, v, causal)
+    except RuntimeError as exc:  # SDPA: "No available kernel" when the pinned backend cannot run this input
+        if cfg["provider"] in SDPA_PROVIDERS and "kernel" in str(exc).lower():
+            raise Unsupported(str(exc).splitlines()[0]) from exc
+        raise
+    metrics: dict = {}
+    with torch.no_grad():
+        metrics["max_abs_err"] = _max_error(out, q, k, v, causal, device)
+    fwd = lambda: fn(q, k, v, causal)  # noqa: E731
+    metrics["fwd_ms"] = bench_ms(fwd, device)
+    metrics["bwd_ms"] = bench_ms(functools.partial(out.backward, do, retain_graph=True), device)
+    out = None  # release the retained graph before the next measurement
+    metrics["fwd_bwd_ms"] = bench_ms(lambda: fn(q, k, v, causal).backward(do), device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn(q, k, v, causal).backward(do)
+        torch.cuda.synchronize(device)
+        metrics["peak_mem_fwd_bwd_bytes"] = float(torch.cuda.max_memory_allocated(device) - base)
+    for mode in MODES:
+        metrics[f"{mode}_tflops"] = _flops(cfg, mode) / (metrics[f"{mode}_ms"] * 1e-3) / 1e12
+    if cfg["provider"] == "triton":
+        metrics["triton_configs"] = triton_picks(cfg)
+    return metrics
+
+
+def triton_picks(cfg: dict) -> str:
+    """The autotuners' choices for this shape, e.g. `fwd=128x64/w8/s3; dkdv=...; dq=...`."""
+    import triton
+
+    from kernels.flash_attention import best_configs
+
+    head = (triton.next_power_of_2(cfg["seq"]), cfg["head_dim"], cfg["causal"])
+    dtype = str(DTYPES[cfg["dtype"]])
+    return "; ".join(f"{kernel}={c.block_m}x{c.block_n}/w{c.num_warps}/s{c.num_stages}"
+                     for kernel, picks in best_configs().items() for key, c in picks.items()
+                     if tuple(key[:3]) == head and dtype in key)
+
+
+def _max_error(out, q, k, v, causal, device) -> float:
+    """Max abs error of `out` against fp32 SDPA (memory-efficient backend on CUDA: no n^2 buffer)."""
+    if device.type == "cuda":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
+    else:
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
+    return float((out.float() - ref).abs().max())
+
+
+def add_speedups(df: pd.DataFrame) -> pd.DataFrame:
+    """speedup_<mode>_vs_{sdpa_flash,sdpa_cudnn,best_sdpa} = baseline ms / this row's ms, per shape."""
+    keys = ["study", "batch", "heads", "seq", "head_dim", "dtype", "causal"]
+    df = df.copy()
+    ok = df[df["status"] == "ok"]
+    for mode in MODES:
+        col = f"{mode}_ms"
+        if col not in df:
+            continue
+        base = {}
+        for prov in SDPA_PROVIDERS:
+            sel = ok[ok["provider"] == prov].set_index(keys)[col]
+            base[prov] = sel
+        best = pd.concat(base.values(), axis=1).min(axis=1) if base else None
+        index = pd.MultiIndex.from_frame(df[keys])
+        for name, series in (*base.items(), ("best_sdpa", best)):
+            if series is None or series.empty:
+                df[f"speedup_{mode}_vs_{name}"] = math.nan
+                continue
+            df[f"speedup_{mode}_vs_{name}"] = series.reindex(index).to_numpy() / df[col].to_numpy()
+    return df
+
+
+def summary(df: pd.DataFrame) -> str:
+    cols = ["provider", "seq", "head_dim", "dtype", "heads", "status", "fwd_ms", "fwd_tflops", "bwd_ms",
+            "fwd_bwd_ms", "fwd_bwd_tflops", "speedup_fwd_vs_best_sdpa", "speedup_fwd_bwd_vs_best_sdpa", "max_abs_err"]
+    view = df[[c for c in cols if c in df]]
+    return view.to_string(index=False, float_format=lambda x: f"{x:.4g}")
+
+
+def main(argv: list[str] | None = None) -> pd.DataFrame:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--study", choices=("grid", "target", "all"), default="all", help="which study to run")
+    parser.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
+    parser.add_argument("--out", default="results", help="directory for flash_bench.parquet")
+    parser.add_argument("--quick", action="store_true", help="tiny grid (CPU smoke test)")
+    parser.add_argument("--resume", action="store_true", help="skip trials already in the Parquet file")
+    parser.add_argument("--providers", default=",".join(PROVIDERS), help="comma-separated subset of providers")
+    parser.add_argument("--max-seq-pytorch", type=int, default=4096, help="largest seq for pytorch_tiled")
+    parser.add_argument("--max-seq-naive", type=int, default=32768, help="largest seq for naive attention")
+    parser.add_argument("--max-seconds", type=float, default=float("inf"),
+                        help="wall-clock budget; trials after it become skipped rows")
+    parser.add_argument("--seqs", default=None, help="grid study: comma-separated sequence lengths")
+    parser.add_argument("--head-dims", default=None, help="grid study: comma-separated head dims")
+    parser.add_argument("--dtypes", default=None, help=f"grid study: comma-separated subset of {list(DTYPES)}")
+    parser.add_argument("--no-autotune", action="store_true",
+                        help="Triton: first valid / tuned config instead of benchmarking every candidate per shape")
+    args = parser.parse_args(argv)
+    if args.no_autotune:
+        os.environ["RAYSYS_FLASH_AUTOTUNE"] = "0"
+    ints = lambda text: tuple(int(x) for x in text.split(",")) if text else None  # noqa: E731
+    dtypes = tuple(args.dtypes.split(",")) if args.dtypes else None
+    if dtypes and set(dtypes) - set(DTYPES):
+        raise ValueError(f"--dtypes {args.dtypes!r} must name some of {list(DTYPES)}")
+    device = resolve_device(args.device)
+    out = Path(args.out).expanduser().resolve()
+    providers = [p.strip() for p in args.providers.split(",") if p.strip()]
+    unknown = set(providers) - set(PROVIDERS)
+    if unknown:
+        raise ValueError(f"unknown providers {sorted(unknown)}; choose from {PROVIDERS}")
+    caps = {"pytorch_tiled": args.max_seq_pytorch, "naive": args.max_seq_naive}
+    writer = ResultWriter(out, SWEEP, resume=args.resume)
+    studies = ("target", "grid") if args.study == "all" else (args.study,)
+    trials = [t for s in studies for t in grid(s, args.quick, ints(args.seqs), ints(args.head_dims), dtypes)
+              if t["provider"] in providers]
+    start = time.monotonic()
+    for cfg in trials:
+        if args.resume and writer.done(trial_id(cfg)):
+            continue
+        if time.monotonic() - start > args.max_seconds:
+            row = make_row(SWEEP, cfg, status="skipped", error=f"--max-seconds {args.max_seconds} spent", device=device)
+        else:
+            try:
+                row = make_row(SWEEP, cfg, run_trial(cfg, device, caps), device=device)
+            except Unsupported as exc:
+                row = make_row(SWEEP, cfg, status="skipped", error=f"unsupported: {exc}", device=device)
+            except Exception as exc:  # OOM or a failed trial is a row, never the end of the sweep
+                row = make_row(SWEEP, cfg, status=status_of(exc), error=f"{type(exc).__name__}: {exc}", device=device)
+            finally:
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        writer.write([row])
+        print(f"{cfg['study']:6} {cfg['provider']:13} seq={cfg['seq']:<6} d={cfg['head_dim']:<3} {cfg['dtype']:4} "
+              f"-> {row['status']}" + (f" fwd {row['fwd_ms']:.3f} ms, fwd+bwd {row['fwd_bwd_ms']:.3f} ms"
+                                       if row["status"] == "ok" else f" ({row['error'][:80]})"), flush=True)
+    df = add_speedups(writer.frame())
+    writer.write(df.to_dict("records"))
+    print(summary(df[df["study"].isin(studies)]))
+    return df
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""GPU numerics of the Triton FlashAttention-2 kernels (`pytest -m gpu` on a CUDA host).
+
+Random shapes (lengths that are not tile multiples, n_q != n_k, 3-D and 4-D input) for every head dim in
+{16, 32, 64, 80, 96, 128}, bf16 and fp32, causal and not: O, L, dQ, dK, dV against the fp64 reference run on
+the same (rounded) inputs. bf16 must be no worse than naive bf16 attention (twice its error, plus a floor);
+fp32 uses exact fp32 products and must agree to ~1e-5. Autotuning is off here (first valid config) to keep
+compile time down; the benchmark exercises the autotuner.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # keep one decision per process for all flash test modules
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import kernels.flash_attention as fa  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or fa.INTERPRET, reason="needs a CUDA GPU, not the interpreter"),
+]
+
+HEAD_DIMS = (16, 32, 64, 80, 96, 128)
+
+
+@pytest.fixture(autouse=True)
+def _first_valid_config(monkeypatch):
+    monkeypatch.setenv("RAYSYS_FLASH_AUTOTUNE", "0")
+
+
+def _shape(head_dim: int, causal: bool, dtype: torch.dtype):
+    rng = random.Random(f"{head_dim}-{causal}-{dtype}")
+    batch, heads = rng.choice([(1, 3), (2, 2), (3, None)])
+    n_q = rng.randrange(65, 700)
+    n_k = n_q if causal else rng.randrange(65, 700)
+    lead = (batch,) if heads is None else (batch, heads)
+    return lead + (n_q, head_dim), lead + (n_k, head_dim)
+
+
+def _inputs(q_shape, k_shape, dtype, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(s, generator=gen, device="cuda").to(dtype) for s in (q_shape, k_shape, k_shape))
+    do = torch.randn(q_shape, generator=gen, device="cuda").to(dtype)
+    return q, k, v, do
+
+
+def _run(fn, q, k, v, do, causal):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v, causal)
+    saved = getattr(out.grad_fn, "saved_tensors", ())  # custom autograd.Function nodes only
+    lse = [t for t in saved if t.shape == q.shape[:-1]]
+    out.backward(do)
+    return out.detach(), (lse[0] if lse else None), q.grad, k.grad, v.grad
+
+
+def _rel_err(got, want):
+    return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+
+
+def _reference(q, k, v, do, causal):
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out, lse = fa.flash_attention_reference(q64, k64, v64, causal, return_lse=True)
+    out.backward(do.double())
+    return out.detach(), lse.detach(), q64.grad, k64.grad, v64.grad
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_matches_fp64_reference(head_dim, dtype, causal):
+    q_shape, k_shape = _shape(head_dim, causal, dtype)
+    q, k, v, do = _inputs(q_shape, k_shape, dtype)
+    got = _run(fa.flash_attention, q, k, v, do, causal)
+    want = _reference(q, k, v, do, causal)
+    names = ("out", "lse", "dq", "dk", "dv")
+    for name, g in zip(names, got):
+        assert g is not None and torch.isfinite(g).all(), f"{name} missing or not finite"
+    assert got[1].dtype == torch.float32 and got[0].dtype == dtype
+    if dtype == torch.float32:
+        for name, g, w in zip(names, got, want):
+            assert _rel_err(g, w) < 2e-5, f"{name}: relative error {_rel_err(g, w):.2e} ({q_shape}, {k_shape})"
+        return
+    naive = _run(lambda *a: fa.flash_attention_reference(*a), q, k, v, do, causal)  # plain bf16 attention
+    assert (got[1].double() - want[1]).abs().max() < 1e-3, "lse"  # fp32 math on the bf16 inputs
+    for i in (0, 2, 3, 4):
+        ours, base = _rel_err(got[i], want[i]), _rel_err(naive[i], want[i])
+        assert ours < max(2 * base, 1e-2), f"{names[i]}: {ours:.2e} vs naive bf16 {base:.2e} ({q_shape}, {k_shape})"
+
+
+def test_course_shape_saves_one_lse_and_matches():
+    """The course test's inputs: fp32 (4, 128, 64), tolerance 1e-2, exactly one (batch, n_queries) tensor."""
+    q, k, v, do = _inputs((4, 128, 64), (4, 128, 64), torch.float32, seed=1)
+    for causal in (False, True):
+        out, lse, dq, dk, dv = _run(fa.FlashAttentionTriton.apply, q, k, v, do, causal)
+        ref = _reference(q, k, v, do, causal)
+        for g, w in zip((out, lse, dq, dk, dv), ref):
+            torch.testing.assert_close(g.double(), w, rtol=1e-2, atol=1e-2)
+
+
+def test_fp16_and_broadcast_upstream_gradient():
+    q, k, v, _ = _inputs((2, 4, 300, 64), (2, 4, 300, 64), torch.float16, seed=2)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    fa.flash_attention(q, k, v, True).sum().backward()
+    _, _, dq, dk, dv = _reference(q, k, v, torch.ones_like(q), True)
+    for g, w in ((q.grad, dq), (k.grad, dk), (v.grad, dv)):
+        assert _rel_err(g, w) < 1e-2
+
+
+def test_tensors_on_second_device():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    q, k, v, do = (t.to("cuda:1") for t in _inputs((1, 2, 130, 64), (1, 2, 130, 64), torch.bfloat16, seed=3))
+    out, _, dq, _, _ = _run(fa.flash_attention, q, k, v, do, True)
+    assert out.device == dq.device == torch.device("cuda:1")
+    assert _rel_err(out, _reference(q, k, v, do, True)[0]) < 1e-2
+
+
+def test_explicit_config_equals_autotuned_choice():
+    q, k, v, _ = _inputs((1, 2, 512, 64), (1, 2, 512, 64), torch.bfloat16, seed=4)
+    out, lse = fa.flash_attention_fwd(q, k, v, True)
+    cfg = fa.FlashConfig(64, 32, 4, 2)
+    out2, lse2 = fa.flash_attention_fwd(q, k, v, True, config=cfg)
+    assert _rel_err(out2, out.double()) < 1e-2 and (lse2 - lse).abs().max() < 1e-3
+
+
+def test_model_with_flash_triton_matches_naive_in_bf16():
+    from raysys.config import ModelConfig
+    from raysys.model import TransformerLM, cross_entropy
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_name("tiny", context_length=96)
+    model = TransformerLM(cfg, device="cuda", dtype=torch.bfloat16)
+    x = torch.randint(0, cfg.vocab_size, (2, 96), device="cuda")
+    results = {}
+    for backend in ("naive", "flash_triton"):
+        model.zero_grad(set_to_none=True)
+        model.set_attention(backend)
+        logits = model(x)
+        cross_entropy(logits, x).backward()
+        results[backend] = (logits.float(), torch.cat([p.grad.float().flatten() for p in model.parameters()]))
+    (ref_logits, ref_grads), (logits, grads) = results["naive"], results["flash_triton"]
+    assert (logits - ref_logits).norm() / ref_logits.norm() < 2e-2
+    assert (grads - ref_grads).norm() / ref_grads.norm() < 5e-2

@@ -1,0 +1,261 @@
+"""The Triton FlashAttention-2 kernels under the CPU interpreter (TRITON_INTERPRET=1), plus launcher logic.
+
+Small fp32 / fp16 shapes (the interpreter is slow and has no bf16): forward O and L, and dQ, dK, dV with a
+random upstream gradient, against fp64 `flash_attention_reference`; lengths that are not tile multiples,
+n_q != n_k, padded head dims (24, 40, 80 -> BLOCK_D 32, 64, 128), strided inputs; outputs allocated
+NaN-poisoned with guard elements, so an element the kernels forget to write or a write out of bounds fails.
+Triton decides interpreter vs GPU when a kernel is decorated, so the variable is set before the import.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import kernels.flash_attention as fa  # noqa: E402
+import kernels.flash_attention_tuning as ft  # noqa: E402
+
+if not fa.INTERPRET and os.environ.get("TRITON_INTERPRET") == "1":
+    # Someone imported the kernels before the variable was set (another test module): rebuild them interpreted.
+    ft = importlib.reload(ft)
+    fa = importlib.reload(fa)
+
+interpret = pytest.mark.skipif(not fa.INTERPRET, reason="kernels were compiled for the GPU in this process; "
+                                                        "run with TRITON_INTERPRET=1 to use the interpreter")
+
+# (q shape, k shape, causal, dtype). Interpreter tiles: fwd 32x16, dK/dV 16x32, dQ 32x16.
+CASES = [
+    ((2, 37, 16), (2, 37, 16), True, torch.float32),     # partial tiles, causal diagonal in several steps
+    ((1, 2, 45, 24), (1, 2, 70, 24), False, torch.float32),  # n_q < n_k, padded head dim
+    ((1, 3, 70, 40), (1, 3, 45, 40), False, torch.float32),  # n_q > n_k
+    ((2, 64, 32), (2, 64, 32), True, torch.float32),     # every tile full: the unmasked fast path
+    ((1, 50, 80), (1, 50, 80), True, torch.float16),     # fp16, head dim 80
+]
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.float16: dict(atol=3e-3, rtol=3e-3)}
+
+
+def _inputs(q_shape, k_shape, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(q_shape, generator=gen).to(dtype)
+    k = torch.randn(k_shape, generator=gen).to(dtype)
+    v = torch.randn(k_shape, generator=gen).to(dtype)
+    do = torch.randn(q_shape, generator=gen).to(dtype)
+    return q, k, v, do
+
+
+def _reference(q, k, v, do, causal):
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out, lse = fa.flash_attention_reference(q64, k64, v64, causal, return_lse=True)
+    out.backward(do.double())
+    return out.detach(), lse.detach(), q64.grad, k64.grad, v64.grad
+
+
+class PoisonedAllocator:
+    """Stands in for `fa._empty`: NaN-filled buffers with NaN guard elements after each one."""
+
+    GUARD = 64 * 128  # more than one tile of rows: an unmasked tail-tile store lands here, not on the heap
+
+    def __init__(self):
+        self.buffers = []
+
+    def __call__(self, shape, *, dtype, device):
+        numel = int(torch.Size(shape).numel())
+        flat = torch.full((numel + self.GUARD,), float("nan"), dtype=dtype, device=device)
+        self.buffers.append((flat, numel))
+        return flat[:numel].view(shape)
+
+    def check(self):
+        assert self.buffers, "the launcher allocated nothing through fa._empty"
+        for flat, numel in self.buffers:
+            assert not torch.isnan(flat[:numel]).any(), "an output element was never written"
+            assert torch.isnan(flat[numel:]).all(), "a kernel wrote past the end of its output"
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    alloc = PoisonedAllocator()
+    monkeypatch.setattr(fa, "_empty", alloc)
+    return alloc
+
+
+@interpret
+@pytest.mark.interpret
+@pytest.mark.parametrize("q_shape,k_shape,causal,dtype", CASES)
+def test_forward_and_backward_match_fp64_reference(q_shape, k_shape, causal, dtype, poisoned):
+    q, k, v, do = _inputs(q_shape, k_shape, dtype)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = fa.flash_attention(q, k, v, causal)
+    saved = [t for t in out.grad_fn.saved_tensors if t.shape == q.shape[:-1]]
+    assert len(saved) == 1 and saved[0].dtype == torch.float32
+    out.backward(do)
+    poisoned.check()
+    ref_out, ref_lse, dq, dk, dv = _reference(q, k, v, do, causal)
+    tol = TOL[dtype]
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref_out, **tol)
+    torch.testing.assert_close(saved[0].double(), ref_lse, atol=2e-5, rtol=1e-5)
+    for name, got, want in (("dq", q.grad, dq), ("dk", k.grad, dk), ("dv", v.grad, dv)):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@interpret
+@pytest.mark.interpret
+def test_strided_inputs_and_broadcast_upstream_gradient():
+    """The model's layout: (B, S, H, D) transposed to (B, H, S, D); `.sum().backward()` gives dO of stride 0."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 33, 2, 16, generator=gen).transpose(1, 2).requires_grad_() for _ in range(3))
+    fa.flash_attention(q, k, v, True).sum().backward()
+    _, _, dq, dk, dv = _reference(q, k, v, torch.ones(1, 2, 33, 16), True)
+    for got, want in ((q.grad, dq), (k.grad, dk), (v.grad, dv)):
+        torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-5)
+
+
+@interpret
+@pytest.mark.interpret
+def test_only_requested_gradients_are_computed(poisoned):
+    q, k, v, do = _inputs((1, 20, 16), (1, 20, 16), torch.float32)
+    k.requires_grad_()
+    fa.flash_attention(q, k, v, True).backward(do)
+    assert q.grad is None and v.grad is None
+    torch.testing.assert_close(k.grad.double(), _reference(q, k, v, do, True)[3], atol=2e-5, rtol=1e-5)
+    assert len(poisoned.buffers) == 5  # O, L, D, dK, dV: no dQ
+
+
+@interpret
+@pytest.mark.interpret
+def test_explicit_configs_match_autotuned_path():
+    q, k, v, do = _inputs((1, 40, 16), (1, 40, 16), torch.float32, seed=2)
+    out, lse = fa.flash_attention_fwd(q, k, v, True, config=ft.FlashConfig(16, 16, 1, 1))
+    ref_out, ref_lse = fa.flash_attention_fwd(q, k, v, True)
+    torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-6, rtol=1e-6)
+    grads = fa.flash_attention_bwd(q, k, v, out, lse, do, True, dkdv_config=ft.FlashConfig(16, 16, 1, 1),
+                                   dq_config=ft.FlashConfig(16, 16, 1, 1))
+    for got, want in zip(grads, _reference(q, k, v, do, True)[2:]):
+        torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="block_m \\(16\\) must be a multiple of block_n \\(32\\)"):
+        fa.flash_attention_fwd(q, k, v, True, config=ft.FlashConfig(16, 32, 1, 1))
+
+
+@interpret
+@pytest.mark.interpret
+def test_matches_pytorch_tiled_implementation():
+    from kernels.flash_attention_pytorch import flash_forward_pytorch
+
+    q, k, v, _ = _inputs((2, 2, 29, 32), (2, 2, 29, 32), torch.float32, seed=3)
+    out, lse = fa.flash_attention_fwd(q, k, v, True)
+    want_out, want_lse = flash_forward_pytorch(q, k, v, True)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+
+
+@interpret
+@pytest.mark.interpret
+def test_bf16_is_refused_by_the_interpreter():
+    q = torch.zeros(1, 16, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16 is not supported by the Triton CPU interpreter"):
+        fa.flash_attention(q, q, q)
+
+
+def test_cpu_tensors_without_interpreter_raise(monkeypatch):
+    monkeypatch.setattr(fa, "INTERPRET", False)
+    q = torch.zeros(1, 16, 16)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        fa.flash_attention(q, q, q)
+
+
+@pytest.mark.parametrize("shapes,causal,match", [
+    (((1, 16, 16), (1, 16, 16, 1), (1, 16, 16)), False, "same rank"),
+    (((1, 16, 8), (1, 16, 8), (1, 16, 8)), False, "head dim 8"),
+    (((1, 16, 16), (1, 20, 16), (1, 20, 16)), True, "n_queries == n_keys"),
+])
+def test_invalid_inputs_raise_before_any_launch(shapes, causal, match, monkeypatch):
+    monkeypatch.setattr(fa, "_empty", lambda *a, **k: pytest.fail("allocated before validating"))
+    q, k, v = (torch.zeros(s) for s in shapes)
+    with pytest.raises(ValueError, match=match):
+        fa.flash_attention(q, k, v, causal)
+
+
+def test_backward_launcher_validates_lse_and_grad_shapes():
+    q = torch.zeros(1, 16, 16)
+    with pytest.raises(ValueError, match="lse must be float32 of shape \\(1, 16\\)"):
+        fa.flash_attention_bwd(q, q, q, q, torch.zeros(1, 16, 1), q)
+    with pytest.raises(ValueError, match="grad_out"):
+        fa.flash_attention_bwd(q, q, q, q, torch.zeros(1, 16), torch.zeros(1, 8, 16))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(block_m=24, block_n=16), "block_m \\(24\\) must be a power of two >= 16"),
+    (dict(block_m=64, block_n=8), "block_n \\(8\\)"),
+    (dict(block_m=64, block_n=16, num_warps=3), "num_warps"),
+    (dict(block_m=64, block_n=16, num_stages=0), "num_stages"),
+])
+def test_flash_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ft.FlashConfig(**kwargs)
+
+
+def test_tile_divisibility_rules():
+    ft.FlashConfig(128, 64).check("fwd").check("dq")
+    ft.FlashConfig(32, 128).check("dkdv")
+    with pytest.raises(ValueError, match="dkdv: block_n \\(64\\) must be a multiple of block_m \\(128\\)"):
+        ft.FlashConfig(128, 64).check("dkdv")
+    with pytest.raises(ValueError, match="kernel 'bwd'"):
+        ft.FlashConfig(128, 64).check("bwd")
+
+
+def test_pruning_predicate(monkeypatch):
+    """Shared memory and register budgets as on an H100/H200 (227 KiB opt-in shared memory per block)."""
+    monkeypatch.setattr(ft, "INTERPRET", False)
+    monkeypatch.setattr(ft, "_shared_memory_limit", lambda device: 232448)
+    cpu, bf16, fp32 = torch.device("cpu"), torch.bfloat16, torch.float32
+    assert ft.config_fits("fwd", ft.FlashConfig(128, 64, 8, 3), 128, bf16, cpu)
+    assert not ft.config_fits("fwd", ft.FlashConfig(128, 64, 4, 3), 128, bf16, cpu)   # accumulators spill
+    assert not ft.config_fits("fwd", ft.FlashConfig(128, 128, 8, 4), 128, bf16, cpu)  # 256 KiB of tiles
+    assert not ft.config_fits("fwd", ft.FlashConfig(64, 128, 4, 2), 64, bf16, cpu)    # divisibility
+    assert ft.config_fits("dkdv", ft.FlashConfig(64, 128, 8, 3), 128, bf16, cpu)
+    assert not ft.config_fits("dkdv", ft.FlashConfig(64, 128, 4, 3), 128, bf16, cpu)  # dK, dV accumulators
+    assert not ft.config_fits("fwd", ft.FlashConfig(128, 64, 8, 3), 128, fp32, cpu)   # fp32 keeps tiles small
+    for kernel in ft.KERNELS:  # every head dim and dtype keeps at least one candidate
+        for block_d in (16, 32, 64, 128):
+            for dtype in (torch.float16, bf16, fp32):
+                assert any(ft.config_fits(kernel, c, block_d, dtype, cpu) for c in ft.config_list(kernel))
+
+
+def test_autotune_off_takes_tuned_config_for_matching_head_dim(monkeypatch):
+    monkeypatch.setattr(ft, "INTERPRET", False)
+    monkeypatch.setattr(ft, "_shared_memory_limit", lambda device: 232448)
+    monkeypatch.setattr(ft, "_TUNED", {"fwd": [dict(block_m=64, block_n=64, num_warps=4, num_stages=2,
+                                                    head_dim=64, dtype="bfloat16")]})
+    monkeypatch.setenv("RAYSYS_FLASH_AUTOTUNE", "0")
+    prune = ft.make_pruner("fwd")
+    configs = [c.to_triton() for c in (ft.FlashConfig(128, 64, 8, 3), ft.FlashConfig(64, 64, 4, 2))]
+    q = torch.zeros(1, dtype=torch.bfloat16)
+    (picked,) = prune(configs, {"Q": q}, BLOCK_D=64, HEAD_DIM=64)
+    assert ft.FlashConfig.from_triton(picked) == ft.FlashConfig(64, 64, 4, 2)
+    (picked,) = prune(configs, {"Q": q}, BLOCK_D=128, HEAD_DIM=128)  # no tuned entry: first valid
+    assert ft.FlashConfig.from_triton(picked) == ft.FlashConfig(128, 64, 8, 3)
+    monkeypatch.setenv("RAYSYS_FLASH_AUTOTUNE", "1")
+    assert len(prune(configs, {"Q": q}, BLOCK_D=64, HEAD_DIM=64)) == 2
+
+
+def test_load_tuned_configs(tmp_path):
+    path = tmp_path / "tuned.json"
+    assert ft.load_tuned_configs(path) == {}
+    entry = dict(block_m=128, block_n=64, num_warps=8, num_stages=3, head_dim=128, dtype="bfloat16")
+    path.write_text(json.dumps({"fwd": [entry]}))
+    assert ft.load_tuned_configs(path) == {"fwd": [entry], "dkdv": [], "dq": []}
+    path.write_text(json.dumps({"dkdv": [entry]}))  # block_n 64 < block_m 128 breaks the dK/dV rule
+    with pytest.raises(ValueError, match="dkdv"):
+        ft.load_tuned_configs(path)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        ft.load_tuned_configs(path)
