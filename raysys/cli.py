@@ -88,7 +88,9 @@ def _report(args) -> int:
     text = report(args.path, args.only)
     print(text)
     if args.markdown:
-        Path(args.markdown).write_text(text)
+        from raysys.report import HEADER
+
+        Path(args.markdown).write_text(HEADER + "\n" + text)
     if args.plots:
         from raysys.report import plots
 

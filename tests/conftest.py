@@ -8,6 +8,11 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Triton kernels run under the CPU interpreter; @triton.jit picks interpreter vs GPU when the kernel
+    # module is imported, so this must happen before any test imports kernels/.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 # Tiny models on a 2-core CI machine run several times faster on one thread than on two fighting ones.
 torch.set_num_threads(1)
