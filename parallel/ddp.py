@@ -36,6 +36,13 @@ gradient by the world size before a SUM (exact for power-of-two world sizes).
 Gradient accumulation: a forward pass run inside `with ddp.no_sync():` skips the synchronisation of its
 backward; gradients accumulate locally in `.grad`, and the first backward of a forward outside the
 context reduces the accumulated sum (the semantics of torch's DDP).
+
+Lifetime: a parameter's post-accumulate-grad hooks live in a dict that is also held from C++ (the tensor's
+autograd metadata), out of sight of Python's cycle collector; a hook holding the wrapper (a bound method)
+would make parameter -> hooks -> wrapper -> module -> parameter a cycle the collector never frees, leaking
+the model, its gradients and the buckets every time a wrapper is dropped. So the hooks hold the wrapper
+weakly and name their bucket slot by index: a wrapper nobody references is freed at once (by reference
+counting) and its hooks are removed with it; `remove_hooks()` does the same explicitly.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import contextlib
 import inspect
 import itertools
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -225,12 +233,34 @@ def assign_buckets(params: list[nn.Parameter], bucket_size_mb: float) -> list[li
     return buckets
 
 
+class _GradReadyHook:
+    """Post-accumulate-grad hook of the parameter in slot `slot` of bucket `bucket`: tells the wrapper, if it
+    is still alive. Holds nothing else (see Lifetime in the module docstring)."""
+
+    __slots__ = ("owner", "bucket", "slot")
+
+    def __init__(self, owner: "weakref.ref[_OverlappedDataParallel]", bucket: int, slot: int):
+        self.owner, self.bucket, self.slot = owner, bucket, slot
+
+    def __call__(self, param: nn.Parameter) -> None:
+        wrapper = self.owner()
+        if wrapper is not None:
+            wrapper._on_grad_ready(self.bucket, self.slot)
+
+
+def _remove_handles(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
 class _OverlappedDataParallel(_DataParallel):
     """Hook-driven, in-order, asynchronous bucket reduction shared by `OverlappedDDP` and `BucketedDDP`.
 
-    Backward calls `_on_grad_ready(p)` after accumulating `p.grad`; when a bucket's last gradient arrives,
-    it and every ready bucket after it are launched, in bucket order (the cross-rank matching rule in the
-    module docstring). `finish_gradient_synchronization()` launches what is left and waits.
+    Each parameter's hook calls `_on_grad_ready(bucket, slot)` after backward accumulated its `.grad`; when a
+    bucket's last gradient arrives, it and every ready bucket after it are launched, in bucket order (the
+    cross-rank matching rule in the module docstring). `finish_gradient_synchronization()` launches what is
+    left and waits.
     """
 
     def __init__(self, module: nn.Module, buckets: list[list[nn.Parameter]], grad_as_bucket_view: bool,
@@ -238,11 +268,15 @@ class _OverlappedDataParallel(_DataParallel):
         _DataParallel.__init__(self, module, process_group)
         self.grad_as_bucket_view = grad_as_bucket_view
         self.buckets = [_Bucket(params) for params in buckets]
-        self._slot = {p: (bucket, i) for bucket in self.buckets for i, p in enumerate(bucket.params)}
         self._next_bucket = 0           # the next bucket to launch
         self._pending = False           # a synchronised step has started and not been finished
+        self._hooks_removed = False
         self.num_all_reduces = 0        # collectives issued since construction (tests count them)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+        owner = weakref.ref(self)
+        handles = [p.register_post_accumulate_grad_hook(_GradReadyHook(owner, b, i))
+                   for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)]
+        # Runs remove_hooks' work when the wrapper is collected (or when remove_hooks() calls it).
+        self._remove_handles = weakref.finalize(self, _remove_handles, handles)
 
     @property
     def num_buckets(self) -> int:
@@ -252,7 +286,18 @@ class _OverlappedDataParallel(_DataParallel):
     def num_collectives(self) -> int:
         return len(self.buckets)
 
+    def remove_hooks(self) -> None:
+        """Unregister the gradient hooks and drop in-flight work: the wrapper no longer synchronises (a later
+        forward raises). Happens by itself when the wrapper is garbage-collected; idempotent."""
+        self._remove_handles()
+        self._hooks_removed = True
+        for bucket in self.buckets:
+            bucket.reset()
+        self._next_bucket, self._pending = 0, False
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._hooks_removed:
+            raise RuntimeError("this DDP wrapper's hooks were removed (remove_hooks()): wrap the module again")
         if self._pending and self._next_bucket > 0:
             raise RuntimeError("forward called while gradients of the previous backward are still being reduced: "
                                "call finish_gradient_synchronization() after every synchronised backward")
@@ -276,11 +321,16 @@ class _OverlappedDataParallel(_DataParallel):
         if self.grad_as_bucket_view:
             p.grad = view    # later steps accumulate straight into the bucket (until zero_grad sets None)
 
-    @torch.no_grad()
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
+    def _on_grad_ready(self, b: int, i: int) -> None:
+        """Backward accumulated the gradient of buckets[b].params[i]. Runs once per parameter per step, on
+        autograd's thread, so it stays lean: no lookups by parameter, and no grad-mode switch unless needed
+        (backward runs hooks with grad mode off, except under `create_graph=True`)."""
         if not self._sync_this_step:
             return
-        bucket, i = self._slot[p]
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self._on_grad_ready(b, i)
+        bucket = self.buckets[b]
         if bucket.ready[i]:
             raise RuntimeError("a parameter's gradient was accumulated twice in one synchronised step (two "
                                "backward passes without finish_gradient_synchronization(), or retain_graph reuse); "
@@ -289,8 +339,9 @@ class _OverlappedDataParallel(_DataParallel):
         self._stage(bucket, i)
         bucket.ready[i] = True
         bucket.num_ready += 1
-        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].full:
-            self._launch(self.buckets[self._next_bucket])
+        if b == self._next_bucket and bucket.full:
+            while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].full:
+                self._launch(self.buckets[self._next_bucket])
 
     def _launch(self, bucket: _Bucket) -> None:
         tensor = bucket.buffer if bucket.buffer is not None else bucket.params[0].grad

@@ -14,22 +14,31 @@ trial that raises (OOM included), loses a rank (`RayActorError`) or exceeds `tri
 (`GetTimeoutError`) becomes a row with status `oom|error|timeout` and its error text; the gang is torn down
 and a fresh one built for the next trial. A gang the cluster can never hold makes `skipped` rows. Every
 trial's row is written at once (atomically, `raysys.results.ResultWriter`), so an interrupted sweep leaves a
-complete file and `resume=True` skips the trials already in it.
+complete file and `resume=True` skips the trials already in it. SIGTERM (an outer `timeout`, `ray job stop`)
+stops a sweep like Ctrl-C: the gang is shut down, the rows written so far stay, the interrupt propagates.
 
-`tune_run` does the same for single-process trials scheduled by Ray Tune (kernel tiles, checkpointing).
+`tune_run` does the same for single-process trials scheduled by Ray Tune (kernel tiles, checkpointing): a
+Tune callback writes each trial's row when the trial completes or errors, and a time budget or an interrupt
+leaves every finished trial on disk.
 Gang mechanics (placement, GPU visibility, process-group bootstrap) live in `raysys.gang`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import os
+import signal
+import sys
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import pandas as pd
+import ray
 from tqdm.auto import tqdm
 
 from raysys.gang import Gang, cluster_info, cluster_nodes, init_ray, resolve_device
@@ -38,7 +47,7 @@ from raysys.rank import PlacementInfeasible, RankContext
 from raysys.results import ResultWriter, error_row, make_row, trial_id
 
 __all__ = ["Gang", "PlacementInfeasible", "ProcessGang", "RankContext", "cluster_info", "cluster_nodes", "init_ray",
-           "resolve_out_dir", "run_sweep", "tune_run"]
+           "interrupt_on_sigterm", "resolve_out_dir", "run_sweep", "tune_run"]
 
 LAUNCHERS = ("ray", "mp")
 _METRIC_SKIP = {"trial_id", "config", "date", "timestamp", "time_this_iter_s", "time_total_s", "pid", "hostname",
@@ -63,6 +72,32 @@ def resolve_out_dir(out: str | os.PathLike | None = None) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def interrupt_on_sigterm():
+    """Within the block, SIGTERM raises KeyboardInterrupt in the main thread, as Ctrl-C does.
+
+    `timeout`, `ray job stop` and batch schedulers stop a process with SIGTERM. By default that kills it on
+    the spot, and a Ray driver's handler (installed by `ray.init`) exits from inside the signal handler; either
+    way `finally` blocks may not get to stop gangs and Tune trials. With this, cleanup runs and the rows already
+    written stay. The previous handler comes back afterwards. An application's own handler (not the default,
+    not Ray's) is left alone, as is everything in a worker thread; so blocks nest.
+    """
+    previous = signal.getsignal(signal.SIGTERM)
+    ours = previous in (signal.SIG_DFL, None) or getattr(previous, "__module__", "").startswith("ray.")
+    if threading.current_thread() is not threading.main_thread() or not ours:
+        yield
+        return
+
+    def raise_interrupt(signum, frame):
+        raise KeyboardInterrupt(f"{signal.Signals(signum).name} received")
+
+    signal.signal(signal.SIGTERM, raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
 def _default_reduce(config: Mapping[str, Any], per_rank: list) -> dict:
     """Rank 0's result (a dict of metrics, or any value as `result`)."""
     return dict(per_rank[0]) if isinstance(per_rank[0], Mapping) else {"result": per_rank[0]}
@@ -77,15 +112,18 @@ def run_sweep(sweep: str, trials: Sequence[Mapping[str, Any]], trial_fn: Callabl
               reduce: Callable[[Mapping[str, Any], list], Mapping[str, Any]] | None = None,
               launcher: str = "ray", strategy: str = "STRICT_PACK", gpu_visibility: str = "shared",
               cpus_per_rank: float = 1, timeout_s: float = 600.0, trial_timeout_s: float | None = None,
-              writer: ResultWriter | None = None, show: bool = True) -> pd.DataFrame:
+              env: Mapping[str, str] | None = None, writer: ResultWriter | None = None,
+              show: bool = True) -> pd.DataFrame:
     """Run `trial_fn(ctx, config)` on `world_size` ranks for every config of `trials`; one row per trial.
 
     The row's configuration is the trial's config plus `world_size`, `launcher`, `device` and
     `gpu_visibility` (unless the config sets them); its id hashes that configuration. Metrics are
     `reduce(config, per_rank_results)` (default: rank 0's dict). `timeout_s` is the process-group timeout
-    and the default per-trial limit (`trial_timeout_s`). Pass a shared `writer` when several calls fill one
-    file (otherwise each call opens `<out_dir>/<sweep>.parquet`, replacing it unless `resume`). Returns the
-    rows of this call's trials; prints them as a table when `show`.
+    and the default per-trial limit (`trial_timeout_s`). `env` is set in every rank's process before its
+    process group starts (e.g. NCCL tuning variables); it is not part of the row, so put what identifies it
+    in the trials' configs. Pass a shared `writer` when several calls fill one file (otherwise each call
+    opens `<out_dir>/<sweep>.parquet`, replacing it unless `resume`). Returns the rows of this call's
+    trials; prints them as a table when `show`.
     """
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher {launcher!r} must be one of {LAUNCHERS}")
@@ -99,11 +137,13 @@ def run_sweep(sweep: str, trials: Sequence[Mapping[str, Any]], trial_fn: Callabl
     if launcher == "ray":
         init_ray()
         resolved = resolve_device(device)
-        make_gang = lambda: Gang(world_size, device=resolved, strategy=strategy, name=sweep, timeout_s=timeout_s,  # noqa: E731
-                                 gpu_visibility=gpu_visibility, cpus_per_rank=cpus_per_rank)
+        make_gang = functools.partial(Gang, world_size, device=resolved, strategy=strategy, name=sweep,
+                                      timeout_s=timeout_s, gpu_visibility=gpu_visibility, cpus_per_rank=cpus_per_rank,
+                                      env=env)
     else:
         resolved = local_device(device)
-        make_gang = lambda: ProcessGang(world_size, device=resolved, name=sweep, timeout_s=timeout_s)  # noqa: E731
+        make_gang = functools.partial(ProcessGang, world_size, device=resolved, name=sweep, timeout_s=timeout_s,
+                                      env=env)
     visibility = (gpu_visibility if launcher == "ray" else "shared") if resolved == "cuda" else "none"
     fixed = {"world_size": world_size, "launcher": launcher, "device": resolved, "gpu_visibility": visibility}
     configs = [{**t, **{k: v for k, v in fixed.items() if k not in t}} for t in trials]
@@ -112,35 +152,36 @@ def run_sweep(sweep: str, trials: Sequence[Mapping[str, Any]], trial_fn: Callabl
     gang, infeasible = None, ""
     bar = tqdm(total=len(configs), desc=f"{sweep} [{launcher} x{world_size} {resolved}]", unit="trial")
     try:
-        for trial, config in zip(trials, configs):
-            tid = trial_id(config)
-            if writer.done(tid):
-                rows.extend(r for r in writer.rows if r.get("trial_id") == tid)
-                bar.set_postfix_str("resumed")
-                bar.update()
-                continue
-            extra = {"backend": "nccl" if resolved == "cuda" else "gloo"}
-            if infeasible:
-                row = make_row(sweep, config, status="skipped", error=infeasible, **extra)
-            else:
-                try:
-                    if gang is None:
-                        gang = make_gang().start()
-                    per_rank = gang.call(trial_fn, (trial,), label=_label(trial), timeout_s=trial_timeout_s)
-                    extra["device_name"] = gang.ranks[0].get("device_name", "")
-                    row = make_row(sweep, config, dict(reduce(trial, per_rank)), **extra)
-                except PlacementInfeasible as exc:
-                    infeasible = str(exc)
+        with interrupt_on_sigterm():  # a stopped sweep shuts its gang down and keeps its rows
+            for trial, config in zip(trials, configs):
+                tid = trial_id(config)
+                if writer.done(tid):
+                    rows.extend(r for r in writer.rows if r.get("trial_id") == tid)
+                    bar.set_postfix_str("resumed")
+                    bar.update()
+                    continue
+                extra = {"backend": "nccl" if resolved == "cuda" else "gloo"}
+                if infeasible:
                     row = make_row(sweep, config, status="skipped", error=infeasible, **extra)
-                except Exception as exc:  # the trial's failure is a result; the sweep goes on
-                    row = error_row(sweep, config, exc, **extra)
-                    if gang is not None and gang.broken:
-                        gang.shutdown()
-                        gang = None
-            writer.write([row])
-            rows.append(row)
-            bar.set_postfix_str(row["status"])
-            bar.update()
+                else:
+                    try:
+                        if gang is None:
+                            gang = make_gang().start()
+                        per_rank = gang.call(trial_fn, (trial,), label=_label(trial), timeout_s=trial_timeout_s)
+                        extra["device_name"] = gang.ranks[0].get("device_name", "")
+                        row = make_row(sweep, config, dict(reduce(trial, per_rank)), **extra)
+                    except PlacementInfeasible as exc:
+                        infeasible = str(exc)
+                        row = make_row(sweep, config, status="skipped", error=infeasible, **extra)
+                    except Exception as exc:  # the trial's failure is a result; the sweep goes on
+                        row = error_row(sweep, config, exc, **extra)
+                        if gang is not None and gang.broken:
+                            gang.shutdown()
+                            gang = None
+                writer.write([row])
+                rows.append(row)
+                bar.set_postfix_str(row["status"])
+                bar.update()
     finally:
         bar.close()
         if gang is not None:
@@ -176,33 +217,124 @@ def _expand_grid(param_space: Mapping[str, Any]) -> list[dict] | None:
     return [dict(combo) for combo in itertools.product(*axes)]
 
 
+def _trial_config(config: Mapping[str, Any] | None) -> dict:
+    config = dict(config or {})
+    return dict(config.get("_raysys_config", config))
+
+
+def _trial_exception(trial) -> BaseException:
+    """The exception a Tune trial failed with, read from the trial's local error files.
+
+    Tune writes them before it calls `on_trial_error`; `Trial.get_pickled_error()` reads the synced copy in
+    the storage path, which does not exist yet at that moment.
+    """
+    try:
+        pickled, text = trial.pickled_error_file, trial.error_file
+    except Exception:  # Tune internals moved: still a row, with what we know
+        pickled = text = None
+    if pickled and os.path.exists(pickled):
+        try:
+            with open(pickled, "rb") as f:
+                return ray.cloudpickle.load(f)
+        except Exception:  # unpicklable on this side: fall back to the text
+            pass
+    if text and os.path.exists(text):
+        return RuntimeError(Path(text).read_text().strip()[-2000:])
+    return RuntimeError(f"Tune trial {trial} failed without an error file")
+
+
+def _row_callback(sweep: str, writer: ResultWriter, rows: list[dict], bar):
+    """A `tune.Callback` that writes each trial's row the moment the trial completes or errors."""
+    from ray import tune
+
+    class _WriteRows(tune.Callback):
+        """One row per finished trial, through `writer` (an atomic rewrite of the Parquet file), so a run
+        that is stopped (time budget, SIGTERM, Ctrl-C) keeps every trial that ended before it. Tune calls
+        `on_trial_complete` only for a trial that ran to its end, never for one it stops itself."""
+
+        # Tune pickles its run config: this class by value (so its methods close over nothing) and this
+        # instance through __getstate__ (so the writer and the bar stay in the driver).
+        def __init__(self, sweep: str, writer: ResultWriter, rows: list[dict], bar):
+            self.sweep, self.writer, self.rows, self.bar = sweep, writer, rows, bar
+
+        def __getstate__(self):
+            return {}
+
+        def _write(self, row: dict) -> None:
+            self.writer.write([row])
+            self.rows.append(row)
+            self.bar.set_postfix_str(row["status"])
+            self.bar.update()
+
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            metrics = {k: v for k, v in (trial.last_result or {}).items() if k not in _METRIC_SKIP}
+            self._write(make_row(self.sweep, _trial_config(trial.config), metrics))
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            self._write(error_row(self.sweep, _trial_config(trial.config), _trial_exception(trial)))
+
+    return _WriteRows(sweep, writer, rows, bar)
+
+
+@contextlib.contextmanager
+def _tune_sigint_as_interrupt():
+    """Ray Tune turns Ctrl-C into a graceful stop that returns normally (for its own experiment restore);
+    here the Parquet file is the state, so Ctrl-C raises KeyboardInterrupt like SIGTERM does."""
+    key = "TUNE_DISABLE_SIGINT_HANDLER"
+    old = os.environ.get(key)
+    os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
+
+
 def tune_run(trainable: Callable[[dict], Any], param_space: Mapping[str, Any], *, sweep: str,
              out_dir: str | os.PathLike | None = "results", resources: Mapping[str, float] | None = None,
-             num_samples: int = 1, max_concurrent_trials: int | None = None, resume: bool = False,
-             writer: ResultWriter | None = None, show: bool = True) -> pd.DataFrame:
+             num_samples: int = 1, max_concurrent_trials: int | None = None, max_trials: int | None = None,
+             time_budget_s: float | None = None, resume: bool = False, writer: ResultWriter | None = None,
+             show: bool = True) -> pd.DataFrame:
     """Run `trainable(config)` for every config of `param_space` with Ray Tune; one Parquet row per trial.
 
     The trainable reports its metrics with `ray.tune.report({...})` (the last report is the row), or returns
     a dict. `resources` per trial: `{"gpu": 1}` (plus one CPU) or `{"cpu": n}` (default: one CPU). A trial
-    that raises becomes a row with status `oom|error|timeout`. A grid (constants and `tune.grid_search`) is
-    expanded here and runs each config once, so `resume=True` can skip the trials already in
-    `<out_dir>/<sweep>.parquet`; sampled spaces (`tune.choice`, ...) go to Tune as they are, `num_samples`
-    times, and cannot resume.
+    that raises becomes a row with status `oom|error|timeout`. Each row is written when its trial ends, not
+    when the run does.
+
+    A grid (constants and `tune.grid_search`) is expanded here and runs each config once, so `resume=True`
+    can skip the trials already in `<out_dir>/<sweep>.parquet`; `max_trials` runs only the first that many
+    of the remaining configs. Sampled spaces (`tune.choice`, ...) go to Tune as they are, `num_samples`
+    times, and can neither resume nor take `max_trials`. `time_budget_s` stops the run after that many
+    seconds: trials still running are stopped (Tune needs a few seconds for that) and leave no row, like
+    the trials that never started, so `resume=True` runs them next time.
+
+    SIGTERM (an outer `timeout`, `ray job stop`) and Ctrl-C raise KeyboardInterrupt: the rows written so
+    far stay, Ray is shut down (which stops this driver's trials) and the interrupt propagates.
+    Returns the rows of this call's finished trials.
     """
     from ray import tune
 
-    init_ray()
     resources = {"cpu": 1, **{k.lower(): v for k, v in (resources or {}).items()}}
     if not set(resources) <= {"cpu", "gpu"}:
         raise ValueError(f"resources {dict(resources)} may only name 'cpu' and 'gpu'")
-    writer = writer or ResultWriter(resolve_out_dir(out_dir), sweep, resume=resume)
+    if max_trials is not None and (not isinstance(max_trials, int) or max_trials < 0):
+        raise ValueError(f"max_trials ({max_trials!r}) must be an int >= 0")
+    if time_budget_s is not None and not time_budget_s > 0:
+        raise ValueError(f"time_budget_s ({time_budget_s!r}) must be > 0")
     grid = _expand_grid(param_space)
-    if grid is None and resume:
-        raise ValueError("resume=True needs a grid param_space (constants and tune.grid_search), not samplers")
+    if grid is None and (resume or max_trials is not None):
+        raise ValueError(f"{'resume=True' if resume else 'max_trials'} needs a grid param_space (constants and "
+                         f"tune.grid_search), not samplers")
     if grid is not None and num_samples != 1:
         raise ValueError(f"num_samples ({num_samples}) applies to sampled param spaces; a grid runs each config once")
+    init_ray()
+    writer = writer or ResultWriter(resolve_out_dir(out_dir), sweep, resume=resume)
     todo = None if grid is None else [c for c in grid if not writer.done(trial_id(c))]
-    total = len(todo) if todo is not None else None
+    if todo is not None and max_trials is not None:
+        todo = todo[:max_trials]
     rows: list[dict] = []
     if todo is None or todo:
         space = {"_raysys_config": tune.grid_search(todo)} if todo is not None else dict(param_space)
@@ -212,44 +344,38 @@ def tune_run(trainable: Callable[[dict], Any], param_space: Mapping[str, Any], *
             if isinstance(out, Mapping):
                 tune.report(dict(out))
 
-        class _Progress(tune.Callback):
-            """Advances the sweep's progress bar; the Tuner pickles its callbacks, so the bar is not state."""
-
-            def __init__(self, bar):
-                self.bar = bar
-
-            def __getstate__(self):
-                return {"bar": None}
-
-            def on_trial_complete(self, iteration, trials, trial, **info):
-                if self.bar is not None:
-                    self.bar.update()
-
-            on_trial_error = on_trial_complete
-
-        bar = tqdm(total=total, desc=f"{sweep} [tune]", unit="trial")
-
+        bar = tqdm(total=len(todo) if todo is not None else None, desc=f"{sweep} [tune]", unit="trial")
         with tempfile.TemporaryDirectory(prefix=f"tune_{sweep}_") as storage:
             tuner = tune.Tuner(
                 tune.with_resources(run_trial, {k: float(v) for k, v in resources.items()}),
                 param_space=space,
-                tune_config=tune.TuneConfig(num_samples=num_samples,
-                                            max_concurrent_trials=max_concurrent_trials),
-                run_config=tune.RunConfig(name=sweep, storage_path=storage, verbose=0, callbacks=[_Progress(bar)]),
+                tune_config=tune.TuneConfig(num_samples=num_samples, max_concurrent_trials=max_concurrent_trials,
+                                            time_budget_s=time_budget_s),
+                run_config=tune.RunConfig(name=sweep, storage_path=storage, verbose=0,
+                                          callbacks=[_row_callback(sweep, writer, rows, bar)]),
             )
             try:
-                results = tuner.fit()
+                with interrupt_on_sigterm(), _tune_sigint_as_interrupt():
+                    results = tuner.fit()
+            except KeyboardInterrupt:
+                print(f"{sweep}: interrupted; the {len(rows)} trials finished in this run are in {writer.path}"
+                      + (" (rerun with resume to continue)" if todo is not None else ""), file=sys.stderr, flush=True)
+                ray.shutdown()  # this driver's Tune trials die with it
+                raise
             finally:
                 bar.close()
-            for result in results:
-                cfg = result.config.get("_raysys_config", result.config)
-                if result.error is not None:
-                    row = error_row(sweep, cfg, result.error)
-                else:
-                    metrics = {k: v for k, v in (result.metrics or {}).items() if k not in _METRIC_SKIP}
-                    row = make_row(sweep, cfg, metrics)
+        written = {r["trial_id"] for r in rows}
+        for result in results:  # a failure Tune reported without calling on_trial_error (should not happen)
+            config = _trial_config(result.config)
+            if result.error is not None and config and trial_id(config) not in written:
+                exc = result.error if isinstance(result.error, BaseException) else RuntimeError(str(result.error))
+                row = error_row(sweep, config, exc)
                 writer.write([row])
                 rows.append(row)
+        if todo is not None and len(rows) < len(todo):
+            print(f"{sweep}: {len(todo) - len(rows)} of {len(todo)} trials did not finish"
+                  + (f" within the time budget ({time_budget_s:g} s)" if time_budget_s else "")
+                  + "; rerun with resume to run them", file=sys.stderr, flush=True)
     df = pd.DataFrame(rows)
     if show and not df.empty:
         print(summary_table(df))

@@ -3,7 +3,8 @@
 A `Gang` is `world_size` Ray actors, one per rank, reserved together with a placement group (`STRICT_PACK`
 by default: one node, so NVLink; `PACK`, `SPREAD`, `STRICT_SPREAD` for multi-node) that join one
 torch.distributed process group. On CUDA every actor owns one GPU; on CPU each gets `cpus_per_rank` CPUs
-and as many torch threads.
+and as many torch threads. `env` is set in every rank's process before its process group starts (NCCL
+reads most of its variables once per process, so a different `env` needs a new gang).
 
 GPU visibility (`gpu_visibility`):
   * `shared` (default, Ray Train's practice): the actors of a node all see the node's gang GPUs in
@@ -28,15 +29,15 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raysys.rank import (DEVICES, RANK_ENV, PlacementInfeasible, RankContext, RankSpec, destroy_rank,
-                         device_description, free_port, init_rank)
+from raysys.rank import (DEVICES, RANK_ENV, PlacementInfeasible, RankContext, RankSpec, check_rank_env,
+                         destroy_rank, device_description, free_port, init_rank)
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +241,7 @@ class Gang:
 
     def __init__(self, world_size: int, *, device: str = "auto", strategy: str = "STRICT_PACK", name: str = "gang",
                  timeout_s: float = 600.0, gpu_visibility: str = "shared", cpus_per_rank: float = 1,
-                 placement_timeout_s: float = 120.0):
+                 placement_timeout_s: float = 120.0, env: Mapping[str, str] | None = None):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size ({world_size!r}) must be an int >= 1")
         if device not in DEVICES:
@@ -253,6 +254,8 @@ class Gang:
             raise ValueError(f"timeout_s ({timeout_s}) and placement_timeout_s ({placement_timeout_s}) must be > 0")
         if cpus_per_rank <= 0:
             raise ValueError(f"cpus_per_rank ({cpus_per_rank}) must be > 0")
+        self.env = dict(env or {})
+        check_rank_env(self.env)
         self.world_size, self.strategy, self.name = world_size, strategy, name
         self.requested_device, self.gpu_visibility = device, gpu_visibility
         self.timeout_s, self.placement_timeout_s, self.cpus_per_rank = timeout_s, placement_timeout_s, cpus_per_rank
@@ -335,7 +338,7 @@ class Gang:
                                   local_world_size=len(by_node[node]), node_rank=node_order.index(node),
                                   master_addr=infos[0]["ip"], master_port=port, device_type=self.device,
                                   device_index=index, visible_devices=visible, timeout_s=self.timeout_s,
-                                  num_threads=max(1, int(self.cpus_per_rank))))
+                                  num_threads=max(1, int(self.cpus_per_rank)), env=self.env))
         return specs
 
     def shutdown(self) -> None:

@@ -1,9 +1,10 @@
 """The same gang without Ray: one `torch.multiprocessing` process per rank on this machine.
 
 `ProcessGang` has `Gang`'s interface (`with ... as gang: gang.run(fn, *args)`, `broken`, `ranks`) and runs
-the same trial functions with the same `RankContext` and process-group bootstrap (`raysys.rank.init_rank`),
-so a benchmark can be launched both ways in one run and the difference is what Ray costs. Rank r uses
-`cuda:r` of the GPUs this process sees (all ranks see all of them, like Ray's `shared` visibility).
+the same trial functions with the same `RankContext` and process-group bootstrap (`raysys.rank.init_rank`,
+which also sets the gang's `env` in every rank), so a benchmark can be launched both ways in one run and the
+difference is what Ray costs. Rank r uses `cuda:r` of the GPUs this process sees (all ranks see all of them,
+like Ray's `shared` visibility).
 
 Each rank is a persistent `spawn`ed process that joins the group once and then serves calls over a pipe:
 the driver sends a pickled `(fn, args, kwargs)`, the rank answers with the pickled result or the exception
@@ -19,12 +20,13 @@ import os
 import pickle
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.multiprocessing as mp
 
-from raysys.rank import DEVICES, PlacementInfeasible, RankSpec, destroy_rank, device_description, free_port, init_rank
+from raysys.rank import (DEVICES, PlacementInfeasible, RankSpec, check_rank_env, destroy_rank, device_description,
+                         free_port, init_rank)
 
 
 def local_device(device: str) -> str:
@@ -76,7 +78,7 @@ class ProcessGang:
     """`world_size` local rank processes joined in one process group; same interface as `raysys.gang.Gang`."""
 
     def __init__(self, world_size: int, *, device: str = "auto", name: str = "gang", timeout_s: float = 600.0,
-                 start_timeout_s: float = 120.0):
+                 start_timeout_s: float = 120.0, env: Mapping[str, str] | None = None):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size ({world_size!r}) must be an int >= 1")
         if device not in DEVICES:
@@ -84,6 +86,8 @@ class ProcessGang:
         if timeout_s <= 0 or start_timeout_s <= 0:
             raise ValueError(f"timeout_s ({timeout_s}) and start_timeout_s ({start_timeout_s}) must be > 0")
         self.world_size, self.name, self.timeout_s, self.start_timeout_s = world_size, name, timeout_s, start_timeout_s
+        self.env = dict(env or {})
+        check_rank_env(self.env)
         self.requested_device = device
         self.device = ""
         self.backend = ""
@@ -116,7 +120,7 @@ class ProcessGang:
                                 local_world_size=self.world_size, node_rank=0, master_addr="127.0.0.1",
                                 master_port=port, device_type=self.device,
                                 device_index=rank if self.device == "cuda" else None, timeout_s=self.timeout_s,
-                                num_threads=threads)
+                                num_threads=threads, env=self.env)
                 parent, child = ctx.Pipe(duplex=True)
                 proc = ctx.Process(target=_serve, args=(spec, child), name=f"{self.name}.rank{rank}", daemon=True)
                 proc.start()

@@ -8,12 +8,23 @@ cannot be used for them).
 
 On a CUDA device the summary lists GPU kernels; on the CPU it lists leaf operators (self time), so the same
 code path is exercised and tested without a GPU.
+
+Communication overlap (the data-parallel sweeps): `profile_steps` records the GPU kernels of whole training
+steps, `kernel_intervals` splits them into NCCL and compute kernel intervals, and `overlap` measures how
+much of the NCCL kernel time runs while some compute kernel runs too. Pitfall it avoids: with
+`schedule(wait=0, warmup=1, active=1)` and the default `repeat=0`, the profiler starts a new cycle after the
+recorded one, and `prof.events()` / `export_chrome_trace()` then see that new, empty cycle (torch's warning
+"Profiler clears events at the end of each cycle"): the schedule here has `repeat=1` and the events and
+the trace are taken in `on_trace_ready`, while the recorded cycle is current.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pandas as pd
 import torch
@@ -98,3 +109,133 @@ def format_top(table: pd.DataFrame, top: int = 8) -> str:
         head = part.head(top).assign(kernel=lambda d: d.kernel.str.slice(0, 70))
         parts.append(f"**{phase}**\n\n" + head.drop(columns="phase").to_markdown(index=False, floatfmt=".3g"))
     return "\n\n".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------------- overlap
+def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of `intervals` as sorted, disjoint (start, end) pairs."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+def overlap(comm: list[tuple[float, float]], compute: list[tuple[float, float]]) -> tuple[float, float]:
+    """(total communication time, part of it during which some compute interval also runs), same units.
+    Overlapping intervals of either kind count once."""
+    comm, compute = merge_intervals(comm), merge_intervals(compute)
+    total = sum(e - s for s, e in comm)
+    shared, j = 0.0, 0
+    for s, e in comm:
+        while j < len(compute) and compute[j][1] <= s:
+            j += 1
+        k = j
+        while k < len(compute) and compute[k][0] < e:
+            shared += min(e, compute[k][1]) - max(s, compute[k][0])
+            k += 1
+    return total, shared
+
+
+def device_kernels(events) -> list[tuple[str, float, float]]:
+    """(name, start_us, end_us) of every GPU kernel in `events` (`profiler.events()`): device-side events,
+    without memory copies/sets and without the `gpu_user_annotation` ranges that mirror CPU annotations."""
+    return [(e.name, e.time_range.start, e.time_range.end) for e in events
+            if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+            and not e.name.startswith(("Memcpy", "Memset"))]
+
+
+def is_nccl(kernel_name: str) -> bool:
+    return "nccl" in kernel_name.lower()
+
+
+def kernel_intervals(events) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """(NCCL kernel intervals, other GPU kernel intervals) in microseconds, from `profiler.events()`."""
+    comm, compute = [], []
+    for name, start, end in device_kernels(events):
+        (comm if is_nccl(name) else compute).append((start, end))
+    return comm, compute
+
+
+def cpu_op_time(events, name: str) -> tuple[int, float]:
+    """(calls, total inclusive host time in microseconds) of the CPU events called `name`, e.g.
+    `c10d::allreduce_` (issuing one all-reduce, whatever the backend) or `torch::autograd::AccumulateGrad`
+    (accumulating one gradient, post-accumulate-grad hooks included)."""
+    spans = [e.time_range.elapsed_us() for e in events if e.device_type == DeviceType.CPU and e.name == name]
+    return len(spans), float(sum(spans))
+
+
+@dataclass
+class StepProfile:
+    """What `profile_steps` recorded: the events of the active steps and what they contain."""
+
+    events: list
+    """`FunctionEvent`s of the active steps (CPU operators and, on CUDA, GPU kernels)."""
+    device: torch.device
+    trace_path: Path | None = None
+
+    @property
+    def num_cpu_ops(self) -> int:
+        return sum(1 for e in self.events if e.device_type == DeviceType.CPU)
+
+    @property
+    def num_kernels(self) -> int:
+        return len(device_kernels(self.events))
+
+    @property
+    def num_nccl_kernels(self) -> int:
+        return sum(1 for name, _, _ in device_kernels(self.events) if is_nccl(name))
+
+    def status(self, expect_nccl: bool) -> str:
+        """`ok`; `cpu` (no GPU: no kernels to measure, by design); or what is missing: `empty` (no events at
+        all), `no_gpu_kernels` (CPU events only on a CUDA device: the CUDA activity was not recorded),
+        `no_nccl_kernels` (GPU kernels but no NCCL kernel where communication was expected)."""
+        if not self.events:
+            return "empty"
+        if self.device.type != "cuda":
+            return "cpu"
+        if self.num_kernels == 0:
+            return "no_gpu_kernels"
+        if expect_nccl and self.num_nccl_kernels == 0:
+            return "no_nccl_kernels"
+        return "ok"
+
+
+def profile_steps(step: Callable[[], object], device: torch.device, *, warmup: int = 1, active: int = 1,
+                  trace_path: str | Path | None = None) -> StepProfile:
+    """Run `warmup + active` calls of `step` under torch.profiler (a device synchronisation after each) and
+    return the events of the `active` ones; write their Chrome trace to `trace_path` (gzipped if it ends in
+    `.gz`). The warm-up steps absorb the profiler's own start-up cost (CUPTI initialisation)."""
+    if warmup < 1 or active < 1:
+        raise ValueError(f"warmup ({warmup}) and active ({active}) must be >= 1")
+    if device.type == "cuda" and not torch.profiler.kineto_available():
+        raise RuntimeError("torch.profiler cannot record GPU kernels in this process: kineto is not available")
+    path = Path(trace_path) if trace_path is not None else None
+    recorded: dict[str, object] = {}
+
+    def ready(prof: torch.profiler.profile) -> None:
+        recorded["events"] = list(prof.events())
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(path))
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    schedule = torch.profiler.schedule(wait=0, warmup=warmup, active=active, repeat=1)
+    with warnings.catch_warnings():
+        # Emitted by some torch versions on every profiler start, whatever the schedule; `repeat=1` makes
+        # the recorded cycle the last one, and `ready` reads it before anything could clear it.
+        warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
+        with torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=ready) as prof:
+            for _ in range(warmup + active):
+                step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                prof.step()
+    if "events" not in recorded:
+        raise RuntimeError(f"the profiler finished without completing its recording cycle ({warmup} warm-up + "
+                           f"{active} active steps)")
+    return StepProfile(events=recorded["events"], device=device, trace_path=path)

@@ -5,7 +5,8 @@ A launcher decides, for every rank, a `RankSpec` (rank, local rank, node rank, r
 which GPUs the process sees and which one it uses); `init_rank(spec)` runs inside the rank's process, sets the
 torchrun-style environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `NODE_RANK`, `MASTER_ADDR`,
 `MASTER_PORT`), selects the device and initialises the default process group (NCCL on CUDA, gloo on CPU) with
-the spec's timeout, and returns the `RankContext` that trial functions receive.
+the spec's timeout, and returns the `RankContext` that trial functions receive. A spec's `env` (e.g. NCCL
+tuning variables) is set in the rank's process before the process group, hence NCCL, starts.
 
 Invariants: CUDA_VISIBLE_DEVICES is set before CUDA is initialised in the process (else it would be ignored);
 NVLink multicast (NVLS / symmetric-memory multicast) stays off, because the GPU hosts this runs on require it;
@@ -17,8 +18,10 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import re
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
@@ -62,8 +65,11 @@ class RankSpec:
     """Process-group timeout: a collective that waits longer than this fails."""
     num_threads: int = 1
     """torch intra-op threads of this rank (the CPUs reserved for it)."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Extra environment variables, set before the process group starts (they override the process's own)."""
 
     def __post_init__(self) -> None:
+        check_rank_env(self.env)
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank ({self.rank}) must be in [0, world_size={self.world_size})")
         if self.device_type not in ("cuda", "cpu"):
@@ -106,6 +112,18 @@ class RankContext:
             torch.cuda.synchronize(self.device)
 
 
+def check_rank_env(env: Mapping[str, str]) -> None:
+    """Raise ValueError unless `env` maps variable names to strings and keeps NVLink multicast off."""
+    for key, value in env.items():
+        if not isinstance(key, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise ValueError(f"environment variable name {key!r} must match [A-Za-z_][A-Za-z0-9_]*")
+        if not isinstance(value, str):
+            raise ValueError(f"environment variable {key}={value!r} must have a str value")
+        if key in MULTICAST_OFF_ENV and value != MULTICAST_OFF_ENV[key]:
+            raise ValueError(f"{key}={value} is not allowed: NVLink multicast must stay off on these GPU hosts "
+                             f"({key}={MULTICAST_OFF_ENV[key]})")
+
+
 def free_port() -> int:
     """A TCP port that is free on this host right now (the OS picks it; never a fixed number)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -121,6 +139,7 @@ def init_rank(spec: RankSpec) -> RankContext:
         os.environ["CUDA_VISIBLE_DEVICES"] = spec.visible_devices
     for key, value in RANK_ENV.items():
         os.environ.setdefault(key, value)
+    os.environ.update(spec.env)
     os.environ.update({
         "RANK": str(spec.rank), "WORLD_SIZE": str(spec.world_size), "LOCAL_RANK": str(spec.local_rank),
         "LOCAL_WORLD_SIZE": str(spec.local_world_size), "NODE_RANK": str(spec.node_rank),

@@ -1,22 +1,39 @@
 """Collective-communication benchmark (handout 5.1, distributed_communication_single_node), launched on Ray
 and, in the same run, without Ray (torch.multiprocessing), to show what the Ray layer costs.
 
-Grid: all-reduce, all-gather, reduce-scatter, broadcast x float32 messages x world sizes, for each launch:
+Grid: all-reduce, all-gather, reduce-scatter, broadcast x float32 messages x world sizes x NCCL settings, for
+each launch:
   * `ray`, gpu_visibility `shared`   (actors of a node see all its gang GPUs: NCCL peer-to-peer)
   * `ray`, gpu_visibility `isolated` (Ray's default: one visible GPU per actor)      - CUDA only
   * `mp`                             (one spawned process per GPU, no Ray)
-Defaults: CUDA - 1 MB, 10 MB, 100 MB, 1 GB on 2, 4, 6 GPUs (world sizes the cluster cannot hold become
-`skipped` rows); CPU (gloo) - 1 KB .. 1 MB on 2 and 4 ranks. Sizes are decimal (1 MB = 10^6 bytes).
-Each trial: 5 warm-up calls, then `--iters` timed calls (CUDA events on GPU); the time is the max over ranks
-of the per-rank mean; algbw = bytes / time, busbw = algbw x 2(n-1)/n (all-reduce), (n-1)/n (all-gather,
-reduce-scatter), 1 (broadcast), as nccl-tests reports them. Every trial checks its result values afterwards.
+Defaults: CUDA - 1, 8, 64, 128, 512 MiB and 1 GiB (powers of two, as nccl-tests sweeps them; the handout's
+1 MB .. 1 GB range) on 2, 4, 6 GPUs (world sizes the cluster cannot hold become `skipped` rows); CPU (gloo) -
+1 KiB .. 1 MiB on 2 and 4 ranks. `size_bytes` is the exact request; `size` labels it in binary units when it
+is a whole number of them (1GiB = 2^30 B), else decimal ones (1GB = 10^9 B), else bytes.
+
+Message size, as nccl-tests counts it: the full tensor each rank ends with or starts from - all-reduce and
+broadcast the buffer; all-gather the gathered output (each rank sends size/n); reduce-scatter the input (each
+rank keeps size/n). So one size means the same per-rank buffer in every op (`num_bytes` is it exactly, after
+rounding to a multiple of the world size). Each trial: 5 warm-up calls, then `--iters` timed calls (CUDA
+events on GPU); the time is the max over ranks of the per-rank mean; algbw = num_bytes / time, busbw = algbw x
+2(n-1)/n (all-reduce), (n-1)/n (all-gather, reduce-scatter), 1 (broadcast), GB/s = 10^9 B/s, as nccl-tests
+reports them. Every trial checks its result values afterwards.
+
+`--nccl-env KEY=VAL,...` (repeatable; `default` = nothing added) runs the grid once per NCCL setting, each in
+fresh rank processes (NCCL reads its variables once per process) with the variables set in every rank of
+both launchers; the setting is the `nccl_env` column, and rank 0's effective NCCL_* variables and the NCCL
+version are recorded too. NVLink multicast stays off whatever is asked (NCCL_NVLS_ENABLE=0).
+The run ends with the issue's targets: 1 GiB all-reduce busbw >= 350 GB/s, ray / mp busbw >= 0.97 at the
+largest size.
 
 Outputs, in `--out` (default: the repository's `results/`, see `raysys.cluster.resolve_out_dir`):
-`allreduce.parquet` (one row per trial), `allreduce.md` (tables, for BENCHMARKS.md), `allreduce.png`
-(busbw vs message size per op, one line per world size x launch).
+`allreduce.parquet` (one row per trial), `allreduce.md` (tables and the target check, for BENCHMARKS.md),
+`allreduce.png` (busbw vs message size per op, one line per world size x launch [x NCCL setting]).
 
     python sweeps/allreduce.py                                   # embedded Ray; CPU/gloo without a GPU
     python sweeps/allreduce.py --device cuda --out results       # on a GPU host
+    python sweeps/allreduce.py --device cuda --world-sizes 2 --launchers mp --sizes 64MiB,1GiB \
+        --nccl-env default --nccl-env NCCL_ALGO=Ring --nccl-env NCCL_PROTO=Simple     # compare NCCL settings
     ray job submit --working-dir . -- python sweeps/allreduce.py --out "$PWD/results"   # on a running cluster
     python sweeps/allreduce.py --report-only --out results       # redraw tables and plot from the Parquet file
 """
@@ -24,6 +41,7 @@ Outputs, in `--out` (default: the repository's `results/`, see `raysys.cluster.r
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
@@ -36,12 +54,16 @@ import pandas as pd  # noqa: E402
 from parallel.collectives import OPS, aggregate, benchmark_collective  # noqa: E402
 from raysys.cluster import cluster_nodes, init_ray, resolve_out_dir, run_sweep  # noqa: E402
 from raysys.gang import resolve_device  # noqa: E402
+from raysys.rank import check_rank_env  # noqa: E402
 from raysys.results import ResultWriter  # noqa: E402
 
 SWEEP = "allreduce"
-DEFAULTS = {"cuda": {"sizes": "1MB,10MB,100MB,1GB", "world_sizes": "2,4,6", "iters": 50},
-            "cpu": {"sizes": "1KB,10KB,100KB,1MB", "world_sizes": "2,4", "iters": 10}}
+DEFAULTS = {"cuda": {"sizes": "1MiB,8MiB,64MiB,128MiB,512MiB,1GiB", "world_sizes": "2,4,6", "iters": 50},
+            "cpu": {"sizes": "1KiB,8KiB,64KiB,1MiB", "world_sizes": "2,4", "iters": 10}}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+_LABELS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3))
+# The issue's targets (2x H200, NVLink): 1 GiB all-reduce bus bandwidth, and what Ray may cost at large messages.
+TARGET_ALL_REDUCE_BYTES, TARGET_BUSBW_GBPS, TARGET_RAY_OVER_MP = 2**30, 350.0, 0.97
 
 
 # ---------------------------------------------------------------------------------------------------- grid
@@ -57,10 +79,9 @@ def parse_size(text: str) -> int:
 
 
 def size_label(num_bytes: int) -> str:
-    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
-        if num_bytes >= scale and num_bytes % scale == 0:
-            return f"{num_bytes // scale}{unit}"
-    return f"{num_bytes}B"
+    """The shortest exact label: 1073741824 -> '1GiB', 10**9 -> '1GB', 8192 -> '8KiB', 1500 -> '1500B'."""
+    exact = [f"{num_bytes // scale}{unit}" for unit, scale in _LABELS if num_bytes >= scale and num_bytes % scale == 0]
+    return min(exact, key=len, default=f"{num_bytes}B")  # min keeps the first (binary) of equally short labels
 
 
 def parse_list(text: str, what: str, allowed: tuple[str, ...] | None = None) -> list[str]:
@@ -72,8 +93,30 @@ def parse_list(text: str, what: str, allowed: tuple[str, ...] | None = None) -> 
     return items
 
 
-def trials(ops: list[str], sizes: list[int], warmup: int, iters: int) -> list[dict]:
-    return [{"op": op, "size": size_label(n), "size_bytes": n, "warmup": warmup, "iters": iters}
+def parse_nccl_env(text: str) -> dict[str, str]:
+    """'NCCL_ALGO=Ring,NCCL_PROTO=Simple' -> {...}; '' or 'default' -> {} (NCCL's own choices)."""
+    if text.strip() in ("", "default"):
+        return {}
+    env: dict[str, str] = {}
+    for item in text.split(","):
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or not re.fullmatch(r"NCCL_[A-Z0-9_]+", key) or not value:
+            raise ValueError(f"--nccl-env {text!r}: {item.strip()!r} must look like NCCL_NAME=value "
+                             f"(comma-separated; 'default' for none)")
+        if key in env:
+            raise ValueError(f"--nccl-env {text!r} sets {key} twice")
+        env[key] = value
+    check_rank_env(env)  # e.g. NCCL_NVLS_ENABLE=1 is refused: multicast stays off
+    return env
+
+
+def nccl_env_label(env: dict[str, str]) -> str:
+    """The `nccl_env` column: sorted KEY=VAL pairs, '' for the default."""
+    return ",".join(f"{k}={env[k]}" for k in sorted(env))
+
+
+def trials(ops: list[str], sizes: list[int], warmup: int, iters: int, nccl_env: str = "") -> list[dict]:
+    return [{"op": op, "size": size_label(n), "size_bytes": n, "warmup": warmup, "iters": iters, "nccl_env": nccl_env}
             for op in ops for n in sizes]
 
 
@@ -91,12 +134,18 @@ def launches(device: str, launchers: list[str], visibilities: list[str]) -> list
 # ---------------------------------------------------------------------------------------------------- trial
 def collective_trial(ctx, config: dict) -> dict:
     """On every rank: time `config['op']` on a `config['size_bytes']` message over the gang's group."""
-    return benchmark_collective(config["op"], config["size_bytes"], ctx.process_group, ctx.device,
-                                warmup=config["warmup"], iters=config["iters"])
+    import torch
+
+    out = benchmark_collective(config["op"], config["size_bytes"], ctx.process_group, ctx.device,
+                               warmup=config["warmup"], iters=config["iters"])
+    # What NCCL actually ran with: the rank's NCCL_* variables (the asked-for setting plus the host's own).
+    out["nccl_vars"] = ",".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("NCCL_"))
+    out["nccl_version"] = (".".join(map(str, torch.cuda.nccl.version())) if ctx.backend == "nccl" else "")
+    return out
 
 
 def reduce_trial(config: dict, per_rank: list[dict]) -> dict:
-    return aggregate(per_rank)
+    return {**aggregate(per_rank), "nccl_vars": per_rank[0]["nccl_vars"], "nccl_version": per_rank[0]["nccl_version"]}
 
 
 # ---------------------------------------------------------------------------------------------------- report
@@ -104,22 +153,84 @@ def _launch(row) -> str:
     return row.launcher + (f" {row.gpu_visibility}" if row.launcher == "ray" and row.gpu_visibility != "none" else "")
 
 
-def markdown(df: pd.DataFrame) -> str:
-    """Bus bandwidth and time per (op, size) x (world size, launch); Ray/mp and isolated/shared ratios;
-    what did not run and why."""
+def _measured(df: pd.DataFrame) -> pd.DataFrame:
+    """The ok rows with `launch` and `variant` (NCCL setting, 'default' when none; files without the column
+    predate `--nccl-env` and ran NCCL's defaults)."""
     ok = df[df["status"] == "ok"].copy()
-    parts = []
+    ok["launch"] = [_launch(r) for r in ok.itertuples()]
+    env = ok["nccl_env"].fillna("") if "nccl_env" in ok else pd.Series("", index=ok.index)
+    ok["variant"] = env.replace("", "default")
+    return ok
+
+
+def _variant_order(ok: pd.DataFrame) -> list[str]:
+    return sorted(ok["variant"].unique(), key=lambda v: (v != "default", v))
+
+
+def target_lines(df: pd.DataFrame) -> list[str]:
+    """The issue's targets against the measured rows, one line per (world size, NCCL setting) that has data."""
+    ok = _measured(df)
+    ok["variant"] = pd.Categorical(ok["variant"], _variant_order(ok), ordered=True)  # default first
+    multi = ok["variant"].nunique() > 1
+    where = lambda ws, variant: f"{ws} ranks" + (f", {variant}" if multi else "")  # noqa: E731
+    lines = []
+    goal = f"all_reduce busbw at {size_label(TARGET_ALL_REDUCE_BYTES)} >= {TARGET_BUSBW_GBPS:g} GB/s"
+    ar = ok[ok["op"] == "all_reduce"]
+    at = ar[ar["size_bytes"] == TARGET_ALL_REDUCE_BYTES]
+    if at.empty:
+        if ar.empty:
+            lines.append(f"{goal}: not measured (no all_reduce rows)")
+        else:
+            big = ar[ar["size_bytes"] == ar["size_bytes"].max()]
+            best = big.loc[big["busbw_GBps"].idxmax()]
+            lines.append(f"{goal}: not measured at {size_label(TARGET_ALL_REDUCE_BYTES)} "
+                         f"({TARGET_ALL_REDUCE_BYTES:,} B); the largest all_reduce, {best['size']} "
+                         f"({int(best['size_bytes']):,} B), reached {best['busbw_GBps']:.1f} GB/s "
+                         f"({where(best['world_size'], best['variant'])}, {best['launch']})")
+    for (ws, variant), part in at.groupby(["world_size", "variant"], observed=True):
+        best = part["busbw_GBps"].max()
+        each = ", ".join(f"{r.launch} {r.busbw_GBps:.1f}" for r in part.sort_values("launch").itertuples())
+        lines.append(f"{goal}, {where(ws, variant)}: {'PASS' if best >= TARGET_BUSBW_GBPS else 'FAIL'} "
+                     f"(best {best:.1f} GB/s; {each})")
+    for (ws, variant), part in ok.groupby(["world_size", "variant"], observed=True):
+        big = part[part["size_bytes"] == part["size_bytes"].max()]
+        label = big["size"].iloc[0]
+        mp = big[big["launch"] == "mp"].set_index("op")["busbw_GBps"]
+        for launch in sorted(set(big["launch"]) - {"mp"}):
+            ratio = (big[big["launch"] == launch].set_index("op")["busbw_GBps"] / mp).dropna()
+            if ratio.empty:
+                continue
+            worst = ratio.idxmin()
+            lines.append(f"{launch} / mp busbw at the largest size ({label}) >= {TARGET_RAY_OVER_MP:g}, "
+                         f"{where(ws, variant)}: {'PASS' if ratio.min() >= TARGET_RAY_OVER_MP else 'FAIL'} "
+                         f"(worst {ratio.min():.3f}, {worst}; "
+                         + ", ".join(f"{op} {r:.3f}" for op, r in ratio.items()) + ")")
+    if not ok.empty and (ok["launch"] == "mp").sum() == 0:
+        lines.append(f"ray / mp busbw >= {TARGET_RAY_OVER_MP:g}: not measured (no mp launch)")
+    return lines
+
+
+def markdown(df: pd.DataFrame) -> str:
+    """How to read the numbers; bus bandwidth and time per (op, size[, NCCL setting]) x (world size, launch);
+    Ray/mp and isolated/shared ratios; NCCL settings side by side; the targets; what did not run and why."""
+    ok = _measured(df)
+    parts = ["Message size as nccl-tests counts it: the full tensor on each rank (all_reduce, broadcast: the "
+             "buffer; all_gather: the gathered output, each rank sends size/n; reduce_scatter: the input, each "
+             "rank keeps size/n), so one size is the same per-rank buffer in every op. 1GiB = 2^30 B, 1GB = 10^9 B. "
+             "algbw = size / time (slowest rank's mean); busbw = algbw x 2(n-1)/n (all_reduce), (n-1)/n "
+             "(all_gather, reduce_scatter), 1 (broadcast); GB/s = 10^9 B/s."]
     if not ok.empty:
-        ok["launch"] = [f"{r.world_size}x {_launch(r)}" for r in ok.itertuples()]
         ok["op"] = pd.Categorical(ok["op"], [op for op in OPS if op in set(ok["op"])], ordered=True)
-        order = sorted(ok["launch"].unique(), key=lambda s: (int(s.split("x")[0]), s))
+        ok["variant"] = pd.Categorical(ok["variant"], _variant_order(ok), ordered=True)
+        multi = len(ok["variant"].cat.categories) > 1
+        keys = ["op", "size_bytes", "size"] + (["variant"] if multi else [])
+        ok["column"] = [f"{r.world_size}x {r.launch}" for r in ok.itertuples()]
+        order = sorted(ok["column"].unique(), key=lambda s: (int(s.split("x")[0]), s))
         for value, title in (("busbw_GBps", "Bus bandwidth (GB/s)"), ("time_ms", "Time per call (ms, slowest rank)")):
-            table = ok.pivot_table(index=["op", "size_bytes", "size"], columns="launch", values=value, observed=True)
+            table = ok.pivot_table(index=keys, columns="column", values=value, observed=True)
             table = table[order].reset_index().drop(columns="size_bytes")
             parts.append(f"{title}:\n\n" + table.to_markdown(index=False, floatfmt=".4g"))
-        ok["launch"] = [_launch(r) for r in ok.itertuples()]
-        bw = ok.pivot_table(index=["op", "size_bytes", "size", "world_size"], columns="launch", values="busbw_GBps",
-                            observed=True)
+        bw = ok.pivot_table(index=keys + ["world_size"], columns="launch", values="busbw_GBps", observed=True)
         ray = "ray shared" if "ray shared" in bw else "ray"
         ratios = pd.DataFrame(index=bw.index)
         if {ray, "mp"} <= set(bw.columns):
@@ -130,19 +241,40 @@ def markdown(df: pd.DataFrame) -> str:
             ratios = ratios.reset_index().drop(columns="size_bytes")
             parts.append("Bus-bandwidth ratios (1.0 = same speed):\n\n"
                          + ratios.to_markdown(index=False, floatfmt=".3f"))
+        if multi:
+            by = ok.pivot_table(index=["op", "size_bytes", "size", "world_size", "launch"], columns="variant",
+                                values="busbw_GBps", observed=True)
+            by.columns = [str(c) for c in by.columns]
+            for variant in [c for c in by.columns if c != "default"] if "default" in by.columns else []:
+                by[f"{variant} / default"] = by[variant] / by["default"]
+            parts.append("Bus bandwidth by NCCL setting (GB/s; `--nccl-env`):\n\n"
+                         + by.reset_index().drop(columns="size_bytes").to_markdown(index=False, floatfmt=".4g"))
+        info = []
+        if "nccl_version" in ok and (versions := sorted(v for v in ok["nccl_version"].dropna().unique() if v)):
+            info.append(f"NCCL {', '.join(versions)}")
+        if "nccl_vars" in ok:
+            for variant, part in ok.groupby("variant", observed=True):
+                seen = sorted({v for v in part["nccl_vars"].dropna()})
+                listed = "; ".join(f"`{v}`" for v in seen) or "none"
+                info.append(f"NCCL variables in the ranks ({variant}): {listed}")
+        if info:
+            parts.append("\n".join(f"- {line}" for line in info))
     failed = df[df["status"] != "ok"]
     if not failed.empty:
-        view = failed[["world_size", "launcher", "gpu_visibility", "status"]].copy()
-        view["trials"] = failed.groupby(["world_size", "launcher", "gpu_visibility", "status"])["op"].transform("size")
+        keys = ["world_size", "launcher", "gpu_visibility", "status"]
+        view = failed[keys].copy()
+        view["trials"] = failed.groupby(keys)["op"].transform("size")
         view["error"] = failed["error"].astype(str).str.split("\n").str[0].str[:120]
-        view = view.drop_duplicates(subset=["world_size", "launcher", "gpu_visibility", "status"])
+        view = view.drop_duplicates(subset=keys)
         parts.append("Not measured:\n\n" + view.to_markdown(index=False))
+    parts.append("Targets:\n\n" + "\n".join(f"- {line}" for line in target_lines(df)))
     return "\n\n".join(parts) + "\n"
 
 
 def plot(df: pd.DataFrame, path: Path) -> Path | None:
-    """busbw vs message size, one panel per op, one line per world size x launch; None if nothing ran."""
-    ok = df[df["status"] == "ok"]
+    """busbw vs message size, one panel per op, one line per world size x launch [x NCCL setting]; None if
+    nothing ran."""
+    ok = _measured(df)
     if ok.empty:
         return None
     import matplotlib
@@ -151,21 +283,22 @@ def plot(df: pd.DataFrame, path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     ops = [op for op in OPS if op in set(ok["op"])]
+    multi = ok["variant"].nunique() > 1
     cols = min(2, len(ops))
     rows = -(-len(ops) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.8 * rows), squeeze=False)
-    sizes = ok.drop_duplicates("num_bytes").sort_values("num_bytes")
+    sizes = ok.drop_duplicates("size_bytes").sort_values("size_bytes")
     for ax, op in zip(axes.flat, ops):
         sub = ok[ok["op"] == op]
-        for (ws, launch), line in sorted(sub.assign(launch=[_launch(r) for r in sub.itertuples()])
-                                         .groupby(["world_size", "launch"])):
-            line = line.sort_values("num_bytes")
-            ax.plot(line["num_bytes"], line["busbw_GBps"], marker="o", label=f"{ws} ranks, {launch}")
+        for (ws, launch, variant), line in sorted(sub.groupby(["world_size", "launch", "variant"])):
+            line = line.sort_values("size_bytes")
+            label = f"{ws} ranks, {launch}" + (f", {variant}" if multi else "")
+            ax.plot(line["size_bytes"], line["busbw_GBps"], marker="o", label=label)
         ax.set_xscale("log")
-        ax.set_xticks(sizes["num_bytes"], sizes["size"])
+        ax.set_xticks(sizes["size_bytes"], sizes["size"])
         ax.minorticks_off()
         ax.set_title(op)
-        ax.set_xlabel("message size")
+        ax.set_xlabel("message size (per-rank tensor)")
         ax.set_ylabel("bus bandwidth (GB/s)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
@@ -194,8 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                "absolute path under `ray job submit`)")
     p.add_argument("--resume", action="store_true", help="skip trials already in <out>/allreduce.parquet")
     p.add_argument("--world-sizes", default=None, help="comma list (default: 2,4,6 on cuda, 2,4 on cpu)")
-    p.add_argument("--sizes", default=None, help="comma list of message sizes (default: 1MB,10MB,100MB,1GB on cuda, "
-                                                 "1KB,10KB,100KB,1MB on cpu)")
+    p.add_argument("--sizes", default=None,
+                   help="comma list of message sizes, e.g. 1MiB,1GiB or 1MB,1GB\n"
+                        f"(default: {DEFAULTS['cuda']['sizes']} on cuda, {DEFAULTS['cpu']['sizes']} on cpu)")
     p.add_argument("--ops", default=",".join(OPS), help="comma list of collectives (default: all four)")
     p.add_argument("--launchers", default="ray,mp", help="comma list of ray, mp (default: both)")
     p.add_argument("--visibility", default="shared,isolated",
@@ -203,6 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=5, help="untimed calls before timing (default 5)")
     p.add_argument("--iters", type=int, default=None, help="timed calls per trial (default 50 on cuda, 10 on cpu)")
     p.add_argument("--timeout-s", type=float, default=120.0, help="per-trial and process-group timeout (s)")
+    p.add_argument("--nccl-env", action="append", default=None, metavar="KEY=VAL,...",
+                   help="NCCL variables set in every rank (both launchers), e.g. NCCL_ALGO=Ring or\n"
+                        "NCCL_MIN_NCHANNELS=32,NCCL_MAX_NCHANNELS=32; repeat to compare settings in one run,\n"
+                        "'default' for NCCL's own choices (default: only that). Multicast stays off.")
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, a local `ray start` "
                                                    "cluster, else an embedded Ray)")
     p.add_argument("--dashboard", action="store_true", help="start the Ray dashboard with the embedded Ray")
@@ -224,23 +362,30 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         visibilities = parse_list(args.visibility, "visibility", ("shared", "isolated"))
         if args.warmup < 0 or (args.iters is not None and args.iters < 1):
             raise ValueError(f"--warmup ({args.warmup}) must be >= 0 and --iters ({args.iters}) >= 1")
+        variants = [parse_nccl_env(text) for text in (args.nccl_env or ["default"])]
+        labels = [nccl_env_label(env) for env in variants]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"--nccl-env: {args.nccl_env} names one setting twice")
+        explicit_sizes = [parse_size(s) for s in parse_list(args.sizes, "sizes")] if args.sizes else None
+        world_sizes = [int(w) for w in parse_list(args.world_sizes, "world-sizes")] if args.world_sizes else None
+        if world_sizes and any(w < 2 for w in world_sizes):
+            raise ValueError(f"--world-sizes {world_sizes}: a collective needs at least 2 ranks")
         init_ray(args.address, dashboard=args.dashboard)
         device = resolve_device(args.device)
         defaults = DEFAULTS[device]
-        sizes = [parse_size(s) for s in parse_list(args.sizes or defaults["sizes"], "sizes")]
-        world_sizes = [int(w) for w in parse_list(args.world_sizes or defaults["world_sizes"], "world-sizes")]
-        if any(w < 2 for w in world_sizes):
-            raise ValueError(f"--world-sizes {world_sizes}: a collective needs at least 2 ranks")
-        grid = trials(ops, sizes, args.warmup, args.iters or defaults["iters"])
+        sizes = explicit_sizes or [parse_size(s) for s in parse_list(defaults["sizes"], "sizes")]
+        world_sizes = world_sizes or [int(w) for w in parse_list(defaults["world_sizes"], "world-sizes")]
         writer = ResultWriter(out, SWEEP, resume=args.resume)
         max_node_cpus = max(n.num_cpus for n in cluster_nodes())
         for world_size in world_sizes:
             # gloo ranks mostly wait on sockets: on CPU up to two ranks may share a core (4 ranks on 2 cores).
             cpus_per_rank = 1.0 if device == "cuda" else max(0.5, min(1.0, max_node_cpus / world_size))
-            for launcher, visibility in launches(device, launchers, visibilities):
-                run_sweep(SWEEP, grid, collective_trial, world_size, device=device, launcher=launcher,
-                          gpu_visibility=visibility, cpus_per_rank=cpus_per_rank, reduce=reduce_trial,
-                          timeout_s=args.timeout_s, writer=writer, show=False)
+            for env, label in zip(variants, labels):  # each setting in fresh rank processes: a gang per call
+                grid = trials(ops, sizes, args.warmup, args.iters or defaults["iters"], label)
+                for launcher, visibility in launches(device, launchers, visibilities):
+                    run_sweep(SWEEP, grid, collective_trial, world_size, device=device, launcher=launcher,
+                              gpu_visibility=visibility, cpus_per_rank=cpus_per_rank, reduce=reduce_trial,
+                              timeout_s=args.timeout_s, env=env, writer=writer, show=False)
         df = writer.frame()
     md_path, png_path = write_report(df, out)
     print(md_path.read_text())

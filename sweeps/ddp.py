@@ -4,7 +4,8 @@ against torch's DDP and a step with no communication, in one run; then optimizer
 Study `ddp` (one row per dtype x variant, `ddp.parquet`): the default on GPUs is the xl model, context 512,
 2 ranks, fp32 and bf16 autocast (fp32 master weights), AdamW (torch's, fused on CUDA) for
 
-    single        each rank trains its own replica, no communication at all (the reference step)
+    single        each rank trains its own replica, no communication at all (the reference step); run
+                  first and again last in each dtype (`single (rerun)`): the two bound the drift of the run
     naive, flat   gradients all-reduced after backward (per parameter / one flattened tensor)
     overlapped    an async all-reduce per parameter, issued from backward hooks
     bucketed:MB   async all-reduce per bucket of MB MiB (1, 10, 100, 1000); grads are views of the buckets
@@ -14,17 +15,27 @@ Study `ddp` (one row per dtype x variant, `ddp.parquet`): the default on GPUs is
 
 Batch: every rank runs the same per-rank batch (`--batch-per-rank`, default 2: a global batch of 4 on 2 GPUs),
 including `single`, so each row is a step of the same per-GPU work with and without communication; the
-difference is what data parallelism costs. Each trial: `--warmup` untimed steps, then `--steps` steps timed
-with a device synchronisation around each (mean and std). Inside a step CUDA events split the time into
-forward, backward, `comm_wait` (from the end of backward's kernels to the end of
-`finish_gradient_synchronization()`: the communication left exposed after backward; all of it for naive and
-flat; torch DDP waits inside backward, so its wait is part of its backward) and the optimizer step.
+difference is what data parallelism costs. Timing (`raysys.train_step.time_steps`): `--warmup` untimed steps,
+then `--steps` to `--max-steps` steps (more while the median is uncertain) with a device synchronisation around
+each, with Python's garbage collector paused; rows carry mean, std, median and min, and ratios and targets use
+the median. Inside a step CUDA events split the time into forward, backward, `comm_wait` (from the end of
+backward's kernels to the end of `finish_gradient_synchronization()`: the communication left exposed after
+backward; all of it for naive and flat; torch DDP waits inside backward, so its wait is part of its backward)
+and the optimizer step; `host_<phase>_ms` is the time the Python thread took to issue each phase (close to the
+device time: that phase is host-bound). Per-rank spread: the median step of the fastest and slowest rank.
+Memory hygiene: `memory_allocated_before_bytes` / `_after_bytes` (and `live_parameters_*`) at the start of
+the trial and after it released everything; after > before means the trial leaked into the next one.
+
+`--nccl-max-ctas N` (CUDA only, default: NCCL's choice) runs every communicating variant on a process group
+whose NCCL communicator uses at most N CTAs (SMs) per collective: fewer SMs taken from backward's kernels
+while the all-reduces overlap them, at the price of slower collectives.
 
 The variants listed in `--profile` (default naive, overlapped) get two more steps under `torch.profiler`;
 from the second one's GPU kernel intervals, `overlap_fraction` = time an NCCL kernel runs while a compute
 kernel also runs / total NCCL kernel time. Within a step NCCL kernels can only meet backward kernels (the
 optimizer waits for them; the next step starts after a synchronisation), so this is the share of gradient
-communication hidden behind backward. Rank 0's Chrome trace goes to `<out>/traces/ddp_<variant>_<dtype>.json.gz`
+communication hidden behind backward. `profile_status` says whether that could be measured (`ok`, `cpu`: no
+GPU, or what the profile lacked); rank 0's Chrome trace goes to `<out>/traces/ddp_<variant>_<dtype>.json.gz`
 (gzipped; Perfetto and chrome://tracing open it as is).
 
 Study `sharded` (`sharded_optimizer.parquet`, dtypes `--sharded-dtypes`, default fp32): memory at init,
@@ -39,20 +50,17 @@ a minute.
     python sweeps/ddp.py                                             # embedded Ray; CPU/gloo without a GPU
     ray job submit --working-dir . -- python sweeps/ddp.py --out "$PWD/results"
     python sweeps/ddp.py --variants single,overlapped,bucketed:100,torch --dtypes bf16 --studies ddp
+    python sweeps/ddp.py --variants single,overlapped,bucketed:100,torch --nccl-max-ctas 8 --studies ddp
     python sweeps/ddp.py --report-only --out results                 # redraw tables and plots
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
-import gc
 import math
 import re
-import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -61,20 +69,23 @@ sys.path.insert(0, str(ROOT))
 
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from parallel.ddp import make_ddp  # noqa: E402
 from raysys.config import SIZES, ModelConfig  # noqa: E402
-from raysys.model import TransformerLM, cross_entropy  # noqa: E402
+from raysys.model import TransformerLM  # noqa: E402
+from raysys.profiling import cpu_op_time, kernel_intervals, overlap, profile_steps  # noqa: E402
+from raysys.train_step import DTYPES, TrainStep, TrialScope, nccl_group, release, time_steps  # noqa: E402
 
 SWEEP = "ddp"
 STUDIES = ("ddp", "sharded")
-DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 DEFAULT_VARIANTS = ("single,naive,flat,overlapped,bucketed:1,bucketed:10,bucketed:100,bucketed:1000,bucketed_copy:100,"
                     "torch")
 # bf16 autocast on the CPU is emulated (slow, and says nothing about GPUs): the CPU run is fp32 only.
 DEFAULTS = {"cuda": dict(size="xl", context_length=512, dtypes="fp32,bf16"),
             "cpu": dict(size="tiny", context_length=64, dtypes="fp32")}
+RERUN = "single (rerun)"
 
 
 # ---------------------------------------------------------------------------------------------------- grid
@@ -111,20 +122,31 @@ def parse_list(text: str, what: str, allowed: tuple[str, ...] | None = None) -> 
 
 
 def ddp_trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: list[str], variants: list[str],
-               profile: list[str], warmup: int, steps: int, seed: int = 0) -> list[dict]:
-    """One config per dtype x variant (validated here, before any rank starts)."""
+               profile: list[str], warmup: int, steps: int, max_steps: int | None = None,
+               nccl_max_ctas: int | None = None, rerun_single: bool = True, seed: int = 0) -> list[dict]:
+    """One config per dtype x variant, plus `single (rerun)` last in each dtype when `single` is in the grid
+    with other variants and `rerun_single` (validated here, before any rank starts)."""
     model_config(size, context_length)
-    if batch_per_rank < 1 or warmup < 0 or steps < 2:
+    max_steps = steps if max_steps is None else max_steps
+    if batch_per_rank < 1 or warmup < 0 or steps < 2 or max_steps < steps:
         raise ValueError(f"batch_per_rank ({batch_per_rank}) must be >= 1, warmup ({warmup}) >= 0, "
-                         f"steps ({steps}) >= 2")
+                         f"steps ({steps}) >= 2, max_steps ({max_steps}) >= steps")
+    if nccl_max_ctas is not None and (not isinstance(nccl_max_ctas, int) or nccl_max_ctas < 1):
+        raise ValueError(f"nccl_max_ctas ({nccl_max_ctas!r}) must be an int >= 1 (or None for NCCL's choice)")
     bad = [d for d in dtypes if d not in DTYPES]
     if bad:
         raise ValueError(f"dtypes {bad} not in {tuple(DTYPES)}")
     parsed = [parse_variant(v) for v in variants]
+    labels = [v["label"] for v in parsed]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"variants {variants} name the same variant twice")
     profiled = {parse_variant(v)["label"] for v in profile}
+    if rerun_single and "single" in labels and len(labels) > 1:
+        parsed.append({**parse_variant("single"), "label": RERUN})
+    common = {"warmup": warmup, "steps": steps, "max_steps": max_steps, "nccl_max_ctas": nccl_max_ctas,
+              "seed": seed}
     return [{"size": size, "context_length": context_length, "batch_per_rank": batch_per_rank, "dtype": dtype,
-             **v, "profile": v["label"] in profiled, "warmup": warmup, "steps": steps, "seed": seed}
-            for dtype in dtypes for v in parsed]
+             **v, "profile": v["label"] in profiled, **common} for dtype in dtypes for v in parsed]
 
 
 def model_config(size: str, context_length: int) -> ModelConfig:
@@ -134,12 +156,6 @@ def model_config(size: str, context_length: int) -> ModelConfig:
 
 
 # ---------------------------------------------------------------------------------------------------- one step
-def autocast(device: torch.device, dtype: str):
-    if DTYPES[dtype] is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=DTYPES[dtype])
-
-
 def make_batch(mc: ModelConfig, batch: int, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator(device="cpu").manual_seed(seed)
     tokens = torch.randint(0, mc.vocab_size, (batch, mc.context_length + 1), generator=gen)
@@ -151,150 +167,29 @@ def adamw_kwargs(device: torch.device) -> dict:
     return dict(lr=1e-4, weight_decay=0.01, **({"fused": True} if device.type == "cuda" else {}))
 
 
-class Marks:
-    """Phase boundaries inside one step: CUDA events on a GPU (no synchronisation inside the step), the
-    wall clock on the CPU."""
+def profile_overlap(step: TrainStep, trace_path: Path | None, expect_nccl: bool) -> dict[str, float | str]:
+    """Profile one step (after one profiler warm-up step): NCCL kernel time and the share overlapped with compute.
 
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.points: list = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.points.append(event)
-        else:
-            self.points.append(time.perf_counter())
-
-    def durations_ms(self) -> list[float]:
-        if self.cuda:
-            return [a.elapsed_time(b) for a, b in zip(self.points, self.points[1:])]
-        return [(b - a) * 1e3 for a, b in zip(self.points, self.points[1:])]
-
-
-PHASES = ("forward", "backward", "comm_wait", "optimizer")
-
-
-class TrainStep:
-    """zero_grad -> forward + loss -> backward -> finish_gradient_synchronization -> optimizer step."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch, dtype: str, device: torch.device):
-        self.model, self.optimizer, self.batch, self.dtype, self.device = model, optimizer, batch, dtype, device
-        self.finish = getattr(model, "finish_gradient_synchronization", lambda: None)
-
-    def gradients(self, marks: Marks) -> None:
-        """Everything before the optimizer step: afterwards every rank holds the averaged gradients."""
-        x, y = self.batch
-        self.optimizer.zero_grad(set_to_none=True)
-        marks.mark()
-        with autocast(self.device, self.dtype):
-            loss = cross_entropy(self.model(x), y)
-        marks.mark()
-        loss.backward()
-        marks.mark()
-        self.finish()
-        marks.mark()
-
-    def __call__(self) -> Marks:
-        """One step; the marks bound PHASES (read their durations after the device is synchronised)."""
-        marks = Marks(self.device)
-        self.gradients(marks)
-        self.optimizer.step()
-        marks.mark()
-        return marks
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_steps(step: TrainStep, warmup: int, steps: int) -> dict[str, float]:
-    """Mean/std of the synchronised step time and the mean of each phase over `steps` steps after warm-up."""
-    for _ in range(warmup):
-        step()
-    sync(step.device)
-    totals, phases = [], []
-    for _ in range(steps):
-        start = time.perf_counter()
-        marks = step()
-        sync(step.device)
-        totals.append((time.perf_counter() - start) * 1e3)
-        phases.append(marks.durations_ms())
-    out = {"step_ms": statistics.fmean(totals), "step_ms_std": statistics.stdev(totals)}
-    for i, name in enumerate(PHASES):
-        out[f"{name}_ms"] = statistics.fmean(p[i] for p in phases)
-    return out
-
-
-def free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-# ---------------------------------------------------------------------------------------------------- overlap
-def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(s, e) for s, e in merged]
-
-
-def overlap(comm: list[tuple[float, float]], compute: list[tuple[float, float]]) -> tuple[float, float]:
-    """(total communication time, part of it during which some compute interval also runs), same units."""
-    comm, compute = _merge(comm), _merge(compute)
-    total = sum(e - s for s, e in comm)
-    shared, j = 0.0, 0
-    for s, e in comm:
-        while j < len(compute) and compute[j][1] <= s:
-            j += 1
-        k = j
-        while k < len(compute) and compute[k][0] < e:
-            shared += min(e, compute[k][1]) - max(s, compute[k][0])
-            k += 1
-    return total, shared
-
-
-def kernel_intervals(events) -> tuple[list, list]:
-    """(NCCL kernel intervals, other GPU kernel intervals) in microseconds, from `profiler.events()`."""
-    from torch.autograd import DeviceType
-
-    comm, compute = [], []
-    for e in events:
-        if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
-            continue
-        if e.name.startswith(("Memcpy", "Memset")):
-            continue
-        (comm if "nccl" in e.name.lower() else compute).append((e.time_range.start, e.time_range.end))
-    return comm, compute
-
-
-def profile_overlap(step: TrainStep, trace_path: Path | None) -> dict[str, float]:
-    """Profile one step (after one profiler warm-up step): NCCL kernel time and the share overlapped with compute."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if step.device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Profiler clears events at the end of each cycle")
-        with torch.profiler.profile(activities=activities,
-                                    schedule=torch.profiler.schedule(wait=0, warmup=1, active=1)) as prof:
-            for _ in range(2):
-                step()
-                sync(step.device)
-                prof.step()
-    comm, compute = kernel_intervals(prof.events())
+    `profile_status` is `ok` when the numbers are measured; otherwise they are NaN and the status says why
+    (`cpu`: no GPU kernels to measure; anything else is a broken profile and also raises a warning)."""
+    prof = profile_steps(step, step.device, trace_path=trace_path)
+    status = prof.status(expect_nccl)
+    comm, compute = kernel_intervals(prof.events)
     total_us, shared_us = overlap(comm, compute)
-    out = {"nccl_kernel_ms": total_us / 1e3 if comm else float("nan"),
-           "overlap_fraction": shared_us / total_us if total_us > 0 else float("nan")}
-    if trace_path is not None:
-        trace_path.parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(trace_path))
-        out["trace_path"] = str(trace_path)
+    allreduce_calls, allreduce_us = cpu_op_time(prof.events, "c10d::allreduce_")
+    out: dict[str, float | str] = {
+        "profile_status": status, "profiled_cpu_ops": prof.num_cpu_ops, "profiled_kernels": prof.num_kernels,
+        "profiled_nccl_kernels": len(comm),
+        "nccl_kernel_ms": total_us / 1e3 if comm else math.nan,
+        "overlap_fraction": shared_us / total_us if total_us > 0 else math.nan,
+        # Host cost of issuing the collectives, and of accumulating gradients with their hooks.
+        "host_allreduce_calls": allreduce_calls, "host_allreduce_ms": allreduce_us / 1e3,
+        "host_accumulate_grad_ms": cpu_op_time(prof.events, "torch::autograd::AccumulateGrad")[1] / 1e3}
+    if status not in ("ok", "cpu"):
+        warnings.warn(f"profile of a {step.device.type} step is unusable: {status} ({prof.num_cpu_ops} CPU events, "
+                      f"{prof.num_kernels} GPU kernels, {len(comm)} NCCL kernels)", stacklevel=2)
+    if prof.trace_path is not None:
+        out["trace_path"] = str(prof.trace_path)
     return out
 
 
@@ -313,95 +208,164 @@ def wrap(config: dict, model: nn.Module, process_group) -> nn.Module:
     return make_ddp(variant, model, process_group=process_group)
 
 
+def comm_group(ctx, config: dict):
+    """The group the gradients are reduced over: the gang's, or (`nccl_max_ctas`) a new NCCL group of the same
+    ranks whose communicator is capped at that many CTAs per collective. Every rank must call this."""
+    ctas = config.get("nccl_max_ctas")
+    if ctas is None or config["variant"] == "single":
+        return ctx.process_group
+    return nccl_group(ctx.world_size, ctas)
+
+
 def ddp_trial(ctx, config: dict, out_dir: str | None = None) -> dict:
-    """On every rank: build, wrap and time the model of `config`; profile it if `config['profile']`."""
-    try:
-        return _ddp_trial(ctx, config, out_dir)
-    finally:
-        free_memory(ctx.device)     # the trial's tensors died with its frame: give the next trial the memory
+    """On every rank: build, wrap and time the model of `config`; profile it if `config['profile']`. Memory
+    and live parameters are recorded before and after (see `raysys.train_step.TrialScope`)."""
+    with TrialScope(ctx.device) as scope:
+        metrics = _ddp_trial(ctx, config, out_dir)
+    return {**metrics, **scope.metrics}
 
 
 def _ddp_trial(ctx, config: dict, out_dir: str | None) -> dict:
     device = ctx.device
     mc = model_config(config["size"], config["context_length"])
+    group = comm_group(ctx, config)
     torch.manual_seed(config["seed"] + ctx.rank)          # replicas differ until the wrapper broadcasts rank 0's
-    model = wrap(config, TransformerLM(mc, device=device), ctx.process_group)
-    optimizer = torch.optim.AdamW(model.parameters(), **adamw_kwargs(device))
-    batch = make_batch(mc, config["batch_per_rank"], device, seed=config["seed"] + 1000 * (ctx.rank + 1))
-    step = TrainStep(model, optimizer, batch, config["dtype"], device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    metrics = time_steps(step, config["warmup"], config["steps"])
-    params = [p for p in model.parameters() if p.requires_grad]
-    metrics["grad_mib"] = sum(p.numel() * p.element_size() for p in params) / 2**20
-    metrics["collectives_per_step"] = getattr(model, "num_collectives", float("nan"))
-    cuda = device.type == "cuda"
-    metrics["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
-    if config["profile"]:
-        trace = None
-        if out_dir is not None and ctx.rank == 0:
-            stem = re.sub(r"[^A-Za-z0-9.-]+", "_", f"ddp_{config['label']}_{config['dtype']}")
-            trace = Path(out_dir) / "traces" / f"{stem}.json.gz"
-        metrics.update(profile_overlap(step, trace))
+    model = wrap(config, TransformerLM(mc, device=device), group)
+    try:
+        optimizer = torch.optim.AdamW(model.parameters(), **adamw_kwargs(device))
+        batch = make_batch(mc, config["batch_per_rank"], device, seed=config["seed"] + 1000 * (ctx.rank + 1))
+        step = TrainStep(model, optimizer, batch, config["dtype"], device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        metrics = time_steps(step, config["warmup"], config["steps"], max_steps=config["max_steps"],
+                             process_group=ctx.process_group)
+        params = [p for p in model.parameters() if p.requires_grad]
+        metrics["grad_mib"] = sum(p.numel() * p.element_size() for p in params) / 2**20
+        metrics["collectives_per_step"] = getattr(model, "num_collectives", math.nan)
+        cuda = device.type == "cuda"
+        metrics["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else math.nan
+        if config["profile"]:
+            trace = None
+            if out_dir is not None and ctx.rank == 0:
+                stem = re.sub(r"[^A-Za-z0-9.-]+", "_", f"ddp_{config['label']}_{config['dtype']}")
+                trace = Path(out_dir) / "traces" / f"{stem}.json.gz"
+            metrics.update(profile_overlap(step, trace, expect_nccl=config["variant"] != "single"))
+    finally:
+        release(model)
+    if group is not ctx.process_group:      # not after a failure: the gang is torn down then anyway
+        dist.destroy_process_group(group)
     return metrics
 
 
 def reduce_ranks(config: dict, per_rank: list[dict]) -> dict:
-    """Rank 0's metrics, plus the slowest rank's mean step (DDP ranks move in lockstep; `single` ones need not)."""
+    """Rank 0's metrics, plus the slowest rank's mean step and the spread of the ranks' median steps (DDP ranks
+    move in lockstep; `single` ones need not), and the largest leak of any rank."""
     out = dict(per_rank[0])
     out["step_ms_max_rank"] = max(r["step_ms"] for r in per_rank)
+    medians = [r["step_ms_median"] for r in per_rank]
+    out["step_ms_median_min_rank"], out["step_ms_median_max_rank"] = min(medians), max(medians)
+    out["rank_spread"] = max(medians) / min(medians) - 1
+    leaks = [r["live_parameters_after"] - r["live_parameters_before"] for r in per_rank]
+    out["leaked_parameters_max_rank"] = max(leaks)
     return out
 
 
 # ---------------------------------------------------------------------------------------------------- report
+def step_column(df: pd.DataFrame) -> str:
+    """The step statistic ratios and targets use: the median (rows written before it existed: the mean)."""
+    return "step_ms_median" if "step_ms_median" in df and df["step_ms_median"].notna().any() else "step_ms"
+
+
+def _column(df: pd.DataFrame, name: str) -> pd.Series:
+    return df[name] if name in df else pd.Series(math.nan, index=df.index)
+
+
 def with_ratios(df: pd.DataFrame) -> pd.DataFrame:
-    """Add step time relative to `single` and to torch DDP of the same dtype."""
+    """Add step time relative to `single` (the mean of its runs, first and rerun) and to torch DDP, per dtype."""
     df = df.copy()
+    col = step_column(df)
     ok = df[df["status"] == "ok"]
-    for ref, col in (("single", "vs_single"), ("torch", "vs_torch")):
-        base = ok[ok["variant"] == ref].groupby("dtype")["step_ms"].first()
-        df[col] = df["step_ms"] / df["dtype"].map(base)
+    for ref, name, agg in (("single", "vs_single", "mean"), ("torch", "vs_torch", "first")):
+        base = ok[ok["variant"] == ref].groupby("dtype")[col].agg(agg)
+        df[name] = df[col] / df["dtype"].map(base)
     return df
+
+
+def single_drift(df: pd.DataFrame) -> dict[str, float]:
+    """Per dtype, (slowest - fastest) / fastest over the runs of `single`: how much the same work drifted."""
+    col = step_column(df)
+    ok = df[(df["status"] == "ok") & (df["variant"] == "single")]
+    return {dtype: part[col].max() / part[col].min() - 1 for dtype, part in ok.groupby("dtype", sort=False)
+            if len(part) > 1}
 
 
 def targets(df: pd.DataFrame) -> list[str]:
     """The fastest of our variants per dtype against the targets (<= 1.02x single, <= 1.0x torch DDP)."""
+    col, drift = step_column(df), single_drift(df)
     lines = []
     ours = df[(df["status"] == "ok") & ~df["variant"].isin(["single", "torch"])]
     for dtype, part in ours.groupby("dtype", sort=False):
-        best = part.loc[part["step_ms"].idxmin()]
+        best = part.loc[part[col].idxmin()]
         checks = []
-        for col, name, limit in (("vs_single", "single", 1.02), ("vs_torch", "torch DDP", 1.0)):
-            if pd.notna(best.get(col)):
-                checks.append(f"{best[col]:.3f}x {name} ({'met' if best[col] <= limit else 'missed'}: <= {limit:g}x)")
-        lines.append(f"- {dtype}: fastest variant `{best['label']}` at {best['step_ms']:.1f} ms: " + ", ".join(checks))
+        for ratio, name, limit in (("vs_single", "single", 1.02), ("vs_torch", "torch DDP", 1.0)):
+            if pd.notna(best.get(ratio)):
+                checks.append(f"{best[ratio]:.3f}x {name} ({'met' if best[ratio] <= limit else 'missed'}: "
+                              f"<= {limit:g}x)")
+        line = f"- {dtype}: fastest variant `{best['label']}` at {best[col]:.1f} ms: " + ", ".join(checks)
+        if dtype in drift:
+            line += f"; `single` drifted {100 * drift[dtype]:.1f}% between its two runs"
+        lines.append(line)
     return lines
+
+
+def health(df: pd.DataFrame) -> pd.DataFrame:
+    """Per trial: how trustworthy its numbers are (see the module docstring of raysys.train_step)."""
+    gib = 2**30
+    leak = _column(df, "memory_allocated_after_bytes") - _column(df, "memory_allocated_before_bytes")
+    return pd.DataFrame({
+        "dtype": df["dtype"], "variant": df["label"], "steps": _column(df, "timed_steps"),
+        "median ±95% (%)": 100 * _column(df, "step_ms_ci_rel"), "rank spread (%)": 100 * _column(df, "rank_spread"),
+        "host/step": _column(df, "host_step_ms") / _column(df, "step_ms_median"),
+        "alloc retries": _column(df, "allocator_retries_timed"), "cudaMalloc": _column(df, "cuda_mallocs_timed"),
+        "ctx sw/step": _column(df, "ctx_switches_per_step"),
+        "issue (us/all-reduce)": 1e3 * _column(df, "host_allreduce_ms") / _column(df, "host_allreduce_calls"),
+        "mem before (GiB)": _column(df, "memory_allocated_before_bytes") / gib, "leaked (GiB)": leak / gib,
+        "leaked params": _column(df, "leaked_parameters_max_rank"),
+        "profile": df["profile_status"].fillna("") if "profile_status" in df else "",
+        "threads/CPUs": [f"{t:g}/{c:g}" if pd.notna(t) else "" for t, c in zip(_column(df, "torch_threads"),
+                                                                                _column(df, "cpu_affinity_count"))]})
 
 
 def markdown(df: pd.DataFrame) -> str:
     df = with_ratios(df)
     ok = df[df["status"] == "ok"]
+    col = step_column(df)
     parts = []
     if not ok.empty:
         first = ok.iloc[0]
         parts.append(
             f"{first['size']} model, context {int(first['context_length'])}, {int(first['world_size'])} ranks "
             f"({first.get('backend', '')}, {first.get('device_name', '')}), {int(first['batch_per_rank'])} sequences "
-            f"per rank, AdamW; {int(first['warmup'])} warm-up + {int(first['steps'])} timed steps, mean ± std. "
-            "`comm wait`: exposed communication after backward (torch DDP's is inside its backward). `overlap`: "
+            f"per rank, AdamW; {int(first['warmup'])} warm-up + at least {int(first['steps'])} timed steps. "
+            f"`step`: {'median' if col == 'step_ms_median' else 'mean'} (mean ± std); ratios use it, and `single` is "
+            "the mean of its runs. Phases: mean device time; `comm wait`: exposed communication after backward "
+            "(torch DDP's is inside its backward); `host bwd`: time Python took to issue backward. `overlap`: "
             "share of NCCL kernel time concurrent with compute kernels (profiled variants only).")
         view = pd.DataFrame({
-            "dtype": ok["dtype"], "variant": ok["label"],
-            "step (ms)": [f"{m:.1f} ± {s:.1f}" for m, s in zip(ok["step_ms"], ok["step_ms_std"])],
+            "dtype": ok["dtype"], "variant": ok["label"], "step (ms)": ok[col],
+            "mean ± std": [f"{m:.1f} ± {s:.1f}" for m, s in zip(ok["step_ms"], ok["step_ms_std"])],
             "vs single": ok["vs_single"], "vs torch": ok["vs_torch"],
-            "forward": ok["forward_ms"], "backward": ok["backward_ms"], "comm wait": ok["comm_wait_ms"],
-            "optimizer": ok["optimizer_ms"], "collectives/step": ok["collectives_per_step"],
-            "overlap": ok.get("overlap_fraction", pd.Series(float("nan"), index=ok.index)),
+            "forward": ok["forward_ms"], "backward": ok["backward_ms"], "host bwd": _column(ok, "host_backward_ms"),
+            "comm wait": ok["comm_wait_ms"], "optimizer": ok["optimizer_ms"],
+            "collectives/step": ok["collectives_per_step"], "overlap": _column(ok, "overlap_fraction"),
             "peak (GiB)": ok["peak_memory_gib"]})
-        parts.append(view.to_markdown(index=False, floatfmt=".3g"))
+        parts.append(view.to_markdown(index=False, floatfmt=".4g"))
         lines = targets(df)
         if lines:
             parts.append("Targets (same run):\n\n" + "\n".join(lines))
+        parts.append("Run health (`leaked`: allocated after the trial released everything minus before it; "
+                     "`host/step`: ~1 means host-bound steps; `profile`: whether the overlap was measured):\n\n"
+                     + health(ok).to_markdown(index=False, floatfmt=".3g"))
     failed = df[df["status"] != "ok"]
     if not failed.empty:
         error = failed["error"].astype(str).str.split("\n").str[0].str[:120]
@@ -424,15 +388,16 @@ def plot(df: pd.DataFrame, path: Path) -> Path | None:
     dtypes = list(dict.fromkeys(ok["dtype"]))
     fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 0.45 * ok["label"].nunique() + 1.6),
                              squeeze=False)
+    col = step_column(ok)
     for ax, dtype in zip(axes[0], dtypes):
         part = ok[ok["dtype"] == dtype].iloc[::-1]
         wait = part["comm_wait_ms"].fillna(0).clip(lower=0)
-        ax.barh(part["label"], part["step_ms"] - wait, color="tab:blue", label="step without exposed comm")
-        ax.barh(part["label"], wait, left=part["step_ms"] - wait, color="tab:orange", label="comm wait after backward")
-        single = part.loc[part["variant"] == "single", "step_ms"]
+        ax.barh(part["label"], part[col] - wait, color="tab:blue", label="step without exposed comm")
+        ax.barh(part["label"], wait, left=part[col] - wait, color="tab:orange", label="comm wait after backward")
+        single = part.loc[part["variant"] == "single", col]
         if not single.empty:
-            ax.axvline(single.iloc[0], color="k", ls="--", lw=1, label="single (no comm)")
-        ax.set_xlabel("time per step (ms)")
+            ax.axvline(single.mean(), color="k", ls="--", lw=1, label="single (no comm)")
+        ax.set_xlabel(f"time per step (ms, {'median' if col == 'step_ms_median' else 'mean'})")
         ax.set_title(f"{dtype}")
         ax.grid(axis="x", alpha=0.3)
     first = ok.iloc[0]
@@ -472,7 +437,14 @@ def build_parser() -> argparse.ArgumentParser:
                                                                  "(default: naive,overlapped; '' for none)")
     p.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per trial (default 3)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per trial (default 10)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per trial, at least (default 10)")
+    p.add_argument("--max-steps", type=int, default=None, help="ddp study: timed steps at most, taken while the "
+                                                               "median is uncertain (default: 2.5 x --steps)")
+    p.add_argument("--no-single-rerun", action="store_true", help="ddp study: do not run `single` again at the end "
+                                                                  "of each dtype")
+    p.add_argument("--nccl-max-ctas", type=int, default=None, help="ddp study, CUDA: cap every communicating "
+                                                                   "variant's NCCL communicator at N CTAs "
+                                                                   "(default: NCCL's choice)")
     p.add_argument("--launcher", choices=("ray", "mp"), default="ray", help="ray gang (default) or plain processes")
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, a local cluster, else embedded)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per-trial and process-group timeout (s)")
@@ -520,10 +492,15 @@ def main(argv: list[str] | None = None) -> dict[str, pd.DataFrame]:
         variants = parse_list(args.variants, "variants")
         profile = [v for v in args.profile.split(",") if v.strip()]
         device, grid = resolve(args)
+        if args.nccl_max_ctas is not None and device != "cuda":
+            raise ValueError(f"--nccl-max-ctas ({args.nccl_max_ctas}) applies to NCCL, i.e. --device cuda; this run "
+                             f"uses {device} (gloo)")
         common = dict(world_size=args.world_size, out_dir=out, device=device, resume=args.resume,
                       launcher=args.launcher, timeout_s=args.timeout_s, show=False)
+        max_steps = args.max_steps if args.max_steps is not None else math.ceil(2.5 * args.steps)
         trials = ddp_trials(variants=variants, profile=profile, batch_per_rank=args.batch_per_rank,
-                            warmup=args.warmup, steps=args.steps, **grid)
+                            warmup=args.warmup, steps=args.steps, max_steps=max_steps,
+                            nccl_max_ctas=args.nccl_max_ctas, rerun_single=not args.no_single_rerun, **grid)
         sharded_trials = sharded_optimizer.trials(
             batch_per_rank=args.batch_per_rank, warmup=args.warmup, steps=args.steps,
             **{**grid, "dtypes": parse_list(args.sharded_dtypes, "sharded-dtypes", tuple(DTYPES))})

@@ -2,7 +2,8 @@
 
 Studies (`--study`, default both):
 - grid:   the handout's table: batch 1, causal, one head, seq 128..65536 (powers of two), head dim 16..128
-          (powers of two), bf16 and fp32.
+          (powers of two), bf16 and fp32. Most informative first, so a budget-limited run measures what
+          matters: bf16 before fp16 before fp32, head dim 128, 64, 32, 16, each seq ascending (then provider).
 - target: the shape this kernel exists for: bf16, causal, batch 1, 16 heads, head dim 128, seq 16384.
 Providers: `triton` (kernels.flash_attention, autotuned), `pytorch_tiled` (kernels.flash_attention_pytorch:
 Python tile loops, compiled backward), `naive` (plain-torch reference in the input dtype), `sdpa_flash` and
@@ -14,10 +15,12 @@ One row per (study, provider, shape): median latency (`triton.testing.do_bench`)
 peak memory of one forward+backward, and the speedup against sdpa_flash, sdpa_cudnn and the faster of the
 two (`speedup_*_vs_best_sdpa` > 1: raysys is faster). An unsupported provider/dtype is a `skipped` row, an
 OOM an `oom` row. The Python-loop and naive providers are capped (`--max-seq-pytorch`, `--max-seq-naive`)
-and `--max-seconds` bounds the whole run (later trials become `skipped` rows), so the study fits in a few
-GPU minutes. Writes `<out>/flash_bench.parquet`.
+and `--max-seconds` bounds the whole run, so the study fits in a few GPU minutes: trials after it become
+`skipped` rows that say so, and `--resume` runs exactly those (and failed ones) next time, continuing where
+the last run stopped. Writes `<out>/flash_bench.parquet` after every trial.
 
     python sweeps/flash_bench.py --out results                    # both studies on the GPU
+    python sweeps/flash_bench.py --study grid --max-seconds 160 --resume --out results   # again: continues
     python sweeps/flash_bench.py --study target --out results     # the target shape only
     python sweeps/flash_bench.py --study grid --dtypes bf16 --head-dims 64,128 --seqs 1024,16384 --no-autotune
     python sweeps/flash_bench.py --quick --device cpu --out /tmp/x # CPU smoke run (tiny grid, no Triton)
@@ -52,6 +55,8 @@ SDPA_PROVIDERS = ("sdpa_flash", "sdpa_cudnn")
 MODES = ("fwd", "bwd", "fwd_bwd")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 TARGET = dict(batch=1, heads=16, seq=16384, head_dim=128, dtype="bf16", causal=True)
+DTYPE_ORDER = ("bf16", "fp16", "fp32")  # grid order: the dtype the kernels are for first
+BUDGET_SKIP = "not run: --max-seconds"  # the error of a trial the time budget left out (resume runs it)
 
 
 class Unsupported(Exception):
@@ -63,11 +68,22 @@ def grid(study: str, quick: bool, seqs=None, head_dims=None, dtypes=None) -> lis
     if study == "target":
         shape = dict(TARGET, heads=2, seq=128, head_dim=32, dtype="fp32") if quick else TARGET
         return [dict(study="target", provider=p, **shape) for p in PROVIDERS]
-    seqs = seqs or ((64, 128) if quick else tuple(2**i for i in range(7, 17)))  # 128 .. 65536
-    head_dims = head_dims or ((16,) if quick else (16, 32, 64, 128))
-    dtypes = dtypes or (("fp32",) if quick else ("bf16", "fp32"))
+    seqs = sorted(set(seqs or ((64, 128) if quick else tuple(2**i for i in range(7, 17)))))  # 128 .. 65536
+    head_dims = sorted(set(head_dims or ((16,) if quick else (16, 32, 64, 128))), reverse=True)
+    dtypes = sorted(set(dtypes or (("fp32",) if quick else ("bf16", "fp32"))), key=DTYPE_ORDER.index)
     return [dict(study="grid", provider=p, batch=1, heads=1, seq=s, head_dim=d, dtype=dt, causal=True)
             for dt in dtypes for d in head_dims for s in seqs for p in PROVIDERS]
+
+
+def finished(writer: ResultWriter, tid: str) -> bool:
+    """Whether `--resume` may skip the trial: a final row that is not a time-budget skip."""
+    return any(r.get("trial_id") == tid and r.get("status") in ResultWriter.FINAL
+               and not (r.get("status") == "skipped" and _budget_skip(str(r.get("error", ""))))
+               for r in writer.rows)
+
+
+def _budget_skip(error: str) -> bool:
+    return error.startswith(BUDGET_SKIP) or error.startswith("--max-seconds")  # the second: the older wording
 
 
 def _sdpa(backend_name: str) -> Callable:
@@ -253,10 +269,11 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
               if t["provider"] in providers]
     start = time.monotonic()
     for cfg in trials:
-        if args.resume and writer.done(trial_id(cfg)):
+        if args.resume and finished(writer, trial_id(cfg)):
             continue
         if time.monotonic() - start > args.max_seconds:
-            row = make_row(SWEEP, cfg, status="skipped", error=f"--max-seconds {args.max_seconds} spent", device=device)
+            row = make_row(SWEEP, cfg, status="skipped", device=device,
+                           error=f"{BUDGET_SKIP} {args.max_seconds:g} spent (--resume runs it)")
         else:
             try:
                 row = make_row(SWEEP, cfg, run_trial(cfg, device, caps), device=device)

@@ -13,7 +13,13 @@ shapes - and each shape's winner are written to `kernels/flash_attention_tuned.j
 elsewhere). The kernels' autotuner tries those first and, with `RAYSYS_FLASH_AUTOTUNE=0`, uses the one
 tuned for the call's head dim and dtype. Writes `<out>/flash_tiles.parquet`.
 
+Shapes are `seq/head_dim/dtype/{causal,full}` with dtype bf16, fp16, fp32 or the torch names; rows carry the
+torch name (`4096/64/bfloat16/causal`), so both spellings resume the same trials. Each row is written when
+its trial ends; `--max-trials` and `--time-budget-s` end a run cleanly (leave ~30 s of the budget for stopping
+the last trials before an outer `timeout`), and `--resume` runs what is left.
+
     python sweeps/flash_tiles.py --out results                        # Ray Tune, one GPU per trial
+    python sweeps/flash_tiles.py --shapes 4096/64/bf16/causal --time-budget-s 240 --resume --out results
     ray job submit --working-dir . -- python sweeps/flash_tiles.py --out "$PWD/results"
     python sweeps/flash_tiles.py --launcher local --quick --out /tmp/t # no Ray: trials in this process
 """
@@ -27,6 +33,7 @@ import math
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +46,7 @@ from raysys.results import ResultWriter, error_row, make_row, trial_id  # noqa: 
 
 SWEEP = "flash_tiles"
 DTYPES = ("bfloat16", "float16", "float32")
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", **{d: d for d in DTYPES}}
 # seq/head_dim/dtype/causal
 SHAPES = ("16384/128/bfloat16/causal", "4096/128/bfloat16/causal", "16384/64/bfloat16/causal",
           "4096/128/bfloat16/full")
@@ -58,10 +66,22 @@ MATMULS = {"fwd": 2, "dkdv": 4, "dq": 3}
 
 
 def parse_shape(shape: str) -> dict:
-    seq, head_dim, dtype, mask = shape.split("/")
-    if dtype not in DTYPES or mask not in ("causal", "full"):
-        raise ValueError(f"shape {shape!r} must be seq/head_dim/{{{','.join(DTYPES)}}}/{{causal,full}}")
-    return dict(seq=int(seq), head_dim=int(head_dim), dtype=dtype, causal=mask == "causal")
+    """`seq/head_dim/dtype/{causal,full}` -> {seq, head_dim, dtype (torch name), causal}."""
+    parts = shape.split("/")
+    rule = f"seq/head_dim/{{{','.join(DTYPE_ALIASES)}}}/{{causal,full}}"
+    if (len(parts) != 4 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in DTYPE_ALIASES
+            or parts[3] not in ("causal", "full")):
+        raise ValueError(f"shape {shape!r} must be {rule}, e.g. 4096/64/bf16/causal")
+    seq, head_dim, dtype, mask = parts
+    if int(seq) < 1 or int(head_dim) < 1:
+        raise ValueError(f"shape {shape!r}: seq and head_dim must be positive")
+    return dict(seq=int(seq), head_dim=int(head_dim), dtype=DTYPE_ALIASES[dtype], causal=mask == "causal")
+
+
+def canonical_shape(shape: str) -> str:
+    """The spelling rows and trial ids use: torch dtype names (`4096/64/bf16/causal` -> `.../bfloat16/...`)."""
+    p = parse_shape(shape)
+    return f"{p['seq']}/{p['head_dim']}/{p['dtype']}/{'causal' if p['causal'] else 'full'}"
 
 
 def param_spaces(quick: bool, shapes: tuple[str, ...]) -> dict[str, dict]:
@@ -132,13 +152,38 @@ def trial(config: dict) -> dict:
             "tflops": flops / (ms * 1e-3) / 1e12, "max_abs_err": err}
 
 
-def run_local(spaces: dict[str, dict], writer: ResultWriter) -> None:
+class Budget:
+    """At most `max_trials` trials and `time_budget_s` seconds over the whole run (None: no limit)."""
+
+    def __init__(self, max_trials: int | None, time_budget_s: float | None):
+        if max_trials is not None and max_trials < 0:
+            raise ValueError(f"--max-trials ({max_trials}) must be >= 0")
+        if time_budget_s is not None and not time_budget_s > 0:
+            raise ValueError(f"--time-budget-s ({time_budget_s}) must be > 0")
+        self.trials_left = max_trials
+        self.deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
+
+    @property
+    def seconds_left(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def spent(self) -> bool:
+        return self.trials_left == 0 or (self.deadline is not None and self.seconds_left <= 0)
+
+    def charge(self, num_trials: int) -> None:
+        if self.trials_left is not None:
+            self.trials_left = max(0, self.trials_left - num_trials)
+
+
+def run_local(spaces: dict[str, dict], writer: ResultWriter, budget: Budget) -> None:
     import torch
 
     for kernel, space in spaces.items():
         for config in grid_configs(space):
             if writer.done(trial_id(config)):
                 continue
+            if budget.spent():
+                return
             try:
                 row = make_row(SWEEP, config, trial(config))
             except Exception as exc:  # compile failure, OOM, wrong result: a row, not the end of the sweep
@@ -146,9 +191,22 @@ def run_local(spaces: dict[str, dict], writer: ResultWriter) -> None:
             finally:
                 torch.cuda.empty_cache()
             writer.write([row])
+            budget.charge(1)
             print(f"{kernel:4} {config['tile']:>7} w{config['num_warps']} s{config['num_stages']} {config['shape']:<26}"
                   f" -> {row['status']}" + (f" {row['median_ms']:.3f} ms {row['tflops']:.0f} TFLOP/s"
                                             if row["status"] == "ok" else f" ({row['error'][:70]})"), flush=True)
+
+
+def run_tune(spaces: dict[str, dict], writer: ResultWriter, budget: Budget, resume: bool) -> None:
+    """One Ray Tune run per kernel, one GPU per trial; each row is written when its trial ends."""
+    from raysys.cluster import tune_run
+
+    for space in spaces.values():
+        if budget.spent():
+            return
+        df = tune_run(trial, space, sweep=SWEEP, resources={"gpu": 1}, resume=resume, writer=writer, show=False,
+                      max_trials=budget.trials_left, time_budget_s=budget.seconds_left)
+        budget.charge(len(df))
 
 
 def best_configs(df: pd.DataFrame) -> dict[str, list[dict]]:
@@ -203,16 +261,19 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--json", default=str(TUNED_CONFIGS_PATH), help="where to write the tuned configs")
     parser.add_argument("--no-json", action="store_true", help="do not write the tuned-config file")
     parser.add_argument("--resume", action="store_true", help="skip trials already in the Parquet file")
+    parser.add_argument("--max-trials", type=int, default=None, help="run at most this many trials (all kernels)")
+    parser.add_argument("--time-budget-s", type=float, default=None,
+                        help="start no trial after this many seconds (ray: Tune also stops the running ones)")
     args = parser.parse_args(argv)
     shapes = tuple(args.shapes.split(",")) if args.shapes else (QUICK_SHAPES if args.quick else SHAPES)
-    for shape in shapes:
-        parse_shape(shape)
+    shapes = tuple(dict.fromkeys(canonical_shape(s.strip()) for s in shapes))
     kernels = [k for k in args.kernels.split(",") if k]
     if set(kernels) - set(KERNELS):
         raise ValueError(f"--kernels {args.kernels!r} must name some of {KERNELS}")
+    budget = Budget(args.max_trials, args.time_budget_s)
 
     if args.launcher == "ray":
-        from raysys.cluster import resolve_out_dir, tune_run
+        from raysys.cluster import resolve_out_dir
 
         out = resolve_out_dir(args.out)
     else:
@@ -220,11 +281,13 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     writer = ResultWriter(out, SWEEP, resume=args.resume)
     spaces = {k: v for k, v in param_spaces(args.quick, shapes).items() if k in kernels}
     if args.launcher == "ray":
-        for space in spaces.values():
-            tune_run(trial, space, sweep=SWEEP, out_dir=out, resources={"gpu": 1}, resume=args.resume,
-                     writer=writer, show=False)
+        run_tune(spaces, writer, budget, args.resume)
     else:
-        run_local(spaces, writer)
+        run_local(spaces, writer, budget)
+    have = {r["trial_id"] for r in writer.rows}
+    not_run = sum(trial_id(c) not in have for space in spaces.values() for c in grid_configs(space))
+    if not_run:
+        print(f"{not_run} trials of this grid did not run (budget or interrupt); rerun with --resume to run them")
     df = writer.frame()
     tuned = best_configs(df)
     if not args.no_json:
@@ -237,4 +300,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C (or SIGTERM during a Ray Tune run): finished trials are on disk
+        sys.exit(130)

@@ -62,8 +62,9 @@ from parallel.fsdp import FSDP, CastForCompute, is_sharded_module  # noqa: E402
 from parallel.sharded_optimizer import ShardedOptimizer  # noqa: E402
 from raysys.config import SIZES, ModelConfig  # noqa: E402
 from raysys.model import TransformerLM  # noqa: E402
-from sweeps.ddp import (DTYPES, TrainStep, adamw_kwargs, free_memory, make_batch, model_config,  # noqa: E402
-                        overlap, parse_list, sync, time_steps)
+from raysys.profiling import device_kernels, overlap, profile_steps  # noqa: E402
+from raysys.train_step import DTYPES, TrainStep, TrialScope, release, sync, time_steps  # noqa: E402
+from sweeps.ddp import adamw_kwargs, make_batch, model_config, parse_list  # noqa: E402
 
 SWEEP = "fsdp"
 VARIANTS = ("single", "single_cast", "ddp", "ddp_sharded", "fsdp", "fsdp2")
@@ -170,23 +171,16 @@ def expected_state(config: dict, world_size: int) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------------- overlap
 def nccl_kernels(events) -> tuple[dict[str, list], list]:
     """({all_gather|reduce_scatter|all_reduce|other: [(start, end)]}, compute kernel intervals), microseconds."""
-    from torch.autograd import DeviceType
-
     comm: dict[str, list] = {"all_gather": [], "reduce_scatter": [], "all_reduce": [], "other": []}
     compute = []
-    for e in events:
-        if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
-            continue
-        name = e.name.lower()
-        if name.startswith(("memcpy", "memset")):
-            continue
-        interval = (e.time_range.start, e.time_range.end)
+    for name, start, end in device_kernels(events):
+        name = name.lower()
         if "nccl" not in name:
-            compute.append(interval)
+            compute.append((start, end))
         else:
             kind = next((k for k in ("all_gather", "reduce_scatter", "all_reduce") if k.replace("_", "") in name),
                         "other")
-            comm[kind].append(interval)
+            comm[kind].append((start, end))
     return comm, compute
 
 
@@ -208,34 +202,28 @@ def overlap_metrics(events) -> dict[str, float]:
     return out
 
 
-def profile_step(step: TrainStep, trace_path: Path | None) -> dict[str, float]:
-    """Profile one step after one profiler warm-up step; overlap metrics from its GPU kernels (none on the CPU)."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if step.device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
-        with torch.profiler.profile(activities=activities,
-                                    schedule=torch.profiler.schedule(wait=0, warmup=1, active=1)) as prof:
-            for _ in range(2):
-                step()
-                sync(step.device)
-                prof.step()
-    out = overlap_metrics(prof.events()) if step.device.type == "cuda" else {}
-    if trace_path is not None:
-        trace_path.parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(trace_path))
-        out["trace_path"] = str(trace_path)
+def profile_step(step: TrainStep, trace_path: Path | None, expect_nccl: bool = True) -> dict[str, float | str]:
+    """Profile one step after one profiler warm-up step; overlap metrics from its GPU kernels (none on the CPU).
+    `profile_status` says whether they were measured (`raysys.profiling.StepProfile.status`)."""
+    prof = profile_steps(step, step.device, trace_path=trace_path)
+    status = prof.status(expect_nccl)
+    out: dict[str, float | str] = {"profile_status": status, "profiled_kernels": prof.num_kernels}
+    if status == "ok":
+        out.update(overlap_metrics(prof.events))
+    elif status != "cpu":
+        warnings.warn(f"profile of a {step.device.type} step is unusable: {status}", stacklevel=2)
+    if prof.trace_path is not None:
+        out["trace_path"] = str(prof.trace_path)
     return out
 
 
 # ---------------------------------------------------------------------------------------------------- trial
 def fsdp_trial(ctx, config: dict, out_dir: str | None = None) -> dict:
-    """On every rank: build `config['variant']`, time it, count its memory, profile it if asked."""
-    try:
-        return _fsdp_trial(ctx, config, out_dir)
-    finally:
-        free_memory(ctx.device)
+    """On every rank: build `config['variant']`, time it, count its memory, profile it if asked (plus the memory
+    before and after the trial, `raysys.train_step.TrialScope`)."""
+    with TrialScope(ctx.device) as scope:
+        metrics = _fsdp_trial(ctx, config, out_dir)
+    return {**metrics, **scope.metrics}
 
 
 def _fsdp_trial(ctx, config: dict, out_dir: str | None) -> dict:
@@ -264,7 +252,8 @@ def _fsdp_trial(ctx, config: dict, out_dir: str | None) -> dict:
         trace = None
         if out_dir is not None and ctx.rank == 0:
             trace = Path(out_dir) / "traces" / f"fsdp_{config['variant']}_{config['dtype']}.json"
-        metrics.update(profile_step(step, trace))
+        metrics.update(profile_step(step, trace, expect_nccl=config["variant"] not in ("single", "single_cast")))
+    release(model)
     return metrics
 
 

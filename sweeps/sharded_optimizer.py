@@ -32,8 +32,8 @@ import torch  # noqa: E402
 from parallel.ddp import BucketedDDP  # noqa: E402
 from parallel.sharded_optimizer import ShardedOptimizer  # noqa: E402
 from raysys.model import TransformerLM  # noqa: E402
-from sweeps.ddp import (Marks, TrainStep, adamw_kwargs, free_memory, make_batch, model_config,  # noqa: E402
-                        sync, time_steps)
+from raysys.train_step import Marks, TrainStep, TrialScope, release, sync, time_steps  # noqa: E402
+from sweeps.ddp import adamw_kwargs, make_batch, model_config  # noqa: E402
 
 SWEEP = "sharded_optimizer"
 POINTS = ("init", "before_step", "after_step")
@@ -91,11 +91,11 @@ def _peak(device: torch.device) -> float:
 
 # ---------------------------------------------------------------------------------------------------- trial
 def sharded_trial(ctx, config: dict) -> dict:
-    """On every rank: memory at POINTS and time per step, with or without optimizer-state sharding."""
-    try:
-        return _sharded_trial(ctx, config)
-    finally:
-        free_memory(ctx.device)
+    """On every rank: memory at POINTS and time per step, with or without optimizer-state sharding (plus the
+    memory before and after the trial, `raysys.train_step.TrialScope`)."""
+    with TrialScope(ctx.device) as scope:
+        metrics = _sharded_trial(ctx, config)
+    return {**metrics, **scope.metrics}
 
 
 def _sharded_trial(ctx, config: dict) -> dict:
@@ -120,18 +120,21 @@ def _sharded_trial(ctx, config: dict) -> dict:
         for part, nbytes in memory_breakdown(model, optimizer, device).items():
             metrics[f"{part}_{point}_bytes"] = nbytes
 
-    record("init")
-    for _ in range(config["warmup"]):
-        step()
-    # One steady-state step, opened up at the optimizer step.
-    _peak(device)
-    step.gradients(Marks(device))
-    record("before_step")
-    optimizer.step()
-    record("after_step")
-    metrics.update(time_steps(step, 0, config["steps"]))
-    inner = optimizer.local_optimizer if isinstance(optimizer, ShardedOptimizer) else optimizer
-    metrics["owned_params"] = sum(len(g["params"]) for g in inner.param_groups)
+    try:
+        record("init")
+        for _ in range(config["warmup"]):
+            step()
+        # One steady-state step, opened up at the optimizer step.
+        _peak(device)
+        step.gradients(Marks(device))
+        record("before_step")
+        optimizer.step()
+        record("after_step")
+        metrics.update(time_steps(step, 0, config["steps"]))
+        inner = optimizer.local_optimizer if isinstance(optimizer, ShardedOptimizer) else optimizer
+        metrics["owned_params"] = sum(len(g["params"]) for g in inner.param_groups)
+    finally:
+        release(model)
     return metrics
 
 

@@ -87,6 +87,11 @@ def test_make_buffers_sizes():
     assert b.input is b.output and b.num_bytes == 4000
     with pytest.raises(ValueError, match="at least one float32 per rank"):
         make_buffers("all_reduce", 4, 2, "cpu")
+    # nccl-tests' size: the full per-rank tensor, so one size is the same buffer in every op
+    for op in OPS:
+        b = make_buffers(op, 2**16, 4, "cpu")
+        assert b.num_bytes == 2**16 and max(b.input.numel(), b.output.numel()) * 4 == 2**16
+        assert min(b.input.numel(), b.output.numel()) * 4 == (2**16 if op in ("all_reduce", "broadcast") else 2**14)
 
 
 def test_aggregate_rejects_mixed_records():

@@ -8,6 +8,8 @@ whole batch, and how many all-reduces the step issued (counted by wrapping `dist
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 
 import pytest
 import torch
@@ -224,6 +226,7 @@ def _toy_checks(rank: int, world_size: int) -> dict:
             "no_sync": {kind: _no_sync_accumulation(rank, world_size, kind)
                         for kind in ("naive", "flat", "overlapped", "bucketed")},
             "misuse": _misuse(rank, world_size),
+            "lifetime": _lifetime(rank, world_size),
             "torch": _train_variants(rank, world_size, "toy", [("torch", {})], TOY_STEPS)}
 
 
@@ -324,6 +327,54 @@ def _misuse(rank: int, world_size: int) -> dict:
         except ValueError as exc:
             errors[key] = str(exc)
     return errors
+
+
+def _lifetime(rank: int, world_size: int) -> dict:
+    """Hook-driven wrappers must not be kept alive by their own hooks (a parameter's hook dict is held from C++,
+    invisible to the cycle collector): checked with the collector off, so only reference counting frees."""
+    out = {}
+    for kind, kwargs in (("overlapped", {}), ("bucketed", {"bucket_size_mb": 0.003})):
+        module = ToyModel()
+        ddp = make_ddp(kind, module, **kwargs)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        x, y = _batch("toy", 0)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        ddp.finish_gradient_synchronization()
+        optimizer.step()
+        wrapper, model = weakref.ref(ddp), weakref.ref(module)
+        params = list(module.parameters())
+        hooks_while_wrapped = sum(len(p._post_accumulate_grad_hooks or {}) for p in params)
+        gc.disable()
+        try:
+            del ddp, optimizer
+            wrapper_freed = wrapper() is None
+            hooks_left = sum(len(p._post_accumulate_grad_hooks or {}) for p in params)
+            del module, params
+            model_freed = model() is None
+        finally:
+            gc.enable()
+        # remove_hooks(): explicit, idempotent, and the wrapper refuses to train afterwards.
+        ddp = make_ddp(kind, ToyModel(), **kwargs)
+        ddp.remove_hooks()
+        ddp.remove_hooks()
+        hooks_after_remove = sum(len(p._post_accumulate_grad_hooks or {}) for p in ddp.module.parameters())
+        try:
+            ddp(x)
+            forward_error = ""
+        except RuntimeError as exc:
+            forward_error = str(exc)
+        out[kind] = dict(hooks_while_wrapped=hooks_while_wrapped, wrapper_freed=wrapper_freed, hooks_left=hooks_left,
+                         model_freed=model_freed, hooks_after_remove=hooks_after_remove, forward_error=forward_error)
+    return out
+
+
+def test_wrappers_are_freed_with_their_hooks(toy_checks):
+    for checks in toy_checks:
+        for kind, r in checks["lifetime"].items():
+            assert r["hooks_while_wrapped"] == 3, kind              # fc1, fc2, fc3 weights (fc2.bias is frozen)
+            assert r["wrapper_freed"] and r["hooks_left"] == 0, f"{kind}: the dropped wrapper is still alive: {r}"
+            assert r["model_freed"], f"{kind}: the model outlived its last reference: {r}"
+            assert r["hooks_after_remove"] == 0 and "remove_hooks" in r["forward_error"], kind
 
 
 def test_no_sync_accumulates_locally_then_reduces_once(toy_checks):

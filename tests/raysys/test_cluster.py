@@ -54,6 +54,11 @@ def test_gang_rejects_bad_arguments():
         Gang(0)
     with pytest.raises(ValueError, match="launcher 'slurm'"):
         run_sweep("x", [{}], _toy_trial, 2, launcher="slurm")
+    for env, match in [({"NCCL_NVLS_ENABLE": "1"}, "multicast must stay off"), ({"NCCL ALGO": "Ring"}, "name"),
+                       ({"NCCL_ALGO": 1}, "str value")]:
+        for make in (Gang, ProcessGang):
+            with pytest.raises(ValueError, match=match):
+                make(2, env=env)
 
 
 def _infos(*nodes_gpus: tuple[str, list[str], str | None]) -> list[dict]:
@@ -69,7 +74,9 @@ def test_rank_specs_gpu_visibility(visibility):
     gang.device = "cuda"
     # Ray gave node a GPUs 3 and 1 (in rank order: out of order), node b GPUs 0 and 2.
     infos = _infos(("a", ["3"], "3"), ("a", ["1"], "1"), ("b", ["0"], "0"), ("b", ["2"], "2"))
+    gang.env = {"NCCL_ALGO": "Ring"}
     specs = gang._rank_specs(infos, port=12345)
+    assert all(s.env == {"NCCL_ALGO": "Ring"} for s in specs)  # every rank gets the gang's env
     assert [(s.rank, s.node_rank, s.local_rank, s.local_world_size) for s in specs] == \
         [(0, 0, 0, 2), (1, 0, 1, 2), (2, 1, 0, 2), (3, 1, 1, 2)]
     assert {(s.master_addr, s.master_port, s.backend, s.timeout_s) for s in specs} == {("10.0.0.97", 12345, "nccl", 30)}

@@ -1,9 +1,16 @@
-"""raysys.cluster.tune_run: every Ray Tune trial, errored ones included, becomes one Parquet row; resume."""
+"""raysys.cluster.tune_run: every Ray Tune trial, errored ones included, becomes one Parquet row the moment it
+ends; a run stopped by SIGTERM or its time budget keeps the finished trials, and resume runs the rest."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
+import pandas as pd
 import pytest
 import ray
 from ray import tune
@@ -50,3 +57,90 @@ def test_tune_run_rejects_bad_input(ray_cluster, tmp_path):
         tune_run(_square, {"x": 1}, sweep="bad", out_dir=tmp_path, resources={"tpu": 1})
     with pytest.raises(ValueError, match="resume=True needs a grid"):
         tune_run(_square, {"x": tune.choice([1, 2])}, sweep="bad", out_dir=tmp_path, resume=True)
+    with pytest.raises(ValueError, match="max_trials needs a grid"):
+        tune_run(_square, {"x": tune.choice([1, 2])}, sweep="bad", out_dir=tmp_path, max_trials=1)
+    with pytest.raises(ValueError, match=r"max_trials \(-1\)"):
+        tune_run(_square, {"x": 1}, sweep="bad", out_dir=tmp_path, max_trials=-1)
+    with pytest.raises(ValueError, match=r"time_budget_s \(0\)"):
+        tune_run(_square, {"x": 1}, sweep="bad", out_dir=tmp_path, time_budget_s=0)
+    assert not (tmp_path / "bad.parquet").exists()
+
+
+# A driver whose third trial hangs: it is stopped from outside (SIGTERM, as `timeout` sends) while trial 3 runs.
+_HANGING_DRIVER = """
+import os, sys, time
+from pathlib import Path
+from ray import tune
+from raysys.cluster import init_ray, tune_run
+
+out, marker, address = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+
+def trainable(config):
+    if config["x"] == 3:
+        marker.write_text(str(os.getpid()))
+        time.sleep(600)
+    tune.report({"y": config["x"] ** 2})
+
+init_ray(address)
+tune_run(trainable, {"x": tune.grid_search([1, 2, 3, 4])}, sweep="tune_hang", out_dir=out, show=False)
+"""
+
+
+def _rows(path: Path) -> pd.DataFrame:
+    return pd.read_parquet(path) if path.exists() else pd.DataFrame(columns=["x", "status"])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    except FileNotFoundError:
+        return False
+
+
+def _hang_forever_on_3(config: dict) -> dict:
+    if config["x"] == 3:
+        time.sleep(600)
+    return {"y": config["x"] ** 2}
+
+
+def test_sigterm_keeps_finished_trials_and_resume_runs_the_rest(ray_cluster, tmp_path):
+    script, marker, parquet = tmp_path / "driver.py", tmp_path / "trial3.pid", tmp_path / "tune_hang.parquet"
+    script.write_text(_HANGING_DRIVER)
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), str(marker), ray_cluster["address"]],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        # The run cannot end (trial 3 sleeps 600 s), so rows on disk now were written as their trials ended.
+        while not (marker.exists() and len(_rows(parquet)) == 3):
+            assert proc.poll() is None, f"the driver exited early:\n{proc.stdout.read()}"
+            assert time.monotonic() < deadline, f"rows on disk: {_rows(parquet)[['x', 'status']]}"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0, output
+    assert "tune_hang: interrupted; the 3 trials finished in this run are in" in output, output
+    rows = pd.read_parquet(parquet)
+    assert sorted(rows["x"]) == [1, 2, 4] and (rows["status"] == "ok").all()
+    assert dict(zip(rows["x"], rows["y"])) == {1: 1, 2: 4, 4: 16}
+    # Ray was shut down with the driver: the hanging trial's process is gone.
+    pid, deadline = int(marker.read_text()), time.monotonic() + 30
+    while _alive(pid):
+        assert time.monotonic() < deadline, f"trial 3 (pid {pid}) outlived its driver"
+        time.sleep(0.2)
+
+    # resume: only trial 3 runs. It hangs again, so the time budget stops it: no row, and the others stay.
+    grid = {"x": tune.grid_search([1, 2, 3, 4])}
+    df = tune_run(_hang_forever_on_3, grid, sweep="tune_hang", out_dir=tmp_path, resume=True, time_budget_s=1,
+                  show=False)
+    assert df.empty and sorted(pd.read_parquet(parquet)["x"]) == [1, 2, 4]
+    # resume with max_trials: of the trials not on disk (3 and the new 5), only the first runs.
+    df = tune_run(_returns_dict, {"x": tune.grid_search([1, 2, 3, 4, 5])}, sweep="tune_hang", out_dir=tmp_path,
+                  resume=True, max_trials=1, show=False)
+    assert list(df["x"]) == [3] and list(df["y"]) == [9]
+    on_disk = pd.read_parquet(parquet)
+    assert sorted(on_disk["x"]) == [1, 2, 3, 4] and (on_disk["status"] == "ok").all()

@@ -1,14 +1,27 @@
-"""sweeps/ddp.py and sweeps/sharded_optimizer.py on the CPU: grid parsing, the overlap arithmetic, the trial
-functions on 2 gloo ranks with a stand-in RankContext, and the whole script (plain processes and Ray)."""
+"""sweeps/ddp.py and sweeps/sharded_optimizer.py on the CPU: grid parsing, the overlap arithmetic and the profile
+checks (raysys.profiling), the step timer (raysys.train_step), the trial functions on 2 gloo ranks with a stand-in
+RankContext (back to back, so a trial that leaks its model into the next one fails), and the whole script (plain
+processes and Ray)."""
 
 from __future__ import annotations
+
+import functools
+import gc
+import math
+import time
+import weakref
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
 import torch
 import torch.distributed as dist
+from torch.autograd import DeviceType
 
+from raysys import train_step
+from raysys.profiling import StepProfile, kernel_intervals, overlap
 from raysys.rank import RankContext
+from raysys.results import trial_id
 from sweeps import ddp as ddp_sweep
 from sweeps import sharded_optimizer as sharded_sweep
 from tests.parallel.dist_utils import run_ranks
@@ -40,39 +53,112 @@ def test_trials_grid_and_validation():
                                   profile=["naive"], **TINY)
     assert [(t["dtype"], t["label"], t["profile"]) for t in trials] == [
         ("fp32", "single", False), ("fp32", "naive", True), ("fp32", "bucketed 10MB", False),
-        ("bf16", "single", False), ("bf16", "naive", True), ("bf16", "bucketed 10MB", False)]
-    with pytest.raises(ValueError, match="fp8"):
-        ddp_sweep.ddp_trials(dtypes=["fp8"], variants=["naive"], profile=[], **TINY)
-    with pytest.raises(ValueError, match="size 'huge'"):
-        ddp_sweep.ddp_trials(dtypes=["fp32"], variants=["naive"], profile=[], **{**TINY, "size": "huge"})
+        ("fp32", "single (rerun)", False),
+        ("bf16", "single", False), ("bf16", "naive", True), ("bf16", "bucketed 10MB", False),
+        ("bf16", "single (rerun)", False)]
+    assert trials[3]["variant"] == "single" and all(t["max_steps"] == TINY["steps"] for t in trials)
+    assert len({trial_id(t) for t in trials}) == len(trials)       # the rerun is its own trial
+    # No rerun without other variants, or when asked not to.
+    assert len(ddp_sweep.ddp_trials(dtypes=["fp32"], variants=["single"], profile=[], **TINY)) == 1
+    assert len(ddp_sweep.ddp_trials(dtypes=["fp32"], variants=["single", "flat"], profile=[], rerun_single=False,
+                                    **TINY)) == 2
+    for kwargs, match in ((dict(dtypes=["fp8"]), "fp8"), (dict(size="huge"), "size 'huge'"),
+                          (dict(max_steps=1), "max_steps"), (dict(nccl_max_ctas=0), "nccl_max_ctas"),
+                          (dict(variants=["flat", "flat"]), "twice")):
+        with pytest.raises(ValueError, match=match):
+            ddp_sweep.ddp_trials(**{**dict(dtypes=["fp32"], variants=["naive"], profile=[], **TINY), **kwargs})
     with pytest.raises(ValueError, match="warmup"):
         sharded_sweep.trials(dtypes=["fp32"], **{**TINY, "warmup": 0})
 
 
 def test_overlap_of_intervals():
     # comm [0,10) and [20,30); compute [5,25): overlapped 5 + 5 of 20.
-    assert ddp_sweep.overlap([(0, 10), (20, 30)], [(5, 12), (11, 25)]) == (20, 10)
-    assert ddp_sweep.overlap([(0, 10)], []) == (10, 0)
-    assert ddp_sweep.overlap([(0, 10)], [(0, 3), (2, 4), (8, 20)]) == (10, 6)     # overlapping compute counts once
-    assert ddp_sweep.overlap([], [(0, 1)]) == (0, 0)
+    assert overlap([(0, 10), (20, 30)], [(5, 12), (11, 25)]) == (20, 10)
+    assert overlap([(0, 10)], []) == (10, 0)
+    assert overlap([(0, 10)], [(0, 3), (2, 4), (8, 20)]) == (10, 6)     # overlapping compute counts once
+    assert overlap([], [(0, 1)]) == (0, 0)
+
+
+def _event(name, start, end, device=DeviceType.CUDA, annotation=False):
+    return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation,
+                           time_range=SimpleNamespace(start=start, end=end))
 
 
 def test_kernel_intervals_split_nccl_from_compute():
-    from types import SimpleNamespace
-
-    from torch.autograd import DeviceType
-
-    def event(name, start, end, device=DeviceType.CUDA, annotation=False):
-        return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation,
-                               time_range=SimpleNamespace(start=start, end=end))
-
-    events = [event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 10, 20), event("sm90_xmma_gemm_f32", 0, 15),
-              event("Memcpy DtoD (Device -> Device)", 12, 30), event("DistributedDataParallel.forward", 0, 40,
-                                                                      annotation=True),
-              event("aten::mm", 0, 50, device=DeviceType.CPU)]
-    comm, compute = ddp_sweep.kernel_intervals(events)
+    events = [_event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 10, 20), _event("sm90_xmma_gemm_f32", 0, 15),
+              _event("Memcpy DtoD (Device -> Device)", 12, 30), _event("DistributedDataParallel.forward", 0, 40,
+                                                                       annotation=True),
+              _event("aten::mm", 0, 50, device=DeviceType.CPU)]
+    comm, compute = kernel_intervals(events)
     assert comm == [(10, 20)] and compute == [(0, 15)]
-    assert ddp_sweep.overlap(comm, compute) == (10, 5)
+    assert overlap(comm, compute) == (10, 5)
+
+
+def test_profile_status_names_what_is_missing():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    op, gemm, nccl = _event("aten::mm", 0, 5, DeviceType.CPU), _event("gemm", 0, 5), _event("ncclDevKernel_x", 1, 2)
+    assert StepProfile([], cuda).status(expect_nccl=True) == "empty"
+    assert StepProfile([op], cpu).status(expect_nccl=True) == "cpu"
+    assert StepProfile([op], cuda).status(expect_nccl=False) == "no_gpu_kernels"
+    assert StepProfile([op, gemm], cuda).status(expect_nccl=True) == "no_nccl_kernels"
+    assert StepProfile([op, gemm], cuda).status(expect_nccl=False) == "ok"
+    assert StepProfile([op, gemm, nccl], cuda).status(expect_nccl=True) == "ok"
+
+
+class _SleepStep:
+    """A stand-in TrainStep whose phases sleep for the given seconds; records whether the GC was on."""
+
+    def __init__(self, durations):
+        self.device, self.durations, self.calls, self.gc_on = torch.device("cpu"), iter(durations), 0, []
+
+    def __call__(self):
+        marks = train_step.Marks(self.device)
+        seconds = next(self.durations)
+        for _ in train_step.PHASES:
+            marks.mark()
+            time.sleep(seconds / len(train_step.PHASES))
+        marks.mark()
+        self.calls += 1
+        self.gc_on.append(gc.isenabled())
+        return marks
+
+
+def test_trial_functions_serialise_as_under_a_script():
+    """`python sweeps/ddp.py` (what `ray job submit` runs) defines the trial functions in `__main__`, which Ray's
+    cloudpickle serialises by value together with the globals they use (a function from an imported module
+    goes by reference, so the other tests cannot see this); simulated here with register_pickle_by_value."""
+    from ray import cloudpickle
+
+    from sweeps import fsdp as fsdp_sweep
+
+    modules = (ddp_sweep, sharded_sweep, fsdp_sweep)
+    for module in modules:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        for fn in (functools.partial(ddp_sweep.ddp_trial, out_dir="out"), ddp_sweep.reduce_ranks,
+                   sharded_sweep.sharded_trial, sharded_sweep.reduce_ranks, fsdp_sweep.fsdp_trial):
+            assert callable(cloudpickle.loads(cloudpickle.dumps(fn)))
+    finally:
+        for module in modules:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
+def test_median_confidence_and_adaptive_step_count():
+    assert train_step.median_ci_rel([10.0, 10.0, 10.0, 10.0]) == 0.0
+    assert train_step.median_ci_rel([10.0, 10.0]) == math.inf
+    assert 0 < train_step.median_ci_rel([9.0, 10.0, 11.0, 10.0, 10.5]) < 0.1
+    # Steps alternating 2 ms and 20 ms: the median stays uncertain, so the timer goes on up to max_steps ...
+    noisy = _SleepStep([0.002, 0.020] * 20)
+    out = train_step.time_steps(noisy, warmup=1, steps=4, max_steps=8)
+    assert out["timed_steps"] == 8 and noisy.calls == 1 + 8
+    assert not any(noisy.gc_on) and gc.isenabled()               # collector paused inside, restored after
+    assert out["step_ms_min"] <= out["step_ms_median"] <= out["step_ms_max"]
+    assert out["forward_ms_median"] > 0 and out["host_backward_ms"] > 0 and out["cpu_ms_per_step"] >= 0
+    assert out["torch_threads"] == torch.get_num_threads()
+    # ... and without max_steps it times exactly `steps`.
+    assert train_step.time_steps(_SleepStep([0.001] * 10), warmup=0, steps=3)["timed_steps"] == 3
+    with pytest.raises(ValueError, match="max_steps"):
+        train_step.time_steps(noisy, warmup=0, steps=4, max_steps=3)
 
 
 def test_ratios_and_targets():
@@ -86,12 +172,38 @@ def test_ratios_and_targets():
     assert "`bucketed 100MB`" in line and "1.010x single (met" in line and "0.990x torch DDP (met" in line
 
 
+def test_ratios_use_the_median_and_both_single_runs():
+    df = pd.DataFrame({"status": "ok", "dtype": "fp32", "variant": ["single", "bucketed", "torch", "single"],
+                       "label": ["single", "bucketed 100MB", "torch DDP 25MB", "single (rerun)"],
+                       "step_ms": [150.0, 90.0, 105.0, 150.0], "step_ms_median": [100.0, 104.0, 105.0, 102.0]})
+    ratios = ddp_sweep.with_ratios(df)
+    assert ratios["vs_single"].tolist() == pytest.approx([100 / 101, 104 / 101, 105 / 101, 102 / 101])
+    assert ddp_sweep.single_drift(df) == {"fp32": pytest.approx(0.02)}
+    (line,) = ddp_sweep.targets(ratios)
+    assert "1.030x single (missed" in line and "drifted 2.0%" in line
+
+
 # ---------------------------------------------------------------------------------------------------- trials on 2 ranks
-def _run_trials(rank: int, world_size: int, configs: list[dict], out_dir: str) -> list[dict]:
+def _run_trials(rank: int, world_size: int, configs: list[dict], out_dir: str) -> tuple[list[dict], list[bool]]:
+    """The trials back to back in this process, as in a gang's actor; whether each trial's model is still alive
+    once the trial returned (weak references to every TransformerLM the sweeps build)."""
     ctx = _ctx(rank, world_size)
-    out = [ddp_sweep.ddp_trial(ctx, c, out_dir=out_dir) for c in configs[:-2]]
-    out += [sharded_sweep.sharded_trial(ctx, c) for c in configs[-2:]]
-    return out
+    models: list[weakref.ref] = []
+
+    class Recorded(ddp_sweep.TransformerLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            models.append(weakref.ref(self))
+
+    ddp_sweep.TransformerLM = sharded_sweep.TransformerLM = Recorded
+    out, alive = [], []
+    for config in configs:
+        if "sharded" in config:
+            out.append(sharded_sweep.sharded_trial(ctx, config))
+        else:
+            out.append(ddp_sweep.ddp_trial(ctx, config, out_dir=out_dir))
+        alive.append(models[-1]() is not None)
+    return out, alive
 
 
 @pytest.mark.multiproc
@@ -100,30 +212,47 @@ def test_trial_functions_on_gloo_ranks(tmp_path):
                                    profile=["overlapped"], **TINY)
     configs += sharded_sweep.trials(dtypes=["fp32"], **TINY)
     per_rank = run_ranks(_run_trials, 2, configs, str(tmp_path))
-    single, naive, overlapped, bucketed, unsharded, sharded = per_rank[0]
-    for m in (single, naive, overlapped, bucketed):
-        assert m["step_ms"] > 0 and m["step_ms_std"] >= 0
-        assert all(m[f"{phase}_ms"] >= 0 for phase in ddp_sweep.PHASES)
+    (single, naive, overlapped, bucketed, rerun, unsharded, sharded), _ = per_rank[0]
+    for m in (single, naive, overlapped, bucketed, rerun):
+        assert m["step_ms"] > 0 and m["step_ms_std"] >= 0 and m["timed_steps"] == TINY["steps"]
+        assert m["step_ms_min"] <= m["step_ms_median"] <= m["step_ms_max"]
+        assert all(m[f"{phase}_ms"] >= 0 for phase in train_step.PHASES)
         # The phases are parts of the step.
-        assert sum(m[f"{phase}_ms"] for phase in ddp_sweep.PHASES) <= m["step_ms"] * 1.05 + 0.5
+        assert sum(m[f"{phase}_ms"] for phase in train_step.PHASES) <= m["step_ms"] * 1.05 + 0.5
     num_tensors = 2 * 9 + 3                 # tiny: 2 blocks of 9 tensors, embedding, final norm, LM head
     assert naive["collectives_per_step"] == overlapped["collectives_per_step"] == num_tensors
     assert 1 < bucketed["collectives_per_step"] < num_tensors
     assert single["collectives_per_step"] != single["collectives_per_step"]      # NaN: no communication
-    # Profiled on rank 0: a trace file; gloo has no NCCL kernels, so no overlap figure on the CPU.
+    # Profiled on rank 0: a trace of the recorded step (not of an empty profiler cycle); gloo runs no NCCL
+    # kernels, so there is no overlap figure on the CPU, and the row says why.
+    assert overlapped["profile_status"] == "cpu" and overlapped["profiled_cpu_ops"] > 100
+    assert overlapped["host_allreduce_calls"] == num_tensors           # exactly one step was recorded
+    assert 0 < overlapped["host_allreduce_ms"] < overlapped["host_accumulate_grad_ms"]   # issued from the hooks
+    assert math.isnan(overlapped["overlap_fraction"])
     assert overlapped["trace_path"].endswith("ddp_overlapped_fp32.json.gz")
-    assert (tmp_path / "traces" / "ddp_overlapped_fp32.json.gz").stat().st_size > 0
-    assert "trace_path" not in per_rank[1][2]
+    assert (tmp_path / "traces" / "ddp_overlapped_fp32.json.gz").stat().st_size > 2000
+    assert "trace_path" not in per_rank[1][0][2]
+
+    # Every trial released its model before the next one began: no hooks, buckets or closures kept it alive.
+    for rows, models_alive in per_rank:
+        assert models_alive == [False] * len(configs), models_alive
+        for row in rows:
+            assert row["live_parameters_after"] == row["live_parameters_before"] == rows[0]["live_parameters_before"]
+    assert math.isnan(single["memory_allocated_before_bytes"])      # no allocator statistics on the CPU
 
     # Sharding halves (roughly) each rank's AdamW state and leaves parameters and gradients alone.
     for point in ("before_step", "after_step"):
         assert sharded[f"params_{point}_bytes"] == unsharded[f"params_{point}_bytes"]
         assert sharded[f"grads_{point}_bytes"] == unsharded[f"grads_{point}_bytes"]
     full = unsharded["optimizer_state_after_step_bytes"]
-    shards = [r[-1]["optimizer_state_after_step_bytes"] for r in per_rank]
+    shards = [rows[-1]["optimizer_state_after_step_bytes"] for rows, _ in per_rank]
     assert sum(shards) == pytest.approx(full, rel=0.01)
     assert max(shards) < 0.75 * full
     assert unsharded["optimizer_state_init_bytes"] == 0          # AdamW allocates its state at the first step
+
+    reduced = ddp_sweep.reduce_ranks(configs[2], [rows[2] for rows, _ in per_rank])
+    assert reduced["rank_spread"] >= 0 and reduced["leaked_parameters_max_rank"] == 0
+    assert reduced["step_ms_median_min_rank"] <= reduced["step_ms_median_max_rank"]
 
 
 # ---------------------------------------------------------------------------------------------------- the script
@@ -139,7 +268,8 @@ def test_script_on_ray(tmp_path, ray_cluster):  # noqa: F811
     ddp, sharded = frames["ddp"], frames["sharded_optimizer"]
     assert (ddp["status"] == "ok").all(), ddp[["label", "dtype", "status", "error"]]
     assert (sharded["status"] == "ok").all(), sharded[["dtype", "sharded", "status", "error"]]
-    assert len(ddp) == 4 and len(sharded) == 2           # fp32 only on the CPU by default
+    assert len(ddp) == 5 and len(sharded) == 2           # fp32 only on the CPU by default; single runs twice
+    assert ddp["label"].tolist()[-1] == "single (rerun)" and ddp["timed_steps"].between(2, 5).all()
     assert set(ddp["launcher"]) == {"ray"} and set(ddp["backend"]) == {"gloo"} and set(ddp["world_size"]) == {2}
     for name in ("ddp.parquet", "ddp.md", "ddp.png", "sharded_optimizer.parquet", "sharded_optimizer.md",
                  "sharded_optimizer.png", "traces/ddp_flat_fp32.json.gz"):
@@ -154,6 +284,8 @@ def test_script_on_ray(tmp_path, ray_cluster):  # noqa: F811
 
 
 def test_bad_flags_are_value_errors(tmp_path):
+    with pytest.raises(ValueError, match="nccl-max-ctas"):
+        ddp_sweep.main(["--device", "cpu", "--launcher", "mp", "--nccl-max-ctas", "8", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="world-size"):
         ddp_sweep.main(["--world-size", "1", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="studies"):

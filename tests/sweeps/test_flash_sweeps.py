@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pandas as pd
 import pytest
@@ -126,3 +127,94 @@ def test_attention_oom_is_a_row_and_gets_accounted(tmp_path, monkeypatch):
     report = (tmp_path / "attention_memory.md").read_text()
     assert "ran out of memory: batch 8, seq 128, d 16" in report
     assert f"{8 * 128 * 128 * 4 / 2**30:.2f} GiB" in report
+
+
+def test_flash_bench_grid_runs_the_informative_configs_first():
+    trials = flash_bench.grid("grid", False)
+    assert len(trials) == 10 * 4 * 2 * len(flash_bench.PROVIDERS)
+    blocks = list(dict.fromkeys((t["dtype"], t["head_dim"]) for t in trials))
+    assert blocks == [("bf16", 128), ("bf16", 64), ("bf16", 32), ("bf16", 16),
+                      ("fp32", 128), ("fp32", 64), ("fp32", 32), ("fp32", 16)]
+    first = [t["seq"] for t in trials if (t["dtype"], t["head_dim"]) == ("bf16", 128)]
+    assert first == sorted(first) and first[0] == 128 and first[-1] == 65536
+    # narrowed grids keep the order whatever order the flags list
+    narrowed = flash_bench.grid("grid", False, seqs=(4096, 1024), head_dims=(16, 128), dtypes=("fp32", "bf16"))
+    assert [(t["dtype"], t["head_dim"], t["seq"]) for t in narrowed[::len(flash_bench.PROVIDERS)]] == [
+        ("bf16", 128, 1024), ("bf16", 128, 4096), ("bf16", 16, 1024), ("bf16", 16, 4096),
+        ("fp32", 128, 1024), ("fp32", 128, 4096), ("fp32", 16, 1024), ("fp32", 16, 4096)]
+
+
+def test_flash_bench_resume_runs_what_the_time_budget_skipped(tmp_path):
+    args = ["--study", "grid", "--quick", "--device", "cpu", "--out", str(tmp_path), "--providers", "naive,triton"]
+    first = flash_bench.main(args)
+    assert dict(zip(zip(first["provider"], first["seq"]), first["status"])) == {
+        ("naive", 64): "ok", ("naive", 128): "ok", ("triton", 64): "skipped", ("triton", 128): "skipped"}
+    # As a --max-seconds run leaves it: naive at seq 128 was never run (the wording of both versions counts).
+    path = tmp_path / "flash_bench.parquet"
+    df = pd.read_parquet(path)
+    budget = (df["provider"] == "naive") & (df["seq"] == 128)
+    df.loc[budget, ["status", "error"]] = ["skipped", "--max-seconds 160.0 spent"]
+    df.loc[budget, [c for c in df.columns if c.endswith("_ms")]] = float("nan")
+    df["host"] = "previous-run"  # a rerun trial gets this host's name
+    df.to_parquet(path)
+
+    again = flash_bench.main(args + ["--resume"]).set_index(["provider", "seq"])
+    assert again["status"].to_dict() == {("naive", 64): "ok", ("naive", 128): "ok", ("triton", 64): "skipped",
+                                         ("triton", 128): "skipped"}
+    assert again.loc[("naive", 128), "fwd_ms"] > 0 and again.loc[("naive", 128), "host"] != "previous-run"
+    assert again.drop(index=[("naive", 128)])["host"].eq("previous-run").all()  # final rows are not run again
+
+
+def test_flash_bench_budget_skips_say_how_to_continue(tmp_path):
+    df = flash_bench.main(["--study", "grid", "--quick", "--device", "cpu", "--out", str(tmp_path),
+                           "--providers", "naive", "--max-seconds", "-1"])
+    assert (df["status"] == "skipped").all() and df["error"].str.contains("--resume runs it").all()
+    writer = flash_tiles.ResultWriter(tmp_path, "flash_bench", resume=True)
+    assert not any(flash_bench.finished(writer, tid) for tid in df["trial_id"])
+
+
+def test_flash_tiles_short_dtype_names_are_one_spelling():
+    assert flash_tiles.parse_shape("4096/64/bf16/causal") == flash_tiles.parse_shape("4096/64/bfloat16/causal") == \
+        dict(seq=4096, head_dim=64, dtype="bfloat16", causal=True)
+    assert flash_tiles.canonical_shape("1024/128/fp32/full") == "1024/128/float32/full"
+    assert flash_tiles.canonical_shape("1024/128/fp16/causal") == "1024/128/float16/causal"
+    for bad in ("4096/64/bf8/causal", "4096/64/bf16", "4096/x/bf16/causal", "4096/64/bf16/sliding"):
+        with pytest.raises(ValueError, match="bf16,fp16,fp32"):
+            flash_tiles.parse_shape(bad)
+
+
+def _fake_tile_trial(config: dict) -> dict:
+    m, n = map(int, config["tile"].split("x"))
+    return {"block_m": m, "block_n": n, **flash_tiles.parse_shape(config["shape"]), "median_ms": 1.0 + m / 1000,
+            "tflops": 1.0, "max_abs_err": 0.0}
+
+
+def test_flash_tiles_max_trials_then_resume_continues(tmp_path, monkeypatch):
+    ran = []
+    monkeypatch.setattr(flash_tiles, "trial", lambda config: ran.append(config) or _fake_tile_trial(config))
+    args = ["--launcher", "local", "--quick", "--kernels", "fwd", "--shapes", "256/64/bf16/causal", "--no-json",
+            "--out", str(tmp_path)]
+    grid = flash_tiles.grid_configs(flash_tiles.param_spaces(True, ("256/64/bfloat16/causal",))["fwd"])
+    first = flash_tiles.main(args + ["--max-trials", "3"])
+    assert len(first) == 3 and (first["shape"] == "256/64/bfloat16/causal").all()
+    assert list(first["trial_id"]) == [flash_tiles.trial_id(c) for c in grid[:3]]
+    # resumed with the long dtype name: the same trials, the next two of the grid run
+    args[args.index("256/64/bf16/causal")] = "256/64/bfloat16/causal"
+    second = flash_tiles.main(args + ["--max-trials", "2", "--resume"])
+    assert list(second["trial_id"]) == [flash_tiles.trial_id(c) for c in grid[:5]]
+    assert ran == grid[:5]  # each trial ran once
+    with pytest.raises(ValueError, match="--max-trials"):
+        flash_tiles.main(args + ["--max-trials", "-1"])
+
+
+def test_flash_tiles_time_budget_stops_starting_trials(tmp_path, monkeypatch):
+    def slow_trial(config):
+        time.sleep(1.5)
+        return _fake_tile_trial(config)
+
+    monkeypatch.setattr(flash_tiles, "trial", slow_trial)
+    df = flash_tiles.main(["--launcher", "local", "--quick", "--kernels", "fwd", "--no-json", "--out", str(tmp_path),
+                           "--time-budget-s", "2"])
+    assert 1 <= len(df) <= 2 and (df["status"] == "ok").all()  # trials start at ~0 s and ~1.5 s, not at ~3 s
+    with pytest.raises(ValueError, match="--time-budget-s"):
+        flash_tiles.main(["--launcher", "local", "--quick", "--out", str(tmp_path), "--time-budget-s", "0"])
