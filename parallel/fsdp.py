@@ -46,12 +46,22 @@ result is the sum over passes of the rank-averaged gradients, as without FSDP.
 Requirements (as torch's FSDP): every rank runs the same wrapped layers in the same order and produces gradients
 for the same parameters (collectives are matched by issue order); no weight tying between wrapped modules;
 wrapped layers are not recomputed by activation checkpointing.
+
+Lifetime: a full weight's post-accumulate-grad hooks live in a dict held from C++ (the tensor's autograd
+metadata), out of sight of Python's cycle collector, so a hook holding the wrapper would make full weight -> hook
+-> wrapper -> layer -> full weight a cycle that is never freed, leaking the model and its optimizer state with
+every dropped wrapper (and the module hooks would make wrapper -> model -> hooks -> wrapper a cycle only the
+collector frees). So every hook, module or tensor, holds the wrapper weakly and names its layer by index, and a
+layer holds no reference to its wrapper: a wrapper nobody references is freed at once by reference counting, and
+its hooks are removed with it; `remove_hooks()` does the same explicitly. The model's sharded modules keep their
+shards as `weight` either way (`gather_full_params()` first to get the full weights back).
 """
 
 from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, fields
 from functools import partial
@@ -121,12 +131,15 @@ class CommStats:
 
 
 class _ShardedLayer:
-    """One wrapped module: its fp32 shard (the optimizer's parameter) and its full compute-dtype weight buffer."""
+    """One wrapped module: its fp32 shard (the optimizer's parameter) and its full compute-dtype weight buffer.
 
-    def __init__(self, fsdp: "FSDP", name: str, module: nn.Module):
+    Holds no reference to its wrapper (see Lifetime in the module docstring): the wrapper passes itself to the
+    methods that communicate or count."""
+
+    def __init__(self, fsdp: "FSDP", index: int, name: str, module: nn.Module):
         weight = module.weight
         n, rank = fsdp.world_size, fsdp.rank
-        self.fsdp, self.name, self.module = fsdp, name, module
+        self.index, self.name, self.module = index, name, module
         self.shape, self.numel = weight.shape, weight.numel()
         self.rows_per_rank = math.ceil(self.shape[0] / n)
         self.shard_numel = self.rows_per_rank * (self.numel // max(self.shape[0], 1))
@@ -154,10 +167,9 @@ class _ShardedLayer:
         self.fwd_pos = -1
         self.saved_params: dict[str, Any] = {}
 
-    def start_gather(self, phase: str) -> None:
+    def start_gather(self, fsdp: "FSDP", phase: str) -> None:
         if self.state != _FREE:
             return
-        fsdp = self.fsdp
         self.full.untyped_storage().resize_(self.nbytes)
         # Cast before communicating: in compute_dtype the all-gather moves half the bytes of fp32.
         self._send = self.shard.detach().to(self._flat.dtype).reshape(-1)
@@ -169,22 +181,47 @@ class _ShardedLayer:
         fsdp.stats.peak_gathered_bytes = max(fsdp.stats.peak_gathered_bytes, fsdp._gathered_bytes)
         fsdp._log("all_gather", self.name, phase)
 
-    def wait_gather(self, phase: str | None = None) -> None:
+    def wait_gather(self, stats: CommStats | None = None, phase: str | None = None) -> None:
+        """Wait for the issued all-gather; with `stats`, add the blocked time to `stats.<phase>_wait_s`."""
         if self.state == _GATHERING:
             start = time.perf_counter()
             self._work.wait()
-            if phase is not None:
-                setattr(self.fsdp.stats, f"{phase}_wait_s",
-                        getattr(self.fsdp.stats, f"{phase}_wait_s") + time.perf_counter() - start)
+            if stats is not None:
+                setattr(stats, f"{phase}_wait_s", getattr(stats, f"{phase}_wait_s") + time.perf_counter() - start)
             self._work, self._send, self.state = None, None, _READY
 
-    def free(self) -> None:
+    def free(self, fsdp: "FSDP") -> None:
         if self.state == _FREE:
             return
         self.wait_gather()  # never release memory a collective may still write
         self.full.untyped_storage().resize_(0)
         self.state = _FREE
-        self.fsdp._gathered_bytes -= self.nbytes
+        fsdp._gathered_bytes -= self.nbytes
+
+
+class _WeakHook:
+    """A module or tensor hook that calls `method(wrapper, *hook_args)` (with `index`: `method(wrapper,
+    wrapper._layers[index], *hook_args)`) while the wrapper is alive, and does nothing once it is gone. Holds nothing
+    else (see Lifetime in the module docstring)."""
+
+    __slots__ = ("owner", "method", "index")
+
+    def __init__(self, owner: weakref.ref, method: Callable[..., Any], index: int | None = None):
+        self.owner, self.method, self.index = owner, method, index
+
+    def __call__(self, *args: Any) -> Any:
+        wrapper = self.owner()
+        if wrapper is None:
+            return None
+        if self.index is None:
+            return self.method(wrapper, *args)
+        return self.method(wrapper, wrapper._layers[self.index], *args)
+
+
+def _remove_handles(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
 
 
 class _PendingOp:
@@ -239,21 +276,27 @@ class FSDP(nn.Module):
         broadcast_module_state(module, process_group)
 
         self._layers: list[_ShardedLayer] = []
+        self._owner = weakref.ref(self)  # what hooks hold (see Lifetime in the module docstring)
+        self._hooks_removed = False
+        sharded = [(mod_name, mod) for mod_name, mod in module.named_modules() if is_sharded_module(mod)]
         sharded_ids = set()
-        for mod_name, mod in module.named_modules():
-            if not is_sharded_module(mod):
-                continue
+        for mod_name, mod in sharded:  # all checked before the model is touched
             if id(mod.weight) in sharded_ids:
                 raise ValueError(f"{mod_name}.weight is shared with another Linear/Embedding (tied weights are not "
                                  "supported by FSDP)")
             sharded_ids.add(id(mod.weight))
-            layer = _ShardedLayer(self, f"{mod_name}.weight" if mod_name else "weight", mod)
+        handles = []
+        for mod_name, mod in sharded:
+            layer = _ShardedLayer(self, len(self._layers), f"{mod_name}.weight" if mod_name else "weight", mod)
             mod._parameters["weight"] = layer.shard
             self._layers.append(layer)
-            mod.register_forward_pre_hook(partial(self._pre_forward, layer))
-            mod.register_forward_hook(partial(self._post_forward, layer))
+            handles.append(mod.register_forward_pre_hook(_WeakHook(self._owner, FSDP._pre_forward, layer.index)))
+            handles.append(mod.register_forward_hook(_WeakHook(self._owner, FSDP._post_forward, layer.index)))
             if layer.full.requires_grad:
-                layer.full.register_post_accumulate_grad_hook(partial(self._post_backward, layer))
+                handles.append(layer.full.register_post_accumulate_grad_hook(
+                    _WeakHook(self._owner, FSDP._post_backward, layer.index)))
+        # Runs remove_hooks' work when the wrapper is collected (or when remove_hooks() calls it).
+        self._remove_handles = weakref.finalize(self, _remove_handles, handles)
         self._layer_of_shard = {id(layer.shard): layer for layer in self._layers}
         self._replicated = [p for p in module.parameters() if id(p) not in self._layer_of_shard and p.requires_grad]
         self._pending: deque[_PendingOp] = deque()
@@ -263,11 +306,14 @@ class FSDP(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._hooks_removed:
+            raise RuntimeError("this FSDP wrapper's hooks were removed (remove_hooks()): its modules hold only this "
+                               "rank's weight shards; gather_full_params() returns the full weights")
         self._fwd_calls = []
         for layer in self._layers:
             layer.backward_done = False
         for layer in self._last_order[:2]:  # no layer runs two before these
-            layer.start_gather("forward")
+            layer.start_gather(self, "forward")
         try:
             out = self.module(*args, **kwargs)
         except BaseException:
@@ -283,8 +329,8 @@ class FSDP(nn.Module):
 
     def _pre_forward(self, layer: _ShardedLayer, module: nn.Module, args: tuple) -> tuple | None:
         self._fwd_calls.append(layer)
-        layer.start_gather("forward")
-        layer.wait_gather("forward")
+        layer.start_gather(self, "forward")
+        layer.wait_gather(self.stats, "forward")
         module._parameters["weight"] = layer.full
         if self.compute_dtype is None:
             return None
@@ -293,13 +339,13 @@ class FSDP(nn.Module):
 
     def _post_forward(self, layer: _ShardedLayer, module: nn.Module, args: tuple, output: Any) -> None:
         self._restore(layer)
-        layer.free()
+        layer.free(self)
         if (layer.needs_weight_in_backward and torch.is_grad_enabled() and isinstance(output, torch.Tensor)
                 and output.requires_grad):
-            output.register_hook(partial(self._pre_backward, layer))
+            output.register_hook(_WeakHook(self._owner, FSDP._pre_backward, layer.index))
         pos = len(self._fwd_calls) - 1
         if pos + 2 < len(self._last_order):
-            self._last_order[pos + 2].start_gather("forward")
+            self._last_order[pos + 2].start_gather(self, "forward")
 
     def _restore(self, layer: _ShardedLayer) -> None:
         module = layer.module
@@ -309,11 +355,11 @@ class FSDP(nn.Module):
 
     # ------------------------------------------------------------------ backward
     def _pre_backward(self, layer: _ShardedLayer, grad: torch.Tensor) -> None:
-        layer.start_gather("backward")
+        layer.start_gather(self, "backward")
         nxt = self._next_backward_layer(layer)
         if nxt is not None:
-            nxt.start_gather("backward")
-        layer.wait_gather("backward")
+            nxt.start_gather(self, "backward")
+        layer.wait_gather(self.stats, "backward")
 
     def _next_backward_layer(self, layer: _ShardedLayer) -> _ShardedLayer | None:
         """The closest layer before `layer` in forward order that backward has yet to run and that needs its weight."""
@@ -326,7 +372,7 @@ class FSDP(nn.Module):
     def _post_backward(self, layer: _ShardedLayer, full: torch.Tensor) -> None:
         grad, full.grad = full.grad, None
         layer.backward_done = True
-        layer.free()
+        layer.free(self)
         n = self.world_size
         padded = n * layer.shard_numel
         if grad.dtype == torch.float32 and padded == layer.numel and grad.is_contiguous():
@@ -383,6 +429,19 @@ class FSDP(nn.Module):
             layer.shard.grad = grad if layer.shard.grad is None else layer.shard.grad.add_(grad)
             layer.reduced_grad = None
 
+    def remove_hooks(self) -> None:
+        """Unregister every hook the wrapper put on the model and drop its gradient state: the wrapper no longer
+        trains (a later forward raises); its modules keep their shards (see Lifetime in the module docstring).
+        Happens by itself when the wrapper is garbage-collected; idempotent. Never waits on a collective (a rank
+        whose peers failed must not block here): an in-flight one keeps its buffers alive until it completes."""
+        self._remove_handles()
+        self._hooks_removed = True
+        self._pending.clear()
+        for layer in self._layers:
+            layer.reduced_grad = None
+            if layer.state == _READY:
+                layer.free(self)
+
     @torch.no_grad()
     def gather_full_params(self) -> dict[str, torch.Tensor]:
         """{name: full fp32 tensor} for every parameter, named as in the unwrapped model.
@@ -411,7 +470,7 @@ class FSDP(nn.Module):
     # ------------------------------------------------------------------ helpers
     def _free_all(self) -> None:
         for layer in self._layers:
-            layer.free()
+            layer.free(self)
 
     def _log(self, event: str, name: str, phase: str) -> None:
         if self._event_log is not None:
@@ -441,10 +500,20 @@ class CastForCompute(nn.Module):
             raise ValueError(f"compute_dtype ({compute_dtype!r}) must be a floating-point torch.dtype")
         self.module, self.compute_dtype = module, compute_dtype
         self._saved: dict[nn.Module, dict[str, nn.Parameter]] = {}
+        owner = weakref.ref(self)  # hooks hold the wrapper weakly, as FSDP's (Lifetime in the module docstring)
+        handles = []
         for mod in module.modules():
             if is_sharded_module(mod):
-                mod.register_forward_pre_hook(self._pre_forward)
-                mod.register_forward_hook(self._post_forward)
+                handles.append(mod.register_forward_pre_hook(_WeakHook(owner, CastForCompute._pre_forward)))
+                handles.append(mod.register_forward_hook(_WeakHook(owner, CastForCompute._post_forward)))
+        self._remove_handles = weakref.finalize(self, _remove_handles, handles)
+        self._hooks_removed = False
+
+    def remove_hooks(self) -> None:
+        """Unregister the casting hooks (a later forward raises; the model itself is unchanged). Happens by itself
+        when the wrapper is garbage-collected; idempotent."""
+        self._remove_handles()
+        self._hooks_removed = True
 
     def _pre_forward(self, module: nn.Module, args: tuple) -> tuple:
         self._saved[module] = _cast_params(module, self.compute_dtype)
@@ -454,6 +523,9 @@ class CastForCompute(nn.Module):
         module._parameters.update(self._saved.pop(module))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._hooks_removed:
+            raise RuntimeError("this CastForCompute wrapper's hooks were removed (remove_hooks()): wrap the module "
+                               "again")
         try:
             return self.module(*args, **kwargs)
         finally:

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import warnings
+import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -195,6 +198,47 @@ def _check_prefetch(rank: int, world_size: int) -> list:
     return events
 
 
+def _hook_count(fsdp: FSDP) -> int:
+    """Hooks FSDP put on the model: forward pre/post hooks of the sharded modules, grad hooks of their full weights."""
+    return sum(len(layer.module._forward_pre_hooks) + len(layer.module._forward_hooks)
+               + len(layer.full._post_accumulate_grad_hooks or {}) for layer in fsdp._layers)
+
+
+def _check_lifetime(rank: int, world_size: int) -> dict:
+    """A dropped wrapper must not be kept alive by its own hooks (a parameter's hook dict is held from C++, invisible
+    to the cycle collector): checked with the collector off, so only reference counting frees."""
+    module = ToyModel()
+    fsdp = FSDP(module)
+    optimizer = torch.optim.SGD(fsdp.parameters(), lr=0.1)
+    x, y = _data("toy", rank)
+    _loss(fsdp, x, y).backward()
+    fsdp.finish_gradient_synchronization()
+    optimizer.step()
+    wrapper, model = weakref.ref(fsdp), weakref.ref(module)
+    layers = list(fsdp._layers)  # kept only to count the hooks left behind
+    hooks_while_wrapped = _hook_count(fsdp)
+    gc.disable()
+    try:
+        del fsdp, optimizer
+        wrapper_freed = wrapper() is None
+        hooks_left = _hook_count(SimpleNamespace(_layers=layers))
+        del module, layers
+        model_freed = model() is None
+    finally:
+        gc.enable()
+    # remove_hooks(): explicit, idempotent, and the wrapper refuses to train afterwards.
+    fsdp = FSDP(ToyModel())
+    fsdp.remove_hooks()
+    fsdp.remove_hooks()
+    try:
+        fsdp(x)
+        forward_error = ""
+    except RuntimeError as exc:
+        forward_error = str(exc)
+    return dict(hooks_while_wrapped=hooks_while_wrapped, wrapper_freed=wrapper_freed, hooks_left=hooks_left,
+                model_freed=model_freed, hooks_after_remove=_hook_count(fsdp), forward_error=forward_error)
+
+
 def _all_checks(rank: int, world_size: int) -> dict:
     # One pair of processes for the whole file: spawning and importing torch (dynamo, on the first optimizer)
     # costs more than all the checks together.
@@ -204,7 +248,7 @@ def _all_checks(rank: int, world_size: int) -> dict:
     warnings.simplefilter("error")
     return dict(training=_check_training(rank, world_size),
                 sync={str(dt): _check_sync_and_memory(rank, world_size, dt) for dt in (None, torch.bfloat16)},
-                prefetch=_check_prefetch(rank, world_size))
+                prefetch=_check_prefetch(rank, world_size), lifetime=_check_lifetime(rank, world_size))
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +318,16 @@ def test_forward_prefetch_starts_after_the_layer_two_before(per_rank):
                                                                                      "backward")), nxt
 
 
+@pytest.mark.multiproc
+def test_wrapper_and_model_are_freed_with_their_hooks(per_rank):
+    for res in per_rank:
+        r = res["lifetime"]
+        assert r["hooks_while_wrapped"] == 4 * 3, r  # embedding, up, down, lm_head: 2 forward hooks + 1 grad hook each
+        assert r["wrapper_freed"] and r["hooks_left"] == 0, f"the dropped wrapper is still alive: {r}"
+        assert r["model_freed"], f"the model outlived its last reference: {r}"
+        assert r["hooks_after_remove"] == 0 and "remove_hooks" in r["forward_error"], r
+
+
 def test_invalid_arguments_raise_before_any_communication():
     with pytest.raises(ValueError, match="compute_dtype"):
         FSDP(nn.Linear(2, 2), compute_dtype=torch.int32)
@@ -297,3 +351,27 @@ def test_cast_for_compute_is_the_single_process_compute_policy():
         assert q.dtype == torch.float32 and q.grad.dtype == torch.float32 and torch.equal(p.grad, q.grad), name
     with pytest.raises(ValueError, match="compute_dtype"):
         CastForCompute(ref, torch.int8)
+
+
+def test_cast_for_compute_is_freed_with_its_hooks():
+    module = _build("toy")
+    model = CastForCompute(module, torch.float16)
+    x, _ = _data("toy", 0)
+    model(x).float().sum().backward()
+    num_hooks = lambda: sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in module.modules())
+    assert num_hooks() == 2 * 4  # embedding, up, down, lm_head: a pre and a post hook each
+    wrapper, wrapped = weakref.ref(model), weakref.ref(module)
+    gc.disable()  # reference counting alone must free them
+    try:
+        del model
+        assert wrapper() is None and num_hooks() == 0
+        del module
+        assert wrapped() is None
+    finally:
+        gc.enable()
+    model = CastForCompute(_build("toy"), torch.float16)
+    model.remove_hooks()
+    model.remove_hooks()
+    assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.module.modules()) == 0
+    with pytest.raises(RuntimeError, match="remove_hooks"):
+        model(x)

@@ -107,6 +107,8 @@ def test_trial_function_on_gloo_ranks():
         ranks = [r[i] for r in per_rank]
         m = fsdp_sweep.reduce_ranks(config, ranks)
         assert m["step_ms"] > 0 and m["step_ms_max_rank"] >= m["step_ms"]
+        for r in ranks:  # a trial leaves no model behind (a leaked one would take the next trial's GPU memory)
+            assert r["live_parameters_after"] == r["live_parameters_before"], config["variant"]
         if config["variant"] == "ddp_sharded":  # moments split over the ranks: their sum is the whole
             assert sum(r["optimizer_state_bytes"] for r in ranks) == sum(r["expected_optimizer_state_bytes"]
                                                                          for r in ranks)
