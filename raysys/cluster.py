@@ -25,6 +25,7 @@ Gang mechanics (placement, GPU visibility, process-group bootstrap) live in `ray
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import itertools
@@ -47,7 +48,7 @@ from raysys.rank import PlacementInfeasible, RankContext
 from raysys.results import ResultWriter, error_row, make_row, trial_id
 
 __all__ = ["Gang", "PlacementInfeasible", "ProcessGang", "RankContext", "cluster_info", "cluster_nodes", "init_ray",
-           "interrupt_on_sigterm", "resolve_out_dir", "run_sweep", "tune_run"]
+           "interrupt_on_sigterm", "read_sweep", "resolve_out_dir", "run_sweep", "sweep_parser", "tune_run"]
 
 LAUNCHERS = ("ray", "mp")
 _METRIC_SKIP = {"trial_id", "config", "date", "timestamp", "time_this_iter_s", "time_total_s", "pid", "hostname",
@@ -96,6 +97,26 @@ def interrupt_on_sigterm():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def sweep_parser(doc: str | None, sweep: str, *, device_help: str) -> argparse.ArgumentParser:
+    """An argument parser with the options every gang sweep shares: --device, --out, --resume, --report-only."""
+    p = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help=device_help)
+    p.add_argument("--out", default=None, help="results directory (default: the repository's results/; give an "
+                                               "absolute path under `ray job submit`)")
+    p.add_argument("--resume", action="store_true", help=f"skip trials already in <out>/{sweep}.parquet")
+    p.add_argument("--report-only", action="store_true", help=f"only redraw the {sweep} tables and plots from the "
+                                                              "Parquet file")
+    return p
+
+
+def read_sweep(out: Path, sweep: str) -> pd.DataFrame:
+    """The rows of `<out>/<sweep>.parquet` (for --report-only), or a ValueError naming the missing file."""
+    path = out / f"{sweep}.parquet"
+    if not path.exists():
+        raise ValueError(f"--report-only: {path} does not exist")
+    return pd.read_parquet(path)
 
 
 def _default_reduce(config: Mapping[str, Any], per_rank: list) -> dict:

@@ -52,7 +52,8 @@ sys.path.insert(0, str(ROOT))
 import pandas as pd  # noqa: E402
 
 from parallel.collectives import OPS, aggregate, benchmark_collective  # noqa: E402
-from raysys.cluster import cluster_nodes, init_ray, resolve_out_dir, run_sweep  # noqa: E402
+from raysys.cluster import (cluster_nodes, init_ray, read_sweep, resolve_out_dir, run_sweep,  # noqa: E402
+                            sweep_parser)
 from raysys.gang import resolve_device  # noqa: E402
 from raysys.rank import check_rank_env  # noqa: E402
 from raysys.results import ResultWriter  # noqa: E402
@@ -320,12 +321,8 @@ def write_report(df: pd.DataFrame, out: Path) -> tuple[Path, Path | None]:
 
 # ---------------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                   help="cuda: NCCL, one GPU per rank; cpu: gloo; auto: cuda if the Ray cluster has GPUs")
-    p.add_argument("--out", default=None, help="results directory (default: the repository's results/; give an "
-                                               "absolute path under `ray job submit`)")
-    p.add_argument("--resume", action="store_true", help="skip trials already in <out>/allreduce.parquet")
+    p = sweep_parser(__doc__, SWEEP,
+                     device_help="cuda: NCCL, one GPU per rank; cpu: gloo; auto: cuda if the Ray cluster has GPUs")
     p.add_argument("--world-sizes", default=None, help="comma list (default: 2,4,6 on cuda, 2,4 on cpu)")
     p.add_argument("--sizes", default=None,
                    help="comma list of message sizes, e.g. 1MiB,1GiB or 1MB,1GB\n"
@@ -344,7 +341,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, a local `ray start` "
                                                    "cluster, else an embedded Ray)")
     p.add_argument("--dashboard", action="store_true", help="start the Ray dashboard with the embedded Ray")
-    p.add_argument("--report-only", action="store_true", help="only redraw allreduce.md/png from the Parquet file")
     return p
 
 
@@ -352,10 +348,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     args = build_parser().parse_args(argv)
     out = resolve_out_dir(args.out)
     if args.report_only:
-        path = out / f"{SWEEP}.parquet"
-        if not path.exists():
-            raise ValueError(f"--report-only: {path} does not exist")
-        df = pd.read_parquet(path)
+        df = read_sweep(out, SWEEP)
     else:
         ops = parse_list(args.ops, "ops", OPS)
         launchers = parse_list(args.launchers, "launchers", ("ray", "mp"))

@@ -419,12 +419,10 @@ def write_report(df: pd.DataFrame, out: Path) -> tuple[Path, Path | None]:
 
 # ---------------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                   help="cuda: NCCL, one GPU per rank; cpu: gloo; auto: cuda if the cluster has GPUs")
-    p.add_argument("--out", default=None, help="results directory (default: the repository's results/; give an "
-                                               "absolute path under `ray job submit`)")
-    p.add_argument("--resume", action="store_true", help="skip trials already in the Parquet files")
+    from raysys.cluster import sweep_parser
+
+    p = sweep_parser(__doc__, SWEEP,
+                     device_help="cuda: NCCL, one GPU per rank; cpu: gloo; auto: cuda if the cluster has GPUs")
     p.add_argument("--studies", default=",".join(STUDIES), help="comma list of ddp, sharded (default: both)")
     p.add_argument("--size", default=None, help="model size (default: xl on cuda, tiny on cpu)")
     p.add_argument("--context-length", type=int, default=None, help="sequence length (default: 512 on cuda, 64 on cpu)")
@@ -448,7 +446,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--launcher", choices=("ray", "mp"), default="ray", help="ray gang (default) or plain processes")
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, a local cluster, else embedded)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per-trial and process-group timeout (s)")
-    p.add_argument("--report-only", action="store_true", help="only redraw the tables and plots from the Parquet files")
     return p
 
 

@@ -369,12 +369,10 @@ def write_report(df: pd.DataFrame, out: Path) -> Path:
 
 # ---------------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                   help="cuda: NCCL, one GPU per rank; cpu: gloo; auto: cuda if the cluster has GPUs")
-    p.add_argument("--out", default=None, help="results directory (default: the repository's results/; give an "
-                                               "absolute path under `ray job submit`)")
-    p.add_argument("--resume", action="store_true", help="skip trials already in <out>/fsdp.parquet")
+    from raysys.cluster import sweep_parser
+
+    p = sweep_parser(__doc__, SWEEP,
+                     device_help="cuda: NCCL, one GPU per rank; cpu: gloo; auto: cuda if the cluster has GPUs")
     p.add_argument("--size", default=None, help="model size (default: xl on cuda, tiny on cpu)")
     p.add_argument("--context-length", type=int, default=None, help="sequence length (default: 512 on cuda, 64 on cpu)")
     p.add_argument("--batch-per-rank", type=int, default=None, help="sequences per rank per step (default: 4 on "
@@ -389,7 +387,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--launcher", choices=("ray", "mp"), default="ray", help="ray gang (default) or plain processes")
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, a local cluster, else embedded)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per-trial and process-group timeout (s)")
-    p.add_argument("--report-only", action="store_true", help="only redraw fsdp.md from the Parquet file")
     return p
 
 
@@ -406,15 +403,12 @@ def resolve_device(args) -> str:
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
-    from raysys.cluster import resolve_out_dir, run_sweep
+    from raysys.cluster import read_sweep, resolve_out_dir, run_sweep
 
     args = build_parser().parse_args(argv)
     out = resolve_out_dir(args.out)
     if args.report_only:
-        path = out / f"{SWEEP}.parquet"
-        if not path.exists():
-            raise ValueError(f"--report-only: {path} does not exist")
-        df = pd.read_parquet(path)
+        df = read_sweep(out, SWEEP)
     else:
         if args.world_size < 2:
             raise ValueError(f"--world-size ({args.world_size}) must be >= 2 for sharding")
