@@ -145,3 +145,13 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def run_script(main_fn, argv: list[str] | None = None) -> int:
+    """Entry point of a `sweeps/` script: bad input (ValueError) is one line on stderr and exit code 2."""
+    try:
+        result = main_fn(argv)
+    except ValueError as exc:
+        print(f"{Path(sys.argv[0]).name}: error: {exc}", file=sys.stderr)
+        return 2
+    return result if isinstance(result, int) else 0

@@ -117,8 +117,12 @@ def resolve_device(device: str) -> str:
     """`auto` -> `cuda` when the cluster (not necessarily this driver) has GPUs, else `cpu`."""
     if device not in DEVICES:
         raise ValueError(f"device {device!r} must be one of {DEVICES}")
+    gpus = ray.cluster_resources().get("GPU", 0)
     if device == "auto":
-        return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+        return "cuda" if gpus > 0 else "cpu"
+    if device == "cuda" and gpus == 0:
+        raise ValueError("device 'cuda' requested but the Ray cluster has no GPUs "
+                         f"({len(ray.nodes())} node(s), resources {dict(ray.cluster_resources())})")
     return device
 
 

@@ -501,4 +501,6 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
 
 
 if __name__ == "__main__":
-    main()
+    from raysys.cli import run_script
+
+    sys.exit(run_script(main))

@@ -286,6 +286,9 @@ def with_ratios(df: pd.DataFrame) -> pd.DataFrame:
     col = step_column(df)
     ok = df[df["status"] == "ok"]
     for ref, name, agg in (("single", "vs_single", "mean"), ("torch", "vs_torch", "first")):
+        if col not in ok:  # no trial finished (all skipped, OOM, ...): nothing to compare
+            df[name] = math.nan
+            continue
         base = ok[ok["variant"] == ref].groupby("dtype")[col].agg(agg)
         df[name] = df[col] / df["dtype"].map(base)
     return df
@@ -521,4 +524,6 @@ def main(argv: list[str] | None = None) -> dict[str, pd.DataFrame]:
 
 
 if __name__ == "__main__":
-    main()
+    from raysys.cli import run_script
+
+    sys.exit(run_script(main))

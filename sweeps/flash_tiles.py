@@ -300,7 +300,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
 
 
 if __name__ == "__main__":
+    from raysys.cli import run_script
+
     try:
-        main()
+        sys.exit(run_script(main))
     except KeyboardInterrupt:  # Ctrl-C (or SIGTERM during a Ray Tune run): finished trials are on disk
         sys.exit(130)

@@ -240,4 +240,6 @@ def main(argv: list[str] | None = None):
 
 
 if __name__ == "__main__":
-    main()
+    from raysys.cli import run_script
+
+    sys.exit(run_script(main))

@@ -144,3 +144,12 @@ def test_report_cli(tmp_path, capsys):
     text = (tmp_path / "out.md").read_text()
     assert "## demo" in text and "time_s" in text and "0.2" in text
     assert cli.main(["report", str(tmp_path / "missing")]) == 2
+
+
+def test_run_script_turns_bad_input_into_exit_code_2(capsys):
+    def main(argv):
+        raise ValueError("batch (-3) must be a positive integer")
+
+    assert cli.run_script(main) == 2
+    assert "error: batch (-3) must be a positive integer" in capsys.readouterr().err
+    assert cli.run_script(lambda argv: None) == 0

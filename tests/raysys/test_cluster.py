@@ -96,8 +96,9 @@ def test_rank_specs_gpu_visibility(visibility):
 def test_more_gpus_than_exist_fails_fast(ray_cluster):
     before = _live_placement_groups()
     t0 = time.monotonic()
-    with pytest.raises(PlacementInfeasible, match=r"asked for 2 ranks with 1 GPU each in one node \(STRICT_PACK\); "
-                                                  r"the cluster has 2 node\(s\) with 0, 0 GPUs"):
+    # A cluster with no GPU at all is refused when the device is resolved; one with too few GPUs by the
+    # placement check (its message is tested above on fake nodes).
+    with pytest.raises(ValueError, match=r"device 'cuda' requested but the Ray cluster has no GPUs \(2 node\(s\)"):
         with Gang(2, device="cuda", name="too-big"):
             pass
     assert time.monotonic() - t0 < 10
@@ -122,6 +123,16 @@ def _rank_report(ctx, numel: int) -> dict:
             "backend": ctx.backend, "device": str(ctx.device), "threads": torch.get_num_threads(), "env": env,
             "node_id": ray.get_runtime_context().get_node_id(), "all_reduce": reduced, "all_gather": gathered,
             "reduce_scatter": scattered}
+
+
+def test_cuda_on_a_cluster_without_gpus_is_a_value_error(ray_cluster):
+    from raysys.gang import resolve_device
+
+    if ray.cluster_resources().get("GPU", 0):
+        pytest.skip("this cluster has GPUs")
+    with pytest.raises(ValueError, match="device 'cuda' requested but the Ray cluster has no GPUs"):
+        resolve_device("cuda")
+    assert resolve_device("auto") == "cpu"
 
 
 @pytest.mark.slow
