@@ -205,3 +205,19 @@ def saved_bytes_per_block(model: nn.Module, forward_loss) -> tuple[pd.DataFrame,
     detail = detail[detail.module.str.startswith("layers.0.") | (detail.module == "layers.0")]
     del loss  # only now: the counts above need the graph alive
     return pd.DataFrame(rows), detail.reset_index(drop=True)
+
+
+def unique_storage_bytes(tensors, seen: set[int]) -> int:
+    """Bytes of the storages behind `tensors` not already in `seen` (updated): each storage counted once.
+
+    DTensors (FSDP2) count this rank's local shard; empty (freed) storages count nothing.
+    """
+    total = 0
+    for t in tensors:
+        if hasattr(t, "to_local"):
+            t = t.to_local()
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total

@@ -61,6 +61,7 @@ from parallel.ddp import make_ddp  # noqa: E402
 from parallel.fsdp import FSDP, CastForCompute, is_sharded_module  # noqa: E402
 from parallel.sharded_optimizer import ShardedOptimizer  # noqa: E402
 from raysys.config import SIZES, ModelConfig  # noqa: E402
+from raysys.memory import unique_storage_bytes  # noqa: E402
 from raysys.model import TransformerLM  # noqa: E402
 from raysys.profiling import device_kernels, overlap, profile_steps  # noqa: E402
 from raysys.train_step import DTYPES, TrainStep, TrialScope, release, sync, time_steps  # noqa: E402
@@ -126,22 +127,12 @@ def _fully_shard(model: TransformerLM, compute_dtype, device: torch.device, proc
 
 
 # ---------------------------------------------------------------------------------------------------- memory
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # FSDP2's DTensors: this rank's shard
-
-
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state held by this rank; each storage counted once."""
     seen: set[int] = set()
 
     def count(tensors) -> int:
-        total = 0
-        for t in tensors:
-            storage = _local(t).untyped_storage()
-            if storage.nbytes() and storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-        return total
+        return unique_storage_bytes(tensors, seen)
 
     params = list(model.parameters())
     inner = optimizer.local_optimizer if isinstance(optimizer, ShardedOptimizer) else optimizer

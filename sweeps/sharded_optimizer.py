@@ -31,6 +31,7 @@ import torch  # noqa: E402
 
 from parallel.ddp import BucketedDDP  # noqa: E402
 from parallel.sharded_optimizer import ShardedOptimizer  # noqa: E402
+from raysys.memory import unique_storage_bytes  # noqa: E402
 from raysys.model import TransformerLM  # noqa: E402
 from raysys.train_step import Marks, TrainStep, TrialScope, release, sync, time_steps  # noqa: E402
 from sweeps.ddp import adamw_kwargs, make_batch, model_config  # noqa: E402
@@ -57,13 +58,7 @@ def memory_breakdown(model: BucketedDDP, optimizer: torch.optim.Optimizer, devic
     seen: set[int] = set()
 
     def storage_bytes(tensors) -> int:
-        total = 0
-        for t in tensors:
-            storage = t.untyped_storage()
-            if storage.data_ptr() and storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-        return total
+        return unique_storage_bytes(tensors, seen)
 
     params = list(model.parameters())
     inner = optimizer.local_optimizer if isinstance(optimizer, ShardedOptimizer) else optimizer
