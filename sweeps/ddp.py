@@ -28,7 +28,8 @@ the trial and after it released everything; after > before means the trial leake
 
 `--nccl-max-ctas N` (CUDA only, default: NCCL's choice) runs every communicating variant on a process group
 whose NCCL communicator uses at most N CTAs (SMs) per collective: fewer SMs taken from backward's kernels
-while the all-reduces overlap them, at the price of slower collectives.
+while the all-reduces overlap them, at the price of slower collectives; a variant suffix `@N`
+(`overlapped@8`) caps that variant alone, so capped and uncapped variants are compared in one run.
 
 The variants listed in `--profile` (default naive, overlapped) get two more steps under `torch.profiler`;
 from the second one's GPU kernel intervals, `overlap_fraction` = time an NCCL kernel runs while a compute
@@ -51,6 +52,7 @@ a minute.
     ray job submit --working-dir . -- python sweeps/ddp.py --out "$PWD/results"
     python sweeps/ddp.py --variants single,overlapped,bucketed:100,torch --dtypes bf16 --studies ddp
     python sweeps/ddp.py --variants single,overlapped,bucketed:100,torch --nccl-max-ctas 8 --studies ddp
+    python sweeps/ddp.py --variants single,overlapped,overlapped@8,bucketed:100@8,torch --studies ddp
     python sweeps/ddp.py --report-only --out results                 # redraw tables and plots
 """
 
@@ -90,8 +92,19 @@ RERUN = "single (rerun)"
 
 # ---------------------------------------------------------------------------------------------------- grid
 def parse_variant(spec: str) -> dict:
-    """'bucketed:100' -> {'variant': 'bucketed', 'bucket_size_mb': 100.0, 'bucket_view': True, 'label': ...}."""
-    name, _, size = spec.strip().partition(":")
+    """'bucketed:100' -> {'variant': 'bucketed', 'bucket_size_mb': 100.0, 'bucket_view': True, 'label': ...}.
+    A suffix `@N` (`overlapped@8`, `torch:25@8`) caps that variant's NCCL communicator at N CTAs
+    (`nccl_max_ctas`; CUDA only), so capped and uncapped variants share one run's baselines."""
+    spec, at, ctas_text = spec.strip().partition("@")
+    if at:
+        if not ctas_text.isdigit() or int(ctas_text) < 1:
+            raise ValueError(f"variant {spec}@{ctas_text}: the CTA cap after '@' must be an int >= 1")
+        parsed = parse_variant(spec)
+        if parsed["variant"] == "single":
+            raise ValueError(f"variant {spec}@{ctas_text}: single does not communicate; a CTA cap means nothing")
+        ctas = int(ctas_text)
+        return {**parsed, "nccl_max_ctas": ctas, "label": f"{parsed['label']} @{ctas} CTAs"}
+    name, _, size = spec.partition(":")
     kinds = ("single", "naive", "flat", "overlapped", "bucketed", "bucketed_copy", "torch")
     if name not in kinds:
         raise ValueError(f"variant {spec!r}: {name!r} is not one of {kinds}")
@@ -143,10 +156,10 @@ def ddp_trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: l
     profiled = {parse_variant(v)["label"] for v in profile}
     if rerun_single and "single" in labels and len(labels) > 1:
         parsed.append({**parse_variant("single"), "label": RERUN})
-    common = {"warmup": warmup, "steps": steps, "max_steps": max_steps, "nccl_max_ctas": nccl_max_ctas,
-              "seed": seed}
+    common = {"warmup": warmup, "steps": steps, "max_steps": max_steps, "seed": seed}
     return [{"size": size, "context_length": context_length, "batch_per_rank": batch_per_rank, "dtype": dtype,
-             **v, "profile": v["label"] in profiled, **common} for dtype in dtypes for v in parsed]
+             "nccl_max_ctas": nccl_max_ctas, **v, "profile": v["label"] in profiled, **common}
+            for dtype in dtypes for v in parsed]
 
 
 def model_config(size: str, context_length: int) -> ModelConfig:
@@ -492,9 +505,10 @@ def main(argv: list[str] | None = None) -> dict[str, pd.DataFrame]:
         variants = parse_list(args.variants, "variants")
         profile = [v for v in args.profile.split(",") if v.strip()]
         device, grid = resolve(args)
-        if args.nccl_max_ctas is not None and device != "cuda":
-            raise ValueError(f"--nccl-max-ctas ({args.nccl_max_ctas}) applies to NCCL, i.e. --device cuda; this run "
-                             f"uses {device} (gloo)")
+        capped = [v for v in variants if "@" in v]
+        if (args.nccl_max_ctas is not None or capped) and device != "cuda":
+            what = f"--nccl-max-ctas ({args.nccl_max_ctas})" if args.nccl_max_ctas is not None else f"variants {capped}"
+            raise ValueError(f"{what}: a CTA cap applies to NCCL, i.e. --device cuda; this run uses {device} (gloo)")
         common = dict(world_size=args.world_size, out_dir=out, device=device, resume=args.resume,
                       launcher=args.launcher, timeout_s=args.timeout_s, show=False)
         max_steps = args.max_steps if args.max_steps is not None else math.ceil(2.5 * args.steps)

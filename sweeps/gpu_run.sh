@@ -3,14 +3,16 @@
 # timeout, `--resume` (an interrupted study keeps its finished trials; the next run continues it) and the
 # results packed into $OUT/results.tgz. Run from the repository root, e.g. on a lent GPU host:
 #
-#   bash sweeps/gpu_run.sh dist      # 2 GPUs: collectives, DDP + sharded optimizer, FSDP        (~9 min)
-#   bash sweeps/gpu_run.sh single    # checkpointing (Tune, one GPU per trial), flash tiles + grid  (~9 min)
-#   bash sweeps/gpu_run.sh tests     # the gpu-marked tests                                        (~2 min)
-#   bash sweeps/gpu_run.sh e2e       # the end-to-end model study (handout 2)                      (~7 min)
+#   bash sweeps/gpu_run.sh dist      # 2 GPUs: NCCL-setting scan + collectives grid, DDP + sharded optimizer (~8 min)
+#   bash sweeps/gpu_run.sh fsdp      # 2 GPUs: FSDP study, the gpu-marked tests; then checkpointing (Tune, GPU 0)
+#                                    #   next to the FlashAttention grid (GPU 1)                          (~9.5 min)
+#   bash sweeps/gpu_run.sh flash     # Ray Tune tile sweep (one GPU per trial), then what is left of the
+#                                    #   checkpointing study and the FlashAttention grid                  (~7 min)
+#   bash sweeps/gpu_run.sh e2e       # the end-to-end model study (handout 2)                             (~7 min)
 #
 # Ray comes from wheels when the host has none: set WHEELS=.whl (see README, "GPU hosts without Ray").
 set -u
-phase=${1:?usage: gpu_run.sh dist|single|tests|e2e}
+phase=${1:?usage: gpu_run.sh dist|fsdp|flash|tests|e2e}
 OUT=${OUT:-/tmp/raysys-gpu}
 RESULTS=${RESULTS:-results}
 mkdir -p "$OUT" "$RESULTS"
@@ -33,19 +35,51 @@ study() {  # study NAME SECONDS command...: run with a timeout, keep its log, ne
   grep -v -E "USDT|^\s*$|logging.cc" "$OUT/$name.log" | tail -n 12 | cut -c1-220
 }
 
+# NCCL settings the collectives scan compares (mp launch, all-reduce, 2 ranks); the best at 1 GiB then runs the
+# whole grid next to NCCL's defaults, Ray and multiprocessing launches alike.
+NCCL_SCAN=(default NCCL_MIN_NCHANNELS=32,NCCL_MAX_NCHANNELS=32 NCCL_MIN_NCHANNELS=24,NCCL_MAX_NCHANNELS=24
+           NCCL_BUFFSIZE=16777216 NCCL_MIN_NCHANNELS=32,NCCL_MAX_NCHANNELS=32,NCCL_BUFFSIZE=16777216
+           NCCL_PROTO=LL128 NCCL_NTHREADS=512)
+DDP_VARIANTS=single,naive,flat,overlapped,bucketed:1,bucketed:10,bucketed:100,bucketed:1000,torch,overlapped@8,bucketed:100@8
+
 case $phase in
   dist)
-    study allreduce 140 python3 sweeps/allreduce.py --device cuda --out "$RESULTS" --resume
-    study ddp 260 python3 sweeps/ddp.py --device cuda --out "$RESULTS" --resume --max-steps 20 \
-      --variants single,naive,flat,overlapped,bucketed:1,bucketed:10,bucketed:100,bucketed:1000,torch
-    study fsdp 150 python3 sweeps/fsdp.py --device cuda --out "$RESULTS" --resume
+    scan=()
+    for env in "${NCCL_SCAN[@]}"; do scan+=(--nccl-env "$env"); done
+    study allreduce_scan 120 python3 sweeps/allreduce.py --device cuda --out "$RESULTS" --resume --world-sizes 2 \
+      --launchers mp --ops all_reduce --sizes 256MiB,1GiB "${scan[@]}"
+    best=$(python3 - "$RESULTS" <<'PY'
+import sys, pandas as pd
+d = pd.read_parquet(f"{sys.argv[1]}/allreduce.parquet")
+d = d[(d.status == "ok") & (d.op == "all_reduce") & (d.size_bytes == 2**30) & (d.launcher == "mp")]
+print((d.loc[d.busbw_GBps.idxmax(), "nccl_env"] or "default") if len(d) else "default")
+PY
+)
+    echo "   best NCCL setting at 1 GiB: $best"
+    grid=(--nccl-env default)
+    [ "$best" != default ] && grid+=(--nccl-env "$best")
+    study allreduce 150 python3 sweeps/allreduce.py --device cuda --out "$RESULTS" --resume "${grid[@]}"
+    study ddp 330 python3 sweeps/ddp.py --device cuda --out "$RESULTS" --resume --warmup 2 --steps 8 \
+      --max-steps 12 --variants "$DDP_VARIANTS" --profile naive,overlapped
     ;;
-  single)
-    study checkpointing 330 python3 sweeps/checkpointing.py --device cuda --out "$RESULTS" --resume
-    study flash_tiles 100 python3 sweeps/flash_tiles.py --out "$RESULTS" --resume --time-budget-s 80 \
-      --shapes 4096/64/bf16/causal
-    study flash_grid 90 python3 sweeps/flash_bench.py --study grid --device cuda --out "$RESULTS" --resume \
-      --max-seconds 70
+  fsdp)
+    study fsdp 150 python3 sweeps/fsdp.py --device cuda --out "$RESULTS" --resume
+    study gpu_tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests
+    # One GPU each, side by side: the checkpointing trials (Ray Tune) and the FlashAttention grid (no Ray).
+    CUDA_VISIBLE_DEVICES=0 study checkpointing 270 python3 sweeps/checkpointing.py --device cuda --out "$RESULTS" \
+      --resume &
+    CUDA_VISIBLE_DEVICES=1 study flash_grid 250 python3 sweeps/flash_bench.py --study grid --device cuda \
+      --out "$RESULTS" --resume --max-seconds 230 &
+    wait
+    ;;
+  flash)
+    study flash_tiles 150 python3 sweeps/flash_tiles.py --out "$RESULTS" --resume --time-budget-s 120 \
+      --shapes 4096/128/bf16/causal,16384/64/bf16/causal,4096/128/bf16/full,4096/64/fp32/causal
+    CUDA_VISIBLE_DEVICES=0 study checkpointing_rest 240 python3 sweeps/checkpointing.py --device cuda \
+      --out "$RESULTS" --resume &
+    CUDA_VISIBLE_DEVICES=1 study flash_grid_rest 240 python3 sweeps/flash_bench.py --study grid --device cuda \
+      --out "$RESULTS" --resume --max-seconds 220 &
+    wait
     ;;
   tests)
     study gpu_tests 170 python3 -m pytest -m gpu -q -p no:cacheprovider tests
@@ -54,7 +88,7 @@ case $phase in
     study end_to_end 420 python3 sweeps/end_to_end.py --device cuda --out "$RESULTS" --resume
     ;;
   *)
-    echo "unknown phase $phase (dist, single, tests, e2e)" >&2
+    echo "unknown phase $phase (dist, fsdp, flash, tests, e2e)" >&2
     exit 2
     ;;
 esac

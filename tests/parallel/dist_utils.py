@@ -1,4 +1,4 @@
-"""Run a function on N gloo ranks in fresh processes: the test harness for everything in `parallel/`.
+"""Run a function on N gloo (or NCCL, one GPU each) ranks in fresh processes: the test harness for everything in `parallel/`.
 
     from tests.parallel.dist_utils import run_ranks
 
@@ -43,11 +43,17 @@ class RankError(RuntimeError):
 
 
 def _worker(rank: int, world_size: int, store_path: str, fn: Callable[..., Any], args: tuple,
-            results: "mp.Queue", num_threads: int) -> None:
+            results: "mp.Queue", num_threads: int, backend: str) -> None:
     torch.set_num_threads(num_threads)
     try:
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        if backend == "nccl":  # one GPU per rank; deterministic cuBLAS needs its workspace set before CUDA starts
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.cuda.set_device(rank)
+            dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size,
+                                    device_id=torch.device("cuda", rank))
+        else:
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         try:
             out = fn(rank, world_size, *args)
         finally:
@@ -60,20 +66,28 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable[..., Any],
     results.put((rank, True, payload))
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
+              backend: str = "gloo") -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the results ordered by rank.
+
+    `backend="nccl"`: rank r runs on GPU r (its current device) in an NCCL group.
 
     `fn` must be a module-level function. Raises `RankError` if any rank raises, exits without a result,
     or if the ranks have not all finished after `timeout_s` seconds.
     """
     if world_size < 1:
         raise ValueError(f"world_size ({world_size}) must be >= 1")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend {backend!r} must be gloo or nccl")
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"backend nccl with {world_size} ranks needs {world_size} GPUs; "
+                         f"{torch.cuda.device_count()} visible")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     num_threads = max(1, (os.cpu_count() or 1) // world_size)
     with tempfile.TemporaryDirectory(prefix="dist_utils_") as tmp:
         store_path = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(rank, world_size, store_path, fn, args, results, num_threads),
+        procs = [ctx.Process(target=_worker, args=(rank, world_size, store_path, fn, args, results, num_threads, backend),
                              name=f"rank{rank}", daemon=True) for rank in range(world_size)]
         for p in procs:
             p.start()

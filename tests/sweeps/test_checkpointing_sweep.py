@@ -7,6 +7,8 @@ import pandas as pd
 import pytest
 import torch
 
+from raysys.results import trial_id
+
 from sweeps import checkpointing as sweep
 
 TINY = dict(study="segments", size="tiny", num_layers=4, context_length=32, batch_size=2, warmup=1, steps=2,
@@ -43,11 +45,15 @@ def test_grid_and_neighbours_of_best():
     cpu = torch.device("cpu")
     seg = sweep.grid("segments", cpu, True, "fp32", 2, 5)
     assert [t["policy"] for t in seg] == ["none", "selective", "nested", "sqrt", "full:1", "full:2", "full:4",
-                                          "full:8"]
+                                          "full:8", "selective"]
+    assert [t.get("attention", "naive") for t in seg] == ["naive"] * 8 + ["sdpa"]  # the fused core: sdpa on CPU
     assert {t["size"] for t in seg} == {"tiny"} and all(sweep.Trial(**t) for t in seg)
-    assert len(sweep.grid("context", cpu, True, "fp32", 2, 5)) == 9
+    assert len({trial_id(t) for t in seg}) == len(seg)
+    assert len(sweep.grid("context", cpu, True, "fp32", 2, 5)) == 12
     gpu = sweep.grid("segments", torch.device("cuda"), False, "fp32", 2, 5)
-    assert gpu[0]["size"] == "xl" and gpu[-1]["policy"] == "full:32"
+    assert gpu[0]["size"] == "xl" and gpu[-2]["policy"] == "full:32" and gpu[-1]["attention"] == "flash_triton"
+    # the neighbours of the best k: only the asked-for policies, no second fused trial
+    assert [t["policy"] for t in sweep.grid("segments", cpu, True, "fp32", 2, 5, policies=["full:3"])] == ["full:3"]
     df = pd.DataFrame({"study": "segments", "status": ["ok", "ok", "ok", "oom"], "segment_k": [1, 2, 8, 32],
                        "peak_bytes": [5.0, 4.0, 6.0, float("nan")]})
     assert sweep.neighbours_of_best(df, 32) == [3]
@@ -60,10 +66,15 @@ def test_summarize_answers_the_questions():
                  activation_peak_bytes=(pk - 10) * gib, predicted_peak_bytes=pk * gib * 1.05,
                  predicted_rel_error=0.05)
             for p, t, pk in (("none", 1.0, 60), ("selective", 1.04, 20), ("full", 1.3, 12))]
+    rows.append({**rows[1], "attention": "flash_triton", "step_mean_s": 0.8, "peak_bytes": 12 * gib,
+                 "activation_peak_bytes": 2 * gib})
     text = sweep.summarize(pd.DataFrame(rows))
-    assert "selective keeps 5.00x less activation memory than none at +4.0% step time" in text
-    assert "target >= 4x at <= 5%: met" in text
-    assert "within 10% of measured on 3 of 3" in text
+    assert ("selective (attention core recomputed by torch's selective checkpointing) keeps 5.00x less activation "
+            "memory than none (naive attention) at +4.0% step time (target >= 4x at <= 5%: met)") in text
+    assert ("selective (attention core recomputed inside the fused `flash_triton` backward (keeps O and L)) keeps "
+            "25.00x less activation memory than none (naive attention) at -20.0% step time") in text
+    assert "| selective (flash_triton) |" in text
+    assert "within 10% of measured on 4 of 4" in text
 
 
 def test_script_writes_parquet_and_report(tmp_path):

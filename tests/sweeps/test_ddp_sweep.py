@@ -42,8 +42,12 @@ def test_parse_variant():
     assert ddp_sweep.parse_variant("bucketed_copy:1")["bucket_view"] is False
     assert ddp_sweep.parse_variant("torch")["bucket_size_mb"] == 25.0
     assert ddp_sweep.parse_variant("naive")["bucket_size_mb"] is None
+    capped = ddp_sweep.parse_variant("bucketed:100@8")
+    assert capped == {"variant": "bucketed", "bucket_size_mb": 100.0, "bucket_view": True, "nccl_max_ctas": 8,
+                      "label": "bucketed 100MB @8 CTAs"}
     for bad, match in (("ring", "not one of"), ("naive:10", "only bucketed"), ("bucketed:x", "not a number"),
-                       ("bucketed:0", "positive")):
+                       ("bucketed:0", "positive"), ("overlapped@0", "int >= 1"), ("overlapped@x", "int >= 1"),
+                       ("single@8", "does not communicate")):
         with pytest.raises(ValueError, match=match):
             ddp_sweep.parse_variant(bad)
 
@@ -58,6 +62,12 @@ def test_trials_grid_and_validation():
         ("bf16", "single (rerun)", False)]
     assert trials[3]["variant"] == "single" and all(t["max_steps"] == TINY["steps"] for t in trials)
     assert len({trial_id(t) for t in trials}) == len(trials)       # the rerun is its own trial
+    # A capped variant is its own trial next to the uncapped one; the global cap applies to the others.
+    capped = ddp_sweep.ddp_trials(dtypes=["fp32"], variants=["single", "overlapped", "overlapped@8"], profile=[],
+                                  rerun_single=False, nccl_max_ctas=16, **TINY)
+    assert [(t["label"], t["nccl_max_ctas"]) for t in capped] == [
+        ("single", 16), ("overlapped", 16), ("overlapped @8 CTAs", 8)]
+    assert len({trial_id(t) for t in capped}) == 3
     # No rerun without other variants, or when asked not to.
     assert len(ddp_sweep.ddp_trials(dtypes=["fp32"], variants=["single"], profile=[], **TINY)) == 1
     assert len(ddp_sweep.ddp_trials(dtypes=["fp32"], variants=["single", "flat"], profile=[], rerun_single=False,
