@@ -278,15 +278,23 @@ def run_local(trials: list[dict], writer: ResultWriter) -> None:
 
 
 def run_tune(trials: list[dict], writer: ResultWriter, gpus: float) -> None:
-    """Ray Tune, one trial per GPU: `raysys.cluster.tune_run` turns each trial into a row."""
+    """Ray Tune, one trial per GPU: `raysys.cluster.tune_run` turns each trial into a row. Trials of another
+    attention backend (or with other fields) form their own Tune grid, run after the first."""
     from ray import tune
 
     from raysys.cluster import tune_run
 
+    groups: dict[tuple, list[dict]] = {}
+    for t in trials:
+        groups.setdefault((tuple(sorted(t)), t.get("attention")), []).append(t)
+    if len(groups) > 1:
+        for group in groups.values():
+            run_tune(group, writer, gpus)
+        return
     keys = sorted({k for t in trials for k in t})
     varying = [k for k in keys if len({repr(t.get(k)) for t in trials}) > 1]
-    axes = [len({repr(t[k]) for t in trials}) for k in varying] if all(set(t) == set(keys) for t in trials) else []
-    if len(varying) > 2 or not axes or math.prod(axes) != len(trials):
+    axes = [len({repr(t[k]) for t in trials}) for k in varying]
+    if len(varying) > 2 or math.prod(axes) != len(trials):
         raise ValueError(f"trials must form a full grid of at most two axes; they vary in {varying}")
     space = {k: trials[0][k] for k in keys if k not in varying}
     space.update({k: tune.grid_search(list(dict.fromkeys(t[k] for t in trials))) for k in varying})
