@@ -81,6 +81,14 @@ PY
       --out "$RESULTS" --resume --max-seconds 220 &
     wait
     ;;
+  rest)  # what a run of `fsdp` and `flash` left: FSDP's last trials, the tests (8 workers), checkpointing and
+         # the tile sweep on both GPUs (Tune: one trial per GPU)
+    study fsdp 80 python3 sweeps/fsdp.py --device cuda --out "$RESULTS" --resume
+    study gpu_tests 140 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 tests
+    study checkpointing 210 python3 sweeps/checkpointing.py --device cuda --out "$RESULTS" --resume
+    study flash_tiles 100 python3 sweeps/flash_tiles.py --out "$RESULTS" --resume --time-budget-s 75 \
+      --shapes 4096/128/bf16/causal,16384/64/bf16/causal,4096/128/bf16/full,4096/64/fp32/causal
+    ;;
   tests)
     study gpu_tests 170 python3 -m pytest -m gpu -q -p no:cacheprovider tests
     ;;
