@@ -209,8 +209,17 @@ def run_tune(spaces: dict[str, dict], writer: ResultWriter, budget: Budget, resu
         budget.charge(len(df))
 
 
-def best_configs(df: pd.DataFrame) -> dict[str, list[dict]]:
-    """Per kernel: the geometric-mean winner of each (head dim, dtype), then each shape's winner."""
+MIN_CONFIGS = 8
+"""A (kernel, head dim, dtype) gets a tuned entry only once this many launch configs were measured on a shape."""
+
+
+def best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict[str, list[dict]]:
+    """Per kernel: the geometric-mean winner of each (head dim, dtype), then each shape's winner.
+
+    Only comparable numbers are compared: the geometric mean runs over the configs measured on every swept
+    shape of that (kernel, head dim, dtype), where a shape counts as swept once it has `min_configs` measured
+    configs and at least half as many as the most swept one (a shape a cut-short run reached with two configs
+    would otherwise narrow the contest to those two); shapes with fewer get no per-shape entry either."""
     ok = df[df["status"] == "ok"].copy()
     if ok.empty:
         return {kernel: [] for kernel in KERNELS}
@@ -223,15 +232,20 @@ def best_configs(df: pd.DataFrame) -> dict[str, list[dict]]:
         entries = []
         sel = ok[ok["kernel"] == kernel]
         for (head_dim, dtype), group in sel.groupby(["head_dim", "dtype"]):
-            n_shapes = group["shape"].nunique()
-            full = group.groupby(keys).filter(lambda g, n=n_shapes: g["shape"].nunique() == n)  # ran on every shape
+            per_shape = {shape: part.groupby(keys).ngroups for shape, part in group.groupby("shape")}
+            floor = max(min_configs, max(per_shape.values()) / 2)
+            swept = sorted(shape for shape, n in per_shape.items() if n >= floor)
+            full = group[group["shape"].isin(swept)].groupby(keys).filter(
+                lambda g, n=len(swept): g["shape"].nunique() == n)  # ran on every swept shape
             if full.empty:
                 continue
             best = full.groupby(keys)["log_ms"].mean().idxmin()
             entries.append({**dict(zip(keys, map(int, best))), "head_dim": int(head_dim), "dtype": dtype,
-                            "shapes": sorted(group["shape"].unique()), "geomean_ms": round(math.exp(
+                            "shapes": swept, "geomean_ms": round(math.exp(
                                 full.groupby(keys)["log_ms"].mean().min()), 4)})
         for shape, group in sel.groupby("shape"):
+            if group.groupby(keys).ngroups < min_configs:
+                continue
             row = group.loc[group["median_ms"].idxmin()]
             entries.append({**{k: int(row[k]) for k in keys}, "head_dim": int(row["head_dim"]), "dtype": row["dtype"],
                             "shape": shape, "median_ms": round(float(row["median_ms"]), 4),

@@ -85,7 +85,7 @@ def test_best_configs_round_trip_into_the_kernels_loader(tmp_path):
             _tile_row("fwd", "128x128", 8, 3, a, 1.9), _tile_row("fwd", "128x128", 8, 3, b, 0.9),  # worse geomean
             _tile_row("fwd", "64x64", 4, 2, a, 1.5),  # fastest on a, but never ran on b
             _tile_row("fwd", "64x32", 4, 2, b, 0.1, status="error")]
-    best = flash_tiles.best_configs(pd.DataFrame(rows))
+    best = flash_tiles.best_configs(pd.DataFrame(rows), min_configs=1)
     first = best["fwd"][0]
     assert (first["block_m"], first["block_n"], first["num_warps"], first["num_stages"]) == (128, 64, 8, 3)
     assert first["head_dim"] == 128 and first["dtype"] == "bfloat16"
@@ -95,6 +95,20 @@ def test_best_configs_round_trip_into_the_kernels_loader(tmp_path):
     path = tmp_path / "tuned.json"
     flash_tiles.write_json({"note": "test", **best}, path)
     assert load_tuned_configs(path)["fwd"] == json.loads(path.read_text())["fwd"]
+
+
+def test_best_configs_ignore_a_partly_swept_shape():
+    """A shape a cut-short run reached with two configs must not decide the winner (its times are smaller)."""
+    a, b = "16384/128/bfloat16/causal", "4096/128/bfloat16/causal"
+    tiles = ["128x128", "128x64", "128x32", "64x64", "64x32"]
+    rows = [_tile_row("fwd", tile, warps, 3, a, 2.0 + 0.1 * i + 0.01 * warps)
+            for i, tile in enumerate(tiles) for warps in (4, 8)]                 # 10 configs on a; 128x128/4 best
+    rows += [_tile_row("fwd", "64x32", 8, 3, b, 0.5), _tile_row("fwd", "64x64", 4, 3, b, 0.6)]
+    best = flash_tiles.best_configs(pd.DataFrame(rows))
+    first = best["fwd"][0]
+    assert (first["block_m"], first["block_n"], first["num_warps"], first["shapes"]) == (128, 128, 4, [a])
+    assert [e["shape"] for e in best["fwd"][1:]] == [a]  # b: too few configs for a per-shape entry
+    assert flash_tiles.best_configs(pd.DataFrame(rows[:5]))["fwd"] == []  # under MIN_CONFIGS: no entry at all
 
 
 def test_summary_tables_render():
