@@ -375,7 +375,7 @@ def summarize(df: pd.DataFrame) -> str:
 
     off = ok[ok.policy.astype(str).str.startswith("offload")]
     for row in off.itertuples():
-        same = ok[(ok.study == row.study) & (ok.context_length == row.context_length) & (ok.size == row.size)]
+        same = ok[(ok.study == row.study) & (ok.context_length == row.context_length) & (ok["size"] == row.size)]
         by = {r.policy: r for r in same.itertuples()}
         if "none" in by and "full" in by and row.h2d_gbps == row.h2d_gbps:
             n = row.num_layers

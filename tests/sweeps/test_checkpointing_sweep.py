@@ -75,6 +75,13 @@ def test_summarize_answers_the_questions():
             "25.00x less activation memory than none (naive attention) at -20.0% step time") in text
     assert "| selective (flash_triton) |" in text
     assert "within 10% of measured on 4 of 4" in text
+    # offload against recomputation: 2 GiB per block moved out and back vs 0.1 s / 4 blocks recomputed
+    off = [dict(rows[0], study="offload", policy=p, num_layers=4, step_mean_s=t, h2d_gbps=h, d2h_gbps=h,
+                saved_per_block_none_bytes=gib) for p, t, h in (("none", 1.0, float("nan")),
+                                                                ("full", 1.1, float("nan")), ("offload", 1.2, 50.0))]
+    text = sweep.summarize(pd.DataFrame(rows + off))
+    assert ("per block: recompute 25.0 ms, offload 50.0 ms extra; moving 2.00 GiB per block breaks even with "
+            "recomputation at 86 GB/s") in text
 
 
 def test_script_writes_parquet_and_report(tmp_path):
