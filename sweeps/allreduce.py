@@ -243,13 +243,17 @@ def markdown(df: pd.DataFrame) -> str:
             parts.append("Bus-bandwidth ratios (1.0 = same speed):\n\n"
                          + ratios.to_markdown(index=False, floatfmt=".3f"))
         if multi:
-            by = ok.pivot_table(index=["op", "size_bytes", "size", "world_size", "launch"], columns="variant",
-                                values="busbw_GBps", observed=True)
-            by.columns = [str(c) for c in by.columns]
-            for variant in [c for c in by.columns if c != "default"] if "default" in by.columns else []:
-                by[f"{variant} / default"] = by[variant] / by["default"]
-            parts.append("Bus bandwidth by NCCL setting (GB/s; `--nccl-env`):\n\n"
-                         + by.reset_index().drop(columns="size_bytes").to_markdown(index=False, floatfmt=".4g"))
+            # Long format: one line per measured (op, size, ranks, launch, setting), next to that cell's default.
+            keys = ["op", "size_bytes", "size", "world_size", "launch"]
+            cells = ok.groupby(keys + ["variant"], observed=True)["busbw_GBps"].mean().reset_index()
+            default = cells[cells["variant"] == "default"].set_index(keys)["busbw_GBps"]
+            cells = cells[cells.groupby(keys, observed=True)["variant"].transform("nunique") > 1]
+            cells["vs default"] = cells["busbw_GBps"] / cells.set_index(keys).index.map(default)
+            cells = cells.sort_values(keys[:1] + ["size_bytes", "world_size", "launch", "busbw_GBps"],
+                                      ascending=[True, True, True, True, False])
+            parts.append("Bus bandwidth by NCCL setting (GB/s; `--nccl-env`), where more than one was measured:\n\n"
+                         + cells.drop(columns="size_bytes").rename(columns={"busbw_GBps": "busbw (GB/s)"})
+                         .to_markdown(index=False, floatfmt=".4g"))
         info = []
         if "nccl_version" in ok and (versions := sorted(v for v in ok["nccl_version"].dropna().unique() if v)):
             info.append(f"NCCL {', '.join(versions)}")
