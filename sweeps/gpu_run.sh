@@ -8,11 +8,14 @@
 #                                    #   next to the FlashAttention grid (GPU 1)                          (~9.5 min)
 #   bash sweeps/gpu_run.sh flash     # Ray Tune tile sweep (one GPU per trial), then what is left of the
 #                                    #   checkpointing study and the FlashAttention grid                  (~7 min)
+#   bash sweeps/gpu_run.sh rest      # FSDP's last trials, the gpu tests (-n 8), checkpointing, tile sweep (~9 min)
+#   bash sweeps/gpu_run.sh nccl      # more NCCL settings for the 1 GiB all-reduce                         (~2 min)
+#   bash sweeps/gpu_run.sh tests     # the gpu-marked tests                                                (~3 min)
 #   bash sweeps/gpu_run.sh e2e       # the end-to-end model study (handout 2)                             (~7 min)
 #
 # Ray comes from wheels when the host has none: set WHEELS=.whl (see README, "GPU hosts without Ray").
 set -u
-phase=${1:?usage: gpu_run.sh dist|fsdp|flash|tests|e2e}
+phase=${1:?usage: gpu_run.sh dist|fsdp|flash|rest|nccl|tests|e2e}
 OUT=${OUT:-/tmp/raysys-gpu}
 RESULTS=${RESULTS:-results}
 mkdir -p "$OUT" "$RESULTS"
@@ -64,7 +67,7 @@ PY
     ;;
   fsdp)
     study fsdp 150 python3 sweeps/fsdp.py --device cuda --out "$RESULTS" --resume
-    study gpu_tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests
+    study gpu_tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 tests
     # One GPU each, side by side: the checkpointing trials (Ray Tune) and the FlashAttention grid (no Ray).
     CUDA_VISIBLE_DEVICES=0 study checkpointing 270 python3 sweeps/checkpointing.py --device cuda --out "$RESULTS" \
       --resume &
@@ -89,6 +92,13 @@ PY
     study flash_tiles 100 python3 sweeps/flash_tiles.py --out "$RESULTS" --resume --time-budget-s 75 \
       --shapes 4096/128/bf16/causal,16384/64/bf16/causal,4096/128/bf16/full,4096/64/fp32/causal
     ;;
+  nccl)  # more NCCL settings for the 1 GiB all-reduce (the first scan's best, 32 channels, reached 342 GB/s)
+    study allreduce_scan2 150 python3 sweeps/allreduce.py --device cuda --out "$RESULTS" --resume --world-sizes 2 \
+      --launchers mp --ops all_reduce --sizes 256MiB,1GiB --nccl-env default \
+      --nccl-env NCCL_MIN_NCHANNELS=48,NCCL_MAX_NCHANNELS=48 --nccl-env NCCL_MIN_NCHANNELS=64,NCCL_MAX_NCHANNELS=64 \
+      --nccl-env NCCL_MIN_NCHANNELS=32,NCCL_MAX_NCHANNELS=32,NCCL_P2P_NVL_CHUNKSIZE=1048576 \
+      --nccl-env NCCL_MIN_NCHANNELS=32,NCCL_MAX_NCHANNELS=32,NCCL_ALGO=Ring,NCCL_PROTO=Simple
+    ;;
   tests)
     study gpu_tests 170 python3 -m pytest -m gpu -q -p no:cacheprovider tests
     ;;
@@ -96,7 +106,7 @@ PY
     study end_to_end 420 python3 sweeps/end_to_end.py --device cuda --out "$RESULTS" --resume
     ;;
   *)
-    echo "unknown phase $phase (dist, fsdp, flash, tests, e2e)" >&2
+    echo "unknown phase $phase (dist, fsdp, flash, rest, nccl, tests, e2e)" >&2
     exit 2
     ;;
 esac
