@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import math
 import statistics
@@ -326,6 +327,30 @@ def _segment_rows(df: pd.DataFrame) -> pd.DataFrame:
     return df[(df.study == "segments") & df.segment_k.notna()].sort_values("segment_k")
 
 
+def with_predictions(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows of trials that did not finish (OOM) get the model's predicted peak too: it needs no device, and an
+    OOM is the model's prediction checked from the other side (predicted peak above the device's memory)."""
+    if df.empty or "predicted_peak_bytes" not in df or not df["predicted_peak_bytes"].isna().any():
+        return df
+    df = df.copy()
+    fields = {f.name for f in dataclasses.fields(Trial)}
+    for i in df.index[df["predicted_peak_bytes"].isna()]:
+        config = {k: v.item() if hasattr(v, "item") else v for k, v in df.loc[i].items()
+                  if k in fields and v is not None and not (isinstance(v, float) and math.isnan(v))}
+        # a column with gaps is float in the frame: whole numbers go back to int (Trial has no float fields)
+        config = {k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in config.items()}
+        try:
+            t = Trial(**config)
+        except (TypeError, ValueError):
+            continue
+        mc = t.model_config()
+        w = Workload(config=mc, batch_size=t.batch_size, precision=t.dtype,
+                     device_type="cuda" if df.loc[i, "device"] == "cuda" else "cpu")
+        df.loc[i, "predicted_peak_bytes"] = predict_peak(w, parse_policy(t.policy, mc.num_layers)
+                                                          .regions(mc.num_layers)).peak_bytes
+    return df
+
+
 def policy_label(df: pd.DataFrame) -> pd.Series:
     """The policy, with the attention backend when it is not the naive one: `selective (flash_triton)`."""
     attention = df["attention"].fillna("naive") if "attention" in df else pd.Series("naive", index=df.index)
@@ -389,6 +414,11 @@ def summarize(df: pd.DataFrame) -> str:
                          f"extra; moving {moved / GiB:.2f} GiB per block breaks even with recomputation at "
                          f"{breakeven:.0f} GB/s")
 
+    oom = df[(df.status == "oom") & df.predicted_peak_bytes.notna()] if "predicted_peak_bytes" in df else df.iloc[0:0]
+    if not oom.empty:
+        lines.append("- out of memory, as predicted: " + ", ".join(
+            f"{r.study} {r.size} S={r.context_length} {label} ({r.predicted_peak_bytes / GiB:.1f} GiB predicted)"
+            for r, label in zip(oom.itertuples(), policy_label(oom))))
     if "predicted_rel_error" in ok:
         # on the CPU an offloaded tensor stays in the same (host) memory: no device peak to predict
         scored = ok[~(ok.policy.astype(str).str.startswith("offload") & (ok.device == "cpu"))]
@@ -523,7 +553,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                     print(f"   neighbours of the best k: {extra}", flush=True)
                     run(grid(study, device, args.quick, args.dtype, args.warmup, args.steps,
                              policies=[f"full:{k}" for k in extra]))
-    df = writer.frame()
+    df = with_predictions(writer.frame())
     text = summarize(df)
     (out / f"{SWEEP}.md").write_text(text)
     paths = plot(df, out) if not df.empty else []

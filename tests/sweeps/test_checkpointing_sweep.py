@@ -75,6 +75,14 @@ def test_summarize_answers_the_questions():
             "25.00x less activation memory than none (naive attention) at -20.0% step time") in text
     assert "| selective (flash_triton) |" in text
     assert "within 10% of measured on 4 of 4" in text
+    # an OOM row gets the model's prediction at report time (no device needed)
+    oom = pd.DataFrame(rows + [dict(study="segments", size="tiny", num_layers=4, context_length=32, batch_size=2,
+                                    policy="none", dtype="fp32", device="cpu", warmup=1, steps=2, status="oom",
+                                    predicted_peak_bytes=float("nan"))])
+    filled = sweep.with_predictions(oom)
+    expected = sweep.run_trial(dict(TINY, policy="none"))["predicted_peak_bytes"]
+    assert filled.predicted_peak_bytes.iloc[-1] == pytest.approx(expected)
+    assert "out of memory, as predicted: segments tiny S=32 none (" in sweep.summarize(filled)
     # offload against recomputation: 2 GiB per block moved out and back vs 0.1 s / 4 blocks recomputed
     off = [dict(rows[0], study="offload", policy=p, num_layers=4, step_mean_s=t, h2d_gbps=h, d2h_gbps=h,
                 saved_per_block_none_bytes=gib) for p, t, h in (("none", 1.0, float("nan")),
