@@ -323,6 +323,8 @@ def bandwidth_from_results(path: str | Path) -> list[dict]:
         row = largest.loc[largest["busbw_GBps"].idxmax()]
         launch = " ".join(str(row[c]) for c in ("backend", "launcher", "gpu_visibility") if c in row.index)
         device = f" on {row['device_name']}" if "device_name" in row.index else ""
+        if "nccl_env" in row.index and isinstance(row["nccl_env"], str) and row["nccl_env"]:
+            device += f" with {row['nccl_env']}"
         out.append({"world_size": int(ws), "num_bytes": int(row[size_col]), "busbw_GBps": float(row["busbw_GBps"]),
                     "source": f"{path.name}: all_reduce {int(row[size_col]):,} B, {int(ws)} ranks {launch}{device}"})
     return out
