@@ -317,7 +317,7 @@ def tune_run(trainable: Callable[[dict], Any], param_space: Mapping[str, Any], *
              out_dir: str | os.PathLike | None = "results", resources: Mapping[str, float] | None = None,
              num_samples: int = 1, max_concurrent_trials: int | None = None, max_trials: int | None = None,
              time_budget_s: float | None = None, resume: bool = False, writer: ResultWriter | None = None,
-             show: bool = True) -> pd.DataFrame:
+             show: bool = True, reuse_actors: bool = False) -> pd.DataFrame:
     """Run `trainable(config)` for every config of `param_space` with Ray Tune; one Parquet row per trial.
 
     The trainable reports its metrics with `ray.tune.report({...})` (the last report is the row), or returns
@@ -331,6 +331,10 @@ def tune_run(trainable: Callable[[dict], Any], param_space: Mapping[str, Any], *
     times, and can neither resume nor take `max_trials`. `time_budget_s` stops the run after that many
     seconds: trials still running are stopped (Tune needs a few seconds for that) and leave no row, like
     the trials that never started, so `resume=True` runs them next time.
+
+    `reuse_actors=True` runs the next trial in a finished trial's actor process (Tune's `reuse_actors`): no new
+    process, imports or CUDA context per trial, for many short trials (kernel configs); leave it off when a
+    trial's leftovers (allocator cache, peak counters) could skew the next one's measurements.
 
     SIGTERM (an outer `timeout`, `ray job stop`) and Ctrl-C raise KeyboardInterrupt: the rows written so
     far stay, Ray is shut down (which stops this driver's trials) and the interrupt propagates.
@@ -371,7 +375,7 @@ def tune_run(trainable: Callable[[dict], Any], param_space: Mapping[str, Any], *
                 tune.with_resources(run_trial, {k: float(v) for k, v in resources.items()}),
                 param_space=space,
                 tune_config=tune.TuneConfig(num_samples=num_samples, max_concurrent_trials=max_concurrent_trials,
-                                            time_budget_s=time_budget_s),
+                                            time_budget_s=time_budget_s, reuse_actors=reuse_actors),
                 run_config=tune.RunConfig(name=sweep, storage_path=storage, verbose=0,
                                           callbacks=[_row_callback(sweep, writer, rows, bar)]),
             )

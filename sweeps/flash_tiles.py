@@ -204,8 +204,9 @@ def run_tune(spaces: dict[str, dict], writer: ResultWriter, budget: Budget, resu
     for space in spaces.values():
         if budget.spent():
             return
+        # Trials are seconds long; a reused actor keeps its process, CUDA context and Triton's in-memory state.
         df = tune_run(trial, space, sweep=SWEEP, resources={"gpu": 1}, resume=resume, writer=writer, show=False,
-                      max_trials=budget.trials_left, time_budget_s=budget.seconds_left)
+                      max_trials=budget.trials_left, time_budget_s=budget.seconds_left, reuse_actors=True)
         budget.charge(len(df))
 
 

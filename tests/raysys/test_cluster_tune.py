@@ -52,6 +52,19 @@ def test_tune_run_rows_errors_and_resume(ray_cluster, tmp_path):
     assert sorted(on_disk.index) == [1, 2, 3, 4] and (on_disk["status"] == "ok").all()
 
 
+def _pid(config: dict) -> dict:
+    return {"worker_pid": os.getpid()}  # not "pid": Tune reports its own
+
+
+def test_tune_run_reuses_actors_when_asked(ray_cluster, tmp_path):
+    space = {"x": tune.grid_search([1, 2, 3, 4])}
+    reused = tune_run(_pid, space, sweep="tune_reuse", out_dir=tmp_path, max_concurrent_trials=1, reuse_actors=True,
+                      show=False)
+    fresh = tune_run(_pid, space, sweep="tune_fresh", out_dir=tmp_path, max_concurrent_trials=1, show=False)
+    assert (reused["status"] == "ok").all() and len(reused) == 4
+    assert reused["worker_pid"].nunique() == 1 and fresh["worker_pid"].nunique() == 4
+
+
 def test_tune_run_rejects_bad_input(ray_cluster, tmp_path):
     with pytest.raises(ValueError, match="may only name 'cpu' and 'gpu'"):
         tune_run(_square, {"x": 1}, sweep="bad", out_dir=tmp_path, resources={"tpu": 1})
