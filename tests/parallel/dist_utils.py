@@ -1,4 +1,4 @@
-"""Run a function on N gloo (or NCCL, one GPU each) ranks in fresh processes: the test harness for everything in `parallel/`.
+"""Run a function on N gloo (or NCCL, one GPU each) ranks in fresh processes: the test harness for `parallel/`.
 
     from tests.parallel.dist_utils import run_ranks
 
@@ -87,7 +87,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     num_threads = max(1, (os.cpu_count() or 1) // world_size)
     with tempfile.TemporaryDirectory(prefix="dist_utils_") as tmp:
         store_path = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(rank, world_size, store_path, fn, args, results, num_threads, backend),
+        procs = [ctx.Process(target=_worker,
+                             args=(rank, world_size, store_path, fn, args, results, num_threads, backend),
                              name=f"rank{rank}", daemon=True) for rank in range(world_size)]
         for p in procs:
             p.start()
