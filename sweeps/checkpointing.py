@@ -22,10 +22,11 @@ relative error, and the model's forward / recompute / backward FLOPs. An OOM is 
 Defaults: fp32 with TF32 matmuls on the GPU (memory is that of fp32; TF32 only speeds up the matmuls so the
 study fits in about six minutes on two GPUs: 29 trials of 2 + 5 steps). The segments study measures k =
 1, 2, 4, ..., N rather than every k, then the untested neighbours of the best k (`--ks` picks another list).
-`--quick`, or a host without a GPU, runs tiny models on the CPU (under a minute) through the same code. The report (`checkpointing.md` and
-`plots/checkpointing_*.png`) answers: the best single-level k with its neighbours, selective's activation
-memory and step-time overhead against none (target: >= 4x less at <= 5%), the break-even bandwidth of
-offloading, and how many configurations the model predicts within 10% (target: >= 6).
+`--quick`, or a host without a GPU, runs tiny models on the CPU (under a minute) through the same code. The
+report (`checkpointing.md` and `plots/checkpointing_*.png`) answers: the best single-level k with its
+neighbours, selective's activation memory and step-time overhead against none (target: >= 4x less at <= 5%),
+the break-even bandwidth of offloading, and how many configurations the model predicts within 10% (target:
+>= 6); trials that ran out of memory are listed with the model's predicted peak.
 
     python sweeps/checkpointing.py --out "$PWD/results"                 # GPU, Ray Tune, all studies
     python sweeps/checkpointing.py --study segments --out "$PWD/results"
