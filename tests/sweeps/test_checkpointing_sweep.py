@@ -99,3 +99,22 @@ def test_script_writes_parquet_and_report(tmp_path):
     assert df.loc[df.policy == "offload:0", "offloaded_bytes_per_step"].iloc[0] > 0
     again = sweep.main(["--quick", "--device", "cpu", "--study", "offload", "--out", str(tmp_path), "--resume"])
     assert list(again.trial_id) == list(df.trial_id)  # resumed: nothing re-run, nothing duplicated
+
+
+def test_tune_launch_splits_trials_into_grids_per_attention_backend(tmp_path, monkeypatch):
+    """The context study varies context x policy for naive attention plus one fused-core trial per context:
+    no single two-axis grid, so each backend gets its own Tune run (each a full grid)."""
+    import raysys.cluster
+    from raysys.results import ResultWriter
+
+    calls = []
+    monkeypatch.setattr(raysys.cluster, "tune_run", lambda trainable, space, **kw: calls.append(space))
+    trials = sweep.grid("context", torch.device("cpu"), True, "fp32", 2, 5)
+    sweep.run_tune(trials, ResultWriter(tmp_path, sweep.SWEEP), gpus=0)
+    assert len(calls) == 2
+    naive, fused = calls
+    assert naive["context_length"].get("grid_search") == [32, 64, 128] and \
+        naive["policy"].get("grid_search") == ["none", "selective", "full"] and "attention" not in naive
+    assert fused["attention"] == "sdpa" and fused["policy"] == "selective"
+    with pytest.raises(ValueError, match="full grid of at most two axes"):
+        sweep.run_tune([dict(t, warmup=i) for i, t in enumerate(trials[:9])], ResultWriter(tmp_path, "x"), gpus=0)
