@@ -54,7 +54,7 @@ import torch  # noqa: E402
 from parallel.checkpointing import apply_activation_checkpointing, parse_policy  # noqa: E402
 from raysys import memory  # noqa: E402
 from raysys.config import SIZES, ModelConfig  # noqa: E402
-from raysys.model import AdamW, TransformerLM, cross_entropy  # noqa: E402
+from raysys.model import AdamW, TransformerLM, cross_entropy, get_attention  # noqa: E402
 from raysys.recompute_model import (GiB, Workload, cpu_allocation_trace, predict_peak, saved_per_block,  # noqa: E402
                                     static_bytes, step_flops)
 from raysys.results import ResultWriter, error_row, make_row, trial_id  # noqa: E402
@@ -105,6 +105,7 @@ class Trial:
         if self.batch_size < 1 or self.warmup < 0 or self.steps < 1:
             raise ValueError(f"batch_size ({self.batch_size}) and steps ({self.steps}) must be >= 1, "
                              f"warmup ({self.warmup}) >= 0")
+        get_attention(self.attention)  # ValueError naming the known backends
         parse_policy(self.policy, self.model_config().num_layers).regions(self.model_config().num_layers)
 
     def model_config(self) -> ModelConfig:

@@ -25,7 +25,8 @@ def single_thread():
 
 def test_trial_validation():
     for bad, match in ((dict(study="x"), "study"), (dict(size="huge"), "size"), (dict(dtype="int8"), "dtype"),
-                       (dict(policy="full*3"), "add up|entries"), (dict(steps=0), "steps")):
+                       (dict(policy="full*3"), "add up|entries"), (dict(steps=0), "steps"),
+                       (dict(attention="bogus"), "attention backend .bogus. is not one of")):
         with pytest.raises(ValueError, match=match):
             sweep.Trial(**{**TINY, "policy": "none", **bad})
 
