@@ -352,6 +352,13 @@ def health(df: pd.DataFrame) -> pd.DataFrame:
                                                                                 _column(df, "cpu_affinity_count"))]})
 
 
+def setup_sentence(first: pd.Series) -> str:
+    """What a gang sweep's rows ran: model, context, ranks (backend, device), sequences per rank."""
+    return (f"{first['size']} model, context {int(first['context_length'])}, {int(first['world_size'])} ranks "
+            f"({first.get('backend', '')}, {first.get('device_name', '')}), {int(first['batch_per_rank'])} sequences "
+            "per rank")
+
+
 def markdown(df: pd.DataFrame) -> str:
     df = with_ratios(df)
     ok = df[df["status"] == "ok"]
@@ -360,9 +367,8 @@ def markdown(df: pd.DataFrame) -> str:
     if not ok.empty:
         first = ok.iloc[0]
         parts.append(
-            f"{first['size']} model, context {int(first['context_length'])}, {int(first['world_size'])} ranks "
-            f"({first.get('backend', '')}, {first.get('device_name', '')}), {int(first['batch_per_rank'])} sequences "
-            f"per rank, AdamW; {int(first['warmup'])} warm-up + at least {int(first['steps'])} timed steps. "
+            f"{setup_sentence(first)}, AdamW; {int(first['warmup'])} warm-up + at least {int(first['steps'])} timed "
+            "steps. "
             f"`step`: {'median' if col == 'step_ms_median' else 'mean'} (mean ± std); ratios use it, and `single` is "
             "the mean of its runs. Phases: mean device time; `comm wait`: exposed communication after backward "
             "(torch DDP's is inside its backward); `host bwd`: time Python took to issue backward. `overlap`: "

@@ -65,7 +65,7 @@ from raysys.memory import unique_storage_bytes  # noqa: E402
 from raysys.model import TransformerLM  # noqa: E402
 from raysys.profiling import device_kernels, overlap, profile_steps  # noqa: E402
 from raysys.train_step import DTYPES, TrainStep, TrialScope, release, sync, time_steps  # noqa: E402
-from sweeps.ddp import adamw_kwargs, make_batch, model_config, parse_list  # noqa: E402
+from sweeps.ddp import adamw_kwargs, make_batch, model_config, parse_list, setup_sentence  # noqa: E402
 
 SWEEP = "fsdp"
 VARIANTS = ("single", "single_cast", "ddp", "ddp_sharded", "fsdp", "fsdp2")
@@ -319,9 +319,8 @@ def markdown(df: pd.DataFrame) -> str:
     if not ok.empty:
         first = ok.iloc[0]
         parts.append(
-            f"{first['size']} model, context {int(first['context_length'])}, {int(first['world_size'])} ranks "
-            f"({first.get('backend', '')}, {first.get('device_name', '')}), {int(first['batch_per_rank'])} sequences "
-            f"per rank, AdamW; {int(first['warmup'])} warm-up + {int(first['steps'])} timed steps, mean ± std. "
+            f"{setup_sentence(first)}, AdamW; {int(first['warmup'])} warm-up + {int(first['steps'])} timed steps, "
+            "mean ± std. "
             "`state`: params + grads + optimizer state per rank, counted (expected). `AG exposed`: all-gather kernel "
             "time with no compute kernel running; `stalled AG`: all-gathers with > 5 us of it.")
         nan = pd.Series(math.nan, index=ok.index)

@@ -34,7 +34,7 @@ from parallel.sharded_optimizer import ShardedOptimizer  # noqa: E402
 from raysys.memory import unique_storage_bytes  # noqa: E402
 from raysys.model import TransformerLM  # noqa: E402
 from raysys.train_step import Marks, TrainStep, TrialScope, release, sync, time_steps  # noqa: E402
-from sweeps.ddp import adamw_kwargs, make_batch, model_config  # noqa: E402
+from sweeps.ddp import adamw_kwargs, make_batch, model_config, setup_sentence  # noqa: E402
 
 SWEEP = "sharded_optimizer"
 POINTS = ("init", "before_step", "after_step")
@@ -166,8 +166,7 @@ def markdown(df: pd.DataFrame) -> str:
     if not ok.empty:
         first = ok.iloc[0]
         parts.append(
-            f"{first['size']} model, context {int(first['context_length'])}, {int(first['world_size'])} ranks, "
-            f"{int(first['batch_per_rank'])} sequences per rank, BucketedDDP ({first['ddp_bucket_mb']:g} MiB) + AdamW. "
+            f"{setup_sentence(first)}, BucketedDDP ({first['ddp_bucket_mb']:g} MiB) + AdamW. "
             "Rank 0's memory: `peak` since the previous point; the other columns split what is allocated at the "
             "point (no allocator statistics on the CPU: peak and other are NaN there).")
         mem, unit = long_memory(df)
