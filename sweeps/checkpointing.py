@@ -6,11 +6,12 @@ Studies (`--study`, default all three), one row per trial in `<out>/checkpointin
             checkpointing, k = sqrt(N), nested (recursive) and selective checkpointing.
 - context:  selective vs full vs none at contexts 2048, 4096 and 8192 (medium, batch 1: with naive attention
             the xl model does not fit even one un-checkpointed block's scores at 8192).
-Both studies also run selective recomputation done by a fused kernel (`attention=flash_triton`; `sdpa` on
-the CPU): FlashAttention keeps O and the log-sum-exp and recomputes the attention core in its own backward,
-the same selective policy without a second forward of the core; it is compared with `none` (naive attention).
 - offload:  none vs full vs offload (medium, batch 1, contexts 1024 and 2048) with the measured pinned
             host<->device bandwidth, which gives the bandwidth at which offloading breaks even with recomputing.
+Segments and context also run selective recomputation done by a fused kernel (`attention=flash_triton`;
+`sdpa` on the CPU): FlashAttention keeps O and the log-sum-exp and recomputes the attention core in its own
+backward, the same selective policy without a second forward of the core; it is compared with `none` (naive
+attention).
 
 Every trial builds the model, applies the policy (`parallel.checkpointing`), runs `--warmup` untimed and
 `--steps` timed training steps (AdamW, zero_grad(set_to_none) first) and records: step time (mean / std,
@@ -108,6 +109,11 @@ class Trial:
         get_attention(self.attention)  # ValueError naming the known backends
         parse_policy(self.policy, self.model_config().num_layers).regions(self.model_config().num_layers)
 
+    def workload(self, device_type: str) -> Workload:
+        """What the memory and FLOP model (`raysys.recompute_model`) needs to predict this trial."""
+        return Workload(config=self.model_config(), batch_size=self.batch_size, precision=self.dtype,
+                        device_type=device_type)
+
     def model_config(self) -> ModelConfig:
         overrides = dict(context_length=self.context_length, attention=self.attention)
         if self.num_layers is not None:
@@ -163,7 +169,7 @@ def run_trial(config: dict) -> dict:
     timer.recording = True
     for _ in range(t.steps):
         step(timer)
-    w = Workload(config=mc, batch_size=t.batch_size, precision=t.dtype, device_type=device.type)
+    w = t.workload(device.type)
     if device.type == "cuda":
         peak = memory.peak_bytes(device)
         method = "cuda max_memory_allocated"
@@ -345,11 +351,9 @@ def with_predictions(df: pd.DataFrame) -> pd.DataFrame:
             t = Trial(**config)
         except (TypeError, ValueError):
             continue
-        mc = t.model_config()
-        w = Workload(config=mc, batch_size=t.batch_size, precision=t.dtype,
-                     device_type="cuda" if df.loc[i, "device"] == "cuda" else "cpu")
-        df.loc[i, "predicted_peak_bytes"] = predict_peak(w, parse_policy(t.policy, mc.num_layers)
-                                                          .regions(mc.num_layers)).peak_bytes
+        n = t.model_config().num_layers
+        w = t.workload("cuda" if df.loc[i, "device"] == "cuda" else "cpu")
+        df.loc[i, "predicted_peak_bytes"] = predict_peak(w, parse_policy(t.policy, n).regions(n)).peak_bytes
     return df
 
 
