@@ -1,21 +1,18 @@
 #!/usr/bin/env bash
 # GPU runs in phases that each fit one 10-minute command on a 2x H200 host, with every study under its own
-# timeout, `--resume` (an interrupted study keeps its finished trials; the next run continues it) and the
-# results packed into $OUT/results.tgz. Run from the repository root, e.g. on a lent GPU host:
+# timeout, `--resume` (an interrupted study keeps its finished trials; running the phase again continues it)
+# and the results packed into $OUT/results.tgz. Run from the repository root, e.g. on a lent GPU host:
 #
 #   bash sweeps/gpu_run.sh dist      # 2 GPUs: NCCL-setting scan + collectives grid, DDP + sharded optimizer (~8 min)
-#   bash sweeps/gpu_run.sh fsdp      # 2 GPUs: FSDP study, the gpu-marked tests; then checkpointing (Tune, GPU 0)
-#                                    #   next to the FlashAttention grid (GPU 1)                          (~9.5 min)
-#   bash sweeps/gpu_run.sh flash     # Ray Tune tile sweep (one GPU per trial), then what is left of the
-#                                    #   checkpointing study and the FlashAttention grid                  (~7 min)
-#   bash sweeps/gpu_run.sh rest      # FSDP's last trials, the gpu tests (-n 8), checkpointing, tile sweep (~9 min)
+#   bash sweeps/gpu_run.sh fsdp      # 2 GPUs: FSDP study, the gpu-marked tests (-n 8), checkpointing    (~9.5 min)
+#   bash sweeps/gpu_run.sh flash     # Ray Tune tile sweep (one GPU per trial), the FlashAttention grid    (~9.5 min)
 #   bash sweeps/gpu_run.sh nccl      # more NCCL settings for the 1 GiB all-reduce                         (~2 min)
-#   bash sweeps/gpu_run.sh tests     # the gpu-marked tests                                                (~3 min)
+#   bash sweeps/gpu_run.sh tests     # the gpu-marked tests (-n 8 needs pytest-xdist)                      (~1 min)
 #   bash sweeps/gpu_run.sh e2e       # the end-to-end model study (handout 2)                             (~7 min)
 #
 # Ray comes from wheels when the host has none: set WHEELS=.whl (see README, "GPU hosts without Ray").
 set -u
-phase=${1:?usage: gpu_run.sh dist|fsdp|flash|rest|nccl|tests|e2e}
+phase=${1:?usage: gpu_run.sh dist|fsdp|flash|nccl|tests|e2e}
 OUT=${OUT:-/tmp/raysys-gpu}
 RESULTS=${RESULTS:-results}
 mkdir -p "$OUT" "$RESULTS"
@@ -65,32 +62,16 @@ PY
     study ddp 330 python3 sweeps/ddp.py --device cuda --out "$RESULTS" --resume --warmup 2 --steps 8 \
       --max-steps 12 --variants "$DDP_VARIANTS" --profile naive,overlapped
     ;;
-  fsdp)
-    study fsdp 150 python3 sweeps/fsdp.py --device cuda --out "$RESULTS" --resume
-    study gpu_tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 tests
-    # One GPU each, side by side: the checkpointing trials (Ray Tune) and the FlashAttention grid (no Ray).
-    CUDA_VISIBLE_DEVICES=0 study checkpointing 270 python3 sweeps/checkpointing.py --device cuda --out "$RESULTS" \
-      --resume &
-    CUDA_VISIBLE_DEVICES=1 study flash_grid 250 python3 sweeps/flash_bench.py --study grid --device cuda \
-      --out "$RESULTS" --resume --max-seconds 230 &
-    wait
+  fsdp)  # FSDP, the tests (8 workers), then the checkpointing trials (Ray Tune, one GPU per trial: two at a time)
+    study fsdp 200 python3 sweeps/fsdp.py --device cuda --out "$RESULTS" --resume
+    study gpu_tests 120 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 tests
+    study checkpointing 250 python3 sweeps/checkpointing.py --device cuda --out "$RESULTS" --resume
     ;;
-  flash)
-    study flash_tiles 150 python3 sweeps/flash_tiles.py --out "$RESULTS" --resume --time-budget-s 120 \
+  flash)  # the Ray Tune tile sweep (one GPU per trial), then the FlashAttention grid on one GPU
+    study flash_tiles 300 python3 sweeps/flash_tiles.py --out "$RESULTS" --resume --time-budget-s 270 \
       --shapes 4096/128/bf16/causal,16384/64/bf16/causal,4096/128/bf16/full,4096/64/fp32/causal
-    CUDA_VISIBLE_DEVICES=0 study checkpointing_rest 240 python3 sweeps/checkpointing.py --device cuda \
-      --out "$RESULTS" --resume &
-    CUDA_VISIBLE_DEVICES=1 study flash_grid_rest 240 python3 sweeps/flash_bench.py --study grid --device cuda \
-      --out "$RESULTS" --resume --max-seconds 220 &
-    wait
-    ;;
-  rest)  # what a run of `fsdp` and `flash` left: FSDP's last trials, the tests (8 workers), checkpointing and
-         # the tile sweep on both GPUs (Tune: one trial per GPU)
-    study fsdp 80 python3 sweeps/fsdp.py --device cuda --out "$RESULTS" --resume
-    study gpu_tests 140 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 tests
-    study checkpointing 210 python3 sweeps/checkpointing.py --device cuda --out "$RESULTS" --resume
-    study flash_tiles 100 python3 sweeps/flash_tiles.py --out "$RESULTS" --resume --time-budget-s 75 \
-      --shapes 4096/128/bf16/causal,16384/64/bf16/causal,4096/128/bf16/full,4096/64/fp32/causal
+    study flash_grid 250 python3 sweeps/flash_bench.py --study grid --device cuda --out "$RESULTS" --resume \
+      --max-seconds 230
     ;;
   nccl)  # more NCCL settings for the 1 GiB all-reduce (the first scan's best, 32 channels, reached 342 GB/s)
     study allreduce_scan2 150 python3 sweeps/allreduce.py --device cuda --out "$RESULTS" --resume --world-sizes 2 \
@@ -100,13 +81,13 @@ PY
       --nccl-env NCCL_MIN_NCHANNELS=32,NCCL_MAX_NCHANNELS=32,NCCL_ALGO=Ring,NCCL_PROTO=Simple
     ;;
   tests)
-    study gpu_tests 170 python3 -m pytest -m gpu -q -p no:cacheprovider tests
+    study gpu_tests 170 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 tests
     ;;
   e2e)
     study end_to_end 420 python3 sweeps/end_to_end.py --device cuda --out "$RESULTS" --resume
     ;;
   *)
-    echo "unknown phase $phase (dist, fsdp, flash, rest, nccl, tests, e2e)" >&2
+    echo "unknown phase $phase (dist, fsdp, flash, nccl, tests, e2e)" >&2
     exit 2
     ;;
 esac
