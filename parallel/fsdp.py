@@ -8,51 +8,73 @@ keeps rows [r * ceil(R/N), (r+1) * ceil(R/N)) as an fp32 `nn.Parameter` that rep
 `fsdp.parameters()` hands the optimizer the shards (master weights and updates stay fp32; padding rows have zero
 gradient and stay zero under SGD / AdamW). Every other parameter (norm weights, biases) is replicated.
 
-Unit of gathering: one wrapped module ("layer") = one all-gather in forward, one in backward (skipped for
+Unit of gathering. By default every sharded module is its own unit (the handout's "layer"). With
+`units=(TransformerBlock,)` (classes or class names) every outermost module of those classes is one unit holding
+all the sharded weights below it, as torch's FSDP2 is applied per block; sharded modules outside any such module
+stay units of their own. A unit costs one all-gather in forward, one in backward (skipped when all its weights are
 embeddings, whose backward is a scatter-add of the output gradient that never reads the weight) and one
-reduce-scatter. The gathered weight lives in a per-layer buffer whose storage is allocated (`resize_`) just
-before the all-gather and released (`resize_(0)`) right after use; autograd keeps referring to the same tensor,
-so the backward's re-gather refills what the saved graph reads.
+reduce-scatter, whatever its number of weights: per block instead of per Linear, the host issues a seventh of the
+collectives, which matters when a step is bound by the host's launch rate.
 
-Forward, per layer i in execution order:
-    pre-hook   wait for (or issue) all-gather(i); swap the full weight into the module
-    post-hook  swap the shard back; free the full weight; issue all-gather(i + 2)      <- prefetch
-so the all-gather of layer i starts only once layer i - 2 has finished its forward pass (layers 0 and 1 start
-with the forward itself), at most three full weights are alive, and each gather overlaps the compute of the
-layer before it. The order is the one the previous forward executed (the first forward gathers on demand).
-Backward, per layer (the pre-hook is a hook on the layer's output gradient, the post-hook a post-accumulate-grad
-hook on the full weight):
-    pre-hook   issue all-gather(i) if not prefetched; issue all-gather of the next layer backward needs
+Layout of a unit (N ranks, weights w_1..w_k with padded shard sizes s_1..s_k, S = sum s_i):
+    shard storage   fp32 (S,): this rank's shards back to back; each weight's shard is an `nn.Parameter` viewing
+                    its slice (the optimizer updates them in place, so the storage always holds the masters)
+    all-gather      in: the shard storage cast to the compute dtype (one cast kernel; fp32 sends it as it is);
+                    out (N, S): rank r's shards in row r
+    full storage    compute dtype, N * s_1 | N * s_2 | ...: each weight's padded full tensor in one piece, filled
+                    from the all-gather output by one `split_with_sizes_copy` (a unit of one weight gathers into
+                    it directly); each full weight is a leaf `nn.Parameter` viewing its piece
+    reduce-scatter  in (N, S) fp32: `_chunk_cat` of the weights' full gradients (row r: the rows rank r owns, padded,
+                    cast to fp32 in the same kernel); out (S,) fp32: the summed gradient of this rank's shards
+The full storage is allocated (`resize_`) just before its all-gather and released (`resize_(0)`) right after use;
+autograd keeps referring to the same full weights, so the backward's re-gather refills what the saved graph reads.
+The copy-out writes through separate tensors on the same storage, so the full weights' version counters, which
+the saved graph checks, never move.
+
+Forward, per unit i in execution order:
+    pre-hook   wait for (or issue) all-gather(i); copy out; swap the full weights into their modules
+    post-hook  swap the shards back; free the full weights; issue all-gather(i + 2)      <- prefetch
+so the all-gather of unit i starts only once unit i - 2 has finished its forward pass (units 0 and 1 start with
+the forward itself), at most three units' full weights are alive, and each gather overlaps the compute of the
+unit before it. The order is the one the previous forward executed (the first forward gathers on demand).
+Backward, per unit (the pre-hook is a hook on the unit's output gradient, the post-hook a post-accumulate-grad
+hook on each full weight):
+    pre-hook   issue all-gather(i) if not prefetched; issue all-gather of the next unit backward needs
                (reverse forward order); wait for all-gather(i)
-    post-hook  cast the gradient to fp32, issue reduce-scatter(SUM) into this rank's shard; free the weight
+    post-hook  once every trainable weight of the unit has its gradient: free the full weights, issue
+               reduce-scatter(SUM) of the fp32 gradients into this rank's shards
 Replicated parameters (norm weights, biases: a few KB per block) are all-reduced (SUM) as one flattened tensor
 in `finish_gradient_synchronization()`: one small collective after backward instead of one per parameter queued
 between the weights' all-gathers and reduce-scatters.
 
-With `compute_dtype`, each shard is cast before the all-gather (half the bytes of fp32), the full weight,
-biases and floating inputs of wrapped modules are in that dtype, and so is compute; gradients are cast back to
-fp32 before the reduce-scatter. Other modules (norms) see the dtype their inputs arrive in.
+With `compute_dtype`, shards are cast before the all-gather (half the bytes of fp32), the full weights, the other
+parameters (biases) and floating inputs of sharded modules are in that dtype (a pre-hook on each sharded module
+casts them), and so is compute; gradients are cast back to fp32 for the reduce-scatter. Other modules (norms) see
+the dtype their inputs arrive in. `CastForCompute` is the same policy on one process, without sharding.
 
 Invariant: after `finish_gradient_synchronization()`, every shard's `.grad` (fp32, shard shape) equals its
 rows of (sum over ranks of the local full-weight gradients) / N, and every replicated parameter's `.grad` is
 (sum over ranks) / N, bit-identical on all ranks. The sum over two ranks is a single fp32 add (commutative)
 and / 2 is exact, so with N = 2 and fp32 compute one step equals, bit for bit, a single process that computes
-the two per-slice gradients and averages them as (g0 + g1) / 2.
+the two per-slice gradients and averages them as (g0 + g1) / 2. The units change when collectives run, never
+what they compute.
 
 Gradient accumulation: several forward/backward passes may run before one `finish_gradient_synchronization()`;
 their gradients add up (each pass's reduce-scatters are summed), and finish averages over the ranks, so the
-result is the sum over passes of the rank-averaged gradients, as without FSDP.
+result is the sum over passes of the rank-averaged gradients, as without FSDP. A unit some of whose weights got
+no gradient in a backward pass is reduced (the missing ones as zeros) by finish or by the next forward.
 
-Requirements (as torch's FSDP): every rank runs the same wrapped layers in the same order and produces gradients
-for the same parameters (collectives are matched by issue order); no weight tying between wrapped modules;
-wrapped layers are not recomputed by activation checkpointing.
+Requirements (as torch's FSDP): every rank runs the same units in the same order, each at most once per forward,
+and produces gradients for the same parameters (collectives are matched by issue order); no weight tying between
+sharded modules; sharded modules are not recomputed by activation checkpointing; a unit's weights share one
+dtype; optimizers update the shards in place (as torch's do), never by assigning `.data`.
 
 Lifetime: a full weight's post-accumulate-grad hooks live in a dict held from C++ (the tensor's autograd
 metadata), out of sight of Python's cycle collector, so a hook holding the wrapper would make full weight -> hook
--> wrapper -> layer -> full weight a cycle that is never freed, leaking the model and its optimizer state with
+-> wrapper -> unit -> full weight a cycle that is never freed, leaking the model and its optimizer state with
 every dropped wrapper (and the module hooks would make wrapper -> model -> hooks -> wrapper a cycle only the
-collector frees). So every hook, module or tensor, holds the wrapper weakly and names its layer by index, and a
-layer holds no reference to its wrapper: a wrapper nobody references is freed at once by reference counting, and
+collector frees). So every hook, module or tensor, holds the wrapper weakly and names its unit by index, and a
+unit holds no reference to its wrapper: a wrapper nobody references is freed at once by reference counting, and
 its hooks are removed with it; `remove_hooks()` does the same explicitly. The model's sharded modules keep their
 shards as `weight` either way (`gather_full_params()` first to get the full weights back).
 """
@@ -65,7 +87,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, fields
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -104,8 +126,58 @@ def _cast_params(module: nn.Module, dtype: torch.dtype, skip: tuple[str, ...] = 
     return saved
 
 
-def _cast_inputs(args: tuple, dtype: torch.dtype) -> tuple:
+def _cast_inputs(args: tuple, dtype: torch.dtype) -> tuple | None:
+    """`args` with floating tensors cast to `dtype`; None (a forward pre-hook's "unchanged") if none needs it."""
+    if not any(isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != dtype for a in args):
+        return None
     return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+
+
+def _has_other_floating_params(module: nn.Module) -> bool:
+    return any(name != "weight" and p is not None and p.is_floating_point() for name, p in module._parameters.items())
+
+
+def _output_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors of a module's output (a tensor, or a tuple / list of them) that need a gradient."""
+    items = output if isinstance(output, (tuple, list)) else (output,)
+    return [t for t in items if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _unit_spec(units: Iterable[type | str] | None) -> tuple:
+    if units is None:
+        return ()
+    spec = (units,) if isinstance(units, (str, type)) else tuple(units)
+    if not spec or not all(isinstance(u, str) or (isinstance(u, type) and issubclass(u, nn.Module)) for u in spec):
+        raise ValueError(f"units ({units!r}) must be None or nn.Module classes / class names, e.g. "
+                         "(TransformerBlock,) or ('TransformerBlock',)")
+    return spec
+
+
+def _group_units(module: nn.Module, spec: tuple) -> list[tuple[str, nn.Module, list[tuple[str, nn.Module]]]]:
+    """[(unit name, root module, [(name, sharded module), ...])] in module order: every outermost module matching
+    `spec` with its sharded modules, and every sharded module outside those on its own."""
+
+    def matches(mod: nn.Module) -> bool:
+        return any(isinstance(mod, u) if isinstance(u, type) else type(mod).__name__ == u for u in spec)
+
+    groups: list[tuple[str, nn.Module, list]] = []
+    owner: dict[int, int] = {}  # id(module) -> index of the unit whose root is above it
+    matched = False
+    for name, mod in module.named_modules():
+        group = owner.get(id(mod))
+        if group is None and spec and matches(mod):
+            matched, group = True, len(groups)
+            groups.append((name or type(mod).__name__, mod, []))
+            for sub in mod.modules():
+                owner.setdefault(id(sub), group)
+        if is_sharded_module(mod):
+            if group is None:
+                groups.append((f"{name}.weight" if name else "weight", mod, [(name, mod)]))
+            else:
+                groups[group][2].append((name, mod))
+    if spec and not matched:
+        raise ValueError(f"units {spec!r}: the model has no module of those classes")
+    return [g for g in groups if g[2]]
 
 
 @dataclass
@@ -123,57 +195,91 @@ class CommStats:
     backward_wait_s: float = 0.0
     """The same in backward."""
     peak_gathered_bytes: int = 0
-    """Largest total size of gathered (full) weights alive at once."""
+    """Largest total size of gathered weights alive at once: full weights, and all-gather outputs not yet copied
+    out (units of several weights)."""
 
     def reset(self) -> None:
         for f in fields(self):
             setattr(self, f.name, f.default)
 
 
-class _ShardedLayer:
-    """One wrapped module: its fp32 shard (the optimizer's parameter) and its full compute-dtype weight buffer.
+class _Weight:
+    """One sharded weight of a unit: its shard (the optimizer's parameter, a view of the unit's shard storage) and
+    its full compute-dtype weight (a leaf viewing the unit's full storage)."""
+
+    __slots__ = ("name", "module", "shape", "numel", "offset", "shard_numel", "shard", "full", "padded")
+
+    def __init__(self, name: str, module: nn.Module, offset: int, shard: nn.Parameter, full: nn.Parameter,
+                 padded: torch.Tensor):
+        self.name, self.module, self.offset = name, module, offset
+        self.shape, self.numel = full.shape, full.numel()
+        self.shard, self.full, self.padded = shard, full, padded
+        self.shard_numel = shard.numel()
+
+
+class _Unit:
+    """The sharded weights gathered together (see Layout in the module docstring) and their communication state.
 
     Holds no reference to its wrapper (see Lifetime in the module docstring): the wrapper passes itself to the
     methods that communicate or count."""
 
-    def __init__(self, fsdp: "FSDP", index: int, name: str, module: nn.Module):
-        weight = module.weight
+    def __init__(self, fsdp: "FSDP", index: int, name: str, root: nn.Module, members: list[tuple[str, nn.Module]]):
         n, rank = fsdp.world_size, fsdp.rank
-        self.index, self.name, self.module = index, name, module
-        self.shape, self.numel = weight.shape, weight.numel()
-        self.rows_per_rank = math.ceil(self.shape[0] / n)
-        self.shard_numel = self.rows_per_rank * (self.numel // max(self.shape[0], 1))
+        originals = [mod.weight for _, mod in members]
+        rows = [math.ceil(w.shape[0] / n) for w in originals]
+        sizes = [r * (w.numel() // max(w.shape[0], 1)) for r, w in zip(rows, originals)]
+        self.index, self.name, self.root = index, name, root
+        self.sizes, self.shard_numel = sizes, sum(sizes)
+        device, self.dtype = originals[0].device, fsdp.compute_dtype or originals[0].dtype
         with torch.no_grad():
-            padded = weight.new_zeros((n * self.rows_per_rank, *self.shape[1:]))
-            padded[: self.shape[0]] = weight
-            shard = padded[rank * self.rows_per_rank:(rank + 1) * self.rows_per_rank].clone()
-        self.shard = nn.Parameter(shard, requires_grad=weight.requires_grad)
-        dtype = fsdp.compute_dtype or weight.dtype
-        # The full weight is a leaf of its own (autograd accumulates its gradient); `_flat` is a second tensor on
-        # the same storage, padded to N shards, that the all-gather writes. A separate tensor, so the collective's
-        # in-place write does not bump the version counter of the weight the autograd graph has saved.
-        self.full = nn.Parameter(torch.empty(n * self.shard_numel, dtype=dtype, device=weight.device)[: self.numel]
-                                 .view(self.shape), requires_grad=weight.requires_grad)
-        self._flat = torch.empty(0, dtype=dtype, device=weight.device).set_(
-            self.full.untyped_storage(), 0, (n * self.shard_numel,), (1,))
-        self.nbytes = self.full.untyped_storage().nbytes()
-        self.full.untyped_storage().resize_(0)
-        self.needs_weight_in_backward = not _is_embedding(module)
+            self.shard_flat = torch.zeros(self.shard_numel, dtype=originals[0].dtype, device=device)
+            full_flat = torch.empty(n * self.shard_numel, dtype=self.dtype, device=device)
+        self.storage = full_flat.untyped_storage()
+        self.weights: list[_Weight] = []
+        offset = 0
+        for (mod_name, mod), w, r, size in zip(members, originals, rows, sizes):
+            view = self.shard_flat[offset:offset + size].view(r, *w.shape[1:])
+            with torch.no_grad():
+                mine = w.detach()[rank * r:(rank + 1) * r]  # the last ranks may own padding rows only
+                view[: mine.shape[0]].copy_(mine)
+            shard = nn.Parameter(view, requires_grad=w.requires_grad)
+            full = nn.Parameter(full_flat[n * offset:n * offset + w.numel()].view(w.shape),
+                                requires_grad=w.requires_grad)
+            # What the all-gather / copy-out writes: a second tensor on the full weight's storage, so that write
+            # does not bump the version counter of the weight the autograd graph has saved.
+            padded = torch.empty(0, dtype=self.dtype, device=device).set_(self.storage, n * offset, (n, size),
+                                                                          (size, 1))
+            self.weights.append(_Weight(f"{mod_name}.weight" if mod_name else "weight", mod, offset, shard, full,
+                                        padded))
+            offset += size
+        self.nbytes = self.storage.nbytes()
+        self.storage.resize_(0)
+        self.needs_weight_in_backward = any(not _is_embedding(w.module) and w.full.requires_grad for w in self.weights)
+        self.num_trainable = sum(w.full.requires_grad for w in self.weights)
         self.state = _FREE
         self._work: dist.Work | None = None
         self._send: torch.Tensor | None = None
-        self.reduced_grad: torch.Tensor | None = None  # this rank's summed shard gradient, until finish
+        self._recv: torch.Tensor | None = None  # all-gather output awaiting its copy-out (units of several weights)
+        self.grads: list[torch.Tensor | None] = [None] * len(self.weights)  # this backward's full gradients
+        self.grads_left = self.num_trainable
+        self.had_grad = [False] * len(self.weights)  # since the last finish: weights without one get no .grad
+        self.reduced_grad: torch.Tensor | None = None  # this rank's summed shard gradients, until finish
         self.backward_done = False
         self.fwd_pos = -1
-        self.saved_params: dict[str, Any] = {}
 
     def start_gather(self, fsdp: "FSDP", phase: str) -> None:
         if self.state != _FREE:
             return
-        self.full.untyped_storage().resize_(self.nbytes)
+        self.storage.resize_(self.nbytes)
         # Cast before communicating: in compute_dtype the all-gather moves half the bytes of fp32.
-        self._send = self.shard.detach().to(self._flat.dtype).reshape(-1)
-        self._work = _all_gather(self._flat, self._send, group=fsdp.process_group, async_op=True)
+        self._send = self.shard_flat if self.shard_flat.dtype == self.dtype else self.shard_flat.to(self.dtype)
+        n = fsdp.world_size
+        if len(self.weights) == 1:  # rank-major is the weight's own layout: gather in place
+            recv = self.weights[0].padded.view(-1)
+        else:
+            recv = self._recv = torch.empty(n * self.shard_numel, dtype=self.dtype, device=self.shard_flat.device)
+            fsdp._gathered_bytes += self.nbytes
+        self._work = _all_gather(recv, self._send, group=fsdp.process_group, async_op=True)
         self.state = _GATHERING
         fsdp.stats.all_gathers += 1
         fsdp.stats.all_gather_bytes += self.nbytes
@@ -181,33 +287,50 @@ class _ShardedLayer:
         fsdp.stats.peak_gathered_bytes = max(fsdp.stats.peak_gathered_bytes, fsdp._gathered_bytes)
         fsdp._log("all_gather", self.name, phase)
 
-    def wait_gather(self, stats: CommStats | None = None, phase: str | None = None) -> None:
-        """Wait for the issued all-gather; with `stats`, add the blocked time to `stats.<phase>_wait_s`."""
-        if self.state == _GATHERING:
-            start = time.perf_counter()
-            self._work.wait()
-            if stats is not None:
-                setattr(stats, f"{phase}_wait_s", getattr(stats, f"{phase}_wait_s") + time.perf_counter() - start)
-            self._work, self._send, self.state = None, None, _READY
+    def wait_gather(self, fsdp: "FSDP", phase: str | None = None, copy_out: bool = True) -> None:
+        """Wait for the issued all-gather and copy its output into the full weights; with `phase`, add the blocked
+        host time to `stats.<phase>_wait_s`."""
+        if self.state != _GATHERING:
+            return
+        start = time.perf_counter()
+        self._work.wait()
+        if phase is not None:
+            attr = f"{phase}_wait_s"
+            setattr(fsdp.stats, attr, getattr(fsdp.stats, attr) + time.perf_counter() - start)
+        if self._recv is not None:
+            if copy_out:
+                torch.split_with_sizes_copy(self._recv.view(fsdp.world_size, -1), self.sizes, dim=1,
+                                            out=[w.padded for w in self.weights])
+            fsdp._gathered_bytes -= self.nbytes
+        self._work = self._send = self._recv = None
+        self.state = _READY
 
     def free(self, fsdp: "FSDP") -> None:
         if self.state == _FREE:
             return
-        self.wait_gather()  # never release memory a collective may still write
-        self.full.untyped_storage().resize_(0)
+        self.wait_gather(fsdp, copy_out=False)  # never release memory a collective may still write
+        self.storage.resize_(0)
         self.state = _FREE
         fsdp._gathered_bytes -= self.nbytes
+
+    def swap_in(self) -> None:
+        for w in self.weights:
+            w.module._parameters["weight"] = w.full
+
+    def swap_out(self) -> None:
+        for w in self.weights:
+            w.module._parameters["weight"] = w.shard
 
 
 class _WeakHook:
     """A module or tensor hook that calls `method(wrapper, *hook_args)` (with `index`: `method(wrapper,
-    wrapper._layers[index], *hook_args)`) while the wrapper is alive, and does nothing once it is gone. Holds nothing
-    else (see Lifetime in the module docstring)."""
+    wrapper._units[index], *extra, *hook_args)`) while the wrapper is alive, and does nothing once it is gone.
+    Holds nothing else (see Lifetime in the module docstring)."""
 
-    __slots__ = ("owner", "method", "index")
+    __slots__ = ("owner", "method", "index", "extra")
 
-    def __init__(self, owner: weakref.ref, method: Callable[..., Any], index: int | None = None):
-        self.owner, self.method, self.index = owner, method, index
+    def __init__(self, owner: weakref.ref, method: Callable[..., Any], index: int | None = None, extra: tuple = ()):
+        self.owner, self.method, self.index, self.extra = owner, method, index, extra
 
     def __call__(self, *args: Any) -> Any:
         wrapper = self.owner()
@@ -215,7 +338,7 @@ class _WeakHook:
             return None
         if self.index is None:
             return self.method(wrapper, *args)
-        return self.method(wrapper, wrapper._layers[self.index], *args)
+        return self.method(wrapper, wrapper._units[self.index], *self.extra, *args)
 
 
 def _remove_handles(handles: list) -> None:
@@ -245,15 +368,18 @@ class FSDP(nn.Module):
         module: the whole model, identical on every rank (rank 0's values are broadcast at construction).
         compute_dtype: dtype of communicated weights and of compute (e.g. torch.bfloat16); None keeps fp32.
         process_group: the data-parallel group (default: the whole world).
+        units: module classes (or class names) whose outermost instances are gathered as one unit, e.g.
+            `(TransformerBlock,)`; None (default): every sharded module is its own unit.
         max_inflight_reductions: gradient reduce-scatters allowed in flight before the oldest is waited for;
             bounds the fp32 full-size gradient buffers alive during backward.
-        event_log: if a list, ("all_gather" | "reduce_scatter", layer name, "forward" | "backward") tuples are
-            appended as collectives are issued (for tests of the prefetch rule).
+        event_log: if a list, ("all_gather" | "reduce_scatter", unit name, "forward" | "backward") tuples are
+            appended as collectives are issued (for tests of the prefetch rule). A unit of one module is named
+            after its weight (`layers.0.attn.q_proj.weight`), a larger one after its root (`layers.0`).
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
-                 process_group: dist.ProcessGroup | None = None, *, max_inflight_reductions: int = 2,
-                 event_log: list | None = None):
+                 process_group: dist.ProcessGroup | None = None, *, units: Iterable[type | str] | None = None,
+                 max_inflight_reductions: int = 2, event_log: list | None = None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -262,6 +388,19 @@ class FSDP(nn.Module):
             raise ValueError(f"compute_dtype ({compute_dtype!r}) must be a floating-point torch.dtype or None")
         if max_inflight_reductions < 1:
             raise ValueError(f"max_inflight_reductions ({max_inflight_reductions}) must be >= 1")
+        spec = _unit_spec(units)
+        groups = _group_units(module, spec)  # all checked before the model is touched
+        seen: set[int] = set()
+        for unit_name, _, members in groups:
+            for mod_name, mod in members:
+                if id(mod.weight) in seen:
+                    raise ValueError(f"{mod_name}.weight is shared with another Linear/Embedding (tied weights are "
+                                     "not supported by FSDP)")
+                seen.add(id(mod.weight))
+            dtypes = sorted({str(mod.weight.dtype) for _, mod in members})
+            if len(dtypes) > 1:
+                raise ValueError(f"unit {unit_name}: its sharded weights have dtypes {dtypes}; a unit's weights must "
+                                 "share one")
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("FSDP needs an initialised torch.distributed process group (init_process_group first)")
         self.module = module
@@ -275,33 +414,32 @@ class FSDP(nn.Module):
         self._gathered_bytes = 0
         broadcast_module_state(module, process_group)
 
-        self._layers: list[_ShardedLayer] = []
+        self._units: list[_Unit] = []
         self._owner = weakref.ref(self)  # what hooks hold (see Lifetime in the module docstring)
         self._hooks_removed = False
-        sharded = [(mod_name, mod) for mod_name, mod in module.named_modules() if is_sharded_module(mod)]
-        sharded_ids = set()
-        for mod_name, mod in sharded:  # all checked before the model is touched
-            if id(mod.weight) in sharded_ids:
-                raise ValueError(f"{mod_name}.weight is shared with another Linear/Embedding (tied weights are not "
-                                 "supported by FSDP)")
-            sharded_ids.add(id(mod.weight))
+        self._cast_saved: dict[nn.Module, dict[str, nn.Parameter]] = {}
         handles = []
-        for mod_name, mod in sharded:
-            layer = _ShardedLayer(self, len(self._layers), f"{mod_name}.weight" if mod_name else "weight", mod)
-            mod._parameters["weight"] = layer.shard
-            self._layers.append(layer)
-            handles.append(mod.register_forward_pre_hook(_WeakHook(self._owner, FSDP._pre_forward, layer.index)))
-            handles.append(mod.register_forward_hook(_WeakHook(self._owner, FSDP._post_forward, layer.index)))
-            if layer.full.requires_grad:
-                handles.append(layer.full.register_post_accumulate_grad_hook(
-                    _WeakHook(self._owner, FSDP._post_backward, layer.index)))
+        for unit_name, root, members in groups:
+            unit = _Unit(self, len(self._units), unit_name, root, members)
+            self._units.append(unit)
+            handles.append(root.register_forward_pre_hook(_WeakHook(self._owner, FSDP._pre_forward, unit.index)))
+            handles.append(root.register_forward_hook(_WeakHook(self._owner, FSDP._post_forward, unit.index)))
+            for pos, w in enumerate(unit.weights):
+                w.module._parameters["weight"] = w.shard
+                if w.full.requires_grad:
+                    handles.append(w.full.register_post_accumulate_grad_hook(
+                        _WeakHook(self._owner, FSDP._post_backward, unit.index, (pos,))))
+                if compute_dtype is not None:
+                    handles.append(w.module.register_forward_pre_hook(_WeakHook(self._owner, FSDP._cast_pre)))
+                    if _has_other_floating_params(w.module):
+                        handles.append(w.module.register_forward_hook(_WeakHook(self._owner, FSDP._cast_post)))
         # Runs remove_hooks' work when the wrapper is collected (or when remove_hooks() calls it).
         self._remove_handles = weakref.finalize(self, _remove_handles, handles)
-        self._layer_of_shard = {id(layer.shard): layer for layer in self._layers}
-        self._replicated = [p for p in module.parameters() if id(p) not in self._layer_of_shard and p.requires_grad]
+        self._weight_of_shard = {id(w.shard): w for unit in self._units for w in unit.weights}
+        self._replicated = [p for p in module.parameters() if id(p) not in self._weight_of_shard and p.requires_grad]
         self._pending: deque[_PendingOp] = deque()
-        self._fwd_calls: list[_ShardedLayer] = []
-        self._last_order: list[_ShardedLayer] = []
+        self._fwd_calls: list[_Unit] = []
+        self._last_order: list[_Unit] = []
         self._reduce_scatter_ok = self._probe_reduce_scatter()
 
     # ------------------------------------------------------------------ forward
@@ -309,95 +447,123 @@ class FSDP(nn.Module):
         if self._hooks_removed:
             raise RuntimeError("this FSDP wrapper's hooks were removed (remove_hooks()): its modules hold only this "
                                "rank's weight shards; gather_full_params() returns the full weights")
+        self._reduce_partial_units()
         self._fwd_calls = []
-        for layer in self._layers:
-            layer.backward_done = False
-        for layer in self._last_order[:2]:  # no layer runs two before these
-            layer.start_gather(self, "forward")
+        for unit in self._units:
+            unit.backward_done = False
+        for unit in self._last_order[:2]:  # no unit runs two before these
+            unit.start_gather(self, "forward")
         try:
             out = self.module(*args, **kwargs)
         except BaseException:
-            for layer in self._layers:
-                self._restore(layer)
+            for unit in self._units:
+                unit.swap_out()
+            for module, saved in self._cast_saved.items():
+                module._parameters.update(saved)
+            self._cast_saved.clear()
             self._free_all()
             raise
         self._free_all()  # prefetched but not used by this forward (control flow changed)
         self._last_order = self._fwd_calls
-        for pos, layer in enumerate(self._fwd_calls):
-            layer.fwd_pos = pos
+        for pos, unit in enumerate(self._fwd_calls):
+            unit.fwd_pos = pos
         return out
 
-    def _pre_forward(self, layer: _ShardedLayer, module: nn.Module, args: tuple) -> tuple | None:
-        self._fwd_calls.append(layer)
-        layer.start_gather(self, "forward")
-        layer.wait_gather(self.stats, "forward")
-        module._parameters["weight"] = layer.full
-        if self.compute_dtype is None:
-            return None
-        layer.saved_params = _cast_params(module, self.compute_dtype, skip=("weight",))
-        return _cast_inputs(args, self.compute_dtype)
+    def _pre_forward(self, unit: _Unit, module: nn.Module, args: tuple) -> None:
+        self._fwd_calls.append(unit)
+        unit.start_gather(self, "forward")
+        unit.wait_gather(self, "forward")
+        unit.swap_in()
 
-    def _post_forward(self, layer: _ShardedLayer, module: nn.Module, args: tuple, output: Any) -> None:
-        self._restore(layer)
-        layer.free(self)
-        if (layer.needs_weight_in_backward and torch.is_grad_enabled() and isinstance(output, torch.Tensor)
-                and output.requires_grad):
-            output.register_hook(_WeakHook(self._owner, FSDP._pre_backward, layer.index))
+    def _post_forward(self, unit: _Unit, module: nn.Module, args: tuple, output: Any) -> None:
+        unit.swap_out()
+        unit.free(self)
+        if unit.needs_weight_in_backward and torch.is_grad_enabled():
+            tensors = _output_tensors(output)
+            hook = _WeakHook(self._owner, FSDP._pre_backward, unit.index)
+            if len(tensors) == 1:
+                tensors[0].register_hook(hook)
+            elif tensors:  # once, at the first of the outputs' gradients
+                torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
         pos = len(self._fwd_calls) - 1
         if pos + 2 < len(self._last_order):
             self._last_order[pos + 2].start_gather(self, "forward")
 
-    def _restore(self, layer: _ShardedLayer) -> None:
-        module = layer.module
-        module._parameters["weight"] = layer.shard
-        module._parameters.update(layer.saved_params)
-        layer.saved_params = {}
+    def _cast_pre(self, module: nn.Module, args: tuple) -> tuple | None:
+        saved = _cast_params(module, self.compute_dtype, skip=("weight",))
+        if saved:
+            self._cast_saved[module] = saved
+        return _cast_inputs(args, self.compute_dtype)
+
+    def _cast_post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        module._parameters.update(self._cast_saved.pop(module, {}))
 
     # ------------------------------------------------------------------ backward
-    def _pre_backward(self, layer: _ShardedLayer, grad: torch.Tensor) -> None:
-        layer.start_gather(self, "backward")
-        nxt = self._next_backward_layer(layer)
+    def _pre_backward(self, unit: _Unit, grad: torch.Tensor) -> None:
+        unit.start_gather(self, "backward")
+        nxt = self._next_backward_unit(unit)
         if nxt is not None:
             nxt.start_gather(self, "backward")
-        layer.wait_gather(self.stats, "backward")
+        unit.wait_gather(self, "backward")
 
-    def _next_backward_layer(self, layer: _ShardedLayer) -> _ShardedLayer | None:
-        """The closest layer before `layer` in forward order that backward has yet to run and that needs its weight."""
-        for pos in range(layer.fwd_pos - 1, -1, -1):
+    def _next_backward_unit(self, unit: _Unit) -> _Unit | None:
+        """The closest unit before `unit` in forward order that backward has yet to run and that needs its weights."""
+        for pos in range(unit.fwd_pos - 1, -1, -1):
             cand = self._last_order[pos]
-            if cand.needs_weight_in_backward and not cand.backward_done and cand.full.requires_grad:
+            if cand.needs_weight_in_backward and not cand.backward_done:
                 return cand if cand.state == _FREE else None
         return None
 
-    def _post_backward(self, layer: _ShardedLayer, full: torch.Tensor) -> None:
+    def _post_backward(self, unit: _Unit, pos: int, full: torch.Tensor) -> None:
         grad, full.grad = full.grad, None
-        layer.backward_done = True
-        layer.free(self)
-        n = self.world_size
-        padded = n * layer.shard_numel
-        if grad.dtype == torch.float32 and padded == layer.numel and grad.is_contiguous():
-            send = grad.view(-1)
-        else:  # fp32 for the reduction, zero padding rows
-            send = torch.empty(padded, dtype=torch.float32, device=grad.device)
-            send[: layer.numel].copy_(grad.reshape(-1))
-            send[layer.numel:].zero_()
-        del grad
+        if unit.grads[pos] is None:
+            unit.grads[pos] = grad
+            unit.grads_left -= 1
+            unit.had_grad[pos] = True
+        else:  # accumulated twice in one backward
+            unit.grads[pos] = unit.grads[pos] + grad
+        if unit.grads_left == 0:
+            self._reduce_unit(unit)
+
+    def _reduce_unit(self, unit: _Unit) -> None:
+        """Free the unit's full weights; issue the reduce-scatter of its fp32 gradients (zeros where none came)."""
+        grads, unit.grads, unit.grads_left = unit.grads, [None] * len(unit.weights), unit.num_trainable
+        unit.backward_done = True
+        unit.free(self)
+        n, device = self.world_size, unit.shard_flat.device
+        first = grads[0]
+        if (len(grads) == 1 and first is not None and first.dtype == torch.float32 and first.is_contiguous()
+                and first.numel() == n * unit.shard_numel):
+            send = first.view(-1)
+        else:  # fp32, each weight's rows laid out by owning rank, padding rows zero
+            full_grads = [g if g is not None else torch.zeros(w.shape, dtype=w.full.dtype, device=device)
+                          for g, w in zip(grads, unit.weights)]
+            send = torch.empty(n * unit.shard_numel, dtype=torch.float32, device=device)
+            torch._chunk_cat(full_grads, dim=0, num_chunks=n, out=send.view(n, -1))
+            del full_grads
+        del grads, first
         if self._reduce_scatter_ok:
-            out = torch.empty(layer.shard_numel, dtype=torch.float32, device=send.device)
+            out = torch.empty(unit.shard_numel, dtype=torch.float32, device=device)
             work = _reduce_scatter(out, send, group=self.process_group, async_op=True)
         else:  # gloo without reduce-scatter: all-reduce the whole gradient, keep this rank's slice
-            out = send.narrow(0, self.rank * layer.shard_numel, layer.shard_numel)
+            out = send.narrow(0, self.rank * unit.shard_numel, unit.shard_numel)
             work = dist.all_reduce(send, group=self.process_group, async_op=True)
         self.stats.reduce_scatters += 1
         self.stats.reduce_scatter_bytes += send.numel() * send.element_size()
-        self._log("reduce_scatter", layer.name, "backward")
-        self._pending.append(_PendingOp(work, partial(self._store_shard_grad, layer, out), send, out))
+        self._log("reduce_scatter", unit.name, "backward")
+        self._pending.append(_PendingOp(work, partial(self._store_shard_grad, unit, out), send, out))
         while len(self._pending) > self.max_inflight_reductions:  # frees the oldest full-size gradient buffer
             self._pending.popleft().complete()
 
+    def _reduce_partial_units(self) -> None:
+        """Reduce the units some of whose weights got no gradient in the last backward pass."""
+        for unit in self._units:
+            if unit.grads_left != unit.num_trainable:
+                self._reduce_unit(unit)
+
     @staticmethod
-    def _store_shard_grad(layer: _ShardedLayer, summed: torch.Tensor) -> None:
-        layer.reduced_grad = summed if layer.reduced_grad is None else layer.reduced_grad.add_(summed)
+    def _store_shard_grad(unit: _Unit, summed: torch.Tensor) -> None:
+        unit.reduced_grad = summed if unit.reduced_grad is None else unit.reduced_grad.add_(summed)
 
     def _all_reduce_replicated(self) -> None:
         """Average the replicated gradients: one flattened all-reduce per dtype."""
@@ -417,17 +583,22 @@ class FSDP(nn.Module):
     # ------------------------------------------------------------------ public API
     def finish_gradient_synchronization(self) -> None:
         """Wait for the reduce-scatters, all-reduce the replicated gradients; write each shard's fp32 `.grad`
-        (added to an existing one)."""
+        (added to an existing one; the shards of a unit get views of one buffer)."""
+        self._reduce_partial_units()
         while self._pending:
             self._pending.popleft().complete()
         self._free_all()  # weights prefetched for a backward step that never came
         self._all_reduce_replicated()
-        for layer in self._layers:
-            if layer.reduced_grad is None:
+        for unit in self._units:
+            if unit.reduced_grad is None:
                 continue
-            grad = layer.reduced_grad.div_(self.world_size).view_as(layer.shard).to(layer.shard.dtype)
-            layer.shard.grad = grad if layer.shard.grad is None else layer.shard.grad.add_(grad)
-            layer.reduced_grad = None
+            summed, unit.reduced_grad = unit.reduced_grad.div_(self.world_size), None
+            had_grad, unit.had_grad = unit.had_grad, [False] * len(unit.weights)
+            for w, got in zip(unit.weights, had_grad):
+                if not got:  # no gradient reached it (unused this step): none, as without FSDP
+                    continue
+                grad = summed[w.offset:w.offset + w.shard_numel].view(w.shard.shape).to(w.shard.dtype)
+                w.shard.grad = grad if w.shard.grad is None else w.shard.grad.add_(grad)
 
     def remove_hooks(self) -> None:
         """Unregister every hook the wrapper put on the model and drop its gradient state: the wrapper no longer
@@ -437,10 +608,12 @@ class FSDP(nn.Module):
         self._remove_handles()
         self._hooks_removed = True
         self._pending.clear()
-        for layer in self._layers:
-            layer.reduced_grad = None
-            if layer.state == _READY:
-                layer.free(self)
+        for unit in self._units:
+            unit.reduced_grad = None
+            unit.grads, unit.grads_left = [None] * len(unit.weights), unit.num_trainable
+            unit.had_grad = [False] * len(unit.weights)
+            if unit.state == _READY:
+                unit.free(self)
 
     @torch.no_grad()
     def gather_full_params(self) -> dict[str, torch.Tensor]:
@@ -449,28 +622,33 @@ class FSDP(nn.Module):
         A collective: every rank must call it."""
         out = {}
         for name, p in self.module.named_parameters():
-            layer = self._layer_of_shard.get(id(p))
-            if layer is None:
+            w = self._weight_of_shard.get(id(p))
+            if w is None:
                 out[name] = p.detach().clone()
                 continue
-            flat = torch.empty(self.world_size * layer.shard_numel, dtype=p.dtype, device=p.device)
+            flat = torch.empty(self.world_size * w.shard_numel, dtype=p.dtype, device=p.device)
             _all_gather(flat, p.detach().reshape(-1), group=self.process_group)
-            out[name] = flat[: layer.numel].view(layer.shape)
+            out[name] = flat[: w.numel].view(w.shape)
         return out
 
     @property
     def sharded_layer_names(self) -> list[str]:
         """Names of the sharded weights, in module order."""
-        return [layer.name for layer in self._layers]
+        return [w.name for unit in self._units for w in unit.weights]
+
+    @property
+    def unit_names(self) -> list[str]:
+        """Names of the units, in module order (what the event log names)."""
+        return [unit.name for unit in self._units]
 
     def gathered_storage_bytes(self) -> int:
         """Bytes of full weights currently materialised (0 outside a forward / backward)."""
-        return sum(layer.full.untyped_storage().nbytes() for layer in self._layers)
+        return sum(unit.storage.nbytes() for unit in self._units)
 
     # ------------------------------------------------------------------ helpers
     def _free_all(self) -> None:
-        for layer in self._layers:
-            layer.free(self)
+        for unit in self._units:
+            unit.free(self)
 
     def _log(self, event: str, name: str, phase: str) -> None:
         if self._event_log is not None:

@@ -9,7 +9,10 @@ Variants (one row per dtype x variant, `fsdp.parquet`); every rank runs `--batch
                   forward): FSDP's arithmetic without sharding or communication
     ddp           BucketedDDP (100 MiB buckets) + AdamW; bf16 = autocast
     ddp_sharded   BucketedDDP + ShardedOptimizer(AdamW) (ZeRO-1 style); bf16 = autocast
-    fsdp          parallel.fsdp.FSDP(compute_dtype=bf16 for bf16) + AdamW over the shards
+    fsdp          parallel.fsdp.FSDP(compute_dtype=bf16 for bf16, units=(TransformerBlock,)) + AdamW over the
+                  shards: one all-gather / reduce-scatter per block, as fsdp2
+    fsdp_layer    the same with one unit per Linear / Embedding (the handout's per-layer granularity: 7x the
+                  collectives, each a seventh of the size)
     fsdp2         torch.distributed.fsdp.fully_shard per TransformerBlock and on the root, with
                   MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) for bf16
 
@@ -19,7 +22,7 @@ events, as sweeps/ddp.py). Memory (rank 0 and the maximum over ranks): the CUDA 
 timed steps, and the bytes of parameters, gradients and optimizer state counted tensor by tensor after a step,
 against what the sharding predicts (`expected_state`): per rank, fp32 params P_r, grads P_r and AdamW moments
 2 P_r, with P_r = P (single, ddp; ddp_sharded's moments ~P/N), Linear/Embedding weights padded to ceil(rows/N)
-rows plus replicated norms (fsdp), every parameter padded that way (fsdp2).
+rows plus replicated norms (fsdp, fsdp_layer), every parameter padded that way (fsdp2).
 
 Overlap (variants in `--profile`, default fsdp and fsdp2): two more steps under torch.profiler; from the second
 one's GPU kernels, all-gather and reduce-scatter kernel time and the part of it during which no compute kernel
@@ -28,11 +31,11 @@ kernels with more than 5 us exposed (an all-gather that finished after its layer
 goes to `<out>/traces/fsdp_<variant>_<dtype>.json`. For `fsdp`, `gather_wait_ms` is the host time spent waiting for
 all-gathers per step: the stall itself on gloo, ~0 on NCCL (waits are stream-ordered).
 
-Defaults: CUDA - xl, context 512, 4 sequences per rank, 2 ranks, fp32 and bf16 (budget: under 4 minutes on 2
+Defaults: CUDA - xl, context 512, 4 sequences per rank, 2 ranks, fp32 and bf16 (budget: under 5 minutes on 2
 H200). Four sequences, not sweeps/ddp.py's two: by the planner (parallel/planner.py, H200 peak BF16 and NVLink
 spec), an xl FFN's weight all-gathers on 2 ranks take 1.07x its matmul time at 2 x 2 x 512 tokens and 0.54x at
-2 x 4 x 512, and the fp32 reduce-scatter adds twice the bf16 gather's bytes to the backward. CPU (gloo) - the tiny model at context 64, 2 sequences per rank
-(about a minute). Outputs in `--out`: `fsdp.parquet`, `fsdp.md` (tables and the targets: bf16 fsdp <= 1.10x
+2 x 4 x 512, and the fp32 reduce-scatter adds twice the bf16 gather's bytes to the backward. CPU (gloo) - the
+tiny model at context 64, 2 sequences per rank (about a minute). Outputs in `--out`: `fsdp.parquet`, `fsdp.md` (tables and the targets: bf16 fsdp <= 1.10x
 single, peak <= fsdp2's).
 
     python sweeps/fsdp.py                                         # embedded Ray; CPU/gloo without a GPU
@@ -62,13 +65,13 @@ from parallel.fsdp import FSDP, CastForCompute, is_sharded_module  # noqa: E402
 from parallel.sharded_optimizer import ShardedOptimizer  # noqa: E402
 from raysys.config import SIZES, ModelConfig  # noqa: E402
 from raysys.memory import unique_storage_bytes  # noqa: E402
-from raysys.model import TransformerLM  # noqa: E402
+from raysys.model import TransformerBlock, TransformerLM  # noqa: E402
 from raysys.profiling import device_kernels, overlap, profile_steps  # noqa: E402
 from raysys.train_step import DTYPES, TrainStep, TrialScope, release, sync, time_steps  # noqa: E402
 from sweeps.ddp import adamw_kwargs, make_batch, model_config, parse_list, setup_sentence  # noqa: E402
 
 SWEEP = "fsdp"
-VARIANTS = ("single", "single_cast", "ddp", "ddp_sharded", "fsdp", "fsdp2")
+VARIANTS = ("single", "single_cast", "ddp", "ddp_sharded", "fsdp", "fsdp_layer", "fsdp2")
 AUTOCAST_VARIANTS = ("single", "ddp", "ddp_sharded")  # the others cast weights to the compute dtype themselves
 DDP_BUCKET_MB = 100.0
 STALL_US = 5.0
@@ -104,8 +107,9 @@ def build(config: dict, device: torch.device, process_group) -> tuple[nn.Module,
         model = CastForCompute(model, compute_dtype)
     elif variant in ("ddp", "ddp_sharded"):
         model = make_ddp("bucketed", model, bucket_size_mb=DDP_BUCKET_MB, process_group=process_group)
-    elif variant == "fsdp":
-        model = FSDP(model, compute_dtype=compute_dtype, process_group=process_group)
+    elif variant in ("fsdp", "fsdp_layer"):
+        units = (TransformerBlock,) if variant == "fsdp" else None
+        model = FSDP(model, compute_dtype=compute_dtype, process_group=process_group, units=units)
     elif variant == "fsdp2":
         model = _fully_shard(model, compute_dtype, device, process_group)
     if variant == "ddp_sharded":
@@ -150,8 +154,9 @@ def expected_state(config: dict, world_size: int) -> dict[str, float]:
     sharded = {id(m.weight) for m in model.modules() if is_sharded_module(m)}
     params = list(model.parameters())
     total = sum(p.numel() for p in params)
-    per_rank = {"single": total, "single_cast": total, "ddp": total, "ddp_sharded": total,
-                "fsdp": sum(padded(p) if id(p) in sharded else p.numel() for p in params),
+    ours = sum(padded(p) if id(p) in sharded else p.numel() for p in params)
+    per_rank = {"single": total, "single_cast": total, "ddp": total, "ddp_sharded": total, "fsdp": ours,
+                "fsdp_layer": ours,
                 "fsdp2": sum(padded(p) for p in params)}[config["variant"]]
     moments = 2 * (total / world_size if config["variant"] == "ddp_sharded" else per_rank)
     return {"expected_params_bytes": 4.0 * per_rank, "expected_grads_bytes": 4.0 * per_rank,
@@ -296,8 +301,8 @@ def memory_savings(df: pd.DataFrame) -> pd.DataFrame:
     measured (counted state, allocator peak)."""
     ok = df[df["status"] == "ok"]
     unit, scale = _unit(ok)
-    pairs = [("ddp_sharded", "ddp"), ("fsdp", "ddp"), ("fsdp", "ddp_sharded"), ("fsdp2", "ddp"),
-             ("fsdp2", "ddp_sharded")]
+    pairs = [("ddp_sharded", "ddp"), ("fsdp", "ddp"), ("fsdp", "ddp_sharded"), ("fsdp_layer", "ddp"),
+             ("fsdp2", "ddp"), ("fsdp2", "ddp_sharded")]
     rows = []
     for dtype, part in ok.groupby("dtype", sort=False):
         by = part.set_index("variant")

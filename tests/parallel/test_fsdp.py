@@ -15,7 +15,6 @@ import copy
 import gc
 import warnings
 import weakref
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from torch import nn
 
 from parallel.fsdp import FSDP, CastForCompute
 from raysys.config import ModelConfig
-from raysys.model import AdamW, Embedding, Linear, RMSNorm, TransformerLM, cross_entropy
+from raysys.model import AdamW, Embedding, Linear, RMSNorm, TransformerBlock, TransformerLM, cross_entropy
 from tests.parallel.dist_utils import run_ranks
 
 WORLD = 2
@@ -37,7 +36,7 @@ class ToyModel(nn.Module):
     Odd sizes (101 vocab rows, 37 hidden rows) make every sharded weight need padding on 2 ranks.
     """
 
-    def __init__(self, vocab_size: int = 101, d_model: int = 24, d_ff: int = 37):
+    def __init__(self, vocab_size: int = 101, d_model: int = 24, d_ff: int = 37, spare: bool = False):
         super().__init__()
         self.embedding = Embedding(vocab_size, d_model)
         self.norm1 = RMSNorm(d_model)
@@ -45,6 +44,8 @@ class ToyModel(nn.Module):
         self.norm2 = RMSNorm(d_ff)
         self.down = nn.Linear(d_ff, d_model, bias=True)
         self.lm_head = Linear(d_model, vocab_size)
+        if spare:  # never called: it gets no gradient
+            self.spare = Linear(d_ff, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(self.norm1(self.embedding(x)))
@@ -53,14 +54,19 @@ class ToyModel(nn.Module):
 
 def _build(kind: str, num_layers: int = 2) -> nn.Module:
     torch.manual_seed(0)
-    if kind == "toy":
-        return ToyModel()
+    if kind.startswith("toy"):
+        return ToyModel(spare=kind == "toy-spare")
     return TransformerLM(ModelConfig.from_name("tiny", num_layers=num_layers))
+
+
+# Units per model kind: None = every sharded module alone; the whole toy model as one unit (padding, a bias, an
+# embedding and, for toy-spare, a weight without gradient, all in one all-gather); tiny's blocks.
+UNITS = {"layer": None, "model": ("ToyModel",), "block": (TransformerBlock,)}
 
 
 def _data(kind: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids and targets of one step's whole batch (the same on every rank; each rank takes its slice)."""
-    vocab = {"toy": 101, "tiny": ModelConfig.from_name("tiny").vocab_size}[kind]
+    vocab = 101 if kind.startswith("toy") else ModelConfig.from_name("tiny").vocab_size
     g = torch.Generator().manual_seed(100 + step)
     x = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
     return x, torch.randint(0, vocab, (BATCH, SEQ), generator=g)
@@ -94,11 +100,12 @@ def _cast_weights(model: nn.Module, dtype: torch.dtype | None):
             mod._parameters[name] = p
 
 
-def _train_and_compare(rank: int, world_size: int, kind: str, opt_name: str, compute_dtype, steps: int) -> dict:
+def _train_and_compare(rank: int, world_size: int, kind: str, opt_name: str, compute_dtype, steps: int,
+                       units: str = "layer") -> dict:
     """Train FSDP and the single-process reference side by side; per step: max |difference|, names not bitwise equal."""
     base = _build(kind)
     ref = copy.deepcopy(base)
-    fsdp = FSDP(copy.deepcopy(base), compute_dtype=compute_dtype)
+    fsdp = FSDP(copy.deepcopy(base), compute_dtype=compute_dtype, units=UNITS[units])
     ref_opt, fsdp_opt = _optimizer(opt_name, ref.parameters()), _optimizer(opt_name, fsdp.parameters())
     local = BATCH // world_size
     diffs, mismatched, names = [], [], []
@@ -112,7 +119,7 @@ def _train_and_compare(rank: int, world_size: int, kind: str, opt_name: str, com
                 _loss(ref, x[r * local:(r + 1) * local], y[r * local:(r + 1) * local]).backward()
                 grads.append({n: p.grad for n, p in ref.named_parameters()})
             for n, p in ref.named_parameters():
-                p.grad = (grads[0][n] + grads[1][n]) / 2
+                p.grad = None if grads[0][n] is None else (grads[0][n] + grads[1][n]) / 2
         else:
             ref.zero_grad(set_to_none=True)
             with _cast_weights(ref, compute_dtype):
@@ -128,20 +135,30 @@ def _train_and_compare(rank: int, world_size: int, kind: str, opt_name: str, com
         names = list(full)
         diffs.append(max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()))
         mismatched.append([n for n, p in ref.named_parameters() if not torch.equal(full[n], p.detach())])
-    return dict(diffs=diffs, mismatched=mismatched, names=names, ref_names=[n for n, _ in ref.named_parameters()])
+    no_grad = sorted(n for n, p in fsdp.module.named_parameters() if p.grad is None)
+    return dict(diffs=diffs, mismatched=mismatched, names=names, ref_names=[n for n, _ in ref.named_parameters()],
+                no_grad=no_grad, ref_no_grad=sorted(n for n, p in ref.named_parameters() if p.grad is None))
+
+
+TRAINING = [("toy", "sgd", None, 3, "layer"), ("toy", "adamw", None, 3, "layer"), ("tiny", "adamw", None, 2, "layer"),
+            ("toy", "sgd", torch.float16, 3, "layer"), ("toy", "adamw", None, 3, "model"),
+            ("toy-spare", "adamw", None, 3, "model"), ("tiny", "adamw", None, 2, "block"),
+            ("toy", "sgd", torch.float16, 3, "model"), ("tiny", "sgd", torch.float16, 2, "block")]
 
 
 def _check_training(rank: int, world_size: int) -> dict:
-    return {(kind, opt, str(dtype)): _train_and_compare(rank, world_size, kind, opt, dtype, steps)
-            for kind, opt, dtype, steps in [("toy", "sgd", None, 3), ("toy", "adamw", None, 3),
-                                            ("tiny", "adamw", None, 2), ("toy", "sgd", torch.float16, 3)]}
+    return {(kind, opt, str(dtype), units): _train_and_compare(rank, world_size, kind, opt, dtype, steps, units)
+            for kind, opt, dtype, steps, units in TRAINING}
 
 
-def _check_sync_and_memory(rank: int, world_size: int, compute_dtype) -> dict:
+DEPTHS = (3, 6)  # blocks: with three, the three units alive at once can all be blocks
+
+
+def _check_sync_and_memory(rank: int, world_size: int, compute_dtype, units: str = "layer") -> dict:
     """Grad shapes/dtypes, replicated grads across ranks, freed weights, collective counts, 1 vs 4 blocks."""
     out = {}
-    for num_layers in (1, 4):
-        fsdp = FSDP(_build("tiny", num_layers), compute_dtype=compute_dtype)
+    for num_layers in DEPTHS:
+        fsdp = FSDP(_build("tiny", num_layers), compute_dtype=compute_dtype, units=UNITS[units])
         x, _ = _data("tiny", step=rank)  # different data on each rank
         live_after = []
         for _ in range(2):  # the second step prefetches
@@ -154,7 +171,7 @@ def _check_sync_and_memory(rank: int, world_size: int, compute_dtype) -> dict:
             live_after.append(fsdp.gathered_storage_bytes())
         replicated_equal = {}
         for name, p in fsdp.module.named_parameters():
-            if id(p) not in fsdp._layer_of_shard:
+            if id(p) not in fsdp._weight_of_shard:
                 both = [torch.empty_like(p.grad) for _ in range(world_size)]
                 dist.all_gather(both, p.grad)
                 replicated_equal[name] = torch.equal(both[0], both[1])
@@ -163,10 +180,11 @@ def _check_sync_and_memory(rank: int, world_size: int, compute_dtype) -> dict:
             grads={n: (p.grad is not None and p.grad.shape == p.shape, p.grad.dtype if p.grad is not None else None)
                    for n, p in fsdp.module.named_parameters()},
             replicated_equal=replicated_equal, live_after=live_after,
-            peak=s.peak_gathered_bytes, max_layer=max(layer.nbytes for layer in fsdp._layers),
+            peak=s.peak_gathered_bytes, max_unit=max(unit.nbytes for unit in fsdp._units),
+            multi_weight=any(len(unit.weights) > 1 for unit in fsdp._units), units=fsdp.unit_names,
             counts=(s.all_gathers, s.reduce_scatters, s.all_reduces),
-            expected=(2 * len(fsdp._layers) - 1, len(fsdp._layers), 1))  # replicated grads: one flat all-reduce
-        if num_layers == 1:
+            expected=(2 * len(fsdp._units) - 1, len(fsdp._units), 1))  # replicated grads: one flat all-reduce
+        if num_layers == DEPTHS[0]:
             # Accumulation: two forward/backward passes on the same data, one finish -> exactly twice the gradients.
             once = [p.grad.clone() for p in fsdp.module.parameters()]
             fsdp.zero_grad(set_to_none=True)
@@ -175,7 +193,7 @@ def _check_sync_and_memory(rank: int, world_size: int, compute_dtype) -> dict:
             fsdp.finish_gradient_synchronization()
             out["accumulated_equal"] = all(torch.equal(p.grad, 2 * g) for p, g in zip(fsdp.module.parameters(), once))
             # The all-reduce + narrow fallback (gloo builds without reduce-scatter) gives the same gradients.
-            fallback = FSDP(_build("tiny", num_layers), compute_dtype=compute_dtype)
+            fallback = FSDP(_build("tiny", num_layers), compute_dtype=compute_dtype, units=UNITS[units])
             fallback._reduce_scatter_ok = False
             fallback(x).float().sum().backward()
             fallback.finish_gradient_synchronization()
@@ -183,13 +201,15 @@ def _check_sync_and_memory(rank: int, world_size: int, compute_dtype) -> dict:
     return out
 
 
-def _check_prefetch(rank: int, world_size: int) -> list:
+def _check_prefetch(rank: int, world_size: int, units: str = "layer") -> list:
     events: list = []
     model = _build("tiny", 2)
     for name, mod in model.named_modules():  # registered before FSDP's hooks, so they run first
-        if isinstance(mod, (Linear, Embedding)):
-            mod.register_forward_hook(lambda m, a, o, name=name: events.append(("forward_done", f"{name}.weight", "")))
-    fsdp = FSDP(model, event_log=events)
+        if isinstance(mod, (Linear, Embedding)) if units == "layer" else \
+                isinstance(mod, TransformerBlock) or (isinstance(mod, (Linear, Embedding)) and "layers" not in name):
+            unit_name = f"{name}.weight" if isinstance(mod, (Linear, Embedding)) else name
+            mod.register_forward_hook(lambda m, a, o, name=unit_name: events.append(("forward_done", name, "")))
+    fsdp = FSDP(model, event_log=events, units=UNITS[units])
     x, y = _data("tiny", 0)
     for _ in range(2):
         events.append(("step", "", ""))
@@ -198,10 +218,12 @@ def _check_prefetch(rank: int, world_size: int) -> list:
     return events
 
 
-def _hook_count(fsdp: FSDP) -> int:
-    """Hooks FSDP put on the model: forward pre/post hooks of the sharded modules, grad hooks of their full weights."""
-    return sum(len(layer.module._forward_pre_hooks) + len(layer.module._forward_hooks)
-               + len(layer.full._post_accumulate_grad_hooks or {}) for layer in fsdp._layers)
+def _hook_count(units: list) -> int:
+    """Hooks FSDP put on the model: forward pre/post hooks of the units' roots and sharded modules, grad hooks of
+    the full weights."""
+    modules = {id(m): m for unit in units for m in [unit.root] + [w.module for w in unit.weights]}
+    return (sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in modules.values())
+            + sum(len(w.full._post_accumulate_grad_hooks or {}) for unit in units for w in unit.weights))
 
 
 def _check_lifetime(rank: int, world_size: int) -> dict:
@@ -215,14 +237,14 @@ def _check_lifetime(rank: int, world_size: int) -> dict:
     fsdp.finish_gradient_synchronization()
     optimizer.step()
     wrapper, model = weakref.ref(fsdp), weakref.ref(module)
-    layers = list(fsdp._layers)  # kept only to count the hooks left behind
-    hooks_while_wrapped = _hook_count(fsdp)
+    units = list(fsdp._units)  # kept only to count the hooks left behind
+    hooks_while_wrapped = _hook_count(units)
     gc.disable()
     try:
         del fsdp, optimizer
         wrapper_freed = wrapper() is None
-        hooks_left = _hook_count(SimpleNamespace(_layers=layers))
-        del module, layers
+        hooks_left = _hook_count(units)
+        del module, units
         model_freed = model() is None
     finally:
         gc.enable()
@@ -236,7 +258,7 @@ def _check_lifetime(rank: int, world_size: int) -> dict:
     except RuntimeError as exc:
         forward_error = str(exc)
     return dict(hooks_while_wrapped=hooks_while_wrapped, wrapper_freed=wrapper_freed, hooks_left=hooks_left,
-                model_freed=model_freed, hooks_after_remove=_hook_count(fsdp), forward_error=forward_error)
+                model_freed=model_freed, hooks_after_remove=_hook_count(fsdp._units), forward_error=forward_error)
 
 
 def _all_checks(rank: int, world_size: int) -> dict:
@@ -247,8 +269,10 @@ def _all_checks(rank: int, world_size: int) -> dict:
     torch.autograd.set_detect_anomaly(True, check_nan=False)
     warnings.simplefilter("error")
     return dict(training=_check_training(rank, world_size),
-                sync={str(dt): _check_sync_and_memory(rank, world_size, dt) for dt in (None, torch.bfloat16)},
-                prefetch=_check_prefetch(rank, world_size), lifetime=_check_lifetime(rank, world_size))
+                sync={(str(dt), units): _check_sync_and_memory(rank, world_size, dt, units)
+                      for dt in (None, torch.bfloat16) for units in ("layer", "block")},
+                prefetch={units: _check_prefetch(rank, world_size, units) for units in ("layer", "block")},
+                lifetime=_check_lifetime(rank, world_size))
 
 
 @pytest.fixture(scope="module")
@@ -257,61 +281,72 @@ def per_rank() -> list[dict]:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("kind,opt", [("toy", "sgd"), ("toy", "adamw"), ("tiny", "adamw")])
-def test_fp32_training_is_bitwise_equal_to_single_process(per_rank, kind, opt):
+@pytest.mark.parametrize("kind,opt,units", [("toy", "sgd", "layer"), ("toy", "adamw", "layer"),
+                                            ("tiny", "adamw", "layer"), ("toy", "adamw", "model"),
+                                            ("toy-spare", "adamw", "model"), ("tiny", "adamw", "block")])
+def test_fp32_training_is_bitwise_equal_to_single_process(per_rank, kind, opt, units):
     for res in per_rank:
-        r = res["training"][(kind, opt, "None")]
+        r = res["training"][(kind, opt, "None", units)]
         assert r["names"] == r["ref_names"]  # gather_full_params names = the unwrapped model's
         assert r["mismatched"] == [[]] * len(r["diffs"]), f"max |diff| per step {r['diffs']}"
+        # a weight that got no gradient has none (AdamW would decay it on a zero gradient), as without FSDP
+        assert r["no_grad"] == r["ref_no_grad"] == (["spare.weight"] if kind == "toy-spare" else []), r
 
 
 @pytest.mark.multiproc
-def test_fp16_compute_matches_mixed_precision_reference(per_rank):
+@pytest.mark.parametrize("kind,units", [("toy", "layer"), ("toy", "model"), ("tiny", "block")])
+def test_fp16_compute_matches_mixed_precision_reference(per_rank, kind, units):
     for res in per_rank:
-        diffs = res["training"][("toy", "sgd", str(torch.float16))]["diffs"]
+        diffs = res["training"][(kind, "sgd", str(torch.float16), units)]["diffs"]
         assert max(diffs) < 1e-4, diffs
         assert max(diffs) > 0, diffs  # fp16 is really in use: per-slice fp16 sums differ from the full batch's
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize("units", ["layer", "block"])
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
-def test_gradients_synchronised_and_gathered_weights_freed(per_rank, dtype):
+def test_gradients_synchronised_and_gathered_weights_freed(per_rank, dtype, units):
     for res in per_rank:
-        r = res["sync"][str(dtype)]
-        for num_layers in (1, 4):
+        r = res["sync"][(str(dtype), units)]
+        for num_layers in DEPTHS:
             got = r[num_layers]
+            assert len(got["units"]) == (2 + (7 if units == "layer" else 1) * num_layers), got["units"]
             assert all(ok and dt == torch.float32 for ok, dt in got["grads"].values()), got["grads"]
             assert all(got["replicated_equal"].values()), got["replicated_equal"]
             assert got["live_after"] == [0] * 4  # after each forward and each backward: nothing gathered
-            # forward gathers every layer; backward every layer but the embedding (its backward never reads it)
+            # forward gathers every unit; backward every unit but the embedding (its backward never reads it)
             assert got["counts"] == got["expected"]
-            assert got["peak"] <= 3 * got["max_layer"]
-        assert r[4]["peak"] == r[1]["peak"]  # gathered memory does not grow with depth
+            # at most three units' full weights, plus the two prefetched all-gather outputs awaiting copy-out
+            assert got["peak"] <= (5 if got["multi_weight"] else 3) * got["max_unit"]
+        assert r[DEPTHS[1]]["peak"] == r[DEPTHS[0]]["peak"]  # gathered memory does not grow with depth
         assert r["fallback_equal"] and r["accumulated_equal"]
 
 
 @pytest.mark.multiproc
-def test_forward_prefetch_starts_after_the_layer_two_before(per_rank):
-    events = per_rank[0]["prefetch"]
+@pytest.mark.parametrize("units", ["layer", "block"])
+def test_forward_prefetch_starts_after_the_unit_two_before(per_rank, units):
+    events = per_rank[0]["prefetch"][units]
     steps = [i for i, e in enumerate(events) if e[0] == "step"]
     for first, step_events in ((True, events[steps[0]:steps[1]]), (False, events[steps[1]:])):
         forward = [e for e in step_events if e[2] in ("forward", "")]
         order = [name for kind, name, _ in forward if kind == "forward_done"]
-        assert len(order) == 2 * 7 + 2  # embedding, 7 linears per block, lm_head
+        # embedding, 7 linears per block (or the block), lm_head
+        assert order == (["token_embeddings.weight"] + [f"layers.{i}" for i in range(2)] + ["lm_head.weight"]
+                         if units == "block" else order) and len(order) == 2 * (7 if units == "layer" else 1) + 2
         where = {(kind, name): i for i, (kind, name, _) in enumerate(forward) if kind != "step"}
         for i, name in enumerate(order):
             assert [n for _, n, _ in forward].count(name) == 2  # one gather, one forward
             gather = where[("all_gather", name)]
-            if i >= 2:  # the rule: gather(i) only after layer i-2 finished its forward pass
+            if i >= 2:  # the rule: gather(i) only after unit i-2 finished its forward pass
                 assert gather > where[("forward_done", order[i - 2])], name
-            if not first and i >= 1:  # and, once the order is known, before layer i-1 finished (overlapping it)
+            if not first and i >= 1:  # and, once the order is known, before unit i-1 finished (overlapping it)
                 assert gather < where[("forward_done", order[i - 1])], name
         backward = [e for e in step_events if e[2] == "backward"]
-        for name in order[1:]:  # every linear is gathered again before its gradient is reduce-scattered
+        for name in order[1:]:  # every unit is gathered again before its gradient is reduce-scattered
             gathered = backward.index(("all_gather", name, "backward"))
             assert gathered < backward.index(("reduce_scatter", name, "backward"))
         assert ("all_gather", order[0], "backward") not in backward
-        # Backward prefetch: the next layer's gather is issued before the current layer's gradient is done.
+        # Backward prefetch: the next unit's gather is issued before the current unit's gradient is done.
         gathers = [name for kind, name, _ in backward if kind == "all_gather"]
         for current, nxt in zip(gathers, gathers[1:]):
             assert backward.index(("all_gather", nxt, "backward")) < backward.index(("reduce_scatter", current,
@@ -333,6 +368,14 @@ def test_invalid_arguments_raise_before_any_communication():
         FSDP(nn.Linear(2, 2), compute_dtype=torch.int32)
     with pytest.raises(ValueError, match="max_inflight_reductions"):
         FSDP(nn.Linear(2, 2), max_inflight_reductions=0)
+    with pytest.raises(ValueError, match="units"):
+        FSDP(nn.Linear(2, 2), units=(42,))
+    with pytest.raises(ValueError, match="no module of those classes"):
+        FSDP(ToyModel(), units=("TransformerBlock",))
+    mixed = ToyModel()
+    mixed.up.half()
+    with pytest.raises(ValueError, match="share one"):
+        FSDP(mixed, units=(ToyModel,))
     with pytest.raises(ValueError, match="process group"):
         FSDP(nn.Linear(2, 2))
 

@@ -20,7 +20,7 @@ from parallel.ddp import make_ddp
 from parallel.fsdp import FSDP
 from parallel.sharded_optimizer import ShardedOptimizer
 from raysys.config import ModelConfig
-from raysys.model import AdamW, TransformerLM, cross_entropy
+from raysys.model import AdamW, TransformerBlock, TransformerLM, cross_entropy
 from tests.parallel.dist_utils import run_ranks
 from tests.parallel.test_fsdp import _cast_weights
 
@@ -116,6 +116,9 @@ def _all(rank: int, world_size: int) -> dict:
     results["sharded"] = _train(rank, world_size, "sharded", {})
     results["fsdp:fp32"] = _train(rank, world_size, "fsdp", {})
     results["fsdp:bf16"] = _train(rank, world_size, "fsdp", {"compute_dtype": torch.bfloat16})
+    blocks = {"units": (TransformerBlock,)}  # one all-gather per block: the copy-in / copy-out path
+    results["fsdp_block:fp32"] = _train(rank, world_size, "fsdp", blocks)
+    results["fsdp_block:bf16"] = _train(rank, world_size, "fsdp", {**blocks, "compute_dtype": torch.bfloat16})
     # The same process group must still work: no collective was left pending by any wrapper.
     t = torch.ones(1, device=_device(rank))
     dist.all_reduce(t)
@@ -128,15 +131,19 @@ def per_rank() -> list[dict]:
     return run_ranks(_all, WORLD, backend="nccl", timeout_s=300)
 
 
-@pytest.mark.parametrize("name", [f"ddp:{k}{sorted(kw.items())}" for k, kw in DDP_VARIANTS] + ["sharded", "fsdp:fp32"])
+FP32_RUNS = [f"ddp:{k}{sorted(kw.items())}" for k, kw in DDP_VARIANTS] + ["sharded", "fsdp:fp32", "fsdp_block:fp32"]
+
+
+@pytest.mark.parametrize("name", FP32_RUNS)
 def test_fp32_bitwise_equal_to_single_process_on_nccl(per_rank, name):
     for res in per_rank:
         steps = res[name]
         assert [mismatched for _, mismatched in steps] == [[]] * STEPS, f"max |diff| per step {steps}"
 
 
-def test_fsdp_bf16_compute_matches_cast_reference_on_nccl(per_rank):
+@pytest.mark.parametrize("name", ["fsdp:bf16", "fsdp_block:bf16"])
+def test_fsdp_bf16_compute_matches_cast_reference_on_nccl(per_rank, name):
     for res in per_rank:
-        diffs = [d for d, _ in res["fsdp:bf16"]]
+        diffs = [d for d, _ in res[name]]
         assert 0 < max(diffs) < 1e-3, diffs  # > 0: bf16 is really in use
     assert per_rank[0]["all_reduce_after"] == WORLD
