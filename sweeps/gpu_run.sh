@@ -4,7 +4,8 @@
 # and the results packed into $OUT/results.tgz. Run from the repository root, e.g. on a lent GPU host:
 #
 #   bash sweeps/gpu_run.sh dist      # 2 GPUs: NCCL-setting scan + collectives grid, DDP + sharded optimizer (~8 min)
-#   bash sweeps/gpu_run.sh fsdp      # 2 GPUs: FSDP study, the gpu-marked tests (-n 8), checkpointing    (~9.5 min)
+#   bash sweeps/gpu_run.sh fsdp      # 2 GPUs: FSDP study (all variants), the gpu-marked tests (-n 8)     (~6 min)
+#   bash sweeps/gpu_run.sh ckpt      # checkpointing trials (Ray Tune, one GPU per trial)                  (~4 min)
 #   bash sweeps/gpu_run.sh flash     # Ray Tune tile sweep (one GPU per trial), the FlashAttention grid    (~9.5 min)
 #   bash sweeps/gpu_run.sh nccl      # more NCCL settings for the 1 GiB all-reduce                         (~2 min)
 #   bash sweeps/gpu_run.sh tests     # the gpu-marked tests (-n 8 needs pytest-xdist)                      (~1 min)
@@ -12,7 +13,7 @@
 #
 # Ray comes from wheels when the host has none: set WHEELS=.whl (see README, "GPU hosts without Ray").
 set -u
-phase=${1:?usage: gpu_run.sh dist|fsdp|flash|nccl|tests|e2e}
+phase=${1:?usage: gpu_run.sh dist|fsdp|ckpt|flash|nccl|tests|e2e}
 OUT=${OUT:-/tmp/raysys-gpu}
 RESULTS=${RESULTS:-results}
 mkdir -p "$OUT" "$RESULTS"
@@ -62,9 +63,11 @@ PY
     study ddp 330 python3 sweeps/ddp.py --device cuda --out "$RESULTS" --resume --warmup 2 --steps 8 \
       --max-steps 12 --variants "$DDP_VARIANTS" --profile naive,overlapped
     ;;
-  fsdp)  # FSDP, the tests (8 workers), then the checkpointing trials (Ray Tune, one GPU per trial: two at a time)
-    study fsdp 200 python3 sweeps/fsdp.py --device cuda --out "$RESULTS" --resume
+  fsdp)  # FSDP (every variant of a dtype in one run, for the same-run ratios), then the tests (8 workers)
+    study fsdp 290 python3 sweeps/fsdp.py --device cuda --out "$RESULTS" --resume
     study gpu_tests 120 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 tests
+    ;;
+  ckpt)  # the checkpointing trials (Ray Tune, one GPU per trial: two at a time)
     study checkpointing 250 python3 sweeps/checkpointing.py --device cuda --out "$RESULTS" --resume
     ;;
   flash)  # the Ray Tune tile sweep (one GPU per trial), then the FlashAttention grid on one GPU
@@ -87,7 +90,7 @@ PY
     study end_to_end 420 python3 sweeps/end_to_end.py --device cuda --out "$RESULTS" --resume
     ;;
   *)
-    echo "unknown phase $phase (dist, fsdp, flash, nccl, tests, e2e)" >&2
+    echo "unknown phase $phase (dist, fsdp, ckpt, flash, nccl, tests, e2e)" >&2
     exit 2
     ;;
 esac
