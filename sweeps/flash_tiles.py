@@ -255,6 +255,15 @@ def best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict[str, 
     return out
 
 
+def json_note(df: pd.DataFrame) -> str:
+    """Where the tuned configs come from: trial counts and the device / versions they were measured with."""
+    ok = df[df["status"] == "ok"]
+    where = "; ".join(sorted({f"{r.device_name}, torch {r.torch_version}, triton {r.triton_version}"
+                              for r in ok[["device_name", "torch_version", "triton_version"]].itertuples()}))
+    return (f"written by sweeps/flash_tiles.py from the {len(ok)} measured trials ({len(df)} in all) of "
+            f"flash_tiles.parquet ({where or 'no device'})")
+
+
 def write_json(data: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
@@ -306,7 +315,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     df = writer.frame()
     tuned = best_configs(df)
     if not args.no_json:
-        write_json({"note": f"written by sweeps/flash_tiles.py from {writer.path}", **tuned}, Path(args.json))
+        write_json({"note": json_note(df), **tuned}, Path(args.json))
         print(f"tuned configs -> {args.json}")
     for kernel, entries in tuned.items():
         for e in entries[:3]:

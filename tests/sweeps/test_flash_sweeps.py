@@ -93,8 +93,11 @@ def test_best_configs_round_trip_into_the_kernels_loader(tmp_path):
     assert per_shape == {a: (64, 64), b: (128, 64)}
     assert best["dkdv"] == [] and best["dq"] == []
     path = tmp_path / "tuned.json"
-    flash_tiles.write_json({"note": "test", **best}, path)
+    df = pd.DataFrame(rows).assign(device_name="H", torch_version="2.11", triton_version="3.6")
+    flash_tiles.write_json({"note": flash_tiles.json_note(df), **best}, path)
     assert load_tuned_configs(path)["fwd"] == json.loads(path.read_text())["fwd"]
+    assert json.loads(path.read_text())["note"].endswith("the 5 measured trials (6 in all) of flash_tiles.parquet "
+                                                         "(H, torch 2.11, triton 3.6)")
 
 
 def test_best_configs_ignore_a_partly_swept_shape():
