@@ -26,7 +26,8 @@ Layout of a unit (N ranks, weights w_1..w_k with padded shard sizes s_1..s_k, S 
                     it directly); each full weight is a leaf `nn.Parameter` viewing its piece
     reduce-scatter  in (N, S) fp32: `_chunk_cat` of the weights' full gradients (row r: the rows rank r owns, padded,
                     cast to fp32 in the same kernel); out (S,) fp32: the summed gradient of this rank's shards
-The full storage is allocated (`resize_`) just before its all-gather and released (`resize_(0)`) right after use;
+The full storage is allocated (`resize_`) just before it is written (its all-gather, or the copy-out of a unit of
+several weights, so a prefetch in flight holds one buffer) and released (`resize_(0)`) right after use;
 autograd keeps referring to the same full weights, so the backward's re-gather refills what the saved graph reads.
 The copy-out writes through separate tensors on the same storage, so the full weights' version counters, which
 the saved graph checks, never move.
@@ -270,21 +271,19 @@ class _Unit:
     def start_gather(self, fsdp: "FSDP", phase: str) -> None:
         if self.state != _FREE:
             return
-        self.storage.resize_(self.nbytes)
         # Cast before communicating: in compute_dtype the all-gather moves half the bytes of fp32.
         self._send = self.shard_flat if self.shard_flat.dtype == self.dtype else self.shard_flat.to(self.dtype)
-        n = fsdp.world_size
         if len(self.weights) == 1:  # rank-major is the weight's own layout: gather in place
+            self.storage.resize_(self.nbytes)
             recv = self.weights[0].padded.view(-1)
-        else:
-            recv = self._recv = torch.empty(n * self.shard_numel, dtype=self.dtype, device=self.shard_flat.device)
-            fsdp._gathered_bytes += self.nbytes
+        else:  # the full storage is allocated at copy-out, so an in-flight prefetch holds one buffer, not two
+            recv = self._recv = torch.empty(fsdp.world_size * self.shard_numel, dtype=self.dtype,
+                                            device=self.shard_flat.device)
+        fsdp._count_gathered(self.nbytes)
         self._work = _all_gather(recv, self._send, group=fsdp.process_group, async_op=True)
         self.state = _GATHERING
         fsdp.stats.all_gathers += 1
         fsdp.stats.all_gather_bytes += self.nbytes
-        fsdp._gathered_bytes += self.nbytes
-        fsdp.stats.peak_gathered_bytes = max(fsdp.stats.peak_gathered_bytes, fsdp._gathered_bytes)
         fsdp._log("all_gather", self.name, phase)
 
     def wait_gather(self, fsdp: "FSDP", phase: str | None = None, copy_out: bool = True) -> None:
@@ -299,9 +298,11 @@ class _Unit:
             setattr(fsdp.stats, attr, getattr(fsdp.stats, attr) + time.perf_counter() - start)
         if self._recv is not None:
             if copy_out:
+                self.storage.resize_(self.nbytes)
+                fsdp._count_gathered(self.nbytes)
                 torch.split_with_sizes_copy(self._recv.view(fsdp.world_size, -1), self.sizes, dim=1,
                                             out=[w.padded for w in self.weights])
-            fsdp._gathered_bytes -= self.nbytes
+            fsdp._count_gathered(-self.nbytes)
         self._work = self._send = self._recv = None
         self.state = _READY
 
@@ -309,9 +310,9 @@ class _Unit:
         if self.state == _FREE:
             return
         self.wait_gather(fsdp, copy_out=False)  # never release memory a collective may still write
+        fsdp._count_gathered(-self.storage.nbytes())
         self.storage.resize_(0)
         self.state = _FREE
-        fsdp._gathered_bytes -= self.nbytes
 
     def swap_in(self) -> None:
         for w in self.weights:
@@ -649,6 +650,10 @@ class FSDP(nn.Module):
     def _free_all(self) -> None:
         for unit in self._units:
             unit.free(self)
+
+    def _count_gathered(self, delta: int) -> None:
+        self._gathered_bytes += delta
+        self.stats.peak_gathered_bytes = max(self.stats.peak_gathered_bytes, self._gathered_bytes)
 
     def _log(self, event: str, name: str, phase: str) -> None:
         if self._event_log is not None:

@@ -3,17 +3,17 @@
 # timeout, `--resume` (an interrupted study keeps its finished trials; running the phase again continues it)
 # and the results packed into $OUT/results.tgz. Run from the repository root, e.g. on a lent GPU host:
 #
-#   bash sweeps/gpu_run.sh dist      # 2 GPUs: NCCL-setting scan + collectives grid, DDP + sharded optimizer (~8 min)
+#   bash sweeps/gpu_run.sh dist      # 2 GPUs: NCCL-setting scan + collectives grid, DDP + sharded optimizer (~9 min)
+#   bash sweeps/gpu_run.sh allreduce # 2 GPUs: the NCCL-setting scan + collectives grid alone               (~4 min)
 #   bash sweeps/gpu_run.sh fsdp      # 2 GPUs: FSDP study (all variants), the gpu-marked tests (-n 8)     (~6 min)
 #   bash sweeps/gpu_run.sh ckpt      # checkpointing trials (Ray Tune, one GPU per trial)                  (~4 min)
 #   bash sweeps/gpu_run.sh flash     # Ray Tune tile sweep (one GPU per trial), the FlashAttention grid    (~9.5 min)
-#   bash sweeps/gpu_run.sh nccl      # more NCCL settings for the 1 GiB all-reduce                         (~2 min)
 #   bash sweeps/gpu_run.sh tests     # the gpu-marked tests (-n 8 needs pytest-xdist)                      (~1 min)
 #   bash sweeps/gpu_run.sh e2e       # the end-to-end model study (handout 2)                             (~7 min)
 #
 # Ray comes from wheels when the host has none: set WHEELS=.whl (see README, "GPU hosts without Ray").
 set -u
-phase=${1:?usage: gpu_run.sh dist|fsdp|ckpt|flash|nccl|tests|e2e}
+phase=${1:?usage: gpu_run.sh dist|allreduce|fsdp|ckpt|flash|tests|e2e}
 OUT=${OUT:-/tmp/raysys-gpu}
 RESULTS=${RESULTS:-results}
 mkdir -p "$OUT" "$RESULTS"
@@ -38,30 +38,41 @@ study() {  # study NAME SECONDS command...: run with a timeout, keep its log, ne
 
 # NCCL settings the collectives scan compares (mp launch, all-reduce, 2 ranks); the best at 1 GiB then runs the
 # whole grid next to NCCL's defaults, Ray and multiprocessing launches alike.
-NCCL_SCAN=(default NCCL_MIN_NCHANNELS=32,NCCL_MAX_NCHANNELS=32 NCCL_MIN_NCHANNELS=24,NCCL_MAX_NCHANNELS=24
+NCCL_SCAN=(default NCCL_MIN_NCHANNELS=24,NCCL_MAX_NCHANNELS=24 NCCL_MIN_NCHANNELS=32,NCCL_MAX_NCHANNELS=32
+           NCCL_MIN_NCHANNELS=48,NCCL_MAX_NCHANNELS=48 NCCL_MIN_NCHANNELS=64,NCCL_MAX_NCHANNELS=64
            NCCL_BUFFSIZE=16777216 NCCL_MIN_NCHANNELS=32,NCCL_MAX_NCHANNELS=32,NCCL_BUFFSIZE=16777216
+           NCCL_MIN_NCHANNELS=32,NCCL_MAX_NCHANNELS=32,NCCL_P2P_NVL_CHUNKSIZE=1048576
+           NCCL_MIN_NCHANNELS=32,NCCL_MAX_NCHANNELS=32,NCCL_ALGO=Ring,NCCL_PROTO=Simple
            NCCL_PROTO=LL128 NCCL_NTHREADS=512)
-DDP_VARIANTS=single,naive,flat,overlapped,bucketed:1,bucketed:10,bucketed:100,bucketed:1000,torch,overlapped@8,bucketed:100@8
+DDP_VARIANTS=single,naive,flat,overlapped,bucketed:1,bucketed:10,bucketed:100,bucketed:1000
+DDP_VARIANTS+=,torch,overlapped@8,bucketed:100@8
 
-case $phase in
-  dist)
-    scan=()
-    for env in "${NCCL_SCAN[@]}"; do scan+=(--nccl-env "$env"); done
-    study allreduce_scan 120 python3 sweeps/allreduce.py --device cuda --out "$RESULTS" --resume --world-sizes 2 \
-      --launchers mp --ops all_reduce --sizes 256MiB,1GiB "${scan[@]}"
-    best=$(python3 - "$RESULTS" <<'PY'
+allreduce() {  # the scan (mp launch, all-reduce, 2 ranks), then the whole grid with the best setting and the defaults
+  local scan=() env best
+  for env in "${NCCL_SCAN[@]}"; do scan+=(--nccl-env "$env"); done
+  study allreduce_scan 240 python3 sweeps/allreduce.py --device cuda --out "$RESULTS" --resume --world-sizes 2 \
+    --launchers mp --ops all_reduce --sizes 256MiB,1GiB "${scan[@]}"
+  best=$(python3 - "$RESULTS" <<'PY'
 import sys, pandas as pd
 d = pd.read_parquet(f"{sys.argv[1]}/allreduce.parquet")
 d = d[(d.status == "ok") & (d.op == "all_reduce") & (d.size_bytes == 2**30) & (d.launcher == "mp")]
 print((d.loc[d.busbw_GBps.idxmax(), "nccl_env"] or "default") if len(d) else "default")
 PY
 )
-    echo "   best NCCL setting at 1 GiB: $best"
-    grid=(--nccl-env default)
-    [ "$best" != default ] && grid+=(--nccl-env "$best")
-    study allreduce 150 python3 sweeps/allreduce.py --device cuda --out "$RESULTS" --resume "${grid[@]}"
+  echo "   best NCCL setting at 1 GiB: $best"
+  local grid=(--nccl-env default)
+  [ "$best" != default ] && grid+=(--nccl-env "$best")
+  study allreduce 150 python3 sweeps/allreduce.py --device cuda --out "$RESULTS" --resume "${grid[@]}"
+}
+
+case $phase in
+  dist)
+    allreduce
     study ddp 330 python3 sweeps/ddp.py --device cuda --out "$RESULTS" --resume --warmup 2 --steps 8 \
       --max-steps 12 --variants "$DDP_VARIANTS" --profile naive,overlapped
+    ;;
+  allreduce)
+    allreduce
     ;;
   fsdp)  # FSDP (every variant of a dtype in one run, for the same-run ratios), then the tests (8 workers)
     study fsdp 290 python3 sweeps/fsdp.py --device cuda --out "$RESULTS" --resume
@@ -76,13 +87,6 @@ PY
     study flash_grid 250 python3 sweeps/flash_bench.py --study grid --device cuda --out "$RESULTS" --resume \
       --max-seconds 230
     ;;
-  nccl)  # more NCCL settings for the 1 GiB all-reduce (the first scan's best, 32 channels, reached 342 GB/s)
-    study allreduce_scan2 150 python3 sweeps/allreduce.py --device cuda --out "$RESULTS" --resume --world-sizes 2 \
-      --launchers mp --ops all_reduce --sizes 256MiB,1GiB --nccl-env default \
-      --nccl-env NCCL_MIN_NCHANNELS=48,NCCL_MAX_NCHANNELS=48 --nccl-env NCCL_MIN_NCHANNELS=64,NCCL_MAX_NCHANNELS=64 \
-      --nccl-env NCCL_MIN_NCHANNELS=32,NCCL_MAX_NCHANNELS=32,NCCL_P2P_NVL_CHUNKSIZE=1048576 \
-      --nccl-env NCCL_MIN_NCHANNELS=32,NCCL_MAX_NCHANNELS=32,NCCL_ALGO=Ring,NCCL_PROTO=Simple
-    ;;
   tests)
     study gpu_tests 170 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 tests
     ;;
@@ -90,9 +94,10 @@ PY
     study end_to_end 420 python3 sweeps/end_to_end.py --device cuda --out "$RESULTS" --resume
     ;;
   *)
-    echo "unknown phase $phase (dist, fsdp, ckpt, flash, nccl, tests, e2e)" >&2
+    echo "unknown phase $phase (dist, allreduce, fsdp, ckpt, flash, tests, e2e)" >&2
     exit 2
     ;;
 esac
-tar czf "$OUT/results.tgz" --exclude='*.pickle' --exclude='traces' "$RESULTS" kernels/flash_attention_tuned.json 2>/dev/null
+tar czf "$OUT/results.tgz" --exclude='*.pickle' --exclude='traces' "$RESULTS" kernels/flash_attention_tuned.json \
+  2>/dev/null
 echo "packed $OUT/results.tgz"
