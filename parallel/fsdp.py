@@ -372,7 +372,8 @@ class FSDP(nn.Module):
         units: module classes (or class names) whose outermost instances are gathered as one unit, e.g.
             `(TransformerBlock,)`; None (default): every sharded module is its own unit.
         max_inflight_reductions: gradient reduce-scatters allowed in flight before the oldest is waited for;
-            bounds the fp32 full-size gradient buffers alive during backward.
+            bounds the fp32 full-size gradient buffers alive during backward (1, as FSDP2: a unit's
+            reduce-scatter has the next unit's backward to finish in; on NCCL the wait is stream-ordered).
         event_log: if a list, ("all_gather" | "reduce_scatter", unit name, "forward" | "backward") tuples are
             appended as collectives are issued (for tests of the prefetch rule). A unit of one module is named
             after its weight (`layers.0.attn.q_proj.weight`), a larger one after its root (`layers.0`).
@@ -380,7 +381,7 @@ class FSDP(nn.Module):
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
                  process_group: dist.ProcessGroup | None = None, *, units: Iterable[type | str] | None = None,
-                 max_inflight_reductions: int = 2, event_log: list | None = None):
+                 max_inflight_reductions: int = 1, event_log: list | None = None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
