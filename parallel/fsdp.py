@@ -44,6 +44,8 @@ hook on each full weight):
                (reverse forward order); wait for all-gather(i)
     post-hook  once every trainable weight of the unit has its gradient: free the full weights, issue
                reduce-scatter(SUM) of the fp32 gradients into this rank's shards
+A unit whose weights are all frozen (`requires_grad=False`) is gathered for backward all the same (its input's
+gradient reads them) and freed by a hook on its inputs' gradients, which are complete only once its backward ran.
 Replicated parameters (norm weights, biases: a few KB per block) are all-reduced (SUM) as one flattened tensor
 in `finish_gradient_synchronization()`: one small collective after backward instead of one per parameter queued
 between the weights' all-gathers and reduce-scatters.
@@ -255,7 +257,8 @@ class _Unit:
             offset += size
         self.nbytes = self.storage.nbytes()
         self.storage.resize_(0)
-        self.needs_weight_in_backward = any(not _is_embedding(w.module) and w.full.requires_grad for w in self.weights)
+        # A frozen Linear still reads its weight in backward (for its input's gradient); an embedding never does.
+        self.needs_weight_in_backward = any(not _is_embedding(w.module) for w in self.weights)
         self.num_trainable = sum(w.full.requires_grad for w in self.weights)
         self.state = _FREE
         self._work: dist.Work | None = None
@@ -476,6 +479,15 @@ class FSDP(nn.Module):
         unit.start_gather(self, "forward")
         unit.wait_gather(self, "forward")
         unit.swap_in()
+        if unit.num_trainable == 0 and unit.needs_weight_in_backward and torch.is_grad_enabled():
+            # No gradient of its own tells when its backward is over: its inputs' gradients do (they are complete
+            # only after it ran). Without such an input it stays gathered until finish.
+            tensors = _output_tensors(args)
+            hook = _WeakHook(self._owner, FSDP._post_backward_frozen, unit.index)
+            if len(tensors) == 1:
+                tensors[0].register_hook(hook)
+            elif tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="all")
 
     def _post_forward(self, unit: _Unit, module: nn.Module, args: tuple, output: Any) -> None:
         unit.swap_out()
@@ -526,6 +538,10 @@ class FSDP(nn.Module):
             unit.grads[pos] = unit.grads[pos] + grad
         if unit.grads_left == 0:
             self._reduce_unit(unit)
+
+    def _post_backward_frozen(self, unit: _Unit, grad: Any) -> None:
+        unit.backward_done = True
+        unit.free(self)
 
     def _reduce_unit(self, unit: _Unit) -> None:
         """Free the unit's full weights; issue the reduce-scatter of its fp32 gradients (zeros where none came)."""

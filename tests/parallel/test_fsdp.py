@@ -55,7 +55,10 @@ class ToyModel(nn.Module):
 def _build(kind: str, num_layers: int = 2) -> nn.Module:
     torch.manual_seed(0)
     if kind.startswith("toy"):
-        return ToyModel(spare=kind == "toy-spare")
+        model = ToyModel(spare=kind == "toy-spare")
+        if kind == "toy-frozen":  # its weight is still needed in backward, for the input's gradient
+            model.up.weight.requires_grad_(False)
+        return model
     return TransformerLM(ModelConfig.from_name("tiny", num_layers=num_layers))
 
 
@@ -108,7 +111,7 @@ def _train_and_compare(rank: int, world_size: int, kind: str, opt_name: str, com
     fsdp = FSDP(copy.deepcopy(base), compute_dtype=compute_dtype, units=UNITS[units])
     ref_opt, fsdp_opt = _optimizer(opt_name, ref.parameters()), _optimizer(opt_name, fsdp.parameters())
     local = BATCH // world_size
-    diffs, mismatched, names = [], [], []
+    diffs, mismatched, names, gathered_after_backward = [], [], [], []
     for step in range(steps):
         x, y = _data(kind, step)
         if compute_dtype is None:
@@ -128,6 +131,7 @@ def _train_and_compare(rank: int, world_size: int, kind: str, opt_name: str, com
 
         fsdp_opt.zero_grad(set_to_none=True)
         _loss(fsdp, x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]).backward()
+        gathered_after_backward.append(fsdp.gathered_storage_bytes())
         fsdp.finish_gradient_synchronization()
         fsdp_opt.step()
 
@@ -137,12 +141,13 @@ def _train_and_compare(rank: int, world_size: int, kind: str, opt_name: str, com
         mismatched.append([n for n, p in ref.named_parameters() if not torch.equal(full[n], p.detach())])
     no_grad = sorted(n for n, p in fsdp.module.named_parameters() if p.grad is None)
     return dict(diffs=diffs, mismatched=mismatched, names=names, ref_names=[n for n, _ in ref.named_parameters()],
-                no_grad=no_grad, ref_no_grad=sorted(n for n, p in ref.named_parameters() if p.grad is None))
+                no_grad=no_grad, gathered_after_backward=gathered_after_backward, ref_no_grad=sorted(n for n, p in ref.named_parameters() if p.grad is None))
 
 
 TRAINING = [("toy", "sgd", None, 3, "layer"), ("toy", "adamw", None, 3, "layer"), ("tiny", "adamw", None, 2, "layer"),
             ("toy", "sgd", torch.float16, 3, "layer"), ("toy", "adamw", None, 3, "model"),
-            ("toy-spare", "adamw", None, 3, "model"), ("tiny", "adamw", None, 2, "block"),
+            ("toy-spare", "adamw", None, 3, "model"), ("toy-frozen", "adamw", None, 3, "layer"),
+            ("toy-frozen", "adamw", None, 3, "model"), ("tiny", "adamw", None, 2, "block"),
             ("toy", "sgd", torch.float16, 3, "model"), ("tiny", "sgd", torch.float16, 2, "block")]
 
 
@@ -283,14 +288,19 @@ def per_rank() -> list[dict]:
 @pytest.mark.multiproc
 @pytest.mark.parametrize("kind,opt,units", [("toy", "sgd", "layer"), ("toy", "adamw", "layer"),
                                             ("tiny", "adamw", "layer"), ("toy", "adamw", "model"),
-                                            ("toy-spare", "adamw", "model"), ("tiny", "adamw", "block")])
+                                            ("toy-spare", "adamw", "model"), ("toy-frozen", "adamw", "layer"),
+                                            ("toy-frozen", "adamw", "model"), ("tiny", "adamw", "block")])
 def test_fp32_training_is_bitwise_equal_to_single_process(per_rank, kind, opt, units):
     for res in per_rank:
         r = res["training"][(kind, opt, "None", units)]
         assert r["names"] == r["ref_names"]  # gather_full_params names = the unwrapped model's
         assert r["mismatched"] == [[]] * len(r["diffs"]), f"max |diff| per step {r['diffs']}"
         # a weight that got no gradient has none (AdamW would decay it on a zero gradient), as without FSDP
-        assert r["no_grad"] == r["ref_no_grad"] == (["spare.weight"] if kind == "toy-spare" else []), r
+        expected_no_grad = {"toy-spare": ["spare.weight"], "toy-frozen": ["up.weight"]}.get(kind, [])
+        assert r["no_grad"] == r["ref_no_grad"] == expected_no_grad, r
+        # every unit is freed by its own backward (a frozen one once its input's gradient is done), except a unit
+        # with a weight that got no gradient: finish reduces and frees it
+        assert all(b == 0 for b in r["gathered_after_backward"]) != (kind == "toy-spare"), r["gathered_after_backward"]
 
 
 @pytest.mark.multiproc
