@@ -19,15 +19,17 @@ collectives, which matters when a step is bound by the host's launch rate.
 Layout of a unit (N ranks, weights w_1..w_k with padded shard sizes s_1..s_k, S = sum s_i):
     shard storage   fp32 (S,): this rank's shards back to back; each weight's shard is an `nn.Parameter` viewing
                     its slice (the optimizer updates them in place, so the storage always holds the masters)
-    all-gather      in: the shard storage cast to the compute dtype (one cast kernel; fp32 sends it as it is);
-                    out (N, S): rank r's shards in row r
-    full storage    compute dtype, N * s_1 | N * s_2 | ...: each weight's padded full tensor in one piece, filled
-                    from the all-gather output by one `split_with_sizes_copy` (a unit of one weight gathers into
-                    it directly); each full weight is a leaf `nn.Parameter` viewing its piece
+    all-gather      in: the shard storage cast to the compute dtype (one cast kernel; fp32 sends it as it is),
+                    split into the weights' shards
+    full storage    compute dtype, N * s_1 | N * s_2 | ...: each weight's padded full tensor in one piece, the
+                    output of its own all-gather (rank r's rows in place); the k all-gathers are issued as one
+                    coalesced group (on NCCL one launch). A backend without coalesced all-gathers gets one flat
+                    all-gather into (N, S) (rank r's shards in row r) and one `split_with_sizes_copy` into the
+                    pieces. Each full weight is a leaf `nn.Parameter` viewing its piece
     reduce-scatter  in (N, S) fp32: `_chunk_cat` of the weights' full gradients (row r: the rows rank r owns, padded,
                     cast to fp32 in the same kernel); out (S,) fp32: the summed gradient of this rank's shards
-The full storage is allocated (`resize_`) just before it is written (its all-gather, or the copy-out of a unit of
-several weights, so a prefetch in flight holds one buffer) and released (`resize_(0)`) right after use;
+The full storage is allocated (`resize_`) just before it is written (its all-gather, or the copy-out, so a flat
+prefetch in flight holds one buffer) and released (`resize_(0)`) right after use;
 autograd keeps referring to the same full weights, so the backward's re-gather refills what the saved graph reads.
 The copy-out writes through separate tensors on the same storage, so the full weights' version counters, which
 the saved graph checks, never move.
@@ -96,6 +98,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.distributed_c10d import AllgatherOptions
 
 from parallel.ddp import broadcast_module_state
 
@@ -278,12 +281,17 @@ class _Unit:
         self._send = self.shard_flat if self.shard_flat.dtype == self.dtype else self.shard_flat.to(self.dtype)
         if len(self.weights) == 1:  # rank-major is the weight's own layout: gather in place
             self.storage.resize_(self.nbytes)
-            recv = self.weights[0].padded.view(-1)
-        else:  # the full storage is allocated at copy-out, so an in-flight prefetch holds one buffer, not two
-            recv = self._recv = torch.empty(fsdp.world_size * self.shard_numel, dtype=self.dtype,
-                                            device=self.shard_flat.device)
+            self._work = _all_gather(self.weights[0].padded.view(-1), self._send, group=fsdp.process_group,
+                                     async_op=True)
+        elif fsdp._coalesced_gather:  # one all-gather per weight, into its padded full tensor, issued as one group
+            self.storage.resize_(self.nbytes)
+            self._work = fsdp._all_gather_coalesced([w.padded.view(-1) for w in self.weights],
+                                                    list(self._send.split(self.sizes)))
+        else:  # one flat all-gather, copied out at wait; the full storage is allocated then (one buffer in flight)
+            self._recv = torch.empty(fsdp.world_size * self.shard_numel, dtype=self.dtype,
+                                     device=self.shard_flat.device)
+            self._work = _all_gather(self._recv, self._send, group=fsdp.process_group, async_op=True)
         fsdp._count_gathered(self.nbytes)
-        self._work = _all_gather(recv, self._send, group=fsdp.process_group, async_op=True)
         self.state = _GATHERING
         fsdp.stats.all_gathers += 1
         fsdp.stats.all_gather_bytes += self.nbytes
@@ -446,6 +454,7 @@ class FSDP(nn.Module):
         self._fwd_calls: list[_Unit] = []
         self._last_order: list[_Unit] = []
         self._reduce_scatter_ok = self._probe_reduce_scatter()
+        self._coalesced_gather = self._probe_coalesced_gather()
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -675,6 +684,28 @@ class FSDP(nn.Module):
     def _log(self, event: str, name: str, phase: str) -> None:
         if self._event_log is not None:
             self._event_log.append((event, name, phase))
+
+    def _all_gather_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> dist.Work:
+        """all_gather_into_tensor(outputs[i], inputs[i]) for every i as one group of collectives (one NCCL launch),
+        asynchronous: on NCCL's stream, as `async_op=True` collectives."""
+        opts = AllgatherOptions()
+        if hasattr(opts, "asyncOp"):  # torch >= 2.7: without it the group would run on the current stream
+            opts.asyncOp = True
+        return (self.process_group or dist.group.WORLD).allgather_into_tensor_coalesced(outputs, inputs, opts)
+
+    def _probe_coalesced_gather(self) -> bool:
+        """Whether the backend has coalesced all-gathers (NCCL does; else the flat all-gather + copy-out)."""
+        group = self.process_group or dist.group.WORLD
+        if not hasattr(group, "allgather_into_tensor_coalesced"):
+            return False
+        if dist.get_backend(self.process_group) != "gloo":
+            return True
+        probe = [torch.zeros(self.world_size)]
+        try:
+            self._all_gather_coalesced(probe, [torch.zeros(1)]).wait()
+        except (RuntimeError, NotImplementedError):
+            return False
+        return True
 
     def _probe_reduce_scatter(self) -> bool:
         """NCCL always has reduce-scatter; some gloo builds do not (then all-reduce + narrow is the fallback)."""
