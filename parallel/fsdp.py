@@ -31,8 +31,8 @@ Layout of a unit (N ranks, weights w_1..w_k with padded shard sizes s_1..s_k, S 
 The full storage is allocated (`resize_`) just before it is written (its all-gather, or the copy-out, so a flat
 prefetch in flight holds one buffer) and released (`resize_(0)`) right after use;
 autograd keeps referring to the same full weights, so the backward's re-gather refills what the saved graph reads.
-The copy-out writes through separate tensors on the same storage, so the full weights' version counters, which
-the saved graph checks, never move.
+The all-gathers and the copy-out write through separate tensors on the same storage, so the full weights' version
+counters, which the saved graph checks, never move.
 
 Forward, per unit i in execution order:
     pre-hook   wait for (or issue) all-gather(i); copy out; swap the full weights into their modules
