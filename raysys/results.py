@@ -120,9 +120,23 @@ def make_row(sweep: str, config: Mapping[str, Any], metrics: Mapping[str, Any] |
     return row
 
 
+def root_exception(exc: BaseException) -> BaseException:
+    """What a wrapper raised by Ray (`RayTaskError`, whose text is the remote traceback) carries as its `cause`:
+    the trial's own exception, so a row's `error` starts with it. Other exceptions come back unchanged."""
+    seen = {id(exc)}
+    while isinstance(getattr(exc, "cause", None), BaseException) and id(exc.cause) not in seen:
+        exc = exc.cause
+        seen.add(id(exc))
+    return exc
+
+
 def error_row(sweep: str, config: Mapping[str, Any], exc: BaseException, **extra: Any) -> dict[str, Any]:
-    """The row of a trial that failed with `exc` (OOM, timeout, dead actor, ...)."""
-    return make_row(sweep, config, status=status_of(exc), error=f"{type(exc).__name__}: {exc}", **extra)
+    """The row of a trial that failed with `exc` (OOM, timeout, dead actor, ...): its status and, as `error`, the
+    root exception's type and message, then the notes added on the way (`(raised on rank 1 during ...)`)."""
+    root = root_exception(exc)
+    notes = [*getattr(root, "__notes__", ()), *(getattr(exc, "__notes__", ()) if exc is not root else ())]
+    error = "\n".join([f"{type(root).__name__}: {root}", *notes])
+    return make_row(sweep, config, status=status_of(root), error=error, **extra)
 
 
 def write_parquet(df: pd.DataFrame, path: str | os.PathLike) -> Path:

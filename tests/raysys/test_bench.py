@@ -8,7 +8,7 @@ from raysys import bench, cli, memory, profiling
 from raysys.bench import BenchConfig, run_benchmark
 from raysys.config import ModelConfig
 from raysys.model import TransformerLM, cross_entropy
-from raysys.results import ResultWriter, make_row, read_results, status_of, trial_id
+from raysys.results import ResultWriter, error_row, make_row, read_results, status_of, trial_id
 
 TINY = dict(size="tiny", context_length=16, batch_size=2, warmup=1, steps=2, device="cpu")
 
@@ -130,6 +130,22 @@ def test_results_writer_atomic_and_resume(tmp_path):
     assert trial_id({"b": "x", "a": 1}) == trial_id(cfg)
     with pytest.raises(ValueError, match="status 'weird'"):
         make_row("demo", cfg, status="weird")
+
+
+def test_error_row_names_the_root_cause_of_a_ray_error():
+    class RemoteError(RuntimeError):  # what RayTaskError looks like: the remote traceback as text, the cause kept
+        def __init__(self, cause):
+            super().__init__("Traceback (most recent call last):\n  File ...\n" + repr(cause))
+            self.cause = cause
+
+    row = error_row("demo", {"a": 1}, RemoteError(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate")))
+    assert row["status"] == "oom" and row["error"].startswith("OutOfMemoryError: CUDA out of memory")
+    wrapped = RemoteError(ValueError("shared memory, Required: 294912"))
+    wrapped.add_note("(raised on rank 1 during trial)")
+    row = error_row("demo", {"a": 1}, wrapped)
+    assert row["status"] == "error"
+    assert row["error"] == "ValueError: shared memory, Required: 294912\n(raised on rank 1 during trial)"
+    assert error_row("demo", {"a": 1}, KeyError("k"))["error"] == "KeyError: 'k'"
 
 
 def test_status_of_classifies():
