@@ -17,12 +17,18 @@ from raysys.results import read_results
 PROVENANCE = ("git_sha", "torch_version", "triton_version", "ray_version", "device_name", "host", "utc", "sweep",
               "trial_id", "source", "error")
 _SECTIONS: dict[str, Callable[[pd.DataFrame], str]] = {}
+_EXTRAS: dict[str, Callable[[Path], str]] = {}
 _PLOTS: dict[str, Callable[[pd.DataFrame, Path], list[Path]]] = {}
 
 
 def register_section(sweep: str, formatter: Callable[[pd.DataFrame], str]) -> None:
     """Use `formatter(df) -> markdown` for the `<sweep>.parquet` file instead of the generic table."""
     _SECTIONS[sweep] = formatter
+
+
+def register_extra(sweep: str, extra: Callable[[Path], str]) -> None:
+    """Append `extra(parquet path) -> markdown` to the `<sweep>` section (what other code derives from its rows)."""
+    _EXTRAS[sweep] = extra
 
 
 def register_plot(sweep: str, plotter: Callable[[pd.DataFrame, Path], list[Path]]) -> None:
@@ -85,6 +91,8 @@ def section(path: Path) -> str:
         body = "\n".join(lines[1:] if lines and lines[0].startswith("#") else lines).strip()
     else:
         body = generic_table(df)
+    if path.stem in _EXTRAS:
+        body = f"{body}\n\n{_EXTRAS[path.stem](path).strip()}"
     prov = provenance_line(df)
     return f"## {path.stem}\n\n" + (f"_{prov}_\n\n" if prov else "") + f"{body}\n"
 
@@ -297,3 +305,26 @@ def _flash_tiles(df: pd.DataFrame) -> str:
 register_section("e2e_kernel_table", _e2e_kernel_table)
 register_section("e2e_saved_detail", _e2e_saved_detail)
 register_section("flash_tiles", _flash_tiles)
+
+
+# --- the parallelism planner with the measured bandwidth (parallel/planner.py, handout 8) -------------------
+
+PLANNER_SIZE, PLANNER_BATCH, PLANNER_DEVICES = "xl", 8192, [2, 4, 8, 16, 32, 64, 128]
+
+
+def _planner_tables(path: Path) -> str:
+    """`python -m raysys plan --size xl --batch 8192` with W = the best measured all-reduce bus bandwidth."""
+    from parallel.planner import H200_BF16_FLOPS, FFNProblem, bandwidth_from_results, plan_tables
+    from raysys.config import SIZES
+
+    size, parts = SIZES[PLANNER_SIZE], []
+    for src in bandwidth_from_results(path):
+        p = FFNProblem(batch=PLANNER_BATCH, d_model=size["d_model"], d_ff=size["d_ff"], flops=H200_BF16_FLOPS,
+                       bandwidth=src["busbw_GBps"] * 1e9, bytes_per_element=2)
+        tables = plan_tables(p, PLANNER_DEVICES).replace("\n### ", "\n#### ")
+        parts.append(f"### Parallelism planner ({PLANNER_SIZE} FFN, `python -m raysys plan --size {PLANNER_SIZE} "
+                     f"--batch {PLANNER_BATCH}`), W from {src['source']}\n\n{tables}")
+    return "\n\n".join(parts)
+
+
+register_extra("allreduce", _planner_tables)
