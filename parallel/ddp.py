@@ -60,6 +60,8 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from parallel.hooks import remove_handles
+
 __all__ = ["NaiveDDP", "FlatDDP", "OverlappedDDP", "BucketedDDP", "TorchDDP", "DDP_KINDS", "make_ddp", "assign_buckets",
            "broadcast_module_state"]
 
@@ -248,12 +250,6 @@ class _GradReadyHook:
             wrapper._on_grad_ready(self.bucket, self.slot)
 
 
-def _remove_handles(handles: list) -> None:
-    for handle in handles:
-        handle.remove()
-    handles.clear()
-
-
 class _OverlappedDataParallel(_DataParallel):
     """Hook-driven, in-order, asynchronous bucket reduction shared by `OverlappedDDP` and `BucketedDDP`.
 
@@ -276,7 +272,7 @@ class _OverlappedDataParallel(_DataParallel):
         handles = [p.register_post_accumulate_grad_hook(_GradReadyHook(owner, b, i))
                    for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)]
         # Runs remove_hooks' work when the wrapper is collected (or when remove_hooks() calls it).
-        self._remove_handles = weakref.finalize(self, _remove_handles, handles)
+        self._remove_handles = weakref.finalize(self, remove_handles, handles)
 
     @property
     def num_buckets(self) -> int:

@@ -55,7 +55,8 @@ between the weights' all-gathers and reduce-scatters.
 With `compute_dtype`, shards are cast before the all-gather (half the bytes of fp32), the full weights, the other
 parameters (biases) and floating inputs of sharded modules are in that dtype (a pre-hook on each sharded module
 casts them), and so is compute; gradients are cast back to fp32 for the reduce-scatter. Other modules (norms) see
-the dtype their inputs arrive in. `CastForCompute` is the same policy on one process, without sharding.
+the dtype their inputs arrive in. `parallel.mixed_precision.CastForCompute` is the same policy on one process,
+without sharding.
 
 Invariant: after `finish_gradient_synchronization()`, every shard's `.grad` (fp32, shard shape) equals its
 rows of (sum over ranks of the local full-weight gradients) / N, and every replicated parameter's `.grad` is
@@ -74,14 +75,10 @@ and produces gradients for the same parameters (collectives are matched by issue
 sharded modules; sharded modules are not recomputed by activation checkpointing; a unit's weights share one
 dtype; optimizers update the shards in place (as torch's do), never by assigning `.data`.
 
-Lifetime: a full weight's post-accumulate-grad hooks live in a dict held from C++ (the tensor's autograd
-metadata), out of sight of Python's cycle collector, so a hook holding the wrapper would make full weight -> hook
--> wrapper -> unit -> full weight a cycle that is never freed, leaking the model and its optimizer state with
-every dropped wrapper (and the module hooks would make wrapper -> model -> hooks -> wrapper a cycle only the
-collector frees). So every hook, module or tensor, holds the wrapper weakly and names its unit by index, and a
-unit holds no reference to its wrapper: a wrapper nobody references is freed at once by reference counting, and
-its hooks are removed with it; `remove_hooks()` does the same explicitly. The model's sharded modules keep their
-shards as `weight` either way (`gather_full_params()` first to get the full weights back).
+Lifetime (parallel/hooks.py): every hook, module or tensor, holds the wrapper weakly and names its unit by index,
+and a unit holds no reference to its wrapper, so a wrapper nobody references is freed at once by reference
+counting and its hooks are removed with it; `remove_hooks()` does the same explicitly. The model's sharded modules
+keep their shards as `weight` either way (`gather_full_params()` first to get the full weights back).
 """
 
 from __future__ import annotations
@@ -101,46 +98,17 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from parallel.ddp import broadcast_module_state
+from parallel.hooks import WeakHook, remove_handles
+from parallel.mixed_precision import (cast_inputs, cast_params, has_other_floating_params, is_embedding,
+                                      is_sharded_module)
 
-__all__ = ["FSDP", "CastForCompute", "CommStats", "is_sharded_module"]
+__all__ = ["FSDP", "CommStats", "is_sharded_module"]
 
 # torch 2.13 renames the single-tensor collectives and deprecates the old names (a FutureWarning per call).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _FREE, _GATHERING, _READY = "free", "gathering", "ready"
-
-
-def is_sharded_module(module: nn.Module) -> bool:
-    """Whether FSDP shards this module's weight: Linear / Embedding (torch's or any class with that name)."""
-    named = type(module).__name__ in ("Linear", "Embedding") or isinstance(module, (nn.Linear, nn.Embedding))
-    return named and isinstance(getattr(module, "weight", None), nn.Parameter)
-
-
-def _is_embedding(module: nn.Module) -> bool:
-    return isinstance(module, nn.Embedding) or type(module).__name__ == "Embedding"
-
-
-def _cast_params(module: nn.Module, dtype: torch.dtype, skip: tuple[str, ...] = ()) -> dict[str, nn.Parameter]:
-    """Put differentiable `dtype` casts of `module`'s own floating parameters in their place; return the originals
-    (gradients flow through the casts back to them)."""
-    saved = {}
-    for name, p in module._parameters.items():
-        if name not in skip and p is not None and p.is_floating_point() and p.dtype != dtype:
-            saved[name] = p
-            module._parameters[name] = p.to(dtype)
-    return saved
-
-
-def _cast_inputs(args: tuple, dtype: torch.dtype) -> tuple | None:
-    """`args` with floating tensors cast to `dtype`; None (a forward pre-hook's "unchanged") if none needs it."""
-    if not any(isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != dtype for a in args):
-        return None
-    return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
-
-
-def _has_other_floating_params(module: nn.Module) -> bool:
-    return any(name != "weight" and p is not None and p.is_floating_point() for name, p in module._parameters.items())
 
 
 def _output_tensors(output: Any) -> list[torch.Tensor]:
@@ -261,7 +229,7 @@ class _Unit:
         self.nbytes = self.storage.nbytes()
         self.storage.resize_(0)
         # A frozen Linear still reads its weight in backward (for its input's gradient); an embedding never does.
-        self.needs_weight_in_backward = any(not _is_embedding(w.module) for w in self.weights)
+        self.needs_weight_in_backward = any(not is_embedding(w.module) for w in self.weights)
         self.num_trainable = sum(w.full.requires_grad for w in self.weights)
         self.state = _FREE
         self._work: dist.Work | None = None
@@ -332,31 +300,6 @@ class _Unit:
     def swap_out(self) -> None:
         for w in self.weights:
             w.module._parameters["weight"] = w.shard
-
-
-class _WeakHook:
-    """A module or tensor hook that calls `method(wrapper, *hook_args)` (with `index`: `method(wrapper,
-    wrapper._units[index], *extra, *hook_args)`) while the wrapper is alive, and does nothing once it is gone.
-    Holds nothing else (see Lifetime in the module docstring)."""
-
-    __slots__ = ("owner", "method", "index", "extra")
-
-    def __init__(self, owner: weakref.ref, method: Callable[..., Any], index: int | None = None, extra: tuple = ()):
-        self.owner, self.method, self.index, self.extra = owner, method, index, extra
-
-    def __call__(self, *args: Any) -> Any:
-        wrapper = self.owner()
-        if wrapper is None:
-            return None
-        if self.index is None:
-            return self.method(wrapper, *args)
-        return self.method(wrapper, wrapper._units[self.index], *self.extra, *args)
-
-
-def _remove_handles(handles: list) -> None:
-    for handle in handles:
-        handle.remove()
-    handles.clear()
 
 
 class _PendingOp:
@@ -435,19 +378,19 @@ class FSDP(nn.Module):
         for unit_name, root, members in groups:
             unit = _Unit(self, len(self._units), unit_name, root, members)
             self._units.append(unit)
-            handles.append(root.register_forward_pre_hook(_WeakHook(self._owner, FSDP._pre_forward, unit.index)))
-            handles.append(root.register_forward_hook(_WeakHook(self._owner, FSDP._post_forward, unit.index)))
+            handles.append(root.register_forward_pre_hook(WeakHook(self._owner, FSDP._pre_forward, unit.index)))
+            handles.append(root.register_forward_hook(WeakHook(self._owner, FSDP._post_forward, unit.index)))
             for pos, w in enumerate(unit.weights):
                 w.module._parameters["weight"] = w.shard
                 if w.full.requires_grad:
                     handles.append(w.full.register_post_accumulate_grad_hook(
-                        _WeakHook(self._owner, FSDP._post_backward, unit.index, (pos,))))
+                        WeakHook(self._owner, FSDP._post_backward, unit.index, pos)))
                 if compute_dtype is not None:
-                    handles.append(w.module.register_forward_pre_hook(_WeakHook(self._owner, FSDP._cast_pre)))
-                    if _has_other_floating_params(w.module):
-                        handles.append(w.module.register_forward_hook(_WeakHook(self._owner, FSDP._cast_post)))
+                    handles.append(w.module.register_forward_pre_hook(WeakHook(self._owner, FSDP._cast_pre)))
+                    if has_other_floating_params(w.module):
+                        handles.append(w.module.register_forward_hook(WeakHook(self._owner, FSDP._cast_post)))
         # Runs remove_hooks' work when the wrapper is collected (or when remove_hooks() calls it).
-        self._remove_handles = weakref.finalize(self, _remove_handles, handles)
+        self._remove_handles = weakref.finalize(self, remove_handles, handles)
         self._weight_of_shard = {id(w.shard): w for unit in self._units for w in unit.weights}
         self._replicated = [p for p in module.parameters() if id(p) not in self._weight_of_shard and p.requires_grad]
         self._pending: deque[_PendingOp] = deque()
@@ -483,7 +426,8 @@ class FSDP(nn.Module):
             unit.fwd_pos = pos
         return out
 
-    def _pre_forward(self, unit: _Unit, module: nn.Module, args: tuple) -> None:
+    def _pre_forward(self, index: int, module: nn.Module, args: tuple) -> None:
+        unit = self._units[index]
         self._fwd_calls.append(unit)
         unit.start_gather(self, "forward")
         unit.wait_gather(self, "forward")
@@ -492,18 +436,19 @@ class FSDP(nn.Module):
             # No gradient of its own tells when its backward is over: its inputs' gradients do (they are complete
             # only after it ran). Without such an input it stays gathered until finish.
             tensors = _output_tensors(args)
-            hook = _WeakHook(self._owner, FSDP._post_backward_frozen, unit.index)
+            hook = WeakHook(self._owner, FSDP._post_backward_frozen, unit.index)
             if len(tensors) == 1:
                 tensors[0].register_hook(hook)
             elif tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="all")
 
-    def _post_forward(self, unit: _Unit, module: nn.Module, args: tuple, output: Any) -> None:
+    def _post_forward(self, index: int, module: nn.Module, args: tuple, output: Any) -> None:
+        unit = self._units[index]
         unit.swap_out()
         unit.free(self)
         if unit.needs_weight_in_backward and torch.is_grad_enabled():
             tensors = _output_tensors(output)
-            hook = _WeakHook(self._owner, FSDP._pre_backward, unit.index)
+            hook = WeakHook(self._owner, FSDP._pre_backward, unit.index)
             if len(tensors) == 1:
                 tensors[0].register_hook(hook)
             elif tensors:  # once, at the first of the outputs' gradients
@@ -513,16 +458,17 @@ class FSDP(nn.Module):
             self._last_order[pos + 2].start_gather(self, "forward")
 
     def _cast_pre(self, module: nn.Module, args: tuple) -> tuple | None:
-        saved = _cast_params(module, self.compute_dtype, skip=("weight",))
+        saved = cast_params(module, self.compute_dtype, skip=("weight",))
         if saved:
             self._cast_saved[module] = saved
-        return _cast_inputs(args, self.compute_dtype)
+        return cast_inputs(args, self.compute_dtype)
 
     def _cast_post(self, module: nn.Module, args: tuple, output: Any) -> None:
         module._parameters.update(self._cast_saved.pop(module, {}))
 
     # ------------------------------------------------------------------ backward
-    def _pre_backward(self, unit: _Unit, grad: torch.Tensor) -> None:
+    def _pre_backward(self, index: int, grad: torch.Tensor) -> None:
+        unit = self._units[index]
         unit.start_gather(self, "backward")
         nxt = self._next_backward_unit(unit)
         if nxt is not None:
@@ -537,7 +483,8 @@ class FSDP(nn.Module):
                 return cand if cand.state == _FREE else None
         return None
 
-    def _post_backward(self, unit: _Unit, pos: int, full: torch.Tensor) -> None:
+    def _post_backward(self, index: int, pos: int, full: torch.Tensor) -> None:
+        unit = self._units[index]
         grad, full.grad = full.grad, None
         if unit.grads[pos] is None:
             unit.grads[pos] = grad
@@ -548,7 +495,8 @@ class FSDP(nn.Module):
         if unit.grads_left == 0:
             self._reduce_unit(unit)
 
-    def _post_backward_frozen(self, unit: _Unit, grad: Any) -> None:
+    def _post_backward_frozen(self, index: int, grad: Any) -> None:
+        unit = self._units[index]
         unit.backward_done = True
         unit.free(self)
 
@@ -717,49 +665,3 @@ class FSDP(nn.Module):
         except (RuntimeError, NotImplementedError):
             return False
         return True
-
-
-class CastForCompute(nn.Module):
-    """FSDP's compute-dtype policy without sharding or communication: the single-process reference of
-    `FSDP(module, compute_dtype)`. For each forward of a Linear / Embedding, its parameters and floating inputs
-    are cast to `compute_dtype` (the casts are differentiable, so fp32 gradients reach the fp32 masters) and the
-    originals are put back after the module's forward. Other modules run on what they receive."""
-
-    def __init__(self, module: nn.Module, compute_dtype: torch.dtype):
-        super().__init__()
-        if not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point:
-            raise ValueError(f"compute_dtype ({compute_dtype!r}) must be a floating-point torch.dtype")
-        self.module, self.compute_dtype = module, compute_dtype
-        self._saved: dict[nn.Module, dict[str, nn.Parameter]] = {}
-        owner = weakref.ref(self)  # hooks hold the wrapper weakly, as FSDP's (Lifetime in the module docstring)
-        handles = []
-        for mod in module.modules():
-            if is_sharded_module(mod):
-                handles.append(mod.register_forward_pre_hook(_WeakHook(owner, CastForCompute._pre_forward)))
-                handles.append(mod.register_forward_hook(_WeakHook(owner, CastForCompute._post_forward)))
-        self._remove_handles = weakref.finalize(self, _remove_handles, handles)
-        self._hooks_removed = False
-
-    def remove_hooks(self) -> None:
-        """Unregister the casting hooks (a later forward raises; the model itself is unchanged). Happens by itself
-        when the wrapper is garbage-collected; idempotent."""
-        self._remove_handles()
-        self._hooks_removed = True
-
-    def _pre_forward(self, module: nn.Module, args: tuple) -> tuple:
-        self._saved[module] = _cast_params(module, self.compute_dtype)
-        return _cast_inputs(args, self.compute_dtype)
-
-    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
-        module._parameters.update(self._saved.pop(module))
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._hooks_removed:
-            raise RuntimeError("this CastForCompute wrapper's hooks were removed (remove_hooks()): wrap the module "
-                               "again")
-        try:
-            return self.module(*args, **kwargs)
-        finally:
-            for module, params in self._saved.items():  # only non-empty if a forward raised
-                module._parameters.update(params)
-            self._saved.clear()

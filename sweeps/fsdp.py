@@ -61,7 +61,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from parallel.ddp import make_ddp  # noqa: E402
-from parallel.fsdp import FSDP, CastForCompute, is_sharded_module  # noqa: E402
+from parallel.fsdp import FSDP, is_sharded_module  # noqa: E402
+from parallel.mixed_precision import CastForCompute  # noqa: E402
 from parallel.sharded_optimizer import ShardedOptimizer  # noqa: E402
 from raysys.config import SIZES, ModelConfig  # noqa: E402
 from raysys.memory import unique_storage_bytes  # noqa: E402

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.fsdp import FSDP, CastForCompute
+from parallel.fsdp import FSDP
+from parallel.mixed_precision import CastForCompute
 from raysys.config import ModelConfig
 from raysys.model import AdamW, Embedding, Linear, RMSNorm, TransformerBlock, TransformerLM, cross_entropy
 from tests.parallel.dist_utils import run_ranks

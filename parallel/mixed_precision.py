@@ -1,0 +1,103 @@
+"""FSDP's compute-dtype policy (mixed precision): which modules compute in the low dtype, the casts that put them
+there, and `CastForCompute`, the policy on one process without sharding (the reference FSDP's low-precision
+training is compared with, and the sweep's `single_cast` variant).
+
+The policy: for each forward of a Linear / Embedding module (torch's, or any class of that name: `raysys.model`,
+`cs336_basics`), its floating parameters and floating inputs are cast to the compute dtype by differentiable
+casts, so gradients reach the fp32 master parameters in fp32; the originals are put back after the forward.
+Other modules (norms) run on what they receive.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallel.hooks import WeakHook, remove_handles
+
+__all__ = ["CastForCompute", "cast_inputs", "cast_params", "has_other_floating_params", "is_embedding",
+           "is_sharded_module"]
+
+
+def is_sharded_module(module: nn.Module) -> bool:
+    """Whether the policy casts this module (and FSDP shards its weight): Linear / Embedding (torch's or any class
+    with that name) with a `weight` parameter."""
+    named = type(module).__name__ in ("Linear", "Embedding") or isinstance(module, (nn.Linear, nn.Embedding))
+    return named and isinstance(getattr(module, "weight", None), nn.Parameter)
+
+
+def is_embedding(module: nn.Module) -> bool:
+    """Whether the module is an embedding (its backward never reads its weight)."""
+    return isinstance(module, nn.Embedding) or type(module).__name__ == "Embedding"
+
+
+def cast_params(module: nn.Module, dtype: torch.dtype, skip: tuple[str, ...] = ()) -> dict[str, nn.Parameter]:
+    """Put differentiable `dtype` casts of `module`'s own floating parameters in their place; return the originals
+    (gradients flow through the casts back to them)."""
+    saved = {}
+    for name, p in module._parameters.items():
+        if name not in skip and p is not None and p.is_floating_point() and p.dtype != dtype:
+            saved[name] = p
+            module._parameters[name] = p.to(dtype)
+    return saved
+
+
+def cast_inputs(args: tuple, dtype: torch.dtype) -> tuple | None:
+    """`args` with floating tensors cast to `dtype`; None (a forward pre-hook's "unchanged") if none needs it."""
+    if not any(isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != dtype for a in args):
+        return None
+    return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+
+
+def has_other_floating_params(module: nn.Module) -> bool:
+    """Whether the module has floating parameters besides `weight` (a bias) that the policy must cast too."""
+    return any(name != "weight" and p is not None and p.is_floating_point() for name, p in module._parameters.items())
+
+
+class CastForCompute(nn.Module):
+    """FSDP's compute-dtype policy without sharding or communication: the single-process reference of
+    `FSDP(module, compute_dtype)`. For each forward of a Linear / Embedding, its parameters and floating inputs
+    are cast to `compute_dtype` (the casts are differentiable, so fp32 gradients reach the fp32 masters) and the
+    originals are put back after the module's forward. Other modules run on what they receive."""
+
+    def __init__(self, module: nn.Module, compute_dtype: torch.dtype):
+        super().__init__()
+        if not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point:
+            raise ValueError(f"compute_dtype ({compute_dtype!r}) must be a floating-point torch.dtype")
+        self.module, self.compute_dtype = module, compute_dtype
+        self._saved: dict[nn.Module, dict[str, nn.Parameter]] = {}
+        owner = weakref.ref(self)  # hooks hold the wrapper weakly (parallel/hooks.py)
+        handles = []
+        for mod in module.modules():
+            if is_sharded_module(mod):
+                handles.append(mod.register_forward_pre_hook(WeakHook(owner, CastForCompute._pre_forward)))
+                handles.append(mod.register_forward_hook(WeakHook(owner, CastForCompute._post_forward)))
+        self._remove_handles = weakref.finalize(self, remove_handles, handles)
+        self._hooks_removed = False
+
+    def remove_hooks(self) -> None:
+        """Unregister the casting hooks (a later forward raises; the model itself is unchanged). Happens by itself
+        when the wrapper is garbage-collected; idempotent."""
+        self._remove_handles()
+        self._hooks_removed = True
+
+    def _pre_forward(self, module: nn.Module, args: tuple) -> tuple:
+        self._saved[module] = cast_params(module, self.compute_dtype)
+        return cast_inputs(args, self.compute_dtype)
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
+        module._parameters.update(self._saved.pop(module))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._hooks_removed:
+            raise RuntimeError("this CastForCompute wrapper's hooks were removed (remove_hooks()): wrap the module "
+                               "again")
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            for module, params in self._saved.items():  # only non-empty if a forward raised
+                module._parameters.update(params)
+            self._saved.clear()
