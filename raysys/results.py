@@ -20,6 +20,7 @@ import platform
 import socket
 import subprocess
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -77,9 +78,15 @@ def device_name(device: Any = None) -> str:
     return f"cpu ({platform.processor() or platform.machine()})"
 
 
+RUN_ID = uuid.uuid4().hex[:12]
+"""This process's id, in every row it writes: rows with equal `run_id` were measured in one run (one invocation
+of a sweep script), which a comparison "in the same run" can check; resumed trials carry their own run's id."""
+
+
 def provenance(device: Any = None) -> dict[str, str]:
-    """Where and with what a row was produced."""
+    """Where and with what a row was produced, and in which run (`RUN_ID`)."""
     return {
+        "run_id": RUN_ID,
         "git_sha": _git_sha(),
         "torch_version": _version("torch"),
         "triton_version": _version("triton"),

@@ -168,6 +168,20 @@ def _variant_order(ok: pd.DataFrame) -> list[str]:
     return sorted(ok["variant"].unique(), key=lambda v: (v != "default", v))
 
 
+def _same_run_ratio(launch: pd.DataFrame, mp: pd.DataFrame) -> tuple[pd.Series | None, str]:
+    """busbw of `launch` / busbw of `mp` per op, from rows of one run (`run_id`): the latest run that measured
+    both launches, and every op it measured both ways. (None, "") if no run did (rows without a run id never
+    pair: they cannot show they come from one run)."""
+    if "run_id" not in launch or "run_id" not in mp:
+        return None, ""
+    pairs = launch.merge(mp, on=["op", "run_id"], suffixes=("", "_mp")).dropna(subset=["run_id"])
+    if pairs.empty:
+        return None, ""
+    run = pairs.sort_values("utc" if "utc" in pairs else "run_id")["run_id"].iloc[-1]
+    pairs = pairs[pairs["run_id"] == run]
+    return pairs.set_index("op")["busbw_GBps"] / pairs.set_index("op")["busbw_GBps_mp"], run
+
+
 def target_lines(df: pd.DataFrame) -> list[str]:
     """The issue's targets against the measured rows, one line per (world size, NCCL setting) that has data."""
     ok = _measured(df)
@@ -196,16 +210,20 @@ def target_lines(df: pd.DataFrame) -> list[str]:
     for (ws, variant), part in ok.groupby(["world_size", "variant"], observed=True):
         big = part[part["size_bytes"] == part["size_bytes"].max()]
         label = big["size"].iloc[0]
-        mp = big[big["launch"] == "mp"].set_index("op")["busbw_GBps"]
+        goal = f"busbw at the largest size ({label}) >= {TARGET_RAY_OVER_MP:g}, {where(ws, variant)}"
         for launch in sorted(set(big["launch"]) - {"mp"}):
-            ratio = (big[big["launch"] == launch].set_index("op")["busbw_GBps"] / mp).dropna()
-            if ratio.empty:
+            ratio, run = _same_run_ratio(big[big["launch"] == launch], big[big["launch"] == "mp"])
+            if ratio is None:
+                if (big["launch"] == "mp").any():
+                    lines.append(f"{launch} / mp {goal}: not measured in one run (no run has both launches; "
+                                 "run the grid without --resume)")
                 continue
             worst = ratio.idxmin()
-            lines.append(f"{launch} / mp busbw at the largest size ({label}) >= {TARGET_RAY_OVER_MP:g}, "
-                         f"{where(ws, variant)}: {'PASS' if ratio.min() >= TARGET_RAY_OVER_MP else 'FAIL'} "
-                         f"(worst {ratio.min():.3f}, {worst}; "
-                         + ", ".join(f"{op} {r:.3f}" for op, r in ratio.items()) + ")")
+            unpaired = sorted(set(big.loc[big["launch"] == launch, "op"]) - set(ratio.index))
+            verdict = "FAIL" if ratio.min() < TARGET_RAY_OVER_MP else "INCOMPLETE" if unpaired else "PASS"
+            lines.append(f"{launch} / mp {goal}: {verdict} (run {run}; worst {ratio.min():.3f}, {worst}; "
+                         + ", ".join(f"{op} {r:.3f}" for op, r in ratio.items())
+                         + (f"; not measured by both in that run: {', '.join(unpaired)}" if unpaired else "") + ")")
     if not ok.empty and (ok["launch"] == "mp").sum() == 0:
         lines.append(f"ray / mp busbw >= {TARGET_RAY_OVER_MP:g}: not measured (no mp launch)")
     return lines
@@ -317,10 +335,10 @@ def plot(df: pd.DataFrame, path: Path) -> Path | None:
     return path
 
 
-def write_report(df: pd.DataFrame, out: Path) -> tuple[Path, Path | None]:
-    md_path = out / f"{SWEEP}.md"
-    md_path.write_text(f"## Collectives ({SWEEP})\n\n{markdown(df)}")
-    return md_path, plot(df, out / f"{SWEEP}.png")
+def write_report(df: pd.DataFrame, out: Path, name: str = SWEEP) -> tuple[Path, Path | None]:
+    md_path = out / f"{name}.md"
+    md_path.write_text(f"## Collectives ({name})\n\n{markdown(df)}")
+    return md_path, plot(df, out / f"{name}.png")
 
 
 # ---------------------------------------------------------------------------------------------------- main
@@ -345,14 +363,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, a local `ray start` "
                                                    "cluster, else an embedded Ray)")
     p.add_argument("--dashboard", action="store_true", help="start the Ray dashboard with the embedded Ray")
+    p.add_argument("--sweep-name", default=SWEEP, help=f"file stem of the rows and report (default {SWEEP}); e.g.\n"
+                                                        "allreduce_scan for a settings scan kept apart from the grid")
     return p
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     args = build_parser().parse_args(argv)
     out = resolve_out_dir(args.out)
+    name = args.sweep_name
     if args.report_only:
-        df = read_sweep(out, SWEEP)
+        df = read_sweep(out, name)
     else:
         ops = parse_list(args.ops, "ops", OPS)
         launchers = parse_list(args.launchers, "launchers", ("ray", "mp"))
@@ -372,7 +393,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         defaults = DEFAULTS[device]
         sizes = explicit_sizes or [parse_size(s) for s in parse_list(defaults["sizes"], "sizes")]
         world_sizes = world_sizes or [int(w) for w in parse_list(defaults["world_sizes"], "world-sizes")]
-        writer = ResultWriter(out, SWEEP, resume=args.resume)
+        writer = ResultWriter(out, name, resume=args.resume)
         max_node_cpus = max(n.num_cpus for n in cluster_nodes())
         for world_size in world_sizes:
             # gloo ranks mostly wait on sockets: on CPU up to two ranks may share a core (4 ranks on 2 cores).
@@ -380,13 +401,13 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
             for env, label in zip(variants, labels):  # each setting in fresh rank processes: a gang per call
                 grid = trials(ops, sizes, args.warmup, args.iters or defaults["iters"], label)
                 for launcher, visibility in launches(device, launchers, visibilities):
-                    run_sweep(SWEEP, grid, collective_trial, world_size, device=device, launcher=launcher,
+                    run_sweep(name, grid, collective_trial, world_size, device=device, launcher=launcher,
                               gpu_visibility=visibility, cpus_per_rank=cpus_per_rank, reduce=reduce_trial,
                               timeout_s=args.timeout_s, env=env, writer=writer, show=False)
         df = writer.frame()
-    md_path, png_path = write_report(df, out)
+    md_path, png_path = write_report(df, out, name)
     print(md_path.read_text())
-    print(f"wrote {out / f'{SWEEP}.parquet'}, {md_path}" + (f", {png_path}" if png_path else ""))
+    print(f"wrote {out / f'{name}.parquet'}, {md_path}" + (f", {png_path}" if png_path else ""))
     return df
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU runs in phases that each fit one 10-minute command on a 2x H200 host, with every study under its own
-# timeout, `--resume` (an interrupted study keeps its finished trials; running the phase again continues it)
-# and the results packed into $OUT/results.tgz. Run from the repository root, e.g. on a lent GPU host:
+# timeout, `--resume` (an interrupted study keeps its finished trials; running the phase again continues it; the
+# collectives grid excepted, whose Ray / mp comparison needs one run) and the results packed into $OUT/results.tgz.
+# Run from the repository root, e.g. on a lent GPU host:
 #
 #   bash sweeps/gpu_run.sh dist      # 2 GPUs: NCCL-setting scan + collectives grid, DDP + sharded optimizer (~9 min)
 #   bash sweeps/gpu_run.sh allreduce # 2 GPUs: the NCCL-setting scan + collectives grid alone               (~4 min)
@@ -47,14 +48,15 @@ NCCL_SCAN=(default NCCL_MIN_NCHANNELS=24,NCCL_MAX_NCHANNELS=24 NCCL_MIN_NCHANNEL
 DDP_VARIANTS=single,naive,flat,overlapped,bucketed:1,bucketed:10,bucketed:100,bucketed:1000
 DDP_VARIANTS+=,torch,overlapped@8,bucketed:100@8
 
-allreduce() {  # the scan (mp launch, all-reduce, 2 ranks), then the whole grid with the best setting and the defaults
+allreduce() {  # the scan (mp launch, all-reduce, 2 ranks; its own file), then the whole grid with the best setting
+  # and the defaults in ONE run (no --resume: every Ray / mp pair the targets compare is measured together)
   local scan=() env best
   for env in "${NCCL_SCAN[@]}"; do scan+=(--nccl-env "$env"); done
   study allreduce_scan 240 python3 sweeps/allreduce.py --device cuda --out "$RESULTS" --resume --world-sizes 2 \
-    --launchers mp --ops all_reduce --sizes 256MiB,1GiB "${scan[@]}"
+    --launchers mp --ops all_reduce --sizes 256MiB,1GiB --sweep-name allreduce_scan "${scan[@]}"
   best=$(python3 - "$RESULTS" <<'PY'
 import sys, pandas as pd
-d = pd.read_parquet(f"{sys.argv[1]}/allreduce.parquet")
+d = pd.read_parquet(f"{sys.argv[1]}/allreduce_scan.parquet")
 d = d[(d.status == "ok") & (d.op == "all_reduce") & (d.size_bytes == 2**30) & (d.launcher == "mp")]
 print((d.loc[d.busbw_GBps.idxmax(), "nccl_env"] or "default") if len(d) else "default")
 PY
@@ -62,7 +64,7 @@ PY
   echo "   best NCCL setting at 1 GiB: $best"
   local grid=(--nccl-env default)
   [ "$best" != default ] && grid+=(--nccl-env "$best")
-  study allreduce 150 python3 sweeps/allreduce.py --device cuda --out "$RESULTS" --resume "${grid[@]}"
+  study allreduce 180 python3 sweeps/allreduce.py --device cuda --out "$RESULTS" "${grid[@]}"
 }
 
 case $phase in

@@ -146,6 +146,10 @@ def test_error_row_names_the_root_cause_of_a_ray_error():
     assert row["status"] == "error"
     assert row["error"] == "ValueError: shared memory, Required: 294912\n(raised on rank 1 during trial)"
     assert error_row("demo", {"a": 1}, KeyError("k"))["error"] == "KeyError: 'k'"
+    # every row of this process carries its run id (what "measured in the same run" is checked by)
+    from raysys.results import RUN_ID
+
+    assert row["run_id"] == make_row("demo", {"a": 2})["run_id"] == RUN_ID and len(RUN_ID) == 12
 
 
 def test_status_of_classifies():

@@ -47,10 +47,10 @@ def test_parse_nccl_env():
         allreduce.parse_nccl_env("NCCL_ALGO=Ring,NCCL_ALGO=Tree")
 
 
-def _row(op, size_bytes, world_size, launcher, visibility, busbw, nccl_env=""):
+def _row(op, size_bytes, world_size, launcher, visibility, busbw, nccl_env="", run_id="run1"):
     return dict(op=op, size=allreduce.size_label(size_bytes), size_bytes=size_bytes, num_bytes=size_bytes,
                 world_size=world_size, launcher=launcher, gpu_visibility=visibility, nccl_env=nccl_env,
-                status="ok", error="", busbw_GBps=busbw, time_ms=1.0, device_name="H200")
+                status="ok", error="", busbw_GBps=busbw, time_ms=1.0, device_name="H200", run_id=run_id)
 
 
 def test_target_check_and_nccl_setting_table():
@@ -66,7 +66,17 @@ def test_target_check_and_nccl_setting_table():
                for line in lines)
     # ray / mp at 1 GiB: all_reduce 340/360 = 0.944 fails, all_gather 0.98 would pass; the worst decides
     assert any(line.startswith("ray shared / mp busbw at the largest size (1GiB) >= 0.97, 2 ranks, default: FAIL "
-                               "(worst 0.944, all_reduce") for line in lines), lines
+                               "(run run1; worst 0.944, all_reduce") for line in lines), lines
+    # "in the same run": a ray row is compared only with the mp rows of its own run
+    split = [_row("all_reduce", gib, 2, "mp", "shared", 355.0, run_id="scan"),
+             _row("all_reduce", gib, 2, "ray", "shared", 355.0, run_id="grid"),
+             _row("all_gather", gib, 2, "mp", "shared", 300.0, run_id="grid"),
+             _row("all_gather", gib, 2, "ray", "shared", 300.0, run_id="grid")]
+    (line,) = [t for t in allreduce.target_lines(pd.DataFrame(split)) if "/ mp" in t]
+    assert ("INCOMPLETE (run grid; worst 1.000, all_gather; all_gather 1.000; not measured by both in that run: "
+            "all_reduce)") in line
+    (line,) = [t for t in allreduce.target_lines(pd.DataFrame(split[:2])) if "/ mp" in t]
+    assert "not measured in one run" in line
     md = allreduce.markdown(pd.DataFrame(rows))
     table = md.split("Bus bandwidth by NCCL setting")[1].split("Targets:")[0]
     # one line per measured setting of a cell that has more than one, the fastest first, against the default
