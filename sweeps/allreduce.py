@@ -372,6 +372,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     args = build_parser().parse_args(argv)
     out = resolve_out_dir(args.out)
     name = args.sweep_name
+    if not name or not all(c.isalnum() or c in "_-." for c in name):
+        raise ValueError(f"--sweep-name {name!r} must be a file stem of letters, digits, '_', '-' or '.'")
     if args.report_only:
         df = read_sweep(out, name)
     else:
