@@ -117,6 +117,15 @@ def _output_tensors(output: Any) -> list[torch.Tensor]:
     return [t for t in items if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
+def _on_gradients(tensors: list[torch.Tensor], hook: Callable[[Any], None], mode: str) -> None:
+    """Call `hook` once in backward: when the gradient of the first of `tensors` ("any") or of all of them ("all")
+    has been computed. Nothing for no tensors."""
+    if len(tensors) == 1:
+        tensors[0].register_hook(hook)
+    elif tensors:
+        torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode=mode)
+
+
 def _unit_spec(units: Iterable[type | str] | None) -> tuple:
     if units is None:
         return ()
@@ -435,24 +444,14 @@ class FSDP(nn.Module):
         if unit.num_trainable == 0 and unit.needs_weight_in_backward and torch.is_grad_enabled():
             # No gradient of its own tells when its backward is over: its inputs' gradients do (they are complete
             # only after it ran). Without such an input it stays gathered until finish.
-            tensors = _output_tensors(args)
-            hook = WeakHook(self._owner, FSDP._post_backward_frozen, unit.index)
-            if len(tensors) == 1:
-                tensors[0].register_hook(hook)
-            elif tensors:
-                torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="all")
+            _on_gradients(_output_tensors(args), WeakHook(self._owner, FSDP._post_backward_frozen, unit.index), "all")
 
     def _post_forward(self, index: int, module: nn.Module, args: tuple, output: Any) -> None:
         unit = self._units[index]
         unit.swap_out()
         unit.free(self)
         if unit.needs_weight_in_backward and torch.is_grad_enabled():
-            tensors = _output_tensors(output)
-            hook = WeakHook(self._owner, FSDP._pre_backward, unit.index)
-            if len(tensors) == 1:
-                tensors[0].register_hook(hook)
-            elif tensors:  # once, at the first of the outputs' gradients
-                torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
+            _on_gradients(_output_tensors(output), WeakHook(self._owner, FSDP._pre_backward, unit.index), "any")
         pos = len(self._fwd_calls) - 1
         if pos + 2 < len(self._last_order):
             self._last_order[pos + 2].start_gather(self, "forward")

@@ -14,8 +14,8 @@ import pandas as pd
 
 from raysys.results import read_results
 
-PROVENANCE = ("run_id", "git_sha", "torch_version", "triton_version", "ray_version", "device_name", "host", "utc", "sweep",
-              "trial_id", "source", "error")
+PROVENANCE = ("run_id", "git_sha", "torch_version", "triton_version", "ray_version", "device_name", "host", "utc",
+              "sweep", "trial_id", "source", "error")
 _SECTIONS: dict[str, Callable[[pd.DataFrame], str]] = {}
 _EXTRAS: dict[str, Callable[[Path], str]] = {}
 _PLOTS: dict[str, Callable[[pd.DataFrame, Path], list[Path]]] = {}

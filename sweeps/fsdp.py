@@ -35,8 +35,8 @@ Defaults: CUDA - xl, context 512, 4 sequences per rank, 2 ranks, fp32 and bf16 (
 H200). Four sequences, not sweeps/ddp.py's two: by the planner (parallel/planner.py, H200 peak BF16 and NVLink
 spec), an xl FFN's weight all-gathers on 2 ranks take 1.07x its matmul time at 2 x 2 x 512 tokens and 0.54x at
 2 x 4 x 512, and the fp32 reduce-scatter adds twice the bf16 gather's bytes to the backward. CPU (gloo) - the
-tiny model at context 64, 2 sequences per rank (about a minute). Outputs in `--out`: `fsdp.parquet`, `fsdp.md` (tables and the targets: bf16 fsdp <= 1.10x
-single, peak <= fsdp2's).
+tiny model at context 64, 2 sequences per rank (about a minute). Outputs in `--out`: `fsdp.parquet`, `fsdp.md`
+(tables and the targets: bf16 fsdp <= 1.10x single, peak <= fsdp2's).
 
     python sweeps/fsdp.py                                         # embedded Ray; CPU/gloo without a GPU
     ray job submit --working-dir . -- python sweeps/fsdp.py --out "$PWD/results"
