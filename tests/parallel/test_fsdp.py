@@ -148,7 +148,8 @@ def _train_and_compare(rank: int, world_size: int, kind: str, opt_name: str, com
 TRAINING = [("toy", "sgd", None, 3, "layer"), ("toy", "adamw", None, 3, "layer"),
             ("tiny", "adamw", None, 2, "layer"), ("toy", "sgd", torch.float16, 3, "layer"),
             ("toy", "adamw", None, 3, "model"), ("toy-spare", "adamw", None, 3, "model"),
-            ("toy-frozen", "adamw", None, 3, "layer"), ("toy-frozen", "adamw", None, 3, "model"), ("tiny", "adamw", None, 2, "block"),
+            ("toy-frozen", "adamw", None, 3, "layer"), ("toy-frozen", "adamw", None, 3, "model"),
+            ("tiny", "adamw", None, 2, "block"),
             ("toy", "sgd", torch.float16, 3, "model"), ("tiny", "sgd", torch.float16, 2, "block")]
 
 
