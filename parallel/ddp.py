@@ -33,6 +33,10 @@ same collectives in the same order whatever its control flow did.
 Averaging: NCCL divides during the reduction (`ReduceOp.AVG`); gloo has no AVG, so each rank divides its
 gradient by the world size before a SUM (exact for power-of-two world sizes).
 
+SM carve-out (`OverlappedDDP` and `BucketedDDP`, `sm_carveout=N`; see parallel/carveout.py): from the first
+all-reduce a backward issues until `finish_gradient_synchronization()`, cuBLAS matmuls target all SMs but N, so
+that they fit in one wave beside a collective of at most N CTAs (an NCCL group capped with `max_ctas=N`).
+
 Gradient accumulation: a forward pass run inside `with ddp.no_sync():` skips the synchronisation of its
 backward; gradients accumulate locally in `.grad`, and the first backward of a forward outside the
 context reduces the accumulated sum (the semantics of torch's DDP).
@@ -60,6 +64,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from parallel.carveout import SMCarveout
 from parallel.hooks import remove_handles
 
 __all__ = ["NaiveDDP", "FlatDDP", "OverlappedDDP", "BucketedDDP", "TorchDDP", "DDP_KINDS", "make_ddp", "assign_buckets",
@@ -260,8 +265,10 @@ class _OverlappedDataParallel(_DataParallel):
     """
 
     def __init__(self, module: nn.Module, buckets: list[list[nn.Parameter]], grad_as_bucket_view: bool,
-                 process_group: dist.ProcessGroup | None):
+                 process_group: dist.ProcessGroup | None, sm_carveout: int | None = None):
+        carveout = SMCarveout(sm_carveout)  # validated before the broadcast (a collective)
         _DataParallel.__init__(self, module, process_group)
+        self.carveout = carveout
         self.grad_as_bucket_view = grad_as_bucket_view
         self.buckets = [_Bucket(params) for params in buckets]
         self._next_bucket = 0           # the next bucket to launch
@@ -287,6 +294,7 @@ class _OverlappedDataParallel(_DataParallel):
         forward raises). Happens by itself when the wrapper is garbage-collected; idempotent."""
         self._remove_handles()
         self._hooks_removed = True
+        self.carveout.exit()
         for bucket in self.buckets:
             bucket.reset()
         self._next_bucket, self._pending = 0, False
@@ -340,6 +348,7 @@ class _OverlappedDataParallel(_DataParallel):
                 self._launch(self.buckets[self._next_bucket])
 
     def _launch(self, bucket: _Bucket) -> None:
+        self.carveout.enter()  # the rest of backward's matmuls leave the collectives' SMs alone
         tensor = bucket.buffer if bucket.buffer is not None else bucket.params[0].grad
         bucket.work = self._all_reduce_mean(tensor, async_op=True)
         self.num_all_reduces += 1
@@ -365,6 +374,7 @@ class _OverlappedDataParallel(_DataParallel):
                     else:
                         p.grad.copy_(view)
             bucket.reset()
+        self.carveout.exit()
         self._next_bucket = 0
         self._pending = False
 
@@ -373,10 +383,11 @@ class OverlappedDDP(_OverlappedDataParallel):
     """An async all-reduce of each parameter's gradient, in place, issued as soon as backward produces it
     (in reverse parameter order; see the ordering note in the module docstring)."""
 
-    def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None):
+    def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None, *,
+                 sm_carveout: int | None = None):
         params = [p for p in module.parameters() if p.requires_grad]
         super().__init__(module, [[p] for p in reversed(params)], grad_as_bucket_view=False,
-                         process_group=process_group)
+                         process_group=process_group, sm_carveout=sm_carveout)
 
 
 class BucketedDDP(_OverlappedDataParallel):
@@ -390,11 +401,12 @@ class BucketedDDP(_OverlappedDataParallel):
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, *, grad_as_bucket_view: bool = True,
-                 process_group: dist.ProcessGroup | None = None):
+                 process_group: dist.ProcessGroup | None = None, sm_carveout: int | None = None):
         if not isinstance(bucket_size_mb, (int, float)) or not math.isfinite(bucket_size_mb) or bucket_size_mb < 0:
             raise ValueError(f"bucket_size_mb ({bucket_size_mb!r}) must be a finite number >= 0")
         params = [p for p in module.parameters() if p.requires_grad]
-        super().__init__(module, assign_buckets(params, bucket_size_mb), grad_as_bucket_view, process_group)
+        super().__init__(module, assign_buckets(params, bucket_size_mb), grad_as_bucket_view, process_group,
+                         sm_carveout)
         self.bucket_size_mb = float(bucket_size_mb)
 
 

@@ -19,8 +19,9 @@ collectives, which matters when a step is bound by the host's launch rate.
 Layout of a unit (N ranks, weights w_1..w_k with padded shard sizes s_1..s_k, S = sum s_i):
     shard storage   fp32 (S,): this rank's shards back to back; each weight's shard is an `nn.Parameter` viewing
                     its slice (the optimizer updates them in place, so the storage always holds the masters)
-    all-gather      in: the shard storage cast to the compute dtype (one cast kernel; fp32 sends it as it is),
-                    split into the weights' shards
+    all-gather      in: the weights' shards, cast to the compute dtype straight into rank r's rows of their full
+                    tensors (one `_foreach_copy_`; the all-gathers then run in place, as FSDP2's, with no
+                    send buffer); fp32 sends the shard storage's slices as they are
     full storage    compute dtype, N * s_1 | N * s_2 | ...: each weight's padded full tensor in one piece, the
                     output of its own all-gather (rank r's rows in place); the k all-gathers are issued as one
                     coalesced group (on NCCL one launch). A backend without coalesced all-gathers gets one flat
@@ -97,6 +98,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.distributed_c10d import AllgatherOptions
 
+from parallel.carveout import SMCarveout
 from parallel.ddp import broadcast_module_state
 from parallel.hooks import WeakHook, remove_handles
 from parallel.mixed_precision import (cast_inputs, cast_params, has_other_floating_params, is_embedding,
@@ -242,7 +244,7 @@ class _Unit:
         self.num_trainable = sum(w.full.requires_grad for w in self.weights)
         self.state = _FREE
         self._work: dist.Work | None = None
-        self._send: torch.Tensor | None = None
+        self._send: torch.Tensor | list[torch.Tensor] | None = None  # what the all-gather reads, until it is waited
         self._recv: torch.Tensor | None = None  # all-gather output awaiting its copy-out (units of several weights)
         self.grads: list[torch.Tensor | None] = [None] * len(self.weights)  # this backward's full gradients
         self.grads_left = self.num_trainable
@@ -254,17 +256,25 @@ class _Unit:
     def start_gather(self, fsdp: "FSDP", phase: str) -> None:
         if self.state != _FREE:
             return
-        # Cast before communicating: in compute_dtype the all-gather moves half the bytes of fp32.
-        self._send = self.shard_flat if self.shard_flat.dtype == self.dtype else self.shard_flat.to(self.dtype)
-        if len(self.weights) == 1:  # rank-major is the weight's own layout: gather in place
+        cast = self.shard_flat.dtype != self.dtype  # cast before communicating: bf16 moves half the bytes of fp32
+        if len(self.weights) == 1 or fsdp._coalesced_gather:
+            # One all-gather per weight into its padded full tensor (rank-major is each weight's own layout),
+            # issued as one group. A cast writes this rank's shards straight into their slots of the outputs, and
+            # the all-gathers run in place there (as FSDP2's): no separate send buffer.
             self.storage.resize_(self.nbytes)
-            self._work = _all_gather(self.weights[0].padded.view(-1), self._send, group=fsdp.process_group,
-                                     async_op=True)
-        elif fsdp._coalesced_gather:  # one all-gather per weight, into its padded full tensor, issued as one group
-            self.storage.resize_(self.nbytes)
-            self._work = fsdp._all_gather_coalesced([w.padded.view(-1) for w in self.weights],
-                                                    list(self._send.split(self.sizes)))
+            outputs = [w.padded for w in self.weights]
+            shards = list(self.shard_flat.split(self.sizes))
+            if cast:
+                self._send = [out[fsdp.rank] for out in outputs]
+                torch._foreach_copy_(self._send, shards)
+            else:
+                self._send = shards
+            if len(self.weights) == 1:
+                self._work = _all_gather(outputs[0].view(-1), self._send[0], group=fsdp.process_group, async_op=True)
+            else:
+                self._work = fsdp._all_gather_coalesced([out.view(-1) for out in outputs], self._send)
         else:  # one flat all-gather, copied out at wait; the full storage is allocated then (one buffer in flight)
+            self._send = self.shard_flat.to(self.dtype) if cast else self.shard_flat
             self._recv = torch.empty(fsdp.world_size * self.shard_numel, dtype=self.dtype,
                                      device=self.shard_flat.device)
             self._work = _all_gather(self._recv, self._send, group=fsdp.process_group, async_op=True)
@@ -337,6 +347,10 @@ class FSDP(nn.Module):
         max_inflight_reductions: gradient reduce-scatters allowed in flight before the oldest is waited for;
             bounds the fp32 full-size gradient buffers alive during backward (1, as FSDP2: a unit's
             reduce-scatter has the next unit's backward to finish in; on NCCL the wait is stream-ordered).
+        sm_carveout: keep cuBLAS matmuls off this many SMs from each forward until
+            `finish_gradient_synchronization()` (parallel/carveout.py), for a process group whose NCCL
+            collectives are capped at as many CTAs: gathers and reductions then run beside the matmuls, not in
+            their way. None (default): no carve-out.
         event_log: if a list, ("all_gather" | "reduce_scatter", unit name, "forward" | "backward") tuples are
             appended as collectives are issued (for tests of the prefetch rule). A unit of one module is named
             after its weight (`layers.0.attn.q_proj.weight`), a larger one after its root (`layers.0`).
@@ -344,8 +358,9 @@ class FSDP(nn.Module):
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
                  process_group: dist.ProcessGroup | None = None, *, units: Iterable[type | str] | None = None,
-                 max_inflight_reductions: int = 1, event_log: list | None = None):
+                 max_inflight_reductions: int = 1, sm_carveout: int | None = None, event_log: list | None = None):
         super().__init__()
+        carveout = SMCarveout(sm_carveout)
         if not isinstance(module, nn.Module):
             raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype)
@@ -374,6 +389,7 @@ class FSDP(nn.Module):
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.max_inflight_reductions = max_inflight_reductions
+        self.carveout = carveout
         self.stats = CommStats()
         self._event_log = event_log
         self._gathered_bytes = 0
@@ -414,6 +430,7 @@ class FSDP(nn.Module):
             raise RuntimeError("this FSDP wrapper's hooks were removed (remove_hooks()): its modules hold only this "
                                "rank's weight shards; gather_full_params() returns the full weights")
         self._reduce_partial_units()
+        self.carveout.enter()
         self._fwd_calls = []
         for unit in self._units:
             unit.backward_done = False
@@ -428,6 +445,7 @@ class FSDP(nn.Module):
                 module._parameters.update(saved)
             self._cast_saved.clear()
             self._free_all()
+            self.carveout.exit()
             raise
         self._free_all()  # prefetched but not used by this forward (control flow changed)
         self._last_order = self._fwd_calls
@@ -563,6 +581,7 @@ class FSDP(nn.Module):
             self._pending.popleft().complete()
         self._free_all()  # weights prefetched for a backward step that never came
         self._all_reduce_replicated()
+        self.carveout.exit()
         for unit in self._units:
             if unit.reduced_grad is None:
                 continue
@@ -581,6 +600,7 @@ class FSDP(nn.Module):
         whose peers failed must not block here): an in-flight one keeps its buffers alive until it completes."""
         self._remove_handles()
         self._hooks_removed = True
+        self.carveout.exit()
         self._pending.clear()
         for unit in self._units:
             unit.reduced_grad = None

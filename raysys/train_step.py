@@ -274,7 +274,7 @@ class TrialScope:
     entry (after a collection), the same `*_after` on exit once everything the trial made is released; on
     the CPU the memory figures are NaN (no allocator statistics) and the parameter count tells. On an
     exception the traceback's finished frames are cleared (their locals would keep the trial's tensors
-    alive as long as the exception object lives) before the memory is freed.
+    alive as long as the exception object lives) before the memory is freed, and any SM carve-out is reset.
     """
 
     def __init__(self, device: torch.device):
@@ -297,4 +297,7 @@ class TrialScope:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc is not None:
             traceback.clear_frames(tb)
+            # A trial that failed mid-step may have left a matmul SM carve-out set (parallel/carveout.py): it is
+            # process-wide, and the next trial in this rank process must not inherit it.
+            torch._C._set_sm_carveout_experimental(None)
         self._record("after")

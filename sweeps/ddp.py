@@ -13,9 +13,12 @@ Study `ddp` (one row per dtype x variant, `ddp.parquet`): the default on GPUs is
     torch         torch.nn.parallel.DistributedDataParallel (its defaults: 25 MiB buckets, gradients copied into
                   them; `broadcast_buffers=False` since the model's only buffers are constant RoPE tables)
 
-Batch: every rank runs the same per-rank batch (`--batch-per-rank`, default 2: a global batch of 4 on 2 GPUs),
-including `single`, so each row is a step of the same per-GPU work with and without communication; the
-difference is what data parallelism costs. Timing (`raysys.train_step.time_steps`): `--warmup` untimed steps,
+Batch: every rank runs the same per-rank batch (`--batch-per-rank`; default 4 on GPUs, as sweeps/fsdp.py, and 2
+on the CPU), including `single`, so each row is a step of the same per-GPU work with and without communication;
+the difference is what data parallelism costs. Why 4 and not the handout's global batch of 4 (2 per GPU): at 2
+sequences per rank the bf16 xl step is bound by the host's launch rate (host time ~0.9x the step): it measured
+Python's speed more than communication, and varied by +-12% (std / mean) from step to step on the H200 host,
+far more than the 2% the target allows; at 4 the GPU has more work than the host issues per step. Timing (`raysys.train_step.time_steps`): `--warmup` untimed steps,
 then `--steps` to `--max-steps` steps (more while the median is uncertain) with a device synchronisation around
 each, with Python's garbage collector paused; rows carry mean, std, median and min, and ratios and targets use
 the median. Inside a step CUDA events split the time into forward, backward, `comm_wait` (from the end of
@@ -29,7 +32,9 @@ the trial and after it released everything; after > before means the trial leake
 `--nccl-max-ctas N` (CUDA only, default: NCCL's choice) runs every communicating variant on a process group
 whose NCCL communicator uses at most N CTAs (SMs) per collective: fewer SMs taken from backward's kernels
 while the all-reduces overlap them, at the price of slower collectives; a variant suffix `@N`
-(`overlapped@8`) caps that variant alone, so capped and uncapped variants are compared in one run.
+(`overlapped@8`) caps that variant alone, so capped and uncapped variants are compared in one run. `@N+carve`
+(overlapped and bucketed) also carves N SMs out of cuBLAS's matmuls while the all-reduces run
+(parallel/carveout.py), so a GEMM no longer spills into a second wave beside the collective's N CTAs.
 
 The variants listed in `--profile` (default naive, overlapped) get two more steps under `torch.profiler`;
 from the second one's GPU kernel intervals, `overlap_fraction` = time an NCCL kernel runs while a compute
@@ -85,8 +90,8 @@ STUDIES = ("ddp", "sharded")
 DEFAULT_VARIANTS = ("single,naive,flat,overlapped,bucketed:1,bucketed:10,bucketed:100,bucketed:1000,bucketed_copy:100,"
                     "torch")
 # bf16 autocast on the CPU is emulated (slow, and says nothing about GPUs): the CPU run is fp32 only.
-DEFAULTS = {"cuda": dict(size="xl", context_length=512, dtypes="fp32,bf16"),
-            "cpu": dict(size="tiny", context_length=64, dtypes="fp32")}
+DEFAULTS = {"cuda": dict(size="xl", context_length=512, dtypes="fp32,bf16", batch_per_rank=4),
+            "cpu": dict(size="tiny", context_length=64, dtypes="fp32", batch_per_rank=2)}
 RERUN = "single (rerun)"
 
 
@@ -94,16 +99,25 @@ RERUN = "single (rerun)"
 def parse_variant(spec: str) -> dict:
     """'bucketed:100' -> {'variant': 'bucketed', 'bucket_size_mb': 100.0, 'bucket_view': True, 'label': ...}.
     A suffix `@N` (`overlapped@8`, `torch:25@8`) caps that variant's NCCL communicator at N CTAs
-    (`nccl_max_ctas`; CUDA only), so capped and uncapped variants share one run's baselines."""
+    (`nccl_max_ctas`; CUDA only), so capped and uncapped variants share one run's baselines; `@N+carve` also
+    keeps cuBLAS off N SMs while the all-reduces overlap backward (`sm_carveout`)."""
     spec, at, ctas_text = spec.strip().partition("@")
     if at:
+        ctas_text, plus, flag = ctas_text.partition("+")
+        full = f"{spec}@{ctas_text}{plus}{flag}"
         if not ctas_text.isdigit() or int(ctas_text) < 1:
-            raise ValueError(f"variant {spec}@{ctas_text}: the CTA cap after '@' must be an int >= 1")
+            raise ValueError(f"variant {full}: the CTA cap after '@' must be an int >= 1")
+        if plus and flag != "carve":
+            raise ValueError(f"variant {full}: the only suffix after the CTA cap is '+carve'")
         parsed = parse_variant(spec)
         if parsed["variant"] == "single":
-            raise ValueError(f"variant {spec}@{ctas_text}: single does not communicate; a CTA cap means nothing")
+            raise ValueError(f"variant {full}: single does not communicate; a CTA cap means nothing")
+        if plus and parsed["variant"] not in ("overlapped", "bucketed"):
+            raise ValueError(f"variant {full}: '+carve' needs an overlapped or bucketed variant (they issue "
+                             f"collectives during backward)")
         ctas = int(ctas_text)
-        return {**parsed, "nccl_max_ctas": ctas, "label": f"{parsed['label']} @{ctas} CTAs"}
+        label = f"{parsed['label']} @{ctas} CTAs" + (" + carve-out" if plus else "")
+        return {**parsed, "nccl_max_ctas": ctas, "sm_carveout": ctas if plus else None, "label": label}
     name, _, size = spec.partition(":")
     kinds = ("single", "naive", "flat", "overlapped", "bucketed", "bucketed_copy", "torch")
     if name not in kinds:
@@ -211,14 +225,15 @@ def wrap(config: dict, model: nn.Module, process_group) -> nn.Module:
     variant = config["variant"]
     if variant == "single":
         return model
+    carve = {"sm_carveout": config["sm_carveout"]} if config.get("sm_carveout") is not None else {}
     if variant == "bucketed":
         return make_ddp("bucketed", model, bucket_size_mb=config["bucket_size_mb"],
-                        grad_as_bucket_view=config["bucket_view"], process_group=process_group)
+                        grad_as_bucket_view=config["bucket_view"], process_group=process_group, **carve)
     if variant == "torch":
         # The model's only buffers are constant RoPE tables: like ours, don't re-broadcast them every forward.
         return make_ddp("torch", model, bucket_size_mb=config["bucket_size_mb"], process_group=process_group,
                         broadcast_buffers=False)
-    return make_ddp(variant, model, process_group=process_group)
+    return make_ddp(variant, model, process_group=process_group, **carve)
 
 
 def comm_group(ctx, config: dict):
@@ -448,7 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--studies", default=",".join(STUDIES), help="comma list of ddp, sharded (default: both)")
     p.add_argument("--size", default=None, help="model size (default: xl on cuda, tiny on cpu)")
     p.add_argument("--context-length", type=int, default=None, help="sequence length (default: 512 on cuda, 64 on cpu)")
-    p.add_argument("--batch-per-rank", type=int, default=2, help="sequences per rank per step (default 2)")
+    p.add_argument("--batch-per-rank", type=int, default=None, help="sequences per rank per step (default: 4 on "
+                                                                    "cuda, 2 on cpu)")
     p.add_argument("--dtypes", default=None, help="ddp study: comma list of fp32, bf16 (autocast) (default: both "
                                                    "on cuda, fp32 on cpu)")
     p.add_argument("--sharded-dtypes", default="fp32", help="sharded study: comma list of fp32, bf16 (default fp32)")
@@ -486,8 +502,8 @@ def resolve(args) -> tuple[str, dict]:
     d = DEFAULTS[device]
     size = args.size or d["size"]
     context = args.context_length or min(d["context_length"], SIZES[size].get("context_length", 10**9))
-    return device, dict(size=size, context_length=context, dtypes=parse_list(args.dtypes or d["dtypes"], "dtypes",
-                                                                             tuple(DTYPES)))
+    return device, dict(size=size, context_length=context, batch_per_rank=args.batch_per_rank or d["batch_per_rank"],
+                        dtypes=parse_list(args.dtypes or d["dtypes"], "dtypes", tuple(DTYPES)))
 
 
 def main(argv: list[str] | None = None) -> dict[str, pd.DataFrame]:
@@ -518,11 +534,11 @@ def main(argv: list[str] | None = None) -> dict[str, pd.DataFrame]:
         common = dict(world_size=args.world_size, out_dir=out, device=device, resume=args.resume,
                       launcher=args.launcher, timeout_s=args.timeout_s, show=False)
         max_steps = args.max_steps if args.max_steps is not None else math.ceil(2.5 * args.steps)
-        trials = ddp_trials(variants=variants, profile=profile, batch_per_rank=args.batch_per_rank,
+        trials = ddp_trials(variants=variants, profile=profile,
                             warmup=args.warmup, steps=args.steps, max_steps=max_steps,
                             nccl_max_ctas=args.nccl_max_ctas, rerun_single=not args.no_single_rerun, **grid)
         sharded_trials = sharded_optimizer.trials(
-            batch_per_rank=args.batch_per_rank, warmup=args.warmup, steps=args.steps,
+            warmup=args.warmup, steps=args.steps,
             **{**grid, "dtypes": parse_list(args.sharded_dtypes, "sharded-dtypes", tuple(DTYPES))})
         if "ddp" in studies:
             frames[SWEEP] = run_sweep(SWEEP, trials, functools.partial(ddp_trial, out_dir=str(out)),

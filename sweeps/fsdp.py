@@ -11,14 +11,18 @@ Variants (one row per dtype x variant, `fsdp.parquet`); every rank runs `--batch
     ddp_sharded   BucketedDDP + ShardedOptimizer(AdamW) (ZeRO-1 style); bf16 = autocast
     fsdp          parallel.fsdp.FSDP(compute_dtype=bf16 for bf16, units=(TransformerBlock,)) + AdamW over the
                   shards: one all-gather / reduce-scatter per block, as fsdp2
+    fsdp@8        fsdp over an NCCL group capped at 8 CTAs per collective, with cuBLAS kept off 8 SMs from forward to
+                  the end of the reductions (`sm_carveout=8`, parallel/carveout.py): collectives beside the matmuls
+                  instead of pushing them into a second wave (CUDA only)
     fsdp_layer    the same with one unit per Linear / Embedding (the handout's per-layer granularity: 7x the
                   collectives, each a seventh of the size)
     fsdp2         torch.distributed.fsdp.fully_shard per TransformerBlock and on the root, with
                   MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) for bf16
 
 AdamW is torch's (fused on CUDA) everywhere. Timing: `--warmup` untimed steps, then `--steps` steps with a device
-synchronisation around each (mean ± std; forward / backward / exposed-communication / optimizer split by CUDA
-events, as sweeps/ddp.py). Memory (rank 0 and the maximum over ranks): the CUDA allocator's peak over warm-up and
+synchronisation around each (median, and mean ± std; forward / backward / exposed-communication / optimizer split
+by CUDA events, as sweeps/ddp.py); ratios and targets use the median, as sweeps/ddp.py (a host-bound bf16 step
+has the odd slow step). Memory (rank 0 and the maximum over ranks): the CUDA allocator's peak over warm-up and
 timed steps, and the bytes of parameters, gradients and optimizer state counted tensor by tensor after a step,
 against what the sharding predicts (`expected_state`): per rank, fp32 params P_r, grads P_r and AdamW moments
 2 P_r, with P_r = P (single, ddp; ddp_sharded's moments ~P/N), Linear/Embedding weights padded to ceil(rows/N)
@@ -58,6 +62,7 @@ sys.path.insert(0, str(ROOT))
 
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from parallel.ddp import make_ddp  # noqa: E402
@@ -68,16 +73,19 @@ from raysys.config import SIZES, ModelConfig  # noqa: E402
 from raysys.memory import unique_storage_bytes  # noqa: E402
 from raysys.model import TransformerBlock, TransformerLM  # noqa: E402
 from raysys.profiling import device_kernels, overlap, profile_steps  # noqa: E402
-from raysys.train_step import DTYPES, TrainStep, TrialScope, release, sync, time_steps  # noqa: E402
-from sweeps.ddp import adamw_kwargs, make_batch, model_config, parse_list, setup_sentence  # noqa: E402
+from raysys.train_step import DTYPES, TrainStep, TrialScope, nccl_group, release, sync, time_steps  # noqa: E402
+from sweeps.ddp import adamw_kwargs, make_batch, model_config, parse_list, setup_sentence, step_column  # noqa: E402
 
 SWEEP = "fsdp"
-VARIANTS = ("single", "single_cast", "ddp", "ddp_sharded", "fsdp", "fsdp_layer", "fsdp2")
+VARIANTS = ("single", "single_cast", "ddp", "ddp_sharded", "fsdp", "fsdp@8", "fsdp_layer", "fsdp2")
+CAPPED = {"fsdp@8": 8}  # variant -> NCCL CTA cap = SMs carved out of the matmuls (NCCL only)
+OURS = ("fsdp", "fsdp@8")  # per-block FSDP variants, checked against the targets
 AUTOCAST_VARIANTS = ("single", "ddp", "ddp_sharded")  # the others cast weights to the compute dtype themselves
 DDP_BUCKET_MB = 100.0
 STALL_US = 5.0
-DEFAULTS = {"cuda": dict(size="xl", context_length=512, batch_per_rank=4, warmup=2, steps=8),
-            "cpu": dict(size="tiny", context_length=64, batch_per_rank=2, warmup=1, steps=3)}
+DEFAULTS = {"cuda": dict(size="xl", context_length=512, batch_per_rank=4, warmup=2, steps=12, variants=VARIANTS),
+            "cpu": dict(size="tiny", context_length=64, batch_per_rank=2, warmup=1, steps=3,
+                        variants=tuple(v for v in VARIANTS if v not in CAPPED))}
 
 
 # ---------------------------------------------------------------------------------------------------- grid
@@ -100,7 +108,8 @@ def trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: list[
 
 # ---------------------------------------------------------------------------------------------------- build
 def build(config: dict, device: torch.device, process_group) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """The wrapped model and its optimizer for `config['variant']` (same initial weights on every rank)."""
+    """The wrapped model and its optimizer for `config['variant']` (same initial weights on every rank); for a
+    CAPPED variant, `process_group` is the capped group."""
     variant, compute_dtype = config["variant"], DTYPES[config["dtype"]]
     torch.manual_seed(config["seed"])
     model = TransformerLM(model_config(config["size"], config["context_length"]), device=device)
@@ -108,9 +117,10 @@ def build(config: dict, device: torch.device, process_group) -> tuple[nn.Module,
         model = CastForCompute(model, compute_dtype)
     elif variant in ("ddp", "ddp_sharded"):
         model = make_ddp("bucketed", model, bucket_size_mb=DDP_BUCKET_MB, process_group=process_group)
-    elif variant in ("fsdp", "fsdp_layer"):
-        units = (TransformerBlock,) if variant == "fsdp" else None
-        model = FSDP(model, compute_dtype=compute_dtype, process_group=process_group, units=units)
+    elif variant in ("fsdp", "fsdp@8", "fsdp_layer"):
+        units = None if variant == "fsdp_layer" else (TransformerBlock,)
+        model = FSDP(model, compute_dtype=compute_dtype, process_group=process_group, units=units,
+                     sm_carveout=CAPPED.get(variant))
     elif variant == "fsdp2":
         model = _fully_shard(model, compute_dtype, device, process_group)
     if variant == "ddp_sharded":
@@ -157,7 +167,7 @@ def expected_state(config: dict, world_size: int) -> dict[str, float]:
     total = sum(p.numel() for p in params)
     ours = sum(padded(p) if id(p) in sharded else p.numel() for p in params)
     per_rank = {"single": total, "single_cast": total, "ddp": total, "ddp_sharded": total, "fsdp": ours,
-                "fsdp_layer": ours,
+                "fsdp@8": ours, "fsdp_layer": ours,
                 "fsdp2": sum(padded(p) for p in params)}[config["variant"]]
     moments = 2 * (total / world_size if config["variant"] == "ddp_sharded" else per_rank)
     return {"expected_params_bytes": 4.0 * per_rank, "expected_grads_bytes": 4.0 * per_rank,
@@ -224,8 +234,17 @@ def fsdp_trial(ctx, config: dict, out_dir: str | None = None) -> dict:
 
 
 def _fsdp_trial(ctx, config: dict, out_dir: str | None) -> dict:
+    capped = CAPPED.get(config["variant"])
+    group = nccl_group(ctx.world_size, capped) if capped else ctx.process_group
+    metrics = _timed_trial(ctx, config, out_dir, group)
+    if group is not ctx.process_group:  # not after a failure: the gang is torn down then anyway
+        dist.destroy_process_group(group)
+    return metrics
+
+
+def _timed_trial(ctx, config: dict, out_dir: str | None, group) -> dict:
     device = ctx.device
-    model, optimizer = build(config, device, ctx.process_group)
+    model, optimizer = build(config, device, group)
     mc = model_config(config["size"], config["context_length"])
     batch = make_batch(mc, config["batch_per_rank"], device, seed=config["seed"] + 1000 * (ctx.rank + 1))
     autocast_dtype = config["dtype"] if config["variant"] in AUTOCAST_VARIANTS else "fp32"
@@ -258,6 +277,7 @@ def reduce_ranks(config: dict, per_rank: list[dict]) -> dict:
     """Rank 0's metrics, the slowest rank's step and the largest peak memory."""
     out = dict(per_rank[0])
     out["step_ms_max_rank"] = max(r["step_ms"] for r in per_rank)
+    out["step_ms_median_max_rank"] = max(r["step_ms_median"] for r in per_rank)
     out["peak_memory_max_rank_bytes"] = max(r["peak_memory_bytes"] for r in per_rank)
     return out
 
@@ -266,29 +286,42 @@ def reduce_ranks(config: dict, per_rank: list[dict]) -> dict:
 def with_ratios(df: pd.DataFrame) -> pd.DataFrame:
     """Step time relative to single, single_cast and fsdp2 of the same dtype."""
     df = df.copy()
+    col = step_column(df)
     ok = df[df["status"] == "ok"]
     for ref in ("single", "single_cast", "fsdp2"):
-        base = ok[ok["variant"] == ref].groupby("dtype")["step_ms"].first()
-        df[f"vs_{ref}"] = df["step_ms"] / df["dtype"].map(base)
+        if col not in ok:
+            df[f"vs_{ref}"] = math.nan
+            continue
+        base = ok[ok["variant"] == ref].groupby("dtype")[col].first()
+        df[f"vs_{ref}"] = df[col] / df["dtype"].map(base)
     return df
 
 
 def targets(df: pd.DataFrame) -> list[str]:
-    """bf16 fsdp: step <= 1.10x single and peak memory <= fsdp2's (same run)."""
+    """Each per-block FSDP variant in bf16: step (median) <= 1.10x single's and peak memory <= fsdp2's, same run
+    (rows of one `run_id`; a dtype's rows from several runs are not compared)."""
     df = with_ratios(df)
+    col = step_column(df)
     ok = df[(df["status"] == "ok") & (df["dtype"] == "bf16")]
-    ours, theirs = ok[ok["variant"] == "fsdp"], ok[ok["variant"] == "fsdp2"]
-    if ours.empty:
-        return []
-    row, lines = ours.iloc[0], []
-    if pd.notna(row.get("vs_single")):
-        lines.append(f"- bf16 step: {row['step_ms']:.1f} ms = {row['vs_single']:.3f}x single "
-                     f"({'met' if row['vs_single'] <= 1.10 else 'missed'}: <= 1.10x)"
-                     + (f"; fsdp2 {theirs.iloc[0]['vs_single']:.3f}x" if not theirs.empty else ""))
-    if not theirs.empty and pd.notna(row["peak_memory_max_rank_bytes"]):
-        mine, ref = row["peak_memory_max_rank_bytes"] / 2**30, theirs.iloc[0]["peak_memory_max_rank_bytes"] / 2**30
-        lines.append(f"- bf16 peak memory: {mine:.2f} GiB vs fsdp2 {ref:.2f} GiB "
-                     f"({'met' if mine <= ref else 'missed'}: <= fsdp2)")
+    theirs = ok[ok["variant"] == "fsdp2"]
+    lines = []
+    if "run_id" in ok and ok["run_id"].nunique() > 1:
+        return [f"- bf16 rows come from {ok['run_id'].nunique()} runs ({', '.join(map(str, ok['run_id'].unique()))}): "
+                "not measured in one run, no target is checked"]
+    for variant in OURS:
+        ours = ok[ok["variant"] == variant]
+        if ours.empty:
+            continue
+        row = ours.iloc[0]
+        if pd.notna(row.get("vs_single")):
+            lines.append(f"- bf16 `{variant}` step: {row[col]:.1f} ms = {row['vs_single']:.3f}x single "
+                         f"({'met' if row['vs_single'] <= 1.10 else 'missed'}: <= 1.10x)"
+                         + (f"; fsdp2 {theirs.iloc[0]['vs_single']:.3f}x" if not theirs.empty else ""))
+        if not theirs.empty and pd.notna(row["peak_memory_max_rank_bytes"]):
+            mine = row["peak_memory_max_rank_bytes"] / 2**30
+            ref = theirs.iloc[0]["peak_memory_max_rank_bytes"] / 2**30
+            lines.append(f"- bf16 `{variant}` peak memory: {mine:.2f} GiB vs fsdp2 {ref:.2f} GiB "
+                         f"({'met' if mine <= ref else 'missed'}: <= fsdp2)")
     return lines
 
 
@@ -302,7 +335,7 @@ def memory_savings(df: pd.DataFrame) -> pd.DataFrame:
     measured (counted state, allocator peak)."""
     ok = df[df["status"] == "ok"]
     unit, scale = _unit(ok)
-    pairs = [("ddp_sharded", "ddp"), ("fsdp", "ddp"), ("fsdp", "ddp_sharded"), ("fsdp_layer", "ddp"),
+    pairs = [("ddp_sharded", "ddp"), ("fsdp", "ddp"), ("fsdp", "ddp_sharded"), ("fsdp@8", "ddp"), ("fsdp_layer", "ddp"),
              ("fsdp2", "ddp"), ("fsdp2", "ddp_sharded")]
     rows = []
     for dtype, part in ok.groupby("dtype", sort=False):
@@ -325,15 +358,16 @@ def markdown(df: pd.DataFrame) -> str:
     if not ok.empty:
         first = ok.iloc[0]
         parts.append(
-            f"{setup_sentence(first)}, AdamW; {int(first['warmup'])} warm-up + {int(first['steps'])} timed steps, "
-            "mean ± std. "
+            f"{setup_sentence(first)}, AdamW; {int(first['warmup'])} warm-up + {int(first['steps'])} timed steps; "
+            "`step`: median (mean ± std), ratios use the median. "
             "`state`: params + grads + optimizer state per rank, counted (expected). `AG exposed`: all-gather kernel "
             "time with no compute kernel running; `stalled AG`: all-gathers with > 5 us of it.")
         nan = pd.Series(math.nan, index=ok.index)
         unit, scale = _unit(ok)
         view = pd.DataFrame({
             "dtype": ok["dtype"], "variant": ok["variant"],
-            "step (ms)": [f"{m:.1f} ± {s:.1f}" for m, s in zip(ok["step_ms"], ok["step_ms_std"])],
+            "step (ms)": [f"{med:.1f} ({m:.1f} ± {s:.1f})" for med, m, s in
+                          zip(ok[step_column(ok)], ok["step_ms"], ok["step_ms_std"])],
             "vs single": ok["vs_single"], "vs single_cast": ok["vs_single_cast"], "vs fsdp2": ok["vs_fsdp2"],
             "peak (GiB)": ok["peak_memory_max_rank_bytes"] / 2**30,
             f"state ({unit})": [f"{s / scale:.3g} ({e / scale:.3g})" for s, e in zip(ok["state_bytes"],
@@ -374,7 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-per-rank", type=int, default=None, help="sequences per rank per step (default: 4 on "
                                                                     "cuda, 2 on cpu)")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16 (default: both)")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list (default: {','.join(VARIANTS)})")
+    p.add_argument("--variants", default=None, help=f"comma list of {','.join(VARIANTS)} (default: all on cuda; "
+                                                    f"on cpu all but {','.join(CAPPED)}, which need NCCL)")
     p.add_argument("--profile", default="fsdp,fsdp2", help="variants to profile for all-gather overlap "
                                                            "(default: fsdp,fsdp2; '' for none)")
     p.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
@@ -384,6 +419,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, a local cluster, else embedded)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per-trial and process-group timeout (s)")
     return p
+
+
+def _variants(text: str | None, device: str, defaults: dict) -> list[str]:
+    variants = parse_list(text, "variants", VARIANTS) if text is not None else list(defaults["variants"])
+    capped = [v for v in variants if v in CAPPED]
+    if capped and device != "cuda":
+        raise ValueError(f"variants {capped}: a CTA cap and SM carve-out apply to NCCL on GPUs; this run uses {device} "
+                         "(gloo)")
+    return variants
 
 
 def resolve_device(args) -> str:
@@ -416,7 +460,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         context = args.context_length or min(d["context_length"], ModelConfig.from_name(size).context_length)
         grid = trials(size=size, context_length=context, batch_per_rank=args.batch_per_rank or d["batch_per_rank"],
                       dtypes=parse_list(args.dtypes, "dtypes", tuple(DTYPES)),
-                      variants=parse_list(args.variants, "variants", VARIANTS),
+                      variants=_variants(args.variants, device, d),
                       profile=[v.strip() for v in args.profile.split(",") if v.strip()],
                       warmup=d["warmup"] if args.warmup is None else args.warmup, steps=args.steps or d["steps"])
         df = run_sweep(SWEEP, grid, functools.partial(fsdp_trial, out_dir=str(out)), args.world_size, out_dir=out,

@@ -46,7 +46,7 @@ NCCL_SCAN=(default NCCL_MIN_NCHANNELS=24,NCCL_MAX_NCHANNELS=24 NCCL_MIN_NCHANNEL
            NCCL_MIN_NCHANNELS=32,NCCL_MAX_NCHANNELS=32,NCCL_ALGO=Ring,NCCL_PROTO=Simple
            NCCL_PROTO=LL128 NCCL_NTHREADS=512)
 DDP_VARIANTS=single,naive,flat,overlapped,bucketed:1,bucketed:10,bucketed:100,bucketed:1000
-DDP_VARIANTS+=,torch,overlapped@8,bucketed:100@8
+DDP_VARIANTS+=,torch,bucketed:100@8,overlapped@8+carve,bucketed:100@8+carve,bucketed:25@8+carve
 
 allreduce() {  # the scan (mp launch, all-reduce, 2 ranks; its own file), then the whole grid with the best setting
   # and the defaults in ONE run (no --resume: every Ray / mp pair the targets compare is measured together)
@@ -77,7 +77,7 @@ case $phase in
     allreduce
     ;;
   fsdp)  # FSDP (every variant of a dtype in one run, for the same-run ratios), then the tests (8 workers)
-    study fsdp 290 python3 sweeps/fsdp.py --device cuda --out "$RESULTS" --resume
+    study fsdp 290 python3 sweeps/fsdp.py --device cuda --out "$RESULTS" --resume --profile fsdp,fsdp@8,fsdp2
     study gpu_tests 120 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 tests
     ;;
   ckpt)  # the checkpointing trials (Ray Tune, one GPU per trial: two at a time)

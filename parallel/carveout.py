@@ -1,0 +1,54 @@
+"""SM carve-out: keep cuBLAS matmuls off a few SMs while collectives overlap them.
+
+A Hopper GEMM launches about one CTA per SM (132 on an H200) and is sized to fill the GPU in one wave. While an
+NCCL kernel holds some SMs (one CTA per channel), the GEMM's last CTAs wait for a second wave and the matmul can
+take up to twice as long. This is most of what overlapping gradient communication with a bf16 backward costs.
+`torch._C._set_sm_carveout_experimental(n)` makes cuBLAS(Lt) target `num_SMs - n` SMs: with NCCL capped at n CTAs
+(`raysys.train_step.nccl_group`), matmuls and collectives fit side by side, each a little slower, neither in two
+waves. torch's own async tensor parallelism uses the same switch.
+
+The setting is process-wide and read when a matmul is issued, so a wrapper sets it when its first overlapped
+collective is issued and restores the previous value once the overlap is over (`SMCarveout`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["SMCarveout", "check_sm_carveout"]
+
+
+def check_sm_carveout(num_sms: int | None) -> int | None:
+    """`num_sms` if it is None or an int in [0, SMs of the current GPU); otherwise a ValueError naming the rule."""
+    if num_sms is None:
+        return None
+    if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 0:
+        raise ValueError(f"sm_carveout ({num_sms!r}) must be None or an int >= 0")
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        if num_sms >= total:
+            raise ValueError(f"sm_carveout ({num_sms}) must be less than the GPU's {total} SMs")
+    return num_sms
+
+
+class SMCarveout:
+    """Sets the carve-out on `enter()` and restores what was there before on `exit()`; both idempotent, so a
+    wrapper may call `enter()` at every collective it issues and `exit()` wherever the overlap may end."""
+
+    def __init__(self, num_sms: int | None):
+        self.num_sms = check_sm_carveout(num_sms)
+        self._previous: int | None = None
+        self.active = False
+
+    def enter(self) -> None:
+        if self.num_sms is None or self.active:
+            return
+        self._previous = torch._C._get_sm_carveout_experimental()
+        torch._C._set_sm_carveout_experimental(self.num_sms)
+        self.active = True
+
+    def exit(self) -> None:
+        if not self.active:
+            return
+        torch._C._set_sm_carveout_experimental(self._previous)
+        self.active = False
