@@ -232,17 +232,21 @@ def time_steps(step: TrainStep, warmup: int, steps: int, *, max_steps: int | Non
 
 
 # ---------------------------------------------------------------------------------------------------- groups
-def nccl_group(world_size: int, max_ctas: int) -> dist.ProcessGroup:
+def nccl_group(world_size: int, max_ctas: int | None = None, *, high_priority: bool = False) -> dist.ProcessGroup:
     """A new NCCL group of ranks 0..world_size-1 whose communicator runs each collective on at most `max_ctas`
-    CTAs (thread blocks, one SM each): collectives overlapping compute take fewer SMs from it, and run slower.
+    CTAs (thread blocks, one SM each; None: NCCL's choice): collectives overlapping compute take fewer SMs from
+    it, and run slower. `high_priority`: the group's collectives run on a high-priority CUDA stream, so the GPU
+    schedules their CTAs ahead of queued compute CTAs (torch's FSDP1 gathers on such streams for the same reason:
+    a prefetch stuck behind a long matmul is late for the layer that needs it).
     Every rank must call this (it is a collective); destroy the group with `dist.destroy_process_group`."""
-    if not isinstance(max_ctas, int) or max_ctas < 1:
-        raise ValueError(f"max_ctas ({max_ctas!r}) must be an int >= 1")
+    if max_ctas is not None and (not isinstance(max_ctas, int) or max_ctas < 1):
+        raise ValueError(f"max_ctas ({max_ctas!r}) must be None or an int >= 1")
     if not dist.is_initialized() or dist.get_backend() != "nccl":
-        raise ValueError(f"max_ctas ({max_ctas}) needs an initialised NCCL default group, not "
-                         f"{dist.get_backend() if dist.is_initialized() else 'none'}")
-    options = dist.ProcessGroupNCCL.Options()
-    options.config.max_ctas = max_ctas
+        raise ValueError(f"an NCCL group (max_ctas {max_ctas}, high_priority {high_priority}) needs an initialised "
+                         f"NCCL default group, not {dist.get_backend() if dist.is_initialized() else 'none'}")
+    options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=high_priority)
+    if max_ctas is not None:
+        options.config.max_ctas = max_ctas
     return dist.new_group(ranks=list(range(world_size)), backend="nccl", pg_options=options)
 
 

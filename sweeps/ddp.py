@@ -13,12 +13,11 @@ Study `ddp` (one row per dtype x variant, `ddp.parquet`): the default on GPUs is
     torch         torch.nn.parallel.DistributedDataParallel (its defaults: 25 MiB buckets, gradients copied into
                   them; `broadcast_buffers=False` since the model's only buffers are constant RoPE tables)
 
-Batch: every rank runs the same per-rank batch (`--batch-per-rank`; default 4 on GPUs, as sweeps/fsdp.py, and 2
-on the CPU), including `single`, so each row is a step of the same per-GPU work with and without communication;
-the difference is what data parallelism costs. Why 4 and not the handout's global batch of 4 (2 per GPU): at 2
-sequences per rank the bf16 xl step is bound by the host's launch rate (host time ~0.9x the step): it measured
-Python's speed more than communication, and varied by +-12% (std / mean) from step to step on the H200 host,
-far more than the 2% the target allows; at 4 the GPU has more work than the host issues per step. Timing (`raysys.train_step.time_steps`): `--warmup` untimed steps,
+Batch: every rank runs the same per-rank batch (`--batch-per-rank`, default 2: the handout's global batch of 4 on
+2 GPUs), including `single`, so each row is a step of the same per-GPU work with and without communication; the
+difference is what data parallelism costs. At 2 sequences per rank the bf16 xl step is bound by the host's launch
+rate (host time ~0.9x the step), so its bf16 rows vary with the host's speed by several percent from trial to
+trial; `--batch-per-rank 4` (sweeps/fsdp.py's setting) gives the GPU more work per launch. Timing (`raysys.train_step.time_steps`): `--warmup` untimed steps,
 then `--steps` to `--max-steps` steps (more while the median is uncertain) with a device synchronisation around
 each, with Python's garbage collector paused; rows carry mean, std, median and min, and ratios and targets use
 the median. Inside a step CUDA events split the time into forward, backward, `comm_wait` (from the end of
@@ -90,7 +89,7 @@ STUDIES = ("ddp", "sharded")
 DEFAULT_VARIANTS = ("single,naive,flat,overlapped,bucketed:1,bucketed:10,bucketed:100,bucketed:1000,bucketed_copy:100,"
                     "torch")
 # bf16 autocast on the CPU is emulated (slow, and says nothing about GPUs): the CPU run is fp32 only.
-DEFAULTS = {"cuda": dict(size="xl", context_length=512, dtypes="fp32,bf16", batch_per_rank=4),
+DEFAULTS = {"cuda": dict(size="xl", context_length=512, dtypes="fp32,bf16", batch_per_rank=2),
             "cpu": dict(size="tiny", context_length=64, dtypes="fp32", batch_per_rank=2)}
 RERUN = "single (rerun)"
 
@@ -463,8 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--studies", default=",".join(STUDIES), help="comma list of ddp, sharded (default: both)")
     p.add_argument("--size", default=None, help="model size (default: xl on cuda, tiny on cpu)")
     p.add_argument("--context-length", type=int, default=None, help="sequence length (default: 512 on cuda, 64 on cpu)")
-    p.add_argument("--batch-per-rank", type=int, default=None, help="sequences per rank per step (default: 4 on "
-                                                                    "cuda, 2 on cpu)")
+    p.add_argument("--batch-per-rank", type=int, default=None, help="sequences per rank per step (default 2)")
     p.add_argument("--dtypes", default=None, help="ddp study: comma list of fp32, bf16 (autocast) (default: both "
                                                    "on cuda, fp32 on cpu)")
     p.add_argument("--sharded-dtypes", default="fp32", help="sharded study: comma list of fp32, bf16 (default fp32)")

@@ -11,6 +11,8 @@ Variants (one row per dtype x variant, `fsdp.parquet`); every rank runs `--batch
     ddp_sharded   BucketedDDP + ShardedOptimizer(AdamW) (ZeRO-1 style); bf16 = autocast
     fsdp          parallel.fsdp.FSDP(compute_dtype=bf16 for bf16, units=(TransformerBlock,)) + AdamW over the
                   shards: one all-gather / reduce-scatter per block, as fsdp2
+    fsdp_hp       fsdp over an NCCL group whose collectives run on a high-priority stream (their CTAs are scheduled
+                  ahead of queued compute CTAs, as FSDP1's gathers; CUDA only)
     fsdp@8        fsdp over an NCCL group capped at 8 CTAs per collective, with cuBLAS kept off 8 SMs from forward to
                   the end of the reductions (`sm_carveout=8`, parallel/carveout.py): collectives beside the matmuls
                   instead of pushing them into a second wave (CUDA only)
@@ -77,15 +79,16 @@ from raysys.train_step import DTYPES, TrainStep, TrialScope, nccl_group, release
 from sweeps.ddp import adamw_kwargs, make_batch, model_config, parse_list, setup_sentence, step_column  # noqa: E402
 
 SWEEP = "fsdp"
-VARIANTS = ("single", "single_cast", "ddp", "ddp_sharded", "fsdp", "fsdp@8", "fsdp_layer", "fsdp2")
-CAPPED = {"fsdp@8": 8}  # variant -> NCCL CTA cap = SMs carved out of the matmuls (NCCL only)
-OURS = ("fsdp", "fsdp@8")  # per-block FSDP variants, checked against the targets
+VARIANTS = ("single", "single_cast", "ddp", "ddp_sharded", "fsdp", "fsdp_hp", "fsdp@8", "fsdp_layer", "fsdp2")
+# Per-block FSDP over a group of its own (NCCL only): variant -> nccl_group options and the SM carve-out.
+OWN_GROUP = {"fsdp_hp": dict(high_priority=True), "fsdp@8": dict(max_ctas=8, sm_carveout=8)}
+OURS = ("fsdp", "fsdp_hp", "fsdp@8")  # per-block FSDP variants, checked against the targets
 AUTOCAST_VARIANTS = ("single", "ddp", "ddp_sharded")  # the others cast weights to the compute dtype themselves
 DDP_BUCKET_MB = 100.0
 STALL_US = 5.0
 DEFAULTS = {"cuda": dict(size="xl", context_length=512, batch_per_rank=4, warmup=2, steps=12, variants=VARIANTS),
             "cpu": dict(size="tiny", context_length=64, batch_per_rank=2, warmup=1, steps=3,
-                        variants=tuple(v for v in VARIANTS if v not in CAPPED))}
+                        variants=tuple(v for v in VARIANTS if v not in OWN_GROUP))}
 
 
 # ---------------------------------------------------------------------------------------------------- grid
@@ -109,7 +112,7 @@ def trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: list[
 # ---------------------------------------------------------------------------------------------------- build
 def build(config: dict, device: torch.device, process_group) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The wrapped model and its optimizer for `config['variant']` (same initial weights on every rank); for a
-    CAPPED variant, `process_group` is the capped group."""
+    OWN_GROUP variant, `process_group` is that variant's own group."""
     variant, compute_dtype = config["variant"], DTYPES[config["dtype"]]
     torch.manual_seed(config["seed"])
     model = TransformerLM(model_config(config["size"], config["context_length"]), device=device)
@@ -117,10 +120,10 @@ def build(config: dict, device: torch.device, process_group) -> tuple[nn.Module,
         model = CastForCompute(model, compute_dtype)
     elif variant in ("ddp", "ddp_sharded"):
         model = make_ddp("bucketed", model, bucket_size_mb=DDP_BUCKET_MB, process_group=process_group)
-    elif variant in ("fsdp", "fsdp@8", "fsdp_layer"):
+    elif variant in ("fsdp", "fsdp_layer") or variant in OWN_GROUP:
         units = None if variant == "fsdp_layer" else (TransformerBlock,)
         model = FSDP(model, compute_dtype=compute_dtype, process_group=process_group, units=units,
-                     sm_carveout=CAPPED.get(variant))
+                     sm_carveout=OWN_GROUP.get(variant, {}).get("sm_carveout"))
     elif variant == "fsdp2":
         model = _fully_shard(model, compute_dtype, device, process_group)
     if variant == "ddp_sharded":
@@ -167,7 +170,7 @@ def expected_state(config: dict, world_size: int) -> dict[str, float]:
     total = sum(p.numel() for p in params)
     ours = sum(padded(p) if id(p) in sharded else p.numel() for p in params)
     per_rank = {"single": total, "single_cast": total, "ddp": total, "ddp_sharded": total, "fsdp": ours,
-                "fsdp@8": ours, "fsdp_layer": ours,
+                "fsdp_hp": ours, "fsdp@8": ours, "fsdp_layer": ours,
                 "fsdp2": sum(padded(p) for p in params)}[config["variant"]]
     moments = 2 * (total / world_size if config["variant"] == "ddp_sharded" else per_rank)
     return {"expected_params_bytes": 4.0 * per_rank, "expected_grads_bytes": 4.0 * per_rank,
@@ -234,8 +237,9 @@ def fsdp_trial(ctx, config: dict, out_dir: str | None = None) -> dict:
 
 
 def _fsdp_trial(ctx, config: dict, out_dir: str | None) -> dict:
-    capped = CAPPED.get(config["variant"])
-    group = nccl_group(ctx.world_size, capped) if capped else ctx.process_group
+    options = dict(OWN_GROUP.get(config["variant"], {}))
+    options.pop("sm_carveout", None)
+    group = nccl_group(ctx.world_size, **options) if config["variant"] in OWN_GROUP else ctx.process_group
     metrics = _timed_trial(ctx, config, out_dir, group)
     if group is not ctx.process_group:  # not after a failure: the gang is torn down then anyway
         dist.destroy_process_group(group)
@@ -335,7 +339,8 @@ def memory_savings(df: pd.DataFrame) -> pd.DataFrame:
     measured (counted state, allocator peak)."""
     ok = df[df["status"] == "ok"]
     unit, scale = _unit(ok)
-    pairs = [("ddp_sharded", "ddp"), ("fsdp", "ddp"), ("fsdp", "ddp_sharded"), ("fsdp@8", "ddp"), ("fsdp_layer", "ddp"),
+    pairs = [("ddp_sharded", "ddp"), ("fsdp", "ddp"), ("fsdp", "ddp_sharded"), ("fsdp_hp", "ddp"), ("fsdp@8", "ddp"),
+             ("fsdp_layer", "ddp"),
              ("fsdp2", "ddp"), ("fsdp2", "ddp_sharded")]
     rows = []
     for dtype, part in ok.groupby("dtype", sort=False):
@@ -409,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                     "cuda, 2 on cpu)")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16 (default: both)")
     p.add_argument("--variants", default=None, help=f"comma list of {','.join(VARIANTS)} (default: all on cuda; "
-                                                    f"on cpu all but {','.join(CAPPED)}, which need NCCL)")
+                                                    f"on cpu all but {','.join(OWN_GROUP)}, which need NCCL)")
     p.add_argument("--profile", default="fsdp,fsdp2", help="variants to profile for all-gather overlap "
                                                            "(default: fsdp,fsdp2; '' for none)")
     p.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
@@ -423,9 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _variants(text: str | None, device: str, defaults: dict) -> list[str]:
     variants = parse_list(text, "variants", VARIANTS) if text is not None else list(defaults["variants"])
-    capped = [v for v in variants if v in CAPPED]
+    capped = [v for v in variants if v in OWN_GROUP]
     if capped and device != "cuda":
-        raise ValueError(f"variants {capped}: a CTA cap and SM carve-out apply to NCCL on GPUs; this run uses {device} "
+        raise ValueError(f"variants {capped}: their NCCL group options apply on GPUs; this run uses {device} "
                          "(gloo)")
     return variants
 

@@ -44,10 +44,13 @@ def test_parse_variant():
     assert ddp_sweep.parse_variant("naive")["bucket_size_mb"] is None
     capped = ddp_sweep.parse_variant("bucketed:100@8")
     assert capped == {"variant": "bucketed", "bucket_size_mb": 100.0, "bucket_view": True, "nccl_max_ctas": 8,
-                      "label": "bucketed 100MB @8 CTAs"}
+                      "sm_carveout": None, "label": "bucketed 100MB @8 CTAs"}
+    carved = ddp_sweep.parse_variant("overlapped@8+carve")
+    assert (carved["nccl_max_ctas"], carved["sm_carveout"], carved["label"]) == (8, 8, "overlapped @8 CTAs + carve-out")
     for bad, match in (("ring", "not one of"), ("naive:10", "only bucketed"), ("bucketed:x", "not a number"),
                        ("bucketed:0", "positive"), ("overlapped@0", "int >= 1"), ("overlapped@x", "int >= 1"),
-                       ("single@8", "does not communicate")):
+                       ("single@8", "does not communicate"), ("bucketed:100@8+fast", "only suffix"),
+                       ("torch@8+carve", "overlapped or bucketed")):
         with pytest.raises(ValueError, match=match):
             ddp_sweep.parse_variant(bad)
 
