@@ -6,7 +6,7 @@
 #
 #   bash sweeps/gpu_run.sh dist      # 2 GPUs: NCCL-setting scan + collectives grid, DDP + sharded optimizer (~9 min)
 #   bash sweeps/gpu_run.sh allreduce # 2 GPUs: the NCCL-setting scan + collectives grid alone               (~4 min)
-#   bash sweeps/gpu_run.sh fsdp      # 2 GPUs: FSDP study (all variants), the gpu-marked tests (-n 8)     (~6 min)
+#   bash sweeps/gpu_run.sh fsdp      # 2 GPUs: FSDP study (all variants), the gpu-marked tests (-n 8)     (~7 min)
 #   bash sweeps/gpu_run.sh ckpt      # checkpointing trials (Ray Tune, one GPU per trial)                  (~4 min)
 #   bash sweeps/gpu_run.sh flash     # Ray Tune tile sweep (one GPU per trial), the FlashAttention grid    (~9.5 min)
 #   bash sweeps/gpu_run.sh tests     # the gpu-marked tests (-n 8 needs pytest-xdist)                      (~1 min)
@@ -77,7 +77,7 @@ case $phase in
     allreduce
     ;;
   fsdp)  # FSDP (every variant of a dtype in one run, for the same-run ratios), then the tests (8 workers)
-    study fsdp 290 python3 sweeps/fsdp.py --device cuda --out "$RESULTS" --resume --profile fsdp,fsdp@8,fsdp2
+    study fsdp 400 python3 sweeps/fsdp.py --device cuda --out "$RESULTS" --resume --profile fsdp,fsdp_hp,fsdp2
     study gpu_tests 120 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 tests
     ;;
   ckpt)  # the checkpointing trials (Ray Tune, one GPU per trial: two at a time)
