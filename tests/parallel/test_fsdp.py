@@ -271,6 +271,21 @@ def _check_lifetime(rank: int, world_size: int) -> dict:
                 model_freed=model_freed, hooks_after_remove=_hook_count(fsdp._units), forward_error=forward_error)
 
 
+def _check_in_place_gather(rank: int, world_size: int) -> dict:
+    """With a compute dtype, each weight's all-gather reads this rank's slot of its own output (in place, as NCCL
+    needs for aliasing buffers: any other slot would race with the gather), and the cast landed there."""
+    fsdp = FSDP(_build("tiny", 2), compute_dtype=torch.bfloat16, units=UNITS["block"])
+    in_place, cast_ok = [], []
+    for unit in fsdp._units:
+        unit.start_gather(fsdp, "forward")
+        in_place += [s.data_ptr() == w.padded[rank].data_ptr() for s, w in zip(unit._send, unit.weights)]
+        expected = [shard.to(torch.bfloat16) for shard in unit.shard_flat.split(unit.sizes)]
+        unit.wait_gather(fsdp)
+        cast_ok += [torch.equal(w.padded[rank], e) for w, e in zip(unit.weights, expected)]
+        unit.free(fsdp)
+    return dict(in_place=in_place, cast_ok=cast_ok)
+
+
 def _all_checks(rank: int, world_size: int) -> dict:
     # One pair of processes for the whole file: spawning and importing torch (dynamo, on the first optimizer)
     # costs more than all the checks together.
@@ -282,12 +297,19 @@ def _all_checks(rank: int, world_size: int) -> dict:
                 sync={(str(dt), units): _check_sync_and_memory(rank, world_size, dt, units)
                       for dt in (None, torch.bfloat16) for units in ("layer", "block")},
                 prefetch={units: _check_prefetch(rank, world_size, units) for units in ("layer", "block")},
-                lifetime=_check_lifetime(rank, world_size))
+                lifetime=_check_lifetime(rank, world_size), in_place=_check_in_place_gather(rank, world_size))
 
 
 @pytest.fixture(scope="module")
 def per_rank() -> list[dict]:
     return run_ranks(_all_checks, WORLD)
+
+
+@pytest.mark.multiproc
+def test_compute_dtype_gathers_run_in_place_in_the_ranks_own_slot(per_rank):
+    for res in per_rank:
+        assert res["in_place"]["in_place"] and all(res["in_place"]["in_place"])
+        assert res["in_place"]["cast_ok"] and all(res["in_place"]["cast_ok"])
 
 
 @pytest.mark.multiproc
