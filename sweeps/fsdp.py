@@ -366,7 +366,9 @@ def markdown(df: pd.DataFrame) -> str:
             f"{setup_sentence(first)}, AdamW; {int(first['warmup'])} warm-up + {int(first['steps'])} timed steps; "
             "`step`: median (mean ± std), ratios use the median. "
             "`state`: params + grads + optimizer state per rank, counted (expected). `AG exposed`: all-gather kernel "
-            "time with no compute kernel running; `stalled AG`: all-gathers with > 5 us of it.")
+            "time with no compute kernel running; `stalled AG`: all-gathers with > 5 us of it. `host/step`: time the "
+            "host took to issue a step over the step (near 1: the host never got far ahead of the GPU, either "
+            "because it is the bottleneck or because it waited on the device).")
         nan = pd.Series(math.nan, index=ok.index)
         unit, scale = _unit(ok)
         view = pd.DataFrame({
@@ -379,7 +381,8 @@ def markdown(df: pd.DataFrame) -> str:
                                                                                      ok["expected_state_bytes"])],
             "AG (ms)": ok.get("allgather_ms", nan), "AG exposed (ms)": ok.get("allgather_exposed_ms", nan),
             "stalled AG": ok.get("stalled_allgathers", nan), "RS exposed (ms)": ok.get("reducescatter_exposed_ms", nan),
-            "gather wait (ms)": ok.get("gather_wait_ms", nan)})
+            "gather wait (ms)": ok.get("gather_wait_ms", nan),
+            "host/step": ok.get("host_step_ms", nan) / ok[step_column(ok)]})
         parts.append(view.to_markdown(index=False, floatfmt=".3g"))
         savings = memory_savings(df)
         if not savings.empty:
