@@ -1,11 +1,12 @@
 """SM carve-out: keep cuBLAS matmuls off a few SMs while collectives overlap them.
 
 A Hopper GEMM launches about one CTA per SM (132 on an H200) and is sized to fill the GPU in one wave. While an
-NCCL kernel holds some SMs (one CTA per channel), the GEMM's last CTAs wait for a second wave and the matmul can
-take up to twice as long. This is most of what overlapping gradient communication with a bf16 backward costs.
-`torch._C._set_sm_carveout_experimental(n)` makes cuBLAS(Lt) target `num_SMs - n` SMs: with NCCL capped at n CTAs
-(`raysys.train_step.nccl_group`), matmuls and collectives fit side by side, each a little slower, neither in two
-waves. torch's own async tensor parallelism uses the same switch.
+NCCL kernel holds some SMs (one CTA per channel), the GEMM's last CTAs may wait for a second wave.
+`torch._C._set_sm_carveout_experimental(n)` makes cuBLAS(Lt) target `num_SMs - n` SMs, so that with NCCL capped
+at n CTAs (`raysys.train_step.nccl_group`) matmuls and collectives fit side by side; torch's async tensor
+parallelism uses the same switch. Whether it pays is empirical, and so far unsettled here: the bf16 xl steps of
+the 2x H200 studies are host-bound and move more between runs than the carve-out moves them (the `fsdp@8` rows of
+sweeps/fsdp.py measure it next to `fsdp` in each run; the DDP study's `@N+carve` variants likewise).
 
 The setting is process-wide and read when a matmul is issued, so a wrapper sets it when its first overlapped
 collective is issued and restores the previous value once the overlap is over (`SMCarveout`).

@@ -33,9 +33,10 @@ same collectives in the same order whatever its control flow did.
 Averaging: NCCL divides during the reduction (`ReduceOp.AVG`); gloo has no AVG, so each rank divides its
 gradient by the world size before a SUM (exact for power-of-two world sizes).
 
-SM carve-out (`OverlappedDDP` and `BucketedDDP`, `sm_carveout=N`; see parallel/carveout.py): from the first
-all-reduce a backward issues until `finish_gradient_synchronization()`, cuBLAS matmuls target all SMs but N, so
-that they fit in one wave beside a collective of at most N CTAs (an NCCL group capped with `max_ctas=N`).
+SM carve-out (`OverlappedDDP` and `BucketedDDP`, `sm_carveout=N`; see parallel/carveout.py, which also says
+what it measured): from the first all-reduce a backward issues until `finish_gradient_synchronization()`,
+cuBLAS matmuls target all SMs but N, to leave room for a collective of at most N CTAs (an NCCL group capped
+with `max_ctas=N`).
 
 Gradient accumulation: a forward pass run inside `with ddp.no_sync():` skips the synchronisation of its
 backward; gradients accumulate locally in `.grad`, and the first backward of a forward outside the

@@ -33,7 +33,7 @@ whose NCCL communicator uses at most N CTAs (SMs) per collective: fewer SMs take
 while the all-reduces overlap them, at the price of slower collectives; a variant suffix `@N`
 (`overlapped@8`) caps that variant alone, so capped and uncapped variants are compared in one run. `@N+carve`
 (overlapped and bucketed) also carves N SMs out of cuBLAS's matmuls while the all-reduces run
-(parallel/carveout.py), so a GEMM no longer spills into a second wave beside the collective's N CTAs.
+(parallel/carveout.py), so that a GEMM need not spill into a second wave beside the collective's N CTAs.
 
 The variants listed in `--profile` (default naive, overlapped) get two more steps under `torch.profiler`;
 from the second one's GPU kernel intervals, `overlap_fraction` = time an NCCL kernel runs while a compute

@@ -14,8 +14,8 @@ Variants (one row per dtype x variant, `fsdp.parquet`); every rank runs `--batch
     fsdp_hp       fsdp over an NCCL group whose collectives run on a high-priority stream (their CTAs are scheduled
                   ahead of queued compute CTAs, as FSDP1's gathers; CUDA only)
     fsdp@8        fsdp over an NCCL group capped at 8 CTAs per collective, with cuBLAS kept off 8 SMs from forward to
-                  the end of the reductions (`sm_carveout=8`, parallel/carveout.py): collectives beside the matmuls
-                  instead of pushing them into a second wave (CUDA only)
+                  the end of the reductions (`sm_carveout=8`, parallel/carveout.py), so that collectives do not push
+                  matmuls into a second wave (CUDA only)
     fsdp_layer    the same with one unit per Linear / Embedding (the handout's per-layer granularity: 7x the
                   collectives, each a seventh of the size)
     fsdp2         torch.distributed.fsdp.fully_shard per TransformerBlock and on the root, with
