@@ -241,6 +241,18 @@ def assign_buckets(params: list[nn.Parameter], bucket_size_mb: float) -> list[li
     return buckets
 
 
+class _SyncState:
+    """What the hooks update during backward, kept off the module: an attribute write on an `nn.Module` goes
+    through `Module.__setattr__` (~8 us of checks), once per parameter per step when it is the wrapper's."""
+
+    __slots__ = ("next_bucket", "pending", "all_reduces")
+
+    def __init__(self) -> None:
+        self.next_bucket = 0      # the next bucket to launch
+        self.pending = False      # a synchronised step has started and not been finished
+        self.all_reduces = 0      # collectives issued since construction
+
+
 class _GradReadyHook:
     """Post-accumulate-grad hook of the parameter in slot `slot` of bucket `bucket`: tells the wrapper, if it
     is still alive. Holds nothing else (see Lifetime in the module docstring)."""
@@ -272,15 +284,18 @@ class _OverlappedDataParallel(_DataParallel):
         self.carveout = carveout
         self.grad_as_bucket_view = grad_as_bucket_view
         self.buckets = [_Bucket(params) for params in buckets]
-        self._next_bucket = 0           # the next bucket to launch
-        self._pending = False           # a synchronised step has started and not been finished
+        self._sync = _SyncState()
         self._hooks_removed = False
-        self.num_all_reduces = 0        # collectives issued since construction (tests count them)
         owner = weakref.ref(self)
         handles = [p.register_post_accumulate_grad_hook(_GradReadyHook(owner, b, i))
                    for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)]
         # Runs remove_hooks' work when the wrapper is collected (or when remove_hooks() calls it).
         self._remove_handles = weakref.finalize(self, remove_handles, handles)
+
+    @property
+    def num_all_reduces(self) -> int:
+        """Collectives issued since construction (tests count them)."""
+        return self._sync.all_reduces
 
     @property
     def num_buckets(self) -> int:
@@ -298,18 +313,18 @@ class _OverlappedDataParallel(_DataParallel):
         self.carveout.exit()
         for bucket in self.buckets:
             bucket.reset()
-        self._next_bucket, self._pending = 0, False
+        self._sync.next_bucket, self._sync.pending = 0, False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._hooks_removed:
             raise RuntimeError("this DDP wrapper's hooks were removed (remove_hooks()): wrap the module again")
-        if self._pending and self._next_bucket > 0:
+        if self._sync.pending and self._sync.next_bucket > 0:
             raise RuntimeError("forward called while gradients of the previous backward are still being reduced: "
                                "call finish_gradient_synchronization() after every synchronised backward")
         out = super().forward(*args, **kwargs)
         # A synchronised training forward obliges finish_gradient_synchronization() to reduce every bucket,
         # even on a rank whose backward produced no gradient at all (the other ranks wait for it).
-        self._pending = self._pending or (self._sync_this_step and torch.is_grad_enabled())
+        self._sync.pending = self._sync.pending or (self._sync_this_step and torch.is_grad_enabled())
         return out
 
     def _stage(self, bucket: _Bucket, i: int) -> None:
@@ -318,11 +333,13 @@ class _OverlappedDataParallel(_DataParallel):
         if bucket.buffer is None:
             self._local_grad(p)
             return
-        view = bucket.views[i]
-        if p.grad is None:
+        view, grad = bucket.views[i], p.grad
+        if grad is None:
             view.zero_()
-        elif p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+        else:
+            return           # accumulated straight into the bucket: nothing to move
         if self.grad_as_bucket_view:
             p.grad = view    # later steps accumulate straight into the bucket (until zero_grad sets None)
 
@@ -340,28 +357,29 @@ class _OverlappedDataParallel(_DataParallel):
             raise RuntimeError("a parameter's gradient was accumulated twice in one synchronised step (two "
                                "backward passes without finish_gradient_synchronization(), or retain_graph reuse); "
                                "use no_sync() for gradient accumulation")
-        self._pending = True
+        sync = self._sync
+        sync.pending = True
         self._stage(bucket, i)
         bucket.ready[i] = True
         bucket.num_ready += 1
-        if b == self._next_bucket and bucket.full:
-            while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].full:
-                self._launch(self.buckets[self._next_bucket])
+        if b == sync.next_bucket and bucket.full:
+            while sync.next_bucket < len(self.buckets) and self.buckets[sync.next_bucket].full:
+                self._launch(self.buckets[sync.next_bucket])
 
     def _launch(self, bucket: _Bucket) -> None:
         self.carveout.enter()  # the rest of backward's matmuls leave the collectives' SMs alone
         tensor = bucket.buffer if bucket.buffer is not None else bucket.params[0].grad
         bucket.work = self._all_reduce_mean(tensor, async_op=True)
-        self.num_all_reduces += 1
-        self._next_bucket += 1
+        self._sync.all_reduces += 1
+        self._sync.next_bucket += 1
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
-        if not (self._sync_this_step and self._pending):
+        if not (self._sync_this_step and self._sync.pending):
             return
         # Buckets that never filled hold parameters unused in this step on this rank: launch them anyway,
         # in order, with zeros for the missing gradients, so all ranks issue the same collectives.
-        for bucket in self.buckets[self._next_bucket:]:
+        for bucket in self.buckets[self._sync.next_bucket:]:
             for i, ready in enumerate(bucket.ready):
                 if not ready:
                     self._stage(bucket, i)
@@ -376,8 +394,8 @@ class _OverlappedDataParallel(_DataParallel):
                         p.grad.copy_(view)
             bucket.reset()
         self.carveout.exit()
-        self._next_bucket = 0
-        self._pending = False
+        self._sync.next_bucket = 0
+        self._sync.pending = False
 
 
 class OverlappedDDP(_OverlappedDataParallel):
