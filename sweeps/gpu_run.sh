@@ -46,7 +46,7 @@ NCCL_SCAN=(default NCCL_MIN_NCHANNELS=24,NCCL_MAX_NCHANNELS=24 NCCL_MIN_NCHANNEL
            NCCL_MIN_NCHANNELS=32,NCCL_MAX_NCHANNELS=32,NCCL_ALGO=Ring,NCCL_PROTO=Simple
            NCCL_PROTO=LL128 NCCL_NTHREADS=512)
 DDP_VARIANTS=single,naive,flat,overlapped,bucketed:1,bucketed:10,bucketed:100,bucketed:1000
-DDP_VARIANTS+=,torch,bucketed:100@8,overlapped@8+carve,bucketed:100@8+carve,bucketed:25@8+carve
+DDP_VARIANTS+=,torch,bucketed:100@8,bucketed:100@8+carve,bucketed:1000@8
 
 allreduce() {  # the scan (mp launch, all-reduce, 2 ranks; its own file), then the whole grid with the best setting
   # and the defaults in ONE run (no --resume: every Ray / mp pair the targets compare is measured together)
