@@ -26,7 +26,8 @@ if [ -n "${WHEELS:-}" ]; then
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
-export RAYSYS_GIT_SHA=${RAYSYS_GIT_SHA:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
+# Rows name their commit from RAYSYS_GIT_SHA when set, else from git (with "-dirty" for local changes). A host that
+# got a copy of a working tree may hold a stale .git: set RAYSYS_GIT_SHA=<commit> there.
 
 study() {  # study NAME SECONDS command...: run with a timeout, keep its log, never stop the phase
   local name=$1 seconds=$2
