@@ -243,7 +243,7 @@ def assign_buckets(params: list[nn.Parameter], bucket_size_mb: float) -> list[li
 
 class _SyncState:
     """What the hooks update during backward, kept off the module: an attribute write on an `nn.Module` goes
-    through `Module.__setattr__` (~8 us of checks), once per parameter per step when it is the wrapper's."""
+    through `Module.__setattr__` and its checks, once per parameter per step when it is the wrapper's."""
 
     __slots__ = ("next_bucket", "pending", "all_reduces")
 

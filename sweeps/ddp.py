@@ -13,20 +13,21 @@ Study `ddp` (one row per dtype x variant, `ddp.parquet`): the default on GPUs is
     torch         torch.nn.parallel.DistributedDataParallel (its defaults: 25 MiB buckets, gradients copied into
                   them; `broadcast_buffers=False` since the model's only buffers are constant RoPE tables)
 
-Batch: every rank runs the same per-rank batch (`--batch-per-rank`, default 2: the handout's global batch of 4 on
-2 GPUs), including `single`, so each row is a step of the same per-GPU work with and without communication; the
+Batch: every rank runs the same per-rank batch (`--batch-per-rank`, default 2: the handout's global batch of 4 on 2
+GPUs), including `single`, so each row is a step of the same per-GPU work with and without communication; the
 difference is what data parallelism costs. At 2 sequences per rank the bf16 xl step is bound by the host's launch
-rate (host time ~0.9x the step), so its bf16 rows vary with the host's speed by several percent from trial to
-trial; `--batch-per-rank 4` (sweeps/fsdp.py's setting) gives the GPU more work per launch. Timing (`raysys.train_step.time_steps`): `--warmup` untimed steps,
-then `--steps` to `--max-steps` steps (more while the median is uncertain) with a device synchronisation around
-each, with Python's garbage collector paused; rows carry mean, std, median and min, and ratios and targets use
-the median. Inside a step CUDA events split the time into forward, backward, `comm_wait` (from the end of
-backward's kernels to the end of `finish_gradient_synchronization()`: the communication left exposed after
-backward; all of it for naive and flat; torch DDP waits inside backward, so its wait is part of its backward)
-and the optimizer step; `host_<phase>_ms` is the time the Python thread took to issue each phase (close to the
-device time: that phase is host-bound). Per-rank spread: the median step of the fastest and slowest rank.
-Memory hygiene: `memory_allocated_before_bytes` / `_after_bytes` (and `live_parameters_*`) at the start of
-the trial and after it released everything; after > before means the trial leaked into the next one.
+rate (the `host/step` column of the run-health table), so its bf16 rows move with the host's speed from trial to
+trial; `--batch-per-rank 4` (sweeps/fsdp.py's setting) gives the GPU more work per launch. Timing
+(`raysys.train_step.time_steps`): `--warmup` untimed steps, then `--steps` to `--max-steps` steps (more while the
+median is uncertain) with a device synchronisation around each, with Python's garbage collector paused; rows carry
+mean, std, median and min, and ratios and targets use the median. Inside a step CUDA events split the time into
+forward, backward, `comm_wait` (from the end of backward's kernels to the end of
+`finish_gradient_synchronization()`: the communication left exposed after backward; all of it for naive and flat;
+torch DDP waits inside backward, so its wait is part of its backward) and the optimizer step; `host_<phase>_ms` is
+the time the Python thread took to issue each phase (close to the device time: that phase is host-bound). Per-rank
+spread: the median step of the fastest and slowest rank. Memory hygiene: `memory_allocated_before_bytes` /
+`_after_bytes` (and `live_parameters_*`) at the start of the trial and after it released everything; after > before
+means the trial leaked into the next one.
 
 `--nccl-max-ctas N` (CUDA only, default: NCCL's choice) runs every communicating variant on a process group
 whose NCCL communicator uses at most N CTAs (SMs) per collective: fewer SMs taken from backward's kernels
