@@ -80,8 +80,9 @@ from sweeps.ddp import adamw_kwargs, make_batch, model_config, parse_list, setup
 
 SWEEP = "fsdp"
 VARIANTS = ("single", "single_cast", "ddp", "ddp_sharded", "fsdp", "fsdp_hp", "fsdp@8", "fsdp_layer", "fsdp2")
-# Per-block FSDP over a group of its own (NCCL only): variant -> nccl_group options and the SM carve-out.
-OWN_GROUP = {"fsdp_hp": dict(high_priority=True), "fsdp@8": dict(max_ctas=8, sm_carveout=8)}
+# Per-block FSDP over a group of its own (NCCL only): variant -> nccl_group options; and the SM carve-outs.
+OWN_GROUP = {"fsdp_hp": dict(high_priority=True), "fsdp@8": dict(max_ctas=8)}
+SM_CARVEOUT = {"fsdp@8": 8}
 OURS = ("fsdp", "fsdp_hp", "fsdp@8")  # per-block FSDP variants, checked against the targets
 AUTOCAST_VARIANTS = ("single", "ddp", "ddp_sharded")  # the others cast weights to the compute dtype themselves
 DDP_BUCKET_MB = 100.0
@@ -123,7 +124,7 @@ def build(config: dict, device: torch.device, process_group) -> tuple[nn.Module,
     elif variant in ("fsdp", "fsdp_layer") or variant in OWN_GROUP:
         units = None if variant == "fsdp_layer" else (TransformerBlock,)
         model = FSDP(model, compute_dtype=compute_dtype, process_group=process_group, units=units,
-                     sm_carveout=OWN_GROUP.get(variant, {}).get("sm_carveout"))
+                     sm_carveout=SM_CARVEOUT.get(variant))
     elif variant == "fsdp2":
         model = _fully_shard(model, compute_dtype, device, process_group)
     if variant == "ddp_sharded":
@@ -237,9 +238,8 @@ def fsdp_trial(ctx, config: dict, out_dir: str | None = None) -> dict:
 
 
 def _fsdp_trial(ctx, config: dict, out_dir: str | None) -> dict:
-    options = dict(OWN_GROUP.get(config["variant"], {}))
-    options.pop("sm_carveout", None)
-    group = nccl_group(ctx.world_size, **options) if config["variant"] in OWN_GROUP else ctx.process_group
+    options = OWN_GROUP.get(config["variant"])
+    group = nccl_group(ctx.world_size, **options) if options is not None else ctx.process_group
     metrics = _timed_trial(ctx, config, out_dir, group)
     if group is not ctx.process_group:  # not after a failure: the gang is torn down then anyway
         dist.destroy_process_group(group)

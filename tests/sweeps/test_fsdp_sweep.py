@@ -89,6 +89,21 @@ def test_report_ratios_savings_and_targets():
     assert "| bf16    | fsdp " in text and "Targets (same run)" in text
 
 
+def test_targets_use_the_median_check_every_block_variant_and_only_one_run():
+    rows = [_row("single", 100.0, 60, 54, 54), _row("fsdp", 130.0, 30, 27.5, 27.3),
+            _row("fsdp_hp", 112.0, 33, 27.5, 27.3), _row("fsdp2", 137.0, 32, 27.4, 27.3)]
+    medians = {"single": 100.0, "fsdp": 109.0, "fsdp_hp": 111.0, "fsdp2": 140.0}  # fsdp's mean had a slow step
+    df = pd.DataFrame([{**r, "step_ms_median": medians[r["variant"]], "run_id": "a"} for r in rows])
+    lines = fsdp_sweep.targets(df)
+    assert "`fsdp` step: 109.0 ms = 1.090x single (met" in lines[0] and "fsdp2 1.400x" in lines[0]
+    assert "`fsdp` peak memory: 30.00 GiB vs fsdp2 32.00 GiB (met" in lines[1]
+    assert "`fsdp_hp` step: 111.0 ms = 1.110x single (missed" in lines[2]
+    assert "`fsdp_hp` peak memory: 33.00 GiB vs fsdp2 32.00 GiB (missed" in lines[3]
+    df.loc[df["variant"] == "fsdp2", "run_id"] = "b"
+    assert fsdp_sweep.targets(df) == ["- bf16 rows come from 2 runs (a, b): not measured in one run, no target is "
+                                      "checked"]
+
+
 def _ctx(rank: int, world_size: int) -> RankContext:
     return RankContext(rank=rank, world_size=world_size, local_rank=rank, node_rank=0, device=torch.device("cpu"),
                        backend="gloo", process_group=dist.group.WORLD)
