@@ -369,7 +369,8 @@ def health(df: pd.DataFrame) -> pd.DataFrame:
 
 def setup_sentence(first: pd.Series) -> str:
     """What a gang sweep's rows ran: model, context, ranks (backend, device), sequences per rank."""
-    return (f"{first['size']} model, context {int(first['context_length'])}, {int(first['world_size'])} ranks "
+    world = int(first["world_size"])
+    return (f"{first['size']} model, context {int(first['context_length'])}, {world} rank{'s' * (world != 1)} "
             f"({first.get('backend', '')}, {first.get('device_name', '')}), {int(first['batch_per_rank'])} sequences "
             "per rank")
 
@@ -470,7 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma list (default: {DEFAULT_VARIANTS})")
     p.add_argument("--profile", default="naive,overlapped", help="variants to profile for the overlap fraction "
                                                                  "(default: naive,overlapped; '' for none)")
-    p.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--world-size", type=int, default=2, help="ranks (default 2; 1: each wrapper with a group of "
+                   "one, what its machinery costs the host with no peer)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per trial (default 3)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per trial, at least (default 10)")
     p.add_argument("--max-steps", type=int, default=None, help="ddp study: timed steps at most, taken while the "
@@ -521,8 +523,8 @@ def main(argv: list[str] | None = None) -> dict[str, pd.DataFrame]:
         if not frames:
             raise ValueError(f"--report-only: no ddp / sharded_optimizer Parquet files in {out}")
     else:
-        if args.world_size < 2:
-            raise ValueError(f"--world-size ({args.world_size}) must be >= 2 for data parallelism")
+        if args.world_size < 1:
+            raise ValueError(f"--world-size ({args.world_size}) must be >= 1")
         variants = parse_list(args.variants, "variants")
         profile = [v for v in args.profile.split(",") if v.strip()]
         device, grid = resolve(args)

@@ -420,7 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                     f"on cpu all but {','.join(OWN_GROUP)}, which need NCCL)")
     p.add_argument("--profile", default="fsdp,fsdp2", help="variants to profile for all-gather overlap "
                                                            "(default: fsdp,fsdp2; '' for none)")
-    p.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--world-size", type=int, default=2, help="ranks (default 2; 1: every wrapper with a group of "
+                   "one, what its machinery costs the host with no peer)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per trial (default: 2 on cuda, 1 on cpu)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per trial (default: 8 on cuda, 3 on cpu)")
     p.add_argument("--launcher", choices=("ray", "mp"), default="ray", help="ray gang (default) or plain processes")
@@ -458,8 +459,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     if args.report_only:
         df = read_sweep(out, SWEEP)
     else:
-        if args.world_size < 2:
-            raise ValueError(f"--world-size ({args.world_size}) must be >= 2 for sharding")
+        if args.world_size < 1:
+            raise ValueError(f"--world-size ({args.world_size}) must be >= 1")
         device = resolve_device(args)
         d = DEFAULTS[device]
         size = args.size or d["size"]

@@ -296,11 +296,24 @@ def test_script_on_ray(tmp_path, ray_cluster):  # noqa: F811
     assert set(ddp_sweep.main(["--report-only", "--out", str(tmp_path)])) == {"ddp", "sharded_optimizer"}
 
 
+@pytest.mark.multiproc
+def test_group_of_one_measures_the_wrappers_alone(tmp_path):
+    """--world-size 1 (a one-GPU machine): every wrapper runs with a group of one, its collectives included."""
+    frames = ddp_sweep.main([*ARGS, "--world-size", "1", "--launcher", "mp", "--studies", "ddp", "--out",
+                             str(tmp_path), "--variants", "single,naive,overlapped,bucketed:0.05,torch"])
+    ddp = frames["ddp"]
+    assert (ddp["status"] == "ok").all(), ddp[["label", "status", "error"]]
+    assert set(ddp["world_size"]) == {1}
+    rows = ddp.set_index("label")
+    assert rows.loc["naive", "collectives_per_step"] == rows.loc["overlapped", "collectives_per_step"] > 1
+    assert "1 rank (gloo" in (tmp_path / "ddp.md").read_text()
+
+
 def test_bad_flags_are_value_errors(tmp_path):
     with pytest.raises(ValueError, match="nccl-max-ctas"):
         ddp_sweep.main(["--device", "cpu", "--launcher", "mp", "--nccl-max-ctas", "8", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="world-size"):
-        ddp_sweep.main(["--world-size", "1", "--out", str(tmp_path)])
+        ddp_sweep.main(["--world-size", "0", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="studies"):
         ddp_sweep.main(["--studies", "fsdp", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="report-only"):

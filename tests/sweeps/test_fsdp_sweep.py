@@ -147,3 +147,14 @@ def test_script_without_ray_writes_table_and_resumes(tmp_path):
     assert "| bf16    | fsdp " in (tmp_path / "fsdp.md").read_text()
     again = fsdp_sweep.main([*argv, "--resume"])  # everything done: no gang starts, same rows
     assert again["trial_id"].tolist() == df["trial_id"].tolist()
+
+
+@pytest.mark.multiproc
+def test_script_with_a_group_of_one(tmp_path):
+    """--world-size 1: shards are whole tensors, gathers and reduce-scatters copies; the wrappers still run."""
+    df = fsdp_sweep.main(["--device", "cpu", "--launcher", "mp", "--out", str(tmp_path), "--world-size", "1",
+                          "--variants", "single,ddp_sharded,fsdp", "--dtypes", "fp32", "--context-length", "16",
+                          "--warmup", "1", "--steps", "2", "--profile", ""])
+    assert df["status"].tolist() == ["ok", "ok", "ok"] and set(df["world_size"]) == {1}
+    with pytest.raises(ValueError, match="world-size"):
+        fsdp_sweep.main(["--device", "cpu", "--world-size", "0", "--out", str(tmp_path)])
