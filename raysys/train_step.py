@@ -20,6 +20,9 @@ runs, not on the GPU work. Noise control:
     of the process and involuntary context switches of the main thread per step (CPU contention), torch
     threads and the CPUs the process may run on.
 
+`compile_blocks` compiles every TransformerBlock's forward (the sweeps' `--compile`), and `time_steps` counts
+the graphs Dynamo compiled during warm-up and during the timed steps (which must be none).
+
 `nccl_group` builds the NCCL group with a capped number of CTAs per collective that `sweeps/ddp.py
 --nccl-max-ctas` reduces gradients over.
 
@@ -37,6 +40,7 @@ import math
 import os
 import resource
 import statistics
+import sys
 import time
 import traceback
 from typing import Iterator
@@ -45,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raysys.model import cross_entropy
+from raysys.model import TransformerBlock, cross_entropy
 
 PHASES = ("forward", "backward", "comm_wait", "optimizer")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
@@ -193,10 +197,12 @@ def time_steps(step: TrainStep, warmup: int, steps: int, *, max_steps: int | Non
                          f">= steps")
     device = step.device
     totals, host_totals, phases, host_phases = [], [], [], []
+    graphs0 = dynamo_graphs()
     with paused_gc() as collected:
         for _ in range(warmup):
             step()
         sync(device)
+        graphs1 = dynamo_graphs()
         alloc0, cpu0, csw0 = _allocator_counts(device), time.process_time(), _thread_ctx_switches()
         target = steps
         while True:
@@ -225,10 +231,43 @@ def time_steps(step: TrainStep, warmup: int, steps: int, *, max_steps: int | Non
     out["cpu_ms_per_step"] = cpu_s * 1e3 / n
     out["ctx_switches_per_step"] = csw / n
     out["gc_objects_per_step"] = collected["collected"] / (warmup + n)
+    # Compiled blocks (compile_blocks): graphs compiled while warming up, and during the timed steps, which must
+    # be 0 (else a guard failed: the steps timed a recompilation, or blocks that fell back to eager).
+    out["graphs_compiled_warmup"], out["graphs_compiled_timed"] = graphs1 - graphs0, dynamo_graphs() - graphs1
     for key, value in alloc1.items():
         out[f"{key}_timed"] = value - alloc0[key]
     out.update(host_info())
     return out
+
+
+# ---------------------------------------------------------------------------------------------------- compile
+def compile_blocks(model: nn.Module, block_type: type[nn.Module] = TransformerBlock, *,
+                   backend: str = "inductor") -> int:
+    """Compile the `forward` of every `block_type` module of `model` in place (`torch.compile` with `backend`);
+    returns how many. Before wrapping the model, so DDP / FSDP see the same modules and parameters, and after any
+    `copy.deepcopy` of it (a copy's `forward` would still be the original block's).
+
+    `forward`, not `Module.compile()` (which compiles `_call_impl`, hooks included): the module hooks a wrapper
+    puts on a block (FSDP's and FSDP2's gathers around it, parallel/fsdp.py) stay eager, outside the graph; hooks
+    on modules inside a block (FSDP's compute-dtype casts) are traced into it. The blocks share one code object,
+    so Dynamo compiles once per distinct setting (autocast dtype, grad mode, hooks) and every block reuses it;
+    `time_steps`' warm-up steps absorb the compilation. Gradient hooks on parameters (DDP's) fire after the
+    block's compiled backward, i.e. per block instead of per parameter (torch's DDP hooks alike).
+    """
+    blocks = [m for m in model.modules() if isinstance(m, block_type)]
+    if not blocks:
+        raise ValueError(f"compile_blocks: {type(model).__name__} has no {block_type.__name__} module to compile")
+    for block in blocks:
+        block.forward = torch.compile(block.forward, backend=backend)
+    return len(blocks)
+
+
+def dynamo_graphs() -> int:
+    """Graphs Dynamo has compiled in this process so far (0 if nothing was ever compiled)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
 
 
 # ---------------------------------------------------------------------------------------------------- groups

@@ -36,6 +36,14 @@ while the all-reduces overlap them, at the price of slower collectives; a varian
 (overlapped and bucketed) also carves N SMs out of cuBLAS's matmuls while the all-reduces run
 (parallel/carveout.py), so that a GEMM need not spill into a second wave beside the collective's N CTAs.
 
+`--compile` (ddp study) compiles every TransformerBlock's forward with torch.compile before any wrapper is applied
+(`raysys.train_step.compile_blocks`), in every variant, `single` and torch DDP included, and writes
+`ddp_compiled.parquet` / `.md` / `.png`: its own baselines, never mixed with eager rows. Eager, the bf16 xl step at two
+sequences per rank is bound by the host's launch rate, so every variant's extra host work (hooks, collective
+calls) and any CPU contention between the rank processes adds to the step; compiled, the host issues a few fused
+kernels per block and the GPU sets the pace, as in a production training loop. Rows count the graphs compiled in
+warm-up and during the timed steps (`graphs_compiled_timed` must be 0).
+
 The variants listed in `--profile` (default naive, overlapped) get two more steps under `torch.profiler`;
 from the second one's GPU kernel intervals, `overlap_fraction` = time an NCCL kernel runs while a compute
 kernel also runs / total NCCL kernel time. Within a step NCCL kernels can only meet backward kernels (the
@@ -58,6 +66,7 @@ a minute.
     python sweeps/ddp.py --variants single,overlapped,bucketed:100,torch --dtypes bf16 --studies ddp
     python sweeps/ddp.py --variants single,overlapped,bucketed:100,torch --nccl-max-ctas 8 --studies ddp
     python sweeps/ddp.py --variants single,overlapped,overlapped@8,bucketed:100@8,torch --studies ddp
+    python sweeps/ddp.py --compile --dtypes bf16 --variants single,overlapped,bucketed:100,torch
     python sweeps/ddp.py --report-only --out results                 # redraw tables and plots
 """
 
@@ -83,9 +92,10 @@ from parallel.ddp import make_ddp  # noqa: E402
 from raysys.config import SIZES, ModelConfig  # noqa: E402
 from raysys.model import TransformerLM  # noqa: E402
 from raysys.profiling import cpu_op_time, kernel_intervals, overlap, profile_steps  # noqa: E402
-from raysys.train_step import DTYPES, TrainStep, TrialScope, nccl_group, release, time_steps  # noqa: E402
+from raysys.train_step import DTYPES, TrainStep, TrialScope, compile_blocks, nccl_group, release, time_steps  # noqa: E402
 
 SWEEP = "ddp"
+COMPILED = "ddp_compiled"   # the same study with compiled blocks (--compile): its own file, tables and baselines
 STUDIES = ("ddp", "sharded")
 DEFAULT_VARIANTS = ("single,naive,flat,overlapped,bucketed:1,bucketed:10,bucketed:100,bucketed:1000,bucketed_copy:100,"
                     "torch")
@@ -150,7 +160,8 @@ def parse_list(text: str, what: str, allowed: tuple[str, ...] | None = None) -> 
 
 def ddp_trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: list[str], variants: list[str],
                profile: list[str], warmup: int, steps: int, max_steps: int | None = None,
-               nccl_max_ctas: int | None = None, rerun_single: bool = True, seed: int = 0) -> list[dict]:
+               nccl_max_ctas: int | None = None, rerun_single: bool = True, compile: bool = False,
+               seed: int = 0) -> list[dict]:
     """One config per dtype x variant, plus `single (rerun)` last in each dtype when `single` is in the grid
     with other variants and `rerun_single` (validated here, before any rank starts)."""
     model_config(size, context_length)
@@ -158,6 +169,8 @@ def ddp_trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: l
     if batch_per_rank < 1 or warmup < 0 or steps < 2 or max_steps < steps:
         raise ValueError(f"batch_per_rank ({batch_per_rank}) must be >= 1, warmup ({warmup}) >= 0, "
                          f"steps ({steps}) >= 2, max_steps ({max_steps}) >= steps")
+    if compile and warmup < 1:
+        raise ValueError(f"warmup ({warmup}) must be >= 1 with compiled blocks: the first step compiles them")
     if nccl_max_ctas is not None and (not isinstance(nccl_max_ctas, int) or nccl_max_ctas < 1):
         raise ValueError(f"nccl_max_ctas ({nccl_max_ctas!r}) must be an int >= 1 (or None for NCCL's choice)")
     bad = [d for d in dtypes if d not in DTYPES]
@@ -170,7 +183,7 @@ def ddp_trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: l
     profiled = {parse_variant(v)["label"] for v in profile}
     if rerun_single and "single" in labels and len(labels) > 1:
         parsed.append({**parse_variant("single"), "label": RERUN})
-    common = {"warmup": warmup, "steps": steps, "max_steps": max_steps, "seed": seed}
+    common = {"warmup": warmup, "steps": steps, "max_steps": max_steps, "compile": compile, "seed": seed}
     return [{"size": size, "context_length": context_length, "batch_per_rank": batch_per_rank, "dtype": dtype,
              "nccl_max_ctas": nccl_max_ctas, **v, "profile": v["label"] in profiled, **common}
             for dtype in dtypes for v in parsed]
@@ -258,7 +271,10 @@ def _ddp_trial(ctx, config: dict, out_dir: str | None) -> dict:
     mc = model_config(config["size"], config["context_length"])
     group = comm_group(ctx, config)
     torch.manual_seed(config["seed"] + ctx.rank)          # replicas differ until the wrapper broadcasts rank 0's
-    model = wrap(config, TransformerLM(mc, device=device), group)
+    model = TransformerLM(mc, device=device)
+    if config.get("compile"):
+        compile_blocks(model)                              # before wrapping: every variant runs the same blocks
+    model = wrap(config, model, group)
     try:
         optimizer = torch.optim.AdamW(model.parameters(), **adamw_kwargs(device))
         batch = make_batch(mc, config["batch_per_rank"], device, seed=config["seed"] + 1000 * (ctx.rank + 1))
@@ -343,6 +359,9 @@ def targets(df: pd.DataFrame) -> list[str]:
                 checks.append(f"{best[ratio]:.3f}x {name} ({'met' if best[ratio] <= limit else 'missed'}: "
                               f"<= {limit:g}x)")
         line = f"- {dtype}: fastest variant `{best['label']}` at {best[col]:.1f} ms: " + ", ".join(checks)
+        same = df[(df["status"] == "ok") & (df["dtype"] == dtype)]
+        if "graphs_compiled_timed" in same and (same["graphs_compiled_timed"].fillna(0) > 0).any():
+            line += " (INVALID: graphs were compiled during timed steps of this dtype)"
         if dtype in drift:
             line += f"; `single` drifted {100 * drift[dtype]:.1f}% between its two runs"
         lines.append(line)
@@ -353,6 +372,10 @@ def health(df: pd.DataFrame) -> pd.DataFrame:
     """Per trial: how trustworthy its numbers are (see the module docstring of raysys.train_step)."""
     gib = 2**30
     leak = _column(df, "memory_allocated_after_bytes") - _column(df, "memory_allocated_before_bytes")
+    compiled = {}
+    if "compile" in df and df["compile"].fillna(False).astype(bool).any():   # graphs compiled in warm-up / timed
+        compiled["graphs"] = [f"{w:g}/{t:g}" for w, t in zip(_column(df, "graphs_compiled_warmup"),
+                                                              _column(df, "graphs_compiled_timed"))]
     return pd.DataFrame({
         "dtype": df["dtype"], "variant": df["label"], "steps": _column(df, "timed_steps"),
         "median ±95% (%)": 100 * _column(df, "step_ms_ci_rel"), "rank spread (%)": 100 * _column(df, "rank_spread"),
@@ -364,15 +387,18 @@ def health(df: pd.DataFrame) -> pd.DataFrame:
         "leaked params": _column(df, "leaked_parameters_max_rank"),
         "profile": df["profile_status"].fillna("") if "profile_status" in df else "",
         "threads/CPUs": [f"{t:g}/{c:g}" if pd.notna(t) else "" for t, c in zip(_column(df, "torch_threads"),
-                                                                                _column(df, "cpu_affinity_count"))]})
+                                                                                _column(df, "cpu_affinity_count"))],
+        **compiled})
 
 
 def setup_sentence(first: pd.Series) -> str:
     """What a gang sweep's rows ran: model, context, ranks (backend, device), sequences per rank."""
     world = int(first["world_size"])
+    flag = first.get("compile", False)
+    compiled = ", TransformerBlocks compiled (torch.compile)" if pd.notna(flag) and bool(flag) else ""
     return (f"{first['size']} model, context {int(first['context_length'])}, {world} rank{'s' * (world != 1)} "
             f"({first.get('backend', '')}, {first.get('device_name', '')}), {int(first['batch_per_rank'])} sequences "
-            "per rank")
+            f"per rank{compiled}")
 
 
 def markdown(df: pd.DataFrame) -> str:
@@ -449,10 +475,11 @@ def plot(df: pd.DataFrame, path: Path) -> Path | None:
     return path
 
 
-def write_report(df: pd.DataFrame, out: Path) -> tuple[Path, Path | None]:
-    md_path = out / f"{SWEEP}.md"
-    md_path.write_text(f"## Data-parallel training ({SWEEP})\n\n{markdown(df)}")
-    return md_path, plot(df, out / f"{SWEEP}.png")
+def write_report(df: pd.DataFrame, out: Path, sweep: str = SWEEP) -> tuple[Path, Path | None]:
+    md_path = out / f"{sweep}.md"
+    title = "Data-parallel training, compiled blocks" if sweep == COMPILED else "Data-parallel training"
+    md_path.write_text(f"## {title} ({sweep})\n\n{markdown(df)}")
+    return md_path, plot(df, out / f"{sweep}.png")
 
 
 # ---------------------------------------------------------------------------------------------------- main
@@ -461,7 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sweep_parser(__doc__, SWEEP,
                      device_help="cuda: NCCL, one GPU per rank; cpu: gloo; auto: cuda if the cluster has GPUs")
-    p.add_argument("--studies", default=",".join(STUDIES), help="comma list of ddp, sharded (default: both)")
+    p.add_argument("--studies", default=None, help="comma list of ddp, sharded (default: both; ddp with --compile)")
     p.add_argument("--size", default=None, help="model size (default: xl on cuda, tiny on cpu)")
     p.add_argument("--context-length", type=int, default=None, help="sequence length (default: 512 on cuda, 64 on cpu)")
     p.add_argument("--batch-per-rank", type=int, default=None, help="sequences per rank per step (default 2)")
@@ -482,6 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nccl-max-ctas", type=int, default=None, help="ddp study, CUDA: cap every communicating "
                                                                    "variant's NCCL communicator at N CTAs "
                                                                    "(default: NCCL's choice)")
+    p.add_argument("--compile", action="store_true", help=f"ddp study: compile every TransformerBlock (torch.compile) "
+                   f"in every variant; rows go to {COMPILED}.parquet")
     p.add_argument("--launcher", choices=("ray", "mp"), default="ray", help="ray gang (default) or plain processes")
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, a local cluster, else embedded)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per-trial and process-group timeout (s)")
@@ -514,10 +543,13 @@ def main(argv: list[str] | None = None) -> dict[str, pd.DataFrame]:
 
     args = build_parser().parse_args(argv)
     out = resolve_out_dir(args.out)
-    studies = parse_list(args.studies, "studies", STUDIES)
+    studies = parse_list(args.studies or ("ddp" if args.compile else ",".join(STUDIES)), "studies", STUDIES)
+    if args.compile and "sharded" in studies:
+        raise ValueError("--compile applies to the ddp study; the sharded study measures eager memory (--studies ddp)")
+    ddp_sweep = COMPILED if args.compile else SWEEP
     frames: dict[str, pd.DataFrame] = {}
     if args.report_only:
-        for study, sweep in (("ddp", SWEEP), ("sharded", sharded_optimizer.SWEEP)):
+        for study, sweep in (("ddp", ddp_sweep), ("sharded", sharded_optimizer.SWEEP)):
             if study in studies and (out / f"{sweep}.parquet").exists():
                 frames[sweep] = pd.read_parquet(out / f"{sweep}.parquet")
         if not frames:
@@ -537,20 +569,21 @@ def main(argv: list[str] | None = None) -> dict[str, pd.DataFrame]:
         max_steps = args.max_steps if args.max_steps is not None else math.ceil(2.5 * args.steps)
         trials = ddp_trials(variants=variants, profile=profile,
                             warmup=args.warmup, steps=args.steps, max_steps=max_steps,
-                            nccl_max_ctas=args.nccl_max_ctas, rerun_single=not args.no_single_rerun, **grid)
+                            nccl_max_ctas=args.nccl_max_ctas, rerun_single=not args.no_single_rerun,
+                            compile=args.compile, **grid)
         sharded_trials = sharded_optimizer.trials(
             warmup=args.warmup, steps=args.steps,
             **{**grid, "dtypes": parse_list(args.sharded_dtypes, "sharded-dtypes", tuple(DTYPES))})
         if "ddp" in studies:
-            frames[SWEEP] = run_sweep(SWEEP, trials, functools.partial(ddp_trial, out_dir=str(out)),
+            frames[ddp_sweep] = run_sweep(ddp_sweep, trials, functools.partial(ddp_trial, out_dir=str(out)),
                                       reduce=reduce_ranks, **common)
         if "sharded" in studies:
             frames[sharded_optimizer.SWEEP] = run_sweep(sharded_optimizer.SWEEP, sharded_trials,
                                                         sharded_optimizer.sharded_trial,
                                                         reduce=sharded_optimizer.reduce_ranks, **common)
     written = []
-    if SWEEP in frames:
-        written += [p for p in write_report(frames[SWEEP], out) if p is not None]
+    if ddp_sweep in frames:
+        written += [p for p in write_report(frames[ddp_sweep], out, ddp_sweep) if p is not None]
     if sharded_optimizer.SWEEP in frames:
         written += [p for p in sharded_optimizer.write_report(frames[sharded_optimizer.SWEEP], out) if p is not None]
     for path in written:

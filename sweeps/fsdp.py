@@ -37,6 +37,10 @@ kernels with more than 5 us exposed (an all-gather that finished after its layer
 goes to `<out>/traces/fsdp_<variant>_<dtype>.json`. For `fsdp`, `gather_wait_ms` is the host time spent waiting for
 all-gathers per step: the stall itself on gloo, ~0 on NCCL (waits are stream-ordered).
 
+`--compile` compiles every TransformerBlock's forward (torch.compile, `raysys.train_step.compile_blocks`) before any
+wrapper is applied, in every variant but fsdp_layer, and writes `fsdp_compiled.parquet` / `.md` (own baselines):
+the wrappers' hooks around each block stay eager, and the host no longer sets the pace of the bf16 step.
+
 Defaults: CUDA - xl, context 512, 4 sequences per rank, 2 ranks, fp32 and bf16 (budget: under 5 minutes on 2
 H200). Four sequences, not sweeps/ddp.py's two: by the planner (parallel/planner.py, H200 peak BF16 and NVLink
 spec), an xl FFN's weight all-gathers on 2 ranks take 1.07x its matmul time at 2 x 2 x 512 tokens and 0.54x at
@@ -75,10 +79,12 @@ from raysys.config import SIZES, ModelConfig  # noqa: E402
 from raysys.memory import unique_storage_bytes  # noqa: E402
 from raysys.model import TransformerBlock, TransformerLM  # noqa: E402
 from raysys.profiling import device_kernels, overlap, profile_steps  # noqa: E402
-from raysys.train_step import DTYPES, TrainStep, TrialScope, nccl_group, release, sync, time_steps  # noqa: E402
+from raysys.train_step import (DTYPES, TrainStep, TrialScope, compile_blocks, nccl_group, release, sync,  # noqa: E402
+                               time_steps)
 from sweeps.ddp import adamw_kwargs, make_batch, model_config, parse_list, setup_sentence, step_column  # noqa: E402
 
 SWEEP = "fsdp"
+COMPILED = "fsdp_compiled"  # the same study with compiled blocks (--compile): its own file, tables and baselines
 VARIANTS = ("single", "single_cast", "ddp", "ddp_sharded", "fsdp", "fsdp_hp", "fsdp@8", "fsdp_layer", "fsdp2")
 # Per-block FSDP over a group of its own (NCCL only): variant -> nccl_group options; and the SM carve-outs.
 OWN_GROUP = {"fsdp_hp": dict(high_priority=True), "fsdp@8": dict(max_ctas=8)}
@@ -94,19 +100,25 @@ DEFAULTS = {"cuda": dict(size="xl", context_length=512, batch_per_rank=4, warmup
 
 # ---------------------------------------------------------------------------------------------------- grid
 def trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: list[str], variants: list[str],
-           profile: list[str], warmup: int, steps: int, seed: int = 0) -> list[dict]:
+           profile: list[str], warmup: int, steps: int, compile: bool = False, seed: int = 0) -> list[dict]:
     """One config per dtype x variant, validated before any rank starts."""
     model_config(size, context_length)
     if batch_per_rank < 1 or warmup < 0 or steps < 2:
         raise ValueError(f"batch_per_rank ({batch_per_rank}) must be >= 1, warmup ({warmup}) >= 0, "
                          f"steps ({steps}) >= 2")
+    if compile and warmup < 1:
+        raise ValueError(f"warmup ({warmup}) must be >= 1 with compiled blocks: the first step compiles them")
+    if compile and "fsdp_layer" in variants:
+        raise ValueError("variant fsdp_layer: its gather hooks sit on the Linear modules inside each block, which "
+                         "--compile traces into the block's graph; compiled blocks need per-block units")
     for what, items, allowed in (("dtypes", dtypes, tuple(DTYPES)), ("variants", variants, VARIANTS),
                                  ("profile", profile, VARIANTS)):
         bad = [x for x in items if x not in allowed]
         if bad:
             raise ValueError(f"{what} {bad} not in {allowed}")
     return [{"size": size, "context_length": context_length, "batch_per_rank": batch_per_rank, "dtype": dtype,
-             "variant": variant, "profile": variant in profile, "warmup": warmup, "steps": steps, "seed": seed}
+             "variant": variant, "profile": variant in profile, "warmup": warmup, "steps": steps, "compile": compile,
+             "seed": seed}
             for dtype in dtypes for variant in variants]
 
 
@@ -117,6 +129,8 @@ def build(config: dict, device: torch.device, process_group) -> tuple[nn.Module,
     variant, compute_dtype = config["variant"], DTYPES[config["dtype"]]
     torch.manual_seed(config["seed"])
     model = TransformerLM(model_config(config["size"], config["context_length"]), device=device)
+    if config.get("compile"):
+        compile_blocks(model)  # before wrapping: the wrappers' hooks around each block stay eager
     if variant == "single_cast" and compute_dtype is not None:
         model = CastForCompute(model, compute_dtype)
     elif variant in ("ddp", "ddp_sharded"):
@@ -312,6 +326,9 @@ def targets(df: pd.DataFrame) -> list[str]:
     if "run_id" in ok and ok["run_id"].nunique() > 1:
         return [f"- bf16 rows come from {ok['run_id'].nunique()} runs ({', '.join(map(str, ok['run_id'].unique()))}): "
                 "not measured in one run, no target is checked"]
+    if "graphs_compiled_timed" in ok and (ok["graphs_compiled_timed"].fillna(0) > 0).any():
+        return ["- bf16 rows compiled graphs during their timed steps (a recompilation was timed): no target is "
+                "checked"]
     for variant in OURS:
         ours = ok[ok["variant"] == variant]
         if ours.empty:
@@ -399,9 +416,10 @@ def markdown(df: pd.DataFrame) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def write_report(df: pd.DataFrame, out: Path) -> Path:
-    path = out / f"{SWEEP}.md"
-    path.write_text(f"## Fully sharded data parallel ({SWEEP})\n\n{markdown(df)}")
+def write_report(df: pd.DataFrame, out: Path, sweep: str = SWEEP) -> Path:
+    path = out / f"{sweep}.md"
+    title = "Fully sharded data parallel, compiled blocks" if sweep == COMPILED else "Fully sharded data parallel"
+    path.write_text(f"## {title} ({sweep})\n\n{markdown(df)}")
     return path
 
 
@@ -424,14 +442,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "one, what its machinery costs the host with no peer)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per trial (default: 2 on cuda, 1 on cpu)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per trial (default: 8 on cuda, 3 on cpu)")
+    p.add_argument("--compile", action="store_true", help="compile every TransformerBlock (torch.compile) in every "
+                   f"variant (not fsdp_layer); rows go to {COMPILED}.parquet")
     p.add_argument("--launcher", choices=("ray", "mp"), default="ray", help="ray gang (default) or plain processes")
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, a local cluster, else embedded)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per-trial and process-group timeout (s)")
     return p
 
 
-def _variants(text: str | None, device: str, defaults: dict) -> list[str]:
+def _variants(text: str | None, device: str, defaults: dict, compiled: bool = False) -> list[str]:
     variants = parse_list(text, "variants", VARIANTS) if text is not None else list(defaults["variants"])
+    if compiled and text is None:
+        variants.remove("fsdp_layer")  # per-Linear units cannot wrap compiled blocks (see `trials`)
     capped = [v for v in variants if v in OWN_GROUP]
     if capped and device != "cuda":
         raise ValueError(f"variants {capped}: their NCCL group options apply on GPUs; this run uses {device} "
@@ -456,8 +478,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
 
     args = build_parser().parse_args(argv)
     out = resolve_out_dir(args.out)
+    sweep = COMPILED if args.compile else SWEEP
     if args.report_only:
-        df = read_sweep(out, SWEEP)
+        df = read_sweep(out, sweep)
     else:
         if args.world_size < 1:
             raise ValueError(f"--world-size ({args.world_size}) must be >= 1")
@@ -469,15 +492,16 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         context = args.context_length or min(d["context_length"], ModelConfig.from_name(size).context_length)
         grid = trials(size=size, context_length=context, batch_per_rank=args.batch_per_rank or d["batch_per_rank"],
                       dtypes=parse_list(args.dtypes, "dtypes", tuple(DTYPES)),
-                      variants=_variants(args.variants, device, d),
+                      variants=_variants(args.variants, device, d, args.compile),
                       profile=[v.strip() for v in args.profile.split(",") if v.strip()],
-                      warmup=d["warmup"] if args.warmup is None else args.warmup, steps=args.steps or d["steps"])
-        df = run_sweep(SWEEP, grid, functools.partial(fsdp_trial, out_dir=str(out)), args.world_size, out_dir=out,
+                      warmup=d["warmup"] if args.warmup is None else args.warmup, steps=args.steps or d["steps"],
+                      compile=args.compile)
+        df = run_sweep(sweep, grid, functools.partial(fsdp_trial, out_dir=str(out)), args.world_size, out_dir=out,
                        device=device, resume=args.resume, reduce=reduce_ranks, launcher=args.launcher,
                        timeout_s=args.timeout_s, show=False)
-    md = write_report(df, out)
+    md = write_report(df, out, sweep)
     print(md.read_text())
-    print(f"wrote {out / f'{SWEEP}.parquet'}, {md}")
+    print(f"wrote {out / f'{sweep}.parquet'}, {md}")
     return df
 
 

@@ -25,6 +25,7 @@ from parallel.fsdp import FSDP
 from parallel.mixed_precision import CastForCompute
 from raysys.config import ModelConfig
 from raysys.model import AdamW, Embedding, Linear, RMSNorm, TransformerBlock, TransformerLM, cross_entropy
+from raysys.train_step import compile_blocks, dynamo_graphs
 from tests.parallel.dist_utils import run_ranks
 
 WORLD = 2
@@ -107,9 +108,13 @@ def _cast_weights(model: nn.Module, dtype: torch.dtype | None):
 def _train_and_compare(rank: int, world_size: int, kind: str, opt_name: str, compute_dtype, steps: int,
                        units: str = "layer") -> dict:
     """Train FSDP and the single-process reference side by side; per step: max |difference|, names not bitwise equal."""
-    base = _build(kind)
-    ref = copy.deepcopy(base)
-    fsdp = FSDP(copy.deepcopy(base), compute_dtype=compute_dtype, units=UNITS[units])
+    graphs = dynamo_graphs()
+    base = _build(kind.removesuffix("-compiled"))
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    if kind.endswith("-compiled"):   # blocks compiled (the sweeps' --compile); aot_eager: same kernels, no codegen
+        compile_blocks(ref, backend="aot_eager")
+        compile_blocks(mine, backend="aot_eager")
+    fsdp = FSDP(mine, compute_dtype=compute_dtype, units=UNITS[units])
     ref_opt, fsdp_opt = _optimizer(opt_name, ref.parameters()), _optimizer(opt_name, fsdp.parameters())
     local = BATCH // world_size
     diffs, mismatched, names, gathered_after_backward = [], [], [], []
@@ -142,6 +147,7 @@ def _train_and_compare(rank: int, world_size: int, kind: str, opt_name: str, com
         mismatched.append([n for n, p in ref.named_parameters() if not torch.equal(full[n], p.detach())])
     no_grad = lambda model: sorted(n for n, p in model.named_parameters() if p.grad is None)  # noqa: E731
     return dict(diffs=diffs, mismatched=mismatched, names=names, ref_names=[n for n, _ in ref.named_parameters()],
+                graphs=dynamo_graphs() - graphs,
                 no_grad=no_grad(fsdp.module), ref_no_grad=no_grad(ref), gathered_after_backward=gathered_after_backward)
 
 
@@ -149,13 +155,16 @@ TRAINING = [("toy", "sgd", None, 3, "layer"), ("toy", "adamw", None, 3, "layer")
             ("tiny", "adamw", None, 2, "layer"), ("toy", "sgd", torch.float16, 3, "layer"),
             ("toy", "adamw", None, 3, "model"), ("toy-spare", "adamw", None, 3, "model"),
             ("toy-frozen", "adamw", None, 3, "layer"), ("toy-frozen", "adamw", None, 3, "model"),
-            ("tiny", "adamw", None, 2, "block"),
+            ("tiny", "adamw", None, 2, "block"), ("tiny-compiled", "adamw", None, 2, "block"),
             ("toy", "sgd", torch.float16, 3, "model"), ("tiny", "sgd", torch.float16, 2, "block")]
 
 
 def _check_training(rank: int, world_size: int) -> dict:
-    return {(kind, opt, str(dtype), units): _train_and_compare(rank, world_size, kind, opt, dtype, steps, units)
-            for kind, opt, dtype, steps, units in TRAINING}
+    with warnings.catch_warnings():
+        # Dynamo reads `.grad` of the tensors it traces (a warning for non-leaf ones), not the code under test.
+        warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+        return {(kind, opt, str(dtype), units): _train_and_compare(rank, world_size, kind, opt, dtype, steps, units)
+                for kind, opt, dtype, steps, units in TRAINING}
 
 
 DEPTHS = (3, 6)  # blocks: with three, the three units alive at once can all be blocks
@@ -316,12 +325,14 @@ def test_compute_dtype_gathers_run_in_place_in_the_ranks_own_slot(per_rank):
 @pytest.mark.parametrize("kind,opt,units", [("toy", "sgd", "layer"), ("toy", "adamw", "layer"),
                                             ("tiny", "adamw", "layer"), ("toy", "adamw", "model"),
                                             ("toy-spare", "adamw", "model"), ("toy-frozen", "adamw", "layer"),
-                                            ("toy-frozen", "adamw", "model"), ("tiny", "adamw", "block")])
+                                            ("toy-frozen", "adamw", "model"), ("tiny", "adamw", "block"),
+                                            ("tiny-compiled", "adamw", "block")])
 def test_fp32_training_is_bitwise_equal_to_single_process(per_rank, kind, opt, units):
     for res in per_rank:
         r = res["training"][(kind, opt, "None", units)]
         assert r["names"] == r["ref_names"]  # gather_full_params names = the unwrapped model's
         assert r["mismatched"] == [[]] * len(r["diffs"]), f"max |diff| per step {r['diffs']}"
+        assert (r["graphs"] > 0) == kind.endswith("-compiled"), r["graphs"]
         # a weight that got no gradient has none (AdamW would decay it on a zero gradient), as without FSDP
         expected_no_grad = {"toy-spare": ["spare.weight"], "toy-frozen": ["up.weight"]}.get(kind, [])
         assert r["no_grad"] == r["ref_no_grad"] == expected_no_grad, r

@@ -5,6 +5,7 @@ processes and Ray)."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import gc
 import math
@@ -19,6 +20,8 @@ import torch.distributed as dist
 from torch.autograd import DeviceType
 
 from raysys import train_step
+from raysys.config import ModelConfig
+from raysys.model import TransformerLM, cross_entropy
 from raysys.profiling import StepProfile, kernel_intervals, overlap
 from raysys.rank import RankContext
 from raysys.results import trial_id
@@ -172,6 +175,45 @@ def test_median_confidence_and_adaptive_step_count():
     assert train_step.time_steps(_SleepStep([0.001] * 10), warmup=0, steps=3)["timed_steps"] == 3
     with pytest.raises(ValueError, match="max_steps"):
         train_step.time_steps(noisy, warmup=0, steps=4, max_steps=3)
+
+
+def test_compiled_blocks_and_the_graphs_the_timer_counts():
+    torch.manual_seed(0)
+    model = TransformerLM(ModelConfig.from_name("tiny", context_length=16))
+    eager = copy.deepcopy(model)
+    assert train_step.compile_blocks(model, backend="aot_eager") == len(model.layers) > 1
+    x = torch.randint(0, 256, (2, 17))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = train_step.time_steps(train_step.TrainStep(model, opt, (x[:, :-1], x[:, 1:]), "fp32", torch.device("cpu")),
+                                warmup=1, steps=2)
+    assert out["graphs_compiled_warmup"] >= 1 and out["graphs_compiled_timed"] == 0
+    # Three optimizer steps later (warm-up + 2), the compiled model took the steps eager training takes.
+    opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        cross_entropy(eager(x[:, :-1]), x[:, 1:]).backward()
+        opt.step()
+    for a, b in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="no TransformerBlock"):
+        train_step.compile_blocks(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_script_with_compiled_blocks(tmp_path):
+    argv = [*ARGS, "--launcher", "mp", "--compile", "--variants", "single,bucketed:0.05", "--out", str(tmp_path)]
+    ddp = ddp_sweep.main(argv)["ddp_compiled"]             # --compile: the ddp study alone, in its own file
+    assert (ddp["status"] == "ok").all() and ddp["compile"].all(), ddp[["label", "status", "error"]]
+    assert (ddp["graphs_compiled_timed"] == 0).all()
+    assert ddp.loc[ddp["label"] == "single", "graphs_compiled_warmup"].iloc[0] >= 1
+    text = (tmp_path / "ddp_compiled.md").read_text()
+    assert "TransformerBlocks compiled" in text and "| graphs" in text and not (tmp_path / "ddp.parquet").exists()
+    assert set(ddp_sweep.main(["--report-only", "--compile", "--out", str(tmp_path)])) == {"ddp_compiled"}
+    with pytest.raises(ValueError, match="sharded"):
+        ddp_sweep.main([*argv, "--studies", "ddp,sharded"])
+    with pytest.raises(ValueError, match="warmup"):
+        ddp_sweep.main([*ARGS, "--compile", "--warmup", "0", "--launcher", "mp", "--out", str(tmp_path)])
 
 
 def test_ratios_and_targets():

@@ -158,3 +158,13 @@ def test_script_with_a_group_of_one(tmp_path):
     assert df["status"].tolist() == ["ok", "ok", "ok"] and set(df["world_size"]) == {1}
     with pytest.raises(ValueError, match="world-size"):
         fsdp_sweep.main(["--device", "cpu", "--world-size", "0", "--out", str(tmp_path)])
+
+
+def test_compiled_blocks_need_per_block_units(tmp_path):
+    with pytest.raises(ValueError, match="fsdp_layer"):
+        fsdp_sweep.trials(size="tiny", context_length=16, batch_per_rank=2, dtypes=["fp32"],
+                          variants=["single", "fsdp_layer"], profile=[], warmup=1, steps=2, compile=True)
+    with pytest.raises(ValueError, match="warmup"):
+        fsdp_sweep.trials(size="tiny", context_length=16, batch_per_rank=2, dtypes=["fp32"], variants=["fsdp"],
+                          profile=[], warmup=0, steps=2, compile=True)
+    assert "fsdp_layer" not in fsdp_sweep._variants(None, "cpu", fsdp_sweep.DEFAULTS["cpu"], compiled=True)
