@@ -20,6 +20,7 @@ the trace are taken in `on_trace_ready`, while the recorded cycle is current.
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from dataclasses import dataclass
@@ -214,6 +215,10 @@ def profile_steps(step: Callable[[], object], device: torch.device, *, warmup: i
         raise RuntimeError("torch.profiler cannot record GPU kernels in this process: kineto is not available")
     path = Path(trace_path) if trace_path is not None else None
     recorded: dict[str, object] = {}
+    # Kineto leaves CUPTI attached after the profiler stops unless TEARDOWN_CUPTI=1 (read when it stops), and an
+    # attached CUPTI taxes every later CUDA call of the process: the trials a sweep times after a profiled one
+    # would pay for it (pytorch/pytorch#144455). No CUDA graphs here, so the teardown is safe.
+    os.environ.setdefault("TEARDOWN_CUPTI", "1")
 
     def ready(prof: torch.profiler.profile) -> None:
         recorded["events"] = list(prof.events())

@@ -9,6 +9,7 @@ import copy
 import functools
 import gc
 import math
+import os
 import time
 import weakref
 from types import SimpleNamespace
@@ -22,7 +23,7 @@ from torch.autograd import DeviceType
 from raysys import train_step
 from raysys.config import ModelConfig
 from raysys.model import TransformerLM, cross_entropy
-from raysys.profiling import StepProfile, kernel_intervals, overlap
+from raysys.profiling import StepProfile, kernel_intervals, overlap, profile_steps
 from raysys.rank import RankContext
 from raysys.results import trial_id
 from sweeps import ddp as ddp_sweep
@@ -214,6 +215,18 @@ def test_script_with_compiled_blocks(tmp_path):
         ddp_sweep.main([*argv, "--studies", "ddp,sharded"])
     with pytest.raises(ValueError, match="warmup"):
         ddp_sweep.main([*ARGS, "--compile", "--warmup", "0", "--launcher", "mp", "--out", str(tmp_path)])
+
+
+def test_profiling_releases_cupti_when_it_stops(monkeypatch):
+    """Kineto detaches CUPTI at the end of a profile only under TEARDOWN_CUPTI=1; a user's own setting is kept."""
+    calls = []
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    prof = profile_steps(lambda: calls.append(torch.ones(4).sum()), torch.device("cpu"))
+    assert len(calls) == 2 and prof.status(expect_nccl=False) == "cpu"
+    assert os.environ["TEARDOWN_CUPTI"] == "1"
+    monkeypatch.setenv("TEARDOWN_CUPTI", "0")
+    profile_steps(lambda: calls.append(torch.ones(4).sum()), torch.device("cpu"))
+    assert os.environ["TEARDOWN_CUPTI"] == "0"
 
 
 def test_ratios_and_targets():
