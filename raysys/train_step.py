@@ -20,6 +20,9 @@ runs, not on the GPU work. Noise control:
     of the process and involuntary context switches of the main thread per step (CPU contention), torch
     threads and the CPUs the process may run on.
 
+`paired_steps` times a step against a reference step interleaved in blocks (ABBA), for ratios that a drifting
+host speed does not bias.
+
 `compile_blocks` compiles every TransformerBlock's forward (the sweeps' `--compile`), and `time_steps` counts
 the graphs Dynamo compiled during warm-up and during the timed steps (which must be none).
 
@@ -238,6 +241,30 @@ def time_steps(step: TrainStep, warmup: int, steps: int, *, max_steps: int | Non
         out[f"{key}_timed"] = value - alloc0[key]
     out.update(host_info())
     return out
+
+
+def paired_steps(step: TrainStep, reference: TrainStep, rounds: int, block: int = 3) -> dict[str, float]:
+    """Time `step` against `reference` interleaved in this process: `rounds` rounds, each one block of `block`
+    timed steps of each (after one untimed step that re-warms caches after the switch), in ABBA order (`step`
+    first in even rounds, second in odd ones), so that a host whose speed drifts over seconds, as a shared VM's
+    does, slows both alike. Per round, the ratio of the two blocks' median steps; the result is their median.
+
+    Returns `paired_rounds`, `paired_ratio` (median over rounds of step / reference), `paired_ratio_min`,
+    `paired_ratio_max`, `paired_step_ms` and `paired_reference_ms` (medians over rounds of the block medians).
+    Every rank of a gang must call this with the same arguments (the steps' collectives stay matched).
+    """
+    if not isinstance(rounds, int) or rounds < 1 or not isinstance(block, int) or block < 2:
+        raise ValueError(f"rounds ({rounds!r}) must be an int >= 1 and block ({block!r}) an int >= 2")
+    ratios, mine, theirs = [], [], []
+    for r in range(rounds):
+        order = (step, reference) if r % 2 == 0 else (reference, step)
+        medians = {id(s): time_steps(s, 1, block)["step_ms_median"] for s in order}
+        mine.append(medians[id(step)])
+        theirs.append(medians[id(reference)])
+        ratios.append(mine[-1] / theirs[-1])
+    return {"paired_rounds": rounds, "paired_ratio": statistics.median(ratios), "paired_ratio_min": min(ratios),
+            "paired_ratio_max": max(ratios), "paired_step_ms": statistics.median(mine),
+            "paired_reference_ms": statistics.median(theirs)}
 
 
 # ---------------------------------------------------------------------------------------------------- compile

@@ -44,6 +44,13 @@ calls) and any CPU contention between the rank processes adds to the step; compi
 kernels per block and the GPU sets the pace, as in a production training loop. Rows count the graphs compiled in
 warm-up and during the timed steps (`graphs_compiled_timed` must be 0).
 
+`--paired-rounds N` (ddp study): after its timed steps, each trial builds a `single` model beside its variant (same
+blocks, batch and optimizer) and times the two in alternating blocks of steps, N rounds in ABBA order
+(`raysys.train_step.paired_steps`); `paired vs single` is the median over rounds of the variant's block median over
+the single block's. Trials run one after another, tens of seconds apart, and a shared host's speed drifts on that
+scale (the two `single` runs of one study have differed by 20-30% on a one-GPU host): the paired ratio compares
+steps seconds apart, and the targets use it when every variant has it. Needs memory for both models.
+
 The variants listed in `--profile` (default naive, overlapped) get two more steps under `torch.profiler`;
 from the second one's GPU kernel intervals, `overlap_fraction` = time an NCCL kernel runs while a compute
 kernel also runs / total NCCL kernel time. Within a step NCCL kernels can only meet backward kernels (the
@@ -67,6 +74,7 @@ a minute.
     python sweeps/ddp.py --variants single,overlapped,bucketed:100,torch --nccl-max-ctas 8 --studies ddp
     python sweeps/ddp.py --variants single,overlapped,overlapped@8,bucketed:100@8,torch --studies ddp
     python sweeps/ddp.py --compile --dtypes bf16 --variants single,overlapped,bucketed:100,torch
+    python sweeps/ddp.py --studies ddp --dtypes bf16 --paired-rounds 6 --variants single,overlapped,bucketed:100,torch
     python sweeps/ddp.py --report-only --out results                 # redraw tables and plots
 """
 
@@ -92,7 +100,8 @@ from parallel.ddp import make_ddp  # noqa: E402
 from raysys.config import SIZES, ModelConfig  # noqa: E402
 from raysys.model import TransformerLM  # noqa: E402
 from raysys.profiling import cpu_op_time, kernel_intervals, overlap, profile_steps  # noqa: E402
-from raysys.train_step import DTYPES, TrainStep, TrialScope, compile_blocks, nccl_group, release, time_steps  # noqa: E402
+from raysys.train_step import (DTYPES, TrainStep, TrialScope, compile_blocks, nccl_group, paired_steps,  # noqa: E402
+                               release, time_steps)
 
 SWEEP = "ddp"
 COMPILED = "ddp_compiled"   # the same study with compiled blocks (--compile): its own file, tables and baselines
@@ -161,7 +170,7 @@ def parse_list(text: str, what: str, allowed: tuple[str, ...] | None = None) -> 
 def ddp_trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: list[str], variants: list[str],
                profile: list[str], warmup: int, steps: int, max_steps: int | None = None,
                nccl_max_ctas: int | None = None, rerun_single: bool = True, compile: bool = False,
-               seed: int = 0) -> list[dict]:
+               paired_rounds: int = 0, seed: int = 0) -> list[dict]:
     """One config per dtype x variant, plus `single (rerun)` last in each dtype when `single` is in the grid
     with other variants and `rerun_single` (validated here, before any rank starts)."""
     model_config(size, context_length)
@@ -169,6 +178,8 @@ def ddp_trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: l
     if batch_per_rank < 1 or warmup < 0 or steps < 2 or max_steps < steps:
         raise ValueError(f"batch_per_rank ({batch_per_rank}) must be >= 1, warmup ({warmup}) >= 0, "
                          f"steps ({steps}) >= 2, max_steps ({max_steps}) >= steps")
+    if not isinstance(paired_rounds, int) or paired_rounds < 0:
+        raise ValueError(f"paired_rounds ({paired_rounds!r}) must be an int >= 0 (0: no paired timing)")
     if compile and warmup < 1:
         raise ValueError(f"warmup ({warmup}) must be >= 1 with compiled blocks: the first step compiles them")
     if nccl_max_ctas is not None and (not isinstance(nccl_max_ctas, int) or nccl_max_ctas < 1):
@@ -183,7 +194,8 @@ def ddp_trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: l
     profiled = {parse_variant(v)["label"] for v in profile}
     if rerun_single and "single" in labels and len(labels) > 1:
         parsed.append({**parse_variant("single"), "label": RERUN})
-    common = {"warmup": warmup, "steps": steps, "max_steps": max_steps, "compile": compile, "seed": seed}
+    common = {"warmup": warmup, "steps": steps, "max_steps": max_steps, "compile": compile,
+              "paired_rounds": paired_rounds, "seed": seed}
     return [{"size": size, "context_length": context_length, "batch_per_rank": batch_per_rank, "dtype": dtype,
              "nccl_max_ctas": nccl_max_ctas, **v, "profile": v["label"] in profiled, **common}
             for dtype in dtypes for v in parsed]
@@ -288,6 +300,8 @@ def _ddp_trial(ctx, config: dict, out_dir: str | None) -> dict:
         metrics["collectives_per_step"] = getattr(model, "num_collectives", math.nan)
         cuda = device.type == "cuda"
         metrics["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else math.nan
+        if config.get("paired_rounds") and config["variant"] != "single":
+            metrics.update(_paired_with_single(ctx, config, mc, step))
         if config["profile"]:
             trace = None
             if out_dir is not None and ctx.rank == 0:
@@ -299,6 +313,20 @@ def _ddp_trial(ctx, config: dict, out_dir: str | None) -> dict:
     if group is not ctx.process_group:      # not after a failure: the gang is torn down then anyway
         dist.destroy_process_group(group)
     return metrics
+
+
+def _paired_with_single(ctx, config: dict, mc: ModelConfig, step: TrainStep) -> dict:
+    """The variant's step against a `single` step built here (same blocks, batch and optimizer, no wrapper),
+    interleaved (`raysys.train_step.paired_steps`); after the variant's peak memory was read, so the reference's
+    memory does not count."""
+    device = ctx.device
+    torch.manual_seed(config["seed"] + ctx.rank)
+    reference = TransformerLM(mc, device=device)
+    if config.get("compile"):
+        compile_blocks(reference)
+    optimizer = torch.optim.AdamW(reference.parameters(), **adamw_kwargs(device))
+    ref_step = TrainStep(reference, optimizer, step.batch, config["dtype"], device)
+    return paired_steps(step, ref_step, config["paired_rounds"])
 
 
 def reduce_ranks(config: dict, per_rank: list[dict]) -> dict:
@@ -335,6 +363,12 @@ def with_ratios(df: pd.DataFrame) -> pd.DataFrame:
             continue
         base = ok[ok["variant"] == ref].groupby("dtype")[col].agg(agg)
         df[name] = df[col] / df["dtype"].map(base)
+    # Paired timing (--paired-rounds): each row against the single step it was interleaved with; torch DDP's
+    # paired ratio turns it into a ratio to torch.
+    paired = _column(df, "paired_ratio")
+    torch_paired = paired[(df["status"] == "ok") & (df["variant"] == "torch")].groupby(df["dtype"]).first()
+    df["vs_single_paired"] = paired
+    df["vs_torch_paired"] = paired / df["dtype"].map(torch_paired)
     return df
 
 
@@ -352,12 +386,17 @@ def targets(df: pd.DataFrame) -> list[str]:
     lines = []
     ours = df[(df["status"] == "ok") & ~df["variant"].isin(["single", "torch"])]
     for dtype, part in ours.groupby("dtype", sort=False):
-        best = part.loc[part[col].idxmin()]
+        paired = "vs_single_paired" in part and part["vs_single_paired"].notna().all()
+        suffix = "_paired" if paired else ""
+        best = part.loc[part[f"vs_single{suffix}"].idxmin()] if paired else part.loc[part[col].idxmin()]
         checks = []
         for ratio, name, limit in (("vs_single", "single", 1.02), ("vs_torch", "torch DDP", 1.0)):
-            if pd.notna(best.get(ratio)):
-                checks.append(f"{best[ratio]:.3f}x {name} ({'met' if best[ratio] <= limit else 'missed'}: "
-                              f"<= {limit:g}x)")
+            value = best.get(ratio + suffix)
+            if pd.notna(value):
+                checks.append(f"{value:.3f}x {name} ({'met' if value <= limit else 'missed'}: <= {limit:g}x)")
+        if paired:
+            checks.append(f"paired: median of {int(best['paired_rounds'])} rounds, single-ratio range "
+                          f"{best['paired_ratio_min']:.3f}-{best['paired_ratio_max']:.3f}")
         line = f"- {dtype}: fastest variant `{best['label']}` at {best[col]:.1f} ms: " + ", ".join(checks)
         same = df[(df["status"] == "ok") & (df["dtype"] == dtype)]
         if "graphs_compiled_timed" in same and (same["graphs_compiled_timed"].fillna(0) > 0).any():
@@ -414,11 +453,17 @@ def markdown(df: pd.DataFrame) -> str:
             f"`step`: {'median' if col == 'step_ms_median' else 'mean'} (mean ± std); ratios use it, and `single` is "
             "the mean of its runs. Phases: mean device time; `comm wait`: exposed communication after backward "
             "(torch DDP's is inside its backward); `host bwd`: time Python took to issue backward. `overlap`: "
-            "share of NCCL kernel time concurrent with compute kernels (profiled variants only).")
+            "share of NCCL kernel time concurrent with compute kernels (profiled variants only)."
+            + (f" `paired vs single`: median over {int(_column(ok, 'paired_rounds').max())} rounds of the variant's "
+               "step / a single step timed in alternating blocks in the same process (ABBA); `paired vs torch`: "
+               "that ratio over torch DDP's. The targets use these when every variant has them."
+               if ok["vs_single_paired"].notna().any() else ""))
         view = pd.DataFrame({
             "dtype": ok["dtype"], "variant": ok["label"], "step (ms)": ok[col],
             "mean ± std": [f"{m:.1f} ± {s:.1f}" for m, s in zip(ok["step_ms"], ok["step_ms_std"])],
             "vs single": ok["vs_single"], "vs torch": ok["vs_torch"],
+            **({"paired vs single": ok["vs_single_paired"], "paired vs torch": ok["vs_torch_paired"]}
+               if ok["vs_single_paired"].notna().any() else {}),
             "forward": ok["forward_ms"], "backward": ok["backward_ms"], "host bwd": _column(ok, "host_backward_ms"),
             "comm wait": ok["comm_wait_ms"], "optimizer": ok["optimizer_ms"],
             "collectives/step": ok["collectives_per_step"], "overlap": _column(ok, "overlap_fraction"),
@@ -509,6 +554,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nccl-max-ctas", type=int, default=None, help="ddp study, CUDA: cap every communicating "
                                                                    "variant's NCCL communicator at N CTAs "
                                                                    "(default: NCCL's choice)")
+    p.add_argument("--paired-rounds", type=int, default=0, help="ddp study: after its timed steps, time each "
+                   "variant against a single step in alternating blocks for N rounds (ratios a drifting host speed "
+                   "does not bias; the targets then use them). Default 0: off")
     p.add_argument("--compile", action="store_true", help=f"ddp study: compile every TransformerBlock (torch.compile) "
                    f"in every variant; rows go to {COMPILED}.parquet")
     p.add_argument("--launcher", choices=("ray", "mp"), default="ray", help="ray gang (default) or plain processes")
@@ -570,7 +618,7 @@ def main(argv: list[str] | None = None) -> dict[str, pd.DataFrame]:
         trials = ddp_trials(variants=variants, profile=profile,
                             warmup=args.warmup, steps=args.steps, max_steps=max_steps,
                             nccl_max_ctas=args.nccl_max_ctas, rerun_single=not args.no_single_rerun,
-                            compile=args.compile, **grid)
+                            compile=args.compile, paired_rounds=args.paired_rounds, **grid)
         sharded_trials = sharded_optimizer.trials(
             warmup=args.warmup, steps=args.steps,
             **{**grid, "dtypes": parse_list(args.sharded_dtypes, "sharded-dtypes", tuple(DTYPES))})

@@ -140,6 +140,37 @@ class _SleepStep:
         return marks
 
 
+class _DriftingStep(_SleepStep):
+    """Sleeps `base` seconds times a host slowdown that grows with every step of any _DriftingStep (shared `log`)."""
+
+    def __init__(self, name, base, log):
+        super().__init__([])
+        self.name, self.base, self.log = name, base, log
+
+    def __call__(self):
+        self.log.append(self.name)
+        self.durations = iter([self.base * (1 + 0.1 * len(self.log))])
+        return super().__call__()
+
+
+def test_paired_steps_alternate_blocks_and_cancel_drift():
+    log = []
+    slow, fast = _DriftingStep("slow", 0.004, log), _DriftingStep("fast", 0.002, log)
+    out = train_step.paired_steps(slow, fast, rounds=4, block=2)
+    blocks = [log[i] for i in range(0, len(log), 3)]                # 1 untimed + 2 timed steps per block
+    assert blocks == ["slow", "fast", "fast", "slow", "slow", "fast", "fast", "slow"] and len(log) == 24
+    assert out["paired_rounds"] == 4 and 1.8 < out["paired_ratio"] < 2.2, out
+    assert out["paired_ratio_min"] <= out["paired_ratio"] <= out["paired_ratio_max"]
+    assert out["paired_step_ms"] > out["paired_reference_ms"] > 0
+    # Timed in trials some steps apart, the slow step looks ~3.5x the fast one (the host slowed down meanwhile).
+    first = train_step.time_steps(_DriftingStep("fast", 0.002, log), 1, 8)["step_ms_median"]
+    log.extend(["other trials"] * 20)
+    later = train_step.time_steps(_DriftingStep("slow", 0.004, log), 1, 8)["step_ms_median"]
+    assert later / first > 2.6
+    with pytest.raises(ValueError, match="rounds"):
+        train_step.paired_steps(slow, fast, rounds=0)
+
+
 def test_trial_functions_serialise_as_under_a_script():
     """`python sweeps/ddp.py` (what `ray job submit` runs) defines the trial functions in `__main__`, which Ray's
     cloudpickle serialises by value together with the globals they use (a function from an imported module
@@ -238,6 +269,22 @@ def test_ratios_and_targets():
     assert ratios["vs_torch"].tolist() == pytest.approx([100 / 102, 103 / 102, 101 / 102, 1.0])
     (line,) = ddp_sweep.targets(ratios)
     assert "`bucketed 100MB`" in line and "1.010x single (met" in line and "0.990x torch DDP (met" in line
+
+
+def test_targets_use_paired_ratios_when_every_variant_has_one():
+    df = pd.DataFrame({"status": "ok", "dtype": "bf16", "variant": ["single", "overlapped", "bucketed", "torch"],
+                       "label": ["single", "overlapped", "bucketed 100MB", "torch DDP 25MB"],
+                       "step_ms": [100.0, 103.0, 101.0, 102.0], "paired_rounds": 6,
+                       "paired_ratio": [math.nan, 1.015, 1.05, 1.02], "paired_ratio_min": [math.nan, 1.0, 1.0, 1.0],
+                       "paired_ratio_max": [math.nan, 1.03, 1.1, 1.04]})
+    ratios = ddp_sweep.with_ratios(df)
+    assert ratios["vs_torch_paired"].tolist()[1:] == pytest.approx([1.015 / 1.02, 1.05 / 1.02, 1.0])
+    (line,) = ddp_sweep.targets(ratios)     # overlapped: slower by the clock of its trial, faster paired
+    assert "`overlapped`" in line and "1.015x single (met" in line and "0.995x torch DDP (met" in line
+    assert "median of 6 rounds" in line and "1.000-1.030" in line
+    df.loc[2, "paired_ratio"] = math.nan    # one variant without: the clock's ratios, as before
+    (line,) = ddp_sweep.targets(ddp_sweep.with_ratios(df))
+    assert "`bucketed 100MB`" in line and "paired" not in line
 
 
 def test_ratios_use_the_median_and_both_single_runs():
@@ -355,10 +402,14 @@ def test_script_on_ray(tmp_path, ray_cluster):  # noqa: F811
 def test_group_of_one_measures_the_wrappers_alone(tmp_path):
     """--world-size 1 (a one-GPU machine): every wrapper runs with a group of one, its collectives included."""
     frames = ddp_sweep.main([*ARGS, "--world-size", "1", "--launcher", "mp", "--studies", "ddp", "--out",
-                             str(tmp_path), "--variants", "single,naive,overlapped,bucketed:0.05,torch"])
+                             str(tmp_path), "--variants", "single,naive,overlapped,bucketed:0.05,torch",
+                             "--paired-rounds", "2"])
     ddp = frames["ddp"]
     assert (ddp["status"] == "ok").all(), ddp[["label", "status", "error"]]
     assert set(ddp["world_size"]) == {1}
+    paired = ddp.set_index("label")["paired_ratio"]    # every variant timed against single, single itself not
+    assert (paired.drop(["single", "single (rerun)"]) > 0).all() and paired[["single", "single (rerun)"]].isna().all()
+    assert "paired vs single" in (tmp_path / "ddp.md").read_text()
     rows = ddp.set_index("label")
     assert rows.loc["naive", "collectives_per_step"] == rows.loc["overlapped", "collectives_per_step"] > 1
     assert "1 rank (gloo" in (tmp_path / "ddp.md").read_text()
