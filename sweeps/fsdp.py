@@ -41,6 +41,10 @@ all-gathers per step: the stall itself on gloo, ~0 on NCCL (waits are stream-ord
 wrapper is applied, in every variant but fsdp_layer, and writes `fsdp_compiled.parquet` / `.md` (own baselines):
 the wrappers' hooks around each block stay eager, and the host no longer sets the pace of the bf16 step.
 
+`--paired-rounds N`: after its timed steps, each variant is timed against a `single` step built beside it, in
+alternating blocks of steps for N rounds (ABBA, `raysys.train_step.paired_steps`, as sweeps/ddp.py): a ratio of steps
+seconds apart, which a host whose speed drifts between trials does not bias; the targets use it.
+
 Defaults: CUDA - xl, context 512, 4 sequences per rank, 2 ranks, fp32 and bf16 (budget: under 5 minutes on 2
 H200). Four sequences, not sweeps/ddp.py's two: by the planner (parallel/planner.py, H200 peak BF16 and NVLink
 spec), an xl FFN's weight all-gathers on 2 ranks take 1.07x its matmul time at 2 x 2 x 512 tokens and 0.54x at
@@ -79,8 +83,8 @@ from raysys.config import SIZES, ModelConfig  # noqa: E402
 from raysys.memory import unique_storage_bytes  # noqa: E402
 from raysys.model import TransformerBlock, TransformerLM  # noqa: E402
 from raysys.profiling import device_kernels, overlap, profile_steps  # noqa: E402
-from raysys.train_step import (DTYPES, TrainStep, TrialScope, compile_blocks, nccl_group, release, sync,  # noqa: E402
-                               time_steps)
+from raysys.train_step import (DTYPES, TrainStep, TrialScope, compile_blocks, nccl_group, paired_steps,  # noqa: E402
+                               release, sync, time_steps)
 from sweeps.ddp import adamw_kwargs, make_batch, model_config, parse_list, setup_sentence, step_column  # noqa: E402
 
 SWEEP = "fsdp"
@@ -100,12 +104,15 @@ DEFAULTS = {"cuda": dict(size="xl", context_length=512, batch_per_rank=4, warmup
 
 # ---------------------------------------------------------------------------------------------------- grid
 def trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: list[str], variants: list[str],
-           profile: list[str], warmup: int, steps: int, compile: bool = False, seed: int = 0) -> list[dict]:
+           profile: list[str], warmup: int, steps: int, compile: bool = False, paired_rounds: int = 0,
+           seed: int = 0) -> list[dict]:
     """One config per dtype x variant, validated before any rank starts."""
     model_config(size, context_length)
     if batch_per_rank < 1 or warmup < 0 or steps < 2:
         raise ValueError(f"batch_per_rank ({batch_per_rank}) must be >= 1, warmup ({warmup}) >= 0, "
                          f"steps ({steps}) >= 2")
+    if not isinstance(paired_rounds, int) or paired_rounds < 0:
+        raise ValueError(f"paired_rounds ({paired_rounds!r}) must be an int >= 0 (0: no paired timing)")
     if compile and warmup < 1:
         raise ValueError(f"warmup ({warmup}) must be >= 1 with compiled blocks: the first step compiles them")
     if compile and "fsdp_layer" in variants:
@@ -118,7 +125,7 @@ def trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: list[
             raise ValueError(f"{what} {bad} not in {allowed}")
     return [{"size": size, "context_length": context_length, "batch_per_rank": batch_per_rank, "dtype": dtype,
              "variant": variant, "profile": variant in profile, "warmup": warmup, "steps": steps, "compile": compile,
-             "seed": seed}
+             "paired_rounds": paired_rounds, "seed": seed}
             for dtype in dtypes for variant in variants]
 
 
@@ -282,6 +289,12 @@ def _timed_trial(ctx, config: dict, out_dir: str | None, group) -> dict:
         metrics["gather_wait_ms"] = (model.stats.forward_wait_s + model.stats.backward_wait_s) * 1e3
         metrics["all_gathers_per_step"] = model.stats.all_gathers
         metrics["peak_gathered_bytes"] = model.stats.peak_gathered_bytes
+    if config.get("paired_rounds") and config["variant"] != "single":
+        single = {**config, "variant": "single"}
+        reference, ref_optimizer = build(single, device, group)
+        ref_step = TrainStep(reference, ref_optimizer, batch, config["dtype"], device)   # single: autocast
+        metrics.update(paired_steps(step, ref_step, config["paired_rounds"]))
+        del reference, ref_optimizer, ref_step
     if config["profile"]:
         trace = None
         if out_dir is not None and ctx.rank == 0:
@@ -334,10 +347,16 @@ def targets(df: pd.DataFrame) -> list[str]:
         if ours.empty:
             continue
         row = ours.iloc[0]
-        if pd.notna(row.get("vs_single")):
-            lines.append(f"- bf16 `{variant}` step: {row[col]:.1f} ms = {row['vs_single']:.3f}x single "
-                         f"({'met' if row['vs_single'] <= 1.10 else 'missed'}: <= 1.10x)"
-                         + (f"; fsdp2 {theirs.iloc[0]['vs_single']:.3f}x" if not theirs.empty else ""))
+        paired = pd.notna(row.get("paired_ratio", math.nan))
+        ratio = row["paired_ratio"] if paired else row.get("vs_single")
+        if pd.notna(ratio):
+            theirs_ratio = (theirs.iloc[0].get("paired_ratio", math.nan) if paired else theirs.iloc[0]["vs_single"]
+                            ) if not theirs.empty else math.nan
+            lines.append(f"- bf16 `{variant}` step: {row[col]:.1f} ms = {ratio:.3f}x single "
+                         f"({'met' if ratio <= 1.10 else 'missed'}: <= 1.10x)"
+                         + (f"; fsdp2 {theirs_ratio:.3f}x" if pd.notna(theirs_ratio) else "")
+                         + (f" (paired: median of {int(row['paired_rounds'])} rounds, range "
+                            f"{row['paired_ratio_min']:.3f}-{row['paired_ratio_max']:.3f})" if paired else ""))
         if not theirs.empty and pd.notna(row["peak_memory_max_rank_bytes"]):
             mine = row["peak_memory_max_rank_bytes"] / 2**30
             ref = theirs.iloc[0]["peak_memory_max_rank_bytes"] / 2**30
@@ -385,7 +404,10 @@ def markdown(df: pd.DataFrame) -> str:
             "`state`: params + grads + optimizer state per rank, counted (expected). `AG exposed`: all-gather kernel "
             "time with no compute kernel running; `stalled AG`: all-gathers with > 5 us of it. `host/step`: time the "
             "host took to issue a step over the step (near 1: the host never got far ahead of the GPU, either "
-            "because it is the bottleneck or because it waited on the device).")
+            "because it is the bottleneck or because it waited on the device)."
+            + (" `paired vs single`: median over rounds of the variant's step / a single step timed in alternating "
+               "blocks in the same process (`--paired-rounds`); the targets use it." if "paired_ratio" in ok
+               and ok["paired_ratio"].notna().any() else ""))
         nan = pd.Series(math.nan, index=ok.index)
         unit, scale = _unit(ok)
         view = pd.DataFrame({
@@ -393,6 +415,7 @@ def markdown(df: pd.DataFrame) -> str:
             "step (ms)": [f"{med:.1f} ({m:.1f} ± {s:.1f})" for med, m, s in
                           zip(ok[step_column(ok)], ok["step_ms"], ok["step_ms_std"])],
             "vs single": ok["vs_single"], "vs single_cast": ok["vs_single_cast"], "vs fsdp2": ok["vs_fsdp2"],
+            **({"paired vs single": ok["paired_ratio"]} if ok.get("paired_ratio", nan).notna().any() else {}),
             "peak (GiB)": ok["peak_memory_max_rank_bytes"] / 2**30,
             f"state ({unit})": [f"{s / scale:.3g} ({e / scale:.3g})" for s, e in zip(ok["state_bytes"],
                                                                                      ok["expected_state_bytes"])],
@@ -442,6 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "one, what its machinery costs the host with no peer)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per trial (default: 2 on cuda, 1 on cpu)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per trial (default: 8 on cuda, 3 on cpu)")
+    p.add_argument("--paired-rounds", type=int, default=0, help="after its timed steps, time each variant against "
+                   "a single step in alternating blocks for N rounds (raysys.train_step.paired_steps; the targets "
+                   "then use these ratios). Default 0: off")
     p.add_argument("--compile", action="store_true", help="compile every TransformerBlock (torch.compile) in every "
                    f"variant (not fsdp_layer); rows go to {COMPILED}.parquet")
     p.add_argument("--launcher", choices=("ray", "mp"), default="ray", help="ray gang (default) or plain processes")
@@ -495,7 +521,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                       variants=_variants(args.variants, device, d, args.compile),
                       profile=[v.strip() for v in args.profile.split(",") if v.strip()],
                       warmup=d["warmup"] if args.warmup is None else args.warmup, steps=args.steps or d["steps"],
-                      compile=args.compile)
+                      compile=args.compile, paired_rounds=args.paired_rounds)
         df = run_sweep(sweep, grid, functools.partial(fsdp_trial, out_dir=str(out)), args.world_size, out_dir=out,
                        device=device, resume=args.resume, reduce=reduce_ranks, launcher=args.launcher,
                        timeout_s=args.timeout_s, show=False)

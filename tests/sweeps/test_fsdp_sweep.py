@@ -153,9 +153,13 @@ def test_script_without_ray_writes_table_and_resumes(tmp_path):
 def test_script_with_a_group_of_one(tmp_path):
     """--world-size 1: shards are whole tensors, gathers and reduce-scatters copies; the wrappers still run."""
     df = fsdp_sweep.main(["--device", "cpu", "--launcher", "mp", "--out", str(tmp_path), "--world-size", "1",
-                          "--variants", "single,ddp_sharded,fsdp", "--dtypes", "fp32", "--context-length", "16",
-                          "--warmup", "1", "--steps", "2", "--profile", ""])
+                          "--variants", "single,ddp_sharded,fsdp", "--dtypes", "bf16", "--context-length", "16",
+                          "--warmup", "1", "--steps", "2", "--profile", "", "--paired-rounds", "2"])
     assert df["status"].tolist() == ["ok", "ok", "ok"] and set(df["world_size"]) == {1}
+    paired = df.set_index("variant")["paired_ratio"]   # each variant against a single step built beside it
+    assert pd.isna(paired["single"]) and (paired[["ddp_sharded", "fsdp"]] > 0).all()
+    text = (tmp_path / "fsdp.md").read_text()
+    assert "paired vs single" in text and "(paired: median of 2 rounds" in text
     with pytest.raises(ValueError, match="world-size"):
         fsdp_sweep.main(["--device", "cpu", "--world-size", "0", "--out", str(tmp_path)])
 
