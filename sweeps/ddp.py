@@ -48,8 +48,8 @@ warm-up and during the timed steps (`graphs_compiled_timed` must be 0).
 blocks, batch and optimizer) and times the two in alternating blocks of steps, N rounds in ABBA order
 (`raysys.train_step.paired_steps`); `paired vs single` is the median over rounds of the variant's block median over
 the single block's. Trials run one after another, tens of seconds apart, and a shared host's speed drifts on that
-scale (the two `single` runs of one study have differed by 20-30% on a one-GPU host): the paired ratio compares
-steps seconds apart, and the targets use it when every variant has it. Needs memory for both models.
+scale (compare a study's two `single` runs): the paired ratio compares steps seconds apart, and the targets use it
+when every variant has it. Needs memory for both models.
 
 The variants listed in `--profile` (default naive, overlapped) get two more steps under `torch.profiler`;
 from the second one's GPU kernel intervals, `overlap_fraction` = time an NCCL kernel runs while a compute
