@@ -7,6 +7,9 @@
 #   bash sweeps/gpu_run.sh dist      # 2 GPUs: NCCL-setting scan + collectives grid, DDP + sharded optimizer (~9 min)
 #   bash sweeps/gpu_run.sh allreduce # 2 GPUs: the NCCL-setting scan + collectives grid alone               (~4 min)
 #   bash sweeps/gpu_run.sh fsdp      # 2 GPUs: FSDP study (all variants), the gpu-marked tests (-n 8)     (~7 min)
+#   bash sweeps/gpu_run.sh paired    # 2 GPUs: bf16 DDP and FSDP, every variant also against single in
+#                                    #   alternating blocks (--paired-rounds), into $RESULTS/paired          (~8 min)
+#   bash sweeps/gpu_run.sh compiled  # 2 GPUs: the same with compiled blocks (--compile), into $RESULTS/compiled (~8 min)
 #   bash sweeps/gpu_run.sh ckpt      # checkpointing trials (Ray Tune, one GPU per trial)                  (~4 min)
 #   bash sweeps/gpu_run.sh flash     # Ray Tune tile sweep (one GPU per trial), the FlashAttention grid    (~9.5 min)
 #   bash sweeps/gpu_run.sh tests     # the gpu-marked tests (-n 8 needs pytest-xdist)                      (~1 min)
@@ -14,7 +17,7 @@
 #
 # Ray comes from wheels when the host has none: set WHEELS=.whl (see README, "GPU hosts without Ray").
 set -u
-phase=${1:?usage: gpu_run.sh dist|allreduce|fsdp|ckpt|flash|tests|e2e}
+phase=${1:?usage: gpu_run.sh dist|allreduce|fsdp|paired|compiled|ckpt|flash|tests|e2e}
 OUT=${OUT:-/tmp/raysys-gpu}
 RESULTS=${RESULTS:-results}
 mkdir -p "$OUT" "$RESULTS"
@@ -68,6 +71,17 @@ PY
   study allreduce 180 python3 sweeps/allreduce.py --device cuda --out "$RESULTS" "${grid[@]}"
 }
 
+paired_studies() {  # paired_studies FOLDER [--compile]: the bf16 DDP and FSDP targets, each variant against single
+  local dir=$1
+  shift
+  mkdir -p "$dir"
+  study ddp_paired 270 python3 sweeps/ddp.py --device cuda --out "$dir" --resume --studies ddp --dtypes bf16 \
+    --warmup 2 --steps 8 --max-steps 12 --paired-rounds 6 --profile "" "$@" \
+    --variants single,overlapped,bucketed:100,bucketed:1000,torch
+  study fsdp_paired 200 python3 sweeps/fsdp.py --device cuda --out "$dir" --resume --dtypes bf16 --profile "" \
+    --paired-rounds 6 "$@" --variants single,ddp_sharded,fsdp,fsdp_hp,fsdp2
+}
+
 case $phase in
   dist)
     allreduce
@@ -80,6 +94,12 @@ case $phase in
   fsdp)  # FSDP (every variant of a dtype in one run, for the same-run ratios), then the tests (8 workers)
     study fsdp 400 python3 sweeps/fsdp.py --device cuda --out "$RESULTS" --resume --profile fsdp,fsdp_hp,fsdp2
     study gpu_tests 120 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 tests
+    ;;
+  paired)
+    paired_studies "$RESULTS/paired"
+    ;;
+  compiled)
+    paired_studies "$RESULTS/compiled" --compile
     ;;
   ckpt)  # the checkpointing trials (Ray Tune, one GPU per trial: two at a time)
     study checkpointing 250 python3 sweeps/checkpointing.py --device cuda --out "$RESULTS" --resume
@@ -97,7 +117,7 @@ case $phase in
     study end_to_end 420 python3 sweeps/end_to_end.py --device cuda --out "$RESULTS" --resume
     ;;
   *)
-    echo "unknown phase $phase (dist, allreduce, fsdp, ckpt, flash, tests, e2e)" >&2
+    echo "unknown phase $phase (dist, allreduce, fsdp, paired, compiled, ckpt, flash, tests, e2e)" >&2
     exit 2
     ;;
 esac
