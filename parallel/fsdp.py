@@ -27,8 +27,12 @@ Layout of a unit (N ranks, weights w_1..w_k with padded shard sizes s_1..s_k, S 
                     coalesced group (on NCCL one launch). A backend without coalesced all-gathers gets one flat
                     all-gather into (N, S) (rank r's shards in row r) and one `split_with_sizes_copy` into the
                     pieces. Each full weight is a leaf `nn.Parameter` viewing its piece
-    reduce-scatter  in (N, S) fp32: `_chunk_cat` of the weights' full gradients (row r: the rows rank r owns, padded,
-                    cast to fp32 in the same kernel); out (S,) fp32: the summed gradient of this rank's shards
+    reduce-scatter  in fp32, N * s_1 | N * s_2 | ...: each weight's full gradient cast into its padded (N * rows,
+                    ...) piece (one `_foreach_copy_`), which is rank-major already; one reduce-scatter per weight,
+                    issued as one coalesced group, each into its shard's slot of out (S,) fp32, the summed gradient
+                    of this rank's shards. A backend without coalesced reduce-scatters gets one `_chunk_cat` into
+                    (N, S) (row r: the rows rank r owns, padded, cast in the same kernel) and one reduce-scatter;
+                    the coalesced path skips that gather of rows, a kernel several times slower than a cast
 The full storage is allocated (`resize_`) just before it is written (its all-gather, or the copy-out, so a flat
 prefetch in flight holds one buffer) and released (`resize_(0)`) right after use;
 autograd keeps referring to the same full weights, so the backward's re-gather refills what the saved graph reads.
@@ -96,7 +100,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.distributed_c10d import AllgatherOptions
+from torch.distributed.distributed_c10d import AllgatherOptions, ReduceScatterOptions
 
 from parallel.carveout import SMCarveout
 from parallel.ddp import broadcast_module_state
@@ -423,6 +427,7 @@ class FSDP(nn.Module):
         self._last_order: list[_Unit] = []
         self._reduce_scatter_ok = self._probe_reduce_scatter()
         self._coalesced_gather = self._probe_coalesced_gather()
+        self._coalesced_reduce_scatter = self._reduce_scatter_ok and self._probe_coalesced_reduce_scatter()
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -524,9 +529,24 @@ class FSDP(nn.Module):
         unit.free(self)
         n, device = self.world_size, unit.shard_flat.device
         first = grads[0]
+        coalesced = len(grads) > 1 and self._coalesced_reduce_scatter
         if (len(grads) == 1 and first is not None and first.dtype == torch.float32 and first.is_contiguous()
                 and first.numel() == n * unit.shard_numel):
             send = first.view(-1)
+        elif coalesced:  # fp32, weight after weight, each its own padded (N * rows, ...) tensor: rank-major already
+            send = torch.empty(n * unit.shard_numel, dtype=torch.float32, device=device)
+            pieces = [send[n * w.offset:n * (w.offset + size)] for w, size in zip(unit.weights, unit.sizes)]
+            dsts, srcs = [], []
+            for g, w, piece in zip(grads, unit.weights, pieces):
+                rows = piece.view(-1, *w.shape[1:])
+                if g is None:
+                    rows.zero_()
+                    continue
+                dsts.append(rows[:w.shape[0]])
+                srcs.append(g)
+                if rows.shape[0] > w.shape[0]:
+                    rows[w.shape[0]:].zero_()  # padding rows
+            torch._foreach_copy_(dsts, srcs)   # cast to fp32 in one pass (no gather of rows by rank)
         else:  # fp32, each weight's rows laid out by owning rank, padding rows zero
             full_grads = [g if g is not None else torch.zeros(w.shape, dtype=w.full.dtype, device=device)
                           for g, w in zip(grads, unit.weights)]
@@ -534,7 +554,10 @@ class FSDP(nn.Module):
             torch._chunk_cat(full_grads, dim=0, num_chunks=n, out=send.view(n, -1))
             del full_grads
         del grads, first
-        if self._reduce_scatter_ok:
+        if coalesced:  # one reduce-scatter per weight, issued as one group: each shard lands in its slot of `out`
+            out = torch.empty(unit.shard_numel, dtype=torch.float32, device=device)
+            work = self._reduce_scatter_coalesced(list(out.split(unit.sizes)), pieces)
+        elif self._reduce_scatter_ok:
             out = torch.empty(unit.shard_numel, dtype=torch.float32, device=device)
             work = _reduce_scatter(out, send, group=self.process_group, async_op=True)
         else:  # gloo without reduce-scatter: all-reduce the whole gradient, keep this rank's slice
@@ -659,6 +682,27 @@ class FSDP(nn.Module):
         if hasattr(opts, "asyncOp"):  # torch >= 2.7: without it the group would run on the current stream
             opts.asyncOp = True
         return (self.process_group or dist.group.WORLD).allgather_into_tensor_coalesced(outputs, inputs, opts)
+
+    def _reduce_scatter_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> dist.Work:
+        """reduce_scatter_tensor(outputs[i], inputs[i], SUM) for every i as one group, asynchronous (as above)."""
+        opts = ReduceScatterOptions()
+        if hasattr(opts, "asyncOp"):
+            opts.asyncOp = True
+        return (self.process_group or dist.group.WORLD).reduce_scatter_tensor_coalesced(outputs, inputs, opts)
+
+    def _probe_coalesced_reduce_scatter(self) -> bool:
+        """Whether the backend has coalesced reduce-scatters (NCCL does, gloo in recent torch); else `_chunk_cat`
+        into one rank-major buffer and one reduce-scatter."""
+        group = self.process_group or dist.group.WORLD
+        if not hasattr(group, "reduce_scatter_tensor_coalesced"):
+            return False
+        if dist.get_backend(self.process_group) != "gloo":
+            return True
+        try:
+            self._reduce_scatter_coalesced([torch.zeros(1)], [torch.zeros(self.world_size)]).wait()
+        except (RuntimeError, NotImplementedError):
+            return False
+        return True
 
     def _probe_coalesced_gather(self) -> bool:
         """Whether the backend has coalesced all-gathers (NCCL does; else the flat all-gather + copy-out)."""

@@ -105,6 +105,13 @@ def _cast_weights(model: nn.Module, dtype: torch.dtype | None):
             mod._parameters[name] = p
 
 
+def _padding_rows(w, rank: int, world_size: int) -> torch.Tensor:
+    """The rows of this rank's shard gradient that pad the weight (past its last real row): must stay zero."""
+    rows = w.shard.shape[0]
+    real = max(0, min(rows, w.shape[0] - rank * rows))
+    return w.shard.grad[real:]
+
+
 def _train_and_compare(rank: int, world_size: int, kind: str, opt_name: str, compute_dtype, steps: int,
                        units: str = "layer") -> dict:
     """Train FSDP and the single-process reference side by side; per step: max |difference|, names not bitwise equal."""
@@ -117,7 +124,7 @@ def _train_and_compare(rank: int, world_size: int, kind: str, opt_name: str, com
     fsdp = FSDP(mine, compute_dtype=compute_dtype, units=UNITS[units])
     ref_opt, fsdp_opt = _optimizer(opt_name, ref.parameters()), _optimizer(opt_name, fsdp.parameters())
     local = BATCH // world_size
-    diffs, mismatched, names, gathered_after_backward = [], [], [], []
+    diffs, mismatched, names, gathered_after_backward, padding_zero = [], [], [], [], []
     for step in range(steps):
         x, y = _data(kind, step)
         if compute_dtype is None:
@@ -141,13 +148,15 @@ def _train_and_compare(rank: int, world_size: int, kind: str, opt_name: str, com
         fsdp.finish_gradient_synchronization()
         fsdp_opt.step()
 
+        padding_zero.append(all(_padding_rows(w, rank, world_size).eq(0).all().item() for unit in fsdp._units
+                                for w in unit.weights if w.shard.grad is not None))
         full = fsdp.gather_full_params()
         names = list(full)
         diffs.append(max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()))
         mismatched.append([n for n, p in ref.named_parameters() if not torch.equal(full[n], p.detach())])
     no_grad = lambda model: sorted(n for n, p in model.named_parameters() if p.grad is None)  # noqa: E731
     return dict(diffs=diffs, mismatched=mismatched, names=names, ref_names=[n for n, _ in ref.named_parameters()],
-                graphs=dynamo_graphs() - graphs,
+                graphs=dynamo_graphs() - graphs, padding_zero=padding_zero,
                 no_grad=no_grad(fsdp.module), ref_no_grad=no_grad(ref), gathered_after_backward=gathered_after_backward)
 
 
@@ -198,7 +207,7 @@ def _check_sync_and_memory(rank: int, world_size: int, compute_dtype, units: str
             replicated_equal=replicated_equal, live_after=live_after,
             peak=s.peak_gathered_bytes, max_unit=max(unit.nbytes for unit in fsdp._units),
             multi_weight=any(len(unit.weights) > 1 for unit in fsdp._units), units=fsdp.unit_names,
-            coalesced=fsdp._coalesced_gather,
+            coalesced=fsdp._coalesced_gather, coalesced_rs=fsdp._coalesced_reduce_scatter,
             counts=(s.all_gathers, s.reduce_scatters, s.all_reduces),
             expected=(2 * len(fsdp._units) - 1, len(fsdp._units), 1))  # replicated grads: one flat all-reduce
         if num_layers == DEPTHS[0]:
@@ -212,11 +221,17 @@ def _check_sync_and_memory(rank: int, world_size: int, compute_dtype, units: str
             # The fallbacks (all-reduce + narrow for gloo builds without reduce-scatter, the flat all-gather for
             # backends without coalesced ones) give the same gradients.
             fallback = FSDP(_build("tiny", num_layers), compute_dtype=compute_dtype, units=UNITS[units])
-            fallback._reduce_scatter_ok = False
+            fallback._reduce_scatter_ok = fallback._coalesced_reduce_scatter = False
             fallback._coalesced_gather = False  # units of several weights: flat all-gather + copy-out
             fallback(x).float().sum().backward()
             fallback.finish_gradient_synchronization()
             out["fallback_equal"] = all(torch.equal(g, q.grad) for g, q in zip(once, fallback.module.parameters()))
+            # Backends without coalesced reduce-scatters: one _chunk_cat into a rank-major buffer, one reduce-scatter.
+            chunked = FSDP(_build("tiny", num_layers), compute_dtype=compute_dtype, units=UNITS[units])
+            chunked._coalesced_reduce_scatter = False
+            chunked(x).float().sum().backward()
+            chunked.finish_gradient_synchronization()
+            out["chunk_cat_equal"] = all(torch.equal(g, q.grad) for g, q in zip(once, chunked.module.parameters()))
     return out
 
 
@@ -332,6 +347,7 @@ def test_fp32_training_is_bitwise_equal_to_single_process(per_rank, kind, opt, u
         r = res["training"][(kind, opt, "None", units)]
         assert r["names"] == r["ref_names"]  # gather_full_params names = the unwrapped model's
         assert r["mismatched"] == [[]] * len(r["diffs"]), f"max |diff| per step {r['diffs']}"
+        assert all(r["padding_zero"]), r["padding_zero"]  # padding rows get zero gradient (AdamW leaves them 0)
         assert (r["graphs"] > 0) == kind.endswith("-compiled"), r["graphs"]
         # a weight that got no gradient has none (AdamW would decay it on a zero gradient), as without FSDP
         expected_no_grad = {"toy-spare": ["spare.weight"], "toy-frozen": ["up.weight"]}.get(kind, [])
@@ -365,10 +381,11 @@ def test_gradients_synchronised_and_gathered_weights_freed(per_rank, dtype, unit
             # forward gathers every unit; backward every unit but the embedding (its backward never reads it)
             assert got["counts"] == got["expected"]
             assert got["coalesced"]  # gloo has coalesced all-gathers: the units gather in place
+            assert got["coalesced_rs"]  # and coalesced reduce-scatters: each weight's gradient reduced as it lies
             # at most three units' full weights alive at once
             assert got["peak"] <= 3 * got["max_unit"]
         assert r[DEPTHS[1]]["peak"] == r[DEPTHS[0]]["peak"]  # gathered memory does not grow with depth
-        assert r["fallback_equal"] and r["accumulated_equal"]
+        assert r["fallback_equal"] and r["chunk_cat_equal"] and r["accumulated_equal"]
 
 
 @pytest.mark.multiproc
