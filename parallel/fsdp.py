@@ -547,6 +547,7 @@ class FSDP(nn.Module):
                 if rows.shape[0] > w.shape[0]:
                     rows[w.shape[0]:].zero_()  # padding rows
             torch._foreach_copy_(dsts, srcs)   # cast to fp32 in one pass (no gather of rows by rank)
+            del dsts, srcs                     # the compute-dtype gradients go as soon as `grads` is dropped below
         else:  # fp32, each weight's rows laid out by owning rank, padding rows zero
             full_grads = [g if g is not None else torch.zeros(w.shape, dtype=w.full.dtype, device=device)
                           for g, w in zip(grads, unit.weights)]
