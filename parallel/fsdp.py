@@ -325,6 +325,23 @@ class _Unit:
             w.module._parameters["weight"] = w.shard
 
 
+def _cast_into(pieces: list[torch.Tensor], grads: list[torch.Tensor | None], weights: list[_Weight]) -> None:
+    """Write each weight's gradient (zeros if None) into its flat fp32 `piece` of N * padded rows, padding rows zero:
+    one `_foreach_copy_` casts them all. A function of its own so that no local outlives the call: the caller drops
+    the compute-dtype gradients right after, before it allocates the reduce-scatter's output."""
+    dsts, srcs = [], []
+    for grad, w, piece in zip(grads, weights, pieces):
+        rows = piece.view(-1, *w.shape[1:])
+        if grad is None:
+            rows.zero_()
+            continue
+        dsts.append(rows[:w.shape[0]])
+        srcs.append(grad)
+        if rows.shape[0] > w.shape[0]:
+            rows[w.shape[0]:].zero_()  # padding rows
+    torch._foreach_copy_(dsts, srcs)
+
+
 class _PendingOp:
     """An issued async gradient collective and what to do once it has completed; holds its buffers until then."""
 
@@ -536,18 +553,7 @@ class FSDP(nn.Module):
         elif coalesced:  # fp32, weight after weight, each its own padded (N * rows, ...) tensor: rank-major already
             send = torch.empty(n * unit.shard_numel, dtype=torch.float32, device=device)
             pieces = [send[n * w.offset:n * (w.offset + size)] for w, size in zip(unit.weights, unit.sizes)]
-            dsts, srcs = [], []
-            for g, w, piece in zip(grads, unit.weights, pieces):
-                rows = piece.view(-1, *w.shape[1:])
-                if g is None:
-                    rows.zero_()
-                    continue
-                dsts.append(rows[:w.shape[0]])
-                srcs.append(g)
-                if rows.shape[0] > w.shape[0]:
-                    rows[w.shape[0]:].zero_()  # padding rows
-            torch._foreach_copy_(dsts, srcs)   # cast to fp32 in one pass (no gather of rows by rank)
-            del dsts, srcs                     # the compute-dtype gradients go as soon as `grads` is dropped below
+            _cast_into(pieces, grads, unit.weights)
         else:  # fp32, each weight's rows laid out by owning rank, padding rows zero
             full_grads = [g if g is not None else torch.zeros(w.shape, dtype=w.full.dtype, device=device)
                           for g, w in zip(grads, unit.weights)]
