@@ -443,8 +443,13 @@ class FSDP(nn.Module):
         self._fwd_calls: list[_Unit] = []
         self._last_order: list[_Unit] = []
         self._reduce_scatter_ok = self._probe_reduce_scatter()
-        self._coalesced_gather = self._probe_coalesced_gather()
-        self._coalesced_reduce_scatter = self._reduce_scatter_ok and self._probe_coalesced_reduce_scatter()
+        # Coalesced all-gathers and reduce-scatters: NCCL has both, gloo in recent torch; else the flat fallbacks.
+        self._coalesced_gather = self._has_coalesced(
+            "allgather_into_tensor_coalesced",
+            lambda: self._all_gather_coalesced([torch.zeros(self.world_size)], [torch.zeros(1)]))
+        self._coalesced_reduce_scatter = self._reduce_scatter_ok and self._has_coalesced(
+            "reduce_scatter_tensor_coalesced",
+            lambda: self._reduce_scatter_coalesced([torch.zeros(1)], [torch.zeros(self.world_size)]))
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -697,30 +702,15 @@ class FSDP(nn.Module):
             opts.asyncOp = True
         return (self.process_group or dist.group.WORLD).reduce_scatter_tensor_coalesced(outputs, inputs, opts)
 
-    def _probe_coalesced_reduce_scatter(self) -> bool:
-        """Whether the backend has coalesced reduce-scatters (NCCL does, gloo in recent torch); else `_chunk_cat`
-        into one rank-major buffer and one reduce-scatter."""
-        group = self.process_group or dist.group.WORLD
-        if not hasattr(group, "reduce_scatter_tensor_coalesced"):
+    def _has_coalesced(self, method: str, probe: Callable[[], dist.Work]) -> bool:
+        """Whether the group's backend runs the coalesced collective `method`: NCCL does; gloo is asked with a
+        tiny `probe()` (a collective: every rank constructs the wrapper, so every rank asks)."""
+        if not hasattr(self.process_group or dist.group.WORLD, method):
             return False
         if dist.get_backend(self.process_group) != "gloo":
             return True
         try:
-            self._reduce_scatter_coalesced([torch.zeros(1)], [torch.zeros(self.world_size)]).wait()
-        except (RuntimeError, NotImplementedError):
-            return False
-        return True
-
-    def _probe_coalesced_gather(self) -> bool:
-        """Whether the backend has coalesced all-gathers (NCCL does; else the flat all-gather + copy-out)."""
-        group = self.process_group or dist.group.WORLD
-        if not hasattr(group, "allgather_into_tensor_coalesced"):
-            return False
-        if dist.get_backend(self.process_group) != "gloo":
-            return True
-        probe = [torch.zeros(self.world_size)]
-        try:
-            self._all_gather_coalesced(probe, [torch.zeros(1)]).wait()
+            probe().wait()
         except (RuntimeError, NotImplementedError):
             return False
         return True

@@ -178,10 +178,7 @@ def ddp_trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: l
     if batch_per_rank < 1 or warmup < 0 or steps < 2 or max_steps < steps:
         raise ValueError(f"batch_per_rank ({batch_per_rank}) must be >= 1, warmup ({warmup}) >= 0, "
                          f"steps ({steps}) >= 2, max_steps ({max_steps}) >= steps")
-    if not isinstance(paired_rounds, int) or paired_rounds < 0:
-        raise ValueError(f"paired_rounds ({paired_rounds!r}) must be an int >= 0 (0: no paired timing)")
-    if compile and warmup < 1:
-        raise ValueError(f"warmup ({warmup}) must be >= 1 with compiled blocks: the first step compiles them")
+    check_timing_options(warmup, compile, paired_rounds)
     if nccl_max_ctas is not None and (not isinstance(nccl_max_ctas, int) or nccl_max_ctas < 1):
         raise ValueError(f"nccl_max_ctas ({nccl_max_ctas!r}) must be an int >= 1 (or None for NCCL's choice)")
     bad = [d for d in dtypes if d not in DTYPES]
@@ -199,6 +196,14 @@ def ddp_trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: l
     return [{"size": size, "context_length": context_length, "batch_per_rank": batch_per_rank, "dtype": dtype,
              "nccl_max_ctas": nccl_max_ctas, **v, "profile": v["label"] in profiled, **common}
             for dtype in dtypes for v in parsed]
+
+
+def check_timing_options(warmup: int, compile: bool, paired_rounds: int) -> None:
+    """--compile and --paired-rounds, as the DDP and FSDP sweeps take them."""
+    if not isinstance(paired_rounds, int) or paired_rounds < 0:
+        raise ValueError(f"paired_rounds ({paired_rounds!r}) must be an int >= 0 (0: no paired timing)")
+    if compile and warmup < 1:
+        raise ValueError(f"warmup ({warmup}) must be >= 1 with compiled blocks: the first step compiles them")
 
 
 def model_config(size: str, context_length: int) -> ModelConfig:
@@ -282,11 +287,7 @@ def _ddp_trial(ctx, config: dict, out_dir: str | None) -> dict:
     device = ctx.device
     mc = model_config(config["size"], config["context_length"])
     group = comm_group(ctx, config)
-    torch.manual_seed(config["seed"] + ctx.rank)          # replicas differ until the wrapper broadcasts rank 0's
-    model = TransformerLM(mc, device=device)
-    if config.get("compile"):
-        compile_blocks(model)                              # before wrapping: every variant runs the same blocks
-    model = wrap(config, model, group)
+    model = wrap(config, unwrapped_model(ctx, config, mc), group)
     try:
         optimizer = torch.optim.AdamW(model.parameters(), **adamw_kwargs(device))
         batch = make_batch(mc, config["batch_per_rank"], device, seed=config["seed"] + 1000 * (ctx.rank + 1))
@@ -315,17 +316,23 @@ def _ddp_trial(ctx, config: dict, out_dir: str | None) -> dict:
     return metrics
 
 
+def unwrapped_model(ctx, config: dict, mc: ModelConfig) -> nn.Module:
+    """The rank's model before any wrapper, its blocks compiled under `compile` (before wrapping: every variant
+    runs the same blocks). Seeded by rank: replicas differ until a wrapper broadcasts rank 0's."""
+    torch.manual_seed(config["seed"] + ctx.rank)
+    model = TransformerLM(mc, device=ctx.device)
+    if config.get("compile"):
+        compile_blocks(model)
+    return model
+
+
 def _paired_with_single(ctx, config: dict, mc: ModelConfig, step: TrainStep) -> dict:
     """The variant's step against a `single` step built here (same blocks, batch and optimizer, no wrapper),
     interleaved (`raysys.train_step.paired_steps`); after the variant's peak memory was read, so the reference's
     memory does not count."""
-    device = ctx.device
-    torch.manual_seed(config["seed"] + ctx.rank)
-    reference = TransformerLM(mc, device=device)
-    if config.get("compile"):
-        compile_blocks(reference)
-    optimizer = torch.optim.AdamW(reference.parameters(), **adamw_kwargs(device))
-    ref_step = TrainStep(reference, optimizer, step.batch, config["dtype"], device)
+    reference = unwrapped_model(ctx, config, mc)
+    optimizer = torch.optim.AdamW(reference.parameters(), **adamw_kwargs(ctx.device))
+    ref_step = TrainStep(reference, optimizer, step.batch, config["dtype"], ctx.device)
     return paired_steps(step, ref_step, config["paired_rounds"])
 
 

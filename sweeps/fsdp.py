@@ -85,7 +85,8 @@ from raysys.model import TransformerBlock, TransformerLM  # noqa: E402
 from raysys.profiling import device_kernels, overlap, profile_steps  # noqa: E402
 from raysys.train_step import (DTYPES, TrainStep, TrialScope, compile_blocks, nccl_group, paired_steps,  # noqa: E402
                                release, sync, time_steps)
-from sweeps.ddp import adamw_kwargs, make_batch, model_config, parse_list, setup_sentence, step_column  # noqa: E402
+from sweeps.ddp import (adamw_kwargs, check_timing_options, make_batch, model_config, parse_list,  # noqa: E402
+                        setup_sentence, step_column)
 
 SWEEP = "fsdp"
 COMPILED = "fsdp_compiled"  # the same study with compiled blocks (--compile): its own file, tables and baselines
@@ -111,10 +112,7 @@ def trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: list[
     if batch_per_rank < 1 or warmup < 0 or steps < 2:
         raise ValueError(f"batch_per_rank ({batch_per_rank}) must be >= 1, warmup ({warmup}) >= 0, "
                          f"steps ({steps}) >= 2")
-    if not isinstance(paired_rounds, int) or paired_rounds < 0:
-        raise ValueError(f"paired_rounds ({paired_rounds!r}) must be an int >= 0 (0: no paired timing)")
-    if compile and warmup < 1:
-        raise ValueError(f"warmup ({warmup}) must be >= 1 with compiled blocks: the first step compiles them")
+    check_timing_options(warmup, compile, paired_rounds)
     if compile and "fsdp_layer" in variants:
         raise ValueError("variant fsdp_layer: its gather hooks sit on the Linear modules inside each block, which "
                          "--compile traces into the block's graph; compiled blocks need per-block units")
