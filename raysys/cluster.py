@@ -42,13 +42,13 @@ import pandas as pd
 import ray
 from tqdm.auto import tqdm
 
-from raysys.gang import Gang, cluster_info, cluster_nodes, init_ray, resolve_device
-from raysys.mp_gang import ProcessGang, local_device
+from raysys.gang import Gang, check_placement, cluster_info, cluster_nodes, init_ray, resolve_device
+from raysys.mp_gang import ProcessGang, check_local_placement, local_device
 from raysys.rank import PlacementInfeasible, RankContext
 from raysys.results import ResultWriter, error_row, make_row, trial_id
 
-__all__ = ["Gang", "PlacementInfeasible", "ProcessGang", "RankContext", "cluster_info", "cluster_nodes", "init_ray",
-           "interrupt_on_sigterm", "read_sweep", "resolve_out_dir", "run_sweep", "sweep_parser", "tune_run"]
+__all__ = ["Gang", "PlacementInfeasible", "ProcessGang", "RankContext", "check_gang", "cluster_info", "cluster_nodes",
+           "init_ray", "interrupt_on_sigterm", "read_sweep", "resolve_out_dir", "run_sweep", "sweep_parser", "tune_run"]
 
 LAUNCHERS = ("ray", "mp")
 _METRIC_SKIP = {"trial_id", "config", "date", "timestamp", "time_this_iter_s", "time_total_s", "pid", "hostname",
@@ -126,6 +126,22 @@ def _default_reduce(config: Mapping[str, Any], per_rank: list) -> dict:
 
 def _label(config: Mapping[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in config.items())[:120] or "trial"
+
+
+def check_gang(world_size: int, *, device: str, launcher: str = "ray", strategy: str = "STRICT_PACK",
+               cpus_per_rank: float = 1) -> str:
+    """The device a sweep's gang of `world_size` ranks will use (`auto` resolved); raises `PlacementInfeasible`
+    (a ValueError) when the cluster (Ray) or this machine (mp) can never hold that gang. A script with one world
+    size calls it before its first trial, to fail at once; `run_sweep` instead records the trials of a world size
+    that cannot be placed as skipped rows and goes on with the others."""
+    if launcher == "ray":
+        init_ray()
+        resolved = resolve_device(device)
+        check_placement(world_size, device=resolved, strategy=strategy, cpus_per_rank=cpus_per_rank)
+    else:
+        resolved = local_device(device)
+        check_local_placement(world_size, resolved)
+    return resolved
 
 
 def run_sweep(sweep: str, trials: Sequence[Mapping[str, Any]], trial_fn: Callable[..., Any], world_size: int,

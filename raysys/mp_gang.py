@@ -38,6 +38,15 @@ def local_device(device: str) -> str:
     return "cuda" if torch.cuda.device_count() else "cpu"  # counting does not create a CUDA context
 
 
+def check_local_placement(world_size: int, device: str) -> None:
+    """Raise `PlacementInfeasible` (a ValueError) when this machine cannot give each of `world_size` `cuda` ranks
+    a GPU of its own."""
+    num_gpus = torch.cuda.device_count()
+    if device == "cuda" and num_gpus < world_size:
+        raise PlacementInfeasible(f"asked for {world_size} GPUs on this machine (multiprocessing launch); "
+                                  f"it has {num_gpus}")
+
+
 class RankFailed(RuntimeError):
     """A rank process raised an exception that could not be sent back as itself, or died."""
 
@@ -107,10 +116,7 @@ class ProcessGang:
     def start(self) -> "ProcessGang":
         self.device = local_device(self.requested_device)
         self.backend = "nccl" if self.device == "cuda" else "gloo"
-        num_gpus = torch.cuda.device_count()
-        if self.device == "cuda" and num_gpus < self.world_size:
-            raise PlacementInfeasible(f"asked for {self.world_size} GPUs on this machine (multiprocessing launch); "
-                                      f"it has {num_gpus}")
+        check_local_placement(self.world_size, self.device)
         ctx = mp.get_context("spawn")
         port = free_port()
         threads = max(1, (os.cpu_count() or 1) // self.world_size)

@@ -572,18 +572,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve(args) -> tuple[str, dict]:
-    """The device the gang will use and the grid defaults for it (validated, before any rank starts)."""
-    from raysys.cluster import init_ray
-    from raysys.mp_gang import local_device
+def resolve_device(args) -> str:
+    """The device the gang of `--world-size` ranks will use; a ValueError at once if it could never be placed
+    (`raysys.cluster.check_gang`: no GPU, or fewer than the ranks), before any rank starts."""
+    from raysys.cluster import check_gang, init_ray
 
     if args.launcher == "ray":
-        from raysys.gang import resolve_device
-
         init_ray(args.address)
-        device = resolve_device(args.device)
-    else:
-        device = local_device(args.device)
+    return check_gang(args.world_size, device=args.device, launcher=args.launcher)
+
+
+def resolve(args) -> tuple[str, dict]:
+    """The device the gang will use and the grid defaults for it (validated, before any rank starts)."""
+    device = resolve_device(args)
     d = DEFAULTS[device]
     size = args.size or d["size"]
     context = args.context_length or min(d["context_length"], SIZES[size].get("context_length", 10**9))

@@ -86,7 +86,7 @@ from raysys.profiling import device_kernels, overlap, profile_steps  # noqa: E40
 from raysys.train_step import (DTYPES, TrainStep, TrialScope, compile_blocks, nccl_group, paired_steps,  # noqa: E402
                                release, sync, time_steps)
 from sweeps.ddp import (adamw_kwargs, check_timing_options, make_batch, model_config, parse_list,  # noqa: E402
-                        setup_sentence, step_column)
+                        resolve_device, setup_sentence, step_column)
 
 SWEEP = "fsdp"
 COMPILED = "fsdp_compiled"  # the same study with compiled blocks (--compile): its own file, tables and baselines
@@ -483,18 +483,6 @@ def _variants(text: str | None, device: str, defaults: dict, compiled: bool = Fa
         raise ValueError(f"variants {capped}: their NCCL group options apply on GPUs; this run uses {device} "
                          "(gloo)")
     return variants
-
-
-def resolve_device(args) -> str:
-    if args.launcher == "ray":
-        from raysys.cluster import init_ray
-        from raysys.gang import resolve_device as ray_device
-
-        init_ray(args.address)
-        return ray_device(args.device)
-    from raysys.mp_gang import local_device
-
-    return local_device(args.device)
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:

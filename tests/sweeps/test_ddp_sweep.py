@@ -420,6 +420,9 @@ def test_bad_flags_are_value_errors(tmp_path):
         ddp_sweep.main(["--device", "cpu", "--launcher", "mp", "--nccl-max-ctas", "8", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="world-size"):
         ddp_sweep.main(["--world-size", "0", "--out", str(tmp_path)])
+    too_many = str(torch.cuda.device_count() + 1)   # more GPU ranks than this machine has: fails before any rank
+    with pytest.raises(ValueError, match=f"asked for {too_many} GPUs on this machine"):
+        ddp_sweep.main(["--launcher", "mp", "--device", "cuda", "--world-size", too_many, "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="studies"):
         ddp_sweep.main(["--studies", "fsdp", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="report-only"):

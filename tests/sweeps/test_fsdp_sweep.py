@@ -162,6 +162,11 @@ def test_script_with_a_group_of_one(tmp_path):
     assert "paired vs single" in text and "(paired: median of 2 rounds" in text
     with pytest.raises(ValueError, match="world-size"):
         fsdp_sweep.main(["--device", "cpu", "--world-size", "0", "--out", str(tmp_path)])
+    too_many = str(torch.cuda.device_count() + 1)
+    with pytest.raises(ValueError, match=f"asked for {too_many} GPUs on this machine"):
+        fsdp_sweep.main(["--launcher", "mp", "--device", "cuda", "--world-size", too_many, "--out",
+                         str(tmp_path / "never")])
+    assert not (tmp_path / "never" / "fsdp.parquet").exists()
 
 
 def test_compiled_blocks_need_per_block_units(tmp_path):
