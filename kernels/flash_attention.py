@@ -28,6 +28,11 @@ of `kernels/flash_attention_tuning.py` that its pruning predicate keeps (tile di
 registers), the Ray Tune sweep's best configs first. `RAYSYS_FLASH_AUTOTUNE=0` skips the benchmark and takes
 the first valid config. Under `TRITON_INTERPRET=1` (read when this module is imported) there is one small
 config per kernel and CPU tensors are accepted; the interpreter has no bf16.
+
+torch.compile: `flash_attention` calls the custom op `raysys::flash_attn_fwd` (autograd registered, backward
+`raysys::flash_attn_bwd`). On a GPU both are `torch.library.triton_op`s, so the compiler traces their bodies and
+Inductor launches the kernels itself; while tracing nothing is benchmarked, and each kernel takes the config
+autotuning off would take. Under the interpreter they are opaque `custom_op`s with fake implementations.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 from kernels.flash_attention_pytorch import MASK_VALUE, autocast_inputs, check_attention_inputs
 from kernels.flash_attention_tuning import (
@@ -46,12 +53,11 @@ from kernels.flash_attention_tuning import (
     FlashConfig,
     config_list,
     even_heuristics,
+    first_valid_config,
     make_pruner,
 )
 
 LOG2E = 1.4426950408889634
-
-
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -429,23 +435,42 @@ def _flash_bwd_dq_kernel(Q, K, V, DO, L, Delta, DQ,
 # ----------------------------------------------------------------------------------------------------------
 # Autotuning (configs and the pruning predicate live in kernels/flash_attention_tuning.py)
 # ----------------------------------------------------------------------------------------------------------
-def _build(kernel: str, fn):
-    """(explicit-config launcher, autotuned launcher) around one jitted kernel."""
-    explicit = triton.heuristics(even_heuristics())(fn)
-    tuned = triton.autotune(configs=[c.to_triton() for c in config_list(kernel)], key=AUTOTUNE_KEY,
-                            prune_configs_by={"early_config_prune": make_pruner(kernel)})(explicit)
-    return explicit, tuned
-
-
-_fwd_explicit, _fwd_tuned = _build("fwd", _flash_fwd_kernel)
-_dkdv_explicit, _dkdv_tuned = _build("dkdv", _flash_bwd_dkdv_kernel)
-_dq_explicit, _dq_tuned = _build("dq", _flash_bwd_dq_kernel)
+_KERNELS = {"fwd": _flash_fwd_kernel, "dkdv": _flash_bwd_dkdv_kernel, "dq": _flash_bwd_dq_kernel}
+_TUNED = {name: triton.autotune(configs=[c.to_triton() for c in config_list(name)], key=AUTOTUNE_KEY,
+                                prune_configs_by={"early_config_prune": make_pruner(name)})(
+              triton.heuristics(even_heuristics())(fn))
+          for name, fn in _KERNELS.items()}
 
 
 def best_configs() -> dict[str, dict[tuple, FlashConfig]]:
     """What the autotuners picked so far in this process: kernel -> {autotune key: config}."""
     return {name: {key: FlashConfig.from_triton(cfg) for key, cfg in tuner.cache.items()}
-            for name, tuner in (("fwd", _fwd_tuned), ("dkdv", _dkdv_tuned), ("dq", _dq_tuned))}
+            for name, tuner in _TUNED.items()}
+
+
+def _traced(t: torch.Tensor) -> bool:
+    """Whether `t` is a tracing stand-in (fake or functional tensor inside torch.compile / export)."""
+    return is_fake(t) or isinstance(t, FunctionalTensor)
+
+
+def _launch(kernel: str, grid, args: tuple, meta: dict, n_q: int, n_k: int, config: FlashConfig | None) -> None:
+    """Launch `kernel` with `config`, or the autotuned launcher on real tensors.
+
+    While torch.compile traces the custom ops below (fake tensors) nothing can be benchmarked: the launch config
+    is the one autotuning off would take (tuned file first, then the built-in order; `candidates`), and the
+    plain kernel goes through `wrap_triton` so that the compiler sees it.
+    """
+    traced = _traced(args[0])
+    if config is None and traced:
+        config = first_valid_config(kernel, args[0].dtype, meta["HEAD_DIM"], meta["BLOCK_D"], args[0].device)
+    if config is None:
+        _TUNED[kernel][lambda m: grid(m["BLOCK_M"], m["BLOCK_N"])](*args, **meta)
+        return
+    config.check(kernel)
+    fn = torch.library.wrap_triton(_KERNELS[kernel]) if traced else _KERNELS[kernel]
+    fn[grid(config.block_m, config.block_n)](
+        *args, **meta, BLOCK_M=config.block_m, BLOCK_N=config.block_n, EVEN_M=n_q % config.block_m == 0,
+        EVEN_N=n_k % config.block_n == 0, num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -498,14 +523,6 @@ def _launch_meta(q: torch.Tensor, is_causal: bool) -> dict:
                 INPUT_PRECISION=_input_precision(q.dtype))
 
 
-def _explicit_kwargs(config: FlashConfig | None, kernel: str) -> dict:
-    if config is None:
-        return {}
-    config.check(kernel)
-    return dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
-                num_stages=config.num_stages)
-
-
 def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
                         config: FlashConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the forward kernel: (O like q, L fp32 of shape q.shape[:-1]). `config` skips autotuning."""
@@ -517,16 +534,11 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_ca
     out = _empty(q.shape, dtype=q.dtype, device=q.device)
     lse = _empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     o4 = _as_4d(out)
-    meta = _launch_meta(q, is_causal)
-
-    def grid(m):
-        return (triton.cdiv(n_q, m["BLOCK_M"]), batch * heads)
-
-    launcher = _fwd_tuned if config is None else _fwd_explicit
+    args = (q4, k4, v4, o4, lse, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4), heads, n_q, n_k,
+            LOG2E / math.sqrt(q.shape[-1]), triton.next_power_of_2(max(n_q, n_k)))
     with _device_of(q):
-        launcher[grid](q4, k4, v4, o4, lse, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4),
-                       heads, n_q, n_k, LOG2E / math.sqrt(q.shape[-1]), triton.next_power_of_2(max(n_q, n_k)),
-                       **meta, **_explicit_kwargs(config, "fwd"))
+        _launch("fwd", lambda bm, bn: (triton.cdiv(n_q, bm), batch * heads), args, _launch_meta(q, is_causal),
+                n_q, n_k, config)
     return out, lse
 
 
@@ -554,38 +566,92 @@ def flash_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     with _device_of(q):
         delta = _empty(lse.shape, dtype=torch.float32, device=lse.device)
         pre_block = 64
-        _flash_bwd_preprocess_kernel[(triton.cdiv(n_q, pre_block), batch * heads)](
+        pre = torch.library.wrap_triton(_flash_bwd_preprocess_kernel) if _traced(q) else _flash_bwd_preprocess_kernel
+        pre[(triton.cdiv(n_q, pre_block), batch * heads)](
             o4, do4, delta, *_strides(o4), *_strides(do4), heads, n_q,
             HEAD_DIM=head_dim, BLOCK_D=meta["BLOCK_D"], BLOCK_M=pre_block, num_warps=4 if not INTERPRET else 1)
         if compute_dkdv:
             dk = _empty(k.shape, dtype=k.dtype, device=k.device)
             dv = _empty(v.shape, dtype=v.dtype, device=v.device)
             dk4, dv4 = _as_4d(dk), _as_4d(dv)
-            launcher = _dkdv_tuned if dkdv_config is None else _dkdv_explicit
-            launcher[lambda m: (triton.cdiv(n_k, m["BLOCK_N"]), batch * heads)](
-                q4, k4, v4, do4, lse, delta, dk4, dv4, *_strides(q4), *_strides(k4), *_strides(v4),
-                *_strides(do4), *_strides(dk4), *_strides(dv4), heads, n_q, n_k, scale, scale * LOG2E, bucket,
-                **meta, **_explicit_kwargs(dkdv_config, "dkdv"))
+            args = (q4, k4, v4, do4, lse, delta, dk4, dv4, *_strides(q4), *_strides(k4), *_strides(v4),
+                    *_strides(do4), *_strides(dk4), *_strides(dv4), heads, n_q, n_k, scale, scale * LOG2E, bucket)
+            _launch("dkdv", lambda bm, bn: (triton.cdiv(n_k, bn), batch * heads), args, meta, n_q, n_k, dkdv_config)
         if compute_dq:
             dq = _empty(q.shape, dtype=q.dtype, device=q.device)
             dq4 = _as_4d(dq)
-            launcher = _dq_tuned if dq_config is None else _dq_explicit
-            launcher[lambda m: (triton.cdiv(n_q, m["BLOCK_M"]), batch * heads)](
-                q4, k4, v4, do4, lse, delta, dq4, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4),
-                *_strides(dq4), heads, n_q, n_k, scale, scale * LOG2E, bucket,
-                **meta, **_explicit_kwargs(dq_config, "dq"))
+            args = (q4, k4, v4, do4, lse, delta, dq4, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4),
+                    *_strides(dq4), heads, n_q, n_k, scale, scale * LOG2E, bucket)
+            _launch("dq", lambda bm, bn: (triton.cdiv(n_q, bm), batch * heads), args, meta, n_q, n_k, dq_config)
     return dq, dk, dv
 
 
 # ----------------------------------------------------------------------------------------------------------
-# autograd.Function and public API
+# Custom ops (what torch.compile sees), autograd, public API
 # ----------------------------------------------------------------------------------------------------------
+# On a GPU the ops are `triton_op`s: the compiler traces their bodies (fake tensors, `wrap_triton` launches) and
+# Inductor calls the Triton kernels itself. The interpreter's kernels cannot be traced, so under
+# TRITON_INTERPRET=1 the same functions become opaque `custom_op`s with fake implementations.
+def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return flash_attention_fwd(q, k, v, is_causal)
+
+
+def _bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+              grad_out: torch.Tensor, is_causal: bool, compute_dq: bool, compute_dkdv: bool
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV); a gradient not asked for is an empty tensor (custom ops return no None)."""
+    dq, dk, dv = flash_attention_bwd(q, k, v, out, lse, grad_out, is_causal, compute_dq=compute_dq,
+                                     compute_dkdv=compute_dkdv)
+    return (q.new_empty(0) if dq is None else dq, k.new_empty(0) if dk is None else dk,
+            v.new_empty(0) if dv is None else dv)
+
+
+# The fakes allocate like the launchers: contiguous, whatever the inputs' strides.
+def _fwd_fake(q, k, v, is_causal):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+def _bwd_fake(q, k, v, out, lse, grad_out, is_causal, compute_dq, compute_dkdv):
+    return (q.new_empty(q.shape if compute_dq else 0), k.new_empty(k.shape if compute_dkdv else 0),
+            v.new_empty(v.shape if compute_dkdv else 0))
+
+
+def _define_op(name: str, impl, fake):
+    if INTERPRET:
+        op = torch.library.custom_op(f"raysys::{name}", impl, mutates_args=())
+        op.register_fake(fake)
+        return op
+    return torch.library.triton_op(f"raysys::{name}", impl, mutates_args=())
+
+
+flash_attn_fwd_op = _define_op("flash_attn_fwd", _fwd_impl, _fwd_fake)
+flash_attn_bwd_op = _define_op("flash_attn_bwd", _bwd_impl, _bwd_fake)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, is_causal = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.is_causal = is_causal
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    need_q, need_k, need_v = ctx.needs_input_grad[:3]
+    dq, dk, dv = flash_attn_bwd_op(q, k, v, out, lse, grad_out, ctx.is_causal, need_q, need_k or need_v)
+    return dq if need_q else None, dk if need_k else None, dv if need_v else None, None
+
+
+flash_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
 class FlashAttentionTriton(torch.autograd.Function):
-    """FlashAttention-2 with Triton forward and backward; saves Q, K, V, O and L only."""
+    """FlashAttention-2 with Triton forward and backward (the course's interface); saves Q, K, V, O and L only."""
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal=False):
-        out, lse = flash_attention_fwd(q, k, v, is_causal)
+        out, lse = flash_attn_fwd_op(q, k, v, is_causal)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.is_causal = is_causal
         return out
@@ -595,19 +661,19 @@ class FlashAttentionTriton(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        dq, dk, dv = flash_attention_bwd(q, k, v, out, lse, grad_out, ctx.is_causal, compute_dq=need_q,
-                                         compute_dkdv=need_k or need_v)
-        return dq, dk, dv, None
+        dq, dk, dv = flash_attn_bwd_op(q, k, v, out, lse, grad_out, ctx.is_causal, need_q, need_k or need_v)
+        return dq if need_q else None, dk if need_k else None, dv if need_v else None, None
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
-    """softmax(Q K^T / sqrt(d) + causal mask) V with the Triton kernels (differentiable)."""
-    return FlashAttentionTriton.apply(q, k, v, is_causal)
+    """softmax(Q K^T / sqrt(d) + causal mask) V with the Triton kernels (differentiable, torch.compile-able)."""
+    check_attention_inputs(q, k, v, is_causal)
+    return flash_attn_fwd_op(q, k, v, is_causal)[0]
 
 
 def attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> torch.Tensor:
     """Model backend `flash_triton`: (batch, heads, seq, d_head) in and out; follows autocast like SDPA."""
-    return FlashAttentionTriton.apply(*autocast_inputs(q, k, v), is_causal)
+    return flash_attention(*autocast_inputs(q, k, v), is_causal)
 
 
 def flash_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,

@@ -199,6 +199,22 @@ def config_fits(kernel: str, cfg: FlashConfig, block_d: int, dtype: torch.dtype,
     return accumulators <= 160 * 32 * cfg.num_warps
 
 
+def valid_configs(kernel: str, dtype: torch.dtype, head_dim: int, block_d: int, device: torch.device,
+                  allowed=None) -> list[FlashConfig]:
+    """`candidates` (restricted to `allowed` when given) that pass `config_fits`, in order of preference."""
+    return [c for c in candidates(kernel, dtype, head_dim)
+            if (allowed is None or c in allowed) and config_fits(kernel, c, block_d, dtype, device)]
+
+
+def first_valid_config(kernel: str, dtype: torch.dtype, head_dim: int, block_d: int,
+                       device: torch.device) -> FlashConfig:
+    """The config autotuning off takes (the tuned file's, else the built-in order's first that fits)."""
+    valid = valid_configs(kernel, dtype, head_dim, block_d, device)
+    if valid:
+        return valid[0]
+    return min(candidates(kernel, dtype, head_dim), key=lambda c: (c.block_m * c.block_n, c.num_stages))
+
+
 def make_pruner(kernel: str):
     """`early_config_prune` for `kernel`: the call's candidates in order of preference, filtered by
     `config_fits`; only the first one when autotuning is off."""
@@ -207,8 +223,8 @@ def make_pruner(kernel: str):
         args = {**named_args, **kwargs}
         q = args["Q"]
         known = {FlashConfig.from_triton(c): c for c in configs}
-        valid = [known[c] for c in candidates(kernel, q.dtype, args["HEAD_DIM"])
-                 if c in known and config_fits(kernel, c, args["BLOCK_D"], q.dtype, q.device)]
+        valid = [known[c] for c in valid_configs(kernel, q.dtype, args["HEAD_DIM"], args["BLOCK_D"], q.device,
+                                                 known)]
         if not valid:  # nothing fits the estimates: the smallest tiles rather than no launch at all
             valid = [min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.num_stages))]
         return valid if autotune_enabled() else valid[:1]

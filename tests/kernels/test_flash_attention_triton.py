@@ -157,6 +157,43 @@ def test_matches_pytorch_tiled_implementation():
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
 
 
+
+@interpret
+@pytest.mark.interpret
+def test_compiled_model_matches_eager():
+    """torch.compile(model) with attention="flash_triton", one graph (aot_eager: the interpreter's kernels run
+    as opaque custom ops), gives the eager logits and every parameter gradient."""
+    from raysys.config import ModelConfig
+    from raysys.model import TransformerLM, cross_entropy
+
+    cfg = ModelConfig(vocab_size=64, context_length=24, d_model=32, num_layers=1, num_heads=2, d_ff=64,
+                      attention="flash_triton")
+    torch.manual_seed(0)
+    model = TransformerLM(cfg)
+    x = torch.randint(0, cfg.vocab_size, (2, 21))
+    results = []
+    for fn in (model, torch.compile(model, backend="aot_eager", fullgraph=True)):
+        model.zero_grad(set_to_none=True)
+        logits = fn(x)
+        cross_entropy(logits, x).backward()
+        results.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
+    (eager_logits, eager_grads), (logits, grads) = results
+    torch.testing.assert_close(logits, eager_logits, atol=1e-6, rtol=1e-6)
+    for got, want in zip(grads, eager_grads):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@interpret
+@pytest.mark.interpret
+@pytest.mark.parametrize("causal", [False, True])
+def test_custom_ops_pass_opcheck(causal):
+    """Schema, fake (meta) implementation, autograd registration and AOT dispatch of both custom ops."""
+    q, k, v, do = _inputs((1, 2, 19, 16), (1, 2, 19 if causal else 23, 16), torch.float32, seed=4)
+    torch.library.opcheck(fa.flash_attn_fwd_op, (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), causal))
+    out, lse = fa.flash_attention_fwd(q.detach(), k.detach(), v.detach(), causal)
+    for flags in ((True, True), (False, True), (True, False)):
+        torch.library.opcheck(fa.flash_attn_bwd_op, (q.detach(), k.detach(), v.detach(), out, lse, do, causal, *flags))
+
 @interpret
 @pytest.mark.interpret
 def test_bf16_is_refused_by_the_interpreter():
