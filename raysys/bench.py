@@ -11,9 +11,7 @@ Phases per mode: `forward` runs the forward pass and loss under `torch.no_grad()
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,12 +20,12 @@ import torch
 
 from raysys import memory, profiling
 from raysys.config import SIZES, ModelConfig
+from raysys.device import DTYPES, autocast, free_memory, resolve_device
 from raysys.model import AdamW, TransformerLM, attention_backends, cross_entropy, nvtx_range
 from raysys.results import make_row, status_of
-from raysys.timing import PhaseTimer, resolve_device, tflops
+from raysys.timing import PhaseTimer, tflops
 
 MODES = ("forward", "forward-backward", "train-step")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,18 +93,6 @@ class BenchConfig:
         return d
 
 
-def _autocast(device: torch.device, dtype: str):
-    if dtype == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=DTYPES[dtype])
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 class _Run:
     """Model, optimizer and batch of one benchmark, and the step function that times its phases."""
 
@@ -130,7 +116,7 @@ class _Run:
         self.y = torch.randint(0, mc.vocab_size, shape, device=device, generator=gen)
 
     def forward_loss(self) -> torch.Tensor:
-        with _autocast(self.device, self.cfg.dtype):
+        with autocast(self.device, self.cfg.dtype):
             return cross_entropy(self.step_model(self.x), self.y)
 
     def step(self, timer: PhaseTimer) -> None:
@@ -199,7 +185,7 @@ def run_benchmark(cfg: BenchConfig, out_dir: str | Path | None = None) -> tuple[
         return make_row("bench", config, status="oom", error=f"{type(exc).__name__}: {str(exc)[:400]}", device=device), None
     finally:
         del run
-        _free(device)
+        free_memory(device)
 
 
 def _stem(cfg: BenchConfig) -> str:

@@ -42,7 +42,7 @@ import pandas as pd
 import ray
 from tqdm.auto import tqdm
 
-from raysys.gang import Gang, check_placement, cluster_info, cluster_nodes, init_ray, resolve_device
+from raysys.gang import Gang, check_placement, cluster_info, cluster_nodes, gang_device, init_ray
 from raysys.mp_gang import ProcessGang, check_local_placement, local_device
 from raysys.rank import PlacementInfeasible, RankContext
 from raysys.results import ResultWriter, error_row, make_row, trial_id
@@ -136,7 +136,7 @@ def check_gang(world_size: int, *, device: str, launcher: str = "ray", strategy:
     that cannot be placed as skipped rows and goes on with the others."""
     if launcher == "ray":
         init_ray()
-        resolved = resolve_device(device)
+        resolved = gang_device(device)
         check_placement(world_size, device=resolved, strategy=strategy, cpus_per_rank=cpus_per_rank)
     else:
         resolved = local_device(device)
@@ -173,7 +173,7 @@ def run_sweep(sweep: str, trials: Sequence[Mapping[str, Any]], trial_fn: Callabl
     writer = writer or ResultWriter(resolve_out_dir(out_dir), sweep, resume=resume)
     if launcher == "ray":
         init_ray()
-        resolved = resolve_device(device)
+        resolved = gang_device(device)
         make_gang = functools.partial(Gang, world_size, device=resolved, strategy=strategy, name=sweep,
                                       timeout_s=timeout_s, gpu_visibility=gpu_visibility, cpus_per_rank=cpus_per_rank,
                                       env=env)

@@ -25,6 +25,7 @@ import functools
 import importlib.util
 import itertools
 import logging
+import math
 import os
 import socket
 import time
@@ -36,6 +37,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raysys.device import resolve_device
 from raysys.rank import (DEVICES, RANK_ENV, PlacementInfeasible, RankContext, RankSpec, check_rank_env,
                          destroy_rank, device_description, free_port, init_rank)
 
@@ -113,17 +115,14 @@ def cluster_info() -> dict:
             "nodes": [n.__dict__ for n in cluster_nodes()], "resources": ray.cluster_resources()}
 
 
-def resolve_device(device: str) -> str:
-    """`auto` -> `cuda` when the cluster (not necessarily this driver) has GPUs, else `cpu`."""
+def gang_device(device: str) -> str:
+    """The device type (`cuda` or `cpu`) a gang asking for `device` runs on: `auto` -> `cuda` when the cluster (not
+    necessarily this driver) has GPUs; `cuda` on a cluster without GPUs is a ValueError."""
     if device not in DEVICES:
         raise ValueError(f"device {device!r} must be one of {DEVICES}")
     gpus = ray.cluster_resources().get("GPU", 0)
-    if device == "auto":
-        return "cuda" if gpus > 0 else "cpu"
-    if device == "cuda" and gpus == 0:
-        raise ValueError("device 'cuda' requested but the Ray cluster has no GPUs "
-                         f"({len(ray.nodes())} node(s), resources {dict(ray.cluster_resources())})")
-    return device
+    where = f"the Ray cluster ({len(ray.nodes())} node(s), resources {dict(ray.cluster_resources())})"
+    return resolve_device(device, num_gpus=math.ceil(gpus), where=where).type
 
 
 # ---------------------------------------------------------------------------------------------------- placement
@@ -280,7 +279,7 @@ class Gang:
 
     def start(self) -> "Gang":
         init_ray()
-        self.device = resolve_device(self.requested_device)
+        self.device = gang_device(self.requested_device)
         self.backend = "nccl" if self.device == "cuda" else "gloo"
         check_placement(self.world_size, device=self.device, strategy=self.strategy, cpus_per_rank=self.cpus_per_rank)
         try:

@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.multiprocessing as mp
 
+from raysys.device import resolve_device
 from raysys.rank import (DEVICES, PlacementInfeasible, RankSpec, check_rank_env, destroy_rank, device_description,
                          free_port, init_rank)
 
@@ -33,9 +34,7 @@ def local_device(device: str) -> str:
     """`auto` -> `cuda` when this machine has a GPU, else `cpu` (a `cuda` gang checks the count at start)."""
     if device not in DEVICES:
         raise ValueError(f"device {device!r} must be one of {DEVICES}")
-    if device != "auto":
-        return device
-    return "cuda" if torch.cuda.device_count() else "cpu"  # counting does not create a CUDA context
+    return device if device != "auto" else resolve_device("auto").type
 
 
 def check_local_placement(world_size: int, device: str) -> None:

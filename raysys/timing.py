@@ -1,4 +1,4 @@
-"""Timing helpers: device resolution, synchronised phase timers and `triton.testing.do_bench` wrappers.
+"""Timing helpers: synchronised phase timers and `triton.testing.do_bench` wrappers.
 
 Training steps are timed with `timeit.default_timer` around each phase, with a device synchronisation at the
 end of every phase, after warm-up steps that are not recorded (handout 2.1.3). Kernels are timed with
@@ -14,21 +14,7 @@ from typing import Callable
 
 import torch
 
-
-def resolve_device(device: str = "auto") -> torch.device:
-    """`auto` picks CUDA when present; asking for CUDA without a GPU is a ValueError, not a crash later."""
-    if device not in ("auto", "cuda", "cpu") and not device.startswith("cuda:"):
-        raise ValueError(f"device {device!r} must be one of auto, cuda, cuda:N, cpu")
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but no CUDA GPU is available")
-    return torch.device(device)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from raysys.device import synchronize
 
 
 @dataclass

@@ -52,22 +52,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from raysys.device import autocast, free_memory, synchronize
 from raysys.model import TransformerBlock, cross_entropy
 
 PHASES = ("forward", "backward", "comm_wait", "optimizer")
-DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 DEFAULT_REL_TOL = 0.005
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def autocast(device: torch.device, dtype: str):
-    if DTYPES[dtype] is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=DTYPES[dtype])
 
 
 class Marks:
@@ -204,7 +193,7 @@ def time_steps(step: TrainStep, warmup: int, steps: int, *, max_steps: int | Non
     with paused_gc() as collected:
         for _ in range(warmup):
             step()
-        sync(device)
+        synchronize(device)
         graphs1 = dynamo_graphs()
         alloc0, cpu0, csw0 = _allocator_counts(device), time.process_time(), _thread_ctx_switches()
         target = steps
@@ -213,7 +202,7 @@ def time_steps(step: TrainStep, warmup: int, steps: int, *, max_steps: int | Non
                 start = time.perf_counter()
                 marks = step()
                 issued = time.perf_counter()
-                sync(device)
+                synchronize(device)
                 totals.append((time.perf_counter() - start) * 1e3)
                 host_totals.append((issued - start) * 1e3)
                 phases.append(marks.durations_ms())
@@ -317,12 +306,6 @@ def nccl_group(world_size: int, max_ctas: int | None = None, *, high_priority: b
 
 
 # ---------------------------------------------------------------------------------------------------- memory
-def free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def live_parameters() -> int:
     """`nn.Parameter` objects alive in this process (a model a finished trial leaked shows up here)."""
     # issubclass(type(...)), not isinstance: Parameter's metaclass makes isinstance probe attributes of every

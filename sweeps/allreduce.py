@@ -54,7 +54,7 @@ import pandas as pd  # noqa: E402
 from parallel.collectives import OPS, aggregate, benchmark_collective  # noqa: E402
 from raysys.cluster import (cluster_nodes, init_ray, read_sweep, resolve_out_dir, run_sweep,  # noqa: E402
                             sweep_parser)
-from raysys.gang import resolve_device  # noqa: E402
+from raysys.gang import gang_device  # noqa: E402
 from raysys.rank import check_rank_env  # noqa: E402
 from raysys.results import ResultWriter  # noqa: E402
 
@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         if world_sizes and any(w < 2 for w in world_sizes):
             raise ValueError(f"--world-sizes {world_sizes}: a collective needs at least 2 ranks")
         init_ray(args.address, dashboard=args.dashboard)
-        device = resolve_device(args.device)
+        device = gang_device(args.device)
         defaults = DEFAULTS[device]
         sizes = explicit_sizes or [parse_size(s) for s in parse_list(defaults["sizes"], "sizes")]
         world_sizes = world_sizes or [int(w) for w in parse_list(defaults["world_sizes"], "world-sizes")]

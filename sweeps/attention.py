@@ -32,9 +32,10 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from raysys import memory  # noqa: E402
+from raysys.device import resolve_device  # noqa: E402
 from raysys.model import naive_attention  # noqa: E402
 from raysys.results import ResultWriter, make_row, status_of, trial_id  # noqa: E402
-from raysys.timing import PhaseTimer, resolve_device  # noqa: E402
+from raysys.timing import PhaseTimer  # noqa: E402
 
 SWEEP = "attention"
 BATCH = 8

@@ -55,11 +55,12 @@ import torch  # noqa: E402
 from parallel.checkpointing import apply_activation_checkpointing, parse_policy  # noqa: E402
 from raysys import memory  # noqa: E402
 from raysys.config import SIZES, ModelConfig  # noqa: E402
+from raysys.device import resolve_device  # noqa: E402
 from raysys.model import AdamW, TransformerLM, cross_entropy, get_attention  # noqa: E402
 from raysys.recompute_model import (GiB, Workload, cpu_allocation_trace, predict_peak, saved_per_block,  # noqa: E402
                                     static_bytes, step_flops)
 from raysys.results import ResultWriter, error_row, make_row, trial_id  # noqa: E402
-from raysys.timing import PhaseTimer, resolve_device  # noqa: E402
+from raysys.timing import PhaseTimer  # noqa: E402
 
 SWEEP = "checkpointing"
 STUDIES = ("segments", "context", "offload")

@@ -98,9 +98,10 @@ from torch import nn  # noqa: E402
 
 from parallel.ddp import make_ddp  # noqa: E402
 from raysys.config import SIZES, ModelConfig  # noqa: E402
+from raysys.device import DTYPES  # noqa: E402
 from raysys.model import TransformerLM  # noqa: E402
 from raysys.profiling import cpu_op_time, kernel_intervals, overlap, profile_steps  # noqa: E402
-from raysys.train_step import (DTYPES, TrainStep, TrialScope, compile_blocks, nccl_group, paired_steps,  # noqa: E402
+from raysys.train_step import (TrainStep, TrialScope, compile_blocks, nccl_group, paired_steps,  # noqa: E402
                                release, time_steps)
 
 SWEEP = "ddp"

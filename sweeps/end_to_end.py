@@ -32,9 +32,9 @@ import torch  # noqa: E402
 from raysys import memory  # noqa: E402
 from raysys.bench import BenchConfig, run_benchmark  # noqa: E402
 from raysys.config import TABLE1_SIZES, ModelConfig  # noqa: E402
+from raysys.device import resolve_device  # noqa: E402
 from raysys.model import TransformerLM, cross_entropy  # noqa: E402
 from raysys.results import ResultWriter, error_row, make_row, write_parquet  # noqa: E402
-from raysys.timing import resolve_device  # noqa: E402
 
 STUDIES = ("timing", "warmup", "kernels", "memory", "saved")
 

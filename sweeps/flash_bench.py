@@ -46,8 +46,8 @@ import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from raysys.device import resolve_device  # noqa: E402
 from raysys.results import ResultWriter, make_row, status_of, trial_id  # noqa: E402
-from raysys.timing import resolve_device  # noqa: E402
 
 SWEEP = "flash_bench"
 PROVIDERS = ("triton", "pytorch_tiled", "naive", "sdpa_flash", "sdpa_cudnn")

@@ -80,11 +80,12 @@ from parallel.fsdp import FSDP, is_sharded_module  # noqa: E402
 from parallel.mixed_precision import CastForCompute  # noqa: E402
 from parallel.sharded_optimizer import ShardedOptimizer  # noqa: E402
 from raysys.config import SIZES, ModelConfig  # noqa: E402
+from raysys.device import DTYPES, low_precision, synchronize  # noqa: E402
 from raysys.memory import unique_storage_bytes  # noqa: E402
 from raysys.model import TransformerBlock, TransformerLM  # noqa: E402
 from raysys.profiling import device_kernels, overlap, profile_steps  # noqa: E402
-from raysys.train_step import (DTYPES, TrainStep, TrialScope, compile_blocks, nccl_group, paired_steps,  # noqa: E402
-                               release, sync, time_steps)
+from raysys.train_step import (TrainStep, TrialScope, compile_blocks, nccl_group, paired_steps,  # noqa: E402
+                               release, time_steps)
 from sweeps.ddp import (adamw_kwargs, check_timing_options, make_batch, model_config, parse_list,  # noqa: E402
                         resolve_device, setup_sentence, step_column)
 
@@ -131,7 +132,7 @@ def trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: list[
 def build(config: dict, device: torch.device, process_group) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The wrapped model and its optimizer for `config['variant']` (same initial weights on every rank); for a
     OWN_GROUP variant, `process_group` is that variant's own group."""
-    variant, compute_dtype = config["variant"], DTYPES[config["dtype"]]
+    variant, compute_dtype = config["variant"], low_precision(config["dtype"])
     torch.manual_seed(config["seed"])
     model = TransformerLM(model_config(config["size"], config["context_length"]), device=device)
     if config.get("compile"):
@@ -273,7 +274,7 @@ def _timed_trial(ctx, config: dict, out_dir: str | None, group) -> dict:
     autocast_dtype = config["dtype"] if config["variant"] in AUTOCAST_VARIANTS else "fp32"
     step = TrainStep(model, optimizer, batch, autocast_dtype, device)
     if device.type == "cuda":
-        sync(device)
+        synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     metrics = time_steps(step, config["warmup"], config["steps"])
     metrics["peak_memory_bytes"] = float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else math.nan
@@ -283,7 +284,7 @@ def _timed_trial(ctx, config: dict, out_dir: str | None, group) -> dict:
     if isinstance(model, FSDP):
         model.stats.reset()
         step()
-        sync(device)
+        synchronize(device)
         metrics["gather_wait_ms"] = (model.stats.forward_wait_s + model.stats.backward_wait_s) * 1e3
         metrics["all_gathers_per_step"] = model.stats.all_gathers
         metrics["peak_gathered_bytes"] = model.stats.peak_gathered_bytes

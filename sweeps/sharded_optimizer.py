@@ -31,9 +31,10 @@ import torch  # noqa: E402
 
 from parallel.ddp import BucketedDDP  # noqa: E402
 from parallel.sharded_optimizer import ShardedOptimizer  # noqa: E402
+from raysys.device import synchronize  # noqa: E402
 from raysys.memory import unique_storage_bytes  # noqa: E402
 from raysys.model import TransformerLM  # noqa: E402
-from raysys.train_step import Marks, TrainStep, TrialScope, release, sync, time_steps  # noqa: E402
+from raysys.train_step import Marks, TrainStep, TrialScope, release, time_steps  # noqa: E402
 from sweeps.ddp import adamw_kwargs, make_batch, model_config, setup_sentence  # noqa: E402
 
 SWEEP = "sharded_optimizer"
@@ -78,7 +79,7 @@ def memory_breakdown(model: BucketedDDP, optimizer: torch.optim.Optimizer, devic
 def _peak(device: torch.device) -> float:
     if device.type != "cuda":
         return float("nan")
-    sync(device)
+    synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     return float(peak)
@@ -97,7 +98,7 @@ def _sharded_trial(ctx, config: dict) -> dict:
     device = ctx.device
     mc = model_config(config["size"], config["context_length"])
     if device.type == "cuda":
-        sync(device)
+        synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(config["seed"])
     model = BucketedDDP(TransformerLM(mc, device=device), config["ddp_bucket_mb"], process_group=ctx.process_group)

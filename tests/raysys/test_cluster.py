@@ -98,7 +98,7 @@ def test_more_gpus_than_exist_fails_fast(ray_cluster):
     t0 = time.monotonic()
     # A cluster with no GPU at all is refused when the device is resolved; one with too few GPUs by the
     # placement check (its message is tested above on fake nodes).
-    with pytest.raises(ValueError, match=r"device 'cuda' requested but the Ray cluster has no GPUs \(2 node\(s\)"):
+    with pytest.raises(ValueError, match=r"device 'cuda' requested but the Ray cluster \(2 node\(s\).* has no CUDA GPU"):
         with Gang(2, device="cuda", name="too-big"):
             pass
     assert time.monotonic() - t0 < 10
@@ -126,13 +126,15 @@ def _rank_report(ctx, numel: int) -> dict:
 
 
 def test_cuda_on_a_cluster_without_gpus_is_a_value_error(ray_cluster):
-    from raysys.gang import resolve_device
+    from raysys.gang import gang_device
 
     if ray.cluster_resources().get("GPU", 0):
         pytest.skip("this cluster has GPUs")
-    with pytest.raises(ValueError, match="device 'cuda' requested but the Ray cluster has no GPUs"):
-        resolve_device("cuda")
-    assert resolve_device("auto") == "cpu"
+    with pytest.raises(ValueError, match="device 'cuda' requested but the Ray cluster .* has no CUDA GPU"):
+        gang_device("cuda")
+    with pytest.raises(ValueError, match="device 'cuda:0' must be one of"):
+        gang_device("cuda:0")  # a gang gives each rank its GPU; it cannot be pinned to one
+    assert gang_device("auto") == "cpu"
 
 
 @pytest.mark.slow
