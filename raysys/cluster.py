@@ -14,8 +14,11 @@ trial that raises (OOM included), loses a rank (`RayActorError`) or exceeds `tri
 (`GetTimeoutError`) becomes a row with status `oom|error|timeout` and its error text; the gang is torn down
 and a fresh one built for the next trial. A gang the cluster can never hold makes `skipped` rows. Every
 trial's row is written at once (atomically, `raysys.results.ResultWriter`), so an interrupted sweep leaves a
-complete file and `resume=True` skips the trials already in it. SIGTERM (an outer `timeout`, `ray job stop`)
-stops a sweep like Ctrl-C: the gang is shut down, the rows written so far stay, the interrupt propagates.
+complete file and `resume=True` skips the trials already in it; without `out_dir` the rows go to a fresh run
+directory (`raysys.results.default_out_dir`). Trial configs are checked before Ray starts: no key may overwrite
+a row column. SIGTERM (an outer `timeout`, `ray job stop`) stops a sweep like Ctrl-C: the gang is shut down, the
+rows written so far stay, "interrupted after N of M trials; rerun with --resume" is printed, the interrupt
+propagates.
 
 `tune_run` does the same for single-process trials scheduled by Ray Tune (kernel tiles, checkpointing): a
 Tune callback writes each trial's row when the trial completes or errors, and a time budget or an interrupt
@@ -45,10 +48,12 @@ from tqdm.auto import tqdm
 from raysys.gang import Gang, check_placement, cluster_info, cluster_nodes, gang_device, init_ray
 from raysys.mp_gang import ProcessGang, check_local_placement, local_device
 from raysys.rank import PlacementInfeasible, RankContext
-from raysys.results import ResultWriter, error_row, make_row, trial_id
+from raysys.results import (ResultWriter, check_row_keys, check_sweep_name, error_row, make_row, resolve_out,
+                            trial_id)
 
 __all__ = ["Gang", "PlacementInfeasible", "ProcessGang", "RankContext", "check_gang", "cluster_info", "cluster_nodes",
-           "init_ray", "interrupt_on_sigterm", "read_sweep", "resolve_out_dir", "run_sweep", "sweep_parser", "tune_run"]
+           "init_ray", "interrupt_on_sigterm", "interrupted_message", "read_sweep", "resolve_out_dir", "run_sweep",
+           "sweep_parser", "tune_run", "writer_options"]
 
 LAUNCHERS = ("ray", "mp")
 _METRIC_SKIP = {"trial_id", "config", "date", "timestamp", "time_this_iter_s", "time_total_s", "pid", "hostname",
@@ -56,21 +61,38 @@ _METRIC_SKIP = {"trial_id", "config", "date", "timestamp", "time_this_iter_s", "
                 "training_iteration", "experiment_tag"}
 
 
-def resolve_out_dir(out: str | os.PathLike | None = None) -> Path:
-    """The absolute results directory of a sweep.
+def resolve_out_dir(out: str | os.PathLike | None = None, sweep: str | None = None) -> Path:
+    """The absolute results directory of a sweep, created if missing (`ResultsError`, a ValueError, if it cannot be).
 
-    `out` if given (a relative path resolves against the current directory), else `$RAYSYS_RESULTS_DIR`,
-    else `results/` of the repository this package was imported from. Under `ray job submit --working-dir .`
-    the driver runs in a temporary copy of the working directory, so both defaults would land in that copy:
-    pass an absolute `--out` (e.g. `--out "$PWD/results"`, expanded by the submitting shell).
+    `out` if given (a relative path resolves against the current directory), else `$RAYSYS_RESULTS_DIR`, else a
+    fresh run directory `./runs/<UTC time>-<sweep>/` (`$RAYSYS_RUNS_DIR` instead of `./runs`; `sweep` defaults to
+    the script's name): the committed `results/` is written only when named. Under `ray job submit` the driver
+    runs in a temporary copy of the working directory: `python -m raysys submit` sets `RAYSYS_RUNS_DIR` to the
+    submitter's `./runs`; a plain `ray job submit` without an absolute `--out` gets a warning.
     """
-    chosen = out if out is not None else os.environ.get("RAYSYS_RESULTS_DIR")
-    path = Path(chosen).expanduser() if chosen else Path(__file__).resolve().parents[1] / "results"
-    path = path.resolve()
+    if sweep is None:
+        stem = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else ""
+        sweep = stem if stem and stem[0].isalnum() and all(c.isalnum() or c in "_.-" for c in stem) else "run"
+    path = resolve_out(out, sweep)
     if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ and path.is_relative_to(Path.cwd()):
-        warnings.warn(f"results go to {path}, inside this Ray job's temporary working directory; pass an absolute "
-                      f"--out (e.g. --out \"$PWD/results\" at submit time) to keep them", stacklevel=2)
+        warnings.warn(f"results go to {path}, inside this Ray job's temporary working directory; submit with "
+                      f"`python -m raysys submit` or pass an absolute --out (e.g. --out \"$PWD/runs/x\" at submit "
+                      f"time) to keep them", stacklevel=2)
     return path
+
+
+def interrupted_message(sweep: str, done: int, total: int | None, path: Path | None) -> str:
+    """What a sweep stopped by Ctrl-C or SIGTERM prints (one line) before its interrupt propagates."""
+    where = f"; its rows are in {path}" if path is not None else ""
+    of = f" of {total}" if total is not None else ""
+    return f"{sweep}: interrupted after {done}{of} trials{where}; rerun with --resume to continue"
+
+
+def writer_options(args: argparse.Namespace) -> dict:
+    """`ResultWriter` keyword arguments (`mode`, `allow_mixed`) from `sweep_parser`'s --resume / --overwrite /
+    --allow-mixed."""
+    mode = "resume" if getattr(args, "resume", False) else "overwrite" if getattr(args, "overwrite", False) else "new"
+    return {"mode": mode, "allow_mixed": bool(getattr(args, "allow_mixed", False))}
 
 
 @contextlib.contextmanager
@@ -103,9 +125,14 @@ def sweep_parser(doc: str | None, sweep: str, *, device_help: str) -> argparse.A
     """An argument parser with the options every gang sweep shares: --device, --out, --resume, --report-only."""
     p = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help=device_help)
-    p.add_argument("--out", default=None, help="results directory (default: the repository's results/; give an "
-                                               "absolute path under `ray job submit`)")
-    p.add_argument("--resume", action="store_true", help=f"skip trials already in <out>/{sweep}.parquet")
+    p.add_argument("--out", default=None, help="results directory (default: a fresh ./runs/<UTC time>-<sweep>/; "
+                                               "the committed results/ only when named)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true", help=f"skip trials already in <out>/{sweep}.parquet (refuses "
+                                                            "rows of another commit or device)")
+    mode.add_argument("--overwrite", action="store_true", help=f"replace an existing <out>/{sweep}.parquet")
+    p.add_argument("--allow-mixed", action="store_true", help="with --resume: keep rows of another commit, device "
+                                                              "or configuration in the file")
     p.add_argument("--report-only", action="store_true", help=f"only redraw the {sweep} tables and plots from the "
                                                               "Parquet file")
     return p
@@ -145,7 +172,8 @@ def check_gang(world_size: int, *, device: str, launcher: str = "ray", strategy:
 
 
 def run_sweep(sweep: str, trials: Sequence[Mapping[str, Any]], trial_fn: Callable[..., Any], world_size: int,
-              out_dir: str | os.PathLike | None = "results", *, device: str = "auto", resume: bool = False,
+              out_dir: str | os.PathLike | None = None, *, device: str = "auto", resume: bool = False,
+              mode: str | None = None, allow_mixed: bool = False,
               reduce: Callable[[Mapping[str, Any], list], Mapping[str, Any]] | None = None,
               launcher: str = "ray", strategy: str = "STRICT_PACK", gpu_visibility: str = "shared",
               cpus_per_rank: float = 1, timeout_s: float = 600.0, trial_timeout_s: float | None = None,
@@ -154,23 +182,49 @@ def run_sweep(sweep: str, trials: Sequence[Mapping[str, Any]], trial_fn: Callabl
     """Run `trial_fn(ctx, config)` on `world_size` ranks for every config of `trials`; one row per trial.
 
     The row's configuration is the trial's config plus `world_size`, `launcher`, `device` and
-    `gpu_visibility` (unless the config sets them); its id hashes that configuration. Metrics are
+    `gpu_visibility` (a config may name them only with the gang's values); its id hashes that configuration. A
+    config key or metric that would overwrite a row column (`raysys.results.ROW_COLUMNS`) is a ValueError,
+    for configs before anything starts. Metrics are
     `reduce(config, per_rank_results)` (default: rank 0's dict). `timeout_s` is the process-group timeout
     and the default per-trial limit (`trial_timeout_s`). `env` is set in every rank's process before its
     process group starts (e.g. NCCL tuning variables); it is not part of the row, so put what identifies it
-    in the trials' configs. Pass a shared `writer` when several calls fill one file (otherwise each call
-    opens `<out_dir>/<sweep>.parquet`, replacing it unless `resume`). Returns the rows of this call's
-    trials; prints them as a table when `show`.
+    in the trials' configs. Pass a shared `writer` when several calls fill one file; otherwise each call opens
+    `<out_dir>/<sweep>.parquet` (default: a fresh run directory) with `mode` (`new`, refusing an existing file;
+    `resume` (= `resume=True`); `overwrite`) and `allow_mixed`, and closes it at the end. Returns the rows of
+    this call's trials; prints them as a table when `show`.
     """
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher {launcher!r} must be one of {LAUNCHERS}")
-    if not isinstance(world_size, int) or world_size < 1:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size ({world_size!r}) must be an int >= 1")
+    check_sweep_name(sweep)
     trials = [dict(t) for t in trials]
+    for t in trials:
+        check_row_keys(t)
+        for key, value in (("world_size", world_size), ("launcher", launcher)):
+            if key in t and t[key] != value:
+                raise ValueError(f"trial config {key}={t[key]!r} contradicts the gang's {key}={value!r}")
     if len({trial_id(t) for t in trials}) != len(trials):
         raise ValueError(f"sweep {sweep!r}: the trials contain duplicate configurations")
     reduce = reduce or _default_reduce
-    writer = writer or ResultWriter(resolve_out_dir(out_dir), sweep, resume=resume)
+    own_writer = writer is None
+    if own_writer:
+        writer = ResultWriter(resolve_out_dir(out_dir, sweep), sweep, mode=mode or ("resume" if resume else "new"),
+                              allow_mixed=allow_mixed)
+    try:
+        return _run_sweep(sweep, trials, trial_fn, world_size, writer, device=device, reduce=reduce,
+                          launcher=launcher, strategy=strategy, gpu_visibility=gpu_visibility,
+                          cpus_per_rank=cpus_per_rank, timeout_s=timeout_s, trial_timeout_s=trial_timeout_s, env=env,
+                          show=show)
+    finally:
+        if own_writer:
+            writer.close()
+
+
+def _run_sweep(sweep: str, trials: list[dict], trial_fn: Callable[..., Any], world_size: int, writer: ResultWriter, *,
+               device: str, reduce: Callable, launcher: str, strategy: str, gpu_visibility: str, cpus_per_rank: float,
+               timeout_s: float, trial_timeout_s: float | None, env: Mapping[str, str] | None,
+               show: bool) -> pd.DataFrame:
     if launcher == "ray":
         init_ray()
         resolved = gang_device(device)
@@ -183,7 +237,11 @@ def run_sweep(sweep: str, trials: Sequence[Mapping[str, Any]], trial_fn: Callabl
                                       env=env)
     visibility = (gpu_visibility if launcher == "ray" else "shared") if resolved == "cuda" else "none"
     fixed = {"world_size": world_size, "launcher": launcher, "device": resolved, "gpu_visibility": visibility}
-    configs = [{**t, **{k: v for k, v in fixed.items() if k not in t}} for t in trials]
+    for t in trials:
+        for key in ("device", "gpu_visibility"):
+            if key in t and t[key] != fixed[key]:
+                raise ValueError(f"trial config {key}={t[key]!r} contradicts the gang's {key}={fixed[key]!r}")
+    configs = [{**t, **fixed} for t in trials]
 
     rows: list[dict] = []
     gang, infeasible = None, ""
@@ -201,12 +259,13 @@ def run_sweep(sweep: str, trials: Sequence[Mapping[str, Any]], trial_fn: Callabl
                 if infeasible:
                     row = make_row(sweep, config, status="skipped", error=infeasible, **extra)
                 else:
+                    metrics = None
                     try:
                         if gang is None:
                             gang = make_gang().start()
                         per_rank = gang.call(trial_fn, (trial,), label=_label(trial), timeout_s=trial_timeout_s)
                         extra["device_name"] = gang.ranks[0].get("device_name", "")
-                        row = make_row(sweep, config, dict(reduce(trial, per_rank)), **extra)
+                        metrics = dict(reduce(trial, per_rank))
                     except PlacementInfeasible as exc:
                         infeasible = str(exc)
                         row = make_row(sweep, config, status="skipped", error=infeasible, **extra)
@@ -215,10 +274,16 @@ def run_sweep(sweep: str, trials: Sequence[Mapping[str, Any]], trial_fn: Callabl
                         if gang is not None and gang.broken:
                             gang.shutdown()
                             gang = None
+                    if metrics is not None:  # a metric naming a row column is a bug of the trial: ValueError
+                        row = make_row(sweep, config, metrics, **extra)
                 writer.write([row])
                 rows.append(row)
                 bar.set_postfix_str(row["status"])
                 bar.update()
+    except KeyboardInterrupt:
+        bar.close()
+        print(interrupted_message(sweep, len(rows), len(configs), writer.path), file=sys.stderr, flush=True)
+        raise
     finally:
         bar.close()
         if gang is not None:
@@ -330,10 +395,11 @@ def _tune_sigint_as_interrupt():
 
 
 def tune_run(trainable: Callable[[dict], Any], param_space: Mapping[str, Any], *, sweep: str,
-             out_dir: str | os.PathLike | None = "results", resources: Mapping[str, float] | None = None,
+             out_dir: str | os.PathLike | None = None, resources: Mapping[str, float] | None = None,
              num_samples: int = 1, max_concurrent_trials: int | None = None, max_trials: int | None = None,
-             time_budget_s: float | None = None, resume: bool = False, writer: ResultWriter | None = None,
-             show: bool = True, reuse_actors: bool = False) -> pd.DataFrame:
+             time_budget_s: float | None = None, resume: bool = False, mode: str | None = None,
+             allow_mixed: bool = False, writer: ResultWriter | None = None, show: bool = True,
+             reuse_actors: bool = False) -> pd.DataFrame:
     """Run `trainable(config)` for every config of `param_space` with Ray Tune; one Parquet row per trial.
 
     The trainable reports its metrics with `ray.tune.report({...})` (the last report is the row), or returns
@@ -346,7 +412,8 @@ def tune_run(trainable: Callable[[dict], Any], param_space: Mapping[str, Any], *
     of the remaining configs. Sampled spaces (`tune.choice`, ...) go to Tune as they are, `num_samples`
     times, and can neither resume nor take `max_trials`. `time_budget_s` stops the run after that many
     seconds: trials still running are stopped (Tune needs a few seconds for that) and leave no row, like
-    the trials that never started, so `resume=True` runs them next time.
+    the trials that never started, so `resume=True` runs them next time. `out_dir`, `mode` and `allow_mixed`
+    open the writer as in `run_sweep` (or pass `writer`); grid configs naming a row column are refused first.
 
     `reuse_actors=True` runs the next trial in a finished trial's actor process (Tune's `reuse_actors`): no new
     process, imports or CUDA context per trial, for many short trials (kernel configs); leave it off when a
@@ -371,8 +438,27 @@ def tune_run(trainable: Callable[[dict], Any], param_space: Mapping[str, Any], *
                          f"tune.grid_search), not samplers")
     if grid is not None and num_samples != 1:
         raise ValueError(f"num_samples ({num_samples}) applies to sampled param spaces; a grid runs each config once")
+    check_sweep_name(sweep)
+    for config in grid or [{k: v for k, v in param_space.items()}]:
+        check_row_keys(config)
+    if writer is not None:
+        return _tune_run(trainable, param_space, grid, sweep=sweep, writer=writer, resources=resources,
+                         num_samples=num_samples, max_concurrent_trials=max_concurrent_trials, max_trials=max_trials,
+                         time_budget_s=time_budget_s, show=show, reuse_actors=reuse_actors)
+    with ResultWriter(resolve_out_dir(out_dir, sweep), sweep, mode=mode or ("resume" if resume else "new"),
+                      allow_mixed=allow_mixed) as own:
+        return _tune_run(trainable, param_space, grid, sweep=sweep, writer=own, resources=resources,
+                         num_samples=num_samples, max_concurrent_trials=max_concurrent_trials, max_trials=max_trials,
+                         time_budget_s=time_budget_s, show=show, reuse_actors=reuse_actors)
+
+
+def _tune_run(trainable: Callable[[dict], Any], param_space: Mapping[str, Any], grid: list[dict] | None, *,
+              sweep: str, writer: ResultWriter, resources: Mapping[str, float], num_samples: int,
+              max_concurrent_trials: int | None, max_trials: int | None, time_budget_s: float | None, show: bool,
+              reuse_actors: bool) -> pd.DataFrame:
+    from ray import tune
+
     init_ray()
-    writer = writer or ResultWriter(resolve_out_dir(out_dir), sweep, resume=resume)
     todo = None if grid is None else [c for c in grid if not writer.done(trial_id(c))]
     if todo is not None and max_trials is not None:
         todo = todo[:max_trials]
@@ -399,8 +485,9 @@ def tune_run(trainable: Callable[[dict], Any], param_space: Mapping[str, Any], *
                 with interrupt_on_sigterm(), _tune_sigint_as_interrupt():
                     results = tuner.fit()
             except KeyboardInterrupt:
-                print(f"{sweep}: interrupted; the {len(rows)} trials finished in this run are in {writer.path}"
-                      + (" (rerun with resume to continue)" if todo is not None else ""), file=sys.stderr, flush=True)
+                bar.close()
+                print(interrupted_message(sweep, len(rows), len(todo) if todo is not None else None, writer.path),
+                      file=sys.stderr, flush=True)
                 ray.shutdown()  # this driver's Tune trials die with it
                 raise
             finally:

@@ -39,7 +39,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raysys.device import resolve_device
 from raysys.rank import (DEVICES, RANK_ENV, PlacementInfeasible, RankContext, RankSpec, check_rank_env,
-                         destroy_rank, device_description, free_port, init_rank)
+                         destroy_rank, device_description, free_port, init_rank, max_cpu_ranks)
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def check_placement(world_size: int, *, device: str, strategy: str, cpus_per_ran
     gpu = device == "cuda"
 
     def fits(n: NodeInfo) -> int:  # how many rank bundles node n can hold at most
-        by_cpu = int(n.num_cpus // cpus_per_rank) if cpus_per_rank > 0 else world_size
+        by_cpu = min(int(n.num_cpus // cpus_per_rank), max_cpu_ranks(n.num_cpus))  # tiny cpus_per_rank: bounded
         return min(by_cpu, int(n.num_gpus)) if gpu else by_cpu
 
     per_node = [fits(n) for n in nodes]

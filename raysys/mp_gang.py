@@ -26,8 +26,8 @@ import torch
 import torch.multiprocessing as mp
 
 from raysys.device import resolve_device
-from raysys.rank import (DEVICES, PlacementInfeasible, RankSpec, check_rank_env, destroy_rank, device_description,
-                         free_port, init_rank)
+from raysys.rank import (DEVICES, PlacementInfeasible, RankSpec, check_local_cpu_ranks, check_rank_env, destroy_rank,
+                         device_description, free_port, init_rank)
 
 
 def local_device(device: str) -> str:
@@ -39,7 +39,10 @@ def local_device(device: str) -> str:
 
 def check_local_placement(world_size: int, device: str) -> None:
     """Raise `PlacementInfeasible` (a ValueError) when this machine cannot give each of `world_size` `cuda` ranks
-    a GPU of its own."""
+    a GPU of its own, or cannot run `world_size` `cpu` rank processes (`raysys.rank.check_local_cpu_ranks`)."""
+    if device != "cuda":
+        check_local_cpu_ranks(world_size)
+        return
     num_gpus = torch.cuda.device_count()
     if device == "cuda" and num_gpus < world_size:
         raise PlacementInfeasible(f"asked for {world_size} GPUs on this machine (multiprocessing launch); "

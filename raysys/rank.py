@@ -124,6 +124,50 @@ def check_rank_env(env: Mapping[str, str]) -> None:
                              f"({key}={MULTICAST_OFF_ENV[key]})")
 
 
+CPU_RANKS_PER_CORE = 4
+"""gloo ranks mostly wait on sockets: up to this many may share one core."""
+MIN_CPU_RANKS = 8
+"""Any machine may run this many CPU ranks, so a laptop can rehearse the world sizes of an 8-GPU host."""
+RANK_PROCESS_BYTES = 256 * 2**20
+"""Memory one rank process needs at least: the interpreter with torch imported and a joined gloo group."""
+
+
+def max_cpu_ranks(num_cpus: float, memory_bytes: int | None = None) -> int:
+    """The most CPU (gloo) ranks a machine with `num_cpus` CPUs and `memory_bytes` of RAM may run at once:
+    `CPU_RANKS_PER_CORE` per CPU but at least `MIN_CPU_RANKS`, and no more than fit in its memory at
+    `RANK_PROCESS_BYTES` each (memory unknown: no memory bound)."""
+    by_cpu = max(MIN_CPU_RANKS, int(num_cpus * CPU_RANKS_PER_CORE))
+    return by_cpu if memory_bytes is None else max(1, min(by_cpu, memory_bytes // RANK_PROCESS_BYTES))
+
+
+def local_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, e.g. a container's or taskset's share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def local_memory_bytes() -> int | None:
+    """This machine's physical memory, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_local_cpu_ranks(world_size: int) -> None:
+    """Raise `PlacementInfeasible` (a ValueError) before anything is spawned when this machine cannot run
+    `world_size` CPU rank processes (`max_cpu_ranks` of its CPUs and memory)."""
+    cpus, memory = local_cpus(), local_memory_bytes()
+    limit = max_cpu_ranks(cpus, memory)
+    if world_size > limit:
+        mem = f" and {memory / 2**30:.0f} GiB" if memory else ""
+        raise PlacementInfeasible(f"asked for {world_size} CPU ranks on this machine (multiprocessing launch); its "
+                                  f"{cpus} CPUs{mem} allow at most {limit} (max({MIN_CPU_RANKS}, "
+                                  f"{CPU_RANKS_PER_CORE} per CPU), {RANK_PROCESS_BYTES // 2**20} MiB each)")
+
+
 def free_port() -> int:
     """A TCP port that is free on this host right now (the OS picks it; never a fixed number)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

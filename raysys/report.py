@@ -12,7 +12,7 @@ from typing import Callable
 
 import pandas as pd
 
-from raysys.results import read_results
+from raysys.results import ResultsError, read_results
 
 PROVENANCE = ("run_id", "git_sha", "torch_version", "triton_version", "ray_version", "device_name", "host", "utc",
               "sweep", "trial_id", "source", "error")
@@ -115,7 +115,15 @@ def report(results_dir: str | Path, only: list[str] | None = None) -> str:
         files = [f for f in files if f.stem in only]
     if not files:
         raise ValueError(f"no .parquet files in {results_dir}")
-    return "\n".join(section(f) for f in files)
+    return "\n".join(_section_or_line(f) for f in files)
+
+
+def _section_or_line(path: Path) -> str:
+    """`section(path)`, or one line naming the file when it cannot be read (the other files still report)."""
+    try:
+        return section(path)
+    except ResultsError as exc:
+        return f"## {path.stem}\n\n_skipped: {exc}_\n"
 
 
 # --- sections of the end-to-end study (sweeps/end_to_end.py) ----------------------------------------------

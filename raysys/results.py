@@ -1,12 +1,22 @@
-"""Result records and Parquet I/O.
+"""Result records and Parquet I/O: a run never replaces or mixes results silently.
 
 One tidy record type: one row per trial with explicit metric columns. Every row carries the sweep name, a
 trial id (hash of the trial's config), the config columns, a status (`ok|oom|error|timeout|skipped`), the
-error text and the provenance of the run (git sha, library versions, device, host, UTC time).
+error text and the provenance of the run (`ROW_COLUMNS`); no config key or metric may overwrite one of those
+(`make_row` raises a ValueError naming it). A sweep writes `<out>/<sweep>.parquet` through a `ResultWriter`:
 
-A sweep writes `<out_dir>/<sweep>.parquet`; the file is rewritten atomically (temp file + `os.replace`)
-after every trial, so an interrupted sweep leaves a complete file and `--resume` skips what is in it.
-Analysis is `pd.read_parquet("results/<sweep>.parquet")`.
+    out = resolve_out(args.out, "ddp")          # --out if given, else a fresh ./runs/<UTC time>-ddp/
+    with ResultWriter(out, "ddp", mode="new") as writer:     # or "resume" / "overwrite"
+        if not writer.done(trial_id(config)):
+            writer.write([make_row("ddp", config, metrics)])
+
+`mode="new"` refuses an existing file; `"resume"` keeps its rows and refuses one whose rows come from another
+commit, device or `expect`ed configuration unless `allow_mixed=True`; `"overwrite"` replaces it at the first
+write. The writer holds an exclusive lock on the file while it lives (a second run writing it fails at once)
+and rewrites it atomically after every `write` (`raysys.files`): readers see the old or the new file, a full
+disk leaves the old one and says so, files are 0644 under the usual umask, and temp files of dead writers are
+removed. Committed results (`results/`) are written only when named with `--out`.
+Analysis is `pd.read_parquet(path)`; `read_results(dir)` skips an unreadable file with one line on stderr.
 """
 
 from __future__ import annotations
@@ -17,14 +27,23 @@ import hashlib
 import json
 import os
 import platform
+import re
 import socket
 import subprocess
-import tempfile
+import sys
 import uuid
+import weakref
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import pandas as pd
+
+from raysys.files import DiskFull, FileBusy, FileLock, ResultsError, atomic_write, remove_stale_tmp, save_figure, \
+    write_text
+
+__all__ = ["DiskFull", "FileBusy", "MODES", "ROW_COLUMNS", "ResultWriter", "ResultsError", "check_row_keys",
+           "check_sweep_name", "default_out_dir", "error_row", "make_row", "prepare_out_dir", "provenance",
+           "read_results", "resolve_out", "save_figure", "status_of", "trial_id", "write_parquet", "write_text"]
 
 STATUSES = ("ok", "oom", "error", "timeout", "skipped")
 
@@ -83,6 +102,10 @@ RUN_ID = uuid.uuid4().hex[:12]
 of a sweep script), which a comparison "in the same run" can check; resumed trials carry their own run's id."""
 
 
+PROVENANCE_COLUMNS = ("run_id", "git_sha", "torch_version", "triton_version", "ray_version", "device_name", "host",
+                      "utc")
+
+
 def provenance(device: Any = None) -> dict[str, str]:
     """Where and with what a row was produced, and in which run (`RUN_ID`)."""
     return {
@@ -104,26 +127,68 @@ def trial_id(config: Mapping[str, Any]) -> str:
 
 
 def status_of(exc: BaseException) -> str:
-    """Map an exception raised by a trial to a row status."""
+    """Map an exception raised by a trial to a row status: a refused allocation is `oom` on the GPU and on the
+    CPU (`MemoryError`, torch's "DefaultCPUAllocator: can't allocate memory") alike."""
     import torch
 
     text = f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text.lower() or "OutOfMemory" in text:
+    low = text.lower()
+    if (isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in low or "OutOfMemory" in text
+            or "can't allocate memory" in low or "cannot allocate memory" in low):
         return "oom"
-    if isinstance(exc, TimeoutError) or "timed out" in text.lower() or "timeout" in type(exc).__name__.lower():
+    if isinstance(exc, TimeoutError) or "timed out" in low or "timeout" in type(exc).__name__.lower():
         return "timeout"
     return "error"
 
 
+ROW_COLUMNS = ("sweep", "trial_id", "status", "error", *PROVENANCE_COLUMNS)
+"""The columns every row has of its own: no config key, metric or extra column may replace them (`extra` may set
+the provenance ones, e.g. `device_name` of the ranks rather than of the driver)."""
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # arrays, tensors: compare what a Parquet cell would hold
+        return str(a) == str(b)
+
+
+def check_row_keys(config: Mapping[str, Any], metrics: Mapping[str, Any] | None = None,
+                   extra: Mapping[str, Any] | None = None) -> None:
+    """Raise ValueError naming the first key that would overwrite a row column (`ROW_COLUMNS`), or a config
+    column with another value. Sweeps call it on every trial config before running any (`run_sweep` does)."""
+    for key in config:
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"config key {key!r} must be a non-empty str (it names a Parquet column)")
+        if key in ROW_COLUMNS:
+            raise ValueError(f"config key {key!r} would overwrite the row's own {key!r} column; rename it "
+                             f"(reserved: {', '.join(ROW_COLUMNS)})")
+    for what, names in (("metric", metrics or {}), ("extra column", extra or {})):
+        for key in names:
+            if not isinstance(key, str) or not key:
+                raise ValueError(f"{what} {key!r} must be a non-empty str (it names a Parquet column)")
+            if key in ROW_COLUMNS and not (what == "extra column" and key in PROVENANCE_COLUMNS):
+                raise ValueError(f"{what} {key!r} would overwrite the row's own {key!r} column; rename it "
+                                 f"(reserved: {', '.join(ROW_COLUMNS)})")
+            if key in config and not _same(names[key], config[key]):
+                raise ValueError(f"{what} {key!r}={names[key]!r} would overwrite the trial's config column "
+                                 f"{key}={config[key]!r}; rename it")
+    for key in set(metrics or {}) & set(extra or {}):
+        if not _same(metrics[key], extra[key]):
+            raise ValueError(f"metric {key!r}={metrics[key]!r} and the extra column {key}={extra[key]!r} collide")
+
+
 def make_row(sweep: str, config: Mapping[str, Any], metrics: Mapping[str, Any] | None = None, *,
              status: str = "ok", error: str = "", device: Any = None, **extra: Any) -> dict[str, Any]:
-    """A result row: sweep, trial id, config columns, metrics, status and provenance."""
+    """A result row: sweep, trial id, config columns, metrics, status and provenance (`extra` may override the
+    provenance columns); a key that would overwrite another's column raises ValueError (`check_row_keys`)."""
     if status not in STATUSES:
         raise ValueError(f"status {status!r} must be one of {STATUSES}")
+    check_row_keys(config, metrics, extra)
     row: dict[str, Any] = {"sweep": sweep, "trial_id": trial_id(config), **config, **(metrics or {}),
-                           "status": status, "error": error[-2000:], **extra}
-    for key, value in provenance(device).items():
-        row.setdefault(key, value)
+                           "status": status, "error": error[-2000:]}
+    row.update(provenance(device))
+    row.update(extra)
     return row
 
 
@@ -147,18 +212,11 @@ def error_row(sweep: str, config: Mapping[str, Any], exc: BaseException, **extra
 
 
 def write_parquet(df: pd.DataFrame, path: str | os.PathLike) -> Path:
-    """Write `df` to `path` atomically: readers see the old file or the new one, never half of one."""
+    """Write `df` to `path` atomically (`raysys.files.atomic_write`): readers see the old file or the new one, a
+    full disk raises `DiskFull` and leaves the old one. The caller owns `path` (a `ResultWriter` holds its lock)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        df.to_parquet(tmp, index=False)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write(path, df.to_parquet(index=False))
 
 
 def _normalise(rows: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
@@ -172,47 +230,214 @@ def _normalise(rows: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
     return df
 
 
-class ResultWriter:
-    """Accumulates the rows of one sweep in `<out_dir>/<sweep>.parquet`, rewritten atomically on every write.
+# ---------------------------------------------------------------------------------------------------- where
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 
-    With `resume=True` the rows already in the file are kept and `done(trial_id)` reports which trials they
-    cover (rows with status `ok`, `oom` or `skipped` count as done; `error`/`timeout` trials are retried).
-    Without it, an existing file is replaced by this run's rows.
+
+def check_sweep_name(sweep: str) -> str:
+    """`sweep` if it can name `<sweep>.parquet` (letters, digits, `_.-`, at most 100 characters), else ValueError."""
+    if not isinstance(sweep, str) or not _NAME.fullmatch(sweep) or ".." in sweep:
+        raise ValueError(f"sweep name {str(sweep)[:120]!r} must be 1-100 letters, digits, '_', '.' or '-' (a file "
+                         f"stem) starting with a letter or digit")
+    return sweep
+
+
+def runs_root() -> Path:
+    """Where fresh run directories go: `$RAYSYS_RUNS_DIR`, else `./runs` (git-ignored)."""
+    return Path(os.environ.get("RAYSYS_RUNS_DIR") or "runs").expanduser().resolve()
+
+
+def default_out_dir(sweep: str) -> Path:
+    """A fresh run directory, created now: `<runs_root()>/<UTC YYYYmmddTHHMMSSZ>-<sweep>` (`-2`, `-3`, ... if two
+    runs start in the same second). A run's results land here unless `--out` names a directory."""
+    check_sweep_name(sweep)
+    root = prepare_out_dir(runs_root())
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    for n in range(1, 1000):
+        path = root / (f"{stamp}-{sweep}" if n == 1 else f"{stamp}-{sweep}-{n}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise ResultsError(f"{root}: could not create a fresh run directory for {sweep!r}")
+
+
+def prepare_out_dir(out: str | os.PathLike) -> Path:
+    """The absolute results directory `out`, created if missing; `ResultsError` (a one-line ValueError) if it is
+    a file, cannot be created or is not writable."""
+    path = Path(out).expanduser().resolve()
+    if path.exists() and not path.is_dir():
+        raise ResultsError(f"results directory {path} is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ResultsError(f"cannot create results directory {path}: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ResultsError(f"results directory {path} is not writable")
+    return path
+
+
+def resolve_out(out: str | os.PathLike | None, sweep: str) -> Path:
+    """`out` (created if missing) when given, else `$RAYSYS_RESULTS_DIR`, else a fresh `default_out_dir(sweep)`."""
+    chosen = out if out is not None else os.environ.get("RAYSYS_RESULTS_DIR")
+    return prepare_out_dir(chosen) if chosen else default_out_dir(sweep)
+
+
+# ---------------------------------------------------------------------------------------------------- read
+def _read_parquet(path: Path) -> pd.DataFrame:
+    try:
+        return pd.read_parquet(path)
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else type(exc).__name__
+        raise ResultsError(f"{path} is not a readable Parquet file ({first[:200]})") from None
+
+
+def read_results(path: str | os.PathLike) -> pd.DataFrame:
+    """Load one `<sweep>.parquet` file, or every Parquet file of a directory (with a `source` column). In a
+    directory an unreadable file is skipped with one line on stderr; a single unreadable file raises
+    `ResultsError` (a ValueError) in one line."""
+    path = Path(path)
+    if path.is_dir():
+        frames = []
+        for p in sorted(path.glob("*.parquet")):
+            try:
+                frames.append(_read_parquet(p).assign(source=p.stem))
+            except ResultsError as exc:
+                print(f"skipped: {exc}", file=sys.stderr)
+        if not frames:
+            raise ResultsError(f"no readable .parquet files in {path}")
+        return pd.concat(frames, ignore_index=True)
+    if not path.exists():
+        raise ResultsError(f"results path {path} does not exist")
+    return _read_parquet(path)
+
+
+# ---------------------------------------------------------------------------------------------------- write
+MODES = ("new", "resume", "overwrite")
+_OPEN: dict[Path, "weakref.ref[ResultWriter]"] = {}  # this process's live writer of each file
+_MIX_HINT = "choose another --out, pass --overwrite, or allow mixing (--allow-mixed)"
+
+
+def _values(df: pd.DataFrame, col: str) -> list[str]:
+    return sorted(map(str, df[col].dropna().unique())) if col in df else []
+
+
+class ResultWriter:
+    """The rows of one sweep in `<out_dir>/<sweep>.parquet`, rewritten atomically on every `write`.
+
+        writer = ResultWriter(out, "ddp", mode="resume", expect={"size": "xl", "device": "cuda"})
+
+    `mode`: `new` (default) refuses an existing file; `resume` keeps its rows, and `done(trial_id)` says which
+    trials they cover (`ok`, `oom`, `skipped`; `error`/`timeout` trials are retried); `overwrite` starts empty
+    and replaces the file at the first write (the old file stays if nothing is written). `resume=True` is
+    `mode="resume"`. Resuming refuses (`ResultsError`) a file with rows of another commit (`git_sha`) or with
+    values of `expect`'s columns other than this run's, and `write` refuses an `ok` row measured on a
+    `device_name` the file's `ok` rows do not have; `allow_mixed=True` lifts these checks.
+
+    While it lives the writer holds an exclusive lock on the file (`raysys.files.FileLock`): a second run fails
+    at once with `FileBusy`. Opening the same file again in this process hands the lock to the new writer; the
+    old one then refuses to write. `close()` (or the `with` block, or the process's end) releases it.
     """
 
     FINAL = ("ok", "oom", "skipped")
 
-    def __init__(self, out_dir: str | os.PathLike, sweep: str, *, resume: bool = False):
-        if not sweep or "/" in sweep:
-            raise ValueError(f"sweep name {sweep!r} must be a non-empty file stem")
-        self.path = Path(out_dir).expanduser().resolve() / f"{sweep}.parquet"
-        self.sweep = sweep
+    def __init__(self, out_dir: str | os.PathLike, sweep: str, *, mode: str | None = None,
+                 resume: bool | None = None, allow_mixed: bool = False, expect: Mapping[str, Any] | None = None):
+        if resume is not None and mode is not None and (mode == "resume") != bool(resume):
+            raise ValueError(f"mode={mode!r} contradicts resume={resume!r}")
+        mode = mode or ("resume" if resume else "new")
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} must be one of {MODES}")
+        self.sweep, self.mode, self.allow_mixed = check_sweep_name(sweep), mode, allow_mixed
+        self.path = prepare_out_dir(out_dir) / f"{sweep}.parquet"
+        if self.path.is_dir():
+            raise ResultsError(f"{self.path} is a directory, not a Parquet file")
         self.rows: list[dict[str, Any]] = []
-        if resume and self.path.exists():
-            old = pd.read_parquet(self.path)
-            self.rows = old.to_dict("records")
+        self._devices: set[str] = set()
+        self._superseded = False
+        self._lock: FileLock | None = None
+        previous = _OPEN.get(self.path)
+        holder = previous() if previous is not None else None
+        holder = holder if holder is not None and holder._lock is not None else None
+        lock = None if holder is not None else FileLock(self.path)
+        try:
+            if holder is None:
+                remove_stale_tmp(self.path, all_stale=True)  # we hold the lock: no live writer owns one
+            self._open_existing(dict(expect or {}))
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+        if holder is not None:
+            lock, holder._lock, holder._superseded = holder._lock, None, True
+        self._lock = lock
+        _OPEN[self.path] = weakref.ref(self)
+
+    def _open_existing(self, expect: dict[str, Any]) -> None:
+        if not self.path.exists():
+            return
+        if self.mode == "new":
+            raise ResultsError(f"{self.path} already exists; pass --resume to continue it, --overwrite to replace "
+                               f"it, or choose another --out")
+        if self.mode == "overwrite":
+            return
+        try:
+            old = _read_parquet(self.path)
+        except ResultsError as exc:
+            raise ResultsError(f"{exc}; --overwrite replaces it") from None
+        if not self.allow_mixed:
+            shas = _values(old, "git_sha")
+            if shas and shas != [here := _git_sha()]:
+                raise ResultsError(f"{self.path} holds rows of commit {', '.join(shas)}, this run is commit {here}; "
+                                   f"resuming would mix them ({_MIX_HINT})")
+            for key, value in expect.items():
+                seen = _values(old, key)
+                if seen and seen != [str(value)]:
+                    raise ResultsError(f"{self.path} holds rows with {key} = {', '.join(seen)}, this run has "
+                                       f"{key} = {value}; resuming would mix them ({_MIX_HINT})")
+            if "status" in old:
+                self._devices = set(_values(old[old["status"] == "ok"], "device_name"))
+        self.rows = old.to_dict("records")
 
     def done(self, tid: str) -> bool:
         return any(r.get("trial_id") == tid and r.get("status") in self.FINAL for r in self.rows)
 
     def write(self, rows: Iterable[Mapping[str, Any]]) -> Path:
+        """Add `rows` (replacing earlier rows of the same trial ids) and rewrite the file atomically."""
+        if self._lock is None:
+            why = "another ResultWriter of this file was opened in this process" if self._superseded else "closed"
+            raise ResultsError(f"{self.path}: this writer can no longer write ({why})")
         new = [dict(r) for r in rows]
-        replaced = {r["trial_id"] for r in new if "trial_id" in r}
-        self.rows = [r for r in self.rows if r.get("trial_id") not in replaced] + new
-        return write_parquet(_normalise(self.rows), self.path)
+        for r in new:
+            if r.get("sweep") != self.sweep or not r.get("trial_id"):
+                raise ValueError(f"row {str(r)[:120]} is not a row of sweep {self.sweep!r} with a trial_id "
+                                 f"(use make_row)")
+            device = r.get("device_name")
+            if (self._devices and not self.allow_mixed and r.get("status") == "ok" and device is not None
+                    and str(device) not in self._devices):
+                raise ResultsError(f"{self.path} holds rows measured on {', '.join(sorted(self._devices))}, this "
+                                   f"row on {device}; resuming would mix them ({_MIX_HINT})")
+        replaced = {r["trial_id"] for r in new}
+        after = [r for r in self.rows if r.get("trial_id") not in replaced] + new
+        path = write_parquet(_normalise(after), self.path)
+        self.rows = after  # only once on disk: a failed write leaves the writer as the file is
+        return path
 
     def frame(self) -> pd.DataFrame:
         return _normalise(self.rows)
 
+    def close(self) -> None:
+        """Release the file's lock (idempotent); the rows stay readable through `rows` and `frame()`."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+            if (ref := _OPEN.get(self.path)) is not None and ref() is self:
+                del _OPEN[self.path]
 
-def read_results(path: str | os.PathLike) -> pd.DataFrame:
-    """Load one `<sweep>.parquet` file, or every Parquet file of a directory (with a `source` column)."""
-    path = Path(path)
-    if path.is_dir():
-        frames = [pd.read_parquet(p).assign(source=p.stem) for p in sorted(path.glob("*.parquet"))]
-        if not frames:
-            raise ValueError(f"no .parquet files in {path}")
-        return pd.concat(frames, ignore_index=True)
-    if not path.exists():
-        raise ValueError(f"results path {path} does not exist")
-    return pd.read_parquet(path)
+    def __enter__(self) -> "ResultWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

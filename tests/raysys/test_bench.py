@@ -121,7 +121,8 @@ def test_results_writer_atomic_and_resume(tmp_path):
     w = ResultWriter(tmp_path, "demo")
     w.write([make_row("demo", cfg, {"m": 1.0})])
     w.write([make_row("demo", {"a": 2, "b": "y"}, status="error", error="boom")])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo.parquet"]  # no temp files left behind
+    # no temp files left behind; the lock file lives as long as the writer
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".demo.parquet.lock", "demo.parquet"]
     resumed = ResultWriter(tmp_path, "demo", resume=True)
     assert resumed.done(trial_id(cfg)) and not resumed.done(trial_id({"a": 2, "b": "y"}))  # errors are retried
     resumed.write([make_row("demo", {"a": 2, "b": "y"}, {"m": 2.0})])
