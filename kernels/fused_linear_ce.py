@@ -1,0 +1,274 @@
+"""Fused LM head + cross-entropy: the mean loss and its gradients without the (tokens x vocab) logits.
+
+loss = mean_i [ logsumexp_j(z_ij) - z_i,y_i ] with z = H W^T, the semantics of `raysys.model.cross_entropy(H @ W.T,
+y)` (max-subtracted log-sum-exp, fp32 arithmetic, mean over positions). Shape legend: N tokens (all leading dims
+of `hidden` flattened), D model dim, V vocab, C rows per chunk. hidden (..., D), weight (V, D), targets (...) int64.
+
+The gradients are computed during the forward [Liger-Kernel's fused linear cross-entropy; Wijmans et al., Cut
+Your Losses, 2024]: per chunk of C tokens, (1) z = H_c W^T into one reused (C, V) buffer; (2) `_ce_loss_grad_kernel`
+reads each row twice (online max / sum of exponentials, then softmax - onehot) in fp32, writes the row's loss and
+overwrites the row with d loss_i / d z_i in place; (3) dH_c = dZ W / N; (4) dW (+)= dZ^T H_c / N (cuBLAS alpha/beta,
+no zero fill). Backward only scales dH and dW by the upstream gradient, in place. No tensor of more than C x V
+elements ever exists; C = `chunk_rows(...)` keeps that buffer under `MAX_CHUNK_BYTES`.
+
+Precision: z and dZ are held in the inputs' dtype, as the model's own `lm_head` would return z (so a bf16 model's
+loss sees the same logits), which halves the chunk buffer against fp32 and so halves the number of passes over dW
+for a given memory budget. The loss, the log-sum-exp and the softmax are fp32 in the kernel; the matmuls
+accumulate in fp32 and scale by 1/N through alpha before rounding (no fp16 underflow of p/N). dW accumulates in
+its own dtype across chunks: for bf16 that is one bf16 rounding per chunk (N / C of them), because an fp32 (V, D)
+accumulator alone (2.3 GiB at V 151936, D 4096) would break the 1 GiB budget; fp32 inputs are exact fp32.
+
+On CUDA a target outside [0, V) makes its row's loss NaN (checking on the host would synchronise); on the CPU
+it raises ValueError. `linear_cross_entropy` is the custom op `raysys::linear_cross_entropy` (with a fake
+kernel and autograd), so `torch.compile` of a function calling it traces it as one opaque node. Under
+`TRITON_INTERPRET=1` the kernel runs on CPU tensors (fp32 / fp16; the interpreter has no bf16).
+
+    loss = linear_cross_entropy(hidden, lm_head.weight, targets)   # fp32 scalar, differentiable
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.flash_attention_tuning import INTERPRET
+
+MAX_CHUNK_BYTES = 768 * 2**20
+"""Budget of the one (C, V) logits buffer; with the loss rows and cuBLAS workspaces the extra memory of the op stays
+under 1 GiB at N 32768, V 151936, D 4096 in bf16 (C = 2560)."""
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _ce_loss_grad_kernel(logits_ptr, targets_ptr, loss_ptr, stride_zc, vocab,
+                         BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr):
+    """One program per row of the chunk: loss_i = logsumexp(z_i) - z_i,y and, in place, z_i <- softmax(z_i) - onehot."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_zc
+    target = tl.load(targets_ptr + row)
+    cols = tl.arange(0, BLOCK_V)
+
+    # 1. Online max m and sum s of exp(z - m), fp32, one read of the row; z_y picked up on the way, so the row is
+    #    only written (step 2) after every read of it in this program.
+    m = -float("inf")
+    s = 0.0
+    z_target = 0.0
+    for start in range(0, vocab, BLOCK_V):
+        idx = start + cols
+        z = tl.load(row_ptr + idx, mask=idx < vocab, other=-float("inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        m = m_new
+        z_target += tl.sum(tl.where(idx == target, z, 0.0), axis=0)
+    log_s = tl.log(s)
+    # As the reference: log(sum exp(z - max)) - (z_y - max).
+    loss = log_s - (z_target - m)
+    loss = tl.where((target >= 0) & (target < vocab), loss, float("nan"))
+    tl.store(loss_ptr + row, loss)
+
+    # 2. d loss_i / d z_i = softmax(z_i) - onehot(y_i); the 1/N of the mean is applied by the matmuls' alpha.
+    if WRITE_GRAD:
+        lse = m + log_s
+        for start in range(0, vocab, BLOCK_V):
+            idx = start + cols
+            mask = idx < vocab
+            z = tl.load(row_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+            p = tl.exp(z - lse)
+            grad = tl.where(idx == target, p - 1.0, p)
+            tl.store(row_ptr + idx, grad.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+def _kernel_config(vocab: int) -> dict:
+    """Block and warps of the row kernel. Fixed, not autotuned: the kernel overwrites its input, so a tuner would
+    have to clone the whole (C, V) chunk (`restore_value`) on every trial, doubling the op's memory once."""
+    if INTERPRET:
+        return dict(BLOCK_V=min(64, triton.next_power_of_2(vocab)), num_warps=1)
+    return dict(BLOCK_V=min(4096, triton.next_power_of_2(vocab)), num_warps=8)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------------------
+# Every buffer of the op is allocated here; the tests wrap it to prove that no (N, V) tensor is ever made.
+_empty = torch.empty
+
+
+@contextlib.contextmanager
+def _device_of(t: torch.Tensor):
+    if t.device.type == "cuda":
+        with torch.cuda.device(t.device):
+            yield
+    else:
+        yield
+
+
+def chunk_rows(num_tokens: int, vocab: int, dtype: torch.dtype, max_bytes: int = MAX_CHUNK_BYTES) -> int:
+    """Rows C of the logits buffer: as many as `max_bytes` allows (a multiple of 256 when that is >= 256, for
+    full matmul tiles), at least 1, at most `num_tokens`."""
+    rows = max(1, max_bytes // (vocab * torch.empty((), dtype=dtype).element_size()))
+    if rows >= 256:
+        rows -= rows % 256
+    return max(1, min(rows, num_tokens))
+
+
+def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, check_values: bool = True
+                 ) -> None:
+    """ValueError naming the offending shape, dtype or device, before any work; with `check_values`, CPU targets
+    outside the vocab too (a data-dependent check, which a traced caller leaves to the op itself)."""
+    for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if hidden.dim() < 1 or weight.dim() != 2:
+        raise ValueError(f"hidden (..., d) {tuple(hidden.shape)} and weight (vocab, d) {tuple(weight.shape)} must be "
+                         "at least 1-D and 2-D")
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden's last dim ({hidden.shape[-1]}) must equal weight's d ({weight.shape[1]}); "
+                         f"hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(f"targets {tuple(targets.shape)} must have hidden's leading shape {tuple(hidden.shape[:-1])}")
+    if hidden.dtype not in SUPPORTED_DTYPES or weight.dtype != hidden.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share one dtype of "
+                         f"{', '.join(map(str, SUPPORTED_DTYPES))}")
+    if targets.dtype != torch.int64:
+        raise ValueError(f"targets dtype {targets.dtype} must be torch.int64")
+    if hidden.numel() == 0 or weight.shape[0] == 0:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} need at least one token, one "
+                         "vocab entry and d >= 1 (the mean over zero tokens is undefined)")
+    if not (hidden.device == weight.device == targets.device):
+        raise ValueError(f"hidden ({hidden.device}), weight ({weight.device}) and targets ({targets.device}) must be "
+                         "on one device")
+    if hidden.device.type != "cuda":
+        if not INTERPRET:
+            raise ValueError(f"tensors on {hidden.device} need a CUDA device, or TRITON_INTERPRET=1 set before "
+                             "kernels.fused_linear_ce is imported (CPU interpreter)")
+        if hidden.dtype == torch.bfloat16:
+            raise ValueError("dtype torch.bfloat16 is not supported by the Triton CPU interpreter (NumPy has no "
+                             "bfloat16); use float16 or float32 under TRITON_INTERPRET=1")
+        if check_values:
+            bad = (targets < 0) | (targets >= weight.shape[0])
+            if bool(bad.any()):
+                raise ValueError(f"targets must lie in [0, {weight.shape[0]}) (the vocab), got "
+                                 f"{targets[bad].flatten()[0].item()}")
+
+
+def linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                             chunk_size: int | None = None, grad_hidden: bool = True, grad_weight: bool = True
+                             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(mean loss fp32 0-dim, dL/dhidden shaped like hidden or None, dL/dweight like weight or None).
+
+    `chunk_size` rows per logits chunk (default `chunk_rows`); the gradients asked for are computed here."""
+    check_inputs(hidden, weight, targets)
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size ({chunk_size!r}) must be a positive int")
+    vocab, dim = weight.shape
+    h2 = hidden.reshape(-1, dim)
+    y = targets.reshape(-1).contiguous()
+    num_tokens = h2.shape[0]
+    rows = min(chunk_size or chunk_rows(num_tokens, vocab, hidden.dtype), num_tokens)
+    need_grad = grad_hidden or grad_weight
+    inv_n = 1.0 / num_tokens
+    cfg = _kernel_config(vocab)
+
+    loss_rows = _empty((num_tokens,), dtype=torch.float32, device=hidden.device)
+    logits = _empty((rows, vocab), dtype=hidden.dtype, device=hidden.device)
+    dh = _empty((num_tokens, dim), dtype=hidden.dtype, device=hidden.device) if grad_hidden else None
+    dw = _empty((vocab, dim), dtype=weight.dtype, device=weight.device) if grad_weight else None
+    with _device_of(hidden):
+        for start in range(0, num_tokens, rows):
+            stop = min(start + rows, num_tokens)
+            h_c = h2[start:stop]
+            z = logits[: stop - start]
+            torch.mm(h_c, weight.t(), out=z)
+            _ce_loss_grad_kernel[(stop - start,)](z, y[start:stop], loss_rows[start:stop], z.stride(0), vocab,
+                                                  WRITE_GRAD=need_grad, **cfg)
+            if grad_hidden:
+                dh_c = dh[start:stop]
+                torch.addmm(dh_c, z, weight, beta=0, alpha=inv_n, out=dh_c)
+            if grad_weight:
+                dw.addmm_(z.t(), h_c, beta=0 if start == 0 else 1, alpha=inv_n)
+    loss = loss_rows.mean()
+    return loss, (dh.view(hidden.shape) if grad_hidden else None), dw
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Custom op (what torch.compile sees) with its fake kernel and autograd
+# ----------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("raysys::linear_cross_entropy", mutates_args=())
+def _linear_cross_entropy_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int,
+                             grad_hidden: bool, grad_weight: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    loss, dh, dw = linear_cross_entropy_fwd(hidden, weight, targets, chunk_size=chunk_size or None,
+                                            grad_hidden=grad_hidden, grad_weight=grad_weight)
+    # An op returns tensors: an empty one stands for a gradient nobody asked for.
+    return loss, (dh if dh is not None else hidden.new_empty(0)), (dw if dw is not None else weight.new_empty(0))
+
+
+@_linear_cross_entropy_op.register_fake
+def _(hidden, weight, targets, chunk_size, grad_hidden, grad_weight):
+    loss = hidden.new_empty((), dtype=torch.float32)
+    return (loss, torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0),
+            torch.empty_like(weight) if grad_weight else weight.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output):
+    _, _, _, _, grad_hidden, grad_weight = inputs
+    _, dh, dw = output
+    ctx.grad_hidden, ctx.grad_weight = grad_hidden, grad_weight
+    ctx.save_for_backward(dh, dw)
+
+
+def _backward(ctx, grad_loss, _grad_dh, _grad_dw):
+    dh, dw = ctx.saved_tensors
+    scale = grad_loss.to(dh.dtype)
+    if torch.compiler.is_compiling():
+        # Traced graphs stay functional; the compiler may reuse the saved buffers for the products.
+        return (dh * scale if ctx.grad_hidden else None, dw * scale if ctx.grad_weight else None,
+                None, None, None, None)
+    # Eager: scale in place, so backward needs no second (V, D) buffer. The tensors were saved, so a second
+    # backward through the same graph (retain_graph) fails autograd's version check instead of scaling twice.
+    return (dh.mul_(scale) if ctx.grad_hidden else None, dw.mul_(scale) if ctx.grad_weight else None,
+            None, None, None, None)
+
+
+_linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------------------
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                         chunk_size: int | None = None) -> torch.Tensor:
+    """Mean cross-entropy of `hidden @ weight.T` against `targets` (fp32 0-dim), differentiable in hidden and weight.
+
+    hidden (..., d), weight (vocab, d), targets (...) int64; `chunk_size` overrides the rows per logits chunk."""
+    check_inputs(hidden, weight, targets, check_values=False)  # the op checks the values when it runs
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size ({chunk_size!r}) must be a positive int")
+    grad_on = torch.is_grad_enabled()
+    loss, _, _ = _linear_cross_entropy_op(hidden, weight, targets, chunk_size or 0,
+                                          grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
+    return loss
+
+
+def linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Plain torch on materialised logits, `raysys.model.cross_entropy` semantics: the test oracle (in fp64) and the
+    unfused baseline. Returns the loss in the inputs' dtype, as the reference does."""
+    logits = hidden @ weight.t()
+    logits = logits - logits.amax(dim=-1, keepdim=True)
+    log_z = torch.log(torch.exp(logits).sum(dim=-1))
+    target_logit = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return (log_z - target_logit).mean()
+
+
+def linear_cross_entropy_flops(num_tokens: int, vocab: int, dim: int, mode: str = "fwd_bwd") -> float:
+    """Matmul FLOPs: logits (2 N V D) forward; dH and dW (2 N V D each) backward, here done in the forward pass."""
+    if mode not in ("fwd", "bwd", "fwd_bwd"):
+        raise ValueError(f"mode {mode!r} must be one of fwd, bwd, fwd_bwd")
+    per_matmul = 2.0 * num_tokens * vocab * dim
+    return per_matmul * {"fwd": 1, "bwd": 2, "fwd_bwd": 3}[mode]
