@@ -136,11 +136,16 @@ class _Run:
                 timer.time("optimizer", self.optimizer.step)
 
 
+def row_config(cfg: BenchConfig) -> dict:
+    """The configuration columns of `cfg`'s row, which its trial id hashes: the fields, the model's context length
+    and vocabulary, and the resolved device type (so `--resume` can skip it before running)."""
+    return {**cfg.as_dict(), "device": resolve_device(cfg.device).type}
+
+
 def run_benchmark(cfg: BenchConfig, out_dir: str | Path | None = None) -> tuple[dict, pd.DataFrame | None]:
     """Run one benchmark; return (result row, kernel table or None). Artifacts (traces, snapshots) go to out_dir."""
     device = resolve_device(cfg.device)
-    config = cfg.as_dict()
-    config["device"] = device.type
+    config = row_config(cfg)
     mc = cfg.model_config()
     run = None
     try:
@@ -179,8 +184,8 @@ def run_benchmark(cfg: BenchConfig, out_dir: str | Path | None = None) -> tuple[
             kernels = kernels.assign(trial_id=row["trial_id"], size=cfg.size, context_length=mc.context_length,
                                      dtype=cfg.dtype, mode=cfg.mode)
         return row, kernels
-    except (torch.OutOfMemoryError, RuntimeError) as exc:
-        if status_of(exc) != "oom" and not isinstance(exc, torch.OutOfMemoryError):
+    except (torch.OutOfMemoryError, RuntimeError, MemoryError) as exc:  # CPU allocation failures are oom too
+        if status_of(exc) != "oom":
             raise
         return make_row("bench", config, status="oom", error=f"{type(exc).__name__}: {str(exc)[:400]}", device=device), None
     finally:

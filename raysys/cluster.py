@@ -280,9 +280,11 @@ def _run_sweep(sweep: str, trials: list[dict], trial_fn: Callable[..., Any], wor
                 rows.append(row)
                 bar.set_postfix_str(row["status"])
                 bar.update()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         bar.close()
-        print(interrupted_message(sweep, len(rows), len(configs), writer.path), file=sys.stderr, flush=True)
+        message = interrupted_message(sweep, len(rows), len(configs), writer.path)
+        print(message, file=sys.stderr, flush=True)
+        exc.add_note(message)  # the script's entry point (raysys.cli.run_script) then adds nothing
         raise
     finally:
         bar.close()
@@ -484,10 +486,11 @@ def _tune_run(trainable: Callable[[dict], Any], param_space: Mapping[str, Any], 
             try:
                 with interrupt_on_sigterm(), _tune_sigint_as_interrupt():
                     results = tuner.fit()
-            except KeyboardInterrupt:
+            except KeyboardInterrupt as exc:
                 bar.close()
-                print(interrupted_message(sweep, len(rows), len(todo) if todo is not None else None, writer.path),
-                      file=sys.stderr, flush=True)
+                message = interrupted_message(sweep, len(rows), len(todo) if todo is not None else None, writer.path)
+                print(message, file=sys.stderr, flush=True)
+                exc.add_note(message)
                 ray.shutdown()  # this driver's Tune trials die with it
                 raise
             finally:

@@ -117,7 +117,9 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> Path:
             pass
         if isinstance(exc, OSError) and exc.errno in _NO_SPACE:
             state = (f"the previous {path.name} is intact" if path.exists() else f"{path.name} was not written")
-            raise DiskFull(exc.errno, f"no space left writing {path} ({os.strerror(exc.errno)}); {state}") from exc
+            full = DiskFull(f"no space left writing {path} ({os.strerror(exc.errno)}); {state}")
+            full.errno = exc.errno
+            raise full from exc
         raise
     _fsync_dir(path.parent)
     return path

@@ -1,0 +1,82 @@
+"""run_sweep's input is checked before any work, resource-sized input is bounded by the machine, and Ctrl-C
+says how far the sweep got. Plain processes (`launcher="mp"`) only: no Ray is started here."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import pytest
+
+from raysys.cluster import PlacementInfeasible, ProcessGang, check_gang, interrupted_message, run_sweep
+from raysys.rank import MIN_CPU_RANKS, max_cpu_ranks
+from raysys.results import read_results
+
+
+def _trial(ctx, config: dict) -> dict:
+    return {"rank_sum": ctx.rank, "x2": config["x"] * 2}
+
+
+def _hostile_metric(ctx, config: dict) -> dict:
+    return {"status": "great"}
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"trial_id": "mine"}, "config key 'trial_id' would overwrite"),
+    ({"run_id": 1}, "config key 'run_id' would overwrite"),
+    ({"world_size": 3}, "trial config world_size=3 contradicts the gang's world_size=1"),
+    ({"launcher": "ray"}, "trial config launcher='ray' contradicts the gang's launcher='mp'"),
+])
+def test_hostile_trial_configs_are_refused_before_anything_runs(tmp_path, config, match):
+    with pytest.raises(ValueError, match=match):
+        run_sweep("toy", [{"x": 1}, {"x": 2, **config}], _trial, 1, tmp_path, device="cpu", launcher="mp")
+    assert not list(tmp_path.iterdir()) and not multiprocessing.active_children()
+
+
+def test_bad_sweep_names_are_refused(tmp_path):
+    for name in ("x" * 300, "../etc", ""):
+        with pytest.raises(ValueError, match="sweep name"):
+            run_sweep(name, [{"x": 1}], _trial, 1, tmp_path, device="cpu", launcher="mp")
+
+
+def test_mp_world_size_is_bounded_by_the_machine_before_spawning(tmp_path):
+    limit = max_cpu_ranks(len(os.sched_getaffinity(0)), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    assert MIN_CPU_RANKS <= limit < 10**5
+    for world_size in (limit + 1, 10**6):
+        with pytest.raises(PlacementInfeasible, match=f"asked for {world_size} CPU ranks on this machine"):
+            ProcessGang(world_size, device="cpu").start()  # the library call, not only the CLI
+        with pytest.raises(PlacementInfeasible, match=f"at most {limit}"):
+            check_gang(world_size, device="cpu", launcher="mp")
+    assert not multiprocessing.active_children()
+    df = run_sweep("toy", [{"x": 1}, {"x": 2}], _trial, 10**6, tmp_path, device="cpu", launcher="mp", show=False)
+    assert list(df["status"]) == ["skipped", "skipped"] and "allow at most" in df["error"][0]
+    assert not multiprocessing.active_children()
+    assert max_cpu_ranks(2, 24 * 2**30) == 8 and max_cpu_ranks(64, 512 * 2**30) == 256
+    assert max_cpu_ranks(64, 4 * 2**30) == 16  # memory bounds it too
+
+
+@pytest.mark.multiproc
+def test_ctrl_c_says_how_far_the_sweep_got_and_keeps_its_rows(tmp_path, capsys):
+    calls = []
+
+    def reduce(config, per_rank):  # runs in the driver: the user presses Ctrl-C during the second trial
+        calls.append(config["x"])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return per_rank[0]
+
+    trials = [{"x": 1}, {"x": 2}, {"x": 3}]
+    with pytest.raises(KeyboardInterrupt) as err:
+        run_sweep("toy", trials, _trial, 1, tmp_path, device="cpu", launcher="mp", reduce=reduce, show=False)
+    line = interrupted_message("toy", 1, 3, tmp_path / "toy.parquet")
+    assert line == (f"toy: interrupted after 1 of 3 trials; its rows are in {tmp_path / 'toy.parquet'}; "
+                    "rerun with --resume to continue")
+    assert line in capsys.readouterr().err.splitlines() and err.value.__notes__ == [line]
+    assert list(read_results(tmp_path / "toy.parquet")["x"]) == [1]
+    assert not multiprocessing.active_children()  # the gang was shut down
+    df = run_sweep("toy", trials, _trial, 1, tmp_path, device="cpu", launcher="mp", resume=True, show=False)
+    assert list(df["x2"]) == [2, 4, 6] and calls == [1, 2]
+
+    with pytest.raises(ValueError, match="metric 'status' would overwrite the row's own 'status' column"):
+        run_sweep("hostile", [{"x": 1}], _hostile_metric, 1, tmp_path, device="cpu", launcher="mp", show=False)
+    assert not (tmp_path / "hostile.parquet").exists()
