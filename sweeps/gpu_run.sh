@@ -4,7 +4,7 @@
 # collectives grid excepted, whose Ray / mp comparison needs one run) and the results packed into $OUT/results.tgz.
 # Run from the repository root, e.g. on a lent GPU host:
 #
-#   bash sweeps/gpu_run.sh dist      # 2 GPUs: NCCL-setting scan + collectives grid, DDP + sharded optimizer (~9 min)
+#   bash sweeps/gpu_run.sh dist      # 2 GPUs: NCCL-setting scan + collectives grid, DDP, sharded optimizer (~9 min)
 #   bash sweeps/gpu_run.sh allreduce # 2 GPUs: the NCCL-setting scan + collectives grid alone               (~4 min)
 #   bash sweeps/gpu_run.sh fsdp      # 2 GPUs: FSDP study (all variants), the gpu-marked tests (-n 8)     (~7 min)
 #   bash sweeps/gpu_run.sh paired    # 2 GPUs: bf16 DDP and FSDP, every variant also against single in
@@ -19,7 +19,9 @@
 set -u
 phase=${1:?usage: gpu_run.sh dist|allreduce|fsdp|paired|compiled|ckpt|flash|tests|e2e}
 OUT=${OUT:-/tmp/raysys-gpu}
-RESULTS=${RESULTS:-results}
+# Results go to a run directory of their own (never straight into the committed results/): running a phase again
+# continues it (--resume of the same commit); copy what you keep into results/ afterwards.
+RESULTS=${RESULTS:-runs/gpu}
 mkdir -p "$OUT" "$RESULTS"
 export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -53,7 +55,7 @@ DDP_VARIANTS=single,naive,flat,overlapped,bucketed:1,bucketed:10,bucketed:100,bu
 DDP_VARIANTS+=,torch,bucketed:100@8,bucketed:100@8+carve,bucketed:1000@8
 
 allreduce() {  # the scan (mp launch, all-reduce, 2 ranks; its own file), then the whole grid with the best setting
-  # and the defaults in ONE run (no --resume: every Ray / mp pair the targets compare is measured together)
+  # and the defaults in ONE run (--overwrite, not --resume: each Ray / mp pair the targets compare is measured together)
   local scan=() env best
   for env in "${NCCL_SCAN[@]}"; do scan+=(--nccl-env "$env"); done
   study allreduce_scan 240 python3 sweeps/allreduce.py --device cuda --out "$RESULTS" --resume --world-sizes 2 \
@@ -68,14 +70,14 @@ PY
   echo "   best NCCL setting at 1 GiB: $best"
   local grid=(--nccl-env default)
   [ "$best" != default ] && grid+=(--nccl-env "$best")
-  study allreduce 180 python3 sweeps/allreduce.py --device cuda --out "$RESULTS" "${grid[@]}"
+  study allreduce 180 python3 sweeps/allreduce.py --device cuda --out "$RESULTS" --overwrite "${grid[@]}"
 }
 
 paired_studies() {  # paired_studies FOLDER [--compile]: the bf16 DDP and FSDP targets, each variant against single
   local dir=$1
   shift
   mkdir -p "$dir"
-  study ddp_paired 270 python3 sweeps/ddp.py --device cuda --out "$dir" --resume --studies ddp --dtypes bf16 \
+  study ddp_paired 270 python3 sweeps/ddp.py --device cuda --out "$dir" --resume --dtypes bf16 \
     --warmup 2 --steps 8 --max-steps 12 --paired-rounds 6 --profile "" "$@" \
     --variants single,overlapped,bucketed:100,bucketed:1000,torch
   study fsdp_paired 200 python3 sweeps/fsdp.py --device cuda --out "$dir" --resume --dtypes bf16 --profile "" \
@@ -85,8 +87,10 @@ paired_studies() {  # paired_studies FOLDER [--compile]: the bf16 DDP and FSDP t
 case $phase in
   dist)
     allreduce
-    study ddp 330 python3 sweeps/ddp.py --device cuda --out "$RESULTS" --resume --warmup 2 --steps 8 \
+    study ddp 270 python3 sweeps/ddp.py --device cuda --out "$RESULTS" --resume --warmup 2 --steps 8 \
       --max-steps 12 --variants "$DDP_VARIANTS" --profile naive,overlapped
+    study sharded_optimizer 60 python3 sweeps/sharded_optimizer.py --device cuda --out "$RESULTS" --resume \
+      --warmup 2 --steps 8
     ;;
   allreduce)
     allreduce

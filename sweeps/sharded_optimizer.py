@@ -1,5 +1,6 @@
 """Optimizer-state sharding on a gang of ranks (handout 6, optimizer_state_sharding_accounting): peak memory
-and time per step with and without `parallel.sharded_optimizer.ShardedOptimizer`.
+and time per step with and without `parallel.sharded_optimizer.ShardedOptimizer`; one row per dtype x arm in
+`<out>/sharded_optimizer.parquet`.
 
 Both arms train the same model under `BucketedDDP` (100 MiB buckets, gradients as bucket views) with torch's
 AdamW (fused on CUDA); the sharded arm wraps that AdamW in `ShardedOptimizer`, so each rank keeps the two
@@ -10,17 +11,18 @@ optimizer are built (`init`); directly before the optimizer step of a steady-sta
 backward and gradient synchronisation); directly after it (`after_step`). At each point `peak_*` is the peak
 allocated since the previous point, and the memory allocated at that moment is split into parameters,
 gradients (`.grad` and DDP bucket buffers, each storage once), optimizer state (this rank's) and the rest
-(activations still alive, the optimizer's and NCCL's temporaries, the allocator's rounding). Time per step:
-warm-up, then timed steps as in `sweeps/ddp.py` (the optimizer phase includes the parameter broadcasts).
+(activations still alive, temporaries, the allocator's rounding). Time per step: warm-up, then timed steps
+as in `sweeps/ddp.py` (the optimizer phase includes the parameter broadcasts). Without GPUs: gloo ranks on
+the CPU, the `tiny` model, fp32 (no allocator statistics there: peak and other are NaN).
 
-Run by `python sweeps/ddp.py` (study `sharded`), or alone:
-
-    python sweeps/sharded_optimizer.py [--device cuda] [--out DIR] [--dtypes fp32,bf16] [--size xl]
+    python sweeps/sharded_optimizer.py --out /tmp/sharded          # embedded Ray; CPU/gloo without a GPU
+    python sweeps/sharded_optimizer.py --device cuda --dtypes fp32,bf16 --out "$PWD/results" --overwrite
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,23 +35,41 @@ from parallel.ddp import BucketedDDP  # noqa: E402
 from parallel.sharded_optimizer import ShardedOptimizer  # noqa: E402
 from raysys.device import synchronize  # noqa: E402
 from raysys.memory import unique_storage_bytes  # noqa: E402
-from raysys.model import TransformerLM  # noqa: E402
-from raysys.train_step import Marks, TrainStep, TrialScope, release, time_steps  # noqa: E402
-from sweeps.ddp import adamw_kwargs, make_batch, model_config, setup_sentence  # noqa: E402
+from raysys.train_step import Marks, TrainStep, release, time_steps  # noqa: E402
+from sweeps.common import (GANG_DTYPES, GangTrial, adamw_kwargs, add_model_flags, build_model,  # noqa: E402
+                           check_fits, grid_values, in_trial_scope, join_parts, list_flag, main_entry, not_measured,
+                           output_dir, parse_list, print_written, pyplot, read_rows, run_gang_study, save_figure,
+                           setup_sentence, study_parser, write_markdown)
 
 SWEEP = "sharded_optimizer"
 POINTS = ("init", "before_step", "after_step")
 PARTS = ("params", "grads", "optimizer_state", "other")
 DDP_BUCKET_MB = 100.0
+DEFAULTS = {"cuda": dict(size="xl", context_length=512, dtypes="fp32", batch_per_rank=2, warmup=3, steps=10),
+            "cpu": dict(size="tiny", context_length=64, dtypes="fp32", batch_per_rank=2, warmup=3, steps=10)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardedTrial(GangTrial):
+    """One arm (optimizer state sharded or not) in one dtype."""
+
+    sharded: bool
+    """AdamW wrapped in ShardedOptimizer (each rank keeps the state of ~1/N of the parameters)."""
+    ddp_bucket_mb: float = DDP_BUCKET_MB
+    """Bucket size of the BucketedDDP wrapper both arms train under, MiB."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.warmup < 1:
+            raise ValueError(f"warmup ({self.warmup}) must be >= 1: the optimizer state must exist before memory is "
+                             "measured")
 
 
 def trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: list[str], warmup: int, steps: int,
-           seed: int = 0) -> list[dict]:
-    model_config(size, context_length)
-    if warmup < 1:
-        raise ValueError(f"warmup ({warmup}) must be >= 1: the optimizer state must exist before memory is measured")
-    return [{"size": size, "context_length": context_length, "batch_per_rank": batch_per_rank, "dtype": dtype,
-             "sharded": sharded, "ddp_bucket_mb": DDP_BUCKET_MB, "warmup": warmup, "steps": steps, "seed": seed}
+           seed: int = 0) -> list[ShardedTrial]:
+    """Both arms per dtype, unsharded first."""
+    return [ShardedTrial(size=size, context_length=context_length, batch_per_rank=batch_per_rank, dtype=dtype,
+                         sharded=sharded, warmup=warmup, steps=steps, seed=seed)
             for dtype in dtypes for sharded in (False, True)]
 
 
@@ -57,17 +77,14 @@ def trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: list[
 def memory_breakdown(model: BucketedDDP, optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, float]:
     """Bytes allocated now, split into PARTS; every storage is counted once, in the first part that holds it."""
     seen: set[int] = set()
-
-    def storage_bytes(tensors) -> int:
-        return unique_storage_bytes(tensors, seen)
-
     params = list(model.parameters())
     inner = optimizer.local_optimizer if isinstance(optimizer, ShardedOptimizer) else optimizer
     out = {
-        "params": storage_bytes(params),
-        "grads": storage_bytes([p.grad for p in params if p.grad is not None]
-                               + [b.buffer for b in model.buckets if b.buffer is not None]),
-        "optimizer_state": storage_bytes(v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)),
+        "params": unique_storage_bytes(params, seen),
+        "grads": unique_storage_bytes([p.grad for p in params if p.grad is not None]
+                                      + [b.buffer for b in model.buckets if b.buffer is not None], seen),
+        "optimizer_state": unique_storage_bytes((v for s in inner.state.values() for v in s.values()
+                                                 if torch.is_tensor(v)), seen),
     }
     if device.type == "cuda":
         out["other"] = torch.cuda.memory_allocated(device) - sum(out.values())
@@ -86,29 +103,25 @@ def _peak(device: torch.device) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------- trial
-def sharded_trial(ctx, config: dict) -> dict:
+def sharded_trial(ctx, trial: ShardedTrial) -> dict:
     """On every rank: memory at POINTS and time per step, with or without optimizer-state sharding (plus the
-    memory before and after the trial, `raysys.train_step.TrialScope`)."""
-    with TrialScope(ctx.device) as scope:
-        metrics = _sharded_trial(ctx, config)
-    return {**metrics, **scope.metrics}
+    memory before and after the trial)."""
+    return in_trial_scope(_sharded_trial, ctx, ShardedTrial.of(trial))
 
 
-def _sharded_trial(ctx, config: dict) -> dict:
+def _sharded_trial(ctx, trial: ShardedTrial) -> dict:
     device = ctx.device
-    mc = model_config(config["size"], config["context_length"])
     if device.type == "cuda":
         synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    torch.manual_seed(config["seed"])
-    model = BucketedDDP(TransformerLM(mc, device=device), config["ddp_bucket_mb"], process_group=ctx.process_group)
-    if config["sharded"]:
+    model = BucketedDDP(build_model(trial.model_config(), device, seed=trial.seed), trial.ddp_bucket_mb,
+                        process_group=ctx.process_group)
+    if trial.sharded:
         optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, process_group=ctx.process_group,
                                      **adamw_kwargs(device))
     else:
         optimizer = torch.optim.AdamW(model.parameters(), **adamw_kwargs(device))
-    batch = make_batch(mc, config["batch_per_rank"], device, seed=config["seed"] + 1000 * (ctx.rank + 1))
-    step = TrainStep(model, optimizer, batch, config["dtype"], device)
+    step = TrainStep(model, optimizer, trial.batch(device, ctx.rank), trial.dtype, device)
     metrics: dict[str, float] = {}
 
     def record(point: str) -> None:
@@ -118,7 +131,7 @@ def _sharded_trial(ctx, config: dict) -> dict:
 
     try:
         record("init")
-        for _ in range(config["warmup"]):
+        for _ in range(trial.warmup):
             step()
         # One steady-state step, opened up at the optimizer step.
         _peak(device)
@@ -126,7 +139,7 @@ def _sharded_trial(ctx, config: dict) -> dict:
         record("before_step")
         optimizer.step()
         record("after_step")
-        metrics.update(time_steps(step, 0, config["steps"]))
+        metrics.update(time_steps(step, 0, trial.steps))
         inner = optimizer.local_optimizer if isinstance(optimizer, ShardedOptimizer) else optimizer
         metrics["owned_params"] = sum(len(g["params"]) for g in inner.param_groups)
     finally:
@@ -134,7 +147,7 @@ def _sharded_trial(ctx, config: dict) -> dict:
     return metrics
 
 
-def reduce_ranks(config: dict, per_rank: list[dict]) -> dict:
+def reduce_ranks(trial: ShardedTrial, per_rank: list[dict]) -> dict:
     """Rank 0's metrics, the slowest rank's step, and the spread of optimizer state over ranks."""
     out = dict(per_rank[0])
     out["step_ms_max_rank"] = max(r["step_ms"] for r in per_rank)
@@ -179,12 +192,8 @@ def markdown(df: pd.DataFrame) -> str:
             "optimizer state, max rank (MiB)": ok["optimizer_state_max_rank_bytes"] / 2**20})
         parts.append("Time per step (the sharded optimizer phase includes the parameter broadcasts):\n\n"
                      + timing.to_markdown(index=False, floatfmt=".3g"))
-    failed = df[df["status"] != "ok"]
-    if not failed.empty:
-        error = failed["error"].astype(str).str.split("\n").str[0].str[:120]
-        view = failed[["dtype", "sharded", "status"]].assign(error=error)
-        parts.append("Not measured:\n\n" + view.to_markdown(index=False))
-    return "\n\n".join(parts) + "\n"
+    parts.append(not_measured(df, ["dtype", "sharded"]))
+    return join_parts(parts)
 
 
 def plot(df: pd.DataFrame, path: Path) -> Path | None:
@@ -192,11 +201,7 @@ def plot(df: pd.DataFrame, path: Path) -> Path | None:
     mem, unit = long_memory(df)
     if mem.empty:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     dtypes = list(dict.fromkeys(mem["dtype"]))
     fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 3.8), squeeze=False)
     colors = {"params": "tab:blue", "grads": "tab:green", "optimizer_state": "tab:red", "other": "tab:gray"}
@@ -215,26 +220,40 @@ def plot(df: pd.DataFrame, path: Path) -> Path | None:
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("Optimizer-state sharding: memory by point", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def write_report(df: pd.DataFrame, out: Path) -> tuple[Path, Path | None]:
-    md_path = out / f"{SWEEP}.md"
-    md_path.write_text(f"## Optimizer-state sharding ({SWEEP})\n\n{markdown(df)}")
-    return md_path, plot(df, out / f"{SWEEP}.png")
+    return write_markdown(out, SWEEP, "Optimizer-state sharding", markdown(df)), plot(df, out / f"{SWEEP}.png")
 
 
-def main(argv: list[str] | None = None):
-    """The `sharded` study of `sweeps/ddp.py` alone (same flags)."""
-    from sweeps import ddp
+# ---------------------------------------------------------------------------------------------------- main
+def build_parser():
+    p = study_parser(__doc__, SWEEP, gang=True,
+                     device_help="cuda: NCCL, one GPU per rank; cpu: gloo; auto: cuda if the cluster has GPUs")
+    add_model_flags(p, DEFAULTS)
+    list_flag(p, "--dtypes", default="fp32", aliases=("--dtype", "--sharded-dtypes"),
+              help=f"comma list of {', '.join(GANG_DTYPES)} (bf16: autocast)")
+    return p
 
-    return ddp.main(["--studies", "sharded", *(argv if argv is not None else sys.argv[1:])])
+
+def grid(args, device: str, world_size: int, check_device: bool = True) -> list[ShardedTrial]:
+    """The trials the flags ask for on `device` (its defaults fill the flags left out); every value checked."""
+    out = trials(**grid_values(args, DEFAULTS, device), dtypes=parse_list(args.dtypes, "dtypes", GANG_DTYPES))
+    if check_device:
+        check_fits(out[0].model_config(), out[0].batch_per_rank, world_size, device)
+    return out
+
+
+def main(argv: list[str] | None = None) -> pd.DataFrame:
+    args = build_parser().parse_args(argv)
+    if args.report_only:
+        df, out = read_rows(args, SWEEP), output_dir(args, SWEEP)
+    else:
+        df, out = run_gang_study(args, SWEEP, grid, lambda out: sharded_trial, reduce_ranks)
+    print_written(out, SWEEP, *write_report(df, out))
+    return df
 
 
 if __name__ == "__main__":
-    from raysys.cli import run_script
-
-    sys.exit(run_script(main))
+    sys.exit(main_entry(main))

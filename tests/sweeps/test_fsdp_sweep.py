@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import DeviceType
 
+from raysys.config import ModelConfig
 from raysys.rank import RankContext
 from sweeps import fsdp as fsdp_sweep
 from tests.parallel.dist_utils import run_ranks
@@ -34,7 +35,8 @@ def test_expected_state_by_hand():
     # tiny: vocab 256, d 64, d_ff 128, 2 blocks. Embedding and LM head 256*64 = 16384 each; a block has
     # 4*64*64 + 3*64*128 = 40960 Linear weights and 2*64 = 128 norm weights; final norm 64.
     # P = 2*16384 + 2*(40960 + 128) + 64 = 115008. fp32 params + grads + AdamW's 2 moments = 16 bytes per element.
-    per_rank = lambda variant: fsdp_sweep.expected_state(dict(variant=variant, size="tiny", context_length=16), 2)
+    mc = ModelConfig.from_name("tiny", context_length=16)
+    per_rank = lambda variant: fsdp_sweep.expected_state(mc, variant, 2)  # noqa: E731
     assert per_rank("single")["expected_state_bytes"] == 16 * 115008
     assert per_rank("ddp")["expected_state_bytes"] == 16 * 115008
     # ddp_sharded: params and grads whole (8P), moments split over 2 ranks (8P / 2).

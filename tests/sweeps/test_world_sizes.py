@@ -9,6 +9,7 @@ import pytest
 from sweeps import allreduce
 from sweeps import ddp as ddp_sweep
 from sweeps import fsdp as fsdp_sweep
+from sweeps import sharded_optimizer as sharded_sweep
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 COMMON = ["--device", "cpu", "--launcher", "mp", "--context-length", "16", "--warmup", "1", "--steps", "2"]
@@ -24,9 +25,9 @@ def test_collectives_sweep(tmp_path, world):
 
 @pytest.mark.parametrize("world", [4, 6])
 def test_ddp_and_sharded_optimizer_sweeps(tmp_path, world):
-    frames = ddp_sweep.main([*COMMON, "--world-size", str(world), "--size", "tiny", "--out", str(tmp_path),
-                             "--variants", "single,flat,bucketed:0.05,torch", "--profile", ""])
-    ddp, sharded = frames["ddp"], frames["sharded_optimizer"]
+    ddp = ddp_sweep.main([*COMMON, "--world-size", str(world), "--size", "tiny", "--out", str(tmp_path),
+                          "--variants", "single,flat,bucketed:0.05,torch", "--profile", ""])
+    sharded = sharded_sweep.main([*COMMON, "--world-size", str(world), "--size", "tiny", "--out", str(tmp_path)])
     assert (ddp["status"] == "ok").all(), ddp[["label", "status", "error"]]
     assert (sharded["status"] == "ok").all(), sharded[["sharded", "status", "error"]]
     assert set(ddp["world_size"]) == set(sharded["world_size"]) == {world}

@@ -1,0 +1,548 @@
+"""What the studies in `sweeps/` share, so that a study imports this module and the libraries, never another study.
+
+- Command line: `study_parser` (the flags every study takes: --device, --out, --resume | --overwrite,
+  --allow-mixed, --report-only; `gang=True` adds --launcher, --address, --dashboard, --timeout-s). One spelling
+  per flag across studies; older spellings stay as hidden aliases (`alias`, `list_flag`); --help shows every
+  default (`HelpFormatter`); `add_model_flags` / `grid_values` for the model grid of the gang studies.
+- Checks that run before Ray starts or any trial runs, each a one-line ValueError naming the value and the rule:
+  `check_int`, `check_timeout`, `parse_list`, `model_config`, `check_fits` (a CPU run bounded by the machine's
+  memory), `one_world_size`; `run_gang_study` checks a gang study's whole grid, its results directory and file
+  before it starts Ray.
+- Training pieces of the gang studies: `GangTrial` (the frozen base of DDPTrial, ShardedTrial, FSDPTrial: the
+  trial is its row's configuration, with `.model_config()` and `.batch()`), `build_model`, `adamw_kwargs`,
+  `in_trial_scope`, `profile_one_step`.
+- Output (`raysys.results`): `output_dir` (--out, else a fresh run directory; the committed `results/` only when
+  named), `open_writer` (--resume / --overwrite / --allow-mixed, locked), `main_entry` (bad input is one line and
+  exit 2; Ctrl-C says how many trials finished and how to continue).
+- Report skeleton: `setup_sentence`, `not_measured`, `write_markdown`, `on_cpu` (GPU targets are not judged on
+  rows measured on the CPU), `pyplot` / `save_figure`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import re
+import sys
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from raysys import files  # noqa: E402
+from raysys.config import SIZES, ModelConfig  # noqa: E402
+from raysys.files import write_text  # noqa: E402
+from raysys.model import TransformerLM  # noqa: E402
+from raysys.profiling import profile_steps  # noqa: E402
+from raysys.results import ResultWriter, check_sweep_name  # noqa: E402
+from raysys.train_step import TrialScope, compile_blocks  # noqa: E402
+
+GANG_DTYPES = ("fp32", "bf16")
+"""Precisions of the gang studies: fp32, or bf16 autocast with fp32 master weights."""
+LAUNCHERS = ("ray", "mp")
+NOT_ON_CPU = "not applicable on CPU (a GPU target; these rows ran on gloo ranks on the CPU)"
+
+
+# ---------------------------------------------------------------------------------------------------- command line
+class HelpFormatter(argparse.RawTextHelpFormatter):
+    """Keeps the layout of the help texts and appends each option's default unless its help already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text.lower() or not action.option_strings or action.nargs == 0
+                or action.default in (None, argparse.SUPPRESS)):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class _JoinList(argparse.Action):
+    """`--flag a,b c` -> 'a,b,c': a list flag takes one comma list or several words."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, ",".join(values))
+
+
+def list_flag(p: argparse.ArgumentParser, name: str, *, default: str | None, help: str, aliases: Sequence[str] = ()):
+    """A comma-list flag (`--dtypes fp32,bf16`) with hidden older spellings, which also take the list as separate
+    words (`--study segments context`, as they did)."""
+    p.add_argument(name, default=default, metavar="A,B,..", help=help)
+    for old in aliases:
+        alias(p, old, name, nargs="+", action=_JoinList)
+
+
+def alias(p: argparse.ArgumentParser, old: str, new: str, **kwargs) -> None:
+    """`old` as a hidden spelling of `new` (absent from --help, same destination)."""
+    p.add_argument(old, dest=new.lstrip("-").replace("-", "_"), default=argparse.SUPPRESS, help=argparse.SUPPRESS,
+                   **kwargs)
+
+
+def study_parser(doc: str | None, sweep: str, *, device_help: str = "auto: cuda when present", gang: bool = False,
+                 devices: Sequence[str] = ("auto", "cuda", "cpu"), timeout_s: float = 600.0) -> argparse.ArgumentParser:
+    """The flags every study takes (`raysys.cluster.sweep_parser`: --device, --out, --resume | --overwrite,
+    --allow-mixed, --report-only), the whole docstring as description; `gang=True` adds those of a study run on
+    a gang of ranks (--launcher, --address, --dashboard, --timeout-s)."""
+    from raysys.cluster import sweep_parser
+
+    p = sweep_parser(doc, sweep, device_help=device_help)
+    p.description, p.formatter_class = doc, HelpFormatter
+    device = next(a for a in p._actions if a.dest == "device")
+    device.choices = tuple(devices)
+    if gang:
+        p.add_argument("--launcher", choices=LAUNCHERS, default="ray", help="ray: a gang of Ray actors; mp: plain "
+                                                                           "processes on this machine")
+    if gang or "--dashboard" in (doc or ""):
+        add_ray_flags(p)
+    if gang:
+        p.add_argument("--timeout-s", type=float, default=timeout_s, help="per-trial and process-group timeout (s)")
+    return p
+
+
+def add_ray_flags(p: argparse.ArgumentParser) -> None:
+    """--address and --dashboard, for a study that starts or joins Ray."""
+    p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, a local `ray start` "
+                                                   "cluster, else an embedded Ray)")
+    p.add_argument("--dashboard", action="store_true", help="start the embedded Ray with its dashboard")
+
+
+def by_device(defaults: dict[str, dict], key: str) -> str:
+    """'xl on cuda, tiny on cpu' (or the one value both devices use), for a help text."""
+    values = {device: d[key] for device, d in defaults.items()}
+    if len(set(map(str, values.values()))) == 1:
+        return str(next(iter(values.values())))
+    return ", ".join(f"{v} on {device}" for device, v in values.items())
+
+
+def add_model_flags(p: argparse.ArgumentParser, defaults: dict[str, dict]) -> None:
+    """The grid flags of a gang training study: model, context, batch, ranks, warm-up and timed steps; a flag
+    left out takes the device's default from `defaults` (`{"cuda": {...}, "cpu": {...}}`)."""
+    p.add_argument("--size", default=None, help=f"model size, one of {', '.join(SIZES)} "
+                                                f"(default: {by_device(defaults, 'size')})")
+    p.add_argument("--context-length", type=int, default=None,
+                   help=f"sequence length (default: {by_device(defaults, 'context_length')})")
+    p.add_argument("--batch-per-rank", type=int, default=None,
+                   help=f"sequences per rank per step (default: {by_device(defaults, 'batch_per_rank')})")
+    list_flag(p, "--world-sizes", default="2", aliases=("--world-size",),
+              help="ranks, one value (1: every wrapper with a group of one, what its machinery costs the host "
+                   "with no peer)")
+    p.add_argument("--warmup", type=int, default=None, help=f"untimed steps per trial "
+                                                            f"(default: {by_device(defaults, 'warmup')})")
+    p.add_argument("--steps", type=int, default=None, help=f"timed steps per trial, at least "
+                                                           f"(default: {by_device(defaults, 'steps')})")
+
+
+def grid_values(args: argparse.Namespace, defaults: dict[str, dict], device: str) -> dict[str, Any]:
+    """The model flags with `device`'s defaults filled in where a flag was left out (only then: `--steps 0` is
+    an error, not the default), checked: size, context, batch, warm-up and timed steps."""
+    d = defaults[device]
+    pick = lambda key: d[key] if getattr(args, key) is None else getattr(args, key)  # noqa: E731
+    size = pick("size")
+    if size not in SIZES:
+        raise ValueError(f"--size {size!r} is not one of {sorted(SIZES)}")
+    context = (min(d["context_length"], SIZES[size].get("context_length", d["context_length"]))
+               if args.context_length is None else check_int("--context-length", args.context_length, 1))
+    return dict(size=size, context_length=context,
+                batch_per_rank=check_int("--batch-per-rank", pick("batch_per_rank"), 1),
+                warmup=check_int("--warmup", pick("warmup"), 0), steps=check_int("--steps", pick("steps"), 2))
+
+
+def one_world_size(args: argparse.Namespace) -> int:
+    """The gang size of a study that compares variants on one gang (`--world-sizes` with one value)."""
+    sizes = parse_ints(args.world_sizes, "world-sizes", 1)
+    if len(sizes) != 1:
+        raise ValueError(f"--world-sizes {args.world_sizes}: this study compares its variants on one gang; give "
+                         "one world size per run")
+    return sizes[0]
+
+
+def parse_list(text: str | None, what: str, allowed: Sequence[str] | None = None) -> list[str]:
+    """'a, b' -> ['a', 'b']; an empty list or an item outside `allowed` is a ValueError naming `--what`."""
+    items = [t.strip() for t in (text or "").split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"--{what} is empty")
+    if allowed is not None and (bad := [t for t in items if t not in allowed]):
+        raise ValueError(f"--{what}: {bad} not in {tuple(allowed)}")
+    return items
+
+
+def parse_ints(text: str, what: str, minimum: int) -> list[int]:
+    """'2,4' -> [2, 4], each an int >= minimum."""
+    out = []
+    for item in parse_list(text, what):
+        if not re.fullmatch(r"[+-]?\d+", item) or int(item) < minimum:
+            raise ValueError(f"--{what}: {item!r} must be an integer >= {minimum}")
+        out.append(int(item))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- checks
+def check_int(name: str, value: Any, minimum: int) -> int:
+    """`value` if it is an int >= minimum, else a ValueError naming `name` (a flag or a field)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} ({value!r}) must be an integer >= {minimum}")
+    return value
+
+
+def check_timeout(name: str, value: float) -> float:
+    """A finite number of seconds > 0 (nan, inf, 0 and negative timeouts would make every trial an error row)."""
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} ({value!r}) must be a finite number of seconds > 0")
+    return float(value)
+
+
+def model_config(size: str, context_length: int, **overrides) -> ModelConfig:
+    """The named size at `context_length`, checked: a size from the table, a context of at least one token."""
+    if size not in SIZES:
+        raise ValueError(f"size {size!r} is not one of {sorted(SIZES)}")
+    check_int("context_length", context_length, 1)
+    return ModelConfig.from_name(size, context_length=context_length, **overrides)
+
+
+def check_fits(mc: ModelConfig, batch: int, world_size: int, device: str) -> None:
+    """On the CPU (whose allocations are not `oom` rows but a machine brought to its knees): refuse a model whose
+    fp32 state (weights, gradients, AdamW moments) and one layer's attention scores on every rank exceed the
+    machine's memory. A GPU run that does not fit is an `oom` row."""
+    if device == "cuda":
+        return
+    per_rank = 16 * mc.num_params() + 4 * batch * mc.num_heads * mc.context_length ** 2
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if world_size * per_rank > total:
+        raise ValueError(f"size {mc.name} at context {mc.context_length} with {batch} sequences per rank needs at "
+                         f"least {per_rank / 2**30:.3g} GiB per rank (fp32 state + one layer's attention scores); "
+                         f"{world_size} rank(s) exceed this machine's {total / 2**30:.3g} GiB")
+
+
+def check_timing_options(warmup: int, compile: bool, paired_rounds: int) -> None:
+    """--compile and --paired-rounds, as the DDP and FSDP studies take them."""
+    if not isinstance(paired_rounds, int) or paired_rounds < 0:
+        raise ValueError(f"paired_rounds ({paired_rounds!r}) must be an int >= 0 (0: no paired timing)")
+    if compile and warmup < 1:
+        raise ValueError(f"warmup ({warmup}) must be >= 1 with compiled blocks: the first step compiles them")
+
+
+# ---------------------------------------------------------------------------------------------------- trials
+@dataclass(frozen=True, kw_only=True)
+class GangTrial(Mapping):
+    """What every training trial on a gang shares; a study's trial class adds its own fields.
+
+    The trial is its row's configuration: `dict(trial)` (the mapping protocol, which `raysys.cluster.run_sweep`
+    uses) gives the config columns, and the trial id hashes them."""
+
+    size: str
+    """Named model size (`raysys.config.SIZES`)."""
+    context_length: int
+    """Sequence length of every batch (and the model's RoPE length)."""
+    batch_per_rank: int
+    """Sequences each rank runs per step."""
+    dtype: str
+    """fp32, or bf16 autocast with fp32 master weights."""
+    warmup: int
+    """Untimed steps before timing."""
+    steps: int
+    """Timed steps (at least)."""
+    seed: int = 0
+    """Seed of the weights and of each rank's batch."""
+
+    def __post_init__(self) -> None:
+        self.model_config()
+        check_int("batch_per_rank", self.batch_per_rank, 1)
+        check_int("warmup", self.warmup, 0)
+        check_int("steps", self.steps, 2)
+        check_int("seed", self.seed, 0)
+        if self.dtype not in GANG_DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} not in {GANG_DTYPES}")
+
+    @classmethod
+    def of(cls, trial: Mapping[str, Any]):
+        """`trial` as this class (a rank may receive it as its row's configuration)."""
+        return trial if isinstance(trial, cls) else cls(**trial)
+
+    def model_config(self) -> ModelConfig:
+        return model_config(self.size, self.context_length)
+
+    def batch(self, device: torch.device, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank `rank`'s inputs and targets: random tokens from its own seed, the same in every trial."""
+        mc = self.model_config()
+        gen = torch.Generator(device="cpu").manual_seed(self.seed + 1000 * (rank + 1))
+        tokens = torch.randint(0, mc.vocab_size, (self.batch_per_rank, mc.context_length + 1), generator=gen)
+        return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+    def config(self) -> dict[str, Any]:
+        """The row's configuration columns (a subclass drops what older rows did not have, so ids stay)."""
+        return dataclasses.asdict(self)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.config()[key]
+
+    def __iter__(self):
+        return iter(self.config())
+
+    def __len__(self) -> int:
+        return len(self.config())
+
+
+def build_model(mc: ModelConfig, device: torch.device, *, seed: int, compile: bool = False) -> nn.Module:
+    """A fresh `TransformerLM` from `seed`, its blocks compiled under `compile` (before any wrapper, so every
+    variant runs the same blocks and the wrappers' hooks stay eager)."""
+    torch.manual_seed(seed)
+    model = TransformerLM(mc, device=device)
+    if compile:
+        compile_blocks(model)
+    return model
+
+
+def in_trial_scope(trial_fn: Callable[..., dict], ctx, *args, **kwargs) -> dict:
+    """`trial_fn(ctx, ...)`'s metrics plus the memory and live parameters before and after it
+    (`raysys.train_step.TrialScope`: what a trial leaked into the next one on the same rank)."""
+    with TrialScope(ctx.device) as scope:
+        metrics = trial_fn(ctx, *args, **kwargs)
+    return {**metrics, **scope.metrics}
+
+
+def profile_one_step(step, trace_path: Path | None, expect_nccl: bool):
+    """Profile one step after one profiler warm-up step (`raysys.profiling.profile_steps`): the profile and the
+    row's `profile_status` (`ok`, `cpu`: no GPU kernels to measure, or what a broken GPU profile lacked, which
+    also warns) and `trace_path` (rank 0's Chrome trace, when asked)."""
+    prof = profile_steps(step, step.device, trace_path=trace_path)
+    status = prof.status(expect_nccl)
+    if status not in ("ok", "cpu"):
+        warnings.warn(f"profile of a {step.device.type} step is unusable: {status} ({prof.num_cpu_ops} CPU events, "
+                      f"{prof.num_kernels} GPU kernels)", stacklevel=2)
+    return prof, {"profile_status": status, **({"trace_path": str(prof.trace_path)} if prof.trace_path else {})}
+
+
+def adamw_kwargs(device: torch.device) -> dict:
+    """Hyper-parameters of the optimizer every trial uses: torch AdamW, fused on CUDA (few kernels per step)."""
+    return dict(lr=1e-4, weight_decay=0.01, **({"fused": True} if device.type == "cuda" else {}))
+
+
+# ---------------------------------------------------------------------------------------------------- devices
+def start_ray(args: argparse.Namespace) -> None:
+    """Connect to (or start) Ray as the flags say: `--address`, `--dashboard`."""
+    from raysys.cluster import init_ray
+
+    init_ray(getattr(args, "address", None), dashboard=getattr(args, "dashboard", False))
+
+
+def local_gang_device(args: argparse.Namespace) -> tuple[str, bool]:
+    """The device a gang will use as far as it is known without Ray, and whether that is certain: the named one,
+    or this machine's (a Ray cluster may have GPUs this machine lacks). The grid is checked with it before Ray
+    starts; checks that depend on the device wait for the certain one."""
+    from raysys.mp_gang import local_device
+
+    return local_device(args.device), args.launcher == "mp" or args.device != "auto"
+
+
+def gang_device(args: argparse.Namespace, world_size: int) -> str:
+    """The device the gang of `world_size` ranks will use; a ValueError at once when it could never be placed
+    (no GPU, or fewer GPUs or CPUs than ranks), before any rank starts."""
+    from raysys.cluster import check_gang
+
+    if args.launcher == "ray":
+        start_ray(args)
+    return check_gang(world_size, device=args.device, launcher=args.launcher)
+
+
+def run_gang_study(args: argparse.Namespace, sweep: str, grid: Callable[..., list],
+                   trial_fn: Callable[[Path], Callable], reduce: Callable) -> tuple[pd.DataFrame, Path]:
+    """A study on one gang: every flag checked (`grid(args, device, world_size, check_device)` builds and checks
+    the trials) and the result file opened before Ray starts, then the device resolved and the trials run
+    (`trial_fn(out)` is the function every rank runs), one row each. Returns the rows and the results directory."""
+    from raysys.cluster import check_gang, run_sweep
+
+    world_size = one_world_size(args)
+    check_timeout("--timeout-s", args.timeout_s)
+    local, certain = local_gang_device(args)
+    if args.launcher == "mp":
+        check_gang(world_size, device=local, launcher="mp")  # this machine's GPUs, CPUs and memory
+    first = grid(args, local, world_size, check_device=certain)[0]
+    out = output_dir(args, sweep)
+    expect = {"size": first.size, "context_length": first.context_length, "batch_per_rank": first.batch_per_rank}
+    with open_writer(out, sweep, args, expect=expect) as writer:
+        device = gang_device(args, world_size)
+        trials = grid(args, device, world_size)
+        return run_sweep(sweep, trials, trial_fn(out), world_size, device=device, launcher=args.launcher,
+                         timeout_s=args.timeout_s, reduce=reduce, writer=writer, show=False), out
+
+
+def print_written(out: Path, sweep: str, *paths: Path | None) -> None:
+    """Print the study's markdown and the files it wrote."""
+    md = next((p for p in paths if p is not None and p.suffix == ".md"), None)
+    if md is not None:
+        print(md.read_text())
+    print("wrote " + ", ".join(str(p) for p in (out / f"{sweep}.parquet", *paths) if p is not None))
+
+
+# ---------------------------------------------------------------------------------------------------- output
+def output_dir(args: argparse.Namespace, sweep: str) -> Path:
+    """The absolute results directory of this run (`raysys.cluster.resolve_out_dir`): `--out`, made if missing
+    (a one-line error if it is a file or cannot be written), else a fresh run directory. Call it once the flags
+    are checked; --resume and --report-only need `--out` (the run to continue or redraw)."""
+    from raysys.cluster import resolve_out_dir
+
+    check_sweep_name(sweep)
+    for flag in ("resume", "report_only"):
+        if getattr(args, flag, False) and not args.out:
+            raise ValueError(f"--{flag.replace('_', '-')} needs --out: the directory of the run to "
+                             f"{'continue' if flag == 'resume' else 'redraw'}")
+    return resolve_out_dir(args.out, sweep)
+
+
+def read_rows(args: argparse.Namespace, sweep: str) -> pd.DataFrame:
+    """The rows of `<out>/<sweep>.parquet` for --report-only (a one-line error if the file is missing or
+    unreadable)."""
+    from raysys.results import read_results
+
+    path = output_dir(args, sweep) / f"{sweep}.parquet"
+    if not path.is_file():
+        raise ValueError(f"--report-only: {path} does not exist")
+    return read_results(path)
+
+
+class Progress:
+    """Trials this run planned and finished (written, or found done by --resume), for the message on Ctrl-C in a
+    study that runs its trials itself (`run_sweep` and `tune_run` say it for theirs)."""
+
+    def __init__(self) -> None:
+        self.planned = 0
+        self.finished = 0
+
+    def plan(self, num_trials: int) -> None:
+        self.planned += num_trials
+
+
+PROGRESS = Progress()
+
+
+class TrackedWriter(ResultWriter):
+    """A `ResultWriter` that counts finished trials into `PROGRESS`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._counted: set[str] = set()
+
+    def _count(self, tid: str) -> None:
+        if tid not in self._counted:
+            self._counted.add(tid)
+            PROGRESS.finished += 1
+
+    def done(self, tid: str) -> bool:
+        finished = super().done(tid)
+        if finished:
+            self._count(tid)
+        return finished
+
+    def write(self, rows):
+        rows = [dict(r) for r in rows]
+        path = super().write(rows)
+        for row in rows:
+            self._count(row["trial_id"])
+        return path
+
+
+def open_writer(out: Path, sweep: str, args: argparse.Namespace, expect: Mapping[str, Any] | None = None
+                ) -> ResultWriter:
+    """The result file of `sweep` in `out` as the flags say (`raysys.cluster.writer_options`): a new file, or
+    --resume (refusing rows of another commit, device or of `expect`'s values unless --allow-mixed), or
+    --overwrite; locked against a second writer. Open it before Ray starts: a refusal costs nothing then."""
+    from raysys.cluster import writer_options
+
+    return TrackedWriter(out, sweep, expect=expect, **writer_options(args))
+
+
+def main_entry(main: Callable[[list[str] | None], Any], argv: list[str] | None = None) -> int:
+    """Run a study's `main` (`raysys.cli.run_script`): bad input is one line on stderr and exit code 2; Ctrl-C
+    (or SIGTERM) is one line, "interrupted after N of M trials; rerun with --resume", and exit code 130."""
+    from raysys.cli import run_script
+    from raysys.cluster import interrupted_message
+
+    def guarded(argv: list[str] | None):
+        try:
+            return main(argv)
+        except KeyboardInterrupt as exc:
+            if not getattr(exc, "__notes__", None) and PROGRESS.planned:
+                message = interrupted_message(Path(sys.argv[0]).stem, PROGRESS.finished, PROGRESS.planned, None)
+                print(message, file=sys.stderr, flush=True)
+                exc.add_note(message)
+            raise
+
+    return run_script(guarded, argv)
+
+
+# ---------------------------------------------------------------------------------------------------- report
+def column(df: pd.DataFrame, name: str) -> pd.Series:
+    """`df[name]`, or NaN where the rows predate that column."""
+    return df[name] if name in df else pd.Series(math.nan, index=df.index)
+
+
+def step_column(df: pd.DataFrame) -> str:
+    """The step statistic ratios and targets use: the median (rows written before it existed: the mean)."""
+    return "step_ms_median" if "step_ms_median" in df and df["step_ms_median"].notna().any() else "step_ms"
+
+
+def on_cpu(df: pd.DataFrame) -> bool:
+    """Whether the rows were measured on the CPU (gloo ranks or the CPU device): GPU targets do not apply."""
+    for col, cpu in (("backend", "gloo"), ("device", "cpu")):
+        if col in df and df[col].notna().any():
+            return bool((df[col] == cpu).all())
+    return False
+
+
+def setup_sentence(first: pd.Series) -> str:
+    """What a gang sweep's rows ran: model, context, ranks (backend, device), sequences per rank."""
+    world = int(first["world_size"])
+    flag = first.get("compile", False)
+    compiled = ", TransformerBlocks compiled (torch.compile)" if pd.notna(flag) and bool(flag) else ""
+    return (f"{first['size']} model, context {int(first['context_length'])}, {world} rank{'s' * (world != 1)} "
+            f"({first.get('backend', '')}, {first.get('device_name', '')}), {int(first['batch_per_rank'])} sequences "
+            f"per rank{compiled}")
+
+
+def not_measured(df: pd.DataFrame, keys: Sequence[str]) -> str:
+    """The rows that did not finish (`status` other than ok) with the first line of their error, or ''."""
+    failed = df[df["status"] != "ok"]
+    if failed.empty:
+        return ""
+    error = failed["error"].astype(str).str.split("\n").str[0].str[:120]
+    return "Not measured:\n\n" + failed[[*keys, "status"]].assign(error=error).to_markdown(index=False)
+
+
+def join_parts(parts: Iterable[str]) -> str:
+    return "\n\n".join(p for p in parts if p) + "\n"
+
+
+def write_markdown(out: Path, sweep: str, title: str, body: str) -> Path:
+    """`<out>/<sweep>.md` (atomically): a `## title (sweep)` heading and the body, what BENCHMARKS.md shows for the
+    sweep (`python -m raysys report`)."""
+    return write_text(out / f"{sweep}.md", f"## {title} ({sweep})\n\n{body}")
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path, dpi: int = 120, **layout) -> Path:
+    """Lay `fig` out, write it atomically (`raysys.files.save_figure`: a full disk keeps the old picture), close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout(**layout)
+    try:
+        return files.save_figure(fig, path, dpi=dpi)
+    finally:
+        plt.close(fig)
