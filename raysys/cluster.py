@@ -198,7 +198,7 @@ def run_sweep(sweep: str, trials: Sequence[Mapping[str, Any]], trial_fn: Callabl
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size ({world_size!r}) must be an int >= 1")
     check_sweep_name(sweep)
-    trials = [dict(t) for t in trials]
+    trials = list(trials)  # each trial reaches trial_fn and reduce as given (a dict, or a frozen trial mapping)
     for t in trials:
         check_row_keys(t)
         for key, value in (("world_size", world_size), ("launcher", launcher)):
@@ -308,7 +308,7 @@ def summary_table(df: pd.DataFrame) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- Ray Tune
-def _expand_grid(param_space: Mapping[str, Any]) -> list[dict] | None:
+def expand_grid(param_space: Mapping[str, Any]) -> list[dict] | None:
     """Cartesian product of a param space of constants and `tune.grid_search`; None if it has samplers."""
     axes = []
     for key, value in param_space.items():
@@ -434,7 +434,7 @@ def tune_run(trainable: Callable[[dict], Any], param_space: Mapping[str, Any], *
         raise ValueError(f"max_trials ({max_trials!r}) must be an int >= 0")
     if time_budget_s is not None and not time_budget_s > 0:
         raise ValueError(f"time_budget_s ({time_budget_s!r}) must be > 0")
-    grid = _expand_grid(param_space)
+    grid = expand_grid(param_space)
     if grid is None and (resume or max_trials is not None):
         raise ValueError(f"{'resume=True' if resume else 'max_trials'} needs a grid param_space (constants and "
                          f"tune.grid_search), not samplers")
