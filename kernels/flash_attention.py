@@ -38,7 +38,9 @@ autotuning off would take. Under the interpreter they are opaque `custom_op`s wi
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import os
 
 import torch
 import triton
@@ -50,6 +52,7 @@ from kernels.flash_attention_pytorch import MASK_VALUE, autocast_inputs, check_a
 from kernels.flash_attention_tuning import (
     AUTOTUNE_KEY,
     INTERPRET,
+    PATHS,
     FlashConfig,
     config_list,
     even_heuristics,
@@ -103,41 +106,55 @@ def _load_rowvec(ptrs, rows, n_rows, other, MASK_ROWS: tl.constexpr):
 
 
 @triton.jit
-def _program_ids(IS_CAUSAL: tl.constexpr, HEAVY_LAST_TILE: tl.constexpr):
-    """(tile index, batch*head index) of this program.
+def _tile_ids(tile, num_t, num_bh, IS_CAUSAL: tl.constexpr, HEAVY_LAST_TILE: tl.constexpr):
+    """(tile index along the sequence, batch*head index) of work item `tile` (launch order, or a persistent
+    program's loop order).
 
-    Programs start in launch order (axis 0 fastest). With a causal mask the work of a tile grows with its
-    distance from the first key (forward, dQ: the last query tiles) or shrinks with it (dK/dV: the first key
-    tiles are heaviest), so the launch order is remapped to hand out the heaviest tiles of every head first.
+    With a causal mask the work of a tile grows with its distance from the first key (forward, dQ: the last
+    query tiles) or shrinks with it (dK/dV: the first key tiles are heaviest), so work items are numbered
+    heaviest first across all heads: the hardware scheduler (or the persistent loop) starts the long tiles
+    first and the short ones fill the tail.
     """
-    pid_t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
     if IS_CAUSAL:
-        num_t = tl.num_programs(0)
-        num_bh = tl.num_programs(1)
-        lin = pid_bh * num_t + pid_t
-        pid_bh = lin % num_bh
+        pid_bh = tile % num_bh
         if HEAVY_LAST_TILE:
-            pid_t = num_t - 1 - lin // num_bh
+            pid_t = num_t - 1 - tile // num_bh
         else:
-            pid_t = lin // num_bh
+            pid_t = tile // num_bh
+    else:
+        pid_t = tile % num_t
+        pid_bh = tile // num_t
     return pid_t, pid_bh
 
 
 @triton.jit
-def _flash_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+def _tma_desc(base, n_rows, stride_row, BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Tensor descriptor (TMA on sm_90+) of one (batch, head)'s (n_rows, HEAD_DIM) matrix, in (BLOCK_ROWS, BLOCK_D)
+    tiles: loads past its edges read 0 and stores past them are dropped, so no tile needs a mask."""
+    return tl.make_tensor_descriptor(base, shape=[n_rows, HEAD_DIM], strides=[stride_row, 1],
+                                     block_shape=[BLOCK_ROWS, BLOCK_D])
+
+
+@triton.jit
+def _flash_fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd, stride_vn, stride_vd,
                      offs_m, offs_d, lo, hi, N_K, qk_scale,
                      HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-                     MASK_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """Algorithm 1, lines 7-14, over key tiles [lo, hi) (lo a multiple of BLOCK_N)."""
+                     MASK_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                     USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """Algorithm 1, lines 7-14, over key tiles [lo, hi) (lo a multiple of BLOCK_N). `k_src`, `v_src` are
+    tensor descriptors (USE_TMA) or the (batch, head) base pointers."""
     offs_n = tl.arange(0, BLOCK_N)
-    k_ptrs = k_base + (lo + offs_n)[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = v_base + (lo + offs_n)[:, None] * stride_vn + offs_d[None, :] * stride_vd
-    for start_n in range(lo, hi, BLOCK_N):
+    if not USE_TMA:
+        k_ptrs = k_src + (lo + offs_n)[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        v_ptrs = v_src + (lo + offs_n)[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
         # 1. S = Q K^T, in base-2 units once scaled.
-        k = _load_tile(k_ptrs, cols, offs_d, N_K, HEAD_DIM, MASK_N, not EVEN_D)
+        if USE_TMA:
+            k = k_src.load([start_n, 0])
+        else:
+            k = _load_tile(k_ptrs, cols, offs_d, N_K, HEAD_DIM, MASK_N, not EVEN_D)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         # 2. Running max. Masked scores get -1e6 (times log2 e, as all scores here); the unmasked tiles fold
         #    the scale into one FMA per score.
@@ -157,26 +174,30 @@ def _flash_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, str
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = _load_tile(v_ptrs, cols, offs_d, N_K, HEAD_DIM, MASK_N, not EVEN_D)
+        if USE_TMA:
+            v = v_src.load([start_n, 0])
+        else:
+            v = _load_tile(v_ptrs, cols, offs_d, N_K, HEAD_DIM, MASK_N, not EVEN_D)
         acc = tl.dot(p.to(v.dtype), v, acc=acc, input_precision=INPUT_PRECISION)
         m_i = m_new
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+        if not USE_TMA:
+            k_ptrs += BLOCK_N * stride_kn
+            v_ptrs += BLOCK_N * stride_vn
     return acc, l_i, m_i
 
 
 @triton.jit
-def _flash_fwd_kernel(Q, K, V, O, L,
-                      stride_qb, stride_qh, stride_qm, stride_qd,
-                      stride_kb, stride_kh, stride_kn, stride_kd,
-                      stride_vb, stride_vh, stride_vn, stride_vd,
-                      stride_ob, stride_oh, stride_om, stride_od,
-                      H, N_Q, N_K, qk_scale, SEQ_BUCKET,
-                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
-                      EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    # SEQ_BUCKET (next power of two of max(M, N)) is only an autotuning key.
-    pid_m, pid_bh = _program_ids(IS_CAUSAL, True)
+def _flash_fwd_tile(pid_m, pid_bh, Q, K, V, O, L,
+                    stride_qb, stride_qh, stride_qm, stride_qd,
+                    stride_kb, stride_kh, stride_kn, stride_kd,
+                    stride_vb, stride_vh, stride_vn, stride_vd,
+                    stride_ob, stride_oh, stride_om, stride_od,
+                    H, N_Q, N_K, qk_scale,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
+                    EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """One query tile of one (batch, head): Algorithm 1."""
     off_b = (pid_bh // H).to(tl.int64)
     off_h = (pid_bh % H).to(tl.int64)
     q_base = Q + off_b * stride_qb + off_h * stride_qh
@@ -189,42 +210,87 @@ def _flash_fwd_kernel(Q, K, V, O, L,
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_tile(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, offs_m, offs_d,
-                   N_Q, HEAD_DIM, not EVEN_M, not EVEN_D)
+    if USE_TMA:
+        k_src = _tma_desc(k_base, N_K, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D)
+        v_src = _tma_desc(v_base, N_K, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D)
+        q = _tma_desc(q_base, N_Q, stride_qm, BLOCK_M, HEAD_DIM, BLOCK_D).load([start_m, 0])
+    else:
+        k_src = k_base
+        v_src = v_base
+        q = _load_tile(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, offs_m, offs_d,
+                       N_Q, HEAD_DIM, not EVEN_M, not EVEN_D)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # 2. Key loop (lines 7-14).
-    if IS_CAUSAL:
+    if WARP_SPECIALIZE:
+        # One loop, masks on every tile where any tile needs one: Triton 3.6's Hopper warp specialisation
+        # handles a single loop per kernel (a second loop after it fails to compile).
+        hi = tl.minimum(start_m + BLOCK_M, N_K) if IS_CAUSAL else N_K
+        acc, l_i, m_i = _flash_fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd, stride_vn,
+                                         stride_vd, offs_m, offs_d, 0, hi, N_K, qk_scale, HEAD_DIM, BLOCK_N,
+                                         IS_CAUSAL, not EVEN_N, EVEN_D, INPUT_PRECISION, USE_TMA, True)
+    elif IS_CAUSAL:
         # Off-diagonal tiles: every key < start_m, so no comparison (BLOCK_M % BLOCK_N == 0 aligns them).
-        acc, l_i, m_i = _flash_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
+        acc, l_i, m_i = _flash_fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd, stride_vn,
                                          stride_vd, offs_m, offs_d, 0, start_m, N_K, qk_scale, HEAD_DIM,
-                                         BLOCK_N, False, False, EVEN_D, INPUT_PRECISION)
+                                         BLOCK_N, False, False, EVEN_D, INPUT_PRECISION, USE_TMA, False)
         # Diagonal tiles: keys [start_m, start_m + BLOCK_M); the later ones are masked for every row.
-        acc, l_i, m_i = _flash_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
+        acc, l_i, m_i = _flash_fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd, stride_vn,
                                          stride_vd, offs_m, offs_d, start_m, tl.minimum(start_m + BLOCK_M, N_K),
                                          N_K, qk_scale, HEAD_DIM, BLOCK_N, True, not EVEN_N, EVEN_D,
-                                         INPUT_PRECISION)
+                                         INPUT_PRECISION, USE_TMA, False)
     else:
         n_full = (N_K // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _flash_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
+        acc, l_i, m_i = _flash_fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd, stride_vn,
                                          stride_vd, offs_m, offs_d, 0, n_full, N_K, qk_scale, HEAD_DIM,
-                                         BLOCK_N, False, False, EVEN_D, INPUT_PRECISION)
+                                         BLOCK_N, False, False, EVEN_D, INPUT_PRECISION, USE_TMA, False)
         if not EVEN_N:  # the one partial key tile: out-of-range keys are masked like causal ones
-            acc, l_i, m_i = _flash_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
+            acc, l_i, m_i = _flash_fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd, stride_vn,
                                              stride_vd, offs_m, offs_d, n_full, N_K, N_K, qk_scale, HEAD_DIM,
-                                             BLOCK_N, False, True, EVEN_D, INPUT_PRECISION)
+                                             BLOCK_N, False, True, EVEN_D, INPUT_PRECISION, USE_TMA, False)
 
     # 3. O = O~ / l (line 15), L = m + log l (line 16; back from base 2 to natural log), write both.
     acc = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
-    _store_tile(o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, acc.to(O.dtype.element_ty),
-                offs_m, offs_d, N_Q, HEAD_DIM, not EVEN_M, not EVEN_D)
+    if USE_TMA:
+        _tma_desc(o_base, N_Q, stride_om, BLOCK_M, HEAD_DIM, BLOCK_D).store([start_m, 0], acc.to(O.dtype.element_ty))
+    else:
+        _store_tile(o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+                    acc.to(O.dtype.element_ty), offs_m, offs_d, N_Q, HEAD_DIM, not EVEN_M, not EVEN_D)
     if EVEN_M:
         tl.store(l_base + offs_m, lse)
     else:
         tl.store(l_base + offs_m, lse, mask=offs_m < N_Q)
+
+
+@triton.jit
+def _flash_fwd_kernel(Q, K, V, O, L,
+                      stride_qb, stride_qh, stride_qm, stride_qd,
+                      stride_kb, stride_kh, stride_kn, stride_kd,
+                      stride_vb, stride_vh, stride_vn, stride_vd,
+                      stride_ob, stride_oh, stride_om, stride_od,
+                      H, NUM_BH, N_Q, N_K, qk_scale, SEQ_BUCKET,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
+                      EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                      USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PERSISTENT: tl.constexpr):
+    # SEQ_BUCKET (next power of two of max(M, N)) is only an autotuning key.
+    num_m = tl.cdiv(N_Q, BLOCK_M)
+    if PERSISTENT:  # one program per SM walks the work items, heaviest first
+        for tile in tl.range(tl.program_id(0), num_m * NUM_BH, tl.num_programs(0)):
+            pid_m, pid_bh = _tile_ids(tile, num_m, NUM_BH, IS_CAUSAL, True)
+            _flash_fwd_tile(pid_m, pid_bh, Q, K, V, O, L, stride_qb, stride_qh, stride_qm, stride_qd, stride_kb,
+                            stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_ob,
+                            stride_oh, stride_om, stride_od, H, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M,
+                            BLOCK_N, IS_CAUSAL, EVEN_M, EVEN_N, EVEN_D, INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE)
+    else:
+        pid_m, pid_bh = _tile_ids(tl.program_id(1) * num_m + tl.program_id(0), num_m, NUM_BH, IS_CAUSAL, True)
+        _flash_fwd_tile(pid_m, pid_bh, Q, K, V, O, L, stride_qb, stride_qh, stride_qm, stride_qd, stride_kb,
+                        stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_ob,
+                        stride_oh, stride_om, stride_od, H, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M,
+                        BLOCK_N, IS_CAUSAL, EVEN_M, EVEN_N, EVEN_D, INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE)
 
 
 @triton.jit
@@ -248,19 +314,24 @@ def _flash_bwd_preprocess_kernel(O, DO, Delta,
 
 
 @triton.jit
-def _flash_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, delta_base,
+def _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base,
                           stride_qm, stride_qd, stride_dom, stride_dod,
                           offs_n, offs_d, lo, hi, N_Q, qk_scale,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-                          MASK_M: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                          MASK_M: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                          USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     """Algorithm 2, lines 9-17, over query tiles [lo, hi), in the transposed (keys x queries) orientation."""
     offs_mb = tl.arange(0, BLOCK_M)
-    q_ptrs = q_base + (lo + offs_mb)[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    do_ptrs = do_base + (lo + offs_mb)[:, None] * stride_dom + offs_d[None, :] * stride_dod
-    for start_m in range(lo, hi, BLOCK_M):
+    if not USE_TMA:
+        q_ptrs = q_src + (lo + offs_mb)[:, None] * stride_qm + offs_d[None, :] * stride_qd
+        do_ptrs = do_src + (lo + offs_mb)[:, None] * stride_dom + offs_d[None, :] * stride_dod
+    for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=WARP_SPECIALIZE):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + offs_mb
-        q = _load_tile(q_ptrs, rows, offs_d, N_Q, HEAD_DIM, MASK_M, not EVEN_D)
+        if USE_TMA:
+            q = q_src.load([start_m, 0])
+        else:
+            q = _load_tile(q_ptrs, rows, offs_d, N_Q, HEAD_DIM, MASK_M, not EVEN_D)
         # Out-of-range queries get L = +inf, hence P = 0, and contribute nothing.
         lse2 = _load_rowvec(l_base + rows, rows, N_Q, float("inf"), MASK_M) * 1.4426950408889634
         # 1. P^T = exp(S^T - L) (eqs. 13-14), recomputed from Q, K and L.
@@ -269,16 +340,108 @@ def _flash_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, delta_base,
         if CAUSAL_MASK:
             p_t = tl.where(rows[None, :] >= offs_n[:, None], p_t, 0.0)
         # 2. dV += P^T dO (eq. 15).
-        do = _load_tile(do_ptrs, rows, offs_d, N_Q, HEAD_DIM, MASK_M, not EVEN_D)
+        if USE_TMA:
+            do = do_src.load([start_m, 0])
+        else:
+            do = _load_tile(do_ptrs, rows, offs_d, N_Q, HEAD_DIM, MASK_M, not EVEN_D)
         dv = tl.dot(p_t.to(do.dtype), do, acc=dv, input_precision=INPUT_PRECISION)
         # 3. dS^T = P^T * (dP^T - D) with dP^T = V dO^T (eqs. 16-17); dK += dS^T Q (eq. 19, scaled later).
         delta = _load_rowvec(delta_base + rows, rows, N_Q, 0.0, MASK_M)
         dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, acc=dk, input_precision=INPUT_PRECISION)
-        q_ptrs += BLOCK_M * stride_qm
-        do_ptrs += BLOCK_M * stride_dom
+        if not USE_TMA:
+            q_ptrs += BLOCK_M * stride_qm
+            do_ptrs += BLOCK_M * stride_dom
     return dk, dv
+
+
+@triton.jit
+def _flash_bwd_dkdv_tile(pid_n, pid_bh, Q, K, V, DO, L, Delta, DK, DV,
+                         stride_qb, stride_qh, stride_qm, stride_qd,
+                         stride_kb, stride_kh, stride_kn, stride_kd,
+                         stride_vb, stride_vh, stride_vn, stride_vd,
+                         stride_dob, stride_doh, stride_dom, stride_dod,
+                         stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                         stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                         H, N_Q, N_K, scale, qk_scale,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
+                         EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                         USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """One key tile of one (batch, head): dK and dV (Algorithm 2, lines 6-19)."""
+    off_b = (pid_bh // H).to(tl.int64)
+    off_h = (pid_bh % H).to(tl.int64)
+    q_base = Q + off_b * stride_qb + off_h * stride_qh
+    do_base = DO + off_b * stride_dob + off_h * stride_doh
+    k_base = K + off_b * stride_kb + off_h * stride_kh
+    v_base = V + off_b * stride_vb + off_h * stride_vh
+    dk_base = DK + off_b * stride_dkb + off_h * stride_dkh
+    dv_base = DV + off_b * stride_dvb + off_h * stride_dvh
+    l_base = L + pid_bh.to(tl.int64) * N_Q
+    delta_base = Delta + pid_bh.to(tl.int64) * N_Q
+
+    # 1. K, V tiles stay in registers for the whole query loop (Algorithm 2, lines 7-8).
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    if USE_TMA:
+        q_src = _tma_desc(q_base, N_Q, stride_qm, BLOCK_M, HEAD_DIM, BLOCK_D)
+        do_src = _tma_desc(do_base, N_Q, stride_dom, BLOCK_M, HEAD_DIM, BLOCK_D)
+        k = _tma_desc(k_base, N_K, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D).load([start_n, 0])
+        v = _tma_desc(v_base, N_K, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D).load([start_n, 0])
+    else:
+        q_src = q_base
+        do_src = do_base
+        k = _load_tile(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, offs_n, offs_d, N_K,
+                       HEAD_DIM, not EVEN_N, not EVEN_D)
+        v = _load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, offs_n, offs_d, N_K,
+                       HEAD_DIM, not EVEN_N, not EVEN_D)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    # 2. Query loop. Causal: queries before start_n see none of these keys (skipped); the BLOCK_N / BLOCK_M
+    #    diagonal query tiles compare indices; every later query sees all of them.
+    m_full = (N_Q // BLOCK_M) * BLOCK_M
+    if WARP_SPECIALIZE:  # one loop (see the forward)
+        lo = start_n if IS_CAUSAL else 0
+        dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, stride_qm, stride_qd,
+                                       stride_dom, stride_dod, offs_n, offs_d, lo, N_Q, N_Q, qk_scale, HEAD_DIM,
+                                       BLOCK_M, IS_CAUSAL, not EVEN_M, EVEN_D, INPUT_PRECISION, USE_TMA, True)
+    elif IS_CAUSAL:
+        dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, stride_qm, stride_qd,
+                                       stride_dom, stride_dod, offs_n, offs_d, start_n,
+                                       tl.minimum(start_n + BLOCK_N, N_Q), N_Q, qk_scale, HEAD_DIM, BLOCK_M,
+                                       True, not EVEN_M, EVEN_D, INPUT_PRECISION, USE_TMA, False)
+        lo = start_n + BLOCK_N
+        dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, stride_qm, stride_qd,
+                                       stride_dom, stride_dod, offs_n, offs_d, lo, m_full, N_Q, qk_scale,
+                                       HEAD_DIM, BLOCK_M, False, False, EVEN_D, INPUT_PRECISION, USE_TMA, False)
+        if not EVEN_M:
+            dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, stride_qm,
+                                           stride_qd, stride_dom, stride_dod, offs_n, offs_d,
+                                           tl.maximum(lo, m_full), N_Q, N_Q, qk_scale, HEAD_DIM, BLOCK_M,
+                                           False, True, EVEN_D, INPUT_PRECISION, USE_TMA, False)
+    else:
+        dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, stride_qm, stride_qd,
+                                       stride_dom, stride_dod, offs_n, offs_d, 0, m_full, N_Q, qk_scale,
+                                       HEAD_DIM, BLOCK_M, False, False, EVEN_D, INPUT_PRECISION, USE_TMA, False)
+        if not EVEN_M:
+            dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, stride_qm,
+                                           stride_qd, stride_dom, stride_dod, offs_n, offs_d, m_full, N_Q, N_Q,
+                                           qk_scale, HEAD_DIM, BLOCK_M, False, True, EVEN_D, INPUT_PRECISION,
+                                           USE_TMA, False)
+
+    # 3. Write dK (with the 1/sqrt(d) of eq. 19) and dV (line 18).
+    dk = dk * scale
+    if USE_TMA:
+        _tma_desc(dk_base, N_K, stride_dkn, BLOCK_N, HEAD_DIM, BLOCK_D).store([start_n, 0], dk.to(DK.dtype.element_ty))
+        _tma_desc(dv_base, N_K, stride_dvn, BLOCK_N, HEAD_DIM, BLOCK_D).store([start_n, 0], dv.to(DV.dtype.element_ty))
+    else:
+        _store_tile(dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
+                    offs_n, offs_d, N_K, HEAD_DIM, not EVEN_N, not EVEN_D)
+        _store_tile(dv_base + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
+                    offs_n, offs_d, N_K, HEAD_DIM, not EVEN_N, not EVEN_D)
 
 
 @triton.jit
@@ -289,80 +452,52 @@ def _flash_bwd_dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV,
                            stride_dob, stride_doh, stride_dom, stride_dod,
                            stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                            stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                           H, N_Q, N_K, scale, qk_scale, SEQ_BUCKET,
+                           H, NUM_BH, N_Q, N_K, scale, qk_scale, SEQ_BUCKET,
                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
-                           EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    pid_n, pid_bh = _program_ids(IS_CAUSAL, False)
-    off_b = (pid_bh // H).to(tl.int64)
-    off_h = (pid_bh % H).to(tl.int64)
-    q_base = Q + off_b * stride_qb + off_h * stride_qh
-    do_base = DO + off_b * stride_dob + off_h * stride_doh
-    l_base = L + pid_bh.to(tl.int64) * N_Q
-    delta_base = Delta + pid_bh.to(tl.int64) * N_Q
-
-    # 1. K, V tiles stay in registers for the whole query loop (Algorithm 2, lines 7-8).
-    start_n = pid_n * BLOCK_N
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    k = _load_tile(K + off_b * stride_kb + off_h * stride_kh + offs_n[:, None] * stride_kn
-                   + offs_d[None, :] * stride_kd, offs_n, offs_d, N_K, HEAD_DIM, not EVEN_N, not EVEN_D)
-    v = _load_tile(V + off_b * stride_vb + off_h * stride_vh + offs_n[:, None] * stride_vn
-                   + offs_d[None, :] * stride_vd, offs_n, offs_d, N_K, HEAD_DIM, not EVEN_N, not EVEN_D)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-
-    # 2. Query loop. Causal: queries before start_n see none of these keys (skipped); the BLOCK_N / BLOCK_M
-    #    diagonal query tiles compare indices; every later query sees all of them.
-    m_full = (N_Q // BLOCK_M) * BLOCK_M
-    if IS_CAUSAL:
-        dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, delta_base, stride_qm, stride_qd,
-                                       stride_dom, stride_dod, offs_n, offs_d, start_n,
-                                       tl.minimum(start_n + BLOCK_N, N_Q), N_Q, qk_scale, HEAD_DIM, BLOCK_M,
-                                       True, not EVEN_M, EVEN_D, INPUT_PRECISION)
-        lo = start_n + BLOCK_N
-        dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, delta_base, stride_qm, stride_qd,
-                                       stride_dom, stride_dod, offs_n, offs_d, lo, m_full, N_Q, qk_scale,
-                                       HEAD_DIM, BLOCK_M, False, False, EVEN_D, INPUT_PRECISION)
-        if not EVEN_M:
-            dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, delta_base, stride_qm,
-                                           stride_qd, stride_dom, stride_dod, offs_n, offs_d,
-                                           tl.maximum(lo, m_full), N_Q, N_Q, qk_scale, HEAD_DIM, BLOCK_M,
-                                           False, True, EVEN_D, INPUT_PRECISION)
+                           EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                           USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PERSISTENT: tl.constexpr):
+    num_n = tl.cdiv(N_K, BLOCK_N)
+    if PERSISTENT:
+        for tile in tl.range(tl.program_id(0), num_n * NUM_BH, tl.num_programs(0)):
+            pid_n, pid_bh = _tile_ids(tile, num_n, NUM_BH, IS_CAUSAL, False)
+            _flash_bwd_dkdv_tile(pid_n, pid_bh, Q, K, V, DO, L, Delta, DK, DV, stride_qb, stride_qh, stride_qm,
+                                 stride_qd, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn,
+                                 stride_vd, stride_dob, stride_doh, stride_dom, stride_dod, stride_dkb, stride_dkh,
+                                 stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, H, N_Q, N_K,
+                                 scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, IS_CAUSAL, EVEN_M, EVEN_N,
+                                 EVEN_D, INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE)
     else:
-        dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, delta_base, stride_qm, stride_qd,
-                                       stride_dom, stride_dod, offs_n, offs_d, 0, m_full, N_Q, qk_scale,
-                                       HEAD_DIM, BLOCK_M, False, False, EVEN_D, INPUT_PRECISION)
-        if not EVEN_M:
-            dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, delta_base, stride_qm,
-                                           stride_qd, stride_dom, stride_dod, offs_n, offs_d, m_full, N_Q, N_Q,
-                                           qk_scale, HEAD_DIM, BLOCK_M, False, True, EVEN_D, INPUT_PRECISION)
-
-    # 3. Write dK (with the 1/sqrt(d) of eq. 19) and dV (line 18).
-    dk = dk * scale
-    _store_tile(DK + off_b * stride_dkb + off_h * stride_dkh + offs_n[:, None] * stride_dkn
-                + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), offs_n, offs_d, N_K, HEAD_DIM,
-                not EVEN_N, not EVEN_D)
-    _store_tile(DV + off_b * stride_dvb + off_h * stride_dvh + offs_n[:, None] * stride_dvn
-                + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), offs_n, offs_d, N_K, HEAD_DIM,
-                not EVEN_N, not EVEN_D)
+        pid_n, pid_bh = _tile_ids(tl.program_id(1) * num_n + tl.program_id(0), num_n, NUM_BH, IS_CAUSAL, False)
+        _flash_bwd_dkdv_tile(pid_n, pid_bh, Q, K, V, DO, L, Delta, DK, DV, stride_qb, stride_qh, stride_qm,
+                             stride_qd, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn,
+                             stride_vd, stride_dob, stride_doh, stride_dom, stride_dod, stride_dkb, stride_dkh,
+                             stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, H, N_Q, N_K,
+                             scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, IS_CAUSAL, EVEN_M, EVEN_N,
+                             EVEN_D, INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE)
 
 
 @triton.jit
-def _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+def _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_kd, stride_vn, stride_vd,
                         offs_m, offs_d, lo, hi, N_K, qk_scale,
                         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-                        MASK_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                        MASK_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                        USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     """Algorithm 2, lines 23-30, over key tiles [lo, hi)."""
     offs_nb = tl.arange(0, BLOCK_N)
-    k_ptrs = k_base + (lo + offs_nb)[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = v_base + (lo + offs_nb)[:, None] * stride_vn + offs_d[None, :] * stride_vd
-    for start_n in range(lo, hi, BLOCK_N):
+    if not USE_TMA:
+        k_ptrs = k_src + (lo + offs_nb)[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        v_ptrs = v_src + (lo + offs_nb)[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_nb
         # Out-of-range keys load as zero rows of K and V, so they add nothing to dQ = dS K.
-        k = _load_tile(k_ptrs, cols, offs_d, N_K, HEAD_DIM, MASK_N, not EVEN_D)
-        v = _load_tile(v_ptrs, cols, offs_d, N_K, HEAD_DIM, MASK_N, not EVEN_D)
+        if USE_TMA:
+            k = k_src.load([start_n, 0])
+            v = v_src.load([start_n, 0])
+        else:
+            k = _load_tile(k_ptrs, cols, offs_d, N_K, HEAD_DIM, MASK_N, not EVEN_D)
+            v = _load_tile(v_ptrs, cols, offs_d, N_K, HEAD_DIM, MASK_N, not EVEN_D)
         # 1. P = exp(S - L) (eqs. 13-14).
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
@@ -372,9 +507,85 @@ def _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, strid
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, acc=dq, input_precision=INPUT_PRECISION)
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+        if not USE_TMA:
+            k_ptrs += BLOCK_N * stride_kn
+            v_ptrs += BLOCK_N * stride_vn
     return dq
+
+
+@triton.jit
+def _flash_bwd_dq_tile(pid_m, pid_bh, Q, K, V, DO, L, Delta, DQ,
+                       stride_qb, stride_qh, stride_qm, stride_qd,
+                       stride_kb, stride_kh, stride_kn, stride_kd,
+                       stride_vb, stride_vh, stride_vn, stride_vd,
+                       stride_dob, stride_doh, stride_dom, stride_dod,
+                       stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+                       H, N_Q, N_K, scale, qk_scale,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
+                       EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                       USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """One query tile of one (batch, head): dQ (Algorithm 2, lines 20-31)."""
+    off_b = (pid_bh // H).to(tl.int64)
+    off_h = (pid_bh % H).to(tl.int64)
+    q_base = Q + off_b * stride_qb + off_h * stride_qh
+    do_base = DO + off_b * stride_dob + off_h * stride_doh
+    k_base = K + off_b * stride_kb + off_h * stride_kh
+    v_base = V + off_b * stride_vb + off_h * stride_vh
+    dq_base = DQ + off_b * stride_dqb + off_h * stride_dqh
+
+    # 1. Q, dO, L, D of this query tile stay on chip (Algorithm 2, lines 21-22).
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    if USE_TMA:
+        k_src = _tma_desc(k_base, N_K, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D)
+        v_src = _tma_desc(v_base, N_K, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D)
+        q = _tma_desc(q_base, N_Q, stride_qm, BLOCK_M, HEAD_DIM, BLOCK_D).load([start_m, 0])
+        do = _tma_desc(do_base, N_Q, stride_dom, BLOCK_M, HEAD_DIM, BLOCK_D).load([start_m, 0])
+    else:
+        k_src = k_base
+        v_src = v_base
+        q = _load_tile(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, offs_m, offs_d, N_Q,
+                       HEAD_DIM, not EVEN_M, not EVEN_D)
+        do = _load_tile(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, offs_m, offs_d, N_Q,
+                        HEAD_DIM, not EVEN_M, not EVEN_D)
+    lse2 = _load_rowvec(L + pid_bh.to(tl.int64) * N_Q + offs_m, offs_m, N_Q, float("inf"),
+                        not EVEN_M) * 1.4426950408889634
+    delta = _load_rowvec(Delta + pid_bh.to(tl.int64) * N_Q + offs_m, offs_m, N_Q, 0.0, not EVEN_M)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # 2. Key loop: unmasked tiles below the diagonal, then the masked diagonal tiles.
+    if WARP_SPECIALIZE:  # one loop (see the forward)
+        hi = tl.minimum(start_m + BLOCK_M, N_K) if IS_CAUSAL else N_K
+        dq = _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_kd, stride_vn,
+                                 stride_vd, offs_m, offs_d, 0, hi, N_K, qk_scale, HEAD_DIM, BLOCK_N,
+                                 IS_CAUSAL, not EVEN_N, EVEN_D, INPUT_PRECISION, USE_TMA, True)
+    elif IS_CAUSAL:
+        dq = _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_kd, stride_vn,
+                                 stride_vd, offs_m, offs_d, 0, start_m, N_K, qk_scale, HEAD_DIM, BLOCK_N,
+                                 False, False, EVEN_D, INPUT_PRECISION, USE_TMA, False)
+        dq = _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_kd, stride_vn,
+                                 stride_vd, offs_m, offs_d, start_m, tl.minimum(start_m + BLOCK_M, N_K), N_K,
+                                 qk_scale, HEAD_DIM, BLOCK_N, True, not EVEN_N, EVEN_D, INPUT_PRECISION, USE_TMA,
+                                 False)
+    else:
+        n_full = (N_K // BLOCK_N) * BLOCK_N
+        dq = _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_kd, stride_vn,
+                                 stride_vd, offs_m, offs_d, 0, n_full, N_K, qk_scale, HEAD_DIM, BLOCK_N,
+                                 False, False, EVEN_D, INPUT_PRECISION, USE_TMA, False)
+        if not EVEN_N:
+            dq = _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_kd, stride_vn,
+                                     stride_vd, offs_m, offs_d, n_full, N_K, N_K, qk_scale, HEAD_DIM, BLOCK_N,
+                                     False, True, EVEN_D, INPUT_PRECISION, USE_TMA, False)
+
+    # 3. Write dQ with the 1/sqrt(d) of eq. 18 (line 31).
+    dq = dq * scale
+    if USE_TMA:
+        _tma_desc(dq_base, N_Q, stride_dqm, BLOCK_M, HEAD_DIM, BLOCK_D).store([start_m, 0], dq.to(DQ.dtype.element_ty))
+    else:
+        _store_tile(dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
+                    offs_m, offs_d, N_Q, HEAD_DIM, not EVEN_M, not EVEN_D)
 
 
 @triton.jit
@@ -384,52 +595,27 @@ def _flash_bwd_dq_kernel(Q, K, V, DO, L, Delta, DQ,
                          stride_vb, stride_vh, stride_vn, stride_vd,
                          stride_dob, stride_doh, stride_dom, stride_dod,
                          stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-                         H, N_Q, N_K, scale, qk_scale, SEQ_BUCKET,
+                         H, NUM_BH, N_Q, N_K, scale, qk_scale, SEQ_BUCKET,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
-                         EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    pid_m, pid_bh = _program_ids(IS_CAUSAL, True)
-    off_b = (pid_bh // H).to(tl.int64)
-    off_h = (pid_bh % H).to(tl.int64)
-    k_base = K + off_b * stride_kb + off_h * stride_kh
-    v_base = V + off_b * stride_vb + off_h * stride_vh
-
-    # 1. Q, dO, L, D of this query tile stay on chip (Algorithm 2, lines 21-22).
-    start_m = pid_m * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    q = _load_tile(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm
-                   + offs_d[None, :] * stride_qd, offs_m, offs_d, N_Q, HEAD_DIM, not EVEN_M, not EVEN_D)
-    do = _load_tile(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom
-                    + offs_d[None, :] * stride_dod, offs_m, offs_d, N_Q, HEAD_DIM, not EVEN_M, not EVEN_D)
-    lse2 = _load_rowvec(L + pid_bh.to(tl.int64) * N_Q + offs_m, offs_m, N_Q, float("inf"),
-                        not EVEN_M) * 1.4426950408889634
-    delta = _load_rowvec(Delta + pid_bh.to(tl.int64) * N_Q + offs_m, offs_m, N_Q, 0.0, not EVEN_M)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-
-    # 2. Key loop: unmasked tiles below the diagonal, then the masked diagonal tiles.
-    if IS_CAUSAL:
-        dq = _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
-                                 stride_vd, offs_m, offs_d, 0, start_m, N_K, qk_scale, HEAD_DIM, BLOCK_N,
-                                 False, False, EVEN_D, INPUT_PRECISION)
-        dq = _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
-                                 stride_vd, offs_m, offs_d, start_m, tl.minimum(start_m + BLOCK_M, N_K), N_K,
-                                 qk_scale, HEAD_DIM, BLOCK_N, True, not EVEN_N, EVEN_D, INPUT_PRECISION)
+                         EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                         USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PERSISTENT: tl.constexpr):
+    num_m = tl.cdiv(N_Q, BLOCK_M)
+    if PERSISTENT:
+        for tile in tl.range(tl.program_id(0), num_m * NUM_BH, tl.num_programs(0)):
+            pid_m, pid_bh = _tile_ids(tile, num_m, NUM_BH, IS_CAUSAL, True)
+            _flash_bwd_dq_tile(pid_m, pid_bh, Q, K, V, DO, L, Delta, DQ, stride_qb, stride_qh, stride_qm, stride_qd,
+                               stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
+                               stride_dob, stride_doh, stride_dom, stride_dod, stride_dqb, stride_dqh, stride_dqm,
+                               stride_dqd, H, N_Q, N_K, scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                               IS_CAUSAL, EVEN_M, EVEN_N, EVEN_D, INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE)
     else:
-        n_full = (N_K // BLOCK_N) * BLOCK_N
-        dq = _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
-                                 stride_vd, offs_m, offs_d, 0, n_full, N_K, qk_scale, HEAD_DIM, BLOCK_N,
-                                 False, False, EVEN_D, INPUT_PRECISION)
-        if not EVEN_N:
-            dq = _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
-                                     stride_vd, offs_m, offs_d, n_full, N_K, N_K, qk_scale, HEAD_DIM, BLOCK_N,
-                                     False, True, EVEN_D, INPUT_PRECISION)
-
-    # 3. Write dQ with the 1/sqrt(d) of eq. 18 (line 31).
-    dq = dq * scale
-    _store_tile(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqm
-                + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), offs_m, offs_d, N_Q, HEAD_DIM,
-                not EVEN_M, not EVEN_D)
+        pid_m, pid_bh = _tile_ids(tl.program_id(1) * num_m + tl.program_id(0), num_m, NUM_BH, IS_CAUSAL, True)
+        _flash_bwd_dq_tile(pid_m, pid_bh, Q, K, V, DO, L, Delta, DQ, stride_qb, stride_qh, stride_qm, stride_qd,
+                           stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
+                           stride_dob, stride_doh, stride_dom, stride_dod, stride_dqb, stride_dqh, stride_dqm,
+                           stride_dqd, H, N_Q, N_K, scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                           IS_CAUSAL, EVEN_M, EVEN_N, EVEN_D, INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -440,6 +626,8 @@ _TUNED = {name: triton.autotune(configs=[c.to_triton() for c in config_list(name
                                 prune_configs_by={"early_config_prune": make_pruner(name)})(
               triton.heuristics(even_heuristics())(fn))
           for name, fn in _KERNELS.items()}
+LAST_PATH: dict[str, str] = {}
+"""kernel -> the path its last launch in this process took (benchmark rows report it)."""
 
 
 def best_configs() -> dict[str, dict[tuple, FlashConfig]]:
@@ -453,29 +641,104 @@ def _traced(t: torch.Tensor) -> bool:
     return is_fake(t) or isinstance(t, FunctionalTensor)
 
 
-def _launch(kernel: str, grid, args: tuple, meta: dict, n_q: int, n_k: int, config: FlashConfig | None) -> None:
-    """Launch `kernel` with `config`, or the autotuned launcher on real tensors.
+def _tma_scratch(size: int, alignment: int, stream):
+    """Triton's allocator for the global scratch that device-side tensor descriptors live in."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
-    While torch.compile traces the custom ops below (fake tensors) nothing can be benchmarked: the launch config
-    is the one autotuning off would take (tuned file first, then the built-in order; `candidates`), and the
-    plain kernel goes through `wrap_triton` so that the compiler sees it.
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs, so that each walks several tiles
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _grid(num_tiles: int, num_bh: int, persistent: bool, device: torch.device) -> tuple[int, ...]:
+    if persistent:
+        return (min(num_tiles * num_bh, _num_sms(device)),)
+    return (num_tiles, num_bh)
+
+
+def _launch(kernel: str, num_tiles, args: tuple, meta: dict, n_q: int, n_k: int, config: FlashConfig | None,
+            path: str) -> None:
+    """Launch `kernel` on `path` with `config`, or the autotuned launcher on real tensors.
+
+    `num_tiles(block_m, block_n)` is the tile count along the sequence. While torch.compile traces the custom
+    ops below (fake tensors) nothing can be benchmarked: the launch config is the one autotuning off would take
+    (tuned file first, then the built-in order), and the plain kernel goes through `wrap_triton` so that the
+    compiler sees it.
     """
-    traced = _traced(args[0])
+    q = args[0]
+    traced = _traced(q)
+    num_bh = q.shape[0] * q.shape[1]
+    meta = dict(meta, USE_TMA=path == "tma")
+    LAST_PATH[kernel] = path
+    if meta["USE_TMA"] and not (traced or INTERPRET):
+        triton.set_allocator(_tma_scratch)  # a context variable: set on the thread that launches
     if config is None and traced:
-        config = first_valid_config(kernel, args[0].dtype, meta["HEAD_DIM"], meta["BLOCK_D"], args[0].device)
+        config = first_valid_config(kernel, q.dtype, meta["HEAD_DIM"], meta["BLOCK_D"], q.device, path)
     if config is None:
-        _TUNED[kernel][lambda m: grid(m["BLOCK_M"], m["BLOCK_N"])](*args, **meta)
+        _TUNED[kernel][lambda m: _grid(num_tiles(m["BLOCK_M"], m["BLOCK_N"]), num_bh, m["PERSISTENT"], q.device)](
+            *args, **meta)
         return
-    config.check(kernel)
+    config.check(kernel, path)
     fn = torch.library.wrap_triton(_KERNELS[kernel]) if traced else _KERNELS[kernel]
-    fn[grid(config.block_m, config.block_n)](
-        *args, **meta, BLOCK_M=config.block_m, BLOCK_N=config.block_n, EVEN_M=n_q % config.block_m == 0,
-        EVEN_N=n_k % config.block_n == 0, num_warps=config.num_warps, num_stages=config.num_stages)
+    fn[_grid(num_tiles(config.block_m, config.block_n), num_bh, config.persistent, q.device)](
+        *args, **meta, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        EVEN_M=n_q % config.block_m == 0, EVEN_N=n_k % config.block_n == 0, WARP_SPECIALIZE=config.warp_specialize,
+        PERSISTENT=config.persistent, num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Launchers
+# Path choice and launchers
 # ----------------------------------------------------------------------------------------------------------
+PATH_ENV = "RAYSYS_FLASH_PATH"
+"""auto (default), portable or tma: the path `flash_attention` and the custom ops take."""
+AUTO_TMA = False
+"""Whether `auto` takes the tma path where it can (off until measured on the GPU host)."""
+
+
+def tma_supported(device: torch.device) -> bool:
+    """The `auto` rule: a Hopper GPU (sm_90) and a Triton with device-side tensor descriptors (3.4+, hence
+    3.6 on the GPU host). The interpreter emulates descriptors but keeps the portable path unless asked."""
+    if INTERPRET or device.type != "cuda" or not hasattr(tl, "make_tensor_descriptor"):
+        return False
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+def tma_layout_ok(*tensors: torch.Tensor) -> bool:
+    """What TMA needs of each (batch[, heads], seq, d) tensor: unit stride along d, and every other stride
+    (of a dimension longer than 1, and the sequence dimension's) and the start a multiple of 16 bytes."""
+    for t in tensors:
+        elem = t.element_size()
+        if t.stride(-1) != 1 or (t.storage_offset() * elem) % 16:
+            return False
+        if any((stride * elem) % 16 for i, (size, stride) in enumerate(zip(t.shape[:-1], t.stride()[:-1]))
+               if size > 1 or i == t.dim() - 2):
+            return False
+        if not _traced(t) and t.data_ptr() % 16:
+            return False
+    return True
+
+
+def resolve_path(requested: str | None, *tensors: torch.Tensor) -> str:
+    """`portable` or `tma` for a call on `tensors`; `requested` None reads RAYSYS_FLASH_PATH (default auto)."""
+    requested = requested or os.environ.get(PATH_ENV, "auto").strip().lower() or "auto"
+    if requested not in ("auto",) + PATHS:
+        raise ValueError(f"flash path {requested!r} must be one of auto, {', '.join(PATHS)}")
+    if requested == "portable":
+        return "portable"
+    device = tensors[0].device
+    if requested == "tma":
+        if not (INTERPRET or tma_supported(device)):
+            raise ValueError(f"the tma path needs an sm_90 GPU and Triton >= 3.4 (or TRITON_INTERPRET=1), not {device}")
+        if not tma_layout_ok(*tensors):
+            raise ValueError("the tma path needs tensors with unit stride along d and 16-byte aligned strides and "
+                             f"offsets, got strides {[tuple(t.stride()) for t in tensors]}")
+        return "tma"
+    return "tma" if AUTO_TMA and tma_supported(device) and tma_layout_ok(*tensors) else "portable"
+
+
 @contextlib.contextmanager
 def _device_of(t: torch.Tensor):
     if t.device.type == "cuda":
@@ -524,27 +787,31 @@ def _launch_meta(q: torch.Tensor, is_causal: bool) -> dict:
 
 
 def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
-                        config: FlashConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the forward kernel: (O like q, L fp32 of shape q.shape[:-1]). `config` skips autotuning."""
+                        config: FlashConfig | None = None, path: str | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the forward kernel: (O like q, L fp32 of shape q.shape[:-1]). `config` skips autotuning; `path`
+    (auto, portable, tma; None reads RAYSYS_FLASH_PATH) picks the kernel variant."""
     check_attention_inputs(q, k, v, is_causal)
     _check_device(q)
+    path = resolve_path(path, q, k, v)
     q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
-    batch, heads, n_q, _ = q4.shape
+    heads, n_q = q4.shape[1], q4.shape[2]
     n_k = k4.shape[2]
     out = _empty(q.shape, dtype=q.dtype, device=q.device)
     lse = _empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     o4 = _as_4d(out)
-    args = (q4, k4, v4, o4, lse, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4), heads, n_q, n_k,
-            LOG2E / math.sqrt(q.shape[-1]), triton.next_power_of_2(max(n_q, n_k)))
+    args = (q4, k4, v4, o4, lse, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4), heads,
+            q4.shape[0] * heads, n_q, n_k, LOG2E / math.sqrt(q.shape[-1]), triton.next_power_of_2(max(n_q, n_k)))
     with _device_of(q):
-        _launch("fwd", lambda bm, bn: (triton.cdiv(n_q, bm), batch * heads), args, _launch_meta(q, is_causal),
-                n_q, n_k, config)
+        _launch("fwd", lambda bm, bn: triton.cdiv(n_q, bm), args, _launch_meta(q, is_causal), n_q, n_k, config,
+                path)
     return out, lse
 
 
 def flash_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                         grad_out: torch.Tensor, is_causal: bool = False, *, dkdv_config: FlashConfig | None = None,
-                        dq_config: FlashConfig | None = None, compute_dq: bool = True, compute_dkdv: bool = True
+                        dq_config: FlashConfig | None = None, compute_dq: bool = True, compute_dkdv: bool = True,
+                        path: str | None = None
                         ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Run the backward kernels (D, then dK/dV, then dQ): returns (dQ, dK, dV) in the inputs' dtypes."""
     check_attention_inputs(q, k, v, is_causal)
@@ -554,7 +821,10 @@ def flash_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     if lse.shape != q.shape[:-1] or lse.dtype != torch.float32:
         raise ValueError(f"lse must be float32 of shape {tuple(q.shape[:-1])}, got {lse.dtype} {tuple(lse.shape)}")
     _check_device(q)
+    path = resolve_path(path, q, k, v)
     grad_out = grad_out.to(q.dtype)
+    if path == "tma" and not tma_layout_ok(grad_out):  # e.g. the stride-0 dO of `.sum().backward()`
+        grad_out = grad_out.contiguous()
     lse = lse.contiguous()
     q4, k4, v4, o4, do4 = (_as_4d(t) for t in (q, k, v, out, grad_out))
     batch, heads, n_q, head_dim = q4.shape
@@ -575,14 +845,15 @@ def flash_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
             dv = _empty(v.shape, dtype=v.dtype, device=v.device)
             dk4, dv4 = _as_4d(dk), _as_4d(dv)
             args = (q4, k4, v4, do4, lse, delta, dk4, dv4, *_strides(q4), *_strides(k4), *_strides(v4),
-                    *_strides(do4), *_strides(dk4), *_strides(dv4), heads, n_q, n_k, scale, scale * LOG2E, bucket)
-            _launch("dkdv", lambda bm, bn: (triton.cdiv(n_k, bn), batch * heads), args, meta, n_q, n_k, dkdv_config)
+                    *_strides(do4), *_strides(dk4), *_strides(dv4), heads, batch * heads, n_q, n_k, scale,
+                    scale * LOG2E, bucket)
+            _launch("dkdv", lambda bm, bn: triton.cdiv(n_k, bn), args, meta, n_q, n_k, dkdv_config, path)
         if compute_dq:
             dq = _empty(q.shape, dtype=q.dtype, device=q.device)
             dq4 = _as_4d(dq)
             args = (q4, k4, v4, do4, lse, delta, dq4, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4),
-                    *_strides(dq4), heads, n_q, n_k, scale, scale * LOG2E, bucket)
-            _launch("dq", lambda bm, bn: (triton.cdiv(n_q, bm), batch * heads), args, meta, n_q, n_k, dq_config)
+                    *_strides(dq4), heads, batch * heads, n_q, n_k, scale, scale * LOG2E, bucket)
+            _launch("dq", lambda bm, bn: triton.cdiv(n_q, bm), args, meta, n_q, n_k, dq_config, path)
     return dq, dk, dv
 
 

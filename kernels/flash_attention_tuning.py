@@ -2,14 +2,19 @@
 
 Three kernels are tuned separately: `fwd` (query tile resident, key tiles streamed), `dkdv` (key tile
 resident, query tiles streamed) and `dq` (query tile resident, key tiles streamed). A config is
-(block_m query rows, block_n key rows, num_warps, num_stages). The causal split into unmasked and diagonal
-tiles needs whole tiles on the diagonal: block_m % block_n == 0 for fwd and dq, block_n % block_m == 0 for dkdv.
+(block_m query rows, block_n key rows, num_warps, num_stages) plus two knobs of the `tma` path:
+`warp_specialize` (Triton splits the unmasked tile loop into producer / consumer warp groups) and `persistent`
+(one program per SM walks the tiles, heaviest first). The causal split into unmasked and diagonal tiles needs
+whole tiles on the diagonal: block_m % block_n == 0 for fwd and dq, block_n % block_m == 0 for dkdv.
 
-The pruning predicate `config_fits` also drops configs whose operand tiles overflow shared memory or whose
-fp32 accumulators would spill registers (thresholds measured on sm_90 builds). The Ray Tune sweep
-`sweeps/flash_tiles.py` writes its best configs to `flash_attention_tuned.json` beside this file; they are
-tried first and, with `RAYSYS_FLASH_AUTOTUNE=0`, used without benchmarking when one matches the head dim and
-dtype. Under `TRITON_INTERPRET=1` each kernel has one small config.
+Paths: `portable` (pointer loads; every GPU and the interpreter) and `tma` (tensor descriptors, sm_90+); each
+has its own candidate family. The pruning predicate `config_fits` drops configs whose operand tiles overflow
+shared memory or whose fp32 accumulators would spill registers (thresholds measured on sm_90 builds). The
+Ray Tune sweep `sweeps/flash_tiles.py` writes its best configs per (kernel, path, head dim, dtype) to
+`flash_attention_tuned.json` beside this file, with the device and versions they were measured on. When the
+file has entries for a call's (kernel, path, head dim, dtype), the autotuner benchmarks only those (so the
+first call's tuning cost is bounded by the file); otherwise the built-in family. `RAYSYS_FLASH_AUTOTUNE=0`
+takes the first valid config without benchmarking. Under `TRITON_INTERPRET=1` each kernel has one small config.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ INTERPRET = _interpret_mode()
 
 
 KERNELS = ("fwd", "dkdv", "dq")
+PATHS = ("portable", "tma")
 TUNED_CONFIGS_PATH = Path(__file__).with_name("flash_attention_tuned.json")
 
 
@@ -52,6 +58,10 @@ class FlashConfig:
     """Warps per program (1, 2, 4, 8 or 16)."""
     num_stages: int = 2
     """Software-pipelining depth of the tile loop (>= 1)."""
+    warp_specialize: bool = False
+    """tma path: Triton's warp specialisation of the unmasked tile loop (producer / consumer warp groups)."""
+    persistent: bool = False
+    """tma path: one program per SM loops over the tiles (heaviest first) instead of one program per tile."""
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -62,31 +72,47 @@ class FlashConfig:
             raise ValueError(f"num_warps ({self.num_warps!r}) must be one of 1, 2, 4, 8, 16")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"num_stages ({self.num_stages!r}) must be an int >= 1")
+        for name in ("warp_specialize", "persistent"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} ({getattr(self, name)!r}) must be a bool")
 
-    def check(self, kernel: str) -> FlashConfig:
-        """Raise ValueError unless the tiles fit `kernel`'s causal split (diagonal = whole tiles)."""
+    def check(self, kernel: str, path: str | None = None) -> FlashConfig:
+        """Raise ValueError unless the tiles fit `kernel`'s causal split (diagonal = whole tiles) and the knobs
+        exist on `path`."""
         if kernel not in KERNELS:
             raise ValueError(f"kernel {kernel!r} must be one of {KERNELS}")
         if kernel in ("fwd", "dq") and self.block_m % self.block_n:
             raise ValueError(f"{kernel}: block_m ({self.block_m}) must be a multiple of block_n ({self.block_n})")
         if kernel == "dkdv" and self.block_n % self.block_m:
             raise ValueError(f"dkdv: block_n ({self.block_n}) must be a multiple of block_m ({self.block_m})")
+        if path is not None and path not in PATHS:
+            raise ValueError(f"path {path!r} must be one of {PATHS}")
+        if path == "portable" and (self.warp_specialize or self.persistent):
+            raise ValueError(f"{self.label()}: warp_specialize and persistent exist on the tma path only")
         return self
 
+    def label(self) -> str:
+        """`128x64/w8/s3` plus `/ws` and `/persistent` when set."""
+        return (f"{self.block_m}x{self.block_n}/w{self.num_warps}/s{self.num_stages}"
+                + ("/ws" if self.warp_specialize else "") + ("/persistent" if self.persistent else ""))
+
     def to_triton(self) -> triton.Config:
-        return triton.Config({"BLOCK_M": self.block_m, "BLOCK_N": self.block_n},
+        return triton.Config({"BLOCK_M": self.block_m, "BLOCK_N": self.block_n,
+                              "WARP_SPECIALIZE": self.warp_specialize, "PERSISTENT": self.persistent},
                              num_warps=self.num_warps, num_stages=self.num_stages)
 
     @classmethod
     def from_triton(cls, config: triton.Config) -> FlashConfig:
-        return cls(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
+        kw = config.kwargs
+        return cls(kw["BLOCK_M"], kw["BLOCK_N"], config.num_warps, config.num_stages,
+                   bool(kw.get("WARP_SPECIALIZE", False)), bool(kw.get("PERSISTENT", False)))
 
 
-# Candidates per dtype family, in order of preference (with autotuning off the first valid one wins).
-# 16-bit inputs, Hopper-oriented and ordered by the H200 sweep (bf16, d 128, seq 16384, causal;
-# results/flash_tiles.parquet): 128-row query tiles with 8 warps feed wgmma; 3 stages hide the K/V loads;
-# the dK/dV pass wants tall key tiles and short query tiles (and dQ the reverse), its registers holding two
-# fp32 accumulators.
+# Candidates per path and dtype family, in order of preference (with autotuning off the first valid one wins).
+# 16-bit inputs, portable path, ordered by the H200 sweep (bf16, d 128, seq 16384, causal;
+# results/flash_tiles.parquet): 128-row query tiles with 8 warps (two warp groups) feed wgmma; 3 stages hide
+# the K/V loads; the dK/dV pass wants tall key tiles and short query tiles (and dQ the reverse), its registers
+# holding two fp32 accumulators.
 _GPU_CONFIGS = {
     "fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 2),
             (128, 32, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3), (32, 32, 4, 2)],
@@ -95,8 +121,21 @@ _GPU_CONFIGS = {
     "dq": [(128, 32, 8, 3), (128, 64, 8, 3), (128, 32, 8, 4), (128, 32, 4, 3), (128, 64, 8, 2),
            (64, 32, 4, 3), (64, 64, 4, 2), (64, 16, 4, 3), (32, 16, 4, 2)],
 }
+# 16-bit inputs, tma path (sm_90+): the portable winners, warp-specialised variants (Triton 3.6 on sm_90 turns
+# a 4-warp program into a producer warp group issuing the TMA loads and two consumer warp groups, 12 warps in
+# all; at 8 warps it leaves the loop alone; it fails to compile the dQ loop), larger key tiles (the TMA unit
+# moves them without registers) and the persistent grid.
+_TMA_CONFIGS = {
+    "fwd": [(128, 64, 8, 3), (128, 64, 4, 3, True), (128, 128, 4, 2, True), (128, 64, 4, 2, True),
+            (128, 128, 8, 2), (128, 64, 8, 3, False, True), (128, 64, 4, 3, True, True), (128, 128, 8, 3),
+            (64, 64, 4, 3), (64, 32, 4, 2)],
+    "dkdv": [(64, 128, 8, 3), (32, 128, 8, 3), (32, 128, 4, 2, True), (64, 128, 4, 2, True), (64, 128, 8, 2),
+             (32, 64, 4, 3), (16, 64, 4, 3), (16, 32, 4, 2)],
+    "dq": [(128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3, False, True), (64, 32, 4, 3),
+           (64, 16, 4, 3), (32, 16, 4, 2)],
+}
 # fp32 inputs with exact fp32 products (FMA, no tensor cores) hold whole operand tiles in registers: small
-# tiles, and 8 warps where the tiles are larger.
+# tiles, and 8 warps where the tiles are larger (both paths).
 _GPU_CONFIGS_FP32 = {
     "fwd": [(64, 32, 8, 2), (32, 32, 4, 2), (32, 16, 4, 2), (64, 16, 4, 2)],
     "dkdv": [(16, 64, 8, 2), (16, 32, 4, 2), (32, 64, 8, 2), (16, 16, 4, 2)],
@@ -108,7 +147,8 @@ _INTERPRET_CONFIGS = {"fwd": [(32, 16, 1, 1)], "dkdv": [(16, 32, 1, 1)], "dq": [
 
 
 def load_tuned_configs(path: str | os.PathLike = TUNED_CONFIGS_PATH) -> dict[str, list[dict]]:
-    """Entries `{block_m, block_n, num_warps, num_stages[, head_dim, dtype, ...]}` per kernel, or {} if no file."""
+    """Entries `{block_m, block_n, num_warps, num_stages[, warp_specialize, persistent, path, head_dim, dtype,
+    ...]}` per kernel (a missing `path` is `portable`), or {} if no file."""
     path = Path(path)
     if not path.exists():
         return {}
@@ -122,13 +162,14 @@ def load_tuned_configs(path: str | os.PathLike = TUNED_CONFIGS_PATH) -> dict[str
         if not isinstance(entries, list):
             raise ValueError(f"{path}: '{kernel}' must be a list of config objects")
         for entry in entries:
-            _entry_config(entry).check(kernel)
+            _entry_config(entry).check(kernel, entry.get("path", "portable"))
         out[kernel] = entries
     return out
 
 
 def _entry_config(entry: dict) -> FlashConfig:
-    return FlashConfig(entry["block_m"], entry["block_n"], entry["num_warps"], entry["num_stages"])
+    return FlashConfig(entry["block_m"], entry["block_n"], entry["num_warps"], entry["num_stages"],
+                       bool(entry.get("warp_specialize", False)), bool(entry.get("persistent", False)))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -138,23 +179,40 @@ def _dtype_name(dtype: torch.dtype) -> str:
 _TUNED = {} if INTERPRET else load_tuned_configs()
 
 
-def candidates(kernel: str, dtype: torch.dtype, head_dim: int | None = None) -> list[FlashConfig]:
-    """Configs worth trying, best guess first: tuned for this head dim and dtype, the built-in family, then
-    configs tuned for other head dims of this dtype."""
+def _tuned_entries(kernel: str, dtype: torch.dtype, path: str) -> list[dict]:
+    return [e for e in _TUNED.get(kernel, []) if e.get("dtype", _dtype_name(dtype)) == _dtype_name(dtype)
+            and e.get("path", "portable") == path]
+
+
+def tuned_exact(kernel: str, dtype: torch.dtype, head_dim: int | None, path: str = "portable") -> list[FlashConfig]:
+    """The tuned file's configs for exactly this (kernel, path, head dim, dtype), best first."""
+    entries = _tuned_entries(kernel, dtype, path)
+    return list(dict.fromkeys(_entry_config(e) for e in entries if e.get("head_dim") == head_dim))
+
+
+def candidates(kernel: str, dtype: torch.dtype, head_dim: int | None = None,
+               path: str = "portable") -> list[FlashConfig]:
+    """Configs worth trying, best guess first: tuned for this path, head dim and dtype, the built-in family,
+    then configs tuned for other head dims of this path and dtype."""
+    if path not in PATHS:
+        raise ValueError(f"path {path!r} must be one of {PATHS}")
     if INTERPRET:
         return [FlashConfig(*c).check(kernel) for c in _INTERPRET_CONFIGS[kernel]]
-    tuned = [e for e in _TUNED.get(kernel, []) if e.get("dtype", _dtype_name(dtype)) == _dtype_name(dtype)]
-    exact = [_entry_config(e) for e in tuned if e.get("head_dim") == head_dim]
-    other = [_entry_config(e) for e in tuned if e.get("head_dim") != head_dim]
-    family = _GPU_CONFIGS_FP32 if dtype == torch.float32 else _GPU_CONFIGS
-    return list(dict.fromkeys(exact + [FlashConfig(*c).check(kernel) for c in family[kernel]] + other))
+    other = [_entry_config(e) for e in _tuned_entries(kernel, dtype, path) if e.get("head_dim") != head_dim]
+    if dtype == torch.float32:
+        family = _GPU_CONFIGS_FP32
+    else:
+        family = _TMA_CONFIGS if path == "tma" else _GPU_CONFIGS
+    return list(dict.fromkeys(tuned_exact(kernel, dtype, head_dim, path)
+                              + [FlashConfig(*c).check(kernel) for c in family[kernel]] + other))
 
 
 def config_list(kernel: str) -> list[FlashConfig]:
-    """Every config the autotuner of `kernel` knows (all dtypes); the pruner keeps those of the call's dtype."""
+    """Every config the autotuner of `kernel` knows (all paths and dtypes); the pruner keeps the call's."""
     if INTERPRET:
         return candidates(kernel, torch.float32)
-    return list(dict.fromkeys(candidates(kernel, torch.bfloat16) + candidates(kernel, torch.float32)))
+    return list(dict.fromkeys(c for path in PATHS for dtype in (torch.bfloat16, torch.float32)
+                              for c in candidates(kernel, dtype, path=path)))
 
 
 def autotune_enabled() -> bool:
@@ -179,54 +237,68 @@ def _estimated_shared_bytes(kernel: str, cfg: FlashConfig, block_d: int, elem: i
     return (resident + cfg.num_stages * streamed) * block_d * elem
 
 
-def config_fits(kernel: str, cfg: FlashConfig, block_d: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """The pruning predicate: tile divisibility for the causal split and a shared-memory / register budget."""
+def config_fits(kernel: str, cfg: FlashConfig, block_d: int, dtype: torch.dtype, device: torch.device,
+                path: str = "portable") -> bool:
+    """The pruning predicate: tile divisibility for the causal split, knobs of the path, and a shared-memory /
+    register budget."""
     try:
-        cfg.check(kernel)
+        cfg.check(kernel, path)
     except ValueError:
         return False
     if INTERPRET:
         return True
     elem = torch.tensor([], dtype=dtype).element_size()
+    # Warp specialisation (see _TMA_CONFIGS): 16-bit wgmma loops of 4-warp programs, not the dQ loop.
+    if cfg.warp_specialize and (elem == 4 or kernel == "dq" or cfg.num_warps != 4):
+        return False
     if _estimated_shared_bytes(kernel, cfg, block_d, elem) > 0.9 * _shared_memory_limit(device):
         return False
     if elem == 4 and cfg.block_m * cfg.block_n > 64 * 32:  # see _GPU_CONFIGS_FP32
         return False
     # Register budget: fp32 accumulators (O, or dK and dV, or dQ) plus the score tile, per thread. Past ~160
     # values a thread the sm_90 builds spill heavily and run 2-3x slower (H200 sweep, results/flash_tiles.parquet).
+    # A warp-specialised program's two consumer warp groups hold the accumulators.
     rows = cfg.block_n if kernel == "dkdv" else cfg.block_m
     accumulators = (2 if kernel == "dkdv" else 1) * rows * block_d + cfg.block_m * cfg.block_n
-    return accumulators <= 160 * 32 * cfg.num_warps
+    return accumulators <= 160 * 32 * cfg.num_warps * (2 if cfg.warp_specialize else 1)
 
 
 def valid_configs(kernel: str, dtype: torch.dtype, head_dim: int, block_d: int, device: torch.device,
-                  allowed=None) -> list[FlashConfig]:
-    """`candidates` (restricted to `allowed` when given) that pass `config_fits`, in order of preference."""
-    return [c for c in candidates(kernel, dtype, head_dim)
-            if (allowed is None or c in allowed) and config_fits(kernel, c, block_d, dtype, device)]
+                  path: str = "portable", allowed=None) -> list[FlashConfig]:
+    """What the autotuner benchmarks: the tuned file's valid configs for this (kernel, path, head dim, dtype)
+    when it has any, else every valid candidate (restricted to `allowed` when given), in order of preference."""
+
+    def ok(c):
+        return (allowed is None or c in allowed) and config_fits(kernel, c, block_d, dtype, device, path)
+
+    exact = [c for c in tuned_exact(kernel, dtype, head_dim, path) if ok(c)]
+    return exact or [c for c in candidates(kernel, dtype, head_dim, path) if ok(c)]
 
 
-def first_valid_config(kernel: str, dtype: torch.dtype, head_dim: int, block_d: int,
-                       device: torch.device) -> FlashConfig:
+def first_valid_config(kernel: str, dtype: torch.dtype, head_dim: int, block_d: int, device: torch.device,
+                       path: str = "portable") -> FlashConfig:
     """The config autotuning off takes (the tuned file's, else the built-in order's first that fits)."""
-    valid = valid_configs(kernel, dtype, head_dim, block_d, device)
+    valid = valid_configs(kernel, dtype, head_dim, block_d, device, path)
     if valid:
         return valid[0]
-    return min(candidates(kernel, dtype, head_dim), key=lambda c: (c.block_m * c.block_n, c.num_stages))
+    plain = [c for c in candidates(kernel, dtype, head_dim, path) if not (c.warp_specialize or c.persistent)]
+    return min(plain, key=lambda c: (c.block_m * c.block_n, c.num_stages))
 
 
 def make_pruner(kernel: str):
-    """`early_config_prune` for `kernel`: the call's candidates in order of preference, filtered by
-    `config_fits`; only the first one when autotuning is off."""
+    """`early_config_prune` for `kernel`: the call's `valid_configs` in order of preference; only the first one
+    when autotuning is off."""
 
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
         q = args["Q"]
+        path = "tma" if args.get("USE_TMA", False) else "portable"
         known = {FlashConfig.from_triton(c): c for c in configs}
         valid = [known[c] for c in valid_configs(kernel, q.dtype, args["HEAD_DIM"], args["BLOCK_D"], q.device,
-                                                 known)]
-        if not valid:  # nothing fits the estimates: the smallest tiles rather than no launch at all
-            valid = [min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.num_stages))]
+                                                 path, known)]
+        if not valid:  # nothing fits the estimates: the smallest plain tiles rather than no launch at all
+            plain = [c for c in configs if not (c.kwargs["WARP_SPECIALIZE"] or c.kwargs["PERSISTENT"])]
+            valid = [min(plain, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.num_stages))]
         return valid if autotune_enabled() else valid[:1]
 
     return prune
@@ -236,4 +308,4 @@ def even_heuristics():
     return {"EVEN_M": lambda a: a["N_Q"] % a["BLOCK_M"] == 0, "EVEN_N": lambda a: a["N_K"] % a["BLOCK_N"] == 0}
 
 
-AUTOTUNE_KEY = ["SEQ_BUCKET", "HEAD_DIM", "IS_CAUSAL", "INPUT_PRECISION"]  # + the dtypes of the tensor args
+AUTOTUNE_KEY = ["SEQ_BUCKET", "HEAD_DIM", "IS_CAUSAL", "INPUT_PRECISION", "USE_TMA"]  # + the tensor dtypes

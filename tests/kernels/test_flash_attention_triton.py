@@ -106,6 +106,70 @@ def test_forward_and_backward_match_fp64_reference(q_shape, k_shape, causal, dty
         torch.testing.assert_close(got.double(), want, **tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
+
+# The tma path's kernels (tensor descriptors; persistent grid; warp specialisation, a no-op here) under the
+# interpreter, which emulates descriptors: loads past a matrix's edge read 0, stores past it are dropped.
+TMA_CONFIGS = [
+    (None, None, None),
+    (ft.FlashConfig(32, 16, 1, 1, persistent=True), ft.FlashConfig(16, 32, 1, 1, persistent=True),
+     ft.FlashConfig(32, 16, 1, 1, persistent=True)),
+    (ft.FlashConfig(32, 16, 1, 1, warp_specialize=True), ft.FlashConfig(16, 32, 1, 1, warp_specialize=True),
+     ft.FlashConfig(32, 16, 1, 1, warp_specialize=True)),
+]
+
+
+@interpret
+@pytest.mark.interpret
+@pytest.mark.parametrize("configs", TMA_CONFIGS, ids=["autotuned", "persistent", "warp_specialize"])
+@pytest.mark.parametrize("q_shape,k_shape,causal,dtype", CASES[:3] + CASES[4:])
+def test_tma_path_matches_fp64_reference(q_shape, k_shape, causal, dtype, configs, poisoned):
+    q, k, v, do = _inputs(q_shape, k_shape, dtype, seed=5)
+    fwd_cfg, dkdv_cfg, dq_cfg = configs
+    out, lse = fa.flash_attention_fwd(q, k, v, causal, config=fwd_cfg, path="tma")
+    dq, dk, dv = fa.flash_attention_bwd(q, k, v, out, lse, do, causal, dkdv_config=dkdv_cfg, dq_config=dq_cfg,
+                                        path="tma")
+    assert fa.LAST_PATH == {"fwd": "tma", "dkdv": "tma", "dq": "tma"}
+    poisoned.check()
+    tol = TOL[dtype]
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv),
+                               _reference(q, k, v, do, causal)):
+        torch.testing.assert_close(got.double(), want, **(tol if name != "lse" else dict(atol=2e-5, rtol=1e-5)),
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_path_choice(monkeypatch):
+    q = torch.zeros(1, 2, 32, 16)
+    assert fa.resolve_path(None, q, q, q) == "portable"  # CPU: auto never picks tma
+    monkeypatch.setenv(fa.PATH_ENV, "tma")
+    if fa.INTERPRET:
+        assert fa.resolve_path(None, q, q, q) == "tma"
+    assert fa.resolve_path("portable", q, q, q) == "portable"
+    monkeypatch.setenv(fa.PATH_ENV, "fast")
+    with pytest.raises(ValueError, match="flash path 'fast' must be one of auto, portable, tma"):
+        fa.resolve_path(None, q, q, q)
+    with pytest.raises(ValueError, match="the tma path needs"):
+        fa.resolve_path("tma", q, q, torch.zeros(1, 2, 32, 20, dtype=torch.float16))  # rows of 40 bytes
+
+
+def test_tma_layout_rule():
+    x = torch.zeros(2, 3, 40, 24)
+    assert fa.tma_layout_ok(x, x.transpose(1, 2).contiguous().transpose(1, 2))  # the model's (B, S, H, D) view
+    assert fa.tma_layout_ok(x[..., :20])  # 96-byte rows, 80 bytes used
+    assert not fa.tma_layout_ok(torch.zeros(2, 3, 40, 20, dtype=torch.float16))  # 40-byte rows
+    assert not fa.tma_layout_ok(x.transpose(-1, -2))  # d not contiguous
+    assert not fa.tma_layout_ok(x.half()[..., 1:21])  # start 2 bytes off
+    assert not fa.tma_layout_ok(torch.zeros(1, 16, 1).expand(3, 16, 16))  # stride 0 along d
+    assert fa.tma_layout_ok(torch.zeros(1, 1, 16).expand(3, 16, 16).contiguous())
+    assert fa.tma_layout_ok(torch.zeros(8, 16)[None].expand(4, 8, 16))  # stride 0 on the batch: one matrix
+
+
+def test_portable_path_refuses_tma_knobs():
+    with pytest.raises(ValueError, match="exist on the tma path only"):
+        ft.FlashConfig(128, 64, 8, 3, warp_specialize=True).check("fwd", "portable")
+    assert ft.FlashConfig(128, 64, 8, 3, persistent=True).check("fwd", "tma").label() == "128x64/w8/s3/persistent"
+    with pytest.raises(ValueError, match="persistent"):
+        ft.FlashConfig(64, 64, persistent=1)
+
 @interpret
 @pytest.mark.interpret
 def test_strided_inputs_and_broadcast_upstream_gradient():
@@ -280,8 +344,13 @@ def test_autotune_off_takes_tuned_config_for_matching_head_dim(monkeypatch):
     assert ft.FlashConfig.from_triton(picked) == ft.FlashConfig(64, 64, 4, 2)
     (picked,) = prune(configs, {"Q": q}, BLOCK_D=128, HEAD_DIM=128)  # no tuned entry: first valid
     assert ft.FlashConfig.from_triton(picked) == ft.FlashConfig(128, 64, 8, 3)
-    monkeypatch.setenv("RAYSYS_FLASH_AUTOTUNE", "1")
-    assert len(prune(configs, {"Q": q}, BLOCK_D=64, HEAD_DIM=64)) == 2
+    monkeypatch.setenv("RAYSYS_FLASH_AUTOTUNE", "1")  # autotuning benchmarks the tuned file's configs only
+    assert [ft.FlashConfig.from_triton(c) for c in prune(configs, {"Q": q}, BLOCK_D=64, HEAD_DIM=64)] == [
+        ft.FlashConfig(64, 64, 4, 2)]
+    assert len(prune(configs, {"Q": q}, BLOCK_D=128, HEAD_DIM=128)) == 2  # no tuned entry: every valid one
+    # The tma path has its own entries: the portable one above is not used there.
+    (picked,) = prune(configs, {"Q": q}, BLOCK_D=64, HEAD_DIM=64, USE_TMA=True)
+    assert ft.FlashConfig.from_triton(picked) == ft.FlashConfig(128, 64, 8, 3)
 
 
 def test_load_tuned_configs(tmp_path):
