@@ -10,9 +10,19 @@ selective, none from the first block on (the blocks whose backward runs last rem
 others are already freed); the reverse order is scored too and the better one kept. When no per-layer plan
 fits, nested (recursive, O(log N)) checkpointing is tried before reporting that nothing fits.
 
+The workload also names how the state is held and what the step computes: `param_dtype` (fp32 master weights,
+or the model built in bf16 as the course's leaderboard harness does: weights, gradients and AdamW moments in bf16,
+no autocast), `loss` (materialised logits, or the fused LM head + loss that keeps only its gradients), the fused
+attention backends' saved O and log-sum-exp, `compiled` pieces (`raysys.leaderboard.compile_pieces`), the
+optimizer's step transient, and `shards` (FSDP over N ranks: a rank holds 1/N of the fp32 state plus the gathered
+units). `raysys.leaderboard.LeaderboardStep` asks for the plan of its own composition and applies it.
+
 CLI (mounted as `python -m raysys advise`):
     python -m raysys advise --size xl --context-length 2048 --batch-size 4 --gpu-memory 80GiB [--dtype bf16]
-        [--attention naive|sdpa|flash_triton] [--json]
+        [--attention naive|sdpa|flash_triton] [--param-dtype fp32|bf16] [--loss materialized|fused]
+        [--compiled] [--optimizer reference|foreach|fused] [--shards N] [--json]
+    python -m raysys advise --size leaderboard --batch-size 1 --param-dtype bf16 --loss fused --compiled \
+        --optimizer fused --attention flash_triton --gpu-memory 141GB       # the leaderboard step's plan
 """
 
 from __future__ import annotations
@@ -27,8 +37,8 @@ from dataclasses import dataclass
 from parallel.checkpointing import (FullCheckpoint, NestedCheckpoint, NoCheckpoint, Offload, PerLayer, Policy,
                                     SelectiveCheckpoint)
 from raysys.config import SIZES, ModelConfig
-from raysys.recompute_model import (PRECISIONS, GiB, PeakEstimate, Workload, block_flops, fmt_bytes,
-                                    predict_peak, saved_per_block, step_flops)
+from raysys.recompute_model import (LOSSES, OPTIMIZERS, PRECISIONS, GiB, PeakEstimate, Workload, block_flops,
+                                    fmt_bytes, predict_peak, saved_per_block, static_bytes, step_flops)
 
 KINDS = ("none", "selective", "full", "offload")
 DEFAULT_TFLOPS = {"fp32": 50.0, "bf16": 400.0, "fp16": 400.0}
@@ -66,9 +76,10 @@ class Plan:
         return self.policy.spec
 
     def as_dict(self) -> dict:
-        c = self.workload.config
-        return {"size": c.name, "num_layers": c.num_layers, "batch_size": self.workload.batch_size,
-                "seq_len": self.workload.S, "precision": self.workload.precision, "attention": c.attention,
+        w, c = self.workload, self.workload.config
+        return {"size": c.name, "num_layers": c.num_layers, "batch_size": w.batch_size,
+                "seq_len": w.S, "precision": w.precision, "param_dtype": w.param_dtype, "loss": w.loss,
+                "compiled": w.compiled, "optimizer": w.optimizer, "shards": w.shards, "attention": c.attention,
                 "policy": self.spec, "layers": list(self.layers), "fits": self.fits,
                 "predicted_peak_bytes": self.predicted_peak_bytes, "usable_bytes": self.usable_bytes,
                 "overhead": self.overhead, "recompute_flops": self.recompute_flops, "step_flops": self.step_flops,
@@ -82,8 +93,11 @@ class Plan:
                 runs[-1][2] = i
             else:
                 runs.append([kind, i, i])
+        state = (f"{w.param_dtype} weights" + (f" sharded over {w.shards} ranks" if w.shards > 1 else "")
+                 + (", autocast" if w.amp else ""))
         lines = [f"{c.name} ({c.num_layers} layers, d_model {c.d_model}), batch {w.batch_size} x {w.S} tokens, "
-                 f"{w.precision}, attention {c.attention}",
+                 f"{w.precision} compute, {state}, attention {c.attention}, {w.loss} loss, {w.optimizer} AdamW"
+                 + (", compiled pieces" if w.compiled else ""),
                  "per-layer policy:"]
         lines += [f"  blocks {lo:>3}-{hi:<3} {kind}" for kind, lo, hi in runs]
         lines += [f"policy spec:     {self.spec}",
@@ -156,9 +170,12 @@ def _score(w: Workload, layers: tuple[str, ...], cost: _Cost) -> tuple[float, Pe
 def advise(config: ModelConfig, batch_size: int, gpu_memory_bytes: int, dtype: str = "fp32", *,
            seq_len: int | None = None, attention: str | None = None, tflops: float | None = None,
            pcie_gbps: float = 25.0, margin: float = 0.05, kinds: tuple[str, ...] = KINDS,
-           host_memory_bytes: int | None = None) -> Plan:
+           host_memory_bytes: int | None = None, param_dtype: str = "fp32", loss: str = "materialized",
+           compiled: bool = False, optimizer: str = "reference", shards: int = 1,
+           device_type: str = "cuda") -> Plan:
     """The per-layer plan with the least predicted overhead whose predicted peak fits
-    `(gpu_memory_bytes - CUDA context) * (1 - margin)` (and whose offloaded bytes fit `host_memory_bytes`)."""
+    `(gpu_memory_bytes - CUDA context) * (1 - margin)` (and whose offloaded bytes fit `host_memory_bytes`).
+    `param_dtype`, `loss`, `compiled`, `optimizer`, `shards`, `device_type`: see `raysys.recompute_model.Workload`."""
     if attention is not None:
         config = config.replace(attention=attention)
     if gpu_memory_bytes <= CONTEXT_RESERVE_BYTES:
@@ -168,12 +185,15 @@ def advise(config: ModelConfig, batch_size: int, gpu_memory_bytes: int, dtype: s
         raise ValueError(f"margin ({margin}) must lie in [0, 1)")
     if dtype not in PRECISIONS:
         raise ValueError(f"dtype {dtype!r} must be one of {PRECISIONS}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size ({batch_size!r}) must be a positive integer")
     unknown = set(kinds) - set(KINDS)
     if unknown or "none" not in kinds:
         raise ValueError(f"kinds {kinds} must be a subset of {KINDS} containing 'none'")
     if pcie_gbps <= 0 or (tflops is not None and tflops <= 0):
         raise ValueError(f"pcie_gbps ({pcie_gbps}) and tflops ({tflops}) must be positive")
-    w = Workload(config=config, batch_size=batch_size, seq_len=seq_len, precision=dtype, device_type="cuda")
+    w = Workload(config=config, batch_size=batch_size, seq_len=seq_len, precision=dtype, device_type=device_type,
+                 param_dtype=param_dtype, loss=loss, compiled=compiled, optimizer=optimizer, shards=shards)
     cost = _Cost(tflops or DEFAULT_TFLOPS[dtype], pcie_gbps)
     usable = int((gpu_memory_bytes - CONTEXT_RESERVE_BYTES) * (1 - margin))
     n = config.num_layers
@@ -226,9 +246,11 @@ def advise(config: ModelConfig, batch_size: int, gpu_memory_bytes: int, dtype: s
                   f"nested checkpointing keeps one input per recursion level")
         return _plan(w, nested, True, peak, usable, overhead, flops, reason)
     _, overhead, _, layers, peak, flops = smallest
+    state = sum(v for k, v in static_bytes(w).items() if k in ("weights", "optimizer")) + w.pb * config.num_params() // shards
     reason = (f"nothing fits: the smallest predicted peak ({fmt_bytes(peak.peak_bytes)}, at {peak.where}) exceeds "
-              f"{fmt_bytes(usable)}; fp32 weights, gradients and AdamW state alone take "
-              f"{fmt_bytes(16 * config.num_params())} - shard them (FSDP / ZeRO) or cut the batch")
+              f"{fmt_bytes(usable)}; {w.param_dtype} weights, gradients and AdamW state alone take "
+              f"{fmt_bytes(state)}" + (f" per rank of {shards}" if shards > 1 else "")
+              + " - shard them (FSDP / ZeRO), hold them in bf16, fuse the loss or cut the batch")
     return _plan(w, layers, False, peak, usable, overhead, flops, reason)
 
 
@@ -272,8 +294,20 @@ def build_advise_parser(parser: argparse.ArgumentParser | None = None) -> argpar
     p.add_argument("--batch-size", type=int, default=4, help="sequences per step")
     p.add_argument("--vocab-size", type=int, default=None, help="vocabulary override")
     p.add_argument("--gpu-memory", default="80GiB", help="device memory, e.g. 80GiB, 141GB, 8.5e10")
-    p.add_argument("--dtype", default="fp32", choices=PRECISIONS,
-                   help="fp32, or bf16/fp16 autocast (fp32 master weights)")
+    p.add_argument("--dtype", default=None, choices=PRECISIONS,
+                   help="compute dtype: fp32, or bf16/fp16 (autocast over fp32 weights unless --param-dtype is the "
+                        "same; default: the --param-dtype)")
+    p.add_argument("--param-dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
+                   help="weights, gradients and AdamW state: fp32 master weights, or pure bf16/fp16 (the course's "
+                        "leaderboard harness builds the model in bf16)")
+    p.add_argument("--loss", default="materialized", choices=LOSSES,
+                   help="materialized logits (cross_entropy(model(x), y)) or the fused LM head + loss (no logits)")
+    p.add_argument("--compiled", action="store_true",
+                   help="RMSNorm, RoPE and SwiGLU compiled (raysys.leaderboard.compile_pieces; pure precision only)")
+    p.add_argument("--optimizer", default="reference", choices=OPTIMIZERS,
+                   help="AdamW implementation (its step's temporary): reference, foreach or fused")
+    p.add_argument("--shards", type=int, default=1,
+                   help="FSDP over N ranks: each holds 1/N of the fp32 weights, gradients and AdamW state")
     p.add_argument("--attention", default="naive", help="attention backend: naive, sdpa, flash_triton, flash_pytorch")
     p.add_argument("--tflops", type=float, default=None,
                    help=f"achieved matmul TFLOP/s for the overhead estimate (default {DEFAULT_TFLOPS})")
@@ -298,8 +332,13 @@ def run_advise(args: argparse.Namespace) -> int:
         raise ValueError(f"attention {args.attention!r} is not one of {attention_backends()}")
     config = ModelConfig.from_name(args.size, **overrides)
     host = parse_bytes(args.host_memory) if args.host_memory else None
-    plan = advise(config, args.batch_size, parse_bytes(args.gpu_memory), args.dtype, tflops=args.tflops,
-                  pcie_gbps=args.pcie_gbps, margin=args.margin, kinds=tuple(args.kinds), host_memory_bytes=host)
+    dtype = args.dtype or args.param_dtype
+    if args.shards < 1:
+        raise ValueError(f"--shards ({args.shards}) must be >= 1")
+    plan = advise(config, args.batch_size, parse_bytes(args.gpu_memory), dtype, tflops=args.tflops,
+                  pcie_gbps=args.pcie_gbps, margin=args.margin, kinds=tuple(args.kinds), host_memory_bytes=host,
+                  param_dtype=args.param_dtype, loss=args.loss, compiled=args.compiled, optimizer=args.optimizer,
+                  shards=args.shards)
     print(json.dumps(plan.as_dict(), indent=2) if args.json else plan.format())
     return 0 if plan.fits else 1
 

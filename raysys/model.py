@@ -8,6 +8,10 @@ Attention is pluggable per model instance: every `CausalMultiHeadSelfAttention` 
 `naive` (the reference math), `sdpa` (torch's scaled_dot_product_attention), `annotated` (naive with NVTX /
 profiler ranges around scores, softmax and the output matmul) and, from `kernels/`, `flash_triton` and
 `flash_pytorch`. Shape legend: B batch, H heads, S sequence, D head dim, M d_model.
+
+Training-step API: `model(x)` returns logits; `model.loss(x, y)` returns `cross_entropy(model(x), y)` computed
+by `linear_cross_entropy` (the LM head and the loss fused: no (B, S, vocab) logits), `fused=False` the
+reference path. `AdamW` is the reference optimizer; `ForeachAdamW` the same update with multi-tensor ops.
 """
 
 from __future__ import annotations
@@ -271,13 +275,27 @@ class TransformerLM(nn.Module):
         self.config = self.config.replace(attention=name)
         return self
 
-    def forward(self, token_ids: torch.Tensor, token_positions: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden_states(self, token_ids: torch.Tensor, token_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The final normalised hidden states (B, S, d_model): the forward pass without the LM head."""
         if token_ids.shape[-1] > self.config.context_length:
             raise ValueError(f"sequence length ({token_ids.shape[-1]}) exceeds context_length ({self.config.context_length})")
         x = self.token_embeddings(token_ids)
         for block in self.layers:
             x = block(x, token_positions)
-        return self.lm_head(self.ln_final(x))
+        return self.ln_final(x)
+
+    def forward(self, token_ids: torch.Tensor, token_positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(token_ids, token_positions))
+
+    def loss(self, token_ids: torch.Tensor, targets: torch.Tensor, token_positions: torch.Tensor | None = None, *,
+             fused: bool = True, impl: str = "auto") -> torch.Tensor:
+        """`cross_entropy(self(token_ids), targets)`; with `fused` the LM head and the loss run as one
+        `linear_cross_entropy` (`impl`), so the (B, S, vocab) logits never exist. The LM head's module is not
+        called on the fused path (its weight is read directly), so hooks on `lm_head` do not fire there."""
+        hidden = self.hidden_states(token_ids, token_positions)
+        if not fused:
+            return cross_entropy(self.lm_head(hidden), targets)
+        return linear_cross_entropy(hidden, self.lm_head.weight, targets, impl=impl)
 
 
 BasicsTransformerLM = TransformerLM
@@ -298,6 +316,88 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     log_z = torch.log(torch.exp(logits).sum(dim=-1))
     target_logit = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return (log_z - target_logit).mean()
+
+
+LOSS_IMPLS = ("auto", "triton", "torch")
+"""`linear_cross_entropy` implementations: the Triton kernel of `kernels/fused_linear_ce.py`, the chunked
+plain-torch `ChunkedLinearCrossEntropy`, or `auto` (the kernel for CUDA tensors when it imports, else torch)."""
+CHUNK_LOGIT_BYTES = 256 * 2**20
+"""fp32 logits one chunk of `ChunkedLinearCrossEntropy` holds (its tokens = this / (4 * vocab))."""
+
+
+def fused_loss_kernel() -> Callable | None:
+    """`kernels.fused_linear_ce.linear_cross_entropy`, or None where that module does not import."""
+    try:
+        from kernels.fused_linear_ce import linear_cross_entropy as kernel
+    except ImportError:
+        return None
+    return kernel
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                         impl: str = "auto") -> torch.Tensor:
+    """`cross_entropy(hidden @ weight.T, targets)` without materialising the (tokens, vocab) logits.
+
+    hidden (..., d), weight (vocab, d), targets (...) int64 -> the mean loss (fp32), differentiable in `hidden`
+    and `weight`. Both implementations compute the gradients during the forward pass (chunk by chunk) and keep
+    only them for backward (hidden's and weight's shapes and dtypes) instead of the logits and their softmax.
+    """
+    if impl not in LOSS_IMPLS:
+        raise ValueError(f"linear_cross_entropy impl {impl!r} must be one of {LOSS_IMPLS}")
+    if hidden.shape[-1] != weight.shape[-1] or hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)} and targets "
+                         f"{tuple(targets.shape)} must be (..., d), (vocab, d) and (...)")
+    kernel = fused_loss_kernel() if impl != "torch" else None
+    if impl == "triton" and kernel is None:
+        raise ValueError("linear_cross_entropy impl 'triton' needs kernels/fused_linear_ce.py, which does not import")
+    if kernel is not None and (impl == "triton" or hidden.is_cuda):
+        return kernel(hidden, weight, targets)
+    chunk = max(1, CHUNK_LOGIT_BYTES // (4 * weight.shape[0]))
+    return ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk)
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Plain-torch fused LM head + cross-entropy (the CPU path, and the fallback of the Triton kernel): `chunk`
+    tokens at a time, logits upcast to fp32 (max-subtracted log-sum-exp as in `cross_entropy`), the gradients
+    written during forward, the weight's accumulated in its own dtype (one rounding per chunk in bf16, exact in
+    fp32), as `kernels/fused_linear_ce.py` does. Backward scales them by the upstream gradient in place."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk):
+        h_Nd, t_N = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        n = h_Nd.shape[0]
+        grad_h = torch.empty_like(h_Nd) if hidden.requires_grad else None
+        grad_w = torch.empty_like(weight) if weight.requires_grad else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for lo in range(0, n, chunk):
+            h_cd, t_c = h_Nd[lo:lo + chunk], t_N[lo:lo + chunk]
+            logits = (h_cd @ weight.t()).float()
+            logits -= logits.amax(dim=-1, keepdim=True)
+            probs = torch.exp(logits)
+            row_sum = probs.sum(dim=-1)
+            total += (torch.log(row_sum) - logits.gather(-1, t_c[:, None]).squeeze(-1)).sum()
+            del logits
+            # d(mean loss) / d logits = (softmax - onehot(target)) / n
+            probs /= row_sum[:, None]
+            probs[torch.arange(len(t_c), device=probs.device), t_c] -= 1.0
+            probs /= n
+            g_cv = probs.to(hidden.dtype)
+            del probs
+            if grad_h is not None:
+                torch.matmul(g_cv, weight, out=grad_h[lo:lo + chunk])
+            if grad_w is not None:
+                grad_w.addmm_(g_cv.t(), h_cd, beta=0 if lo == 0 else 1)
+        ctx.save_for_backward(None if grad_h is None else grad_h.view_as(hidden), grad_w)
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        if torch.compiler.is_compiling():
+            scale = lambda g: None if g is None else g * grad_out.to(g.dtype)
+        else:  # in place: backward needs no second (vocab, d) buffer (retain_graph fails the version check)
+            scale = lambda g: None if g is None else g.mul_(grad_out.to(g.dtype))
+        return scale(grad_h), scale(grad_w), None, None
 
 
 class AdamW(torch.optim.Optimizer):
@@ -342,3 +442,65 @@ class AdamW(torch.optim.Optimizer):
                 p.addcdiv_(m, v.sqrt().add_(eps), value=-alpha_t)
                 state["t"] = t + 1
         return loss
+
+
+class ForeachAdamW(AdamW):
+    """`AdamW` (same semantics, defaults and state) with torch's multi-tensor `_foreach_` ops: one launch per
+    operation over a chunk of parameters (at most `chunk_bytes` of them, so the sqrt(v) temporaries stay
+    bounded) instead of one per operation per parameter. Parameters with the same step count, device and dtype
+    are updated together; each element sees exactly the reference's arithmetic."""
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01, chunk_bytes: int = 2**30):
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes ({chunk_bytes}) must be >= 1")
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.chunk_bytes = chunk_bytes
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            same: dict[tuple, list[nn.Parameter]] = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["t"], state["m"], state["v"] = 1, torch.zeros_like(p), torch.zeros_like(p)
+                same.setdefault((state["t"], p.device, p.dtype), []).append(p)
+            for (t, _, _), params in same.items():
+                alpha_t = lr * math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+                for chunk in _byte_chunks(params, self.chunk_bytes):
+                    ps, gs = chunk, [p.grad for p in chunk]
+                    ms, vs = [self.state[p]["m"] for p in chunk], [self.state[p]["v"] for p in chunk]
+                    torch._foreach_add_(ps, ps, alpha=-lr * wd)
+                    torch._foreach_mul_(ms, b1)
+                    torch._foreach_add_(ms, gs, alpha=1 - b1)
+                    torch._foreach_mul_(vs, b2)
+                    torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)
+                    denom = torch._foreach_sqrt(vs)
+                    torch._foreach_add_(denom, eps)
+                    torch._foreach_addcdiv_(ps, ms, denom, value=-alpha_t)
+                    del denom
+                for p in params:
+                    self.state[p]["t"] = t + 1
+        return loss
+
+
+def _byte_chunks(params: list[torch.Tensor], chunk_bytes: int) -> Iterable[list[torch.Tensor]]:
+    """Consecutive runs of `params` of at most `chunk_bytes` each (a larger tensor is a run of its own)."""
+    run, size = [], 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if run and size + nbytes > chunk_bytes:
+            yield run
+            run, size = [], 0
+        run.append(p)
+        size += nbytes
+    if run:
+        yield run

@@ -47,7 +47,15 @@ from raysys.config import ModelConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+LOSSES = ("materialized", "fused")
+OPTIMIZERS = ("reference", "foreach", "fused")
 GiB = 1024**3
+FOREACH_CHUNK_BYTES = 2**30
+"""Parameters `raysys.model.ForeachAdamW` updates per launch (its sqrt(v) temporary)."""
+TORCH_LOSS_CHUNK_BYTES = 256 * 2**20
+"""fp32 logits of one chunk of the plain-torch fused loss (`raysys.model.CHUNK_LOGIT_BYTES`), the CPU's."""
+KERNEL_LOSS_CHUNK_BYTES = 768 * 2**20
+"""The Triton fused loss's logits buffer (`kernels.fused_linear_ce.MAX_CHUNK_BYTES`), the one CUDA runs."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +72,20 @@ class Workload:
     """fp32, or bf16 / fp16 autocast with fp32 master weights."""
     device_type: str = "cuda"
     """cuda or cpu: autocast's op lists differ (softmax in fp32 on CUDA only)."""
+    param_dtype: str = "fp32"
+    """Weights, gradients and AdamW moments: fp32 (master weights; a bf16 / fp16 `precision` is autocast), or
+    `precision` itself (pure low precision, as the course's leaderboard harness builds the model: no casts)."""
+    loss: str = "materialized"
+    """materialized: `cross_entropy(model(x), y)` keeps the (B, S, V) logits; fused: `model.loss(x, y)`, the LM
+    head and the loss in one op that keeps only the gradients of the hidden states and of the LM-head weight."""
+    compiled: bool = False
+    """RMSNorm, RoPE and SwiGLU compiled (`raysys.leaderboard.compile_pieces`, pure precision only): a norm keeps
+    its input and rsqrt, SwiGLU its input, w1 x, w3 x and their gated product, RoPE only its cos / sin buffers."""
+    optimizer: str = "reference"
+    """AdamW's step transient: reference (sqrt(v) of one parameter), foreach (of up to 1 GiB of them), fused (none)."""
+    shards: int = 1
+    """Ranks the fp32 weights, gradients and AdamW state are sharded over (FSDP, `parallel/fsdp.py`, computing in
+    `precision` without autocast); 1: every rank holds the whole state."""
 
     def __post_init__(self):
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
@@ -76,6 +98,20 @@ class Workload:
             raise ValueError(f"precision {self.precision!r} must be one of {PRECISIONS}")
         if self.device_type not in ("cuda", "cpu"):
             raise ValueError(f"device_type {self.device_type!r} must be cuda or cpu")
+        if self.param_dtype not in ("fp32", self.precision):
+            raise ValueError(f"param_dtype {self.param_dtype!r} must be fp32 (master weights) or the precision "
+                             f"{self.precision!r} (pure low precision)")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss {self.loss!r} must be one of {LOSSES}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer {self.optimizer!r} must be one of {OPTIMIZERS}")
+        if not isinstance(self.shards, int) or isinstance(self.shards, bool) or self.shards < 1:
+            raise ValueError(f"shards ({self.shards!r}) must be a positive integer")
+        if self.shards > 1 and self.param_dtype != "fp32":
+            raise ValueError(f"shards ({self.shards}) > 1 needs param_dtype fp32: parallel/fsdp.py keeps fp32 shards")
+        if self.compiled and self.amp:
+            raise ValueError("compiled pieces are modelled for pure-precision steps (param_dtype == precision), "
+                             "not under autocast")
 
     @property
     def S(self) -> int:
@@ -83,7 +119,18 @@ class Workload:
 
     @property
     def amp(self) -> bool:
-        return self.precision != "fp32"
+        """Autocast: low-precision compute over fp32 weights on one rank (FSDP casts its weights instead)."""
+        return self.precision != "fp32" and self.param_dtype == "fp32" and self.shards == 1
+
+    @property
+    def pb(self) -> int:
+        """Bytes per element of weights, gradients and AdamW moments."""
+        return ELEMENT_BYTES[self.param_dtype]
+
+    @property
+    def a(self) -> int:
+        """Bytes per element of the residual stream: fp32 under autocast, else the compute dtype."""
+        return 4 if self.amp else self.e
 
     @property
     def e(self) -> int:
@@ -101,8 +148,8 @@ class Workload:
 
     @property
     def stream_bytes(self) -> int:
-        """One residual-stream activation x_i (fp32 in both modes: embeddings and residual adds are fp32)."""
-        return 4 * self.batch_size * self.S * self.config.d_model
+        """One residual-stream activation x_i (fp32 under autocast: embeddings and residual adds are fp32)."""
+        return self.a * self.batch_size * self.S * self.config.d_model
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -118,18 +165,26 @@ def _block_saved(w: Workload) -> dict[str, int]:
     c, B, S, e = w.config, w.batch_size, w.S, w.e
     d, f, H, Dh = c.d_model, c.d_ff, c.num_heads, c.d_head
     BS, BSd, BSf, BHS, BHSS = B * S, B * S * d, B * S * f, B * H * S, B * H * S * S
-    norm = 2 * 4 * BSd + 4 * BS  # fp32 upcast of the input (the input itself in fp32), x * rsqrt, rsqrt
+    norm = _norm_saved(w)
     if w.amp:  # each consumer keeps its own cast of the norm output; weights are cast per call
         out = {"norms": 2 * norm + (3 + 2) * e * BSd, "weight_casts": (4 * d * d + 3 * d * f) * e}
-    else:
-        out = {"norms": 2 * (norm + 4 * BSd), "weight_casts": 0}
-    out["rope"] = 4 * S * (Dh // 2) * 4  # the cos / sin buffers are fp32 (the model's weights always are)
+    else:  # the output once (its consumers share it)
+        out = {"norms": 2 * (norm + e * BSd), "weight_casts": 0}
+    # eager: cos / sin rows for q and for k (fp32 buffers); compiled: the whole buffers, once (head_saved)
+    out["rope"] = 0 if w.compiled else 4 * S * (Dh // 2) * 4
     if w.fused:
         out["attention"] = 5 * e * BSd + 4 * BHS  # q, k, v, O, merged heads; fp32 log-sum-exp
     else:
         out["attention"] = 4 * e * BSd + S * S + 2 * e * BHSS + w.e_softmax * BHSS + (e + w.e_softmax) * BHS
-    out["ffn"] = 5 * e * BSf
+    out["ffn"] = (3 if w.compiled else 5) * e * BSf
     return out
+
+
+def _norm_saved(w: Workload) -> int:
+    """What one RMSNorm keeps, its output aside: eager, the fp32 upcast of the input (the input itself in fp32),
+    x * rsqrt and rsqrt; compiled, its input and rsqrt."""
+    BS, BSd = w.batch_size * w.S, w.batch_size * w.S * w.config.d_model
+    return (w.a * BSd if w.compiled else 2 * 4 * BSd) + 4 * BS
 
 
 def attention_core_saved(w: Workload) -> int:
@@ -168,11 +223,21 @@ def saved_per_block(w: Workload, kind: str) -> int:
 
 
 def head_saved(w: Workload) -> int:
-    """ln_final, lm_head and the cross-entropy: logits, shifted logits, exp, row max / sum."""
+    """ln_final, lm_head and the loss. Materialised: the norm's output, logits, shifted logits, exp, row max /
+    sum. Fused: the gradients of the hidden states and of the LM-head weight (computed in forward). Compiled
+    RoPE's cos / sin buffers, shared by every block, are counted here once."""
     c, B, S, e = w.config, w.batch_size, w.S, w.e
     BS, BSd, BSV = B * S, B * S * c.d_model, B * S * c.vocab_size
-    norm = 2 * 4 * BSd + 4 * BS + (e * BSd + c.vocab_size * c.d_model * e if w.amp else 4 * BSd)
-    return norm + 2 * e * BSV + w.e_softmax * BSV + (e + w.e_softmax) * BS
+    rope = 2 * c.context_length * (c.d_head // 2) * 4 if w.compiled else 0
+    if w.loss == "fused":
+        return _norm_saved(w) + rope + w.a * (BSd + c.vocab_size * c.d_model)
+    norm = _norm_saved(w) + (e * BSd + c.vocab_size * c.d_model * e if w.amp else e * BSd)
+    return norm + rope + 2 * e * BSV + w.e_softmax * BSV + (e + w.e_softmax) * BS
+
+
+def _shard(w: Workload, nbytes: int) -> int:
+    """A rank's part of a sharded state of `nbytes` (rounded up)."""
+    return -(-nbytes // w.shards)
 
 
 CUDA_WORKSPACE_BYTES = 64 * 2**20
@@ -180,13 +245,49 @@ CUDA_WORKSPACE_BYTES = 64 * 2**20
 
 
 def static_bytes(w: Workload) -> dict[str, int]:
-    """Weights and AdamW moments (fp32 master copies in every precision), the token / target ids and, on
-    CUDA, the matmul libraries' workspaces."""
+    """Weights and AdamW moments (in `param_dtype`, this rank's shard), the token / target ids and, on CUDA,
+    the matmul libraries' workspaces."""
     p = w.config.num_params()
-    out = {"weights": 4 * p, "optimizer": 8 * p, "inputs": 2 * 8 * w.batch_size * w.S}
+    out = {"weights": _shard(w, w.pb * p), "optimizer": _shard(w, 2 * w.pb * p), "inputs": 2 * 8 * w.batch_size * w.S}
     if w.device_type == "cuda":
         out["workspace"] = CUDA_WORKSPACE_BYTES
     return out
+
+
+def sharding_transient(w: Workload) -> int:
+    """FSDP's full-size buffers on top of the shards (0 unsharded): two neighbouring blocks' gathered weights and
+    the largest unit's (prefetch), and one unit's gradient in the compute dtype plus its fp32 copy for the
+    reduce-scatter. Units are per weight matrix or per block; the embedding / LM head is the largest."""
+    if w.shards == 1:
+        return 0
+    c = w.config
+    block = 4 * c.d_model ** 2 + 3 * c.d_model * c.d_ff
+    largest = max(block, c.vocab_size * c.d_model)
+    return 2 * w.e * block + w.e * largest + (w.e + 4) * largest
+
+
+def optimizer_transient(w: Workload) -> int:
+    """What AdamW's step allocates on top of weights, gradients and moments."""
+    c = w.config
+    largest = _shard(w, w.pb * max(c.vocab_size * c.d_model, c.d_model * c.d_ff))
+    if w.optimizer == "reference":  # sqrt(v) of one parameter
+        return largest
+    if w.optimizer == "foreach":  # sqrt(v) of one chunk (a parameter larger than a chunk is one alone)
+        return max(largest, min(FOREACH_CHUNK_BYTES, _shard(w, w.pb * c.num_params())))
+    return 0
+
+
+def fused_loss_transient(w: Workload) -> int:
+    """The fused loss's forward on top of what it keeps (`linear_cross_entropy`'s `auto` implementation of the
+    device): on CUDA the Triton kernel's one (C, V) logits buffer in the activation dtype (C a multiple of 256)
+    and the per-token losses; on the CPU the plain-torch chunk's fp32 logits next to their exp."""
+    V, N = w.config.vocab_size, w.batch_size * w.S
+    if w.device_type == "cuda":
+        rows = max(1, KERNEL_LOSS_CHUNK_BYTES // (V * w.a))
+        rows = min(rows - rows % 256 if rows >= 256 else rows, N)
+        return rows * V * w.a + 4 * N
+    rows = min(max(1, TORCH_LOSS_CHUNK_BYTES // (4 * V)), N)
+    return 2 * 4 * rows * V
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -245,22 +346,32 @@ def block_backward_excess(w: Workload, kind: str) -> int:
     d, f = c.d_model, c.d_ff
     BSd, BSf, BHSS = B * S * d, B * S * f, B * c.num_heads * S * S
     grad_cast = 2 if w.amp else 0  # low-precision weight gradient before its fp32 cast
-    ffn = 2 * e * BSf + d * f * (4 + grad_cast)
+    gb = _grad_bytes(w)
+    ffn = 2 * e * BSf + d * f * (gb + grad_cast)
     if w.fused:
         return ffn
     parts = _block_saved(w)
     ffn_and_ln2 = parts["ffn"] + (parts["norms"] // 2)
-    attn = 4 * w.e_softmax * BHSS - ffn_and_ln2 + (3 * d * f + d * d) * 4
+    attn = 4 * w.e_softmax * BHSS - ffn_and_ln2 + (3 * d * f + d * d) * gb
     if kind == "selective":
         attn += attention_core_saved(w)  # the core is rematerialised when backward reaches it
     return max(ffn, attn)
 
 
+def _grad_bytes(w: Workload) -> int:
+    """Bytes per element of a full weight's gradient as backward makes it (the compute dtype under FSDP)."""
+    return w.e if w.shards > 1 else w.pb
+
+
 def head_backward_excess(w: Workload) -> int:
     """Cross-entropy backward on top of the head's residuals: the gradient of the logits and amax's
     (logits == max) mask (B S V x (e + 1) bytes in fp32); under autocast also the gradients of the low-precision
-    logits and shifted logits (measured on the CPU: 7 bytes per logit in bf16)."""
-    BSV = w.batch_size * w.S * w.config.vocab_size
+    logits and shifted logits (measured on the CPU: 7 bytes per logit in bf16). Fused: nothing (the saved
+    gradients are scaled in place)."""
+    c = w.config
+    if w.loss == "fused":
+        return 0
+    BSV = w.batch_size * w.S * c.vocab_size
     return BSV * (w.e_softmax + 1 + (2 * w.e if w.amp else 0))
 
 
@@ -286,9 +397,9 @@ def predict_peak(w: Workload, regions: list[Region]) -> PeakEstimate:
     if not regions or regions[-1].stop != c.num_layers:
         raise ValueError(f"regions must cover the model's {c.num_layers} blocks")
     static = static_bytes(w)
-    base = sum(static.values())
-    block_params = 4 * (4 * c.d_model ** 2 + 3 * c.d_model * c.d_ff + 2 * c.d_model)
-    head_params = 4 * (c.vocab_size * c.d_model + c.d_model)
+    base = sum(static.values()) + sharding_transient(w)
+    block_params = _shard(w, w.pb * (4 * c.d_model ** 2 + 3 * c.d_model * c.d_ff + 2 * c.d_model))
+    head_params = _shard(w, w.pb * (c.vocab_size * c.d_model + c.d_model))
     none = saved_per_block(w, "none")
 
     retained = [_retained(w, r) for r in regions]  # device bytes each region keeps after forward
@@ -297,6 +408,8 @@ def predict_peak(w: Workload, regions: list[Region]) -> PeakEstimate:
         retained[last_offload] += none
     act_end = sum(retained) + head_saved(w)
     moments = [("end of forward", base + act_end)]
+    if w.loss == "fused":  # its gradients are being written while the weight's fp32 accumulator exists
+        moments.append(("fused loss forward", base + act_end + fused_loss_transient(w)))
     grads = head_params
     moments.append(("loss / lm_head backward", base + act_end + head_backward_excess(w)))
 
@@ -326,10 +439,9 @@ def predict_peak(w: Workload, regions: list[Region]) -> PeakEstimate:
             grads = _nested_moments(w, r, below, base, grads, block_params, moments)
             continue
         grads += block_params * (r.stop - r.start)
-    embedding_grad = 4 * c.vocab_size * c.d_model
+    embedding_grad = _shard(w, w.pb * c.vocab_size * c.d_model)
     moments.append(("embedding backward", base + grads + embedding_grad + w.stream_bytes))
-    largest_param = 4 * max(c.vocab_size * c.d_model, c.d_model * c.d_ff)  # AdamW's sqrt(v) temporary
-    moments.append(("optimizer step", base + grads + embedding_grad + largest_param))
+    moments.append(("optimizer step", base + grads + embedding_grad + optimizer_transient(w)))
     where, peak = max(moments, key=lambda m: m[1])
     return PeakEstimate(int(peak), where, static, int(act_end), moments)
 

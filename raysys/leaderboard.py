@@ -1,0 +1,288 @@
+"""The leaderboard training step (handout section 9): one step of the basics LM composed from the project's parts.
+
+A step is `zero_grad(set_to_none=True)`, the loss, `backward()`, (a data-parallel gradient sync), `optimizer.step()`.
+`StepConfig` chooses each part, and `LeaderboardStep` applies them to a model in one place, in torchtitan's order
+(activation checkpointing, then compile, then the optimizer):
+- attention backend (`flash_triton` by default: O and the log-sum-exp saved, P recomputed in its backward);
+- the loss: `fused` (`TransformerLM.loss`: LM head + cross-entropy in one op, no (B, S, vocab) logits) or
+  `materialized` (the course harness's `cross_entropy(model(x), y)`);
+- the optimizer: `fused` (`kernels.adamw.FusedAdamW`, one launch per dtype), `foreach` (`raysys.model.ForeachAdamW`)
+  or `reference` (`raysys.model.AdamW`, per parameter); all three compute the reference update;
+- recomputation: `advisor` (the per-layer plan `raysys.advisor` makes for this exact composition, model, batch and
+  device memory) or any `parallel.checkpointing.parse_policy` spec;
+- `compile`: RMSNorm, RoPE and SwiGLU (their elementwise work, around the matmuls) compiled with `torch.compile`,
+  each module's `forward` replaced by a compiled one; blocks, attention and the Triton kernels stay eager, so
+  checkpointing wraps compiled pieces (one graph per piece, shared by every layer).
+
+Invariant: the loss and the gradients are those of the reference step (`cross_entropy(model(x), y)`, reference
+`AdamW.step()`), up to floating-point reassociation (fp32: within 1e-5 after several steps; the tests check it).
+`TODAY` is the composition the issue measured before this module existed; `StepConfig()` is the fast one.
+
+    model = TransformerLM(ModelConfig.from_name("leaderboard"), device="cuda", dtype=torch.bfloat16)
+    step = LeaderboardStep(model, StepConfig(), batch_size=1, seq_len=32768)
+    loss = step(x, y)                                   # one full training step
+    step.close()                                        # the model is as it was (the optimizer state stays)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from parallel.checkpointing import CheckpointHandle, apply_activation_checkpointing, parse_policy
+from raysys.config import ModelConfig
+from raysys.model import (AdamW, ForeachAdamW, RMSNorm, RotaryEmbedding, SwiGLU, TransformerLM, cross_entropy,
+                          fused_loss_kernel, get_attention)
+
+LOSSES = ("fused", "materialized")
+LOSS_IMPLS = ("auto", "triton", "torch")
+OPTIMIZERS = ("fused", "foreach", "reference")
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+COMPILED_MODULES = (RMSNorm, RotaryEmbedding, SwiGLU)
+"""Module types `compile_pieces` compiles: their elementwise work fuses; their matmuls stay cuBLAS calls."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepConfig:
+    """How one training step is composed (see the module docstring)."""
+
+    attention: str = "flash_triton"
+    """Attention backend registered in `raysys.model`."""
+    loss: str = "fused"
+    """fused: `model.loss(x, y)` (no logits); materialized: `cross_entropy(model(x), y)`."""
+    loss_impl: str = "auto"
+    """Fused loss implementation: triton (`kernels/fused_linear_ce.py`), torch (chunked), auto (triton on CUDA)."""
+    optimizer: str = "fused"
+    """fused (`kernels.adamw.FusedAdamW`), foreach (`raysys.model.ForeachAdamW`) or reference (`raysys.model.AdamW`)."""
+    recompute: str = "advisor"
+    """`advisor` (the advisor's per-layer plan for this step) or a `parallel.checkpointing.parse_policy` spec."""
+    compile: bool = True
+    """Compile RMSNorm, RoPE and SwiGLU (`compile_pieces`)."""
+    compile_backend: str = "inductor"
+    """`torch.compile` backend of the pieces (the CPU tests use `aot_eager_decomp_partition`: same partitioner)."""
+    gpu_memory: int | None = None
+    """Device bytes the advisor plans for (default: the device's total memory)."""
+
+    def __post_init__(self):
+        for name, allowed in (("loss", LOSSES), ("loss_impl", LOSS_IMPLS), ("optimizer", OPTIMIZERS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} {getattr(self, name)!r} must be one of {allowed}")
+        get_attention(self.attention)
+        if self.recompute != "advisor":
+            parse_policy(self.recompute, 1 if "*" not in self.recompute else _count_layers(self.recompute))
+        if self.gpu_memory is not None and self.gpu_memory <= 0:
+            raise ValueError(f"gpu_memory ({self.gpu_memory}) must be positive")
+
+    def replace(self, **changes) -> "StepConfig":
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _count_layers(spec: str) -> int:
+    """Blocks a per-layer spec (`full*8+none*26`) covers (its own validation happens in parse_policy)."""
+    try:
+        return sum(int(part.partition("*")[2]) for part in spec.split("+"))
+    except ValueError:
+        raise ValueError(f"recompute spec {spec!r} must be NAME*COUNT+... with integer counts") from None
+
+
+TODAY = StepConfig(attention="flash_triton", loss="materialized", optimizer="reference", recompute="full",
+                   compile=False)
+"""The composition measured before the fast step existed: flash_triton, full checkpointing, materialised logits,
+per-parameter AdamW, nothing compiled."""
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The parts.
+
+def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
+    """AdamW with the reference defaults, implemented as `kind` (fused | foreach | reference)."""
+    if kind == "fused":
+        try:
+            from kernels.adamw import FusedAdamW
+        except ImportError as exc:
+            raise ValueError(f"optimizer 'fused' needs kernels/adamw.py, which does not import ({exc})") from None
+        return FusedAdamW(params)
+    if kind == "foreach":
+        return ForeachAdamW(params)
+    if kind == "reference":
+        return AdamW(params)
+    raise ValueError(f"optimizer {kind!r} must be one of {OPTIMIZERS}")
+
+
+def resolved_loss_impl(config: StepConfig, device: torch.device) -> str:
+    """What computes the loss on `device`: materialized, triton or torch (the `auto` choice made explicit)."""
+    if config.loss == "materialized":
+        return "materialized"
+    if config.loss_impl != "auto":
+        return config.loss_impl
+    return "triton" if device.type == "cuda" and fused_loss_kernel() is not None else "torch"
+
+
+@dataclass
+class CompiledPieces:
+    """The modules whose `forward` `compile_pieces` replaced; `remove()` restores them."""
+
+    modules: list[nn.Module]
+    backend: str
+
+    def remove(self) -> None:
+        for module in self.modules:
+            module.__dict__.pop("forward", None)
+        self.modules = []
+
+
+def compile_pieces(model: nn.Module, backend: str = "inductor") -> CompiledPieces:
+    """Compile the `forward` of every RMSNorm, RotaryEmbedding and SwiGLU of `model` (fullgraph, static shapes).
+
+    Instances of one class share a code object, so Dynamo compiles each piece once per input shape and grad mode
+    and every layer reuses it. Blocks and attention modules keep their own forward, so activation checkpointing
+    (which replaces block / attention forwards) composes: a checkpointed block reruns the compiled pieces."""
+    modules = [m for m in model.modules() if isinstance(m, COMPILED_MODULES)]
+    for m in modules:
+        if "forward" in m.__dict__:
+            raise ValueError(f"{type(m).__name__} already has an instance-level forward; refusing to compile over it")
+    for m in modules:
+        m.forward = torch.compile(m.forward, backend=backend, fullgraph=True, dynamic=False)
+    return CompiledPieces(modules, backend)
+
+
+def model_dtype_name(model: nn.Module) -> str:
+    dtype = next(model.parameters()).dtype
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"parameter dtype {dtype} must be one of {sorted(DTYPE_NAMES.values())}")
+    return DTYPE_NAMES[dtype]
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """Total memory of `device` (the host's physical memory for the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def plan_step(model_config: ModelConfig, batch_size: int, seq_len: int, config: StepConfig, *, dtype: str,
+              device_type: str, gpu_memory: int, shards: int = 1):
+    """The advisor's per-layer recompute plan for this step: pure `dtype` weights (or fp32 masters sharded over
+    `shards` ranks), the step's loss, optimizer, attention and compiled pieces, `gpu_memory` device bytes."""
+    from raysys.advisor import advise
+
+    param_dtype = "fp32" if shards > 1 else dtype
+    return advise(model_config, batch_size, gpu_memory, dtype, seq_len=seq_len, attention=config.attention,
+                  param_dtype=param_dtype, loss="fused" if config.loss == "fused" else "materialized",
+                  compiled=config.compile, optimizer=config.optimizer, shards=shards, device_type=device_type)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The step.
+
+def train_step(model: TransformerLM, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, *,
+               loss: str = "fused", loss_impl: str = "auto", sync: Callable[[], None] | None = None) -> torch.Tensor:
+    """zero_grad(set_to_none=True) -> loss -> backward -> `sync()` (a DDP wrapper's gradient average) -> step.
+    Returns the loss (detached)."""
+    value = gradients(model, optimizer, x, y, loss=loss, loss_impl=loss_impl, sync=sync)
+    optimizer.step()
+    return value
+
+
+def gradients(model: TransformerLM, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, *,
+              loss: str = "fused", loss_impl: str = "auto", sync: Callable[[], None] | None = None) -> torch.Tensor:
+    """`train_step` without the optimizer step: afterwards every parameter's `.grad` is set (and synced)."""
+    optimizer.zero_grad(set_to_none=True)
+    if loss == "fused":
+        value = model.loss(x, y, fused=True, impl=loss_impl)
+    elif loss == "materialized":
+        value = cross_entropy(model(x), y)
+    else:
+        raise ValueError(f"loss {loss!r} must be one of {LOSSES}")
+    value.backward()
+    if sync is not None:
+        sync()
+    return value.detach()
+
+
+class LeaderboardStep:
+    """`config` applied to `model` (attention backend, checkpoint policy, compiled pieces, optimizer); calling it
+    runs one training step on a batch. `close()` removes the policy and the compiled forwards again.
+
+    `batch_size` and `seq_len` are what the advisor plans for; `shards` > 1 plans for FSDP's sharded state,
+    `sync` is called between backward and the optimizer step (a data-parallel wrapper's
+    `finish_gradient_synchronization`)."""
+
+    def __init__(self, model: TransformerLM, config: StepConfig = StepConfig(), *, batch_size: int,
+                 seq_len: int | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 sync: Callable[[], None] | None = None, shards: int = 1):
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size ({batch_size!r}) must be a positive integer")
+        mc = model.config
+        seq_len = seq_len or mc.context_length
+        if not 1 <= seq_len <= mc.context_length:
+            raise ValueError(f"seq_len ({seq_len}) must lie in [1, context_length {mc.context_length}]")
+        self.model, self.config, self.sync = model, config, sync
+        self.device = next(model.parameters()).device
+        self.dtype = model_dtype_name(model)
+        model.set_attention(config.attention)
+        self.plan = None
+        if config.recompute == "advisor":
+            memory = config.gpu_memory or device_memory_bytes(self.device)
+            self.plan = plan_step(model.config, batch_size, seq_len, config, dtype=self.dtype,
+                                  device_type=self.device.type, gpu_memory=memory, shards=shards)
+            policy = self.plan.policy
+        else:
+            policy = parse_policy(config.recompute, mc.num_layers)
+        self.checkpointing: CheckpointHandle | None = apply_activation_checkpointing(model, policy)
+        self.compiled = compile_pieces(model, config.compile_backend) if config.compile else None
+        self.optimizer = optimizer if optimizer is not None else make_optimizer(config.optimizer, model.parameters())
+        self.loss_impl = resolved_loss_impl(config, self.device)
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One training step on (x, y); returns the loss (detached)."""
+        value = self.gradients(x, y)
+        self.optimizer.step()
+        return value
+
+    def gradients(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The step up to the optimizer: zero_grad, loss, backward, sync."""
+        return gradients(self.model, self.optimizer, x, y, loss=self.config.loss,
+                         loss_impl=self.loss_impl if self.loss_impl != "materialized" else "auto", sync=self.sync)
+
+    @property
+    def policy_spec(self) -> str:
+        return self.checkpointing.policy.spec if self.checkpointing is not None else "none"
+
+    def describe(self) -> dict:
+        """Which code path runs: the columns a benchmark row records."""
+        plan = self.plan
+        return {"attention": self.config.attention, "loss_path": self.loss_impl,
+                "optimizer_class": type(self.optimizer).__name__, "policy": self.policy_spec,
+                "num_full": sum(r.stop - r.start for r in self.checkpointing.regions if r.kind == "full"),
+                "compiled": ",".join(sorted({type(m).__name__ for m in self.compiled.modules}))
+                if self.compiled else "", "param_dtype": self.dtype,
+                "predicted_peak_bytes": plan.predicted_peak_bytes if plan is not None else float("nan"),
+                "plan_fits": plan.fits if plan is not None else None}
+
+    def close(self) -> None:
+        """Undo what the constructor applied to the model (checkpoint policy, compiled forwards)."""
+        if self.compiled is not None:
+            self.compiled.remove()
+            self.compiled = None
+        if self.checkpointing is not None:
+            self.checkpointing.remove()
+            self.checkpointing = None
+
+
+def reference_step(model: TransformerLM, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+                   y: torch.Tensor) -> torch.Tensor:
+    """The course harness's step: zero_grad, `cross_entropy(model(x), y).sum()`, backward, `optimizer.step()`."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = cross_entropy(model(x), y).sum()
+    loss.backward()
+    optimizer.step()
+    return loss.detach()

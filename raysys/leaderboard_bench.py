@@ -1,0 +1,525 @@
+"""The leaderboard benchmark (handout section 9): the course's harness over an ablation of the training step.
+
+`ablation()` lists the variants: the fast step (`StepConfig()`, first, so its first step meets the empty compile
+caches), today's composition (`TODAY`), today's with each optimisation added alone, and the fast step at twice
+the batch. `run_variant` applies one to a model, runs its first step (compilation, autotuning, AdamW state) and
+times it with `triton.testing.do_bench` (the course's `rep` / `warmup`, shortened by flag) or CUDA events; the
+row records step time, peak and predicted peak memory, tokens/s, model TFLOP/s and MFU against a matmul peak
+measured in the same run, the first step's and the cold start's seconds, and which code path ran
+(`LeaderboardStep.describe`). An OOM is a row with status `oom`; the ablation goes on.
+
+    python -m raysys leaderboard --size tiny --device cpu --out /tmp/lb       # seconds, on a laptop
+    python -m raysys leaderboard --size leaderboard --device cuda --rep-ms 1 --warmup-ms 1 --out results
+
+`compare_with_reference` checks the composed step against the reference path (loss, every gradient, one update).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from raysys.config import ModelConfig
+from raysys.leaderboard import (DTYPE_NAMES, TODAY, LeaderboardStep, StepConfig, model_dtype_name)
+from raysys.model import AdamW, TransformerLM, cross_entropy
+
+# ------------------------------------------------------------------------------------------------------------
+# Variants, timing, FLOPs.
+
+SWEEP = "leaderboard"
+TIMERS = ("do_bench", "events")
+COURSE_REP_MS, COURSE_WARMUP_MS = 30_000, 10_000
+"""`triton.testing.do_bench(train_step, rep=30_000, warmup=10_000)`: the handout's timing test."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Variant:
+    """One row of the ablation: a step composition at a batch size (sequences on this GPU)."""
+
+    name: str
+    """`today`, `today+<one optimisation>`, `best`."""
+    step: StepConfig
+    batch_size: int = 1
+
+
+def ablation(batch_size: int = 1, *, batch2: bool = True) -> list[Variant]:
+    """The fast step first (it meets the empty compile caches: its first step is the cold start), then today's
+    composition and today's with each optimisation added alone, then the fast step at twice the batch."""
+    best = StepConfig()
+    variants = [Variant(name="best", step=best, batch_size=batch_size), Variant(name="today", step=TODAY, batch_size=batch_size)]
+    for name, change in (("fused_loss", dict(loss="fused")), ("fused_adamw", dict(optimizer="fused")),
+                         ("compile", dict(compile=True)), ("advisor_plan", dict(recompute="advisor"))):
+        variants.append(Variant(name=f"today+{name}", step=TODAY.replace(**change), batch_size=batch_size))
+    if batch2:
+        variants.append(Variant(name="best", step=best, batch_size=2 * batch_size))
+    return variants
+
+
+def model_flops(config: ModelConfig, batch_size: int, seq_len: int) -> float:
+    """Model FLOPs of one training step: 3 x the forward's matmuls, causal attention on its lower triangle (half
+    the S x S square), recomputation not counted (the usual MFU convention)."""
+    causal_half = config.num_layers * 2 * batch_size * seq_len * seq_len * config.d_model
+    return 3.0 * (config.forward_flops(batch_size, seq_len) - causal_half)
+
+
+def matmul_peak_tflops(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float:
+    """Achieved TFLOP/s of one large (n x n x n) matmul on random data in `dtype`: the ceiling MFU is against."""
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=g)
+    if device.type == "cuda":
+        import triton.testing
+
+        ms = triton.testing.do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
+    else:
+        ms = _wall_ms(lambda: a @ b, warmup=1, steps=3, device=device)["median_ms"]
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def _wall_ms(fn: Callable[[], object], *, warmup: int, steps: int, device: torch.device) -> dict:
+    """`warmup` untimed calls, then `steps` timed ones, each between device synchronisations (CUDA events on a GPU)."""
+    import statistics
+    import time
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "timed_steps": steps}
+
+
+def time_step(fn: Callable[[], object], device: torch.device, *, timer: str, rep_ms: float, warmup_ms: float,
+              steps: int, warmup_steps: int) -> dict:
+    """Time `fn` (one training step, already run once): `do_bench` (the course's harness: median of the timed
+    calls after its own warm-up; needs CUDA) or `events` (`warmup_steps`, then the median of `steps`)."""
+    if timer == "do_bench":
+        if device.type != "cuda":
+            raise ValueError("timer 'do_bench' needs a CUDA device (triton.testing.do_bench times with CUDA events)")
+        import triton.testing
+
+        q20, median, q80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
+        return {"median_ms": median, "min_ms": q20, "max_ms": q80, "timed_steps": float("nan")}
+    return _wall_ms(fn, warmup=warmup_steps, steps=steps, device=device)
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux /proc; else since this module was imported)."""
+    try:
+        ticks = os.sysconf("SC_CLK_TCK")
+        start = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19]) / ticks
+        return float(open("/proc/uptime").read().split()[0]) - start
+    except (OSError, ValueError, IndexError):
+        import time
+
+        return time.perf_counter() - _IMPORTED
+
+
+def _now() -> float:
+    import time
+
+    return time.perf_counter()
+
+
+_IMPORTED = _now()
+
+
+def fresh_compile_caches() -> dict[str, str]:
+    """Point Triton's and Inductor's on-disk caches at new empty directories (before anything compiles), so the
+    first step of this process pays every compilation and autotuning: the course's empty-cache condition."""
+    import tempfile
+
+    dirs = {"TRITON_CACHE_DIR": tempfile.mkdtemp(prefix="raysys_triton_"),
+            "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="raysys_inductor_")}
+    os.environ.update(dirs)
+    return dirs
+
+
+def make_batch(config: ModelConfig, batch_size: int, seq_len: int, device: torch.device, seed: int = 0,
+               rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and targets of one step, random as in the course's harness (rank `rank`'s own draw)."""
+    g = torch.Generator(device=device).manual_seed(seed * 1000 + rank)
+    ids = torch.randint(0, config.vocab_size, (2, batch_size, seq_len), device=device, generator=g)
+    return ids[0], ids[1]
+
+
+def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> TransformerLM:
+    """The model initialised directly on `device` in `dtype` (no fp32 copy on the host)."""
+    torch.manual_seed(seed)
+    return TransformerLM(config, device=device, dtype=dtype)
+
+
+def run_variant(model: TransformerLM, variant: Variant, *, seq_len: int, timer: str = "events",
+                rep_ms: float = COURSE_REP_MS, warmup_ms: float = COURSE_WARMUP_MS, steps: int = 3,
+                warmup_steps: int = 1, seed: int = 0, cold: bool = False) -> dict:
+    """Apply `variant` to `model`, run its first step (compilation, autotuning, AdamW state), then time it.
+    Returns the row's metrics; raises on failure (OOM included) after undoing what it applied."""
+    device = next(model.parameters()).device
+    mc = model.config
+    step = None
+    try:
+        _free(device)
+        t0 = _now()
+        step = LeaderboardStep(model, variant.step, batch_size=variant.batch_size, seq_len=seq_len)
+        x, y = make_batch(mc, variant.batch_size, seq_len, device, seed)
+        loss = step(x, y)
+        _sync(device)
+        first_step_s = _now() - t0
+        cold_start_s = process_age_s() if cold else float("nan")
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        timing = time_step(lambda: step(x, y), device, timer=timer, rep_ms=rep_ms, warmup_ms=warmup_ms,
+                           steps=steps, warmup_steps=warmup_steps)
+        step_s = timing["median_ms"] / 1e3
+        peak = float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else float("nan")
+        reserved = float(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else float("nan")
+        tokens = variant.batch_size * seq_len
+        flops = model_flops(mc, variant.batch_size, seq_len)
+        path = step.describe()
+        predicted = path.pop("predicted_peak_bytes")
+        if step.plan is None:  # a fixed policy: the model's prediction for it all the same
+            predicted = predicted_peak(model, variant, seq_len, step.checkpointing.regions)
+        return {**path, "first_loss": float(loss), "step_s": step_s, "step_s_low": timing["min_ms"] / 1e3,
+                "step_s_high": timing["max_ms"] / 1e3, "timed_steps": timing["timed_steps"],
+                "tokens_per_s": tokens / step_s, "model_flops": flops, "model_tflops": flops / step_s / 1e12,
+                "peak_bytes": peak, "reserved_peak_bytes": reserved, "predicted_peak_bytes": float(predicted),
+                "predicted_rel_error": (predicted - peak) / peak if peak == peak else float("nan"),
+                "first_step_s": first_step_s, "cold_start_s": cold_start_s}
+    finally:
+        if step is not None:
+            step.close()
+            step.optimizer.state.clear()
+            del step
+        model.zero_grad(set_to_none=True)
+        _free(device)
+
+
+def predicted_peak(model: TransformerLM, variant: Variant, seq_len: int, regions) -> int:
+    """`raysys.recompute_model.predict_peak` for `variant` applied to `model` with the policy's `regions`."""
+    from raysys.recompute_model import Workload, predict_peak
+
+    dtype = model_dtype_name(model)
+    s = variant.step
+    w = Workload(config=model.config.replace(attention=s.attention), batch_size=variant.batch_size, seq_len=seq_len,
+                 precision=dtype, param_dtype=dtype, loss=s.loss, compiled=s.compile, optimizer=s.optimizer,
+                 device_type=next(model.parameters()).device.type)
+    return predict_peak(w, regions).peak_bytes
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def for_device(step: StepConfig, device: torch.device, compile_backend: str | None = None) -> StepConfig:
+    """`step` as it runs on `device`: on a CPU without the Triton interpreter `flash_triton` becomes `sdpa` (the
+    same saved O / log-sum-exp semantics); the compile backend defaults to `aot_eager_decomp_partition` on the
+    CPU (Inductor's partitioner, hence its saved tensors, without its C++ build) and `inductor` on a GPU."""
+    changes = {}
+    if device.type == "cpu" and step.attention == "flash_triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        changes["attention"] = "sdpa"
+    changes["compile_backend"] = compile_backend or ("inductor" if device.type == "cuda" else "aot_eager_decomp_partition")
+    return step.replace(**changes)
+
+
+def compare_with_reference(config: ModelConfig, device: torch.device, dtype: torch.dtype, step: StepConfig, *,
+                           batch_size: int = 1, seq_len: int | None = None, seed: int = 0) -> dict:
+    """The composed step's loss and gradients against the reference path's on the same weights and batch, and
+    its optimizer's update against the reference AdamW's on the same gradients. Returns the loss difference,
+    the largest per-parameter relative gradient error ||g - g_ref|| / ||g_ref||, and the largest parameter
+    difference after one update from identical weights and gradients."""
+    seq_len = seq_len or config.context_length
+    reference = build_model(config.replace(attention="naive"), device, dtype, seed)
+    fast = build_model(config, device, dtype, seed)
+    composed = LeaderboardStep(fast, step, batch_size=batch_size, seq_len=seq_len)
+    try:
+        x, y = make_batch(config, batch_size, seq_len, device, seed)
+        loss = composed.gradients(x, y)
+        ref_loss = cross_entropy(reference(x), y)
+        ref_loss.backward()
+        grads = dict(fast.named_parameters())
+        worst, worst_name = 0.0, ""
+        for name, p in reference.named_parameters():
+            g, g_ref = grads[name].grad.float(), p.grad.float()
+            err = float((g - g_ref).norm() / g_ref.norm().clamp_min(1e-30))
+            if err > worst:
+                worst, worst_name = err, name
+        # one update each from the reference's weights and gradients: the optimizers alone
+        with torch.no_grad():
+            for name, p in reference.named_parameters():
+                grads[name].copy_(p)
+                grads[name].grad.copy_(p.grad)
+        composed.optimizer.step()
+        AdamW(reference.parameters()).step()
+        update = max(float((grads[n] - p).abs().max()) for n, p in reference.named_parameters())
+        return {"loss": float(loss), "reference_loss": float(ref_loss), "loss_abs_diff": abs(float(loss) - float(ref_loss)),
+                "grad_max_rel_error": worst, "grad_worst_param": worst_name, "update_max_abs_diff": update,
+                **{k: v for k, v in composed.describe().items() if k not in ("predicted_peak_bytes", "plan_fits")}}
+    finally:
+        composed.close()
+        del reference, fast, composed
+        _free(device)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# `python -m raysys leaderboard`.
+
+def build_leaderboard_parser(parser=None):
+    """The flags of `python -m raysys leaderboard` (and of `sweeps/leaderboard.py`'s ablation)."""
+    import argparse
+
+    from raysys.config import SIZES
+
+    p = parser or argparse.ArgumentParser(prog="raysys leaderboard", description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="tiny", choices=sorted(SIZES), help="named model size (leaderboard: the 8B)")
+    p.add_argument("--context-length", type=int, default=None, help="sequence length (default: the size's)")
+    p.add_argument("--vocab-size", type=int, default=None, help="vocabulary override")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per step on this device (the per-rank batch)")
+    p.add_argument("--no-batch2", action="store_true", help="skip the fast step at twice the batch")
+    p.add_argument("--variants", nargs="+", default=None,
+                   help="variant names to run (default all: best, today, today+fused_loss, today+fused_adamw, "
+                        "today+compile, today+advisor_plan)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="bf16", choices=sorted(set(DTYPE_NAMES.values())),
+                   help="parameter (and compute) dtype; the course's harness builds the model in bf16")
+    p.add_argument("--timer", default=None, choices=TIMERS,
+                   help="do_bench: the course's harness (CUDA); events: warm-up steps then the median of --steps "
+                        "(default: do_bench on CUDA, events on the CPU)")
+    p.add_argument("--do-bench-only", nargs="+", default=None,
+                   help="with --timer do_bench: only these variants by do_bench, the others by the events timer")
+    p.add_argument("--rep-ms", type=float, default=COURSE_REP_MS, help="do_bench rep (the course: 30000)")
+    p.add_argument("--warmup-ms", type=float, default=COURSE_WARMUP_MS, help="do_bench warmup (the course: 10000)")
+    p.add_argument("--steps", type=int, default=3, help="events timer: timed steps")
+    p.add_argument("--warmup-steps", type=int, default=1, help="events timer: untimed steps after the first")
+    p.add_argument("--compile-backend", default=None,
+                   help="torch.compile backend of the pieces (default: inductor on CUDA, aot_eager_decomp_partition "
+                        "on the CPU)")
+    p.add_argument("--warm-cache", action="store_true",
+                   help="keep Triton's and Inductor's caches (default: fresh empty ones, so cold_start_s is cold)")
+    p.add_argument("--check", action="store_true",
+                   help="first compare the fast step with the reference path (--check-size, bf16 tolerances)")
+    p.add_argument("--check-size", default="small", choices=sorted(SIZES), help="model size of --check")
+    p.add_argument("--check-context-length", type=int, default=1024, help="sequence length of --check")
+    p.add_argument("--seed", type=int, default=0, help="weights and data")
+    p.add_argument("--out", required=parser is None, default=None, help="results directory")
+    p.add_argument("--resume", action="store_true", help="keep the rows already in <out>/leaderboard.parquet")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing <out>/leaderboard.parquet")
+    return p
+
+
+def open_writer(out, sweep: str, *, resume: bool, overwrite: bool):
+    """The sweep's ResultWriter: resume, overwrite, or a new file."""
+    from raysys.results import ResultWriter
+
+    if resume and overwrite:
+        raise ValueError("--resume and --overwrite contradict each other")
+    return ResultWriter(out, sweep, mode="resume" if resume else "overwrite" if overwrite else "new")
+
+
+def check_args(args) -> tuple[torch.device, ModelConfig, list[Variant]]:
+    """Validate the command line (ValueError) before any model is built; returns device, model config, variants."""
+    for name in ("batch_size", "steps", "check_context_length"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 1")
+    if args.warmup_steps < 0 or args.rep_ms <= 0 or args.warmup_ms < 0:
+        raise ValueError(f"--warmup-steps ({args.warmup_steps}) and --warmup-ms ({args.warmup_ms}) must be >= 0, "
+                         f"--rep-ms ({args.rep_ms}) > 0")
+    if args.device not in ("auto", "cpu", "cuda") and not args.device.startswith("cuda:"):
+        raise ValueError(f"--device {args.device!r} must be auto, cpu, cuda or cuda:N")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device} requested but this machine has no CUDA GPU")
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    timer = args.timer or ("do_bench" if device.type == "cuda" else "events")
+    if timer == "do_bench" and device.type != "cuda":
+        raise ValueError("--timer do_bench needs a CUDA device (triton.testing.do_bench times with CUDA events)")
+    args.timer = timer
+    overrides = {k: v for k, v in (("context_length", args.context_length), ("vocab_size", args.vocab_size))
+                 if v is not None}
+    config = ModelConfig.from_name(args.size, **overrides)
+    variants = [Variant(name=v.name, step=for_device(v.step, device, args.compile_backend), batch_size=v.batch_size)
+                for v in ablation(args.batch_size, batch2=not args.no_batch2)]
+    if args.variants:
+        unknown = set(args.variants) - {v.name for v in variants}
+        if unknown:
+            raise ValueError(f"--variants {sorted(unknown)} are not among {sorted({v.name for v in variants})}")
+        variants = [v for v in variants if v.name in args.variants]
+    return device, config, variants
+
+
+@dataclass
+class Session:
+    """What one benchmark process shares between its studies: device, dtype, the model and the matmul peak."""
+
+    device: torch.device
+    dtype: torch.dtype
+    config: ModelConfig
+    variants: list[Variant]
+    model: TransformerLM | None = None
+    matmul_tflops: float = float("nan")
+    build_s: float = float("nan")
+    cold: bool = True
+    """The next step run is the process's first (its compile caches were emptied)."""
+
+
+def start_session(args) -> Session:
+    """Check the arguments, empty the compile caches (unless --warm-cache), measure the matmul peak and build the
+    model. On the CPU torch runs one thread: tiny models on a shared machine are slower with more."""
+    device, config, variants = check_args(args)
+    if args.out is None:
+        raise ValueError("--out is required (a results directory)")
+    if not args.warm_cache:
+        fresh_compile_caches()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    dtype = {v: k for k, v in DTYPE_NAMES.items()}[args.dtype]
+    session = Session(device, dtype, config, variants, cold=not args.warm_cache)
+    session.matmul_tflops = matmul_peak_tflops(device, dtype, n=8192 if device.type == "cuda" else 512)
+    t0 = _now()
+    session.model = build_model(config, device, dtype, args.seed)
+    session.build_s = _now() - t0
+    return session
+
+
+def run_check(args, session: Session) -> dict:
+    """`compare_with_reference` at --check-size, written to `<out>/leaderboard_check.parquet`."""
+    from raysys.results import make_row
+
+    check_config = ModelConfig.from_name(args.check_size, vocab_size=session.config.vocab_size,
+                                         context_length=args.check_context_length)
+    step = for_device(StepConfig(), session.device, args.compile_backend)
+    check = compare_with_reference(check_config, session.device, session.dtype, step, seed=args.seed)
+    print("check against the reference path:", {k: v for k, v in check.items() if isinstance(v, float)}, flush=True)
+    with open_writer(args.out, f"{SWEEP}_check", resume=False, overwrite=True) as writer:
+        writer.write([make_row(f"{SWEEP}_check", {"size": args.check_size, "seq_len": args.check_context_length,
+                                                  "dtype": args.dtype, "device": session.device.type}, check,
+                               device=session.device)])
+    return check
+
+
+def variant_config(args, session: Session, variant: Variant, **extra) -> dict:
+    """The configuration columns of `variant`'s row (its trial id hashes them)."""
+    timer = "do_bench" if args.timer == "do_bench" and (not args.do_bench_only or variant.name in args.do_bench_only) \
+        else "events"
+    c = session.config
+    row_config = {"variant": variant.name, "size": c.name, "batch_size": variant.batch_size, "seq_len": c.context_length,
+                  "vocab_size": c.vocab_size, "dtype": args.dtype, "device": session.device.type,
+                  **{k: getattr(variant.step, k) for k in ("attention", "loss", "loss_impl", "optimizer", "recompute",
+                                                           "compile", "compile_backend")},
+                  "timer": timer, "rep_ms": args.rep_ms if timer == "do_bench" else float("nan"),
+                  "warmup_ms": args.warmup_ms if timer == "do_bench" else float("nan"),
+                  "steps": args.steps if timer == "events" else float("nan"), **extra}
+    return row_config
+
+
+def variant_row(args, session: Session, variant: Variant, sweep: str = SWEEP, **extra) -> dict:
+    """Run `variant` on the session's model and return its row (status `oom` / `error` rows too)."""
+    from raysys.results import error_row, make_row, status_of
+
+    row_config = variant_config(args, session, variant, **extra)
+    timer, c = row_config["timer"], session.config
+    try:
+        metrics = run_variant(session.model, variant, seq_len=c.context_length, timer=timer, rep_ms=args.rep_ms,
+                              warmup_ms=args.warmup_ms, steps=args.steps, warmup_steps=args.warmup_steps,
+                              seed=args.seed, cold=session.cold)
+        metrics.update(matmul_tflops=session.matmul_tflops, mfu=metrics["model_tflops"] / session.matmul_tflops,
+                       build_s=session.build_s, cold_caches=session.cold)
+        row = make_row(sweep, row_config, metrics, device=session.device)
+    except Exception as exc:  # an OOM (or any failure) is a row; the study goes on
+        if status_of(exc) != "oom":
+            import traceback
+
+            traceback.print_exc()
+        row = error_row(sweep, row_config, exc)
+    session.cold = False
+    _print_row(row)
+    return row
+
+
+def run_ablation(args, session: Session) -> "pd.DataFrame":
+    """Every variant of the session, one row each in `<out>/leaderboard.parquet` (`--resume` skips done ones)."""
+    import pandas as pd
+
+    from raysys.results import trial_id
+
+    rows = []
+    with open_writer(args.out, SWEEP, resume=args.resume, overwrite=args.overwrite) as writer:
+        for v in session.variants:
+            if writer.done(trial_id(variant_config(args, session, v))):
+                continue
+            row = variant_row(args, session, v)
+            rows.append(row)
+            writer.write([row])
+        path = writer.path
+    df = pd.DataFrame(rows)
+    print(summary(df))
+    print(f"wrote {path}")
+    return df
+
+
+def run_leaderboard(args) -> "pd.DataFrame":
+    """`python -m raysys leaderboard`: the ablation, then `--check` (after it, so the ablation's first step is the
+    cold one), on this device."""
+    session = start_session(args)
+    df = run_ablation(args, session)
+    if args.check:
+        session.model = None
+        _free(session.device)
+        run_check(args, session)
+    return df
+
+
+def _print_row(row: dict) -> None:
+    if row["status"] != "ok":
+        print(f"{row['variant']:>22} b{row['batch_size']}: {row['status']} {row['error'][:160]}", flush=True)
+        return
+    print(f"{row['variant']:>22} b{row['batch_size']}: step {row['step_s']:.3f} s, peak {row['peak_bytes'] / 2**30:.1f} "
+          f"GiB (predicted {row['predicted_peak_bytes'] / 2**30:.1f}), {row['model_tflops']:.0f} TFLOP/s, "
+          f"MFU {row['mfu']:.2f}, first step {row['first_step_s']:.1f} s, {row['policy']}, {row['loss_path']}, "
+          f"{row['optimizer_class']}", flush=True)
+
+
+def summary(df: "pd.DataFrame") -> str:
+    """Markdown: the ablation table with the speed-up of every row over today's composition of the same run and
+    batch, and what ran."""
+    import pandas as pd
+
+    if df.empty:
+        return "no rows"
+    df = df.copy()
+    if "step_s" not in df:
+        df["step_s"] = float("nan")
+    today = {(r.run_id, r.batch_size): r.step_s for r in df.itertuples() if r.variant == "today" and r.status == "ok"}
+    df["speedup_vs_today"] = [today.get((r.run_id, r.batch_size), float("nan")) / r.step_s if r.status == "ok"
+                              else float("nan") for r in df.itertuples()]
+    gib = lambda col: df[col] / 2**30 if col in df else float("nan")
+    view = pd.DataFrame({"variant": df["variant"], "batch": df["batch_size"], "status": df["status"],
+                         "step (s)": df["step_s"], "vs today": df["speedup_vs_today"],
+                         "peak (GiB)": gib("peak_bytes"), "predicted (GiB)": gib("predicted_peak_bytes"),
+                         "TFLOP/s": df.get("model_tflops"), "MFU": df.get("mfu"), "tokens/s": df.get("tokens_per_s"),
+                         "cold start (s)": df.get("cold_start_s"), "policy": df.get("policy"),
+                         "loss": df.get("loss_path"), "optimizer": df.get("optimizer_class"),
+                         "compiled": df.get("compiled")})
+    return view.to_markdown(index=False, floatfmt=".3g")

@@ -1,0 +1,281 @@
+"""Leaderboard study (handout section 9): the 8B model's training step at context 32768, three studies.
+
+- ablation:   `raysys.leaderboard_bench`'s variants (today's composition, each optimisation added alone, the fast
+              step at batch 1 and 2) on one GPU; `<out>/leaderboard.parquet`, plus `--check` (the fast step's loss,
+              gradients and update against the reference path) in `<out>/leaderboard_check.parquet`.
+- neighbours: the advisor's per-layer recompute plan for the fast step and its neighbours (the number of fully
+              checkpointed blocks moved by --offsets), each measured: `<out>/leaderboard_tune.parquet`. With Ray,
+              one Ray Tune trial per plan (`raysys.cluster.tune_run`, one GPU each, a fresh process and model per
+              trial); `--no-ray` loops over them in this process on one model (the GPU host has no Ray).
+- ddp:        the data-parallel step through the Ray gang (`raysys.cluster.run_sweep`, `--launcher mp` without
+              Ray): every rank holds the whole bf16 state, as the memory plan allows (65 GB of state fits one
+              GPU; `parallel/fsdp.py` keeps fp32 shards and recomputes nothing), and runs the fast step on its
+              own sequences; `parallel.ddp.OverlappedDDP` all-reduces each gradient in place as backward makes
+              it. `<out>/leaderboard_ddp.parquet`.
+
+    python sweeps/leaderboard.py --size leaderboard --device cuda --study ablation neighbours --no-ray \\
+        --timer do_bench --do-bench-only best today --rep-ms 1 --warmup-ms 1 --steps 2 --out "$PWD/results"
+    python sweeps/leaderboard.py --study ddp --world-size 2 --device cuda --size leaderboard --out "$PWD/results"
+    python sweeps/leaderboard.py --size tiny --device cpu --study ablation neighbours ddp --no-ray --out /tmp/lb
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+
+from raysys.config import ModelConfig  # noqa: E402
+from raysys.leaderboard import LeaderboardStep, StepConfig, device_memory_bytes, plan_step  # noqa: E402
+from raysys.leaderboard_bench import (DTYPE_NAMES, SWEEP, Session, Variant, build_leaderboard_parser,  # noqa: E402
+                                      build_model, for_device, make_batch, open_writer, run_ablation, run_check,
+                                      start_session, variant_config, variant_row)
+
+STUDIES = ("ablation", "neighbours", "ddp")
+TUNE_SWEEP, DDP_SWEEP = f"{SWEEP}_tune", f"{SWEEP}_ddp"
+
+
+# ---------------------------------------------------------------------------------------------------- neighbours
+def neighbour_specs(plan_layers: tuple[str, ...], offsets: list[int]) -> list[tuple[int, str]]:
+    """(offset, policy spec) for the advisor's plan moved by each offset in its number of fully checkpointed
+    blocks, in the plan's own order (full blocks first, or last); offsets that leave [0, N] are dropped."""
+    n, k = len(plan_layers), plan_layers.count("full")
+    full_first = plan_layers[0] == "full" or k == 0
+    out = []
+    for off in offsets:
+        j = k + off
+        if 0 <= j <= n:
+            runs = [("full", j), ("none", n - j)] if full_first else [("none", n - j), ("full", j)]
+            out.append((off, "+".join(f"{kind}*{count}" for kind, count in runs if count)))
+    return out
+
+
+def fast_plan(session: Session, args) -> tuple:
+    """The advisor's plan of the fast step (batch --batch-size) on this device."""
+    step = for_device(StepConfig(), session.device, args.compile_backend)
+    memory = step.gpu_memory or device_memory_bytes(session.device)
+    return plan_step(session.config, args.batch_size, session.config.context_length, step, dtype=args.dtype,
+                     device_type=session.device.type, gpu_memory=memory), step
+
+
+def run_neighbours_local(args, session: Session) -> pd.DataFrame:
+    """The plan and its neighbours on the session's model, one after another (no Ray)."""
+    plan, step = fast_plan(session, args)
+    rows = []
+    with open_writer(args.out, TUNE_SWEEP, resume=args.resume, overwrite=args.overwrite) as writer:
+        for off, spec in neighbour_specs(plan.layers, args.offsets):
+            variant = Variant(name=f"plan{off:+d}", step=step.replace(recompute=spec), batch_size=args.batch_size)
+            extra = {"offset": off, "advisor_policy": plan.spec, "launcher": "local"}
+            from raysys.results import trial_id
+
+            if writer.done(trial_id(variant_config(args, session, variant, **extra))):
+                continue
+            row = variant_row(args, session, variant, sweep=TUNE_SWEEP, **extra)
+            row["advisor_predicted_peak_bytes"] = plan.predicted_peak_bytes
+            rows.append(row)
+            writer.write([row])
+        path = writer.path
+    df = pd.DataFrame(rows)
+    print(neighbours_summary(df))
+    print(f"wrote {path}")
+    return df
+
+
+def tune_trial(config: dict) -> dict:
+    """Ray Tune trainable: one neighbour in a fresh process (its own model on its own GPU)."""
+    args = argparse.Namespace(**config["args"])
+    session = start_session(args)
+    variant = Variant(name=config["name"], step=StepConfig(**config["step"]), batch_size=config["batch_size"])
+    row = variant_row(args, session, variant, sweep=TUNE_SWEEP, **config["extra"])
+    if row["status"] != "ok":
+        raise RuntimeError(row["error"])
+    keep = set(row) - set(variant_config(args, session, variant, **config["extra"]))
+    return {k: row[k] for k in keep if k not in ("sweep", "trial_id", "status", "error")}
+
+
+def run_neighbours_tune(args) -> pd.DataFrame:
+    """The plan and its neighbours as Ray Tune trials (one GPU each)."""
+    from raysys.cluster import tune_run
+
+    device = torch.device("cuda" if args.device in ("auto", "cuda") and torch.cuda.is_available() else args.device)
+    config = ModelConfig.from_name(args.size, **_overrides(args))
+    step = for_device(StepConfig(), device, args.compile_backend)
+    memory = device_memory_bytes(device)
+    plan = plan_step(config, args.batch_size, config.context_length, step, dtype=args.dtype,
+                     device_type=device.type, gpu_memory=memory)
+    trial_args = {k: v for k, v in vars(args).items() if k not in ("study", "no_ray", "offsets", "world_size",
+                                                                   "launcher", "func")}
+    trial_args.update(variants=["best"], no_batch2=True, check=False, out=str(Path(args.out).resolve()),
+                      overwrite=True, resume=False)
+    grid = [{"name": f"plan{off:+d}", "step": dataclasses.asdict(step.replace(recompute=spec)),
+             "batch_size": args.batch_size, "args": trial_args,
+             "extra": {"offset": off, "advisor_policy": plan.spec, "launcher": "tune"}}
+            for off, spec in neighbour_specs(plan.layers, args.offsets)]
+    from ray import tune
+
+    df = tune_run(tune_trial, {"trial": tune.grid_search(grid)}, sweep=TUNE_SWEEP, out_dir=args.out,
+                  resources={"gpu": 1} if device.type == "cuda" else {"cpu": 1}, resume=args.resume)
+    print(neighbours_summary(df))
+    return df
+
+
+def neighbours_summary(df: pd.DataFrame) -> str:
+    """The measured neighbours, and the advisor's plan against the fastest that fit (target: within 5%) and its
+    predicted peak against the measured (target: within 10%)."""
+    if df.empty or "step_s" not in df:
+        return "no neighbour rows"
+    cols = [c for c in ("offset", "policy", "status", "step_s", "peak_bytes", "predicted_peak_bytes") if c in df]
+    lines = [df[cols].sort_values("offset").to_markdown(index=False, floatfmt=".4g"), ""]
+    ok = df[df.status == "ok"]
+    plan = ok[ok.offset == 0]
+    if not plan.empty and not ok.empty:
+        best = ok.loc[ok.step_s.idxmin()]
+        p = plan.iloc[0]
+        lines.append(f"- advisor plan {p.policy}: {p.step_s:.3f} s; fastest measured neighbour that fits "
+                     f"{best.policy}: {best.step_s:.3f} s; plan / best = {p.step_s / best.step_s:.3f} "
+                     f"(target <= 1.05)")
+        if p.peak_bytes == p.peak_bytes:
+            lines.append(f"- plan's predicted peak {p.predicted_peak_bytes / 2**30:.2f} GiB vs measured "
+                         f"{p.peak_bytes / 2**30:.2f} GiB: {100 * (p.predicted_peak_bytes / p.peak_bytes - 1):+.1f}% "
+                         f"(target within 10%)")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------- ddp
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DDPTrial:
+    """The fast step on every rank of a gang, gradients averaged by `parallel.ddp.OverlappedDDP`."""
+
+    size: str = "tiny"
+    context_length: int | None = None
+    vocab_size: int | None = None
+    batch_size: int = 1
+    """Sequences per rank."""
+    dtype: str = "bf16"
+    step: tuple = ()
+    """`StepConfig` fields as (name, value) pairs."""
+    steps: int = 3
+    """Timed steps (after one untimed first step)."""
+    seed: int = 0
+    return_params: bool = False
+    """Return every parameter after the steps (the tests compare them with one process)."""
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.from_name(self.size, **{k: v for k, v in (("context_length", self.context_length),
+                                                                        ("vocab_size", self.vocab_size)) if v})
+
+
+def ddp_trial(ctx, config: dict) -> dict:
+    """On every rank: the model (same seed everywhere; the wrapper broadcasts rank 0's anyway), OverlappedDDP over
+    the gang's group, the fast step on this rank's own sequences, `steps` timed steps."""
+    import statistics
+    import time
+
+    from parallel.ddp import OverlappedDDP
+
+    t = DDPTrial(**config)
+    dtype = {v: k for k, v in DTYPE_NAMES.items()}[t.dtype]
+    mc = t.model_config()
+    model = build_model(mc, ctx.device, dtype, t.seed)
+    ddp = OverlappedDDP(model, process_group=ctx.process_group)
+    step = LeaderboardStep(model, StepConfig(**dict(t.step)), batch_size=t.batch_size,
+                           sync=ddp.finish_gradient_synchronization)
+    try:
+        x, y = make_batch(mc, t.batch_size, mc.context_length, ctx.device, t.seed, rank=ctx.rank)
+        losses = [float(step(x, y))]
+        times = []
+        for _ in range(t.steps):
+            ctx.synchronize()
+            t0 = time.perf_counter()
+            losses.append(float(step(x, y)))
+            ctx.synchronize()
+            times.append(time.perf_counter() - t0)
+        peak = float(torch.cuda.max_memory_allocated(ctx.device)) if ctx.device.type == "cuda" else float("nan")
+        out = {"step_s": statistics.median(times), "losses": losses, "peak_bytes": peak,
+               "tokens_per_s": ctx.world_size * t.batch_size * mc.context_length / statistics.median(times),
+               **{k: v for k, v in step.describe().items() if k != "plan_fits"}}
+        if t.return_params:
+            out["params"] = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+        return out
+    finally:
+        step.close()
+        ddp.remove_hooks()
+
+
+def run_ddp(args) -> pd.DataFrame:
+    """The fast step on a gang of --world-size ranks (Ray actors, or processes with --launcher mp)."""
+    from raysys.cluster import run_sweep
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    step = for_device(StepConfig(), torch.device(device), args.compile_backend)
+    trial = DDPTrial(size=args.size, context_length=args.context_length, vocab_size=args.vocab_size,
+                     batch_size=args.batch_size, dtype=args.dtype, step=tuple(sorted(step.as_dict().items())),
+                     steps=args.steps, seed=args.seed)
+    cfg = {k: v for k, v in dataclasses.asdict(trial).items() if k != "return_params"}
+
+    def reduce(config, per_rank):  # the slowest rank's step; every rank's losses and peaks
+        slow = max(per_rank, key=lambda m: m["step_s"])
+        return {**{k: v for k, v in slow.items() if k != "losses"}, "losses": [m["losses"] for m in per_rank],
+                "peak_bytes_max": max(m["peak_bytes"] for m in per_rank)}
+
+    return run_sweep(DDP_SWEEP, [cfg], ddp_trial, args.world_size, args.out, device=device, resume=args.resume,
+                     reduce=reduce, launcher=args.launcher)
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def _overrides(args) -> dict:
+    return {k: v for k, v in (("context_length", args.context_length), ("vocab_size", args.vocab_size)) if v}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = build_leaderboard_parser(argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                                         formatter_class=argparse.RawTextHelpFormatter))
+    p.add_argument("--study", nargs="+", default=["ablation"], choices=STUDIES, help="which studies, in order")
+    p.add_argument("--no-ray", action="store_true", help="neighbours: loop in this process instead of Ray Tune")
+    p.add_argument("--offsets", type=int, nargs="+", default=[-2, -1, 0, 1, 2],
+                   help="neighbours: moves of the plan's number of fully checkpointed blocks (0: the plan)")
+    p.add_argument("--world-size", type=int, default=2, help="ddp: ranks")
+    p.add_argument("--launcher", default="ray", choices=("ray", "mp"), help="ddp: Ray actors or plain processes")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.out is None:
+        raise ValueError("--out is required (a results directory)")
+    if args.world_size < 1:
+        raise ValueError(f"--world-size ({args.world_size}) must be >= 1")
+    if 0 not in args.offsets:
+        raise ValueError(f"--offsets {args.offsets} must contain 0 (the advisor's plan itself)")
+    session = None
+    for study in args.study:
+        if study in ("ablation",) or (study == "neighbours" and args.no_ray):
+            session = session or start_session(args)
+        print(f"== {study}", flush=True)
+        if study == "ablation":
+            run_ablation(args, session)
+        elif study == "neighbours":
+            run_neighbours_local(args, session) if args.no_ray else run_neighbours_tune(args)
+        else:
+            if session is not None:  # the ranks need the memory
+                session.model = None
+            run_ddp(args)
+    if args.check:
+        if session is not None:
+            session.model = None
+        run_check(args, session or start_session(args))
+    return 0
+
+
+if __name__ == "__main__":
+    from raysys.cli import run_script
+
+    sys.exit(run_script(main))
