@@ -10,9 +10,9 @@ import itertools
 import sys
 from pathlib import Path
 
-from raysys.bench import DTYPES, MODES, BenchConfig, run_benchmark
+from raysys.bench import DTYPES, MODES, BenchConfig, row_config, run_benchmark
 from raysys.config import SIZES
-from raysys.results import ResultWriter
+from raysys.results import DiskFull, ResultWriter, resolve_out, trial_id
 
 
 def _add_bench(sub) -> None:
@@ -30,7 +30,13 @@ def _add_bench(sub) -> None:
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--profile", action="store_true", help="torch.profiler kernel summary per phase + Chrome trace")
     p.add_argument("--memory-profile", action="store_true", help="peak memory, CUDA snapshot and timeline picture")
-    p.add_argument("--out", default="results", help="directory for bench.parquet (+ traces/, snapshots/)")
+    p.add_argument("--out", default=None, help="directory for bench.parquet (+ traces/, snapshots/); default: a "
+                                               "fresh ./runs/<UTC time>-bench/")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true", help="add to <out>/bench.parquet, skipping configurations "
+                                                            "already in it")
+    mode.add_argument("--overwrite", action="store_true", help="replace an existing <out>/bench.parquet")
+    p.add_argument("--allow-mixed", action="store_true", help="with --resume: keep rows of another commit or device")
 
 
 def _bench(args) -> int:
@@ -39,11 +45,14 @@ def _bench(args) -> int:
                            warmup=args.warmup, steps=args.steps, profile=args.profile,
                            memory_profile=args.memory_profile)
                for s, c, m, d in itertools.product(args.size, args.context_length, args.mode, args.dtype)]
-    out = Path(args.out).expanduser().resolve()
-    rows_writer = ResultWriter(out, "bench", resume=True)
-    kernels_writer = ResultWriter(out, "bench_kernels", resume=True) if args.profile else None
+    out = resolve_out(args.out, "bench")
+    mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
+    rows_writer = ResultWriter(out, "bench", mode=mode, allow_mixed=args.allow_mixed)
+    kernels_writer = ResultWriter(out, "bench_kernels", mode=mode, allow_mixed=True) if args.profile else None
     rows = []
     for cfg in configs:
+        if rows_writer.done(trial_id(row_config(cfg))):
+            continue
         row, kernels = run_benchmark(cfg, out)
         rows.append(row)
         rows_writer.write([row])
@@ -111,6 +120,31 @@ def _advise(args) -> int:
     return run_advise(args)  # 0: a plan fits, 1: nothing fits
 
 
+def _add_submit(sub) -> None:
+    from raysys.submit import build_submit_parser
+
+    build_submit_parser(sub.add_parser("submit", help="submit a sweep to a Ray cluster as a named job that carries "
+                                                      "its commit, and follow its logs"))
+
+
+def _submit(args) -> int:
+    from raysys.submit import run_submit
+
+    return run_submit(args)
+
+
+def _add_doctor(sub) -> None:
+    from raysys.submit import build_doctor_parser
+
+    build_doctor_parser(sub.add_parser("doctor", help="before `ray start --head`: are the ports it binds free here?"))
+
+
+def _doctor(args) -> int:
+    from raysys.submit import run_doctor
+
+    return run_doctor(args)
+
+
 def _add_plan(sub) -> None:
     from parallel.planner import build_plan_parser
 
@@ -131,16 +165,37 @@ def build_parser() -> argparse.ArgumentParser:
     _add_report(sub)
     _add_advise(sub)
     _add_plan(sub)
+    _add_submit(sub)
+    _add_doctor(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"bench": _bench, "report": _report, "advise": _advise, "plan": _plan}[args.command](args)
-    except ValueError as exc:
+        code = {"bench": _bench, "report": _report, "advise": _advise, "plan": _plan, "submit": _submit,
+                "doctor": _doctor}[args.command](args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at interpreter exit
+        return code
+    except (ValueError, DiskFull) as exc:
         print(f"raysys {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return 2 if isinstance(exc, ValueError) else 1
+    except BrokenPipeError:  # `... | head`: the reader left; stop quietly, as other Unix tools do
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE, what a shell reports for a command killed by it
+    except KeyboardInterrupt as exc:
+        if not getattr(exc, "__notes__", None):  # run_sweep / tune_run already said where the rows are
+            print(f"raysys {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not raise BrokenPipeError again."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":
@@ -148,10 +203,23 @@ if __name__ == "__main__":
 
 
 def run_script(main_fn, argv: list[str] | None = None) -> int:
-    """Entry point of a `sweeps/` script: bad input (ValueError) is one line on stderr and exit code 2."""
+    """Entry point of a `sweeps/` script: bad input (ValueError) is one line on stderr and exit code 2, a full
+    disk one line and 1, Ctrl-C / SIGTERM one line ("interrupted after N of M trials; rerun with --resume" from
+    run_sweep and tune_run) and 130, never a traceback."""
+    name = Path(sys.argv[0]).name
     try:
         result = main_fn(argv)
     except ValueError as exc:
-        print(f"{Path(sys.argv[0]).name}: error: {exc}", file=sys.stderr)
+        print(f"{name}: error: {exc}", file=sys.stderr)
         return 2
+    except DiskFull as exc:
+        print(f"{name}: error: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        _silence_stdout()
+        return 141
+    except KeyboardInterrupt as exc:
+        if not getattr(exc, "__notes__", None):  # run_sweep / tune_run already said where the rows are
+            print(f"{name}: interrupted", file=sys.stderr)
+        return 130
     return result if isinstance(result, int) else 0

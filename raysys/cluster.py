@@ -48,6 +48,7 @@ from tqdm.auto import tqdm
 from raysys.gang import Gang, check_placement, cluster_info, cluster_nodes, gang_device, init_ray
 from raysys.mp_gang import ProcessGang, check_local_placement, local_device
 from raysys.rank import PlacementInfeasible, RankContext
+from raysys.telemetry import SweepProgress
 from raysys.results import (ResultWriter, check_row_keys, check_sweep_name, error_row, make_row, resolve_out,
                             trial_id)
 
@@ -246,9 +247,10 @@ def _run_sweep(sweep: str, trials: list[dict], trial_fn: Callable[..., Any], wor
     rows: list[dict] = []
     gang, infeasible = None, ""
     bar = tqdm(total=len(configs), desc=f"{sweep} [{launcher} x{world_size} {resolved}]", unit="trial")
+    progress = SweepProgress(sweep, len(configs))  # the dashboard's view of it (raysys.telemetry)
     try:
         with interrupt_on_sigterm():  # a stopped sweep shuts its gang down and keeps its rows
-            for trial, config in zip(trials, configs):
+            for i, (trial, config) in enumerate(zip(trials, configs)):
                 tid = trial_id(config)
                 if writer.done(tid):
                     rows.extend(r for r in writer.rows if r.get("trial_id") == tid)
@@ -263,7 +265,8 @@ def _run_sweep(sweep: str, trials: list[dict], trial_fn: Callable[..., Any], wor
                     try:
                         if gang is None:
                             gang = make_gang().start()
-                        per_rank = gang.call(trial_fn, (trial,), label=_label(trial), timeout_s=trial_timeout_s)
+                        per_rank = gang.call(trial_fn, (trial,), label=f"[{i + 1}/{len(configs)}] {_label(trial)}",
+                                             timeout_s=trial_timeout_s)
                         extra["device_name"] = gang.ranks[0].get("device_name", "")
                         metrics = dict(reduce(trial, per_rank))
                     except PlacementInfeasible as exc:
@@ -278,6 +281,7 @@ def _run_sweep(sweep: str, trials: list[dict], trial_fn: Callable[..., Any], wor
                         row = make_row(sweep, config, metrics, **extra)
                 writer.write([row])
                 rows.append(row)
+                progress.update(len(rows), sum(r.get("status") in ("error", "timeout", "oom") for r in rows))
                 bar.set_postfix_str(row["status"])
                 bar.update()
     except KeyboardInterrupt as exc:

@@ -40,6 +40,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raysys.device import resolve_device
 from raysys.rank import (DEVICES, RANK_ENV, PlacementInfeasible, RankContext, RankSpec, check_rank_env,
                          destroy_rank, device_description, free_port, init_rank, max_cpu_ranks)
+from raysys.telemetry import RankMonitor
 
 log = logging.getLogger(__name__)
 
@@ -166,9 +167,10 @@ def _placement_order(pg, driver_node: str) -> list[tuple[int, str]]:
 class RankActor:
     """One rank: holds the process group between calls; `run` calls a trial function with the RankContext."""
 
-    def __init__(self, label: str):
-        self.label = label
+    def __init__(self, label: str, sweep: str = ""):
+        self.label, self.sweep = label, sweep or label
         self.ctx: RankContext | None = None
+        self.monitor: RankMonitor | None = None  # memory / utilisation gauges for the dashboard (raysys.telemetry)
 
     def __repr__(self) -> str:  # Ray prefixes this actor's log lines with its repr
         return self.label
@@ -183,6 +185,7 @@ class RankActor:
 
     def setup(self, spec: RankSpec) -> str:
         self.ctx = init_rank(spec)
+        self.monitor = RankMonitor(self.sweep, self.ctx.rank, self.ctx.device).start()
         return device_description(self.ctx)
 
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -191,6 +194,9 @@ class RankActor:
         return fn(self.ctx, *args, **kwargs)
 
     def teardown(self) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
+            self.monitor = None
         destroy_rank()
         self.ctx = None
 
@@ -309,7 +315,7 @@ class Gang:
                 num_gpus=1 if self.device == "cuda" else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=b),
                 runtime_env=_runtime_env(),
-            ).remote(f"{self.name}.rank{rank}")
+            ).remote(f"{self.name}.rank{rank}", self.name)
             for rank, (b, _) in enumerate(order)]
         infos = _gather([a.describe.remote() for a in self.actors], self.placement_timeout_s, "actor start")
         specs = self._rank_specs(infos, port=ray.get(self.actors[0].free_port.remote()))

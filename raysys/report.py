@@ -12,7 +12,7 @@ from typing import Callable
 
 import pandas as pd
 
-from raysys.results import ResultsError, read_results
+from raysys.results import ResultsError, read_results, save_figure
 
 PROVENANCE = ("run_id", "git_sha", "torch_version", "triton_version", "ray_version", "device_name", "host", "utc",
               "sweep", "trial_id", "source", "error")
@@ -36,17 +36,50 @@ def register_plot(sweep: str, plotter: Callable[[pd.DataFrame, Path], list[Path]
     _PLOTS[sweep] = plotter
 
 
+# The studies draw their own plots beside them in sweeps/ (imports flow sweeps -> raysys), so they are named here
+# and imported only when a file of theirs is drawn: file stem -> (module, function, what it takes: the PNG path
+# of (df, path) -> path | None, or the directory of (df, out_dir) -> [paths]).
+_STUDY_PLOTS = {
+    "allreduce": ("sweeps.allreduce", "plot", "png"), "allreduce_scan": ("sweeps.allreduce", "plot", "png"),
+    "ddp": ("sweeps.ddp", "plot", "png"), "ddp_compiled": ("sweeps.ddp", "plot", "png"),
+    "sharded_optimizer": ("sweeps.sharded_optimizer", "plot", "png"),
+    "checkpointing": ("sweeps.checkpointing", "plot", "dir"),
+}
+
+
+def _plotter(stem: str) -> Callable[[pd.DataFrame, Path], list[Path]] | None:
+    if stem in _PLOTS:
+        return _PLOTS[stem]
+    if stem not in _STUDY_PLOTS:
+        return None
+    import importlib
+
+    module, name, takes = _STUDY_PLOTS[stem]
+    fn = getattr(importlib.import_module(module), name)
+    if takes == "dir":
+        return lambda df, out_dir: list(fn(df, out_dir))
+    return lambda df, out_dir: [p for p in [fn(df, out_dir / f"{stem}.png")] if p is not None]
+
+
 def plots(results_dir: str | Path, out_dir: str | Path) -> list[Path]:
-    """Draw every registered plot whose sweep file exists in `results_dir`."""
+    """Draw every plot that a sweep file in `results_dir` has (registered here or in its study's script); a file
+    that cannot be read or drawn is one line on stderr, and the others are still drawn."""
+    import sys
+
     import matplotlib
 
     matplotlib.use("Agg")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     made = []
-    for path in sorted(Path(results_dir).glob("*.parquet")):
-        if path.stem in _PLOTS:
-            made += _PLOTS[path.stem](read_results(path), out_dir)
+    results_dir = Path(results_dir)
+    for path in sorted(results_dir.glob("*.parquet")) if results_dir.is_dir() else [results_dir]:
+        try:
+            if (draw := _plotter(path.stem)) is not None:
+                made += draw(read_results(path), out_dir)
+        except Exception as exc:  # one study's plot must not cost the others theirs
+            print(f"raysys report: no plot of {path.name}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                  if str(exc) else f"raysys report: no plot of {path.name}: {type(exc).__name__}", file=sys.stderr)
     return made
 
 
@@ -221,8 +254,7 @@ def _plot_e2e_timing(df: pd.DataFrame, out_dir: Path) -> list[Path]:
     axes[0][0].legend(fontsize=8)
     fig.suptitle("Train step by phase (context 512, batch 4)", fontsize=10)
     fig.tight_layout()
-    path = out_dir / "e2e_timing.png"
-    fig.savefig(path, dpi=110)
+    path = save_figure(fig, out_dir / "e2e_timing.png", dpi=110)  # atomic: a full disk keeps the old picture
     plt.close(fig)
     return [path]
 

@@ -48,21 +48,26 @@ __all__ = ["DiskFull", "FileBusy", "MODES", "ROW_COLUMNS", "ResultWriter", "Resu
 STATUSES = ("ok", "oom", "error", "timeout", "skipped")
 
 
-@functools.cache
-def _git_sha() -> str:
-    here = Path(__file__).resolve().parent
-    env_sha = os.environ.get("RAYSYS_GIT_SHA")
-    if env_sha:
-        return env_sha
+def git_sha_of(directory: str | os.PathLike) -> str | None:
+    """The commit checked out in the git repository holding `directory` (12 hex digits, `-dirty` when tracked
+    files differ from it), or None outside a repository or without git."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=directory, capture_output=True,
+                             text=True, timeout=10)
         if out.returncode == 0:
-            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                                   capture_output=True, text=True, timeout=5).stdout.strip()
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=directory,
+                                   capture_output=True, text=True, timeout=30).stdout.strip()
             return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return "unknown"
+    return None
+
+
+@functools.cache
+def _git_sha() -> str:
+    """This run's commit: `$RAYSYS_GIT_SHA` (which `python -m raysys submit` sets for a job, whose uploaded working
+    directory has no .git), else the repository this package was imported from, else `unknown`."""
+    return os.environ.get("RAYSYS_GIT_SHA") or git_sha_of(Path(__file__).resolve().parent) or "unknown"
 
 
 def _version(module: str) -> str:

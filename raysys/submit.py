@@ -1,0 +1,186 @@
+"""The cluster path: `python -m raysys submit` (a named job that knows its commit) and `python -m raysys doctor`.
+
+`submit` wraps Ray's `JobSubmissionClient` (what `ray job submit` uses): it uploads the working directory,
+names the job (`--name`, default the script's stem; the submission id is `<name>-<UTC time>-<hex>`, which the
+dashboard's job list shows), attaches metadata (name, commit, command, who submitted it from where) and sets
+in the job's runtime env `RAYSYS_GIT_SHA` (the uploaded copy has no .git, so rows would say `unknown`) and
+`RAYSYS_RUNS_DIR` (the submitter's absolute `./runs`, so default results do not stay in the job's temporary
+copy). It then follows the job's logs and exits 0 if it succeeded. With token authentication
+(`RAY_AUTH_MODE=token`) Ray's client sends the token itself.
+
+A head whose dashboard agent could not bind its HTTP port (52365 unless `--dashboard-agent-listen-port` moves
+it) runs without a job agent: every submission then fails after ~10 s with HTTP 500 "No available agent to
+submit job". `submit` says so and how to fix it; `doctor` checks, before `ray start --head`, which of the ports a
+head binds are taken on this machine.
+
+    python -m raysys doctor                                  # before `ray start --head`
+    python -m raysys submit -- python sweeps/ddp.py --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as _dt
+import getpass
+import os
+import re
+import shlex
+import socket
+import sys
+import uuid
+from pathlib import Path
+
+from raysys.results import check_sweep_name, git_sha_of
+
+DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+# What `ray start --head` binds by default (Ray 2.60), with the flag that moves each.
+HEAD_PORTS = {
+    "gcs": (6379, "--port"),
+    "dashboard": (8265, "--dashboard-port"),
+    "dashboard agent HTTP (the job agent)": (52365, "--dashboard-agent-listen-port"),
+    "Ray client server": (10001, "--ray-client-server-port"),
+}
+NO_AGENT = "No available agent to submit job"
+
+
+def _address(address: str | None) -> str:
+    chosen = address or os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS") or DEFAULT_ADDRESS
+    if "://" not in chosen:  # `RAY_ADDRESS=<ip>:6379` names the GCS, not the dashboard
+        chosen = DEFAULT_ADDRESS
+    return chosen.rstrip("/")
+
+
+def port_in_use(port: int, host: str = "") -> bool:
+    """Whether a TCP listener could not bind `port` on this machine right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def _agent_hint(address: str) -> str:
+    host = address.split("://", 1)[1].split(":")[0]
+    local = host in ("127.0.0.1", "localhost", socket.gethostname())
+    default_taken = local and port_in_use(HEAD_PORTS["dashboard agent HTTP (the job agent)"][0])
+    return ("the head's dashboard agent serves no HTTP, so no job can be submitted; usually its port (52365 unless "
+            "`ray start --dashboard-agent-listen-port` moved it) was taken when the head started"
+            + (" (52365 is in use on this machine now)" if default_taken else "")
+            + ". Restart the head with `ray stop` and `ray start --head --dashboard-agent-listen-port 0 ...` "
+              "(any free port); `python -m raysys doctor` lists the head's ports that are taken")
+
+
+# ---------------------------------------------------------------------------------------------------- submit
+def build_submit_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--address", default=None, help=f"dashboard URL (default: $RAY_API_SERVER_ADDRESS, an http "
+                                                   f"$RAY_ADDRESS, else {DEFAULT_ADDRESS})")
+    p.add_argument("--name", default=None, help="job name shown in the dashboard (default: the script's stem)")
+    p.add_argument("--working-dir", default=".", help="directory uploaded as the job's working directory "
+                                                       "(default: .)")
+    p.add_argument("--runs-dir", default="runs", help="where results go when the command names no --out "
+                                                      "(default: ./runs, made absolute; a path on the head node)")
+    p.add_argument("--no-wait", action="store_true", help="return after submitting instead of following the logs")
+    p.add_argument("entrypoint", nargs=argparse.REMAINDER, help="the command after `--`, e.g. -- python "
+                                                                "sweeps/ddp.py --device cpu")
+    return p
+
+
+def job_spec(entrypoint: list[str], *, name: str | None, working_dir: str | os.PathLike,
+             runs_dir: str | os.PathLike) -> dict:
+    """The `JobSubmissionClient.submit_job` arguments of a raysys job (no network): entrypoint, submission id,
+    runtime env (working dir, `RAYSYS_GIT_SHA`, `RAYSYS_RUNS_DIR`, `RAYSYS_JOB_NAME`) and metadata."""
+    if entrypoint[:1] == ["--"]:
+        entrypoint = entrypoint[1:]
+    if not entrypoint:
+        raise ValueError("no command to run: put it after `--`, e.g. -- python sweeps/ddp.py")
+    work = Path(working_dir).expanduser().resolve()
+    if not work.is_dir():
+        raise ValueError(f"--working-dir {work} is not a directory")
+    if name is None:  # the script's stem (`python sweeps/ddp.py` -> ddp), else the program's name
+        script = next((a for a in entrypoint if a.endswith(".py")), None)
+        name = re.sub(r"[^A-Za-z0-9_.-]", "-", Path(script).stem if script else Path(entrypoint[0]).name) or "job"
+    check_sweep_name(name)
+    sha = git_sha_of(work) or "unknown"
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    command = shlex.join(entrypoint)
+    env = {"RAYSYS_GIT_SHA": sha, "RAYSYS_RUNS_DIR": str(Path(runs_dir).expanduser().resolve()),
+           "RAYSYS_JOB_NAME": name}
+    return {
+        "entrypoint": command,
+        "submission_id": f"{name}-{stamp}-{uuid.uuid4().hex[:4]}",
+        "runtime_env": {"working_dir": str(work), "env_vars": env, "excludes": ["/runs/", "/.venv/", "/.git/"]},
+        "metadata": {"job_name": name, "git_sha": sha, "command": command,
+                     "submitted_by": f"{getpass.getuser()}@{socket.gethostname()}", "submitted_from": str(work)},
+    }
+
+
+async def _follow(client, submission_id: str) -> None:
+    async for lines in client.tail_job_logs(submission_id):
+        print(lines, end="", flush=True)
+
+
+def run_submit(args: argparse.Namespace) -> int:
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    spec = job_spec(args.entrypoint, name=args.name, working_dir=args.working_dir, runs_dir=args.runs_dir)
+    address = _address(args.address)
+    try:
+        client = JobSubmissionClient(address)
+    except ConnectionError:
+        raise ValueError(f"no Ray dashboard answers at {address}: start a head with `ray start --head` or pass "
+                         f"--address") from None
+    try:
+        submission_id = client.submit_job(**spec)
+    except RuntimeError as exc:
+        text = str(exc)
+        if NO_AGENT in text:
+            raise ValueError(f"{address} answered HTTP 500 '{NO_AGENT}': {_agent_hint(address)}") from None
+        if "status code 401" in text or "status code 403" in text:
+            raise ValueError(f"{address} refused the job ({text.split(':', 1)[0]}): token authentication needs "
+                             f"RAY_AUTH_MODE=token and the cluster's token (RAY_AUTH_TOKEN or ~/.ray/auth_token)") from None
+        raise
+    meta = spec["metadata"]
+    print(f"submitted job {submission_id} (commit {meta['git_sha']}) to {address}; results without --out go to "
+          f"{spec['runtime_env']['env_vars']['RAYSYS_RUNS_DIR']}", flush=True)
+    if args.no_wait:
+        print(f"follow it with `ray job logs -f {submission_id} --address {address}`")
+        return 0
+    try:
+        asyncio.run(_follow(client, submission_id))
+    except KeyboardInterrupt:
+        print(f"\nstopped following; the job keeps running: `ray job stop {submission_id} --address {address}` "
+              f"stops it", file=sys.stderr)
+        return 130
+    status = client.get_job_status(submission_id)
+    print(f"job {submission_id}: {status.value}", flush=True)
+    return 0 if status == JobStatus.SUCCEEDED else 1
+
+
+# ---------------------------------------------------------------------------------------------------- doctor
+def build_doctor_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    for what, (port, flag) in HEAD_PORTS.items():
+        p.add_argument(flag, type=int, default=port, dest=flag.lstrip("-").replace("-", "_"),
+                       help=f"{what} port the head will use (default {port})")
+    return p
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    """Exit 0 when every port `ray start --head` would bind is free here, else 1 with a line per taken port."""
+    problems = []
+    for what, (default, flag) in HEAD_PORTS.items():
+        port = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if port and port_in_use(port):
+            effect = (" (the head would run without a job agent: `ray job submit` and `raysys submit` would answer "
+                      f"HTTP 500 '{NO_AGENT}')" if flag == "--dashboard-agent-listen-port" else "")
+            problems.append(f"port {port} ({what}) is in use on this machine{effect}; pass `ray start --head "
+                            f"{flag} <free port>`" + (" (0: any free port)" if flag == "--dashboard-agent-listen-port"
+                                                      else ""))
+    for line in problems:
+        print(f"raysys doctor: {line}")
+    if not problems:
+        print("raysys doctor: the ports `ray start --head` binds are free: "
+              + ", ".join(f"{getattr(args, f.lstrip('-').replace('-', '_'))} ({w})" for w, (_, f) in HEAD_PORTS.items()))
+    return 1 if problems else 0

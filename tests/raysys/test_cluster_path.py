@@ -1,0 +1,106 @@
+"""The cluster path without a cluster: `raysys doctor` finds a taken head port, `raysys submit` builds a named job
+that carries its commit and a results directory outside the job's temporary copy, `report --plots` draws every
+study's plot, and a rank's telemetry samples what the dashboard shows (memory and utilisation)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from raysys import cli
+from raysys.results import git_sha_of
+from raysys.submit import HEAD_PORTS, job_spec, port_in_use
+from raysys.telemetry import RankMonitor, SweepProgress
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def taken_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def test_doctor_names_a_taken_dashboard_agent_port(taken_port, capsys):
+    free = [str(_free_port()) for _ in range(3)]
+    ports = ["--port", free[0], "--dashboard-port", free[1], "--ray-client-server-port", free[2]]
+    assert port_in_use(taken_port) and not port_in_use(int(free[0]))
+    assert cli.main(["doctor", *ports, "--dashboard-agent-listen-port", str(taken_port)]) == 1
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith(f"raysys doctor: port {taken_port} (dashboard agent HTTP (the job agent)) is in use")
+    assert "No available agent to submit job" in line and "--dashboard-agent-listen-port <free port>" in line
+    assert cli.main(["doctor", *ports, "--dashboard-agent-listen-port", str(_free_port())]) == 0
+    assert "are free" in capsys.readouterr().out
+    assert HEAD_PORTS["dashboard agent HTTP (the job agent)"][0] == 52365  # Ray 2.60's default
+
+
+def test_submit_names_the_job_and_passes_the_commit_and_runs_dir(tmp_path):
+    spec = job_spec(["--", "python", "sweeps/ddp.py", "--device", "cpu"], name=None, working_dir=REPO,
+                    runs_dir=tmp_path / "runs")
+    env = spec["runtime_env"]["env_vars"]
+    sha = git_sha_of(REPO)
+    assert sha and env["RAYSYS_GIT_SHA"] == sha == spec["metadata"]["git_sha"]
+    assert env["RAYSYS_RUNS_DIR"] == str(tmp_path / "runs") and env["RAYSYS_JOB_NAME"] == "ddp"
+    assert spec["submission_id"].startswith("ddp-") and spec["metadata"]["job_name"] == "ddp"
+    assert spec["entrypoint"] == "python sweeps/ddp.py --device cpu"
+    assert spec["runtime_env"]["working_dir"] == str(REPO)
+    named = job_spec(["python", "-c", "print(1)"], name="smoke", working_dir=tmp_path, runs_dir="runs")
+    assert named["submission_id"].startswith("smoke-") and named["metadata"]["git_sha"] == "unknown"  # no repo
+    for entrypoint, kwargs, match in [([], {}, "no command to run"),
+                                      (["python", "x.py"], {"working_dir": tmp_path / "nope"}, "not a directory"),
+                                      (["python", "x.py"], {"name": "../x"}, "sweep name")]:
+        with pytest.raises(ValueError, match=match):
+            job_spec(entrypoint, **{"name": None, "working_dir": tmp_path, "runs_dir": "runs", **kwargs})
+
+
+def test_submit_without_a_dashboard_is_one_line(capsys):
+    port = _free_port()
+    assert cli.main(["submit", "--address", f"http://127.0.0.1:{port}", "--", "python", "-c", "pass"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"raysys submit: error: no Ray dashboard answers at http://127.0.0.1:{port}: start a head with "
+                   f"`ray start --head` or pass --address")
+
+
+@pytest.mark.slow
+def test_report_plots_draws_every_study_that_has_a_plot(tmp_path, capsys):
+    results = tmp_path / "results"
+    results.mkdir()
+    for stem in ("ddp", "sharded_optimizer", "checkpointing", "allreduce", "e2e_timing", "fsdp"):
+        (results / f"{stem}.parquet").write_bytes((REPO / "results" / f"{stem}.parquet").read_bytes())
+    (results / "broken.parquet").write_bytes(b"not parquet")
+    pd.DataFrame({"sweep": ["ddp_compiled"], "trial_id": ["x"]}).to_parquet(results / "ddp_compiled.parquet")
+    assert cli.main(["report", str(results), "--plots", str(tmp_path / "plots")]) == 0
+    drawn = sorted(p.relative_to(tmp_path / "plots").as_posix() for p in (tmp_path / "plots").rglob("*.png"))
+    assert {"ddp.png", "sharded_optimizer.png", "allreduce.png", "e2e_timing.png"} <= set(drawn)
+    assert any(p.startswith("plots/checkpointing_") for p in drawn)
+    err = capsys.readouterr().err
+    assert "no plot of ddp_compiled.parquet" in err  # a file its plot cannot draw: one line, the others drawn
+
+
+def test_rank_monitor_samples_memory_and_cpu_utilisation():
+    monitor = RankMonitor("toy", 0, "cpu", interval_s=0.05)
+    assert monitor.tags == {"sweep": "toy", "rank": "0", "device": "cpu"}
+    deadline = time.monotonic() + 0.3
+    while time.monotonic() < deadline:  # busy: the process's CPU time grows with the wall time
+        sum(range(10_000))
+    sample = monitor.sample()
+    assert sample["memory_bytes"] > 50 * 2**20 and 20 < sample["utilization_percent"] <= 100 * 64
+    monitor.start()
+    time.sleep(0.2)
+    monitor.stop()
+    assert monitor._thread is None
+    SweepProgress("toy", 3).update(1, 0)  # without Ray: nothing to record, nothing raised
+    with pytest.raises(ValueError, match="interval_s"):
+        RankMonitor("toy", 0, "cpu", interval_s=0)

@@ -1,0 +1,87 @@
+"""`python -m raysys` under bad input and faults: one line and an exit code, never a traceback; a fresh run
+directory by default; --resume / --overwrite for an existing file; an impossible context length is an `oom` row."""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from raysys import cli
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["bench", "--size", "tiny", "--context-length", "16", "--batch-size", "1", "--warmup", "0", "--steps", "1",
+        "--device", "cpu"]
+
+
+def test_bench_out_that_cannot_be_created_is_one_line(capsys):
+    assert cli.main([*TINY, "--out", "/proc/raysys-x"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "raysys bench: error: cannot create results directory /proc/raysys-x: No such file or directory"
+
+
+def test_bench_writes_a_fresh_run_directory_and_never_replaces_a_file_silently(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("RAYSYS_RESULTS_DIR", raising=False)
+    monkeypatch.setenv("RAYSYS_RUNS_DIR", str(tmp_path / "runs"))
+    assert cli.main(TINY) == 0
+    (run,) = (tmp_path / "runs").iterdir()
+    assert run.name.endswith("-bench") and len(pd.read_parquet(run / "bench.parquet")) == 1
+    capsys.readouterr()
+    assert cli.main([*TINY, "--out", str(run)]) == 2
+    assert "bench.parquet already exists; pass --resume" in capsys.readouterr().err
+    before = pd.read_parquet(run / "bench.parquet")
+    assert cli.main([*TINY, "--out", str(run), "--resume", "--mode", "forward"]) == 0  # train-step is skipped
+    after = pd.read_parquet(run / "bench.parquet")
+    assert sorted(after["mode"]) == ["forward", "train-step"]
+    assert after.set_index("mode").loc["train-step", "utc"] == before["utc"].iloc[0]
+    assert cli.main([*TINY, "--out", str(run), "--overwrite"]) == 0
+    assert list(pd.read_parquet(run / "bench.parquet")["mode"]) == ["train-step"]
+
+
+def _limit_memory() -> None:  # the machine is shared: refused allocations, not a swapping host
+    resource.setrlimit(resource.RLIMIT_AS, (8 * 2**30, 8 * 2**30))
+
+
+@pytest.mark.slow
+def test_bench_context_length_beyond_memory_is_an_oom_row(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "raysys", *TINY[:3], "--context-length", "1000000", *TINY[5:],
+                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          preexec_fn=_limit_memory)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    row = pd.read_parquet(tmp_path / "bench.parquet").iloc[0]
+    assert row["status"] == "oom" and row["context_length"] == 1_000_000
+    assert "can't allocate memory" in row["error"] or "MemoryError" in row["error"], row["error"]
+
+
+def test_a_closed_stdout_ends_quietly():  # `python -m raysys advise --json | head -1`
+    proc = subprocess.Popen([sys.executable, "-m", "raysys", "advise", "--json"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141 and err == "", err
+
+
+def test_run_script_turns_interrupts_and_a_full_disk_into_one_line(capsys):
+    from raysys.files import DiskFull
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    def noted(argv):
+        exc = KeyboardInterrupt()
+        exc.add_note("ddp: interrupted after 1 of 3 trials; rerun with --resume")
+        raise exc
+
+    def full(argv):
+        raise DiskFull("no space left writing x.parquet; the previous x.parquet is intact")
+
+    assert cli.run_script(interrupted) == 130
+    assert capsys.readouterr().err.endswith(": interrupted\n")
+    assert cli.run_script(noted) == 130 and capsys.readouterr().err == ""  # run_sweep printed its own line
+    assert cli.run_script(full) == 1
+    assert capsys.readouterr().err.endswith("error: no space left writing x.parquet; the previous x.parquet is intact\n")
