@@ -1,40 +1,27 @@
 """Collective-communication benchmark (handout 5.1, distributed_communication_single_node), launched on Ray
-and, in the same run, without Ray (torch.multiprocessing), to show what the Ray layer costs.
+and, in the same run, without Ray (torch.multiprocessing), to show what the Ray layer costs; one row per trial
+in `<out>/allreduce.parquet` (`--sweep-name` for another stem).
 
 Grid: all-reduce, all-gather, reduce-scatter, broadcast x float32 messages x world sizes x NCCL settings, for
-each launch:
-  * `ray`, gpu_visibility `shared`   (actors of a node see all its gang GPUs: NCCL peer-to-peer)
-  * `ray`, gpu_visibility `isolated` (Ray's default: one visible GPU per actor)      - CUDA only
-  * `mp`                             (one spawned process per GPU, no Ray)
-Defaults: CUDA - 1, 8, 64, 128, 512 MiB and 1 GiB (powers of two, as nccl-tests sweeps them; the handout's
-1 MB .. 1 GB range) on 2, 4, 6 GPUs (world sizes the cluster cannot hold become `skipped` rows); CPU (gloo) -
-1 KiB .. 1 MiB on 2 and 4 ranks. `size_bytes` is the exact request; `size` labels it in binary units when it
-is a whole number of them (1GiB = 2^30 B), else decimal ones (1GB = 10^9 B), else bytes.
+each launch: `ray` with gpu_visibility `shared` (actors of a node see all its gang GPUs: NCCL peer-to-peer),
+`ray` with `isolated` (Ray's default, one visible GPU per actor; CUDA only) and `mp` (one spawned process per
+GPU, no Ray). Defaults: CUDA - 1 MiB to 1 GiB on 2, 4, 6 GPUs (world sizes the cluster cannot hold become
+`skipped` rows); CPU (gloo) - 1 KiB to 1 MiB on 2 and 4 ranks.
 
-Message size, as nccl-tests counts it: the full tensor each rank ends with or starts from - all-reduce and
-broadcast the buffer; all-gather the gathered output (each rank sends size/n); reduce-scatter the input (each
-rank keeps size/n). So one size means the same per-rank buffer in every op (`num_bytes` is it exactly, after
-rounding to a multiple of the world size). Each trial: 5 warm-up calls, then `--iters` timed calls (CUDA
-events on GPU); the time is the max over ranks of the per-rank mean; algbw = num_bytes / time, busbw = algbw x
-2(n-1)/n (all-reduce), (n-1)/n (all-gather, reduce-scatter), 1 (broadcast), GB/s = 10^9 B/s, as nccl-tests
-reports them. Every trial checks its result values afterwards.
+Message size as nccl-tests counts it: the full tensor each rank ends with or starts from (all-reduce and
+broadcast the buffer; all-gather the gathered output; reduce-scatter the input), so one size means the same
+per-rank buffer in every op. Each trial: warm-up calls, then `--iters` timed calls (CUDA events on GPU); the
+time is the max over ranks of the per-rank mean; algbw = bytes / time, busbw = algbw x 2(n-1)/n (all-reduce),
+(n-1)/n (all-gather, reduce-scatter), 1 (broadcast). Every trial checks its result values afterwards.
+`--nccl-env KEY=VAL,...` (repeatable) runs the grid once per NCCL setting, each in fresh rank processes (the
+`nccl_env` column); NVLink multicast stays off. The report ends with the GPU targets: 1 GiB all-reduce busbw
+>= 350 GB/s, ray / mp busbw >= 0.97 at the largest size; with the GPU grid, the parallelism planner at the
+measured bandwidth.
 
-`--nccl-env KEY=VAL,...` (repeatable; `default` = nothing added) runs the grid once per NCCL setting, each in
-fresh rank processes (NCCL reads its variables once per process) with the variables set in every rank of
-both launchers; the setting is the `nccl_env` column, and rank 0's effective NCCL_* variables and the NCCL
-version are recorded too. NVLink multicast stays off whatever is asked (NCCL_NVLS_ENABLE=0).
-The run ends with the issue's targets: 1 GiB all-reduce busbw >= 350 GB/s, ray / mp busbw >= 0.97 at the
-largest size.
-
-Outputs, in `--out` (default: the repository's `results/`, see `raysys.cluster.resolve_out_dir`):
-`allreduce.parquet` (one row per trial), `allreduce.md` (tables and the target check, for BENCHMARKS.md),
-`allreduce.png` (busbw vs message size per op, one line per world size x launch [x NCCL setting]).
-
-    python sweeps/allreduce.py                                   # embedded Ray; CPU/gloo without a GPU
-    python sweeps/allreduce.py --device cuda --out results       # on a GPU host
+    python sweeps/allreduce.py --out /tmp/coll                   # embedded Ray; CPU/gloo without a GPU
     python sweeps/allreduce.py --device cuda --world-sizes 2 --launchers mp --sizes 64MiB,1GiB \
-        --nccl-env default --nccl-env NCCL_ALGO=Ring --nccl-env NCCL_PROTO=Simple     # compare NCCL settings
-    ray job submit --working-dir . -- python sweeps/allreduce.py --out "$PWD/results"   # on a running cluster
+        --nccl-env default --nccl-env NCCL_ALGO=Ring --out /tmp/coll    # compare NCCL settings
+    ray job submit --working-dir . -- python sweeps/allreduce.py --out "$PWD/results" --overwrite
     python sweeps/allreduce.py --report-only --out results       # redraw tables and plot from the Parquet file
 """
 
@@ -52,11 +39,12 @@ sys.path.insert(0, str(ROOT))
 import pandas as pd  # noqa: E402
 
 from parallel.collectives import OPS, aggregate, benchmark_collective  # noqa: E402
-from raysys.cluster import (cluster_nodes, init_ray, read_sweep, resolve_out_dir, run_sweep,  # noqa: E402
-                            sweep_parser)
+from raysys.cluster import check_gang, cluster_nodes, run_sweep  # noqa: E402
 from raysys.gang import gang_device  # noqa: E402
 from raysys.rank import check_rank_env  # noqa: E402
-from raysys.results import ResultWriter  # noqa: E402
+from sweeps.common import (NOT_ON_CPU, check_int, check_timeout, list_flag, main_entry, on_cpu,  # noqa: E402
+                           open_writer, output_dir, parse_ints, parse_list, print_written, pyplot, read_rows,
+                           save_figure, start_ray, study_parser, write_markdown)
 
 SWEEP = "allreduce"
 DEFAULTS = {"cuda": {"sizes": "1MiB,8MiB,64MiB,128MiB,512MiB,1GiB", "world_sizes": "2,4,6", "iters": 50},
@@ -83,15 +71,6 @@ def size_label(num_bytes: int) -> str:
     """The shortest exact label: 1073741824 -> '1GiB', 10**9 -> '1GB', 8192 -> '8KiB', 1500 -> '1500B'."""
     exact = [f"{num_bytes // scale}{unit}" for unit, scale in _LABELS if num_bytes >= scale and num_bytes % scale == 0]
     return min(exact, key=len, default=f"{num_bytes}B")  # min keeps the first (binary) of equally short labels
-
-
-def parse_list(text: str, what: str, allowed: tuple[str, ...] | None = None) -> list[str]:
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items:
-        raise ValueError(f"--{what} is empty")
-    if allowed is not None and (bad := [t for t in items if t not in allowed]):
-        raise ValueError(f"--{what}: {bad} not in {allowed}")
-    return items
 
 
 def parse_nccl_env(text: str) -> dict[str, str]:
@@ -183,8 +162,11 @@ def _same_run_ratio(launch: pd.DataFrame, mp: pd.DataFrame) -> tuple[pd.Series |
 
 
 def target_lines(df: pd.DataFrame) -> list[str]:
-    """The issue's targets against the measured rows, one line per (world size, NCCL setting) that has data."""
+    """The issue's targets against the measured rows, one line per (world size, NCCL setting) that has data; GPU
+    targets, so rows measured on the CPU get no verdict."""
     ok = _measured(df)
+    cpu = on_cpu(df)
+    judge = lambda passed: NOT_ON_CPU if cpu else "PASS" if passed else "FAIL"  # noqa: E731
     ok["variant"] = pd.Categorical(ok["variant"], _variant_order(ok), ordered=True)  # default first
     multi = ok["variant"].nunique() > 1
     where = lambda ws, variant: f"{ws} ranks" + (f", {variant}" if multi else "")  # noqa: E731
@@ -193,7 +175,9 @@ def target_lines(df: pd.DataFrame) -> list[str]:
     ar = ok[ok["op"] == "all_reduce"]
     at = ar[ar["size_bytes"] == TARGET_ALL_REDUCE_BYTES]
     if at.empty:
-        if ar.empty:
+        if cpu:
+            lines.append(f"{goal}: {NOT_ON_CPU}")
+        elif ar.empty:
             lines.append(f"{goal}: not measured (no all_reduce rows)")
         else:
             big = ar[ar["size_bytes"] == ar["size_bytes"].max()]
@@ -205,7 +189,7 @@ def target_lines(df: pd.DataFrame) -> list[str]:
     for (ws, variant), part in at.groupby(["world_size", "variant"], observed=True):
         best = part["busbw_GBps"].max()
         each = ", ".join(f"{r.launch} {r.busbw_GBps:.1f}" for r in part.sort_values("launch").itertuples())
-        lines.append(f"{goal}, {where(ws, variant)}: {'PASS' if best >= TARGET_BUSBW_GBPS else 'FAIL'} "
+        lines.append(f"{goal}, {where(ws, variant)}: {judge(best >= TARGET_BUSBW_GBPS)} "
                      f"(best {best:.1f} GB/s; {each})")
     for (ws, variant), part in ok.groupby(["world_size", "variant"], observed=True):
         big = part[part["size_bytes"] == part["size_bytes"].max()]
@@ -220,7 +204,8 @@ def target_lines(df: pd.DataFrame) -> list[str]:
                 continue
             worst = ratio.idxmin()
             unpaired = sorted(set(big.loc[big["launch"] == launch, "op"]) - set(ratio.index))
-            verdict = "FAIL" if ratio.min() < TARGET_RAY_OVER_MP else "INCOMPLETE" if unpaired else "PASS"
+            verdict = (NOT_ON_CPU if cpu else "FAIL" if ratio.min() < TARGET_RAY_OVER_MP
+                       else "INCOMPLETE" if unpaired else "PASS")
             lines.append(f"{launch} / mp {goal}: {verdict} (run {run}; worst {ratio.min():.3f}, {worst}; "
                          + ", ".join(f"{op} {r:.3f}" for op, r in ratio.items())
                          + (f"; not measured by both in that run: {', '.join(unpaired)}" if unpaired else "") + ")")
@@ -300,11 +285,7 @@ def plot(df: pd.DataFrame, path: Path) -> Path | None:
     ok = _measured(df)
     if ok.empty:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     ops = [op for op in OPS if op in set(ok["op"])]
     multi = ok["variant"].nunique() > 1
     cols = min(2, len(ops))
@@ -329,73 +310,93 @@ def plot(df: pd.DataFrame, path: Path) -> Path | None:
         ax.set_visible(False)
     device = ", ".join(sorted(map(str, ok["device_name"].unique()))) if "device_name" in ok else ""
     fig.suptitle(f"Collectives, bus bandwidth ({device})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
+
+
+PLANNER_SIZE, PLANNER_BATCH, PLANNER_DEVICES = "xl", 8192, [2, 4, 8, 16, 32, 64, 128]
+
+
+def planner_tables(path: Path) -> str:
+    """`python -m raysys plan --size xl --batch 8192` (handout 8) with W = the best measured all-reduce bus
+    bandwidth per world size in the Parquet file at `path`."""
+    from parallel.planner import H200_BF16_FLOPS, FFNProblem, bandwidth_from_results, plan_tables
+    from raysys.config import SIZES
+
+    size, parts = SIZES[PLANNER_SIZE], []
+    for src in bandwidth_from_results(path):
+        problem = FFNProblem(batch=PLANNER_BATCH, d_model=size["d_model"], d_ff=size["d_ff"], flops=H200_BF16_FLOPS,
+                             bandwidth=src["busbw_GBps"] * 1e9, bytes_per_element=2)
+        tables = plan_tables(problem, PLANNER_DEVICES).replace("\n### ", "\n#### ")
+        parts.append(f"### Parallelism planner ({PLANNER_SIZE} FFN, `python -m raysys plan --size {PLANNER_SIZE} "
+                     f"--batch {PLANNER_BATCH}`), W from {src['source']}\n\n{tables}")
+    return "\n\n".join(parts)
 
 
 def write_report(df: pd.DataFrame, out: Path, name: str = SWEEP) -> tuple[Path, Path | None]:
-    md_path = out / f"{name}.md"
-    md_path.write_text(f"## Collectives ({name})\n\n{markdown(df)}")
-    return md_path, plot(df, out / f"{name}.png")
+    """`<name>.md` (with the planner at the measured bandwidth, for the GPU grid) and `<name>.png`."""
+    text = markdown(df)
+    if name == SWEEP and not on_cpu(df) and (planner := planner_tables(out / f"{name}.parquet")):
+        text = f"{text.rstrip()}\n\n{planner}\n"
+    return write_markdown(out, name, "Collectives", text), plot(df, out / f"{name}.png")
 
 
 # ---------------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    p = sweep_parser(__doc__, SWEEP,
+    p = study_parser(__doc__, SWEEP, ray=True, timeout_s=120.0,
                      device_help="cuda: NCCL, one GPU per rank; cpu: gloo; auto: cuda if the Ray cluster has GPUs")
-    p.add_argument("--world-sizes", default=None, help="comma list (default: 2,4,6 on cuda, 2,4 on cpu)")
-    p.add_argument("--sizes", default=None,
-                   help="comma list of message sizes, e.g. 1MiB,1GiB or 1MB,1GB\n"
-                        f"(default: {DEFAULTS['cuda']['sizes']} on cuda, {DEFAULTS['cpu']['sizes']} on cpu)")
-    p.add_argument("--ops", default=",".join(OPS), help="comma list of collectives (default: all four)")
-    p.add_argument("--launchers", default="ray,mp", help="comma list of ray, mp (default: both)")
-    p.add_argument("--visibility", default="shared,isolated",
-                   help="GPU visibility of Ray actors, comma list of shared, isolated (cuda only; default: both)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed calls before timing (default 5)")
-    p.add_argument("--iters", type=int, default=None, help="timed calls per trial (default 50 on cuda, 10 on cpu)")
-    p.add_argument("--timeout-s", type=float, default=120.0, help="per-trial and process-group timeout (s)")
+    list_flag(p, "--world-sizes", default=None, aliases=("--world-size",),
+              help=f"comma list (default: {DEFAULTS['cuda']['world_sizes']} on cuda, "
+                   f"{DEFAULTS['cpu']['world_sizes']} on cpu)")
+    list_flag(p, "--sizes", default=None, help="comma list of message sizes, e.g. 1MiB,1GiB or 1MB,1GB\n"
+                                               f"(default: {DEFAULTS['cuda']['sizes']} on cuda, "
+                                               f"{DEFAULTS['cpu']['sizes']} on cpu)")
+    list_flag(p, "--ops", default=",".join(OPS), help="comma list of collectives")
+    list_flag(p, "--launchers", default="ray,mp", aliases=("--launcher",), help="comma list of ray, mp")
+    list_flag(p, "--visibility", default="shared,isolated",
+              help="GPU visibility of Ray actors, comma list of shared, isolated (cuda only)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls before timing")
+    p.add_argument("--iters", type=int, default=None, help=f"timed calls per trial (default: "
+                                                           f"{DEFAULTS['cuda']['iters']} on cuda, "
+                                                           f"{DEFAULTS['cpu']['iters']} on cpu)")
     p.add_argument("--nccl-env", action="append", default=None, metavar="KEY=VAL,...",
                    help="NCCL variables set in every rank (both launchers), e.g. NCCL_ALGO=Ring or\n"
                         "NCCL_MIN_NCHANNELS=32,NCCL_MAX_NCHANNELS=32; repeat to compare settings in one run,\n"
                         "'default' for NCCL's own choices (default: only that). Multicast stays off.")
-    p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, a local `ray start` "
-                                                   "cluster, else an embedded Ray)")
-    p.add_argument("--dashboard", action="store_true", help="start the Ray dashboard with the embedded Ray")
-    p.add_argument("--sweep-name", default=SWEEP, help=f"file stem of the rows and report (default {SWEEP}); e.g.\n"
+    p.add_argument("--sweep-name", default=SWEEP, help="file stem of the rows and report; e.g.\n"
                                                         "allreduce_scan for a settings scan kept apart from the grid")
     return p
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     args = build_parser().parse_args(argv)
-    out = resolve_out_dir(args.out)
     name = args.sweep_name
-    if not name or not all(c.isalnum() or c in "_-." for c in name):
-        raise ValueError(f"--sweep-name {name!r} must be a file stem of letters, digits, '_', '-' or '.'")
     if args.report_only:
-        df = read_sweep(out, name)
-    else:
-        ops = parse_list(args.ops, "ops", OPS)
-        launchers = parse_list(args.launchers, "launchers", ("ray", "mp"))
-        visibilities = parse_list(args.visibility, "visibility", ("shared", "isolated"))
-        if args.warmup < 0 or (args.iters is not None and args.iters < 1):
-            raise ValueError(f"--warmup ({args.warmup}) must be >= 0 and --iters ({args.iters}) >= 1")
-        variants = [parse_nccl_env(text) for text in (args.nccl_env or ["default"])]
-        labels = [nccl_env_label(env) for env in variants]
-        if len(set(labels)) != len(labels):
-            raise ValueError(f"--nccl-env: {args.nccl_env} names one setting twice")
-        explicit_sizes = [parse_size(s) for s in parse_list(args.sizes, "sizes")] if args.sizes else None
-        world_sizes = [int(w) for w in parse_list(args.world_sizes, "world-sizes")] if args.world_sizes else None
-        if world_sizes and any(w < 2 for w in world_sizes):
-            raise ValueError(f"--world-sizes {world_sizes}: a collective needs at least 2 ranks")
-        init_ray(args.address, dashboard=args.dashboard)
+        df, out = read_rows(args, name), output_dir(args, name)
+        print_written(out, name, *write_report(df, out, name))
+        return df
+    ops = parse_list(args.ops, "ops", OPS)
+    launchers = parse_list(args.launchers, "launchers", ("ray", "mp"))
+    visibilities = parse_list(args.visibility, "visibility", ("shared", "isolated"))
+    check_int("--warmup", args.warmup, 0)
+    if args.iters is not None:
+        check_int("--iters", args.iters, 1)
+    check_timeout("--timeout-s", args.timeout_s)
+    variants = [parse_nccl_env(text) for text in (args.nccl_env or ["default"])]
+    labels = [nccl_env_label(env) for env in variants]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"--nccl-env: {args.nccl_env} names one setting twice")
+    explicit_sizes = [parse_size(s) for s in parse_list(args.sizes, "sizes")] if args.sizes else None
+    world_sizes = parse_ints(args.world_sizes, "world-sizes", 2) if args.world_sizes else None
+    if "mp" in launchers and world_sizes:  # this machine must hold every plain-process gang
+        for world_size in world_sizes:
+            check_gang(world_size, device=args.device, launcher="mp")
+    out = output_dir(args, name)
+    with open_writer(out, name, args) as writer:
+        start_ray(args)
         device = gang_device(args.device)
         defaults = DEFAULTS[device]
         sizes = explicit_sizes or [parse_size(s) for s in parse_list(defaults["sizes"], "sizes")]
-        world_sizes = world_sizes or [int(w) for w in parse_list(defaults["world_sizes"], "world-sizes")]
-        writer = ResultWriter(out, name, resume=args.resume)
+        world_sizes = world_sizes or parse_ints(defaults["world_sizes"], "world-sizes", 2)
         max_node_cpus = max(n.num_cpus for n in cluster_nodes())
         for world_size in world_sizes:
             # gloo ranks mostly wait on sockets: on CPU up to two ranks may share a core (4 ranks on 2 cores).
@@ -407,13 +408,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                               gpu_visibility=visibility, cpus_per_rank=cpus_per_rank, reduce=reduce_trial,
                               timeout_s=args.timeout_s, env=env, writer=writer, show=False)
         df = writer.frame()
-    md_path, png_path = write_report(df, out, name)
-    print(md_path.read_text())
-    print(f"wrote {out / f'{name}.parquet'}, {md_path}" + (f", {png_path}" if png_path else ""))
+    print_written(out, name, *write_report(df, out, name))
     return df
 
 
 if __name__ == "__main__":
-    from raysys.cli import run_script
-
-    sys.exit(run_script(main))
+    sys.exit(main_entry(main))

@@ -1,43 +1,35 @@
 """Activation checkpointing study (handout 3.2, problem gradient_checkpointing; one GPU per trial, Ray Tune).
 
-Studies (`--study`, default all three), one row per trial in `<out>/checkpointing.parquet`:
+Studies (`--studies`, default all three), one row per trial in `<out>/checkpointing.parquet`:
 - segments: xl, batch 4, context 2048. Full checkpointing with segments of k blocks (one level of
-            recomputation) for k = 1, 2, 4, ..., N, then the measured best k's untested neighbours; plus no
-            checkpointing, k = sqrt(N), nested (recursive) and selective checkpointing.
+            recomputation) for k = 1, 2, 4, ..., N (`--ks` for another list), then the measured best k's
+            untested neighbours; plus no checkpointing, k = sqrt(N), nested and selective checkpointing.
 - context:  selective vs full vs none at contexts 2048, 4096 and 8192 (medium, batch 1: with naive attention
             the xl model does not fit even one un-checkpointed block's scores at 8192).
 - offload:  none vs full vs offload (medium, batch 1, contexts 1024 and 2048) with the measured pinned
             host<->device bandwidth, which gives the bandwidth at which offloading breaks even with recomputing.
-Segments and context also run selective recomputation done by a fused kernel (`attention=flash_triton`;
-`sdpa` on the CPU): FlashAttention keeps O and the log-sum-exp and recomputes the attention core in its own
-backward, the same selective policy without a second forward of the core; it is compared with `none` (naive
-attention).
+Segments and context also run selective recomputation inside a fused kernel (`attention=flash_triton`; `sdpa`
+on the CPU): FlashAttention keeps O and the log-sum-exp and recomputes the attention core in its own backward.
 
 Every trial builds the model, applies the policy (`parallel.checkpointing`), runs `--warmup` untimed and
-`--steps` timed training steps (AdamW, zero_grad(set_to_none) first) and records: step time (mean / std,
-synchronised per phase), measured peak memory (`torch.cuda.max_memory_allocated` over the timed steps; on
-the CPU the allocator trace of one step plus the computed weights / AdamW / input bytes), the memory
-allocated between steps, the advisor model's predicted peak (`raysys.recompute_model.predict_peak`) and its
-relative error, and the model's forward / recompute / backward FLOPs. An OOM is a row with status `oom`.
-
-Defaults: fp32 with TF32 matmuls on the GPU (memory is that of fp32; TF32 only speeds up the matmuls so the
-study fits in about six minutes on two GPUs: 29 trials of 2 + 5 steps). The segments study measures k =
-1, 2, 4, ..., N rather than every k, then the untested neighbours of the best k (`--ks` picks another list).
-`--quick`, or a host without a GPU, runs tiny models on the CPU (under a minute) through the same code. The
-report (`checkpointing.md` and `plots/checkpointing_*.png`) answers: the best single-level k with its
-neighbours, selective's activation memory and step-time overhead against none (target: >= 4x less at <= 5%),
-the break-even bandwidth of offloading, and how many configurations the model predicts within 10% (target:
+`--steps` timed training steps (AdamW) and records: step time (mean / std, synchronised per phase), the
+measured peak memory (`torch.cuda.max_memory_allocated` over the timed steps; on the CPU the allocator trace
+of one step plus the computed weights / AdamW / input bytes), the memory allocated between steps, the advisor
+model's predicted peak (`raysys.recompute_model.predict_peak`) and its relative error, and the forward /
+recompute / backward FLOPs. An OOM is a row with status `oom`. fp32 uses TF32 matmuls on the GPU (fp32
+memory, faster steps). `--quick`, or a host without a GPU, runs tiny models on the CPU through the same code.
+The report (`checkpointing.md`, `plots/checkpointing_*.png`) answers: the best single-level k with its
+neighbours, selective's activation memory and step-time overhead against none (GPU target: >= 4x less at <= 5%),
+the break-even bandwidth of offloading, and how many configurations the model predicts within 10% (GPU target:
 >= 6); trials that ran out of memory are listed with the model's predicted peak.
 
-    python sweeps/checkpointing.py --out "$PWD/results"                 # GPU, Ray Tune, all studies
-    python sweeps/checkpointing.py --study segments --out "$PWD/results"
+    python sweeps/checkpointing.py --out "$PWD/results" --overwrite     # GPU, Ray Tune, all studies
+    python sweeps/checkpointing.py --studies segments --out /tmp/ckpt
     python sweeps/checkpointing.py --quick --out /tmp/ckpt              # tiny models on the CPU
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import dataclasses
 import gc
 import math
@@ -55,16 +47,18 @@ import torch  # noqa: E402
 from parallel.checkpointing import apply_activation_checkpointing, parse_policy  # noqa: E402
 from raysys import memory  # noqa: E402
 from raysys.config import SIZES, ModelConfig  # noqa: E402
-from raysys.device import resolve_device  # noqa: E402
+from raysys.device import DTYPES, autocast, resolve_device  # noqa: E402
 from raysys.model import AdamW, TransformerLM, cross_entropy, get_attention  # noqa: E402
 from raysys.recompute_model import (GiB, Workload, cpu_allocation_trace, predict_peak, saved_per_block,  # noqa: E402
                                     static_bytes, step_flops)
 from raysys.results import ResultWriter, error_row, make_row, trial_id  # noqa: E402
+from raysys.files import write_text  # noqa: E402
 from raysys.timing import PhaseTimer  # noqa: E402
+from sweeps.common import (NOT_ON_CPU, PROGRESS, check_int, list_flag, main_entry, on_cpu, open_writer,  # noqa: E402
+                           output_dir, parse_ints, parse_list, pyplot, read_rows, save_figure, start_ray, study_parser)
 
 SWEEP = "checkpointing"
 STUDIES = ("segments", "context", "offload")
-DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,9 +98,8 @@ class Trial:
             raise ValueError(f"size {self.size!r} must be one of {sorted(SIZES)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} must be one of {sorted(DTYPES)}")
-        if self.batch_size < 1 or self.warmup < 0 or self.steps < 1:
-            raise ValueError(f"batch_size ({self.batch_size}) and steps ({self.steps}) must be >= 1, "
-                             f"warmup ({self.warmup}) >= 0")
+        for name, minimum in (("batch_size", 1), ("warmup", 0), ("steps", 1)):
+            check_int(name, getattr(self, name), minimum)
         get_attention(self.attention)  # ValueError naming the known backends
         parse_policy(self.policy, self.model_config().num_layers).regions(self.model_config().num_layers)
 
@@ -148,11 +141,8 @@ def run_trial(config: dict) -> dict:
     gen = torch.Generator(device=device).manual_seed(t.seed)
     x = torch.randint(0, mc.vocab_size, (t.batch_size, mc.context_length), device=device, generator=gen)
     y = torch.randint(0, mc.vocab_size, (t.batch_size, mc.context_length), device=device, generator=gen)
-    amp = (torch.autocast(device.type, dtype=DTYPES[t.dtype]) if DTYPES[t.dtype] is not None
-           else contextlib.nullcontext())
-
     def forward():
-        with amp:
+        with autocast(device, t.dtype):
             return cross_entropy(model(x), y)
 
     def step(timer: PhaseTimer) -> None:
@@ -378,6 +368,7 @@ def summarize(df: pd.DataFrame) -> str:
             view[col.replace("_bytes", "_GiB")] = view.pop(col) / GiB
     lines += [view.to_markdown(index=False, floatfmt=".4g"), ""]
     ok = df[df.status == "ok"] if "status" in df else df.iloc[0:0]
+    cpu = on_cpu(df)  # the targets are the GPU study's: rows measured on the CPU get no verdict
 
     seg = _segment_rows(ok)
     if not seg.empty:
@@ -398,7 +389,7 @@ def summarize(df: pd.DataFrame) -> str:
                 continue
             ratio = none.activation_peak_bytes / max(sel.activation_peak_bytes, 1)
             overhead = sel.step_mean_s / none.step_mean_s - 1
-            verdict = "met" if ratio >= 4 and overhead <= 0.05 else "not met"
+            verdict = NOT_ON_CPU if cpu else "met" if ratio >= 4 and overhead <= 0.05 else "not met"
             how = ("attention core recomputed by torch's selective checkpointing" if attention == "naive" else
                    f"attention core recomputed inside the fused `{attention}` backward (keeps O and L)")
             lines.append(f"- {study} {size} S={ctx} B={batch} {dtype}: selective ({how}) keeps {ratio:.2f}x less "
@@ -431,17 +422,14 @@ def summarize(df: pd.DataFrame) -> str:
         scored = ok[~(ok.policy.astype(str).str.startswith("offload") & (ok.device == "cpu"))]
         within = int((scored.predicted_rel_error.abs() <= 0.10).sum())
         lines.append(f"- predicted peak within 10% of measured on {within} of {len(scored)} configurations "
-                     f"(target >= 6: {'met' if within >= 6 else 'not met'}); median |error| "
+                     f"(target >= 6: {NOT_ON_CPU if cpu else 'met' if within >= 6 else 'not met'}); median |error| "
                      f"{100 * scored.predicted_rel_error.abs().median():.1f}%")
     return "\n".join(lines) + "\n"
 
 
 def plot(df: pd.DataFrame, out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Peak memory and step time against k, against context per policy, and offload against recompute."""
+    plt = pyplot()
     paths = []
     (out / "plots").mkdir(parents=True, exist_ok=True)
     seg = _segment_rows(df)
@@ -465,11 +453,7 @@ def plot(df: pd.DataFrame, out: Path) -> list[Path]:
             ax.set_title(f"{first['size']}, batch {first.batch_size}, context {first.context_length}")
             ax.grid(alpha=0.3)
             ax.legend()
-            fig.tight_layout()
-            path = out / "plots" / f"checkpointing_k_{name}.png"
-            fig.savefig(path, dpi=120)
-            plt.close(fig)
-            paths.append(path)
+            paths.append(save_figure(fig, out / "plots" / f"checkpointing_k_{name}.png"))
     ctx = df[df.study == "context"]
     if not ctx.empty:
         unit, mem_scale = ("MiB", 2**20) if ctx.predicted_peak_bytes.max() < GiB else ("GiB", GiB)
@@ -488,11 +472,7 @@ def plot(df: pd.DataFrame, out: Path) -> list[Path]:
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out / "plots" / "checkpointing_context.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, out / "plots" / "checkpointing_context.png"))
     off = df[(df.study == "offload") & (df.status == "ok")]
     if not off.empty:
         fig, ax = plt.subplots(figsize=(6, 3.6))
@@ -503,73 +483,79 @@ def plot(df: pd.DataFrame, out: Path) -> list[Path]:
         link = off.h2d_gbps.dropna()
         ax.set_title("offload vs recompute" + (f" (h2d {link.median():.0f} GB/s)" if len(link) else ""))
         ax.grid(alpha=0.3, axis="y")
-        fig.tight_layout()
-        path = out / "plots" / "checkpointing_offload.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, out / "plots" / "checkpointing_offload.png"))
     return paths
 
 
 # ---------------------------------------------------------------------------------------------------- main
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--study", nargs="+", default=list(STUDIES), choices=STUDIES, help="which studies (default all)")
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="auto: cuda when present")
-    p.add_argument("--out", default=None, help="results directory (default: the repository's results/; give an "
-                                               "absolute path under `ray job submit`)")
-    p.add_argument("--resume", action="store_true", help="skip trials already in <out>/checkpointing.parquet")
+def build_parser():
+    p = study_parser(__doc__, SWEEP, ray=True, device_help="auto: cuda when present")
+    list_flag(p, "--studies", default=",".join(STUDIES), aliases=("--study",),
+              help=f"comma list of {', '.join(STUDIES)}")
     p.add_argument("--quick", action="store_true", help="tiny models (the CPU grid) on any device")
-    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="fp32, or bf16/fp16 autocast")
-    p.add_argument("--ks", default=None, help="segments study: comma list of k (default 1,2,4,..,N)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per trial (default 2)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per trial (default 5)")
+    list_flag(p, "--dtypes", default="fp32", aliases=("--dtype",),
+              help=f"one of {', '.join(DTYPES)}: fp32, or bf16/fp16 autocast (one per run)")
+    list_flag(p, "--ks", default=None, help="segments study: comma list of k (default: 1,2,4,..,N)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per trial")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per trial")
     p.add_argument("--launcher", choices=("auto", "tune", "local"), default="auto",
                    help="tune: Ray Tune, one GPU per trial; local: in this process; auto: tune on a GPU host")
-    p.add_argument("--report-only", action="store_true", help="only redraw checkpointing.md and plots")
     return p
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     args = build_parser().parse_args(argv)
-    from raysys.cluster import resolve_out_dir
-
-    out = resolve_out_dir(args.out)
+    if args.report_only:
+        out = output_dir(args, SWEEP)
+        return report(with_predictions(read_rows(args, SWEEP)), out, out / f"{SWEEP}.parquet")
     device = resolve_device(args.device)
-    ks = [int(k) for k in args.ks.split(",")] if args.ks else None
-    if ks is not None and any(k < 1 for k in ks):
-        raise ValueError(f"--ks {args.ks}: every k must be >= 1")
-    writer = ResultWriter(out, SWEEP, resume=args.resume or args.report_only)
+    studies = parse_list(args.studies, "studies", STUDIES)
+    dtypes = parse_list(args.dtypes, "dtypes", tuple(DTYPES))
+    if len(dtypes) != 1:
+        raise ValueError(f"--dtypes {args.dtypes}: the checkpointing study runs one dtype per run")
+    dtype = dtypes[0]
+    ks = parse_ints(args.ks, "ks", 1) if args.ks else None
+    check_int("--warmup", args.warmup, 0)
+    check_int("--steps", args.steps, 1)
+    grids = {study: grid(study, device, args.quick, dtype, args.warmup, args.steps, ks) for study in studies}
+    for trials in grids.values():
+        for t in trials:
+            Trial(**t)  # every trial is valid before any GPU time is spent
     launcher = args.launcher if args.launcher != "auto" else ("tune" if device.type == "cuda" else "local")
-    if device.type == "cpu" and launcher == "local":
-        torch.set_num_threads(1)  # tiny models: intra-op threads only add synchronisation
-    run = (lambda trials: run_local(trials, writer)) if launcher == "local" else \
-        (lambda trials: run_tune(trials, writer, gpus=1 if device.type == "cuda" else 0))
-    if not args.report_only:
-        for study in args.study:
+    out = output_dir(args, SWEEP)
+    with open_writer(out, SWEEP, args) as writer:
+        if launcher == "tune":
+            start_ray(args)
+        elif device.type == "cpu":
+            torch.set_num_threads(1)  # tiny models: intra-op threads only add synchronisation
+        run = (lambda trials: run_local(trials, writer)) if launcher == "local" else \
+            (lambda trials: run_tune(trials, writer, gpus=1 if device.type == "cuda" else 0))
+        PROGRESS.plan(sum(map(len, grids.values())))
+        for study, trials in grids.items():
             print(f"== {study} ({launcher}, {device.type})", flush=True)
-            trials = grid(study, device, args.quick, args.dtype, args.warmup, args.steps, ks)
-            for t in trials:
-                Trial(**t)  # every trial is valid before any GPU time is spent
             run(trials)
             if study == "segments":
-                df = writer.frame()
                 n = Trial(**trials[0]).model_config().num_layers
-                extra = neighbours_of_best(df, n)
+                extra = neighbours_of_best(writer.frame(), n)
                 if extra:
                     print(f"   neighbours of the best k: {extra}", flush=True)
-                    run(grid(study, device, args.quick, args.dtype, args.warmup, args.steps,
-                             policies=[f"full:{k}" for k in extra]))
-    df = with_predictions(writer.frame())
+                    more = grid(study, device, args.quick, dtype, args.warmup, args.steps,
+                                policies=[f"full:{k}" for k in extra])
+                    PROGRESS.plan(len(more))
+                    run(more)
+        df = with_predictions(writer.frame())
+    return report(df, out, writer.path)
+
+
+def report(df: pd.DataFrame, out: Path, parquet: Path) -> pd.DataFrame:
+    """Write checkpointing.md and the plots; print the tables and what was written."""
     text = summarize(df)
-    (out / f"{SWEEP}.md").write_text(text)
+    md = write_text(out / f"{SWEEP}.md", text)
     paths = plot(df, out) if not df.empty else []
     print(text)
-    print(f"wrote {writer.path}, {out / f'{SWEEP}.md'}" + "".join(f", {p}" for p in paths))
+    print(f"wrote {parquet}, {md}" + "".join(f", {p}" for p in paths))
     return df
 
 
 if __name__ == "__main__":
-    from raysys.cli import run_script
-
-    sys.exit(run_script(main))
+    sys.exit(main_entry(main))
