@@ -11,16 +11,15 @@ plus the N x N bool mask and Q, K, V (`expected_saved_bytes`, which the measured
 quadratic in the sequence length, against O(B N d) for Q, K, V, O.
 An OOM is a row (status `oom`); at the end the smallest configuration that ran out of memory (fewest score
 elements) is accounted for in `<out>/attention_memory.md`. `--memory-fraction` caps the CUDA allocator to
-emulate a smaller GPU (an H200 holds the whole grid). Writes `<out>/attention.parquet`.
+emulate a smaller GPU. Writes `<out>/attention.parquet` and `<out>/attention.md` (tables and accounting).
 
-    python sweeps/attention.py --out results
-    python sweeps/attention.py --memory-fraction 0.17 --out results   # behave like a 24 GB card
+    python sweeps/attention.py --out "$PWD/results" --overwrite
+    python sweeps/attention.py --memory-fraction 0.17 --out /tmp/a     # behave like a 24 GB card
     python sweeps/attention.py --quick --device cpu --out /tmp/a      # CPU smoke run
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -34,8 +33,11 @@ from torch import nn  # noqa: E402
 from raysys import memory  # noqa: E402
 from raysys.device import resolve_device  # noqa: E402
 from raysys.model import naive_attention  # noqa: E402
-from raysys.results import ResultWriter, make_row, status_of, trial_id  # noqa: E402
+from raysys.files import write_text  # noqa: E402
+from raysys.results import make_row, status_of, trial_id  # noqa: E402
 from raysys.timing import PhaseTimer  # noqa: E402
+from sweeps.common import (PROGRESS, check_int, list_flag, main_entry, open_writer, output_dir,  # noqa: E402
+                           parse_list, read_rows, study_parser, write_markdown)
 
 SWEEP = "attention"
 BATCH = 8
@@ -95,11 +97,13 @@ def memory_report(df: pd.DataFrame) -> str:
            else pick.sort_values(["seq", "head_dim"]).iloc[-1])
     b, n, d = int(row["batch"]), int(row["seq"]), int(row["head_dim"])
     gib = 2**30
-    what = "Smallest configuration that ran out of memory" if len(oom) else "No configuration ran out of memory; largest"
+    what = ("Smallest configuration that ran out of memory" if len(oom)
+            else "No configuration ran out of memory; largest")
     lines = [f"## Attention memory accounting ({row.get('device_name', '')})", "",
              f"{what}: batch {b}, seq {n}, d {d}, {'compiled' if row['compiled'] else 'eager'}.", "",
              f"- Q, K, V: 3 x {b} x {n} x {d} x 4 B = {row['input_bytes'] / gib:.3f} GiB",
-             f"- one score matrix S = Q K^T / sqrt(d): {b} x {n} x {n} x 4 B = {row['score_matrix_bytes'] / gib:.2f} GiB",
+             f"- one score matrix S = Q K^T / sqrt(d): {b} x {n} x {n} x 4 B = "
+             f"{row['score_matrix_bytes'] / gib:.2f} GiB",
              (f"- kept for backward (masked S, exp(S - max), P, bool mask, Q, K, V): "
               f"{row['expected_saved_bytes'] / gib:.2f} GiB"),
              ("- transient in the forward: S before masking and S - max, two more score matrices; the backward "
@@ -112,63 +116,98 @@ def memory_report(df: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
+def markdown(df: pd.DataFrame) -> str:
+    """Time of a forward and a backward pass and the memory before the backward, per (head dim, seq) and mode;
+    what did not finish; the memory accounting (`memory_report`)."""
+    df = df.copy()
+    df["mode"] = df["compiled"].map({True: "compiled", False: "eager"})
+    df["fwd (ms)"] = df["forward_mean_s"] * 1e3
+    df["bwd (ms)"] = df["backward_mean_s"] * 1e3
+    df["mem before bwd (GiB)"] = df["memory_before_backward_bytes"] / 2**30
+    table = df.pivot_table(index=["head_dim", "seq"], columns="mode",
+                           values=["fwd (ms)", "bwd (ms)", "mem before bwd (GiB)"], aggfunc="first")
+    table.columns = [f"{v} {m}" for v, m in table.columns]
+    failed = df[df.status != "ok"][["head_dim", "seq", "mode", "status"]]
+    steps = f" ({int(df['steps'].iloc[0])} each)" if "steps" in df else " (100 each)"
+    parts = [f"PyTorch attention (naive, causal), batch {int(df.batch.iloc[0])}, no heads, {df.dtype.iloc[0]}: mean "
+             f"time of one forward / one backward pass{steps}, memory in use before the backward.",
+             table.reset_index().to_markdown(index=False, floatfmt=".3g")]
+    if not failed.empty:
+        parts.append("Not run to completion:\n\n" + failed.to_markdown(index=False))
+    parts.append(memory_report(df).strip())
+    return "\n\n".join(parts) + "\n"
+
+
+def write_report(df: pd.DataFrame, out: Path) -> list[Path]:
+    """`attention.md` (tables and accounting) and `attention_memory.md` (the accounting alone)."""
+    return [write_markdown(out, SWEEP, "PyTorch attention at scale", markdown(df)),
+            write_text(out / "attention_memory.md", memory_report(df))]
+
+
+def build_parser():
+    p = study_parser(__doc__, SWEEP, device_help="auto: cuda when present")
+    p.add_argument("--quick", action="store_true", help="tiny grid, few steps, eager only (CPU smoke test)")
+    p.add_argument("--steps", type=int, default=100, help="timed forward and backward passes per trial")
+    p.add_argument("--warmup", type=int, default=5, help="untimed forward+backward passes first")
+    list_flag(p, "--modes", default="eager,compiled", help="comma list of eager, compiled")
+    p.add_argument("--memory-fraction", type=float, default=None,
+                   help="cap the CUDA allocator at this fraction of the GPU, in (0, 1] (default: no cap)")
+    return p
+
+
 def main(argv: list[str] | None = None) -> pd.DataFrame:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="where to run")
-    parser.add_argument("--out", default="results", help="directory for attention.parquet (made absolute)")
-    parser.add_argument("--quick", action="store_true", help="tiny grid, few steps, eager only (CPU smoke test)")
-    parser.add_argument("--resume", action="store_true", help="skip trials already in the Parquet file")
-    parser.add_argument("--steps", type=int, default=100, help="timed forward and backward passes per trial")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed forward+backward passes first")
-    parser.add_argument("--modes", default="eager,compiled", help="comma-separated subset of eager,compiled")
-    parser.add_argument("--memory-fraction", type=float, default=None,
-                        help="cap the CUDA allocator at this fraction of the GPU (emulate a smaller card)")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    if args.report_only:
+        df, out = read_rows(args, SWEEP), output_dir(args, SWEEP)
+        for path in write_report(df, out):
+            print(f"wrote {path}")
+        return df
     device = resolve_device(args.device)
-    out = Path(args.out).expanduser().resolve()
-    modes = [m for m in args.modes.split(",") if m]
-    if set(modes) - {"eager", "compiled"}:
-        raise ValueError(f"--modes {args.modes!r} must name some of eager, compiled")
-    if args.memory_fraction is not None:
-        if not 0 < args.memory_fraction <= 1 or device.type != "cuda":
-            raise ValueError(f"--memory-fraction {args.memory_fraction} needs a CUDA device and a value in (0, 1]")
-        torch.cuda.set_per_process_memory_fraction(args.memory_fraction, device)
+    modes = parse_list(args.modes, "modes", ("eager", "compiled"))
+    check_int("--steps", args.steps, 1)
+    check_int("--warmup", args.warmup, 0)
+    if args.memory_fraction is not None and (not 0 < args.memory_fraction <= 1 or device.type != "cuda"):
+        raise ValueError(f"--memory-fraction {args.memory_fraction} needs a CUDA device and a value in (0, 1]")
     head_dims, seqs, steps, warmup = HEAD_DIMS, SEQS, args.steps, args.warmup
     if args.quick:
         head_dims, seqs, steps, warmup, modes = (16,), (64, 128), 3, 1, ["eager"]
-    writer = ResultWriter(out, SWEEP, resume=args.resume)
-    for mode in modes:
-        for head_dim in head_dims:
-            for seq in seqs:
-                cfg = {"batch": BATCH, "seq": seq, "head_dim": head_dim, "dtype": "fp32", "causal": True,
-                       "compiled": mode == "compiled", "device": device.type}
-                if args.resume and writer.done(trial_id(cfg)):
-                    continue
-                extra = accounting(BATCH, seq, head_dim)
-                try:
-                    row = make_row(SWEEP, cfg, {**extra, **run_trial(cfg, device, steps, warmup)}, device=device)
-                except Exception as exc:  # OOM (expected at long sequences) or a failed trial: a row
-                    row = make_row(SWEEP, cfg, extra, status=status_of(exc), error=f"{type(exc).__name__}: {exc}",
-                                   device=device)
-                finally:
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                writer.write([row])
-                timing = (f" fwd {row['forward_mean_s'] * 1e3:.3f} ms, bwd {row['backward_mean_s'] * 1e3:.3f} ms"
-                          if row["status"] == "ok" else "")
-                print(f"{mode:8} d={head_dim:<3} seq={seq:<5} -> {row['status']}{timing}", flush=True)
-    df = writer.frame()
-    report = memory_report(df)
-    (out / "attention_memory.md").write_text(report)
+    out = output_dir(args, SWEEP)
+    if args.memory_fraction is not None:
+        torch.cuda.set_per_process_memory_fraction(args.memory_fraction, device)
+    PROGRESS.plan(len(modes) * len(head_dims) * len(seqs))
+    with open_writer(out, SWEEP, args) as writer:
+        for mode in modes:
+            for head_dim in head_dims:
+                for seq in seqs:
+                    cfg = {"batch": BATCH, "seq": seq, "head_dim": head_dim, "dtype": "fp32", "causal": True,
+                           "compiled": mode == "compiled", "device": device.type}
+                    if writer.done(trial_id(cfg)):
+                        continue
+                    writer.write([row := measure(cfg, device, steps, warmup)])
+                    timing = (f" fwd {row['forward_mean_s'] * 1e3:.3f} ms, bwd {row['backward_mean_s'] * 1e3:.3f} ms"
+                              if row["status"] == "ok" else "")
+                    print(f"{mode:8} d={head_dim:<3} seq={seq:<5} -> {row['status']}{timing}", flush=True)
+        df = writer.frame()
+    paths = write_report(df, out)
     cols = ["compiled", "head_dim", "seq", "status", "forward_mean_s", "backward_mean_s",
             "memory_before_backward_bytes", "saved_for_backward_bytes", "expected_saved_bytes"]
     print(df[[c for c in cols if c in df]].to_string(index=False, float_format=lambda x: f"{x:.4g}"))
-    print(report)
+    print(paths[1].read_text())
+    print("wrote " + ", ".join(map(str, [out / f"{SWEEP}.parquet", *paths])))
     return df
 
 
-if __name__ == "__main__":
-    from raysys.cli import run_script
+def measure(cfg: dict, device: torch.device, steps: int, warmup: int) -> dict:
+    """The row of one trial: its metrics, or its status (an OOM is expected at long sequences) and error."""
+    extra = accounting(BATCH, cfg["seq"], cfg["head_dim"])
+    try:
+        return make_row(SWEEP, cfg, {**extra, **run_trial(cfg, device, steps, warmup)}, device=device)
+    except Exception as exc:  # OOM (expected at long sequences) or a failed trial: a row
+        return make_row(SWEEP, cfg, extra, status=status_of(exc), error=f"{type(exc).__name__}: {exc}", device=device)
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
-    sys.exit(run_script(main))
+
+if __name__ == "__main__":
+    sys.exit(main_entry(main))

@@ -87,32 +87,27 @@ def alias(p: argparse.ArgumentParser, old: str, new: str, **kwargs) -> None:
                    **kwargs)
 
 
-def study_parser(doc: str | None, sweep: str, *, device_help: str = "auto: cuda when present", gang: bool = False,
-                 devices: Sequence[str] = ("auto", "cuda", "cpu"), timeout_s: float = 600.0) -> argparse.ArgumentParser:
+def study_parser(doc: str | None, sweep: str, *, device_help: str = "auto: cuda when present",
+                 devices: Sequence[str] = ("auto", "cuda", "cpu"), gang: bool = False, ray: bool = False,
+                 timeout_s: float | None = None) -> argparse.ArgumentParser:
     """The flags every study takes (`raysys.cluster.sweep_parser`: --device, --out, --resume | --overwrite,
-    --allow-mixed, --report-only), the whole docstring as description; `gang=True` adds those of a study run on
-    a gang of ranks (--launcher, --address, --dashboard, --timeout-s)."""
+    --allow-mixed, --report-only) with the whole docstring as description; `gang=True` adds --launcher, and with
+    `ray=True` --address and --dashboard; `timeout_s` adds --timeout-s with that default."""
     from raysys.cluster import sweep_parser
 
     p = sweep_parser(doc, sweep, device_help=device_help)
     p.description, p.formatter_class = doc, HelpFormatter
-    device = next(a for a in p._actions if a.dest == "device")
-    device.choices = tuple(devices)
+    next(a for a in p._actions if a.dest == "device").choices = tuple(devices)
     if gang:
         p.add_argument("--launcher", choices=LAUNCHERS, default="ray", help="ray: a gang of Ray actors; mp: plain "
                                                                            "processes on this machine")
-    if gang or "--dashboard" in (doc or ""):
-        add_ray_flags(p)
-    if gang:
+    if gang or ray:
+        p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, a local `ray start` "
+                                                       "cluster, else an embedded Ray)")
+        p.add_argument("--dashboard", action="store_true", help="start the embedded Ray with its dashboard")
+    if timeout_s is not None:
         p.add_argument("--timeout-s", type=float, default=timeout_s, help="per-trial and process-group timeout (s)")
     return p
-
-
-def add_ray_flags(p: argparse.ArgumentParser) -> None:
-    """--address and --dashboard, for a study that starts or joins Ray."""
-    p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, a local `ray start` "
-                                                   "cluster, else an embedded Ray)")
-    p.add_argument("--dashboard", action="store_true", help="start the embedded Ray with its dashboard")
 
 
 def by_device(defaults: dict[str, dict], key: str) -> str:
@@ -425,28 +420,28 @@ PROGRESS = Progress()
 
 
 class TrackedWriter(ResultWriter):
-    """A `ResultWriter` that counts finished trials into `PROGRESS`."""
+    """A `ResultWriter` that counts finished trials into `PROGRESS`: a `write` that adds rows of a trial not seen
+    yet (one trial may write several rows at once), or a trial `done` found in the file."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._counted: set[str] = set()
 
-    def _count(self, tid: str) -> None:
-        if tid not in self._counted:
-            self._counted.add(tid)
+    def _count(self, tids: set[str]) -> None:
+        if tids - self._counted:
+            self._counted |= tids
             PROGRESS.finished += 1
 
     def done(self, tid: str) -> bool:
         finished = super().done(tid)
         if finished:
-            self._count(tid)
+            self._count({tid})
         return finished
 
     def write(self, rows):
         rows = [dict(r) for r in rows]
         path = super().write(rows)
-        for row in rows:
-            self._count(row["trial_id"])
+        self._count({r["trial_id"] for r in rows})
         return path
 
 
