@@ -409,7 +409,7 @@ def write_report(df: pd.DataFrame, out: Path, sweep: str = SWEEP) -> Path:
 
 # ---------------------------------------------------------------------------------------------------- main
 def build_parser():
-    p = study_parser(__doc__, SWEEP, gang=True,
+    p = study_parser(__doc__, SWEEP, gang=True, timeout_s=600.0,
                      device_help="cuda: NCCL, one GPU per rank; cpu: gloo; auto: cuda if the cluster has GPUs")
     add_model_flags(p, DEFAULTS)
     list_flag(p, "--dtypes", default="fp32,bf16", aliases=("--dtype",),
