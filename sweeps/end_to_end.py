@@ -37,7 +37,8 @@ from raysys.bench import BenchConfig, run_benchmark  # noqa: E402
 from raysys.config import TABLE1_SIZES, ModelConfig  # noqa: E402
 from raysys.device import resolve_device  # noqa: E402
 from raysys.model import TransformerLM, cross_entropy  # noqa: E402
-from raysys.results import ResultWriter, error_row, make_row, read_results, write_parquet  # noqa: E402
+from raysys.results import (ResultWriter, error_row, make_row, provenance, read_results, trial_id,  # noqa: E402
+                            write_parquet)
 from sweeps.common import (PROGRESS, list_flag, main_entry, open_writer, output_dir, parse_list, pyplot,  # noqa: E402
                            save_figure, study_parser, write_markdown)
 
@@ -125,8 +126,9 @@ def kernels(g: dict, device: str, out: Path, writers: dict) -> None:
             for mode in ("forward", "train-step"):
                 row = study.run(BenchConfig(size=size, context_length=ctx, mode=mode, device=device, warmup=2,
                                             steps=3, profile=True))
-                if row and "_kernels" in row:
-                    tables.append(row["_kernels"].assign(trial_id=row["trial_id"]))
+                if row and "_kernels" in row:  # each kernel row with its run's trial id and provenance
+                    tables.append(row["_kernels"].assign(sweep="e2e_kernel_table", trial_id=row["trial_id"],
+                                                         **provenance(resolve_device(device))))
     if tables:
         path = out / "e2e_kernel_table.parquet"
         old = [pd.read_parquet(path)] if writers["e2e_kernels"].mode == "resume" and path.exists() else []
@@ -152,7 +154,8 @@ def saved(g: dict, device: str, out: Path, writers: dict) -> None:
         per_block, detail = memory.saved_bytes_per_block(model, lambda: cross_entropy(model(x), x))
         rows = [make_row("e2e_saved", {**config, "module": r.module}, {"saved_bytes": int(r.saved_bytes)}, device=dev)
                 for r in per_block.itertuples()]
-        write_parquet(detail.assign(**config), out / "e2e_saved_detail.parquet")
+        write_parquet(detail.assign(sweep="e2e_saved_detail", trial_id=trial_id(config), **config,
+                                    **provenance(dev)), out / "e2e_saved_detail.parquet")
         block0 = per_block.loc[per_block.module == "layers.0", "saved_bytes"].iloc[0]
         print(f"  {g['saved_size']} ctx={cfg.context_length}: {block0 / 2**20:.1f} MiB saved per block; top savers:")
         print(detail.head(8).to_markdown(index=False))
