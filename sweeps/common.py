@@ -331,11 +331,12 @@ def start_ray(args: argparse.Namespace) -> None:
 
 def local_gang_device(args: argparse.Namespace) -> tuple[str, bool]:
     """The device a gang will use as far as it is known without Ray, and whether that is certain: the named one,
-    or this machine's (a Ray cluster may have GPUs this machine lacks). The grid is checked with it before Ray
-    starts; checks that depend on the device wait for the certain one."""
+    or this machine's (a Ray cluster named by --address or RAY_ADDRESS may have GPUs this machine lacks). The grid
+    is checked with it before Ray starts; checks that depend on the device wait for the certain one."""
     from raysys.mp_gang import local_device
 
-    return local_device(args.device), args.launcher == "mp" or args.device != "auto"
+    remote = getattr(args, "address", None) or os.environ.get("RAY_ADDRESS")
+    return local_device(args.device), args.launcher == "mp" or args.device != "auto" or not remote
 
 
 def gang_device(args: argparse.Namespace, world_size: int) -> str:
