@@ -185,6 +185,7 @@ def run_variant(model: TransformerLM, variant: Variant, *, seq_len: int, timer: 
         timing = time_step(lambda: step(x, y), device, timer=timer, rep_ms=rep_ms, warmup_ms=warmup_ms,
                            steps=steps, warmup_steps=warmup_steps)
         step_s = timing["median_ms"] / 1e3
+        age_end_s = process_age_s()  # cold: the whole benchmark of this variant from an empty cache
         peak = float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else float("nan")
         reserved = float(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else float("nan")
         tokens = variant.batch_size * seq_len
@@ -198,7 +199,8 @@ def run_variant(model: TransformerLM, variant: Variant, *, seq_len: int, timer: 
                 "tokens_per_s": tokens / step_s, "model_flops": flops, "model_tflops": flops / step_s / 1e12,
                 "peak_bytes": peak, "reserved_peak_bytes": reserved, "predicted_peak_bytes": float(predicted),
                 "predicted_rel_error": (predicted - peak) / peak if peak == peak else float("nan"),
-                "first_step_s": first_step_s, "cold_start_s": cold_start_s}
+                "first_step_s": first_step_s, "cold_start_s": cold_start_s,
+                "cold_run_s": age_end_s if cold else float("nan")}
     finally:
         if step is not None:
             step.close()
@@ -273,7 +275,8 @@ def compare_with_reference(config: ModelConfig, device: torch.device, dtype: tor
                 grads[name].grad.copy_(p.grad)
         composed.optimizer.step()
         AdamW(reference.parameters()).step()
-        update = max(float((grads[n] - p).abs().max()) for n, p in reference.named_parameters())
+        with torch.no_grad():
+            update = max(float((grads[n] - p).abs().max()) for n, p in reference.named_parameters())
         return {"loss": float(loss), "reference_loss": float(ref_loss), "loss_abs_diff": abs(float(loss) - float(ref_loss)),
                 "grad_max_rel_error": worst, "grad_worst_param": worst_name, "update_max_abs_diff": update,
                 **{k: v for k, v in composed.describe().items() if k not in ("predicted_peak_bytes", "plan_fits")}}
