@@ -3,7 +3,7 @@
 A Hopper GEMM launches about one CTA per SM (132 on an H200) and is sized to fill the GPU in one wave. While an
 NCCL kernel holds some SMs (one CTA per channel), the GEMM's last CTAs may wait for a second wave.
 `torch._C._set_sm_carveout_experimental(n)` makes cuBLAS(Lt) target `num_SMs - n` SMs, so that with NCCL capped
-at n CTAs (`raysys.train_step.nccl_group`) matmuls and collectives fit side by side; torch's async tensor
+at n CTAs (`raysys.rank.nccl_group`) matmuls and collectives fit side by side; torch's async tensor
 parallelism uses the same switch. Whether it pays is empirical, and so far unsettled here: the bf16 xl steps of
 the 2x H200 studies are host-bound and move more between runs than the carve-out moves them (the `fsdp@8` rows of
 sweeps/fsdp.py measure it next to `fsdp` in each run; the DDP study's `@N+carve` variants likewise).

@@ -4,12 +4,19 @@ Saved-tensor accounting answers "how many bytes does backward keep alive, and wh
 `saved_tensors_hooks` pack hook sees every tensor autograd saves; a module stack kept by forward hooks says
 which module was running. Storages are counted once (the same activation saved by q_proj, k_proj and v_proj
 costs its bytes once) and parameters are excluded (they live anyway).
+
+Between trials that run one after another in one process (a gang's rank), `TrialScope` records the allocated
+CUDA memory and the live `nn.Parameter`s before a trial and after its objects are released: `*_after -
+*_before` is what the trial leaked into the next one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
+import math
 import pickle
+import traceback
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -18,6 +25,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 from torch import nn
+
+from raysys.device import free_memory
 
 GiB = 1024**3
 MiB = 1024**2
@@ -221,3 +230,53 @@ def unique_storage_bytes(tensors, seen: set[int]) -> int:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
     return total
+
+
+def live_parameters() -> int:
+    """`nn.Parameter` objects alive in this process (a model a finished trial leaked shows up here)."""
+    # issubclass(type(...)), not isinstance: Parameter's metaclass makes isinstance probe attributes of every
+    # object (slow, and it trips deprecation warnings of objects like torch.distributed.reduce_op).
+    return sum(1 for obj in gc.get_objects() if issubclass(type(obj), nn.Parameter))
+
+
+def release(model: nn.Module) -> None:
+    """Unregister a wrapper's gradient hooks (`remove_hooks()`, where it has one) before it is dropped."""
+    remove = getattr(model, "remove_hooks", None)
+    if callable(remove):
+        remove()
+
+
+class TrialScope:
+    """`with TrialScope(device) as scope: metrics = run_trial()`, then `metrics.update(scope.metrics)`.
+
+    Records `memory_allocated_before_bytes`, `memory_reserved_before_bytes` and `live_parameters_before` on
+    entry (after a collection), the same `*_after` on exit once everything the trial made is released; on
+    the CPU the memory figures are NaN (no allocator statistics) and the parameter count tells. On an
+    exception the traceback's finished frames are cleared (their locals would keep the trial's tensors
+    alive as long as the exception object lives) before the memory is freed, and any SM carve-out is reset.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.metrics: dict[str, float] = {}
+
+    def _record(self, when: str) -> None:
+        free_memory(self.device)
+        cuda = self.device.type == "cuda"
+        self.metrics[f"memory_allocated_{when}_bytes"] = (float(torch.cuda.memory_allocated(self.device))
+                                                          if cuda else math.nan)
+        self.metrics[f"memory_reserved_{when}_bytes"] = (float(torch.cuda.memory_reserved(self.device))
+                                                         if cuda else math.nan)
+        self.metrics[f"live_parameters_{when}"] = live_parameters()
+
+    def __enter__(self) -> "TrialScope":
+        self._record("before")
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None:
+            traceback.clear_frames(tb)
+            # A trial that failed mid-step may have left a matmul SM carve-out set (parallel/carveout.py): it is
+            # process-wide, and the next trial in this rank process must not inherit it.
+            torch._C._set_sm_carveout_experimental(None)
+        self._record("after")

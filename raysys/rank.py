@@ -6,7 +6,8 @@ which GPUs the process sees and which one it uses); `init_rank(spec)` runs insid
 torchrun-style environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `NODE_RANK`, `MASTER_ADDR`,
 `MASTER_PORT`), selects the device and initialises the default process group (NCCL on CUDA, gloo on CPU) with
 the spec's timeout, and returns the `RankContext` that trial functions receive. A spec's `env` (e.g. NCCL
-tuning variables) is set in the rank's process before the process group, hence NCCL, starts.
+tuning variables) is set in the rank's process before the process group, hence NCCL, starts. Inside a trial,
+`nccl_group` builds a further NCCL group with its own communicator options (fewer CTAs, a high-priority stream).
 
 Invariants: CUDA_VISIBLE_DEVICES is set before CUDA is initialised in the process (else it would be ignored);
 NVLink multicast (NVLS / symmetric-memory multicast) stays off, because the GPU hosts this runs on require it;
@@ -213,6 +214,24 @@ def destroy_rank() -> None:
     """Leave the gang: destroy the default process group if this process has one."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def nccl_group(world_size: int, max_ctas: int | None = None, *, high_priority: bool = False) -> dist.ProcessGroup:
+    """A new NCCL group of ranks 0..world_size-1 whose communicator runs each collective on at most `max_ctas`
+    CTAs (thread blocks, one SM each; None: NCCL's choice): collectives overlapping compute take fewer SMs from
+    it, and run slower. `high_priority`: the group's collectives run on a high-priority CUDA stream, so the GPU
+    schedules their CTAs ahead of queued compute CTAs (torch's FSDP1 gathers on such streams for the same reason:
+    a prefetch stuck behind a long matmul is late for the layer that needs it).
+    Every rank must call this (it is a collective); destroy the group with `dist.destroy_process_group`."""
+    if max_ctas is not None and (not isinstance(max_ctas, int) or max_ctas < 1):
+        raise ValueError(f"max_ctas ({max_ctas!r}) must be None or an int >= 1")
+    if not dist.is_initialized() or dist.get_backend() != "nccl":
+        raise ValueError(f"an NCCL group (max_ctas {max_ctas}, high_priority {high_priority}) needs an initialised "
+                         f"NCCL default group, not {dist.get_backend() if dist.is_initialized() else 'none'}")
+    options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=high_priority)
+    if max_ctas is not None:
+        options.config.max_ctas = max_ctas
+    return dist.new_group(ranks=list(range(world_size)), backend="nccl", pg_options=options)
 
 
 def device_description(ctx: RankContext) -> str:

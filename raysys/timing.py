@@ -1,20 +1,231 @@
-"""Timing helpers: synchronised phase timers and `triton.testing.do_bench` wrappers.
+"""Timing: training steps timed between device synchronisations, their statistics, and kernel timing.
 
-Training steps are timed with `timeit.default_timer` around each phase, with a device synchronisation at the
-end of every phase, after warm-up steps that are not recorded (handout 2.1.3). Kernels are timed with
-`do_bench` (CUDA events, median of many repetitions).
+`time_steps` runs `warmup` untimed steps, then timed steps with a device synchronisation after each (mean, std,
+median, min). Inside a step, `Marks` split it into PHASES: CUDA events give each phase's device time, host clock
+readings the time the Python thread spent issuing it (a phase whose host time is close to its device time is
+host-bound: launch overhead, autocast casts, Python hooks). Noise control:
+  * the cyclic garbage collector is paused over warm-up and timed steps (a full collection in a process that
+    imported torch and Ray stalls a host-bound step); `gc_objects_per_step` counts what the steps left for it;
+  * adaptive length: while the 95% confidence half-width of the median (`median_ci_rel`, from the median
+    absolute deviation) exceeds `rel_tol` of the median, a few more steps are timed, up to `max_steps`; the
+    ranks of a gang agree on the decision (an all-reduce), so their collectives stay matched;
+  * diagnostics: CUDA allocator retries and cudaMalloc calls in the timed steps, CPU time and involuntary
+    context switches per step, torch threads and CPUs (`host_info`), and the graphs Dynamo compiled during
+    warm-up and during the timed steps (which must be none).
+`paired_steps` times a step against a reference in alternating blocks (ABBA), for ratios that a drifting host
+speed does not bias. `PhaseTimer` times named phases of the single-process benchmark (`raysys.bench`) the same
+way, and `do_bench` times kernels (`triton.testing.do_bench`: CUDA events, median of many repetitions).
+
+A timed step is any callable with a `device` that returns its `Marks` (`raysys.train_step.TrainStep` is one):
+
+    metrics = time_steps(TrainStep(model, optimizer, (x, y), "bf16", device), warmup=2, steps=10, max_steps=30)
+    metrics["step_ms_median"], metrics["forward_ms"], metrics["host_forward_ms"]
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import math
+import os
+import resource
 import statistics
+import sys
+import time
 import timeit
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator, Protocol
 
 import torch
+import torch.distributed as dist
 
 from raysys.device import synchronize
+
+PHASES = ("forward", "backward", "comm_wait", "optimizer")
+DEFAULT_REL_TOL = 0.005
+
+
+class Marks:
+    """Phase boundaries inside one step: the host clock always, and CUDA events on a GPU (recorded on the
+    current stream, no synchronisation inside the step)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.host: list[float] = []
+        self.events: list[torch.cuda.Event] = []
+
+    def mark(self) -> None:
+        self.host.append(time.perf_counter())
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.events.append(event)
+
+    def host_ms(self) -> list[float]:
+        """Time the host spent between consecutive marks."""
+        return [(b - a) * 1e3 for a, b in zip(self.host, self.host[1:])]
+
+    def durations_ms(self) -> list[float]:
+        """Time between consecutive marks on the device (the host's on the CPU); read after a synchronisation."""
+        if self.cuda:
+            return [a.elapsed_time(b) for a, b in zip(self.events, self.events[1:])]
+        return self.host_ms()
+
+
+class TimedStep(Protocol):
+    """What `time_steps` times: a step on `device` that returns the `Marks` bounding its PHASES."""
+
+    device: torch.device
+
+    def __call__(self) -> Marks: ...
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[dict]:
+    """Keep the cyclic collector off inside the block; afterwards collect the youngest generation, which then
+    holds exactly the objects made inside (nothing promoted them), and count the garbage found
+    (`out["collected"]`: objects in reference cycles the block created)."""
+    out = {"collected": 0}
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield out
+    finally:
+        out["collected"] = gc.collect(0)
+        if was_enabled:
+            gc.enable()
+
+
+def median_ci_rel(samples: list[float]) -> float:
+    """95% confidence half-width of the median of `samples`, relative to the median (robust: from the
+    median absolute deviation, so one slow step does not dominate it). inf for fewer than 3 samples."""
+    if len(samples) < 3:
+        return math.inf
+    median = statistics.median(samples)
+    mad = statistics.median(abs(x - median) for x in samples)
+    sigma = 1.4826 * mad                                 # the standard deviation, were the samples normal
+    return 1.96 * 1.2533 * sigma / math.sqrt(len(samples)) / median if median > 0 else math.inf
+
+
+def _any_rank(flag: bool, device: torch.device, process_group) -> bool:
+    """`flag` or-ed over the ranks of `process_group` (just `flag` without torch.distributed)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=process_group)
+    return bool(t.item() > 0)
+
+
+def _allocator_counts(device: torch.device) -> dict[str, float]:
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {"allocator_retries": stats.get("num_alloc_retries", 0),
+            "cuda_mallocs": stats.get("num_device_alloc", math.nan)}
+
+
+def _thread_ctx_switches() -> float:
+    who = getattr(resource, "RUSAGE_THREAD", None)     # Linux: the calling thread only
+    return float(resource.getrusage(who).ru_nivcsw) if who is not None else math.nan
+
+
+def host_info() -> dict[str, float | str]:
+    """Where this rank's process runs: torch threads, CPUs it may use, OMP_NUM_THREADS, load average."""
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    return {"torch_threads": torch.get_num_threads(), "cpu_affinity_count": len(affinity) or math.nan,
+            "host_cpu_count": os.cpu_count() or math.nan, "omp_num_threads": os.environ.get("OMP_NUM_THREADS", ""),
+            "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan}
+
+
+def time_steps(step: TimedStep, warmup: int, steps: int, *, max_steps: int | None = None,
+               rel_tol: float = DEFAULT_REL_TOL, process_group=None) -> dict[str, float]:
+    """Time `steps` to `max_steps` synchronised steps after `warmup` untimed ones (see the module docstring).
+
+    Returns `step_ms` (mean), `step_ms_std`, `step_ms_median`, `step_ms_min`, `step_ms_max`, `timed_steps`,
+    `step_ms_ci_rel` (the median's relative 95% half-width), per phase `<phase>_ms` (mean) and
+    `<phase>_ms_median` (device time) and `host_<phase>_ms` (median host time), `host_step_ms` (median
+    time for `step()` to return, before the synchronisation), and the diagnostics. With `max_steps >
+    steps` every rank of `process_group` must call this together (they agree on when to stop).
+    """
+    max_steps = steps if max_steps is None else max_steps
+    if warmup < 0 or steps < 2 or max_steps < steps:
+        raise ValueError(f"warmup ({warmup}) must be >= 0, steps ({steps}) >= 2 and max_steps ({max_steps}) "
+                         f">= steps")
+    device = step.device
+    totals, host_totals, phases, host_phases = [], [], [], []
+    graphs0 = dynamo_graphs()
+    with paused_gc() as collected:
+        for _ in range(warmup):
+            step()
+        synchronize(device)
+        graphs1 = dynamo_graphs()
+        alloc0, cpu0, csw0 = _allocator_counts(device), time.process_time(), _thread_ctx_switches()
+        target = steps
+        while True:
+            while len(totals) < target:
+                start = time.perf_counter()
+                marks = step()
+                issued = time.perf_counter()
+                synchronize(device)
+                totals.append((time.perf_counter() - start) * 1e3)
+                host_totals.append((issued - start) * 1e3)
+                phases.append(marks.durations_ms())
+                host_phases.append(marks.host_ms())
+            if len(totals) >= max_steps or not _any_rank(median_ci_rel(totals) > rel_tol, device, process_group):
+                break
+            target = min(max_steps, len(totals) + max(2, steps // 2))
+        cpu_s, csw = time.process_time() - cpu0, _thread_ctx_switches() - csw0
+        alloc1 = _allocator_counts(device)
+    n = len(totals)
+    out = {"step_ms": statistics.fmean(totals), "step_ms_std": statistics.stdev(totals),
+           "step_ms_median": statistics.median(totals), "step_ms_min": min(totals), "step_ms_max": max(totals),
+           "step_ms_ci_rel": median_ci_rel(totals), "timed_steps": n, "host_step_ms": statistics.median(host_totals)}
+    for i, name in enumerate(PHASES):
+        out[f"{name}_ms"] = statistics.fmean(p[i] for p in phases)
+        out[f"{name}_ms_median"] = statistics.median(p[i] for p in phases)
+        out[f"host_{name}_ms"] = statistics.median(p[i] for p in host_phases)
+    out["cpu_ms_per_step"] = cpu_s * 1e3 / n
+    out["ctx_switches_per_step"] = csw / n
+    out["gc_objects_per_step"] = collected["collected"] / (warmup + n)
+    # Compiled blocks (compile_blocks): graphs compiled while warming up, and during the timed steps, which must
+    # be 0 (else a guard failed: the steps timed a recompilation, or blocks that fell back to eager).
+    out["graphs_compiled_warmup"], out["graphs_compiled_timed"] = graphs1 - graphs0, dynamo_graphs() - graphs1
+    for key, value in alloc1.items():
+        out[f"{key}_timed"] = value - alloc0[key]
+    out.update(host_info())
+    return out
+
+
+def paired_steps(step: TimedStep, reference: TimedStep, rounds: int, block: int = 3) -> dict[str, float]:
+    """Time `step` against `reference` interleaved in this process: `rounds` rounds, each one block of `block`
+    timed steps of each (after one untimed step that re-warms caches after the switch), in ABBA order (`step`
+    first in even rounds, second in odd ones), so that a host whose speed drifts over seconds, as a shared VM's
+    does, slows both alike. Per round, the ratio of the two blocks' median steps; the result is their median.
+
+    Returns `paired_rounds`, `paired_ratio` (median over rounds of step / reference), `paired_ratio_min`,
+    `paired_ratio_max`, `paired_step_ms` and `paired_reference_ms` (medians over rounds of the block medians).
+    Every rank of a gang must call this with the same arguments (the steps' collectives stay matched).
+    """
+    if not isinstance(rounds, int) or rounds < 1 or not isinstance(block, int) or block < 2:
+        raise ValueError(f"rounds ({rounds!r}) must be an int >= 1 and block ({block!r}) an int >= 2")
+    ratios, mine, theirs = [], [], []
+    for r in range(rounds):
+        order = (step, reference) if r % 2 == 0 else (reference, step)
+        medians = {id(s): time_steps(s, 1, block)["step_ms_median"] for s in order}
+        mine.append(medians[id(step)])
+        theirs.append(medians[id(reference)])
+        ratios.append(mine[-1] / theirs[-1])
+    return {"paired_rounds": rounds, "paired_ratio": statistics.median(ratios), "paired_ratio_min": min(ratios),
+            "paired_ratio_max": max(ratios), "paired_step_ms": statistics.median(mine),
+            "paired_reference_ms": statistics.median(theirs)}
+
+
+def dynamo_graphs() -> int:
+    """Graphs Dynamo has compiled in this process so far (0 if nothing was ever compiled)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
 
 
 @dataclass

@@ -43,10 +43,11 @@ from torch import nn  # noqa: E402
 from raysys import files  # noqa: E402
 from raysys.config import SIZES, ModelConfig  # noqa: E402
 from raysys.files import write_text  # noqa: E402
+from raysys.memory import TrialScope  # noqa: E402
 from raysys.model import TransformerLM  # noqa: E402
 from raysys.profiling import profile_steps  # noqa: E402
 from raysys.results import ResultWriter, check_sweep_name  # noqa: E402
-from raysys.train_step import TrialScope, compile_blocks  # noqa: E402
+from raysys.train_step import compile_blocks  # noqa: E402
 
 GANG_DTYPES = ("fp32", "bf16")
 """Precisions of the gang studies: fp32, or bf16 autocast with fp32 master weights."""
@@ -298,7 +299,7 @@ def build_model(mc: ModelConfig, device: torch.device, *, seed: int, compile: bo
 
 def in_trial_scope(trial_fn: Callable[..., dict], ctx, *args, **kwargs) -> dict:
     """`trial_fn(ctx, ...)`'s metrics plus the memory and live parameters before and after it
-    (`raysys.train_step.TrialScope`: what a trial leaked into the next one on the same rank)."""
+    (`raysys.memory.TrialScope`: what a trial leaked into the next one on the same rank)."""
     with TrialScope(ctx.device) as scope:
         metrics = trial_fn(ctx, *args, **kwargs)
     return {**metrics, **scope.metrics}

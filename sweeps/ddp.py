@@ -9,7 +9,7 @@ and again last in each dtype as `single (rerun)`, which bounds the drift of the 
 names a variant uniquely. Every rank runs the same `--batch-per-rank` batch, `single` included, so a row's step
 and `single`'s differ by what data parallelism costs.
 
-Timing (`raysys.train_step.time_steps`): warm-up steps, then `--steps` to `--max-steps` timed steps with a
+Timing (`raysys.timing.time_steps`): warm-up steps, then `--steps` to `--max-steps` timed steps with a
 device synchronisation around each; ratios and targets use the median. CUDA events split a step into forward,
 backward, `comm_wait` (communication left exposed after backward) and optimizer; `host_<phase>_ms` is what
 the Python thread took to issue each phase. `--profile` variants get two profiled steps: `overlap_fraction`
@@ -46,8 +46,11 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from parallel.ddp import make_ddp  # noqa: E402
+from raysys.memory import release  # noqa: E402
 from raysys.profiling import cpu_op_time, kernel_intervals, overlap  # noqa: E402
-from raysys.train_step import TrainStep, nccl_group, paired_steps, release, time_steps  # noqa: E402
+from raysys.rank import nccl_group  # noqa: E402
+from raysys.timing import paired_steps, time_steps  # noqa: E402
+from raysys.train_step import TrainStep  # noqa: E402
 from sweeps.common import (GANG_DTYPES, NOT_ON_CPU, GangTrial, adamw_kwargs, add_model_flags,  # noqa: E402
                            build_model, check_fits, check_timing_options, column, grid_values, in_trial_scope,
                            join_parts, list_flag, main_entry, not_measured, on_cpu, output_dir, parse_list,
@@ -331,7 +334,7 @@ def targets(df: pd.DataFrame) -> list[str]:
 
 
 def health(df: pd.DataFrame) -> pd.DataFrame:
-    """Per trial: how trustworthy its numbers are (see the module docstring of raysys.train_step)."""
+    """Per trial: how trustworthy its numbers are (see the module docstring of raysys.timing)."""
     gib = 2**30
     leak = column(df, "memory_allocated_after_bytes") - column(df, "memory_allocated_before_bytes")
     compiled = {}

@@ -49,10 +49,12 @@ from parallel.mixed_precision import CastForCompute  # noqa: E402
 from parallel.sharded_optimizer import ShardedOptimizer  # noqa: E402
 from raysys.config import ModelConfig  # noqa: E402
 from raysys.device import low_precision, synchronize  # noqa: E402
-from raysys.memory import unique_storage_bytes  # noqa: E402
+from raysys.memory import release, unique_storage_bytes  # noqa: E402
 from raysys.model import TransformerBlock, TransformerLM  # noqa: E402
 from raysys.profiling import device_kernels, is_nccl, kernel_intervals, overlap  # noqa: E402
-from raysys.train_step import TrainStep, nccl_group, paired_steps, release, time_steps  # noqa: E402
+from raysys.rank import nccl_group  # noqa: E402
+from raysys.timing import paired_steps, time_steps  # noqa: E402
+from raysys.train_step import TrainStep  # noqa: E402
 from sweeps.common import (GANG_DTYPES, NOT_ON_CPU, GangTrial, adamw_kwargs, add_model_flags,  # noqa: E402
                            build_model, check_fits, check_timing_options, grid_values, in_trial_scope, join_parts,
                            list_flag, main_entry, not_measured, on_cpu, output_dir, parse_list, print_written,

@@ -34,8 +34,9 @@ import torch  # noqa: E402
 from parallel.ddp import BucketedDDP  # noqa: E402
 from parallel.sharded_optimizer import ShardedOptimizer  # noqa: E402
 from raysys.device import synchronize  # noqa: E402
-from raysys.memory import unique_storage_bytes  # noqa: E402
-from raysys.train_step import Marks, TrainStep, release, time_steps  # noqa: E402
+from raysys.memory import release, unique_storage_bytes  # noqa: E402
+from raysys.timing import Marks, time_steps  # noqa: E402
+from raysys.train_step import TrainStep  # noqa: E402
 from sweeps.common import (GANG_DTYPES, GangTrial, adamw_kwargs, add_model_flags, build_model,  # noqa: E402
                            check_fits, grid_values, in_trial_scope, join_parts, list_flag, main_entry, not_measured,
                            output_dir, parse_list, print_written, pyplot, read_rows, run_gang_study, save_figure,

@@ -19,7 +19,8 @@ from torch import nn
 from parallel.ddp import BucketedDDP, assign_buckets, make_ddp
 from raysys.config import ModelConfig
 from raysys.model import TransformerLM, cross_entropy
-from raysys.train_step import compile_blocks, dynamo_graphs
+from raysys.timing import dynamo_graphs
+from raysys.train_step import compile_blocks
 from tests.parallel.dist_utils import run_ranks
 
 pytestmark = pytest.mark.multiproc

@@ -25,7 +25,8 @@ from parallel.fsdp import FSDP
 from parallel.mixed_precision import CastForCompute
 from raysys.config import ModelConfig
 from raysys.model import AdamW, Embedding, Linear, RMSNorm, TransformerBlock, TransformerLM, cross_entropy
-from raysys.train_step import compile_blocks, dynamo_graphs
+from raysys.timing import dynamo_graphs
+from raysys.train_step import compile_blocks
 from tests.parallel.dist_utils import run_ranks
 
 WORLD = 2

@@ -1,0 +1,106 @@
+"""raysys.timing: the step timer (phases, adaptive length, paused collector, ABBA pairing) on sleeping stand-in
+steps, and a real TrainStep with compiled blocks (raysys.train_step)."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import math
+import time
+
+import pytest
+import torch
+
+from raysys.config import ModelConfig
+from raysys.model import TransformerLM, cross_entropy
+from raysys.timing import PHASES, Marks, median_ci_rel, paired_steps, time_steps
+from raysys.train_step import TrainStep, compile_blocks
+
+
+class _SleepStep:
+    """A stand-in TrainStep whose phases sleep for the given seconds; records whether the GC was on."""
+
+    def __init__(self, durations):
+        self.device, self.durations, self.calls, self.gc_on = torch.device("cpu"), iter(durations), 0, []
+
+    def __call__(self):
+        marks = Marks(self.device)
+        seconds = next(self.durations)
+        for _ in PHASES:
+            marks.mark()
+            time.sleep(seconds / len(PHASES))
+        marks.mark()
+        self.calls += 1
+        self.gc_on.append(gc.isenabled())
+        return marks
+
+
+class _DriftingStep(_SleepStep):
+    """Sleeps `base` seconds times a host slowdown that grows with every step of any _DriftingStep (shared `log`)."""
+
+    def __init__(self, name, base, log):
+        super().__init__([])
+        self.name, self.base, self.log = name, base, log
+
+    def __call__(self):
+        self.log.append(self.name)
+        self.durations = iter([self.base * (1 + 0.1 * len(self.log))])
+        return super().__call__()
+
+
+def test_paired_steps_alternate_blocks_and_cancel_drift():
+    log = []
+    slow, fast = _DriftingStep("slow", 0.004, log), _DriftingStep("fast", 0.002, log)
+    out = paired_steps(slow, fast, rounds=4, block=2)
+    blocks = [log[i] for i in range(0, len(log), 3)]                # 1 untimed + 2 timed steps per block
+    assert blocks == ["slow", "fast", "fast", "slow", "slow", "fast", "fast", "slow"] and len(log) == 24
+    assert out["paired_rounds"] == 4 and 1.8 < out["paired_ratio"] < 2.2, out
+    assert out["paired_ratio_min"] <= out["paired_ratio"] <= out["paired_ratio_max"]
+    assert out["paired_step_ms"] > out["paired_reference_ms"] > 0
+    # Timed in trials some steps apart, the slow step looks ~3.5x the fast one (the host slowed down meanwhile).
+    first = time_steps(_DriftingStep("fast", 0.002, log), 1, 8)["step_ms_median"]
+    log.extend(["other trials"] * 20)
+    later = time_steps(_DriftingStep("slow", 0.004, log), 1, 8)["step_ms_median"]
+    assert later / first > 2.6
+    with pytest.raises(ValueError, match="rounds"):
+        paired_steps(slow, fast, rounds=0)
+
+
+def test_median_confidence_and_adaptive_step_count():
+    assert median_ci_rel([10.0, 10.0, 10.0, 10.0]) == 0.0
+    assert median_ci_rel([10.0, 10.0]) == math.inf
+    assert 0 < median_ci_rel([9.0, 10.0, 11.0, 10.0, 10.5]) < 0.1
+    # Steps alternating 2 ms and 20 ms: the median stays uncertain, so the timer goes on up to max_steps ...
+    noisy = _SleepStep([0.002, 0.020] * 20)
+    out = time_steps(noisy, warmup=1, steps=4, max_steps=8)
+    assert out["timed_steps"] == 8 and noisy.calls == 1 + 8
+    assert not any(noisy.gc_on) and gc.isenabled()               # collector paused inside, restored after
+    assert out["step_ms_min"] <= out["step_ms_median"] <= out["step_ms_max"]
+    assert out["forward_ms_median"] > 0 and out["host_backward_ms"] > 0 and out["cpu_ms_per_step"] >= 0
+    assert out["torch_threads"] == torch.get_num_threads()
+    # ... and without max_steps it times exactly `steps`.
+    assert time_steps(_SleepStep([0.001] * 10), warmup=0, steps=3)["timed_steps"] == 3
+    with pytest.raises(ValueError, match="max_steps"):
+        time_steps(noisy, warmup=0, steps=4, max_steps=3)
+
+
+def test_compiled_blocks_and_the_graphs_the_timer_counts():
+    torch.manual_seed(0)
+    model = TransformerLM(ModelConfig.from_name("tiny", context_length=16))
+    eager = copy.deepcopy(model)
+    assert compile_blocks(model, backend="aot_eager") == len(model.layers) > 1
+    x = torch.randint(0, 256, (2, 17))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = time_steps(TrainStep(model, opt, (x[:, :-1], x[:, 1:]), "fp32", torch.device("cpu")),
+                                warmup=1, steps=2)
+    assert out["graphs_compiled_warmup"] >= 1 and out["graphs_compiled_timed"] == 0
+    # Three optimizer steps later (warm-up + 2), the compiled model took the steps eager training takes.
+    opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        cross_entropy(eager(x[:, :-1]), x[:, 1:]).backward()
+        opt.step()
+    for a, b in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="no TransformerBlock"):
+        compile_blocks(torch.nn.Linear(2, 2))
