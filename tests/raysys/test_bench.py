@@ -26,9 +26,11 @@ def test_cli_bench_writes_parquet_with_expected_columns(tmp_path, capsys):
     assert train.backward_mean_s > 0 and train.optimizer_mean_s > 0
     assert pd.isna(df[df["mode"] == "forward"].iloc[0].backward_mean_s)
     assert "forward (ms)" in capsys.readouterr().out
-    # a second invocation accumulates rows instead of replacing the file
-    cli.main(["bench", "--size", "tiny", "--context-length", "8", "--batch-size", "1", "--mode", "forward",
-              "--warmup", "0", "--steps", "1", "--device", "cpu", "--out", str(tmp_path)])
+    # a second invocation adds its rows with --resume, and never replaces the file without it
+    again = ["bench", "--size", "tiny", "--context-length", "8", "--batch-size", "1", "--mode", "forward",
+             "--warmup", "0", "--steps", "1", "--device", "cpu", "--out", str(tmp_path)]
+    assert cli.main(again) == 2 and "already exists" in capsys.readouterr().err
+    assert cli.main([*again, "--resume"]) == 0
     assert len(pd.read_parquet(tmp_path / "bench.parquet")) == 3
 
 

@@ -56,6 +56,7 @@ def test_mp_world_size_is_bounded_by_the_machine_before_spawning(tmp_path):
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_ctrl_c_says_how_far_the_sweep_got_and_keeps_its_rows(tmp_path, capsys):
     calls = []
 
