@@ -1,0 +1,195 @@
+"""The fused loss and fused AdamW against their baselines: time, memory, memory-traffic floor (issue #15).
+
+One row per (op, impl, shape) in `<out>/fused_ops.parquet`:
+- `linear_cross_entropy`, N tokens x V vocab x D (32768 x 151936 x 4096 bf16 on CUDA): `fused_triton`
+  (kernels/fused_linear_ce.py), `reference` (raysys.model.cross_entropy on materialised logits, eager) and
+  `compiled` (torch.compile of that reference). Forward + backward timed by `triton.testing.do_bench` (median,
+  20/80%), gradients reset each call; the peak of one forward + backward above the inputs (`peak_above_inputs_gib`)
+  and above inputs + the two gradients every implementation returns (`extra_peak_gib`, the issue's <= 1 GiB);
+  `time_vs_compiled` (the issue's <= 1.0).
+- `adamw` over the leaderboard model's parameter shapes (8.1B bf16 in its 309 tensors): `fused_triton`
+  (FusedAdamW), `reference` (raysys.model.AdamW, per parameter), `torch_foreach` and `torch_fused`
+  (torch.optim.AdamW: other rounding, timing only). One step timed by `do_bench`; `floor_ms` = the bytes a step
+  must move (read p, g, m, v; write p, m, v) over the copy bandwidth measured in this run (a 2 GiB device copy,
+  read + write bytes), and `time_vs_floor` (the issue's <= 1.3 for fused_triton).
+`--device cpu` runs the same rows at a tiny size with the kernels under TRITON_INTERPRET=1 (fp32, wall-clock
+medians, no memory figures): a smoke test of the script, not a measurement.
+
+    python sweeps/fused_ops.py --device cuda --out results
+    python sweeps/fused_ops.py --device cpu --compile-backend aot_eager --out /tmp/fused_ops
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from raysys.config import ModelConfig  # noqa: E402
+from raysys.device import free_memory, resolve_device, synchronize  # noqa: E402
+from raysys.results import ResultWriter, error_row, make_row, resolve_out  # noqa: E402
+
+SWEEP = "fused_ops"
+GiB = 2**30
+CUDA_LOSS_SHAPE = (32768, 151936, 4096)
+CPU_LOSS_SHAPE = (37, 65, 16)
+CPU_MODEL = ModelConfig(vocab_size=33, d_model=16, d_ff=24, num_layers=1, num_heads=2, name="cpu-smoke")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (cpu: tiny shapes, interpreter)")
+    p.add_argument("--out", default=None, help="results directory (default: a fresh ./runs/<time>-fused_ops)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing fused_ops.parquet in --out")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the `compiled` loss")
+    p.add_argument("--warmup-ms", type=float, default=200.0, help="do_bench warm-up per implementation")
+    p.add_argument("--rep-ms", type=float, default=1500.0, help="do_bench measuring time per implementation")
+    args = p.parse_args(argv)
+    if args.warmup_ms < 0 or args.rep_ms <= 0:
+        p.error(f"--warmup-ms ({args.warmup_ms}) must be >= 0 and --rep-ms ({args.rep_ms}) > 0")
+    return args
+
+
+def bench(fn, device: torch.device, warmup_ms: float, rep_ms: float) -> dict[str, float]:
+    """Median and 20/80% quantiles in ms: `do_bench` on CUDA, one wall-clock run on the CPU (a smoke test)."""
+    if device.type == "cuda":
+        import triton.testing
+
+        q20, med, q80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
+        return {"median_ms": med, "p20_ms": q20, "p80_ms": q80}
+    start = time.perf_counter()
+    fn()
+    ms = (time.perf_counter() - start) * 1e3
+    return {"median_ms": ms, "p20_ms": ms, "p80_ms": ms}
+
+
+def peak_above(fn, device: torch.device) -> float:
+    """Bytes `fn` allocates at its peak above what was allocated before it (NaN on the CPU)."""
+    if device.type != "cuda":
+        return float("nan")
+    synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    synchronize(device)
+    return float(torch.cuda.max_memory_allocated(device) - base)
+
+
+def loss_rows(device, dtype, args) -> list[dict]:
+    from kernels.fused_linear_ce import chunk_rows, linear_cross_entropy
+    from raysys.model import cross_entropy
+
+    n, v, d = CUDA_LOSS_SHAPE if device.type == "cuda" else CPU_LOSS_SHAPE
+    gen = torch.Generator(device).manual_seed(0)
+    hidden = torch.randn(n, d, generator=gen, device=device).to(dtype).requires_grad_()
+    weight = (torch.randn(v, d, generator=gen, device=device) * d**-0.5).to(dtype).requires_grad_()
+    targets = torch.randint(0, v, (n,), generator=gen, device=device)
+    grad_bytes = (hidden.numel() + weight.numel()) * hidden.element_size()
+
+    def unfused(h, w, y):
+        return cross_entropy(h @ w.t(), y)
+
+    impls = {"fused_triton": (linear_cross_entropy, f"kernels.fused_linear_ce, {chunk_rows(n, v, dtype)}-row chunks"),
+             "reference": (unfused, "raysys.model.cross_entropy on materialised logits, eager"),
+             "compiled": (torch.compile(unfused, backend=args.compile_backend),
+                          f"torch.compile({args.compile_backend}) of the reference")}
+    rows = []
+    for impl, (fn, path) in impls.items():
+        config = dict(op="linear_cross_entropy", impl=impl, dtype=str(dtype).removeprefix("torch."),
+                      num_tokens=n, vocab=v, d_model=d)
+
+        def fwd_bwd(fn=fn):
+            hidden.grad = weight.grad = None
+            fn(hidden, weight, targets).backward()
+
+        try:
+            fwd_bwd()  # compile, autotune, allocator warm-up
+            hidden.grad = weight.grad = None
+            peak = peak_above(fwd_bwd, device)
+            timing = bench(fwd_bwd, device, args.warmup_ms, args.rep_ms)
+            rows.append(make_row(SWEEP, config, dict(**timing, peak_above_inputs_gib=peak / GiB,
+                                                     extra_peak_gib=(peak - grad_bytes) / GiB, code_path=path),
+                                 device=device))
+        except Exception as exc:  # an OOM or a failure is a row, not the end of the sweep
+            rows.append(error_row(SWEEP, config, exc, code_path=path))
+        hidden.grad = weight.grad = None
+        free_memory(device)
+    compiled = next((r["median_ms"] for r in rows if r["impl"] == "compiled" and r["status"] == "ok"), None)
+    for r in rows:
+        r["time_vs_compiled"] = r["median_ms"] / compiled if compiled and r["status"] == "ok" else float("nan")
+    return rows
+
+
+def copy_bandwidth(device, args) -> float:
+    """Bytes per second of a device-to-device copy (read + write), the floor's unit."""
+    numel = 2 * GiB // 4 if device.type == "cuda" else 2**20
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src), device, args.warmup_ms, args.rep_ms)["median_ms"]
+    return 2 * numel * 4 / (ms / 1e3)
+
+
+def adamw_rows(device, dtype, args) -> list[dict]:
+    from kernels.adamw import FusedAdamW, adamw_bytes
+    from raysys.model import AdamW, TransformerLM
+
+    cfg = ModelConfig.from_name("leaderboard") if device.type == "cuda" else CPU_MODEL
+    shapes = [tuple(p.shape) for p in TransformerLM(cfg, device="meta").parameters()]
+    gen = torch.Generator(device).manual_seed(1)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen, device=device).to(dtype)) for s in shapes]
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=gen, device=device) * 1e-3).to(dtype)
+    numel = sum(p.numel() for p in params)
+    floor_ms = adamw_bytes(numel, params[0].element_size()) / copy_bandwidth(device, args) * 1e3
+    impls = {"fused_triton": (FusedAdamW, "kernels.adamw, one multi-tensor Triton launch"),
+             "reference": (AdamW, "raysys.model.AdamW, per-parameter torch ops"),
+             "torch_foreach": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=True),
+                               "torch.optim.AdamW(foreach=True), other rounding"),
+             "torch_fused": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, fused=True),
+                             "torch.optim.AdamW(fused=True), other rounding")}
+    rows = []
+    for impl, (make, path) in impls.items():
+        config = dict(op="adamw", impl=impl, dtype=str(dtype).removeprefix("torch."), model=cfg.name,
+                      num_params=numel, num_tensors=len(params))
+        opt = None
+        try:
+            opt = make(params)
+            opt.step()  # state allocation and kernel compilation
+            timing = bench(opt.step, device, args.warmup_ms, args.rep_ms)
+            rows.append(make_row(SWEEP, config, dict(**timing, floor_ms=floor_ms,
+                                                     time_vs_floor=timing["median_ms"] / floor_ms, code_path=path),
+                                 device=device))
+        except Exception as exc:
+            rows.append(error_row(SWEEP, config, exc, code_path=path, floor_ms=floor_ms))
+        del opt
+        free_memory(device)
+    return rows
+
+
+def main(argv=None) -> Path:
+    args = parse_args(argv)
+    device = resolve_device(args.device)
+    if device.type != "cuda":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels/ is imported
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the interpreter has no bf16
+    out = resolve_out(args.out, SWEEP)
+    with ResultWriter(out, SWEEP, mode="overwrite" if args.overwrite else "new") as writer:
+        for rows_of in (loss_rows, adamw_rows):
+            rows = rows_of(device, dtype, args)
+            writer.write(rows)
+            for r in rows:
+                figures = {k: round(r[k], 3) for k in ("median_ms", "extra_peak_gib", "time_vs_compiled",
+                                                       "floor_ms", "time_vs_floor") if k in r and r[k] == r[k]}
+                print(f"{r['op']:>22} {r['impl']:>13} {r['status']:>6} {figures} {r['error'][:200]}", flush=True)
+    return writer.path
+
+
+if __name__ == "__main__":
+    print(main())
