@@ -1,53 +1,34 @@
-"""Distributed data parallel (DDP): four gradient-averaging strategies side by side, naive to bucketed.
+"""Distributed data parallel (DDP): gradient averaging over a process group, from naive to bucketed, side by side.
 
-Every wrapper holds a full replica of `module` on each rank of `process_group` (default: the whole world).
-At construction it broadcasts every parameter and buffer from the group's rank 0, so all replicas start
-equal. Each rank then runs forward and backward on its own slice of the batch; the wrapper averages the
-parameter gradients over the group:
+Every wrapper holds a full replica of `module` on each rank of `process_group` (default: the world), broadcasts
+rank 0's parameters and buffers at construction, and averages the gradients of the ranks' backward passes:
 
-| class          | what is communicated, and when                                                          |
-| -------------- | --------------------------------------------------------------------------------------- |
-| `NaiveDDP`     | after backward, in `finish_gradient_synchronization()`: one blocking all-reduce per     |
-|                | parameter                                                                               |
-| `FlatDDP`      | after backward: one all-reduce of all gradients flattened into one tensor (per dtype)   |
-| `OverlappedDDP`| during backward: an async all-reduce per parameter, issued from its post-accumulate-grad|
-|                | hook as soon as its gradient is ready; `finish_gradient_synchronization()` waits        |
-| `BucketedDDP`  | during backward: gradients packed into buckets of at most `bucket_size_mb` (filled in   |
-|                | reverse parameter order, roughly the order backward produces them); one async           |
-|                | all-reduce per bucket once all of its gradients are ready                               |
-| `TorchDDP`     | `torch.nn.parallel.DistributedDataParallel` behind the same interface (the baseline)    |
+| class           | what is communicated, and when                                                                 |
+| `NaiveDDP`      | after backward, in `finish_gradient_synchronization()`: one blocking all-reduce per parameter   |
+| `FlatDDP`       | after backward: one all-reduce of all gradients copied into one flat tensor (per dtype)         |
+| `OverlappedDDP` | during backward: one async all-reduce per parameter, issued as soon as its gradient is ready    |
+| `BucketedDDP`   | during backward: one async coalesced all-reduce per bucket of <= `bucket_size_mb` (filled in     |
+|                 | reverse parameter order), issued once all its gradients are ready, reducing them where they lie |
+| `TorchDDP`      | `torch.nn.parallel.DistributedDataParallel` behind the same interface (the baseline)            |
 
-Invariant: after `finish_gradient_synchronization()` returns, every parameter that required a gradient
-when the wrapper was built has `.grad` equal to the mean over the group of the ranks' local gradients,
-a rank that produced no gradient for it contributing zeros (so it never hangs: see below). Parameters
-with `requires_grad=False` are never communicated; a parameter shared by several modules (tied weights)
-is reduced once.
+Invariant: after `finish_gradient_synchronization()`, every parameter that required a gradient at construction
+has `.grad` equal to the mean over the group of the ranks' local gradients, zeros standing for a rank that produced
+none; frozen parameters are never sent and a tied one is reduced once. Collectives are matched across ranks by
+issue order, so buckets are launched strictly in bucket order whatever order gradients arrive in, and those still
+unlaunched at finish (a parameter unused on this rank) are launched there with zeros. Mean: NCCL's AVG inside the
+collective; gloo divides by the group size, then sums; a group of one sums (its mean is itself, nothing to divide).
 
-Ordering: collectives are matched across ranks by the order they are issued, so the overlapped variants
-launch reductions strictly in a fixed order (bucket 0, 1, ...), never in the order gradients happen to
-arrive: a bucket that is ready early waits for its predecessors. At `finish_gradient_synchronization()`
-every bucket not yet launched (one of its parameters got no gradient on this rank, because it was unused
-in this step) is launched with zeros in place of the missing gradients. Every rank therefore issues the
-same collectives in the same order whatever its control flow did.
+Host cost of the overlapped variants per step: one Python call per parameter (its post-accumulate-grad hook,
+which only records the gradient) and one collective call per bucket, made on the process group directly.
+Gradients stay where autograd put them: nothing is copied, allocated or re-pointed (`grad_as_bucket_view=False`
+is the textbook bucket, copied into a flat buffer and back). `sm_carveout=N`: see parallel/carveout.py.
 
-Averaging: NCCL divides during the reduction (`ReduceOp.AVG`); gloo has no AVG, so each rank divides its
-gradient by the world size before a SUM (exact for power-of-two world sizes).
+`no_sync()`: backward passes of forwards inside it accumulate locally; the next synchronised one reduces the sum.
+Lifetime: hooks hold a `_Reducer`, never a parameter or the wrapper, so a dropped wrapper is freed by reference
+counting and its hooks are removed with it (`remove_hooks()` does that explicitly).
 
-SM carve-out (`OverlappedDDP` and `BucketedDDP`, `sm_carveout=N`; see parallel/carveout.py, which also says
-what it measured): from the first all-reduce a backward issues until `finish_gradient_synchronization()`,
-cuBLAS matmuls target all SMs but N, to leave room for a collective of at most N CTAs (an NCCL group capped
-with `max_ctas=N`).
-
-Gradient accumulation: a forward pass run inside `with ddp.no_sync():` skips the synchronisation of its
-backward; gradients accumulate locally in `.grad`, and the first backward of a forward outside the
-context reduces the accumulated sum (the semantics of torch's DDP).
-
-Lifetime: a parameter's post-accumulate-grad hooks live in a dict that is also held from C++ (the tensor's
-autograd metadata), out of sight of Python's cycle collector; a hook holding the wrapper (a bound method)
-would make parameter -> hooks -> wrapper -> module -> parameter a cycle the collector never frees, leaking
-the model, its gradients and the buckets every time a wrapper is dropped. So the hooks hold the wrapper
-weakly and name their bucket slot by index: a wrapper nobody references is freed at once (by reference
-counting) and its hooks are removed with it; `remove_hooks()` does the same explicitly.
+    ddp = make_ddp("bucketed", model, bucket_size_mb=100)
+    loss_fn(ddp(x), y).backward(); ddp.finish_gradient_synchronization(); optimizer.step()
 """
 
 from __future__ import annotations
@@ -57,19 +38,20 @@ import inspect
 import itertools
 import math
 import weakref
-from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.distributed_c10d import AllreduceCoalescedOptions, AllreduceOptions
 
 from parallel.carveout import SMCarveout
 from parallel.hooks import remove_handles
 
 __all__ = ["NaiveDDP", "FlatDDP", "OverlappedDDP", "BucketedDDP", "TorchDDP", "DDP_KINDS", "make_ddp", "assign_buckets",
-           "broadcast_module_state"]
+           "broadcast_module_state", "mean_reduction"]
 
 
 def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
@@ -101,6 +83,18 @@ def broadcast_module_state(module: nn.Module, group: dist.ProcessGroup | None = 
         dist.broadcast(t.detach(), src=src, group=group)
 
 
+def mean_reduction(group: dist.ProcessGroup | None) -> tuple[dist.ReduceOp, int]:
+    """(op, divisor): a collective with `op` over tensors each rank divided by `divisor` (1: not at all) averages
+    over `group`. NCCL averages inside the collective (AVG); a group of one only sums (its mean is itself, and NCCL
+    would run AVG as a scaling pass over the tensor); other backends (gloo has no AVG) divide first, then sum."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return dist.ReduceOp.SUM, 1
+    if dist.get_backend(group) == "nccl":
+        return dist.ReduceOp.AVG, 1
+    return dist.ReduceOp.SUM, size
+
+
 class _DataParallel(nn.Module):
     """What every variant shares: the replica, the rank-0 broadcast, forward, `no_sync` and averaging."""
 
@@ -113,8 +107,7 @@ class _DataParallel(nn.Module):
         self.module = module
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
-        # gloo (and MPI) have no ReduceOp.AVG: divide before summing instead.
-        self._native_avg = dist.get_backend(process_group) == "nccl"
+        self._mean_op, self._divisor = mean_reduction(process_group)
         broadcast_module_state(module, process_group)
         # Deduplicated by `parameters()`: a tied weight appears (and is reduced) once.
         self._params: list[nn.Parameter] = [p for p in module.parameters() if p.requires_grad]
@@ -134,13 +127,13 @@ class _DataParallel(nn.Module):
         finally:
             self._require_sync = previous
 
-    def _all_reduce_mean(self, tensor: torch.Tensor, async_op: bool) -> dist.Work | None:
-        if self._native_avg:
-            return dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=self.process_group, async_op=async_op)
-        tensor.div_(self.world_size)
-        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group, async_op=async_op)
+    def _all_reduce_mean(self, tensor: torch.Tensor) -> None:
+        if self._divisor != 1:
+            tensor.div_(self._divisor)
+        dist.all_reduce(tensor, op=self._mean_op, group=self.process_group)
 
-    def _local_grad(self, p: nn.Parameter) -> torch.Tensor:
+    @staticmethod
+    def _local_grad(p: nn.Parameter) -> torch.Tensor:
         """The gradient this rank contributes: `.grad`, or zeros (set as `.grad`) if backward produced none."""
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -162,11 +155,12 @@ class NaiveDDP(_DataParallel):
     def num_collectives(self) -> int:
         return len(self._params)
 
+    @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
         if not self._sync_this_step:
             return
         for p in self._params:
-            self._all_reduce_mean(self._local_grad(p), async_op=False)
+            self._all_reduce_mean(self._local_grad(p))
 
 
 class FlatDDP(_DataParallel):
@@ -176,6 +170,7 @@ class FlatDDP(_DataParallel):
     def num_collectives(self) -> int:
         return len({(p.dtype, p.device) for p in self._params})
 
+    @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
         if not self._sync_this_step:
             return
@@ -185,39 +180,26 @@ class FlatDDP(_DataParallel):
             groups.setdefault((grad.dtype, grad.device), []).append(grad)
         for grads in groups.values():
             flat = _flatten_dense_tensors(grads)
-            self._all_reduce_mean(flat, async_op=False)
-            for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                grad.copy_(synced)
+            self._all_reduce_mean(flat)
+            torch._foreach_copy_(grads, _unflatten_dense_tensors(flat, grads))
 
 
-@dataclass(eq=False)
 class _Bucket:
-    """Parameters reduced by one collective. One parameter: its `.grad` is reduced in place (no buffer).
-    Several: their gradients live in `buffer` (as views of it, or copied in and out)."""
+    """Parameters reduced by one collective. `buffer` is None when their gradients are reduced where they lie;
+    the textbook variant (`grad_as_bucket_view=False`, several parameters) copies them into `buffer` (`views[i]`
+    is params[i]'s slot) and back."""
 
-    params: list[nn.Parameter]
-    buffer: torch.Tensor | None = None
-    views: list[torch.Tensor] = field(default_factory=list)   # views[i] is params[i]'s slot in `buffer`
-    ready: list[bool] = field(default_factory=list)
-    num_ready: int = 0
-    work: dist.Work | None = None
+    __slots__ = ("params", "buffer", "views")
 
-    def __post_init__(self) -> None:
-        self.ready = [False] * len(self.params)
-        if len(self.params) > 1:
-            p0 = self.params[0]
-            self.buffer = torch.zeros(sum(p.numel() for p in self.params), dtype=p0.dtype, device=p0.device)
-            offsets = [0, *itertools.accumulate(p.numel() for p in self.params)]
-            self.views = [self.buffer[lo:hi].view_as(p) for p, lo, hi in zip(self.params, offsets, offsets[1:])]
-
-    @property
-    def full(self) -> bool:
-        return self.num_ready == len(self.params)
-
-    def reset(self) -> None:
-        self.ready = [False] * len(self.params)
-        self.num_ready = 0
-        self.work = None
+    def __init__(self, params: list[nn.Parameter], copy: bool):
+        self.params = params
+        self.buffer: torch.Tensor | None = None
+        self.views: list[torch.Tensor] = []
+        if copy and len(params) > 1:
+            p0 = params[0]
+            self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=p0.dtype, device=p0.device)
+            offsets = [0, *itertools.accumulate(p.numel() for p in params)]
+            self.views = [self.buffer[lo:hi].view_as(p) for p, lo, hi in zip(params, offsets, offsets[1:])]
 
 
 def assign_buckets(params: list[nn.Parameter], bucket_size_mb: float) -> list[list[nn.Parameter]]:
@@ -241,41 +223,82 @@ def assign_buckets(params: list[nn.Parameter], bucket_size_mb: float) -> list[li
     return buckets
 
 
-class _SyncState:
-    """What the hooks update during backward, kept off the module: an attribute write on an `nn.Module` goes
-    through `Module.__setattr__` and its checks, once per parameter per step when it is the wrapper's."""
+class _Reducer:
+    """What the gradient hooks update during backward, and the collectives they issue (one per wrapper).
 
-    __slots__ = ("next_bucket", "pending", "all_reduces")
+    `grads[b][i]` is the gradient of the i-th parameter of bucket b once backward has accumulated it (None until
+    then), `left[b]` how many of bucket b's are still to come. Holds gradients and the buckets' copy buffers, never
+    a parameter, a module or the wrapper (see Lifetime in the module docstring), so hooks may hold it.
+    """
 
-    def __init__(self) -> None:
-        self.next_bucket = 0      # the next bucket to launch
-        self.pending = False      # a synchronised step has started and not been finished
-        self.all_reduces = 0      # collectives issued since construction
+    def __init__(self, group: dist.ProcessGroup | None, buckets: list[_Bucket], carveout: SMCarveout):
+        self.group = group if group is not None else dist.group.WORLD
+        op, self.divisor = mean_reduction(group)
+        self.opts, self.coalesced_opts = AllreduceOptions(), AllreduceCoalescedOptions()
+        for opts in (self.opts, self.coalesced_opts):
+            opts.reduceOp = op
+            if hasattr(opts, "asyncOp"):  # torch >= 2.7: on NCCL's stream, as dist.all_reduce(async_op=True)
+                opts.asyncOp = True
+        self.sizes = [len(b.params) for b in buckets]
+        self.buffers = [b.buffer for b in buckets]
+        self.views = [b.views for b in buckets]
+        self.carveout = carveout
+        self.sync = True            # whether the backward under way is synchronised (no_sync: False)
+        self.pending = False        # a synchronised step has started and not been finished
+        self.all_reduces = 0        # collectives issued since construction
+        self.reset()
 
+    def reset(self) -> None:
+        self.grads: list[list[torch.Tensor | None]] = [[None] * n for n in self.sizes]
+        self.left = list(self.sizes)
+        self.works: list[dist.Work] = []
+        self.next = 0               # the next bucket to launch
+        self.pending = False
 
-class _GradReadyHook:
-    """Post-accumulate-grad hook of the parameter in slot `slot` of bucket `bucket`: tells the wrapper, if it
-    is still alive. Holds nothing else (see Lifetime in the module docstring)."""
+    def grad_ready(self, b: int, i: int, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook of parameter i of bucket b (bound with `functools.partial`): once per parameter
+        per step on autograd's thread, so it only records the gradient and counts."""
+        if not self.sync:
+            return
+        grads = self.grads[b]
+        if grads[i] is not None:
+            raise RuntimeError("a parameter's gradient was accumulated twice in one synchronised step (two backward "
+                               "passes without finish_gradient_synchronization(), or retain_graph reuse); use "
+                               "no_sync() for gradient accumulation")
+        grads[i] = param.grad
+        self.pending = True
+        self.left[b] -= 1
+        if b == self.next and self.left[b] == 0:
+            while self.next < len(self.left) and self.left[self.next] == 0:
+                self.launch(self.next)
 
-    __slots__ = ("owner", "bucket", "slot")
-
-    def __init__(self, owner: "weakref.ref[_OverlappedDataParallel]", bucket: int, slot: int):
-        self.owner, self.bucket, self.slot = owner, bucket, slot
-
-    def __call__(self, param: nn.Parameter) -> None:
-        wrapper = self.owner()
-        if wrapper is not None:
-            wrapper._on_grad_ready(self.bucket, self.slot)
+    def launch(self, b: int) -> None:
+        """Issue bucket b's all-reduce (every gradient in `grads[b]` set); buckets must be launched in order."""
+        assert b == self.next, (b, self.next)
+        if torch.is_grad_enabled():  # backward(create_graph=True) runs hooks with grad mode on
+            with torch.no_grad():
+                return self.launch(b)
+        self.carveout.enter()  # the rest of backward's matmuls leave the collectives' SMs alone
+        tensors = self.grads[b]
+        if self.buffers[b] is not None:
+            torch._foreach_copy_(self.views[b], tensors)
+            tensors = [self.buffers[b]]
+        if self.divisor != 1:
+            torch._foreach_div_(tensors, self.divisor)
+        if len(tensors) == 1:
+            work = self.group.allreduce(tensors, self.opts)
+        else:  # NCCL: one grouped launch of an all-reduce per tensor
+            work = self.group.allreduce_coalesced(tensors, self.coalesced_opts)
+        self.works.append(work)
+        self.all_reduces += 1
+        self.next += 1
 
 
 class _OverlappedDataParallel(_DataParallel):
-    """Hook-driven, in-order, asynchronous bucket reduction shared by `OverlappedDDP` and `BucketedDDP`.
-
-    Each parameter's hook calls `_on_grad_ready(bucket, slot)` after backward accumulated its `.grad`; when a
-    bucket's last gradient arrives, it and every ready bucket after it are launched, in bucket order (the
-    cross-rank matching rule in the module docstring). `finish_gradient_synchronization()` launches what is
-    left and waits.
-    """
+    """Hook-driven, in-order, asynchronous bucket reduction shared by `OverlappedDDP` and `BucketedDDP`: each
+    parameter's post-accumulate-grad hook records its gradient in the `_Reducer`, which launches a bucket (and every
+    full one after it, in order) when its last gradient arrives; `finish_gradient_synchronization()` launches what
+    is left and waits."""
 
     def __init__(self, module: nn.Module, buckets: list[list[nn.Parameter]], grad_as_bucket_view: bool,
                  process_group: dist.ProcessGroup | None, sm_carveout: int | None = None):
@@ -283,11 +306,10 @@ class _OverlappedDataParallel(_DataParallel):
         _DataParallel.__init__(self, module, process_group)
         self.carveout = carveout
         self.grad_as_bucket_view = grad_as_bucket_view
-        self.buckets = [_Bucket(params) for params in buckets]
-        self._sync = _SyncState()
+        self.buckets = [_Bucket(params, copy=not grad_as_bucket_view) for params in buckets]
+        self._reducer = _Reducer(process_group, self.buckets, carveout)
         self._hooks_removed = False
-        owner = weakref.ref(self)
-        handles = [p.register_post_accumulate_grad_hook(_GradReadyHook(owner, b, i))
+        handles = [p.register_post_accumulate_grad_hook(partial(self._reducer.grad_ready, b, i))
                    for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)]
         # Runs remove_hooks' work when the wrapper is collected (or when remove_hooks() calls it).
         self._remove_handles = weakref.finalize(self, remove_handles, handles)
@@ -295,7 +317,7 @@ class _OverlappedDataParallel(_DataParallel):
     @property
     def num_all_reduces(self) -> int:
         """Collectives issued since construction (tests count them)."""
-        return self._sync.all_reduces
+        return self._reducer.all_reduces
 
     @property
     def num_buckets(self) -> int:
@@ -311,91 +333,42 @@ class _OverlappedDataParallel(_DataParallel):
         self._remove_handles()
         self._hooks_removed = True
         self.carveout.exit()
-        for bucket in self.buckets:
-            bucket.reset()
-        self._sync.next_bucket, self._sync.pending = 0, False
+        self._reducer.reset()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._hooks_removed:
             raise RuntimeError("this DDP wrapper's hooks were removed (remove_hooks()): wrap the module again")
-        if self._sync.pending and self._sync.next_bucket > 0:
+        reducer = self._reducer
+        if reducer.pending and reducer.next > 0:
             raise RuntimeError("forward called while gradients of the previous backward are still being reduced: "
                                "call finish_gradient_synchronization() after every synchronised backward")
-        out = super().forward(*args, **kwargs)
+        reducer.sync = self._require_sync
+        out = self.module(*args, **kwargs)
         # A synchronised training forward obliges finish_gradient_synchronization() to reduce every bucket,
         # even on a rank whose backward produced no gradient at all (the other ranks wait for it).
-        self._sync.pending = self._sync.pending or (self._sync_this_step and torch.is_grad_enabled())
+        reducer.pending = reducer.pending or (reducer.sync and torch.is_grad_enabled())
         return out
-
-    def _stage(self, bucket: _Bucket, i: int) -> None:
-        """Put params[i]'s local gradient (zeros if it has none) where the bucket's collective will read it."""
-        p = bucket.params[i]
-        if bucket.buffer is None:
-            self._local_grad(p)
-            return
-        view, grad = bucket.views[i], p.grad
-        if grad is None:
-            view.zero_()
-        elif grad.data_ptr() != view.data_ptr():
-            view.copy_(grad)
-        else:
-            return           # accumulated straight into the bucket: nothing to move
-        if self.grad_as_bucket_view:
-            p.grad = view    # later steps accumulate straight into the bucket (until zero_grad sets None)
-
-    def _on_grad_ready(self, b: int, i: int) -> None:
-        """Backward accumulated the gradient of buckets[b].params[i]. Runs once per parameter per step, on
-        autograd's thread, so it stays lean: no lookups by parameter, and no grad-mode switch unless needed
-        (backward runs hooks with grad mode off, except under `create_graph=True`)."""
-        if not self._sync_this_step:
-            return
-        if torch.is_grad_enabled():
-            with torch.no_grad():
-                return self._on_grad_ready(b, i)
-        bucket = self.buckets[b]
-        if bucket.ready[i]:
-            raise RuntimeError("a parameter's gradient was accumulated twice in one synchronised step (two "
-                               "backward passes without finish_gradient_synchronization(), or retain_graph reuse); "
-                               "use no_sync() for gradient accumulation")
-        sync = self._sync
-        sync.pending = True
-        self._stage(bucket, i)
-        bucket.ready[i] = True
-        bucket.num_ready += 1
-        if b == sync.next_bucket and bucket.full:
-            while sync.next_bucket < len(self.buckets) and self.buckets[sync.next_bucket].full:
-                self._launch(self.buckets[sync.next_bucket])
-
-    def _launch(self, bucket: _Bucket) -> None:
-        self.carveout.enter()  # the rest of backward's matmuls leave the collectives' SMs alone
-        tensor = bucket.buffer if bucket.buffer is not None else bucket.params[0].grad
-        bucket.work = self._all_reduce_mean(tensor, async_op=True)
-        self._sync.all_reduces += 1
-        self._sync.next_bucket += 1
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
-        if not (self._sync_this_step and self._sync.pending):
+        reducer = self._reducer
+        if not (reducer.sync and reducer.pending):
             return
-        # Buckets that never filled hold parameters unused in this step on this rank: launch them anyway,
-        # in order, with zeros for the missing gradients, so all ranks issue the same collectives.
-        for bucket in self.buckets[self._sync.next_bucket:]:
-            for i, ready in enumerate(bucket.ready):
-                if not ready:
-                    self._stage(bucket, i)
-            self._launch(bucket)
-        for bucket in self.buckets:
-            bucket.work.wait()
-            if bucket.buffer is not None and not self.grad_as_bucket_view:
-                for p, view in zip(bucket.params, bucket.views):
-                    if p.grad is None:
-                        p.grad = view.clone()
-                    else:
-                        p.grad.copy_(view)
-            bucket.reset()
+        # Buckets that never filled hold parameters unused in this step on this rank: launch them anyway, in order,
+        # with their accumulated gradient or zeros, so all ranks issue the same collectives.
+        for b in range(reducer.next, len(self.buckets)):
+            grads = reducer.grads[b]
+            for i, grad in enumerate(grads):
+                if grad is None:
+                    grads[i] = self._local_grad(self.buckets[b].params[i])
+            reducer.launch(b)
+        for work in reducer.works:
+            work.wait()
+        for grads, bucket in zip(reducer.grads, self.buckets):
+            if bucket.buffer is not None:
+                torch._foreach_copy_(grads, bucket.views)
+        reducer.reset()
         self.carveout.exit()
-        self._sync.next_bucket = 0
-        self._sync.pending = False
 
 
 class OverlappedDDP(_OverlappedDataParallel):
@@ -405,18 +378,16 @@ class OverlappedDDP(_OverlappedDataParallel):
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None, *,
                  sm_carveout: int | None = None):
         params = [p for p in module.parameters() if p.requires_grad]
-        super().__init__(module, [[p] for p in reversed(params)], grad_as_bucket_view=False,
+        super().__init__(module, [[p] for p in reversed(params)], grad_as_bucket_view=True,
                          process_group=process_group, sm_carveout=sm_carveout)
 
 
 class BucketedDDP(_OverlappedDataParallel):
-    """Gradients packed into buckets of at most `bucket_size_mb` MiB, one async all-reduce per bucket.
+    """Gradients grouped into buckets of at most `bucket_size_mb` MiB, one async all-reduce per bucket.
 
-    `grad_as_bucket_view=True`: each multi-parameter bucket is a preallocated flat buffer and `.grad` of its
-    parameters become views of it, so accumulation writes into the buffer (a gradient created fresh after
-    `zero_grad(set_to_none=True)` is copied in once, then `.grad` is re-pointed at the view). `False`:
-    gradients are copied into the buffer when ready and copied back after the reduction. A bucket holding a
-    single (large) parameter needs no buffer: its `.grad` is reduced in place.
+    `grad_as_bucket_view=True` (default): a bucket is its parameters' `.grad` tensors as autograd made them, reduced
+    in place by one coalesced collective (on NCCL a single launch); nothing is copied. `False`: the textbook bucket,
+    a flat buffer per multi-parameter bucket that gradients are copied into before the all-reduce and back after.
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, *, grad_as_bucket_view: bool = True,

@@ -2,7 +2,8 @@
 
 Each rank function trains every variant in turn (one process spawn per model keeps the file fast) and
 returns, per variant and step, the largest parameter difference to a single-process replica trained on the
-whole batch, and how many all-reduces the step issued (counted by wrapping `dist.all_reduce`).
+whole batch, and how many all-reduces the step issued (counted by wrapping the process group's `allreduce` and
+`allreduce_coalesced`, which `dist.all_reduce` and the wrappers' direct calls both go through).
 """
 
 from __future__ import annotations
@@ -130,19 +131,27 @@ def _optimizer(model_name: str, params):
 
 @contextlib.contextmanager
 def _count_all_reduces():
-    """Counts calls to dist.all_reduce (the variants look it up at call time)."""
+    """Counts all-reduce calls on process groups (one per collective, a coalesced one included): the variants look
+    the methods up at call time."""
     calls: list[int] = []
-    original = dist.all_reduce
+    # The class's own entries (pybind's instancemethod descriptors), put back as they were: getattr would give
+    # the bare builtin, which no longer binds `self` once set on the class.
+    originals = {name: vars(dist.ProcessGroup)[name] for name in ("allreduce", "allreduce_coalesced")}
 
-    def counting(tensor, *args, **kwargs):
-        calls.append(tensor.numel())
-        return original(tensor, *args, **kwargs)
+    def counting(original):
+        method = original.__func__
+        def call(self, tensors, *args, **kwargs):
+            calls.append(sum(t.numel() for t in tensors))
+            return method(self, tensors, *args, **kwargs)
+        return call
 
-    dist.all_reduce = counting
+    for name, original in originals.items():
+        setattr(dist.ProcessGroup, name, counting(original))
     try:
         yield calls
     finally:
-        dist.all_reduce = original
+        for name, original in originals.items():
+            setattr(dist.ProcessGroup, name, original)
 
 
 def _train_variants(rank: int, world_size: int, model_name: str, variants: list, num_steps: int) -> dict:
@@ -156,7 +165,7 @@ def _train_variants(rank: int, world_size: int, model_name: str, variants: list,
                                                                    ddp.module.state_dict().values()))
         ref_opt = _optimizer(model_name, reference.parameters())
         ddp_opt = _optimizer(model_name, ddp.parameters())
-        step_diffs, step_calls = [], []
+        step_diffs, step_calls, grads_kept = [], [], []
         for step in range(num_steps):
             x, y = _batch(model_name, step)
             half = x.shape[0] // world_size
@@ -172,29 +181,26 @@ def _train_variants(rank: int, world_size: int, model_name: str, variants: list,
             ddp_opt.zero_grad()
             with _count_all_reduces() as calls:
                 _loss(model_name, ddp, x[lo:hi], y[lo:hi], use[rank]).backward()
+                before = _grad_storages(ddp)
                 ddp.finish_gradient_synchronization()
             ddp_opt.step()
             step_calls.append(len(calls))
+            grads_kept.append(all(b is None or b == a for b, a in zip(before, _grad_storages(ddp))))
             step_diffs.append(max((a - b).abs().max().item() for a, b in zip(reference.parameters(),
                                                                             ddp.module.parameters())))
         trainable = [p for p in ddp.module.parameters() if p.requires_grad]
         results[_name(kind, kwargs)] = dict(
             init_diff=init_diff, step_diffs=step_diffs, step_calls=step_calls, num_trainable=len(trainable),
-            num_buckets=getattr(ddp, "num_buckets", None),
-            grads_in_buckets=_grads_alias_buckets(ddp) if isinstance(ddp, BucketedDDP) else None)
+            num_buckets=getattr(ddp, "num_buckets", None), grads_kept=grads_kept,
+            copy_buffers=sum(b.buffer is not None for b in ddp.buckets) if isinstance(ddp, BucketedDDP) else None,
+            multi_param_buckets=sum(len(b.params) > 1 for b in ddp.buckets) if isinstance(ddp, BucketedDDP) else None)
     return results
 
 
-def _grads_alias_buckets(ddp: BucketedDDP) -> bool:
-    """Whether every parameter of a multi-parameter bucket has its .grad inside the bucket's buffer."""
-    for bucket in ddp.buckets:
-        if bucket.buffer is None:
-            continue
-        lo = bucket.buffer.data_ptr()
-        hi = lo + bucket.buffer.numel() * bucket.buffer.element_size()
-        if not all(p.grad is not None and lo <= p.grad.data_ptr() < hi for p in bucket.params):
-            return False
-    return True
+def _grad_storages(ddp: nn.Module) -> list[int | None]:
+    """Where each parameter's .grad lies: finish must reduce the gradients backward made in place, never replace
+    them (a parameter without one gets zeros)."""
+    return [None if p.grad is None else p.grad.data_ptr() for p in ddp.module.parameters()]
 
 
 def _expected_calls(kind: str, result: dict) -> int:
@@ -219,7 +225,11 @@ def _check(results_by_rank: list[dict], variants: list, num_steps: int) -> None:
                     assert r["num_buckets"] == 1, f"{name}: a huge bucket holds everything"
                 if 1e-3 < size < 1000:
                     assert r["num_buckets"] < r["num_trainable"], f"{name}: no bucket holds several parameters"
-                assert r["grads_in_buckets"] == kwargs.get("grad_as_bucket_view", True), name
+                # In place: no buffer at all; the textbook variant: one per bucket of several parameters.
+                assert r["copy_buffers"] == (0 if kwargs.get("grad_as_bucket_view", True)
+                                             else r["multi_param_buckets"]), name
+            if kind in ("overlapped", "bucketed"):
+                assert all(r["grads_kept"]), f"{name}: finish replaced .grad tensors: {r['grads_kept']}"
 
 
 TOY_STEPS = 4
