@@ -92,12 +92,9 @@ class Trial:
     seed: int = 0
 
     def __post_init__(self):
-        if self.study not in STUDIES:
-            raise ValueError(f"study {self.study!r} must be one of {STUDIES}")
-        if self.size not in SIZES:
-            raise ValueError(f"size {self.size!r} must be one of {sorted(SIZES)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} must be one of {sorted(DTYPES)}")
+        for name, allowed in (("study", STUDIES), ("size", SIZES), ("dtype", DTYPES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} {getattr(self, name)!r} must be one of {sorted(allowed)}")
         for name, minimum in (("batch_size", 1), ("warmup", 0), ("steps", 1)):
             check_int(name, getattr(self, name), minimum)
         get_attention(self.attention)  # ValueError naming the known backends

@@ -30,7 +30,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -287,6 +287,27 @@ class GangTrial(Mapping):
         return len(self.config())
 
 
+@dataclass(frozen=True, kw_only=True)
+class VariantTrial(GangTrial):
+    """A trial of one variant of a study that compares variants (a subclass names them in `VARIANTS`)."""
+
+    VARIANTS: ClassVar[tuple[str, ...]] = ()
+    variant: str
+    """What runs: one of the class's VARIANTS."""
+    profile: bool = False
+    """Profile two more steps (overlap of communication and compute)."""
+    compile: bool = False
+    """Every TransformerBlock compiled with torch.compile."""
+    paired_rounds: int = 0
+    """Rounds of the variant against a single step in alternating blocks (0: none)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.variant not in self.VARIANTS:
+            raise ValueError(f"variant {self.variant!r} must be one of {self.VARIANTS}")
+        check_timing_options(self.warmup, self.compile, self.paired_rounds)
+
+
 def build_model(mc: ModelConfig, device: torch.device, *, seed: int, compile: bool = False) -> nn.Module:
     """A fresh `TransformerLM` from `seed`, its blocks compiled under `compile` (before any wrapper, so every
     variant runs the same blocks and the wrappers' hooks stay eager)."""
@@ -370,6 +391,19 @@ def run_gang_study(args: argparse.Namespace, sweep: str, grid: Callable[..., lis
         trials = grid(args, device, world_size)
         return run_sweep(sweep, trials, trial_fn(out), world_size, device=device, launcher=args.launcher,
                          timeout_s=args.timeout_s, reduce=reduce, writer=writer, show=False), out
+
+
+def gang_study_main(args: argparse.Namespace, sweep: str, grid: Callable[..., list],
+                    trial_fn: Callable[[Path], Callable], reduce: Callable,
+                    write_report: Callable[[pd.DataFrame, Path], Iterable[Path | None]]) -> pd.DataFrame:
+    """What a gang study's `main` does once its flags are parsed: with --report-only the rows already in --out,
+    else the trials run (`run_gang_study`); then `write_report(df, out)`, printed."""
+    if args.report_only:
+        df, out = read_rows(args, sweep), output_dir(args, sweep)
+    else:
+        df, out = run_gang_study(args, sweep, grid, trial_fn, reduce)
+    print_written(out, sweep, *write_report(df, out))
+    return df
 
 
 def print_written(out: Path, sweep: str, *paths: Path | None) -> None:
@@ -516,6 +550,15 @@ def not_measured(df: pd.DataFrame, keys: Sequence[str]) -> str:
 
 def join_parts(parts: Iterable[str]) -> str:
     return "\n\n".join(p for p in parts if p) + "\n"
+
+
+def markdown_report(df: pd.DataFrame, keys: Sequence[str], intro: Callable[[pd.Series], str],
+                    body: Callable[[pd.DataFrame], list[str]]) -> str:
+    """A study's markdown: `intro(first ok row)`, the parts `body(ok rows)` returns, then the rows not measured
+    (named by `keys`); only the last when no row is ok."""
+    ok = df[df["status"] == "ok"]
+    parts = [intro(ok.iloc[0]), *body(ok)] if not ok.empty else []
+    return join_parts([*parts, not_measured(df, keys)])
 
 
 def write_markdown(out: Path, sweep: str, title: str, body: str) -> Path:

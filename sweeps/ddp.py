@@ -51,10 +51,9 @@ from raysys.profiling import cpu_op_time, kernel_intervals, overlap  # noqa: E40
 from raysys.rank import nccl_group  # noqa: E402
 from raysys.timing import paired_steps, time_steps  # noqa: E402
 from raysys.train_step import TrainStep  # noqa: E402
-from sweeps.common import (GANG_DTYPES, NOT_ON_CPU, GangTrial, adamw_kwargs, add_model_flags,  # noqa: E402
-                           build_model, check_fits, check_timing_options, column, grid_values, in_trial_scope,
-                           join_parts, list_flag, main_entry, not_measured, on_cpu, output_dir, parse_list,
-                           print_written, profile_one_step, pyplot, read_rows, run_gang_study, save_figure,
+from sweeps.common import (GANG_DTYPES, NOT_ON_CPU, VariantTrial, adamw_kwargs, add_model_flags,  # noqa: E402
+                           build_model, check_fits, column, gang_study_main, grid_values, in_trial_scope, list_flag,
+                           main_entry, markdown_report, on_cpu, parse_list, profile_one_step, pyplot, save_figure,
                            setup_sentence, step_column, study_parser, write_markdown)
 
 SWEEP = "ddp"
@@ -72,11 +71,11 @@ TARGET_VS_SINGLE, TARGET_VS_TORCH = 1.02, 1.0
 
 # ---------------------------------------------------------------------------------------------------- grid
 @dataclass(frozen=True, kw_only=True)
-class DDPTrial(GangTrial):
-    """One DDP variant in one dtype."""
+class DDPTrial(VariantTrial):
+    """One DDP variant (single, naive, flat, overlapped, bucketed (bucket_view False: bucketed_copy) or torch)
+    in one dtype."""
 
-    variant: str
-    """single, naive, flat, overlapped, bucketed (bucket_view False: bucketed_copy) or torch."""
+    VARIANTS = KINDS
     label: str
     """Unique name of the variant in the run (`bucketed 100MB @8 CTAs`, `single (rerun)`)."""
     bucket_size_mb: float | None = None
@@ -87,24 +86,15 @@ class DDPTrial(GangTrial):
     """CTAs per collective of the variant's NCCL communicator (None: NCCL's choice)."""
     sm_carveout: int | None = None
     """SMs kept from cuBLAS while the variant's all-reduces overlap backward."""
-    profile: bool = False
-    """Profile two more steps for the overlap fraction."""
     max_steps: int
     """Timed steps at most (more than `steps` while the median is uncertain)."""
-    compile: bool = False
-    """Every TransformerBlock compiled with torch.compile."""
-    paired_rounds: int = 0
-    """Rounds of the variant against a single step in alternating blocks (0: none)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.variant not in KINDS:
-            raise ValueError(f"variant {self.variant!r} must be one of {KINDS}")
         if self.max_steps < self.steps:
             raise ValueError(f"max_steps ({self.max_steps}) must be >= steps ({self.steps})")
         if self.nccl_max_ctas is not None and (not isinstance(self.nccl_max_ctas, int) or self.nccl_max_ctas < 1):
             raise ValueError(f"nccl_max_ctas ({self.nccl_max_ctas!r}) must be an int >= 1 (or None for NCCL's choice)")
-        check_timing_options(self.warmup, self.compile, self.paired_rounds)
 
     def config(self) -> dict:
         out = super().config()
@@ -358,41 +348,40 @@ def health(df: pd.DataFrame) -> pd.DataFrame:
 
 def markdown(df: pd.DataFrame) -> str:
     df = with_ratios(df)
-    ok = df[df["status"] == "ok"]
     col = step_column(df)
-    parts = []
-    if not ok.empty:
-        first = ok.iloc[0]
-        parts.append(
-            f"{setup_sentence(first)}, AdamW; {int(first['warmup'])} warm-up + at least {int(first['steps'])} timed "
-            "steps. "
-            f"`step`: {'median' if col == 'step_ms_median' else 'mean'} (mean ± std); ratios use it, and `single` is "
-            "the mean of its runs. Phases: mean device time; `comm wait`: exposed communication after backward "
-            "(torch DDP's is inside its backward); `host bwd`: time Python took to issue backward. `overlap`: "
-            "share of NCCL kernel time concurrent with compute kernels (profiled variants only)."
-            + (f" `paired vs single`: median over {int(column(ok, 'paired_rounds').max())} rounds of the variant's "
-               "step / a single step timed in alternating blocks in the same process (ABBA); `paired vs torch`: "
-               "that ratio over torch DDP's. The targets use these when every variant has them."
-               if ok["vs_single_paired"].notna().any() else ""))
+    paired = df["vs_single_paired"].notna().any()
+
+    def intro(first: pd.Series) -> str:
+        return (f"{setup_sentence(first)}, AdamW; {int(first['warmup'])} warm-up + at least {int(first['steps'])} "
+                "timed steps. "
+                f"`step`: {'median' if col == 'step_ms_median' else 'mean'} (mean ± std); ratios use it, and `single` "
+                "is the mean of its runs. Phases: mean device time; `comm wait`: exposed communication after backward "
+                "(torch DDP's is inside its backward); `host bwd`: time Python took to issue backward. `overlap`: "
+                "share of NCCL kernel time concurrent with compute kernels (profiled variants only)."
+                + (f" `paired vs single`: median over {int(column(df, 'paired_rounds').max())} rounds of the "
+                   "variant's step / a single step timed in alternating blocks in the same process (ABBA); `paired "
+                   "vs torch`: that ratio over torch DDP's. The targets use these when every variant has them."
+                   if paired else ""))
+
+    def body(ok: pd.DataFrame) -> list[str]:
         view = pd.DataFrame({
             "dtype": ok["dtype"], "variant": ok["label"], "step (ms)": ok[col],
             "mean ± std": [f"{m:.1f} ± {s:.1f}" for m, s in zip(ok["step_ms"], ok["step_ms_std"])],
             "vs single": ok["vs_single"], "vs torch": ok["vs_torch"],
             **({"paired vs single": ok["vs_single_paired"], "paired vs torch": ok["vs_torch_paired"]}
-               if ok["vs_single_paired"].notna().any() else {}),
+               if paired else {}),
             "forward": ok["forward_ms"], "backward": ok["backward_ms"], "host bwd": column(ok, "host_backward_ms"),
             "comm wait": ok["comm_wait_ms"], "optimizer": ok["optimizer_ms"],
             "collectives/step": ok["collectives_per_step"], "overlap": column(ok, "overlap_fraction"),
             "peak (GiB)": ok["peak_memory_gib"]})
-        parts.append(view.to_markdown(index=False, floatfmt=".4g"))
         lines = targets(df)
-        if lines:
-            parts.append("Targets (same run):\n\n" + "\n".join(lines))
-        parts.append("Run health (`leaked`: allocated after the trial released everything minus before it; "
-                     "`host/step`: ~1 means host-bound steps; `profile`: whether the overlap was measured):\n\n"
-                     + health(ok).to_markdown(index=False, floatfmt=".3g"))
-    parts.append(not_measured(df, ["dtype", "label"]))
-    return join_parts(parts)
+        return [view.to_markdown(index=False, floatfmt=".4g"),
+                "Targets (same run):\n\n" + "\n".join(lines) if lines else "",
+                "Run health (`leaked`: allocated after the trial released everything minus before it; "
+                "`host/step`: ~1 means host-bound steps; `profile`: whether the overlap was measured):\n\n"
+                + health(ok).to_markdown(index=False, floatfmt=".3g")]
+
+    return markdown_report(df, ["dtype", "label"], intro, body)
 
 
 def plot(df: pd.DataFrame, path: Path) -> Path | None:
@@ -488,13 +477,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         raise ValueError(f"--studies {args.studies}: this script runs the ddp study; optimizer-state sharding is "
                          "sweeps/sharded_optimizer.py")
     sweep = COMPILED if args.compile else SWEEP
-    if args.report_only:
-        df, out = read_rows(args, sweep), output_dir(args, sweep)
-    else:
-        df, out = run_gang_study(args, sweep, grid, lambda out: functools.partial(ddp_trial, out_dir=str(out)),
-                                 reduce_ranks)
-    print_written(out, sweep, *write_report(df, out, sweep))
-    return df
+    return gang_study_main(args, sweep, grid, lambda out: functools.partial(ddp_trial, out_dir=str(out)),
+                           reduce_ranks, lambda df, out: write_report(df, out, sweep))
 
 
 if __name__ == "__main__":

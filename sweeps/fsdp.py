@@ -55,11 +55,10 @@ from raysys.profiling import device_kernels, is_nccl, kernel_intervals, overlap 
 from raysys.rank import nccl_group  # noqa: E402
 from raysys.timing import paired_steps, time_steps  # noqa: E402
 from raysys.train_step import TrainStep  # noqa: E402
-from sweeps.common import (GANG_DTYPES, NOT_ON_CPU, GangTrial, adamw_kwargs, add_model_flags,  # noqa: E402
-                           build_model, check_fits, check_timing_options, grid_values, in_trial_scope, join_parts,
-                           list_flag, main_entry, not_measured, on_cpu, output_dir, parse_list, print_written,
-                           profile_one_step, read_rows, run_gang_study, setup_sentence, step_column, study_parser,
-                           write_markdown)
+from sweeps.common import (GANG_DTYPES, NOT_ON_CPU, VariantTrial, adamw_kwargs, add_model_flags,  # noqa: E402
+                           build_model, check_fits, gang_study_main, grid_values, in_trial_scope, list_flag,
+                           main_entry, markdown_report, on_cpu, parse_list, profile_one_step, setup_sentence,
+                           step_column, study_parser, write_markdown)
 
 SWEEP = "fsdp"
 COMPILED = "fsdp_compiled"  # the same study with compiled blocks (--compile): its own file, tables and baselines
@@ -80,23 +79,13 @@ DEFAULTS = {"cuda": dict(size="xl", context_length=512, batch_per_rank=4, warmup
 
 # ---------------------------------------------------------------------------------------------------- grid
 @dataclass(frozen=True, kw_only=True)
-class FSDPTrial(GangTrial):
-    """One variant in one dtype."""
+class FSDPTrial(VariantTrial):
+    """One variant of VARIANTS in one dtype."""
 
-    variant: str
-    """One of VARIANTS."""
-    profile: bool = False
-    """Profile two more steps for the all-gather overlap."""
-    compile: bool = False
-    """Every TransformerBlock compiled with torch.compile."""
-    paired_rounds: int = 0
-    """Rounds of the variant against a single step in alternating blocks (0: none)."""
+    VARIANTS = VARIANTS
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.variant not in VARIANTS:
-            raise ValueError(f"variant {self.variant!r} not in {VARIANTS}")
-        check_timing_options(self.warmup, self.compile, self.paired_rounds)
         if self.compile and self.variant == "fsdp_layer":
             raise ValueError("variant fsdp_layer: its gather hooks sit on the Linear modules inside each block, "
                              "which --compile traces into the block's graph; compiled blocks need per-block units")
@@ -363,20 +352,19 @@ def memory_savings(df: pd.DataFrame) -> pd.DataFrame:
 
 def markdown(df: pd.DataFrame) -> str:
     df = with_ratios(df)
-    ok = df[df["status"] == "ok"]
-    parts = []
-    if not ok.empty:
-        first = ok.iloc[0]
-        parts.append(
-            f"{setup_sentence(first)}, AdamW; {int(first['warmup'])} warm-up + {int(first['steps'])} timed steps; "
-            "`step`: median (mean ± std), ratios use the median. "
-            "`state`: params + grads + optimizer state per rank, counted (expected). `AG exposed`: all-gather kernel "
-            "time with no compute kernel running; `stalled AG`: all-gathers with > 5 us of it. `host/step`: time the "
-            "host took to issue a step over the step (near 1: the host never got far ahead of the GPU, either "
-            "because it is the bottleneck or because it waited on the device)."
-            + (" `paired vs single`: median over rounds of the variant's step / a single step timed in alternating "
-               "blocks in the same process (`--paired-rounds`); the targets use it." if "paired_ratio" in ok
-               and ok["paired_ratio"].notna().any() else ""))
+    paired = "paired_ratio" in df and df["paired_ratio"].notna().any()
+
+    def intro(first: pd.Series) -> str:
+        return (f"{setup_sentence(first)}, AdamW; {int(first['warmup'])} warm-up + {int(first['steps'])} timed steps; "
+                "`step`: median (mean ± std), ratios use the median. "
+                "`state`: params + grads + optimizer state per rank, counted (expected). `AG exposed`: all-gather "
+                "kernel time with no compute kernel running; `stalled AG`: all-gathers with > 5 us of it. "
+                "`host/step`: time the host took to issue a step over the step (near 1: the host never got far ahead "
+                "of the GPU, either because it is the bottleneck or because it waited on the device)."
+                + (" `paired vs single`: median over rounds of the variant's step / a single step timed in "
+                   "alternating blocks in the same process (`--paired-rounds`); the targets use it." if paired else ""))
+
+    def body(ok: pd.DataFrame) -> list[str]:
         nan = pd.Series(math.nan, index=ok.index)
         unit, scale = _unit(ok)
         view = pd.DataFrame({
@@ -392,16 +380,13 @@ def markdown(df: pd.DataFrame) -> str:
             "stalled AG": ok.get("stalled_allgathers", nan), "RS exposed (ms)": ok.get("reducescatter_exposed_ms", nan),
             "gather wait (ms)": ok.get("gather_wait_ms", nan),
             "host/step": ok.get("host_step_ms", nan) / ok[step_column(ok)]})
-        parts.append(view.to_markdown(index=False, floatfmt=".3g"))
-        savings = memory_savings(df)
-        if not savings.empty:
-            parts.append("Memory saved per rank (expected from the sharding; counted tensors; allocator peak):\n\n"
-                         + savings.to_markdown(index=False, floatfmt=".3g"))
-        lines = targets(df)
-        if lines:
-            parts.append("Targets (same run):\n\n" + "\n".join(lines))
-    parts.append(not_measured(df, ["dtype", "variant"]))
-    return join_parts(parts)
+        savings, lines = memory_savings(df), targets(df)
+        return [view.to_markdown(index=False, floatfmt=".3g"),
+                "Memory saved per rank (expected from the sharding; counted tensors; allocator peak):\n\n"
+                + savings.to_markdown(index=False, floatfmt=".3g") if not savings.empty else "",
+                "Targets (same run):\n\n" + "\n".join(lines) if lines else ""]
+
+    return markdown_report(df, ["dtype", "variant"], intro, body)
 
 
 def write_report(df: pd.DataFrame, out: Path, sweep: str = SWEEP) -> Path:
@@ -454,13 +439,8 @@ def grid(args, device: str, world_size: int, check_device: bool = True) -> list[
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     args = build_parser().parse_args(argv)
     sweep = COMPILED if args.compile else SWEEP
-    if args.report_only:
-        df, out = read_rows(args, sweep), output_dir(args, sweep)
-    else:
-        df, out = run_gang_study(args, sweep, grid, lambda out: functools.partial(fsdp_trial, out_dir=str(out)),
-                                 reduce_ranks)
-    print_written(out, sweep, write_report(df, out, sweep))
-    return df
+    return gang_study_main(args, sweep, grid, lambda out: functools.partial(fsdp_trial, out_dir=str(out)),
+                           reduce_ranks, lambda df, out: [write_report(df, out, sweep)])
 
 
 if __name__ == "__main__":

@@ -38,9 +38,9 @@ from raysys.memory import release, unique_storage_bytes  # noqa: E402
 from raysys.timing import Marks, time_steps  # noqa: E402
 from raysys.train_step import TrainStep  # noqa: E402
 from sweeps.common import (GANG_DTYPES, GangTrial, adamw_kwargs, add_model_flags, build_model,  # noqa: E402
-                           check_fits, grid_values, in_trial_scope, join_parts, list_flag, main_entry, not_measured,
-                           output_dir, parse_list, print_written, pyplot, read_rows, run_gang_study, save_figure,
-                           setup_sentence, study_parser, write_markdown)
+                           check_fits, gang_study_main, grid_values, in_trial_scope, list_flag, main_entry,
+                           markdown_report, parse_list, pyplot, save_figure, setup_sentence, study_parser,
+                           write_markdown)
 
 SWEEP = "sharded_optimizer"
 POINTS = ("init", "before_step", "after_step")
@@ -176,25 +176,23 @@ def long_memory(df: pd.DataFrame) -> tuple[pd.DataFrame, str]:
 
 
 def markdown(df: pd.DataFrame) -> str:
-    ok = df[df["status"] == "ok"]
-    parts = []
-    if not ok.empty:
-        first = ok.iloc[0]
-        parts.append(
-            f"{setup_sentence(first)}, BucketedDDP ({first['ddp_bucket_mb']:g} MiB) + AdamW. "
-            "Rank 0's memory: `peak` since the previous point; the other columns split what is allocated at the "
-            "point (no allocator statistics on the CPU: peak and other are NaN there).")
+    def intro(first: pd.Series) -> str:
+        return (f"{setup_sentence(first)}, BucketedDDP ({first['ddp_bucket_mb']:g} MiB) + AdamW. "
+                "Rank 0's memory: `peak` since the previous point; the other columns split what is allocated at the "
+                "point (no allocator statistics on the CPU: peak and other are NaN there).")
+
+    def body(ok: pd.DataFrame) -> list[str]:
         mem, unit = long_memory(df)
-        parts.append(f"Memory ({unit}):\n\n" + mem.to_markdown(index=False, floatfmt=".2f"))
         timing = pd.DataFrame({
             "dtype": ok["dtype"], "sharded": ok["sharded"].astype(bool),
             "step (ms)": [f"{m:.1f} ± {s:.1f}" for m, s in zip(ok["step_ms"], ok["step_ms_std"])],
             "optimizer (ms)": ok["optimizer_ms"], "forward+backward (ms)": ok["forward_ms"] + ok["backward_ms"],
             "optimizer state, max rank (MiB)": ok["optimizer_state_max_rank_bytes"] / 2**20})
-        parts.append("Time per step (the sharded optimizer phase includes the parameter broadcasts):\n\n"
-                     + timing.to_markdown(index=False, floatfmt=".3g"))
-    parts.append(not_measured(df, ["dtype", "sharded"]))
-    return join_parts(parts)
+        return [f"Memory ({unit}):\n\n" + mem.to_markdown(index=False, floatfmt=".2f"),
+                "Time per step (the sharded optimizer phase includes the parameter broadcasts):\n\n"
+                + timing.to_markdown(index=False, floatfmt=".3g")]
+
+    return markdown_report(df, ["dtype", "sharded"], intro, body)
 
 
 def plot(df: pd.DataFrame, path: Path) -> Path | None:
@@ -248,12 +246,7 @@ def grid(args, device: str, world_size: int, check_device: bool = True) -> list[
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     args = build_parser().parse_args(argv)
-    if args.report_only:
-        df, out = read_rows(args, SWEEP), output_dir(args, SWEEP)
-    else:
-        df, out = run_gang_study(args, SWEEP, grid, lambda out: sharded_trial, reduce_ranks)
-    print_written(out, SWEEP, *write_report(df, out))
-    return df
+    return gang_study_main(args, SWEEP, grid, lambda out: sharded_trial, reduce_ranks, write_report)
 
 
 if __name__ == "__main__":
