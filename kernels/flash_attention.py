@@ -314,13 +314,14 @@ def _flash_bwd_preprocess_kernel(O, DO, Delta,
 
 
 @triton.jit
-def _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base,
+def _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, dq_src, scale, stride_dqm,
                           stride_qm, stride_qd, stride_dom, stride_dod,
                           offs_n, offs_d, lo, hi, N_Q, qk_scale,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL_MASK: tl.constexpr,
                           MASK_M: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                          USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
-    """Algorithm 2, lines 9-17, over query tiles [lo, hi), in the transposed (keys x queries) orientation."""
+                          USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DQ_ATOMIC: tl.constexpr):
+    """Algorithm 2, lines 9-17, over query tiles [lo, hi), in the transposed (keys x queries) orientation;
+    with DQ_ATOMIC also lines 20-21 (dQ += dS K) into an fp32 accumulator shared by all key tiles."""
     offs_mb = tl.arange(0, BLOCK_M)
     if not USE_TMA:
         q_ptrs = q_src + (lo + offs_mb)[:, None] * stride_qm + offs_d[None, :] * stride_qd
@@ -350,6 +351,15 @@ def _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base,
         dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, acc=dk, input_precision=INPUT_PRECISION)
+        # 4. DQ_ATOMIC: this key tile's share of dQ = dS K (eq. 18, with its 1/sqrt(d)), added to the fp32
+        #    accumulator by the TMA unit's reduce (2) or by atomics (1): five matmuls per tile pair, not seven.
+        if DQ_ATOMIC > 0:
+            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=INPUT_PRECISION) * scale
+            if DQ_ATOMIC == 2:
+                dq_src.atomic_add([start_m, 0], dq)
+            else:
+                tl.atomic_add(dq_src + rows[:, None] * stride_dqm + offs_d[None, :], dq, mask=rows[:, None] < N_Q,
+                              sem="relaxed")
         if not USE_TMA:
             q_ptrs += BLOCK_M * stride_qm
             do_ptrs += BLOCK_M * stride_dom
@@ -357,7 +367,7 @@ def _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base,
 
 
 @triton.jit
-def _flash_bwd_dkdv_tile(pid_n, pid_bh, Q, K, V, DO, L, Delta, DK, DV,
+def _flash_bwd_dkdv_tile(pid_n, pid_bh, Q, K, V, DO, L, Delta, DK, DV, DQ,
                          stride_qb, stride_qh, stride_qm, stride_qd,
                          stride_kb, stride_kh, stride_kn, stride_kd,
                          stride_vb, stride_vh, stride_vn, stride_vd,
@@ -368,8 +378,9 @@ def _flash_bwd_dkdv_tile(pid_n, pid_bh, Q, K, V, DO, L, Delta, DK, DV,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
                          EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                         USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
-    """One key tile of one (batch, head): dK and dV (Algorithm 2, lines 6-19)."""
+                         USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DQ_ATOMIC: tl.constexpr):
+    """One key tile of one (batch, head): dK and dV (Algorithm 2, lines 6-19), and with DQ_ATOMIC its share of
+    dQ, added into DQ: fp32, (batch * heads, N_Q, BLOCK_D) contiguous, zero on entry."""
     off_b = (pid_bh // H).to(tl.int64)
     off_h = (pid_bh % H).to(tl.int64)
     q_base = Q + off_b * stride_qb + off_h * stride_qh
@@ -380,6 +391,11 @@ def _flash_bwd_dkdv_tile(pid_n, pid_bh, Q, K, V, DO, L, Delta, DK, DV,
     dv_base = DV + off_b * stride_dvb + off_h * stride_dvh
     l_base = L + pid_bh.to(tl.int64) * N_Q
     delta_base = Delta + pid_bh.to(tl.int64) * N_Q
+    stride_dqm = BLOCK_D
+    if DQ_ATOMIC == 2:
+        dq_src = _tma_desc(DQ + pid_bh.to(tl.int64) * N_Q * BLOCK_D, N_Q, BLOCK_D, BLOCK_M, BLOCK_D, BLOCK_D)
+    else:
+        dq_src = DQ + pid_bh.to(tl.int64) * N_Q * BLOCK_D
 
     # 1. K, V tiles stay in registers for the whole query loop (Algorithm 2, lines 7-8).
     start_n = pid_n * BLOCK_N
@@ -404,33 +420,35 @@ def _flash_bwd_dkdv_tile(pid_n, pid_bh, Q, K, V, DO, L, Delta, DK, DV,
     #    diagonal query tiles compare indices; every later query sees all of them.
     m_full = (N_Q // BLOCK_M) * BLOCK_M
     if WARP_SPECIALIZE:  # one loop (see the forward)
-        lo = start_n if IS_CAUSAL else 0
-        dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, stride_qm, stride_qd,
-                                       stride_dom, stride_dod, offs_n, offs_d, lo, N_Q, N_Q, qk_scale, HEAD_DIM,
-                                       BLOCK_M, IS_CAUSAL, not EVEN_M, EVEN_D, INPUT_PRECISION, USE_TMA, True)
+        dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, dq_src, scale, stride_dqm,
+                                       stride_qm, stride_qd, stride_dom, stride_dod, offs_n, offs_d,
+                                       start_n if IS_CAUSAL else 0, N_Q, N_Q, qk_scale, HEAD_DIM, BLOCK_M, IS_CAUSAL,
+                                       not EVEN_M, EVEN_D, INPUT_PRECISION, USE_TMA, True, DQ_ATOMIC)
     elif IS_CAUSAL:
-        dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, stride_qm, stride_qd,
-                                       stride_dom, stride_dod, offs_n, offs_d, start_n,
+        dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, dq_src, scale, stride_dqm,
+                                       stride_qm, stride_qd, stride_dom, stride_dod, offs_n, offs_d, start_n,
                                        tl.minimum(start_n + BLOCK_N, N_Q), N_Q, qk_scale, HEAD_DIM, BLOCK_M,
-                                       True, not EVEN_M, EVEN_D, INPUT_PRECISION, USE_TMA, False)
+                                       True, not EVEN_M, EVEN_D, INPUT_PRECISION, USE_TMA, False, DQ_ATOMIC)
         lo = start_n + BLOCK_N
-        dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, stride_qm, stride_qd,
-                                       stride_dom, stride_dod, offs_n, offs_d, lo, m_full, N_Q, qk_scale,
-                                       HEAD_DIM, BLOCK_M, False, False, EVEN_D, INPUT_PRECISION, USE_TMA, False)
+        dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, dq_src, scale, stride_dqm,
+                                       stride_qm, stride_qd, stride_dom, stride_dod, offs_n, offs_d, lo, m_full,
+                                       N_Q, qk_scale, HEAD_DIM, BLOCK_M, False, False, EVEN_D, INPUT_PRECISION,
+                                       USE_TMA, False, DQ_ATOMIC)
         if not EVEN_M:
-            dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, stride_qm,
-                                           stride_qd, stride_dom, stride_dod, offs_n, offs_d,
+            dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, dq_src, scale,
+                                           stride_dqm, stride_qm, stride_qd, stride_dom, stride_dod, offs_n, offs_d,
                                            tl.maximum(lo, m_full), N_Q, N_Q, qk_scale, HEAD_DIM, BLOCK_M,
-                                           False, True, EVEN_D, INPUT_PRECISION, USE_TMA, False)
+                                           False, True, EVEN_D, INPUT_PRECISION, USE_TMA, False, DQ_ATOMIC)
     else:
-        dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, stride_qm, stride_qd,
-                                       stride_dom, stride_dod, offs_n, offs_d, 0, m_full, N_Q, qk_scale,
-                                       HEAD_DIM, BLOCK_M, False, False, EVEN_D, INPUT_PRECISION, USE_TMA, False)
+        dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, dq_src, scale, stride_dqm,
+                                       stride_qm, stride_qd, stride_dom, stride_dod, offs_n, offs_d, 0, m_full, N_Q,
+                                       qk_scale, HEAD_DIM, BLOCK_M, False, False, EVEN_D, INPUT_PRECISION, USE_TMA,
+                                       False, DQ_ATOMIC)
         if not EVEN_M:
-            dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, stride_qm,
-                                           stride_qd, stride_dom, stride_dod, offs_n, offs_d, m_full, N_Q, N_Q,
-                                           qk_scale, HEAD_DIM, BLOCK_M, False, True, EVEN_D, INPUT_PRECISION,
-                                           USE_TMA, False)
+            dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, dq_src, scale,
+                                           stride_dqm, stride_qm, stride_qd, stride_dom, stride_dod, offs_n, offs_d,
+                                           m_full, N_Q, N_Q, qk_scale, HEAD_DIM, BLOCK_M, False, True, EVEN_D,
+                                           INPUT_PRECISION, USE_TMA, False, DQ_ATOMIC)
 
     # 3. Write dK (with the 1/sqrt(d) of eq. 19) and dV (line 18).
     dk = dk * scale
@@ -445,7 +463,7 @@ def _flash_bwd_dkdv_tile(pid_n, pid_bh, Q, K, V, DO, L, Delta, DK, DV,
 
 
 @triton.jit
-def _flash_bwd_dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV,
+def _flash_bwd_dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV, DQ,
                            stride_qb, stride_qh, stride_qm, stride_qd,
                            stride_kb, stride_kh, stride_kn, stride_kd,
                            stride_vb, stride_vh, stride_vn, stride_vd,
@@ -456,25 +474,26 @@ def _flash_bwd_dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV,
                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
                            EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                           USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PERSISTENT: tl.constexpr):
+                           USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PERSISTENT: tl.constexpr,
+                           DQ_ATOMIC: tl.constexpr):
     num_n = tl.cdiv(N_K, BLOCK_N)
     if PERSISTENT:
         for tile in tl.range(tl.program_id(0), num_n * NUM_BH, tl.num_programs(0)):
             pid_n, pid_bh = _tile_ids(tile, num_n, NUM_BH, IS_CAUSAL, False)
-            _flash_bwd_dkdv_tile(pid_n, pid_bh, Q, K, V, DO, L, Delta, DK, DV, stride_qb, stride_qh, stride_qm,
+            _flash_bwd_dkdv_tile(pid_n, pid_bh, Q, K, V, DO, L, Delta, DK, DV, DQ, stride_qb, stride_qh, stride_qm,
                                  stride_qd, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn,
                                  stride_vd, stride_dob, stride_doh, stride_dom, stride_dod, stride_dkb, stride_dkh,
                                  stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, H, N_Q, N_K,
                                  scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, IS_CAUSAL, EVEN_M, EVEN_N,
-                                 EVEN_D, INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE)
+                                 EVEN_D, INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE, DQ_ATOMIC)
     else:
         pid_n, pid_bh = _tile_ids(tl.program_id(1) * num_n + tl.program_id(0), num_n, NUM_BH, IS_CAUSAL, False)
-        _flash_bwd_dkdv_tile(pid_n, pid_bh, Q, K, V, DO, L, Delta, DK, DV, stride_qb, stride_qh, stride_qm,
+        _flash_bwd_dkdv_tile(pid_n, pid_bh, Q, K, V, DO, L, Delta, DK, DV, DQ, stride_qb, stride_qh, stride_qm,
                              stride_qd, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn,
                              stride_vd, stride_dob, stride_doh, stride_dom, stride_dod, stride_dkb, stride_dkh,
                              stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, H, N_Q, N_K,
                              scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, IS_CAUSAL, EVEN_M, EVEN_N,
-                             EVEN_D, INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE)
+                             EVEN_D, INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE, DQ_ATOMIC)
 
 
 @triton.jit
@@ -621,13 +640,15 @@ def _flash_bwd_dq_kernel(Q, K, V, DO, L, Delta, DQ,
 # ----------------------------------------------------------------------------------------------------------
 # Autotuning (configs and the pruning predicate live in kernels/flash_attention_tuning.py)
 # ----------------------------------------------------------------------------------------------------------
-_KERNELS = {"fwd": _flash_fwd_kernel, "dkdv": _flash_bwd_dkdv_kernel, "dq": _flash_bwd_dq_kernel}
+_KERNELS = {"fwd": _flash_fwd_kernel, "dkdv": _flash_bwd_dkdv_kernel, "dq": _flash_bwd_dq_kernel,
+            "dkdvq": _flash_bwd_dkdv_kernel}
 _TUNED = {name: triton.autotune(configs=[c.to_triton() for c in config_list(name)], key=AUTOTUNE_KEY,
                                 prune_configs_by={"early_config_prune": make_pruner(name)})(
               triton.heuristics(even_heuristics())(fn))
           for name, fn in _KERNELS.items()}
 LAST_PATH: dict[str, str] = {}
-"""kernel -> the path its last launch in this process took (benchmark rows report it)."""
+"""kernel -> the path its last launch in this process took, and `bwd` -> the last backward's mode (benchmark
+rows report them)."""
 
 
 def best_configs() -> dict[str, dict[tuple, FlashConfig]]:
@@ -696,6 +717,11 @@ PATH_ENV = "RAYSYS_FLASH_PATH"
 """auto (default), portable or tma: the path `flash_attention` and the custom ops take."""
 AUTO_TMA = False
 """Whether `auto` takes the tma path where it can (off until measured on the GPU host)."""
+BWD_ENV = "RAYSYS_FLASH_BWD"
+"""auto (default), two_pass or one_pass: the backward `flash_attention` and the custom ops take."""
+BWD_MODES = ("two_pass", "one_pass")
+AUTO_BWD = {"portable": "two_pass", "tma": "two_pass"}
+"""What `auto` takes per path (two_pass until the one-pass backward is measured on the GPU host)."""
 
 
 def tma_supported(device: torch.device) -> bool:
@@ -723,7 +749,7 @@ def tma_layout_ok(*tensors: torch.Tensor) -> bool:
 
 def resolve_path(requested: str | None, *tensors: torch.Tensor) -> str:
     """`portable` or `tma` for a call on `tensors`; `requested` None reads RAYSYS_FLASH_PATH (default auto)."""
-    requested = requested or os.environ.get(PATH_ENV, "auto").strip().lower() or "auto"
+    requested = _requested_path(requested)
     if requested not in ("auto",) + PATHS:
         raise ValueError(f"flash path {requested!r} must be one of auto, {', '.join(PATHS)}")
     if requested == "portable":
@@ -811,9 +837,13 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_ca
 def flash_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                         grad_out: torch.Tensor, is_causal: bool = False, *, dkdv_config: FlashConfig | None = None,
                         dq_config: FlashConfig | None = None, compute_dq: bool = True, compute_dkdv: bool = True,
-                        path: str | None = None
+                        path: str | None = None, bwd: str | None = None
                         ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Run the backward kernels (D, then dK/dV, then dQ): returns (dQ, dK, dV) in the inputs' dtypes."""
+    """Run the backward kernels (D, then dK/dV, then dQ): returns (dQ, dK, dV) in the inputs' dtypes.
+
+    `bwd` (auto, two_pass, one_pass; None reads RAYSYS_FLASH_BWD): one_pass runs the `dkdvq` kernel (with
+    `dkdv_config`) when both dQ and dK/dV are wanted, its dQ summed in fp32 by the TMA unit (tma path) or by
+    atomics (portable path), so the order of the additions, hence the last bits of dQ, can vary run to run."""
     check_attention_inputs(q, k, v, is_causal)
     if out.shape != q.shape or grad_out.shape != q.shape:
         raise ValueError(f"out {tuple(out.shape)} and grad_out {tuple(grad_out.shape)} must have q's shape "
@@ -822,6 +852,8 @@ def flash_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
         raise ValueError(f"lse must be float32 of shape {tuple(q.shape[:-1])}, got {lse.dtype} {tuple(lse.shape)}")
     _check_device(q)
     path = resolve_path(path, q, k, v)
+    one_pass = compute_dq and compute_dkdv and resolve_bwd(bwd, path) == "one_pass"
+    LAST_PATH["bwd"] = "one_pass" if one_pass else "two_pass"
     grad_out = grad_out.to(q.dtype)
     if path == "tma" and not tma_layout_ok(grad_out):  # e.g. the stride-0 dO of `.sum().backward()`
         grad_out = grad_out.contiguous()
@@ -844,11 +876,19 @@ def flash_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
             dk = _empty(k.shape, dtype=k.dtype, device=k.device)
             dv = _empty(v.shape, dtype=v.dtype, device=v.device)
             dk4, dv4 = _as_4d(dk), _as_4d(dv)
-            args = (q4, k4, v4, do4, lse, delta, dk4, dv4, *_strides(q4), *_strides(k4), *_strides(v4),
+            # one_pass: dQ accumulates in fp32 rows padded to BLOCK_D (16-byte aligned for the TMA unit)
+            dq_acc = (torch.zeros((batch * heads, n_q, meta["BLOCK_D"]), dtype=torch.float32, device=q.device)
+                      if one_pass else delta)
+            args = (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc, *_strides(q4), *_strides(k4), *_strides(v4),
                     *_strides(do4), *_strides(dk4), *_strides(dv4), heads, batch * heads, n_q, n_k, scale,
                     scale * LOG2E, bucket)
-            _launch("dkdv", lambda bm, bn: triton.cdiv(n_k, bn), args, meta, n_q, n_k, dkdv_config, path)
-        if compute_dq:
+            dq_atomic = (2 if path == "tma" and not INTERPRET else 1) if one_pass else 0
+            _launch("dkdvq" if one_pass else "dkdv", lambda bm, bn: triton.cdiv(n_k, bn), args,
+                    dict(meta, DQ_ATOMIC=dq_atomic), n_q, n_k, dkdv_config, path)
+        if one_pass:
+            dq = _empty(q.shape, dtype=q.dtype, device=q.device)
+            _as_4d(dq).copy_(dq_acc.view(batch, heads, n_q, -1)[..., :head_dim])
+        elif compute_dq:
             dq = _empty(q.shape, dtype=q.dtype, device=q.device)
             dq4 = _as_4d(dq)
             args = (q4, k4, v4, do4, lse, delta, dq4, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4),
@@ -863,26 +903,27 @@ def flash_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
 # On a GPU the ops are `triton_op`s: the compiler traces their bodies (fake tensors, `wrap_triton` launches) and
 # Inductor calls the Triton kernels itself. The interpreter's kernels cannot be traced, so under
 # TRITON_INTERPRET=1 the same functions become opaque `custom_op`s with fake implementations.
-def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return flash_attention_fwd(q, k, v, is_causal)
+def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, path: str, bwd: str
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    return flash_attention_fwd(q, k, v, is_causal, path=path)  # `bwd` is for the backward (setup_context)
 
 
 def _bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-              grad_out: torch.Tensor, is_causal: bool, compute_dq: bool, compute_dkdv: bool
+              grad_out: torch.Tensor, is_causal: bool, compute_dq: bool, compute_dkdv: bool, path: str, bwd: str
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV); a gradient not asked for is an empty tensor (custom ops return no None)."""
     dq, dk, dv = flash_attention_bwd(q, k, v, out, lse, grad_out, is_causal, compute_dq=compute_dq,
-                                     compute_dkdv=compute_dkdv)
+                                     compute_dkdv=compute_dkdv, path=path, bwd=bwd)
     return (q.new_empty(0) if dq is None else dq, k.new_empty(0) if dk is None else dk,
             v.new_empty(0) if dv is None else dv)
 
 
 # The fakes allocate like the launchers: contiguous, whatever the inputs' strides.
-def _fwd_fake(q, k, v, is_causal):
+def _fwd_fake(q, k, v, is_causal, path, bwd):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
-def _bwd_fake(q, k, v, out, lse, grad_out, is_causal, compute_dq, compute_dkdv):
+def _bwd_fake(q, k, v, out, lse, grad_out, is_causal, compute_dq, compute_dkdv, path, bwd):
     return (q.new_empty(q.shape if compute_dq else 0), k.new_empty(k.shape if compute_dkdv else 0),
             v.new_empty(v.shape if compute_dkdv else 0))
 
@@ -900,18 +941,19 @@ flash_attn_bwd_op = _define_op("flash_attn_bwd", _bwd_impl, _bwd_fake)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, is_causal = inputs
+    q, k, v, is_causal, path, bwd = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.is_causal = is_causal
+    ctx.is_causal, ctx.path, ctx.bwd = is_causal, path, bwd
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
     need_q, need_k, need_v = ctx.needs_input_grad[:3]
-    dq, dk, dv = flash_attn_bwd_op(q, k, v, out, lse, grad_out, ctx.is_causal, need_q, need_k or need_v)
-    return dq if need_q else None, dk if need_k else None, dv if need_v else None, None
+    dq, dk, dv = flash_attn_bwd_op(q, k, v, out, lse, grad_out, ctx.is_causal, need_q, need_k or need_v, ctx.path,
+                                   ctx.bwd)
+    return dq if need_q else None, dk if need_k else None, dv if need_v else None, None, None, None
 
 
 flash_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -922,7 +964,8 @@ class FlashAttentionTriton(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal=False):
-        out, lse = flash_attn_fwd_op(q, k, v, is_causal)
+        ctx.path, ctx.bwd = _requested_path(None), _requested_bwd(None)
+        out, lse = flash_attn_fwd_op(q, k, v, is_causal, ctx.path, ctx.bwd)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.is_causal = is_causal
         return out
@@ -932,14 +975,35 @@ class FlashAttentionTriton(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        dq, dk, dv = flash_attn_bwd_op(q, k, v, out, lse, grad_out, ctx.is_causal, need_q, need_k or need_v)
+        dq, dk, dv = flash_attn_bwd_op(q, k, v, out, lse, grad_out, ctx.is_causal, need_q, need_k or need_v,
+                                       ctx.path, ctx.bwd)
         return dq if need_q else None, dk if need_k else None, dv if need_v else None, None
 
 
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
-    """softmax(Q K^T / sqrt(d) + causal mask) V with the Triton kernels (differentiable, torch.compile-able)."""
+def _requested_path(path: str | None) -> str:
+    return path or os.environ.get(PATH_ENV, "auto").strip().lower() or "auto"
+
+
+def _requested_bwd(bwd: str | None) -> str:
+    return bwd or os.environ.get(BWD_ENV, "auto").strip().lower() or "auto"
+
+
+def resolve_bwd(requested: str | None, path: str) -> str:
+    """`two_pass` (dK/dV kernel, then dQ kernel; no atomics) or `one_pass` (dK/dV kernel adds dS K into an fp32
+    dQ: 5 matmuls per tile pair instead of 7); `requested` None reads RAYSYS_FLASH_BWD (default auto)."""
+    requested = _requested_bwd(requested)
+    if requested not in ("auto",) + BWD_MODES:
+        raise ValueError(f"flash backward {requested!r} must be one of auto, {', '.join(BWD_MODES)}")
+    return AUTO_BWD[path] if requested == "auto" else requested
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
+                    path: str | None = None, bwd: str | None = None) -> torch.Tensor:
+    """softmax(Q K^T / sqrt(d) + causal mask) V with the Triton kernels (differentiable, torch.compile-able).
+    `path`: auto, portable or tma (None reads RAYSYS_FLASH_PATH); the backward takes the same. `bwd`: auto,
+    two_pass or one_pass (None reads RAYSYS_FLASH_BWD)."""
     check_attention_inputs(q, k, v, is_causal)
-    return flash_attn_fwd_op(q, k, v, is_causal)[0]
+    return flash_attn_fwd_op(q, k, v, is_causal, _requested_path(path), _requested_bwd(bwd))[0]
 
 
 def attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> torch.Tensor:

@@ -1,11 +1,12 @@
 """Launch configurations of the FlashAttention-2 Triton kernels: candidates, pruning predicate, tuned file.
 
-Three kernels are tuned separately: `fwd` (query tile resident, key tiles streamed), `dkdv` (key tile
-resident, query tiles streamed) and `dq` (query tile resident, key tiles streamed). A config is
+Four kernels are tuned separately: `fwd` (query tile resident, key tiles streamed), `dkdv` (key tile
+resident, query tiles streamed), `dq` (query tile resident, key tiles streamed) and `dkdvq` (the dK/dV kernel
+that also adds each tile's dS K into an fp32 dQ, the one-pass backward). A config is
 (block_m query rows, block_n key rows, num_warps, num_stages) plus two knobs of the `tma` path:
 `warp_specialize` (Triton splits the unmasked tile loop into producer / consumer warp groups) and `persistent`
 (one program per SM walks the tiles, heaviest first). The causal split into unmasked and diagonal tiles needs
-whole tiles on the diagonal: block_m % block_n == 0 for fwd and dq, block_n % block_m == 0 for dkdv.
+whole tiles on the diagonal: block_m % block_n == 0 for fwd and dq, block_n % block_m == 0 for dkdv(q).
 
 Paths: `portable` (pointer loads; every GPU and the interpreter) and `tma` (tensor descriptors, sm_90+); each
 has its own candidate family. The pruning predicate `config_fits` drops configs whose operand tiles overflow
@@ -41,7 +42,7 @@ def _interpret_mode() -> bool:
 INTERPRET = _interpret_mode()
 
 
-KERNELS = ("fwd", "dkdv", "dq")
+KERNELS = ("fwd", "dkdv", "dq", "dkdvq")
 PATHS = ("portable", "tma")
 TUNED_CONFIGS_PATH = Path(__file__).with_name("flash_attention_tuned.json")
 
@@ -83,8 +84,8 @@ class FlashConfig:
             raise ValueError(f"kernel {kernel!r} must be one of {KERNELS}")
         if kernel in ("fwd", "dq") and self.block_m % self.block_n:
             raise ValueError(f"{kernel}: block_m ({self.block_m}) must be a multiple of block_n ({self.block_n})")
-        if kernel == "dkdv" and self.block_n % self.block_m:
-            raise ValueError(f"dkdv: block_n ({self.block_n}) must be a multiple of block_m ({self.block_m})")
+        if kernel in ("dkdv", "dkdvq") and self.block_n % self.block_m:
+            raise ValueError(f"{kernel}: block_n ({self.block_n}) must be a multiple of block_m ({self.block_m})")
         if path is not None and path not in PATHS:
             raise ValueError(f"path {path!r} must be one of {PATHS}")
         if path == "portable" and (self.warp_specialize or self.persistent):
@@ -120,10 +121,12 @@ _GPU_CONFIGS = {
              (32, 128, 4, 4), (16, 128, 8, 3), (64, 64, 4, 3), (16, 64, 4, 3), (16, 32, 4, 2)],
     "dq": [(128, 32, 8, 3), (128, 64, 8, 3), (128, 32, 8, 4), (128, 32, 4, 3), (128, 64, 8, 2),
            (64, 32, 4, 3), (64, 64, 4, 2), (64, 16, 4, 3), (32, 16, 4, 2)],
+    "dkdvq": [(32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 2), (32, 64, 4, 3), (16, 64, 4, 3),
+              (16, 32, 4, 2)],
 }
 # 16-bit inputs, tma path (sm_90+): the portable winners, warp-specialised variants (Triton 3.6 on sm_90 turns
 # a 4-warp program into a producer warp group issuing the TMA loads and two consumer warp groups, 12 warps in
-# all; at 8 warps it leaves the loop alone; it fails to compile the dQ loop), larger key tiles (the TMA unit
+# all; at 8 warps it leaves the loop alone; it fails to compile the dQ loops), larger key tiles (the TMA unit
 # moves them without registers) and the persistent grid.
 _TMA_CONFIGS = {
     "fwd": [(128, 64, 8, 3), (128, 64, 4, 3, True), (128, 128, 4, 2, True), (128, 64, 4, 2, True),
@@ -133,6 +136,8 @@ _TMA_CONFIGS = {
              (32, 64, 4, 3), (16, 64, 4, 3), (16, 32, 4, 2)],
     "dq": [(128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3, False, True), (64, 32, 4, 3),
            (64, 16, 4, 3), (32, 16, 4, 2)],
+    "dkdvq": [(32, 128, 8, 3), (32, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 3), (32, 128, 8, 3, False, True),
+              (16, 64, 4, 3), (16, 32, 4, 2)],
 }
 # fp32 inputs with exact fp32 products (FMA, no tensor cores) hold whole operand tiles in registers: small
 # tiles, and 8 warps where the tiles are larger (both paths).
@@ -140,10 +145,12 @@ _GPU_CONFIGS_FP32 = {
     "fwd": [(64, 32, 8, 2), (32, 32, 4, 2), (32, 16, 4, 2), (64, 16, 4, 2)],
     "dkdv": [(16, 64, 8, 2), (16, 32, 4, 2), (32, 64, 8, 2), (16, 16, 4, 2)],
     "dq": [(64, 16, 8, 2), (32, 16, 4, 2), (64, 32, 8, 2), (16, 16, 4, 2)],
+    "dkdvq": [(16, 64, 8, 2), (16, 32, 4, 2), (16, 16, 4, 2)],
 }
 # The interpreter runs every tile op in NumPy: one small config, with BLOCK_M != BLOCK_N so that the
 # diagonal split takes several steps and the tail tiles are exercised at test sizes.
-_INTERPRET_CONFIGS = {"fwd": [(32, 16, 1, 1)], "dkdv": [(16, 32, 1, 1)], "dq": [(32, 16, 1, 1)]}
+_INTERPRET_CONFIGS = {"fwd": [(32, 16, 1, 1)], "dkdv": [(16, 32, 1, 1)], "dq": [(32, 16, 1, 1)],
+                      "dkdvq": [(16, 32, 1, 1)]}
 
 
 def load_tuned_configs(path: str | os.PathLike = TUNED_CONFIGS_PATH) -> dict[str, list[dict]]:
@@ -232,6 +239,8 @@ def _estimated_shared_bytes(kernel: str, cfg: FlashConfig, block_d: int, elem: i
         resident, streamed = cfg.block_m, 2 * cfg.block_n
     elif kernel == "dkdv":  # K, V resident; Q, dO streamed
         resident, streamed = 2 * cfg.block_n, 2 * cfg.block_m
+    elif kernel == "dkdvq":  # and the fp32 dQ tile on its way out (two 16-bit rows' worth per row)
+        resident, streamed = 2 * cfg.block_n + 2 * cfg.block_m, 2 * cfg.block_m
     else:  # Q, dO resident; K, V streamed
         resident, streamed = 2 * cfg.block_m, 2 * cfg.block_n
     return (resident + cfg.num_stages * streamed) * block_d * elem
@@ -248,8 +257,8 @@ def config_fits(kernel: str, cfg: FlashConfig, block_d: int, dtype: torch.dtype,
     if INTERPRET:
         return True
     elem = torch.tensor([], dtype=dtype).element_size()
-    # Warp specialisation (see _TMA_CONFIGS): 16-bit wgmma loops of 4-warp programs, not the dQ loop.
-    if cfg.warp_specialize and (elem == 4 or kernel == "dq" or cfg.num_warps != 4):
+    # Warp specialisation (see _TMA_CONFIGS): 16-bit wgmma loops of 4-warp programs, not the dQ loops.
+    if cfg.warp_specialize and (elem == 4 or kernel in ("dq", "dkdvq") or cfg.num_warps != 4):
         return False
     if _estimated_shared_bytes(kernel, cfg, block_d, elem) > 0.9 * _shared_memory_limit(device):
         return False
@@ -258,8 +267,10 @@ def config_fits(kernel: str, cfg: FlashConfig, block_d: int, dtype: torch.dtype,
     # Register budget: fp32 accumulators (O, or dK and dV, or dQ) plus the score tile, per thread. Past ~160
     # values a thread the sm_90 builds spill heavily and run 2-3x slower (H200 sweep, results/flash_tiles.parquet).
     # A warp-specialised program's two consumer warp groups hold the accumulators.
-    rows = cfg.block_n if kernel == "dkdv" else cfg.block_m
-    accumulators = (2 if kernel == "dkdv" else 1) * rows * block_d + cfg.block_m * cfg.block_n
+    rows = cfg.block_n if kernel in ("dkdv", "dkdvq") else cfg.block_m
+    accumulators = (1 if kernel in ("fwd", "dq") else 2) * rows * block_d + cfg.block_m * cfg.block_n
+    if kernel == "dkdvq":  # the dS K tile
+        accumulators += cfg.block_m * block_d
     return accumulators <= 160 * 32 * cfg.num_warps * (2 if cfg.warp_specialize else 1)
 
 

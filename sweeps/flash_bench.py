@@ -5,7 +5,11 @@ Studies (`--study`, default both):
           (powers of two), bf16 and fp32. Most informative first, so a budget-limited run measures what
           matters: bf16 before fp16 before fp32, head dim 128, 64, 32, 16, each seq ascending (then provider).
 - target: the shape this kernel exists for: bf16, causal, batch 1, 16 heads, head dim 128, seq 16384.
-Providers: `triton` (kernels.flash_attention, autotuned), `pytorch_tiled` (kernels.flash_attention_pytorch:
+- hopper: issue 16's four shapes (bf16, causal; B x H x N x d = 1x16x16384x128, 1x32x32768x128, 8x16x4096x64,
+          4x32x2048x128), each Triton path (`triton_tma`, `triton_portable`) against both SDPA backends.
+Providers: `triton` (kernels.flash_attention, autotuned, the auto path; `triton_portable`, `triton_tma` and
+their `_1pass` twins pin the path and the backward, and each Triton row's `path` column says which ran),
+`pytorch_tiled` (kernels.flash_attention_pytorch:
 Python tile loops, compiled backward), `naive` (plain-torch reference in the input dtype), `sdpa_flash` and
 `sdpa_cudnn` (torch SDPA pinned to one backend with `torch.nn.attention.sdpa_kernel`).
 
@@ -52,9 +56,17 @@ from raysys.results import ResultWriter, make_row, status_of, trial_id  # noqa: 
 SWEEP = "flash_bench"
 PROVIDERS = ("triton", "pytorch_tiled", "naive", "sdpa_flash", "sdpa_cudnn")
 SDPA_PROVIDERS = ("sdpa_flash", "sdpa_cudnn")
+# The Triton kernels with the path and the backward pinned (None: the auto dispatch).
+TRITON_PATHS = {"triton": (None, None), "triton_portable": ("portable", "two_pass"), "triton_tma": ("tma", "two_pass"),
+                "triton_portable_1pass": ("portable", "one_pass"), "triton_tma_1pass": ("tma", "one_pass")}
+PATH_PROVIDERS = tuple(TRITON_PATHS)[1:]
 MODES = ("fwd", "bwd", "fwd_bwd")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 TARGET = dict(batch=1, heads=16, seq=16384, head_dim=128, dtype="bf16", causal=True)
+# Issue 16's shapes (bf16, causal), each Triton path against both SDPA backends in one run.
+HOPPER_SHAPES = ((1, 16, 16384, 128), (1, 32, 32768, 128), (8, 16, 4096, 64), (4, 32, 2048, 128))
+HOPPER_PROVIDERS = ("triton_tma", "triton_tma_1pass", "triton_portable", "triton_portable_1pass", "sdpa_cudnn",
+                    "sdpa_flash")
 DTYPE_ORDER = ("bf16", "fp16", "fp32")  # grid order: the dtype the kernels are for first
 BUDGET_SKIP = "not run: --max-seconds"  # the error of a trial the time budget left out (resume runs it)
 
@@ -68,6 +80,10 @@ def grid(study: str, quick: bool, seqs=None, head_dims=None, dtypes=None) -> lis
     if study == "target":
         shape = dict(TARGET, heads=2, seq=128, head_dim=32, dtype="fp32") if quick else TARGET
         return [dict(study="target", provider=p, **shape) for p in PROVIDERS]
+    if study == "hopper":
+        shapes = ((1, 2, 128, 32),) if quick else HOPPER_SHAPES
+        return [dict(study="hopper", provider=p, batch=b, heads=h, seq=n, head_dim=d, dtype="bf16", causal=True)
+                for b, h, n, d in shapes for p in HOPPER_PROVIDERS]
     seqs = sorted(set(seqs or ((64, 128) if quick else tuple(2**i for i in range(7, 17)))))  # 128 .. 65536
     head_dims = sorted(set(head_dims or ((16,) if quick else (16, 32, 64, 128))), reverse=True)
     dtypes = sorted(set(dtypes or (("fp32",) if quick else ("bf16", "fp32"))), key=DTYPE_ORDER.index)
@@ -99,12 +115,16 @@ def _sdpa(backend_name: str) -> Callable:
 
 
 def provider_fn(name: str, device: torch.device) -> Callable:
-    if name == "triton":
+    if name in TRITON_PATHS:
         if device.type != "cuda":
             raise Unsupported("the Triton kernels need a CUDA device (or TRITON_INTERPRET=1, far too slow here)")
-        from kernels.flash_attention import flash_attention
+        from kernels.flash_attention import flash_attention, tma_supported
 
-        return flash_attention
+        path, bwd = TRITON_PATHS[name]
+        if path == "tma" and not tma_supported(device):
+            raise Unsupported(f"the tma path needs an sm_90 GPU and Triton >= 3.4, not "
+                              f"{torch.cuda.get_device_name(device)}")
+        return functools.partial(flash_attention, path=path, bwd=bwd)
     if name == "pytorch_tiled":
         from kernels.flash_attention_pytorch import flash_attention_pytorch
 
@@ -171,22 +191,25 @@ def run_trial(cfg: dict, device: torch.device, caps: dict) -> dict:
         metrics["peak_mem_fwd_bwd_bytes"] = float(torch.cuda.max_memory_allocated(device) - base)
     for mode in MODES:
         metrics[f"{mode}_tflops"] = _flops(cfg, mode) / (metrics[f"{mode}_ms"] * 1e-3) / 1e12
-    if cfg["provider"] == "triton":
-        metrics["triton_configs"] = triton_picks(cfg)
+    if cfg["provider"] in TRITON_PATHS:
+        from kernels.flash_attention import LAST_PATH
+
+        metrics["path"] = f"{LAST_PATH['fwd']}, {LAST_PATH['bwd']}"
+        metrics["triton_configs"] = triton_picks(cfg, LAST_PATH["fwd"], LAST_PATH["bwd"])
     return metrics
 
 
-def triton_picks(cfg: dict) -> str:
-    """The autotuners' choices for this shape, e.g. `fwd=128x64/w8/s3; dkdv=...; dq=...`."""
+def triton_picks(cfg: dict, path: str = "portable", bwd: str = "two_pass") -> str:
+    """The autotuners' choices for this shape, path and backward, e.g. `fwd=128x64/w8/s3; dkdv=...; dq=...`."""
     import triton
 
     from kernels.flash_attention import best_configs
 
     head = (triton.next_power_of_2(cfg["seq"]), cfg["head_dim"], cfg["causal"])
     dtype = str(DTYPES[cfg["dtype"]])
-    return "; ".join(f"{kernel}={c.block_m}x{c.block_n}/w{c.num_warps}/s{c.num_stages}"
-                     for kernel, picks in best_configs().items() for key, c in picks.items()
-                     if tuple(key[:3]) == head and dtype in key)
+    kernels = ("fwd", "dkdvq") if bwd == "one_pass" else ("fwd", "dkdv", "dq")
+    return "; ".join(f"{kernel}={c.label()}" for kernel, picks in best_configs().items() for key, c in picks.items()
+                     if kernel in kernels and tuple(key[:3]) == head and dtype in key and key[4] == (path == "tma"))
 
 
 def _max_error(out, q, k, v, causal, device) -> float:
@@ -225,8 +248,9 @@ def add_speedups(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def summary(df: pd.DataFrame) -> str:
-    cols = ["provider", "seq", "head_dim", "dtype", "heads", "status", "fwd_ms", "fwd_tflops", "bwd_ms",
-            "fwd_bwd_ms", "fwd_bwd_tflops", "speedup_fwd_vs_best_sdpa", "speedup_fwd_bwd_vs_best_sdpa", "max_abs_err"]
+    cols = ["provider", "path", "batch", "heads", "seq", "head_dim", "dtype", "status", "fwd_ms", "fwd_tflops",
+            "bwd_ms", "fwd_bwd_ms", "fwd_bwd_tflops", "speedup_fwd_vs_sdpa_cudnn", "speedup_fwd_bwd_vs_sdpa_cudnn",
+            "speedup_fwd_vs_best_sdpa", "speedup_fwd_bwd_vs_best_sdpa", "max_abs_err"]
     view = df[[c for c in cols if c in df]]
     return view.to_string(index=False, float_format=lambda x: f"{x:.4g}")
 
@@ -234,12 +258,15 @@ def summary(df: pd.DataFrame) -> str:
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--study", choices=("grid", "target", "all"), default="all", help="which study to run")
+    parser.add_argument("--study", choices=("grid", "target", "hopper", "all"), default="all",
+                        help="which study to run (all: target and grid)")
     parser.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
     parser.add_argument("--out", default="results", help="directory for flash_bench.parquet")
     parser.add_argument("--quick", action="store_true", help="tiny grid (CPU smoke test)")
     parser.add_argument("--resume", action="store_true", help="skip trials already in the Parquet file")
-    parser.add_argument("--providers", default=",".join(PROVIDERS), help="comma-separated subset of providers")
+    parser.add_argument("--providers", default=None,
+                        help=f"comma-separated subset of {','.join(PROVIDERS + PATH_PROVIDERS)} (default: each "
+                             "study's own)")
     parser.add_argument("--max-seq-pytorch", type=int, default=4096, help="largest seq for pytorch_tiled")
     parser.add_argument("--max-seq-naive", type=int, default=32768, help="largest seq for naive attention")
     parser.add_argument("--max-seconds", type=float, default=float("inf"),
@@ -258,10 +285,10 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         raise ValueError(f"--dtypes {args.dtypes!r} must name some of {list(DTYPES)}")
     device = resolve_device(args.device)
     out = Path(args.out).expanduser().resolve()
-    providers = [p.strip() for p in args.providers.split(",") if p.strip()]
-    unknown = set(providers) - set(PROVIDERS)
+    providers = [p.strip() for p in (args.providers or ",".join(PROVIDERS + PATH_PROVIDERS)).split(",") if p.strip()]
+    unknown = set(providers) - set(PROVIDERS + PATH_PROVIDERS)
     if unknown:
-        raise ValueError(f"unknown providers {sorted(unknown)}; choose from {PROVIDERS}")
+        raise ValueError(f"unknown providers {sorted(unknown)}; choose from {PROVIDERS + PATH_PROVIDERS}")
     caps = {"pytorch_tiled": args.max_seq_pytorch, "naive": args.max_seq_naive}
     writer = ResultWriter(out, SWEEP, resume=args.resume)
     studies = ("target", "grid") if args.study == "all" else (args.study,)

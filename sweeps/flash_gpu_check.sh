@@ -1,64 +1,74 @@
 #!/usr/bin/env bash
-# One-command GPU check of the FlashAttention-2 kernels, sized for a short lease on a 1- or 2-GPU host:
-#   1. the gpu-marked flash tests (pytest-xdist when present), on GPU 0;
-#   2. the target benchmark (bf16, causal, batch 1, 16 heads, d 128, seq 16384): raysys Triton (autotuned)
-#      against torch SDPA's flash and cuDNN backends, naive torch and the tiled PyTorch version, on GPU 1
-#      (on GPU 0 after the tests when there is only one);
-#   3. (RUN_TILES=1, default) every built-in launch config of each kernel at the target shape
-#      (sweeps/flash_tiles.py, no Ray), on GPU 0 after the tests, best ones to $OUT/flash_attention_tuned.json;
-#   4. (RUN_GRID=1) part of the handout's grid study ($GRID_ARGS for sweeps/flash_bench.py), GPU 0 after that;
-#   5. a summary table (sweeps/flash_summary.py).
-# Writes logs and Parquet files to $OUT (default /tmp/flash_gpu_check). Run from the repository root:
-#   OUT=/tmp/x bash sweeps/flash_gpu_check.sh
+# One-command GPU check of the FlashAttention kernels (issue 16: the tma path against the portable one and
+# cuDNN), sized for a short lease on one GPU. Steps, each with its own timeout and log under $OUT:
+#   1. the gpu-marked flash tests (pytest-xdist when present; TEST_K selects with -k), while step 2 compiles;
+#   2. (RUN_TILES=1, default) the tile sweep of the tma variants on $TILES_SHAPES (sweeps/flash_tiles.py, no Ray,
+#      kernels compiled in $COMPILE_WORKERS processes first), best configs merged with the committed portable
+#      ones into $OUT/flash_attention_tuned.json, which the later steps use;
+#   3. the hopper study (sweeps/flash_bench.py): issue 16's four shapes, triton_tma and triton_portable against
+#      SDPA pinned to cuDNN and to flash, forward and forward+backward (autotuning among the tuned entries);
+#   4. (RUN_NCU=1) ncu on one launch of each kernel per path (--clock-control none; a few sections);
+#   5. (RUN_COLD=1) first-call cost: one fwd+bwd on a fresh Triton cache, with the tuned file and with autotuning.
+# Run from the repository root:   OUT=/tmp/x bash sweeps/flash_gpu_check.sh
 set -u
 OUT=${OUT:-/tmp/flash_gpu_check}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
+TILES_SHAPES=${TILES_SHAPES:-16384/128/bf16/causal,2048/128/bf16/causal,4096/64/bf16/causal}
+TILES_VARIANTS=${TILES_VARIANTS:-tma,tma_ws,tma_persistent}
 
 $PY -c "import torch, triton; print(f'torch {torch.__version__}, triton {triton.__version__}, cuda \
 {torch.version.cuda}, cudnn {torch.backends.cudnn.version()}, {torch.cuda.device_count()} x \
 {torch.cuda.get_device_name(0)}')" | tee "$OUT/env.txt"
-NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-8}" || echo "")
+cp kernels/flash_attention_tuned.json "$OUT/flash_attention_tuned.json"
 
-run_tests() {
-  CUDA_VISIBLE_DEVICES=0 timeout "${TEST_TIMEOUT:-170}" $PY -m pytest -m gpu tests/kernels/test_flash_attention_gpu.py \
-    -q -p no:cacheprovider $XDIST > "$OUT/gpu_tests.log" 2>&1
-  echo "pytest exit code $?" >> "$OUT/gpu_tests.log"
-}
-run_tiles() {
-  CUDA_VISIBLE_DEVICES=0 timeout "${TILES_TIMEOUT:-170}" $PY sweeps/flash_tiles.py --launcher local --quick \
-    --shapes "${TILES_SHAPES:-16384/128/bfloat16/causal}" --out "$OUT" --json "$OUT/flash_attention_tuned.json" \
-    > "$OUT/tiles.log" 2>&1
+rm -f "$OUT/tests.done"
+(timeout "${TEST_TIMEOUT:-200}" $PY -m pytest -m gpu tests/kernels/test_flash_attention_gpu.py -q -p no:cacheprovider \
+   $XDIST ${TEST_K:+-k "$TEST_K"} > "$OUT/gpu_tests.log" 2>&1
+ echo "pytest exit code $?" >> "$OUT/gpu_tests.log"; touch "$OUT/tests.done") &
+TESTS=$!
+if [ "${RUN_TILES:-1}" = 1 ]; then
+  # The sweep compiles first (CPU) while the tests run, then waits for them before timing anything.
+  timeout "${TILES_TIMEOUT:-170}" $PY sweeps/flash_tiles.py --launcher local --quick --variants "$TILES_VARIANTS" \
+    --shapes "$TILES_SHAPES" --min-configs 3 --compile-workers "${COMPILE_WORKERS:-8}" --wait-file "$OUT/tests.done" \
+    --out "$OUT" --json "$OUT/flash_attention_tuned.json" > "$OUT/tiles.log" 2>&1
   echo "flash_tiles exit code $?" >> "$OUT/tiles.log"
-}
-run_grid() {
-  CUDA_VISIBLE_DEVICES=0 timeout "${GRID_TIMEOUT:-200}" $PY sweeps/flash_bench.py --study grid --out "$OUT/grid" \
-    ${GRID_ARGS:---dtypes bf16 --head-dims 64,128 --seqs 1024,4096,16384,65536 --no-autotune} > "$OUT/grid.log" 2>&1
-  echo "flash_bench grid exit code $?" >> "$OUT/grid.log"
-}
-run_gpu0() {
-  run_tests
-  if [ "${RUN_TILES:-1}" = 1 ]; then run_tiles; fi
-  if [ "${RUN_GRID:-0}" = 1 ]; then run_grid; fi
-}
-run_bench() {
-  CUDA_VISIBLE_DEVICES=$1 timeout "${BENCH_TIMEOUT:-300}" $PY sweeps/flash_bench.py --study target --out "$OUT" \
-    > "$OUT/bench.log" 2>&1
-  echo "flash_bench exit code $?" >> "$OUT/bench.log"
-}
+fi
+wait $TESTS
+cp "$OUT/flash_attention_tuned.json" kernels/flash_attention_tuned.json  # this machine's copy of the tree only
 
-if [ "$NGPU" -ge 2 ]; then
-  run_gpu0 &
-  run_bench 1
-  wait
-else
-  run_gpu0
-  run_bench 0
+# Autotuning on, bounded by the tuned file: each kernel benchmarks only the file's entries for its path and head dim.
+timeout "${BENCH_TIMEOUT:-150}" $PY sweeps/flash_bench.py --study hopper --out "$OUT" > "$OUT/bench.log" 2>&1
+echo "flash_bench exit code $?" >> "$OUT/bench.log"
+
+if [ "${RUN_NCU:-0}" = 1 ] && command -v ncu > /dev/null; then
+  for path in portable tma; do
+    # 4 launches per call (fwd, D, dK/dV, dQ); the filter keeps 3 of them; skip the warm-up call's.
+    timeout "${NCU_TIMEOUT:-60}" ncu --clock-control none -k "regex:_flash_(fwd|bwd_dkdv|bwd_dq)_kernel" \
+      --launch-skip 3 --launch-count 3 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+      --section WarpStateStats --csv --page details \
+      $PY sweeps/flash_profile.py --shape "${NCU_SHAPE:-1x16x16384x128}" --paths $path > "$OUT/ncu_$path.csv" \
+      2> "$OUT/ncu_$path.log"
+    echo "ncu $path exit code $?" >> "$OUT/ncu_$path.log"
+  done
 fi
 
-echo "===== gpu tests"; grep -v -i "warn" "$OUT/gpu_tests.log" | tail -n 20
+if [ "${RUN_COLD:-0}" = 1 ]; then
+  for mode in tuned autotune; do
+    TRITON_CACHE_DIR=$(mktemp -d) RAYSYS_FLASH_AUTOTUNE=$([ $mode = tuned ] && echo 0 || echo 1) \
+      timeout 120 $PY -c "
+import time, torch
+t = time.perf_counter()
+from kernels.flash_attention import flash_attention
+q, k, v = (torch.randn(1, 32, 32768, 128, device='cuda', dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+flash_attention(q, k, v, True).sum().backward(); torch.cuda.synchronize()
+print(f'first call ($mode, empty Triton cache): {time.perf_counter() - t:.1f} s')" >> "$OUT/cold.log" 2>&1
+  done
+fi
+
+echo "===== gpu tests"; grep -v -i "warn" "$OUT/gpu_tests.log" | tail -n 8
 echo "===== logs"; tail -n 2 "$OUT"/*.log
-$PY sweeps/flash_summary.py "$OUT"
-if [ -d "$OUT/grid" ]; then $PY sweeps/flash_summary.py "$OUT/grid"; fi
+grep -E "compiled|tuned configs" "$OUT/tiles.log"
+$PY sweeps/flash_summary.py "$OUT" 2>&1 | tail -n 40

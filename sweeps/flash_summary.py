@@ -20,20 +20,22 @@ def _fmt(x: float) -> str:
 
 def tiles_table(df: pd.DataFrame, top: int = 5) -> str:
     lines = [f"launch configs: {dict(df['status'].value_counts())}"]
+    df = df.assign(variant=df["variant"].fillna("portable") if "variant" in df else "portable")
     ok = df[df["status"] == "ok"]
     for (kernel, shape), group in ok.groupby(["kernel", "shape"]):
         lines.append(f"-- {kernel} @ {shape}")
-        lines.append(group.nsmallest(top, "median_ms")[["tile", "num_warps", "num_stages", "median_ms", "tflops"]]
-                     .to_string(index=False, float_format=_fmt))
+        lines.append(group.nsmallest(top, "median_ms")[["variant", "tile", "num_warps", "num_stages", "median_ms",
+                                                         "tflops"]].to_string(index=False, float_format=_fmt))
     bad = df[df["status"] != "ok"]
     if len(bad):
-        lines.append(bad[["kernel", "tile", "num_warps", "num_stages", "status"]]
+        lines.append(bad[["kernel", "variant", "tile", "num_warps", "num_stages", "status"]]
                      .assign(error=bad["error"].astype(str).str[:90]).to_string(index=False))
     return "\n".join(lines)
 
 
 def bench_table(df: pd.DataFrame) -> str:
-    cols = ["study", "provider", "seq", "head_dim", "dtype", "heads", "status", "fwd_ms", "fwd_tflops", "bwd_ms",
+    cols = ["study", "provider", "path", "batch", "seq", "head_dim", "dtype", "heads", "status", "fwd_ms", "fwd_tflops",
+            "bwd_ms",
             "bwd_tflops", "fwd_bwd_ms", "fwd_bwd_tflops", "speedup_fwd_vs_sdpa_flash", "speedup_fwd_vs_sdpa_cudnn",
             "speedup_fwd_bwd_vs_sdpa_flash", "speedup_fwd_bwd_vs_sdpa_cudnn", "max_abs_err"]
     lines = [df[[c for c in cols if c in df]].to_string(index=False, float_format=_fmt)]

@@ -1,17 +1,21 @@
 """Ray Tune sweep over the FlashAttention-2 kernels' launch configs: tile sizes, warps, pipeline stages.
 
-Every trial is one kernel (`fwd`, `dkdv` or `dq`), one launch config (block_m x block_n, num_warps,
-num_stages) and one shape (seq, head dim, dtype, causal; batch 1, 16 heads), on one GPU. The trial runs the
-kernel with that explicit config, checks its result against the same kernel under the first built-in
-config (a config that computes something else fails), and times it with `triton.testing.do_bench`
-(median). Metrics: `median_ms`, `tflops` (the kernel's matmuls: fwd 2, dK/dV 4, dQ 3 of the 2*pairs*d
-each; the dK/dV and dQ times include the small D = rowsum(O * dO) kernel), `max_abs_err`. A config that does
-not compile (shared memory, registers) or runs out of memory is a row too (`error` / `oom`).
+Every trial is one kernel (`fwd`, `dkdv`, `dq`, or `dkdvq`: dK/dV with dQ summed in the same pass), one
+variant (`--variants`: the portable path, or the tma path plain, warp-specialised and/or on a persistent
+grid), one launch config (block_m x block_n, num_warps, num_stages) and one shape (seq, head dim, dtype,
+causal; batch 1, 16 heads), on one GPU. The trial runs the kernel with that explicit config, checks its result
+against the same kernel under the first built-in config (a config that computes something else fails), and
+times it with `triton.testing.do_bench` (median). Metrics: `median_ms`, `tflops` (the kernel's matmuls: fwd 2,
+dK/dV 4, dQ 3, dK/dV/dQ 5 of the 2*pairs*d each; the backward times include the small D = rowsum(O * dO)
+kernel), `max_abs_err`. A config that does not compile (shared memory, registers) or runs out of memory is a
+row too (`error` / `oom`).
 
 Afterwards the best config of each (kernel, head dim, dtype) - lowest geometric-mean time over the swept
 shapes - and each shape's winner are written to `kernels/flash_attention_tuned.json` (atomically; `--json`
-elsewhere). The kernels' autotuner tries those first and, with `RAYSYS_FLASH_AUTOTUNE=0`, uses the one
-tuned for the call's head dim and dtype. Writes `<out>/flash_tiles.parquet`.
+elsewhere), per path, with the device and versions they were measured on. The kernels' autotuner benchmarks
+only those for a call whose (path, head dim, dtype) has entries and, with `RAYSYS_FLASH_AUTOTUNE=0`, uses the
+first. Writes `<out>/flash_tiles.parquet`. `--compile-workers N` (local launcher) compiles every trial's
+kernel in N processes before the timed trials.
 
 Shapes are `seq/head_dim/dtype/{causal,full}` with dtype bf16, fp16, fp32 or the torch names; rows carry the
 torch name (`4096/64/bfloat16/causal`), so both spellings resume the same trials. Each row is written when
@@ -58,11 +62,23 @@ TILES = {
     "fwd": ("128x128", "128x64", "128x32", "64x64", "64x32"),
     "dkdv": ("64x128", "32x128", "16x128", "64x64", "32x64", "16x64"),
     "dq": ("128x64", "128x32", "128x16", "64x64", "64x32", "64x16"),
+    "dkdvq": ("64x128", "32x128", "16x128", "64x64", "32x64", "16x64"),
 }
 WARPS = (4, 8)
 STAGES = (1, 2, 3, 4)
-# Matmuls per kernel, in units of the forward's 2 * pairs * d (fwd: S, PV; dK/dV: S, dV, dP, dK; dQ: S, dP, dQ).
-MATMULS = {"fwd": 2, "dkdv": 4, "dq": 3}
+# Matmuls per kernel, in units of the forward's 2 * pairs * d (fwd: S, PV; dK/dV: S, dV, dP, dK; dQ: S, dP, dQ;
+# the one-pass dK/dV/dQ: S, dV, dP, dK, dQ).
+MATMULS = {"fwd": 2, "dkdv": 4, "dq": 3, "dkdvq": 5}
+# Kernel variants: path, warp specialisation, persistent grid (kernels/flash_attention_tuning.py). A trial
+# without a `variant` key is `portable` (the rows of earlier runs).
+VARIANTS = {"portable": ("portable", False, False), "tma": ("tma", False, False), "tma_ws": ("tma", True, False),
+            "tma_persistent": ("tma", False, True), "tma_ws_persistent": ("tma", True, True)}
+QUICK_PER_VARIANT = 4  # --quick: the first built-in candidates of each variant
+
+
+def variant_of(cfg, path: str) -> str:
+    """The VARIANTS name of a FlashConfig on `path`."""
+    return next(name for name, spec in VARIANTS.items() if spec == (path, cfg.warp_specialize, cfg.persistent))
 
 
 def parse_shape(shape: str) -> dict:
@@ -84,23 +100,47 @@ def canonical_shape(shape: str) -> str:
     return f"{p['seq']}/{p['head_dim']}/{p['dtype']}/{'causal' if p['causal'] else 'full'}"
 
 
-def param_spaces(quick: bool, shapes: tuple[str, ...]) -> dict[str, dict]:
-    """One grid per kernel (`{"grid_search": [...]}` is what `ray.tune.grid_search` builds); every
-    combination is a valid config for its kernel."""
+def param_spaces(quick: bool, shapes: tuple[str, ...], variants: tuple[str, ...] = ("portable",)) -> dict[str, dict]:
+    """Grids (`{"grid_search": [...]}` is what `ray.tune.grid_search` builds) keyed `kernel` for the portable
+    variant and `kernel/variant` for the others; every combination is a valid config for its kernel.
+
+    Full: TILES x WARPS x STAGES per kernel (4 warps only when warp-specialised, which Triton 3.6 applies to
+    4-warp fwd and dK/dV loops). Quick: portable, the built-in candidates' tiles x 4, 8 warps x 2, 3 stages;
+    the tma variants, one grid per built-in candidate (the first QUICK_PER_VARIANT of each), over the shapes."""
     import torch
 
     from kernels.flash_attention_tuning import candidates
 
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        raise ValueError(f"variants {sorted(unknown)} must be among {list(VARIANTS)}")
     spaces = {}
     for kernel in KERNELS:
-        if quick:  # the built-in 16-bit candidates' tiles
-            tiles = sorted({f"{c.block_m}x{c.block_n}" for c in candidates(kernel, torch.bfloat16)})
-            warps, stages = (4, 8), (2, 3)
-        else:
-            tiles, warps, stages = TILES[kernel], WARPS, STAGES
-        spaces[kernel] = {"kernel": kernel, "tile": {"grid_search": list(tiles)},
-                          "num_warps": {"grid_search": list(warps)}, "num_stages": {"grid_search": list(stages)},
-                          "shape": {"grid_search": list(shapes)}}
+        for variant in variants:
+            path, ws, persistent = VARIANTS[variant]
+            if ws and kernel in ("dq", "dkdvq"):
+                continue
+            extra = {} if variant == "portable" else {"variant": variant}
+            key = kernel if variant == "portable" else f"{kernel}/{variant}"
+            if quick and variant == "portable":  # the built-in 16-bit candidates' tiles
+                cands = candidates(kernel, torch.bfloat16)
+                spaces[key] = {"kernel": kernel, "tile": {"grid_search": sorted({f"{c.block_m}x{c.block_n}"
+                                                                                 for c in cands})},
+                               "num_warps": {"grid_search": [4, 8]}, "num_stages": {"grid_search": [2, 3]},
+                               "shape": {"grid_search": list(shapes)}}
+                continue
+            if quick:
+                cands = [c for c in candidates(kernel, torch.bfloat16, path=path)
+                         if (c.warp_specialize, c.persistent) == (ws, persistent)][:QUICK_PER_VARIANT]
+                for c in cands:
+                    spaces[f"{key}/{c.label()}"] = {"kernel": kernel, **extra, "tile": f"{c.block_m}x{c.block_n}",
+                                                    "num_warps": c.num_warps, "num_stages": c.num_stages,
+                                                    "shape": {"grid_search": list(shapes)}}
+                continue
+            warps = (4,) if ws else WARPS
+            spaces[key] = {"kernel": kernel, **extra, "tile": {"grid_search": list(TILES[kernel])},
+                           "num_warps": {"grid_search": list(warps)}, "num_stages": {"grid_search": list(STAGES)},
+                           "shape": {"grid_search": list(shapes)}}
     return spaces
 
 
@@ -117,30 +157,42 @@ def trial(config: dict) -> dict:
     import triton.testing
 
     from kernels.flash_attention import FlashConfig, flash_attention_bwd, flash_attention_flops, flash_attention_fwd
-    from kernels.flash_attention_tuning import candidates
+    from kernels.flash_attention_tuning import candidates, config_fits
 
     kernel = config["kernel"]
+    path, ws, persistent = VARIANTS[config.get("variant", "portable")]
     block_m, block_n = (int(x) for x in config["tile"].split("x"))
-    cfg = FlashConfig(block_m, block_n, config["num_warps"], config["num_stages"]).check(kernel)
+    cfg = FlashConfig(block_m, block_n, config["num_warps"], config["num_stages"], ws, persistent).check(kernel, path)
     shape = parse_shape(config["shape"])
     dtype = getattr(torch, shape["dtype"])
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
-    dims = (1, HEADS, shape["seq"], shape["head_dim"])
+    dims = (1, HEADS, config.get("_compile_seq", shape["seq"]), shape["head_dim"])
     q, k, v, do = (torch.randn(dims, generator=gen, device=device, dtype=dtype) for _ in range(4))
     causal = shape["causal"]
-    baseline = candidates(kernel, dtype, shape["head_dim"])[0]  # known-good reference config
+    baseline = candidates(kernel, dtype, shape["head_dim"])[0]  # known-good reference config (portable)
+    block_d = max(16, triton.next_power_of_2(shape["head_dim"]))
+    if not config_fits(kernel, cfg, block_d, dtype, device, path):
+        raise ValueError(f"{kernel} {cfg.label()} on {path} does not fit {config['shape']} (config_fits)")
     if kernel == "fwd":
-        run = lambda c: flash_attention_fwd(q, k, v, causal, config=c)[0]  # noqa: E731
+        run = lambda c, p=path: flash_attention_fwd(q, k, v, causal, config=c, path=p)[0]  # noqa: E731
     else:
-        out, lse = flash_attention_fwd(q, k, v, causal, config=candidates("fwd", dtype, shape["head_dim"])[0])
+        out, lse = flash_attention_fwd(q, k, v, causal, config=candidates("fwd", dtype, shape["head_dim"])[0],
+                                       path="portable")
         if kernel == "dkdv":
-            run = lambda c: flash_attention_bwd(q, k, v, out, lse, do, causal, dkdv_config=c,  # noqa: E731
-                                                compute_dq=False)[1]
+            run = lambda c, p=path: flash_attention_bwd(q, k, v, out, lse, do, causal, dkdv_config=c,  # noqa: E731
+                                                        compute_dq=False, path=p)[1]
+        elif kernel == "dkdvq":  # one pass: dQ is summed by the dK/dV kernel (the row checks that sum)
+            run = lambda c, p=path: flash_attention_bwd(q, k, v, out, lse, do, causal, dkdv_config=c,  # noqa: E731
+                                                        path=p, bwd="one_pass")[0]
         else:
-            run = lambda c: flash_attention_bwd(q, k, v, out, lse, do, causal, dq_config=c,  # noqa: E731
-                                                compute_dkdv=False)[0]
-    got, want = run(cfg).float(), run(baseline).float()
+            run = lambda c, p=path: flash_attention_bwd(q, k, v, out, lse, do, causal, dq_config=c,  # noqa: E731
+                                                        compute_dkdv=False, path=p)[0]
+    if "_compile_seq" in config:  # compile_only: one launch of each config, nothing measured
+        run(cfg)
+        run(baseline, "portable")
+        return {}
+    got, want = run(cfg).float(), run(baseline, "portable").float()
     err = float((got - want).abs().max())
     limit = (1e-4 if dtype == torch.float32 else 2e-2) * float(want.abs().max())
     if not err <= limit:  # NaN fails too
@@ -148,8 +200,8 @@ def trial(config: dict) -> dict:
     ms = float(triton.testing.do_bench(lambda: run(cfg), warmup=25, rep=100, return_mode="median"))
     flops = flash_attention_flops(1, HEADS, shape["seq"], shape["seq"], shape["head_dim"], causal, "fwd")
     flops *= MATMULS[kernel] / 2
-    return {"block_m": block_m, "block_n": block_n, **shape, "median_ms": ms,
-            "tflops": flops / (ms * 1e-3) / 1e12, "max_abs_err": err}
+    return {"block_m": block_m, "block_n": block_n, "path": path, "warp_specialize": ws, "persistent": persistent,
+            **shape, "median_ms": ms, "tflops": flops / (ms * 1e-3) / 1e12, "max_abs_err": err}
 
 
 class Budget:
@@ -175,9 +227,50 @@ class Budget:
             self.trials_left = max(0, self.trials_left - num_trials)
 
 
-def run_local(spaces: dict[str, dict], writer: ResultWriter, budget: Budget) -> None:
+def compile_only(config: dict) -> str:
+    """Compile (one launch on a short sequence) the kernel a trial will time; '' or the error."""
+    try:
+        trial({**config, "_compile_seq": 256})
+        return ""
+    except Exception as exc:  # the trial itself reports it as its row
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+def precompile(configs: list[dict], workers: int) -> None:
+    """Compile the trials' kernels in `workers` processes first: Triton's on-disk cache then serves the timed
+    trials, and compilation (CPU-bound, one kernel at a time per process) overlaps."""
+    import concurrent.futures
+    import multiprocessing
+
+    # Specialisation matches the timed launch: the same heads, dtype, head dim, mask and tile flags, and
+    # sequence lengths that are multiples of 16 (Triton keys its cache on divisibility by 16, not the value).
+    unique = list({(c["kernel"], c.get("variant"), c["tile"], c["num_warps"], c["num_stages"],
+                    c["shape"].split("/", 1)[1]): c for c in configs}.values())
+    start = time.monotonic()
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        errors = [e for e in pool.map(compile_only, unique) if e]
+    print(f"compiled {len(unique)} kernels in {time.monotonic() - start:.1f} s with {workers} processes"
+          + (f"; {len(errors)} failed, first: {errors[0]}" if errors else ""), flush=True)
+
+
+def wait_for(path: Path, timeout_s: float = 600.0) -> None:
+    """Block until `path` exists (another job that shares the GPU is done), at most `timeout_s` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s:g} s")
+        time.sleep(0.5)
+
+
+def run_local(spaces: dict[str, dict], writer: ResultWriter, budget: Budget, compile_workers: int = 0,
+              wait_file: Path | None = None) -> None:
     import torch
 
+    if compile_workers > 0:
+        precompile([c for space in spaces.values() for c in grid_configs(space) if not writer.done(trial_id(c))],
+                   compile_workers)
+    if wait_file is not None:
+        wait_for(wait_file)
     for kernel, space in spaces.items():
         for config in grid_configs(space):
             if writer.done(trial_id(config)):
@@ -192,7 +285,8 @@ def run_local(spaces: dict[str, dict], writer: ResultWriter, budget: Budget) -> 
                 torch.cuda.empty_cache()
             writer.write([row])
             budget.charge(1)
-            print(f"{kernel:4} {config['tile']:>7} w{config['num_warps']} s{config['num_stages']} {config['shape']:<26}"
+            print(f"{kernel:4} {config.get('variant', 'portable'):<14} {config['tile']:>7} w{config['num_warps']} "
+                  f"s{config['num_stages']} {config['shape']:<26}"
                   f" -> {row['status']}" + (f" {row['median_ms']:.3f} ms {row['tflops']:.0f} TFLOP/s"
                                             if row["status"] == "ok" else f" ({row['error'][:70]})"), flush=True)
 
@@ -224,35 +318,50 @@ def best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict[str, 
     ok = df[df["status"] == "ok"].copy()
     if ok.empty:
         return {kernel: [] for kernel in KERNELS}
+    for col, default in (("path", "portable"), ("warp_specialize", False), ("persistent", False)):
+        ok[col] = ok[col].fillna(default) if col in ok else default  # rows of runs before the tma path
     for col in ("block_m", "block_n", "num_warps", "num_stages", "head_dim"):
         ok[col] = ok[col].astype(int)
+    for col in ("warp_specialize", "persistent"):
+        ok[col] = ok[col].astype(bool)
     ok["log_ms"] = ok["median_ms"].map(math.log)
-    keys = ["block_m", "block_n", "num_warps", "num_stages"]
+    keys = ["block_m", "block_n", "num_warps", "num_stages", "warp_specialize", "persistent"]
     out: dict[str, list[dict]] = {}
     for kernel in KERNELS:
         entries = []
-        sel = ok[ok["kernel"] == kernel]
-        for (head_dim, dtype), group in sel.groupby(["head_dim", "dtype"]):
-            per_shape = {shape: part.groupby(keys).ngroups for shape, part in group.groupby("shape")}
-            floor = max(min_configs, max(per_shape.values()) / 2)
-            swept = sorted(shape for shape, n in per_shape.items() if n >= floor)
-            full = group[group["shape"].isin(swept)].groupby(keys).filter(
-                lambda g, n=len(swept): g["shape"].nunique() == n)  # ran on every swept shape
-            if full.empty:
-                continue
-            best = full.groupby(keys)["log_ms"].mean().idxmin()
-            entries.append({**dict(zip(keys, map(int, best))), "head_dim": int(head_dim), "dtype": dtype,
-                            "shapes": swept, "geomean_ms": round(math.exp(
-                                full.groupby(keys)["log_ms"].mean().min()), 4)})
-        for shape, group in sel.groupby("shape"):
-            if group.groupby(keys).ngroups < min_configs:
-                continue
-            row = group.loc[group["median_ms"].idxmin()]
-            entries.append({**{k: int(row[k]) for k in keys}, "head_dim": int(row["head_dim"]), "dtype": row["dtype"],
-                            "shape": shape, "median_ms": round(float(row["median_ms"]), 4),
-                            "tflops": round(float(row["tflops"]), 1)})
+        for path, sel in ok[ok["kernel"] == kernel].groupby("path"):
+            entries += _best_entries(sel, keys, {"path": path}, min_configs)
         out[kernel] = entries
     return out
+
+
+def _best_entries(sel: pd.DataFrame, keys: list[str], tags: dict, min_configs: int) -> list[dict]:
+    """best_configs for the rows of one (kernel, path)."""
+
+    def config_of(values) -> dict:
+        return {k: (bool(v) if k in ("warp_specialize", "persistent") else int(v)) for k, v in zip(keys, values)}
+
+    entries = []
+    for (head_dim, dtype), group in sel.groupby(["head_dim", "dtype"]):
+        per_shape = {shape: part.groupby(keys).ngroups for shape, part in group.groupby("shape")}
+        floor = max(min_configs, max(per_shape.values()) / 2)
+        swept = sorted(shape for shape, n in per_shape.items() if n >= floor)
+        full = group[group["shape"].isin(swept)].groupby(keys).filter(
+            lambda g, n=len(swept): g["shape"].nunique() == n)  # ran on every swept shape
+        if full.empty:
+            continue
+        best = full.groupby(keys)["log_ms"].mean().idxmin()
+        entries.append({**config_of(best), **tags, "head_dim": int(head_dim), "dtype": dtype,
+                        "shapes": swept, "geomean_ms": round(math.exp(
+                            full.groupby(keys)["log_ms"].mean().min()), 4)})
+    for shape, group in sel.groupby("shape"):
+        if group.groupby(keys).ngroups < min_configs:
+            continue
+        row = group.loc[group["median_ms"].idxmin()]
+        entries.append({**config_of(row[k] for k in keys), **tags, "head_dim": int(row["head_dim"]),
+                        "dtype": row["dtype"], "shape": shape, "median_ms": round(float(row["median_ms"]), 4),
+                        "tflops": round(float(row["tflops"]), 1)})
+    return entries
 
 
 def json_note(df: pd.DataFrame) -> str:
@@ -262,6 +371,13 @@ def json_note(df: pd.DataFrame) -> str:
                               for r in ok[["device_name", "torch_version", "triton_version"]].itertuples()}))
     return (f"written by sweeps/flash_tiles.py from the {len(ok)} measured trials ({len(df)} in all) of "
             f"flash_tiles.parquet ({where or 'no device'})")
+
+
+def json_provenance(df: pd.DataFrame) -> dict:
+    """`device`, `torch`, `triton`: each the sorted list of what the measured trials ran on."""
+    ok = df[df["status"] == "ok"]
+    return {key: sorted({str(v) for v in ok[col].dropna()}) if col in ok else []
+            for key, col in (("device", "device_name"), ("torch", "torch_version"), ("triton", "triton_version"))}
 
 
 def write_json(data: dict, path: Path) -> None:
@@ -281,13 +397,21 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                         help="ray: Ray Tune, one GPU per trial; local: every trial in this process")
     parser.add_argument("--quick", action="store_true", help="one shape, the built-in candidates only")
     parser.add_argument("--shapes", default=None, help="comma-separated seq/head_dim/dtype/{causal,full} list")
-    parser.add_argument("--kernels", default=",".join(KERNELS), help="comma-separated subset of fwd,dkdv,dq")
+    parser.add_argument("--kernels", default=",".join(KERNELS), help="comma-separated subset of fwd,dkdv,dq,dkdvq")
     parser.add_argument("--json", default=str(TUNED_CONFIGS_PATH), help="where to write the tuned configs")
     parser.add_argument("--no-json", action="store_true", help="do not write the tuned-config file")
     parser.add_argument("--resume", action="store_true", help="skip trials already in the Parquet file")
     parser.add_argument("--max-trials", type=int, default=None, help="run at most this many trials (all kernels)")
     parser.add_argument("--time-budget-s", type=float, default=None,
                         help="start no trial after this many seconds (ray: Tune also stops the running ones)")
+    parser.add_argument("--variants", default="portable",
+                        help=f"comma-separated kernel variants to sweep, of {','.join(VARIANTS)}")
+    parser.add_argument("--min-configs", type=int, default=MIN_CONFIGS,
+                        help="configs a shape needs measured before it yields a tuned entry")
+    parser.add_argument("--compile-workers", type=int, default=0,
+                        help="local launcher: compile every trial's kernel in this many processes first")
+    parser.add_argument("--wait-file", default=None,
+                        help="local launcher: time nothing before this file exists (a job sharing the GPU ends)")
     args = parser.parse_args(argv)
     shapes = tuple(args.shapes.split(",")) if args.shapes else (QUICK_SHAPES if args.quick else SHAPES)
     shapes = tuple(dict.fromkeys(canonical_shape(s.strip()) for s in shapes))
@@ -295,6 +419,10 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     if set(kernels) - set(KERNELS):
         raise ValueError(f"--kernels {args.kernels!r} must name some of {KERNELS}")
     budget = Budget(args.max_trials, args.time_budget_s)
+    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    if args.min_configs < 1 or args.compile_workers < 0:
+        raise ValueError(f"--min-configs ({args.min_configs}) must be >= 1 and --compile-workers "
+                         f"({args.compile_workers}) >= 0")
 
     if args.launcher == "ray":
         from raysys.cluster import resolve_out_dir
@@ -303,19 +431,34 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     else:
         out = Path(args.out or ROOT / "results").expanduser().resolve()
     writer = ResultWriter(out, SWEEP, resume=args.resume)
-    spaces = {k: v for k, v in param_spaces(args.quick, shapes).items() if k in kernels}
+    spaces = {k: v for k, v in param_spaces(args.quick, shapes, variants).items() if v["kernel"] in kernels}
     if args.launcher == "ray":
         run_tune(spaces, writer, budget, args.resume)
     else:
-        run_local(spaces, writer, budget)
+        run_local(spaces, writer, budget, args.compile_workers, Path(args.wait_file) if args.wait_file else None)
     have = {r["trial_id"] for r in writer.rows}
     not_run = sum(trial_id(c) not in have for space in spaces.values() for c in grid_configs(space))
     if not_run:
         print(f"{not_run} trials of this grid did not run (budget or interrupt); rerun with --resume to run them")
     df = writer.frame()
-    tuned = best_configs(df)
+    tuned = best_configs(df, args.min_configs)
+    note, provenance = json_note(df), json_provenance(df)
+    json_path = Path(args.json)
+    if json_path.exists():  # keep the entries of paths this run's rows do not cover, and say where they are from
+        from kernels.flash_attention_tuning import load_tuned_configs
+
+        swept = {(k, e["path"]) for k, entries in tuned.items() for e in entries}
+        kept = 0
+        for kernel, entries in load_tuned_configs(json_path).items():
+            keep = [e for e in entries if (kernel, e.get("path", "portable")) not in swept]
+            tuned[kernel] = tuned.get(kernel, []) + keep
+            kept += len(keep)
+        if kept:
+            old = json.loads(json_path.read_text())
+            note += f"; {kept} entries of other paths kept from the previous file: {old.get('note', '')}"
+            provenance = {k: sorted(set(v) | set(old.get(k, []))) for k, v in provenance.items()}
     if not args.no_json:
-        write_json({"note": json_note(df), **tuned}, Path(args.json))
+        write_json({"note": note, **provenance, **tuned}, json_path)
         print(f"tuned configs -> {args.json}")
     for kernel, entries in tuned.items():
         for e in entries[:3]:

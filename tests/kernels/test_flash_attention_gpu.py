@@ -26,6 +26,8 @@ pytestmark = [
 ]
 
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)
+# Every path this GPU runs: the tma path on sm_90 (tensor descriptors), the portable one everywhere.
+PATHS = ("portable", "tma") if torch.cuda.is_available() and fa.tma_supported(torch.device("cuda")) else ("portable",)
 
 
 @pytest.fixture(autouse=True)
@@ -69,13 +71,29 @@ def _reference(q, k, v, do, causal):
     return out.detach(), lse.detach(), q64.grad, k64.grad, v64.grad
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_matches_fp64_reference(head_dim, dtype, causal):
+def test_matches_fp64_reference(head_dim, dtype, causal, path):
+    _check_against_fp64(head_dim, dtype, causal, path, "two_pass")
+    assert [fa.LAST_PATH[k] for k in ("fwd", "dkdv", "dq", "bwd")] == [path] * 3 + ["two_pass"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim", (16, 80, 128))
+def test_one_pass_backward_matches_fp64_reference(head_dim, dtype, causal, path):
+    """dQ summed in fp32 by the dK/dV kernel (the TMA unit's reduce on the tma path, atomics on the other)."""
+    _check_against_fp64(head_dim, dtype, causal, path, "one_pass")
+    assert [fa.LAST_PATH[k] for k in ("fwd", "dkdvq", "bwd")] == [path, path, "one_pass"]
+
+
+def _check_against_fp64(head_dim, dtype, causal, path, bwd):
     q_shape, k_shape = _shape(head_dim, causal, dtype)
     q, k, v, do = _inputs(q_shape, k_shape, dtype)
-    got = _run(fa.flash_attention, q, k, v, do, causal)
+    got = _run(lambda *a: fa.flash_attention(*a, path=path, bwd=bwd), q, k, v, do, causal)
     want = _reference(q, k, v, do, causal)
     names = ("out", "lse", "dq", "dk", "dv")
     for name, g in zip(names, got):
@@ -102,10 +120,11 @@ def test_course_shape_saves_one_lse_and_matches():
             torch.testing.assert_close(g.double(), w, rtol=1e-2, atol=1e-2)
 
 
-def test_fp16_and_broadcast_upstream_gradient():
+@pytest.mark.parametrize("path", PATHS)
+def test_fp16_and_broadcast_upstream_gradient(path):
     q, k, v, _ = _inputs((2, 4, 300, 64), (2, 4, 300, 64), torch.float16, seed=2)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    fa.flash_attention(q, k, v, True).sum().backward()
+    fa.flash_attention(q, k, v, True, path=path).sum().backward()  # dO of stride 0 (copied for the tma path)
     _, _, dq, dk, dv = _reference(q, k, v, torch.ones_like(q), True)
     for g, w in ((q.grad, dq), (k.grad, dk), (v.grad, dv)):
         assert _rel_err(g, w) < 1e-2
@@ -148,8 +167,9 @@ def test_model_with_flash_triton_matches_naive_in_bf16():
     assert (grads - ref_grads).norm() / ref_grads.norm() < 5e-2
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_inductor_compiled_model_launches_the_kernels_and_matches_eager(dtype):
+def test_inductor_compiled_model_launches_the_kernels_and_matches_eager(dtype, path, monkeypatch):
     """torch.compile(model, fullgraph) with Inductor: the generated code launches the Triton kernels themselves
     (triton_op, not an opaque call), and logits and every gradient match eager (same launch configs)."""
     from torch._inductor.utils import run_and_get_code
@@ -157,6 +177,7 @@ def test_inductor_compiled_model_launches_the_kernels_and_matches_eager(dtype):
     from raysys.config import ModelConfig
     from raysys.model import TransformerLM, cross_entropy
 
+    monkeypatch.setenv(fa.PATH_ENV, path)
     torch._dynamo.reset()
     cfg = ModelConfig.from_name("tiny", context_length=200, attention="flash_triton")
     torch.manual_seed(0)
@@ -179,8 +200,12 @@ def test_inductor_compiled_model_launches_the_kernels_and_matches_eager(dtype):
     assert (grads - eager_grads).norm() / eager_grads.norm() < tol * 5
 
 
-def test_triton_ops_pass_opcheck():
+@pytest.mark.parametrize("path", PATHS)
+def test_triton_ops_pass_opcheck(path):
     q, k, v, do = _inputs((1, 2, 150, 64), (1, 2, 150, 64), torch.bfloat16, seed=5)
-    torch.library.opcheck(fa.flash_attn_fwd_op, (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), True))
-    out, lse = fa.flash_attention_fwd(q.detach(), k.detach(), v.detach(), True)
-    torch.library.opcheck(fa.flash_attn_bwd_op, (q.detach(), k.detach(), v.detach(), out, lse, do, True, True, True))
+    torch.library.opcheck(fa.flash_attn_fwd_op, (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), True,
+                                                 path, "two_pass"))
+    out, lse = fa.flash_attention_fwd(q.detach(), k.detach(), v.detach(), True, path=path)
+    for bwd in fa.BWD_MODES:
+        torch.library.opcheck(fa.flash_attn_bwd_op, (q.detach(), k.detach(), v.detach(), out, lse, do, True, True,
+                                                     True, path, bwd))

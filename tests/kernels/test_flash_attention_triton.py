@@ -128,7 +128,7 @@ def test_tma_path_matches_fp64_reference(q_shape, k_shape, causal, dtype, config
     out, lse = fa.flash_attention_fwd(q, k, v, causal, config=fwd_cfg, path="tma")
     dq, dk, dv = fa.flash_attention_bwd(q, k, v, out, lse, do, causal, dkdv_config=dkdv_cfg, dq_config=dq_cfg,
                                         path="tma")
-    assert fa.LAST_PATH == {"fwd": "tma", "dkdv": "tma", "dq": "tma"}
+    assert [fa.LAST_PATH[k] for k in ("fwd", "dkdv", "dq", "bwd")] == ["tma", "tma", "tma", "two_pass"]
     poisoned.check()
     tol = TOL[dtype]
     for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv),
@@ -136,6 +136,33 @@ def test_tma_path_matches_fp64_reference(q_shape, k_shape, causal, dtype, config
         torch.testing.assert_close(got.double(), want, **(tol if name != "lse" else dict(atol=2e-5, rtol=1e-5)),
                                    msg=lambda m, n=name: f"{n}: {m}")
 
+
+@interpret
+@pytest.mark.interpret
+@pytest.mark.parametrize("path", ["portable", "tma"])
+@pytest.mark.parametrize("q_shape,k_shape,causal,dtype", CASES[:3] + CASES[4:])
+def test_one_pass_backward_matches_fp64_reference(q_shape, k_shape, causal, dtype, path, poisoned):
+    """The dK/dV kernel that also sums dS K into an fp32 dQ (atomics here; the TMA unit's reduce on a GPU)."""
+    q, k, v, do = _inputs(q_shape, k_shape, dtype, seed=6)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = fa.flash_attention(q, k, v, causal, path=path, bwd="one_pass")
+    out.backward(do)
+    assert (fa.LAST_PATH["dkdvq"], fa.LAST_PATH["bwd"]) == (path, "one_pass")
+    poisoned.check()
+    tol = TOL[dtype]
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad),
+                               [r for i, r in enumerate(_reference(q, k, v, do, causal)) if i != 1]):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_backward_mode_choice(monkeypatch):
+    assert fa.resolve_bwd(None, "portable") == fa.AUTO_BWD["portable"]
+    monkeypatch.setenv(fa.BWD_ENV, "one_pass")
+    assert fa.resolve_bwd(None, "tma") == "one_pass"
+    assert fa.resolve_bwd("two_pass", "tma") == "two_pass"
+    with pytest.raises(ValueError, match="flash backward 'atomic' must be one of auto, two_pass, one_pass"):
+        fa.resolve_bwd("atomic", "tma")
 
 def test_path_choice(monkeypatch):
     q = torch.zeros(1, 2, 32, 16)
@@ -249,21 +276,17 @@ def test_compiled_model_matches_eager():
 
 @interpret
 @pytest.mark.interpret
-@pytest.mark.parametrize("causal", [False, True])
-def test_custom_ops_pass_opcheck(causal):
+@pytest.mark.parametrize("causal,path", [(False, "portable"), (True, "portable"), (True, "tma")])
+def test_custom_ops_pass_opcheck(causal, path):
     """Schema, fake (meta) implementation, autograd registration and AOT dispatch of both custom ops."""
     q, k, v, do = _inputs((1, 2, 19, 16), (1, 2, 19 if causal else 23, 16), torch.float32, seed=4)
-    torch.library.opcheck(fa.flash_attn_fwd_op, (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), causal))
-    out, lse = fa.flash_attention_fwd(q.detach(), k.detach(), v.detach(), causal)
+    torch.library.opcheck(fa.flash_attn_fwd_op, (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), causal,
+                                                 path, "one_pass"))
+    out, lse = fa.flash_attention_fwd(q.detach(), k.detach(), v.detach(), causal, path=path)
     for flags in ((True, True), (False, True), (True, False)):
-        torch.library.opcheck(fa.flash_attn_bwd_op, (q.detach(), k.detach(), v.detach(), out, lse, do, causal, *flags))
-
-@interpret
-@pytest.mark.interpret
-def test_bf16_is_refused_by_the_interpreter():
-    q = torch.zeros(1, 16, 16, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="bfloat16 is not supported by the Triton CPU interpreter"):
-        fa.flash_attention(q, q, q)
+        for bwd in fa.BWD_MODES:
+            torch.library.opcheck(fa.flash_attn_bwd_op, (q.detach(), k.detach(), v.detach(), out, lse, do, causal,
+                                                         *flags, path, bwd))
 
 
 def test_cpu_tensors_without_interpreter_raise(monkeypatch):
@@ -358,10 +381,15 @@ def test_load_tuned_configs(tmp_path):
     assert ft.load_tuned_configs(path) == {}
     entry = dict(block_m=128, block_n=64, num_warps=8, num_stages=3, head_dim=128, dtype="bfloat16")
     path.write_text(json.dumps({"fwd": [entry]}))
-    assert ft.load_tuned_configs(path) == {"fwd": [entry], "dkdv": [], "dq": []}
+    assert ft.load_tuned_configs(path) == {"fwd": [entry], "dkdv": [], "dq": [], "dkdvq": []}
     path.write_text(json.dumps({"dkdv": [entry]}))  # block_n 64 < block_m 128 breaks the dK/dV rule
     with pytest.raises(ValueError, match="dkdv"):
         ft.load_tuned_configs(path)
+    path.write_text(json.dumps({"fwd": [dict(entry, warp_specialize=True)]}))  # a tma knob on the portable path
+    with pytest.raises(ValueError, match="tma path only"):
+        ft.load_tuned_configs(path)
+    path.write_text(json.dumps({"fwd": [dict(entry, warp_specialize=True, path="tma")], "device": ["H200"]}))
+    assert ft.load_tuned_configs(path)["fwd"][0]["path"] == "tma"
     path.write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         ft.load_tuned_configs(path)
