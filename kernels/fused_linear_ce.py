@@ -220,18 +220,29 @@ def _setup_context(ctx, inputs, output):
     _, _, _, _, grad_hidden, grad_weight = inputs
     _, dh, dw = output
     ctx.grad_hidden, ctx.grad_weight = grad_hidden, grad_weight
-    ctx.save_for_backward(dh, dw)
+    # Eager (plain tensors): keep the gradients as the only references to their buffers, so that backward can
+    # scale them in place and autograd can adopt them as .grad without a copy (a saved tensor kept alive a
+    # second (V, D) buffer in backward). A traced graph (fake / functional tensors) saves them functionally.
+    ctx.eager = type(dh) is torch.Tensor and type(dw) is torch.Tensor
+    if ctx.eager:
+        ctx.grads = [dh.detach(), dw.detach()]
+    else:
+        ctx.save_for_backward(dh, dw)
 
 
 def _backward(ctx, grad_loss, _grad_dh, _grad_dw):
-    dh, dw = ctx.saved_tensors
-    scale = grad_loss.to(dh.dtype)
-    if torch.compiler.is_compiling():
-        # Traced graphs stay functional; the compiler may reuse the saved buffers for the products.
+    if not ctx.eager:
+        # Traced: stay functional; the compiler may reuse the saved buffers for the products.
+        dh, dw = ctx.saved_tensors
+        scale = grad_loss.to(dh.dtype)
         return (dh * scale if ctx.grad_hidden else None, dw * scale if ctx.grad_weight else None,
                 None, None, None, None)
-    # Eager: scale in place, so backward needs no second (V, D) buffer. The tensors were saved, so a second
-    # backward through the same graph (retain_graph) fails autograd's version check instead of scaling twice.
+    if ctx.grads is None:
+        raise RuntimeError("linear_cross_entropy: backward ran twice through one graph (retain_graph=True); its "
+                           "gradients were computed in the forward pass and the first backward consumed them")
+    (dh, dw), ctx.grads = ctx.grads, None
+    scale = grad_loss.to(dh.dtype)
+    # In place: backward allocates nothing.
     return (dh.mul_(scale) if ctx.grad_hidden else None, dw.mul_(scale) if ctx.grad_weight else None,
             None, None, None, None)
 
