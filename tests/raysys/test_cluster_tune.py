@@ -136,7 +136,7 @@ def test_sigterm_keeps_finished_trials_and_resume_runs_the_rest(ray_cluster, tmp
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode != 0, output
-    assert "tune_hang: interrupted; the 3 trials finished in this run are in" in output, output
+    assert f"tune_hang: interrupted after 3 of 4 trials; its rows are in {parquet}; rerun with --resume" in output, output
     rows = pd.read_parquet(parquet)
     assert sorted(rows["x"]) == [1, 2, 4] and (rows["status"] == "ok").all()
     assert dict(zip(rows["x"], rows["y"])) == {1: 1, 2: 4, 4: 16}
