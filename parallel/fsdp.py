@@ -1,89 +1,30 @@
-"""Fully sharded data parallel (FSDP, ZeRO stage 3) for a whole model: just-in-time weight all-gathers with
-prefetch, compute-dtype communication, asynchronous fp32 gradient reduce-scatters (handout section 7).
+"""Fully sharded data parallel (FSDP, ZeRO stage 3): just-in-time weight all-gathers with prefetch, compute-dtype
+communication and asynchronous fp32 gradient reduce-scatters (handout section 7).
 
-What is sharded. The `weight` of every Linear and Embedding module (torch's `nn.Linear` / `nn.Embedding`, or any
-module class named `Linear` / `Embedding`, which covers `raysys.model` and `cs336_basics`; `parallel/` never
-imports raysys). A weight of shape (R, *rest) is zero-padded to N * ceil(R / N) rows and split along dim 0: rank r
-keeps rows [r * ceil(R/N), (r+1) * ceil(R/N)) as an fp32 `nn.Parameter` that replaces the module's `weight`, so
-`fsdp.parameters()` hands the optimizer the shards (master weights and updates stay fp32; padding rows have zero
-gradient and stay zero under SGD / AdamW). Every other parameter (norm weights, biases) is replicated.
+What is sharded: the `weight` of every Linear / Embedding (torch's, or any class of that name: `raysys.model`,
+`cs336_basics`), zero-padded to N * ceil(rows / N) rows and split along dim 0; rank r keeps its rows as an fp32
+`nn.Parameter` in the module's place, so `fsdp.parameters()` hands the optimizer the shards. Other parameters (norms,
+biases) are replicated and all-reduced once per step. A unit is gathered and reduced as one: every sharded module
+alone by default, or every outermost module of `units=(TransformerBlock,)` (as FSDP2 is applied per block).
 
-Unit of gathering. By default every sharded module is its own unit (the handout's "layer"). With
-`units=(TransformerBlock,)` (classes or class names) every outermost module of those classes is one unit holding
-all the sharded weights below it, as torch's FSDP2 is applied per block; sharded modules outside any such module
-stay units of their own. A unit costs one all-gather in forward, one in backward (skipped when all its weights are
-embeddings, whose backward is a scatter-add of the output gradient that never reads the weight) and one
-reduce-scatter, whatever its number of weights: per block instead of per Linear, the host issues a seventh of the
-collectives, which matters when a step is bound by the host's launch rate.
+Per unit and step: one all-gather (coalesced over its weights, in place) before its forward, issued two units ahead;
+its full weights freed after forward and gathered again for backward, one unit ahead; one coalesced reduce-scatter
+of its fp32 gradients once the last has arrived. With `compute_dtype` (e.g. bf16) shards are cast before the
+all-gather and Linear / Embedding compute in that dtype; gradients are cast back to fp32 for the reduction.
 
-Layout of a unit (N ranks, weights w_1..w_k with padded shard sizes s_1..s_k, S = sum s_i):
-    shard storage   fp32 (S,): this rank's shards back to back; each weight's shard is an `nn.Parameter` viewing
-                    its slice (the optimizer updates them in place, so the storage always holds the masters)
-    all-gather      in: the weights' shards, cast to the compute dtype straight into rank r's rows of their full
-                    tensors (one `_foreach_copy_`; the all-gathers then run in place, as FSDP2's, with no
-                    send buffer); fp32 sends the shard storage's slices as they are
-    full storage    compute dtype, N * s_1 | N * s_2 | ...: each weight's padded full tensor in one piece, the
-                    output of its own all-gather (rank r's rows in place); the k all-gathers are issued as one
-                    coalesced group (on NCCL one launch). A backend without coalesced all-gathers gets one flat
-                    all-gather into (N, S) (rank r's shards in row r) and one `split_with_sizes_copy` into the
-                    pieces. Each full weight is a leaf `nn.Parameter` viewing its piece
-    reduce-scatter  in fp32, N * s_1 | N * s_2 | ...: each weight's full gradient cast into its padded (N * rows,
-                    ...) piece (one `_foreach_copy_`), which is rank-major already; one reduce-scatter per weight,
-                    issued as one coalesced group, each into its shard's slot of out (S,) fp32, the summed gradient
-                    of this rank's shards. A backend without coalesced reduce-scatters gets one `_chunk_cat` into
-                    (N, S) (row r: the rows rank r owns, padded, cast in the same kernel) and one reduce-scatter;
-                    the coalesced path skips that gather of rows, a kernel several times slower than a cast
-The full storage is allocated (`resize_`) just before it is written (its all-gather, or the copy-out, so a flat
-prefetch in flight holds one buffer) and released (`resize_(0)`) right after use;
-autograd keeps referring to the same full weights, so the backward's re-gather refills what the saved graph reads.
-The all-gathers and the copy-out write through separate tensors on the same storage, so the full weights' version
-counters, which the saved graph checks, never move.
+Invariant: after `finish_gradient_synchronization()` every shard's `.grad` (fp32, shard shape) holds its rows of the
+mean over ranks of the local full-weight gradients (zero in padding rows), every replicated `.grad` the mean over
+ranks, identical on all ranks. In fp32 with N = 2 a step equals, bit for bit, one process averaging two per-slice
+gradients as (g0 + g1) / 2. Several backward passes before one finish add up. A group of one reduces in place.
 
-Forward, per unit i in execution order:
-    pre-hook   wait for (or issue) all-gather(i); copy out; swap the full weights into their modules
-    post-hook  swap the shards back; free the full weights; issue all-gather(i + 2)      <- prefetch
-so the all-gather of unit i starts only once unit i - 2 has finished its forward pass (units 0 and 1 start with
-the forward itself), at most three units' full weights are alive, and each gather overlaps the compute of the
-unit before it. The order is the one the previous forward executed (the first forward gathers on demand).
-Backward, per unit (the pre-hook is a hook on the unit's output gradient, the post-hook a post-accumulate-grad
-hook on each full weight):
-    pre-hook   issue all-gather(i) if not prefetched; issue all-gather of the next unit backward needs
-               (reverse forward order); wait for all-gather(i)
-    post-hook  once every trainable weight of the unit has its gradient: free the full weights, issue
-               reduce-scatter(SUM) of the fp32 gradients into this rank's shards
-A unit whose weights are all frozen (`requires_grad=False`) is gathered for backward all the same (its input's
-gradient reads them) and freed by a hook on its inputs' gradients, which are complete only once its backward ran.
-Replicated parameters (norm weights, biases: a few KB per block) are all-reduced (SUM) as one flattened tensor
-in `finish_gradient_synchronization()`: one small collective after backward instead of one per parameter queued
-between the weights' all-gathers and reduce-scatters.
+Requirements (as torch's FSDP): every rank runs the same units in the same order, each at most once per forward; no
+weight tying between sharded modules; no activation recomputation of sharded modules; one dtype per unit;
+optimizers update the shards in place. Lifetime: hooks hold the wrapper weakly (parallel/hooks.py), so a dropped
+wrapper is freed at once; its modules keep their shards (`gather_full_params()` first for the full weights).
 
-With `compute_dtype`, shards are cast before the all-gather (half the bytes of fp32), the full weights, the other
-parameters (biases) and floating inputs of sharded modules are in that dtype (a pre-hook on each sharded module
-casts them), and so is compute; gradients are cast back to fp32 for the reduce-scatter. Other modules (norms) see
-the dtype their inputs arrive in. `parallel.mixed_precision.CastForCompute` is the same policy on one process,
-without sharding.
-
-Invariant: after `finish_gradient_synchronization()`, every shard's `.grad` (fp32, shard shape) equals its
-rows of (sum over ranks of the local full-weight gradients) / N, and every replicated parameter's `.grad` is
-(sum over ranks) / N, bit-identical on all ranks. The sum over two ranks is a single fp32 add (commutative)
-and / 2 is exact, so with N = 2 and fp32 compute one step equals, bit for bit, a single process that computes
-the two per-slice gradients and averages them as (g0 + g1) / 2. The units change when collectives run, never
-what they compute.
-
-Gradient accumulation: several forward/backward passes may run before one `finish_gradient_synchronization()`;
-their gradients add up (each pass's reduce-scatters are summed), and finish averages over the ranks, so the
-result is the sum over passes of the rank-averaged gradients, as without FSDP. A unit some of whose weights got
-no gradient in a backward pass is reduced (the missing ones as zeros) by finish or by the next forward.
-
-Requirements (as torch's FSDP): every rank runs the same units in the same order, each at most once per forward,
-and produces gradients for the same parameters (collectives are matched by issue order); no weight tying between
-sharded modules; sharded modules are not recomputed by activation checkpointing; a unit's weights share one
-dtype; optimizers update the shards in place (as torch's do), never by assigning `.data`.
-
-Lifetime (parallel/hooks.py): every hook, module or tensor, holds the wrapper weakly and names its unit by index,
-and a unit holds no reference to its wrapper, so a wrapper nobody references is freed at once by reference
-counting and its hooks are removed with it; `remove_hooks()` does the same explicitly. The model's sharded modules
-keep their shards as `weight` either way (`gather_full_params()` first to get the full weights back).
+    fsdp = make_fsdp("fsdp", model, compute_dtype=torch.bfloat16, units=(TransformerBlock,))
+    loss_fn(fsdp(x), y).backward(); fsdp.finish_gradient_synchronization(); optimizer.step()
+    full = fsdp.gather_full_params()  # a collective: every rank calls it
 """
 
 from __future__ import annotations
@@ -99,16 +40,16 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.distributed_c10d import AllgatherOptions, ReduceScatterOptions
+from torch.distributed.distributed_c10d import (AllgatherOptions, AllreduceCoalescedOptions, AllreduceOptions,
+                                                ReduceScatterOptions)
 
 from parallel.carveout import SMCarveout
-from parallel.ddp import broadcast_module_state
+from parallel.ddp import broadcast_module_state, mean_reduction
 from parallel.hooks import WeakHook, remove_handles
 from parallel.mixed_precision import (cast_inputs, cast_params, has_other_floating_params, is_embedding,
                                       is_sharded_module)
 
-__all__ = ["FSDP", "CommStats", "is_sharded_module"]
+__all__ = ["FSDP", "FSDP_KINDS", "CommStats", "is_sharded_module", "make_fsdp"]
 
 # torch 2.13 renames the single-tensor collectives and deprecates the old names (a FutureWarning per call).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -142,19 +83,19 @@ def _unit_spec(units: Iterable[type | str] | None) -> tuple:
     return spec
 
 
+def _matches(mod: nn.Module, spec: tuple) -> bool:
+    return any(isinstance(mod, u) if isinstance(u, type) else type(mod).__name__ == u for u in spec)
+
+
 def _group_units(module: nn.Module, spec: tuple) -> list[tuple[str, nn.Module, list[tuple[str, nn.Module]]]]:
     """[(unit name, root module, [(name, sharded module), ...])] in module order: every outermost module matching
     `spec` with its sharded modules, and every sharded module outside those on its own."""
-
-    def matches(mod: nn.Module) -> bool:
-        return any(isinstance(mod, u) if isinstance(u, type) else type(mod).__name__ == u for u in spec)
-
     groups: list[tuple[str, nn.Module, list]] = []
     owner: dict[int, int] = {}  # id(module) -> index of the unit whose root is above it
     matched = False
     for name, mod in module.named_modules():
         group = owner.get(id(mod))
-        if group is None and spec and matches(mod):
+        if group is None and spec and _matches(mod, spec):
             matched, group = True, len(groups)
             groups.append((name or type(mod).__name__, mod, []))
             for sub in mod.modules():
@@ -207,7 +148,29 @@ class _Weight:
 
 
 class _Unit:
-    """The sharded weights gathered together (see Layout in the module docstring) and their communication state.
+    """The sharded weights gathered together and their communication state. With N ranks and weights w_1..w_k of
+    padded shard sizes s_1..s_k (S = sum s_i):
+
+    shard storage   fp32 (S,): this rank's shards back to back; each weight's shard is an `nn.Parameter` viewing its
+                    slice, so the optimizer's in-place updates keep the storage current
+    full storage    compute dtype, N * s_1 | N * s_2 | ...: each weight's padded full tensor (rank-major rows), the
+                    output of its own all-gather; the full weight is a leaf `nn.Parameter` viewing it. Allocated
+                    (`resize_`) just before it is written and released (`resize_(0)`) right after use; autograd keeps
+                    the same full weights, whose version counters the gathers never move (they write through
+                    `padded`, another tensor on the storage)
+    all-gather      in place: a compute-dtype cast writes rank r's shards into rank r's rows of the outputs (one
+                    `_foreach_copy_`), and the k all-gathers run there as one coalesced group; fp32 sends the shard
+                    views as they are. Every view involved is built once, here
+    reduce-scatter  fp32, N * s_1 | N * s_2 | ...: each weight's gradient cast into its padded piece (one
+                    `_foreach_copy_`), one reduce-scatter per weight issued as one coalesced group into this rank's
+                    (S,) slot; with N = 1 the output is the input itself (nothing moves)
+
+    Backends without coalesced collectives get a flat all-gather into (N, S) and a copy-out, and a `_chunk_cat` into
+    (N, S) and one reduce-scatter. Forward: the pre-hook waits for (or issues) the unit's gather and swaps the full
+    weights in; the post-hook swaps the shards back, frees the full weights and issues the gather of the unit two
+    ahead in the previous forward's order. Backward: a hook on the unit's output gradient issues its gather and the
+    next one backward needs; once all its trainable weights have their gradient, the full weights are freed and
+    the reduce-scatter issued (a frozen unit is freed by a hook on its inputs' gradients instead).
 
     Holds no reference to its wrapper (see Lifetime in the module docstring): the wrapper passes itself to the
     methods that communicate or count."""
@@ -242,7 +205,12 @@ class _Unit:
                                         padded))
             offset += size
         self.nbytes = self.storage.nbytes()
+        # Views of the full storage built while it is allocated (they stay valid across resizes, as `padded` does).
+        self.gather_outputs = [w.padded.view(-1) for w in self.weights]
+        self.send_slots = [w.padded[rank] for w in self.weights]  # the compute-dtype gathers' inputs, in place
         self.storage.resize_(0)
+        self.shard_pieces = list(self.shard_flat.split(sizes))
+        self.send_sizes = [n * size for size in sizes]  # each weight's piece of the fp32 reduce-scatter input
         # A frozen Linear still reads its weight in backward (for its input's gradient); an embedding never does.
         self.needs_weight_in_backward = any(not is_embedding(w.module) for w in self.weights)
         self.num_trainable = sum(w.full.requires_grad for w in self.weights)
@@ -266,17 +234,16 @@ class _Unit:
             # issued as one group. A cast writes this rank's shards straight into their slots of the outputs, and
             # the all-gathers run in place there (as FSDP2's): no separate send buffer.
             self.storage.resize_(self.nbytes)
-            outputs = [w.padded for w in self.weights]
-            shards = list(self.shard_flat.split(self.sizes))
             if cast:
-                self._send = [out[fsdp.rank] for out in outputs]
-                torch._foreach_copy_(self._send, shards)
+                torch._foreach_copy_(self.send_slots, self.shard_pieces)
+                self._send = self.send_slots
             else:
-                self._send = shards
-            if len(self.weights) == 1:
-                self._work = _all_gather(outputs[0].view(-1), self._send[0], group=fsdp.process_group, async_op=True)
+                self._send = self.shard_pieces
+            if fsdp._coalesced_gather:
+                self._work = fsdp._all_gather_coalesced(self.gather_outputs, self._send)
             else:
-                self._work = fsdp._all_gather_coalesced([out.view(-1) for out in outputs], self._send)
+                self._work = _all_gather(self.gather_outputs[0], self._send[0], group=fsdp.process_group,
+                                         async_op=True)
         else:  # one flat all-gather, copied out at wait; the full storage is allocated then (one buffer in flight)
             self._send = self.shard_flat.to(self.dtype) if cast else self.shard_flat
             self._recv = torch.empty(fsdp.world_size * self.shard_numel, dtype=self.dtype,
@@ -415,6 +382,17 @@ class FSDP(nn.Module):
         self._event_log = event_log
         self._gathered_bytes = [0]  # mutated in place: hooks skip Module.__setattr__'s checks
         broadcast_module_state(module, process_group)
+        # Collectives go to the process group directly, with options built once.
+        self._group = process_group if process_group is not None else dist.group.WORLD
+        self._mean_op, self._divisor = mean_reduction(process_group)
+        self._all_gather_opts, self._reduce_scatter_opts = AllgatherOptions(), ReduceScatterOptions()
+        self._all_reduce_opts, self._all_reduce_coalesced_opts = AllreduceOptions(), AllreduceCoalescedOptions()
+        for opts in (self._all_gather_opts, self._reduce_scatter_opts, self._all_reduce_opts,
+                     self._all_reduce_coalesced_opts):
+            if hasattr(opts, "asyncOp"):  # torch >= 2.7: without it a group would run on the current stream
+                opts.asyncOp = True
+        for opts in (self._reduce_scatter_opts, self._all_reduce_opts, self._all_reduce_coalesced_opts):
+            opts.reduceOp = self._mean_op
 
         self._units: list[_Unit] = []
         self._owner = weakref.ref(self)  # what hooks hold (see Lifetime in the module docstring)
@@ -437,6 +415,7 @@ class FSDP(nn.Module):
                         handles.append(w.module.register_forward_hook(WeakHook(self._owner, FSDP._cast_post)))
         # Runs remove_hooks' work when the wrapper is collected (or when remove_hooks() calls it).
         self._remove_handles = weakref.finalize(self, remove_handles, handles)
+        self._pre_backward_hooks = [WeakHook(self._owner, FSDP._pre_backward, unit.index) for unit in self._units]
         self._weight_of_shard = {id(w.shard): w for unit in self._units for w in unit.weights}
         self._replicated = [p for p in module.parameters() if id(p) not in self._weight_of_shard and p.requires_grad]
         self._pending: deque[_PendingOp] = deque()
@@ -496,7 +475,7 @@ class FSDP(nn.Module):
         unit.swap_out()
         unit.free(self)
         if unit.needs_weight_in_backward and torch.is_grad_enabled():
-            _on_gradients(_output_tensors(output), WeakHook(self._owner, FSDP._pre_backward, unit.index), "any")
+            _on_gradients(_output_tensors(output), self._pre_backward_hooks[index], "any")
         pos = len(self._fwd_calls) - 1
         if pos + 2 < len(self._last_order):
             self._last_order[pos + 2].start_gather(self, "forward")
@@ -551,13 +530,14 @@ class FSDP(nn.Module):
         unit.free(self)
         n, device = self.world_size, unit.shard_flat.device
         first = grads[0]
-        coalesced = len(grads) > 1 and self._coalesced_reduce_scatter
+        coalesced = self._coalesced_reduce_scatter
         if (len(grads) == 1 and first is not None and first.dtype == torch.float32 and first.is_contiguous()
                 and first.numel() == n * unit.shard_numel):
-            send = first.view(-1)
+            send = first.view(-1)  # already fp32 and laid out as its own padded piece: sent as it is
+            pieces = [send]
         elif coalesced:  # fp32, weight after weight, each its own padded (N * rows, ...) tensor: rank-major already
             send = torch.empty(n * unit.shard_numel, dtype=torch.float32, device=device)
-            pieces = [send[n * w.offset:n * (w.offset + size)] for w, size in zip(unit.weights, unit.sizes)]
+            pieces = list(send.split(unit.send_sizes))
             _cast_into(pieces, grads, unit.weights)
         else:  # fp32, each weight's rows laid out by owning rank, padding rows zero
             full_grads = [g if g is not None else torch.zeros(w.shape, dtype=w.full.dtype, device=device)
@@ -566,15 +546,15 @@ class FSDP(nn.Module):
             torch._chunk_cat(full_grads, dim=0, num_chunks=n, out=send.view(n, -1))
             del full_grads
         del grads, first
+        # A group of one reduces in place: this rank's slot of the input is the whole input, and nothing moves.
+        out = send if n == 1 else torch.empty(unit.shard_numel, dtype=torch.float32, device=device)
         if coalesced:  # one reduce-scatter per weight, issued as one group: each shard lands in its slot of `out`
-            out = torch.empty(unit.shard_numel, dtype=torch.float32, device=device)
-            work = self._reduce_scatter_coalesced(list(out.split(unit.sizes)), pieces)
+            work = self._reduce_scatter_coalesced(pieces if n == 1 else list(out.split(unit.sizes)), pieces)
         elif self._reduce_scatter_ok:
-            out = torch.empty(unit.shard_numel, dtype=torch.float32, device=device)
-            work = _reduce_scatter(out, send, group=self.process_group, async_op=True)
+            work = _reduce_scatter(out, send, op=self._mean_op, group=self.process_group, async_op=True)
         else:  # gloo without reduce-scatter: all-reduce the whole gradient, keep this rank's slice
             out = send.narrow(0, self.rank * unit.shard_numel, unit.shard_numel)
-            work = dist.all_reduce(send, group=self.process_group, async_op=True)
+            work = dist.all_reduce(send, op=self._mean_op, group=self.process_group, async_op=True)
         self.stats.reduce_scatters += 1
         self.stats.reduce_scatter_bytes += send.numel() * send.element_size()
         self._log("reduce_scatter", unit.name, "backward")
@@ -593,19 +573,20 @@ class FSDP(nn.Module):
         unit.reduced_grad = summed if unit.reduced_grad is None else unit.reduced_grad.add_(summed)
 
     def _all_reduce_replicated(self) -> None:
-        """Average the replicated gradients: one flattened all-reduce per dtype."""
+        """Average the replicated gradients: one coalesced all-reduce per dtype, in place (blocking)."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in self._replicated:
             if p.grad is not None:
                 by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
         for grads in by_dtype.values():
-            flat = _flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=self.process_group)
-            flat.div_(self.world_size)
-            for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                grad.copy_(synced)
+            if len(grads) == 1:
+                self._group.allreduce(grads, self._all_reduce_opts).wait()
+            else:
+                self._group.allreduce_coalesced(grads, self._all_reduce_coalesced_opts).wait()
+            if self._divisor != 1:
+                torch._foreach_div_(grads, self._divisor)
             self.stats.all_reduces += 1
-            self.stats.all_reduce_bytes += flat.numel() * flat.element_size()
+            self.stats.all_reduce_bytes += sum(g.numel() for g in grads) * grads[0].element_size()
 
     # ------------------------------------------------------------------ public API
     def finish_gradient_synchronization(self) -> None:
@@ -620,13 +601,18 @@ class FSDP(nn.Module):
         for unit in self._units:
             if unit.reduced_grad is None:
                 continue
-            summed, unit.reduced_grad = unit.reduced_grad.div_(self.world_size), None
+            summed, unit.reduced_grad = unit.reduced_grad, None
+            if self._divisor != 1:
+                summed.div_(self._divisor)
             had_grad, unit.had_grad = unit.had_grad, [False] * len(unit.weights)
-            for w, got in zip(unit.weights, had_grad):
+            for w, got, grad in zip(unit.weights, had_grad, summed.split(unit.sizes)):
                 if not got:  # no gradient reached it (unused this step): none, as without FSDP
                     continue
-                grad = summed[w.offset:w.offset + w.shard_numel].view(w.shard.shape).to(w.shard.dtype)
-                w.shard.grad = grad if w.shard.grad is None else w.shard.grad.add_(grad)
+                shard = w.shard
+                grad = grad.view(shard.shape)
+                if grad.dtype != shard.dtype:
+                    grad = grad.to(shard.dtype)
+                shard.grad = grad if shard.grad is None else shard.grad.add_(grad)
 
     def remove_hooks(self) -> None:
         """Unregister every hook the wrapper put on the model and drop its gradient state: the wrapper no longer
@@ -690,17 +676,12 @@ class FSDP(nn.Module):
     def _all_gather_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> dist.Work:
         """all_gather_into_tensor(outputs[i], inputs[i]) for every i as one group of collectives (one NCCL launch),
         asynchronous: on NCCL's stream, as `async_op=True` collectives."""
-        opts = AllgatherOptions()
-        if hasattr(opts, "asyncOp"):  # torch >= 2.7: without it the group would run on the current stream
-            opts.asyncOp = True
-        return (self.process_group or dist.group.WORLD).allgather_into_tensor_coalesced(outputs, inputs, opts)
+        return self._group.allgather_into_tensor_coalesced(outputs, inputs, self._all_gather_opts)
 
     def _reduce_scatter_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> dist.Work:
-        """reduce_scatter_tensor(outputs[i], inputs[i], SUM) for every i as one group, asynchronous (as above)."""
-        opts = ReduceScatterOptions()
-        if hasattr(opts, "asyncOp"):
-            opts.asyncOp = True
-        return (self.process_group or dist.group.WORLD).reduce_scatter_tensor_coalesced(outputs, inputs, opts)
+        """reduce_scatter_tensor(outputs[i], inputs[i]) for every i as one group, asynchronous (as above), with the
+        group's mean reduction (`parallel.ddp.mean_reduction`: AVG on NCCL, else SUM and finish divides)."""
+        return self._group.reduce_scatter_tensor_coalesced(outputs, inputs, self._reduce_scatter_opts)
 
     def _has_coalesced(self, method: str, probe: Callable[[], dist.Work]) -> bool:
         """Whether the group's backend runs the coalesced collective `method`: NCCL does; gloo is asked with a
@@ -725,3 +706,49 @@ class FSDP(nn.Module):
         except (RuntimeError, NotImplementedError):
             return False
         return True
+
+
+FSDP_KINDS = ("fsdp", "fsdp2")
+
+
+def make_fsdp(kind: str, module: nn.Module, *, compute_dtype: torch.dtype | None = None,
+              process_group: dist.ProcessGroup | None = None, units: Iterable[type | str] | None = None,
+              **kwargs: Any) -> nn.Module:
+    """Shard `module` in one call, as a trial builds its strategy.
+
+    "fsdp": `FSDP(module, compute_dtype, process_group, units=units, **kwargs)`. "fsdp2": torch's `fully_shard` on
+    every outermost module of `units` (classes or class names), then on the root, with
+    `MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=float32)` when `compute_dtype` is set; returns
+    `module` itself (FSDP2 reduces inside backward, so it has no `finish_gradient_synchronization`). `kwargs` go to
+    `FSDP` or to every `fully_shard` call (e.g. `reshard_after_forward`).
+    """
+    if kind not in FSDP_KINDS:
+        raise ValueError(f"FSDP kind {kind!r} is not one of {list(FSDP_KINDS)}")
+    if kind == "fsdp":
+        return FSDP(module, compute_dtype, process_group, units=units, **kwargs)
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
+        raise ValueError(f"compute_dtype ({compute_dtype!r}) must be a floating-point torch.dtype or None")
+    spec = _unit_spec(units)
+    roots, inside = [], set()
+    for mod in module.modules():
+        if spec and id(mod) not in inside and _matches(mod, spec):
+            roots.append(mod)
+            inside.update(id(sub) for sub in mod.modules())
+    if spec and not roots:
+        raise ValueError(f"units {spec!r}: the model has no module of those classes")
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("FSDP2 needs an initialised torch.distributed process group (init_process_group first)")
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    first = next(module.parameters(), None)
+    device_type = first.device.type if first is not None else "cpu"
+    mesh = DeviceMesh.from_group(process_group if process_group is not None else dist.group.WORLD, device_type)
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype,
+                                  reduce_dtype=torch.float32 if compute_dtype is not None else None)
+    for root in roots:
+        fully_shard(root, mesh=mesh, mp_policy=policy, **kwargs)
+    fully_shard(module, mesh=mesh, mp_policy=policy, **kwargs)
+    return module

@@ -294,6 +294,45 @@ def test_variants_match_single_process_training_transformer():
     _check(results, TRANSFORMER_VARIANTS, num_steps)
 
 
+WORLD_OF_ONE = [("naive", {}), ("flat", {}), ("overlapped", {}), ("bucketed", {"bucket_size_mb": 0.05}),
+                ("bucketed", {"bucket_size_mb": 0.05, "grad_as_bucket_view": False}), ("bucketed", {"bucket_size_mb": 1000.0})]
+
+
+def _world_of_one(rank: int, world_size: int) -> dict:
+    """Every variant on a group of one against plain training of the same model on the same batch (what the sweeps'
+    `--world-size 1` times): per step, the parameters not bitwise equal, and the collectives issued."""
+    out = {}
+    for kind, kwargs in WORLD_OF_ONE:
+        torch.manual_seed(0)
+        reference = _build("transformer")
+        torch.manual_seed(0)
+        ddp = make_ddp(kind, _build("transformer"), **kwargs)
+        ref_opt, ddp_opt = _optimizer("transformer", reference.parameters()), _optimizer("transformer", ddp.parameters())
+        mismatched, calls_per_step = [], []
+        for step in range(2):
+            x, y = _batch("transformer", step)
+            ref_opt.zero_grad(set_to_none=True)
+            _loss("transformer", reference, x, y).backward()
+            ref_opt.step()
+            ddp_opt.zero_grad(set_to_none=True)
+            with _count_all_reduces() as calls:
+                _loss("transformer", ddp, x, y).backward()
+                ddp.finish_gradient_synchronization()
+            ddp_opt.step()
+            calls_per_step.append(len(calls))
+            mismatched.append([n for (n, p), q in zip(reference.named_parameters(), ddp.module.parameters())
+                               if not torch.equal(p, q)])
+        out[_name(kind, kwargs)] = dict(mismatched=mismatched, calls=calls_per_step, expected=ddp.num_collectives)
+    return out
+
+
+def test_group_of_one_trains_bitwise_like_one_process():
+    [results] = run_ranks(_world_of_one, 1)
+    for name, r in results.items():
+        assert r["mismatched"] == [[], []], f"{name}: {r['mismatched']}"
+        assert r["calls"] == [r["expected"]] * 2, f"{name}: a group of one still issues every collective: {r}"
+
+
 def _train_compiled(rank: int, world_size: int, variants: list, num_steps: int) -> tuple[dict, int]:
     graphs = dynamo_graphs()
     return _train_variants(rank, world_size, "transformer-compiled", variants, num_steps), dynamo_graphs() - graphs

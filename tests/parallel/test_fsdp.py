@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.fsdp import FSDP
+from parallel.fsdp import FSDP, make_fsdp
 from parallel.mixed_precision import CastForCompute
 from raysys.config import ModelConfig
 from raysys.model import AdamW, Embedding, Linear, RMSNorm, TransformerBlock, TransformerLM, cross_entropy
@@ -327,7 +327,7 @@ def _all_checks(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def per_rank() -> list[dict]:
-    return run_ranks(_all_checks, WORLD)
+    return run_ranks(_all_checks, WORLD, timeout_s=900)  # every check in one spawn: minutes on a loaded 2-core host
 
 
 @pytest.mark.multiproc
@@ -428,6 +428,50 @@ def test_wrapper_and_model_are_freed_with_their_hooks(per_rank):
         assert r["wrapper_freed"] and r["hooks_left"] == 0, f"the dropped wrapper is still alive: {r}"
         assert r["model_freed"], f"the model outlived its last reference: {r}"
         assert r["hooks_after_remove"] == 0 and "remove_hooks" in r["forward_error"], r
+
+
+WORLD_OF_ONE = [("fsdp", None, None), ("fsdp", (TransformerBlock,), None), ("fsdp", (TransformerBlock,), torch.bfloat16),
+                ("fsdp2", (TransformerBlock,), None)]
+
+
+def _world_of_one(rank: int, world_size: int) -> dict:
+    """`make_fsdp` on a group of one (the sweeps' `--world-size 1`, where the reduce-scatter runs in place) against
+    one process training the same model on the same batch, through `CastForCompute` for a compute dtype: per step,
+    the parameters not bitwise equal."""
+    out = {}
+    for kind, units, dtype in WORLD_OF_ONE:
+        base = _build("tiny")
+        ref = copy.deepcopy(base) if dtype is None else CastForCompute(copy.deepcopy(base), dtype)
+        mine = make_fsdp(kind, copy.deepcopy(base), compute_dtype=dtype, units=units)
+        ref_opt, opt = _optimizer("adamw", ref.parameters()), _optimizer("adamw", mine.parameters())
+        mismatched = []
+        for step in range(2):
+            x, y = _data("tiny", step)
+            for model, optimizer in ((ref, ref_opt), (mine, opt)):
+                optimizer.zero_grad(set_to_none=True)
+                _loss(model, x, y).backward()
+                getattr(model, "finish_gradient_synchronization", lambda: None)()
+                optimizer.step()
+            full = (mine.gather_full_params() if kind == "fsdp"
+                    else {n: p.full_tensor() for n, p in mine.named_parameters()})
+            ref_params = ref.module.named_parameters() if dtype is not None else ref.named_parameters()
+            mismatched.append([n for n, p in ref_params if not torch.equal(full[n], p.detach())])
+        out[(kind, str(units), str(dtype))] = mismatched
+    return out
+
+
+@pytest.mark.multiproc
+def test_group_of_one_trains_bitwise_like_one_process():
+    [results] = run_ranks(_world_of_one, 1)
+    for case, mismatched in results.items():
+        assert mismatched == [[], []], f"{case}: {mismatched}"
+
+
+def test_make_fsdp_rejects_an_unknown_kind_and_bad_units():
+    with pytest.raises(ValueError, match="'zero3'"):
+        make_fsdp("zero3", ToyModel())
+    with pytest.raises(ValueError, match="no module of those classes"):
+        make_fsdp("fsdp2", ToyModel(), units=("TransformerBlock",))
 
 
 def test_invalid_arguments_raise_before_any_communication():
