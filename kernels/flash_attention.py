@@ -276,7 +276,9 @@ def _flash_fwd_kernel(Q, K, V, O, L,
                       BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
                       EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                       USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PERSISTENT: tl.constexpr):
-    # SEQ_BUCKET (next power of two of max(M, N)) is only an autotuning key.
+    # SEQ_BUCKET (next power of two of max(M, N)) is only an autotuning key. Inductor passes Python floats as
+    # fp64 scalars (Triton's launcher as fp32): fp32 here, or the scores would be promoted to fp64.
+    qk_scale = tl.cast(qk_scale, tl.float32)
     num_m = tl.cdiv(N_Q, BLOCK_M)
     if PERSISTENT:  # one program per SM walks the work items, heaviest first
         for tile in tl.range(tl.program_id(0), num_m * NUM_BH, tl.num_programs(0)):
@@ -476,6 +478,7 @@ def _flash_bwd_dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV, DQ,
                            EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                            USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PERSISTENT: tl.constexpr,
                            DQ_ATOMIC: tl.constexpr):
+    scale, qk_scale = tl.cast(scale, tl.float32), tl.cast(qk_scale, tl.float32)  # see _flash_fwd_kernel
     num_n = tl.cdiv(N_K, BLOCK_N)
     if PERSISTENT:
         for tile in tl.range(tl.program_id(0), num_n * NUM_BH, tl.num_programs(0)):
@@ -619,6 +622,7 @@ def _flash_bwd_dq_kernel(Q, K, V, DO, L, Delta, DQ,
                          BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
                          EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                          USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PERSISTENT: tl.constexpr):
+    scale, qk_scale = tl.cast(scale, tl.float32), tl.cast(qk_scale, tl.float32)  # see _flash_fwd_kernel
     num_m = tl.cdiv(N_Q, BLOCK_M)
     if PERSISTENT:
         for tile in tl.range(tl.program_id(0), num_m * NUM_BH, tl.num_programs(0)):
@@ -642,8 +646,10 @@ def _flash_bwd_dq_kernel(Q, K, V, DO, L, Delta, DQ,
 # ----------------------------------------------------------------------------------------------------------
 _KERNELS = {"fwd": _flash_fwd_kernel, "dkdv": _flash_bwd_dkdv_kernel, "dq": _flash_bwd_dq_kernel,
             "dkdvq": _flash_bwd_dkdv_kernel}
+# The one-pass kernel adds into DQ: the autotuner zeroes it before each timed run and before the real one.
 _TUNED = {name: triton.autotune(configs=[c.to_triton() for c in config_list(name)], key=AUTOTUNE_KEY,
-                                prune_configs_by={"early_config_prune": make_pruner(name)})(
+                                prune_configs_by={"early_config_prune": make_pruner(name)},
+                                reset_to_zero=["DQ"] if name == "dkdvq" else None)(
               triton.heuristics(even_heuristics())(fn))
           for name, fn in _KERNELS.items()}
 LAST_PATH: dict[str, str] = {}

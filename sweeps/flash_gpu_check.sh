@@ -4,11 +4,13 @@
 #   1. the gpu-marked flash tests (pytest-xdist when present; TEST_K selects with -k), while step 2 compiles;
 #   2. (RUN_TILES=1, default) the tile sweep of the tma variants on $TILES_SHAPES (sweeps/flash_tiles.py, no Ray,
 #      kernels compiled in $COMPILE_WORKERS processes first), best configs merged with the committed portable
-#      ones into $OUT/flash_attention_tuned.json, which the later steps use;
+#      ones into $OUT/flash_attention_tuned.json, which the later steps use; RUN_TILES=0: instead, the committed
+#      tuned configs compiled in parallel (sweeps/flash_profile.py), each process's first-call cost logged;
 #   3. the hopper study (sweeps/flash_bench.py): issue 16's four shapes, triton_tma and triton_portable against
-#      SDPA pinned to cuDNN and to flash, forward and forward+backward (autotuning among the tuned entries);
+#      SDPA pinned to cuDNN and to flash, forward and forward+backward (autotuning among the tuned entries;
+#      $BENCH_PROVIDERS narrows the providers);
 #   4. (RUN_NCU=1) ncu on one launch of each kernel per path (--clock-control none; a few sections);
-#   5. (RUN_COLD=1) first-call cost: one fwd+bwd on a fresh Triton cache, with the tuned file and with autotuning.
+#   5. (RUN_COLD=1) first-call cost at 1x32x32768x128: one fwd+bwd on a fresh Triton cache, tuned file or autotuning.
 # Run from the repository root:   OUT=/tmp/x bash sweeps/flash_gpu_check.sh
 set -u
 OUT=${OUT:-/tmp/flash_gpu_check}
@@ -29,7 +31,19 @@ rm -f "$OUT/tests.done"
    $XDIST ${TEST_K:+-k "$TEST_K"} > "$OUT/gpu_tests.log" 2>&1
  echo "pytest exit code $?" >> "$OUT/gpu_tests.log"; touch "$OUT/tests.done") &
 TESTS=$!
-if [ "${RUN_TILES:-1}" = 1 ]; then
+if [ "${RUN_TILES:-1}" = 0 ]; then
+  # No sweep: compile the tuned file's configs while the tests run, one process per (path, backward, head dim),
+  # each on a fresh cache, so each log's first call is the first-call cost (compile + autotuning the entries).
+  for job in "tma two_pass" "tma one_pass" "portable two_pass"; do
+    set -- $job
+    for d in 128 64; do
+      TRITON_CACHE_DIR=/tmp/flash_cache_${1}_${2}_$d timeout 150 $PY sweeps/flash_profile.py --autotune --warmup 0 \
+        --shape 1x16x1024x$d --paths $1 --bwd $2 > "$OUT/first_${1}_${2}_$d.log" 2>&1 &
+    done
+  done
+  wait $(jobs -p | grep -v "^$TESTS$")
+  CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}; mkdir -p "$CACHE"; cp -r /tmp/flash_cache_*/* "$CACHE"/  # for step 3
+elif [ "${RUN_TILES:-1}" = 1 ]; then
   # The sweep compiles first (CPU) while the tests run, then waits for them before timing anything.
   timeout "${TILES_TIMEOUT:-170}" $PY sweeps/flash_tiles.py --launcher local --quick --variants "$TILES_VARIANTS" \
     --shapes "$TILES_SHAPES" --min-configs 3 --compile-workers "${COMPILE_WORKERS:-8}" --wait-file "$OUT/tests.done" \
@@ -40,7 +54,8 @@ wait $TESTS
 cp "$OUT/flash_attention_tuned.json" kernels/flash_attention_tuned.json  # this machine's copy of the tree only
 
 # Autotuning on, bounded by the tuned file: each kernel benchmarks only the file's entries for its path and head dim.
-timeout "${BENCH_TIMEOUT:-150}" $PY sweeps/flash_bench.py --study hopper --out "$OUT" > "$OUT/bench.log" 2>&1
+timeout "${BENCH_TIMEOUT:-150}" $PY sweeps/flash_bench.py --study hopper --out "$OUT" \
+  ${BENCH_PROVIDERS:+--providers "$BENCH_PROVIDERS"} > "$OUT/bench.log" 2>&1
 echo "flash_bench exit code $?" >> "$OUT/bench.log"
 
 if [ "${RUN_NCU:-0}" = 1 ] && command -v ncu > /dev/null; then
@@ -70,7 +85,8 @@ fi
 
 echo "===== gpu tests"; grep -v -i "warn" "$OUT/gpu_tests.log" | tail -n 8
 echo "===== logs"; tail -n 2 "$OUT"/*.log
-grep -E "compiled|tuned configs" "$OUT/tiles.log"
+[ -f "$OUT/tiles.log" ] && grep -E "compiled|tuned configs" "$OUT/tiles.log"
+grep -h "first call" "$OUT"/first_*.log 2>/dev/null
 $PY sweeps/flash_summary.py "$OUT" 2>&1 | tail -n 40
 # The lease returns at most 8 files: the logs travel as one archive.
 rm -f "$OUT/tests.done"

@@ -1,12 +1,15 @@
-"""Launch each FlashAttention kernel once per path, for a profiler (`ncu`) to measure; nothing is timed here.
+"""Launch each FlashAttention kernel a set number of times per path, for a profiler (`ncu`), and report what
+the first call cost (compilation plus autotuning, in seconds). Nothing else is timed here.
 
-Runs the forward and the backward (D, dK/dV, dQ kernels) on one shape, per path, after one warm-up call that
-compiles them; `--marker` prints the launch order so that `ncu --launch-skip` can skip the warm-up launches.
-The launch configs are those autotuning off takes (the tuned file's), so the profile is of the benchmarked
-kernels. Needs a CUDA GPU.
+Per path: `--warmup` calls of forward and backward (D, dK/dV, dQ or the one-pass dK/dV/dQ kernel), then one
+more, the one to profile (`ncu --launch-skip` skips the warm-up launches). The first call's wall time and the
+autotuners' benchmarking seconds are printed: with the tuned file in place autotuning times only its entries
+for the call's (path, head dim, dtype), so that file bounds the cost. `--autotune` off (default) takes the
+first valid config, the profiled one being the benchmarked kernel. Needs a CUDA GPU.
 
-    ncu --clock-control none -k regex:_flash_ --launch-skip 8 --section SpeedOfLight \\
-        python3 sweeps/flash_profile.py --shape 1x16x16384x128 --paths portable,tma
+    ncu --clock-control none -k regex:_flash_ --launch-skip 3 --launch-count 3 --section SpeedOfLight \\
+        python3 sweeps/flash_profile.py --shape 1x16x16384x128 --paths tma
+    python3 sweeps/flash_profile.py --autotune --shape 1x16x1024x128   # first-call cost on a fresh cache
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,32 +28,43 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="1x16x16384x128", help="BxHxNxd (bf16, causal)")
     parser.add_argument("--paths", default="portable,tma", help="comma-separated paths to launch, in order")
-    parser.add_argument("--warmup", type=int, default=1, help="untraced calls per path before the profiled one")
+    parser.add_argument("--bwd", default="two_pass", help="backward: two_pass or one_pass")
+    parser.add_argument("--warmup", type=int, default=1, help="calls per path before the profiled one")
+    parser.add_argument("--autotune", action="store_true", help="autotune (among the tuned file's entries)")
     args = parser.parse_args(argv)
     parts = args.shape.lower().split("x")
     if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
         raise ValueError(f"--shape {args.shape!r} must be BxHxNxd with positive integers, e.g. 1x16x16384x128")
     if args.warmup < 0:
         raise ValueError(f"--warmup ({args.warmup}) must be >= 0")
-    os.environ["RAYSYS_FLASH_AUTOTUNE"] = "0"
+    os.environ["RAYSYS_FLASH_AUTOTUNE"] = "1" if args.autotune else "0"
+    start = time.perf_counter()
     import torch
 
-    from kernels.flash_attention import PATHS, flash_attention_bwd, flash_attention_fwd
+    import kernels.flash_attention as fa
 
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
-    if set(paths) - set(PATHS):
-        raise ValueError(f"--paths {args.paths!r} must name some of {PATHS}")
+    if set(paths) - set(fa.PATHS):
+        raise ValueError(f"--paths {args.paths!r} must name some of {fa.PATHS}")
+    if args.bwd not in fa.BWD_MODES:
+        raise ValueError(f"--bwd {args.bwd!r} must be one of {fa.BWD_MODES}")
     if not torch.cuda.is_available():
         raise ValueError("flash_profile needs a CUDA GPU")
     b, h, n, d = map(int, parts)
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(b, h, n, d, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    print(f"imports and inputs: {time.perf_counter() - start:.1f} s", flush=True)
     for path in paths:
-        for _ in range(args.warmup + 1):  # the last call is the one to profile: 4 launches (fwd, D, dK/dV, dQ)
-            out, lse = flash_attention_fwd(q, k, v, True, path=path)
-            flash_attention_bwd(q, k, v, out, lse, do, True, path=path)
-        torch.cuda.synchronize()
-        print(f"{path}: {args.warmup} warm-up call(s) then one profiled call, 4 launches each", flush=True)
+        for call in range(args.warmup + 1):
+            start = time.perf_counter()
+            out, lse = fa.flash_attention_fwd(q, k, v, True, path=path)
+            fa.flash_attention_bwd(q, k, v, out, lse, do, True, path=path, bwd=args.bwd)
+            torch.cuda.synchronize()
+            if call == 0:
+                tuning = sum(getattr(t, "bench_time", 0.0) for t in fa._TUNED.values())
+                print(f"{path} {args.bwd} {args.shape}: first call {time.perf_counter() - start:.1f} s (autotuning "
+                      f"{'on' if args.autotune else 'off'}: {tuning:.1f} s of benchmarking so far)", flush=True)
+    print(f"{args.warmup} warm-up call(s) then one more per path, 4 launches each (3 with one_pass)", flush=True)
 
 
 if __name__ == "__main__":

@@ -389,6 +389,28 @@ def write_json(data: dict, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def write_tuned(df: pd.DataFrame, tuned: dict[str, list[dict]], json_path: Path) -> dict[str, list[dict]]:
+    """Write `tuned` (best_configs of `df`) to `json_path`, keeping the file's entries of the (kernel, path)
+    pairs `tuned` has none for, and saying where each part comes from; returns what was written."""
+    note, provenance = json_note(df), json_provenance(df)
+    tuned = dict(tuned)
+    if json_path.exists():
+        from kernels.flash_attention_tuning import load_tuned_configs
+
+        swept = {(k, e["path"]) for k, entries in tuned.items() for e in entries}
+        kept = 0
+        for kernel, entries in load_tuned_configs(json_path).items():
+            keep = [e for e in entries if (kernel, e.get("path", "portable")) not in swept]
+            tuned[kernel] = tuned.get(kernel, []) + keep
+            kept += len(keep)
+        if kept:
+            old = json.loads(json_path.read_text())
+            note += f"; {kept} entries of other paths kept from the previous file: {old.get('note', '')}"
+            provenance = {k: sorted(set(v) | set(old.get(k, []))) for k, v in provenance.items()}
+    write_json({"note": note, **provenance, **tuned}, json_path)
+    return tuned
+
+
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -442,23 +464,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         print(f"{not_run} trials of this grid did not run (budget or interrupt); rerun with --resume to run them")
     df = writer.frame()
     tuned = best_configs(df, args.min_configs)
-    note, provenance = json_note(df), json_provenance(df)
-    json_path = Path(args.json)
-    if json_path.exists():  # keep the entries of paths this run's rows do not cover, and say where they are from
-        from kernels.flash_attention_tuning import load_tuned_configs
-
-        swept = {(k, e["path"]) for k, entries in tuned.items() for e in entries}
-        kept = 0
-        for kernel, entries in load_tuned_configs(json_path).items():
-            keep = [e for e in entries if (kernel, e.get("path", "portable")) not in swept]
-            tuned[kernel] = tuned.get(kernel, []) + keep
-            kept += len(keep)
-        if kept:
-            old = json.loads(json_path.read_text())
-            note += f"; {kept} entries of other paths kept from the previous file: {old.get('note', '')}"
-            provenance = {k: sorted(set(v) | set(old.get(k, []))) for k, v in provenance.items()}
     if not args.no_json:
-        write_json({"note": note, **provenance, **tuned}, json_path)
+        tuned = write_tuned(df, tuned, Path(args.json))
         print(f"tuned configs -> {args.json}")
     for kernel, entries in tuned.items():
         for e in entries[:3]:
