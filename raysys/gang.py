@@ -38,8 +38,8 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raysys.device import resolve_device
-from raysys.rank import (DEVICES, RANK_ENV, PlacementInfeasible, RankContext, RankSpec, check_rank_env,
-                         destroy_rank, device_description, free_port, init_rank, max_cpu_ranks)
+from raysys.rank import (DEVICES, RANK_ENV, BaseGang, PlacementInfeasible, RankContext, RankSpec, destroy_rank,
+                         device_description, free_port, init_rank, max_cpu_ranks)
 from raysys.telemetry import RankMonitor
 
 log = logging.getLogger(__name__)
@@ -237,8 +237,8 @@ def _root_cause(exc: Exception, pending: dict, grace_s: float = 1.0) -> Exceptio
     return exc
 
 
-class Gang:
-    """`world_size` rank actors in one placement group, joined in one process group.
+class Gang(BaseGang):
+    """`world_size` rank actors in one placement group, joined in one process group (`BaseGang`'s interface).
 
         with Gang(2, device="cpu", name="allreduce") as gang:
             per_rank = gang.run(fn, 1024)        # fn(ctx, 1024) on every rank; results ordered by rank
@@ -251,50 +251,31 @@ class Gang:
     def __init__(self, world_size: int, *, device: str = "auto", strategy: str = "STRICT_PACK", name: str = "gang",
                  timeout_s: float = 600.0, gpu_visibility: str = "shared", cpus_per_rank: float = 1,
                  placement_timeout_s: float = 120.0, env: Mapping[str, str] | None = None):
-        if not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size ({world_size!r}) must be an int >= 1")
-        if device not in DEVICES:
-            raise ValueError(f"device {device!r} must be one of {DEVICES}")
+        super().__init__(world_size, device=device, name=name, timeout_s=timeout_s, env=env)
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy {strategy!r} must be one of {STRATEGIES}")
         if gpu_visibility not in GPU_VISIBILITY:
             raise ValueError(f"gpu_visibility {gpu_visibility!r} must be one of {GPU_VISIBILITY}")
-        if timeout_s <= 0 or placement_timeout_s <= 0:
-            raise ValueError(f"timeout_s ({timeout_s}) and placement_timeout_s ({placement_timeout_s}) must be > 0")
+        if placement_timeout_s <= 0:
+            raise ValueError(f"placement_timeout_s ({placement_timeout_s}) must be > 0")
         if cpus_per_rank <= 0:
             raise ValueError(f"cpus_per_rank ({cpus_per_rank}) must be > 0")
-        self.env = dict(env or {})
-        check_rank_env(self.env)
-        self.world_size, self.strategy, self.name = world_size, strategy, name
-        self.requested_device, self.gpu_visibility = device, gpu_visibility
-        self.timeout_s, self.placement_timeout_s, self.cpus_per_rank = timeout_s, placement_timeout_s, cpus_per_rank
-        self.device = ""                     # resolved in start(): "cuda" or "cpu"
-        self.backend = ""
+        self.strategy, self.gpu_visibility = strategy, gpu_visibility
+        self.placement_timeout_s, self.cpus_per_rank = placement_timeout_s, cpus_per_rank
         self.actors: list = []               # by rank
-        self.ranks: list[dict] = []          # per rank: node, ip, gpu ids, device name, ...
-        self.broken = False
         self._pg = None
 
     # -- lifecycle
-    def __enter__(self) -> "Gang":
-        self.start()
-        return self
+    @property
+    def running(self) -> bool:
+        return bool(self.actors)
 
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
-
-    def start(self) -> "Gang":
+    def _resolve_device(self) -> str:
         init_ray()
-        self.device = gang_device(self.requested_device)
-        self.backend = "nccl" if self.device == "cuda" else "gloo"
+        return gang_device(self.requested_device)
+
+    def _check_placement(self) -> None:
         check_placement(self.world_size, device=self.device, strategy=self.strategy, cpus_per_rank=self.cpus_per_rank)
-        try:
-            self._start()
-        except BaseException:
-            self.broken = True
-            self.shutdown()
-            raise
-        return self
 
     def _start(self) -> None:
         gid = next(_gang_ids)
@@ -367,25 +348,13 @@ class Gang:
                 self._pg = None
 
     # -- running
-    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list:
-        """`fn(ctx, *args, **kwargs)` on every rank; the results ordered by rank."""
-        return self.call(fn, args, kwargs)
+    def _submit(self, fn: Callable[..., Any], args: tuple, kwargs: dict, label: str) -> list:
+        """One task per actor, named `<name>.rank<r>:<label>` in the Ray dashboard."""
+        return [a.run.options(name=f"{self.name}.rank{r}:{label}").remote(fn, args, kwargs)
+                for r, a in enumerate(self.actors)]
 
-    def call(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, *,
-             label: str | None = None, timeout_s: float | None = None) -> list:
-        """`run` with a task label (shown in the Ray dashboard as `<name>.rank<r>:<label>`) and a timeout."""
-        if not self.actors:
-            raise RuntimeError(f"gang {self.name!r} is not running (use it in a `with` block)")
-        if self.broken:
-            raise RuntimeError(f"gang {self.name!r} is broken by an earlier failure; build a new one")
-        what = f"{self.name}:{label or getattr(fn, '__name__', 'fn')}"
-        refs = [a.run.options(name=f"{self.name}.rank{r}:{label or getattr(fn, '__name__', 'fn')}")
-                .remote(fn, tuple(args), dict(kwargs or {})) for r, a in enumerate(self.actors)]
-        try:
-            return _gather(refs, self.timeout_s if timeout_s is None else timeout_s, what)
-        except BaseException:
-            self.broken = True
-            raise
+    def _collect(self, refs: list, label: str, timeout_s: float) -> list:
+        return _gather(refs, timeout_s, f"{self.name}:{label}")
 
 
 @functools.cache

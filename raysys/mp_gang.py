@@ -1,9 +1,9 @@
 """The same gang without Ray: one `torch.multiprocessing` process per rank on this machine.
 
-`ProcessGang` has `Gang`'s interface (`with ... as gang: gang.run(fn, *args)`, `broken`, `ranks`) and runs
-the same trial functions with the same `RankContext` and process-group bootstrap (`raysys.rank.init_rank`,
-which also sets the gang's `env` in every rank), so a benchmark can be launched both ways in one run and the
-difference is what Ray costs. Rank r uses `cuda:r` of the GPUs this process sees (all ranks see all of them,
+`ProcessGang` implements `raysys.rank.BaseGang`, as `raysys.gang.Gang` does (`with ... as gang: gang.run(fn,
+*args)`, `broken`, `ranks`), and runs the same trial functions with the same `RankContext` and process-group
+bootstrap (`raysys.rank.init_rank`, which also sets the gang's `env` in every rank), so a benchmark can be
+launched both ways in one run and the difference is what Ray costs. Rank r uses `cuda:r` of the GPUs this process sees (all ranks see all of them,
 like Ray's `shared` visibility).
 
 Each rank is a persistent `spawn`ed process that joins the group once and then serves calls over a pipe:
@@ -26,7 +26,7 @@ import torch
 import torch.multiprocessing as mp
 
 from raysys.device import resolve_device
-from raysys.rank import (DEVICES, PlacementInfeasible, RankSpec, check_local_cpu_ranks, check_rank_env, destroy_rank,
+from raysys.rank import (DEVICES, BaseGang, PlacementInfeasible, RankSpec, check_local_cpu_ranks, destroy_rank,
                          device_description, free_port, init_rank)
 
 
@@ -85,87 +85,59 @@ def _error_payload(exc: BaseException) -> bytes:
         return pickle.dumps(("error", (None, text)))
 
 
-class ProcessGang:
-    """`world_size` local rank processes joined in one process group; same interface as `raysys.gang.Gang`."""
+class ProcessGang(BaseGang):
+    """`world_size` local rank processes joined in one process group; `BaseGang`'s interface, as `raysys.gang.Gang`.
+    `start_timeout_s` bounds the wait for every rank to join."""
 
     def __init__(self, world_size: int, *, device: str = "auto", name: str = "gang", timeout_s: float = 600.0,
                  start_timeout_s: float = 120.0, env: Mapping[str, str] | None = None):
-        if not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size ({world_size!r}) must be an int >= 1")
-        if device not in DEVICES:
-            raise ValueError(f"device {device!r} must be one of {DEVICES}")
-        if timeout_s <= 0 or start_timeout_s <= 0:
-            raise ValueError(f"timeout_s ({timeout_s}) and start_timeout_s ({start_timeout_s}) must be > 0")
-        self.world_size, self.name, self.timeout_s, self.start_timeout_s = world_size, name, timeout_s, start_timeout_s
-        self.env = dict(env or {})
-        check_rank_env(self.env)
-        self.requested_device = device
-        self.device = ""
-        self.backend = ""
-        self.gpu_visibility = "shared"
-        self.ranks: list[dict] = []
-        self.broken = False
+        super().__init__(world_size, device=device, name=name, timeout_s=timeout_s, env=env)
+        if start_timeout_s <= 0:
+            raise ValueError(f"start_timeout_s ({start_timeout_s}) must be > 0")
+        self.start_timeout_s = start_timeout_s
         self._procs: list = []
         self._conns: list = []
 
-    def __enter__(self) -> "ProcessGang":
-        self.start()
-        return self
+    @property
+    def running(self) -> bool:
+        return bool(self._procs)
 
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
+    def _resolve_device(self) -> str:
+        return local_device(self.requested_device)
 
-    def start(self) -> "ProcessGang":
-        self.device = local_device(self.requested_device)
-        self.backend = "nccl" if self.device == "cuda" else "gloo"
+    def _check_placement(self) -> None:
         check_local_placement(self.world_size, self.device)
+
+    def _start(self) -> None:
         ctx = mp.get_context("spawn")
         port = free_port()
         threads = max(1, (os.cpu_count() or 1) // self.world_size)
-        try:
-            for rank in range(self.world_size):
-                spec = RankSpec(rank=rank, world_size=self.world_size, local_rank=rank,
-                                local_world_size=self.world_size, node_rank=0, master_addr="127.0.0.1",
-                                master_port=port, device_type=self.device,
-                                device_index=rank if self.device == "cuda" else None, timeout_s=self.timeout_s,
-                                num_threads=threads, env=self.env)
-                parent, child = ctx.Pipe(duplex=True)
-                proc = ctx.Process(target=_serve, args=(spec, child), name=f"{self.name}.rank{rank}", daemon=True)
-                proc.start()
-                child.close()
-                self._procs.append(proc)
-                self._conns.append(parent)
-            names = self._collect(self.start_timeout_s, "process-group init")
-        except BaseException:
-            self.broken = True
-            self.shutdown()
-            raise
+        for rank in range(self.world_size):
+            spec = RankSpec(rank=rank, world_size=self.world_size, local_rank=rank,
+                            local_world_size=self.world_size, node_rank=0, master_addr="127.0.0.1",
+                            master_port=port, device_type=self.device,
+                            device_index=rank if self.device == "cuda" else None, timeout_s=self.timeout_s,
+                            num_threads=threads, env=self.env)
+            parent, child = ctx.Pipe(duplex=True)
+            proc = ctx.Process(target=_serve, args=(spec, child), name=f"{self.name}.rank{rank}", daemon=True)
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        names = self._replies(self.start_timeout_s, "process-group init")
         self.ranks = [{"rank": r, "local_rank": r, "node_rank": 0, "pid": p.pid, "device_name": n,
                        "device_index": r if self.device == "cuda" else None}
                       for r, (p, n) in enumerate(zip(self._procs, names))]
-        return self
 
-    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list:
-        """`fn(ctx, *args, **kwargs)` on every rank; the results ordered by rank."""
-        return self.call(fn, args, kwargs)
+    def _submit(self, fn: Callable[..., Any], args: tuple, kwargs: dict, label: str) -> bytes:
+        return pickle.dumps((fn, args, kwargs))
 
-    def call(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, *,
-             label: str | None = None, timeout_s: float | None = None) -> list:
-        if not self._procs:
-            raise RuntimeError(f"gang {self.name!r} is not running (use it in a `with` block)")
-        if self.broken:
-            raise RuntimeError(f"gang {self.name!r} is broken by an earlier failure; build a new one")
-        msg = pickle.dumps((fn, tuple(args), dict(kwargs or {})))
-        try:
-            for conn in self._conns:
-                conn.send_bytes(msg)
-            return self._collect(self.timeout_s if timeout_s is None else timeout_s,
-                                 f"{self.name}:{label or getattr(fn, '__name__', 'fn')}")
-        except BaseException:
-            self.broken = True
-            raise
+    def _collect(self, msg: bytes, label: str, timeout_s: float) -> list:
+        for conn in self._conns:
+            conn.send_bytes(msg)
+        return self._replies(timeout_s, f"{self.name}:{label}")
 
-    def _collect(self, timeout_s: float, what: str) -> list:
+    def _replies(self, timeout_s: float, what: str) -> list:
         """One reply per rank; the first error, death or the deadline raises at once."""
         deadline = time.monotonic() + timeout_s
         results: dict[int, Any] = {}

@@ -8,6 +8,7 @@ torchrun-style environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZ
 the spec's timeout, and returns the `RankContext` that trial functions receive. A spec's `env` (e.g. NCCL
 tuning variables) is set in the rank's process before the process group, hence NCCL, starts. Inside a trial,
 `nccl_group` builds a further NCCL group with its own communicator options (fewer CTAs, a high-priority stream).
+`BaseGang` is the interface both launchers implement (start, run / call, shutdown, `broken`, `ranks`).
 
 Invariants: CUDA_VISIBLE_DEVICES is set before CUDA is initialised in the process (else it would be ignored);
 NVLink multicast (NVLS / symmetric-memory multicast) stays off, because the GPU hosts this runs on require it;
@@ -17,12 +18,13 @@ fail after the timeout instead of hanging forever.
 
 from __future__ import annotations
 
+import abc
 import datetime as _dt
 import os
 import re
 import socket
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Callable, Mapping, Self
 
 import torch
 import torch.distributed as dist
@@ -111,6 +113,111 @@ class RankContext:
         """Wait for this rank's queued device work (a no-op on CPU)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+class BaseGang(abc.ABC):
+    """What every gang launcher implements: `world_size` rank processes joined in one process group, each holding
+    a `RankContext` between calls. `raysys.gang.Gang` (Ray actors) and `raysys.mp_gang.ProcessGang` (local
+    processes) are the two; a caller (`raysys.cluster.run_sweep`) needs only this interface:
+
+        with launcher(2, device="cpu", name="demo") as gang:   # start(): resolve the device, place, join
+            per_rank = gang.run(fn, 1024)                      # fn(ctx, 1024) on every rank, ordered by rank
+
+    Invariants: `device` is "cuda" or "cpu" once started (`backend` "nccl" or "gloo"); `ranks` holds one dict per
+    rank (at least `rank` and `device_name`); a call that fails, or a start that fails, marks the gang `broken`
+    (survivors may be stuck in a collective): `call` then refuses, and the caller shuts it down and builds a new
+    one; `shutdown` leaves no rank behind, whatever happened.
+    """
+
+    gpu_visibility: str = "shared"
+    """How a node's gang GPUs are visible to its ranks (`raysys.gang.GPU_VISIBILITY`)."""
+
+    def __init__(self, world_size: int, *, device: str, name: str, timeout_s: float,
+                 env: Mapping[str, str] | None):
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size ({world_size!r}) must be an int >= 1")
+        if device not in DEVICES:
+            raise ValueError(f"device {device!r} must be one of {DEVICES}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s ({timeout_s}) must be > 0")
+        self.env = dict(env or {})
+        check_rank_env(self.env)
+        self.world_size, self.name, self.timeout_s, self.requested_device = world_size, name, timeout_s, device
+        self.device = ""                     # resolved in start(): "cuda" or "cpu"
+        self.backend = ""
+        self.ranks: list[dict] = []          # per rank: rank, device name, and what the launcher knows
+        self.broken = False
+
+    # -- what a launcher provides
+    @abc.abstractmethod
+    def _resolve_device(self) -> str:
+        """The device type ("cuda" or "cpu") `requested_device` means to this launcher."""
+
+    @abc.abstractmethod
+    def _check_placement(self) -> None:
+        """Raise `PlacementInfeasible` when the gang can never be placed."""
+
+    @abc.abstractmethod
+    def _start(self) -> None:
+        """Start the rank processes, join them in one process group and fill `ranks`."""
+
+    @property
+    @abc.abstractmethod
+    def running(self) -> bool:
+        """Whether rank processes are up (between `start` and `shutdown`)."""
+
+    @abc.abstractmethod
+    def _submit(self, fn: Callable[..., Any], args: tuple, kwargs: dict, label: str) -> Any:
+        """Serialise the call (and, where the launcher queues it, queue it); a failure here leaves the gang
+        healthy (no rank has started it)."""
+
+    @abc.abstractmethod
+    def _collect(self, request: Any, label: str, timeout_s: float) -> list:
+        """Run or await the submitted call on every rank; the results ordered by rank; the first failing rank,
+        a dead one or the deadline raises at once."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Leave the process group (if healthy) and end every rank process; idempotent."""
+
+    # -- lifecycle and calls, the same for every launcher
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def start(self) -> Self:
+        self.device = self._resolve_device()
+        self.backend = "nccl" if self.device == "cuda" else "gloo"
+        self._check_placement()
+        try:
+            self._start()
+        except BaseException:
+            self.broken = True
+            self.shutdown()
+            raise
+        return self
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list:
+        """`fn(ctx, *args, **kwargs)` on every rank; the results ordered by rank."""
+        return self.call(fn, args, kwargs)
+
+    def call(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, *,
+             label: str | None = None, timeout_s: float | None = None) -> list:
+        """`run` with a task label (`<name>:<label>` in errors; Ray shows it in the dashboard) and a timeout
+        (default `timeout_s`)."""
+        if not self.running:
+            raise RuntimeError(f"gang {self.name!r} is not running (use it in a `with` block)")
+        if self.broken:
+            raise RuntimeError(f"gang {self.name!r} is broken by an earlier failure; build a new one")
+        label = label or getattr(fn, "__name__", "fn")
+        request = self._submit(fn, tuple(args), dict(kwargs or {}), label)
+        try:
+            return self._collect(request, label, self.timeout_s if timeout_s is None else timeout_s)
+        except BaseException:
+            self.broken = True
+            raise
 
 
 def check_rank_env(env: Mapping[str, str]) -> None:

@@ -1,0 +1,136 @@
+"""raysys.rank.BaseGang: the interface Gang (Ray) and ProcessGang (multiprocessing) share, its lifecycle rules on
+an in-process stand-in launcher, and ProcessGang held to them with real rank processes (no Ray started here)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+
+from raysys.gang import Gang
+from raysys.mp_gang import ProcessGang
+from raysys.rank import BaseGang, PlacementInfeasible, RankContext
+
+
+class FakeGang(BaseGang):
+    """Ranks as plain calls in this process; `fail` names the step that raises."""
+
+    def __init__(self, world_size: int = 2, fail: str = "", **kwargs):
+        super().__init__(world_size, device=kwargs.pop("device", "cpu"), name="fake", timeout_s=5.0, env=None)
+        self.fail, self.up, self.shutdowns = fail, False, 0
+
+    @property
+    def running(self) -> bool:
+        return self.up
+
+    def _resolve_device(self) -> str:
+        return "cpu" if self.requested_device == "auto" else self.requested_device
+
+    def _check_placement(self) -> None:
+        if self.fail == "placement":
+            raise PlacementInfeasible("never fits")
+
+    def _start(self) -> None:
+        self.up = True
+        if self.fail == "start":
+            raise RuntimeError("rank 1 did not join")
+        self.ranks = [{"rank": r, "device_name": "cpu"} for r in range(self.world_size)]
+
+    def _submit(self, fn, args, kwargs, label):
+        return pickle.dumps((fn, args, kwargs))
+
+    def _collect(self, request, label, timeout_s):
+        fn, args, kwargs = pickle.loads(request)
+        return [fn(r, *args, **kwargs) for r in range(self.world_size)]
+
+    def shutdown(self) -> None:
+        self.up = False
+        self.shutdowns += 1
+
+
+def _rank_times(rank, x):
+    return rank * x
+
+
+def _raise(rank):
+    raise ValueError(f"rank {rank} failed on purpose")
+
+
+def test_both_launchers_implement_the_interface():
+    assert issubclass(Gang, BaseGang) and issubclass(ProcessGang, BaseGang)
+    assert not Gang.__abstractmethods__ and not ProcessGang.__abstractmethods__
+    with pytest.raises(TypeError, match="abstract"):
+        BaseGang(2, device="cpu", name="x", timeout_s=1.0, env=None)
+
+
+@pytest.mark.parametrize("make", [Gang, ProcessGang])
+def test_shared_arguments_are_checked_alike_before_anything_starts(make):
+    for args, kwargs, match in [((0,), {}, r"world_size \(0\) must be an int >= 1"),
+                                ((2.0,), {}, r"world_size \(2.0\) must be an int >= 1"),
+                                ((2,), {"device": "cuda:0"}, "device 'cuda:0' must be one of"),
+                                ((2,), {"timeout_s": 0}, r"timeout_s \(0\) must be > 0"),
+                                ((2,), {"env": {"NCCL_NVLS_ENABLE": "1"}}, "multicast must stay off")]:
+        with pytest.raises(ValueError, match=match):
+            make(*args, **kwargs)
+    gang = make(2, device="cpu", name="idle")
+    assert (gang.device, gang.backend, gang.ranks, gang.broken, gang.running) == ("", "", [], False, False)
+    with pytest.raises(RuntimeError, match="gang 'idle' is not running"):
+        gang.run(_rank_times, 3)
+
+
+def test_lifecycle_rules_of_the_base():
+    with FakeGang(3) as gang:
+        assert (gang.device, gang.backend) == ("cpu", "gloo")
+        assert gang.run(_rank_times, 5) == [0, 5, 10]
+        assert gang.call(_rank_times, (2,), label="double") == [0, 2, 4]
+        with pytest.raises((pickle.PicklingError, AttributeError)):   # nothing reached a rank: still usable
+            gang.run(lambda rank: rank)
+        assert not gang.broken and gang.run(_rank_times, 1) == [0, 1, 2]
+        with pytest.raises(ValueError, match="rank 0 failed on purpose"):
+            gang.run(_raise)
+        assert gang.broken
+        with pytest.raises(RuntimeError, match="broken by an earlier failure"):
+            gang.run(_rank_times, 1)
+    assert gang.shutdowns == 1 and not gang.running
+
+
+def test_a_failed_start_is_shut_down_and_broken():
+    gang = FakeGang(fail="start")
+    with pytest.raises(RuntimeError, match="did not join"):
+        gang.start()
+    assert gang.broken and gang.shutdowns == 1 and not gang.running
+    never = FakeGang(fail="placement")
+    with pytest.raises(PlacementInfeasible):
+        never.start()
+    assert not never.broken and never.shutdowns == 0 and never.device == "cpu"
+
+
+def _whoami(ctx: RankContext, tag: str) -> dict:
+    return {"rank": ctx.rank, "world_size": ctx.world_size, "backend": ctx.backend, "pid": os.getpid(), "tag": tag}
+
+
+def _fail_on_rank_1(ctx: RankContext) -> int:
+    if ctx.rank == 1:
+        raise ValueError("rank 1 raised on purpose")
+    return ctx.rank
+
+
+@pytest.mark.multiproc
+def test_process_gang_keeps_the_interfaces_rules():
+    with ProcessGang(2, device="cpu", name="iface", timeout_s=60) as gang:
+        assert (gang.device, gang.backend, len(gang.ranks)) == ("cpu", "gloo", 2)
+        out = gang.run(_whoami, "a")
+        assert [r["rank"] for r in out] == [0, 1] and {r["backend"] for r in out} == {"gloo"}
+        assert [r["pid"] for r in out] == [r["pid"] for r in gang.ranks] and os.getpid() not in [r["pid"] for r in out]
+        with pytest.raises((pickle.PicklingError, AttributeError)):   # not picklable: never sent
+            gang.run(lambda ctx: ctx.rank)
+        assert not gang.broken and gang.call(_whoami, ("b",), label="again")[1]["tag"] == "b"
+        with pytest.raises(ValueError, match="rank 1 raised on purpose") as info:
+            gang.call(_fail_on_rank_1, label="boom")
+        assert "(raised on rank 1 during iface:boom)" in "".join(info.value.__notes__)
+        assert gang.broken
+        with pytest.raises(RuntimeError, match="broken"):
+            gang.run(_whoami, "c")
+        procs = list(gang._procs)
+    assert not gang.running and not any(p.is_alive() for p in procs)
