@@ -16,7 +16,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import pandas as pd
 import pytest
 import torch
 

@@ -3,7 +3,6 @@ directory by default; --resume / --overwrite for an existing file; an impossible
 
 from __future__ import annotations
 
-import os
 import resource
 import subprocess
 import sys
