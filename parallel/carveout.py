@@ -4,9 +4,8 @@ A Hopper GEMM launches about one CTA per SM (132 on an H200) and is sized to fil
 NCCL kernel holds some SMs (one CTA per channel), the GEMM's last CTAs may wait for a second wave.
 `torch._C._set_sm_carveout_experimental(n)` makes cuBLAS(Lt) target `num_SMs - n` SMs, so that with NCCL capped
 at n CTAs (`raysys.rank.nccl_group`) matmuls and collectives fit side by side; torch's async tensor
-parallelism uses the same switch. Whether it pays is empirical, and so far unsettled here: the bf16 xl steps of
-the 2x H200 studies are host-bound and move more between runs than the carve-out moves them (the `fsdp@8` rows of
-sweeps/fsdp.py measure it next to `fsdp` in each run; the DDP study's `@N+carve` variants likewise).
+parallelism uses the same switch. Whether it pays is empirical: the `fsdp@8` variant of sweeps/fsdp.py and the
+`@N+carve` variants of sweeps/ddp.py measure it next to their uncapped twins in each run (BENCHMARKS.md).
 
 The setting is process-wide and read when a matmul is issued, so a wrapper sets it when its first overlapped
 collective is issued and restores the previous value once the overlap is over (`SMCarveout`).

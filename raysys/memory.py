@@ -7,7 +7,15 @@ costs its bytes once) and parameters are excluded (they live anyway).
 
 Between trials that run one after another in one process (a gang's rank), `TrialScope` records the allocated
 CUDA memory and the live `nn.Parameter`s before a trial and after its objects are released: `*_after -
-*_before` is what the trial leaked into the next one.
+*_before` is what the trial leaked into the next one. On the CPU the byte counts are NaN (no allocator
+statistics); the parameter counts still tell.
+
+    with SavedTensorAccount(model).track() as account:     # saved-for-backward bytes per module, read
+        loss = forward_loss()                              # while the graph is alive (before backward)
+    sizes = account.by_module
+    with TrialScope(device) as scope:                      # what a trial leaves behind
+        metrics = run_trial()
+    metrics.update(scope.metrics)
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ much of the NCCL kernel time runs while some compute kernel runs too. Pitfall it
 recorded one, and `prof.events()` / `export_chrome_trace()` then see that new, empty cycle (torch's warning
 "Profiler clears events at the end of each cycle"): the schedule here has `repeat=1` and the events and
 the trace are taken in `on_trace_ready`, while the recorded cycle is current.
+
+    prof = profile_steps(step, device, warmup=1, active=1, trace_path="trace.json.gz")
+    busy, exposed = overlap(*kernel_intervals(prof.events))   # NCCL time, and the part no compute kernel hides
 """
 
 from __future__ import annotations

@@ -29,6 +29,8 @@ from typing import Any, Callable, Mapping, Self
 import torch
 import torch.distributed as dist
 
+from raysys.device import synchronize
+
 # The GPU hosts require NVLink multicast off; set in every rank's environment (Ray runtime env and in-process).
 MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # A dead or stuck peer must surface as an error after the process-group timeout, not as a hang.
@@ -111,8 +113,7 @@ class RankContext:
 
     def synchronize(self) -> None:
         """Wait for this rank's queued device work (a no-op on CPU)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
 
 
 class BaseGang(abc.ABC):
