@@ -1,6 +1,6 @@
 """FlashAttention-2 benchmark (handout 4.2.2 flash_benchmarking): raysys kernels against PyTorch baselines.
 
-Studies (`--study`, default both):
+Studies (`--studies`, default target and grid):
 - grid:   the handout's table: batch 1, causal, one head, seq 128..65536 (powers of two), head dim 16..128
           (powers of two), bf16 and fp32. Most informative first, so a budget-limited run measures what
           matters: bf16 before fp16 before fp32, head dim 128, 64, 32, 16, each seq ascending (then provider).
@@ -9,30 +9,26 @@ Studies (`--study`, default both):
           4x32x2048x128), each Triton path (`triton_tma`, `triton_portable`) against both SDPA backends.
 Providers: `triton` (kernels.flash_attention, autotuned, the auto path; `triton_portable`, `triton_tma` and
 their `_1pass` twins pin the path and the backward, and each Triton row's `path` column says which ran),
-`pytorch_tiled` (kernels.flash_attention_pytorch:
-Python tile loops, compiled backward), `naive` (plain-torch reference in the input dtype), `sdpa_flash` and
-`sdpa_cudnn` (torch SDPA pinned to one backend with `torch.nn.attention.sdpa_kernel`).
+`pytorch_tiled` (kernels.flash_attention_pytorch: Python tile loops, compiled backward), `naive` (plain-torch
+reference in the input dtype), `sdpa_flash` and `sdpa_cudnn` (torch SDPA pinned to one backend).
 
 One row per (study, provider, shape): median latency (`triton.testing.do_bench`) of the forward, the backward
-(over a retained graph) and forward+backward, TFLOP/s of each (`flash_attention_flops`: 2 matmuls forward,
-5 backward, causal counts n(n+1)/2 pairs), the output's max abs error against an fp32 SDPA reference, the
-peak memory of one forward+backward, and the speedup against sdpa_flash, sdpa_cudnn and the faster of the
-two (`speedup_*_vs_best_sdpa` > 1: raysys is faster). An unsupported provider/dtype is a `skipped` row, an
-OOM an `oom` row. The Python-loop and naive providers are capped (`--max-seq-pytorch`, `--max-seq-naive`)
-and `--max-seconds` bounds the whole run, so the study fits in a few GPU minutes: trials after it become
-`skipped` rows that say so, and `--resume` runs exactly those (and failed ones) next time, continuing where
-the last run stopped. Writes `<out>/flash_bench.parquet` after every trial.
+(over a retained graph) and forward+backward, TFLOP/s of each (`flash_attention_flops`), the output's max abs
+error against an fp32 SDPA reference, the peak memory of one forward+backward, and the speedup against
+sdpa_flash, sdpa_cudnn and the faster of the two (`speedup_*_vs_best_sdpa` > 1: raysys is faster). An
+unsupported provider/dtype is a `skipped` row, an OOM an `oom` row. The Python-loop and naive providers are
+capped (`--max-seq-pytorch`, `--max-seq-naive`) and `--time-budget-s` bounds the whole run: trials after it
+become `skipped` rows that say so, and `--resume` runs exactly those (and failed ones) next time. Writes
+`<out>/flash_bench.parquet` after every trial and the tables to `<out>/flash_bench.md`.
 
-    python sweeps/flash_bench.py --out results                    # both studies on the GPU
-    python sweeps/flash_bench.py --study grid --max-seconds 160 --resume --out results   # again: continues
-    python sweeps/flash_bench.py --study target --out results     # the target shape only
-    python sweeps/flash_bench.py --study grid --dtypes bf16 --head-dims 64,128 --seqs 1024,16384 --no-autotune
-    python sweeps/flash_bench.py --quick --device cpu --out /tmp/x # CPU smoke run (tiny grid, no Triton)
+    python sweeps/flash_bench.py --out /tmp/fb                                 # target and grid on the GPU
+    python sweeps/flash_bench.py --studies grid --time-budget-s 160 --resume --out /tmp/fb   # again: continues
+    python sweeps/flash_bench.py --studies grid --dtypes bf16 --head-dims 64,128 --seqs 1024,16384 --no-autotune
+    python sweeps/flash_bench.py --quick --device cpu --out /tmp/x             # CPU smoke run (no Triton)
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import os
@@ -50,8 +46,10 @@ import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from raysys.device import resolve_device  # noqa: E402
+from raysys.device import DTYPES, resolve_device  # noqa: E402
 from raysys.results import ResultWriter, make_row, status_of, trial_id  # noqa: E402
+from sweeps.common import (PROGRESS, alias, check_int, check_timeout, list_flag, main_entry, open_writer,  # noqa: E402
+                           output_dir, parse_ints, parse_list, read_rows, study_parser, write_markdown)
 
 SWEEP = "flash_bench"
 PROVIDERS = ("triton", "pytorch_tiled", "naive", "sdpa_flash", "sdpa_cudnn")
@@ -61,14 +59,14 @@ TRITON_PATHS = {"triton": (None, None), "triton_portable": ("portable", "two_pas
                 "triton_portable_1pass": ("portable", "one_pass"), "triton_tma_1pass": ("tma", "one_pass")}
 PATH_PROVIDERS = tuple(TRITON_PATHS)[1:]
 MODES = ("fwd", "bwd", "fwd_bwd")
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 TARGET = dict(batch=1, heads=16, seq=16384, head_dim=128, dtype="bf16", causal=True)
 # Issue 16's shapes (bf16, causal), each Triton path against both SDPA backends in one run.
 HOPPER_SHAPES = ((1, 16, 16384, 128), (1, 32, 32768, 128), (8, 16, 4096, 64), (4, 32, 2048, 128))
 HOPPER_PROVIDERS = ("triton_tma", "triton_tma_1pass", "triton_portable", "triton_portable_1pass", "sdpa_cudnn",
                     "sdpa_flash")
 DTYPE_ORDER = ("bf16", "fp16", "fp32")  # grid order: the dtype the kernels are for first
-BUDGET_SKIP = "not run: --max-seconds"  # the error of a trial the time budget left out (resume runs it)
+STUDIES = ("target", "grid", "hopper")
+BUDGET_SKIP = "not run: --time-budget-s"  # the error of a trial the time budget left out (resume runs it)
 
 
 class Unsupported(Exception):
@@ -99,7 +97,8 @@ def finished(writer: ResultWriter, tid: str) -> bool:
 
 
 def _budget_skip(error: str) -> bool:
-    return error.startswith(BUDGET_SKIP) or error.startswith("--max-seconds")  # the second: the older wording
+    # the older wordings of rows written before: "not run: --max-seconds ..." and "--max-seconds ..."
+    return error.startswith((BUDGET_SKIP, "not run: --max-seconds", "--max-seconds"))
 
 
 def _sdpa(backend_name: str) -> Callable:
@@ -195,21 +194,16 @@ def run_trial(cfg: dict, device: torch.device, caps: dict) -> dict:
         from kernels.flash_attention import LAST_PATH
 
         metrics["path"] = f"{LAST_PATH['fwd']}, {LAST_PATH['bwd']}"
-        metrics["triton_configs"] = triton_picks(cfg, LAST_PATH["fwd"], LAST_PATH["bwd"])
+        metrics["triton_configs"] = triton_picks(LAST_PATH["bwd"])
     return metrics
 
 
-def triton_picks(cfg: dict, path: str = "portable", bwd: str = "two_pass") -> str:
-    """The autotuners' choices for this shape, path and backward, e.g. `fwd=128x64/w8/s3; dkdv=...; dq=...`."""
-    import triton
+def triton_picks(bwd: str = "two_pass") -> str:
+    """The launch configs of the last forward and backward, e.g. `fwd=128x64/w8/s3; dkdv=...; dq=...`."""
+    from kernels.flash_attention import LAST_CONFIG
 
-    from kernels.flash_attention import best_configs
-
-    head = (triton.next_power_of_2(cfg["seq"]), cfg["head_dim"], cfg["causal"])
-    dtype = str(DTYPES[cfg["dtype"]])
     kernels = ("fwd", "dkdvq") if bwd == "one_pass" else ("fwd", "dkdv", "dq")
-    return "; ".join(f"{kernel}={c.label()}" for kernel, picks in best_configs().items() for key, c in picks.items()
-                     if kernel in kernels and tuple(key[:3]) == head and dtype in key and key[4] == (path == "tma"))
+    return "; ".join(f"{k}={LAST_CONFIG[k].label()}" for k in kernels if k in LAST_CONFIG)
 
 
 def _max_error(out, q, k, v, causal, device) -> float:
@@ -255,73 +249,119 @@ def summary(df: pd.DataFrame) -> str:
     return view.to_string(index=False, float_format=lambda x: f"{x:.4g}")
 
 
+def markdown(df: pd.DataFrame) -> str:
+    """The target (and hopper) shapes provider by provider with speedups, the grid's TFLOP/s per provider, and
+    how many rows were not measured."""
+    ok = df[df.status == "ok"]
+    cols = ["provider", "path", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops",
+            "speedup_fwd_vs_sdpa_flash", "speedup_fwd_bwd_vs_sdpa_flash", "speedup_fwd_vs_sdpa_cudnn",
+            "speedup_fwd_bwd_vs_sdpa_cudnn", "max_abs_err"]
+    parts = []
+    target = ok[ok.study == "target"]
+    if not target.empty:
+        t = target.iloc[0]
+        parts.append(f"Target: batch {t['batch']}, {t['heads']} heads, seq {t['seq']}, d {t['head_dim']}, "
+                     f"{t['dtype']}, causal; `triton.testing.do_bench` medians; speedups are raysys Triton over each "
+                     "baseline in the same run.")
+        parts.append(target[[c for c in cols if c in target]].to_markdown(index=False, floatfmt=".3g"))
+    hopper = ok[ok.study == "hopper"]
+    if not hopper.empty:
+        parts.append("Hopper shapes (bf16, causal; B x H x N x d): each Triton path against both SDPA backends, same "
+                     "run.")
+        shape_cols = ["batch", "heads", "seq", "head_dim"]
+        parts.append(hopper[shape_cols + [c for c in cols if c in hopper]].to_markdown(index=False, floatfmt=".3g"))
+    grid_rows = ok[ok.study == "grid"]
+    if not grid_rows.empty:
+        pivot = grid_rows.pivot_table(index=["dtype", "head_dim", "seq"], columns="provider", values="fwd_bwd_tflops")
+        parts.append("Grid (batch 1, causal): forward+backward TFLOP/s per provider.")
+        parts.append(pivot.reset_index().to_markdown(index=False, floatfmt=".3g"))
+    skipped = df[(df.status != "ok")]
+    if not skipped.empty:
+        counts = skipped.groupby(["status"]).size().to_dict()
+        parts.append(f"Rows not measured: {counts} (time budget of the run, sizes a provider cannot handle, OOM); "
+                     "`error` says which.")
+    return "\n\n".join(parts) + "\n"
+
+
+def write_report(df: pd.DataFrame, out: Path) -> Path:
+    return write_markdown(out, SWEEP, "FlashAttention-2 against PyTorch attention", markdown(df))
+
+
+def build_parser():
+    p = study_parser(__doc__, SWEEP, devices=("auto", "cuda", "cpu"), device_help="auto: cuda when present")
+    list_flag(p, "--studies", default="target,grid", aliases=("--study",),
+              help=f"comma list of {', '.join(STUDIES)}")
+    p.add_argument("--quick", action="store_true", help="tiny grid (CPU smoke test)")
+    list_flag(p, "--providers", default=None, help=f"comma list of {','.join(PROVIDERS + PATH_PROVIDERS)} (default: "
+                                                   "every provider; the hopper study's own)")
+    p.add_argument("--max-seq-pytorch", type=int, default=4096, help="largest seq for pytorch_tiled")
+    p.add_argument("--max-seq-naive", type=int, default=32768, help="largest seq for naive attention")
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="wall-clock budget of the run; trials after it become skipped rows (default: none)")
+    alias(p, "--max-seconds", "--time-budget-s", type=float)
+    list_flag(p, "--seqs", default=None, help="grid study: comma list of sequence lengths (default: 128..65536)")
+    list_flag(p, "--head-dims", default=None, help="grid study: comma list of head dims (default: 16,32,64,128)")
+    list_flag(p, "--dtypes", default=None, help=f"grid study: comma list of {', '.join(DTYPES)} (default: bf16,fp32)")
+    p.add_argument("--no-autotune", action="store_true",
+                   help="Triton: first valid / tuned config instead of benchmarking every candidate per shape")
+    return p
+
+
 def main(argv: list[str] | None = None) -> pd.DataFrame:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--study", choices=("grid", "target", "hopper", "all"), default="all",
-                        help="which study to run (all: target and grid)")
-    parser.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
-    parser.add_argument("--out", default="results", help="directory for flash_bench.parquet")
-    parser.add_argument("--quick", action="store_true", help="tiny grid (CPU smoke test)")
-    parser.add_argument("--resume", action="store_true", help="skip trials already in the Parquet file")
-    parser.add_argument("--providers", default=None,
-                        help=f"comma-separated subset of {','.join(PROVIDERS + PATH_PROVIDERS)} (default: each "
-                             "study's own)")
-    parser.add_argument("--max-seq-pytorch", type=int, default=4096, help="largest seq for pytorch_tiled")
-    parser.add_argument("--max-seq-naive", type=int, default=32768, help="largest seq for naive attention")
-    parser.add_argument("--max-seconds", type=float, default=float("inf"),
-                        help="wall-clock budget; trials after it become skipped rows")
-    parser.add_argument("--seqs", default=None, help="grid study: comma-separated sequence lengths")
-    parser.add_argument("--head-dims", default=None, help="grid study: comma-separated head dims")
-    parser.add_argument("--dtypes", default=None, help=f"grid study: comma-separated subset of {list(DTYPES)}")
-    parser.add_argument("--no-autotune", action="store_true",
-                        help="Triton: first valid / tuned config instead of benchmarking every candidate per shape")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    if args.report_only:
+        df, out = read_rows(args, SWEEP), output_dir(args, SWEEP)
+        print(f"wrote {write_report(df, out)}")
+        return df
+    studies = ["target", "grid"] if args.studies == "all" else parse_list(args.studies, "studies", STUDIES)
+    seqs = tuple(parse_ints(args.seqs, "seqs", 1)) if args.seqs else None
+    head_dims = tuple(parse_ints(args.head_dims, "head-dims", 1)) if args.head_dims else None
+    dtypes = tuple(parse_list(args.dtypes, "dtypes", tuple(DTYPES))) if args.dtypes else None
+    providers = parse_list(args.providers or ",".join(PROVIDERS + PATH_PROVIDERS), "providers",
+                           PROVIDERS + PATH_PROVIDERS)
+    budget = check_timeout("--time-budget-s", args.time_budget_s) if args.time_budget_s is not None else math.inf
+    caps = {"pytorch_tiled": check_int("--max-seq-pytorch", args.max_seq_pytorch, 1),
+            "naive": check_int("--max-seq-naive", args.max_seq_naive, 1)}
+    device = resolve_device(args.device)
     if args.no_autotune:
         os.environ["RAYSYS_FLASH_AUTOTUNE"] = "0"
-    ints = lambda text: tuple(int(x) for x in text.split(",")) if text else None  # noqa: E731
-    dtypes = tuple(args.dtypes.split(",")) if args.dtypes else None
-    if dtypes and set(dtypes) - set(DTYPES):
-        raise ValueError(f"--dtypes {args.dtypes!r} must name some of {list(DTYPES)}")
-    device = resolve_device(args.device)
-    out = Path(args.out).expanduser().resolve()
-    providers = [p.strip() for p in (args.providers or ",".join(PROVIDERS + PATH_PROVIDERS)).split(",") if p.strip()]
-    unknown = set(providers) - set(PROVIDERS + PATH_PROVIDERS)
-    if unknown:
-        raise ValueError(f"unknown providers {sorted(unknown)}; choose from {PROVIDERS + PATH_PROVIDERS}")
-    caps = {"pytorch_tiled": args.max_seq_pytorch, "naive": args.max_seq_naive}
-    writer = ResultWriter(out, SWEEP, resume=args.resume)
-    studies = ("target", "grid") if args.study == "all" else (args.study,)
-    trials = [t for s in studies for t in grid(s, args.quick, ints(args.seqs), ints(args.head_dims), dtypes)
-              if t["provider"] in providers]
-    start = time.monotonic()
-    for cfg in trials:
-        if args.resume and finished(writer, trial_id(cfg)):
-            continue
-        if time.monotonic() - start > args.max_seconds:
-            row = make_row(SWEEP, cfg, status="skipped", device=device,
-                           error=f"{BUDGET_SKIP} {args.max_seconds:g} spent (--resume runs it)")
-        else:
-            try:
-                row = make_row(SWEEP, cfg, run_trial(cfg, device, caps), device=device)
-            except Unsupported as exc:
-                row = make_row(SWEEP, cfg, status="skipped", error=f"unsupported: {exc}", device=device)
-            except Exception as exc:  # OOM or a failed trial is a row, never the end of the sweep
-                row = make_row(SWEEP, cfg, status=status_of(exc), error=f"{type(exc).__name__}: {exc}", device=device)
-            finally:
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-        writer.write([row])
-        print(f"{cfg['study']:6} {cfg['provider']:13} seq={cfg['seq']:<6} d={cfg['head_dim']:<3} {cfg['dtype']:4} "
-              f"-> {row['status']}" + (f" fwd {row['fwd_ms']:.3f} ms, fwd+bwd {row['fwd_bwd_ms']:.3f} ms"
-                                       if row["status"] == "ok" else f" ({row['error'][:80]})"), flush=True)
-    df = add_speedups(writer.frame())
-    writer.write(df.to_dict("records"))
+    trials = [t for s in studies for t in grid(s, args.quick, seqs, head_dims, dtypes) if t["provider"] in providers]
+    out = output_dir(args, SWEEP)
+    PROGRESS.plan(len(trials))
+    with open_writer(out, SWEEP, args) as writer:
+        start = time.monotonic()
+        for cfg in trials:
+            if finished(writer, trial_id(cfg)):
+                continue
+            if time.monotonic() - start > budget:
+                row = make_row(SWEEP, cfg, status="skipped", device=device,
+                               error=f"{BUDGET_SKIP} {budget:g} spent (--resume runs it)")
+            else:
+                row = measure(cfg, device, caps)
+            writer.write([row])
+            print(f"{cfg['study']:6} {cfg['provider']:13} seq={cfg['seq']:<6} d={cfg['head_dim']:<3} {cfg['dtype']:4} "
+                  f"-> {row['status']}" + (f" fwd {row['fwd_ms']:.3f} ms, fwd+bwd {row['fwd_bwd_ms']:.3f} ms"
+                                           if row["status"] == "ok" else f" ({row['error'][:80]})"), flush=True)
+        df = add_speedups(writer.frame())
+        writer.write(df.to_dict("records"))
     print(summary(df[df["study"].isin(studies)]))
+    print(f"wrote {writer.path}, {write_report(df, out)}")
     return df
 
 
-if __name__ == "__main__":
-    from raysys.cli import run_script
+def measure(cfg: dict, device: torch.device, caps: dict) -> dict:
+    """The row of one trial: its metrics, `skipped` for a provider that cannot run it, or its failure (an OOM
+    or a failed trial is a row, never the end of the sweep)."""
+    try:
+        return make_row(SWEEP, cfg, run_trial(cfg, device, caps), device=device)
+    except Unsupported as exc:
+        return make_row(SWEEP, cfg, status="skipped", error=f"unsupported: {exc}", device=device)
+    except Exception as exc:
+        return make_row(SWEEP, cfg, status=status_of(exc), error=f"{type(exc).__name__}: {exc}", device=device)
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
-    sys.exit(run_script(main))
+
+if __name__ == "__main__":
+    sys.exit(main_entry(main))

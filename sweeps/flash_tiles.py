@@ -21,23 +21,27 @@ Shapes are `seq/head_dim/dtype/{causal,full}` with dtype bf16, fp16, fp32 or the
 torch name (`4096/64/bfloat16/causal`), so both spellings resume the same trials. Each row is written when
 its trial ends; `--max-trials` and `--time-budget-s` end a run cleanly (leave ~30 s of the budget for stopping
 the last trials before an outer `timeout`), and `--resume` runs what is left.
+`--device cpu` runs the kernels under the Triton interpreter (TRITON_INTERPRET=1; small fp32/fp16 shapes).
+The three fastest configs per kernel and shape go to `<out>/flash_tiles.md`.
 
-    python sweeps/flash_tiles.py --out results                        # Ray Tune, one GPU per trial
-    python sweeps/flash_tiles.py --shapes 4096/64/bf16/causal --time-budget-s 240 --resume --out results
-    ray job submit --working-dir . -- python sweeps/flash_tiles.py --out "$PWD/results"
+    python sweeps/flash_tiles.py --out /tmp/tiles                     # Ray Tune, one GPU per trial
+    python sweeps/flash_tiles.py --shapes 4096/64/bf16/causal --time-budget-s 240 --resume --out /tmp/tiles
     python sweeps/flash_tiles.py --launcher local --quick --out /tmp/t # no Ray: trials in this process
+    TRITON_INTERPRET=1 python sweeps/flash_tiles.py --device cpu --launcher local --quick \
+        --shapes 64/16/fp32/causal --no-json --out /tmp/t             # CPU, the Triton interpreter
 """
 
 from __future__ import annotations
 
-import argparse
-import itertools
+import functools
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
+import timeit
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,11 +50,15 @@ sys.path.insert(0, str(ROOT))
 import pandas as pd  # noqa: E402
 
 from kernels.flash_attention_tuning import KERNELS, TUNED_CONFIGS_PATH  # noqa: E402
+from raysys.device import DTYPES, resolve_device  # noqa: E402
 from raysys.results import ResultWriter, error_row, make_row, trial_id  # noqa: E402
+from sweeps.common import (PROGRESS, list_flag, main_entry, open_writer, output_dir, parse_list,  # noqa: E402
+                           read_rows, start_ray, study_parser, write_markdown)
 
 SWEEP = "flash_tiles"
-DTYPES = ("bfloat16", "float16", "float32")
-DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", **{d: d for d in DTYPES}}
+# A shape's dtype: raysys's short names (bf16, fp16, fp32) or the torch names rows carry (bfloat16, ...).
+TORCH_NAMES = {name: str(DTYPES[name]).removeprefix("torch.") for name in sorted(DTYPES)}
+DTYPE_ALIASES = {**TORCH_NAMES, **{torch_name: torch_name for torch_name in TORCH_NAMES.values()}}
 # seq/head_dim/dtype/causal
 SHAPES = ("16384/128/bfloat16/causal", "4096/128/bfloat16/causal", "16384/64/bfloat16/causal",
           "4096/128/bfloat16/full")
@@ -145,13 +153,15 @@ def param_spaces(quick: bool, shapes: tuple[str, ...], variants: tuple[str, ...]
 
 
 def grid_configs(space: dict) -> list[dict]:
-    """The configs a param space expands to (what `--launcher local` runs)."""
-    axes = [[(k, x) for x in v["grid_search"]] if isinstance(v, dict) else [(k, v)] for k, v in space.items()]
-    return [dict(combo) for combo in itertools.product(*axes)]
+    """The configs a param space expands to (what `--launcher local` runs; Tune's own grid expansion)."""
+    from raysys.cluster import expand_grid
+
+    return expand_grid(space)
 
 
-def trial(config: dict) -> dict:
-    """One kernel, one launch config, one shape, on the GPU Ray (or the caller) assigned."""
+def trial(config: dict, device: str = "cuda") -> dict:
+    """One kernel, one launch config, one shape, on the GPU Ray (or the caller) assigned, or on the CPU under
+    the Triton interpreter (`device="cpu"`, TRITON_INTERPRET=1: slow, fp32/fp16 only)."""
     sys.path.insert(0, str(ROOT))
     import torch
     import triton.testing
@@ -165,7 +175,7 @@ def trial(config: dict) -> dict:
     cfg = FlashConfig(block_m, block_n, config["num_warps"], config["num_stages"], ws, persistent).check(kernel, path)
     shape = parse_shape(config["shape"])
     dtype = getattr(torch, shape["dtype"])
-    device = torch.device("cuda")
+    device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(0)
     dims = (1, HEADS, config.get("_compile_seq", shape["seq"]), shape["head_dim"])
     q, k, v, do = (torch.randn(dims, generator=gen, device=device, dtype=dtype) for _ in range(4))
@@ -197,11 +207,21 @@ def trial(config: dict) -> dict:
     limit = (1e-4 if dtype == torch.float32 else 2e-2) * float(want.abs().max())
     if not err <= limit:  # NaN fails too
         raise RuntimeError(f"wrong result: max abs difference {err:.3g} from the baseline config > {limit:.3g}")
-    ms = float(triton.testing.do_bench(lambda: run(cfg), warmup=25, rep=100, return_mode="median"))
+    ms = median_ms(lambda: run(cfg), device)
     flops = flash_attention_flops(1, HEADS, shape["seq"], shape["seq"], shape["head_dim"], causal, "fwd")
     flops *= MATMULS[kernel] / 2
     return {"block_m": block_m, "block_n": block_n, "path": path, "warp_specialize": ws, "persistent": persistent,
             **shape, "median_ms": ms, "tflops": flops / (ms * 1e-3) / 1e12, "max_abs_err": err}
+
+
+def median_ms(fn, device) -> float:
+    """Median milliseconds of `fn`: `triton.testing.do_bench` on a GPU, the wall clock of 3 calls on the CPU."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    fn()
+    return statistics.median(timeit.timeit(fn, number=1) for _ in range(3)) * 1e3
 
 
 class Budget:
@@ -263,7 +283,7 @@ def wait_for(path: Path, timeout_s: float = 600.0) -> None:
 
 
 def run_local(spaces: dict[str, dict], writer: ResultWriter, budget: Budget, compile_workers: int = 0,
-              wait_file: Path | None = None) -> None:
+              wait_file: Path | None = None, device: str = "cuda") -> None:
     import torch
 
     if compile_workers > 0:
@@ -278,7 +298,7 @@ def run_local(spaces: dict[str, dict], writer: ResultWriter, budget: Budget, com
             if budget.spent():
                 return
             try:
-                row = make_row(SWEEP, config, trial(config))
+                row = make_row(SWEEP, config, trial(config, device=device))
             except Exception as exc:  # compile failure, OOM, wrong result: a row, not the end of the sweep
                 row = error_row(SWEEP, config, exc)
             finally:
@@ -291,16 +311,18 @@ def run_local(spaces: dict[str, dict], writer: ResultWriter, budget: Budget, com
                                             if row["status"] == "ok" else f" ({row['error'][:70]})"), flush=True)
 
 
-def run_tune(spaces: dict[str, dict], writer: ResultWriter, budget: Budget, resume: bool) -> None:
-    """One Ray Tune run per kernel, one GPU per trial; each row is written when its trial ends."""
+def run_tune(spaces: dict[str, dict], writer: ResultWriter, budget: Budget, resume: bool,
+             device: str = "cuda") -> None:
+    """One Ray Tune run per kernel, one GPU (or CPU) per trial; each row is written when its trial ends."""
     from raysys.cluster import tune_run
 
     for space in spaces.values():
         if budget.spent():
             return
         # Trials are seconds long; a reused actor keeps its process, CUDA context and Triton's in-memory state.
-        df = tune_run(trial, space, sweep=SWEEP, resources={"gpu": 1}, resume=resume, writer=writer, show=False,
-                      max_trials=budget.trials_left, time_budget_s=budget.seconds_left, reuse_actors=True)
+        df = tune_run(functools.partial(trial, device=device), space, sweep=SWEEP,
+                      resources={"gpu": 1} if device == "cuda" else {"cpu": 1}, resume=resume, writer=writer,
+                      show=False, max_trials=budget.trials_left, time_budget_s=budget.seconds_left, reuse_actors=True)
         budget.charge(len(df))
 
 
@@ -411,58 +433,83 @@ def write_tuned(df: pd.DataFrame, tuned: dict[str, list[dict]], json_path: Path)
     return tuned
 
 
+def markdown(df: pd.DataFrame) -> str:
+    """How many launch configs were timed and failed, and the three fastest per kernel and shape."""
+    ok = df[df.status == "ok"]
+    best = ok.sort_values("median_ms").groupby(["shape", "kernel"], as_index=False).head(3)
+    best = best.sort_values(["shape", "kernel", "median_ms"])
+    failed = df[df.status != "ok"].groupby("status").size().to_dict()
+    cols = ["shape", "kernel", *(["variant"] if "variant" in best else []), "tile", "num_warps", "num_stages",
+            "median_ms", "tflops"]
+    return (f"{len(df)} launch configurations timed ({failed or 'none'} failed); the three fastest per kernel and "
+            "shape (these feed `kernels/flash_attention_tuned.json`, which the autotuner tries first).\n\n"
+            + best[cols].to_markdown(index=False, floatfmt=".3g") + "\n")
+
+
+def write_report(df: pd.DataFrame, out: Path) -> Path:
+    return write_markdown(out, SWEEP, "FlashAttention launch configs", markdown(df))
+
+
+def build_parser():
+    p = study_parser(__doc__, SWEEP, ray=True, device_help="cuda: the GPU Ray (or this process) assigns; cpu: the "
+                                                           "Triton interpreter (TRITON_INTERPRET=1, small shapes)")
+    p.add_argument("--launcher", choices=("ray", "local"), default="ray",
+                   help="ray: Ray Tune, one GPU per trial; local: every trial in this process")
+    p.add_argument("--quick", action="store_true", help="one shape, the built-in candidates only")
+    list_flag(p, "--shapes", default=None, help="comma list of seq/head_dim/dtype/{causal,full} (default: "
+                                                f"{','.join(SHAPES)}; --quick: {','.join(QUICK_SHAPES)})")
+    list_flag(p, "--kernels", default=",".join(KERNELS), help=f"comma list of {','.join(KERNELS)}")
+    p.add_argument("--json", default=str(TUNED_CONFIGS_PATH), help="where to write the tuned configs")
+    p.add_argument("--no-json", action="store_true", help="do not write the tuned-config file")
+    p.add_argument("--max-trials", type=int, default=None, help="run at most this many trials, all kernels "
+                                                                "(default: no limit)")
+    p.add_argument("--time-budget-s", type=float, default=None, help="start no trial after this many seconds "
+                                                                     "(ray: Tune also stops the running ones; "
+                                                                     "default: no limit)")
+    list_flag(p, "--variants", default="portable", help=f"comma list of kernel variants, of {','.join(VARIANTS)}")
+    p.add_argument("--min-configs", type=int, default=MIN_CONFIGS,
+                   help="configs a shape needs measured before it yields a tuned entry")
+    p.add_argument("--compile-workers", type=int, default=0,
+                   help="local launcher: compile every trial's kernel in this many processes first")
+    p.add_argument("--wait-file", default=None,
+                   help="local launcher: time nothing before this file exists (a job sharing the GPU ends; "
+                        "default: start at once)")
+    return p
+
+
 def main(argv: list[str] | None = None) -> pd.DataFrame:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=None, help="results directory (default: raysys.cluster.resolve_out_dir)")
-    parser.add_argument("--launcher", choices=("ray", "local"), default="ray",
-                        help="ray: Ray Tune, one GPU per trial; local: every trial in this process")
-    parser.add_argument("--quick", action="store_true", help="one shape, the built-in candidates only")
-    parser.add_argument("--shapes", default=None, help="comma-separated seq/head_dim/dtype/{causal,full} list")
-    parser.add_argument("--kernels", default=",".join(KERNELS), help="comma-separated subset of fwd,dkdv,dq,dkdvq")
-    parser.add_argument("--json", default=str(TUNED_CONFIGS_PATH), help="where to write the tuned configs")
-    parser.add_argument("--no-json", action="store_true", help="do not write the tuned-config file")
-    parser.add_argument("--resume", action="store_true", help="skip trials already in the Parquet file")
-    parser.add_argument("--max-trials", type=int, default=None, help="run at most this many trials (all kernels)")
-    parser.add_argument("--time-budget-s", type=float, default=None,
-                        help="start no trial after this many seconds (ray: Tune also stops the running ones)")
-    parser.add_argument("--variants", default="portable",
-                        help=f"comma-separated kernel variants to sweep, of {','.join(VARIANTS)}")
-    parser.add_argument("--min-configs", type=int, default=MIN_CONFIGS,
-                        help="configs a shape needs measured before it yields a tuned entry")
-    parser.add_argument("--compile-workers", type=int, default=0,
-                        help="local launcher: compile every trial's kernel in this many processes first")
-    parser.add_argument("--wait-file", default=None,
-                        help="local launcher: time nothing before this file exists (a job sharing the GPU ends)")
-    args = parser.parse_args(argv)
-    shapes = tuple(args.shapes.split(",")) if args.shapes else (QUICK_SHAPES if args.quick else SHAPES)
+    args = build_parser().parse_args(argv)
+    if args.report_only:
+        df, out = read_rows(args, SWEEP), output_dir(args, SWEEP)
+        print(f"wrote {write_report(df, out)}")
+        return df
+    shapes = tuple(parse_list(args.shapes, "shapes")) if args.shapes else (QUICK_SHAPES if args.quick else SHAPES)
     shapes = tuple(dict.fromkeys(canonical_shape(s.strip()) for s in shapes))
-    kernels = [k for k in args.kernels.split(",") if k]
-    if set(kernels) - set(KERNELS):
-        raise ValueError(f"--kernels {args.kernels!r} must name some of {KERNELS}")
+    kernels = parse_list(args.kernels, "kernels", KERNELS)
     budget = Budget(args.max_trials, args.time_budget_s)
-    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    variants = tuple(parse_list(args.variants, "variants", tuple(VARIANTS)))
     if args.min_configs < 1 or args.compile_workers < 0:
         raise ValueError(f"--min-configs ({args.min_configs}) must be >= 1 and --compile-workers "
                          f"({args.compile_workers}) >= 0")
-
-    if args.launcher == "ray":
-        from raysys.cluster import resolve_out_dir
-
-        out = resolve_out_dir(args.out)
-    else:
-        out = Path(args.out or ROOT / "results").expanduser().resolve()
-    writer = ResultWriter(out, SWEEP, resume=args.resume)
+    device = resolve_device(args.device).type
+    if device == "cpu" and (os.environ.get("TRITON_INTERPRET") != "1" or args.compile_workers):
+        raise ValueError("--device cpu runs the kernels under the Triton interpreter: start with TRITON_INTERPRET=1 "
+                         "(and no --compile-workers)")
     spaces = {k: v for k, v in param_spaces(args.quick, shapes, variants).items() if v["kernel"] in kernels}
-    if args.launcher == "ray":
-        run_tune(spaces, writer, budget, args.resume)
-    else:
-        run_local(spaces, writer, budget, args.compile_workers, Path(args.wait_file) if args.wait_file else None)
-    have = {r["trial_id"] for r in writer.rows}
+    out = output_dir(args, SWEEP)
+    PROGRESS.plan(sum(len(grid_configs(space)) for space in spaces.values()))
+    with open_writer(out, SWEEP, args) as writer:
+        if args.launcher == "ray":
+            start_ray(args)
+            run_tune(spaces, writer, budget, args.resume, device)
+        else:
+            run_local(spaces, writer, budget, args.compile_workers, Path(args.wait_file) if args.wait_file else None,
+                      device)
+        df = writer.frame()
+    have = set(df["trial_id"]) if not df.empty else set()
     not_run = sum(trial_id(c) not in have for space in spaces.values() for c in grid_configs(space))
     if not_run:
         print(f"{not_run} trials of this grid did not run (budget or interrupt); rerun with --resume to run them")
-    df = writer.frame()
     tuned = best_configs(df, args.min_configs)
     if not args.no_json:
         tuned = write_tuned(df, tuned, Path(args.json))
@@ -470,13 +517,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     for kernel, entries in tuned.items():
         for e in entries[:3]:
             print(f"  {kernel:4} {e}")
+    print(f"wrote {writer.path}, {write_report(df, out)}")
     return df
 
 
 if __name__ == "__main__":
-    from raysys.cli import run_script
-
-    try:
-        sys.exit(run_script(main))
-    except KeyboardInterrupt:  # Ctrl-C (or SIGTERM during a Ray Tune run): finished trials are on disk
-        sys.exit(130)
+    sys.exit(main_entry(main))

@@ -169,17 +169,6 @@ def test_report_cli(tmp_path, capsys):
     assert cli.main(["report", str(tmp_path / "missing")]) == 2
 
 
-def test_report_puts_the_planner_with_the_measured_bandwidth_under_allreduce(tmp_path):
-    from raysys.report import report
-
-    rows = [make_row("allreduce", {"op": "all_reduce", "world_size": 2, "num_bytes": n}, {"busbw_GBps": bw})
-            for n, bw in ((2**20, 100.0), (2**30, 300.0))]
-    ResultWriter(tmp_path, "allreduce").write(rows)
-    text = report(tmp_path)
-    assert "### Parallelism planner (xl FFN" in text and "all_reduce 1,073,741,824 B, 2 ranks" in text
-    assert "W = 300 GB/s" in text and "#### Largest device count" in text
-
-
 def test_run_script_turns_bad_input_into_exit_code_2(capsys):
     def main(argv):
         raise ValueError("batch (-3) must be a positive integer")

@@ -93,6 +93,27 @@ def test_target_check_and_nccl_setting_table():
             "reached 327.7") in line
 
 
+def test_the_report_puts_the_planner_with_the_measured_bandwidth_under_the_gpu_grid(tmp_path):
+    """allreduce.md carries the parallelism planner at the measured bus bandwidth (GPU rows of the grid only), and
+    `python -m raysys report` shows it as the study wrote it."""
+    from raysys.report import report
+    from raysys.results import ResultWriter, make_row
+
+    rows = [make_row("allreduce", {"op": "all_reduce", "world_size": 2, "num_bytes": n, "size_bytes": n,
+                                   "size": allreduce.size_label(n), "launcher": "mp", "gpu_visibility": "shared",
+                                   "nccl_env": ""}, {"busbw_GBps": bw, "time_ms": 1.0}, backend="nccl")
+            for n, bw in ((2**20, 100.0), (2**30, 300.0))]
+    with ResultWriter(tmp_path, "allreduce") as writer:
+        writer.write(rows)
+    md, _ = allreduce.write_report(pd.DataFrame(rows), tmp_path)
+    text = md.read_text()
+    assert "### Parallelism planner (xl FFN" in text and "all_reduce 1,073,741,824 B, 2 ranks" in text
+    assert "W = 300 GB/s" in text and "#### Largest device count" in text
+    assert "### Parallelism planner" in report(tmp_path)
+    md, _ = allreduce.write_report(pd.DataFrame(rows).assign(backend="gloo"), tmp_path)  # CPU rows: no planner
+    assert "Parallelism planner" not in md.read_text()
+
+
 def test_bad_arguments_fail_before_any_work(tmp_path):
     with pytest.raises(ValueError, match=r"--ops: \['allreduce'\]"):
         allreduce.main(["--ops", "allreduce", "--out", str(tmp_path)])

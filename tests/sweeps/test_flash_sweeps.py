@@ -34,7 +34,7 @@ def test_flash_bench_cpu_rows(tmp_path):
 
 
 def test_flash_bench_rejects_unknown_provider(tmp_path):
-    with pytest.raises(ValueError, match="unknown providers"):
+    with pytest.raises(ValueError, match=r"--providers: \[.cutlass.\]"):
         flash_bench.main(["--quick", "--device", "cpu", "--out", str(tmp_path), "--providers", "cutlass"])
 
 
@@ -114,11 +114,21 @@ def test_best_configs_ignore_a_partly_swept_shape():
     assert flash_tiles.best_configs(pd.DataFrame(rows[:5]))["fwd"] == []  # under MIN_CONFIGS: no entry at all
 
 
-def test_summary_tables_render():
+def test_the_studies_draw_their_tables_and_the_summary_prints_them(tmp_path, capsys):
     rows = [_tile_row("dq", "128x32", 8, 3, "16384/128/bfloat16/causal", 2.8),
             _tile_row("dq", "64x16", 8, 2, "16384/128/bfloat16/causal", float("nan"), status="error")]
-    text = flash_summary.tiles_table(pd.DataFrame(rows))
-    assert "128x32" in text and "error" in text
+    text = flash_tiles.markdown(pd.DataFrame(rows))
+    assert "128x32" in text and "{'error': 1} failed" in text and "64x16" not in text
+    shape = dict(study="target", batch=1, heads=16, seq=16384, head_dim=128, dtype="bf16", causal=True, status="ok")
+    bench = flash_bench.add_speedups(pd.DataFrame([dict(shape, provider=p, fwd_ms=ms, bwd_ms=2 * ms, fwd_bwd_ms=3 * ms,
+                                                        fwd_tflops=1.0, fwd_bwd_tflops=1.0, max_abs_err=0.0)
+                                                   for p, ms in (("triton", 1.0), ("sdpa_flash", 2.0))]))
+    assert "Target: batch 1, 16 heads, seq 16384" in flash_bench.markdown(bench)
+    flash_tiles.write_report(pd.DataFrame(rows).assign(sweep="flash_tiles", trial_id=["a", "b"]), tmp_path)
+    pd.DataFrame(rows).assign(sweep="flash_tiles", trial_id=["a", "b"]).to_parquet(tmp_path / "flash_tiles.parquet")
+    assert flash_summary.main([str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "## flash_tiles" in printed and text.strip().splitlines()[0] in printed
 
 
 def test_attention_sweep_cpu_rows_and_saved_bytes(tmp_path):
@@ -183,8 +193,8 @@ def test_flash_bench_resume_runs_what_the_time_budget_skipped(tmp_path):
 
 
 def test_flash_bench_budget_skips_say_how_to_continue(tmp_path):
-    df = flash_bench.main(["--study", "grid", "--quick", "--device", "cpu", "--out", str(tmp_path),
-                           "--providers", "naive", "--max-seconds", "-1"])
+    df = flash_bench.main(["--studies", "grid", "--quick", "--device", "cpu", "--out", str(tmp_path),
+                           "--providers", "naive", "--time-budget-s", "1e-9"])
     assert (df["status"] == "skipped").all() and df["error"].str.contains("--resume runs it").all()
     writer = flash_tiles.ResultWriter(tmp_path, "flash_bench", resume=True)
     assert not any(flash_bench.finished(writer, tid) for tid in df["trial_id"])
@@ -208,7 +218,7 @@ def _fake_tile_trial(config: dict) -> dict:
 
 def test_flash_tiles_max_trials_then_resume_continues(tmp_path, monkeypatch):
     ran = []
-    monkeypatch.setattr(flash_tiles, "trial", lambda config: ran.append(config) or _fake_tile_trial(config))
+    monkeypatch.setattr(flash_tiles, "trial", lambda config, device: ran.append(config) or _fake_tile_trial(config))
     args = ["--launcher", "local", "--quick", "--kernels", "fwd", "--shapes", "256/64/bf16/causal", "--no-json",
             "--out", str(tmp_path)]
     grid = flash_tiles.grid_configs(flash_tiles.param_spaces(True, ("256/64/bfloat16/causal",))["fwd"])
@@ -225,7 +235,7 @@ def test_flash_tiles_max_trials_then_resume_continues(tmp_path, monkeypatch):
 
 
 def test_flash_tiles_time_budget_stops_starting_trials(tmp_path, monkeypatch):
-    def slow_trial(config):
+    def slow_trial(config, device):
         time.sleep(1.5)
         return _fake_tile_trial(config)
 

@@ -1,0 +1,251 @@
+"""The command line every study shares (issue 20): bad input is a one-line ValueError before Ray starts or any
+trial runs, one spelling per flag with the old ones as hidden aliases, defaults in --help, a fresh run directory
+by default, --resume / --overwrite, Ctrl-C in one line, GPU targets not judged on the CPU."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import os
+
+import pandas as pd
+import pytest
+
+import raysys.cluster
+from sweeps import common
+
+STUDIES = ("allreduce", "attention", "checkpointing", "ddp", "end_to_end", "flash_bench", "flash_tiles", "fsdp",
+           "sharded_optimizer")
+
+
+class RayStarted(AssertionError):
+    pass
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """Any attempt to start or join Ray (or to run a sweep) fails the test: the checks must come first."""
+    def refuse(*args, **kwargs):
+        raise RayStarted("Ray was started before the flags were checked")
+
+    import ray
+
+    for target in (raysys.cluster, ray):
+        monkeypatch.setattr(target, "init" if target is ray else "init_ray", refuse)
+    monkeypatch.setattr(raysys.cluster, "run_sweep", refuse)
+    monkeypatch.setattr(raysys.cluster, "tune_run", refuse)
+
+
+def _study(name: str):
+    return importlib.import_module(f"sweeps.{name}")
+
+
+BAD = [
+    ("ddp", ["--steps", "0"], r"--steps \(0\) must be an integer >= 2"),
+    ("ddp", ["--variants", "single,bogus"], "variant 'bogus'"),
+    ("ddp", ["--dtypes", "fp8"], r"--dtypes: \['fp8'\]"),
+    ("ddp", ["--size", "huge"], "--size 'huge' is not one of"),
+    ("ddp", ["--size", "../../etc"], r"--size '\.\./\.\./etc' is not one of"),
+    ("ddp", ["--context-length", "0"], r"--context-length \(0\) must be an integer >= 1"),
+    ("ddp", ["--context-length", "100000000"], "exceed this machine's"),
+    ("ddp", ["--timeout-s", "nan"], r"--timeout-s \(nan\)"),
+    ("ddp", ["--timeout-s", "inf"], r"--timeout-s \(inf\)"),
+    ("ddp", ["--timeout-s", "0"], r"--timeout-s \(0.0\)"),
+    ("ddp", ["--timeout-s", "-1"], r"--timeout-s \(-1.0\)"),
+    ("ddp", ["--world-sizes", "2,4"], "one world size per run"),
+    ("ddp", ["--launcher", "mp", "--world-size", "100000"], "asked for 100000 CPU ranks on this machine"),
+    ("ddp", ["--max-steps", "3"], r"--max-steps \(3\) must be >= --steps"),
+    ("fsdp", ["--steps", "0"], r"--steps \(0\)"),
+    ("fsdp", ["--variants", "zero3"], r"--variants: \['zero3'\]"),
+    ("fsdp", ["--dtypes", "fp8"], "fp8"),
+    ("fsdp", ["--size", "huge"], "huge"),
+    ("fsdp", ["--launcher", "mp", "--world-size", "100000"], "100000"),
+    ("fsdp", ["--timeout-s", "-1"], "--timeout-s"),
+    ("sharded_optimizer", ["--warmup", "0"], r"warmup \(0\) must be >= 1"),
+    ("sharded_optimizer", ["--dtypes", "fp8"], "fp8"),
+    ("allreduce", ["--sweep-name", "x" * 300], "sweep name"),
+    ("allreduce", ["--world-sizes", "1"], "must be an integer >= 2"),
+    ("allreduce", ["--timeout-s", "nan"], "--timeout-s"),
+    ("allreduce", ["--launchers", "mp", "--world-sizes", "100000"], "100000 CPU ranks"),
+    ("allreduce", ["--iters", "0"], r"--iters \(0\)"),
+    ("checkpointing", ["--studies", "bogus"], r"--studies: \['bogus'\]"),
+    ("checkpointing", ["--dtypes", "fp8"], "fp8"),
+    ("checkpointing", ["--ks", "0"], "--ks"),
+    ("checkpointing", ["--steps", "0"], r"--steps \(0\)"),
+    ("attention", ["--steps", "0"], r"--steps \(0\)"),
+    ("attention", ["--modes", "jit"], r"--modes: \['jit'\]"),
+    ("end_to_end", ["--studies", "speed"], r"--studies: \['speed'\]"),
+    ("flash_bench", ["--dtypes", "fp8"], "fp8"),
+    ("flash_bench", ["--seqs", "0"], "--seqs"),
+    ("flash_bench", ["--time-budget-s", "nan"], "--time-budget-s"),
+    ("flash_tiles", ["--shapes", "4096/64/bf8/causal"], "bf8"),
+    ("flash_tiles", ["--time-budget-s", "0"], "--time-budget-s"),
+]
+
+
+@pytest.mark.parametrize("study,argv,match", BAD, ids=[f"{s}:{' '.join(a)[:40]}" for s, a, _ in BAD])
+def test_bad_input_is_one_line_before_ray_or_any_trial(no_ray, tmp_path, study, argv, match):
+    with pytest.raises(ValueError, match=match):
+        _study(study).main([*argv, "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob("*.parquet"))
+
+
+@pytest.mark.parametrize("study", ["ddp", "fsdp", "allreduce", "attention", "checkpointing"])
+def test_out_paths_are_checked_first(no_ray, tmp_path, study):
+    module = _study(study)
+    name = "allreduce" if study == "allreduce" else module.SWEEP
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        module.main(["--out", str(tmp_path / "a_file")])
+    with pytest.raises(ValueError, match="cannot"):
+        module.main(["--out", str(tmp_path / "a_file" / "below")])
+    (tmp_path / "dir" / f"{name}.parquet").mkdir(parents=True)   # the Parquet path is a directory
+    with pytest.raises(ValueError, match="is a directory"):
+        module.main(["--out", str(tmp_path / "dir")])
+    (tmp_path / "old").mkdir()
+    pd.DataFrame({"sweep": [name], "trial_id": ["x"]}).to_parquet(tmp_path / "old" / f"{name}.parquet")
+    with pytest.raises(ValueError, match="--resume to continue it, --overwrite to replace it"):
+        module.main(["--out", str(tmp_path / "old")])
+    with pytest.raises(ValueError, match="--resume needs --out"):
+        module.main(["--resume"])
+
+
+def test_cpu_ranks_of_a_plain_process_gang_are_bounded(no_ray, tmp_path):
+    """`--launcher mp --world-size 100000` spawned processes until the machine gave out; now it is refused."""
+    from sweeps import ddp
+
+    with pytest.raises(ValueError, match="CPU ranks on this machine"):
+        ddp.main(["--launcher", "mp", "--device", "cpu", "--world-size", str(100 * (os.cpu_count() or 1)),
+                  "--out", str(tmp_path)])
+
+
+def test_every_default_is_in_the_help():
+    for name in STUDIES:
+        parser = _study(name).build_parser()
+        for action in parser._actions:
+            if not action.option_strings or action.help == argparse.SUPPRESS or action.nargs == 0:
+                continue
+            text = parser.formatter_class("x")._get_help_string(action)
+            assert "default" in text.lower(), (name, action.option_strings, text)
+        assert "--world-size " not in parser.format_help() and "--dtype " not in parser.format_help()
+
+
+def test_one_spelling_per_flag_and_the_old_ones_still_parse():
+    from sweeps import allreduce, checkpointing, ddp, end_to_end, flash_bench, fsdp
+
+    for module in (ddp, fsdp):
+        parser = module.build_parser()
+        assert parser.parse_args(["--world-size", "4"]).world_sizes == parser.parse_args(["--world-sizes", "4"]) \
+            .world_sizes == "4"
+        assert parser.parse_args(["--dtype", "bf16"]).dtypes == "bf16"
+    assert allreduce.build_parser().parse_args(["--launcher", "mp"]).launchers == "mp"
+    for module in (checkpointing, end_to_end):
+        assert module.build_parser().parse_args(["--study", "a", "b"]).studies == "a,b"   # the old nargs form
+    args = flash_bench.build_parser().parse_args(["--study", "grid", "--max-seconds", "30"])
+    assert args.studies == "grid" and args.time_budget_s == 30
+    for module in (ddp, fsdp, allreduce):
+        assert "--timeout-s" in module.build_parser().format_help()
+
+
+def test_default_out_is_a_fresh_run_directory(tmp_path, monkeypatch):
+    """Without --out a study never writes into the repository's results/: each run gets a directory of its own."""
+    from sweeps import attention
+
+    monkeypatch.setenv("RAYSYS_RUNS_DIR", str(tmp_path / "runs"))
+    monkeypatch.delenv("RAYSYS_RESULTS_DIR", raising=False)
+    ns = argparse.Namespace(out=None, resume=False, report_only=False)
+    first, second = common.output_dir(ns, "attention"), common.output_dir(ns, "attention")
+    assert first != second and first.parent == second.parent == tmp_path / "runs"
+    committed = common.ROOT / "results"
+    before = {p.name: p.stat().st_mtime_ns for p in committed.glob("attention*")}
+    attention.main(["--quick", "--device", "cpu", "--modes", "eager"])
+    (run,) = [p for p in (tmp_path / "runs").iterdir() if (p / "attention.parquet").exists()]
+    assert "-attention" in run.name and (run / "attention.md").exists()
+    assert {p.name: p.stat().st_mtime_ns for p in committed.glob("attention*")} == before
+
+
+def test_resume_continues_and_overwrite_replaces(tmp_path, monkeypatch):
+    from sweeps import attention
+
+    calls = []
+
+    def fake(cfg, device, steps, warmup):
+        calls.append(cfg["seq"])
+        return {"forward_mean_s": 1e-3, "forward_std_s": 0.0, "backward_mean_s": 2e-3, "backward_std_s": 0.0,
+                "memory_before_backward_bytes": math.nan, "saved_for_backward_bytes": 1.0}
+
+    monkeypatch.setattr(attention, "run_trial", fake)
+    argv = ["--quick", "--device", "cpu", "--out", str(tmp_path)]
+    first = attention.main(argv)
+    with pytest.raises(ValueError, match="exists"):
+        attention.main(argv)
+    again = attention.main([*argv, "--resume"])
+    assert calls == [64, 128] and again["utc"].tolist() == first["utc"].tolist()   # nothing ran again
+    attention.main([*argv, "--overwrite"])
+    assert calls == [64, 128, 64, 128]
+    with pytest.raises(SystemExit):     # argparse: --resume and --overwrite exclude each other
+        attention.main([*argv, "--resume", "--overwrite"])
+
+
+def test_ctrl_c_says_how_far_the_run_got(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during a study's own trial loop: one line, the trials finished of those planned, exit code 130."""
+    from sweeps import attention
+
+    def interrupted_on_the_second(cfg, device, steps, warmup):
+        if cfg["seq"] == 128:
+            raise KeyboardInterrupt
+        return {"forward_mean_s": 1e-3, "forward_std_s": 0.0, "backward_mean_s": 2e-3, "backward_std_s": 0.0,
+                "memory_before_backward_bytes": math.nan, "saved_for_backward_bytes": 1.0}
+
+    monkeypatch.setattr(attention, "run_trial", interrupted_on_the_second)
+    common.PROGRESS.planned = common.PROGRESS.finished = 0   # counts of this test's run only
+    code = common.main_entry(attention.main, ["--quick", "--device", "cpu", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 130 and "Traceback" not in err
+    assert "interrupted after 1 of 2 trials; rerun with --resume" in err
+    assert len(pd.read_parquet(tmp_path / "attention.parquet")) == 1
+
+
+def _gang_rows(backend: str, **extra) -> pd.DataFrame:
+    rows = [dict(status="ok", dtype="bf16", variant=v, label=v, size="xl", context_length=512, world_size=2,
+                 batch_per_rank=4, warmup=2, steps=8, step_ms=s, step_ms_std=1.0, step_ms_median=s, backend=backend,
+                 peak_memory_max_rank_bytes=p * 2**30, state_bytes=2**30, expected_state_bytes=2**30, error="",
+                 **extra) for v, s, p in (("single", 100.0, 40), ("fsdp", 130.0, 30), ("torch", 101.0, 50),
+                                          ("fsdp2", 140.0, 32), ("overlapped", 103.0, 40))]
+    return pd.DataFrame(rows)
+
+
+def test_gpu_targets_do_not_apply_to_cpu_rows():
+    from sweeps import allreduce, ddp, fsdp
+
+    for backend, cpu in (("gloo", True), ("nccl", False)):
+        df = _gang_rows(backend)
+        lines = ddp.targets(ddp.with_ratios(df)) + fsdp.targets(df)
+        text = "\n".join(lines)
+        assert ("not applicable on CPU" in text) == cpu, text
+        assert ("missed" in text) == (not cpu), text
+    rows = [dict(op="all_reduce", size="1GiB", size_bytes=2**30, num_bytes=2**30, world_size=2, launcher=launcher,
+                 gpu_visibility="none", nccl_env="", status="ok", error="", busbw_GBps=1.0, time_ms=1.0,
+                 device_name="cpu", run_id="r", backend="gloo") for launcher in ("mp", "ray")]
+    text = "\n".join(allreduce.target_lines(pd.DataFrame(rows)))
+    assert "not applicable on CPU" in text and "FAIL" not in text and "PASS" not in text
+    assert "FAIL" in "\n".join(allreduce.target_lines(pd.DataFrame(rows).assign(backend="nccl")))
+
+
+def test_dashboard_flag_starts_the_embedded_ray_with_its_dashboard(monkeypatch, tmp_path):
+    """README: `python sweeps/<study>.py --dashboard` starts the embedded Ray with its dashboard."""
+    seen = {}
+
+    def init_ray(address=None, **kwargs):
+        seen.update(kwargs, address=address)
+        raise RayStarted("stop here")
+
+    monkeypatch.setattr(raysys.cluster, "init_ray", init_ray)
+    from sweeps import ddp, fsdp, sharded_optimizer
+
+    for module in (ddp, fsdp, sharded_optimizer):
+        seen.clear()
+        with pytest.raises(RayStarted):
+            module.main(["--dashboard", "--device", "cpu", "--out", str(tmp_path / module.SWEEP)])
+        assert seen == {"dashboard": True, "address": None}
