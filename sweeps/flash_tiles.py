@@ -436,9 +436,11 @@ def write_tuned(df: pd.DataFrame, tuned: dict[str, list[dict]], json_path: Path)
 def markdown(df: pd.DataFrame) -> str:
     """How many launch configs were timed and failed, and the three fastest per kernel and shape."""
     ok = df[df.status == "ok"]
+    failed = df[df.status != "ok"].groupby("status").size().to_dict()
+    if ok.empty:
+        return f"{len(df)} launch configurations tried, none measured ({failed or 'none'} failed).\n"
     best = ok.sort_values("median_ms").groupby(["shape", "kernel"], as_index=False).head(3)
     best = best.sort_values(["shape", "kernel", "median_ms"])
-    failed = df[df.status != "ok"].groupby("status").size().to_dict()
     cols = ["shape", "kernel", *(["variant"] if "variant" in best else []), "tile", "num_warps", "num_stages",
             "median_ms", "tflops"]
     return (f"{len(df)} launch configurations timed ({failed or 'none'} failed); the three fastest per kernel and "

@@ -119,6 +119,7 @@ def test_the_studies_draw_their_tables_and_the_summary_prints_them(tmp_path, cap
             _tile_row("dq", "64x16", 8, 2, "16384/128/bfloat16/causal", float("nan"), status="error")]
     text = flash_tiles.markdown(pd.DataFrame(rows))
     assert "128x32" in text and "{'error': 1} failed" in text and "64x16" not in text
+    assert "none measured ({'error': 1} failed)" in flash_tiles.markdown(pd.DataFrame(rows[1:]))
     shape = dict(study="target", batch=1, heads=16, seq=16384, head_dim=128, dtype="bf16", causal=True, status="ok")
     bench = flash_bench.add_speedups(pd.DataFrame([dict(shape, provider=p, fwd_ms=ms, bwd_ms=2 * ms, fwd_bwd_ms=3 * ms,
                                                         fwd_tflops=1.0, fwd_bwd_tflops=1.0, max_abs_err=0.0)
