@@ -1,4 +1,5 @@
-"""Every parallel strategy on 2 GPUs over NCCL against single-process training on one GPU (`pytest -m gpu`).
+"""Every parallel strategy on 2 GPUs over NCCL against single-process training on one GPU (`pytest -m gpu`), and on a
+group of one (one GPU: the sweeps' `--world-size 1`, where the wrappers reduce in place and NCCL moves nothing).
 
 The CPU tests (gloo) prove the algorithms; these prove the CUDA paths: NCCL's ReduceOp.AVG, async work on
 NCCL's streams, the FSDP storage swaps and frees while kernels are in flight. The reference on each rank trains
@@ -24,8 +25,8 @@ from raysys.model import AdamW, TransformerBlock, TransformerLM, cross_entropy
 from tests.parallel.dist_utils import run_ranks
 from tests.parallel.test_fsdp import _cast_weights
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
+pytestmark = pytest.mark.gpu
+needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 WORLD, BATCH, SEQ, STEPS = 2, 6, 24, 3
 DDP_VARIANTS = [("naive", {}), ("flat", {}), ("overlapped", {}), ("bucketed", {"bucket_size_mb": 1e-4}),
@@ -55,8 +56,8 @@ def _reference_step(ref: torch.nn.Module, opt: torch.optim.Optimizer, x, y, worl
         ref.zero_grad(set_to_none=True)
         cross_entropy(ref(x[r * local:(r + 1) * local]), y[r * local:(r + 1) * local]).backward()
         grads.append([p.grad for p in ref.parameters()])
-    for p, g0, g1 in zip(ref.parameters(), *grads):
-        p.grad = (g0 + g1) / 2
+    for p, *per_rank in zip(ref.parameters(), *grads):
+        p.grad = sum(per_rank[1:], per_rank[0]) / world_size  # (g0 + g1) / 2 on two ranks
     opt.step()
 
 
@@ -131,9 +132,20 @@ def per_rank() -> list[dict]:
     return run_ranks(_all, WORLD, backend="nccl", timeout_s=300)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_group_of_one_on_nccl_trains_like_one_process():
+    [res] = run_ranks(_all, 1, backend="nccl", timeout_s=300)
+    for name in FP32_RUNS:
+        assert [mismatched for _, mismatched in res[name]] == [[]] * STEPS, f"{name}: max |diff| per step {res[name]}"
+    for name in ("fsdp:bf16", "fsdp_block:bf16"):
+        assert max(d for d, _ in res[name]) < 1e-3, res[name]
+    assert res["all_reduce_after"] == 1
+
+
 FP32_RUNS = [f"ddp:{k}{sorted(kw.items())}" for k, kw in DDP_VARIANTS] + ["sharded", "fsdp:fp32", "fsdp_block:fp32"]
 
 
+@needs_two
 @pytest.mark.parametrize("name", FP32_RUNS)
 def test_fp32_bitwise_equal_to_single_process_on_nccl(per_rank, name):
     for res in per_rank:
@@ -141,6 +153,7 @@ def test_fp32_bitwise_equal_to_single_process_on_nccl(per_rank, name):
         assert [mismatched for _, mismatched in steps] == [[]] * STEPS, f"max |diff| per step {steps}"
 
 
+@needs_two
 @pytest.mark.parametrize("name", ["fsdp:bf16", "fsdp_block:bf16"])
 def test_fsdp_bf16_compute_matches_cast_reference_on_nccl(per_rank, name):
     for res in per_rank:
