@@ -24,7 +24,10 @@ import kernels.flash_attention_tuning as ft  # noqa: E402
 
 if not fa.INTERPRET and os.environ.get("TRITON_INTERPRET") == "1":
     # Someone imported the kernels before the variable was set (another test module): rebuild them interpreted.
+    import kernels.flash_attention_kernels as fk
+
     ft = importlib.reload(ft)
+    importlib.reload(fk)
     fa = importlib.reload(fa)
 
 interpret = pytest.mark.skipif(not fa.INTERPRET, reason="kernels were compiled for the GPU in this process; "
@@ -155,6 +158,12 @@ def test_one_pass_backward_matches_fp64_reference(q_shape, k_shape, causal, dtyp
         assert got.dtype == dtype
         torch.testing.assert_close(got.double(), want, **tol, msg=lambda m, n=name: f"{n}: {m}")
 
+
+def test_one_pass_autotuner_zeroes_the_dq_accumulator():
+    """Autotuning times the one-pass kernel on the real dQ accumulator; its autotuner must zero DQ between runs
+    (the interpreter cannot time kernels, so the GPU test test_one_pass_dq_survives_autotuning runs it)."""
+    assert fa._TUNED["dkdvq"].reset_to_zero == ["DQ"]
+    assert all(not fa._TUNED[k].reset_to_zero for k in ("fwd", "dkdv", "dq"))
 
 def test_backward_mode_choice(monkeypatch):
     assert fa.resolve_bwd(None, "portable") == fa.AUTO_BWD["portable"]
