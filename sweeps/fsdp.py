@@ -44,7 +44,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from parallel.ddp import make_ddp  # noqa: E402
-from parallel.fsdp import FSDP, is_sharded_module  # noqa: E402
+from parallel.fsdp import FSDP, is_sharded_module, make_fsdp  # noqa: E402
 from parallel.mixed_precision import CastForCompute  # noqa: E402
 from parallel.sharded_optimizer import ShardedOptimizer  # noqa: E402
 from raysys.config import ModelConfig  # noqa: E402
@@ -116,28 +116,16 @@ def build(trial: FSDPTrial, device: torch.device, process_group) -> tuple[nn.Mod
         model = CastForCompute(model, low)
     elif variant in ("ddp", "ddp_sharded"):
         model = make_ddp("bucketed", model, bucket_size_mb=DDP_BUCKET_MB, process_group=process_group)
-    elif variant in ("fsdp", "fsdp_layer") or variant in OWN_GROUP:
-        units = None if variant == "fsdp_layer" else (TransformerBlock,)
-        model = FSDP(model, compute_dtype=low, process_group=process_group, units=units,
-                     sm_carveout=SM_CARVEOUT.get(variant))
+    elif variant in ("fsdp", "fsdp_layer") or variant in OWN_GROUP:  # fsdp_layer: a unit per Linear / Embedding
+        model = make_fsdp("fsdp", model, compute_dtype=low, process_group=process_group,
+                          units=None if variant == "fsdp_layer" else (TransformerBlock,),
+                          sm_carveout=SM_CARVEOUT.get(variant))
     elif variant == "fsdp2":
-        model = _fully_shard(model, low, device, process_group)
+        model = make_fsdp("fsdp2", model, compute_dtype=low, process_group=process_group, units=(TransformerBlock,))
     if variant == "ddp_sharded":
         return model, ShardedOptimizer(model.parameters(), torch.optim.AdamW, process_group=process_group,
                                        **adamw_kwargs(device))
     return model, torch.optim.AdamW(model.parameters(), **adamw_kwargs(device))
-
-
-def _fully_shard(model: TransformerLM, low, device: torch.device, process_group) -> nn.Module:
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mesh = DeviceMesh.from_group(process_group, device.type)
-    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
-    for block in model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    return model
 
 
 # ---------------------------------------------------------------------------------------------------- memory
