@@ -111,8 +111,8 @@ case $phase in
   flash)  # the Ray Tune tile sweep (one GPU per trial), then the FlashAttention grid on one GPU
     study flash_tiles 300 python3 sweeps/flash_tiles.py --out "$RESULTS" --resume --time-budget-s 270 \
       --shapes 4096/128/bf16/causal,16384/64/bf16/causal,4096/128/bf16/full,4096/64/fp32/causal
-    study flash_grid 250 python3 sweeps/flash_bench.py --study grid --device cuda --out "$RESULTS" --resume \
-      --max-seconds 230
+    study flash_grid 250 python3 sweeps/flash_bench.py --studies grid --device cuda --out "$RESULTS" --resume \
+      --time-budget-s 230
     ;;
   tests)
     study gpu_tests 170 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 tests
