@@ -100,6 +100,39 @@ def test_best_configs_round_trip_into_the_kernels_loader(tmp_path):
                                                          "(H, torch 2.11, triton 3.6)")
 
 
+def test_flash_tiles_variants_grids_and_tuned_entries_per_path(tmp_path):
+    """The tma variants' grids hold only configs their path takes (warp specialisation: 4 warps, no dQ loop), and
+    a sweep of one path writes that path's entries, keeping the file's entries of the other."""
+    from kernels.flash_attention_tuning import FlashConfig, load_tuned_configs
+
+    shape = "4096/64/bfloat16/causal"
+    for quick in (False, True):
+        spaces = flash_tiles.param_spaces(quick, (shape,), ("tma", "tma_ws", "tma_persistent"))
+        variants = {s["variant"] for s in spaces.values()}
+        assert variants == {"tma", "tma_ws", "tma_persistent"} if not quick else variants <= {"tma", "tma_persistent"}
+        for space in spaces.values():
+            path, ws, persistent = flash_tiles.VARIANTS[space["variant"]]
+            assert not (ws and space["kernel"] in ("dq", "dkdvq"))
+            for c in flash_tiles.grid_configs(space):
+                m, n = map(int, c["tile"].split("x"))
+                FlashConfig(m, n, c["num_warps"], c["num_stages"], ws, persistent).check(c["kernel"], path)
+                assert c["num_warps"] == 4 or not ws
+    with pytest.raises(ValueError, match="variants"):
+        flash_tiles.param_spaces(True, (shape,), ("tma_fast",))
+    rows = [dict(_tile_row("fwd", tile, 8, 3, shape, ms), path="tma", variant="tma", warp_specialize=False,
+                 persistent=False) for tile, ms in (("128x64", 1.0), ("64x64", 0.8))]
+    df = pd.DataFrame(rows).assign(device_name="H200", torch_version="2.11", triton_version="3.6")
+    path = tmp_path / "tuned.json"
+    portable = dict(block_m=128, block_n=64, num_warps=8, num_stages=3, head_dim=64, dtype="bfloat16")
+    stale_tma = dict(portable, path="tma", block_m=32, block_n=32)
+    flash_tiles.write_json({"note": "earlier", "fwd": [portable, stale_tma]}, path)
+    flash_tiles.write_tuned(df, flash_tiles.best_configs(df, min_configs=1), path)
+    entries = load_tuned_configs(path)["fwd"]
+    assert [(e.get("path", "portable"), e["block_m"], e["block_n"]) for e in entries] == [
+        ("tma", 64, 64), ("tma", 64, 64), ("portable", 128, 64)]  # geomean, per-shape; the stale tma entry gone
+    data = json.loads(path.read_text())
+    assert data["device"] == ["H200"] and data["triton"] == ["3.6"] and data["note"].endswith("earlier")
+
 def test_best_configs_ignore_a_partly_swept_shape():
     """A shape a cut-short run reached with two configs must not decide the winner (its times are smaller)."""
     a, b = "16384/128/bfloat16/causal", "4096/128/bfloat16/causal"
