@@ -24,8 +24,7 @@ Gradients stay where autograd put them: nothing is copied, allocated or re-point
 is the textbook bucket, copied into a flat buffer and back). `sm_carveout=N`: see parallel/carveout.py.
 
 `no_sync()`: backward passes of forwards inside it accumulate locally; the next synchronised one reduces the sum.
-Lifetime: hooks hold a `_Reducer`, never a parameter or the wrapper, so a dropped wrapper is freed by reference
-counting and its hooks are removed with it (`remove_hooks()` does that explicitly).
+Lifetime: hooks hold a `_Reducer`, never a parameter or the wrapper, so a dropped wrapper is freed at once.
 
     ddp = make_ddp("bucketed", model, bucket_size_mb=100)
     loss_fn(ddp(x), y).backward(); ddp.finish_gradient_synchronization(); optimizer.step()
