@@ -45,6 +45,8 @@ OPTIMIZERS = ("fused", "foreach", "reference")
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 COMPILED_MODULES = (RMSNorm, RotaryEmbedding, SwiGLU)
 """Module types `compile_pieces` compiles: their elementwise work fuses; their matmuls stay cuBLAS calls."""
+RECOMPILE_LIMIT = 64
+"""Graphs Dynamo may keep per compiled piece (one per input shape / grad mode)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,12 +145,17 @@ def compile_pieces(model: nn.Module, backend: str = "inductor") -> CompiledPiece
     """Compile the `forward` of every RMSNorm, RotaryEmbedding and SwiGLU of `model` (fullgraph, static shapes).
 
     Instances of one class share a code object, so Dynamo compiles each piece once per input shape and grad mode
-    and every layer reuses it. Blocks and attention modules keep their own forward, so activation checkpointing
-    (which replaces block / attention forwards) composes: a checkpointed block reruns the compiled pieces."""
+    and every layer reuses it; a process that steps models of many shapes needs more than Dynamo's default of 8
+    graphs per code object, so the limit is raised to `RECOMPILE_LIMIT` (fullgraph=True would fail past it).
+    Blocks and attention modules keep their own forward, so activation checkpointing (which replaces block /
+    attention forwards) composes: a checkpointed block reruns the compiled pieces."""
     modules = [m for m in model.modules() if isinstance(m, COMPILED_MODULES)]
     for m in modules:
         if "forward" in m.__dict__:
             raise ValueError(f"{type(m).__name__} already has an instance-level forward; refusing to compile over it")
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
     for m in modules:
         m.forward = torch.compile(m.forward, backend=backend, fullgraph=True, dynamic=False)
     return CompiledPieces(modules, backend)

@@ -236,12 +236,16 @@ def _free(device: torch.device) -> None:
 
 
 def for_device(step: StepConfig, device: torch.device, compile_backend: str | None = None) -> StepConfig:
-    """`step` as it runs on `device`: on a CPU without the Triton interpreter `flash_triton` becomes `sdpa` (the
-    same saved O / log-sum-exp semantics); the compile backend defaults to `aot_eager_decomp_partition` on the
-    CPU (Inductor's partitioner, hence its saved tensors, without its C++ build) and `inductor` on a GPU."""
+    """`step` as it runs on `device`. On the CPU the Triton kernels give way to their torch counterparts (the
+    interpreter is a test tool, without bf16): `flash_triton` becomes `sdpa` (the same saved O / log-sum-exp
+    semantics), the `fused` AdamW `foreach` (multi-tensor torch ops); the fused loss already picks its chunked
+    torch version there. The compile backend defaults to `aot_eager_decomp_partition` on the CPU (Inductor's
+    partitioner, hence its saved tensors, without its C++ build) and `inductor` on a GPU."""
     changes = {}
-    if device.type == "cpu" and step.attention == "flash_triton" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type == "cpu" and step.attention == "flash_triton":
         changes["attention"] = "sdpa"
+    if device.type == "cpu" and step.optimizer == "fused":
+        changes["optimizer"] = "foreach"
     changes["compile_backend"] = compile_backend or ("inductor" if device.type == "cuda" else "aot_eager_decomp_partition")
     return step.replace(**changes)
 

@@ -358,7 +358,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Plain-torch fused LM head + cross-entropy (the CPU path, and the fallback of the Triton kernel): `chunk`
-    tokens at a time, logits upcast to fp32 (max-subtracted log-sum-exp as in `cross_entropy`), the gradients
+    tokens at a time, logits upcast to fp32 (fp64 for fp64 inputs; max-subtracted log-sum-exp as in `cross_entropy`), the gradients
     written during forward, the weight's accumulated in its own dtype (one rounding per chunk in bf16, exact in
     fp32), as `kernels/fused_linear_ce.py` does. Backward scales them by the upstream gradient in place."""
 
@@ -368,10 +368,11 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         n = h_Nd.shape[0]
         grad_h = torch.empty_like(h_Nd) if hidden.requires_grad else None
         grad_w = torch.empty_like(weight) if weight.requires_grad else None
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+        total = torch.zeros((), dtype=acc, device=hidden.device)
         for lo in range(0, n, chunk):
             h_cd, t_c = h_Nd[lo:lo + chunk], t_N[lo:lo + chunk]
-            logits = (h_cd @ weight.t()).float()
+            logits = (h_cd @ weight.t()).to(acc)
             logits -= logits.amax(dim=-1, keepdim=True)
             probs = torch.exp(logits)
             row_sum = probs.sum(dim=-1)

@@ -34,6 +34,12 @@ trace (`cpu_allocation_trace`) and are modelled by the two largest moments of a 
 (the SwiGLU product's gradient and both branches: 2 B S f, plus the w2 gradient) and the softmax (four
 B H S^2 gradients / temporaries, after the FFN's residuals were freed); the loss's backward adds B S V
 (e + 1) bytes (gradient of the logits and amax's mask). The CPU tests hold the whole-step prediction to 5%.
+
+The leaderboard step's terms (`tests/raysys/test_advisor_leaderboard.py`, and results/leaderboard*.parquet on an
+H200): pure low-precision state (`param_dtype` = precision: weights, gradients and AdamW moments in bf16, the
+residual stream in bf16, the norms' fp32 upcasts still kept); compiled pieces (a norm keeps its input and rsqrt,
+SwiGLU w1 x, w3 x and their product); the fused loss (it keeps the hidden states' and the LM-head weight's
+gradients instead of the logits, plus one logits chunk while it runs); the optimizer's transient; FSDP shards.
 """
 
 from __future__ import annotations
@@ -80,7 +86,8 @@ class Workload:
     head and the loss in one op that keeps only the gradients of the hidden states and of the LM-head weight."""
     compiled: bool = False
     """RMSNorm, RoPE and SwiGLU compiled (`raysys.leaderboard.compile_pieces`, pure precision only): a norm keeps
-    its input and rsqrt, SwiGLU its input, w1 x, w3 x and their gated product, RoPE only its cos / sin buffers."""
+    its input and rsqrt, SwiGLU its input, w1 x, w3 x and their gated product, RoPE its positions and (once for
+    all blocks) its cos / sin buffers: what Inductor's min-cut partitioner saves, checked on the CPU."""
     optimizer: str = "reference"
     """AdamW's step transient: reference (sqrt(v) of one parameter), foreach (of up to 1 GiB of them), fused (none)."""
     shards: int = 1
@@ -170,8 +177,9 @@ def _block_saved(w: Workload) -> dict[str, int]:
         out = {"norms": 2 * norm + (3 + 2) * e * BSd, "weight_casts": (4 * d * d + 3 * d * f) * e}
     else:  # the output once (its consumers share it)
         out = {"norms": 2 * (norm + e * BSd), "weight_casts": 0}
-    # eager: cos / sin rows for q and for k (fp32 buffers); compiled: the whole buffers, once (head_saved)
-    out["rope"] = 0 if w.compiled else 4 * S * (Dh // 2) * 4
+    # eager: cos / sin rows for q and for k (fp32 buffers); compiled: the int64 positions (the whole buffers,
+    # shared by every block, are counted once in head_saved)
+    out["rope"] = 8 * S if w.compiled else 4 * S * (Dh // 2) * 4
     if w.fused:
         out["attention"] = 5 * e * BSd + 4 * BHS  # q, k, v, O, merged heads; fp32 log-sum-exp
     else:

@@ -33,11 +33,13 @@ if str(ROOT) not in sys.path:
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
+from parallel.checkpointing import parse_policy  # noqa: E402
 from raysys.config import ModelConfig  # noqa: E402
 from raysys.leaderboard import LeaderboardStep, StepConfig, device_memory_bytes, plan_step  # noqa: E402
 from raysys.leaderboard_bench import (DTYPE_NAMES, SWEEP, Session, Variant, build_leaderboard_parser,  # noqa: E402
                                       build_model, for_device, make_batch, open_writer, run_ablation, run_check,
                                       start_session, variant_config, variant_row)
+from raysys.results import ROW_COLUMNS  # noqa: E402
 
 STUDIES = ("ablation", "neighbours", "ddp")
 TUNE_SWEEP, DDP_SWEEP = f"{SWEEP}_tune", f"{SWEEP}_ddp"
@@ -52,9 +54,11 @@ def neighbour_specs(plan_layers: tuple[str, ...], offsets: list[int]) -> list[tu
     out = []
     for off in offsets:
         j = k + off
-        if 0 <= j <= n:
+        if j in (0, n):  # one kind everywhere: the plain policy, as the advisor spells it
+            out.append((off, "none" if j == 0 else "full"))
+        elif 0 < j < n:
             runs = [("full", j), ("none", n - j)] if full_first else [("none", n - j), ("full", j)]
-            out.append((off, "+".join(f"{kind}*{count}" for kind, count in runs if count)))
+            out.append((off, "+".join(f"{kind}*{count}" for kind, count in runs)))
     return out
 
 
@@ -89,40 +93,48 @@ def run_neighbours_local(args, session: Session) -> pd.DataFrame:
     return df
 
 
+TUNE_ARGS = ("size", "context_length", "vocab_size", "batch_size", "dtype", "device", "timer", "do_bench_only",
+             "rep_ms", "warmup_ms", "steps", "warmup_steps", "compile_backend", "warm_cache", "seed")
+"""The command-line fields a Tune trial needs (the rest of its configuration: offset and the advisor's plan)."""
+
+
 def tune_trial(config: dict) -> dict:
-    """Ray Tune trainable: one neighbour in a fresh process (its own model on its own GPU)."""
-    args = argparse.Namespace(**config["args"])
+    """Ray Tune trainable: the advisor's plan moved by `config["offset"]`, in a fresh process (its own model on
+    its own GPU). Returns the row's metrics."""
+    parser = build_parser()
+    args = parser.parse_args(["--out", "."])
+    for key in TUNE_ARGS:
+        setattr(args, key, config[key])
+    args.variants, args.no_batch2 = ["best"], True
     session = start_session(args)
-    variant = Variant(name=config["name"], step=StepConfig(**config["step"]), batch_size=config["batch_size"])
-    row = variant_row(args, session, variant, sweep=TUNE_SWEEP, **config["extra"])
+    n = session.config.num_layers
+    plan_layers = tuple(r.kind for r in parse_policy(config["advisor_policy"], n).regions(n)
+                        for _ in range(r.start, r.stop))
+    (off, spec), = neighbour_specs(plan_layers, [config["offset"]])
+    step = for_device(StepConfig(), session.device, args.compile_backend).replace(recompute=spec)
+    variant = Variant(name=f"plan{off:+d}", step=step, batch_size=args.batch_size)
+    row = variant_row(args, session, variant, sweep=TUNE_SWEEP)
     if row["status"] != "ok":
         raise RuntimeError(row["error"])
-    keep = set(row) - set(variant_config(args, session, variant, **config["extra"]))
-    return {k: row[k] for k in keep if k not in ("sweep", "trial_id", "status", "error")}
+    return {k: v for k, v in row.items() if k not in config and k not in ROW_COLUMNS}
 
 
 def run_neighbours_tune(args) -> pd.DataFrame:
-    """The plan and its neighbours as Ray Tune trials (one GPU each)."""
+    """The plan and its neighbours as Ray Tune trials (one GPU each; one CPU each on a CPU-only cluster)."""
+    from ray import tune
+
     from raysys.cluster import tune_run
 
     device = torch.device("cuda" if args.device in ("auto", "cuda") and torch.cuda.is_available() else args.device)
     config = ModelConfig.from_name(args.size, **_overrides(args))
     step = for_device(StepConfig(), device, args.compile_backend)
-    memory = device_memory_bytes(device)
     plan = plan_step(config, args.batch_size, config.context_length, step, dtype=args.dtype,
-                     device_type=device.type, gpu_memory=memory)
-    trial_args = {k: v for k, v in vars(args).items() if k not in ("study", "no_ray", "offsets", "world_size",
-                                                                   "launcher", "func")}
-    trial_args.update(variants=["best"], no_batch2=True, check=False, out=str(Path(args.out).resolve()),
-                      overwrite=True, resume=False)
-    grid = [{"name": f"plan{off:+d}", "step": dataclasses.asdict(step.replace(recompute=spec)),
-             "batch_size": args.batch_size, "args": trial_args,
-             "extra": {"offset": off, "advisor_policy": plan.spec, "launcher": "tune"}}
-            for off, spec in neighbour_specs(plan.layers, args.offsets)]
-    from ray import tune
-
-    df = tune_run(tune_trial, {"trial": tune.grid_search(grid)}, sweep=TUNE_SWEEP, out_dir=args.out,
-                  resources={"gpu": 1} if device.type == "cuda" else {"cpu": 1}, resume=args.resume)
+                     device_type=device.type, gpu_memory=step.gpu_memory or device_memory_bytes(device))
+    offsets = [off for off, _ in neighbour_specs(plan.layers, args.offsets)]
+    space = {**{k: getattr(args, k) for k in TUNE_ARGS}, "launcher": "tune", "advisor_policy": plan.spec,
+             "offset": tune.grid_search(offsets)}
+    df = tune_run(tune_trial, space, sweep=TUNE_SWEEP, out_dir=args.out, resume=args.resume,
+                  resources={"gpu": 1} if device.type == "cuda" else {"cpu": 1})
     print(neighbours_summary(df))
     return df
 

@@ -1,0 +1,175 @@
+"""The advisor's leaderboard terms: pure bf16 state, the fused loss, compiled pieces, the optimizer's transient and
+FSDP shards, against hand-computed byte counts and against what the CPU measures on a tiny model."""
+
+import json
+
+import pytest
+import torch
+
+from parallel.checkpointing import apply_activation_checkpointing, parse_policy
+from raysys.advisor import advise, advise_main
+from raysys.config import ModelConfig
+from raysys.leaderboard import compile_pieces
+from raysys.memory import SavedTensorAccount
+from raysys.model import AdamW, ForeachAdamW, TransformerLM
+from raysys.recompute_model import (GiB, Workload, block_saved, cpu_allocation_trace, fused_loss_transient,
+                                    head_saved, optimizer_transient, predict_peak, sharding_transient, static_bytes)
+
+LB = ModelConfig.from_name("leaderboard", attention="flash_triton")
+B, S, d, f, V, H, N = 1, 32768, 4096, 11008, 151936, 32, 34
+P = N * (4 * d * d + 3 * d * f + 2 * d) + d + 2 * V * d
+BS, BSd, BSf, BSV = B * S, B * S * d, B * S * f, B * S * V
+
+
+def pure(**kw):
+    return Workload(config=LB, batch_size=1, precision="bf16", param_dtype="bf16", **kw)
+
+
+def test_hand_counts_of_the_leaderboard_workload():
+    assert P == LB.num_params() == 8_125_698_048
+    s = static_bytes(pure())
+    assert (s["weights"], s["optimizer"]) == (2 * P, 4 * P)  # bf16 weights; bf16 m and v
+    fsdp = static_bytes(Workload(config=LB, batch_size=1, precision="bf16", shards=2))
+    assert (fsdp["weights"], fsdp["optimizer"]) == (4 * P // 2, 8 * P // 2)  # fp32 shards over two ranks
+    # compiled block, bf16: norms keep input + rsqrt and their output, flash keeps q k v O + merged + lse,
+    # SwiGLU keeps w1 x, w3 x and the product, RoPE its int64 positions
+    blk = block_saved(pure(compiled=True))
+    assert blk == {"norms": 2 * (2 * 2 * BSd + 4 * BS), "weight_casts": 0, "rope": 8 * S,
+                   "attention": 5 * 2 * BSd + 4 * H * BS, "ffn": 3 * 2 * BSf}
+    assert sum(blk.values()) / GiB == pytest.approx(4.27, abs=0.01)
+    eager = block_saved(pure())
+    assert eager["norms"] == 2 * (8 * BSd + 4 * BS + 2 * BSd) and eager["ffn"] == 5 * 2 * BSf
+    # heads: fused keeps the final norm's input + rsqrt, RoPE's buffers, and two gradients; materialised the logits
+    rope_buffers = 2 * S * (d // H // 2) * 4
+    assert head_saved(pure(compiled=True, loss="fused")) == 2 * BSd + 4 * BS + rope_buffers + 2 * (BSd + V * d)
+    assert head_saved(pure()) == 8 * BSd + 4 * BS + 2 * BSd + 3 * 2 * BSV + 2 * 2 * BS
+    # the Triton kernel's one logits buffer: 2560 rows (768 MiB / (V x 2 bytes), a multiple of 256)
+    assert fused_loss_transient(pure(loss="fused")) == 2560 * V * 2 + 4 * BS
+    assert optimizer_transient(pure()) == 2 * V * d  # sqrt(v) of the embedding
+    assert optimizer_transient(pure(optimizer="fused")) == 0
+    assert optimizer_transient(pure(optimizer="foreach")) == 2 * V * d  # the embedding alone is its own chunk
+    block = 4 * d * d + 3 * d * f
+    assert sharding_transient(Workload(config=LB, batch_size=1, precision="bf16", shards=2)) == \
+        2 * 2 * block + 2 * V * d + (2 + 4) * V * d
+    assert sharding_transient(pure()) == 0
+
+
+def test_kernel_chunk_budget_is_the_kernels():
+    from kernels import fused_linear_ce
+    from raysys import model
+    from raysys.recompute_model import KERNEL_LOSS_CHUNK_BYTES, TORCH_LOSS_CHUNK_BYTES
+
+    assert KERNEL_LOSS_CHUNK_BYTES == fused_linear_ce.MAX_CHUNK_BYTES
+    assert fused_linear_ce.chunk_rows(S, V, torch.bfloat16) == 2560
+    assert TORCH_LOSS_CHUNK_BYTES == model.CHUNK_LOGIT_BYTES
+
+
+def test_workload_validation():
+    with pytest.raises(ValueError, match="param_dtype"):
+        Workload(config=LB, batch_size=1, precision="fp32", param_dtype="bf16")
+    with pytest.raises(ValueError, match="shards"):
+        Workload(config=LB, batch_size=1, precision="bf16", param_dtype="bf16", shards=2)
+    with pytest.raises(ValueError, match="compiled"):
+        Workload(config=LB, batch_size=1, precision="bf16", compiled=True)  # autocast
+    for bad in (dict(loss="logits"), dict(optimizer="sgd"), dict(shards=0)):
+        with pytest.raises(ValueError):
+            Workload(config=LB, batch_size=1, **bad)
+
+
+# ---------------------------------------------------------------------------------------------------- CPU
+def tiny(attention="sdpa", N=3, S=96, d=32, H=2, f=64, V=40):
+    return ModelConfig(vocab_size=V, context_length=S, d_model=d, num_layers=N, num_heads=H, d_ff=f,
+                       attention=attention)
+
+
+def build(cfg, dtype, compiled, backend="aot_eager_decomp_partition"):
+    torch.manual_seed(0)
+    model = TransformerLM(cfg, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+    if compiled:  # Inductor's min-cut partitioner decides what is saved; aot_eager_decomp_partition runs it too
+        compile_pieces(model, backend)
+    return model
+
+
+CASES = [("bf16", "fused", False), ("bf16", "materialized", False), ("bf16", "fused", True),
+         ("fp32", "fused", True), ("bf16", "materialized", True)]
+
+
+@pytest.mark.parametrize("dtype,loss,compiled", CASES)
+def test_saved_bytes_match_saved_tensor_hooks(dtype, loss, compiled):
+    cfg = tiny(S=40)
+    model = build(cfg, dtype, compiled)
+    x, y = torch.randint(0, cfg.vocab_size, (2, 40)), torch.randint(0, cfg.vocab_size, (2, 40))
+    account = SavedTensorAccount(model)
+    with account.track():
+        out = model.loss(x, y, fused=loss == "fused", impl="torch")
+    w = Workload(config=cfg, batch_size=2, precision=dtype, param_dtype=dtype, loss=loss, compiled=compiled,
+                 device_type="cpu")
+    ids = (1 if loss == "fused" else 2) * 2 * 40 * 8  # token ids (embedding), targets (the materialised gather)
+    assert account.total_bytes == cfg.num_layers * sum(block_saved(w).values()) + head_saved(w) + ids
+    del out
+
+
+PEAK_CASES = [("bf16", "fused", False, spec) for spec in ("none", "full", "full*1+none*2")] + [
+    ("bf16", "materialized", False, "none"), ("fp32", "fused", False, "full*1+none*2"),
+    # compiled: Inductor's fused kernels (its backward's temporaries are its own; aot_eager's are not the same)
+    pytest.param("bf16", "fused", True, "full*1+none*2", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("dtype,loss,compiled,spec", PEAK_CASES)
+def test_step_peak_within_five_percent(dtype, loss, compiled, spec):
+    cfg = tiny()
+    model = build(cfg, dtype, compiled, backend="inductor")
+    handle = apply_activation_checkpointing(model, parse_policy(spec, cfg.num_layers))
+    opt = ForeachAdamW(model.parameters()) if loss == "fused" else AdamW(model.parameters())
+    x, y = torch.randint(0, cfg.vocab_size, (2, 96)), torch.randint(0, cfg.vocab_size, (2, 96))
+
+    def step():
+        model.loss(x, y, fused=loss == "fused", impl="torch").backward()
+        opt.step()
+
+    step()
+    opt.zero_grad(set_to_none=True)
+    w = Workload(config=cfg, batch_size=2, precision=dtype, param_dtype=dtype, loss=loss, compiled=compiled,
+                 optimizer="foreach" if loss == "fused" else "reference", device_type="cpu")
+    measured = sum(static_bytes(w).values()) + max(cpu_allocation_trace(step))
+    estimate = predict_peak(w, handle.regions)
+    assert estimate.peak_bytes == pytest.approx(measured, rel=0.05), estimate.where
+
+
+# ---------------------------------------------------------------------------------------------------- advisor
+def test_the_leaderboard_plans():
+    h200 = 143771 * 2**20
+    # the issue's starting point: fp32 master weights and materialised logits do not fit one H200
+    assert not advise(LB, 1, 141 * 10**9, "bf16").fits
+    plan = advise(LB, 1, h200, "bf16", param_dtype="bf16", loss="fused", compiled=True, optimizer="fused")
+    assert plan.fits and 0 < plan.layers.count("full") < N and set(plan.layers) == {"full", "none"}
+    assert plan.predicted_peak_bytes <= plan.usable_bytes
+    # every kept block costs memory: one more un-checkpointed block no longer fits
+    more = list(plan.layers)
+    more[more.index("full")] = "none"
+    w = plan.workload
+    assert predict_peak(w, parse_policy("+".join(f"{k}*1" for k in more), N).regions(N)).peak_bytes > plan.usable_bytes
+    # the fused loss frees the logits: without it more blocks are recomputed
+    materialized = advise(LB, 1, h200, "bf16", param_dtype="bf16", compiled=True, optimizer="fused")
+    assert materialized.layers.count("full") > plan.layers.count("full")
+    # FSDP over two ranks: fp32 shards (16 bytes per parameter / 2) plus gathered units
+    fsdp = advise(LB, 1, h200, "bf16", loss="fused", shards=2)
+    assert fsdp.fits and fsdp.workload.shards == 2
+
+
+def test_cli_new_flags(capsys):
+    args = ["--size", "leaderboard", "--batch-size", "1", "--attention", "flash_triton", "--gpu-memory", "143771MiB"]
+    assert advise_main(args + ["--dtype", "bf16"]) == 1  # fp32 masters, materialised logits: does not fit
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    assert advise_main(args + ["--param-dtype", "bf16", "--loss", "fused", "--compiled", "--optimizer", "fused",
+                               "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and (out["param_dtype"], out["loss"], out["compiled"], out["optimizer"]) == \
+        ("bf16", "fused", True, "fused")
+    assert advise_main(args + ["--dtype", "bf16", "--loss", "fused", "--shards", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["shards"] == 2
+    assert advise_main(args + ["--param-dtype", "bf16", "--shards", "2"]) == 2  # FSDP keeps fp32 shards
+    assert "shards" in capsys.readouterr().err
+    assert advise_main(args + ["--shards", "0"]) == 2
+    assert advise_main(args + ["--param-dtype", "bf16", "--dtype", "fp32"]) == 2

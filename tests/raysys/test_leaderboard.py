@@ -1,0 +1,200 @@
+"""The leaderboard step API against the reference path (CPU; Triton kernels under TRITON_INTERPRET=1).
+
+The composed step (attention backend, fused loss, AdamW implementation, recompute policy, compiled pieces) must
+compute what `cross_entropy(model(x), y)` followed by the reference `AdamW.step()` computes: in fp32 the loss of
+every step and every parameter after 3 steps within 1e-5.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from raysys.config import ModelConfig
+from raysys.leaderboard import (TODAY, LeaderboardStep, StepConfig, compile_pieces, make_optimizer, plan_step,
+                                reference_step, train_step)
+from raysys.model import (AdamW, ChunkedLinearCrossEntropy, ForeachAdamW, RMSNorm, SwiGLU, TransformerLM,
+                          cross_entropy, linear_cross_entropy)
+
+
+def dynamo_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+CPU_BACKEND = "aot_eager_decomp_partition"  # Inductor's partitioner (what is saved), no C++ build
+
+
+def config(N=3, V=61, S=24, d=32, H=2, f=48):
+    return ModelConfig(vocab_size=V, context_length=S, d_model=d, num_layers=N, num_heads=H, d_ff=f)
+
+
+def batches(cfg, n, B=2, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, cfg.vocab_size, (B, cfg.context_length), generator=g),
+             torch.randint(0, cfg.vocab_size, (B, cfg.context_length), generator=g)) for _ in range(n)]
+
+
+# The Triton kernels (flash attention, fused loss, fused AdamW) run under the interpreter: minutes on a busy
+# 2-core machine, hence `slow` and the smaller model.
+SLOW = (pytest.mark.slow,)
+STEPS = [
+    pytest.param("sdpa+chunked+foreach+compiled", StepConfig(
+        attention="sdpa", loss_impl="torch", optimizer="foreach", recompute="full*1+none*2",
+        compile_backend=CPU_BACKEND), id="sdpa+chunked+foreach+compiled"),
+    pytest.param("today", TODAY.replace(attention="sdpa"), id="today"),
+    pytest.param("flash+kernel+fused", StepConfig(
+        attention="flash_triton", loss_impl="triton", optimizer="fused", recompute="none*1+full*1", compile=False),
+        marks=SLOW, id="flash+kernel+fused"),
+    pytest.param("flash+kernel+fused+compiled", StepConfig(
+        attention="flash_triton", loss_impl="triton", optimizer="fused", recompute="full",
+        compile_backend=CPU_BACKEND), marks=SLOW, id="flash+kernel+fused+compiled"),
+]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("name,step_config", STEPS)
+def test_fast_step_matches_reference_fp32(name, step_config):
+    cfg = config(N=3) if name in ("today", "sdpa+chunked+foreach+compiled") else config(N=2, S=16)
+    torch.manual_seed(0)
+    ref = TransformerLM(cfg)  # naive attention: the reference model
+    fast = copy.deepcopy(ref)
+    opt = AdamW(ref.parameters())
+    step = LeaderboardStep(fast, step_config, batch_size=2)
+    for x, y in batches(cfg, 3):
+        expected = reference_step(ref, opt, x, y)
+        assert step(x, y).item() == pytest.approx(expected.item(), abs=1e-5)
+    for (n, p), q in zip(ref.named_parameters(), fast.parameters()):
+        assert (p - q).abs().max().item() <= 1e-5, n
+    step.close()
+    assert "forward" not in fast.layers[0].__dict__ and "forward" not in fast.ln_final.__dict__
+
+
+@pytest.mark.interpret
+def test_step_is_not_a_noop_when_broken():
+    """The comparison above can fail: a step with the wrong learning rate drifts past 1e-5 at once."""
+    cfg = config(N=2)
+    torch.manual_seed(0)
+    ref = TransformerLM(cfg)
+    fast = copy.deepcopy(ref)
+    opt, wrong = AdamW(ref.parameters()), ForeachAdamW(fast.parameters(), lr=1.1e-3)
+    (x, y), = batches(cfg, 1)
+    reference_step(ref, opt, x, y)
+    train_step(fast, wrong, x, y, loss="fused", loss_impl="torch")
+    assert max((p - q).abs().max().item() for p, q in zip(ref.parameters(), fast.parameters())) > 1e-5
+
+
+def test_model_loss_equals_reference_loss_and_gradients():
+    cfg = config(N=2)
+    torch.manual_seed(0)
+    model = TransformerLM(cfg)
+    (x, y), = batches(cfg, 1)
+    logits = model(x)
+    assert logits.shape == (2, cfg.context_length, cfg.vocab_size)  # model(x) still returns logits
+    ref = cross_entropy(logits, y)
+    ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    fused = model.loss(x, y, impl="torch")
+    fused.backward()
+    assert fused.item() == pytest.approx(ref.item(), abs=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[n], atol=1e-6, rtol=1e-5, msg=n)
+    assert model.loss(x, y, fused=False).item() == ref.item()
+
+
+@pytest.mark.parametrize("tokens,vocab,d,chunk", [(37, 53, 24, 5), (16, 7, 8, 16), (9, 101, 12, 1), (50, 33, 6, 64)])
+def test_chunked_loss_odd_shapes(tokens, vocab, d, chunk):
+    torch.manual_seed(tokens)
+    h = torch.randn(tokens, d, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(vocab, d, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, vocab, (tokens,))
+    upstream = torch.tensor(1.7, dtype=torch.float64)  # a non-unit upstream gradient
+    loss = ChunkedLinearCrossEntropy.apply(h, w, t, chunk)
+    (loss * upstream).backward()
+    h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = cross_entropy(h2 @ w2.t(), t)
+    (ref * upstream).backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-12)
+    torch.testing.assert_close(h.grad, h2.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(w.grad, w2.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_linear_cross_entropy_bf16_and_bad_input():
+    torch.manual_seed(0)
+    h, w = torch.randn(2, 9, 16), torch.randn(40, 16)
+    t = torch.randint(0, 40, (2, 9))
+    ref = cross_entropy(h @ w.t(), t).item()
+    # bf16 inputs: logits rounded to bf16 (8 bits of mantissa) move the loss by ~1e-2 at these magnitudes
+    assert linear_cross_entropy(h.bfloat16(), w.bfloat16(), t, impl="torch").item() == pytest.approx(ref, abs=3e-2)
+    with pytest.raises(ValueError, match="impl"):
+        linear_cross_entropy(h, w, t, impl="cuda")
+    with pytest.raises(ValueError, match="targets"):
+        linear_cross_entropy(h, w, t[:, :4])
+
+
+def test_foreach_adamw_is_bitwise_the_reference_in_fp32():
+    torch.manual_seed(0)
+    params = [torch.randn(7, 5), torch.randn(3), torch.randn(11, 2), torch.randn(4, 4)]
+    a = [p.clone().requires_grad_() for p in params]
+    b = [p.clone().requires_grad_() for p in params]
+    ref, fe = AdamW(a, weight_decay=0.1), ForeachAdamW(b, weight_decay=0.1, chunk_bytes=60)
+    for step in range(4):
+        for i, (p, q) in enumerate(zip(a, b)):
+            g = torch.randn_like(p)
+            p.grad, q.grad = (g.clone(), g.clone()) if not (step == 1 and i == 2) else (None, None)  # a skipped param
+        ref.step()
+        fe.step()
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+    assert [s["t"] for s in fe.state.values()] == [s["t"] for s in ref.state.values()]
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        ForeachAdamW(b, chunk_bytes=0)
+
+
+def test_compile_pieces_share_one_graph_per_piece_and_remove():
+    cfg = config(N=6)
+    torch.manual_seed(0)
+    model = TransformerLM(cfg)
+    before = dynamo_graphs()
+    pieces = compile_pieces(model, CPU_BACKEND)
+    assert sum(isinstance(m, RMSNorm) for m in pieces.modules) == 2 * 6 + 1
+    assert sum(isinstance(m, SwiGLU) for m in pieces.modules) == 6
+    (x, y), = batches(cfg, 1)
+    model.loss(x, y, impl="torch").backward()
+    assert dynamo_graphs() - before <= 4  # norm (block / final), RoPE, SwiGLU: not one per layer
+    with pytest.raises(ValueError, match="instance-level forward"):
+        compile_pieces(model, CPU_BACKEND)
+    pieces.remove()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_default_step_applies_the_advisor_plan():
+    cfg = config(N=4, S=64, d=64, f=128, V=200)
+    torch.manual_seed(0)
+    model = TransformerLM(cfg)
+    base = StepConfig(attention="sdpa", loss_impl="torch", optimizer="foreach", compile=False)
+    none = plan_step(cfg, 4, 64, base, dtype="fp32", device_type="cpu", gpu_memory=2**34)
+    assert set(none.layers) == {"none"}
+    # memory for about half of the activations: the plan mixes full and none, and the step applies exactly it
+    memory = int((none.predicted_peak_bytes - (none.predicted_peak_bytes - 2**19) // 4 + 2**29 // 1) / 0.95)
+    tight = plan_step(cfg, 4, 64, base.replace(gpu_memory=memory), dtype="fp32", device_type="cpu", gpu_memory=memory)
+    step = LeaderboardStep(model, base.replace(gpu_memory=memory), batch_size=4)
+    assert step.plan.layers == tight.layers and step.policy_spec == tight.spec
+    assert [r.kind for r in step.checkpointing.regions] == [r.kind for r in tight.policy.regions(4)]
+    info = step.describe()
+    assert info["policy"] == tight.spec and info["optimizer_class"] == "ForeachAdamW" and info["loss_path"] == "torch"
+
+
+def test_step_config_validation():
+    for bad, match in ((dict(loss="chunked"), "loss"), (dict(optimizer="sgd"), "optimizer"),
+                       (dict(attention="nope"), "attention"), (dict(recompute="full*x"), "recompute|COUNT"),
+                       (dict(gpu_memory=0), "gpu_memory")):
+        with pytest.raises(ValueError, match=match):
+            StepConfig(**bad)
+    with pytest.raises(ValueError, match="optimizer"):
+        make_optimizer("sgd", [torch.nn.Parameter(torch.zeros(1))])
+    model = TransformerLM(config(N=2))
+    with pytest.raises(ValueError, match="seq_len"):
+        LeaderboardStep(model, StepConfig(attention="sdpa", compile=False), batch_size=1, seq_len=1000)
+    with pytest.raises(ValueError, match="batch_size"):
+        LeaderboardStep(model, StepConfig(attention="sdpa", compile=False), batch_size=0)

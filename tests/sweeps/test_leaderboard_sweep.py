@@ -1,0 +1,120 @@
+"""The leaderboard study end to end on the CPU: the ablation's Parquet rows (an OOM is a row), the plan's
+neighbours with and without Ray Tune, and the 2-rank data-parallel step against one process, bitwise in fp32."""
+
+import dataclasses
+
+import pandas as pd
+import pytest
+import torch
+
+import raysys.leaderboard_bench as bench
+from raysys.cli import main as raysys_main
+from raysys.leaderboard import LeaderboardStep, StepConfig
+from raysys.mp_gang import ProcessGang
+from sweeps import leaderboard as sweep
+from tests.raysys.ray_fixtures import ray_cluster  # noqa: F401  (the session's one Ray)
+
+
+def test_tiny_cpu_run_writes_leaderboard_parquet(tmp_path, capsys):
+    out = tmp_path / "lb"
+    assert raysys_main(["leaderboard", "--size", "tiny", "--device", "cpu", "--dtype", "fp32", "--out", str(out),
+                        "--variants", "best", "today", "today+fused_loss"]) == 0
+    df = pd.read_parquet(out / "leaderboard.parquet")
+    assert list(df.variant) == ["best", "today", "today+fused_loss", "best"]
+    assert list(df.batch_size) == [1, 1, 1, 2] and set(df.status) == {"ok"}
+    assert (df.step_s > 0).all() and (df.tokens_per_s > 0).all() and (df.mfu > 0).all()
+    first, today = df.iloc[0], df.iloc[1]
+    assert first.cold_start_s >= first.first_step_s > 0 and pd.isna(today.cold_start_s)  # only the first is cold
+    assert first.loss_path == "torch" and first.optimizer_class == "ForeachAdamW" and "SwiGLU" in first.compiled
+    assert today.loss_path == "materialized" and today.optimizer_class == "AdamW" and today.policy == "full"
+    assert first.attention == "sdpa" and first.optimizer == "foreach"  # the CPU's stand-ins; the row says what ran
+    assert first.model_flops == pytest.approx(bench.model_flops(bench.ModelConfig.from_name("tiny"), 1, 64))
+    assert "vs today" in capsys.readouterr().out
+
+
+def test_an_oom_is_a_row_and_the_ablation_goes_on(tmp_path, monkeypatch):
+    real = bench.run_variant
+
+    def run_variant(model, variant, **kw):
+        if variant.name == "today":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 37.09 GiB")
+        return real(model, variant, **kw)
+
+    monkeypatch.setattr(bench, "run_variant", run_variant)
+    sweep.main(["--size", "tiny", "--device", "cpu", "--dtype", "fp32", "--variants", "today", "today+fused_adamw",
+                "--no-batch2", "--warm-cache", "--out", str(tmp_path)])
+    rows = pd.read_parquet(tmp_path / "leaderboard.parquet")
+    assert list(rows.status) == ["oom", "ok"] and "37.09 GiB" in rows.error.iloc[0]
+    assert "today b1" in (tmp_path / "leaderboard.md").read_text() and "oom" in (tmp_path / "leaderboard.md").read_text()
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    for argv, message in ((["--batch-size", "0"], "batch-size"), (["--timer", "do_bench", "--device", "cpu"], "CUDA"),
+                          (["--variants", "fastest"], "variants")):
+        assert raysys_main(["leaderboard", "--size", "tiny", "--out", str(tmp_path), *argv]) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "leaderboard.parquet").exists()
+
+
+def test_neighbour_specs():
+    plan = ("full",) * 3 + ("none",) * 5
+    assert sweep.neighbour_specs(plan, [-4, -1, 0, 2, 6]) == [(-1, "full*2+none*6"), (0, "full*3+none*5"),
+                                                               (2, "full*5+none*3")]
+    assert sweep.neighbour_specs(("none",) * 4, [0, 1, 4]) == [(0, "none"), (1, "full*1+none*3"), (4, "full")]
+    assert sweep.neighbour_specs(("none", "none", "full"), [1]) == [(1, "none*1+full*2")]  # the plan's own order
+
+
+def test_neighbours_without_ray(tmp_path):
+    sweep.main(["--size", "tiny", "--device", "cpu", "--dtype", "fp32", "--study", "neighbours", "--no-ray",
+                "--offsets", "0", "2",
+                "--steps", "2", "--warm-cache", "--out", str(tmp_path)])
+    df = pd.read_parquet(tmp_path / "leaderboard_tune.parquet")
+    assert list(df.offset) == [0, 2] and set(df.status) == {"ok"} and set(df.launcher) == {"local"}
+    assert list(df.policy) == ["none", "full"] and set(df.advisor_policy) == {"none"}
+    assert "plan / best" in (tmp_path / "leaderboard_tune.md").read_text()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_neighbours_as_ray_tune_trials(tmp_path, ray_cluster):  # noqa: F811
+    df = sweep.run_neighbours_tune(sweep.build_parser().parse_args(
+        ["--size", "tiny", "--device", "cpu", "--dtype", "fp32", "--study", "neighbours", "--offsets", "0", "1",
+         "--steps", "2",
+         "--warm-cache", "--out", str(tmp_path)]))
+    rows = pd.read_parquet(tmp_path / "leaderboard_tune.parquet")
+    assert len(df) == 2 and set(rows.status) == {"ok"} and sorted(rows.offset) == [0, 1]
+    assert set(rows.launcher) == {"tune"} and (rows.step_s > 0).all()
+
+
+def one_process(trial: sweep.DDPTrial, world_size: int) -> dict:
+    """The ranks' computation in one process: each rank's gradients, averaged as gloo does it (each divided by
+    the world size, then summed), then the optimizer step."""
+    mc = trial.model_config()
+    model = bench.build_model(mc, torch.device("cpu"), torch.float32, trial.seed)
+    step = LeaderboardStep(model, StepConfig(**dict(trial.step)), batch_size=trial.batch_size)
+    data = [bench.make_batch(mc, trial.batch_size, mc.context_length, torch.device("cpu"), trial.seed, rank=r)
+            for r in range(world_size)]
+    for _ in range(1 + trial.steps):
+        grads = []
+        for x, y in data:
+            step.gradients(x, y)
+            grads.append({n: p.grad / world_size for n, p in model.named_parameters()})
+        for n, p in model.named_parameters():
+            p.grad = grads[0][n] + grads[1][n]
+        step.optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.multiproc
+def test_two_rank_ddp_step_equals_one_process_bitwise():
+    step = bench.for_device(StepConfig(), torch.device("cpu"))
+    trial = sweep.DDPTrial(size="tiny", context_length=16, batch_size=1, dtype="fp32", steps=2,
+                           step=tuple(sorted(dataclasses.asdict(step).items())), return_params=True)
+    with ProcessGang(2, device="cpu", name="leaderboard_ddp") as gang:
+        per_rank = gang.run(sweep.ddp_trial, dataclasses.asdict(trial))
+    expected = one_process(trial, 2)
+    for rank in per_rank:
+        assert rank["loss_path"] == "torch" and rank["optimizer_class"] == "ForeachAdamW"
+        for name, value in expected.items():
+            assert torch.equal(rank["params"][name], value), name
+    assert per_rank[0]["losses"] != per_rank[1]["losses"]  # each rank trained on its own sequences
