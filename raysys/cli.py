@@ -120,6 +120,20 @@ def _advise(args) -> int:
     return run_advise(args)  # 0: a plan fits, 1: nothing fits
 
 
+def _add_leaderboard(sub) -> None:
+    from raysys.leaderboard_bench import build_leaderboard_parser
+
+    build_leaderboard_parser(sub.add_parser("leaderboard", help="the leaderboard training step: ablation from "
+                                                                "today's composition to the fastest (handout 9)"))
+
+
+def _leaderboard(args) -> int:
+    from raysys.leaderboard_bench import run_leaderboard
+
+    df = run_leaderboard(args)
+    return 0 if (df["status"] == "ok").any() else 1
+
+
 def _add_submit(sub) -> None:
     from raysys.submit import build_submit_parser
 
@@ -167,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     _add_submit(sub)
     _add_doctor(sub)
+    _add_leaderboard(sub)
     return parser
 
 
@@ -174,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         code = {"bench": _bench, "report": _report, "advise": _advise, "plan": _plan, "submit": _submit,
-                "doctor": _doctor}[args.command](args)
+                "doctor": _doctor, "leaderboard": _leaderboard}[args.command](args)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at interpreter exit
         return code
     except (ValueError, DiskFull) as exc:
