@@ -10,7 +10,7 @@ from parallel.checkpointing import apply_activation_checkpointing, parse_policy
 from raysys.advisor import advise, advise_main
 from raysys.config import ModelConfig
 from raysys.leaderboard import compile_pieces
-from raysys.memory import SavedTensorAccount
+from raysys.memory import SavedTensorAccount, saved_bytes_per_block
 from raysys.model import AdamW, ForeachAdamW, TransformerLM
 from raysys.recompute_model import (GiB, Workload, block_saved, cpu_allocation_trace, fused_loss_transient,
                                     head_saved, optimizer_transient, predict_peak, sharding_transient, static_bytes)
@@ -107,6 +107,10 @@ def test_saved_bytes_match_saved_tensor_hooks(dtype, loss, compiled):
     ids = (1 if loss == "fused" else 2) * 2 * 40 * 8  # token ids (embedding), targets (the materialised gather)
     assert account.total_bytes == cfg.num_layers * sum(block_saved(w).values()) + head_saved(w) + ids
     del out
+    # per block, as raysys.memory reports it (the shared RoPE module's saves are attributed to layers.0)
+    per_block, _ = saved_bytes_per_block(model, lambda: model.loss(x, y, fused=loss == "fused", impl="torch"))
+    saved = dict(zip(per_block.module, per_block.saved_bytes))
+    assert saved["layers.1"] == saved["layers.2"] == sum(block_saved(w).values()) - block_saved(w)["rope"]
 
 
 PEAK_CASES = [("bf16", "fused", False, spec) for spec in ("none", "full", "full*1+none*2")] + [
