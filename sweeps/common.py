@@ -440,6 +440,14 @@ def read_rows(args: argparse.Namespace, sweep: str) -> pd.DataFrame:
     return read_results(path)
 
 
+
+def redraw_report(args: argparse.Namespace, sweep: str, write_report) -> pd.DataFrame:
+    """--report-only for a study with one table: redraw it from `<out>/<sweep>.parquet` and return the rows."""
+    df, out = read_rows(args, sweep), output_dir(args, sweep)
+    print(f"wrote {write_report(df, out)}")
+    return df
+
+
 class Progress:
     """Trials this run planned and finished (written, or found done by --resume), for the message on Ctrl-C in a
     study that runs its trials itself (`run_sweep` and `tune_run` say it for theirs)."""

@@ -49,7 +49,7 @@ import torch.nn.functional as F  # noqa: E402
 from raysys.device import DTYPES, resolve_device  # noqa: E402
 from raysys.results import ResultWriter, make_row, status_of, trial_id  # noqa: E402
 from sweeps.common import (PROGRESS, alias, check_int, check_timeout, list_flag, main_entry, open_writer,  # noqa: E402
-                           output_dir, parse_ints, parse_list, read_rows, study_parser, write_markdown)
+                           output_dir, parse_ints, parse_list, redraw_report, study_parser, write_markdown)
 
 SWEEP = "flash_bench"
 PROVIDERS = ("triton", "pytorch_tiled", "naive", "sdpa_flash", "sdpa_cudnn")
@@ -310,9 +310,7 @@ def build_parser():
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     args = build_parser().parse_args(argv)
     if args.report_only:
-        df, out = read_rows(args, SWEEP), output_dir(args, SWEEP)
-        print(f"wrote {write_report(df, out)}")
-        return df
+        return redraw_report(args, SWEEP, write_report)
     studies = ["target", "grid"] if args.studies == "all" else parse_list(args.studies, "studies", STUDIES)
     seqs = tuple(parse_ints(args.seqs, "seqs", 1)) if args.seqs else None
     head_dims = tuple(parse_ints(args.head_dims, "head-dims", 1)) if args.head_dims else None

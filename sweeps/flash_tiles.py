@@ -53,7 +53,7 @@ from kernels.flash_attention_tuning import KERNELS, TUNED_CONFIGS_PATH  # noqa: 
 from raysys.device import DTYPES, resolve_device  # noqa: E402
 from raysys.results import ResultWriter, error_row, make_row, trial_id  # noqa: E402
 from sweeps.common import (PROGRESS, list_flag, main_entry, open_writer, output_dir, parse_list,  # noqa: E402
-                           read_rows, start_ray, study_parser, write_markdown)
+                           redraw_report, start_ray, study_parser, write_markdown)
 
 SWEEP = "flash_tiles"
 # A shape's dtype: raysys's short names (bf16, fp16, fp32) or the torch names rows carry (bfloat16, ...).
@@ -482,9 +482,7 @@ def build_parser():
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     args = build_parser().parse_args(argv)
     if args.report_only:
-        df, out = read_rows(args, SWEEP), output_dir(args, SWEEP)
-        print(f"wrote {write_report(df, out)}")
-        return df
+        return redraw_report(args, SWEEP, write_report)
     shapes = tuple(parse_list(args.shapes, "shapes")) if args.shapes else (QUICK_SHAPES if args.quick else SHAPES)
     shapes = tuple(dict.fromkeys(canonical_shape(s.strip()) for s in shapes))
     kernels = parse_list(args.kernels, "kernels", KERNELS)
