@@ -12,7 +12,7 @@ from pathlib import Path
 
 from raysys.bench import DTYPES, MODES, BenchConfig, row_config, run_benchmark
 from raysys.config import SIZES
-from raysys.results import DiskFull, ResultWriter, resolve_out, trial_id
+from raysys.results import DiskFull, ResultWriter, discard_empty_run_dirs, resolve_out, trial_id
 
 
 def _add_bench(sub) -> None:
@@ -237,4 +237,6 @@ def run_script(main_fn, argv: list[str] | None = None) -> int:
         if not getattr(exc, "__notes__", None):  # run_sweep / tune_run already said where the rows are
             print(f"{name}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        discard_empty_run_dirs()  # a run that failed before its first row leaves no empty ./runs/<UTC>-<sweep>/
     return result if isinstance(result, int) else 0

@@ -21,6 +21,7 @@ Analysis is `pd.read_parquet(path)`; `read_results(dir)` skips an unreadable fil
 
 from __future__ import annotations
 
+import atexit
 import datetime as _dt
 import functools
 import hashlib
@@ -42,7 +43,7 @@ from raysys.files import DiskFull, FileBusy, FileLock, ResultsError, atomic_writ
     write_text
 
 __all__ = ["DiskFull", "FileBusy", "MODES", "ROW_COLUMNS", "ResultWriter", "ResultsError", "check_row_keys",
-           "check_sweep_name", "default_out_dir", "error_row", "make_row", "prepare_out_dir", "provenance",
+           "check_sweep_name", "default_out_dir", "discard_empty_run_dirs", "error_row", "make_row", "prepare_out_dir", "provenance",
            "read_results", "resolve_out", "save_figure", "status_of", "trial_id", "write_parquet", "write_text"]
 
 STATUSES = ("ok", "oom", "error", "timeout", "skipped")
@@ -262,10 +263,32 @@ def default_out_dir(sweep: str) -> Path:
         path = root / (f"{stamp}-{sweep}" if n == 1 else f"{stamp}-{sweep}-{n}")
         try:
             path.mkdir()
-            return path
         except FileExistsError:
             continue
+        _FRESH_DIRS.append(path)
+        return path
     raise ResultsError(f"{root}: could not create a fresh run directory for {sweep!r}")
+
+
+_FRESH_DIRS: list[Path] = []  # run directories this process created, removed again while they hold nothing
+
+
+@atexit.register
+def discard_empty_run_dirs() -> list[Path]:
+    """Remove the fresh run directories this process created that are still empty (a check that failed after the
+    directory was made, Ray refusing the gang, Ctrl-C before the first row): a failed run leaves no trace.
+    `raysys.cli.run_script` calls it when a script ends, and it runs at exit. Returns the directories removed."""
+    removed = []
+    for path in list(_FRESH_DIRS):
+        try:
+            path.rmdir()  # only ever removes an empty directory
+        except FileNotFoundError:
+            pass
+        except OSError:
+            continue
+        _FRESH_DIRS.remove(path)
+        removed.append(path)
+    return removed
 
 
 def prepare_out_dir(out: str | os.PathLike) -> Path:

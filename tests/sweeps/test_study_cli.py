@@ -249,3 +249,19 @@ def test_dashboard_flag_starts_the_embedded_ray_with_its_dashboard(monkeypatch, 
         with pytest.raises(RayStarted):
             module.main(["--dashboard", "--device", "cpu", "--out", str(tmp_path / module.SWEEP)])
         assert seen == {"dashboard": True, "address": None}
+
+
+def test_a_run_refused_after_its_run_directory_was_made_leaves_none(tmp_path, monkeypatch, capsys):
+    """A check that can only run once the run directory exists (Ray refusing the gang: too many ranks, no GPU)
+    fails the run in one line and leaves no empty ./runs/<UTC>-<sweep>/ behind."""
+    from sweeps import ddp
+
+    def refuse(args, world_size):
+        raise ValueError(f"asked for {world_size} ranks; the cluster has 1 node(s) with 2 CPUs")
+
+    monkeypatch.setenv("RAYSYS_RUNS_DIR", str(tmp_path / "runs"))
+    monkeypatch.delenv("RAYSYS_RESULTS_DIR", raising=False)
+    monkeypatch.setattr(common, "gang_device", refuse)
+    assert common.main_entry(ddp.main, ["--device", "cpu", "--world-size", "2", "--launcher", "ray"]) == 2
+    assert "asked for 2 ranks" in capsys.readouterr().err
+    assert list((tmp_path / "runs").iterdir()) == []
