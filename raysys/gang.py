@@ -53,18 +53,20 @@ _DASHBOARD: dict[str, str] = {}  # the dashboard URL of the Ray this process con
 # ---------------------------------------------------------------------------------------------------- connect
 def init_ray(address: str | None = None, *, num_cpus: int | None = None, num_gpus: int | None = None,
              object_store_memory: int | None = None, dashboard: bool = False) -> dict:
-    """Connect to a running Ray cluster, or start an embedded one sized for this machine.
+    """Connect to the Ray cluster the user names, or start an embedded one of this process's own.
 
-    Address resolution: `address` ("local" forces an embedded Ray), else `RAY_ADDRESS` (set by
-    `ray job submit` in the job's driver), else a cluster started with `ray start` on this machine, else an
-    embedded Ray with `num_cpus` (default: all cores), `num_gpus` (default: detected) and a modest object store
-    (default: 5% of RAM, clamped to [256 MiB, 2 GiB]; gangs exchange small results, not tensors).
-    The sizes only apply to an embedded Ray. Returns `cluster_info()`. Idempotent.
+    Address resolution: `address` ("local" forces an embedded Ray), else `RAY_ADDRESS` (set by `ray job submit`
+    in the job's driver), else an embedded Ray with `num_cpus` (default: all cores), `num_gpus` (default:
+    detected) and a modest object store (default: 5% of RAM, clamped to [256 MiB, 2 GiB]; gangs exchange small
+    results, not tensors). Never a cluster found on the machine without being named (Ray's `address="auto"`):
+    that may be another process's embedded Ray or test cluster, or one of several ("multiple active Ray
+    instances"); `--address auto` asks for Ray's own guess explicitly. The sizes only apply to an embedded Ray.
+    Returns `cluster_info()`. Idempotent.
     """
     if ray.is_initialized():
         return cluster_info()
     if address is None:
-        address = os.environ.get("RAY_ADDRESS") or _local_cluster_address()
+        address = os.environ.get("RAY_ADDRESS") or None
     if address and address != "local":
         if any(v is not None for v in (num_cpus, num_gpus, object_store_memory)):
             log.warning("connecting to the Ray cluster at %s: num_cpus/num_gpus/object_store_memory are ignored",
@@ -79,15 +81,6 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, num_gpu
     if info["dashboard_url"]:
         print(f"Ray dashboard: http://{info['dashboard_url']}", flush=True)
     return info
-
-
-def _local_cluster_address() -> str | None:
-    """The address of a cluster started with `ray start` on this machine, if one is recorded."""
-    try:
-        from ray._private.services import canonicalize_bootstrap_address  # what `ray.init()` itself uses
-        return canonicalize_bootstrap_address(None)
-    except Exception:  # private API moved, or a stale record: fall back to an embedded Ray
-        return None
 
 
 def _default_object_store_bytes() -> int:

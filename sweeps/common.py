@@ -103,8 +103,8 @@ def study_parser(doc: str | None, sweep: str, *, device_help: str = "auto: cuda 
         p.add_argument("--launcher", choices=LAUNCHERS, default="ray", help="ray: a gang of Ray actors; mp: plain "
                                                                            "processes on this machine")
     if gang or ray:
-        p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, a local `ray start` "
-                                                       "cluster, else an embedded Ray)")
+        p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else an embedded Ray "
+                                                       "of this run's own; 'auto': Ray's guess)")
         p.add_argument("--dashboard", action="store_true", help="start the embedded Ray with its dashboard")
     if timeout_s is not None:
         p.add_argument("--timeout-s", type=float, default=timeout_s, help="per-trial and process-group timeout (s)")

@@ -233,3 +233,31 @@ def test_process_gang_more_gpus_than_exist_fails_fast():
     have = torch.cuda.device_count()
     with pytest.raises(PlacementInfeasible, match=f"asked for {have + 1} GPUs on this machine .*it has {have}"):
         ProcessGang(have + 1, device="cuda").start()
+
+
+@pytest.mark.parametrize("given, env, expected", [(None, None, "local"), (None, "10.0.0.9:6379", "10.0.0.9:6379"),
+                                                   ("10.0.0.7:6379", None, "10.0.0.7:6379"),
+                                                   ("auto", None, "auto")])
+def test_init_ray_joins_only_the_cluster_it_is_given(ray_cluster, monkeypatch, given, env, expected):
+    """With the session's Ray running on this machine (its address recorded where Ray's `address="auto"` looks),
+    a process that names no address starts a Ray of its own instead of joining that one; `--address` and
+    RAY_ADDRESS are followed as given."""
+    import raysys.gang
+
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_init(**kwargs):
+        calls.append(kwargs["address"])
+        raise Stop
+
+    monkeypatch.setattr(raysys.gang.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(raysys.gang.ray, "init", fake_init)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    if env:
+        monkeypatch.setenv("RAY_ADDRESS", env)
+    with pytest.raises(Stop):
+        raysys.gang.init_ray(given)
+    assert calls == [expected]
