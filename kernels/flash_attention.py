@@ -31,7 +31,6 @@ autotuning off takes), opaque `custom_op`s with fake implementations under the i
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import os
@@ -42,6 +41,7 @@ import triton.language as tl
 from torch._subclasses.fake_tensor import is_fake
 from torch._subclasses.functional_tensor import FunctionalTensor
 
+from kernels.device import device_of
 from kernels.flash_attention_kernels import (
     _flash_bwd_dkdv_kernel,
     _flash_bwd_dq_kernel,
@@ -70,7 +70,7 @@ LOG2E = 1.4426950408889634
 _KERNELS = {"fwd": _flash_fwd_kernel, "dkdv": _flash_bwd_dkdv_kernel, "dq": _flash_bwd_dq_kernel,
             "dkdvq": _flash_bwd_dkdv_kernel}
 # The one-pass kernel adds into DQ: the autotuner zeroes it before each timed run and before the real one.
-_TUNED = {name: triton.autotune(configs=[c.to_triton() for c in config_list(name)], key=AUTOTUNE_KEY,
+_TUNED = {name: triton.autotune(configs=[c.to_triton(name) for c in config_list(name)], key=AUTOTUNE_KEY,
                                 prune_configs_by={"early_config_prune": make_pruner(name)},
                                 reset_to_zero=["DQ"] if name == "dkdvq" else None)(
               triton.heuristics(even_heuristics())(fn))
@@ -139,10 +139,10 @@ def _launch(kernel: str, num_tiles, args: tuple, meta: dict, n_q: int, n_k: int,
     LAST_CONFIG[kernel] = config
     config.check(kernel, path)
     fn = torch.library.wrap_triton(_KERNELS[kernel]) if traced else _KERNELS[kernel]
+    options = {} if config.maxnreg is None or INTERPRET else {"maxnreg": config.maxnreg}
     fn[_grid(num_tiles(config.block_m, config.block_n), num_bh, config.persistent, q.device)](
-        *args, **meta, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        EVEN_M=n_q % config.block_m == 0, EVEN_N=n_k % config.block_n == 0, WARP_SPECIALIZE=config.warp_specialize,
-        PERSISTENT=config.persistent, num_warps=config.num_warps, num_stages=config.num_stages)
+        *args, **meta, **config.launch_meta(kernel), EVEN_M=n_q % config.block_m == 0,
+        EVEN_N=n_k % config.block_n == 0, num_warps=config.num_warps, num_stages=config.num_stages, **options)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -201,15 +201,6 @@ def resolve_path(requested: str | None, *tensors: torch.Tensor) -> str:
     return "tma" if AUTO_TMA and tma_supported(device) and tma_layout_ok(*tensors) else "portable"
 
 
-@contextlib.contextmanager
-def _device_of(t: torch.Tensor):
-    if t.device.type == "cuda":
-        with torch.cuda.device(t.device):
-            yield
-    else:
-        yield
-
-
 # Every buffer the kernels write is allocated here, uninitialised; the tests swap in a NaN-filled allocator with
 # guard elements to prove each element is written exactly within bounds.
 _empty = torch.empty
@@ -264,7 +255,7 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_ca
     o4 = _as_4d(out)
     args = (q4, k4, v4, o4, lse, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4), heads,
             q4.shape[0] * heads, n_q, n_k, LOG2E / math.sqrt(q.shape[-1]), triton.next_power_of_2(max(n_q, n_k)))
-    with _device_of(q):
+    with device_of(q):
         _launch("fwd", lambda bm, bn: triton.cdiv(n_q, bm), args, _launch_meta(q, is_causal), n_q, n_k, config,
                 path)
     return out, lse
@@ -301,7 +292,7 @@ def flash_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     scale = 1.0 / math.sqrt(head_dim)
     bucket = triton.next_power_of_2(max(n_q, n_k))
     dq = dk = dv = None
-    with _device_of(q):
+    with device_of(q):
         delta = _empty(lse.shape, dtype=torch.float32, device=lse.device)
         pre_block = 64
         pre = torch.library.wrap_triton(_flash_bwd_preprocess_kernel) if _traced(q) else _flash_bwd_preprocess_kernel

@@ -88,14 +88,16 @@ def _flash_fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd, strid
                      offs_m, offs_d, lo, hi, N_K, qk_scale,
                      HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
                      MASK_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                     USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                     USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+                     UNROLL: tl.constexpr):
     """Algorithm 1, lines 7-14, over key tiles [lo, hi) (lo a multiple of BLOCK_N). `k_src`, `v_src` are
     tensor descriptors (USE_TMA) or the (batch, head) base pointers."""
     offs_n = tl.arange(0, BLOCK_N)
     if not USE_TMA:
         k_ptrs = k_src + (lo + offs_n)[:, None] * stride_kn + offs_d[None, :] * stride_kd
         v_ptrs = v_src + (lo + offs_n)[:, None] * stride_vn + offs_d[None, :] * stride_vd
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for start_n in tl.range(lo, hi, BLOCK_N, loop_unroll_factor=UNROLL if UNROLL > 1 else None,
+                            warp_specialize=WARP_SPECIALIZE):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
         # 1. S = Q K^T, in base-2 units once scaled.
@@ -118,15 +120,21 @@ def _flash_fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd, strid
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             qk = qk * qk_scale - m_new[:, None]
         # 3. P~ = exp(S - m), rescale the old l and O by exp(m_old - m_new), accumulate P~ V in fp32.
+        #    LAZY_RESCALE: alpha is 1 in every row whose max did not grow; skip the multiply when no row's did.
         p = tl.math.exp2(qk)
         alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        l_ij = tl.sum(p, 1)
+        if LAZY_RESCALE:
+            if tl.max(m_new - m_i, 0) > 0.0:
+                acc = acc * alpha[:, None]
+        else:
+            acc = acc * alpha[:, None]
         if USE_TMA:
             v = v_src.load([start_n, 0])
         else:
             v = _load_tile(v_ptrs, cols, offs_d, N_K, HEAD_DIM, MASK_N, not EVEN_D)
         acc = tl.dot(p.to(v.dtype), v, acc=acc, input_precision=INPUT_PRECISION)
+        l_i = l_i * alpha + l_ij  # after the dot, as Triton's tutorial 06: fewer live registers across it
         m_i = m_new
         if not USE_TMA:
             k_ptrs += BLOCK_N * stride_kn
@@ -144,7 +152,8 @@ def _flash_fwd_tile(pid_m, pid_bh, Q, K, V, O, L,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
                     EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+                    UNROLL: tl.constexpr):
     """One query tile of one (batch, head): Algorithm 1."""
     off_b = (pid_bh // H).to(tl.int64)
     off_h = (pid_bh % H).to(tl.int64)
@@ -178,26 +187,30 @@ def _flash_fwd_tile(pid_m, pid_bh, Q, K, V, O, L,
         hi = tl.minimum(start_m + BLOCK_M, N_K) if IS_CAUSAL else N_K
         acc, l_i, m_i = _flash_fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd, stride_vn,
                                          stride_vd, offs_m, offs_d, 0, hi, N_K, qk_scale, HEAD_DIM, BLOCK_N,
-                                         IS_CAUSAL, not EVEN_N, EVEN_D, INPUT_PRECISION, USE_TMA, True)
+                                         IS_CAUSAL, not EVEN_N, EVEN_D, INPUT_PRECISION, USE_TMA, True,
+                                         LAZY_RESCALE, UNROLL)
     elif IS_CAUSAL:
         # Off-diagonal tiles: every key < start_m, so no comparison (BLOCK_M % BLOCK_N == 0 aligns them).
         acc, l_i, m_i = _flash_fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd, stride_vn,
                                          stride_vd, offs_m, offs_d, 0, start_m, N_K, qk_scale, HEAD_DIM,
-                                         BLOCK_N, False, False, EVEN_D, INPUT_PRECISION, USE_TMA, False)
+                                         BLOCK_N, False, False, EVEN_D, INPUT_PRECISION, USE_TMA, False,
+                                         LAZY_RESCALE, UNROLL)
         # Diagonal tiles: keys [start_m, start_m + BLOCK_M); the later ones are masked for every row.
         acc, l_i, m_i = _flash_fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd, stride_vn,
                                          stride_vd, offs_m, offs_d, start_m, tl.minimum(start_m + BLOCK_M, N_K),
                                          N_K, qk_scale, HEAD_DIM, BLOCK_N, True, not EVEN_N, EVEN_D,
-                                         INPUT_PRECISION, USE_TMA, False)
+                                         INPUT_PRECISION, USE_TMA, False, LAZY_RESCALE, UNROLL)
     else:
         n_full = (N_K // BLOCK_N) * BLOCK_N
         acc, l_i, m_i = _flash_fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd, stride_vn,
                                          stride_vd, offs_m, offs_d, 0, n_full, N_K, qk_scale, HEAD_DIM,
-                                         BLOCK_N, False, False, EVEN_D, INPUT_PRECISION, USE_TMA, False)
+                                         BLOCK_N, False, False, EVEN_D, INPUT_PRECISION, USE_TMA, False,
+                                         LAZY_RESCALE, UNROLL)
         if not EVEN_N:  # the one partial key tile: out-of-range keys are masked like causal ones
             acc, l_i, m_i = _flash_fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd, stride_vn,
                                              stride_vd, offs_m, offs_d, n_full, N_K, N_K, qk_scale, HEAD_DIM,
-                                             BLOCK_N, False, True, EVEN_D, INPUT_PRECISION, USE_TMA, False)
+                                             BLOCK_N, False, True, EVEN_D, INPUT_PRECISION, USE_TMA, False,
+                                             LAZY_RESCALE, UNROLL)
 
     # 3. O = O~ / l (line 15), L = m + log l (line 16; back from base 2 to natural log), write both.
     acc = acc / l_i[:, None]
@@ -223,7 +236,8 @@ def _flash_fwd_kernel(Q, K, V, O, L,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
                       EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                      USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PERSISTENT: tl.constexpr):
+                      USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PERSISTENT: tl.constexpr,
+                      LAZY_RESCALE: tl.constexpr, UNROLL: tl.constexpr):
     # SEQ_BUCKET (next power of two of max(M, N)) is only an autotuning key. Inductor passes Python floats as
     # fp64 scalars (Triton's launcher as fp32): fp32 here, or the scores would be promoted to fp64.
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -234,13 +248,15 @@ def _flash_fwd_kernel(Q, K, V, O, L,
             _flash_fwd_tile(pid_m, pid_bh, Q, K, V, O, L, stride_qb, stride_qh, stride_qm, stride_qd, stride_kb,
                             stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_ob,
                             stride_oh, stride_om, stride_od, H, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M,
-                            BLOCK_N, IS_CAUSAL, EVEN_M, EVEN_N, EVEN_D, INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE)
+                            BLOCK_N, IS_CAUSAL, EVEN_M, EVEN_N, EVEN_D, INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE,
+                            LAZY_RESCALE, UNROLL)
     else:
         pid_m, pid_bh = _tile_ids(tl.program_id(1) * num_m + tl.program_id(0), num_m, NUM_BH, IS_CAUSAL, True)
         _flash_fwd_tile(pid_m, pid_bh, Q, K, V, O, L, stride_qb, stride_qh, stride_qm, stride_qd, stride_kb,
                         stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_ob,
                         stride_oh, stride_om, stride_od, H, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M,
-                        BLOCK_N, IS_CAUSAL, EVEN_M, EVEN_N, EVEN_D, INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE)
+                        BLOCK_N, IS_CAUSAL, EVEN_M, EVEN_N, EVEN_D, INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE,
+                        LAZY_RESCALE, UNROLL)
 
 
 @triton.jit
@@ -269,14 +285,16 @@ def _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, dq_sr
                           offs_n, offs_d, lo, hi, N_Q, qk_scale,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL_MASK: tl.constexpr,
                           MASK_M: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                          USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DQ_ATOMIC: tl.constexpr):
+                          USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+                          UNROLL: tl.constexpr):
     """Algorithm 2, lines 9-17, over query tiles [lo, hi), in the transposed (keys x queries) orientation;
     with DQ_ATOMIC also lines 20-21 (dQ += dS K) into an fp32 accumulator shared by all key tiles."""
     offs_mb = tl.arange(0, BLOCK_M)
     if not USE_TMA:
         q_ptrs = q_src + (lo + offs_mb)[:, None] * stride_qm + offs_d[None, :] * stride_qd
         do_ptrs = do_src + (lo + offs_mb)[:, None] * stride_dom + offs_d[None, :] * stride_dod
-    for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=WARP_SPECIALIZE):
+    for start_m in tl.range(lo, hi, BLOCK_M, loop_unroll_factor=UNROLL if UNROLL > 1 else None,
+                            warp_specialize=WARP_SPECIALIZE):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + offs_mb
         if USE_TMA:
@@ -328,7 +346,8 @@ def _flash_bwd_dkdv_tile(pid_n, pid_bh, Q, K, V, DO, L, Delta, DK, DV, DQ,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
                          EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                         USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DQ_ATOMIC: tl.constexpr):
+                         USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+                         UNROLL: tl.constexpr):
     """One key tile of one (batch, head): dK and dV (Algorithm 2, lines 6-19), and with DQ_ATOMIC its share of
     dQ, added into DQ: fp32, (batch * heads, N_Q, BLOCK_D) contiguous, zero on entry."""
     off_b = (pid_bh // H).to(tl.int64)
@@ -373,32 +392,32 @@ def _flash_bwd_dkdv_tile(pid_n, pid_bh, Q, K, V, DO, L, Delta, DK, DV, DQ,
         dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, dq_src, scale, stride_dqm,
                                        stride_qm, stride_qd, stride_dom, stride_dod, offs_n, offs_d,
                                        start_n if IS_CAUSAL else 0, N_Q, N_Q, qk_scale, HEAD_DIM, BLOCK_M, IS_CAUSAL,
-                                       not EVEN_M, EVEN_D, INPUT_PRECISION, USE_TMA, True, DQ_ATOMIC)
+                                       not EVEN_M, EVEN_D, INPUT_PRECISION, USE_TMA, True, DQ_ATOMIC, UNROLL)
     elif IS_CAUSAL:
         dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, dq_src, scale, stride_dqm,
                                        stride_qm, stride_qd, stride_dom, stride_dod, offs_n, offs_d, start_n,
                                        tl.minimum(start_n + BLOCK_N, N_Q), N_Q, qk_scale, HEAD_DIM, BLOCK_M,
-                                       True, not EVEN_M, EVEN_D, INPUT_PRECISION, USE_TMA, False, DQ_ATOMIC)
+                                       True, not EVEN_M, EVEN_D, INPUT_PRECISION, USE_TMA, False, DQ_ATOMIC, UNROLL)
         lo = start_n + BLOCK_N
         dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, dq_src, scale, stride_dqm,
                                        stride_qm, stride_qd, stride_dom, stride_dod, offs_n, offs_d, lo, m_full,
                                        N_Q, qk_scale, HEAD_DIM, BLOCK_M, False, False, EVEN_D, INPUT_PRECISION,
-                                       USE_TMA, False, DQ_ATOMIC)
+                                       USE_TMA, False, DQ_ATOMIC, UNROLL)
         if not EVEN_M:
             dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, dq_src, scale,
                                            stride_dqm, stride_qm, stride_qd, stride_dom, stride_dod, offs_n, offs_d,
                                            tl.maximum(lo, m_full), N_Q, N_Q, qk_scale, HEAD_DIM, BLOCK_M,
-                                           False, True, EVEN_D, INPUT_PRECISION, USE_TMA, False, DQ_ATOMIC)
+                                           False, True, EVEN_D, INPUT_PRECISION, USE_TMA, False, DQ_ATOMIC, UNROLL)
     else:
         dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, dq_src, scale, stride_dqm,
                                        stride_qm, stride_qd, stride_dom, stride_dod, offs_n, offs_d, 0, m_full, N_Q,
                                        qk_scale, HEAD_DIM, BLOCK_M, False, False, EVEN_D, INPUT_PRECISION, USE_TMA,
-                                       False, DQ_ATOMIC)
+                                       False, DQ_ATOMIC, UNROLL)
         if not EVEN_M:
             dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, dq_src, scale,
                                            stride_dqm, stride_qm, stride_qd, stride_dom, stride_dod, offs_n, offs_d,
                                            m_full, N_Q, N_Q, qk_scale, HEAD_DIM, BLOCK_M, False, True, EVEN_D,
-                                           INPUT_PRECISION, USE_TMA, False, DQ_ATOMIC)
+                                           INPUT_PRECISION, USE_TMA, False, DQ_ATOMIC, UNROLL)
 
     # 3. Write dK (with the 1/sqrt(d) of eq. 19) and dV (line 18).
     dk = dk * scale
@@ -425,7 +444,7 @@ def _flash_bwd_dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV, DQ,
                            BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
                            EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                            USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PERSISTENT: tl.constexpr,
-                           DQ_ATOMIC: tl.constexpr):
+                           DQ_ATOMIC: tl.constexpr, UNROLL: tl.constexpr):
     scale, qk_scale = tl.cast(scale, tl.float32), tl.cast(qk_scale, tl.float32)  # see _flash_fwd_kernel
     num_n = tl.cdiv(N_K, BLOCK_N)
     if PERSISTENT:
@@ -436,7 +455,7 @@ def _flash_bwd_dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV, DQ,
                                  stride_vd, stride_dob, stride_doh, stride_dom, stride_dod, stride_dkb, stride_dkh,
                                  stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, H, N_Q, N_K,
                                  scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, IS_CAUSAL, EVEN_M, EVEN_N,
-                                 EVEN_D, INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE, DQ_ATOMIC)
+                                 EVEN_D, INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE, DQ_ATOMIC, UNROLL)
     else:
         pid_n, pid_bh = _tile_ids(tl.program_id(1) * num_n + tl.program_id(0), num_n, NUM_BH, IS_CAUSAL, False)
         _flash_bwd_dkdv_tile(pid_n, pid_bh, Q, K, V, DO, L, Delta, DK, DV, DQ, stride_qb, stride_qh, stride_qm,
@@ -444,7 +463,7 @@ def _flash_bwd_dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV, DQ,
                              stride_vd, stride_dob, stride_doh, stride_dom, stride_dod, stride_dkb, stride_dkh,
                              stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, H, N_Q, N_K,
                              scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, IS_CAUSAL, EVEN_M, EVEN_N,
-                             EVEN_D, INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE, DQ_ATOMIC)
+                             EVEN_D, INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE, DQ_ATOMIC, UNROLL)
 
 
 @triton.jit
@@ -452,13 +471,14 @@ def _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_
                         offs_m, offs_d, lo, hi, N_K, qk_scale,
                         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
                         MASK_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                        USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                        USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, UNROLL: tl.constexpr):
     """Algorithm 2, lines 23-30, over key tiles [lo, hi)."""
     offs_nb = tl.arange(0, BLOCK_N)
     if not USE_TMA:
         k_ptrs = k_src + (lo + offs_nb)[:, None] * stride_kn + offs_d[None, :] * stride_kd
         v_ptrs = v_src + (lo + offs_nb)[:, None] * stride_vn + offs_d[None, :] * stride_vd
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for start_n in tl.range(lo, hi, BLOCK_N, loop_unroll_factor=UNROLL if UNROLL > 1 else None,
+                            warp_specialize=WARP_SPECIALIZE):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_nb
         # Out-of-range keys load as zero rows of K and V, so they add nothing to dQ = dS K.
@@ -494,7 +514,7 @@ def _flash_bwd_dq_tile(pid_m, pid_bh, Q, K, V, DO, L, Delta, DQ,
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
                        EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                       USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                       USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, UNROLL: tl.constexpr):
     """One query tile of one (batch, head): dQ (Algorithm 2, lines 20-31)."""
     off_b = (pid_bh // H).to(tl.int64)
     off_h = (pid_bh % H).to(tl.int64)
@@ -530,24 +550,24 @@ def _flash_bwd_dq_tile(pid_m, pid_bh, Q, K, V, DO, L, Delta, DQ,
         hi = tl.minimum(start_m + BLOCK_M, N_K) if IS_CAUSAL else N_K
         dq = _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_kd, stride_vn,
                                  stride_vd, offs_m, offs_d, 0, hi, N_K, qk_scale, HEAD_DIM, BLOCK_N,
-                                 IS_CAUSAL, not EVEN_N, EVEN_D, INPUT_PRECISION, USE_TMA, True)
+                                 IS_CAUSAL, not EVEN_N, EVEN_D, INPUT_PRECISION, USE_TMA, True, UNROLL)
     elif IS_CAUSAL:
         dq = _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_kd, stride_vn,
                                  stride_vd, offs_m, offs_d, 0, start_m, N_K, qk_scale, HEAD_DIM, BLOCK_N,
-                                 False, False, EVEN_D, INPUT_PRECISION, USE_TMA, False)
+                                 False, False, EVEN_D, INPUT_PRECISION, USE_TMA, False, UNROLL)
         dq = _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_kd, stride_vn,
                                  stride_vd, offs_m, offs_d, start_m, tl.minimum(start_m + BLOCK_M, N_K), N_K,
                                  qk_scale, HEAD_DIM, BLOCK_N, True, not EVEN_N, EVEN_D, INPUT_PRECISION, USE_TMA,
-                                 False)
+                                 False, UNROLL)
     else:
         n_full = (N_K // BLOCK_N) * BLOCK_N
         dq = _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_kd, stride_vn,
                                  stride_vd, offs_m, offs_d, 0, n_full, N_K, qk_scale, HEAD_DIM, BLOCK_N,
-                                 False, False, EVEN_D, INPUT_PRECISION, USE_TMA, False)
+                                 False, False, EVEN_D, INPUT_PRECISION, USE_TMA, False, UNROLL)
         if not EVEN_N:
             dq = _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_kd, stride_vn,
                                      stride_vd, offs_m, offs_d, n_full, N_K, N_K, qk_scale, HEAD_DIM, BLOCK_N,
-                                     False, True, EVEN_D, INPUT_PRECISION, USE_TMA, False)
+                                     False, True, EVEN_D, INPUT_PRECISION, USE_TMA, False, UNROLL)
 
     # 3. Write dQ with the 1/sqrt(d) of eq. 18 (line 31).
     dq = dq * scale
@@ -569,7 +589,8 @@ def _flash_bwd_dq_kernel(Q, K, V, DO, L, Delta, DQ,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
                          EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                         USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PERSISTENT: tl.constexpr):
+                         USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PERSISTENT: tl.constexpr,
+                         UNROLL: tl.constexpr):
     scale, qk_scale = tl.cast(scale, tl.float32), tl.cast(qk_scale, tl.float32)  # see _flash_fwd_kernel
     num_m = tl.cdiv(N_Q, BLOCK_M)
     if PERSISTENT:
@@ -579,11 +600,11 @@ def _flash_bwd_dq_kernel(Q, K, V, DO, L, Delta, DQ,
                                stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
                                stride_dob, stride_doh, stride_dom, stride_dod, stride_dqb, stride_dqh, stride_dqm,
                                stride_dqd, H, N_Q, N_K, scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                               IS_CAUSAL, EVEN_M, EVEN_N, EVEN_D, INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE)
+                               IS_CAUSAL, EVEN_M, EVEN_N, EVEN_D, INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE, UNROLL)
     else:
         pid_m, pid_bh = _tile_ids(tl.program_id(1) * num_m + tl.program_id(0), num_m, NUM_BH, IS_CAUSAL, True)
         _flash_bwd_dq_tile(pid_m, pid_bh, Q, K, V, DO, L, Delta, DQ, stride_qb, stride_qh, stride_qm, stride_qd,
                            stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
                            stride_dob, stride_doh, stride_dom, stride_dod, stride_dqb, stride_dqh, stride_dqm,
                            stride_dqd, H, N_Q, N_K, scale, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                           IS_CAUSAL, EVEN_M, EVEN_N, EVEN_D, INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE)
+                           IS_CAUSAL, EVEN_M, EVEN_N, EVEN_D, INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE, UNROLL)

@@ -63,6 +63,12 @@ class FlashConfig:
     """tma path: Triton's warp specialisation of the unmasked tile loop (producer / consumer warp groups)."""
     persistent: bool = False
     """tma path: one program per SM loops over the tiles (heaviest first) instead of one program per tile."""
+    maxnreg: int | None = None
+    """Register cap per thread (Triton's `maxnreg`, CUDA only): 128 lets two 8-warp programs share an SM."""
+    lazy_rescale: bool = False
+    """fwd only: rescale the output accumulator only in tiles where some row's running max grew."""
+    unroll: int = 1
+    """Unroll factor of the tile loop (`tl.range(loop_unroll_factor=...)`; 1: not unrolled)."""
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -73,9 +79,14 @@ class FlashConfig:
             raise ValueError(f"num_warps ({self.num_warps!r}) must be one of 1, 2, 4, 8, 16")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"num_stages ({self.num_stages!r}) must be an int >= 1")
-        for name in ("warp_specialize", "persistent"):
+        for name in ("warp_specialize", "persistent", "lazy_rescale"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} ({getattr(self, name)!r}) must be a bool")
+        if self.maxnreg is not None and (not isinstance(self.maxnreg, int) or not 24 <= self.maxnreg <= 255
+                                         or self.maxnreg % 8):
+            raise ValueError(f"maxnreg ({self.maxnreg!r}) must be None or a multiple of 8 in [24, 255]")
+        if not isinstance(self.unroll, int) or self.unroll not in (1, 2, 4):
+            raise ValueError(f"unroll ({self.unroll!r}) must be 1, 2 or 4")
 
     def check(self, kernel: str, path: str | None = None) -> FlashConfig:
         """Raise ValueError unless the tiles fit `kernel`'s causal split (diagonal = whole tiles) and the knobs
@@ -90,23 +101,55 @@ class FlashConfig:
             raise ValueError(f"path {path!r} must be one of {PATHS}")
         if path == "portable" and (self.warp_specialize or self.persistent):
             raise ValueError(f"{self.label()}: warp_specialize and persistent exist on the tma path only")
+        if self.lazy_rescale and kernel != "fwd":
+            raise ValueError(f"{kernel}: lazy_rescale exists in the forward kernel only")
         return self
 
     def label(self) -> str:
-        """`128x64/w8/s3` plus `/ws` and `/persistent` when set."""
+        """`128x64/w8/s3` plus `/ws`, `/persistent`, `/r<maxnreg>`, `/lazy` and `/u<unroll>` when set
+        (`from_label` reads it back)."""
         return (f"{self.block_m}x{self.block_n}/w{self.num_warps}/s{self.num_stages}"
-                + ("/ws" if self.warp_specialize else "") + ("/persistent" if self.persistent else ""))
+                + ("/ws" if self.warp_specialize else "") + ("/persistent" if self.persistent else "")
+                + (f"/r{self.maxnreg}" if self.maxnreg else "") + ("/lazy" if self.lazy_rescale else "")
+                + (f"/u{self.unroll}" if self.unroll > 1 else ""))
 
-    def to_triton(self) -> triton.Config:
-        return triton.Config({"BLOCK_M": self.block_m, "BLOCK_N": self.block_n,
-                              "WARP_SPECIALIZE": self.warp_specialize, "PERSISTENT": self.persistent},
-                             num_warps=self.num_warps, num_stages=self.num_stages)
+    @classmethod
+    def from_label(cls, label: str) -> FlashConfig:
+        """The config of a `label()` string, e.g. `128x64/w8/s2/r128`."""
+        parts = label.strip().split("/")
+        try:
+            block_m, block_n = (int(x) for x in parts[0].split("x"))
+            kw: dict = {}
+            for part in parts[1:]:
+                if part in ("ws", "persistent", "lazy"):
+                    kw[{"ws": "warp_specialize", "lazy": "lazy_rescale"}.get(part, part)] = True
+                elif part[:1] in ("w", "s", "r", "u") and part[1:].isdigit():
+                    kw[{"w": "num_warps", "s": "num_stages", "r": "maxnreg", "u": "unroll"}[part[0]]] = int(part[1:])
+                else:
+                    raise ValueError(part)
+        except ValueError:
+            raise ValueError(f"config label {label!r} must look like 128x64/w8/s3[/ws][/persistent][/r128][/lazy]"
+                             "[/u2]") from None
+        return cls(block_m, block_n, **kw)
+
+    def launch_meta(self, kernel: str) -> dict:
+        """The kernel's constexprs and launch options this config sets (besides the EVEN_* heuristics)."""
+        meta = {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "WARP_SPECIALIZE": self.warp_specialize,
+                "PERSISTENT": self.persistent, "UNROLL": self.unroll}
+        if kernel == "fwd":
+            meta["LAZY_RESCALE"] = self.lazy_rescale
+        return meta
+
+    def to_triton(self, kernel: str) -> triton.Config:
+        extra = {} if self.maxnreg is None else {"maxnreg": self.maxnreg}
+        return triton.Config(self.launch_meta(kernel), num_warps=self.num_warps, num_stages=self.num_stages, **extra)
 
     @classmethod
     def from_triton(cls, config: triton.Config) -> FlashConfig:
         kw = config.kwargs
         return cls(kw["BLOCK_M"], kw["BLOCK_N"], config.num_warps, config.num_stages,
-                   bool(kw.get("WARP_SPECIALIZE", False)), bool(kw.get("PERSISTENT", False)))
+                   bool(kw.get("WARP_SPECIALIZE", False)), bool(kw.get("PERSISTENT", False)),
+                   getattr(config, "maxnreg", None), bool(kw.get("LAZY_RESCALE", False)), int(kw.get("UNROLL", 1)))
 
 
 # Candidates per path and dtype family, in order of preference (with autotuning off the first valid one wins).
@@ -175,7 +218,8 @@ def load_tuned_configs(path: str | os.PathLike = TUNED_CONFIGS_PATH) -> dict[str
 
 def _entry_config(entry: dict) -> FlashConfig:
     return FlashConfig(entry["block_m"], entry["block_n"], entry["num_warps"], entry["num_stages"],
-                       bool(entry.get("warp_specialize", False)), bool(entry.get("persistent", False)))
+                       bool(entry.get("warp_specialize", False)), bool(entry.get("persistent", False)),
+                       entry.get("maxnreg"), bool(entry.get("lazy_rescale", False)), int(entry.get("unroll", 1)))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -270,7 +314,8 @@ def config_fits(kernel: str, cfg: FlashConfig, block_d: int, dtype: torch.dtype,
     accumulators = (1 if kernel in ("fwd", "dq") else 2) * rows * block_d + cfg.block_m * cfg.block_n
     if kernel == "dkdvq":  # the dS K tile
         accumulators += cfg.block_m * block_d
-    return accumulators <= 160 * 32 * cfg.num_warps * (2 if cfg.warp_specialize else 1)
+    per_thread = 160 if cfg.maxnreg is None else min(160, cfg.maxnreg - 32)  # a cap leaves ~32 for the rest
+    return accumulators <= per_thread * 32 * cfg.num_warps * (2 if cfg.warp_specialize else 1)
 
 
 def valid_configs(kernel: str, dtype: torch.dtype, head_dim: int, block_d: int, device: torch.device,

@@ -62,10 +62,32 @@ MODES = ("fwd", "bwd", "fwd_bwd")
 TARGET = dict(batch=1, heads=16, seq=16384, head_dim=128, dtype="bf16", causal=True)
 # Issue 16's shapes (bf16, causal), each Triton path against both SDPA backends in one run.
 HOPPER_SHAPES = ((1, 16, 16384, 128), (1, 32, 32768, 128), (8, 16, 4096, 64), (4, 32, 2048, 128))
-HOPPER_PROVIDERS = ("triton_tma", "triton_tma_1pass", "triton_portable", "triton_portable_1pass", "sdpa_cudnn",
-                    "sdpa_flash")
+HOPPER_PROVIDERS = ("triton", "triton_tma", "triton_tma_1pass", "triton_portable", "triton_portable_1pass",
+                    "sdpa_cudnn", "sdpa_flash")
 DTYPE_ORDER = ("bf16", "fp16", "fp32")  # grid order: the dtype the kernels are for first
-STUDIES = ("target", "grid", "hopper")
+STUDIES = ("target", "grid", "hopper", "candidates")
+# The candidates study (issue 16): launch configs pinned per kernel, one lever changed at a time from the tuned
+# tma configs (`base_*`), on the hopper shapes of their head dim. Labels as FlashConfig.label() writes them:
+# /r128 caps registers at 128 (two 8-warp programs per SM where shared memory allows), /lazy skips the output
+# rescale in tiles where no row max grew, /u2 unrolls the tile loop twice.
+_BASE = {128: {"fwd": "128x64/w8/s3", "dkdv": "64x128/w8/s3", "dq": "128x64/w8/s3"},
+         64: {"fwd": "64x64/w4/s3", "dkdv": "32x128/w8/s3", "dq": "128x64/w8/s3"}}
+_LEVERS = {
+    128: {"fwd_128x64_s2_r128": {"fwd": "128x64/w8/s2/r128"}, "fwd_128x128_s2": {"fwd": "128x128/w8/s2"},
+          "fwd_64x64_w4": {"fwd": "64x64/w4/s3"}, "fwd_lazy": {"fwd": "128x64/w8/s3/lazy"},
+          "fwd_u2": {"fwd": "128x64/w8/s2/u2"}, "fwd_s4": {"fwd": "128x64/w8/s4"},
+          "bwd_32x128_128x32": {"dkdv": "32x128/w8/s3", "dq": "128x32/w8/s3"},
+          "bwd_64x128s2_128x32": {"dkdv": "64x128/w8/s2", "dq": "128x32/w8/s3"},
+          "bwd_s4": {"dkdv": "32x128/w8/s4", "dq": "128x32/w8/s4"},
+          "bwd_dq_u2": {"dq": "128x32/w8/s2/u2"}},
+    64: {"fwd_128x64_s2_r128": {"fwd": "128x64/w8/s2/r128"}, "fwd_128x128_s3_r128": {"fwd": "128x128/w8/s3/r128"},
+         "fwd_128x64_w4": {"fwd": "128x64/w4/s3"}, "fwd_lazy": {"fwd": "64x64/w4/s3/lazy"},
+         "bwd_64x128_128x32": {"dkdv": "64x128/w8/s3", "dq": "128x32/w8/s3"}},
+}
+CANDIDATES = {f"base_{path}_d{d}": dict(path=path, head_dim=d, **_BASE[d]) for d in _BASE for path in ("tma", "portable")}
+CANDIDATES.update({f"{name}_d{d}": dict(path="tma", head_dim=d, **{**_BASE[d], **lever})
+                   for d, levers in _LEVERS.items() for name, lever in levers.items()})
+"""name -> path, head dim and the fwd / dkdv / dq config labels of one candidate (two-pass backward)."""
 BUDGET_SKIP = "not run: --time-budget-s"  # the error of a trial the time budget left out (resume runs it)
 
 
@@ -73,8 +95,17 @@ class Unsupported(Exception):
     """The provider cannot run this shape/dtype/device (a `skipped` row)."""
 
 
-def grid(study: str, quick: bool, seqs=None, head_dims=None, dtypes=None) -> list[dict]:
-    """The trials of one study; `seqs`, `head_dims`, `dtypes` narrow the grid study."""
+def candidate_configs(name: str) -> dict:
+    """The config columns of candidate `name` (a ValueError names the known ones)."""
+    if name not in CANDIDATES:
+        raise ValueError(f"candidate {name!r} must be one of {', '.join(CANDIDATES)}")
+    return {f"{k}_config": CANDIDATES[name][k] for k in ("fwd", "dkdv", "dq")}
+
+
+def grid(study: str, quick: bool, seqs=None, head_dims=None, dtypes=None, candidates=None,
+         check_only: bool = False) -> list[dict]:
+    """The trials of one study; `seqs`, `head_dims`, `dtypes` narrow the grid study, `candidates` (names) the
+    candidates study; `check_only` leaves its SDPA rows out."""
     if study == "target":
         shape = dict(TARGET, heads=2, seq=128, head_dim=32, dtype="fp32") if quick else TARGET
         return [dict(study="target", provider=p, **shape) for p in PROVIDERS]
@@ -82,6 +113,16 @@ def grid(study: str, quick: bool, seqs=None, head_dims=None, dtypes=None) -> lis
         shapes = ((1, 2, 128, 32),) if quick else HOPPER_SHAPES
         return [dict(study="hopper", provider=p, batch=b, heads=h, seq=n, head_dim=d, dtype="bf16", causal=True)
                 for b, h, n, d in shapes for p in HOPPER_PROVIDERS]
+    if study == "candidates":
+        names = candidates or tuple(CANDIDATES)
+        trials = []
+        for b, h, n, d in sorted(HOPPER_SHAPES, key=lambda shape: -shape[2] * shape[1] * shape[0]):  # largest first
+            shape = dict(study="candidates", batch=b, heads=h, seq=n, head_dim=d, dtype="bf16", causal=True)
+            mine = [dict(shape, provider="triton_candidate", candidate=c, **candidate_configs(c)) for c in names
+                    if CANDIDATES[c]["head_dim"] == d]
+            trials += mine + [dict(shape, provider=p, candidate="", fwd_config="", dkdv_config="", dq_config="")
+                              for p in SDPA_PROVIDERS if mine and not check_only]
+        return trials
     seqs = sorted(set(seqs or ((64, 128) if quick else tuple(2**i for i in range(7, 17)))))  # 128 .. 65536
     head_dims = sorted(set(head_dims or ((16,) if quick else (16, 32, 64, 128))), reverse=True)
     dtypes = sorted(set(dtypes or (("fp32",) if quick else ("bf16", "fp32"))), key=DTYPE_ORDER.index)
@@ -111,6 +152,85 @@ def _sdpa(backend_name: str) -> Callable:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     return run
+
+
+class _CandidateAttention(torch.autograd.Function):
+    """The Triton kernels with each launch config pinned (the candidates study): what `flash_attention` runs,
+    minus autotuning."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, path, configs):
+        from kernels.flash_attention import flash_attention_fwd
+
+        out, lse = flash_attention_fwd(q, k, v, causal, config=configs["fwd"], path=path)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.path, ctx.configs = causal, path, configs
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from kernels.flash_attention import flash_attention_bwd
+
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = flash_attention_bwd(q, k, v, out, lse, grad_out, ctx.causal, dkdv_config=ctx.configs["dkdv"],
+                                         dq_config=ctx.configs["dq"], path=ctx.path, bwd="two_pass")
+        return dq, dk, dv, None, None, None
+
+
+def candidate_fn(name: str, device: torch.device) -> Callable:
+    """Attention with candidate `name`'s path and configs (each checked against its kernel and path)."""
+    if device.type != "cuda":
+        raise Unsupported("the Triton kernels need a CUDA device (or TRITON_INTERPRET=1, far too slow here)")
+    from kernels.flash_attention import tma_supported
+    from kernels.flash_attention_tuning import FlashConfig
+
+    spec = CANDIDATES[name]
+    if spec["path"] == "tma" and not tma_supported(device):
+        raise Unsupported(f"the tma path needs an sm_90 GPU and Triton >= 3.4, not {torch.cuda.get_device_name(device)}")
+    configs = {k: FlashConfig.from_label(spec[k]).check(k, spec["path"]) for k in ("fwd", "dkdv", "dq")}
+    return lambda q, k, v, causal: _CandidateAttention.apply(q, k, v, causal, spec["path"], configs)
+
+
+# Correctness of a candidate before it is timed: odd lengths, causal and not, n_q != n_k, bf16 and fp16, every
+# gradient, against fp32 attention on the same inputs (relative Frobenius error, tolerance per dtype).
+CHECK_TOLERANCE = {"bf16": 2e-2, "fp16": 5e-3}
+
+
+@functools.lru_cache(maxsize=None)
+def check_candidate(name: str, device_str: str) -> dict:
+    """`check_<dtype>_err`: the largest relative error of O, dQ, dK, dV over the check shapes; raises
+    AssertionError past the dtype's tolerance. Also compiles the even-length kernels the timing uses."""
+    from kernels.flash_attention import flash_attention_reference
+
+    device = torch.device(device_str)
+    fn = candidate_fn(name, device)
+    d = CANDIDATES[name]["head_dim"]
+    gen = torch.Generator(device=device).manual_seed(1)
+    metrics = {}
+    for dtype_name, tol in CHECK_TOLERANCE.items():
+        worst = 0.0
+        shapes = (((1, 3, 1000, 1000), True), ((2, 2, 333, 517), False))
+        for (b, h, n_q, n_k), causal in shapes[: 2 if dtype_name == "bf16" else 1]:  # fewer compiles for fp16
+            q = torch.randn(b, h, n_q, d, generator=gen, device=device, dtype=DTYPES[dtype_name])
+            k, v = (torch.randn(b, h, n_k, d, generator=gen, device=device, dtype=q.dtype) for _ in range(2))
+            do = torch.randn_like(q)
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = fn(*leaves, causal)
+            out.backward(do)
+            ref_leaves = [t.float().requires_grad_() for t in (q, k, v)]
+            ref = flash_attention_reference(*ref_leaves, is_causal=causal)
+            ref.backward(do.float())
+            for got, want in zip([out] + [t.grad for t in leaves], [ref] + [t.grad for t in ref_leaves]):
+                err = float((got.float() - want).norm() / want.norm())
+                if not math.isfinite(err) or err > tol:
+                    raise AssertionError(f"candidate {name}: relative error {err:.3g} > {tol:g} ({dtype_name}, "
+                                         f"{(b, h, n_q, n_k, d)}, causal={causal})")
+                worst = max(worst, err)
+        metrics[f"check_{dtype_name}_err"] = worst
+    warm = torch.randn(1, 2, 1024, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    fn(warm, warm, warm, True).sum().backward()
+    torch.cuda.synchronize(device)
+    return metrics
 
 
 def provider_fn(name: str, device: torch.device) -> Callable:
@@ -155,12 +275,21 @@ def _flops(cfg: dict, mode: str) -> float:
                                  cfg["causal"], mode)
 
 
-def run_trial(cfg: dict, device: torch.device, caps: dict) -> dict:
-    """Time one provider on one shape; raises Unsupported for a skipped row."""
+def run_trial(cfg: dict, device: torch.device, caps: dict, check_only: bool = False) -> dict:
+    """Time one provider on one shape; raises Unsupported for a skipped row. A candidate is checked first
+    (`check_candidate`); `check_only` stops there."""
     cap = caps.get(cfg["provider"])
     if cap is not None and cfg["seq"] > cap:
         raise Unsupported(f"seq {cfg['seq']} above the cap {cap} for {cfg['provider']}")
-    fn = provider_fn(cfg["provider"], device)
+    metrics: dict = {}
+    if cfg["provider"] == "triton_candidate":
+        fn = candidate_fn(cfg["candidate"], device)
+        metrics.update(check_candidate(cfg["candidate"], str(device)))
+        metrics["path"] = f"{CANDIDATES[cfg['candidate']]['path']}, two_pass"
+        if check_only:
+            return metrics
+    else:
+        fn = provider_fn(cfg["provider"], device)
     dtype = DTYPES[cfg["dtype"]]
     gen = torch.Generator(device=device).manual_seed(0)
     shape = (cfg["batch"], cfg["heads"], cfg["seq"], cfg["head_dim"])
@@ -173,7 +302,6 @@ def run_trial(cfg: dict, device: torch.device, caps: dict) -> dict:
         if cfg["provider"] in SDPA_PROVIDERS and "kernel" in str(exc).lower():
             raise Unsupported(str(exc).splitlines()[0]) from exc
         raise
-    metrics: dict = {}
     with torch.no_grad():
         metrics["max_abs_err"] = _max_error(out, q, k, v, causal, device)
     fwd = lambda: fn(q, k, v, causal)  # noqa: E731
@@ -242,7 +370,8 @@ def add_speedups(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def summary(df: pd.DataFrame) -> str:
-    cols = ["provider", "path", "batch", "heads", "seq", "head_dim", "dtype", "status", "fwd_ms", "fwd_tflops",
+    cols = ["provider", "candidate", "path", "batch", "heads", "seq", "head_dim", "dtype", "status", "fwd_ms",
+            "fwd_tflops",
             "bwd_ms", "fwd_bwd_ms", "fwd_bwd_tflops", "speedup_fwd_vs_sdpa_cudnn", "speedup_fwd_bwd_vs_sdpa_cudnn",
             "speedup_fwd_vs_best_sdpa", "speedup_fwd_bwd_vs_best_sdpa", "max_abs_err"]
     view = df[[c for c in cols if c in df]]
@@ -270,6 +399,15 @@ def markdown(df: pd.DataFrame) -> str:
                      "run.")
         shape_cols = ["batch", "heads", "seq", "head_dim"]
         parts.append(hopper[shape_cols + [c for c in cols if c in hopper]].to_markdown(index=False, floatfmt=".3g"))
+    cand = ok[(ok.study == "candidates") & ok.get("fwd_ms", pd.Series(index=ok.index, dtype=float)).notna()]
+    if not cand.empty:
+        parts.append("Candidates (issue 16; bf16, causal): launch configs pinned per kernel, one lever at a time from "
+                     "the tuned tma configs (`base_tma_*`); `check_*_err` is the largest relative error of O, dQ, dK, "
+                     "dV against fp32 attention at odd lengths (causal and not, n_q != n_k); same run as the SDPA rows.")
+        ccols = ["batch", "heads", "seq", "head_dim", "provider", "candidate", "path", "fwd_config", "dkdv_config",
+                 "dq_config", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops",
+                 "speedup_fwd_vs_sdpa_cudnn", "speedup_fwd_bwd_vs_sdpa_cudnn", "check_bf16_err", "check_fp16_err"]
+        parts.append(cand[[c for c in ccols if c in cand]].to_markdown(index=False, floatfmt=".3g"))
     grid_rows = ok[ok.study == "grid"]
     if not grid_rows.empty:
         pivot = grid_rows.pivot_table(index=["dtype", "head_dim", "seq"], columns="provider", values="fwd_bwd_tflops")
@@ -304,6 +442,9 @@ def build_parser():
     list_flag(p, "--dtypes", default=None, help=f"grid study: comma list of {', '.join(DTYPES)} (default: bf16,fp32)")
     p.add_argument("--no-autotune", action="store_true",
                    help="Triton: first valid / tuned config instead of benchmarking every candidate per shape")
+    list_flag(p, "--candidates", default=None, help="candidates study: comma list of CANDIDATES names (default: all)")
+    p.add_argument("--check-only", action="store_true",
+                   help="candidates study: only the correctness check of each candidate (compiles its kernels)")
     return p
 
 
@@ -323,7 +464,11 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     device = resolve_device(args.device)
     if args.no_autotune:
         os.environ["RAYSYS_FLASH_AUTOTUNE"] = "0"
-    trials = [t for s in studies for t in grid(s, args.quick, seqs, head_dims, dtypes) if t["provider"] in providers]
+    candidates = tuple(parse_list(args.candidates, "candidates", tuple(CANDIDATES))) if args.candidates else None
+    if (candidates or args.check_only) and "candidates" not in studies:
+        raise ValueError("--candidates and --check-only need --studies candidates")
+    trials = [t for s in studies for t in grid(s, args.quick, seqs, head_dims, dtypes, candidates, args.check_only)
+              if t["provider"] in [*providers, "triton_candidate"]]
     out = output_dir(args, SWEEP)
     PROGRESS.plan(len(trials))
     with open_writer(out, SWEEP, args) as writer:
@@ -335,11 +480,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                 row = make_row(SWEEP, cfg, status="skipped", device=device,
                                error=f"{BUDGET_SKIP} {budget:g} spent (--resume runs it)")
             else:
-                row = measure(cfg, device, caps)
+                row = measure(cfg, device, caps, args.check_only)
             writer.write([row])
             print(f"{cfg['study']:6} {cfg['provider']:13} seq={cfg['seq']:<6} d={cfg['head_dim']:<3} {cfg['dtype']:4} "
-                  f"-> {row['status']}" + (f" fwd {row['fwd_ms']:.3f} ms, fwd+bwd {row['fwd_bwd_ms']:.3f} ms"
-                                           if row["status"] == "ok" else f" ({row['error'][:80]})"), flush=True)
+                  f"{cfg.get('candidate', '')} -> {row['status']}"
+                  + (f" fwd {row['fwd_ms']:.3f} ms, fwd+bwd {row['fwd_bwd_ms']:.3f} ms" if "fwd_ms" in row
+                     else "" if row["status"] == "ok" else f" ({row['error'][:200]})"), flush=True)
         df = add_speedups(writer.frame())
         writer.write(df.to_dict("records"))
     print(summary(df[df["study"].isin(studies)]))
@@ -347,11 +493,11 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     return df
 
 
-def measure(cfg: dict, device: torch.device, caps: dict) -> dict:
+def measure(cfg: dict, device: torch.device, caps: dict, check_only: bool = False) -> dict:
     """The row of one trial: its metrics, `skipped` for a provider that cannot run it, or its failure (an OOM
     or a failed trial is a row, never the end of the sweep)."""
     try:
-        return make_row(SWEEP, cfg, run_trial(cfg, device, caps), device=device)
+        return make_row(SWEEP, cfg, run_trial(cfg, device, caps, check_only), device=device)
     except Unsupported as exc:
         return make_row(SWEEP, cfg, status="skipped", error=f"unsupported: {exc}", device=device)
     except Exception as exc:

@@ -23,6 +23,51 @@ TILES_VARIANTS=${TILES_VARIANTS:-tma,tma_persistent}
 $PY -c "import torch, triton; print(f'torch {torch.__version__}, triton {triton.__version__}, cuda \
 {torch.version.cuda}, cudnn {torch.backends.cudnn.version()}, {torch.cuda.device_count()} x \
 {torch.cuda.get_device_name(0)}')" | tee "$OUT/env.txt"
+if [ "${MODE:-check}" = candidates ]; then
+  # Issue 16's candidate matrix (sweeps/flash_bench.py CANDIDATES): each candidate's correctness check in its own
+  # process (compiling its kernels in parallel), then all of them timed in one process against SDPA cuDNN and
+  # flash, then ncu on one launch of each kernel at $NCU_SHAPE for the tuned tma configs and the fastest ones.
+  $PY -c "import inspect, triton, triton.language as tl; print('tl.range', inspect.signature(tl.range.__init__)); \
+print('Config', inspect.signature(triton.Config.__init__))" | tee -a "$OUT/env.txt"
+  NAMES=${CANDIDATES:-$($PY -c "from sweeps.flash_bench import CANDIDATES; print(' '.join(CANDIDATES))")}
+  for name in $NAMES; do
+    timeout "${CHECK_TIMEOUT:-120}" $PY sweeps/flash_bench.py --studies candidates --candidates "$name" --check-only \
+      --out "/tmp/flash_check/$name" > "$OUT/check_$name.log" 2>&1 &
+  done
+  wait
+  grep -h -E "triton_candidate" "$OUT"/check_*.log | sed 's/^candidates triton_candidate //'
+  timeout "${BENCH_TIMEOUT:-140}" $PY sweeps/flash_bench.py --studies candidates --time-budget-s "${BENCH_BUDGET:-115}" \
+    ${CANDIDATES:+--candidates "$(echo $CANDIDATES | tr ' ' ,)"} --out "$OUT" > "$OUT/bench.log" 2>&1
+  echo "flash_bench exit code $?" >> "$OUT/bench.log"
+  grep -E "^candidates" "$OUT/bench.log" | sed 's/^candidates //'
+  if command -v ncu > /dev/null; then
+    PICK=$($PY - "$OUT/flash_bench.parquet" "${NCU_SHAPE:-1x32x32768x128}" <<'PYEOF'
+import sys
+import pandas as pd
+df = pd.read_parquet(sys.argv[1])
+b, h, n, d = map(int, sys.argv[2].split("x"))
+ok = df[(df.status == "ok") & (df.provider == "triton_candidate") & (df.seq == n) & (df.heads == h) & (df.batch == b)]
+base = ok[ok.candidate == f"base_tma_d{d}"].iloc[0]
+fwd, bwd = ok.loc[ok.fwd_ms.idxmin()], ok.loc[ok.bwd_ms.idxmin()]
+print(f"{base.fwd_config},{base.dkdv_config},{base.dq_config} {fwd.fwd_config},{bwd.dkdv_config},{bwd.dq_config}")
+PYEOF
+)
+    echo "ncu picks (fwd,dkdv,dq): $PICK"
+    i=0
+    for pick in $PICK; do
+      IFS=, read -r f k q <<< "$pick"
+      timeout "${NCU_TIMEOUT:-45}" ncu --clock-control none -k "regex:_flash_(fwd|bwd_dkdv|bwd_dq)_kernel" \
+        --launch-skip 3 --launch-count 3 --section SpeedOfLight --section Occupancy --section LaunchStats \
+        --section WarpStateStats --section ComputeWorkloadAnalysis --csv --page details \
+        $PY sweeps/flash_profile.py --shape "${NCU_SHAPE:-1x32x32768x128}" --paths tma --fwd-config "$f" \
+        --dkdv-config "$k" --dq-config "$q" > "$OUT/ncu_$i.csv" 2> "$OUT/ncu_$i.log"
+      echo "ncu $pick exit code $?" >> "$OUT/ncu_$i.log"
+      i=$((i + 1))
+    done
+  fi
+  (cd "$OUT" && tar czf logs.tgz --remove-files $(ls *.log *.csv *.txt 2>/dev/null))
+  exit 0
+fi
 XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-8}" || echo "")
 cp kernels/flash_attention_tuned.json "$OUT/flash_attention_tuned.json"
 

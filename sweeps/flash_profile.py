@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bwd", default="two_pass", help="backward: two_pass or one_pass")
     parser.add_argument("--warmup", type=int, default=1, help="calls per path before the profiled one")
     parser.add_argument("--autotune", action="store_true", help="autotune (among the tuned file's entries)")
+    for kernel in ("fwd", "dkdv", "dq"):
+        parser.add_argument(f"--{kernel}-config", default=None,
+                            help=f"pin the {kernel} launch config (a FlashConfig label, e.g. 128x64/w8/s2/r128)")
     args = parser.parse_args(argv)
     parts = args.shape.lower().split("x")
     if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
@@ -50,6 +53,8 @@ def main(argv: list[str] | None = None) -> None:
         raise ValueError(f"--bwd {args.bwd!r} must be one of {fa.BWD_MODES}")
     if not torch.cuda.is_available():
         raise ValueError("flash_profile needs a CUDA GPU")
+    pinned = {k: fa.FlashConfig.from_label(getattr(args, f"{k}_config")) if getattr(args, f"{k}_config") else None
+              for k in ("fwd", "dkdv", "dq")}
     b, h, n, d = map(int, parts)
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(b, h, n, d, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(4))
@@ -57,8 +62,9 @@ def main(argv: list[str] | None = None) -> None:
     for path in paths:
         for call in range(args.warmup + 1):
             start = time.perf_counter()
-            out, lse = fa.flash_attention_fwd(q, k, v, True, path=path)
-            fa.flash_attention_bwd(q, k, v, out, lse, do, True, path=path, bwd=args.bwd)
+            out, lse = fa.flash_attention_fwd(q, k, v, True, config=pinned["fwd"], path=path)
+            fa.flash_attention_bwd(q, k, v, out, lse, do, True, dkdv_config=pinned["dkdv"], dq_config=pinned["dq"],
+                                   path=path, bwd=args.bwd)
             torch.cuda.synchronize()
             if call == 0:
                 tuning = sum(getattr(t, "bench_time", 0.0) for t in fa._TUNED.values())

@@ -118,12 +118,15 @@ TMA_CONFIGS = [
      ft.FlashConfig(32, 16, 1, 1, persistent=True)),
     (ft.FlashConfig(32, 16, 1, 1, warp_specialize=True), ft.FlashConfig(16, 32, 1, 1, warp_specialize=True),
      ft.FlashConfig(32, 16, 1, 1, warp_specialize=True)),
+    # the register cap and the unrolling are compiler options (no-ops here); the lazy rescale is code
+    (ft.FlashConfig(32, 16, 1, 1, maxnreg=128, lazy_rescale=True, unroll=2), ft.FlashConfig(16, 32, 1, 1, unroll=2),
+     ft.FlashConfig(32, 16, 1, 1, maxnreg=128, unroll=2)),
 ]
 
 
 @interpret
 @pytest.mark.interpret
-@pytest.mark.parametrize("configs", TMA_CONFIGS, ids=["autotuned", "persistent", "warp_specialize"])
+@pytest.mark.parametrize("configs", TMA_CONFIGS, ids=["autotuned", "persistent", "warp_specialize", "knobs"])
 @pytest.mark.parametrize("q_shape,k_shape,causal,dtype", CASES[:3] + CASES[4:])
 def test_tma_path_matches_fp64_reference(q_shape, k_shape, causal, dtype, configs, poisoned):
     q, k, v, do = _inputs(q_shape, k_shape, dtype, seed=5)
@@ -157,6 +160,39 @@ def test_one_pass_backward_matches_fp64_reference(q_shape, k_shape, causal, dtyp
                                [r for i, r in enumerate(_reference(q, k, v, do, causal)) if i != 1]):
         assert got.dtype == dtype
         torch.testing.assert_close(got.double(), want, **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@interpret
+@pytest.mark.interpret
+@pytest.mark.parametrize("q_shape,k_shape,causal,dtype", CASES[:2] + CASES[4:])
+def test_lazy_rescale_forward_matches_fp64_reference(q_shape, k_shape, causal, dtype, poisoned):
+    """Rescaling O only in key tiles where some row's running max grew leaves O and L exact; the rows' maxima
+    are drawn to grow in some tiles and not in others (a large score early in each row, then small ones)."""
+    q, k, v, _ = _inputs(q_shape, k_shape, dtype, seed=7)
+    k = k * torch.linspace(3.0, 0.5, k.shape[-2], dtype=dtype)[:, None]
+    out, lse = fa.flash_attention_fwd(q, k, v, causal, config=ft.FlashConfig(32, 16, 1, 1, lazy_rescale=True),
+                                      path="portable")
+    poisoned.check()
+    ref_out, ref_lse = fa.flash_attention_reference(q.double(), k.double(), v.double(), causal, return_lse=True)
+    torch.testing.assert_close(out.double(), ref_out, **TOL[dtype])
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=1e-5)
+
+
+def test_config_labels_and_knob_validation():
+    for label in ("128x64/w8/s3", "128x64/w8/s2/r128", "64x64/w4/s3/lazy/u2", "128x32/w8/s3/persistent/r168"):
+        assert ft.FlashConfig.from_label(label).label() == label
+    cfg = ft.FlashConfig.from_label("128x64/w8/s2/r128/lazy")
+    assert (cfg.maxnreg, cfg.lazy_rescale, cfg.unroll) == (128, True, 1)
+    assert cfg.launch_meta("fwd")["LAZY_RESCALE"] and "LAZY_RESCALE" not in cfg.launch_meta("dq")
+    assert cfg.to_triton("fwd").maxnreg == 128 and ft.FlashConfig.from_triton(cfg.to_triton("fwd")) == cfg
+    with pytest.raises(ValueError, match="config label '128x64/w8/q3' must look like"):
+        ft.FlashConfig.from_label("128x64/w8/q3")
+    with pytest.raises(ValueError, match=r"maxnreg \(100\) must be None or a multiple of 8"):
+        ft.FlashConfig(128, 64, maxnreg=100)
+    with pytest.raises(ValueError, match=r"unroll \(3\) must be 1, 2 or 4"):
+        ft.FlashConfig(128, 64, unroll=3)
+    with pytest.raises(ValueError, match="dkdv: lazy_rescale exists in the forward kernel only"):
+        ft.FlashConfig(32, 128, lazy_rescale=True).check("dkdv")
 
 
 def test_one_pass_autotuner_zeroes_the_dq_accumulator():
@@ -370,7 +406,7 @@ def test_autotune_off_takes_tuned_config_for_matching_head_dim(monkeypatch):
                                                     head_dim=64, dtype="bfloat16")]})
     monkeypatch.setenv("RAYSYS_FLASH_AUTOTUNE", "0")
     prune = ft.make_pruner("fwd")
-    configs = [c.to_triton() for c in (ft.FlashConfig(128, 64, 8, 3), ft.FlashConfig(64, 64, 4, 2))]
+    configs = [c.to_triton("fwd") for c in (ft.FlashConfig(128, 64, 8, 3), ft.FlashConfig(64, 64, 4, 2))]
     q = torch.zeros(1, dtype=torch.bfloat16)
     (picked,) = prune(configs, {"Q": q}, BLOCK_D=64, HEAD_DIM=64)
     assert ft.FlashConfig.from_triton(picked) == ft.FlashConfig(64, 64, 4, 2)
