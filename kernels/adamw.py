@@ -27,12 +27,13 @@ Parameters the kernel cannot take run the reference's own torch ops (`_reference
 `TRITON_INTERPRET=1`, a non-contiguous tensor, a dtype other than fp32/bf16/fp16, a grad of another dtype.
 The launch is the custom op `raysys::fused_adamw_` (mutating params, m, v), so a compiled step keeps it whole.
 
+`ForeachAdamW` is the same update through torch's `_foreach_` ops (no Triton launch), for the CPU.
+
     opt = FusedAdamW(model.parameters(), lr=3e-4, weight_decay=0.1); loss.backward(); opt.step()
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Callable, Iterable
 
@@ -40,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.device import device_of
 from kernels.flash_attention_tuning import INTERPRET
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -198,15 +200,6 @@ class _HostStaging:
 _STAGING: dict[str, _HostStaging] = {}
 
 
-@contextlib.contextmanager
-def _device_of(t: torch.Tensor):
-    if t.device.type == "cuda":
-        with torch.cuda.device(t.device):
-            yield
-    else:
-        yield
-
-
 def kernel_can_take(p: torch.Tensor, g: torch.Tensor) -> bool:
     """Whether `_adamw_kernel` can update p (else the reference's ops do): contiguous, a kernel dtype, grad of the
     same dtype, and a device it runs on (CUDA, or the CPU under TRITON_INTERPRET=1)."""
@@ -245,7 +238,7 @@ def fused_adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_
     scalars = scalars.to(torch.float32)
     if base.device.type == "cuda":
         offsets, scalars = _STAGING.setdefault(str(base.device), _HostStaging()).upload(offsets, scalars, base.device)
-    with _device_of(base):
+    with device_of(base):
         _adamw_kernel[(tensor_of.numel(),)](base, offsets, scalars, numels, tensor_of, index_in, ALIGN=align,
                                             ROUND=base.dtype != torch.float32, ATEN_CUDA=base.device.type == "cuda",
                                             enable_fp_fusion=False, **cfg)
@@ -291,8 +284,8 @@ def step_scalars(lr: float, betas: tuple[float, float], eps: float, weight_decay
 # ----------------------------------------------------------------------------------------------------------
 # Optimizer
 # ----------------------------------------------------------------------------------------------------------
-class FusedAdamW(torch.optim.Optimizer):
-    """AdamW with `raysys.model.AdamW`'s semantics, defaults and state (`t`, `m`, `v`), one launch per device/dtype."""
+class _AdamWBase(torch.optim.Optimizer):
+    """`raysys.model.AdamW`'s hyper-parameters, defaults, input checks and state (`t`, `m`, `v`)."""
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01):
@@ -306,6 +299,18 @@ class FusedAdamW(torch.optim.Optimizer):
         if not isinstance(weight_decay, (int, float)) or not weight_decay >= 0:
             raise ValueError(f"weight_decay ({weight_decay!r}) must be a number >= 0")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    def _state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            state["t"] = 1
+            state["m"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["v"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+
+class FusedAdamW(_AdamWBase):
+    """AdamW with `raysys.model.AdamW`'s semantics, defaults and state (`t`, `m`, `v`), one launch per device/dtype."""
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
@@ -322,11 +327,7 @@ class FusedAdamW(torch.optim.Optimizer):
                 g = p.grad
                 if g.is_sparse:
                     raise ValueError(f"FusedAdamW does not take sparse gradients (param {tuple(p.shape)})")
-                state = self.state[p]
-                if not state:
-                    state["t"] = 1
-                    state["m"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["v"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state = self._state(p)
                 t, m, v = state["t"], state["m"], state["v"]
                 if kernel_can_take(p, g) and m.is_contiguous() and v.is_contiguous() and m.dtype == v.dtype == p.dtype:
                     lists = launches.setdefault((p.device, p.dtype), ([], [], [], [], []))
@@ -338,6 +339,67 @@ class FusedAdamW(torch.optim.Optimizer):
         for ps, gs, ms, vs, scalars in launches.values():
             _fused_adamw_op(ps, gs, ms, vs, torch.tensor(scalars, dtype=torch.float64).to(torch.float32))
         return loss
+
+
+class ForeachAdamW(_AdamWBase):
+    """`raysys.model.AdamW` (same semantics, defaults and state) with torch's multi-tensor `_foreach_` ops: the
+    kernel's plain-torch counterpart (the CPU's fast optimizer). One launch per operation over a chunk of parameters
+    (at most `chunk_bytes` of them, so the sqrt(v) temporaries stay bounded) instead of one per operation per
+    parameter. Parameters with the same step count, device and dtype
+    are updated together; each element sees exactly the reference's arithmetic."""
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01, chunk_bytes: int = 2**30):
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes ({chunk_bytes}) must be >= 1")
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.chunk_bytes = chunk_bytes
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            same: dict[tuple, list[torch.Tensor]] = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self._state(p)
+                same.setdefault((state["t"], p.device, p.dtype), []).append(p)
+            for (t, _, _), params in same.items():
+                alpha_t = lr * math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+                for chunk in _byte_chunks(params, self.chunk_bytes):
+                    ps, gs = chunk, [p.grad for p in chunk]
+                    ms, vs = [self.state[p]["m"] for p in chunk], [self.state[p]["v"] for p in chunk]
+                    torch._foreach_add_(ps, ps, alpha=-lr * wd)
+                    torch._foreach_mul_(ms, b1)
+                    torch._foreach_add_(ms, gs, alpha=1 - b1)
+                    torch._foreach_mul_(vs, b2)
+                    torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)
+                    denom = torch._foreach_sqrt(vs)
+                    torch._foreach_add_(denom, eps)
+                    torch._foreach_addcdiv_(ps, ms, denom, value=-alpha_t)
+                    del denom
+                for p in params:
+                    self.state[p]["t"] = t + 1
+        return loss
+
+
+def _byte_chunks(params: list[torch.Tensor], chunk_bytes: int) -> Iterable[list[torch.Tensor]]:
+    """Consecutive runs of `params` of at most `chunk_bytes` each (a larger tensor is a run of its own)."""
+    run, size = [], 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if run and size + nbytes > chunk_bytes:
+            yield run
+            run, size = [], 0
+        run.append(p)
+        size += nbytes
+    if run:
+        yield run
 
 
 def adamw_bytes(numel: int, itemsize: int) -> int:

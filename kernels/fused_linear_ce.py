@@ -23,17 +23,19 @@ it raises ValueError. `linear_cross_entropy` is the custom op `raysys::linear_cr
 kernel and autograd), so `torch.compile` of a function calling it traces it as one opaque node. Under
 `TRITON_INTERPRET=1` the kernel runs on CPU tensors (fp32 / fp16; the interpreter has no bf16).
 
+`ChunkedLinearCrossEntropy` is the same computation in plain torch (chunked matmuls, no kernel), for the CPU.
+
     loss = linear_cross_entropy(hidden, lm_head.weight, targets)   # fp32 scalar, differentiable
 """
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.device import device_of
 from kernels.flash_attention_tuning import INTERPRET
 
 MAX_CHUNK_BYTES = 768 * 2**20
@@ -98,15 +100,6 @@ def _kernel_config(vocab: int) -> dict:
 # ----------------------------------------------------------------------------------------------------------
 # Every buffer of the op is allocated here; the tests wrap it to prove that no (N, V) tensor is ever made.
 _empty = torch.empty
-
-
-@contextlib.contextmanager
-def _device_of(t: torch.Tensor):
-    if t.device.type == "cuda":
-        with torch.cuda.device(t.device):
-            yield
-    else:
-        yield
 
 
 def chunk_rows(num_tokens: int, vocab: int, dtype: torch.dtype, max_bytes: int = MAX_CHUNK_BYTES) -> int:
@@ -180,7 +173,7 @@ def linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, targets
     logits = _empty((rows, vocab), dtype=hidden.dtype, device=hidden.device)
     dh = _empty((num_tokens, dim), dtype=hidden.dtype, device=hidden.device) if grad_hidden else None
     dw = _empty((vocab, dim), dtype=weight.dtype, device=weight.device) if grad_weight else None
-    with _device_of(hidden):
+    with device_of(hidden):
         for start in range(0, num_tokens, rows):
             stop = min(start + rows, num_tokens)
             h_c = h2[start:stop]
@@ -275,6 +268,52 @@ def linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, t
     log_z = torch.log(torch.exp(logits).sum(dim=-1))
     target_logit = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return (log_z - target_logit).mean()
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Plain-torch fused LM head + cross-entropy (the CPU's path, `raysys.model.linear_cross_entropy(impl="torch")`):
+    `chunk` tokens at a time, logits upcast to fp32 (fp64 for fp64 inputs; max-subtracted log-sum-exp as in
+    `cross_entropy`), the gradients written during forward, the weight's accumulated in its own dtype (one rounding
+    per chunk in bf16, exact in fp32), as the kernel above does. Backward scales them by the upstream gradient in
+    place."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk):
+        h_Nd, t_N = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        n = h_Nd.shape[0]
+        grad_h = torch.empty_like(h_Nd) if hidden.requires_grad else None
+        grad_w = torch.empty_like(weight) if weight.requires_grad else None
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+        total = torch.zeros((), dtype=acc, device=hidden.device)
+        for lo in range(0, n, chunk):
+            h_cd, t_c = h_Nd[lo:lo + chunk], t_N[lo:lo + chunk]
+            logits = (h_cd @ weight.t()).to(acc)
+            logits -= logits.amax(dim=-1, keepdim=True)
+            probs = torch.exp(logits)
+            row_sum = probs.sum(dim=-1)
+            total += (torch.log(row_sum) - logits.gather(-1, t_c[:, None]).squeeze(-1)).sum()
+            del logits
+            # d(mean loss) / d logits = (softmax - onehot(target)) / n
+            probs /= row_sum[:, None]
+            probs[torch.arange(len(t_c), device=probs.device), t_c] -= 1.0
+            probs /= n
+            g_cv = probs.to(hidden.dtype)
+            del probs
+            if grad_h is not None:
+                torch.matmul(g_cv, weight, out=grad_h[lo:lo + chunk])
+            if grad_w is not None:
+                grad_w.addmm_(g_cv.t(), h_cd, beta=0 if lo == 0 else 1)
+        ctx.save_for_backward(None if grad_h is None else grad_h.view_as(hidden), grad_w)
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        if torch.compiler.is_compiling():
+            scale = lambda g: None if g is None else g * grad_out.to(g.dtype)
+        else:  # in place: backward needs no second (vocab, d) buffer (retain_graph fails the version check)
+            scale = lambda g: None if g is None else g.mul_(grad_out.to(g.dtype))
+        return scale(grad_h), scale(grad_w), None, None
 
 
 def linear_cross_entropy_flops(num_tokens: int, vocab: int, dim: int, mode: str = "fwd_bwd") -> float:

@@ -15,6 +15,10 @@ What is kept for backward, per policy (x_i is the residual stream entering block
   the attention core (scores, mask, softmax, P@V) and RoPE. With a fused backend (`sdpa`, `flash_triton`,
   `flash_pytorch`) the core already keeps only O and the log-sum-exp and recomputes P in its own backward, so
   the policy leaves such blocks alone rather than recompute the core twice.
+- `FfnCheckpoint`: only the block's feed-forward branch (`block.ffn_branch(h)` = SwiGLU(ln2(h))) runs under a
+  checkpoint: the branch keeps its input h and reruns ln2, w1, w3 and the gating in backward (w2 is not rerun:
+  early stop), freeing the norm's and SwiGLU's saved tensors - the largest part of a block with fused attention
+  - for two of the block's seven projection matmuls.
 - `Offload`: saved tensors leave the device: each storage is copied once to pinned host memory on a side CUDA
   stream during forward and copied back one block ahead of backward (prefetch). On a CPU-only host they are
   copied into a separate CPU buffer, so the hook path is exercised by the tests.
@@ -27,8 +31,9 @@ the same kernels on the same inputs; RNG state is restored by `torch.utils.check
 
 How it is applied: `apply_activation_checkpointing(model, policy)` works on any model whose `layers` is a
 sequence of blocks called in order with `(x, *args)` (`TransformerLM` does this), each block having an `attn`
-sub-module with an `attention` backend name (for `SelectiveCheckpoint`). It replaces `forward` on the block
-(or attention) instances - no module is wrapped, so parameter names, state dicts, optimizers and
+sub-module with an `attention` backend name (for `SelectiveCheckpoint`) and an `ffn_branch(h)` method (for
+`FfnCheckpoint`). It replaces `forward` (or `ffn_branch`) on the block (or attention) instances - no module is
+wrapped, so parameter names, state dicts, optimizers and
 `model.set_attention` are unaffected. It is reversible: `remove_activation_checkpointing(model)` (or
 `handle.remove()`) restores the original behaviour. Within a segment the first block runs the whole segment
 under one checkpoint and the other blocks pass the segment's output through; calling a block of a k > 1
@@ -51,7 +56,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-FUSED_ATTENTION_BACKENDS = frozenset({"sdpa", "flash_triton", "flash_pytorch"})
+FUSED_ATTENTION_BACKENDS = frozenset({"sdpa", "cudnn", "flash_triton", "flash_pytorch"})
 """Backends that keep O and the log-sum-exp and recompute P in their own backward."""
 
 _aten = torch.ops.aten
@@ -69,7 +74,7 @@ _SELECTIVE_SAVE_OPS = frozenset({
 
 @dataclass(frozen=True)
 class Region:
-    """Blocks [start, stop) under one mechanism: none | full | nested | selective | offload."""
+    """Blocks [start, stop) under one mechanism: none | full | nested | selective | ffn | offload."""
 
     kind: str
     start: int
@@ -157,6 +162,13 @@ class SelectiveCheckpoint(Policy):
 
 
 @dataclass(frozen=True)
+class FfnCheckpoint(Policy):
+    """Keep the feed-forward branch's input only; rerun ln2 and SwiGLU's w1, w3 and gating in backward."""
+
+    kind = "ffn"
+
+
+@dataclass(frozen=True)
 class Offload(Policy):
     """Saved tensors to host memory during forward, back to the device one block ahead of backward."""
 
@@ -226,8 +238,8 @@ def _check_num_layers(num_layers: int) -> int:
 
 
 def parse_policy(spec: str, num_layers: int) -> Policy:
-    """`none | selective | offload | offload:MIN_BYTES | full | full:K | sqrt | nested | nested:LEAF`, or
-    per-layer runs joined by `+` with counts: `full*8+selective*8+none*16` (counts must add up to `num_layers`)."""
+    """`none | selective | ffn | offload | offload:MIN_BYTES | full | full:K | sqrt | nested | nested:LEAF`, or
+    per-layer runs joined by `+` with counts: `full*8+ffn*8+none*16` (counts must add up to `num_layers`)."""
     spec = spec.strip()
     if "+" in spec or "*" in spec:
         layers: list[Policy] = []
@@ -240,7 +252,7 @@ def parse_policy(spec: str, num_layers: int) -> Policy:
     name, _, arg = spec.partition(":")
     if arg and not arg.isdigit():
         raise ValueError(f"policy argument in {spec!r} must be a positive integer")
-    simple = {"none": NoCheckpoint, "selective": SelectiveCheckpoint, "offload": Offload}
+    simple = {"none": NoCheckpoint, "selective": SelectiveCheckpoint, "ffn": FfnCheckpoint, "offload": Offload}
     if name in simple and not arg:
         return simple[name]()
     if name == "offload":
@@ -251,7 +263,7 @@ def parse_policy(spec: str, num_layers: int) -> Policy:
         return FullCheckpoint.sqrt(num_layers)
     if name == "nested":
         return NestedCheckpoint(int(arg) if arg else 1)
-    raise ValueError(f"unknown checkpoint policy {spec!r}; expected none, selective, offload[:MIN_BYTES], "
+    raise ValueError(f"unknown checkpoint policy {spec!r}; expected none, selective, ffn, offload[:MIN_BYTES], "
                      f"full[:K], sqrt, nested[:LEAF] or NAME*COUNT+...")
 
 
@@ -322,6 +334,19 @@ class _SelectiveAttentionForward:
             return _class_forward(self.attn, *args, **kwargs)
         context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
         return checkpoint(_class_forward, self.attn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+class _FfnBranchForward:
+    """`ffn_branch` of a block under its own checkpoint: only the branch input h is kept for backward."""
+
+    def __init__(self, block: nn.Module):
+        self.block = block
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        branch = type(self.block).ffn_branch
+        if not torch.is_grad_enabled():
+            return branch(self.block, h)
+        return checkpoint(branch, self.block, h, use_reentrant=False)
 
 
 class _OffloadForward:
@@ -505,12 +530,13 @@ class CheckpointHandle:
     policy: Policy
     regions: list[Region]
     stores: list[OffloadStore]
-    _patched: list[nn.Module]
+    _patched: list[tuple[nn.Module, str]]
+    """(module, attribute) pairs whose instance-level replacement `remove()` drops."""
     notes: list[str]
 
     def remove(self) -> None:
-        for module in self._patched:
-            module.__dict__.pop("forward", None)
+        for module, attr in self._patched:
+            module.__dict__.pop(attr, None)
         self._patched.clear()
         if getattr(self.model, "_activation_checkpointing", None) is self:
             del self.model._activation_checkpointing
@@ -556,6 +582,11 @@ def apply_activation_checkpointing(model: nn.Module, policy: Policy) -> Checkpoi
                 handle.notes.append(f"block {r.start}: selective is a no-op with the fused {attn.attention!r} backend")
                 continue
             _install(handle, attn, _SelectiveAttentionForward(attn))
+        elif r.kind == "ffn":
+            for i in range(r.start, r.stop):
+                if not callable(getattr(blocks[i], "ffn_branch", None)):
+                    raise ValueError(f"block {i} ({type(blocks[i]).__name__}) has no `ffn_branch(h)` method to checkpoint")
+                _install(handle, blocks[i], _FfnBranchForward(blocks[i]), attr="ffn_branch")
         elif r.kind == "offload":
             if r.policy not in stores:
                 stores[r.policy] = OffloadStore(r.policy)
@@ -574,8 +605,8 @@ def remove_activation_checkpointing(model: nn.Module) -> None:
         handle.remove()
 
 
-def _install(handle: CheckpointHandle, module: nn.Module, forward) -> None:
-    if "forward" in module.__dict__:
-        raise ValueError(f"{type(module).__name__} already has an instance-level forward; refusing to replace it")
-    module.forward = forward
-    handle._patched.append(module)
+def _install(handle: CheckpointHandle, module: nn.Module, fn, attr: str = "forward") -> None:
+    if attr in module.__dict__:
+        raise ValueError(f"{type(module).__name__} already has an instance-level {attr}; refusing to replace it")
+    setattr(module, attr, fn)
+    handle._patched.append((module, attr))

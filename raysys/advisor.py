@@ -1,12 +1,15 @@
 """Activation-checkpointing advisor: the cheapest per-layer recompute plan that fits a memory budget.
 
 For a model size, batch, sequence length, precision and attention backend, every per-layer plan with n_full
-blocks under full checkpointing, n_offload offloaded, n_selective under selective checkpointing and the rest
-kept is scored with `raysys.recompute_model`: predicted peak memory of a training step (weights + AdamW state +
+blocks under full checkpointing, n_offload offloaded, n_ffn with only the feed-forward branch checkpointed,
+n_selective under selective checkpointing and the rest kept is scored with `raysys.recompute_model`: predicted peak memory of a training step (weights + AdamW state +
 gradients + activations + transients + workspace) and predicted overhead = (recomputed FLOPs / achieved FLOP/s
 + transfer time not hidden behind compute) / predicted step time. The advisor returns the plan with the least
-overhead whose peak fits the usable memory; ties go to the lower peak. Blocks are ordered full, offload,
-selective, none from the first block on (the blocks whose backward runs last rematerialise when most of the
+overhead whose peak fits the usable memory; ties go to the lower peak. For each n_full and n_offload the cheap
+kinds are searched along lines where fitting is monotone: the fewest ffn (or selective) blocks that fit, and the
+ffn / selective split with no block kept (with per-block costs and savings that add up, the cheapest fitting
+mix is one of these). Blocks are ordered
+full, offload, ffn, selective, none from the first block on (the blocks whose backward runs last rematerialise when most of the
 others are already freed); the reverse order is scored too and the better one kept. When no per-layer plan
 fits, nested (recursive, O(log N)) checkpointing is tried before reporting that nothing fits.
 
@@ -34,13 +37,13 @@ import re
 import sys
 from dataclasses import dataclass
 
-from parallel.checkpointing import (FullCheckpoint, NestedCheckpoint, NoCheckpoint, Offload, PerLayer, Policy,
-                                    SelectiveCheckpoint)
+from parallel.checkpointing import (FfnCheckpoint, FullCheckpoint, NestedCheckpoint, NoCheckpoint, Offload, PerLayer,
+                                    Policy, SelectiveCheckpoint)
 from raysys.config import SIZES, ModelConfig
 from raysys.recompute_model import (LOSSES, OPTIMIZERS, PRECISIONS, GiB, PeakEstimate, Workload, block_flops,
                                     fmt_bytes, predict_peak, saved_per_block, static_bytes, step_flops)
 
-KINDS = ("none", "selective", "full", "offload")
+KINDS = ("none", "selective", "ffn", "full", "offload")
 DEFAULT_TFLOPS = {"fp32": 50.0, "bf16": 400.0, "fp16": 400.0}
 """Achieved matmul TFLOP/s assumed when none is given (H100/H200 class; fp32 without TF32)."""
 CONTEXT_RESERVE_BYTES = GiB // 2
@@ -53,7 +56,7 @@ class Plan:
 
     workload: Workload
     layers: tuple[str, ...]
-    """Per-block kind: none | selective | full | offload, or nested for every block."""
+    """Per-block kind: none | selective | ffn | full | offload, or nested for every block."""
     fits: bool
     predicted_peak_bytes: int
     usable_bytes: int
@@ -127,7 +130,8 @@ def policy_for(layers: tuple[str, ...]) -> Policy:
     """Per-block kinds -> policy (a single policy when every block has the same kind)."""
     if set(layers) == {"nested"}:
         return NestedCheckpoint()
-    make = {"none": NoCheckpoint, "selective": SelectiveCheckpoint, "full": FullCheckpoint, "offload": Offload}
+    make = {"none": NoCheckpoint, "selective": SelectiveCheckpoint, "ffn": FfnCheckpoint, "full": FullCheckpoint,
+            "offload": Offload}
     if len(set(layers)) == 1:
         return make[layers[0]]()
     return PerLayer(tuple(make[k]() for k in layers))
@@ -208,7 +212,7 @@ def advise(config: ModelConfig, batch_size: int, gpu_memory_bytes: int, dtype: s
 
     def evaluate(counts: dict[str, int]) -> bool:
         fit = False
-        for order in (("full", "offload", "selective", "none"), ("none", "selective", "offload", "full")):
+        for order in (("full", "offload", "ffn", "selective", "none"), ("none", "selective", "ffn", "offload", "full")):
             layers = _layers(order, counts)
             if layers not in candidates:
                 overhead, peak, flops = _score(w, layers, cost)
@@ -216,22 +220,30 @@ def advise(config: ModelConfig, batch_size: int, gpu_memory_bytes: int, dtype: s
             fit |= candidates[layers][0]
         return fit
 
+    def boundary(make, lo: int, hi: int) -> None:
+        """Score make(lo) and make(hi) and, where one fits and the other does not, bisect to where fitting starts
+        (fitting is monotone along such a line; the cost is linear, so its cheapest fitting point is scored)."""
+        fit_lo, fit_hi = evaluate(make(lo)), evaluate(make(hi))
+        while fit_lo != fit_hi and hi - lo > 1:
+            mid = (lo + hi) // 2
+            if evaluate(make(mid)) == fit_lo:
+                lo = mid
+            else:
+                hi = mid
+
     max_off = n if host_memory_bytes is None else min(n, host_memory_bytes // max(saved_per_block(w, "none"), 1))
+    cheap = [k for k in ("ffn", "selective") if k in kinds]
     for n_full in range(n + 1) if "full" in kinds else (0,):
         for n_off in range(min(n - n_full, max_off) + 1) if offload_useful else (0,):
             rest = n - n_full - n_off
-            if "selective" not in kinds:
-                evaluate({"full": n_full, "offload": n_off, "selective": 0, "none": rest})
-                continue
-            lo, hi = 0, rest  # smallest n_sel that fits lies in [lo, hi] if any does
-            if not evaluate({"full": n_full, "offload": n_off, "selective": hi, "none": 0}):
-                continue
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if evaluate({"full": n_full, "offload": n_off, "selective": mid, "none": rest - mid}):
-                    hi = mid
-                else:
-                    lo = mid + 1
+            fixed = {"full": n_full, "offload": n_off, "ffn": 0, "selective": 0}
+            if not cheap:
+                evaluate({**fixed, "none": rest})
+            for kind in cheap:  # the fewest blocks of one cheap kind that fit, the others kept
+                boundary(lambda i: {**fixed, kind: i, "none": rest - i}, 0, rest)
+            if len(cheap) == 2:  # both kinds, none kept: costs and savings add up per block, so the cheapest
+                # fitting mix uses one kind (above) or both with no block kept (a linear program's vertices)
+                boundary(lambda i: {**fixed, "ffn": rest - i, "selective": i, "none": 0}, 0, rest)
     candidates = list(candidates.values())
     fitting = [c for c in candidates if c[0]]
     if fitting:
@@ -265,16 +277,16 @@ def _why(w: Workload, layers: tuple[str, ...], peak: PeakEstimate, usable: int, 
     if set(layers) == {"none"}:
         return f"everything fits without recomputation ({fmt_bytes(none_peak)} <= {fmt_bytes(usable)})"
     parts = [f"no checkpointing needs {fmt_bytes(none_peak)} > {fmt_bytes(usable)} usable"]
-    per_block = {k: saved_per_block(w, k) for k in ("none", "selective", "full")}
-    if "selective" in layers or "full" in layers:
+    per_block = {k: saved_per_block(w, k) for k in ("none", "selective", "ffn", "full")}
+    if {"selective", "ffn", "full"} & set(layers):
         selective = ("selective is a no-op with fused attention" if w.fused else
                      f"selective {fmt_bytes(per_block['selective'])} (recomputes the attention core only)")
-        parts.append(f"a block keeps {fmt_bytes(per_block['none'])}; {selective}; "
-                     f"full {fmt_bytes(per_block['full'])} (reruns the block)")
+        parts.append(f"a block keeps {fmt_bytes(per_block['none'])}; {selective}; ffn {fmt_bytes(per_block['ffn'])} "
+                     f"(reruns ln2, w1, w3); full {fmt_bytes(per_block['full'])} (reruns the block)")
     if "offload" in layers:
         parts.append(f"offload moves {fmt_bytes(per_block['none'])} per block over {cost.pcie_gbps:g} GB/s, "
                      f"cheaper than rerunning it at {cost.tflops:g} TFLOP/s")
-    elif "full" in layers:
+    elif "full" in layers or "ffn" in layers:
         t_copy = per_block["none"] / (cost.pcie_gbps * 1e9)
         parts.append(f"offloading a block would take {1e3 * t_copy:.0f} ms per direction over {cost.pcie_gbps:g} GB/s, "
                      f"more than recomputing it")

@@ -3,13 +3,15 @@
 A step is `zero_grad(set_to_none=True)`, the loss, `backward()`, (a data-parallel gradient sync), `optimizer.step()`.
 `StepConfig` chooses each part, and `LeaderboardStep` applies them to a model in one place, in torchtitan's order
 (activation checkpointing, then compile, then the optimizer):
-- attention backend (`flash_triton` by default: O and the log-sum-exp saved, P recomputed in its backward);
+- attention backend (`flash_triton` by default, or `cudnn`: O and the log-sum-exp saved, P recomputed in its
+  backward; the benchmark measures both and takes the faster);
 - the loss: `fused` (`TransformerLM.loss`: LM head + cross-entropy in one op, no (B, S, vocab) logits) or
   `materialized` (the course harness's `cross_entropy(model(x), y)`);
-- the optimizer: `fused` (`kernels.adamw.FusedAdamW`, one launch per dtype), `foreach` (`raysys.model.ForeachAdamW`)
+- the optimizer: `fused` (`kernels.adamw.FusedAdamW`, one launch per dtype), `foreach` (`kernels.adamw.ForeachAdamW`)
   or `reference` (`raysys.model.AdamW`, per parameter); all three compute the reference update;
 - recomputation: `advisor` (the per-layer plan `raysys.advisor` makes for this exact composition, model, batch and
-  device memory) or any `parallel.checkpointing.parse_policy` spec;
+  device memory, choosing per block among `recompute_kinds`: none, ffn, full by default) or any
+  `parallel.checkpointing.parse_policy` spec;
 - `compile`: RMSNorm, RoPE and SwiGLU (their elementwise work, around the matmuls) compiled with `torch.compile`,
   each module's `forward` replaced by a compiled one; blocks, attention and the Triton kernels stay eager, so
   checkpointing wraps compiled pieces (one graph per piece, shared by every layer).
@@ -35,9 +37,10 @@ import torch
 from torch import nn
 
 from parallel.checkpointing import CheckpointHandle, apply_activation_checkpointing, parse_policy
+from raysys.advisor import KINDS
 from raysys.config import ModelConfig
-from raysys.model import (AdamW, ForeachAdamW, RMSNorm, RotaryEmbedding, SwiGLU, TransformerLM, cross_entropy,
-                          fused_loss_kernel, get_attention)
+from raysys.model import (AdamW, RMSNorm, RotaryEmbedding, SwiGLU, TransformerLM, cross_entropy, fused_loss_kernel,
+                          get_attention)
 
 LOSSES = ("fused", "materialized")
 LOSS_IMPLS = ("auto", "triton", "torch")
@@ -60,9 +63,11 @@ class StepConfig:
     loss_impl: str = "auto"
     """Fused loss implementation: triton (`kernels/fused_linear_ce.py`), torch (chunked), auto (triton on CUDA)."""
     optimizer: str = "fused"
-    """fused (`kernels.adamw.FusedAdamW`), foreach (`raysys.model.ForeachAdamW`) or reference (`raysys.model.AdamW`)."""
+    """fused (`kernels.adamw.FusedAdamW`), foreach (`kernels.adamw.ForeachAdamW`) or reference (`raysys.model.AdamW`)."""
     recompute: str = "advisor"
     """`advisor` (the advisor's per-layer plan for this step) or a `parallel.checkpointing.parse_policy` spec."""
+    recompute_kinds: tuple = ("none", "ffn", "full")
+    """Per-block kinds the advisor may choose from (`raysys.advisor.KINDS`, with `none`)."""
     compile: bool = True
     """Compile RMSNorm, RoPE and SwiGLU (`compile_pieces`)."""
     compile_backend: str = "inductor"
@@ -75,6 +80,9 @@ class StepConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} {getattr(self, name)!r} must be one of {allowed}")
         get_attention(self.attention)
+        object.__setattr__(self, "recompute_kinds", tuple(self.recompute_kinds))
+        if not set(self.recompute_kinds) <= set(KINDS) or "none" not in self.recompute_kinds:
+            raise ValueError(f"recompute_kinds {self.recompute_kinds} must be a subset of {KINDS} containing 'none'")
         if self.recompute != "advisor":
             parse_policy(self.recompute, 1 if "*" not in self.recompute else _count_layers(self.recompute))
         if self.gpu_memory is not None and self.gpu_memory <= 0:
@@ -113,6 +121,8 @@ def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
             raise ValueError(f"optimizer 'fused' needs kernels/adamw.py, which does not import ({exc})") from None
         return FusedAdamW(params)
     if kind == "foreach":
+        from kernels.adamw import ForeachAdamW
+
         return ForeachAdamW(params)
     if kind == "reference":
         return AdamW(params)
@@ -184,7 +194,8 @@ def plan_step(model_config: ModelConfig, batch_size: int, seq_len: int, config: 
     param_dtype = "fp32" if shards > 1 else dtype
     return advise(model_config, batch_size, gpu_memory, dtype, seq_len=seq_len, attention=config.attention,
                   param_dtype=param_dtype, loss="fused" if config.loss == "fused" else "materialized",
-                  compiled=config.compile, optimizer=config.optimizer, shards=shards, device_type=device_type)
+                  compiled=config.compile, optimizer=config.optimizer, shards=shards, device_type=device_type,
+                  kinds=config.recompute_kinds)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -268,6 +279,7 @@ class LeaderboardStep:
         """Which code path runs: the columns a benchmark row records."""
         plan = self.plan
         return {"attention": self.config.attention, "loss_path": self.loss_impl,
+                "num_ffn": sum(r.stop - r.start for r in self.checkpointing.regions if r.kind == "ffn"),
                 "optimizer_class": type(self.optimizer).__name__, "policy": self.policy_spec,
                 "num_full": sum(r.stop - r.start for r in self.checkpointing.regions if r.kind == "full"),
                 "compiled": ",".join(sorted({type(m).__name__ for m in self.compiled.modules}))

@@ -1,11 +1,12 @@
 """The leaderboard benchmark (handout section 9): the course's harness over an ablation of the training step.
 
 `ablation()` lists the variants: the fast step (`StepConfig()`, first, so its first step meets the empty compile
-caches), today's composition (`TODAY`), today's with each optimisation added alone, and the fast step at twice
-the batch. `run_variant` applies one to a model, runs its first step (compilation, autotuning, AdamW state) and
-times it with `triton.testing.do_bench` (the course's `rep` / `warmup`, shortened by flag) or CUDA events; the
-row records step time, peak and predicted peak memory, tokens/s, model TFLOP/s and MFU against a matmul peak
-measured in the same run, the first step's and the cold start's seconds, and which code path ran
+caches; its attention is the faster of flash_triton and cudnn as `pick_attention` measures them at the step's
+shape when the session starts), today's composition (`TODAY`), today's with each optimisation added alone, and
+the fast step at twice the batch. `run_variant` applies one to a model, runs its first step (compilation,
+autotuning, AdamW state) and times it with `triton.testing.do_bench` (the course's `rep` / `warmup`, shortened
+by flag) or CUDA events; the row records step time, peak and predicted peak memory, tokens/s, model TFLOP/s and
+MFU against a matmul peak measured in the same run, the first step's and the cold start's seconds, and which code path ran
 (`LeaderboardStep.describe`). An OOM is a row with status `oom`; the ablation goes on.
 
     python -m raysys leaderboard --size tiny --device cpu --out /tmp/lb       # seconds, on a laptop
@@ -16,6 +17,7 @@ measured in the same run, the first step's and the cold start's seconds, and whi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -45,17 +47,59 @@ class Variant:
     batch_size: int = 1
 
 
-def ablation(batch_size: int = 1, *, batch2: bool = True) -> list[Variant]:
+ATTENTION_CANDIDATES = ("flash_triton", "cudnn")
+"""Fused attention backends `best` chooses from: the faster one measured in the same run (`pick_attention`)."""
+
+
+def ablation(batch_size: int = 1, *, batch2: bool = True, attention: str = "flash_triton") -> list[Variant]:
     """The fast step first (it meets the empty compile caches: its first step is the cold start), then today's
-    composition and today's with each optimisation added alone, then the fast step at twice the batch."""
-    best = StepConfig()
+    composition and today's with each optimisation added alone, then the fast step at twice the batch. `best`
+    runs `attention`; `today+advisor_plan` lets the advisor mix none and full blocks, `today+ffn_recompute` none,
+    ffn and full (today's composition does not fit with ffn alone: eager SwiGLU keeps five (B, S, d_ff) tensors)."""
+    best = StepConfig(attention=attention)
     variants = [Variant(name="best", step=best, batch_size=batch_size), Variant(name="today", step=TODAY, batch_size=batch_size)]
     for name, change in (("fused_loss", dict(loss="fused")), ("fused_adamw", dict(optimizer="fused")),
-                         ("compile", dict(compile=True)), ("advisor_plan", dict(recompute="advisor"))):
+                         ("compile", dict(compile=True)), ("cudnn", dict(attention="cudnn")),
+                         ("advisor_plan", dict(recompute="advisor", recompute_kinds=("none", "full"))),
+                         ("ffn_recompute", dict(recompute="advisor", recompute_kinds=("none", "ffn", "full")))):
         variants.append(Variant(name=f"today+{name}", step=TODAY.replace(**change), batch_size=batch_size))
     if batch2:
         variants.append(Variant(name="best", step=best, batch_size=2 * batch_size))
     return variants
+
+
+def attention_ms(name: str, config: ModelConfig, batch_size: int, seq_len: int, device: torch.device,
+                 dtype: torch.dtype, *, rep_ms: float = 300, warmup_ms: float = 100) -> float:
+    """Median ms of one causal forward + backward of attention backend `name` at the step's (B, H, S, D) shape
+    (`triton.testing.do_bench`, CUDA)."""
+    import triton.testing
+
+    from raysys.model import get_attention
+
+    fn = get_attention(name)
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(batch_size, config.num_heads, seq_len, config.d_head, device=device, dtype=dtype,
+                           generator=g).requires_grad_() for _ in range(3))
+    grad_out = torch.randn_like(q)
+    run = lambda: fn(q, k, v, True).backward(grad_out)
+    return triton.testing.do_bench(run, warmup=warmup_ms, rep=rep_ms, grad_to_none=[q, k, v], return_mode="median")
+
+
+def pick_attention(config: ModelConfig, batch_size: int, seq_len: int, device: torch.device, dtype: torch.dtype,
+                   candidates=ATTENTION_CANDIDATES) -> tuple[str, dict[str, float]]:
+    """The fastest of `candidates` at the step's shape on `device` (a backend that cannot run counts as inf), and
+    every candidate's ms. On the CPU nothing is timed: `for_device` maps both to `sdpa` there."""
+    if device.type != "cuda":
+        return candidates[0], {}
+    times = {}
+    for name in candidates:
+        try:
+            times[name] = attention_ms(name, config, batch_size, seq_len, device, dtype)
+        except (ValueError, RuntimeError) as exc:
+            print(f"attention {name}: cannot run ({str(exc).splitlines()[0][:160]})", flush=True)
+            times[name] = float("inf")
+        _free(device)
+    return min(candidates, key=lambda name: times[name]), times
 
 
 def model_flops(config: ModelConfig, batch_size: int, seq_len: int) -> float:
@@ -237,12 +281,12 @@ def _free(device: torch.device) -> None:
 
 def for_device(step: StepConfig, device: torch.device, compile_backend: str | None = None) -> StepConfig:
     """`step` as it runs on `device`. On the CPU the Triton kernels give way to their torch counterparts (the
-    interpreter is a test tool, without bf16): `flash_triton` becomes `sdpa` (the same saved O / log-sum-exp
-    semantics), the `fused` AdamW `foreach` (multi-tensor torch ops); the fused loss already picks its chunked
-    torch version there. The compile backend defaults to `aot_eager_decomp_partition` on the CPU (Inductor's
+    interpreter is a test tool, without bf16): `flash_triton` and `cudnn` become `sdpa` (the same saved O /
+    log-sum-exp semantics), the `fused` AdamW `foreach` (multi-tensor torch ops); the fused loss already picks its
+    chunked torch version there. The compile backend defaults to `aot_eager_decomp_partition` on the CPU (Inductor's
     partitioner, hence its saved tensors, without its C++ build) and `inductor` on a GPU."""
     changes = {}
-    if device.type == "cpu" and step.attention == "flash_triton":
+    if device.type == "cpu" and step.attention in ("flash_triton", "cudnn"):
         changes["attention"] = "sdpa"
     if device.type == "cpu" and step.optimizer == "fused":
         changes["optimizer"] = "foreach"
@@ -307,7 +351,10 @@ def build_leaderboard_parser(parser=None):
     p.add_argument("--no-batch2", action="store_true", help="skip the fast step at twice the batch")
     p.add_argument("--variants", nargs="+", default=None,
                    help="variant names to run (default all: best, today, today+fused_loss, today+fused_adamw, "
-                        "today+compile, today+advisor_plan)")
+                        "today+compile, today+cudnn, today+advisor_plan, today+ffn_recompute)")
+    p.add_argument("--best-attention", default="auto", choices=("auto",) + ATTENTION_CANDIDATES,
+                   help="attention of the fast step: auto times each candidate's forward + backward at the step's "
+                        "shape first and takes the faster (CUDA; the CPU runs sdpa)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="bf16", choices=sorted(set(DTYPE_NAMES.values())),
                    help="parameter (and compute) dtype; the course's harness builds the model in bf16")
@@ -385,6 +432,10 @@ class Session:
     config: ModelConfig
     variants: list[Variant]
     model: TransformerLM | None = None
+    attention: str = "flash_triton"
+    """The fast step's attention backend (`--best-attention`, or the faster one `pick_attention` measured)."""
+    attention_ms: dict = dataclasses.field(default_factory=dict)
+    """Each candidate backend's forward + backward ms at the step's shape, when measured."""
     matmul_tflops: float = float("nan")
     build_s: float = float("nan")
     cold: bool = True
@@ -404,6 +455,15 @@ def start_session(args) -> Session:
     dtype = {v: k for k, v in DTYPE_NAMES.items()}[args.dtype]
     session = Session(device, dtype, config, variants, cold=not args.warm_cache)
     session.matmul_tflops = matmul_peak_tflops(device, dtype, n=8192 if device.type == "cuda" else 512)
+    if args.best_attention == "auto":
+        session.attention, session.attention_ms = pick_attention(config, args.batch_size, config.context_length,
+                                                                 device, dtype)
+        print(f"attention forward + backward (ms): {session.attention_ms}; best runs {session.attention}", flush=True)
+    else:
+        session.attention = args.best_attention
+    session.variants = [dataclasses.replace(v, step=for_device(v.step.replace(attention=session.attention), device,
+                                                               args.compile_backend))
+                        if v.name == "best" else v for v in variants]
     t0 = _now()
     session.model = build_model(config, device, dtype, args.seed)
     session.build_s = _now() - t0
@@ -416,7 +476,7 @@ def run_check(args, session: Session) -> dict:
 
     check_config = ModelConfig.from_name(args.check_size, vocab_size=session.config.vocab_size,
                                          context_length=args.check_context_length)
-    step = for_device(StepConfig(), session.device, args.compile_backend)
+    step = for_device(StepConfig(attention=session.attention), session.device, args.compile_backend)
     check = compare_with_reference(check_config, session.device, session.dtype, step, seed=args.seed)
     print("check against the reference path:", {k: v for k, v in check.items() if isinstance(v, float)}, flush=True)
     with open_writer(args.out, f"{SWEEP}_check", resume=False, overwrite=True) as writer:
@@ -452,7 +512,9 @@ def variant_row(args, session: Session, variant: Variant, sweep: str = SWEEP, **
                               warmup_ms=args.warmup_ms, steps=args.steps, warmup_steps=args.warmup_steps,
                               seed=args.seed, cold=session.cold)
         metrics.update(matmul_tflops=session.matmul_tflops, mfu=metrics["model_tflops"] / session.matmul_tflops,
-                       build_s=session.build_s, cold_caches=session.cold)
+                       build_s=session.build_s, cold_caches=session.cold,
+                       **{f"attention_ms_{name}": session.attention_ms.get(name, float("nan"))
+                          for name in ATTENTION_CANDIDATES})
         row = make_row(sweep, row_config, metrics, device=session.device)
     except Exception as exc:  # an OOM (or any failure) is a row; the study goes on
         if status_of(exc) != "oom":
@@ -526,7 +588,8 @@ def summary(df: "pd.DataFrame") -> str:
                          "step (s)": df["step_s"], "vs today": df["speedup_vs_today"],
                          "peak (GiB)": gib("peak_bytes"), "predicted (GiB)": gib("predicted_peak_bytes"),
                          "TFLOP/s": df.get("model_tflops"), "MFU": df.get("mfu"), "tokens/s": df.get("tokens_per_s"),
-                         "cold start (s)": df.get("cold_start_s"), "policy": df.get("policy"),
+                         "cold start (s)": df.get("cold_start_s"), "attention": df.get("attention"),
+                         "policy": df.get("policy"),
                          "loss": df.get("loss_path"), "optimizer": df.get("optimizer_class"),
                          "compiled": df.get("compiled")})
     return view.to_markdown(index=False, floatfmt=".3g")

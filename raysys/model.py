@@ -5,13 +5,14 @@ dicts move both ways between raysys and the reference `cs336_basics` and fp32 lo
 
 Attention is pluggable per model instance: every `CausalMultiHeadSelfAttention` calls the backend named by
 `attention` from a registry of functions `fn(q_BHSD, k_BHSD, v_BHSD, is_causal) -> out_BHSD`:
-`naive` (the reference math), `sdpa` (torch's scaled_dot_product_attention), `annotated` (naive with NVTX /
-profiler ranges around scores, softmax and the output matmul) and, from `kernels/`, `flash_triton` and
-`flash_pytorch`. Shape legend: B batch, H heads, S sequence, D head dim, M d_model.
+`naive` (the reference math), `sdpa` (torch's scaled_dot_product_attention, its own backend choice), `cudnn`
+(the same call pinned to cuDNN's fused attention; CUDA only), `annotated` (naive with NVTX / profiler ranges
+around scores, softmax and the output matmul) and, from `kernels/`, `flash_triton` and `flash_pytorch`. Shape legend: B batch, H heads, S sequence, D head dim, M d_model.
 
 Training-step API: `model(x)` returns logits; `model.loss(x, y)` returns `cross_entropy(model(x), y)` computed
 by `linear_cross_entropy` (the LM head and the loss fused: no (B, S, vocab) logits), `fused=False` the
-reference path. `AdamW` is the reference optimizer; `ForeachAdamW` the same update with multi-tensor ops.
+reference path. `AdamW` is the reference optimizer (`kernels.adamw` holds `FusedAdamW` and the multi-tensor
+`ForeachAdamW`, `kernels.fused_linear_ce` the loss's chunked torch counterpart; both names still import from here).
 """
 
 from __future__ import annotations
@@ -104,9 +105,34 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
 
 
+def cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True) -> torch.Tensor:
+    """`scaled_dot_product_attention` pinned to cuDNN's fused kernel (it keeps O and the log-sum-exp, as flash
+    does). `sdpa_kernel` is a context manager Dynamo traces, so a compiled model keeps the pin. ValueError where
+    cuDNN attention cannot run these inputs (no CUDA tensors, no cuDNN, an unsupported shape or dtype)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if not torch.compiler.is_compiling():
+        _check_cudnn_attention(q, k, v, is_causal)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+
+def _check_cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> None:
+    if q.device.type != "cuda":
+        raise ValueError(f"attention 'cudnn' needs CUDA tensors (cuDNN's fused attention), got {q.device}; use "
+                         f"'sdpa' or 'flash_triton' elsewhere")
+    if not torch.backends.cudnn.is_available() or not torch.backends.cuda.cudnn_sdp_enabled():
+        raise ValueError("attention 'cudnn': cuDNN is not available or its SDPA backend is disabled in this torch")
+    can_use = getattr(torch.backends.cuda, "can_use_cudnn_attention", None)
+    if can_use is not None and not can_use(torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, is_causal, False), True):
+        raise ValueError(f"attention 'cudnn' cannot run q {tuple(q.shape)} {q.dtype} on "
+                         f"{torch.cuda.get_device_name(q.device)} (cuDNN's constraints; see the warning above)")
+
+
 register_attention("naive", naive_attention)
 register_attention("annotated", annotated_attention)
 register_attention("sdpa", sdpa_attention)
+register_attention("cudnn", cudnn_attention)
 
 
 def softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -241,7 +267,11 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None) -> torch.Tensor:
         h = x + self.attn(self.ln1(x), token_positions)
-        return h + self.ffn(self.ln2(h))
+        return h + self.ffn_branch(h)
+
+    def ffn_branch(self, h: torch.Tensor) -> torch.Tensor:
+        """ffn(ln2(h)): the feed-forward branch, one method so `parallel.checkpointing.FfnCheckpoint` can rerun it."""
+        return self.ffn(self.ln2(h))
 
 
 class TransformerLM(nn.Module):
@@ -319,10 +349,20 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 LOSS_IMPLS = ("auto", "triton", "torch")
-"""`linear_cross_entropy` implementations: the Triton kernel of `kernels/fused_linear_ce.py`, the chunked
-plain-torch `ChunkedLinearCrossEntropy`, or `auto` (the kernel for CUDA tensors when it imports, else torch)."""
+"""`linear_cross_entropy` implementations: the Triton kernel of `kernels/fused_linear_ce.py`, its chunked
+plain-torch counterpart `ChunkedLinearCrossEntropy` beside it, or `auto` (the kernel for CUDA tensors, else torch)."""
 CHUNK_LOGIT_BYTES = 256 * 2**20
 """fp32 logits one chunk of `ChunkedLinearCrossEntropy` holds (its tokens = this / (4 * vocab))."""
+_MOVED = {"ChunkedLinearCrossEntropy": "kernels.fused_linear_ce", "ForeachAdamW": "kernels.adamw"}
+"""Names that live beside their kernels now; `raysys.model.<name>` still resolves (lazily: Triton imports slowly)."""
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        import importlib
+
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def fused_loss_kernel() -> Callable | None:
@@ -347,58 +387,16 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     if hidden.shape[-1] != weight.shape[-1] or hidden.shape[:-1] != targets.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)} and targets "
                          f"{tuple(targets.shape)} must be (..., d), (vocab, d) and (...)")
-    kernel = fused_loss_kernel() if impl != "torch" else None
-    if impl == "triton" and kernel is None:
-        raise ValueError("linear_cross_entropy impl 'triton' needs kernels/fused_linear_ce.py, which does not import")
-    if kernel is not None and (impl == "triton" or hidden.is_cuda):
+    kernel = fused_loss_kernel()
+    if kernel is None:
+        raise ValueError("linear_cross_entropy needs kernels/fused_linear_ce.py (the Triton kernel and its chunked "
+                         "torch counterpart), which does not import")
+    if impl == "triton" or (impl == "auto" and hidden.is_cuda):
         return kernel(hidden, weight, targets)
+    from kernels.fused_linear_ce import ChunkedLinearCrossEntropy
+
     chunk = max(1, CHUNK_LOGIT_BYTES // (4 * weight.shape[0]))
     return ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk)
-
-
-class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Plain-torch fused LM head + cross-entropy (the CPU path, and the fallback of the Triton kernel): `chunk`
-    tokens at a time, logits upcast to fp32 (fp64 for fp64 inputs; max-subtracted log-sum-exp as in `cross_entropy`), the gradients
-    written during forward, the weight's accumulated in its own dtype (one rounding per chunk in bf16, exact in
-    fp32), as `kernels/fused_linear_ce.py` does. Backward scales them by the upstream gradient in place."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk):
-        h_Nd, t_N = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-        n = h_Nd.shape[0]
-        grad_h = torch.empty_like(h_Nd) if hidden.requires_grad else None
-        grad_w = torch.empty_like(weight) if weight.requires_grad else None
-        acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
-        total = torch.zeros((), dtype=acc, device=hidden.device)
-        for lo in range(0, n, chunk):
-            h_cd, t_c = h_Nd[lo:lo + chunk], t_N[lo:lo + chunk]
-            logits = (h_cd @ weight.t()).to(acc)
-            logits -= logits.amax(dim=-1, keepdim=True)
-            probs = torch.exp(logits)
-            row_sum = probs.sum(dim=-1)
-            total += (torch.log(row_sum) - logits.gather(-1, t_c[:, None]).squeeze(-1)).sum()
-            del logits
-            # d(mean loss) / d logits = (softmax - onehot(target)) / n
-            probs /= row_sum[:, None]
-            probs[torch.arange(len(t_c), device=probs.device), t_c] -= 1.0
-            probs /= n
-            g_cv = probs.to(hidden.dtype)
-            del probs
-            if grad_h is not None:
-                torch.matmul(g_cv, weight, out=grad_h[lo:lo + chunk])
-            if grad_w is not None:
-                grad_w.addmm_(g_cv.t(), h_cd, beta=0 if lo == 0 else 1)
-        ctx.save_for_backward(None if grad_h is None else grad_h.view_as(hidden), grad_w)
-        return total / n
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        grad_h, grad_w = ctx.saved_tensors
-        if torch.compiler.is_compiling():
-            scale = lambda g: None if g is None else g * grad_out.to(g.dtype)
-        else:  # in place: backward needs no second (vocab, d) buffer (retain_graph fails the version check)
-            scale = lambda g: None if g is None else g.mul_(grad_out.to(g.dtype))
-        return scale(grad_h), scale(grad_w), None, None
 
 
 class AdamW(torch.optim.Optimizer):
@@ -443,65 +441,3 @@ class AdamW(torch.optim.Optimizer):
                 p.addcdiv_(m, v.sqrt().add_(eps), value=-alpha_t)
                 state["t"] = t + 1
         return loss
-
-
-class ForeachAdamW(AdamW):
-    """`AdamW` (same semantics, defaults and state) with torch's multi-tensor `_foreach_` ops: one launch per
-    operation over a chunk of parameters (at most `chunk_bytes` of them, so the sqrt(v) temporaries stay
-    bounded) instead of one per operation per parameter. Parameters with the same step count, device and dtype
-    are updated together; each element sees exactly the reference's arithmetic."""
-
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.01, chunk_bytes: int = 2**30):
-        if chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes ({chunk_bytes}) must be >= 1")
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        self.chunk_bytes = chunk_bytes
-
-    @torch.no_grad()
-    def step(self, closure: Callable | None = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            same: dict[tuple, list[nn.Parameter]] = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["t"], state["m"], state["v"] = 1, torch.zeros_like(p), torch.zeros_like(p)
-                same.setdefault((state["t"], p.device, p.dtype), []).append(p)
-            for (t, _, _), params in same.items():
-                alpha_t = lr * math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
-                for chunk in _byte_chunks(params, self.chunk_bytes):
-                    ps, gs = chunk, [p.grad for p in chunk]
-                    ms, vs = [self.state[p]["m"] for p in chunk], [self.state[p]["v"] for p in chunk]
-                    torch._foreach_add_(ps, ps, alpha=-lr * wd)
-                    torch._foreach_mul_(ms, b1)
-                    torch._foreach_add_(ms, gs, alpha=1 - b1)
-                    torch._foreach_mul_(vs, b2)
-                    torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)
-                    denom = torch._foreach_sqrt(vs)
-                    torch._foreach_add_(denom, eps)
-                    torch._foreach_addcdiv_(ps, ms, denom, value=-alpha_t)
-                    del denom
-                for p in params:
-                    self.state[p]["t"] = t + 1
-        return loss
-
-
-def _byte_chunks(params: list[torch.Tensor], chunk_bytes: int) -> Iterable[list[torch.Tensor]]:
-    """Consecutive runs of `params` of at most `chunk_bytes` each (a larger tensor is a run of its own)."""
-    run, size = [], 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        if run and size + nbytes > chunk_bytes:
-            yield run
-            run, size = [], 0
-        run.append(p)
-        size += nbytes
-    if run:
-        yield run

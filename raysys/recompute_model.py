@@ -2,7 +2,8 @@
 
 Computes, for a workload (model config, batch B, sequence S, precision) and a checkpoint policy from
 `parallel.checkpointing`:
-- the bytes each block saves for backward ("residuals"), counted tensor by tensor from the model's code;
+- the bytes each block saves for backward ("residuals"), counted tensor by tensor from the model's code, and
+  what each policy kind keeps of them (none, selective, ffn, full, nested, offload);
 - matmul FLOPs of forward, recomputation and backward (the `FlopCounterMode` convention: 2 per multiply-add,
   attention counted on the full S x S square);
 - the peak memory of a training step: weights + AdamW state + inputs (+ matmul workspaces on CUDA) plus, at
@@ -57,7 +58,7 @@ LOSSES = ("materialized", "fused")
 OPTIMIZERS = ("reference", "foreach", "fused")
 GiB = 1024**3
 FOREACH_CHUNK_BYTES = 2**30
-"""Parameters `raysys.model.ForeachAdamW` updates per launch (its sqrt(v) temporary)."""
+"""Parameters `kernels.adamw.ForeachAdamW` updates per launch (its sqrt(v) temporary)."""
 TORCH_LOSS_CHUNK_BYTES = 256 * 2**20
 """fp32 logits of one chunk of the plain-torch fused loss (`raysys.model.CHUNK_LOGIT_BYTES`), the CPU's."""
 KERNEL_LOSS_CHUNK_BYTES = 768 * 2**20
@@ -211,11 +212,24 @@ def attention_core_saved(w: Workload) -> int:
     return dropped - kept
 
 
+def ffn_branch_saved(w: Workload) -> int:
+    """The part of `block_saved` that ffn checkpointing drops: what ln2 and SwiGLU keep (the norm's saved tensors
+    and output, under autocast its two casts and the three FFN weight casts instead, and SwiGLU's tensors)."""
+    c, e = w.config, w.e
+    BSd = w.batch_size * w.S * c.d_model
+    if w.amp:
+        ln2 = _norm_saved(w) + 2 * e * BSd + 3 * c.d_model * c.d_ff * e
+    else:
+        ln2 = _norm_saved(w) + e * BSd
+    return ln2 + _block_saved(w)["ffn"]
+
+
 @functools.cache
 def saved_per_block(w: Workload, kind: str) -> int:
     """Bytes a block keeps on the device between its forward and its backward under `kind`.
 
-    `full` / `nested` count one checkpoint (the segment input) per block; `offload` counts 0 (everything
+    `full` / `nested` count one checkpoint (the segment input) per block; `ffn` keeps everything but the
+    feed-forward branch, plus that branch's input h (a residual-stream tensor); `offload` counts 0 (everything
     above the store's size threshold goes to the host).
     """
     none = sum(_block_saved(w).values())
@@ -223,11 +237,13 @@ def saved_per_block(w: Workload, kind: str) -> int:
         return none
     if kind == "selective":
         return none - attention_core_saved(w)
+    if kind == "ffn":
+        return none - ffn_branch_saved(w) + w.stream_bytes
     if kind in ("full", "nested"):
         return w.stream_bytes
     if kind == "offload":
         return 0
-    raise ValueError(f"kind {kind!r} must be none, selective, full, nested or offload")
+    raise ValueError(f"kind {kind!r} must be none, selective, ffn, full, nested or offload")
 
 
 def head_saved(w: Workload) -> int:
@@ -302,17 +318,19 @@ def fused_loss_transient(w: Workload) -> int:
 # FLOPs.
 
 def block_flops(w: Workload) -> dict[str, int]:
-    """Forward matmul FLOPs of one block: projections + FFN, and the attention core (QK^T and PV)."""
+    """Forward matmul FLOPs of one block: projections + FFN, the attention core (QK^T and PV), w2 (the matmul a
+    checkpoint's early stop skips) and w1 + w3 (what ffn checkpointing reruns)."""
     c, B, S = w.config, w.batch_size, w.S
     tokens, d, f = B * S, c.d_model, c.d_ff
     return {"linear": 2 * tokens * (4 * d * d + 3 * d * f), "core": 4 * B * S * S * d,
-            "last_matmul": 2 * tokens * d * f}
+            "last_matmul": 2 * tokens * d * f, "ffn_recompute": 2 * 2 * tokens * d * f}
 
 
 def step_flops(w: Workload, regions: list[Region]) -> dict[str, int]:
     """Forward, recompute and backward matmul FLOPs of one step (backward = 2x forward; a fused core's
     backward recomputes QK^T: 2.5x). Full checkpointing reruns each segment once, except the segment's last
-    matmul (w2): torch's non-reentrant checkpoint stops as soon as the last saved tensor is regenerated."""
+    matmul (w2): torch's non-reentrant checkpoint stops as soon as the last saved tensor is regenerated; ffn
+    checkpointing reruns w1 and w3 for the same reason."""
     c = w.config
     bf = block_flops(w)
     per_block = bf["linear"] + bf["core"]
@@ -329,6 +347,8 @@ def step_flops(w: Workload, regions: list[Region]) -> dict[str, int]:
             recompute += _nested_recompute(n, r.policy.leaf_size, per_block, bf["last_matmul"], top=True)
         elif r.kind == "selective" and not w.fused:
             recompute += n * bf["core"]
+        elif r.kind == "ffn":
+            recompute += n * bf["ffn_recompute"]
     return {"forward": forward, "recompute": recompute, "backward": backward,
             "total": forward + recompute + backward}
 
@@ -431,6 +451,13 @@ def predict_peak(w: Workload, regions: list[Region]) -> PeakEstimate:
         if r.kind in ("none", "selective"):
             live = below + saved_per_block(w, r.kind)
             moments.append((f"block {r.start} backward", base + grads + live + block_backward_excess(w, r.kind)))
+        elif r.kind == "ffn":  # blocks one by one, each with its branch rematerialised: all of a kept block
+            for j in reversed(range(r.start, r.stop)):
+                live = below + (j - r.start) * saved_per_block(w, "ffn") + saved_per_block(w, "none")
+                moments.append((f"block {j} backward (ffn rerun)", base + grads + live +
+                                block_backward_excess(w, "none")))
+                grads += block_params
+            continue
         elif r.kind == "offload":  # the block fetched back, and the previous offloaded block prefetched
             prev = r.policy.prefetch and any(q.kind == "offload" for q in regions[:i])
             live = below + none + (none if prev else 0)

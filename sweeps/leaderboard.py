@@ -64,7 +64,7 @@ def neighbour_specs(plan_layers: tuple[str, ...], offsets: list[int]) -> list[tu
 
 def fast_plan(session: Session, args) -> tuple:
     """The advisor's plan of the fast step (batch --batch-size) on this device."""
-    step = for_device(StepConfig(), session.device, args.compile_backend)
+    step = for_device(StepConfig(attention=session.attention), session.device, args.compile_backend)
     memory = step.gpu_memory or device_memory_bytes(session.device)
     return plan_step(session.config, args.batch_size, session.config.context_length, step, dtype=args.dtype,
                      device_type=session.device.type, gpu_memory=memory), step

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from parallel.checkpointing import (FullCheckpoint, NestedCheckpoint, NoCheckpoint, Offload, PerLayer,
+from parallel.checkpointing import (FfnCheckpoint, FullCheckpoint, NestedCheckpoint, NoCheckpoint, Offload, PerLayer,
                                     SelectiveCheckpoint, apply_activation_checkpointing, parse_policy,
                                     remove_activation_checkpointing)
 from raysys.config import ModelConfig
@@ -26,7 +26,9 @@ POLICIES = {
     "nested": NestedCheckpoint(),
     "selective": SelectiveCheckpoint(),
     "offload": Offload(min_bytes=0),
+    "ffn": FfnCheckpoint(),
     "mixed": PerLayer((FullCheckpoint(), SelectiveCheckpoint(), Offload(min_bytes=0), NoCheckpoint())),
+    "mixed_ffn": PerLayer((FfnCheckpoint(), FullCheckpoint(), FfnCheckpoint(), NoCheckpoint())),
 }
 
 
@@ -83,7 +85,7 @@ def test_gradients_equal_uncheckpointed_exactly(name):
             torch.testing.assert_close(grads[key], g, rtol=0, atol=0, msg=f"{name}: grad of {key}")
 
 
-@pytest.mark.parametrize("name", ["full:2", "selective", "nested"])
+@pytest.mark.parametrize("name", ["full:2", "selective", "nested", "ffn"])
 def test_gradients_equal_under_autocast(name):
     base = make_model()
     x, y = batch(base)
@@ -99,6 +101,7 @@ def test_gradients_equal_under_autocast(name):
 def test_recomputed_flops_full_selective_nested():
     """Full: one extra forward of every wrapped block, except each segment's last matmul (w2): the
     non-reentrant checkpoint stops recomputing once the last saved tensor is back. Selective: QK^T and PV only.
+    Ffn: w1 and w3 of every block (ln2 and the gating are not matmuls; w2 is skipped by the same early stop).
     Nested over 4 blocks (halves of 2, leaves of 1): each leaf reruns once, each half reruns its left leaf."""
     base = make_model(num_layers=4)
     x, y = batch(base)
@@ -115,6 +118,8 @@ def test_recomputed_flops_full_selective_nested():
         "full:2": 4 * block - 2 * w2,
         "selective": 4 * core,
         "nested": 4 * (block - w2) + 2 * block,
+        "ffn": 4 * 2 * w2,
+        "mixed_ffn": 2 * 2 * w2 + block - w2,
     }
     for name, extra in expected.items():
         model = copy.deepcopy(base)
@@ -224,10 +229,11 @@ def test_no_grad_forward_matches():
 
 
 def test_parse_policy_round_trip_and_errors():
-    for spec in ("none", "selective", "offload", "full", "full:4", "nested", "nested:2", "full*2+none*2",
-                 "full:2*2+selective*1+offload*1"):
+    for spec in ("none", "selective", "ffn", "offload", "full", "full:4", "nested", "nested:2", "full*2+none*2",
+                 "full:2*2+selective*1+offload*1", "ffn*3+none*1"):
         policy = parse_policy(spec, 4)
         assert parse_policy(policy.spec, 4) == policy
+    assert [r.kind for r in parse_policy("ffn*2+full*1+none*1", 4).regions(4)] == ["ffn", "ffn", "full", "none"]
     assert parse_policy("sqrt", 16) == FullCheckpoint(4)
     assert parse_policy("full*2+none*2", 4).regions(4)[0].kind == "full"
     for bad in ("everything", "full:x", "full*0", "full*3"):
@@ -239,6 +245,31 @@ def test_parse_policy_round_trip_and_errors():
         PerLayer((NoCheckpoint(),) * 3).regions(4)
     with pytest.raises(ValueError, match="layers"):
         apply_activation_checkpointing(torch.nn.Linear(2, 2), NoCheckpoint())
+    plain = torch.nn.Module()
+    plain.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match="ffn_branch"):
+        apply_activation_checkpointing(plain, FfnCheckpoint())
+
+
+def test_ffn_checkpoint_keeps_the_branch_input_only():
+    """Per block: everything a plain block saves minus ln2's and SwiGLU's tensors, plus the branch input h; and
+    removing the policy gives the plain block back."""
+    model = make_model(num_layers=2)
+    x, y = batch(model)
+    plain = SavedTensorAccount(model)
+    with plain.track():
+        cross_entropy(model(x), y)
+    handle = apply_activation_checkpointing(model, FfnCheckpoint())
+    account = SavedTensorAccount(model)
+    with account.track():
+        out = cross_entropy(model(x), y)
+    c = model.config
+    stream, hidden = B * S * c.d_model * 4, B * S * c.d_ff * 4
+    ln2 = 2 * stream + B * S * 4 + stream  # fp32: h (its own upcast), x * rsqrt, rsqrt, the output
+    assert account.per_prefix("layers.1") == plain.per_prefix("layers.1") - ln2 - 5 * hidden + stream
+    del out
+    handle.remove()
+    assert "ffn_branch" not in model.layers[0].__dict__
 
 
 def test_per_layer_runs_form_segments():

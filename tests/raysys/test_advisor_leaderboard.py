@@ -6,14 +6,16 @@ import json
 import pytest
 import torch
 
+from kernels.adamw import ForeachAdamW
 from parallel.checkpointing import apply_activation_checkpointing, parse_policy
 from raysys.advisor import advise, advise_main
 from raysys.config import ModelConfig
 from raysys.leaderboard import compile_pieces
 from raysys.memory import SavedTensorAccount, saved_bytes_per_block
-from raysys.model import AdamW, ForeachAdamW, TransformerLM
+from raysys.model import AdamW, TransformerLM
 from raysys.recompute_model import (GiB, Workload, block_saved, cpu_allocation_trace, fused_loss_transient,
-                                    head_saved, optimizer_transient, predict_peak, sharding_transient, static_bytes)
+                                    head_saved, optimizer_transient, predict_peak, saved_per_block, sharding_transient,
+                                    static_bytes)
 
 LB = ModelConfig.from_name("leaderboard", attention="flash_triton")
 B, S, d, f, V, H, N = 1, 32768, 4096, 11008, 151936, 32, 34
@@ -113,7 +115,23 @@ def test_saved_bytes_match_saved_tensor_hooks(dtype, loss, compiled):
     assert saved["layers.1"] == saved["layers.2"] == sum(block_saved(w).values()) - block_saved(w)["rope"]
 
 
-PEAK_CASES = [("bf16", "fused", False, spec) for spec in ("none", "full", "full*1+none*2")] + [
+@pytest.mark.parametrize("dtype,compiled", [("bf16", False), pytest.param("bf16", True, marks=pytest.mark.slow),
+                                            pytest.param("fp32", True, marks=pytest.mark.slow)])
+def test_ffn_saved_bytes_match_saved_tensor_hooks(dtype, compiled):
+    """ffn checkpointing over pure-precision blocks, eager and compiled (Inductor's partitioner decides what the
+    compiled norm and SwiGLU would keep; the checkpoint keeps only the branch input)."""
+    cfg = tiny(S=40)
+    model = build(cfg, dtype, compiled)
+    apply_activation_checkpointing(model, parse_policy("ffn", cfg.num_layers))
+    x, y = torch.randint(0, cfg.vocab_size, (2, 40)), torch.randint(0, cfg.vocab_size, (2, 40))
+    per_block, _ = saved_bytes_per_block(model, lambda: model.loss(x, y, impl="torch"))
+    saved = dict(zip(per_block.module, per_block.saved_bytes))
+    w = Workload(config=cfg, batch_size=2, precision=dtype, param_dtype=dtype, loss="fused", compiled=compiled,
+                 device_type="cpu")
+    assert saved["layers.1"] == saved["layers.2"] == saved_per_block(w, "ffn") - block_saved(w)["rope"]
+
+
+PEAK_CASES = [("bf16", "fused", False, spec) for spec in ("none", "full", "full*1+none*2", "ffn*2+none*1")] + [
     ("bf16", "materialized", False, "none"), ("fp32", "fused", False, "full*1+none*2"),
     # compiled: Inductor's fused kernels (its backward's temporaries are its own; aot_eager's are not the same)
     pytest.param("bf16", "fused", True, "full*1+none*2", marks=pytest.mark.slow),
@@ -146,17 +164,25 @@ def test_the_leaderboard_plans():
     h200 = 143771 * 2**20
     # the issue's starting point: fp32 master weights and materialised logits do not fit one H200
     assert not advise(LB, 1, 141 * 10**9, "bf16").fits
-    plan = advise(LB, 1, h200, "bf16", param_dtype="bf16", loss="fused", compiled=True, optimizer="fused")
-    assert plan.fits and 0 < plan.layers.count("full") < N and set(plan.layers) == {"full", "none"}
-    assert plan.predicted_peak_bytes <= plan.usable_bytes
-    # every kept block costs memory: one more un-checkpointed block no longer fits
-    more = list(plan.layers)
-    more[more.index("full")] = "none"
+    step = dict(param_dtype="bf16", loss="fused", compiled=True, optimizer="fused")
+    plan = advise(LB, 1, h200, "bf16", **step)
+    assert plan.fits and plan.predicted_peak_bytes <= plan.usable_bytes and set(plan.layers) <= {"ffn", "full", "none"}
+    # ffn checkpointing frees 2 of a block's 4.3 GiB for w1 and w3 (not the whole block): cheaper per byte than full
     w = plan.workload
-    assert predict_peak(w, parse_policy("+".join(f"{k}*1" for k in more), N).regions(N)).peak_bytes > plan.usable_bytes
-    # the fused loss frees the logits: without it more blocks are recomputed
-    materialized = advise(LB, 1, h200, "bf16", param_dtype="bf16", compiled=True, optimizer="fused")
-    assert materialized.layers.count("full") > plan.layers.count("full")
+    assert saved_per_block(w, "none") - saved_per_block(w, "ffn") > 0.45 * saved_per_block(w, "none")
+    assert 0 < plan.layers.count("ffn") < N
+    full_only = advise(LB, 1, h200, "bf16", kinds=("none", "full"), **step)
+    assert full_only.fits and 0 < full_only.layers.count("full") < N and set(full_only.layers) == {"full", "none"}
+    assert plan.recompute_flops < full_only.recompute_flops / 2 and plan.overhead < full_only.overhead
+    # every kept block costs memory: one more un-checkpointed block no longer fits
+    for chosen in (plan, full_only):
+        more = list(chosen.layers)
+        more[next(i for i, k in enumerate(more) if k != "none")] = "none"
+        regions = parse_policy("+".join(f"{k}*1" for k in more), N).regions(N)
+        assert predict_peak(w, regions).peak_bytes > chosen.usable_bytes
+    # the fused loss frees the logits: without it more is recomputed
+    materialized = advise(LB, 1, h200, "bf16", **{**step, "loss": "materialized"})
+    assert materialized.recompute_flops > plan.recompute_flops
     # FSDP over two ranks: fp32 shards (16 bytes per parameter / 2) plus gathered units
     fsdp = advise(LB, 1, h200, "bf16", loss="fused", shards=2)
     assert fsdp.fits and fsdp.workload.shards == 2

@@ -1,7 +1,7 @@
 """The recompute cost / memory model against measurements on the CPU.
 
 Saved bytes: `raysys.memory.SavedTensorAccount` (saved_tensors_hooks, storages counted once, parameters
-excluded) must equal the formula exactly. FLOPs: `FlopCounterMode` must equal `step_flops` exactly. Step peak:
+excluded) must equal the formula exactly, without checkpointing and under ffn checkpointing. FLOPs: `FlopCounterMode` must equal `step_flops` exactly. Step peak:
 the CPU allocator trace of a whole training step must be within a few percent of `predict_peak`.
 """
 
@@ -54,7 +54,25 @@ def test_saved_bytes_match_saved_tensor_hooks(attention, precision, shape):
     del loss
 
 
-@pytest.mark.parametrize("spec", ["none", "full", "full:2", "nested", "selective"])
+@pytest.mark.parametrize("attention", ["naive", "sdpa"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_ffn_saved_bytes_match_saved_tensor_hooks(attention, precision):
+    """Under ffn checkpointing a block keeps all but ln2's and SwiGLU's tensors, plus the branch input h."""
+    cfg = config(attention, B=1, S=40, d=48, H=3, f=80, N=2)
+    torch.manual_seed(0)
+    model = TransformerLM(cfg)
+    apply_activation_checkpointing(model, parse_policy("ffn", cfg.num_layers))
+    x, y = torch.randint(0, cfg.vocab_size, (1, 40)), torch.randint(0, cfg.vocab_size, (1, 40))
+    account = SavedTensorAccount(model)
+    with autocast(precision), account.track():
+        loss = cross_entropy(model(x), y)
+    w = Workload(config=cfg, batch_size=1, precision=precision, device_type="cpu")
+    assert account.per_prefix("layers.1") == saved_per_block(w, "ffn") - block_saved(w)["rope"]
+    assert saved_per_block(w, "full") < saved_per_block(w, "ffn") < saved_per_block(w, "none")
+    del loss
+
+
+@pytest.mark.parametrize("spec", ["none", "full", "full:2", "nested", "selective", "ffn", "full*1+ffn*1+none*1"])
 def test_step_flops_match_flop_counter(spec):
     # naive attention: FlopCounterMode has no formula for the CPU flash kernel behind sdpa
     cfg = config("naive", N=3)
@@ -90,7 +108,8 @@ def measured_step_peak(cfg, B, precision, spec):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("spec", ["none", "full", "full:2", "nested", "selective", "full*1+selective*1+none*1"])
+@pytest.mark.parametrize("spec", ["none", "full", "full:2", "nested", "selective", "full*1+selective*1+none*1",
+                                  "ffn", "full*1+ffn*1+none*1"])
 def test_step_peak_within_five_percent(spec, precision):
     # attention-heavy shape (S = 96 > d), so the peak lands inside a block's backward, not in the loss
     cfg = config("naive", S=96, d=32, H=2, f=64, V=40, N=3)

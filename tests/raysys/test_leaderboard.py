@@ -10,11 +10,12 @@ import copy
 import pytest
 import torch
 
+from kernels.adamw import ForeachAdamW
+from kernels.fused_linear_ce import ChunkedLinearCrossEntropy
 from raysys.config import ModelConfig
 from raysys.leaderboard import (TODAY, LeaderboardStep, StepConfig, compile_pieces, make_optimizer, plan_step,
                                 reference_step, train_step)
-from raysys.model import (AdamW, ChunkedLinearCrossEntropy, ForeachAdamW, RMSNorm, SwiGLU, TransformerLM,
-                          cross_entropy, linear_cross_entropy)
+from raysys.model import AdamW, RMSNorm, SwiGLU, TransformerLM, cross_entropy, linear_cross_entropy
 
 
 def dynamo_graphs() -> int:
@@ -40,7 +41,7 @@ def batches(cfg, n, B=2, seed=1):
 SLOW = (pytest.mark.slow,)
 STEPS = [
     pytest.param("sdpa+chunked+foreach+compiled", StepConfig(
-        attention="sdpa", loss_impl="torch", optimizer="foreach", recompute="full*1+none*2",
+        attention="sdpa", loss_impl="torch", optimizer="foreach", recompute="full*1+ffn*1+none*1",
         compile_backend=CPU_BACKEND), id="sdpa+chunked+foreach+compiled"),
     pytest.param("today", TODAY.replace(attention="sdpa"), id="today"),
     pytest.param("flash+kernel+fused", StepConfig(
@@ -68,6 +69,7 @@ def test_fast_step_matches_reference_fp32(name, step_config):
         assert (p - q).abs().max().item() <= 1e-5, n
     step.close()
     assert "forward" not in fast.layers[0].__dict__ and "forward" not in fast.ln_final.__dict__
+    assert "ffn_branch" not in fast.layers[1].__dict__
 
 
 @pytest.mark.interpret
@@ -188,7 +190,8 @@ def test_default_step_applies_the_advisor_plan():
 def test_step_config_validation():
     for bad, match in ((dict(loss="chunked"), "loss"), (dict(optimizer="sgd"), "optimizer"),
                        (dict(attention="nope"), "attention"), (dict(recompute="full*x"), "recompute|COUNT"),
-                       (dict(gpu_memory=0), "gpu_memory")):
+                       (dict(gpu_memory=0), "gpu_memory"), (dict(recompute_kinds=("full",)), "recompute_kinds"),
+                       (dict(recompute_kinds=("none", "sometimes")), "recompute_kinds")):
         with pytest.raises(ValueError, match=match):
             StepConfig(**bad)
     with pytest.raises(ValueError, match="optimizer"):

@@ -203,3 +203,58 @@ def test_sequence_longer_than_context_raises(tiny):
     cfg, model = tiny
     with pytest.raises(ValueError, match="exceeds context_length"):
         model(torch.zeros(1, cfg.context_length + 1, dtype=torch.long))
+
+
+def test_cudnn_backend_refuses_cpu_tensors_and_its_pin_compiles():
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="cudnn.*CUDA"):
+        get_attention("cudnn")(q, q, q, True)
+    # the backend pins sdpa through `sdpa_kernel`, a context manager Dynamo traces (here pinned to MATH on the CPU)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def pinned(q, k, v):
+        with sdpa_kernel(SDPBackend.MATH):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    compiled = torch.compile(pinned, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, q * 2, q + 1), naive_attention(q, q * 2, q + 1), atol=1e-5, rtol=1e-5)
+
+
+def _aten_ops(fn) -> set[str]:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn()
+    return seen
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 3, 257, 64), (2, 4, 1000, 128)])
+def test_cudnn_backend_matches_reference_on_gpu(shape):
+    """Forward and every gradient against fp64 math attention (bf16 inputs: within 2e-2 relative norm), cuDNN's own
+    aten op running, and the same result inside torch.compile (fullgraph: the pin survives Dynamo)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad_out = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    fn = get_attention("cudnn")
+    ops = _aten_ops(lambda: fn(q, k, v, True).backward(grad_out))
+    assert "aten._scaled_dot_product_cudnn_attention" in ops, sorted(o for o in ops if "attention" in o)
+    q.grad = k.grad = v.grad = None
+    out = fn(q, k, v, True)
+    out.backward(grad_out)
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = naive_attention(*ref_inputs, is_causal=True)
+    ref.backward(grad_out.double())
+    rel = lambda a, b: float((a.double() - b).norm() / b.norm())
+    assert rel(out, ref) < 2e-2
+    for got, want in zip((q.grad, k.grad, v.grad), ref_inputs):
+        assert rel(got, want.grad) < 2e-2
+    compiled = torch.compile(lambda a, b, c: fn(a, b, c, True), fullgraph=True)
+    assert rel(compiled(q, k, v), out.double()) < 1e-3

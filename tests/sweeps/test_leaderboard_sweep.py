@@ -48,6 +48,33 @@ def test_an_oom_is_a_row_and_the_ablation_goes_on(tmp_path, monkeypatch):
     assert "today b1" in (tmp_path / "leaderboard.md").read_text() and "oom" in (tmp_path / "leaderboard.md").read_text()
 
 
+def test_ablation_variants_and_the_measured_attention_choice(monkeypatch):
+    assert [v.name for v in bench.ablation()] == [
+        "best", "today", "today+fused_loss", "today+fused_adamw", "today+compile", "today+cudnn", "today+advisor_plan",
+        "today+ffn_recompute", "best"]
+    v = {v.name: v.step for v in bench.ablation(attention="cudnn", batch2=False)}
+    assert v["best"].attention == "cudnn" and v["today+cudnn"] == bench.TODAY.replace(attention="cudnn")
+    assert "ffn" in v["today+ffn_recompute"].recompute_kinds and "ffn" not in v["today+advisor_plan"].recompute_kinds
+    assert bench.for_device(v["best"], torch.device("cpu")).attention == "sdpa"  # the CPU's stand-in
+    # the faster candidate wins; one that cannot run counts as infinitely slow
+    cfg, cuda = bench.ModelConfig.from_name("tiny"), torch.device("cuda")
+    times = {"flash_triton": 5.0, "cudnn": 3.0}
+    monkeypatch.setattr(bench, "attention_ms", lambda name, *a, **k: times[name])
+    assert bench.pick_attention(cfg, 1, 64, cuda, torch.bfloat16) == ("cudnn", times)
+    times["cudnn"] = 7.0
+    assert bench.pick_attention(cfg, 1, 64, cuda, torch.bfloat16)[0] == "flash_triton"
+
+    def unavailable(name, *a, **k):
+        if name == "cudnn":
+            raise ValueError("attention 'cudnn' needs CUDA tensors")
+        return 9.0
+
+    monkeypatch.setattr(bench, "attention_ms", unavailable)
+    assert bench.pick_attention(cfg, 1, 64, cuda, torch.bfloat16) == ("flash_triton",
+                                                                       {"flash_triton": 9.0, "cudnn": float("inf")})
+    assert bench.pick_attention(cfg, 1, 64, torch.device("cpu"), torch.float32) == ("flash_triton", {})
+
+
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     for argv, message in ((["--batch-size", "0"], "batch-size"), (["--timer", "do_bench", "--device", "cpu"], "CUDA"),
                           (["--variants", "fastest"], "variants")):
