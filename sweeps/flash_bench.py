@@ -70,22 +70,29 @@ STUDIES = ("target", "grid", "hopper", "candidates")
 # tma configs (`base_*`), on the hopper shapes of their head dim. Labels as FlashConfig.label() writes them:
 # /r128 caps registers at 128 (two 8-warp programs per SM where shared memory allows), /lazy skips the output
 # rescale in tiles where no row max grew, /u2 unrolls the tile loop twice.
-_BASE = {128: {"fwd": "128x64/w8/s3", "dkdv": "64x128/w8/s3", "dq": "128x64/w8/s3"},
-         64: {"fwd": "64x64/w4/s3", "dkdv": "32x128/w8/s3", "dq": "128x64/w8/s3"}}
+_BASE = {"tma": {128: {"fwd": "128x64/w8/s3", "dkdv": "64x128/w8/s3", "dq": "128x64/w8/s3"},
+                 64: {"fwd": "64x64/w4/s3", "dkdv": "32x128/w8/s3", "dq": "128x64/w8/s3"}},
+         "portable": {128: {"fwd": "128x64/w8/s3", "dkdv": "64x128/w8/s3", "dq": "128x32/w8/s3"},
+                      64: {"fwd": "128x128/w4/s3", "dkdv": "32x64/w4/s4", "dq": "128x32/w8/s4"}}}
+"""Each path's configs in kernels/flash_attention_tuned.json at the start of issue 16's candidates study."""
 _LEVERS = {
     128: {"fwd_128x64_s2_r128": {"fwd": "128x64/w8/s2/r128"}, "fwd_128x128_s2": {"fwd": "128x128/w8/s2"},
-          "fwd_64x64_w4": {"fwd": "64x64/w4/s3"}, "fwd_lazy": {"fwd": "128x64/w8/s3/lazy"},
-          "fwd_u2": {"fwd": "128x64/w8/s2/u2"}, "fwd_s4": {"fwd": "128x64/w8/s4"},
+          "fwd_128x128_s2_lazy": {"fwd": "128x128/w8/s2/lazy"}, "fwd_64x64_w4": {"fwd": "64x64/w4/s3"},
+          "fwd_lazy": {"fwd": "128x64/w8/s3/lazy"}, "fwd_u2": {"fwd": "128x64/w8/s2/u2"},
+          "fwd_s4": {"fwd": "128x64/w8/s4"},
           "bwd_32x128_128x32": {"dkdv": "32x128/w8/s3", "dq": "128x32/w8/s3"},
           "bwd_64x128s2_128x32": {"dkdv": "64x128/w8/s2", "dq": "128x32/w8/s3"},
           "bwd_s4": {"dkdv": "32x128/w8/s4", "dq": "128x32/w8/s4"},
-          "bwd_dq_u2": {"dq": "128x32/w8/s2/u2"}},
+          "bwd_dq_u2": {"dq": "128x32/w8/s2/u2"},
+          "bwd_w4": {"dkdv": "32x64/w4/s3", "dq": "64x64/w4/s2"}},  # one warp group each, two programs per SM
     64: {"fwd_128x64_s2_r128": {"fwd": "128x64/w8/s2/r128"}, "fwd_128x128_s3_r128": {"fwd": "128x128/w8/s3/r128"},
          "fwd_128x64_w4": {"fwd": "128x64/w4/s3"}, "fwd_lazy": {"fwd": "64x64/w4/s3/lazy"},
-         "bwd_64x128_128x32": {"dkdv": "64x128/w8/s3", "dq": "128x32/w8/s3"}},
+         "bwd_dkdv_r128": {"dkdv": "32x128/w8/s3/r128"},
+         "bwd_tutorial": {"dkdv": "32x128/w4/s5", "dq": "128x32/w4/s5"}},  # Triton tutorial 06's backward tiles
 }
-CANDIDATES = {f"base_{path}_d{d}": dict(path=path, head_dim=d, **_BASE[d]) for d in _BASE for path in ("tma", "portable")}
-CANDIDATES.update({f"{name}_d{d}": dict(path="tma", head_dim=d, **{**_BASE[d], **lever})
+CANDIDATES = {f"base_{path}_d{d}": dict(path=path, head_dim=d, **_BASE[path][d]) for d in (128, 64)
+              for path in ("tma", "portable")}
+CANDIDATES.update({f"{name}_d{d}": dict(path="tma", head_dim=d, **{**_BASE["tma"][d], **lever})
                    for d, levers in _LEVERS.items() for name, lever in levers.items()})
 """name -> path, head dim and the fwd / dkdv / dq config labels of one candidate (two-pass backward)."""
 BUDGET_SKIP = "not run: --time-budget-s"  # the error of a trial the time budget left out (resume runs it)
