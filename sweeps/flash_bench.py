@@ -49,7 +49,8 @@ import torch.nn.functional as F  # noqa: E402
 from raysys.device import DTYPES, resolve_device  # noqa: E402
 from raysys.results import ResultWriter, make_row, status_of, trial_id  # noqa: E402
 from sweeps.common import (PROGRESS, alias, check_int, check_timeout, list_flag, main_entry, open_writer,  # noqa: E402
-                           output_dir, parse_ints, parse_list, redraw_report, study_parser, write_markdown)
+                           output_dir, parse_ints, parse_list, read_rows, redraw_report, study_parser,
+                           write_markdown)
 
 SWEEP = "flash_bench"
 PROVIDERS = ("triton", "pytorch_tiled", "naive", "sdpa_flash", "sdpa_cudnn")
@@ -428,6 +429,57 @@ def markdown(df: pd.DataFrame) -> str:
     return "\n\n".join(parts) + "\n"
 
 
+def candidate_winners(df: pd.DataFrame) -> dict[str, list[dict]]:
+    """Per head dim, the tma fwd config and the (dK/dV, dQ) pair with the lowest geometric-mean forward
+    (backward) time over the shapes every compared candidate was measured on, as tuned-file entries."""
+    from kernels.flash_attention_tuning import FlashConfig
+
+    ok = df[(df.study == "candidates") & (df.status == "ok") & (df.provider == "triton_candidate")]
+    ok = ok[ok["path"].astype(str).str.startswith("tma") & ok["fwd_ms"].notna()]
+    out: dict[str, list[dict]] = {"fwd": [], "dkdv": [], "dq": []}
+    for head_dim, rows in ok.groupby("head_dim"):
+        shapes = sorted(set(zip(rows.batch, rows.heads, rows.seq)))
+        rows = rows.groupby("candidate").filter(lambda g: len(set(zip(g.batch, g.heads, g.seq))) == len(shapes))
+        for kernels, col in ((("fwd",), "fwd_ms"), (("dkdv", "dq"), "bwd_ms")):
+            geo = rows.groupby([f"{k}_config" for k in kernels])[col].apply(lambda t: math.exp(t.map(math.log).mean()))
+            if geo.empty:
+                continue
+            best = geo.idxmin()
+            for kernel, label in zip(kernels, best if isinstance(best, tuple) else (best,)):
+                cfg = FlashConfig.from_label(label)
+                out[kernel].append({
+                    "block_m": cfg.block_m, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
+                    "num_stages": cfg.num_stages, "warp_specialize": cfg.warp_specialize,
+                    "persistent": cfg.persistent, "maxnreg": cfg.maxnreg, "lazy_rescale": cfg.lazy_rescale,
+                    "unroll": cfg.unroll, "path": "tma", "head_dim": int(head_dim), "dtype": "bfloat16",
+                    "shapes": [f"{b}x{h}x{n}x{head_dim}/bfloat16/causal" for b, h, n in shapes],
+                    f"geomean_{col}": round(float(geo.min()), 4), "source": "sweeps/flash_bench.py candidates"})
+    return out
+
+
+def write_tuned(df: pd.DataFrame, json_path: Path) -> dict[str, list[dict]]:
+    """Put `candidate_winners(df)` first among the tuned file's entries of their (kernel, path, head dim, dtype),
+    keeping every other entry (the autotuner still times the earlier winners against them)."""
+    import json
+
+    from kernels.flash_attention_tuning import load_tuned_configs
+    from raysys.files import write_text
+
+    winners = candidate_winners(df)
+    data = json.loads(json_path.read_text()) if json_path.exists() else {}
+    load_tuned_configs(json_path)  # the file as it is must be valid
+    for kernel, entries in winners.items():
+        data[kernel] = entries + data.get(kernel, [])
+    ok = df[(df.study == "candidates") & (df.status == "ok")]
+    where = ", ".join(f"{col.split('_')[0]} {', '.join(sorted(map(str, ok[col].dropna().unique())))}"
+                      for col in ("device_name", "torch_version", "triton_version") if col in ok)
+    data["note"] = (f"{data.get('note', '')}; first tma entries per head dim: the candidates study of "
+                    f"sweeps/flash_bench.py ({where})").lstrip("; ")
+    write_text(json_path, json.dumps(data, indent=1) + "\n")
+    load_tuned_configs(json_path)  # what was written reads back
+    return winners
+
+
 def write_report(df: pd.DataFrame, out: Path) -> Path:
     return write_markdown(out, SWEEP, "FlashAttention-2 against PyTorch attention", markdown(df))
 
@@ -452,11 +504,17 @@ def build_parser():
     list_flag(p, "--candidates", default=None, help="candidates study: comma list of CANDIDATES names (default: all)")
     p.add_argument("--check-only", action="store_true",
                    help="candidates study: only the correctness check of each candidate (compiles its kernels)")
+    p.add_argument("--write-tuned", default=None, metavar="JSON",
+                   help="candidates study: put the fastest tma configs first in this tuned-config file")
     return p
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     args = build_parser().parse_args(argv)
+    if args.write_tuned and args.report_only:
+        df = read_rows(args, SWEEP)
+        print(f"tuned configs -> {args.write_tuned}: {write_tuned(df, Path(args.write_tuned))}")
+        return df
     if args.report_only:
         return redraw_report(args, SWEEP, write_report)
     studies = ["target", "grid"] if args.studies == "all" else parse_list(args.studies, "studies", STUDIES)

@@ -1,0 +1,79 @@
+"""CPU tests of flash_bench's candidates study (issue 16): its grid, its rows on a machine without a GPU, and how
+its fastest tma configs go into the tuned-config file. The timings themselves need an H200 (the study's rows in
+results/flash_bench.parquet)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pandas as pd
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # one interpreter decision per process for every flash test module
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import kernels.flash_attention_tuning as ft  # noqa: E402
+from sweeps import flash_bench  # noqa: E402
+
+
+def test_every_candidate_is_a_valid_config_set_on_its_path():
+    for name, spec in flash_bench.CANDIDATES.items():
+        for kernel in ("fwd", "dkdv", "dq"):
+            cfg = ft.FlashConfig.from_label(spec[kernel]).check(kernel, spec["path"])
+            assert cfg.label() == spec[kernel], name
+    trials = flash_bench.grid("candidates", False, candidates=("base_tma_d64", "fwd_lazy_d128"))
+    shapes = {(t["seq"], t["head_dim"]) for t in trials}
+    assert shapes == {(4096, 64), (32768, 128), (16384, 128), (2048, 128)}  # SDPA rows only beside a candidate
+    assert trials[0]["seq"] == 32768  # the leaderboard shape first: a time budget cuts the others
+    assert sum(t["provider"] in flash_bench.SDPA_PROVIDERS for t in trials) == 2 * len(shapes)
+    checks = flash_bench.grid("candidates", False, candidates=("base_tma_d64",), check_only=True)
+    assert [t["provider"] for t in checks] == ["triton_candidate"]
+    with pytest.raises(ValueError, match="candidate 'nope' must be one of"):
+        flash_bench.candidate_configs("nope")
+
+
+def test_candidates_without_a_gpu_are_skipped_rows(tmp_path):
+    df = flash_bench.main(["--studies", "candidates", "--candidates", "base_tma_d64", "--device", "cpu",
+                           "--out", str(tmp_path)])
+    assert set(df["status"]) == {"skipped"} and len(df) == 3
+    with pytest.raises(ValueError, match="need --studies candidates"):
+        flash_bench.main(["--quick", "--device", "cpu", "--out", str(tmp_path / "x"), "--check-only"])
+
+
+def _rows(fast_fwd: str, fast_dq: str) -> pd.DataFrame:
+    rows = []
+    for b, h, n, d in flash_bench.HOPPER_SHAPES:
+        for name, spec in flash_bench.CANDIDATES.items():
+            if spec["head_dim"] != d:
+                continue
+            fwd = 0.8 if spec["fwd"] == fast_fwd else 1.0
+            bwd = 1.9 if spec["dq"] == fast_dq else 2.0
+            rows.append(dict(study="candidates", status="ok", provider="triton_candidate", candidate=name,
+                             path=f"{spec['path']}, two_pass", batch=b, heads=h, seq=n, head_dim=d,
+                             fwd_config=spec["fwd"], dkdv_config=spec["dkdv"], dq_config=spec["dq"],
+                             fwd_ms=fwd * n / 1e3, bwd_ms=bwd * n / 1e3, device_name="H200", torch_version="2.11",
+                             triton_version="3.6"))
+    return pd.DataFrame(rows)
+
+
+def test_fastest_tma_configs_go_first_in_the_tuned_file(tmp_path):
+    df = _rows(fast_fwd="128x64/w8/s2/r128", fast_dq="64x64/w4/s2")
+    winners = flash_bench.candidate_winners(df)
+    (fwd128,) = [e for e in winners["fwd"] if e["head_dim"] == 128]
+    assert ft.FlashConfig.from_label("128x64/w8/s2/r128") == ft._entry_config(fwd128)
+    (dkdv128,) = [e for e in winners["dkdv"] if e["head_dim"] == 128]
+    assert ft._entry_config(dkdv128).label() == "32x64/w4/s3"  # the dK/dV half of the fastest pair
+    assert all(e["path"] == "tma" for entries in winners.values() for e in entries)  # never the portable base
+    path = tmp_path / "tuned.json"
+    shutil.copy(ft.TUNED_CONFIGS_PATH, path)
+    before = json.loads(path.read_text())
+    flash_bench.write_tuned(df, path)
+    after = ft.load_tuned_configs(path)
+    for kernel in ("fwd", "dkdv", "dq"):
+        assert after[kernel][: len(winners[kernel])] == winners[kernel]
+        assert after[kernel][len(winners[kernel]):] == before.get(kernel, [])
+    assert after["dkdvq"] == before["dkdvq"]
+    assert "candidates study" in json.loads(path.read_text())["note"]
