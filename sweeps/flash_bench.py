@@ -6,7 +6,13 @@ Studies (`--studies`, default target and grid):
           matters: bf16 before fp16 before fp32, head dim 128, 64, 32, 16, each seq ascending (then provider).
 - target: the shape this kernel exists for: bf16, causal, batch 1, 16 heads, head dim 128, seq 16384.
 - hopper: issue 16's four shapes (bf16, causal; B x H x N x d = 1x16x16384x128, 1x32x32768x128, 8x16x4096x64,
-          4x32x2048x128), each Triton path (`triton_tma`, `triton_portable`) against both SDPA backends.
+          4x32x2048x128), the auto dispatch (`triton`) and each Triton path (`triton_tma`, `triton_portable`)
+          against both SDPA backends.
+- candidates: the same shapes, largest first, one row per `CANDIDATES` entry of the shape's head dim (`--candidates`
+          narrows them): launch configs pinned per kernel (`fwd_config`, `dkdv_config`, `dq_config`), each candidate
+          first checked at odd lengths against fp32 attention (`check_*_err`; `--check-only` stops there, which
+          also compiles its kernels), then timed beside SDPA cuDNN and flash. `--write-tuned JSON --report-only`
+          puts the fastest tma configs per head dim first in a tuned-config file.
 Providers: `triton` (kernels.flash_attention, autotuned, the auto path; `triton_portable`, `triton_tma` and
 their `_1pass` twins pin the path and the backward, and each Triton row's `path` column says which ran),
 `pytorch_tiled` (kernels.flash_attention_pytorch: Python tile loops, compiled backward), `naive` (plain-torch
@@ -480,8 +486,16 @@ def write_tuned(df: pd.DataFrame, json_path: Path) -> dict[str, list[dict]]:
     return winners
 
 
+NOTES = "flash_hopper_notes.md"
+"""Hand-written findings beside the Parquet file (profiles, what did not help): the report links it."""
+
+
 def write_report(df: pd.DataFrame, out: Path) -> Path:
-    return write_markdown(out, SWEEP, "FlashAttention-2 against PyTorch attention", markdown(df))
+    body = markdown(df)
+    if (out / NOTES).exists():
+        body += (f"\nWhat bounded each kernel (ncu) and which levers did or did not help: [results/{NOTES}]"
+                 f"(results/{NOTES}).\n")
+    return write_markdown(out, SWEEP, "FlashAttention-2 against PyTorch attention", body)
 
 
 def build_parser():
