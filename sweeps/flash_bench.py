@@ -91,11 +91,13 @@ _LEVERS = {
           "bwd_64x128s2_128x32": {"dkdv": "64x128/w8/s2", "dq": "128x32/w8/s3"},
           "bwd_s4": {"dkdv": "32x128/w8/s4", "dq": "128x32/w8/s4"},
           "bwd_dq_u2": {"dq": "128x32/w8/s2/u2"},
-          "bwd_w4": {"dkdv": "32x64/w4/s3", "dq": "64x64/w4/s2"}},  # one warp group each, two programs per SM
+          "bwd_w4": {"dkdv": "32x64/w4/s3", "dq": "64x64/w4/s2"},  # one warp group each, two programs per SM
+          "bwd_w4_128x32": {"dkdv": "32x64/w4/s3", "dq": "128x32/w8/s3"}},
     64: {"fwd_128x64_s2_r128": {"fwd": "128x64/w8/s2/r128"}, "fwd_128x128_s3_r128": {"fwd": "128x128/w8/s3/r128"},
          "fwd_128x64_w4": {"fwd": "128x64/w4/s3"}, "fwd_lazy": {"fwd": "64x64/w4/s3/lazy"},
          "bwd_dkdv_r128": {"dkdv": "32x128/w8/s3/r128"},
-         "bwd_tutorial": {"dkdv": "32x128/w4/s5", "dq": "128x32/w4/s5"}},  # Triton tutorial 06's backward tiles
+         "bwd_tutorial": {"dkdv": "32x128/w4/s5", "dq": "128x32/w4/s5"},  # Triton tutorial 06's backward tiles
+         "bwd_w4": {"dkdv": "32x64/w4/s3", "dq": "64x64/w4/s2"}},
 }
 CANDIDATES = {f"base_{path}_d{d}": dict(path=path, head_dim=d, **_BASE[path][d]) for d in (128, 64)
               for path in ("tma", "portable")}
