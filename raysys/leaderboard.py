@@ -8,7 +8,8 @@ A step is `zero_grad(set_to_none=True)`, the loss, `backward()`, (a data-paralle
 - the loss: `fused` (`TransformerLM.loss`: LM head + cross-entropy in one op, no (B, S, vocab) logits) or
   `materialized` (the course harness's `cross_entropy(model(x), y)`);
 - the optimizer: `fused` (`kernels.adamw.FusedAdamW`, one launch per dtype), `foreach` (`kernels.adamw.ForeachAdamW`)
-  or `reference` (`raysys.model.AdamW`, per parameter); all three compute the reference update;
+  or `reference` (`raysys.model.AdamW`, per parameter); all three compute the reference update; with
+  `optimizer_in_backward` each parameter is stepped inside backward as soon as its gradient is final;
 - recomputation: `advisor` (the per-layer plan `raysys.advisor` makes for this exact composition, model, batch and
   device memory, choosing per block among `recompute_kinds`: none, ffn, full by default) or any
   `parallel.checkpointing.parse_policy` spec;
@@ -68,6 +69,9 @@ class StepConfig:
     """`advisor` (the advisor's per-layer plan for this step) or a `parallel.checkpointing.parse_policy` spec."""
     recompute_kinds: tuple = ("none", "ffn", "full")
     """Per-block kinds the advisor may choose from (`raysys.advisor.KINDS`, with `none`)."""
+    optimizer_in_backward: bool = False
+    """Step each parameter's AdamW as soon as backward has written its gradient, then free the gradient
+    (`OptimizerInBackward`): no step after backward, and about one block's gradients alive instead of all."""
     compile: bool = True
     """Compile RMSNorm, RoPE and SwiGLU (`compile_pieces`)."""
     compile_backend: str = "inductor"
@@ -195,7 +199,55 @@ def plan_step(model_config: ModelConfig, batch_size: int, seq_len: int, config: 
     return advise(model_config, batch_size, gpu_memory, dtype, seq_len=seq_len, attention=config.attention,
                   param_dtype=param_dtype, loss="fused" if config.loss == "fused" else "materialized",
                   compiled=config.compile, optimizer=config.optimizer, shards=shards, device_type=device_type,
-                  kinds=config.recompute_kinds)
+                  kinds=config.recompute_kinds, optimizer_in_backward=config.optimizer_in_backward)
+
+
+class OptimizerInBackward:
+    """AdamW fused into backward: one optimizer per parameter (`make([p])`), stepped by a post-accumulate-grad hook
+    as soon as autograd has written that parameter's gradient, which is then freed (torch's "optimizer step in
+    backward" pattern). The same result as `step()` after backward: AdamW updates each parameter from its own
+    gradient and state (no clipping, no cross-parameter term), and the backward never reads a weight again once
+    its gradient is written (the matmul that made it also made its input's gradient; a checkpointed segment is
+    rerun before any of its gradients exist). A weight used twice in one forward still gets one hook call
+    (autograd sums its gradients before accumulating them); a second backward before `zero_grad` (gradient
+    accumulation) would update twice, so that hook raises instead. Looks enough like an optimizer for the step:
+    `zero_grad`, a no-op `step`, `state` (per parameter, through the inner optimizers), `remove()` the hooks."""
+
+    def __init__(self, make: Callable[[list], torch.optim.Optimizer], params):
+        self.optimizers = {p: make([p]) for p in params if p.requires_grad}
+        self.kind = type(next(iter(self.optimizers.values()))).__name__ if self.optimizers else ""
+        self._stepped: set[int] = set()
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.optimizers]
+
+    def _hook(self, p: torch.Tensor) -> None:
+        if id(p) in self._stepped:
+            raise RuntimeError(f"parameter {tuple(p.shape)} got a second gradient before zero_grad (gradient "
+                               "accumulation?): its update already ran; optimizer_in_backward needs one backward "
+                               "per step")
+        self._stepped.add(id(p))
+        self.optimizers[p].step()
+        p.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._stepped.clear()
+        for p in self.optimizers:
+            p.grad = None
+
+    def step(self, closure: Callable | None = None) -> None:
+        """Nothing left to do: every parameter with a gradient was updated during backward."""
+
+    @property
+    def state(self) -> dict:
+        return {p: opt.state[p] for p, opt in self.optimizers.items() if p in opt.state}
+
+    def clear_state(self) -> None:
+        for opt in self.optimizers.values():
+            opt.state.clear()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -257,7 +309,14 @@ class LeaderboardStep:
             policy = parse_policy(config.recompute, mc.num_layers)
         self.checkpointing: CheckpointHandle | None = apply_activation_checkpointing(model, policy)
         self.compiled = compile_pieces(model, config.compile_backend) if config.compile else None
-        self.optimizer = optimizer if optimizer is not None else make_optimizer(config.optimizer, model.parameters())
+        if config.optimizer_in_backward and (optimizer is not None or sync is not None):
+            raise ValueError("optimizer_in_backward builds its own per-parameter optimizers and steps them inside "
+                             "backward: it takes no optimizer and no gradient sync")
+        if config.optimizer_in_backward:
+            self.optimizer = OptimizerInBackward(lambda ps: make_optimizer(config.optimizer, ps), model.parameters())
+        else:
+            self.optimizer = optimizer if optimizer is not None else make_optimizer(config.optimizer,
+                                                                                    model.parameters())
         self.loss_impl = resolved_loss_impl(config, self.device)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -280,15 +339,26 @@ class LeaderboardStep:
         plan = self.plan
         return {"attention": self.config.attention, "loss_path": self.loss_impl,
                 "num_ffn": sum(r.stop - r.start for r in self.checkpointing.regions if r.kind == "ffn"),
-                "optimizer_class": type(self.optimizer).__name__, "policy": self.policy_spec,
+                "optimizer_class": (f"{self.optimizer.kind} in backward" if isinstance(self.optimizer,
+                                    OptimizerInBackward) else type(self.optimizer).__name__),
+                "policy": self.policy_spec,
                 "num_full": sum(r.stop - r.start for r in self.checkpointing.regions if r.kind == "full"),
                 "compiled": ",".join(sorted({type(m).__name__ for m in self.compiled.modules}))
                 if self.compiled else "", "param_dtype": self.dtype,
                 "predicted_peak_bytes": plan.predicted_peak_bytes if plan is not None else float("nan"),
                 "plan_fits": plan.fits if plan is not None else None}
 
+    def reset_optimizer_state(self) -> None:
+        """Drop the AdamW state (moments and step counts), as a fresh optimizer would have it."""
+        if isinstance(self.optimizer, OptimizerInBackward):
+            self.optimizer.clear_state()
+        else:
+            self.optimizer.state.clear()
+
     def close(self) -> None:
-        """Undo what the constructor applied to the model (checkpoint policy, compiled forwards)."""
+        """Undo what the constructor applied to the model (checkpoint policy, compiled forwards, backward hooks)."""
+        if isinstance(self.optimizer, OptimizerInBackward):
+            self.optimizer.remove()
         if self.compiled is not None:
             self.compiled.remove()
             self.compiled = None

@@ -248,7 +248,7 @@ def run_variant(model: TransformerLM, variant: Variant, *, seq_len: int, timer: 
     finally:
         if step is not None:
             step.close()
-            step.optimizer.state.clear()
+            step.reset_optimizer_state()
             del step
         model.zero_grad(set_to_none=True)
         _free(device)

@@ -91,6 +91,10 @@ class Workload:
     all blocks) its cos / sin buffers: what Inductor's min-cut partitioner saves, checked on the CPU."""
     optimizer: str = "reference"
     """AdamW's step transient: reference (sqrt(v) of one parameter), foreach (of up to 1 GiB of them), fused (none)."""
+    optimizer_in_backward: bool = False
+    """Each parameter stepped and its gradient freed as soon as backward writes it
+    (`raysys.leaderboard.OptimizerInBackward`): at most one block's (or the head's, or the embedding's) gradients
+    are alive at a time, and there is no step after backward."""
     shards: int = 1
     """Ranks the fp32 weights, gradients and AdamW state are sharded over (FSDP, `parallel/fsdp.py`, computing in
     `precision` without autocast); 1: every rank holds the whole state."""
@@ -117,6 +121,8 @@ class Workload:
             raise ValueError(f"shards ({self.shards!r}) must be a positive integer")
         if self.shards > 1 and self.param_dtype != "fp32":
             raise ValueError(f"shards ({self.shards}) > 1 needs param_dtype fp32: parallel/fsdp.py keeps fp32 shards")
+        if self.optimizer_in_backward and self.shards > 1:
+            raise ValueError("optimizer_in_backward is modelled for one rank holding the whole state (no FSDP)")
         if self.compiled and self.amp:
             raise ValueError("compiled pieces are modelled for pure-precision steps (param_dtype == precision), "
                              "not under autocast")
@@ -443,6 +449,8 @@ def predict_peak(w: Workload, regions: list[Region]) -> PeakEstimate:
         moments.append(("fused loss forward", base + act_end + fused_loss_transient(w)))
     grads = head_params
     moments.append(("loss / lm_head backward", base + act_end + head_backward_excess(w)))
+    if w.optimizer_in_backward:  # the head's gradient is used and freed before the blocks' backward starts;
+        grads, block_params = 0, 0  # a block's own gradients live only inside its backward (its excess covers them)
 
     prefix = [sum(retained[:i]) for i in range(len(regions))]
     for i in reversed(range(len(regions))):
@@ -479,7 +487,8 @@ def predict_peak(w: Workload, regions: list[Region]) -> PeakEstimate:
         grads += block_params * (r.stop - r.start)
     embedding_grad = _shard(w, w.pb * c.vocab_size * c.d_model)
     moments.append(("embedding backward", base + grads + embedding_grad + w.stream_bytes))
-    moments.append(("optimizer step", base + grads + embedding_grad + optimizer_transient(w)))
+    if not w.optimizer_in_backward:
+        moments.append(("optimizer step", base + grads + embedding_grad + optimizer_transient(w)))
     where, peak = max(moments, key=lambda m: m[1])
     return PeakEstimate(int(peak), where, static, int(act_end), moments)
 

@@ -159,6 +159,31 @@ def test_step_peak_within_five_percent(dtype, loss, compiled, spec):
     assert estimate.peak_bytes == pytest.approx(measured, rel=0.05), estimate.where
 
 
+def test_optimizer_in_backward_peak_within_five_percent():
+    """Gradients freed as backward writes them, on a parameter-heavy shape whose step peaks at the optimizer step
+    otherwise: the measured CPU step peaks against the model's, with and without."""
+    from raysys.leaderboard import LeaderboardStep, StepConfig
+
+    cfg = tiny(S=8, d=64, H=2, f=1024, V=400)
+    x, y = torch.randint(0, cfg.vocab_size, (1, 8)), torch.randint(0, cfg.vocab_size, (1, 8))
+    peaks = {}
+    for in_backward in (True, False):
+        model = build(cfg, "bf16", False)
+        step = LeaderboardStep(model, StepConfig(attention="sdpa", loss_impl="torch", optimizer="foreach",
+                                                 compile=False, recompute="full*1+none*2",
+                                                 optimizer_in_backward=in_backward), batch_size=1)
+        step(x, y)
+        w = Workload(config=cfg, batch_size=1, precision="bf16", param_dtype="bf16", loss="fused",
+                     optimizer="foreach", device_type="cpu", optimizer_in_backward=in_backward)
+        measured = sum(static_bytes(w).values()) + max(cpu_allocation_trace(lambda: step(x, y)))
+        estimate = predict_peak(w, step.checkpointing.regions)
+        assert estimate.peak_bytes == pytest.approx(measured, rel=0.05), (in_backward, estimate.where)
+        peaks[in_backward] = measured, estimate
+        step.close()
+    assert "optimizer step" not in dict(peaks[True][1].moments) and peaks[False][1].where == "optimizer step"
+    assert peaks[True][0] < 0.9 * peaks[False][0]
+
+
 # ---------------------------------------------------------------------------------------------------- advisor
 def test_the_leaderboard_plans():
     h200 = 143771 * 2**20

@@ -201,3 +201,49 @@ def test_step_config_validation():
         LeaderboardStep(model, StepConfig(attention="sdpa", compile=False), batch_size=1, seq_len=1000)
     with pytest.raises(ValueError, match="batch_size"):
         LeaderboardStep(model, StepConfig(attention="sdpa", compile=False), batch_size=0)
+
+
+@pytest.mark.parametrize("optimizer", ["reference", "foreach"])
+def test_optimizer_in_backward_equals_step_after_backward_bitwise(optimizer):
+    """fp32: every parameter after 3 steps bitwise equal to the same step with AdamW after backward (AdamW is per
+    parameter, nothing clips), gradients freed inside backward, and hooks gone after close()."""
+    from raysys.leaderboard import OptimizerInBackward
+
+    cfg = config(N=3)
+    torch.manual_seed(0)
+    after = TransformerLM(cfg)
+    inside = copy.deepcopy(after)
+    base = StepConfig(attention="sdpa", loss_impl="torch", optimizer=optimizer, recompute="full*1+ffn*1+none*1",
+                      compile=False)
+    plain, fused = (LeaderboardStep(after, base, batch_size=2),
+                    LeaderboardStep(inside, base.replace(optimizer_in_backward=True), batch_size=2))
+    assert isinstance(fused.optimizer, OptimizerInBackward) and fused.describe()["optimizer_class"].endswith("in backward")
+    for x, y in batches(cfg, 3):
+        assert torch.equal(plain(x, y), fused(x, y))
+        assert all(p.grad is None for p in inside.parameters())
+    for (n, p), q in zip(after.named_parameters(), inside.parameters()):
+        assert torch.equal(p, q), n
+    assert all(s["t"] == 4 for s in fused.optimizer.state.values()) and len(fused.optimizer.state) == len(list(inside.parameters()))
+    fused.close()
+    x, y = batches(cfg, 1)[0]
+    inside.loss(x, y, impl="torch").backward()  # no hook left: the gradients stay
+    assert all(p.grad is not None for p in inside.parameters())
+    with pytest.raises(ValueError, match="optimizer_in_backward"):
+        LeaderboardStep(inside, base.replace(optimizer_in_backward=True), batch_size=2, sync=lambda: None)
+
+
+def test_optimizer_in_backward_refuses_a_second_gradient():
+    from raysys.leaderboard import OptimizerInBackward
+
+    w = torch.nn.Parameter(torch.randn(3, 3))
+    opt = OptimizerInBackward(lambda ps: AdamW(ps), [w])
+    x = torch.randn(2, 3)
+    before = w.detach().clone()
+    (x @ w @ w).sum().backward()  # used twice in one forward: one summed gradient, one update
+    assert opt.state[w]["t"] == 2 and not torch.equal(w, before) and w.grad is None
+    with pytest.raises(RuntimeError, match="second gradient"):
+        (x @ w).sum().backward()  # a second backward before zero_grad
+    opt.zero_grad()
+    (x @ w).sum().backward()
+    assert opt.state[w]["t"] == 3
+    opt.remove()
