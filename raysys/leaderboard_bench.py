@@ -54,7 +54,7 @@ ATTENTION_CANDIDATES = ("flash_triton", "cudnn")
 def ablation(batch_size: int = 1, *, batch2: bool = True, attention: str = "flash_triton") -> list[Variant]:
     """The fast step first (it meets the empty compile caches: its first step is the cold start), then today's
     composition and today's with each optimisation added alone, then the fast step at twice the batch. `best`
-    runs `attention`; `today+advisor_plan` lets the advisor mix none and full blocks, `today+ffn_recompute` none,
+    runs `attention`; `best-ffn` is the fast step whose advisor may only mix none and full blocks; `today+advisor_plan` lets the advisor mix none and full blocks, `today+ffn_recompute` none,
     ffn and full (today's composition does not fit with ffn alone: eager SwiGLU keeps five (B, S, d_ff) tensors)."""
     best = StepConfig(attention=attention)
     variants = [Variant(name="best", step=best, batch_size=batch_size), Variant(name="today", step=TODAY, batch_size=batch_size)]
@@ -63,6 +63,8 @@ def ablation(batch_size: int = 1, *, batch2: bool = True, attention: str = "flas
                          ("advisor_plan", dict(recompute="advisor", recompute_kinds=("none", "full"))),
                          ("ffn_recompute", dict(recompute="advisor", recompute_kinds=("none", "ffn", "full")))):
         variants.append(Variant(name=f"today+{name}", step=TODAY.replace(**change), batch_size=batch_size))
+    variants.insert(1, Variant(name="best-ffn", step=best.replace(recompute_kinds=("none", "full")),
+                               batch_size=batch_size))
     if batch2:
         variants.append(Variant(name="best", step=best, batch_size=2 * batch_size))
     return variants
@@ -180,6 +182,21 @@ def _now() -> float:
 
 
 _IMPORTED = _now()
+
+
+ALLOC_CONF = "expandable_segments:True"
+"""The CUDA caching allocator's setting for the step (`--alloc-conf`). With fixed segments the ffn plan's step ran
+out of memory with 20.6 GiB reserved but unallocated (the first H200 run of commit d3b8b5d): each checkpointed
+branch frees three (B, S, d_ff) blocks that smaller tensors then split. Expandable segments grow in place."""
+
+
+def set_allocator_config(conf: str) -> str:
+    """`PYTORCH_CUDA_ALLOC_CONF` for this process (a value the user already set wins); ValueError once CUDA is
+    initialised, since the caching allocator has read its setting by then. Returns the setting in force."""
+    if torch.cuda.is_initialized() and os.environ.get("PYTORCH_CUDA_ALLOC_CONF") != conf:
+        raise ValueError(f"alloc conf {conf!r} must be set before CUDA is initialised in this process")
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", conf)
+    return os.environ["PYTORCH_CUDA_ALLOC_CONF"]
 
 
 def fresh_compile_caches() -> dict[str, str]:
@@ -350,8 +367,8 @@ def build_leaderboard_parser(parser=None):
     p.add_argument("--batch-size", type=int, default=1, help="sequences per step on this device (the per-rank batch)")
     p.add_argument("--no-batch2", action="store_true", help="skip the fast step at twice the batch")
     p.add_argument("--variants", nargs="+", default=None,
-                   help="variant names to run (default all: best, today, today+fused_loss, today+fused_adamw, "
-                        "today+compile, today+cudnn, today+advisor_plan, today+ffn_recompute)")
+                   help="variant names to run (default all: best, best-ffn, today, today+fused_loss, "
+                        "today+fused_adamw, today+compile, today+cudnn, today+advisor_plan, today+ffn_recompute)")
     p.add_argument("--best-attention", default="auto", choices=("auto",) + ATTENTION_CANDIDATES,
                    help="attention of the fast step: auto times each candidate's forward + backward at the step's "
                         "shape first and takes the faster (CUDA; the CPU runs sdpa)")
@@ -362,7 +379,8 @@ def build_leaderboard_parser(parser=None):
                    help="do_bench: the course's harness (CUDA); events: warm-up steps then the median of --steps "
                         "(default: do_bench on CUDA, events on the CPU)")
     p.add_argument("--do-bench-only", nargs="+", default=None,
-                   help="with --timer do_bench: only these variants by do_bench, the others by the events timer")
+                   help="with --timer do_bench: only these variants (NAME, or NAME:bBATCH for one batch size) by "
+                        "do_bench, the others by the events timer")
     p.add_argument("--rep-ms", type=float, default=COURSE_REP_MS, help="do_bench rep (the course: 30000)")
     p.add_argument("--warmup-ms", type=float, default=COURSE_WARMUP_MS, help="do_bench warmup (the course: 10000)")
     p.add_argument("--steps", type=int, default=3, help="events timer: timed steps")
@@ -370,6 +388,8 @@ def build_leaderboard_parser(parser=None):
     p.add_argument("--compile-backend", default=None,
                    help="torch.compile backend of the pieces (default: inductor on CUDA, aot_eager_decomp_partition "
                         "on the CPU)")
+    p.add_argument("--alloc-conf", default=ALLOC_CONF,
+                   help="PYTORCH_CUDA_ALLOC_CONF of the run unless already set ('' keeps torch's default)")
     p.add_argument("--warm-cache", action="store_true",
                    help="keep Triton's and Inductor's caches (default: fresh empty ones, so cold_start_s is cold)")
     p.add_argument("--check", action="store_true",
@@ -448,6 +468,8 @@ def start_session(args) -> Session:
     device, config, variants = check_args(args)
     if args.out is None:
         raise ValueError("--out is required (a results directory)")
+    if device.type == "cuda" and args.alloc_conf:
+        set_allocator_config(args.alloc_conf)
     if not args.warm_cache:
         fresh_compile_caches()
     if device.type == "cpu":
@@ -463,7 +485,7 @@ def start_session(args) -> Session:
         session.attention = args.best_attention
     session.variants = [dataclasses.replace(v, step=for_device(v.step.replace(attention=session.attention), device,
                                                                args.compile_backend))
-                        if v.name == "best" else v for v in variants]
+                        if v.name.startswith("best") else v for v in variants]
     t0 = _now()
     session.model = build_model(config, device, dtype, args.seed)
     session.build_s = _now() - t0
@@ -488,8 +510,8 @@ def run_check(args, session: Session) -> dict:
 
 def variant_config(args, session: Session, variant: Variant, **extra) -> dict:
     """The configuration columns of `variant`'s row (its trial id hashes them)."""
-    timer = "do_bench" if args.timer == "do_bench" and (not args.do_bench_only or variant.name in args.do_bench_only) \
-        else "events"
+    chosen = not args.do_bench_only or {variant.name, f"{variant.name}:b{variant.batch_size}"} & set(args.do_bench_only)
+    timer = "do_bench" if args.timer == "do_bench" and chosen else "events"
     c = session.config
     row_config = {"variant": variant.name, "size": c.name, "batch_size": variant.batch_size, "seq_len": c.context_length,
                   "vocab_size": c.vocab_size, "dtype": args.dtype, "device": session.device.type,
@@ -513,6 +535,7 @@ def variant_row(args, session: Session, variant: Variant, sweep: str = SWEEP, **
                               seed=args.seed, cold=session.cold)
         metrics.update(matmul_tflops=session.matmul_tflops, mfu=metrics["model_tflops"] / session.matmul_tflops,
                        build_s=session.build_s, cold_caches=session.cold,
+                       alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") if session.device.type == "cuda" else "",
                        **{f"attention_ms_{name}": session.attention_ms.get(name, float("nan"))
                           for name in ATTENTION_CANDIDATES})
         row = make_row(sweep, row_config, metrics, device=session.device)

@@ -50,10 +50,12 @@ def test_an_oom_is_a_row_and_the_ablation_goes_on(tmp_path, monkeypatch):
 
 def test_ablation_variants_and_the_measured_attention_choice(monkeypatch):
     assert [v.name for v in bench.ablation()] == [
-        "best", "today", "today+fused_loss", "today+fused_adamw", "today+compile", "today+cudnn", "today+advisor_plan",
+        "best", "best-ffn", "today", "today+fused_loss", "today+fused_adamw", "today+compile", "today+cudnn", "today+advisor_plan",
         "today+ffn_recompute", "best"]
     v = {v.name: v.step for v in bench.ablation(attention="cudnn", batch2=False)}
-    assert v["best"].attention == "cudnn" and v["today+cudnn"] == bench.TODAY.replace(attention="cudnn")
+    assert v["best"].attention == v["best-ffn"].attention == "cudnn"
+    assert v["best-ffn"] == v["best"].replace(recompute_kinds=("none", "full"))
+    assert v["today+cudnn"] == bench.TODAY.replace(attention="cudnn")
     assert "ffn" in v["today+ffn_recompute"].recompute_kinds and "ffn" not in v["today+advisor_plan"].recompute_kinds
     assert bench.for_device(v["best"], torch.device("cpu")).attention == "sdpa"  # the CPU's stand-in
     # the faster candidate wins; one that cannot run counts as infinitely slow
