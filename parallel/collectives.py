@@ -172,8 +172,8 @@ def aggregate(per_rank: Sequence[dict]) -> dict:
     slowest = max(per_rank, key=lambda r: r["time_mean_s"])
     t = slowest["time_mean_s"]
     algbw = first["num_bytes"] / t / 1e9
-    return {"num_bytes": first["num_bytes"], "time_ms": t * 1e3, "time_std_ms": slowest["time_std_s"] * 1e3,
-            "time_min_ms": min(r["time_min_s"] for r in per_rank) * 1e3,
-            "rank_spread": t / min(r["time_mean_s"] for r in per_rank),
+    return {"num_bytes": first["num_bytes"], "time_mean_s": t, "time_std_s": slowest["time_std_s"],
+            "time_min_s": min(r["time_min_s"] for r in per_rank),
+            "rank_spread_ratio": t / min(r["time_mean_s"] for r in per_rank),
             "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(first["op"], first["world_size"]),
             "verified": all(r["verified"] for r in per_rank)}

@@ -56,7 +56,8 @@ def _intervals(events, names) -> list[tuple[str, float, float]]:
 
 
 def kernel_table(prof: torch.profiler.profile, device: torch.device, num_steps: int) -> pd.DataFrame:
-    """One row per (phase, kernel): calls per step, total and mean time, share of the phase's and step's time."""
+    """One row per (phase, kernel): calls per step, total time over the profiled steps (`total_s`) and per call
+    (`call_mean_s`), share of the phase's and step's time."""
     events = prof.events()
     phases = _intervals(events, PHASES)
     if device.type == "cuda":
@@ -75,27 +76,28 @@ def kernel_table(prof: torch.profiler.profile, device: torch.device, num_steps: 
         rows.append((phase, e.name, dur(e)))
     df = pd.DataFrame(rows, columns=["phase", "kernel", "time_us"])
     if df.empty:
-        return pd.DataFrame(columns=["phase", "kernel", "calls_per_step", "total_ms", "mean_us", "share_of_phase",
+        return pd.DataFrame(columns=["phase", "kernel", "calls_per_step", "total_s", "call_mean_s", "share_of_phase",
                                      "share_of_step", "is_matmul"])
     agg = df.groupby(["phase", "kernel"], as_index=False).agg(calls=("time_us", "size"), total_us=("time_us", "sum"))
     phase_total = agg.groupby("phase")["total_us"].transform("sum")
     agg["calls_per_step"] = agg["calls"] / max(num_steps, 1)
-    agg["total_ms"] = agg["total_us"] / 1e3
-    agg["mean_us"] = agg["total_us"] / agg["calls"]
+    agg["total_s"] = agg["total_us"] / 1e6
+    agg["call_mean_s"] = agg["total_us"] / agg["calls"] / 1e6
     agg["share_of_phase"] = agg["total_us"] / phase_total
     agg["share_of_step"] = agg["total_us"] / agg["total_us"].sum()
     agg["is_matmul"] = agg["kernel"].map(is_matmul)
     agg = agg.sort_values(["phase", "total_us"], ascending=[True, False]).reset_index(drop=True)
-    return agg[["phase", "kernel", "calls_per_step", "total_ms", "mean_us", "share_of_phase", "share_of_step", "is_matmul"]]
+    return agg[["phase", "kernel", "calls_per_step", "total_s", "call_mean_s", "share_of_phase", "share_of_step",
+                "is_matmul"]]
 
 
 def matmul_share(table: pd.DataFrame) -> dict[str, float]:
     """Share of kernel time spent in matrix multiplies, per phase and for the whole step."""
     out = {}
     for phase, part in table.groupby("phase"):
-        out[f"matmul_share_{phase}"] = float(part.loc[part.is_matmul, "total_ms"].sum() / part["total_ms"].sum())
+        out[f"matmul_share_{phase}"] = float(part.loc[part.is_matmul, "total_s"].sum() / part["total_s"].sum())
     if not table.empty:
-        out["matmul_share_step"] = float(table.loc[table.is_matmul, "total_ms"].sum() / table["total_ms"].sum())
+        out["matmul_share_step"] = float(table.loc[table.is_matmul, "total_s"].sum() / table["total_s"].sum())
     return out
 
 

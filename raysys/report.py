@@ -44,9 +44,11 @@ def varying_columns(df: pd.DataFrame) -> list[str]:
 def generic_table(df: pd.DataFrame, max_rows: int = 200) -> str:
     cols = varying_columns(df)
     view = df[cols].head(max_rows)
-    for col in view.columns:
+    for col in view.columns:  # the data's seconds and bytes (raysys.results' convention) shown as ms and GiB
         if col.endswith("_bytes"):
             view = view.assign(**{col: view[col] / 2**30}).rename(columns={col: col[: -len("_bytes")] + "_GiB"})
+        elif col.endswith("_s") and not col.endswith("_per_s") and pd.api.types.is_numeric_dtype(view[col]):
+            view = view.assign(**{col: view[col] * 1e3}).rename(columns={col: col[: -len("_s")] + "_ms"})
     return view.to_markdown(index=False, floatfmt=".4g")
 
 

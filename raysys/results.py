@@ -17,6 +17,14 @@ and rewrites it atomically after every `write` (`raysys.files`): readers see the
 disk leaves the old one and says so, files are 0644 under the usual umask, and temp files of dead writers are
 removed. Committed results (`results/`) are written only when named with `--out`.
 Analysis is `pd.read_parquet(path)`; `read_results(dir)` skips an unreadable file with one line on stderr.
+
+Column convention, one for every study (`unit_violations` checks names): measured times are seconds (`_s`),
+memory is bytes (`_bytes`), a statistic comes before the unit (`step_median_s`, `step_mean_s`, `step_std_s`,
+`time_p20_s`); rates name theirs (`tokens_per_s`, `busbw_GBps` = 1e9 B/s, `fwd_tflops` = 1e12 FLOP/s); ratios
+say what they divide (`vs_<ref>`, `_ratio` = a/b, `_rel` = a/b - 1, `_fraction`). Milliseconds and GiB appear
+only in rendered tables. Configuration columns keep the spelling of their flag (`bucket_size_mb`). A row's key
+within a study is its `trial_id` (ddp's `label`, unique per dtype, names it). Commits are 12 hex digits
+(`-dirty` if tracked files differed). `raysys.migrate` converts older files; `read_results` reads through it.
 """
 
 from __future__ import annotations
@@ -43,8 +51,9 @@ from raysys.files import DiskFull, FileBusy, FileLock, ResultsError, atomic_writ
     write_text
 
 __all__ = ["DiskFull", "FileBusy", "MODES", "ROW_COLUMNS", "ResultWriter", "ResultsError", "check_row_keys",
-           "check_sweep_name", "default_out_dir", "discard_empty_run_dirs", "error_row", "make_row", "prepare_out_dir", "provenance",
-           "read_results", "resolve_out", "save_figure", "status_of", "trial_id", "write_parquet", "write_text"]
+           "check_sweep_name", "default_out_dir", "discard_empty_run_dirs", "error_row", "make_row", "prepare_out_dir",
+           "provenance", "read_results", "resolve_out", "save_figure", "status_of", "trial_id", "unit_violations",
+           "write_parquet", "write_text"]
 
 STATUSES = ("ok", "oom", "error", "timeout", "skipped")
 
@@ -67,8 +76,12 @@ def git_sha_of(directory: str | os.PathLike) -> str | None:
 @functools.cache
 def _git_sha() -> str:
     """This run's commit: `$RAYSYS_GIT_SHA` (which `python -m raysys submit` sets for a job, whose uploaded working
-    directory has no .git), else the repository this package was imported from, else `unknown`."""
-    return os.environ.get("RAYSYS_GIT_SHA") or git_sha_of(Path(__file__).resolve().parent) or "unknown"
+    directory has no .git; a short or full sha becomes 12 digits), else the repository this package was imported
+    from, else `unknown`."""
+    from raysys.migrate import full_sha
+
+    given = os.environ.get("RAYSYS_GIT_SHA")
+    return full_sha(given) if given else git_sha_of(Path(__file__).resolve().parent) or "unknown"
 
 
 def _version(module: str) -> str:
@@ -187,10 +200,14 @@ def check_row_keys(config: Mapping[str, Any], metrics: Mapping[str, Any] | None 
 def make_row(sweep: str, config: Mapping[str, Any], metrics: Mapping[str, Any] | None = None, *,
              status: str = "ok", error: str = "", device: Any = None, **extra: Any) -> dict[str, Any]:
     """A result row: sweep, trial id, config columns, metrics, status and provenance (`extra` may override the
-    provenance columns); a key that would overwrite another's column raises ValueError (`check_row_keys`)."""
+    provenance columns); a key that would overwrite another's column raises ValueError (`check_row_keys`), and so
+    does a metric named in another unit than seconds or bytes (`unit_violations`)."""
     if status not in STATUSES:
         raise ValueError(f"status {status!r} must be one of {STATUSES}")
     check_row_keys(config, metrics, extra)
+    if bad := unit_violations([*(metrics or {}), *extra]):
+        raise ValueError(f"metric {bad[0]!r} is not in seconds or bytes; columns hold `_s` and `_bytes` (the "
+                         f"convention in raysys.results), tables show ms and GiB")
     row: dict[str, Any] = {"sweep": sweep, "trial_id": trial_id(config), **config, **(metrics or {}),
                            "status": status, "error": error[-2000:]}
     row.update(provenance(device))
@@ -314,12 +331,27 @@ def resolve_out(out: str | os.PathLike | None, sweep: str) -> Path:
 
 # ---------------------------------------------------------------------------------------------------- read
 def _read_parquet(path: Path) -> pd.DataFrame:
+    """The rows of `path` in the column convention (`raysys.migrate.canonical`: a file written before it reads
+    like a new one)."""
+    from raysys.migrate import canonical
+
     try:
-        return pd.read_parquet(path)
+        df = pd.read_parquet(path)
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
         text = str(exc).strip()
         first = text.splitlines()[0] if text else type(exc).__name__
         raise ResultsError(f"{path} is not a readable Parquet file ({first[:200]})") from None
+    return canonical(df, None if "sweep" in df else path.stem, siblings=path.parent)
+
+
+_NOT_BASE_UNITS = {"ms", "us", "ns", "gib", "mib", "kib", "gb", "mb", "kb"}
+
+
+def unit_violations(columns: Iterable[str], config: Iterable[str] = ()) -> list[str]:
+    """The measured columns of `columns` named in a unit other than seconds or bytes (`step_ms`, `peak_gib`; the
+    convention in the module docstring); `config` columns are exempt (they spell their flag)."""
+    exempt = set(config)
+    return [c for c in columns if c not in exempt and _NOT_BASE_UNITS & set(str(c).lower().split("_"))]
 
 
 def read_results(path: str | os.PathLike) -> pd.DataFrame:

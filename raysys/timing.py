@@ -19,7 +19,7 @@ way, and `do_bench` times kernels (`triton.testing.do_bench`: CUDA events, media
 A timed step is any callable with a `device` that returns its `Marks` (`raysys.train_step.TrainStep` is one):
 
     metrics = time_steps(TrainStep(model, optimizer, (x, y), "bf16", device), warmup=2, steps=10, max_steps=30)
-    metrics["step_ms_median"], metrics["forward_ms"], metrics["host_forward_ms"]
+    metrics["step_median_s"], metrics["forward_mean_s"], metrics["host_forward_median_s"]
 """
 
 from __future__ import annotations
@@ -141,10 +141,10 @@ def time_steps(step: TimedStep, warmup: int, steps: int, *, max_steps: int | Non
                rel_tol: float = DEFAULT_REL_TOL, process_group=None) -> dict[str, float]:
     """Time `steps` to `max_steps` synchronised steps after `warmup` untimed ones (see the module docstring).
 
-    Returns `step_ms` (mean), `step_ms_std`, `step_ms_median`, `step_ms_min`, `step_ms_max`, `timed_steps`,
-    `step_ms_ci_rel` (the median's relative 95% half-width), per phase `<phase>_ms` (mean) and
-    `<phase>_ms_median` (device time) and `host_<phase>_ms` (median host time), `host_step_ms` (median
-    time for `step()` to return, before the synchronisation), and the diagnostics. With `max_steps >
+    Returns, in seconds (`raysys.results`' column convention), `step_mean_s`, `step_std_s`, `step_median_s`,
+    `step_min_s`, `step_max_s`, `timed_steps`, `step_median_ci_rel` (the median's relative 95% half-width), per
+    phase `<phase>_mean_s` and `<phase>_median_s` (device time) and `host_<phase>_median_s` (host time),
+    `host_step_median_s` (time for `step()` to return, before the synchronisation), and the diagnostics. With `max_steps >
     steps` every rank of `process_group` must call this together (they agree on when to stop).
     """
     max_steps = steps if max_steps is None else max_steps
@@ -177,14 +177,16 @@ def time_steps(step: TimedStep, warmup: int, steps: int, *, max_steps: int | Non
         cpu_s, csw = time.process_time() - cpu0, _thread_ctx_switches() - csw0
         alloc1 = _allocator_counts(device)
     n = len(totals)
-    out = {"step_ms": statistics.fmean(totals), "step_ms_std": statistics.stdev(totals),
-           "step_ms_median": statistics.median(totals), "step_ms_min": min(totals), "step_ms_max": max(totals),
-           "step_ms_ci_rel": median_ci_rel(totals), "timed_steps": n, "host_step_ms": statistics.median(host_totals)}
+    # samples are milliseconds (CUDA events' unit); the row's columns are seconds
+    out = {"step_mean_s": statistics.fmean(totals) / 1e3, "step_std_s": statistics.stdev(totals) / 1e3,
+           "step_median_s": statistics.median(totals) / 1e3, "step_min_s": min(totals) / 1e3,
+           "step_max_s": max(totals) / 1e3, "step_median_ci_rel": median_ci_rel(totals), "timed_steps": n,
+           "host_step_median_s": statistics.median(host_totals) / 1e3}
     for i, name in enumerate(PHASES):
-        out[f"{name}_ms"] = statistics.fmean(p[i] for p in phases)
-        out[f"{name}_ms_median"] = statistics.median(p[i] for p in phases)
-        out[f"host_{name}_ms"] = statistics.median(p[i] for p in host_phases)
-    out["cpu_ms_per_step"] = cpu_s * 1e3 / n
+        out[f"{name}_mean_s"] = statistics.fmean(p[i] for p in phases) / 1e3
+        out[f"{name}_median_s"] = statistics.median(p[i] for p in phases) / 1e3
+        out[f"host_{name}_median_s"] = statistics.median(p[i] for p in host_phases) / 1e3
+    out["cpu_time_per_step_s"] = cpu_s / n
     out["ctx_switches_per_step"] = csw / n
     out["gc_objects_per_step"] = collected["collected"] / (warmup + n)
     # Compiled blocks (compile_blocks): graphs compiled while warming up, and during the timed steps, which must
@@ -203,7 +205,8 @@ def paired_steps(step: TimedStep, reference: TimedStep, rounds: int, block: int 
     does, slows both alike. Per round, the ratio of the two blocks' median steps; the result is their median.
 
     Returns `paired_rounds`, `paired_ratio` (median over rounds of step / reference), `paired_ratio_min`,
-    `paired_ratio_max`, `paired_step_ms` and `paired_reference_ms` (medians over rounds of the block medians).
+    `paired_ratio_max`, `paired_step_median_s` and `paired_reference_median_s` (medians over rounds of the block
+    medians).
     Every rank of a gang must call this with the same arguments (the steps' collectives stay matched).
     """
     if not isinstance(rounds, int) or rounds < 1 or not isinstance(block, int) or block < 2:
@@ -211,13 +214,13 @@ def paired_steps(step: TimedStep, reference: TimedStep, rounds: int, block: int 
     ratios, mine, theirs = [], [], []
     for r in range(rounds):
         order = (step, reference) if r % 2 == 0 else (reference, step)
-        medians = {id(s): time_steps(s, 1, block)["step_ms_median"] for s in order}
+        medians = {id(s): time_steps(s, 1, block)["step_median_s"] for s in order}
         mine.append(medians[id(step)])
         theirs.append(medians[id(reference)])
         ratios.append(mine[-1] / theirs[-1])
     return {"paired_rounds": rounds, "paired_ratio": statistics.median(ratios), "paired_ratio_min": min(ratios),
-            "paired_ratio_max": max(ratios), "paired_step_ms": statistics.median(mine),
-            "paired_reference_ms": statistics.median(theirs)}
+            "paired_ratio_max": max(ratios), "paired_step_median_s": statistics.median(mine),
+            "paired_reference_median_s": statistics.median(theirs)}
 
 
 def dynamo_graphs() -> int:
@@ -259,11 +262,11 @@ class PhaseTimer:
 
 
 def do_bench(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100) -> dict[str, float]:
-    """Median and 20/80% quantiles (milliseconds) of `fn` with `triton.testing.do_bench` (CUDA events)."""
+    """Median and 20/80% quantiles (seconds) of `fn` with `triton.testing.do_bench` (CUDA events)."""
     import triton.testing
 
     q20, median, q80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
-    return {"median_ms": median, "p20_ms": q20, "p80_ms": q80}
+    return {"time_median_s": median / 1e3, "time_p20_s": q20 / 1e3, "time_p80_s": q80 / 1e3}
 
 
 def tflops(flops: float, seconds: float) -> float:

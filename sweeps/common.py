@@ -526,7 +526,7 @@ def column(df: pd.DataFrame, name: str) -> pd.Series:
 
 def step_column(df: pd.DataFrame) -> str:
     """The step statistic ratios and targets use: the median (rows written before it existed: the mean)."""
-    return "step_ms_median" if "step_ms_median" in df and df["step_ms_median"].notna().any() else "step_ms"
+    return "step_median_s" if "step_median_s" in df and df["step_median_s"].notna().any() else "step_mean_s"
 
 
 def on_cpu(df: pd.DataFrame) -> bool:

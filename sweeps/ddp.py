@@ -11,8 +11,9 @@ and `single`'s differ by what data parallelism costs.
 
 Timing (`raysys.timing.time_steps`): warm-up steps, then `--steps` to `--max-steps` timed steps with a
 device synchronisation around each; ratios and targets use the median. CUDA events split a step into forward,
-backward, `comm_wait` (communication left exposed after backward) and optimizer; `host_<phase>_ms` is what
-the Python thread took to issue each phase. `--profile` variants get two profiled steps: `overlap_fraction`
+backward, `comm_wait` (communication left exposed after backward) and optimizer; `host_<phase>_median_s` is
+what the Python thread took to issue each phase. Columns are seconds and bytes (`raysys.results`), tables ms
+and GiB; `rank_spread_rel` is the slowest rank's median step over the fastest's, minus 1. `--profile` variants get two profiled steps: `overlap_fraction`
 is the share of NCCL kernel time that runs beside compute kernels (rank 0's trace in `<out>/traces/`).
 `--compile` compiles every TransformerBlock in every variant (rows in `ddp_compiled.parquet`, own baselines);
 `--paired-rounds N` also times each variant against a `single` step in alternating blocks (ABBA) in the same
@@ -178,10 +179,10 @@ def profile_overlap(step: TrainStep, trace_path: Path | None, expect_nccl: bool)
     allreduce_calls, allreduce_us = cpu_op_time(prof.events, "c10d::allreduce_")
     return {"profile_status": out.pop("profile_status"), "profiled_cpu_ops": prof.num_cpu_ops,
             "profiled_kernels": prof.num_kernels, "profiled_nccl_kernels": len(comm),
-            "nccl_kernel_ms": total_us / 1e3 if comm else math.nan,
+            "nccl_kernel_s": total_us / 1e6 if comm else math.nan,
             "overlap_fraction": shared_us / total_us if total_us > 0 else math.nan,
-            "host_allreduce_calls": allreduce_calls, "host_allreduce_ms": allreduce_us / 1e3,
-            "host_accumulate_grad_ms": cpu_op_time(prof.events, "torch::autograd::AccumulateGrad")[1] / 1e3, **out}
+            "host_allreduce_calls": allreduce_calls, "host_allreduce_s": allreduce_us / 1e6,
+            "host_accumulate_grad_s": cpu_op_time(prof.events, "torch::autograd::AccumulateGrad")[1] / 1e6, **out}
 
 
 def wrap(trial: DDPTrial, model: nn.Module, process_group) -> nn.Module:
@@ -225,10 +226,10 @@ def _ddp_trial(ctx, trial: DDPTrial, out_dir: str | None) -> dict:
         metrics = time_steps(step, trial.warmup, trial.steps, max_steps=trial.max_steps,
                              process_group=ctx.process_group)
         params = [p for p in model.parameters() if p.requires_grad]
-        metrics["grad_mib"] = sum(p.numel() * p.element_size() for p in params) / 2**20
+        metrics["grad_bytes"] = sum(p.numel() * p.element_size() for p in params)
         metrics["collectives_per_step"] = getattr(model, "num_collectives", math.nan)
         cuda = device.type == "cuda"
-        metrics["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else math.nan
+        metrics["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device) if cuda else math.nan
         if trial.paired_rounds and trial.variant != "single":
             # Against a single step built here (same blocks, batch and optimizer, no wrapper), after the variant's
             # peak memory was read, so the reference's memory does not count.
@@ -253,10 +254,10 @@ def reduce_ranks(trial: DDPTrial, per_rank: list[dict]) -> dict:
     """Rank 0's metrics, plus the slowest rank's mean step and the spread of the ranks' median steps (DDP ranks
     move in lockstep; `single` ones need not), and the largest leak of any rank."""
     out = dict(per_rank[0])
-    out["step_ms_max_rank"] = max(r["step_ms"] for r in per_rank)
-    medians = [r["step_ms_median"] for r in per_rank]
-    out["step_ms_median_min_rank"], out["step_ms_median_max_rank"] = min(medians), max(medians)
-    out["rank_spread"] = max(medians) / min(medians) - 1
+    out["step_mean_max_rank_s"] = max(r["step_mean_s"] for r in per_rank)
+    medians = [r["step_median_s"] for r in per_rank]
+    out["step_median_min_rank_s"], out["step_median_max_rank_s"] = min(medians), max(medians)
+    out["rank_spread_rel"] = max(medians) / min(medians) - 1
     leaks = [r["live_parameters_after"] - r["live_parameters_before"] for r in per_rank]
     out["leaked_parameters_max_rank"] = max(leaks)
     return out
@@ -311,7 +312,7 @@ def targets(df: pd.DataFrame) -> list[str]:
         if paired:
             checks.append(f"paired: median of {int(best['paired_rounds'])} rounds, single-ratio range "
                           f"{best['paired_ratio_min']:.3f}-{best['paired_ratio_max']:.3f}")
-        line = f"- {dtype}: fastest variant `{best['label']}` at {best[col]:.1f} ms: " + ", ".join(checks)
+        line = f"- {dtype}: fastest variant `{best['label']}` at {1e3 * best[col]:.1f} ms: " + ", ".join(checks)
         if cpu:
             line += f"; targets <= {TARGET_VS_SINGLE:g}x single and <= {TARGET_VS_TORCH:g}x torch DDP: {NOT_ON_CPU}"
         same = df[(df["status"] == "ok") & (df["dtype"] == dtype)]
@@ -333,11 +334,12 @@ def health(df: pd.DataFrame) -> pd.DataFrame:
                                                               column(df, "graphs_compiled_timed"))]
     return pd.DataFrame({
         "dtype": df["dtype"], "variant": df["label"], "steps": column(df, "timed_steps"),
-        "median ±95% (%)": 100 * column(df, "step_ms_ci_rel"), "rank spread (%)": 100 * column(df, "rank_spread"),
-        "host/step": column(df, "host_step_ms") / column(df, "step_ms_median"),
+        "median ±95% (%)": 100 * column(df, "step_median_ci_rel"),
+        "rank spread (%)": 100 * column(df, "rank_spread_rel"),
+        "host/step": column(df, "host_step_median_s") / column(df, "step_median_s"),
         "alloc retries": column(df, "allocator_retries_timed"), "cudaMalloc": column(df, "cuda_mallocs_timed"),
         "ctx sw/step": column(df, "ctx_switches_per_step"),
-        "issue (us/all-reduce)": 1e3 * column(df, "host_allreduce_ms") / column(df, "host_allreduce_calls"),
+        "issue (us/all-reduce)": 1e6 * column(df, "host_allreduce_s") / column(df, "host_allreduce_calls"),
         "mem before (GiB)": column(df, "memory_allocated_before_bytes") / gib, "leaked (GiB)": leak / gib,
         "leaked params": column(df, "leaked_parameters_max_rank"),
         "profile": df["profile_status"].fillna("") if "profile_status" in df else "",
@@ -354,7 +356,7 @@ def markdown(df: pd.DataFrame) -> str:
     def intro(first: pd.Series) -> str:
         return (f"{setup_sentence(first)}, AdamW; {int(first['warmup'])} warm-up + at least {int(first['steps'])} "
                 "timed steps. "
-                f"`step`: {'median' if col == 'step_ms_median' else 'mean'} (mean ± std); ratios use it, and `single` "
+                f"`step`: {'median' if col == 'step_median_s' else 'mean'} (mean ± std); ratios use it, and `single` "
                 "is the mean of its runs. Phases: mean device time; `comm wait`: exposed communication after backward "
                 "(torch DDP's is inside its backward); `host bwd`: time Python took to issue backward. `overlap`: "
                 "share of NCCL kernel time concurrent with compute kernels (profiled variants only)."
@@ -364,16 +366,17 @@ def markdown(df: pd.DataFrame) -> str:
                    if paired else ""))
 
     def body(ok: pd.DataFrame) -> list[str]:
+        ms = 1e3  # columns are seconds; the table shows milliseconds
         view = pd.DataFrame({
-            "dtype": ok["dtype"], "variant": ok["label"], "step (ms)": ok[col],
-            "mean ± std": [f"{m:.1f} ± {s:.1f}" for m, s in zip(ok["step_ms"], ok["step_ms_std"])],
+            "dtype": ok["dtype"], "variant": ok["label"], "step (ms)": ms * ok[col],
+            "mean ± std": [f"{ms * m:.1f} ± {ms * s:.1f}" for m, s in zip(ok["step_mean_s"], ok["step_std_s"])],
             "vs single": ok["vs_single"], "vs torch": ok["vs_torch"],
             **({"paired vs single": ok["vs_single_paired"], "paired vs torch": ok["vs_torch_paired"]}
                if paired else {}),
-            "forward": ok["forward_ms"], "backward": ok["backward_ms"], "host bwd": column(ok, "host_backward_ms"),
-            "comm wait": ok["comm_wait_ms"], "optimizer": ok["optimizer_ms"],
-            "collectives/step": ok["collectives_per_step"], "overlap": column(ok, "overlap_fraction"),
-            "peak (GiB)": ok["peak_memory_gib"]})
+            "forward": ms * ok["forward_mean_s"], "backward": ms * ok["backward_mean_s"],
+            "host bwd": ms * column(ok, "host_backward_median_s"), "comm wait": ms * ok["comm_wait_mean_s"],
+            "optimizer": ms * ok["optimizer_mean_s"], "collectives/step": ok["collectives_per_step"],
+            "overlap": column(ok, "overlap_fraction"), "peak (GiB)": ok["peak_memory_bytes"] / 2**30})
         lines = targets(df)
         return [view.to_markdown(index=False, floatfmt=".4g"),
                 "Targets (same run):\n\n" + "\n".join(lines) if lines else "",
@@ -397,13 +400,14 @@ def plot(df: pd.DataFrame, path: Path) -> Path | None:
     col = step_column(ok)
     for ax, dtype in zip(axes[0], dtypes):
         part = ok[ok["dtype"] == dtype].iloc[::-1]
-        wait = part["comm_wait_ms"].fillna(0).clip(lower=0)
-        ax.barh(part["label"], part[col] - wait, color="tab:blue", label="step without exposed comm")
-        ax.barh(part["label"], wait, left=part[col] - wait, color="tab:orange", label="comm wait after backward")
-        single = part.loc[part["variant"] == "single", col]
+        wait = 1e3 * part["comm_wait_mean_s"].fillna(0).clip(lower=0)
+        step = 1e3 * part[col]
+        ax.barh(part["label"], step - wait, color="tab:blue", label="step without exposed comm")
+        ax.barh(part["label"], wait, left=step - wait, color="tab:orange", label="comm wait after backward")
+        single = 1e3 * part.loc[part["variant"] == "single", col]
         if not single.empty:
             ax.axvline(single.mean(), color="k", ls="--", lw=1, label="single (no comm)")
-        ax.set_xlabel(f"time per step (ms, {'median' if col == 'step_ms_median' else 'mean'})")
+        ax.set_xlabel(f"time per step (ms, {'median' if col == 'step_median_s' else 'mean'})")
         ax.set_title(f"{dtype}")
         ax.grid(axis="x", alpha=0.3)
     first = ok.iloc[0]

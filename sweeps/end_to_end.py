@@ -240,9 +240,9 @@ def saved_table(df: pd.DataFrame) -> str:
 def kernel_table_top(df: pd.DataFrame) -> str:
     ctx = 1024 if (df.context_length == 1024).any() else int(df.context_length.max())
     part = df[(df["mode"] == "train-step") & (df.context_length == ctx) & df.phase.isin(["forward", "backward"])]
-    rows = part.sort_values("total_ms", ascending=False).groupby(["size", "phase"], sort=False).head(5)
-    rows = rows.sort_values(["size", "phase", "total_ms"], ascending=[True, False, False]).assign(
-        kernel=lambda d: d.kernel.str.slice(0, 80))
+    rows = part.sort_values("total_s", ascending=False).groupby(["size", "phase"], sort=False).head(5)
+    rows = rows.sort_values(["size", "phase", "total_s"], ascending=[True, False, False]).assign(
+        kernel=lambda d: d.kernel.str.slice(0, 80), total_ms=lambda d: 1e3 * d.total_s)
     return (f"Top five GPU kernels per phase of a train step at context {ctx} (fp32); every run's full table is in "
             "`e2e_kernel_table.parquet`.\n\n" + rows[["size", "phase", "kernel", "calls_per_step", "total_ms",
                                                       "share_of_phase", "is_matmul"]].to_markdown(index=False,

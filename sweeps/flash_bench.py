@@ -273,15 +273,15 @@ def provider_fn(name: str, device: torch.device) -> Callable:
     return _sdpa({"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}[name])
 
 
-def bench_ms(fn: Callable[[], object], device: torch.device) -> float:
-    """Median milliseconds: `triton.testing.do_bench` on CUDA (L2 flushed between calls), else wall clock."""
+def bench_s(fn: Callable[[], object], device: torch.device) -> float:
+    """Median seconds: `triton.testing.do_bench` on CUDA (L2 flushed between calls; it answers in ms), else wall
+    clock."""
     if device.type == "cuda":
         import triton.testing
 
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")) / 1e3
     fn()
-    times = [timeit.timeit(fn, number=1) for _ in range(3)]
-    return statistics.median(times) * 1e3
+    return statistics.median(timeit.timeit(fn, number=1) for _ in range(3))
 
 
 def _flops(cfg: dict, mode: str) -> float:
@@ -321,10 +321,10 @@ def run_trial(cfg: dict, device: torch.device, caps: dict, check_only: bool = Fa
     with torch.no_grad():
         metrics["max_abs_err"] = _max_error(out, q, k, v, causal, device)
     fwd = lambda: fn(q, k, v, causal)  # noqa: E731
-    metrics["fwd_ms"] = bench_ms(fwd, device)
-    metrics["bwd_ms"] = bench_ms(functools.partial(out.backward, do, retain_graph=True), device)
+    metrics["fwd_median_s"] = bench_s(fwd, device)
+    metrics["bwd_median_s"] = bench_s(functools.partial(out.backward, do, retain_graph=True), device)
     out = None  # release the retained graph before the next measurement
-    metrics["fwd_bwd_ms"] = bench_ms(lambda: fn(q, k, v, causal).backward(do), device)
+    metrics["fwd_bwd_median_s"] = bench_s(lambda: fn(q, k, v, causal).backward(do), device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -333,7 +333,7 @@ def run_trial(cfg: dict, device: torch.device, caps: dict, check_only: bool = Fa
         torch.cuda.synchronize(device)
         metrics["peak_mem_fwd_bwd_bytes"] = float(torch.cuda.max_memory_allocated(device) - base)
     for mode in MODES:
-        metrics[f"{mode}_tflops"] = _flops(cfg, mode) / (metrics[f"{mode}_ms"] * 1e-3) / 1e12
+        metrics[f"{mode}_tflops"] = _flops(cfg, mode) / metrics[f"{mode}_median_s"] / 1e12
     if cfg["provider"] in TRITON_PATHS:
         from kernels.flash_attention import LAST_PATH
 
@@ -363,12 +363,12 @@ def _max_error(out, q, k, v, causal, device) -> float:
 
 
 def add_speedups(df: pd.DataFrame) -> pd.DataFrame:
-    """speedup_<mode>_vs_{sdpa_flash,sdpa_cudnn,best_sdpa} = baseline ms / this row's ms, per shape."""
+    """speedup_<mode>_vs_{sdpa_flash,sdpa_cudnn,best_sdpa} = baseline time / this row's time, per shape."""
     keys = ["study", "batch", "heads", "seq", "head_dim", "dtype", "causal"]
     df = df.copy()
     ok = df[df["status"] == "ok"]
     for mode in MODES:
-        col = f"{mode}_ms"
+        col = f"{mode}_median_s"
         if col not in df:
             continue
         base = {}
@@ -390,13 +390,20 @@ def summary(df: pd.DataFrame) -> str:
             "fwd_tflops",
             "bwd_ms", "fwd_bwd_ms", "fwd_bwd_tflops", "speedup_fwd_vs_sdpa_cudnn", "speedup_fwd_bwd_vs_sdpa_cudnn",
             "speedup_fwd_vs_best_sdpa", "speedup_fwd_bwd_vs_best_sdpa", "max_abs_err"]
-    view = df[[c for c in cols if c in df]]
+    shown = with_ms(df)
+    view = shown[[c for c in cols if c in shown]]
     return view.to_string(index=False, float_format=lambda x: f"{x:.4g}")
+
+
+def with_ms(df: pd.DataFrame) -> pd.DataFrame:
+    """`df` with `fwd_ms`, `bwd_ms`, `fwd_bwd_ms`: the tables show milliseconds, the rows hold seconds."""
+    return df.assign(**{f"{mode}_ms": 1e3 * df[f"{mode}_median_s"] for mode in MODES if f"{mode}_median_s" in df})
 
 
 def markdown(df: pd.DataFrame) -> str:
     """The target (and hopper) shapes provider by provider with speedups, the grid's TFLOP/s per provider, and
     how many rows were not measured."""
+    df = with_ms(df)
     ok = df[df.status == "ok"]
     cols = ["provider", "path", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops",
             "speedup_fwd_vs_sdpa_flash", "speedup_fwd_bwd_vs_sdpa_flash", "speedup_fwd_vs_sdpa_cudnn",
@@ -443,12 +450,12 @@ def candidate_winners(df: pd.DataFrame) -> dict[str, list[dict]]:
     from kernels.flash_attention_tuning import FlashConfig
 
     ok = df[(df.study == "candidates") & (df.status == "ok") & (df.provider == "triton_candidate")]
-    ok = ok[ok["path"].astype(str).str.startswith("tma") & ok["fwd_ms"].notna()]
+    ok = ok[ok["path"].astype(str).str.startswith("tma") & ok["fwd_median_s"].notna()]
     out: dict[str, list[dict]] = {"fwd": [], "dkdv": [], "dq": []}
     for head_dim, rows in ok.groupby("head_dim"):
         shapes = sorted(set(zip(rows.batch, rows.heads, rows.seq)))
         rows = rows.groupby("candidate").filter(lambda g: len(set(zip(g.batch, g.heads, g.seq))) == len(shapes))
-        for kernels, col in ((("fwd",), "fwd_ms"), (("dkdv", "dq"), "bwd_ms")):
+        for kernels, col in ((("fwd",), "fwd_median_s"), (("dkdv", "dq"), "bwd_median_s")):
             geo = rows.groupby([f"{k}_config" for k in kernels])[col].apply(lambda t: math.exp(t.map(math.log).mean()))
             if geo.empty:
                 continue
@@ -461,7 +468,8 @@ def candidate_winners(df: pd.DataFrame) -> dict[str, list[dict]]:
                     "persistent": cfg.persistent, "maxnreg": cfg.maxnreg, "lazy_rescale": cfg.lazy_rescale,
                     "unroll": cfg.unroll, "path": "tma", "head_dim": int(head_dim), "dtype": "bfloat16",
                     "shapes": [f"{b}x{h}x{n}x{head_dim}/bfloat16/causal" for b, h, n in shapes],
-                    f"geomean_{col}": round(float(geo.min()), 4), "source": "sweeps/flash_bench.py candidates"})
+                    f"geomean_{col.removesuffix('_median_s')}_ms": round(1e3 * float(geo.min()), 4),
+                    "source": "sweeps/flash_bench.py candidates"})
     return out
 
 
@@ -565,7 +573,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
             writer.write([row])
             print(f"{cfg['study']:6} {cfg['provider']:13} seq={cfg['seq']:<6} d={cfg['head_dim']:<3} {cfg['dtype']:4} "
                   f"{cfg.get('candidate', '')} -> {row['status']}"
-                  + (f" fwd {row['fwd_ms']:.3f} ms, fwd+bwd {row['fwd_bwd_ms']:.3f} ms" if "fwd_ms" in row
+                  + (f" fwd {1e3 * row['fwd_median_s']:.3f} ms, fwd+bwd {1e3 * row['fwd_bwd_median_s']:.3f} ms"
+                     if "fwd_median_s" in row
                      else "" if row["status"] == "ok" else f" ({row['error'][:200]})"), flush=True)
         df = add_speedups(writer.frame())
         writer.write(df.to_dict("records"))

@@ -48,7 +48,7 @@ df = pd.read_parquet(sys.argv[1])
 b, h, n, d = map(int, sys.argv[2].split("x"))
 ok = df[(df.status == "ok") & (df.provider == "triton_candidate") & (df.seq == n) & (df.heads == h) & (df.batch == b)]
 base = ok[ok.candidate == f"base_tma_d{d}"].iloc[0]
-fwd, bwd = ok.loc[ok.fwd_ms.idxmin()], ok.loc[ok.bwd_ms.idxmin()]
+fwd, bwd = ok.loc[ok.fwd_median_s.idxmin()], ok.loc[ok.bwd_median_s.idxmin()]
 print(f"{base.fwd_config},{base.dkdv_config},{base.dq_config} {fwd.fwd_config},{bwd.dkdv_config},{bwd.dq_config}")
 PYEOF
 )

@@ -5,7 +5,7 @@ variant (`--variants`: the portable path, or the tma path plain, warp-specialise
 grid), one launch config (block_m x block_n, num_warps, num_stages) and one shape (seq, head dim, dtype,
 causal; batch 1, 16 heads), on one GPU. The trial runs the kernel with that explicit config, checks its result
 against the same kernel under the first built-in config (a config that computes something else fails), and
-times it with `triton.testing.do_bench` (median). Metrics: `median_ms`, `tflops` (the kernel's matmuls: fwd 2,
+times it with `triton.testing.do_bench` (median). Metrics: `time_median_s`, `tflops` (the kernel's matmuls: fwd 2,
 dK/dV 4, dQ 3, dK/dV/dQ 5 of the 2*pairs*d each; the backward times include the small D = rowsum(O * dO)
 kernel), `max_abs_err`. A config that does not compile (shared memory, registers) or runs out of memory is a
 row too (`error` / `oom`).
@@ -211,7 +211,7 @@ def trial(config: dict, device: str = "cuda") -> dict:
     flops = flash_attention_flops(1, HEADS, shape["seq"], shape["seq"], shape["head_dim"], causal, "fwd")
     flops *= MATMULS[kernel] / 2
     return {"block_m": block_m, "block_n": block_n, "path": path, "warp_specialize": ws, "persistent": persistent,
-            **shape, "median_ms": ms, "tflops": flops / (ms * 1e-3) / 1e12, "max_abs_err": err}
+            **shape, "time_median_s": ms / 1e3, "tflops": flops / (ms * 1e-3) / 1e12, "max_abs_err": err}
 
 
 def median_ms(fn, device) -> float:
@@ -307,7 +307,7 @@ def run_local(spaces: dict[str, dict], writer: ResultWriter, budget: Budget, com
             budget.charge(1)
             print(f"{kernel:4} {config.get('variant', 'portable'):<14} {config['tile']:>7} w{config['num_warps']} "
                   f"s{config['num_stages']} {config['shape']:<26}"
-                  f" -> {row['status']}" + (f" {row['median_ms']:.3f} ms {row['tflops']:.0f} TFLOP/s"
+                  f" -> {row['status']}" + (f" {1e3 * row['time_median_s']:.3f} ms {row['tflops']:.0f} TFLOP/s"
                                             if row["status"] == "ok" else f" ({row['error'][:70]})"), flush=True)
 
 
@@ -346,6 +346,7 @@ def best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict[str, 
         ok[col] = ok[col].astype(int)
     for col in ("warp_specialize", "persistent"):
         ok[col] = ok[col].astype(bool)
+    ok["median_ms"] = 1e3 * ok["time_median_s"]  # the tuned file's unit
     ok["log_ms"] = ok["median_ms"].map(math.log)
     keys = ["block_m", "block_n", "num_warps", "num_stages", "warp_specialize", "persistent"]
     out: dict[str, list[dict]] = {}
@@ -439,6 +440,7 @@ def markdown(df: pd.DataFrame) -> str:
     failed = df[df.status != "ok"].groupby("status").size().to_dict()
     if ok.empty:
         return f"{len(df)} launch configurations tried, none measured ({failed or 'none'} failed).\n"
+    ok = ok.assign(median_ms=1e3 * ok["time_median_s"])  # the table shows milliseconds
     best = ok.sort_values("median_ms").groupby(["shape", "kernel"], as_index=False).head(3)
     best = best.sort_values(["shape", "kernel", "median_ms"])
     cols = ["shape", "kernel", *(["variant"] if "variant" in best else []), "tile", "num_warps", "num_stages",

@@ -15,7 +15,7 @@ Memory: the allocator's peak over warm-up and timed steps (rank 0 and the maximu
 parameters, gradients and optimizer state counted tensor by tensor after a step, against what the sharding
 predicts (`expected_state`: fp32 params P_r, grads P_r and AdamW moments 2 P_r per rank, with P_r the rank's
 padded shard). `--profile` variants get two profiled steps: all-gather and reduce-scatter kernel time, the
-part of it with no compute kernel running (`*_exposed_ms`) and `stalled_allgathers` (more than 5 us exposed).
+part of it with no compute kernel running (`*_exposed_s`) and `stalled_allgathers` (more than 5 us exposed).
 `--compile` and `--paired-rounds N` as in `sweeps/ddp.py` (rows of compiled blocks in `fsdp_compiled.parquet`).
 Targets (bf16, GPU): each per-block FSDP variant's step <= 1.10x single's and its peak memory <= fsdp2's.
 Without GPUs: gloo ranks on the CPU, the `tiny` model at context 64, every variant but the NCCL-only ones.
@@ -183,8 +183,8 @@ def overlap_metrics(events) -> dict[str, float]:
         key = kind.replace("_", "")
         total, shared = overlap(comm[kind], compute)
         out[f"{key}_kernels"] = len(comm[kind])
-        out[f"{key}_ms"] = total / 1e3
-        out[f"{key}_exposed_ms"] = (total - shared) / 1e3
+        out[f"{key}_s"] = total / 1e6
+        out[f"{key}_exposed_s"] = (total - shared) / 1e6
     out["stalled_allgathers"] = sum(exposed(iv, compute) > STALL_US for iv in comm["all_gather"])
     return out
 
@@ -231,7 +231,7 @@ def _timed_trial(ctx, trial: FSDPTrial, out_dir: str | None, group) -> dict:
         model.stats.reset()
         step()
         synchronize(device)
-        metrics["gather_wait_ms"] = (model.stats.forward_wait_s + model.stats.backward_wait_s) * 1e3
+        metrics["gather_wait_s"] = model.stats.forward_wait_s + model.stats.backward_wait_s
         metrics["all_gathers_per_step"] = model.stats.all_gathers
         metrics["peak_gathered_bytes"] = model.stats.peak_gathered_bytes
     if trial.paired_rounds and trial.variant != "single":
@@ -251,8 +251,8 @@ def _timed_trial(ctx, trial: FSDPTrial, out_dir: str | None, group) -> dict:
 def reduce_ranks(trial: FSDPTrial, per_rank: list[dict]) -> dict:
     """Rank 0's metrics, the slowest rank's step and the largest peak memory."""
     out = dict(per_rank[0])
-    out["step_ms_max_rank"] = max(r["step_ms"] for r in per_rank)
-    out["step_ms_median_max_rank"] = max(r["step_ms_median"] for r in per_rank)
+    out["step_mean_max_rank_s"] = max(r["step_mean_s"] for r in per_rank)
+    out["step_median_max_rank_s"] = max(r["step_median_s"] for r in per_rank)
     out["peak_memory_max_rank_bytes"] = max(r["peak_memory_bytes"] for r in per_rank)
     return out
 
@@ -298,7 +298,7 @@ def targets(df: pd.DataFrame) -> list[str]:
         if pd.notna(ratio):
             theirs_ratio = (theirs.iloc[0].get("paired_ratio", math.nan) if paired else theirs.iloc[0]["vs_single"]
                             ) if not theirs.empty else math.nan
-            lines.append(f"- bf16 `{variant}` step: {row[col]:.1f} ms = {ratio:.3f}x single "
+            lines.append(f"- bf16 `{variant}` step: {1e3 * row[col]:.1f} ms = {ratio:.3f}x single "
                          f"{verdict(ratio <= TARGET_VS_SINGLE, f'<= {TARGET_VS_SINGLE:.2f}x')}"
                          + (f"; fsdp2 {theirs_ratio:.3f}x" if pd.notna(theirs_ratio) else "")
                          + (f" (paired: median of {int(row['paired_rounds'])} rounds, range "
@@ -355,19 +355,21 @@ def markdown(df: pd.DataFrame) -> str:
     def body(ok: pd.DataFrame) -> list[str]:
         nan = pd.Series(math.nan, index=ok.index)
         unit, scale = _unit(ok)
+        ms = 1e3  # columns are seconds; the table shows milliseconds
         view = pd.DataFrame({
             "dtype": ok["dtype"], "variant": ok["variant"],
-            "step (ms)": [f"{med:.1f} ({m:.1f} ± {s:.1f})" for med, m, s in
-                          zip(ok[step_column(ok)], ok["step_ms"], ok["step_ms_std"])],
+            "step (ms)": [f"{ms * med:.1f} ({ms * m:.1f} ± {ms * s:.1f})" for med, m, s in
+                          zip(ok[step_column(ok)], ok["step_mean_s"], ok["step_std_s"])],
             "vs single": ok["vs_single"], "vs single_cast": ok["vs_single_cast"], "vs fsdp2": ok["vs_fsdp2"],
             **({"paired vs single": ok["paired_ratio"]} if ok.get("paired_ratio", nan).notna().any() else {}),
             "peak (GiB)": ok["peak_memory_max_rank_bytes"] / 2**30,
             f"state ({unit})": [f"{s / scale:.3g} ({e / scale:.3g})" for s, e in zip(ok["state_bytes"],
                                                                                      ok["expected_state_bytes"])],
-            "AG (ms)": ok.get("allgather_ms", nan), "AG exposed (ms)": ok.get("allgather_exposed_ms", nan),
-            "stalled AG": ok.get("stalled_allgathers", nan), "RS exposed (ms)": ok.get("reducescatter_exposed_ms", nan),
-            "gather wait (ms)": ok.get("gather_wait_ms", nan),
-            "host/step": ok.get("host_step_ms", nan) / ok[step_column(ok)]})
+            "AG (ms)": ms * ok.get("allgather_s", nan), "AG exposed (ms)": ms * ok.get("allgather_exposed_s", nan),
+            "stalled AG": ok.get("stalled_allgathers", nan),
+            "RS exposed (ms)": ms * ok.get("reducescatter_exposed_s", nan),
+            "gather wait (ms)": ms * ok.get("gather_wait_s", nan),
+            "host/step": ok.get("host_step_median_s", nan) / ok[step_column(ok)]})
         savings, lines = memory_savings(df), targets(df)
         return [view.to_markdown(index=False, floatfmt=".3g"),
                 "Memory saved per rank (expected from the sharding; counted tensors; allocator peak):\n\n"

@@ -4,16 +4,17 @@ One row per (op, impl, shape) in `<out>/fused_ops.parquet`:
 - `linear_cross_entropy`, N tokens x V vocab x D (32768 x 151936 x 4096 bf16 on CUDA): `fused_triton`
   (kernels/fused_linear_ce.py), `reference` (raysys.model.cross_entropy on materialised logits, eager) and
   `compiled` (torch.compile of that reference). Forward + backward timed by `triton.testing.do_bench` (median,
-  20/80%), gradients reset each call; the peak of one forward + backward above the inputs (`peak_above_inputs_gib`)
-  and above inputs + the two gradients every implementation returns (`extra_peak_gib`, the issue's <= 1 GiB);
+  20/80%), gradients reset each call; the peak of one forward + backward above the inputs (`peak_above_inputs_bytes`)
+  and above inputs + the two gradients every implementation returns (`extra_peak_bytes`, the issue's <= 1 GiB);
   `time_vs_compiled` (the issue's <= 1.0).
 - `adamw` over the leaderboard model's parameter shapes (8.1B bf16 in its 309 tensors): `fused_triton`
   (FusedAdamW), `reference` (raysys.model.AdamW, per parameter), `torch_foreach` and `torch_fused`
-  (torch.optim.AdamW: other rounding, timing only). One step timed by `do_bench`; `floor_ms` = the bytes a step
+  (torch.optim.AdamW: other rounding, timing only). One step timed by `do_bench`; `floor_s` = the bytes a step
   must move (read p, g, m, v; write p, m, v) over the copy bandwidth measured in this run (a 2 GiB device copy,
   read + write bytes), and `time_vs_floor` (the issue's <= 1.3 for fused_triton).
 `--device cpu` runs the same rows at a tiny size with the kernels under TRITON_INTERPRET=1 (fp32, wall-clock
-medians, no memory figures): a smoke test of the script, not a measurement.
+medians, no memory figures): a smoke test of the script, not a measurement. Columns are seconds and bytes
+(`raysys.results`); the printed lines show ms and GiB.
 
     python sweeps/fused_ops.py --device cuda --out results
     python sweeps/fused_ops.py --device cpu --compile-backend aot_eager --out /tmp/fused_ops
@@ -58,16 +59,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def bench(fn, device: torch.device, warmup_ms: float, rep_ms: float) -> dict[str, float]:
-    """Median and 20/80% quantiles in ms: `do_bench` on CUDA, one wall-clock run on the CPU (a smoke test)."""
+    """Median and 20/80% quantiles in seconds: `do_bench` on CUDA (which answers in ms), one wall-clock run on the
+    CPU (a smoke test)."""
     if device.type == "cuda":
         import triton.testing
 
         q20, med, q80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
-        return {"median_ms": med, "p20_ms": q20, "p80_ms": q80}
+        return {"time_median_s": med / 1e3, "time_p20_s": q20 / 1e3, "time_p80_s": q80 / 1e3}
     start = time.perf_counter()
     fn()
-    ms = (time.perf_counter() - start) * 1e3
-    return {"median_ms": ms, "p20_ms": ms, "p80_ms": ms}
+    seconds = time.perf_counter() - start
+    return {"time_median_s": seconds, "time_p20_s": seconds, "time_p80_s": seconds}
 
 
 def peak_above(fn, device: torch.device) -> float:
@@ -114,16 +116,16 @@ def loss_rows(device, dtype, args) -> list[dict]:
             hidden.grad = weight.grad = None
             peak = peak_above(fwd_bwd, device)
             timing = bench(fwd_bwd, device, args.warmup_ms, args.rep_ms)
-            rows.append(make_row(SWEEP, config, dict(**timing, peak_above_inputs_gib=peak / GiB,
-                                                     extra_peak_gib=(peak - grad_bytes) / GiB, code_path=path),
+            rows.append(make_row(SWEEP, config, dict(**timing, peak_above_inputs_bytes=peak,
+                                                     extra_peak_bytes=peak - grad_bytes, code_path=path),
                                  device=device))
         except Exception as exc:  # an OOM or a failure is a row, not the end of the sweep
             rows.append(error_row(SWEEP, config, exc, code_path=path))
         hidden.grad = weight.grad = None
         free_memory(device)
-    compiled = next((r["median_ms"] for r in rows if r["impl"] == "compiled" and r["status"] == "ok"), None)
+    compiled = next((r["time_median_s"] for r in rows if r["impl"] == "compiled" and r["status"] == "ok"), None)
     for r in rows:
-        r["time_vs_compiled"] = r["median_ms"] / compiled if compiled and r["status"] == "ok" else float("nan")
+        r["time_vs_compiled"] = r["time_median_s"] / compiled if compiled and r["status"] == "ok" else float("nan")
     return rows
 
 
@@ -132,8 +134,8 @@ def copy_bandwidth(device, args) -> float:
     numel = 2 * GiB // 4 if device.type == "cuda" else 2**20
     src = torch.randn(numel, device=device)
     dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src), device, args.warmup_ms, args.rep_ms)["median_ms"]
-    return 2 * numel * 4 / (ms / 1e3)
+    seconds = bench(lambda: dst.copy_(src), device, args.warmup_ms, args.rep_ms)["time_median_s"]
+    return 2 * numel * 4 / seconds
 
 
 def adamw_rows(device, dtype, args) -> list[dict]:
@@ -147,7 +149,7 @@ def adamw_rows(device, dtype, args) -> list[dict]:
     for p in params:
         p.grad = (torch.randn(p.shape, generator=gen, device=device) * 1e-3).to(dtype)
     numel = sum(p.numel() for p in params)
-    floor_ms = adamw_bytes(numel, params[0].element_size()) / copy_bandwidth(device, args) * 1e3
+    floor_s = adamw_bytes(numel, params[0].element_size()) / copy_bandwidth(device, args)
     impls = {"fused_triton": (FusedAdamW, "kernels.adamw, one multi-tensor Triton launch"),
              "reference": (AdamW, "raysys.model.AdamW, per-parameter torch ops"),
              "torch_foreach": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=True),
@@ -163,11 +165,11 @@ def adamw_rows(device, dtype, args) -> list[dict]:
             opt = make(params)
             opt.step()  # state allocation and kernel compilation
             timing = bench(opt.step, device, args.warmup_ms, args.rep_ms)
-            rows.append(make_row(SWEEP, config, dict(**timing, floor_ms=floor_ms,
-                                                     time_vs_floor=timing["median_ms"] / floor_ms, code_path=path),
+            rows.append(make_row(SWEEP, config, dict(**timing, floor_s=floor_s,
+                                                     time_vs_floor=timing["time_median_s"] / floor_s, code_path=path),
                                  device=device))
         except Exception as exc:
-            rows.append(error_row(SWEEP, config, exc, code_path=path, floor_ms=floor_ms))
+            rows.append(error_row(SWEEP, config, exc, code_path=path, floor_s=floor_s))
         del opt
         free_memory(device)
     return rows
@@ -185,8 +187,10 @@ def main(argv=None) -> Path:
             rows = rows_of(device, dtype, args)
             writer.write(rows)
             for r in rows:
-                figures = {k: round(r[k], 3) for k in ("median_ms", "extra_peak_gib", "time_vs_compiled",
-                                                       "floor_ms", "time_vs_floor") if k in r and r[k] == r[k]}
+                shown = {"time_median_s": ("median_ms", 1e3), "extra_peak_bytes": ("extra_peak_gib", 1 / GiB),
+                         "time_vs_compiled": ("time_vs_compiled", 1), "floor_s": ("floor_ms", 1e3),
+                         "time_vs_floor": ("time_vs_floor", 1)}
+                figures = {name: round(r[k] * scale, 3) for k, (name, scale) in shown.items() if k in r and r[k] == r[k]}
                 print(f"{r['op']:>22} {r['impl']:>13} {r['status']:>6} {figures} {r['error'][:200]}", flush=True)
     return writer.path
 

@@ -151,7 +151,7 @@ def _sharded_trial(ctx, trial: ShardedTrial) -> dict:
 def reduce_ranks(trial: ShardedTrial, per_rank: list[dict]) -> dict:
     """Rank 0's metrics, the slowest rank's step, and the spread of optimizer state over ranks."""
     out = dict(per_rank[0])
-    out["step_ms_max_rank"] = max(r["step_ms"] for r in per_rank)
+    out["step_mean_max_rank_s"] = max(r["step_mean_s"] for r in per_rank)
     state = [r["optimizer_state_after_step_bytes"] for r in per_rank]
     out["optimizer_state_max_rank_bytes"] = max(state)
     out["optimizer_state_total_bytes"] = sum(state)
@@ -185,8 +185,9 @@ def markdown(df: pd.DataFrame) -> str:
         mem, unit = long_memory(df)
         timing = pd.DataFrame({
             "dtype": ok["dtype"], "sharded": ok["sharded"].astype(bool),
-            "step (ms)": [f"{m:.1f} ± {s:.1f}" for m, s in zip(ok["step_ms"], ok["step_ms_std"])],
-            "optimizer (ms)": ok["optimizer_ms"], "forward+backward (ms)": ok["forward_ms"] + ok["backward_ms"],
+            "step (ms)": [f"{1e3 * m:.1f} ± {1e3 * s:.1f}" for m, s in zip(ok["step_mean_s"], ok["step_std_s"])],
+            "optimizer (ms)": 1e3 * ok["optimizer_mean_s"],
+            "forward+backward (ms)": 1e3 * (ok["forward_mean_s"] + ok["backward_mean_s"]),
             "optimizer state, max rank (MiB)": ok["optimizer_state_max_rank_bytes"] / 2**20})
         return [f"Memory ({unit}):\n\n" + mem.to_markdown(index=False, floatfmt=".2f"),
                 "Time per step (the sharded optimizer phase includes the parameter broadcasts):\n\n"

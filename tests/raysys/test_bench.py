@@ -165,7 +165,7 @@ def test_report_cli(tmp_path, capsys):
     ResultWriter(tmp_path, "demo").write([make_row("demo", {"n": n}, {"time_s": n / 10}) for n in (1, 2)])
     assert cli.main(["report", str(tmp_path), "--markdown", str(tmp_path / "out.md")]) == 0
     text = (tmp_path / "out.md").read_text()
-    assert "## demo" in text and "time_s" in text and "0.2" in text
+    assert "## demo" in text and "time_ms" in text and "200" in text  # the data's seconds, shown in ms
     assert cli.main(["report", str(tmp_path / "missing")]) == 2
 
 

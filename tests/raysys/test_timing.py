@@ -56,11 +56,11 @@ def test_paired_steps_alternate_blocks_and_cancel_drift():
     assert blocks == ["slow", "fast", "fast", "slow", "slow", "fast", "fast", "slow"] and len(log) == 24
     assert out["paired_rounds"] == 4 and 1.8 < out["paired_ratio"] < 2.2, out
     assert out["paired_ratio_min"] <= out["paired_ratio"] <= out["paired_ratio_max"]
-    assert out["paired_step_ms"] > out["paired_reference_ms"] > 0
+    assert out["paired_step_median_s"] > out["paired_reference_median_s"] > 0
     # Timed in trials some steps apart, the slow step looks ~3.5x the fast one (the host slowed down meanwhile).
-    first = time_steps(_DriftingStep("fast", 0.002, log), 1, 8)["step_ms_median"]
+    first = time_steps(_DriftingStep("fast", 0.002, log), 1, 8)["step_median_s"]
     log.extend(["other trials"] * 20)
-    later = time_steps(_DriftingStep("slow", 0.004, log), 1, 8)["step_ms_median"]
+    later = time_steps(_DriftingStep("slow", 0.004, log), 1, 8)["step_median_s"]
     assert later / first > 2.6
     with pytest.raises(ValueError, match="rounds"):
         paired_steps(slow, fast, rounds=0)
@@ -75,8 +75,8 @@ def test_median_confidence_and_adaptive_step_count():
     out = time_steps(noisy, warmup=1, steps=4, max_steps=8)
     assert out["timed_steps"] == 8 and noisy.calls == 1 + 8
     assert not any(noisy.gc_on) and gc.isenabled()               # collector paused inside, restored after
-    assert out["step_ms_min"] <= out["step_ms_median"] <= out["step_ms_max"]
-    assert out["forward_ms_median"] > 0 and out["host_backward_ms"] > 0 and out["cpu_ms_per_step"] >= 0
+    assert out["step_min_s"] <= out["step_median_s"] <= out["step_max_s"]
+    assert out["forward_median_s"] > 0 and out["host_backward_median_s"] > 0 and out["cpu_time_per_step_s"] >= 0
     assert out["torch_threads"] == torch.get_num_threads()
     # ... and without max_steps it times exactly `steps`.
     assert time_steps(_SleepStep([0.001] * 10), warmup=0, steps=3)["timed_steps"] == 3

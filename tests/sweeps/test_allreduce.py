@@ -50,7 +50,7 @@ def test_parse_nccl_env():
 def _row(op, size_bytes, world_size, launcher, visibility, busbw, nccl_env="", run_id="run1"):
     return dict(op=op, size=allreduce.size_label(size_bytes), size_bytes=size_bytes, num_bytes=size_bytes,
                 world_size=world_size, launcher=launcher, gpu_visibility=visibility, nccl_env=nccl_env,
-                status="ok", error="", busbw_GBps=busbw, time_ms=1.0, device_name="H200", run_id=run_id)
+                status="ok", error="", busbw_GBps=busbw, time_mean_s=1e-3, device_name="H200", run_id=run_id)
 
 
 def test_target_check_and_nccl_setting_table():
@@ -101,7 +101,7 @@ def test_the_report_puts_the_planner_with_the_measured_bandwidth_under_the_gpu_g
 
     rows = [make_row("allreduce", {"op": "all_reduce", "world_size": 2, "num_bytes": n, "size_bytes": n,
                                    "size": allreduce.size_label(n), "launcher": "mp", "gpu_visibility": "shared",
-                                   "nccl_env": ""}, {"busbw_GBps": bw, "time_ms": 1.0}, backend="nccl")
+                                   "nccl_env": ""}, {"busbw_GBps": bw, "time_mean_s": 1e-3}, backend="nccl")
             for n, bw in ((2**20, 100.0), (2**30, 300.0))]
     with ResultWriter(tmp_path, "allreduce") as writer:
         writer.write(rows)

@@ -180,7 +180,7 @@ def test_profiling_releases_cupti_when_it_stops(monkeypatch):
 def test_ratios_and_targets():
     df = pd.DataFrame({"status": "ok", "dtype": "bf16", "variant": ["single", "overlapped", "bucketed", "torch"],
                        "label": ["single", "overlapped", "bucketed 100MB", "torch DDP 25MB"],
-                       "step_ms": [100.0, 103.0, 101.0, 102.0]})
+                       "step_mean_s": [0.100, 0.103, 0.101, 0.102]})
     ratios = ddp_sweep.with_ratios(df)
     assert ratios["vs_single"].tolist() == pytest.approx([1.0, 1.03, 1.01, 1.02])
     assert ratios["vs_torch"].tolist() == pytest.approx([100 / 102, 103 / 102, 101 / 102, 1.0])
@@ -191,7 +191,7 @@ def test_ratios_and_targets():
 def test_targets_use_paired_ratios_when_every_variant_has_one():
     df = pd.DataFrame({"status": "ok", "dtype": "bf16", "variant": ["single", "overlapped", "bucketed", "torch"],
                        "label": ["single", "overlapped", "bucketed 100MB", "torch DDP 25MB"],
-                       "step_ms": [100.0, 103.0, 101.0, 102.0], "paired_rounds": 6,
+                       "step_mean_s": [0.100, 0.103, 0.101, 0.102], "paired_rounds": 6,
                        "paired_ratio": [math.nan, 1.015, 1.05, 1.02], "paired_ratio_min": [math.nan, 1.0, 1.0, 1.0],
                        "paired_ratio_max": [math.nan, 1.03, 1.1, 1.04]})
     ratios = ddp_sweep.with_ratios(df)
@@ -207,7 +207,7 @@ def test_targets_use_paired_ratios_when_every_variant_has_one():
 def test_ratios_use_the_median_and_both_single_runs():
     df = pd.DataFrame({"status": "ok", "dtype": "fp32", "variant": ["single", "bucketed", "torch", "single"],
                        "label": ["single", "bucketed 100MB", "torch DDP 25MB", "single (rerun)"],
-                       "step_ms": [150.0, 90.0, 105.0, 150.0], "step_ms_median": [100.0, 104.0, 105.0, 102.0]})
+                       "step_mean_s": [0.150, 0.090, 0.105, 0.150], "step_median_s": [0.100, 0.104, 0.105, 0.102]})
     ratios = ddp_sweep.with_ratios(df)
     assert ratios["vs_single"].tolist() == pytest.approx([100 / 101, 104 / 101, 105 / 101, 102 / 101])
     assert ddp_sweep.single_drift(df) == {"fp32": pytest.approx(0.02)}
@@ -246,11 +246,11 @@ def test_trial_functions_on_gloo_ranks(tmp_path):
     per_rank = run_ranks(_run_trials, 2, configs, str(tmp_path))
     (single, naive, overlapped, bucketed, rerun, unsharded, sharded), _ = per_rank[0]
     for m in (single, naive, overlapped, bucketed, rerun):
-        assert m["step_ms"] > 0 and m["step_ms_std"] >= 0 and m["timed_steps"] == TINY["steps"]
-        assert m["step_ms_min"] <= m["step_ms_median"] <= m["step_ms_max"]
-        assert all(m[f"{phase}_ms"] >= 0 for phase in PHASES)
+        assert m["step_mean_s"] > 0 and m["step_std_s"] >= 0 and m["timed_steps"] == TINY["steps"]
+        assert m["step_min_s"] <= m["step_median_s"] <= m["step_max_s"]
+        assert all(m[f"{phase}_mean_s"] >= 0 for phase in PHASES)
         # The phases are parts of the step.
-        assert sum(m[f"{phase}_ms"] for phase in PHASES) <= m["step_ms"] * 1.05 + 0.5
+        assert sum(m[f"{phase}_mean_s"] for phase in PHASES) <= m["step_mean_s"] * 1.05 + 0.5e-3
     num_tensors = 2 * 9 + 3                 # tiny: 2 blocks of 9 tensors, embedding, final norm, LM head
     assert naive["collectives_per_step"] == overlapped["collectives_per_step"] == num_tensors
     assert 1 < bucketed["collectives_per_step"] < num_tensors
@@ -259,7 +259,7 @@ def test_trial_functions_on_gloo_ranks(tmp_path):
     # kernels, so there is no overlap figure on the CPU, and the row says why.
     assert overlapped["profile_status"] == "cpu" and overlapped["profiled_cpu_ops"] > 100
     assert overlapped["host_allreduce_calls"] == num_tensors           # exactly one step was recorded
-    assert 0 < overlapped["host_allreduce_ms"] < overlapped["host_accumulate_grad_ms"]   # issued from the hooks
+    assert 0 < overlapped["host_allreduce_s"] < overlapped["host_accumulate_grad_s"]   # issued from the hooks
     assert math.isnan(overlapped["overlap_fraction"])
     assert overlapped["trace_path"].endswith("ddp_overlapped_fp32.json.gz")
     assert (tmp_path / "traces" / "ddp_overlapped_fp32.json.gz").stat().st_size > 2000
@@ -283,8 +283,8 @@ def test_trial_functions_on_gloo_ranks(tmp_path):
     assert unsharded["optimizer_state_init_bytes"] == 0          # AdamW allocates its state at the first step
 
     reduced = ddp_sweep.reduce_ranks(configs[2], [rows[2] for rows, _ in per_rank])
-    assert reduced["rank_spread"] >= 0 and reduced["leaked_parameters_max_rank"] == 0
-    assert reduced["step_ms_median_min_rank"] <= reduced["step_ms_median_max_rank"]
+    assert reduced["rank_spread_rel"] >= 0 and reduced["leaked_parameters_max_rank"] == 0
+    assert reduced["step_median_min_rank_s"] <= reduced["step_median_max_rank_s"]
 
 
 # ---------------------------------------------------------------------------------------------------- the script

@@ -54,8 +54,8 @@ def _rows(fast_fwd: str, fast_dq: str) -> pd.DataFrame:
             rows.append(dict(study="candidates", status="ok", provider="triton_candidate", candidate=name,
                              path=f"{spec['path']}, two_pass", batch=b, heads=h, seq=n, head_dim=d,
                              fwd_config=spec["fwd"], dkdv_config=spec["dkdv"], dq_config=spec["dq"],
-                             fwd_ms=fwd * n / 1e3, bwd_ms=bwd * n / 1e3, device_name="H200", torch_version="2.11",
-                             triton_version="3.6"))
+                             fwd_median_s=fwd * n / 1e6, bwd_median_s=bwd * n / 1e6, device_name="H200",
+                             torch_version="2.11", triton_version="3.6"))
     return pd.DataFrame(rows)
 
 

@@ -28,7 +28,7 @@ def test_flash_bench_cpu_rows(tmp_path):
     status = dict(zip(df["provider"], df["status"]))
     assert status == {"naive": "ok", "pytorch_tiled": "ok", "triton": "skipped", "sdpa_flash": "skipped"}
     ok = df[df["status"] == "ok"]
-    assert (ok[["fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_tflops"]] > 0).all().all()
+    assert (ok[["fwd_median_s", "bwd_median_s", "fwd_bwd_median_s", "fwd_tflops"]] > 0).all().all()
     assert (ok["max_abs_err"] < 1e-5).all()  # fp32 providers against fp32 SDPA
     assert df.loc[df["provider"] == "triton", "error"].str.contains("CUDA").all()
 
@@ -40,11 +40,11 @@ def test_flash_bench_rejects_unknown_provider(tmp_path):
 
 def test_speedups_against_each_sdpa_backend():
     shape = dict(study="target", batch=1, heads=16, seq=16384, head_dim=128, dtype="bf16", causal=True, status="ok")
-    rows = [dict(shape, provider="triton", fwd_ms=1.0, bwd_ms=4.0, fwd_bwd_ms=5.0),
-            dict(shape, provider="sdpa_flash", fwd_ms=2.0, bwd_ms=6.0, fwd_bwd_ms=8.0),
-            dict(shape, provider="sdpa_cudnn", fwd_ms=1.5, bwd_ms=3.0, fwd_bwd_ms=4.5),
-            dict(shape, provider="naive", status="oom", fwd_ms=float("nan"), bwd_ms=float("nan"),
-                 fwd_bwd_ms=float("nan"))]
+    rows = [dict(shape, provider="triton", fwd_median_s=1.0, bwd_median_s=4.0, fwd_bwd_median_s=5.0),
+            dict(shape, provider="sdpa_flash", fwd_median_s=2.0, bwd_median_s=6.0, fwd_bwd_median_s=8.0),
+            dict(shape, provider="sdpa_cudnn", fwd_median_s=1.5, bwd_median_s=3.0, fwd_bwd_median_s=4.5),
+            dict(shape, provider="naive", status="oom", fwd_median_s=float("nan"), bwd_median_s=float("nan"),
+                 fwd_bwd_median_s=float("nan"))]
     df = flash_bench.add_speedups(pd.DataFrame(rows)).set_index("provider")
     assert df.loc["triton", "speedup_fwd_vs_sdpa_flash"] == pytest.approx(2.0)
     assert df.loc["triton", "speedup_fwd_vs_sdpa_cudnn"] == pytest.approx(1.5)
@@ -73,7 +73,7 @@ def test_flash_tiles_grids_hold_only_valid_configs():
 def _tile_row(kernel, tile, warps, stages, shape, ms, status="ok"):
     m, n = map(int, tile.split("x"))
     return dict(kernel=kernel, tile=tile, num_warps=warps, num_stages=stages, shape=shape, status=status,
-                block_m=m, block_n=n, median_ms=ms, tflops=100.0 / ms, error="",
+                block_m=m, block_n=n, time_median_s=ms / 1e3, tflops=100.0 / ms, error="",
                 **flash_tiles.parse_shape(shape))
 
 
@@ -154,7 +154,8 @@ def test_the_studies_draw_their_tables_and_the_summary_prints_them(tmp_path, cap
     assert "128x32" in text and "{'error': 1} failed" in text and "64x16" not in text
     assert "none measured ({'error': 1} failed)" in flash_tiles.markdown(pd.DataFrame(rows[1:]))
     shape = dict(study="target", batch=1, heads=16, seq=16384, head_dim=128, dtype="bf16", causal=True, status="ok")
-    bench = flash_bench.add_speedups(pd.DataFrame([dict(shape, provider=p, fwd_ms=ms, bwd_ms=2 * ms, fwd_bwd_ms=3 * ms,
+    bench = flash_bench.add_speedups(pd.DataFrame([dict(shape, provider=p, fwd_median_s=ms, bwd_median_s=2 * ms,
+                                                        fwd_bwd_median_s=3 * ms,
                                                         fwd_tflops=1.0, fwd_bwd_tflops=1.0, max_abs_err=0.0)
                                                    for p, ms in (("triton", 1.0), ("sdpa_flash", 2.0))]))
     assert "Target: batch 1, 16 heads, seq 16384" in flash_bench.markdown(bench)
@@ -215,14 +216,14 @@ def test_flash_bench_resume_runs_what_the_time_budget_skipped(tmp_path):
     df = pd.read_parquet(path)
     budget = (df["provider"] == "naive") & (df["seq"] == 128)
     df.loc[budget, ["status", "error"]] = ["skipped", "--max-seconds 160.0 spent"]
-    df.loc[budget, [c for c in df.columns if c.endswith("_ms")]] = float("nan")
+    df.loc[budget, [c for c in df.columns if c.endswith("_median_s")]] = float("nan")
     df["host"] = "previous-run"  # a rerun trial gets this host's name
     df.to_parquet(path)
 
     again = flash_bench.main(args + ["--resume"]).set_index(["provider", "seq"])
     assert again["status"].to_dict() == {("naive", 64): "ok", ("naive", 128): "ok", ("triton", 64): "skipped",
                                          ("triton", 128): "skipped"}
-    assert again.loc[("naive", 128), "fwd_ms"] > 0 and again.loc[("naive", 128), "host"] != "previous-run"
+    assert again.loc[("naive", 128), "fwd_median_s"] > 0 and again.loc[("naive", 128), "host"] != "previous-run"
     assert again.drop(index=[("naive", 128)])["host"].eq("previous-run").all()  # final rows are not run again
 
 
@@ -246,8 +247,8 @@ def test_flash_tiles_short_dtype_names_are_one_spelling():
 
 def _fake_tile_trial(config: dict) -> dict:
     m, n = map(int, config["tile"].split("x"))
-    return {"block_m": m, "block_n": n, **flash_tiles.parse_shape(config["shape"]), "median_ms": 1.0 + m / 1000,
-            "tflops": 1.0, "max_abs_err": 0.0}
+    return {"block_m": m, "block_n": n, **flash_tiles.parse_shape(config["shape"]),
+            "time_median_s": (1.0 + m / 1000) / 1e3, "tflops": 1.0, "max_abs_err": 0.0}
 
 
 def test_flash_tiles_max_trials_then_resume_continues(tmp_path, monkeypatch):

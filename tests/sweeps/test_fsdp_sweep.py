@@ -61,16 +61,16 @@ def test_overlap_metrics_from_kernel_intervals():
               _event("ncclDevKernel_ReduceScatter_Sum_f32", 35, 45),  # 5 us exposed after the last kernel
               _event("Memcpy HtoD", 50, 60), _event("aten::mm", 0, 100, DeviceType.CPU)]
     m = fsdp_sweep.overlap_metrics(events)
-    assert m["allgather_kernels"] == 2 and m["allgather_ms"] == pytest.approx(0.014)
-    assert m["allgather_exposed_ms"] == pytest.approx(0.009)
+    assert m["allgather_kernels"] == 2 and m["allgather_s"] == pytest.approx(14e-6)
+    assert m["allgather_exposed_s"] == pytest.approx(9e-6)
     assert m["stalled_allgathers"] == 1
-    assert m["reducescatter_ms"] == pytest.approx(0.010) and m["reducescatter_exposed_ms"] == pytest.approx(0.005)
+    assert m["reducescatter_s"] == pytest.approx(10e-6) and m["reducescatter_exposed_s"] == pytest.approx(5e-6)
     assert m["allreduce_kernels"] == 0
 
 
 def _row(variant: str, step_ms: float, peak: float, state: float, expected: float) -> dict:
     return dict(status="ok", dtype="bf16", variant=variant, size="xl", context_length=512, world_size=2,
-                batch_per_rank=4, warmup=2, steps=8, step_ms=step_ms, step_ms_std=1.0,
+                batch_per_rank=4, warmup=2, steps=8, step_mean_s=step_ms / 1e3, step_std_s=1e-3,
                 peak_memory_max_rank_bytes=peak * 2**30, state_bytes=state * 2**30,
                 expected_state_bytes=expected * 2**30, error="")
 
@@ -95,7 +95,7 @@ def test_targets_use_the_median_check_every_block_variant_and_only_one_run():
     rows = [_row("single", 100.0, 60, 54, 54), _row("fsdp", 130.0, 30, 27.5, 27.3),
             _row("fsdp_hp", 112.0, 33, 27.5, 27.3), _row("fsdp2", 137.0, 32, 27.4, 27.3)]
     medians = {"single": 100.0, "fsdp": 109.0, "fsdp_hp": 111.0, "fsdp2": 140.0}  # fsdp's mean had a slow step
-    df = pd.DataFrame([{**r, "step_ms_median": medians[r["variant"]], "run_id": "a"} for r in rows])
+    df = pd.DataFrame([{**r, "step_median_s": medians[r["variant"]] / 1e3, "run_id": "a"} for r in rows])
     lines = fsdp_sweep.targets(df)
     assert "`fsdp` step: 109.0 ms = 1.090x single (met" in lines[0] and "fsdp2 1.400x" in lines[0]
     assert "`fsdp` peak memory: 30.00 GiB vs fsdp2 32.00 GiB (met" in lines[1]
@@ -124,7 +124,7 @@ def test_trial_function_on_gloo_ranks():
     for i, config in enumerate(configs):
         ranks = [r[i] for r in per_rank]
         m = fsdp_sweep.reduce_ranks(config, ranks)
-        assert m["step_ms"] > 0 and m["step_ms_max_rank"] >= m["step_ms"]
+        assert m["step_mean_s"] > 0 and m["step_mean_max_rank_s"] >= m["step_mean_s"]
         for r in ranks:  # a trial leaves no model behind (a leaked one would take the next trial's GPU memory)
             assert r["live_parameters_after"] == r["live_parameters_before"], config["variant"]
         if config["variant"] == "ddp_sharded":  # moments split over the ranks: their sum is the whole
@@ -136,7 +136,7 @@ def test_trial_function_on_gloo_ranks():
         if config["variant"] in ("fsdp", "fsdp_layer"):  # the embedding is not re-gathered in backward
             units = 2 + 2 if config["variant"] == "fsdp" else 16  # embedding, 2 blocks (of 7 layers), lm_head
             assert m["all_gathers_per_step"] == 2 * units - 1, config["variant"]
-            assert m["gather_wait_ms"] >= 0 and m["peak_gathered_bytes"] > 0
+            assert m["gather_wait_s"] >= 0 and m["peak_gathered_bytes"] > 0
 
 
 @pytest.mark.multiproc

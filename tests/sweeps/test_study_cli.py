@@ -209,7 +209,8 @@ def test_ctrl_c_says_how_far_the_run_got(tmp_path, monkeypatch, capsys):
 
 def _gang_rows(backend: str, **extra) -> pd.DataFrame:
     rows = [dict(status="ok", dtype="bf16", variant=v, label=v, size="xl", context_length=512, world_size=2,
-                 batch_per_rank=4, warmup=2, steps=8, step_ms=s, step_ms_std=1.0, step_ms_median=s, backend=backend,
+                 batch_per_rank=4, warmup=2, steps=8, step_mean_s=s / 1e3, step_std_s=1e-3,
+                 step_median_s=s / 1e3, backend=backend,
                  peak_memory_max_rank_bytes=p * 2**30, state_bytes=2**30, expected_state_bytes=2**30, error="",
                  **extra) for v, s, p in (("single", 100.0, 40), ("fsdp", 130.0, 30), ("torch", 101.0, 50),
                                           ("fsdp2", 140.0, 32), ("overlapped", 103.0, 40))]
@@ -226,7 +227,7 @@ def test_gpu_targets_do_not_apply_to_cpu_rows():
         assert ("not applicable on CPU" in text) == cpu, text
         assert ("missed" in text) == (not cpu), text
     rows = [dict(op="all_reduce", size="1GiB", size_bytes=2**30, num_bytes=2**30, world_size=2, launcher=launcher,
-                 gpu_visibility="none", nccl_env="", status="ok", error="", busbw_GBps=1.0, time_ms=1.0,
+                 gpu_visibility="none", nccl_env="", status="ok", error="", busbw_GBps=1.0, time_mean_s=1e-3,
                  device_name="cpu", run_id="r", backend="gloo") for launcher in ("mp", "ray")]
     text = "\n".join(allreduce.target_lines(pd.DataFrame(rows)))
     assert "not applicable on CPU" in text and "FAIL" not in text and "PASS" not in text
