@@ -1,6 +1,7 @@
-"""The collectives, DDP and FSDP sweeps at 4 and 6 ranks (gloo, plain processes): the world sizes a 4- or 8-GPU
-host runs (issue 8), with no special case in the scripts. Six ranks do not divide the tiny model's widths, so
-FSDP pads its shards; every parallel strategy still has to match the single step."""
+"""The collectives, DDP and FSDP sweeps beyond two ranks (gloo, plain processes): world sizes a 4- or 8-GPU host
+runs (issue 8), with no special case in the scripts. Six ranks do not divide the tiny model's widths, so FSDP pads
+its shards and the collectives split unevenly; every parallel strategy still has to match the single step. One
+world size per study keeps the suite inside CI's time (each rank is a process on a 2-core machine)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 COMMON = ["--device", "cpu", "--launcher", "mp", "--context-length", "16", "--warmup", "1", "--steps", "2"]
 
 
-@pytest.mark.parametrize("world", [4, 6])
+@pytest.mark.parametrize("world", [6])
 def test_collectives_sweep(tmp_path, world):
     df = allreduce.main(["--device", "cpu", "--launchers", "mp", "--world-sizes", str(world), "--sizes", "4KiB",
                          "--ops", "all_reduce,all_gather,reduce_scatter", "--iters", "2", "--out", str(tmp_path)])
@@ -23,7 +24,7 @@ def test_collectives_sweep(tmp_path, world):
     assert set(df["world_size"]) == {world} and (df["busbw_GBps"] > 0).all()
 
 
-@pytest.mark.parametrize("world", [4, 6])
+@pytest.mark.parametrize("world", [4])
 def test_ddp_and_sharded_optimizer_sweeps(tmp_path, world):
     ddp = ddp_sweep.main([*COMMON, "--world-size", str(world), "--size", "tiny", "--out", str(tmp_path),
                           "--variants", "single,flat,bucketed:0.05,torch", "--profile", ""])
@@ -37,7 +38,7 @@ def test_ddp_and_sharded_optimizer_sweeps(tmp_path, world):
     assert rows.loc[True, "optimizer_state_max_rank_bytes"] < rows.loc[False, "optimizer_state_max_rank_bytes"]
 
 
-@pytest.mark.parametrize("world", [4, 6])
+@pytest.mark.parametrize("world", [6])
 def test_fsdp_sweep(tmp_path, world):
     df = fsdp_sweep.main([*COMMON, "--world-size", str(world), "--out", str(tmp_path), "--dtypes", "fp32",
                           "--variants", "single,ddp_sharded,fsdp,fsdp2", "--profile", ""])
