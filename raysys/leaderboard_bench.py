@@ -255,8 +255,8 @@ def run_variant(model: TransformerLM, variant: Variant, *, seq_len: int, timer: 
         predicted = path.pop("predicted_peak_bytes")
         if step.plan is None:  # a fixed policy: the model's prediction for it all the same
             predicted = predicted_peak(model, variant, seq_len, step.checkpointing.regions)
-        return {**path, "first_loss": float(loss), "step_s": step_s, "step_s_low": timing["min_ms"] / 1e3,
-                "step_s_high": timing["max_ms"] / 1e3, "timed_steps": timing["timed_steps"],
+        return {**path, "first_loss": float(loss), "step_median_s": step_s, "step_low_s": timing["min_ms"] / 1e3,
+                "step_high_s": timing["max_ms"] / 1e3, "timed_steps": timing["timed_steps"],
                 "tokens_per_s": tokens / step_s, "model_flops": flops, "model_tflops": flops / step_s / 1e12,
                 "peak_bytes": peak, "reserved_peak_bytes": reserved, "predicted_peak_bytes": float(predicted),
                 "predicted_rel_error": (predicted - peak) / peak if peak == peak else float("nan"),
@@ -536,7 +536,7 @@ def variant_row(args, session: Session, variant: Variant, sweep: str = SWEEP, **
         metrics.update(matmul_tflops=session.matmul_tflops, mfu=metrics["model_tflops"] / session.matmul_tflops,
                        build_s=session.build_s, cold_caches=session.cold,
                        alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") if session.device.type == "cuda" else "",
-                       **{f"attention_ms_{name}": session.attention_ms.get(name, float("nan"))
+                       **{f"attention_{name}_s": session.attention_ms.get(name, float("nan")) / 1e3
                           for name in ATTENTION_CANDIDATES})
         row = make_row(sweep, row_config, metrics, device=session.device)
     except Exception as exc:  # an OOM (or any failure) is a row; the study goes on
@@ -587,7 +587,8 @@ def _print_row(row: dict) -> None:
     if row["status"] != "ok":
         print(f"{row['variant']:>22} b{row['batch_size']}: {row['status']} {row['error'][:160]}", flush=True)
         return
-    print(f"{row['variant']:>22} b{row['batch_size']}: step {row['step_s']:.3f} s, peak {row['peak_bytes'] / 2**30:.1f} "
+    print(f"{row['variant']:>22} b{row['batch_size']}: step {row['step_median_s']:.3f} s, "
+          f"peak {row['peak_bytes'] / 2**30:.1f} "
           f"GiB (predicted {row['predicted_peak_bytes'] / 2**30:.1f}), {row['model_tflops']:.0f} TFLOP/s, "
           f"MFU {row['mfu']:.2f}, first step {row['first_step_s']:.1f} s, {row['policy']}, {row['loss_path']}, "
           f"{row['optimizer_class']}", flush=True)
@@ -601,14 +602,15 @@ def summary(df: "pd.DataFrame") -> str:
     if df.empty:
         return "no rows"
     df = df.copy()
-    if "step_s" not in df:
-        df["step_s"] = float("nan")
-    today = {(r.run_id, r.batch_size): r.step_s for r in df.itertuples() if r.variant == "today" and r.status == "ok"}
-    df["speedup_vs_today"] = [today.get((r.run_id, r.batch_size), float("nan")) / r.step_s if r.status == "ok"
+    if "step_median_s" not in df:
+        df["step_median_s"] = float("nan")
+    today = {(r.run_id, r.batch_size): r.step_median_s for r in df.itertuples()
+             if r.variant == "today" and r.status == "ok"}
+    df["speedup_vs_today"] = [today.get((r.run_id, r.batch_size), float("nan")) / r.step_median_s if r.status == "ok"
                               else float("nan") for r in df.itertuples()]
     gib = lambda col: df[col] / 2**30 if col in df else float("nan")
     view = pd.DataFrame({"variant": df["variant"], "batch": df["batch_size"], "status": df["status"],
-                         "step (s)": df["step_s"], "vs today": df["speedup_vs_today"],
+                         "step (s)": df["step_median_s"], "vs today": df["speedup_vs_today"],
                          "peak (GiB)": gib("peak_bytes"), "predicted (GiB)": gib("predicted_peak_bytes"),
                          "TFLOP/s": df.get("model_tflops"), "MFU": df.get("mfu"), "tokens/s": df.get("tokens_per_s"),
                          "cold start (s)": df.get("cold_start_s"), "attention": df.get("attention"),

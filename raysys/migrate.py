@@ -58,6 +58,8 @@ SWEEP_RENAMES: dict[str, dict[str, tuple[str, float]]] = {
                   "peak_above_inputs_gib": ("peak_above_inputs_bytes", GIB)},
     "flash_tiles": {"median_ms": ("time_median_s", MS)},
     "flash_bench": {f"{m}_ms": (f"{m}_median_s", MS) for m in ("fwd", "bwd", "fwd_bwd")},
+    **{name: {"step_s": ("step_median_s", 1), "step_s_low": ("step_low_s", 1), "step_s_high": ("step_high_s", 1)}
+       for name in ("leaderboard", "leaderboard_tune", "leaderboard_ddp")},
     # the per-kernel table of the end-to-end study: time over the profiled steps, and per call
     "e2e_kernel_table": {"total_ms": ("total_s", MS), "mean_us": ("call_mean_s", US)},
     # the slowest rank's mean over the fastest's (>= 1) in the collectives benchmark ...
@@ -95,6 +97,9 @@ def canonical(df: pd.DataFrame, sweep: str | None = None, siblings: Path | None 
     if sweep is None and "sweep" in df and len(df):
         sweep = str(df["sweep"].iloc[0])
     table = {**RENAMES, **SWEEP_RENAMES.get(sweep or "", {})}
+    for col in df.columns:  # the leaderboard's per-candidate attention times
+        if isinstance(col, str) and col.startswith("attention_ms_"):
+            table[col] = (f"attention_{col.removeprefix('attention_ms_')}_s", MS)
     out = df
     for old, (new, factor) in table.items():
         if old not in out:

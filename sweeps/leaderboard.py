@@ -142,17 +142,19 @@ def run_neighbours_tune(args) -> pd.DataFrame:
 def neighbours_summary(df: pd.DataFrame) -> str:
     """The measured neighbours, and the advisor's plan against the fastest that fit (target: within 5%) and its
     predicted peak against the measured (target: within 10%)."""
-    if df.empty or "step_s" not in df:
+    if df.empty or "step_median_s" not in df:
         return "no neighbour rows"
-    cols = [c for c in ("offset", "policy", "status", "step_s", "peak_bytes", "predicted_peak_bytes") if c in df]
+    cols = [c for c in ("offset", "policy", "status", "step_median_s", "peak_bytes", "predicted_peak_bytes")
+            if c in df]
     lines = [df[cols].sort_values("offset").to_markdown(index=False, floatfmt=".4g"), ""]
     ok = df[df.status == "ok"]
     plan = ok[ok.offset == 0]
     if not plan.empty and not ok.empty:
-        best = ok.loc[ok.step_s.idxmin()]
+        best = ok.loc[ok.step_median_s.idxmin()]
         p = plan.iloc[0]
-        lines.append(f"- advisor plan {p.policy}: {p.step_s:.3f} s; fastest measured neighbour that fits "
-                     f"{best.policy}: {best.step_s:.3f} s; plan / best = {p.step_s / best.step_s:.3f} "
+        mine, theirs = p.step_median_s, best.step_median_s
+        lines.append(f"- advisor plan {p.policy}: {mine:.3f} s; fastest measured neighbour that fits "
+                     f"{best.policy}: {theirs:.3f} s; plan / best = {mine / theirs:.3f} "
                      f"(target <= 1.05)")
         if p.peak_bytes == p.peak_bytes:
             lines.append(f"- plan's predicted peak {p.predicted_peak_bytes / 2**30:.2f} GiB vs measured "
@@ -211,7 +213,7 @@ def ddp_trial(ctx, config: dict) -> dict:
             ctx.synchronize()
             times.append(time.perf_counter() - t0)
         peak = float(torch.cuda.max_memory_allocated(ctx.device)) if ctx.device.type == "cuda" else float("nan")
-        out = {"step_s": statistics.median(times), "losses": losses, "peak_bytes": peak,
+        out = {"step_median_s": statistics.median(times), "losses": losses, "peak_bytes": peak,
                "tokens_per_s": ctx.world_size * t.batch_size * mc.context_length / statistics.median(times),
                **{k: v for k, v in step.describe().items() if k != "plan_fits"}}
         if t.return_params:
@@ -234,7 +236,7 @@ def run_ddp(args) -> pd.DataFrame:
     cfg = {k: v for k, v in dataclasses.asdict(trial).items() if k != "return_params"}
 
     def reduce(config, per_rank):  # the slowest rank's step; every rank's losses and peaks
-        slow = max(per_rank, key=lambda m: m["step_s"])
+        slow = max(per_rank, key=lambda m: m["step_median_s"])
         return {**{k: v for k, v in slow.items() if k != "losses"}, "losses": [m["losses"] for m in per_rank],
                 "peak_bytes_max": max(m["peak_bytes"] for m in per_rank)}
 
@@ -269,8 +271,9 @@ def ablation_markdown(df: pd.DataFrame) -> str:
         harness = best[best.timer == "do_bench"].sort_values("rep_ms")
         head = (harness if not harness.empty else best).iloc[-1]
         how = f"do_bench rep {head.rep_ms:g} ms / warmup {head.warmup_ms:g} ms" if head.timer == "do_bench" else "events"
-        verdict = lambda limit: f"met" if head.step_s <= limit else f"missed by {head.step_s - limit:.2f} s"
-        lines.append(f"- fast step, batch {head.batch_size} x {head.seq_len} ({how}): {head.step_s:.3f} s, "
+        step = head.step_median_s
+        verdict = lambda limit: f"met" if step <= limit else f"missed by {step - limit:.2f} s"
+        lines.append(f"- fast step, batch {head.batch_size} x {head.seq_len} ({how}): {head.step_median_s:.3f} s, "
                      f"{head.model_tflops:.0f} model TFLOP/s, MFU {head.mfu:.2f} of a {head.matmul_tflops:.0f} TFLOP/s "
                      f"matmul measured in the run; target <= {TARGET_STEP_S} s: {verdict(TARGET_STEP_S)}; first "
                      f"milestone <= {MILESTONE_STEP_S} s: {verdict(MILESTONE_STEP_S)}")
@@ -278,9 +281,10 @@ def ablation_markdown(df: pd.DataFrame) -> str:
             today = ok[(ok.run_id == r.run_id) & (ok.variant == "today") & (ok.batch_size == r.batch_size)]
             if not today.empty:
                 t = today.iloc[0]
-                lines.append(f"- same run {r.run_id}: fast {r.step_s:.3f} s vs today's composition {t.step_s:.3f} s "
-                             f"(peak {t.peak_bytes / 2**30:.1f} GiB): {t.step_s / r.step_s:.2f}x (target "
-                             f"{TARGET_SPEEDUP}x: {'met' if t.step_s / r.step_s >= TARGET_SPEEDUP else 'missed'})")
+                fast, slow = r.step_median_s, t.step_median_s
+                lines.append(f"- same run {r.run_id}: fast {fast:.3f} s vs today's composition {slow:.3f} s "
+                             f"(peak {t.peak_bytes / 2**30:.1f} GiB): {slow / fast:.2f}x (target "
+                             f"{TARGET_SPEEDUP}x: {'met' if slow / fast >= TARGET_SPEEDUP else 'missed'})")
         cold = best[best.cold_start_s.notna()]
         for r in cold.itertuples():
             run_s = getattr(r, "cold_run_s", float("nan"))

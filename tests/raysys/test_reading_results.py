@@ -51,6 +51,8 @@ def test_migration_converts_names_and_units_and_is_idempotent(tmp_path):
     assert canonical(new) is new
     # the same rows under another study's name: rank_spread there is a ratio (allreduce) or left alone
     assert "rank_spread_ratio" in canonical(old.assign(sweep="allreduce"))
+    board = canonical(pd.DataFrame({"sweep": ["leaderboard"], "step_s": [5.5], "attention_ms_sdpa": [250.0]}))
+    assert board[["step_median_s", "attention_sdpa_s"]].iloc[0].tolist() == pytest.approx([5.5, 0.25])
     # on disk: the file is rewritten once, a second run changes nothing, and read_results reads old files alike
     old.to_parquet(tmp_path / "ddp.parquet")
     assert read_results(tmp_path / "ddp.parquet")["step_median_s"].tolist() == pytest.approx([0.1, 0.1185])
