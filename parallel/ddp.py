@@ -16,7 +16,8 @@ has `.grad` equal to the mean over the group of the ranks' local gradients, zero
 none; frozen parameters are never sent and a tied one is reduced once. Collectives are matched across ranks by
 issue order, so buckets are launched strictly in bucket order whatever order gradients arrive in, and those still
 unlaunched at finish (a parameter unused on this rank) are launched there with zeros. Mean: NCCL's AVG inside the
-collective; gloo divides by the group size, then sums; a group of one sums (its mean is itself, nothing to divide).
+collective; gloo divides by the group size, then sums. A group of one is the identity: the same hooks and bucket
+bookkeeping run, but nothing is copied, divided or communicated, and an unused parameter keeps `.grad` None.
 
 Host cost of the overlapped variants per step: one Python call per parameter (its post-accumulate-grad hook,
 which only records the gradient) and one collective call per bucket, made on the process group directly.
@@ -106,6 +107,7 @@ class _DataParallel(nn.Module):
         self.module = module
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
+        self._identity = self.world_size == 1  # a group of one: its mean is the local gradient, nothing to do
         self._mean_op, self._divisor = mean_reduction(process_group)
         broadcast_module_state(module, process_group)
         # Deduplicated by `parameters()`: a tied weight appears (and is reduced) once.
@@ -127,6 +129,8 @@ class _DataParallel(nn.Module):
             self._require_sync = previous
 
     def _all_reduce_mean(self, tensor: torch.Tensor) -> None:
+        if self._identity:
+            return
         if self._divisor != 1:
             tensor.div_(self._divisor)
         dist.all_reduce(tensor, op=self._mean_op, group=self.process_group)
@@ -152,11 +156,11 @@ class NaiveDDP(_DataParallel):
 
     @property
     def num_collectives(self) -> int:
-        return len(self._params)
+        return 0 if self._identity else len(self._params)
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
-        if not self._sync_this_step:
+        if not self._sync_this_step or self._identity:
             return
         for p in self._params:
             self._all_reduce_mean(self._local_grad(p))
@@ -167,11 +171,11 @@ class FlatDDP(_DataParallel):
 
     @property
     def num_collectives(self) -> int:
-        return len({(p.dtype, p.device) for p in self._params})
+        return 0 if self._identity else len({(p.dtype, p.device) for p in self._params})
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
-        if not self._sync_this_step:
+        if not self._sync_this_step or self._identity:
             return
         groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for p in self._params:
@@ -232,6 +236,7 @@ class _Reducer:
 
     def __init__(self, group: dist.ProcessGroup | None, buckets: list[_Bucket], carveout: SMCarveout):
         self.group = group if group is not None else dist.group.WORLD
+        self.identity = dist.get_world_size(group) == 1  # a launch only advances `next` (module docstring)
         op, self.divisor = mean_reduction(group)
         self.opts, self.coalesced_opts = AllreduceOptions(), AllreduceCoalescedOptions()
         for opts in (self.opts, self.coalesced_opts):
@@ -245,12 +250,18 @@ class _Reducer:
         self.sync = True            # whether the backward under way is synchronised (no_sync: False)
         self.pending = False        # a synchronised step has started and not been finished
         self.all_reduces = 0        # collectives issued since construction
+        # Per-step state, built once and cleared in place by reset().
+        self.grads: list[list[torch.Tensor | None]] = [[None] * n for n in self.sizes]
+        self._nones = [[None] * n for n in self.sizes]
+        self.left = list(self.sizes)
+        self.works: list[dist.Work] = []
         self.reset()
 
     def reset(self) -> None:
-        self.grads: list[list[torch.Tensor | None]] = [[None] * n for n in self.sizes]
-        self.left = list(self.sizes)
-        self.works: list[dist.Work] = []
+        for grads, nones in zip(self.grads, self._nones):
+            grads[:] = nones
+        self.left[:] = self.sizes
+        self.works.clear()
         self.next = 0               # the next bucket to launch
         self.pending = False
 
@@ -266,14 +277,18 @@ class _Reducer:
                                "no_sync() for gradient accumulation")
         grads[i] = param.grad
         self.pending = True
-        self.left[b] -= 1
-        if b == self.next and self.left[b] == 0:
-            while self.next < len(self.left) and self.left[self.next] == 0:
+        left = self.left
+        left[b] -= 1
+        if b == self.next and left[b] == 0:
+            while self.next < len(left) and left[self.next] == 0:
                 self.launch(self.next)
 
     def launch(self, b: int) -> None:
         """Issue bucket b's all-reduce (every gradient in `grads[b]` set); buckets must be launched in order."""
         assert b == self.next, (b, self.next)
+        if self.identity:
+            self.next += 1
+            return
         if torch.is_grad_enabled():  # backward(create_graph=True) runs hooks with grad mode on
             with torch.no_grad():
                 return self.launch(b)
@@ -305,7 +320,8 @@ class _OverlappedDataParallel(_DataParallel):
         _DataParallel.__init__(self, module, process_group)
         self.carveout = carveout
         self.grad_as_bucket_view = grad_as_bucket_view
-        self.buckets = [_Bucket(params, copy=not grad_as_bucket_view) for params in buckets]
+        copy = not (grad_as_bucket_view or self._identity)
+        self.buckets = [_Bucket(params, copy=copy) for params in buckets]
         self._reducer = _Reducer(process_group, self.buckets, carveout)
         self._hooks_removed = False
         handles = [p.register_post_accumulate_grad_hook(partial(self._reducer.grad_ready, b, i))
@@ -324,7 +340,7 @@ class _OverlappedDataParallel(_DataParallel):
 
     @property
     def num_collectives(self) -> int:
-        return len(self.buckets)
+        return 0 if self._identity else len(self.buckets)
 
     def remove_hooks(self) -> None:
         """Unregister the gradient hooks and drop in-flight work: the wrapper no longer synchronises (a later
@@ -354,12 +370,14 @@ class _OverlappedDataParallel(_DataParallel):
         if not (reducer.sync and reducer.pending):
             return
         # Buckets that never filled hold parameters unused in this step on this rank: launch them anyway, in order,
-        # with their accumulated gradient or zeros, so all ranks issue the same collectives.
+        # with their accumulated gradient or zeros, so all ranks issue the same collectives (a group of one has no
+        # peer waiting: its unused parameters keep no gradient, as without a wrapper).
         for b in range(reducer.next, len(self.buckets)):
             grads = reducer.grads[b]
-            for i, grad in enumerate(grads):
-                if grad is None:
-                    grads[i] = self._local_grad(self.buckets[b].params[i])
+            if not self._identity:
+                for i, grad in enumerate(grads):
+                    if grad is None:
+                        grads[i] = self._local_grad(self.buckets[b].params[i])
             reducer.launch(b)
         for work in reducer.works:
             work.wait()

@@ -15,7 +15,10 @@ all-gather and Linear / Embedding compute in that dtype; gradients are cast back
 Invariant: after `finish_gradient_synchronization()` every shard's `.grad` (fp32, shard shape) holds its rows of the
 mean over ranks of the local full-weight gradients (zero in padding rows), every replicated `.grad` the mean over
 ranks, identical on all ranks. In fp32 with N = 2 a step equals, bit for bit, one process averaging two per-slice
-gradients as (g0 + g1) / 2. Several backward passes before one finish add up. A group of one reduces in place.
+gradients as (g0 + g1) / 2. Several backward passes before one finish add up. A group of one is the identity:
+the same hooks run but no collective is issued and nothing is divided; in fp32 the full weights are the shards
+(nothing is copied), with a compute dtype each unit's cast weights live from its forward to its backward (one
+cast per step, as autocast's cache) and its cast gradients land in one flat fp32 buffer the shard grads view.
 
 Requirements (as torch's FSDP): every rank runs the same units in the same order, each at most once per forward; no
 weight tying between sharded modules; no activation recomputation of sharded modules; one dtype per unit;
@@ -183,9 +186,15 @@ class _Unit:
         self.index, self.name, self.root = index, name, root
         self.sizes, self.shard_numel = sizes, sum(sizes)
         device, self.dtype = originals[0].device, fsdp.compute_dtype or originals[0].dtype
+        # A group of one: the identity. Without a cast the full weights are the shards themselves (`aliased`: no
+        # gather, nothing freed); with one, the cast weights stay from the unit's forward to its backward.
+        self.identity = n == 1
+        self.aliased = self.identity and self.dtype == originals[0].dtype
+        self.kept = False  # identity with a cast: gathered in forward, kept for backward
         with torch.no_grad():
             self.shard_flat = torch.zeros(self.shard_numel, dtype=originals[0].dtype, device=device)
-            full_flat = torch.empty(n * self.shard_numel, dtype=self.dtype, device=device)
+            full_flat = (self.shard_flat if self.aliased else
+                         torch.empty(n * self.shard_numel, dtype=self.dtype, device=device))
         self.storage = full_flat.untyped_storage()
         self.weights: list[_Weight] = []
         offset = 0
@@ -204,24 +213,25 @@ class _Unit:
             self.weights.append(_Weight(f"{mod_name}.weight" if mod_name else "weight", mod, offset, shard, full,
                                         padded))
             offset += size
-        self.nbytes = self.storage.nbytes()
+        self.nbytes = 0 if self.aliased else self.storage.nbytes()
         # Views of the full storage built while it is allocated (they stay valid across resizes, as `padded` does).
         self.gather_outputs = [w.padded.view(-1) for w in self.weights]
         self.send_slots = [w.padded[rank] for w in self.weights]  # the compute-dtype gathers' inputs, in place
-        self.storage.resize_(0)
+        if not self.aliased:
+            self.storage.resize_(0)
         self.shard_pieces = list(self.shard_flat.split(sizes))
         self.send_sizes = [n * size for size in sizes]  # each weight's piece of the fp32 reduce-scatter input
         # A frozen Linear still reads its weight in backward (for its input's gradient); an embedding never does.
         self.needs_weight_in_backward = any(not is_embedding(w.module) for w in self.weights)
         self.num_trainable = sum(w.full.requires_grad for w in self.weights)
-        self.state = _FREE
+        self.state = _READY if self.aliased else _FREE
         self._work: dist.Work | None = None
         self._send: torch.Tensor | list[torch.Tensor] | None = None  # what the all-gather reads, until it is waited
         self._recv: torch.Tensor | None = None  # all-gather output awaiting its copy-out (units of several weights)
         self.grads: list[torch.Tensor | None] = [None] * len(self.weights)  # this backward's full gradients
         self.grads_left = self.num_trainable
         self.had_grad = [False] * len(self.weights)  # since the last finish: weights without one get no .grad
-        self.reduced_grad: torch.Tensor | None = None  # this rank's summed shard gradients, until finish
+        self.reduced_grad: torch.Tensor | list[torch.Tensor] | None = None  # summed shard grads, until finish
         self.backward_done = False
         self.fwd_pos = -1
 
@@ -229,6 +239,12 @@ class _Unit:
         if self.state != _FREE:
             return
         cast = self.shard_flat.dtype != self.dtype  # cast before communicating: bf16 moves half the bytes of fp32
+        if self.identity:  # the cast is the whole gather (aliased units are never free)
+            self.storage.resize_(self.nbytes)
+            torch._foreach_copy_(self.send_slots, self.shard_pieces)
+            fsdp._count_gathered(self.nbytes)
+            self.state = _READY
+            return
         if len(self.weights) == 1 or fsdp._coalesced_gather:
             # One all-gather per weight into its padded full tensor (rank-major is each weight's own layout),
             # issued as one group. A cast writes this rank's shards straight into their slots of the outputs, and
@@ -276,7 +292,8 @@ class _Unit:
         self.state = _READY
 
     def free(self, fsdp: "FSDP") -> None:
-        if self.state == _FREE:
+        self.kept = False
+        if self.state == _FREE or self.aliased:
             return
         self.wait_gather(fsdp, copy_out=False)  # never release memory a collective may still write
         fsdp._count_gathered(-self.storage.nbytes())
@@ -440,6 +457,8 @@ class FSDP(nn.Module):
         self._fwd_calls = []
         for unit in self._units:
             unit.backward_done = False
+            if unit.kept:  # cast for a backward that never came: cast again (the shards may have changed)
+                unit.free(self)
         for unit in self._last_order[:2]:  # no unit runs two before these
             unit.start_gather(self, "forward")
         try:
@@ -453,7 +472,9 @@ class FSDP(nn.Module):
             self._free_all()
             self.carveout.exit()
             raise
-        self._free_all()  # prefetched but not used by this forward (control flow changed)
+        for unit in self._units:  # prefetched but not used by this forward (control flow changed)
+            if not unit.kept:
+                unit.free(self)
         self._last_order = self._fwd_calls
         for pos, unit in enumerate(self._fwd_calls):
             unit.fwd_pos = pos
@@ -473,8 +494,12 @@ class FSDP(nn.Module):
     def _post_forward(self, index: int, module: nn.Module, args: tuple, output: Any) -> None:
         unit = self._units[index]
         unit.swap_out()
-        unit.free(self)
-        if unit.needs_weight_in_backward and torch.is_grad_enabled():
+        backward = unit.needs_weight_in_backward and torch.is_grad_enabled()
+        if backward and unit.identity:
+            unit.kept = True  # a group of one: re-gathering would cast the same shards again
+        else:
+            unit.free(self)
+        if backward:
             _on_gradients(_output_tensors(output), self._pre_backward_hooks[index], "any")
         pos = len(self._fwd_calls) - 1
         if pos + 2 < len(self._last_order):
@@ -529,6 +554,9 @@ class FSDP(nn.Module):
         unit.backward_done = True
         unit.free(self)
         n, device = self.world_size, unit.shard_flat.device
+        if unit.identity:
+            self._store_identity(unit, grads)
+            return
         first = grads[0]
         coalesced = self._coalesced_reduce_scatter
         if (len(grads) == 1 and first is not None and first.dtype == torch.float32 and first.is_contiguous()
@@ -572,8 +600,28 @@ class FSDP(nn.Module):
     def _store_shard_grad(unit: _Unit, summed: torch.Tensor) -> None:
         unit.reduced_grad = summed if unit.reduced_grad is None else unit.reduced_grad.add_(summed)
 
+    @staticmethod
+    def _store_identity(unit: _Unit, grads: list[torch.Tensor | None]) -> None:
+        """A group of one: the local gradients are the mean. fp32 ones (an aliased unit's) are the shard gradients
+        as they are; compute-dtype ones are cast into one flat fp32 buffer (one `_foreach_copy_`) the shards view.
+        Kept as a list (one per weight) until finish; a second backward pass adds into it."""
+        if unit.aliased and all(g is not None for g in grads):
+            pieces = grads
+        else:
+            flat = torch.empty(unit.shard_numel, dtype=torch.float32, device=unit.shard_flat.device)
+            pieces = list(flat.split(unit.sizes))
+            _cast_into(pieces, grads, unit.weights)
+        del grads
+        if unit.reduced_grad is None:
+            unit.reduced_grad = pieces
+        else:
+            torch._foreach_add_(unit.reduced_grad, [p.view_as(q) for p, q in zip(pieces, unit.reduced_grad)])
+
     def _all_reduce_replicated(self) -> None:
-        """Average the replicated gradients: one coalesced all-reduce per dtype, in place (blocking)."""
+        """Average the replicated gradients: one coalesced all-reduce per dtype, in place (blocking); nothing on a
+        group of one."""
+        if self.world_size == 1:
+            return
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in self._replicated:
             if p.grad is not None:
@@ -602,10 +650,14 @@ class FSDP(nn.Module):
             if unit.reduced_grad is None:
                 continue
             summed, unit.reduced_grad = unit.reduced_grad, None
-            if self._divisor != 1:
-                summed.div_(self._divisor)
+            if isinstance(summed, list):  # a group of one (_store_identity): per weight, nothing to divide
+                pieces = summed
+            else:
+                if self._divisor != 1:
+                    summed.div_(self._divisor)
+                pieces = summed.split(unit.sizes)
             had_grad, unit.had_grad = unit.had_grad, [False] * len(unit.weights)
-            for w, got, grad in zip(unit.weights, had_grad, summed.split(unit.sizes)):
+            for w, got, grad in zip(unit.weights, had_grad, pieces):
                 if not got:  # no gradient reached it (unused this step): none, as without FSDP
                     continue
                 shard = w.shard
@@ -658,7 +710,7 @@ class FSDP(nn.Module):
 
     def gathered_storage_bytes(self) -> int:
         """Bytes of full weights currently materialised (0 outside a forward / backward)."""
-        return sum(unit.storage.nbytes() for unit in self._units)
+        return sum(unit.storage.nbytes() for unit in self._units if not unit.aliased)
 
     # ------------------------------------------------------------------ helpers
     def _free_all(self) -> None:

@@ -326,11 +326,39 @@ def _world_of_one(rank: int, world_size: int) -> dict:
     return out
 
 
+def _world_of_one_unused(rank: int, world_size: int) -> dict:
+    """BranchModel on a group of one, its branch unused in the second step: which parameters end each step without
+    a gradient, per variant and for the plain model (a group of one adds no zeros: it is the identity)."""
+    out = {}
+    for kind, kwargs in [("plain", {})] + WORLD_OF_ONE:
+        torch.manual_seed(0)
+        model = _build("branch") if kind == "plain" else make_ddp(kind, _build("branch"), **kwargs)
+        no_grad = []
+        for step, use in enumerate((True, False)):
+            model.zero_grad(set_to_none=True)
+            x, y = _batch("branch", step)
+            _loss("branch", model, x, y, use).backward()
+            getattr(model, "finish_gradient_synchronization", lambda: None)()
+            no_grad.append(sorted(n.removeprefix("module.") for n, p in model.named_parameters() if p.grad is None))
+        out[_name(kind, kwargs)] = no_grad
+    return out
+
+
+def _world_of_one_all(rank: int, world_size: int) -> tuple[dict, dict]:
+    return _world_of_one(rank, world_size), _world_of_one_unused(rank, world_size)
+
+
 def test_group_of_one_trains_bitwise_like_one_process():
-    [results] = run_ranks(_world_of_one, 1)
+    """A group of one is the identity: bitwise the plain model's training, no collective at all (the hooks and
+    bucket bookkeeping still run), and an unused parameter keeps no gradient, as without a wrapper."""
+    [(results, unused)] = run_ranks(_world_of_one_all, 1)
     for name, r in results.items():
         assert r["mismatched"] == [[], []], f"{name}: {r['mismatched']}"
-        assert r["calls"] == [r["expected"]] * 2, f"{name}: a group of one still issues every collective: {r}"
+        assert r["calls"] == [0, 0] and r["expected"] == 0, f"{name}: a group of one issued collectives: {r}"
+    plain = unused.pop("plain")
+    assert plain[0] == [] and plain[1] and all("branch" in n for n in plain[1]), plain
+    for name, no_grad in unused.items():
+        assert no_grad == plain, f"{name}: {no_grad} != {plain}"
 
 
 def _train_compiled(rank: int, world_size: int, variants: list, num_steps: int) -> tuple[dict, int]:

@@ -457,14 +457,37 @@ def _world_of_one(rank: int, world_size: int) -> dict:
             ref_params = ref.module.named_parameters() if dtype is not None else ref.named_parameters()
             mismatched.append([n for n, p in ref_params if not torch.equal(full[n], p.detach())])
         out[(kind, str(units), str(dtype))] = mismatched
+        if kind == "fsdp":  # no collective; nothing gathered left over; two passes before a finish add up
+            s = mine.stats
+            out[("counts", str(units), str(dtype))] = (s.all_gathers, s.reduce_scatters, s.all_reduces,
+                                                         mine.gathered_storage_bytes())
+            x, y = _data("tiny", 0)
+            opt.zero_grad(set_to_none=True)
+            _loss(mine, x, y).backward()
+            mine.finish_gradient_synchronization()
+            once = [p.grad.clone() for p in mine.parameters()]
+            opt.zero_grad(set_to_none=True)
+            for _ in range(2):
+                _loss(mine, x, y).backward()
+            mine.finish_gradient_synchronization()
+            out[("accumulated", str(units), str(dtype))] = all(torch.equal(p.grad, 2 * g)
+                                                                for p, g in zip(mine.parameters(), once))
     return out
 
 
 @pytest.mark.multiproc
 def test_group_of_one_trains_bitwise_like_one_process():
+    """A group of one is the identity: bitwise one process's training, no collective, no gathered weights left
+    after a step (fp32: the full weights are the shards), gradient accumulation over two backward passes."""
     [results] = run_ranks(_world_of_one, 1)
-    for case, mismatched in results.items():
-        assert mismatched == [[], []], f"{case}: {mismatched}"
+    for case, value in results.items():
+        if case[0] == "counts":
+            assert value == (0, 0, 0, 0), f"{case}: (all-gathers, reduce-scatters, all-reduces, gathered bytes)"
+        elif case[0] == "accumulated":
+            assert value, f"{case}: two backward passes did not add up"
+        else:
+            assert value == [[], []], f"{case}: {value}"
+    assert sum(case[0] == "counts" for case in results) == 3
 
 
 def test_make_fsdp_rejects_an_unknown_kind_and_bad_units():
