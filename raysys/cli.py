@@ -12,6 +12,7 @@ from pathlib import Path
 
 from raysys.bench import DTYPES, MODES, BenchConfig, row_config, run_benchmark
 from raysys.config import SIZES
+from raysys.device import check_fits, resolve_device
 from raysys.results import DiskFull, ResultWriter, discard_empty_run_dirs, resolve_out, trial_id
 
 
@@ -45,6 +46,8 @@ def _bench(args) -> int:
                            warmup=args.warmup, steps=args.steps, profile=args.profile,
                            memory_profile=args.memory_profile)
                for s, c, m, d in itertools.product(args.size, args.context_length, args.mode, args.dtype)]
+    for cfg in configs:  # before any model is built: a CPU run is bounded by this machine's memory
+        check_fits(cfg.model_config(), cfg.batch_size, 1, resolve_device(cfg.device).type)
     out = resolve_out(args.out, "bench")
     mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
     rows_writer = ResultWriter(out, "bench", mode=mode, allow_mixed=args.allow_mixed)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import re
 
 import torch
@@ -85,3 +86,24 @@ def free_memory(device: torch.device | str | None = None) -> None:
     cuda = torch.cuda.is_initialized() if device is None else torch.device(device).type == "cuda"
     if cuda:
         torch.cuda.empty_cache()
+
+
+def machine_memory_bytes() -> int:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(mc, batch: int, world_size: int, device: str) -> None:
+    """Before any work on the CPU (whose allocations are a machine brought to its knees before they are refused):
+    a one-line ValueError when a model's fp32 state (weights, gradients, AdamW moments: 16 bytes per parameter)
+    and one layer's attention scores (4 * batch * heads * context^2 bytes) on every rank exceed this machine's
+    memory. The rule bounds `--context-length` and `--batch-size` x context. On a GPU a trial that does not fit
+    is an `oom` row instead (the GPUs may not be this machine's)."""
+    if str(device).startswith("cuda"):
+        return
+    per_rank = 16 * mc.num_params() + 4 * batch * mc.num_heads * mc.context_length ** 2
+    total = machine_memory_bytes()
+    if world_size * per_rank > total:
+        raise ValueError(f"size {mc.name} at context {mc.context_length} with {batch} sequences per rank needs at "
+                         f"least {per_rank / 2**30:.3g} GiB per rank (fp32 state + one layer's attention scores); "
+                         f"{world_size} rank(s) exceed this machine's {total / 2**30:.3g} GiB")

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from raysys.config import ModelConfig
+from raysys.device import check_fits
 from raysys.leaderboard import (DTYPE_NAMES, TODAY, LeaderboardStep, StepConfig, model_dtype_name)
 from raysys.model import AdamW, TransformerLM, cross_entropy
 
@@ -435,6 +436,7 @@ def check_args(args) -> tuple[torch.device, ModelConfig, list[Variant]]:
     config = ModelConfig.from_name(args.size, **overrides)
     variants = [Variant(name=v.name, step=for_device(v.step, device, args.compile_backend), batch_size=v.batch_size)
                 for v in ablation(args.batch_size, batch2=not args.no_batch2)]
+    check_fits(config, max(v.batch_size for v in variants), 1, device.type)  # before any model is built
     if args.variants:
         unknown = set(args.variants) - {v.name for v in variants}
         if unknown:

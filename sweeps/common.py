@@ -42,6 +42,7 @@ from torch import nn  # noqa: E402
 
 from raysys import files  # noqa: E402
 from raysys.config import SIZES, ModelConfig  # noqa: E402
+from raysys.device import check_fits  # noqa: E402,F401  (the studies' memory bound, shared with raysys's CLIs)
 from raysys.files import write_text  # noqa: E402
 from raysys.memory import TrialScope  # noqa: E402
 from raysys.model import TransformerLM  # noqa: E402
@@ -202,20 +203,6 @@ def model_config(size: str, context_length: int, **overrides) -> ModelConfig:
         raise ValueError(f"size {size!r} is not one of {sorted(SIZES)}")
     check_int("context_length", context_length, 1)
     return ModelConfig.from_name(size, context_length=context_length, **overrides)
-
-
-def check_fits(mc: ModelConfig, batch: int, world_size: int, device: str) -> None:
-    """On the CPU (whose allocations are not `oom` rows but a machine brought to its knees): refuse a model whose
-    fp32 state (weights, gradients, AdamW moments) and one layer's attention scores on every rank exceed the
-    machine's memory. A GPU run that does not fit is an `oom` row."""
-    if device == "cuda":
-        return
-    per_rank = 16 * mc.num_params() + 4 * batch * mc.num_heads * mc.context_length ** 2
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if world_size * per_rank > total:
-        raise ValueError(f"size {mc.name} at context {mc.context_length} with {batch} sequences per rank needs at "
-                         f"least {per_rank / 2**30:.3g} GiB per rank (fp32 state + one layer's attention scores); "
-                         f"{world_size} rank(s) exceed this machine's {total / 2**30:.3g} GiB")
 
 
 def check_timing_options(warmup: int, compile: bool, paired_rounds: int) -> None:

@@ -35,6 +35,7 @@ import torch  # noqa: E402
 
 from parallel.checkpointing import parse_policy  # noqa: E402
 from raysys.config import ModelConfig  # noqa: E402
+from raysys.device import check_fits  # noqa: E402
 from raysys.leaderboard import LeaderboardStep, StepConfig, device_memory_bytes, plan_step  # noqa: E402
 from raysys.leaderboard_bench import (DTYPE_NAMES, SWEEP, Session, Variant, build_leaderboard_parser,  # noqa: E402
                                       build_model, for_device, make_batch, open_writer, run_ablation, run_check,
@@ -285,6 +286,21 @@ def ablation_markdown(df: pd.DataFrame) -> str:
                 lines.append(f"- same run {r.run_id}: fast {fast:.3f} s vs today's composition {slow:.3f} s "
                              f"(peak {t.peak_bytes / 2**30:.1f} GiB): {slow / fast:.2f}x (target "
                              f"{TARGET_SPEEDUP}x: {'met' if slow / fast >= TARGET_SPEEDUP else 'missed'})")
+            other = ok[(ok.run_id == r.run_id) & (ok.variant == "best-ffn") & (ok.batch_size == r.batch_size)]
+            if not other.empty:
+                o = other.iloc[0]
+                lines.append(f"- same run {r.run_id}: fast step with the advisor choosing among none / ffn / full "
+                             f"({r.policy}) {r.step_median_s:.3f} s vs among none / full ({o.policy}) "
+                             f"{o.step_median_s:.3f} s: {o.step_median_s - r.step_median_s:.3f} s saved by ffn blocks")
+            times = {c.removeprefix("attention_").removesuffix("_s"): getattr(r, c) for c in ok.columns
+                     if c.startswith("attention_") and c.endswith("_s") and getattr(r, c) == getattr(r, c)}
+            if times:
+                mc = ModelConfig.from_name(r.size, context_length=int(r.seq_len))
+                flops = 7 * r.batch_size * mc.num_heads * r.seq_len ** 2 * mc.d_head  # causal fwd + bwd (2.5x fwd)
+                lines.append(f"- attention forward + backward at the step's shape (batch {r.batch_size}, {mc.num_heads} "
+                             f"heads x {r.seq_len} x {mc.d_head}, causal), measured when run {r.run_id} started: "
+                             + ", ".join(f"{k} {1e3 * v:.1f} ms ({flops / v / 1e12:.0f} TFLOP/s)"
+                                         for k, v in times.items()) + f"; the fast step ran {r.attention}")
         cold = best[best.cold_start_s.notna()]
         for r in cold.itertuples():
             run_s = getattr(r, "cold_run_s", float("nan"))
@@ -296,7 +312,8 @@ def ablation_markdown(df: pd.DataFrame) -> str:
     scored = ok[ok.peak_bytes.notna() & ok.predicted_peak_bytes.notna()]
     if not scored.empty:
         for label, predicted in (("as recorded", scored.predicted_peak_bytes), (
-                "by the current model, whose CUDA materialised-loss term was derived from these rows",
+                "by the current model (its CUDA materialised-loss term was fitted to an earlier H200 run, "
+                "results/runs/leaderboard_258880d_294b0e3.parquet)",
                 repredict(scored))):
             err = (predicted / scored.peak_bytes - 1).abs()
             worst = err.idxmax()
@@ -375,6 +392,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 1")
     if 0 not in args.offsets:
         raise ValueError(f"--offsets {args.offsets} must contain 0 (the advisor's plan itself)")
+    if args.context_length is not None and args.context_length < 1:
+        raise ValueError(f"--context-length ({args.context_length}) must be >= 1")
+    if not args.report_only:  # a CPU run bounded by this machine's memory, before any model, gang or Tune trial
+        cpu = args.device == "cpu" or args.device == "auto" and not torch.cuda.is_available()
+        check_fits(ModelConfig.from_name(args.size, **_overrides(args)), args.batch_size,
+                   args.world_size if "ddp" in args.study else 1, "cpu" if cpu else "cuda")
     if args.report_only:
         for path in write_reports(Path(args.out)):
             print(path.read_text())

@@ -46,14 +46,23 @@ def _limit_memory() -> None:  # the machine is shared: refused allocations, not 
     resource.setrlimit(resource.RLIMIT_AS, (8 * 2**30, 8 * 2**30))
 
 
-@pytest.mark.slow
-def test_bench_context_length_beyond_memory_is_an_oom_row(tmp_path):
+def test_bench_context_length_beyond_the_machine_is_refused_before_any_work(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "raysys", *TINY[:3], "--context-length", "1000000", *TINY[5:],
+                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "size tiny at context 1000000 with 1 sequences per rank needs at least" in proc.stderr
+    assert "exceed this machine's" in proc.stderr and not (tmp_path / "bench.parquet").exists()
+
+
+@pytest.mark.slow
+def test_bench_allocation_refused_during_a_trial_is_an_oom_row(tmp_path):
+    # within the machine's bound (one layer's scores: 9 GiB), beyond the process's 8 GiB address space
+    proc = subprocess.run([sys.executable, "-m", "raysys", *TINY[:3], "--context-length", "24576", *TINY[5:],
                            "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600,
                           preexec_fn=_limit_memory)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     row = pd.read_parquet(tmp_path / "bench.parquet").iloc[0]
-    assert row["status"] == "oom" and row["context_length"] == 1_000_000
+    assert row["status"] == "oom" and row["context_length"] == 24576
     assert "can't allocate memory" in row["error"] or "MemoryError" in row["error"], row["error"]
 
 

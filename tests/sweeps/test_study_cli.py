@@ -266,3 +266,18 @@ def test_a_run_refused_after_its_run_directory_was_made_leaves_none(tmp_path, mo
     assert common.main_entry(ddp.main, ["--device", "cpu", "--world-size", "2", "--launcher", "ray"]) == 2
     assert "asked for 2 ranks" in capsys.readouterr().err
     assert list((tmp_path / "runs").iterdir()) == []
+
+
+def test_leaderboard_context_length_is_bounded_before_any_model(tmp_path, capsys, no_ray):
+    """The leaderboard step's CLIs (`sweeps/leaderboard.py`, `python -m raysys leaderboard`) take --context-length
+    and --batch-size: on the CPU they are bounded by the machine's memory, in one line, before a model is built."""
+    from raysys import cli
+    from sweeps import leaderboard
+
+    argv = ["--device", "cpu", "--size", "tiny", "--out", str(tmp_path)]
+    with pytest.raises(ValueError, match="size tiny at context 100000000 with 1 sequences per rank needs at least"):
+        leaderboard.main([*argv, "--context-length", "100000000"])
+    with pytest.raises(ValueError, match=r"--context-length \(0\) must be >= 1"):
+        leaderboard.main([*argv, "--context-length", "0"])
+    assert cli.main(["leaderboard", *argv, "--context-length", "100000000"]) == 2
+    assert "exceed this machine's" in capsys.readouterr().err and list(tmp_path.iterdir()) == []
