@@ -585,7 +585,8 @@ def apply_activation_checkpointing(model: nn.Module, policy: Policy) -> Checkpoi
         elif r.kind == "ffn":
             for i in range(r.start, r.stop):
                 if not callable(getattr(blocks[i], "ffn_branch", None)):
-                    raise ValueError(f"block {i} ({type(blocks[i]).__name__}) has no `ffn_branch(h)` method to checkpoint")
+                    raise ValueError(f"block {i} ({type(blocks[i]).__name__}) has no `ffn_branch(h)` method to "
+                                     "checkpoint")
                 _install(handle, blocks[i], _FfnBranchForward(blocks[i]), attr="ffn_branch")
         elif r.kind == "offload":
             if r.policy not in stores:

@@ -7,12 +7,14 @@ Attention is pluggable per model instance: every `CausalMultiHeadSelfAttention` 
 `attention` from a registry of functions `fn(q_BHSD, k_BHSD, v_BHSD, is_causal) -> out_BHSD`:
 `naive` (the reference math), `sdpa` (torch's scaled_dot_product_attention, its own backend choice), `cudnn`
 (the same call pinned to cuDNN's fused attention; CUDA only), `annotated` (naive with NVTX / profiler ranges
-around scores, softmax and the output matmul) and, from `kernels/`, `flash_triton` and `flash_pytorch`. Shape legend: B batch, H heads, S sequence, D head dim, M d_model.
+around scores, softmax and the output matmul) and, from `kernels/`, `flash_triton` and `flash_pytorch`.
+Shape legend: B batch, H heads, S sequence, D head dim, M d_model.
 
 Training-step API: `model(x)` returns logits; `model.loss(x, y)` returns `cross_entropy(model(x), y)` computed
 by `linear_cross_entropy` (the LM head and the loss fused: no (B, S, vocab) logits), `fused=False` the
 reference path. `AdamW` is the reference optimizer (`kernels.adamw` holds `FusedAdamW` and the multi-tensor
-`ForeachAdamW`, `kernels.fused_linear_ce` the loss's chunked torch counterpart; both names still import from here).
+`ForeachAdamW`, `kernels.fused_linear_ce` the loss's chunked torch counterpart; both names still import from
+here). `TransformerBlock.ffn_branch` is the feed-forward branch that `FfnCheckpoint` reruns.
 """
 
 from __future__ import annotations
@@ -124,7 +126,8 @@ def _check_cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is
     if not torch.backends.cudnn.is_available() or not torch.backends.cuda.cudnn_sdp_enabled():
         raise ValueError("attention 'cudnn': cuDNN is not available or its SDPA backend is disabled in this torch")
     can_use = getattr(torch.backends.cuda, "can_use_cudnn_attention", None)
-    if can_use is not None and not can_use(torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, is_causal, False), True):
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, is_causal, False)
+    if can_use is not None and not can_use(params, True):
         raise ValueError(f"attention 'cudnn' cannot run q {tuple(q.shape)} {q.dtype} on "
                          f"{torch.cuda.get_device_name(q.device)} (cuDNN's constraints; see the warning above)")
 
