@@ -89,3 +89,14 @@ def test_cli_json_and_exit_codes(capsys):
     assert advise_main(["--size", "small", "--dtype", "bf16", "--attention", "flash_triton"]) == 0
     text = capsys.readouterr().out
     assert "policy spec:" in text and "bf16" in text
+
+
+def test_ffn_blocks_are_chosen_when_cheaper_per_byte():
+    """With fused attention an ffn block frees the norm's and SwiGLU's tensors for two matmuls: the advisor
+    prefers it to rerunning whole blocks, never does worse than without it, and keeps to the kinds it is given."""
+    with_ffn = advise(XL, 4, parse_bytes("80GiB"), attention="sdpa")
+    without = advise(XL, 4, parse_bytes("80GiB"), attention="sdpa", kinds=("none", "full", "offload"))
+    assert with_ffn.fits and "ffn" in with_ffn.layers and with_ffn.overhead <= without.overhead
+    only = advise(XL, 4, parse_bytes("120GiB"), attention="sdpa", kinds=("none", "ffn"))
+    assert only.fits and set(only.layers) <= {"none", "ffn"} and "ffn" in only.layers
+    assert "ffn" in only.reason
