@@ -187,8 +187,9 @@ _IMPORTED = _now()
 
 ALLOC_CONF = "expandable_segments:True"
 """The CUDA caching allocator's setting for the step (`--alloc-conf`). With fixed segments the ffn plan's step ran
-out of memory with 20.6 GiB reserved but unallocated (the first H200 run of commit d3b8b5d): each checkpointed
-branch frees three (B, S, d_ff) blocks that smaller tensors then split. Expandable segments grow in place."""
+out of memory far below its predicted peak, most of the device reserved but unallocated
+(results/runs/leaderboard_fixed_segments_d3b8b5d.parquet): each checkpointed branch frees three (B, S, d_ff)
+blocks that smaller tensors then split. Expandable segments grow in place instead."""
 
 
 def set_allocator_config(conf: str) -> str:
