@@ -3,10 +3,10 @@
 - ablation:   `raysys.leaderboard_bench`'s variants (today's composition, each optimisation added alone, the fast
               step at batch 1 and 2) on one GPU; `<out>/leaderboard.parquet`, plus `--check` (the fast step's loss,
               gradients and update against the reference path) in `<out>/leaderboard_check.parquet`.
-- neighbours: the advisor's per-layer recompute plan for the fast step and its neighbours (the number of fully
-              checkpointed blocks moved by --offsets), each measured: `<out>/leaderboard_tune.parquet`. With Ray,
-              one Ray Tune trial per plan (`raysys.cluster.tune_run`, one GPU each, a fresh process and model per
-              trial); `--no-ray` loops over them in this process on one model (the GPU host has no Ray).
+- neighbours: the advisor's per-layer recompute plan for the fast step and its neighbours (the number of
+              recomputed blocks moved by --offsets at the border of the kept ones), each measured:
+              `<out>/leaderboard_tune.parquet`. With Ray, one Ray Tune trial per plan (`raysys.cluster.tune_run`,
+              one GPU each, a fresh process and model per trial); `--no-ray` loops over them in this process on one model (the GPU host has no Ray).
 - ddp:        the data-parallel step through the Ray gang (`raysys.cluster.run_sweep`, `--launcher mp` without
               Ray): every rank holds the whole bf16 state, as the memory plan allows (65 GB of state fits one
               GPU; `parallel/fsdp.py` keeps fp32 shards and recomputes nothing), and runs the fast step on its
@@ -47,19 +47,28 @@ TUNE_SWEEP, DDP_SWEEP = f"{SWEEP}_tune", f"{SWEEP}_ddp"
 
 
 # ---------------------------------------------------------------------------------------------------- neighbours
-def neighbour_specs(plan_layers: tuple[str, ...], offsets: list[int]) -> list[tuple[int, str]]:
-    """(offset, policy spec) for the advisor's plan moved by each offset in its number of fully checkpointed
-    blocks, in the plan's own order (full blocks first, or last); offsets that leave [0, N] are dropped."""
-    n, k = len(plan_layers), plan_layers.count("full")
-    full_first = plan_layers[0] == "full" or k == 0
+def neighbour_specs(plan_layers: tuple[str, ...], offsets: list[int], grow: str = "full") -> list[tuple[int, str]]:
+    """(offset, policy spec) for the advisor's plan with `offset` more (negative: fewer) recomputed blocks, in the
+    plan's own order (recomputed blocks first, or last): the blocks at the border of the kept (none) run change,
+    to the kind of their recomputed neighbour (full or ffn; `grow` when the plan recomputes nothing) or to none.
+    Offsets past either end are dropped."""
+    from raysys.advisor import policy_for
+
+    layers = list(plan_layers)
+    none_last = layers[-1] == "none" or set(layers) == {"none"}
+    if not none_last:  # work with the kept run at the end
+        layers.reverse()
+    m = sum(kind != "none" for kind in layers)  # the recomputed prefix
+    edge = layers[m - 1] if m else grow
     out = []
     for off in offsets:
-        j = k + off
-        if j in (0, n):  # one kind everywhere: the plain policy, as the advisor spells it
-            out.append((off, "none" if j == 0 else "full"))
-        elif 0 < j < n:
-            runs = [("full", j), ("none", n - j)] if full_first else [("none", n - j), ("full", j)]
-            out.append((off, "+".join(f"{kind}*{count}" for kind, count in runs)))
+        if not 0 <= m + off <= len(layers):
+            continue
+        moved = layers[:m + off] + ["none"] * (len(layers) - m - off) if off <= 0 else \
+            layers[:m] + [edge] * off + layers[m + off:]
+        if not none_last:
+            moved.reverse()
+        out.append((off, policy_for(tuple(moved)).spec))
     return out
 
 

@@ -91,6 +91,11 @@ def test_neighbour_specs():
                                                                (2, "full*5+none*3")]
     assert sweep.neighbour_specs(("none",) * 4, [0, 1, 4]) == [(0, "none"), (1, "full*1+none*3"), (4, "full")]
     assert sweep.neighbour_specs(("none", "none", "full"), [1]) == [(1, "none*1+full*2")]  # the plan's own order
+    # ffn plans move their ffn blocks; mixed plans the kind next to the kept run
+    assert sweep.neighbour_specs(("ffn",) * 5 + ("none",) * 2, [-2, 1, 2, 3]) == [
+        (-2, "ffn*3+none*4"), (1, "ffn*6+none*1"), (2, "ffn")]
+    assert sweep.neighbour_specs(("full", "full", "ffn", "ffn", "none"), [-3, 1]) == [
+        (-3, "full*1+none*4"), (1, "full*2+ffn*3")]
 
 
 def test_neighbours_without_ray(tmp_path):
