@@ -4,10 +4,10 @@
 
     def trial(ctx: RankContext, config: dict) -> dict:      # module-level; runs on every rank
         ...                                                 # warm-up, timing, collectives on ctx.process_group
-        return {"step_s": 0.12}
+        return {"step_median_s": 0.12}
 
     df = run_sweep("ddp", trials=[{"bucket_mb": 1}, {"bucket_mb": 25}], trial_fn=trial, world_size=2,
-                   reduce=lambda config, per_rank: max(per_rank, key=lambda m: m["step_s"]))
+                   reduce=lambda config, per_rank: max(per_rank, key=lambda m: m["step_median_s"]))
 
 `run_sweep` keeps one gang (Ray actors, or plain processes with `launcher="mp"`) for consecutive trials. A
 trial that raises (OOM included), loses a rank (`RayActorError`) or exceeds `trial_timeout_s`
