@@ -19,13 +19,13 @@ removed. Committed results (`results/`) are written only when named with `--out`
 left empty (it failed before its first row) is removed when it ends (`discard_empty_run_dirs`).
 Analysis is `pd.read_parquet(path)`; `read_results(dir)` skips an unreadable file with one line on stderr.
 
-Column convention, one for every study (`make_row` refuses a metric named otherwise): measured times are
-seconds (`_s`), memory is bytes (`_bytes`), a statistic comes before the unit (`step_median_s`, `step_mean_s`,
-`step_std_s`, `time_p20_s`); rates name theirs (`tokens_per_s`, `busbw_GBps` = 1e9 B/s, `fwd_tflops` = 1e12
-FLOP/s); ratios say what they divide (`vs_<ref>`, `_ratio` = a/b, `_rel` = a/b - 1, `_fraction`). Milliseconds
-and GiB appear only in rendered tables. Configuration columns keep the spelling of their flag (`bucket_size_mb`). A row's key
-within a study is its `trial_id` (ddp's `label`, unique per dtype, names it). Commits are 12 hex digits
-(`-dirty` if tracked files differed). `raysys.migrate` converts older files; `read_results` reads through it.
+Column convention, one for every study (`make_row` refuses a metric named otherwise): measured times are seconds
+(`_s`), memory is bytes (`_bytes`), a statistic comes before the unit (`step_median_s`, `step_mean_s`, `step_std_s`,
+`time_p20_s`); rates name theirs (`tokens_per_s`, `busbw_GBps` = 1e9 B/s, `fwd_tflops` = 1e12 FLOP/s); ratios say
+what they divide (`vs_<ref>`, `_ratio` = a/b, `_rel` = a/b - 1, `_fraction`). Milliseconds and GiB appear only in
+rendered tables. Configuration columns keep the spelling of their flag (`bucket_size_mb`). A row's key within a
+study is its `trial_id` (ddp's `label`, unique per dtype, names it). Commits are 12 hex digits (`-dirty` if tracked
+files differed). `raysys.migrate` converts older files; `read_results` reads through it.
 """
 
 from __future__ import annotations
