@@ -57,6 +57,7 @@ SWEEP_RENAMES: dict[str, dict[str, tuple[str, float]]] = {
     "fused_ops": {**_DO_BENCH, "floor_ms": ("floor_s", MS), "extra_peak_gib": ("extra_peak_bytes", GIB),
                   "peak_above_inputs_gib": ("peak_above_inputs_bytes", GIB)},
     "flash_tiles": {"median_ms": ("time_median_s", MS)},
+    "checkpointing": {"h2d_gbps": ("h2d_GBps", 1), "d2h_gbps": ("d2h_GBps", 1)},  # 1e9 B/s, as busbw_GBps
     "flash_bench": {f"{m}_ms": (f"{m}_median_s", MS) for m in ("fwd", "bwd", "fwd_bwd")},
     **{name: {"step_s": ("step_median_s", 1), "step_s_low": ("step_low_s", 1), "step_s_high": ("step_high_s", 1)}
        for name in ("leaderboard", "leaderboard_tune", "leaderboard_ddp")},

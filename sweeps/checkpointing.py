@@ -200,11 +200,11 @@ def run_trial(config: dict) -> dict:
 def link_bandwidth(device: torch.device, nbytes: int = 512 * 2**20, reps: int = 3) -> dict:
     """Pinned host->device and device->host copy bandwidth (GB/s, median of `reps`); NaN off CUDA."""
     if device.type != "cuda":
-        return {"h2d_gbps": float("nan"), "d2h_gbps": float("nan")}
+        return {"h2d_GBps": float("nan"), "d2h_GBps": float("nan")}
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     out = {}
-    for name, dst, src in (("h2d_gbps", dev, host), ("d2h_gbps", host, dev)):
+    for name, dst, src in (("h2d_GBps", dev, host), ("d2h_GBps", host, dev)):
         times = []
         for _ in range(reps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -397,14 +397,14 @@ def summarize(df: pd.DataFrame) -> str:
     for row in off.itertuples():
         same = ok[(ok.study == row.study) & (ok.context_length == row.context_length) & (ok["size"] == row.size)]
         by = {r.policy: r for r in same.itertuples()}
-        if "none" in by and "full" in by and row.h2d_gbps == row.h2d_gbps:
+        if "none" in by and "full" in by and row.h2d_GBps == row.h2d_GBps:
             n = row.num_layers
             recompute_s = (by["full"].step_mean_s - by["none"].step_mean_s) / n
             offload_s = (row.step_mean_s - by["none"].step_mean_s) / n
             moved = 2 * row.saved_per_block_none_bytes  # out in forward, back in backward
             breakeven = moved / max(recompute_s, 1e-9) / 1e9
-            lines.append(f"- offload S={row.context_length}: link {row.h2d_gbps:.1f} GB/s h2d / "
-                         f"{row.d2h_gbps:.1f} GB/s "
+            lines.append(f"- offload S={row.context_length}: link {row.h2d_GBps:.1f} GB/s h2d / "
+                         f"{row.d2h_GBps:.1f} GB/s "
                          f"d2h; per block: recompute {1e3 * recompute_s:.1f} ms, offload {1e3 * offload_s:.1f} ms "
                          f"extra; moving {moved / GiB:.2f} GiB per block breaks even with recomputation at "
                          f"{breakeven:.0f} GB/s")
@@ -477,7 +477,7 @@ def plot(df: pd.DataFrame, out: Path) -> list[Path]:
         table.plot.bar(ax=ax, rot=0)
         ax.set_xlabel("context length")
         ax.set_ylabel("step time (s)")
-        link = off.h2d_gbps.dropna()
+        link = off.h2d_GBps.dropna()
         ax.set_title("offload vs recompute" + (f" (h2d {link.median():.0f} GB/s)" if len(link) else ""))
         ax.grid(alpha=0.3, axis="y")
         paths.append(save_figure(fig, out / "plots" / "checkpointing_offload.png"))

@@ -85,7 +85,7 @@ def test_summarize_answers_the_questions():
     assert filled.predicted_peak_bytes.iloc[-1] == pytest.approx(expected)
     assert "out of memory, as predicted: segments tiny S=32 none (" in sweep.summarize(filled)
     # offload against recomputation: 2 GiB per block moved out and back vs 0.1 s / 4 blocks recomputed
-    off = [dict(rows[0], study="offload", policy=p, num_layers=4, step_mean_s=t, h2d_gbps=h, d2h_gbps=h,
+    off = [dict(rows[0], study="offload", policy=p, num_layers=4, step_mean_s=t, h2d_GBps=h, d2h_GBps=h,
                 saved_per_block_none_bytes=gib) for p, t, h in (("none", 1.0, float("nan")),
                                                                 ("full", 1.1, float("nan")), ("offload", 1.2, 50.0))]
     text = sweep.summarize(pd.DataFrame(rows + off))
