@@ -19,7 +19,7 @@ fp32 products unless `torch.set_float32_matmul_precision` allows TF32.
 Paths (one kernel family, a constexpr apart): `portable` (pointer loads; every GPU and the interpreter) and `tma`
 (sm_90 with Triton >= 3.4: device-side tensor descriptors for the Q/K/V/O/dO/dK/dV/dQ tiles, whose edges the TMA
 unit clips; optional persistent grid and warp specialisation). `RAYSYS_FLASH_PATH` / `path=` picks one; `auto`
-takes portable (the tma path measured no faster on the H200). Launch configs are autotuned per (sequence bucket,
+takes tma on sm_90 when the tuned file's `auto_path` says so (set by the measurement that wrote it), else portable. Launch configs are autotuned per (sequence bucket,
 head dim, causal, dtype, path) among `kernels/flash_attention_tuning.py`'s candidates (the tuned file's entries
 when it has some); `RAYSYS_FLASH_AUTOTUNE=0` takes the first valid one. Under `TRITON_INTERPRET=1` (read at
 import) each kernel has one small config and CPU tensors are accepted; the interpreter has no bf16.
@@ -59,6 +59,7 @@ from kernels.flash_attention_tuning import (
     even_heuristics,
     first_valid_config,
     make_pruner,
+    tuned_auto_path,
 )
 
 LOG2E = 1.4426950408889634
@@ -150,9 +151,9 @@ def _launch(kernel: str, num_tiles, args: tuple, meta: dict, n_q: int, n_k: int,
 # ----------------------------------------------------------------------------------------------------------
 PATH_ENV = "RAYSYS_FLASH_PATH"
 """auto (default), portable or tma: the path `flash_attention` and the custom ops take."""
-AUTO_TMA = False
-"""Whether `auto` takes the tma path where it can: no, since the H200 hopper study (results/flash_bench.parquet)
-measured it at or below the portable path on three of issue 16's four shapes."""
+AUTO_TMA = tuned_auto_path() == "tma"
+"""Whether `auto` takes the tma path where it can (sm_90, Triton with device-side tensor descriptors): the tuned
+file's `auto_path`, which the candidates study of sweeps/flash_bench.py sets from its timings of both paths."""
 BWD_ENV = "RAYSYS_FLASH_BWD"
 """auto (default), two_pass or one_pass: the backward `flash_attention` and the custom ops take."""
 BWD_MODES = ("two_pass", "one_pass")

@@ -229,6 +229,16 @@ def _dtype_name(dtype: torch.dtype) -> str:
 _TUNED = {} if INTERPRET else load_tuned_configs()
 
 
+def tuned_auto_path(path: str | os.PathLike = TUNED_CONFIGS_PATH) -> str:
+    """The path `auto` takes on an sm_90 GPU: the tuned file's `auto_path` (`tma` or `portable`, set from the
+    measurement that wrote it, on the device the file names), else `portable`."""
+    path = Path(path)
+    value = json.loads(path.read_text()).get("auto_path", "portable") if path.exists() else "portable"
+    if value not in PATHS:
+        raise ValueError(f"{path}: auto_path {value!r} must be one of {PATHS}")
+    return value
+
+
 def _tuned_entries(kernel: str, dtype: torch.dtype, path: str) -> list[dict]:
     return [e for e in _TUNED.get(kernel, []) if e.get("dtype", _dtype_name(dtype)) == _dtype_name(dtype)
             and e.get("path", "portable") == path]

@@ -449,9 +449,11 @@ def candidate_winners(df: pd.DataFrame) -> dict[str, list[dict]]:
     (backward) time over the shapes every compared candidate was measured on, as tuned-file entries."""
     from kernels.flash_attention_tuning import FlashConfig
 
+    out: dict[str, list[dict]] = {"fwd": [], "dkdv": [], "dq": []}
+    if "fwd_median_s" not in df:  # nothing was timed
+        return out
     ok = df[(df.study == "candidates") & (df.status == "ok") & (df.provider == "triton_candidate")]
     ok = ok[ok["path"].astype(str).str.startswith("tma") & ok["fwd_median_s"].notna()]
-    out: dict[str, list[dict]] = {"fwd": [], "dkdv": [], "dq": []}
     for head_dim, rows in ok.groupby("head_dim"):
         shapes = sorted(set(zip(rows.batch, rows.heads, rows.seq)))
         rows = rows.groupby("candidate").filter(lambda g: len(set(zip(g.batch, g.heads, g.seq))) == len(shapes))
@@ -473,9 +475,30 @@ def candidate_winners(df: pd.DataFrame) -> dict[str, list[dict]]:
     return out
 
 
+def auto_path(df: pd.DataFrame) -> str:
+    """`tma` when, on every shape of the candidates study, the fastest tma forward plus the fastest tma backward
+    (any candidates) take no longer than the portable baseline's forward plus backward; else `portable`."""
+    if "fwd_median_s" not in df:
+        return "portable"
+    ok = df[(df.study == "candidates") & (df.status == "ok") & (df.provider == "triton_candidate")]
+    ok = ok[ok["fwd_median_s"].notna()]
+    if ok.empty:
+        return "portable"
+    for _, rows in ok.groupby(["batch", "heads", "seq", "head_dim"]):
+        tma = rows[rows["path"].astype(str).str.startswith("tma")]
+        portable = rows[rows["candidate"].astype(str).str.startswith("base_portable")]
+        if tma.empty or portable.empty:
+            return "portable"
+        fastest_tma = tma["fwd_median_s"].min() + tma["bwd_median_s"].min()
+        if fastest_tma > (portable["fwd_median_s"] + portable["bwd_median_s"]).min():
+            return "portable"
+    return "tma"
+
+
 def write_tuned(df: pd.DataFrame, json_path: Path) -> dict[str, list[dict]]:
     """Put `candidate_winners(df)` first among the tuned file's entries of their (kernel, path, head dim, dtype),
-    keeping every other entry (the autotuner still times the earlier winners against them)."""
+    keeping every other entry (the autotuner still times the earlier winners against them), and set the file's
+    `auto_path` (`auto_path(df)`: the path `auto` takes on sm_90)."""
     import json
 
     from kernels.flash_attention_tuning import load_tuned_configs
@@ -486,6 +509,7 @@ def write_tuned(df: pd.DataFrame, json_path: Path) -> dict[str, list[dict]]:
     load_tuned_configs(json_path)  # the file as it is must be valid
     for kernel, entries in winners.items():
         data[kernel] = entries + data.get(kernel, [])
+    data["auto_path"] = auto_path(df)
     ok = df[(df.study == "candidates") & (df.status == "ok")]
     where = ", ".join(f"{col.split('_')[0]} {', '.join(sorted(map(str, ok[col].dropna().unique())))}"
                       for col in ("device_name", "torch_version", "triton_version") if col in ok)

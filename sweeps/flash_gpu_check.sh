@@ -25,8 +25,10 @@ $PY -c "import torch, triton; print(f'torch {torch.__version__}, triton {triton.
 {torch.cuda.get_device_name(0)}')" | tee "$OUT/env.txt"
 if [ "${MODE:-check}" = candidates ]; then
   # Issue 16's candidate matrix (sweeps/flash_bench.py CANDIDATES): each candidate's correctness check in its own
-  # process (compiling its kernels in parallel), then all of them timed in one process against SDPA cuDNN and
-  # flash, then ncu on one launch of each kernel at $NCU_SHAPE for the tuned tma configs and the fastest ones.
+  # process (compiling its kernels in parallel, beside the autotuned configs of the hopper study's other paths),
+  # then all of them timed in one process against SDPA cuDNN and flash; the fastest tma configs go first in the
+  # tuned file (with its auto_path), which the hopper study then runs under ($OUT/hopper); last, ncu on one launch
+  # of each kernel at $NCU_SHAPE for the earlier tuned tma configs and the fastest ones.
   $PY -c "import inspect, triton, triton.language as tl; print('tl.range', inspect.signature(tl.range.__init__)); \
 print('Config', inspect.signature(triton.Config.__init__))" | tee -a "$OUT/env.txt"
   NAMES=${CANDIDATES:-$($PY -c "from sweeps.flash_bench import CANDIDATES; print(' '.join(CANDIDATES))")}
@@ -34,12 +36,26 @@ print('Config', inspect.signature(triton.Config.__init__))" | tee -a "$OUT/env.t
     timeout "${CHECK_TIMEOUT:-120}" $PY sweeps/flash_bench.py --studies candidates --candidates "$name" --check-only \
       --out "/tmp/flash_check/$name" > "$OUT/check_$name.log" 2>&1 &
   done
+  for job in "tma one_pass" "portable one_pass" "portable two_pass"; do
+    set -- $job
+    for d in 128 64; do
+      timeout "${CHECK_TIMEOUT:-120}" $PY sweeps/flash_profile.py --autotune --warmup 0 --shape 1x2x1024x$d --paths $1 \
+        --bwd $2 > "$OUT/first_${1}_${2}_$d.log" 2>&1 &
+    done
+  done
   wait
   grep -h -E "triton_candidate" "$OUT"/check_*.log | sed 's/^candidates triton_candidate //'
   timeout "${BENCH_TIMEOUT:-140}" $PY sweeps/flash_bench.py --studies candidates --time-budget-s "${BENCH_BUDGET:-115}" \
     ${CANDIDATES:+--candidates "$(echo $CANDIDATES | tr ' ' ,)"} --out "$OUT" > "$OUT/bench.log" 2>&1
   echo "flash_bench exit code $?" >> "$OUT/bench.log"
   grep -E "^candidates" "$OUT/bench.log" | sed 's/^candidates //'
+  $PY sweeps/flash_bench.py --studies candidates --report-only --out "$OUT" \
+    --write-tuned kernels/flash_attention_tuned.json > "$OUT/write_tuned.log" 2>&1 && cat "$OUT/write_tuned.log"
+  cp kernels/flash_attention_tuned.json "$OUT/"  # this machine's copy of the tree only
+  timeout "${HOPPER_TIMEOUT:-140}" $PY sweeps/flash_bench.py --study hopper --time-budget-s "${HOPPER_BUDGET:-115}" \
+    --out "$OUT/hopper" > "$OUT/hopper_bench.log" 2>&1
+  echo "flash_bench hopper exit code $?" >> "$OUT/hopper_bench.log"
+  grep -E "^hopper" "$OUT/hopper_bench.log"
   if command -v ncu > /dev/null; then
     PICK=$($PY - "$OUT/flash_bench.parquet" "${NCU_SHAPE:-1x32x32768x128}" <<'PYEOF'
 import sys

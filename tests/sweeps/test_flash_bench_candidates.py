@@ -77,3 +77,6 @@ def test_fastest_tma_configs_go_first_in_the_tuned_file(tmp_path):
         assert after[kernel][len(winners[kernel]):] == before.get(kernel, [])
     assert after["dkdvq"] == before["dkdvq"]
     assert "candidates study" in json.loads(path.read_text())["note"]
+    assert ft.tuned_auto_path(path) == "tma"  # the fast tma levers beat the portable baseline on every shape
+    slow_tma = df.assign(fwd_median_s=df.fwd_median_s.where(~df.path.str.startswith("tma") | (df.seq != 2048), 9.0))
+    assert flash_bench.auto_path(slow_tma) == "portable"  # one shape where no tma candidate keeps up
