@@ -25,7 +25,7 @@ from raysys import memory, profiling
 from raysys.config import SIZES, ModelConfig
 from raysys.device import DTYPES, autocast, free_memory, resolve_device
 from raysys.model import AdamW, TransformerLM, attention_backends, cross_entropy, nvtx_range
-from raysys.results import make_row, status_of
+from raysys.results import PROVENANCE_COLUMNS, make_row, status_of
 from raysys.timing import PhaseTimer, tflops
 
 MODES = ("forward", "forward-backward", "train-step")
@@ -184,8 +184,9 @@ def run_benchmark(cfg: BenchConfig, out_dir: str | Path | None = None) -> tuple[
             metrics.update(_memory_profile(run, out_dir))
         row = make_row("bench", config, metrics, device=device)
         if kernels is not None:
-            kernels = kernels.assign(trial_id=row["trial_id"], size=cfg.size, context_length=mc.context_length,
-                                     dtype=cfg.dtype, mode=cfg.mode)
+            kernels = kernels.assign(sweep="bench_kernels", trial_id=row["trial_id"], size=cfg.size,
+                                     context_length=mc.context_length, dtype=cfg.dtype, mode=cfg.mode,
+                                     **{k: row[k] for k in PROVENANCE_COLUMNS})  # each table carries its run
         return row, kernels
     except (torch.OutOfMemoryError, RuntimeError, MemoryError) as exc:  # CPU allocation failures are oom too
         if status_of(exc) != "oom":

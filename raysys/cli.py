@@ -64,7 +64,8 @@ def _bench(args) -> int:
             kernels_writer.rows += kernels.to_dict("records")
             kernels_writer.write([])
             from raysys.profiling import format_top
-            print(format_top(kernels.drop(columns=["trial_id", "size", "context_length", "dtype", "mode"])))
+            print(format_top(kernels[["phase", "kernel", "calls_per_step", "total_s", "call_mean_s", "share_of_phase",
+                                      "share_of_step", "is_matmul"]]))
     _print_bench(rows)
     print(f"\nwrote {rows_writer.path}")
     return 0

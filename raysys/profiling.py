@@ -109,8 +109,11 @@ def export_trace(prof: torch.profiler.profile, path: str | Path) -> Path:
 
 
 def format_top(table: pd.DataFrame, top: int = 8) -> str:
-    """Markdown: the top kernels of each phase."""
+    """Markdown: the top kernels of each phase (the table's seconds shown as ms per step and us per call)."""
     parts = []
+    if {"total_s", "call_mean_s"} <= set(table.columns):
+        table = table.assign(total_ms=1e3 * table["total_s"], call_mean_us=1e6 * table["call_mean_s"]).drop(
+            columns=["total_s", "call_mean_s"])
     for phase, part in table.groupby("phase", sort=False):
         head = part.head(top).assign(kernel=lambda d: d.kernel.str.slice(0, 70))
         parts.append(f"**{phase}**\n\n" + head.drop(columns="phase").to_markdown(index=False, floatfmt=".3g"))

@@ -79,7 +79,9 @@ def test_profile_summary_on_cpu(tmp_path):
     assert fwd["is_matmul"].any()  # aten::mm self time is attributed to the forward phase
     assert 0 < row["matmul_share_forward"] < 1
     assert (tmp_path / "traces").exists() and row["trace_path"].endswith(".json")
-    assert "**forward**" in profiling.format_top(kernels)
+    assert "**forward**" in profiling.format_top(kernels) and "total_ms" in profiling.format_top(kernels)
+    assert (kernels["sweep"] == "bench_kernels").all() and (kernels["run_id"] == row["run_id"]).all()
+    assert (kernels["git_sha"] == row["git_sha"]).all() and (kernels["device_name"] == row["device_name"]).all()
 
 
 def test_is_matmul_names():
