@@ -527,7 +527,7 @@ NOTES = "flash_hopper_notes.md"
 def write_report(df: pd.DataFrame, out: Path) -> Path:
     body = markdown(df)
     if (out / NOTES).exists():
-        body += (f"\nWhat bounded each kernel (ncu) and which levers did or did not help: [results/{NOTES}]"
+        body += (f"\nWhat bounds each kernel (profiles, builds) and the levers of issue 16: [results/{NOTES}]"
                  f"(results/{NOTES}).\n")
     return write_markdown(out, SWEEP, "FlashAttention-2 against PyTorch attention", body)
 
