@@ -140,11 +140,14 @@ def sweep_parser(doc: str | None, sweep: str, *, device_help: str) -> argparse.A
 
 
 def read_sweep(out: Path, sweep: str) -> pd.DataFrame:
-    """The rows of `<out>/<sweep>.parquet` (for --report-only), or a ValueError naming the missing file."""
+    """The rows of `<out>/<sweep>.parquet` (for --report-only) in the column convention (`read_results`: a file of
+    older code reads like a new one), or a ValueError naming the missing file."""
+    from raysys.results import read_results
+
     path = out / f"{sweep}.parquet"
     if not path.exists():
         raise ValueError(f"--report-only: {path} does not exist")
-    return pd.read_parquet(path)
+    return read_results(path)
 
 
 def _default_reduce(config: Mapping[str, Any], per_rank: list) -> dict:

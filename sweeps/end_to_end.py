@@ -131,7 +131,7 @@ def kernels(g: dict, device: str, out: Path, writers: dict) -> None:
                                                          **provenance(resolve_device(device))))
     if tables:
         path = out / "e2e_kernel_table.parquet"
-        old = [pd.read_parquet(path)] if writers["e2e_kernels"].mode == "resume" and path.exists() else []
+        old = [read_results(path)] if writers["e2e_kernels"].mode == "resume" and path.exists() else []
         write_parquet(pd.concat(old + tables, ignore_index=True), path)
 
 

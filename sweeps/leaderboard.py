@@ -40,7 +40,7 @@ from raysys.leaderboard import LeaderboardStep, StepConfig, device_memory_bytes,
 from raysys.leaderboard_bench import (DTYPE_NAMES, SWEEP, Session, Variant, build_leaderboard_parser,  # noqa: E402
                                       build_model, for_device, make_batch, open_writer, run_ablation, run_check,
                                       start_session, variant_config, variant_row)
-from raysys.results import ROW_COLUMNS  # noqa: E402
+from raysys.results import ROW_COLUMNS, read_results  # noqa: E402
 
 STUDIES = ("ablation", "neighbours", "ddp")
 TUNE_SWEEP, DDP_SWEEP = f"{SWEEP}_tune", f"{SWEEP}_ddp"
@@ -367,7 +367,7 @@ def write_reports(out: Path) -> list[Path]:
         path = Path(out) / f"{sweep}.parquet"
         if path.exists():
             md = path.with_suffix(".md")
-            md.write_text(draw(pd.read_parquet(path)))
+            md.write_text(draw(read_results(path)))  # older files' columns in the convention
             made.append(md)
     return made
 

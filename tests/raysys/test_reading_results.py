@@ -95,3 +95,17 @@ def test_which_ddp_variant_was_fastest_in_bf16_is_one_groupby():
     line = next(t for t in ddp.targets(ddp.with_ratios(df)) if t.startswith("- bf16"))
     assert f"`{ours.idxmin()}` at {1e3 * ours.min():.1f} ms" in line
     assert fastest != runner_up
+
+
+def test_reports_read_files_written_before_the_convention(tmp_path):
+    """A file of older code (tonight's GPU runs) still reports: the readers go through the migration."""
+    from raysys.cluster import read_sweep
+    from sweeps import leaderboard
+
+    old = pd.DataFrame({"sweep": "leaderboard_tune", "trial_id": ["a", "b"], "offset": [0, 1], "status": "ok",
+                        "policy": ["full*2", "full*3"], "step_s": [5.5, 5.25], "peak_bytes": [1e9, 9e8],
+                        "predicted_peak_bytes": [1e9, 9e8], "git_sha": "unknown"})
+    old.to_parquet(tmp_path / "leaderboard_tune.parquet")
+    (md,) = leaderboard.write_reports(tmp_path)
+    assert "step_median_s" in md.read_text() and "plan / best = 1.048" in md.read_text()
+    assert read_sweep(tmp_path, "leaderboard_tune")["step_median_s"].tolist() == [5.5, 5.25]
