@@ -19,10 +19,11 @@ fp32 products unless `torch.set_float32_matmul_precision` allows TF32.
 Paths (one kernel family, a constexpr apart): `portable` (pointer loads; every GPU and the interpreter) and `tma`
 (sm_90 with Triton >= 3.4: device-side tensor descriptors for the Q/K/V/O/dO/dK/dV/dQ tiles, whose edges the TMA
 unit clips; optional persistent grid and warp specialisation). `RAYSYS_FLASH_PATH` / `path=` picks one; `auto`
-takes tma on sm_90 when the tuned file's `auto_path` says so (set by the measurement that wrote it), else portable. Launch configs are autotuned per (sequence bucket,
-head dim, causal, dtype, path) among `kernels/flash_attention_tuning.py`'s candidates (the tuned file's entries
-when it has some); `RAYSYS_FLASH_AUTOTUNE=0` takes the first valid one. Under `TRITON_INTERPRET=1` (read at
-import) each kernel has one small config and CPU tensors are accepted; the interpreter has no bf16.
+takes tma on sm_90 when the tuned file's `auto_path` says so (set by the measurement that wrote it), else
+portable. Launch configs are autotuned per (sequence bucket, head dim, causal, dtype, path) among
+`kernels/flash_attention_tuning.py`'s candidates (the tuned file's entries when it has some);
+`RAYSYS_FLASH_AUTOTUNE=0` takes the first valid one. Under `TRITON_INTERPRET=1` (read at import) each kernel has
+one small config and CPU tensors are accepted; the interpreter has no bf16.
 
 torch.compile: `flash_attention` calls the custom op `raysys::flash_attn_fwd` (autograd registered, backward
 `raysys::flash_attn_bwd`): `triton_op`s on a GPU, so Inductor launches the kernels itself (with the configs

@@ -3,10 +3,11 @@
 Four kernels are tuned separately: `fwd` (query tile resident, key tiles streamed), `dkdv` (key tile
 resident, query tiles streamed), `dq` (query tile resident, key tiles streamed) and `dkdvq` (the dK/dV kernel
 that also adds each tile's dS K into an fp32 dQ, the one-pass backward). A config is
-(block_m query rows, block_n key rows, num_warps, num_stages) plus two knobs of the `tma` path:
-`warp_specialize` (Triton splits the unmasked tile loop into producer / consumer warp groups) and `persistent`
-(one program per SM walks the tiles, heaviest first). The causal split into unmasked and diagonal tiles needs
-whole tiles on the diagonal: block_m % block_n == 0 for fwd and dq, block_n % block_m == 0 for dkdv(q).
+(block_m query rows, block_n key rows, num_warps, num_stages), two knobs of the `tma` path: `warp_specialize`
+(Triton splits the unmasked tile loop into producer / consumer warp groups) and `persistent` (one program per SM
+walks the tiles, heaviest first), and three of both: `maxnreg` (register cap), `lazy_rescale` (fwd) and `unroll`
+(`FlashConfig.label()` writes them all, `from_label` reads them back). The causal split into unmasked and diagonal
+tiles needs whole tiles on the diagonal: block_m % block_n == 0 for fwd and dq, block_n % block_m == 0 for dkdv(q).
 
 Paths: `portable` (pointer loads; every GPU and the interpreter) and `tma` (tensor descriptors, sm_90+); each
 has its own candidate family. The pruning predicate `config_fits` drops configs whose operand tiles overflow
@@ -14,8 +15,9 @@ shared memory or whose fp32 accumulators would spill registers (thresholds measu
 Ray Tune sweep `sweeps/flash_tiles.py` writes its best configs per (kernel, path, head dim, dtype) to
 `flash_attention_tuned.json` beside this file, with the device and versions they were measured on. When the
 file has entries for a call's (kernel, path, head dim, dtype), the autotuner benchmarks only those (so the
-first call's tuning cost is bounded by the file); otherwise the built-in family. `RAYSYS_FLASH_AUTOTUNE=0`
-takes the first valid config without benchmarking. Under `TRITON_INTERPRET=1` each kernel has one small config.
+first call's tuning cost is bounded by the file); otherwise the built-in family. The file's `auto_path` says
+which path `auto` takes on sm_90 (`tuned_auto_path`). `RAYSYS_FLASH_AUTOTUNE=0` takes the first valid config
+without benchmarking. Under `TRITON_INTERPRET=1` each kernel has one small config.
 """
 
 from __future__ import annotations
@@ -169,13 +171,16 @@ _GPU_CONFIGS = {
 }
 # 16-bit inputs, tma path (sm_90+): the portable winners, larger key tiles (the TMA unit moves them without
 # registers) and the persistent grid, ordered by the H200 sweep (results/runs/flash_tiles_hopper_*.parquet).
+# The last ones cap registers at 128 so that two 8-warp programs share an SM (sm_90 builds: 127 registers, no
+# spill, for the d 128 forward; results/flash_hopper_notes.md), not yet timed on the H200.
 # Warp specialisation is a knob but no candidate: Triton 3.6 on sm_90 turns a 4-warp program into a producer
 # warp group issuing the TMA loads and two consumer warp groups (12 warps), leaves 8-warp programs alone, fails
 # to compile the dQ loops, and the fwd and dK/dV kernels it built gave wrong results on the H200.
 _TMA_CONFIGS = {
     "fwd": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 4), (128, 64, 8, 3, False, True),
-            (64, 32, 4, 2)],
-    "dkdv": [(64, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (32, 128, 8, 3), (16, 64, 4, 3), (16, 32, 4, 2)],
+            (64, 32, 4, 2), (128, 64, 8, 2, False, False, 128)],
+    "dkdv": [(64, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (32, 128, 8, 3), (16, 64, 4, 3), (16, 32, 4, 2),
+             (32, 128, 8, 3, False, False, 128)],
     "dq": [(128, 64, 8, 3), (64, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 3), (128, 32, 8, 3, False, True),
            (64, 16, 4, 3), (32, 16, 4, 2)],
     "dkdvq": [(32, 128, 8, 3), (32, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 3), (32, 128, 8, 3, False, True),

@@ -202,7 +202,8 @@ def candidate_fn(name: str, device: torch.device) -> Callable:
 
     spec = CANDIDATES[name]
     if spec["path"] == "tma" and not tma_supported(device):
-        raise Unsupported(f"the tma path needs an sm_90 GPU and Triton >= 3.4, not {torch.cuda.get_device_name(device)}")
+        raise Unsupported("the tma path needs an sm_90 GPU and Triton >= 3.4, not "
+                          f"{torch.cuda.get_device_name(device)}")
     configs = {k: FlashConfig.from_label(spec[k]).check(k, spec["path"]) for k in ("fwd", "dkdv", "dq")}
     return lambda q, k, v, causal: _CandidateAttention.apply(q, k, v, causal, spec["path"], configs)
 
@@ -426,7 +427,8 @@ def markdown(df: pd.DataFrame) -> str:
     if not cand.empty:
         parts.append("Candidates (issue 16; bf16, causal): launch configs pinned per kernel, one lever at a time from "
                      "the tuned tma configs (`base_tma_*`); `check_*_err` is the largest relative error of O, dQ, dK, "
-                     "dV against fp32 attention at odd lengths (causal and not, n_q != n_k); same run as the SDPA rows.")
+                     "dV against fp32 attention at odd lengths (causal and not, n_q != n_k); same run as the SDPA "
+                     "rows.")
         ccols = ["batch", "heads", "seq", "head_dim", "provider", "candidate", "path", "fwd_config", "dkdv_config",
                  "dq_config", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops",
                  "speedup_fwd_vs_sdpa_cudnn", "speedup_fwd_bwd_vs_sdpa_cudnn", "check_bf16_err", "check_fp16_err"]

@@ -18,7 +18,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 TILES_SHAPES=${TILES_SHAPES:-16384/128/bf16/causal,2048/128/bf16/causal,4096/64/bf16/causal}
-TILES_VARIANTS=${TILES_VARIANTS:-tma,tma_persistent}
+TILES_VARIANTS=${TILES_VARIANTS:-tma,tma_r128,tma_persistent}
 
 $PY -c "import torch, triton; print(f'torch {torch.__version__}, triton {triton.__version__}, cuda \
 {torch.version.cuda}, cudnn {torch.backends.cudnn.version()}, {torch.cuda.device_count()} x \

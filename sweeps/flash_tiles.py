@@ -77,16 +77,20 @@ STAGES = (1, 2, 3, 4)
 # Matmuls per kernel, in units of the forward's 2 * pairs * d (fwd: S, PV; dK/dV: S, dV, dP, dK; dQ: S, dP, dQ;
 # the one-pass dK/dV/dQ: S, dV, dP, dK, dQ).
 MATMULS = {"fwd": 2, "dkdv": 4, "dq": 3, "dkdvq": 5}
-# Kernel variants: path, warp specialisation, persistent grid (kernels/flash_attention_tuning.py). A trial
-# without a `variant` key is `portable` (the rows of earlier runs).
+# Kernel variants: path, warp specialisation, persistent grid (kernels/flash_attention_tuning.py), and the
+# register cap of REGISTER_CAPS (Triton's maxnreg: 128 lets two 8-warp programs share an SM). A trial without a
+# `variant` key is `portable` (the rows of earlier runs).
 VARIANTS = {"portable": ("portable", False, False), "tma": ("tma", False, False), "tma_ws": ("tma", True, False),
-            "tma_persistent": ("tma", False, True), "tma_ws_persistent": ("tma", True, True)}
+            "tma_persistent": ("tma", False, True), "tma_ws_persistent": ("tma", True, True),
+            "tma_r128": ("tma", False, False)}
+REGISTER_CAPS = {"tma_r128": 128}
 QUICK_PER_VARIANT = 4  # --quick: the first built-in candidates of each variant
 
 
 def variant_of(cfg, path: str) -> str:
     """The VARIANTS name of a FlashConfig on `path`."""
-    return next(name for name, spec in VARIANTS.items() if spec == (path, cfg.warp_specialize, cfg.persistent))
+    return next(name for name, spec in VARIANTS.items()
+                if spec == (path, cfg.warp_specialize, cfg.persistent) and REGISTER_CAPS.get(name) == cfg.maxnreg)
 
 
 def parse_shape(shape: str) -> dict:
@@ -138,8 +142,9 @@ def param_spaces(quick: bool, shapes: tuple[str, ...], variants: tuple[str, ...]
                                "shape": {"grid_search": list(shapes)}}
                 continue
             if quick:
+                cap = REGISTER_CAPS.get(variant)
                 cands = [c for c in candidates(kernel, torch.bfloat16, path=path)
-                         if (c.warp_specialize, c.persistent) == (ws, persistent)][:QUICK_PER_VARIANT]
+                         if (c.warp_specialize, c.persistent, c.maxnreg) == (ws, persistent, cap)][:QUICK_PER_VARIANT]
                 for c in cands:
                     spaces[f"{key}/{c.label()}"] = {"kernel": kernel, **extra, "tile": f"{c.block_m}x{c.block_n}",
                                                     "num_warps": c.num_warps, "num_stages": c.num_stages,
@@ -170,9 +175,11 @@ def trial(config: dict, device: str = "cuda") -> dict:
     from kernels.flash_attention_tuning import candidates, config_fits
 
     kernel = config["kernel"]
-    path, ws, persistent = VARIANTS[config.get("variant", "portable")]
+    variant = config.get("variant", "portable")
+    path, ws, persistent = VARIANTS[variant]
     block_m, block_n = (int(x) for x in config["tile"].split("x"))
-    cfg = FlashConfig(block_m, block_n, config["num_warps"], config["num_stages"], ws, persistent).check(kernel, path)
+    cfg = FlashConfig(block_m, block_n, config["num_warps"], config["num_stages"], ws, persistent,
+                      REGISTER_CAPS.get(variant)).check(kernel, path)
     shape = parse_shape(config["shape"])
     dtype = getattr(torch, shape["dtype"])
     device = torch.device(device)
@@ -211,7 +218,8 @@ def trial(config: dict, device: str = "cuda") -> dict:
     flops = flash_attention_flops(1, HEADS, shape["seq"], shape["seq"], shape["head_dim"], causal, "fwd")
     flops *= MATMULS[kernel] / 2
     return {"block_m": block_m, "block_n": block_n, "path": path, "warp_specialize": ws, "persistent": persistent,
-            **shape, "time_median_s": ms / 1e3, "tflops": flops / (ms * 1e-3) / 1e12, "max_abs_err": err}
+            "maxnreg": cfg.maxnreg or 0, **shape, "time_median_s": ms / 1e3, "tflops": flops / (ms * 1e-3) / 1e12,
+            "max_abs_err": err}
 
 
 def median_ms(fn, device) -> float:
@@ -340,15 +348,15 @@ def best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict[str, 
     ok = df[df["status"] == "ok"].copy()
     if ok.empty:
         return {kernel: [] for kernel in KERNELS}
-    for col, default in (("path", "portable"), ("warp_specialize", False), ("persistent", False)):
-        ok[col] = ok[col].fillna(default) if col in ok else default  # rows of runs before the tma path
-    for col in ("block_m", "block_n", "num_warps", "num_stages", "head_dim"):
+    for col, default in (("path", "portable"), ("warp_specialize", False), ("persistent", False), ("maxnreg", 0)):
+        ok[col] = ok[col].fillna(default) if col in ok else default  # rows of runs before the tma path / the cap
+    for col in ("block_m", "block_n", "num_warps", "num_stages", "head_dim", "maxnreg"):
         ok[col] = ok[col].astype(int)
     for col in ("warp_specialize", "persistent"):
         ok[col] = ok[col].astype(bool)
     ok["median_ms"] = 1e3 * ok["time_median_s"]  # the tuned file's unit
     ok["log_ms"] = ok["median_ms"].map(math.log)
-    keys = ["block_m", "block_n", "num_warps", "num_stages", "warp_specialize", "persistent"]
+    keys = ["block_m", "block_n", "num_warps", "num_stages", "warp_specialize", "persistent", "maxnreg"]
     out: dict[str, list[dict]] = {}
     for kernel in KERNELS:
         entries = []
@@ -362,7 +370,10 @@ def _best_entries(sel: pd.DataFrame, keys: list[str], tags: dict, min_configs: i
     """best_configs for the rows of one (kernel, path)."""
 
     def config_of(values) -> dict:
-        return {k: (bool(v) if k in ("warp_specialize", "persistent") else int(v)) for k, v in zip(keys, values)}
+        config = {k: (bool(v) if k in ("warp_specialize", "persistent") else int(v)) for k, v in zip(keys, values)}
+        if "maxnreg" in config:
+            config["maxnreg"] = config["maxnreg"] or None  # 0: no register cap
+        return config
 
     entries = []
     for (head_dim, dtype), group in sel.groupby(["head_dim", "dtype"]):

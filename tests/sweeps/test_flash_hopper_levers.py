@@ -1,6 +1,6 @@
-"""CPU tests of flash_bench's candidates study (issue 16): its grid, its rows on a machine without a GPU, and how
-its fastest tma configs go into the tuned-config file. The timings themselves need an H200 (the study's rows in
-results/flash_bench.parquet)."""
+"""CPU tests of issue 16's levers in the studies: flash_bench's candidates study (its grid, its rows on a machine
+without a GPU, how its fastest tma configs and auto path go into the tuned-config file) and flash_tiles' register-
+capped variant. The timings themselves need an H200."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ if not torch.cuda.is_available():  # one interpreter decision per process for ev
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import kernels.flash_attention_tuning as ft  # noqa: E402
-from sweeps import flash_bench  # noqa: E402
+from sweeps import flash_bench, flash_tiles  # noqa: E402
 
 
 def test_every_candidate_is_a_valid_config_set_on_its_path():
@@ -80,3 +80,28 @@ def test_fastest_tma_configs_go_first_in_the_tuned_file(tmp_path):
     assert ft.tuned_auto_path(path) == "tma"  # the fast tma levers beat the portable baseline on every shape
     slow_tma = df.assign(fwd_median_s=df.fwd_median_s.where(~df.path.str.startswith("tma") | (df.seq != 2048), 9.0))
     assert flash_bench.auto_path(slow_tma) == "portable"  # one shape where no tma candidate keeps up
+
+
+def test_flash_tiles_register_cap_variant_reaches_the_tuned_file(tmp_path):
+    spaces = flash_tiles.param_spaces(False, ("4096/64/bfloat16/causal",), ("tma", "tma_r128"))
+    assert {s.get("variant") for s in spaces.values()} == {"tma", "tma_r128"}
+    quick = flash_tiles.param_spaces(True, ("4096/64/bfloat16/causal",), ("tma_r128",))
+    capped_kernels = {k for k in ft.KERNELS
+                      if any(c.maxnreg == 128 for c in ft.candidates(k, torch.bfloat16, path="tma"))}
+    assert {s["kernel"] for s in quick.values()} == capped_kernels  # the built-in capped candidates (none interpreted)
+    capped = ft.FlashConfig(128, 64, 8, 2, maxnreg=128)
+    assert flash_tiles.variant_of(capped, "tma") == "tma_r128"
+    assert flash_tiles.variant_of(ft.FlashConfig(128, 64, 8, 2), "tma") == "tma"
+    shape = "4096/64/bfloat16/causal"
+    rows = [dict(kernel="fwd", tile="128x64", num_warps=8, num_stages=2, shape=shape, status="ok", block_m=128,
+                 block_n=64, time_median_s=ms, tflops=1.0, error="", path="tma", variant=variant,
+                 warp_specialize=False, persistent=False, maxnreg=cap, **flash_tiles.parse_shape(shape))
+            for variant, cap, ms in (("tma", 0, 1e-3), ("tma_r128", 128, 0.8e-3))]
+    rows.append({k: v for k, v in rows[0].items() if k != "maxnreg"} | {"tile": "64x64", "block_m": 64,
+                                                                         "time_median_s": 2e-3})  # an older row
+    df = pd.DataFrame(rows).assign(device_name="H200", torch_version="2.11", triton_version="3.6")
+    best = flash_tiles.best_configs(df, min_configs=1)
+    assert best["fwd"][0]["maxnreg"] == 128 and best["fwd"][0]["geomean_ms"] == 0.8
+    path = tmp_path / "tuned.json"
+    flash_tiles.write_tuned(df, best, path)
+    assert ft._entry_config(ft.load_tuned_configs(path)["fwd"][0]) == capped
