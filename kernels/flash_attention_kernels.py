@@ -321,12 +321,14 @@ def _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, dq_sr
         dk = tl.dot(ds_t.to(q.dtype), q, acc=dk, input_precision=INPUT_PRECISION)
         # 4. DQ_ATOMIC: this key tile's share of dQ = dS K (eq. 18, with its 1/sqrt(d)), added to the fp32
         #    accumulator by the TMA unit's reduce (2) or by atomics (1): five matmuls per tile pair, not seven.
+        #    Computed as dQ^T = K^T dS^T: its rows are the head dim, so a short query tile (BLOCK_M < 64) still
+        #    makes a wgmma on sm_90 (dS K with 32 rows compiled to mma.sync).
         if DQ_ATOMIC > 0:
-            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=INPUT_PRECISION) * scale
+            dq_t = tl.dot(tl.trans(k), ds_t.to(k.dtype), input_precision=INPUT_PRECISION) * scale
             if DQ_ATOMIC == 2:
-                dq_src.atomic_add([start_m, 0], dq)
+                dq_src.atomic_add([start_m, 0], tl.trans(dq_t))
             else:
-                tl.atomic_add(dq_src + rows[:, None] * stride_dqm + offs_d[None, :], dq, mask=rows[:, None] < N_Q,
+                tl.atomic_add(dq_src + rows[None, :] * stride_dqm + offs_d[:, None], dq_t, mask=rows[None, :] < N_Q,
                               sem="relaxed")
         if not USE_TMA:
             q_ptrs += BLOCK_M * stride_qm
