@@ -32,7 +32,8 @@ else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 # Rows name their commit from RAYSYS_GIT_SHA when set, else from git (with "-dirty" for local changes). A host that
-# got a copy of a working tree may hold a stale .git: set RAYSYS_GIT_SHA=<commit> there.
+# got a copy of a working tree may hold a stale .git: set RAYSYS_GIT_SHA=<commit> there, 12 digits
+# (`git rev-parse --short=12 HEAD`, as rows write it); a shorter one is expanded by `python -m raysys.migrate`.
 
 study() {  # study NAME SECONDS command...: run with a timeout, keep its log, never stop the phase
   local name=$1 seconds=$2
