@@ -555,7 +555,7 @@ def build_parser():
     p.add_argument("--check-only", action="store_true",
                    help="candidates study: only the correctness check of each candidate (compiles its kernels)")
     p.add_argument("--write-tuned", default=None, metavar="JSON",
-                   help="candidates study: put the fastest tma configs first in this tuned-config file")
+                   help="candidates study: put the fastest tma configs first in this tuned-config file (default: none, write no file)")
     return p
 
 
