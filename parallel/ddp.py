@@ -16,11 +16,10 @@ has `.grad` equal to the mean over the group of the ranks' local gradients, zero
 none; frozen parameters are never sent and a tied one is reduced once. Collectives are matched across ranks by
 issue order, so buckets are launched strictly in bucket order whatever order gradients arrive in, and those still
 unlaunched at finish (a parameter unused on this rank) are launched there with zeros. Mean: NCCL's AVG inside the
-collective; gloo divides by the group size, then sums. A group of one is the identity: the same hooks and bucket
-bookkeeping run, but nothing is copied, divided or communicated, and an unused parameter keeps `.grad` None.
+collective; gloo divides by the group size, then sums. A group of one is the identity: hooks and bookkeeping run,
+nothing is copied, divided or communicated, and an unused parameter keeps `.grad` None.
 
-Host cost of the overlapped variants per step: one Python call per parameter (its post-accumulate-grad hook,
-which only records the gradient) and one collective call per bucket, made on the process group directly.
+Host cost per step: one post-accumulate-grad hook call per parameter, one collective call per bucket (on the group).
 Gradients stay where autograd put them: nothing is copied, allocated or re-pointed (`grad_as_bucket_view=False`
 is the textbook bucket, copied into a flat buffer and back). `sm_carveout=N`: see parallel/carveout.py.
 

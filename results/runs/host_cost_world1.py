@@ -6,7 +6,8 @@ variant minus `single` (`single_bf16`: autocast, for `fsdp_bf16`).
 `--hooks`: backward of 291 leaves, each used once, with each kind of gradient hook, per parameter.
 
     python results/runs/host_cost_world1.py                    # the wrappers in this checkout
-    git archive 25ed37f parallel | tar -x -C /tmp/before && HOST_COST_ROOT=/tmp/before python results/runs/host_cost_world1.py
+    git archive 25ed37f parallel | tar -x -C /tmp/before
+    HOST_COST_ROOT=/tmp/before python results/runs/host_cost_world1.py  # the wrappers before issue 19's change
     python results/runs/host_cost_world1.py --hooks
 """
 import argparse, gc, os, statistics, sys, tempfile, time
@@ -90,7 +91,8 @@ def wrappers(variants: list[str], steps: int, rounds: int, profile: bool = False
                     built[v]()
             for e in prof.key_averages():
                 if e.key.startswith("c10d::"):
-                    print(f"{v:16s} {e.key:48s} {e.count / 5:6.1f} calls/step {e.cpu_time_total / e.count:8.1f} us/call")
+                    per_call = e.cpu_time_total / e.count
+                    print(f"{v:16s} {e.key:48s} {e.count / 5:6.1f} calls/step {per_call:8.1f} us/call")
     for v in variants:
         ref = med["single_bf16" if v.endswith("bf16") and "single_bf16" in med else "single"]
         print(f"{v:16s}" + "".join(f"{m:10.0f}" for m in med[v]))
