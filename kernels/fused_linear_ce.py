@@ -213,6 +213,9 @@ def _setup_context(ctx, inputs, output):
     _, _, _, _, grad_hidden, grad_weight = inputs
     _, dh, dw = output
     ctx.grad_hidden, ctx.grad_weight = grad_hidden, grad_weight
+    # dh and dw are outputs nobody differentiates: without this autograd would hand backward a zero-filled
+    # gradient for each, one more (N + V) x D buffer at the backward's peak.
+    ctx.set_materialize_grads(False)
     # Eager (plain tensors): keep the gradients as the only references to their buffers, so that backward can
     # scale them in place and autograd can adopt them as .grad without a copy (a saved tensor kept alive a
     # second (V, D) buffer in backward). A traced graph (fake / functional tensors) saves them functionally.

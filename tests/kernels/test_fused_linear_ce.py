@@ -233,6 +233,29 @@ def test_backward_scales_in_place_and_autograd_adopts_the_buffers(monkeypatch):
 
 
 @on_interpreter
+def test_backward_gets_no_zero_filled_gradients_for_dh_and_dw(monkeypatch):
+    """dh and dw are outputs nobody differentiates: autograd must not materialise a zero gradient for each (on the
+    H200 that was one more (N + V) x D buffer, 1.41 GiB, at the backward's peak)."""
+    seen = []
+    backward = flce._backward
+
+    def spy(ctx, grad_loss, grad_dh, grad_dw):
+        seen.append((grad_dh, grad_dw))
+        return backward(ctx, grad_loss, grad_dh, grad_dw)
+
+    flce._linear_cross_entropy_op.register_autograd(spy, setup_context=flce._setup_context)
+    try:
+        hidden, weight, targets = _inputs((2, 9, 16), 20, torch.float32)
+        hidden.requires_grad_()
+        weight.requires_grad_()
+        flce.linear_cross_entropy(hidden, weight, targets).backward()
+    finally:
+        flce._linear_cross_entropy_op.register_autograd(backward, setup_context=flce._setup_context)
+    assert seen == [(None, None)]
+    _check(weight.grad, _reference(hidden, weight, targets, 1.0)[2], 1e-5, "d weight")
+
+
+@on_interpreter
 def test_second_backward_through_one_graph_raises():
     """Backward scales the saved gradients in place; a retained graph must not scale them twice."""
     hidden, weight, targets = _inputs((9, 16), 20, torch.float32)
