@@ -23,6 +23,7 @@ killed: nothing is left running when `run_ranks` returns or raises.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import queue as queue_mod
@@ -42,9 +43,16 @@ class RankError(RuntimeError):
     """One or more ranks raised, died or timed out; the message holds each failing rank's traceback."""
 
 
+def _crash_path(store_path: str, rank: int) -> str:
+    return f"{store_path}.rank{rank}.crash"
+
+
 def _worker(rank: int, world_size: int, store_path: str, fn: Callable[..., Any], args: tuple,
             results: "mp.Queue", num_threads: int, backend: str) -> None:
     torch.set_num_threads(num_threads)
+    # A segfault or abort reports nothing through the queue: faulthandler leaves every thread's Python stack here.
+    crash_log = open(_crash_path(store_path, rank), "w")
+    faulthandler.enable(file=crash_log, all_threads=True)
     try:
         store = dist.FileStore(store_path, world_size)
         if backend == "nccl":  # one GPU per rank; deterministic cuBLAS needs its workspace set before CUDA starts
@@ -64,6 +72,17 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable[..., Any],
         results.put((rank, False, traceback.format_exc()))
         return
     results.put((rank, True, payload))
+
+
+def _died(proc: "mp.Process", crash_path: str) -> str:
+    """The failure of a rank that exited without a result: its exit code and, after a crash, its stacks."""
+    message = f"process exited with code {proc.exitcode} without a result"
+    try:
+        with open(crash_path) as f:
+            stacks = f.read().strip()
+    except OSError:
+        stacks = ""
+    return f"{message}\n{stacks}" if stacks else message
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
@@ -126,8 +145,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
             timed_out = not failures
             for r in pending():
                 procs[r].join(timeout=0.1)
-                failures[r] = (f"process exited with code {procs[r].exitcode} without a result"
-                               if not procs[r].is_alive() else
+                failures[r] = (_died(procs[r], _crash_path(store_path, r)) if not procs[r].is_alive() else
                                f"no result after {timeout_s:.0f} s (hung?)" if timed_out else
                                "killed after another rank failed")
         finally:

@@ -3,6 +3,7 @@ bandwidth arithmetic; and the `run_ranks` harness itself (errors and dead ranks 
 
 from __future__ import annotations
 
+import faulthandler
 import os
 
 import pytest
@@ -118,6 +119,13 @@ def _exit_on_rank1(rank: int, world_size: int) -> int:
     return rank
 
 
+def _segfault_on_rank1(rank: int, world_size: int) -> int:
+    if rank == 1:
+        faulthandler._sigsegv()
+    dist.barrier()
+    return rank
+
+
 @pytest.mark.multiproc
 def test_run_ranks_reports_the_failing_rank():
     with pytest.raises(RankError, match="boom on rank 1"):
@@ -128,3 +136,9 @@ def test_run_ranks_reports_the_failing_rank():
 def test_run_ranks_reports_a_dead_rank():
     with pytest.raises(RankError, match="exited with code 3"):
         run_ranks(_exit_on_rank1, 2, timeout_s=60)
+
+
+@pytest.mark.multiproc
+def test_run_ranks_reports_where_a_rank_crashed():
+    with pytest.raises(RankError, match=r"(?s)exited with code -11.*Segmentation fault.*_segfault_on_rank1"):
+        run_ranks(_segfault_on_rank1, 2, timeout_s=60)
