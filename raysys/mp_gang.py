@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 from raysys.device import resolve_device
 from raysys.rank import (DEVICES, BaseGang, PlacementInfeasible, RankSpec, check_local_cpu_ranks, destroy_rank,
-                         device_description, free_port, init_rank)
+                         device_description, die_with_parent, free_port, init_rank)
 
 
 def local_device(device: str) -> str:
@@ -54,6 +54,7 @@ class RankFailed(RuntimeError):
 
 
 def _serve(spec: RankSpec, conn) -> None:
+    die_with_parent()
     try:
         ctx = init_rank(spec)
         conn.send_bytes(pickle.dumps(("ok", device_description(ctx))))

@@ -23,6 +23,7 @@ import datetime as _dt
 import os
 import re
 import socket
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Self
 
@@ -275,6 +276,21 @@ def check_local_cpu_ranks(world_size: int) -> None:
         raise PlacementInfeasible(f"asked for {world_size} CPU ranks on this machine (multiprocessing launch); its "
                                   f"{cpus} CPUs{mem} allow at most {limit} (max({MIN_CPU_RANKS}, "
                                   f"{CPU_RANKS_PER_CORE} per CPU), {RANK_PROCESS_BYTES // 2**20} MiB each)")
+
+
+def die_with_parent() -> None:
+    """Linux: have the kernel kill this process when the one that started it dies, however it dies (SIGKILL
+    included, which runs no cleanup): a spawned rank blocked in a collective would otherwise wait out the
+    collective's timeout as an orphan. Elsewhere nothing (the driver's own cleanup still stops the ranks)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent died before the call: nobody is left to notice
+        os._exit(1)
 
 
 def free_port() -> int:

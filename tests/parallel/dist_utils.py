@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from raysys.rank import die_with_parent
+
 __all__ = ["RankError", "run_ranks"]
 
 
@@ -49,6 +51,7 @@ def _crash_path(store_path: str, rank: int) -> str:
 
 def _worker(rank: int, world_size: int, store_path: str, fn: Callable[..., Any], args: tuple,
             results: "mp.Queue", num_threads: int, backend: str) -> None:
+    die_with_parent()  # a killed test run (CI timeout, Ctrl-C twice) leaves no rank blocked in a collective
     torch.set_num_threads(num_threads)
     # A segfault or abort reports nothing through the queue: faulthandler leaves every thread's Python stack here.
     crash_log = open(_crash_path(store_path, rank), "w")

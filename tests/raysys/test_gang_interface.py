@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -134,3 +139,51 @@ def test_process_gang_keeps_the_interfaces_rules():
             gang.run(_whoami, "c")
         procs = list(gang._procs)
     assert not gang.running and not any(p.is_alive() for p in procs)
+
+
+_ORPHAN_DRIVER = """
+import os, signal, time
+import torch.multiprocessing as mp
+from raysys.rank import die_with_parent
+
+
+def child():
+    die_with_parent()
+    time.sleep(120)
+
+
+if __name__ == "__main__":
+    proc = mp.get_context("spawn").Process(target=child, daemon=True)
+    proc.start()
+    print(proc.pid, flush=True)
+    time.sleep(3)  # the child has called die_with_parent by now
+    os.kill(os.getpid(), signal.SIGKILL)  # no cleanup runs: daemon children would outlive it
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_rank_dies_with_its_killed_driver(tmp_path):
+    """What ProcessGang's ranks and the test harness's ranks do first: when the driver is SIGKILLed (a CI timeout),
+    the kernel ends them too, rather than leaving them blocked in a collective."""
+    script = tmp_path / "driver.py"
+    script.write_text(_ORPHAN_DRIVER)
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    log = tmp_path / "driver.out"  # a file, not a pipe: an orphan writing to a pipe nobody reads can die of that
+    with open(log, "w") as f:
+        returncode = subprocess.run([sys.executable, str(script)], stdout=f, stderr=subprocess.STDOUT, timeout=120,
+                                    env=env).returncode
+    assert returncode == -signal.SIGKILL, log.read_text()
+    pid = int(log.read_text().split()[0])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+            with open(f"/proc/{pid}/stat") as f:  # a zombie awaiting its reaper is gone too
+                if f.read().split(")")[-1].split()[0] == "Z":
+                    return
+        except (ProcessLookupError, FileNotFoundError):
+            return
+        time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)
+    pytest.fail(f"rank {pid} outlived its killed driver")
