@@ -17,7 +17,9 @@ none; frozen parameters are never sent and a tied one is reduced once. Collectiv
 issue order, so buckets are launched strictly in bucket order whatever order gradients arrive in, and those still
 unlaunched at finish (a parameter unused on this rank) are launched there with zeros. Mean: NCCL's AVG inside the
 collective; gloo divides by the group size, then sums. A group of one is the identity: hooks and bookkeeping run,
-nothing is copied, divided or communicated, and an unused parameter keeps `.grad` None.
+nothing is copied, divided or communicated, and an unused parameter keeps `.grad` None. `collectives_alone=True`
+runs a group of one through the path of a larger group instead (every collective issued, over no peer): what a
+one-GPU measurement of the machinery's cost needs.
 
 Host cost per step: one post-accumulate-grad hook call per parameter, one collective call per bucket (on the group).
 Gradients stay where autograd put them: nothing is copied, allocated or re-pointed (`grad_as_bucket_view=False`
@@ -97,7 +99,8 @@ def mean_reduction(group: dist.ProcessGroup | None) -> tuple[dist.ReduceOp, int]
 class _DataParallel(nn.Module):
     """What every variant shares: the replica, the rank-0 broadcast, forward, `no_sync` and averaging."""
 
-    def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None):
+    def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None, *,
+                 collectives_alone: bool = False):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("DDP needs an initialised torch.distributed process group (init_process_group first)")
@@ -106,7 +109,8 @@ class _DataParallel(nn.Module):
         self.module = module
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
-        self._identity = self.world_size == 1  # a group of one: its mean is the local gradient, nothing to do
+        # A group of one: its mean is the local gradient, nothing to do (unless told to run the collectives anyway).
+        self._identity = self.world_size == 1 and not collectives_alone
         self._mean_op, self._divisor = mean_reduction(process_group)
         broadcast_module_state(module, process_group)
         # Deduplicated by `parameters()`: a tied weight appears (and is reduced) once.
@@ -233,9 +237,9 @@ class _Reducer:
     a parameter, a module or the wrapper (see Lifetime in the module docstring), so hooks may hold it.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, buckets: list[_Bucket], carveout: SMCarveout):
+    def __init__(self, group: dist.ProcessGroup | None, buckets: list[_Bucket], carveout: SMCarveout, identity: bool):
         self.group = group if group is not None else dist.group.WORLD
-        self.identity = dist.get_world_size(group) == 1  # a launch only advances `next` (module docstring)
+        self.identity = identity  # a group of one: a launch only advances `next` (module docstring)
         op, self.divisor = mean_reduction(group)
         self.opts, self.coalesced_opts = AllreduceOptions(), AllreduceCoalescedOptions()
         for opts in (self.opts, self.coalesced_opts):
@@ -314,14 +318,15 @@ class _OverlappedDataParallel(_DataParallel):
     is left and waits."""
 
     def __init__(self, module: nn.Module, buckets: list[list[nn.Parameter]], grad_as_bucket_view: bool,
-                 process_group: dist.ProcessGroup | None, sm_carveout: int | None = None):
+                 process_group: dist.ProcessGroup | None, sm_carveout: int | None = None,
+                 collectives_alone: bool = False):
         carveout = SMCarveout(sm_carveout)  # validated before the broadcast (a collective)
-        _DataParallel.__init__(self, module, process_group)
+        _DataParallel.__init__(self, module, process_group, collectives_alone=collectives_alone)
         self.carveout = carveout
         self.grad_as_bucket_view = grad_as_bucket_view
         copy = not (grad_as_bucket_view or self._identity)
         self.buckets = [_Bucket(params, copy=copy) for params in buckets]
-        self._reducer = _Reducer(process_group, self.buckets, carveout)
+        self._reducer = _Reducer(process_group, self.buckets, carveout, self._identity)
         self._hooks_removed = False
         handles = [p.register_post_accumulate_grad_hook(partial(self._reducer.grad_ready, b, i))
                    for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)]
@@ -392,10 +397,10 @@ class OverlappedDDP(_OverlappedDataParallel):
     (in reverse parameter order; see the ordering note in the module docstring)."""
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None, *,
-                 sm_carveout: int | None = None):
+                 sm_carveout: int | None = None, collectives_alone: bool = False):
         params = [p for p in module.parameters() if p.requires_grad]
         super().__init__(module, [[p] for p in reversed(params)], grad_as_bucket_view=True,
-                         process_group=process_group, sm_carveout=sm_carveout)
+                         process_group=process_group, sm_carveout=sm_carveout, collectives_alone=collectives_alone)
 
 
 class BucketedDDP(_OverlappedDataParallel):
@@ -407,12 +412,13 @@ class BucketedDDP(_OverlappedDataParallel):
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, *, grad_as_bucket_view: bool = True,
-                 process_group: dist.ProcessGroup | None = None, sm_carveout: int | None = None):
+                 process_group: dist.ProcessGroup | None = None, sm_carveout: int | None = None,
+                 collectives_alone: bool = False):
         if not isinstance(bucket_size_mb, (int, float)) or not math.isfinite(bucket_size_mb) or bucket_size_mb < 0:
             raise ValueError(f"bucket_size_mb ({bucket_size_mb!r}) must be a finite number >= 0")
         params = [p for p in module.parameters() if p.requires_grad]
         super().__init__(module, assign_buckets(params, bucket_size_mb), grad_as_bucket_view, process_group,
-                         sm_carveout)
+                         sm_carveout, collectives_alone)
         self.bucket_size_mb = float(bucket_size_mb)
 
 

@@ -19,6 +19,8 @@ gradients as (g0 + g1) / 2. Several backward passes before one finish add up. A 
 the same hooks run but no collective is issued and nothing is divided; in fp32 the full weights are the shards
 (nothing is copied), with a compute dtype each unit's cast weights live from its forward to its backward (one
 cast per step, as autocast's cache) and its cast gradients land in one flat fp32 buffer the shard grads view.
+`collectives_alone=True` runs a group of one through the path of a larger group instead (every all-gather,
+reduce-scatter and all-reduce issued, over no peer): what a one-GPU measurement of the machinery's cost needs.
 
 Requirements (as torch's FSDP): every rank runs the same units in the same order, each at most once per forward; no
 weight tying between sharded modules; no activation recomputation of sharded modules; one dtype per unit;
@@ -188,7 +190,7 @@ class _Unit:
         device, self.dtype = originals[0].device, fsdp.compute_dtype or originals[0].dtype
         # A group of one: the identity. Without a cast the full weights are the shards themselves (`aliased`: no
         # gather, nothing freed); with one, the cast weights stay from the unit's forward to its backward.
-        self.identity = n == 1
+        self.identity = n == 1 and not fsdp.collectives_alone
         self.aliased = self.identity and self.dtype == originals[0].dtype
         self.kept = False  # identity with a cast: gathered in forward, kept for backward
         with torch.no_grad():
@@ -359,11 +361,14 @@ class FSDP(nn.Module):
         event_log: if a list, ("all_gather" | "reduce_scatter", unit name, "forward" | "backward") tuples are
             appended as collectives are issued (for tests of the prefetch rule). A unit of one module is named
             after its weight (`layers.0.attn.q_proj.weight`), a larger one after its root (`layers.0`).
+        collectives_alone: on a group of one, issue every collective a larger group does (over no peer) instead of
+            being the identity (see the module docstring); no effect on a larger group.
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
                  process_group: dist.ProcessGroup | None = None, *, units: Iterable[type | str] | None = None,
-                 max_inflight_reductions: int = 1, sm_carveout: int | None = None, event_log: list | None = None):
+                 max_inflight_reductions: int = 1, sm_carveout: int | None = None, event_log: list | None = None,
+                 collectives_alone: bool = False):
         super().__init__()
         carveout = SMCarveout(sm_carveout)
         if not isinstance(module, nn.Module):
@@ -394,6 +399,7 @@ class FSDP(nn.Module):
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.max_inflight_reductions = max_inflight_reductions
+        self.collectives_alone = collectives_alone
         self.carveout = carveout
         self.stats = CommStats()
         self._event_log = event_log
@@ -620,7 +626,7 @@ class FSDP(nn.Module):
     def _all_reduce_replicated(self) -> None:
         """Average the replicated gradients: one coalesced all-reduce per dtype, in place (blocking); nothing on a
         group of one."""
-        if self.world_size == 1:
+        if self.world_size == 1 and not self.collectives_alone:
             return
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in self._replicated:

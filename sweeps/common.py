@@ -205,6 +205,24 @@ def model_config(size: str, context_length: int, **overrides) -> ModelConfig:
     return ModelConfig.from_name(size, context_length=context_length, **overrides)
 
 
+def add_variant_flags(p: argparse.ArgumentParser, compiled_sweep: str, compile_note: str = "") -> None:
+    """The flags of a study that compares wrappers on one gang (DDP, FSDP): --paired-rounds, --compile,
+    --collectives-alone."""
+    p.add_argument("--paired-rounds", type=int, default=0, help="after its timed steps, time each variant against a "
+                   "single step in alternating blocks for N rounds (0: off)")
+    p.add_argument("--compile", action="store_true", help=f"compile every TransformerBlock (torch.compile) in every "
+                   f"variant{compile_note}; rows go to {compiled_sweep}.parquet")
+    p.add_argument("--collectives-alone", action="store_true", help="with --world-size 1: the project's wrappers "
+                   "issue every collective a larger group does (over no peer) instead of being the identity, so the "
+                   "whole machinery is timed on one GPU (torch's wrappers always do)")
+
+
+def check_collectives_alone(collectives_alone: bool, world_size: int) -> None:
+    if collectives_alone and world_size != 1:
+        raise ValueError(f"--collectives-alone needs --world-size 1 (got {world_size}): a larger group always "
+                         "communicates")
+
+
 def check_timing_options(warmup: int, compile: bool, paired_rounds: int) -> None:
     """--compile and --paired-rounds, as the DDP and FSDP studies take them."""
     if not isinstance(paired_rounds, int) or paired_rounds < 0:
@@ -287,12 +305,20 @@ class VariantTrial(GangTrial):
     """Every TransformerBlock compiled with torch.compile."""
     paired_rounds: int = 0
     """Rounds of the variant against a single step in alternating blocks (0: none)."""
+    collectives_alone: bool = False
+    """On a group of one the project's wrappers issue a larger group's collectives (not the identity)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.variant not in self.VARIANTS:
             raise ValueError(f"variant {self.variant!r} must be one of {self.VARIANTS}")
         check_timing_options(self.warmup, self.compile, self.paired_rounds)
+
+    def config(self) -> dict[str, Any]:
+        out = super().config()
+        if not self.collectives_alone:
+            del out["collectives_alone"]  # rows from before the flag never had the column: ids stay
+        return out
 
 
 def build_model(mc: ModelConfig, device: torch.device, *, seed: int, compile: bool = False) -> nn.Module:
@@ -529,9 +555,12 @@ def setup_sentence(first: pd.Series) -> str:
     world = int(first["world_size"])
     flag = first.get("compile", False)
     compiled = ", TransformerBlocks compiled (torch.compile)" if pd.notna(flag) and bool(flag) else ""
+    alone = first.get("collectives_alone", False)
+    alone = (", the project's wrappers issuing a larger group's collectives (--collectives-alone)"
+             if pd.notna(alone) and bool(alone) else "")
     return (f"{first['size']} model, context {int(first['context_length'])}, {world} rank{'s' * (world != 1)} "
             f"({first.get('backend', '')}, {first.get('device_name', '')}), {int(first['batch_per_rank'])} sequences "
-            f"per rank{compiled}")
+            f"per rank{compiled}{alone}")
 
 
 def not_measured(df: pd.DataFrame, keys: Sequence[str]) -> str:

@@ -18,6 +18,8 @@ is the share of NCCL kernel time that runs beside compute kernels (rank 0's trac
 `--compile` compiles every TransformerBlock in every variant (rows in `ddp_compiled.parquet`, own baselines);
 `--paired-rounds N` also times each variant against a `single` step in alternating blocks (ABBA) in the same
 process, a ratio a drifting host does not bias (the targets use it when every variant has one).
+`--world-size 1 --collectives-alone` times the project's wrappers on a group of one through a larger group's path
+(every collective issued, over no peer) instead of as the identity: their whole host cost on one GPU.
 
 Without GPUs the run uses gloo ranks on the CPU, the `tiny` model at context 64, fp32 only. Optimizer-state
 sharding is its own study, `sweeps/sharded_optimizer.py`.
@@ -53,7 +55,7 @@ from raysys.rank import nccl_group  # noqa: E402
 from raysys.timing import paired_steps, time_steps  # noqa: E402
 from raysys.train_step import TrainStep  # noqa: E402
 from sweeps.common import (GANG_DTYPES, NOT_ON_CPU, VariantTrial, adamw_kwargs, add_model_flags,  # noqa: E402
-                           build_model, check_fits, column, gang_study_main, grid_values, in_trial_scope, list_flag,
+                           add_variant_flags, build_model, check_collectives_alone, check_fits, column, gang_study_main, grid_values, in_trial_scope, list_flag,
                            main_entry, markdown_report, on_cpu, parse_list, profile_one_step, pyplot, save_figure,
                            setup_sentence, step_column, study_parser, write_markdown)
 
@@ -149,7 +151,7 @@ def parse_variant(spec: str) -> dict:
 def ddp_trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: list[str], variants: list[str],
                profile: list[str], warmup: int, steps: int, max_steps: int | None = None,
                nccl_max_ctas: int | None = None, rerun_single: bool = True, compile: bool = False,
-               paired_rounds: int = 0, seed: int = 0) -> list[DDPTrial]:
+               paired_rounds: int = 0, collectives_alone: bool = False, seed: int = 0) -> list[DDPTrial]:
     """One trial per dtype x variant, plus `single (rerun)` last in each dtype when `single` is in the grid
     with other variants and `rerun_single` (validated here, before any rank starts)."""
     bad = [d for d in dtypes if d not in GANG_DTYPES]
@@ -164,7 +166,7 @@ def ddp_trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: l
         parsed.append({**parse_variant("single"), "label": RERUN})
     common = dict(size=size, context_length=context_length, batch_per_rank=batch_per_rank, warmup=warmup,
                   steps=steps, max_steps=steps if max_steps is None else max_steps, compile=compile,
-                  paired_rounds=paired_rounds, seed=seed)
+                  paired_rounds=paired_rounds, collectives_alone=collectives_alone, seed=seed)
     return [DDPTrial(dtype=dtype, **common, **{"nccl_max_ctas": nccl_max_ctas, **v}, profile=v["label"] in profiled)
             for dtype in dtypes for v in parsed]
 
@@ -190,14 +192,15 @@ def wrap(trial: DDPTrial, model: nn.Module, process_group) -> nn.Module:
     if trial.variant == "single":
         return model
     carve = {"sm_carveout": trial.sm_carveout} if trial.sm_carveout is not None else {}
+    alone = {"collectives_alone": True} if trial.collectives_alone else {}
     if trial.variant == "bucketed":
         return make_ddp("bucketed", model, bucket_size_mb=trial.bucket_size_mb, grad_as_bucket_view=trial.bucket_view,
-                        process_group=process_group, **carve)
+                        process_group=process_group, **carve, **alone)
     if trial.variant == "torch":
         # The model's only buffers are constant RoPE tables: like ours, don't re-broadcast them every forward.
         return make_ddp("torch", model, bucket_size_mb=trial.bucket_size_mb, process_group=process_group,
                         broadcast_buffers=False)
-    return make_ddp(trial.variant, model, process_group=process_group, **carve)
+    return make_ddp(trial.variant, model, process_group=process_group, **carve, **alone)
 
 
 def unwrapped_model(ctx, trial: DDPTrial) -> nn.Module:
@@ -439,10 +442,7 @@ def build_parser():
                                                                   "dtype")
     p.add_argument("--nccl-max-ctas", type=int, default=None, help="CUDA: cap every communicating variant's NCCL "
                                                                    "communicator at N CTAs (default: NCCL's choice)")
-    p.add_argument("--paired-rounds", type=int, default=0, help="after its timed steps, time each variant against a "
-                   "single step in alternating blocks for N rounds (0: off)")
-    p.add_argument("--compile", action="store_true", help=f"compile every TransformerBlock (torch.compile) in every "
-                   f"variant; rows go to {COMPILED}.parquet")
+    add_variant_flags(p, COMPILED)
     list_flag(p, "--studies", default="ddp", help="ddp (optimizer-state sharding: sweeps/sharded_optimizer.py)")
     return p
 
@@ -460,11 +460,12 @@ def grid(args, device: str, world_size: int, check_device: bool = True) -> list[
         raise ValueError(f"--nccl-max-ctas ({args.nccl_max_ctas}) must be >= 1")
     if args.paired_rounds < 0:
         raise ValueError(f"--paired-rounds ({args.paired_rounds}) must be >= 0")
+    check_collectives_alone(args.collectives_alone, world_size)
     trials = ddp_trials(**values, dtypes=parse_list(args.dtypes or d["dtypes"], "dtypes", GANG_DTYPES),
                         variants=parse_list(args.variants, "variants"),
                         profile=[v for v in (args.profile or "").split(",") if v.strip()], max_steps=max_steps,
                         nccl_max_ctas=args.nccl_max_ctas, rerun_single=not args.no_single_rerun, compile=args.compile,
-                        paired_rounds=args.paired_rounds)
+                        paired_rounds=args.paired_rounds, collectives_alone=args.collectives_alone)
     if not check_device:
         return trials
     capped = [t.label for t in trials if " CTAs" in t.label]

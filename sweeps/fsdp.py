@@ -16,7 +16,8 @@ parameters, gradients and optimizer state counted tensor by tensor after a step,
 predicts (`expected_state`: fp32 params P_r, grads P_r and AdamW moments 2 P_r per rank, with P_r the rank's
 padded shard). `--profile` variants get two profiled steps: all-gather and reduce-scatter kernel time, the
 part of it with no compute kernel running (`*_exposed_s`) and `stalled_allgathers` (more than 5 us exposed).
-`--compile` and `--paired-rounds N` as in `sweeps/ddp.py` (rows of compiled blocks in `fsdp_compiled.parquet`).
+`--compile`, `--paired-rounds N` and `--collectives-alone` as in `sweeps/ddp.py` (rows of compiled blocks in
+`fsdp_compiled.parquet`).
 Targets (bf16, GPU): each per-block FSDP variant's step <= 1.10x single's and its peak memory <= fsdp2's.
 Without GPUs: gloo ranks on the CPU, the `tiny` model at context 64, every variant but the NCCL-only ones.
 
@@ -56,7 +57,7 @@ from raysys.rank import nccl_group  # noqa: E402
 from raysys.timing import paired_steps, time_steps  # noqa: E402
 from raysys.train_step import TrainStep  # noqa: E402
 from sweeps.common import (GANG_DTYPES, NOT_ON_CPU, VariantTrial, adamw_kwargs, add_model_flags,  # noqa: E402
-                           build_model, check_fits, gang_study_main, grid_values, in_trial_scope, list_flag,
+                           add_variant_flags, build_model, check_collectives_alone, check_fits, gang_study_main, grid_values, in_trial_scope, list_flag,
                            main_entry, markdown_report, on_cpu, parse_list, profile_one_step, setup_sentence,
                            step_column, study_parser, write_markdown)
 
@@ -93,7 +94,7 @@ class FSDPTrial(VariantTrial):
 
 def trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: list[str], variants: list[str],
            profile: list[str], warmup: int, steps: int, compile: bool = False, paired_rounds: int = 0,
-           seed: int = 0) -> list[FSDPTrial]:
+           collectives_alone: bool = False, seed: int = 0) -> list[FSDPTrial]:
     """One trial per dtype x variant, validated before any rank starts."""
     for what, items, allowed in (("dtypes", dtypes, GANG_DTYPES), ("variants", variants, VARIANTS),
                                  ("profile", profile, VARIANTS)):
@@ -102,7 +103,7 @@ def trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: list[
             raise ValueError(f"{what} {bad} not in {allowed}")
     return [FSDPTrial(size=size, context_length=context_length, batch_per_rank=batch_per_rank, dtype=dtype,
                       variant=variant, profile=variant in profile, warmup=warmup, steps=steps, compile=compile,
-                      paired_rounds=paired_rounds, seed=seed)
+                      paired_rounds=paired_rounds, collectives_alone=collectives_alone, seed=seed)
             for dtype in dtypes for variant in variants]
 
 
@@ -111,15 +112,16 @@ def build(trial: FSDPTrial, device: torch.device, process_group) -> tuple[nn.Mod
     """The wrapped model and its optimizer for `trial.variant` (same initial weights on every rank); for an
     OWN_GROUP variant, `process_group` is that variant's own group."""
     variant, low = trial.variant, low_precision(trial.dtype)
+    alone = {"collectives_alone": True} if trial.collectives_alone else {}
     model = build_model(trial.model_config(), device, seed=trial.seed, compile=trial.compile)
     if variant == "single_cast" and low is not None:
         model = CastForCompute(model, low)
     elif variant in ("ddp", "ddp_sharded"):
-        model = make_ddp("bucketed", model, bucket_size_mb=DDP_BUCKET_MB, process_group=process_group)
+        model = make_ddp("bucketed", model, bucket_size_mb=DDP_BUCKET_MB, process_group=process_group, **alone)
     elif variant in ("fsdp", "fsdp_layer") or variant in OWN_GROUP:  # fsdp_layer: a unit per Linear / Embedding
         model = make_fsdp("fsdp", model, compute_dtype=low, process_group=process_group,
                           units=None if variant == "fsdp_layer" else (TransformerBlock,),
-                          sm_carveout=SM_CARVEOUT.get(variant))
+                          sm_carveout=SM_CARVEOUT.get(variant), **alone)
     elif variant == "fsdp2":
         model = make_fsdp("fsdp2", model, compute_dtype=low, process_group=process_group, units=(TransformerBlock,))
     if variant == "ddp_sharded":
@@ -394,10 +396,7 @@ def build_parser():
     list_flag(p, "--variants", default=None, help=f"comma list of {','.join(VARIANTS)} (default: all on cuda; on "
                                                   f"cpu all but {','.join(OWN_GROUP)}, which need NCCL)")
     list_flag(p, "--profile", default="fsdp,fsdp2", help="variants to profile for all-gather overlap ('' for none)")
-    p.add_argument("--paired-rounds", type=int, default=0, help="after its timed steps, time each variant against "
-                   "a single step in alternating blocks for N rounds (0: off)")
-    p.add_argument("--compile", action="store_true", help="compile every TransformerBlock (torch.compile) in every "
-                   f"variant (not fsdp_layer); rows go to {COMPILED}.parquet")
+    add_variant_flags(p, COMPILED, " (not fsdp_layer)")
     return p
 
 
@@ -413,10 +412,11 @@ def grid(args, device: str, world_size: int, check_device: bool = True) -> list[
     with `check_device` what `device` cannot run."""
     if args.paired_rounds < 0:
         raise ValueError(f"--paired-rounds ({args.paired_rounds}) must be >= 0")
+    check_collectives_alone(args.collectives_alone, world_size)
     out = trials(**grid_values(args, DEFAULTS, device), dtypes=parse_list(args.dtypes, "dtypes", GANG_DTYPES),
                  variants=_variants(args.variants, device, DEFAULTS[device], args.compile),
                  profile=[v.strip() for v in (args.profile or "").split(",") if v.strip()], compile=args.compile,
-                 paired_rounds=args.paired_rounds)
+                 paired_rounds=args.paired_rounds, collectives_alone=args.collectives_alone)
     if check_device:
         capped = [t.variant for t in out if t.variant in OWN_GROUP]
         if capped and device != "cuda":

@@ -10,6 +10,8 @@
 #   bash sweeps/gpu_run.sh paired    # 2 GPUs: bf16 DDP and FSDP, every variant also against single in
 #                                    #   alternating blocks (--paired-rounds), into $RESULTS/paired          (~8 min)
 #   bash sweeps/gpu_run.sh compiled  # 2 GPUs: the same with compiled blocks (--compile), into $RESULTS/compiled (~8 min)
+#   bash sweeps/gpu_run.sh alone     # 1 GPU: the wrappers' whole machinery on a group of one (bf16 DDP eager and
+#                                    #   compiled, FSDP compiled, --collectives-alone, paired vs single)   (~6 min)
 #   bash sweeps/gpu_run.sh ckpt      # checkpointing trials (Ray Tune, one GPU per trial)                  (~4 min)
 #   bash sweeps/gpu_run.sh flash     # Ray Tune tile sweep (one GPU per trial), the FlashAttention grid    (~9.5 min)
 #   bash sweeps/gpu_run.sh tests     # the gpu-marked tests (-n 8 needs pytest-xdist)                      (~1 min)
@@ -17,7 +19,7 @@
 #
 # Ray comes from wheels when the host has none: set WHEELS=.whl (see README, "GPU hosts without Ray").
 set -u
-phase=${1:?usage: gpu_run.sh dist|allreduce|fsdp|paired|compiled|ckpt|flash|tests|e2e}
+phase=${1:?usage: gpu_run.sh dist|allreduce|fsdp|paired|compiled|alone|ckpt|flash|tests|e2e}
 OUT=${OUT:-/tmp/raysys-gpu}
 # Results go to a run directory of their own (never straight into the committed results/): running a phase again
 # continues it (--resume of the same commit); copy what you keep into results/ afterwards.
@@ -106,6 +108,16 @@ case $phase in
   compiled)
     paired_studies "$RESULTS/compiled" --compile
     ;;
+  alone)  # issue 19 on one GPU: every collective a larger group issues, over no peer, against single and torch's
+    w1=(--device cuda --world-sizes 1 --launcher mp --dtypes bf16 --collectives-alone --paired-rounds 4
+        --warmup 2 --steps 4 --profile "")
+    study ddp_alone 150 python3 sweeps/ddp.py "${w1[@]}" --out "$RESULTS/alone" --resume --max-steps 4 \
+      --no-single-rerun --variants single,overlapped,bucketed:1000,torch
+    study ddp_alone_compiled 200 python3 sweeps/ddp.py "${w1[@]}" --out "$RESULTS/alone" --resume --max-steps 4 \
+      --no-single-rerun --variants single,overlapped,bucketed:1000,torch --compile
+    study fsdp_alone_compiled 200 python3 sweeps/fsdp.py "${w1[@]}" --out "$RESULTS/alone" --resume \
+      --variants single,fsdp,fsdp2 --compile
+    ;;
   ckpt)  # the checkpointing trials (Ray Tune, one GPU per trial: two at a time)
     study checkpointing 250 python3 sweeps/checkpointing.py --device cuda --out "$RESULTS" --resume
     ;;
@@ -122,7 +134,7 @@ case $phase in
     study end_to_end 420 python3 sweeps/end_to_end.py --device cuda --out "$RESULTS" --resume
     ;;
   *)
-    echo "unknown phase $phase (dist, allreduce, fsdp, paired, compiled, ckpt, flash, tests, e2e)" >&2
+    echo "unknown phase $phase (dist, allreduce, fsdp, paired, compiled, alone, ckpt, flash, tests, e2e)" >&2
     exit 2
     ;;
 esac

@@ -296,13 +296,15 @@ def test_variants_match_single_process_training_transformer():
 
 WORLD_OF_ONE = [("naive", {}), ("flat", {}), ("overlapped", {}), ("bucketed", {"bucket_size_mb": 0.05}),
                 ("bucketed", {"bucket_size_mb": 0.05, "grad_as_bucket_view": False}), ("bucketed", {"bucket_size_mb": 1000.0})]
+# The same wrappers told to run the collective path of a larger group (what a one-GPU measurement of its cost needs).
+ALONE = [(kind, {**kwargs, "collectives_alone": True}) for kind, kwargs in WORLD_OF_ONE]
 
 
 def _world_of_one(rank: int, world_size: int) -> dict:
     """Every variant on a group of one against plain training of the same model on the same batch (what the sweeps'
     `--world-size 1` times): per step, the parameters not bitwise equal, and the collectives issued."""
     out = {}
-    for kind, kwargs in WORLD_OF_ONE:
+    for kind, kwargs in WORLD_OF_ONE + ALONE:
         torch.manual_seed(0)
         reference = _build("transformer")
         torch.manual_seed(0)
@@ -350,11 +352,16 @@ def _world_of_one_all(rank: int, world_size: int) -> tuple[dict, dict]:
 
 def test_group_of_one_trains_bitwise_like_one_process():
     """A group of one is the identity: bitwise the plain model's training, no collective at all (the hooks and
-    bucket bookkeeping still run), and an unused parameter keeps no gradient, as without a wrapper."""
+    bucket bookkeeping still run), and an unused parameter keeps no gradient, as without a wrapper. With
+    `collectives_alone` it issues every collective a larger group does, one per bucket, and is still bitwise equal."""
     [(results, unused)] = run_ranks(_world_of_one_all, 1)
+    assert len(results) == len(WORLD_OF_ONE + ALONE)
     for name, r in results.items():
         assert r["mismatched"] == [[], []], f"{name}: {r['mismatched']}"
-        assert r["calls"] == [0, 0] and r["expected"] == 0, f"{name}: a group of one issued collectives: {r}"
+        if "collectives_alone" in name:
+            assert r["expected"] > 0 and r["calls"] == [r["expected"]] * 2, f"{name}: {r}"
+        else:
+            assert r["calls"] == [0, 0] and r["expected"] == 0, f"{name}: a group of one issued collectives: {r}"
     plain = unused.pop("plain")
     assert plain[0] == [] and plain[1] and all("branch" in n for n in plain[1]), plain
     for name, no_grad in unused.items():

@@ -432,6 +432,8 @@ def test_wrapper_and_model_are_freed_with_their_hooks(per_rank):
 
 WORLD_OF_ONE = [("fsdp", None, None), ("fsdp", (TransformerBlock,), None), ("fsdp", (TransformerBlock,), torch.bfloat16),
                 ("fsdp2", (TransformerBlock,), None)]
+# FSDP told to run a larger group's collectives on its group of one (what a one-GPU measurement of its cost needs).
+ALONE = [("fsdp-alone", None, None), ("fsdp-alone", (TransformerBlock,), torch.bfloat16)]
 
 
 def _world_of_one(rank: int, world_size: int) -> dict:
@@ -439,10 +441,11 @@ def _world_of_one(rank: int, world_size: int) -> dict:
     one process training the same model on the same batch, through `CastForCompute` for a compute dtype: per step,
     the parameters not bitwise equal."""
     out = {}
-    for kind, units, dtype in WORLD_OF_ONE:
+    for kind, units, dtype in WORLD_OF_ONE + ALONE:
         base = _build("tiny")
         ref = copy.deepcopy(base) if dtype is None else CastForCompute(copy.deepcopy(base), dtype)
-        mine = make_fsdp(kind, copy.deepcopy(base), compute_dtype=dtype, units=units)
+        alone = {"collectives_alone": True} if kind == "fsdp-alone" else {}
+        mine = make_fsdp(kind.removesuffix("-alone"), copy.deepcopy(base), compute_dtype=dtype, units=units, **alone)
         ref_opt, opt = _optimizer("adamw", ref.parameters()), _optimizer("adamw", mine.parameters())
         mismatched = []
         for step in range(2):
@@ -452,15 +455,15 @@ def _world_of_one(rank: int, world_size: int) -> dict:
                 _loss(model, x, y).backward()
                 getattr(model, "finish_gradient_synchronization", lambda: None)()
                 optimizer.step()
-            full = (mine.gather_full_params() if kind == "fsdp"
+            full = (mine.gather_full_params() if kind != "fsdp2"
                     else {n: p.full_tensor() for n, p in mine.named_parameters()})
             ref_params = ref.module.named_parameters() if dtype is not None else ref.named_parameters()
             mismatched.append([n for n, p in ref_params if not torch.equal(full[n], p.detach())])
         out[(kind, str(units), str(dtype))] = mismatched
-        if kind == "fsdp":  # no collective; nothing gathered left over; two passes before a finish add up
+        if kind != "fsdp2":  # collectives issued; nothing gathered left over; two passes before a finish add up
             s = mine.stats
-            out[("counts", str(units), str(dtype))] = (s.all_gathers, s.reduce_scatters, s.all_reduces,
-                                                         mine.gathered_storage_bytes())
+            out[("counts", kind, str(units), str(dtype))] = (s.all_gathers, s.reduce_scatters, s.all_reduces,
+                                                               mine.gathered_storage_bytes())
             x, y = _data("tiny", 0)
             opt.zero_grad(set_to_none=True)
             _loss(mine, x, y).backward()
@@ -470,7 +473,7 @@ def _world_of_one(rank: int, world_size: int) -> dict:
             for _ in range(2):
                 _loss(mine, x, y).backward()
             mine.finish_gradient_synchronization()
-            out[("accumulated", str(units), str(dtype))] = all(torch.equal(p.grad, 2 * g)
+            out[("accumulated", kind, str(units), str(dtype))] = all(torch.equal(p.grad, 2 * g)
                                                                 for p, g in zip(mine.parameters(), once))
     return out
 
@@ -478,16 +481,21 @@ def _world_of_one(rank: int, world_size: int) -> dict:
 @pytest.mark.multiproc
 def test_group_of_one_trains_bitwise_like_one_process():
     """A group of one is the identity: bitwise one process's training, no collective, no gathered weights left
-    after a step (fp32: the full weights are the shards), gradient accumulation over two backward passes."""
+    after a step (fp32: the full weights are the shards), gradient accumulation over two backward passes. With
+    `collectives_alone` it issues a larger group's all-gathers and reduce-scatters (and the all-reduce of the
+    replicated norms) and is still bitwise equal."""
     [results] = run_ranks(_world_of_one, 1)
     for case, value in results.items():
-        if case[0] == "counts":
+        if case[0] == "counts" and case[1] == "fsdp":
             assert value == (0, 0, 0, 0), f"{case}: (all-gathers, reduce-scatters, all-reduces, gathered bytes)"
+        elif case[0] == "counts":
+            gathers, reduce_scatters, all_reduces, gathered = value
+            assert gathers > 0 and reduce_scatters > 0 and all_reduces > 0 and gathered == 0, f"{case}: {value}"
         elif case[0] == "accumulated":
             assert value, f"{case}: two backward passes did not add up"
         else:
             assert value == [[], []], f"{case}: {value}"
-    assert sum(case[0] == "counts" for case in results) == 3
+    assert sum(case[0] == "counts" for case in results) == 5
 
 
 def test_make_fsdp_rejects_an_unknown_kind_and_bad_units():

@@ -66,8 +66,11 @@ def _max_diff(a: dict[str, torch.Tensor], ref: torch.nn.Module) -> tuple[float, 
     return max(diffs.values()), [n for n, d in diffs.items() if d != 0]
 
 
-def _train(rank: int, world_size: int, kind: str, kwargs: dict) -> list[tuple[float, list[str]]]:
+def _train(rank: int, world_size: int, kind: str, kwargs: dict, alone: dict | None = None
+           ) -> list[tuple[float, list[str]]]:
+    """`alone`: what every wrapper also takes ({"collectives_alone": True} on a group of one)."""
     device = _device(rank)
+    alone = alone or {}
     compute_dtype = kwargs.get("compute_dtype") if kind == "fsdp" else None
     # AdamW's update is ~lr whatever the gradient's size, so tiny bf16 differences could flip it: SGD for bf16.
     optimizer = (lambda params: torch.optim.SGD(params, lr=0.05)) if compute_dtype else \
@@ -75,13 +78,13 @@ def _train(rank: int, world_size: int, kind: str, kwargs: dict) -> list[tuple[fl
     ref = _model(device)
     ref_opt = optimizer(ref.parameters())
     if kind == "fsdp":
-        wrapped = FSDP(_model(device), **kwargs)
+        wrapped = FSDP(_model(device), **kwargs, **alone)
         opt = optimizer(wrapped.parameters())
     elif kind == "sharded":
-        wrapped = make_ddp("bucketed", _model(device), bucket_size_mb=0.5)
+        wrapped = make_ddp("bucketed", _model(device), bucket_size_mb=0.5, **alone)
         opt = ShardedOptimizer(wrapped.parameters(), AdamW, lr=1e-2, weight_decay=0.1)
     else:
-        wrapped = make_ddp(kind, _model(device), **kwargs)
+        wrapped = make_ddp(kind, _model(device), **kwargs, **alone)
         opt = optimizer(wrapped.parameters())
     local = BATCH // world_size
     out = []
@@ -109,17 +112,18 @@ def _train(rank: int, world_size: int, kind: str, kwargs: dict) -> list[tuple[fl
     return out
 
 
-def _all(rank: int, world_size: int) -> dict:
+def _all(rank: int, world_size: int, alone: dict | None = None) -> dict:
     torch.use_deterministic_algorithms(True)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    results = {f"ddp:{kind}{sorted(kw.items())}": _train(rank, world_size, kind, kw) for kind, kw in DDP_VARIANTS}
-    results["sharded"] = _train(rank, world_size, "sharded", {})
-    results["fsdp:fp32"] = _train(rank, world_size, "fsdp", {})
-    results["fsdp:bf16"] = _train(rank, world_size, "fsdp", {"compute_dtype": torch.bfloat16})
+    results = {f"ddp:{kind}{sorted(kw.items())}": _train(rank, world_size, kind, kw, alone)
+               for kind, kw in DDP_VARIANTS}
+    results["sharded"] = _train(rank, world_size, "sharded", {}, alone)
+    results["fsdp:fp32"] = _train(rank, world_size, "fsdp", {}, alone)
+    results["fsdp:bf16"] = _train(rank, world_size, "fsdp", {"compute_dtype": torch.bfloat16}, alone)
     blocks = {"units": (TransformerBlock,)}  # one all-gather per block: the copy-in / copy-out path
-    results["fsdp_block:fp32"] = _train(rank, world_size, "fsdp", blocks)
-    results["fsdp_block:bf16"] = _train(rank, world_size, "fsdp", {**blocks, "compute_dtype": torch.bfloat16})
+    results["fsdp_block:fp32"] = _train(rank, world_size, "fsdp", blocks, alone)
+    results["fsdp_block:bf16"] = _train(rank, world_size, "fsdp", {**blocks, "compute_dtype": torch.bfloat16}, alone)
     # The same process group must still work: no collective was left pending by any wrapper.
     t = torch.ones(1, device=_device(rank))
     dist.all_reduce(t)
@@ -133,8 +137,10 @@ def per_rank() -> list[dict]:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_group_of_one_on_nccl_trains_like_one_process():
-    [res] = run_ranks(_all, 1, backend="nccl", timeout_s=300)
+@pytest.mark.parametrize("alone", [None, {"collectives_alone": True}], ids=["identity", "collectives_alone"])
+def test_group_of_one_on_nccl_trains_like_one_process(alone):
+    """Both ways a group of one runs: the identity, and a larger group's path (NCCL collectives over no peer)."""
+    [res] = run_ranks(_all, 1, alone, backend="nccl", timeout_s=300)
     for name in FP32_RUNS:
         assert [mismatched for _, mismatched in res[name]] == [[]] * STEPS, f"{name}: max |diff| per step {res[name]}"
     for name in ("fsdp:bf16", "fsdp_block:bf16"):

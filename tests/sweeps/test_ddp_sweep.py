@@ -333,6 +333,18 @@ def test_group_of_one_measures_the_wrappers_alone(tmp_path):
     ours = ddp[ddp["variant"].isin(["naive", "overlapped", "bucketed"])]
     assert len(ours) == 3 and (ours["collectives_per_step"] == 0).all(), ours[["label", "collectives_per_step"]]
     assert "1 rank (gloo" in (tmp_path / "ddp.md").read_text()
+    assert "collectives_alone" not in ddp.columns  # the default adds no column: ids of earlier rows stay
+    # --collectives-alone: the same wrappers through a larger group's path, one collective per bucket.
+    alone = ddp_sweep.main([*ARGS, "--world-size", "1", "--launcher", "mp", "--studies", "ddp", "--out",
+                            str(tmp_path / "alone"), "--variants", "single,overlapped,bucketed:0.05",
+                            "--no-single-rerun", "--collectives-alone"])
+    assert (alone["status"] == "ok").all() and alone["collectives_alone"].all(), alone[["label", "status", "error"]]
+    ours = alone.set_index("label").drop("single")
+    assert (ours["collectives_per_step"] > 0).all(), ours["collectives_per_step"]
+    assert "--collectives-alone" in (tmp_path / "alone" / "ddp.md").read_text()
+    with pytest.raises(ValueError, match=r"--collectives-alone needs --world-size 1 \(got 2\)"):
+        ddp_sweep.main([*ARGS, "--world-size", "2", "--collectives-alone", "--out", str(tmp_path / "never")])
+    assert not (tmp_path / "never").exists()
 
 
 def test_bad_flags_are_value_errors(tmp_path):

@@ -162,6 +162,12 @@ def test_script_with_a_group_of_one(tmp_path):
     assert pd.isna(paired["single"]) and (paired[["ddp_sharded", "fsdp"]] > 0).all()
     text = (tmp_path / "fsdp.md").read_text()
     assert "paired vs single" in text and "(paired: median of 2 rounds" in text
+    assert df.set_index("variant").loc["fsdp", "all_gathers_per_step"] == 0  # a group of one is the identity
+    alone = fsdp_sweep.main(["--device", "cpu", "--launcher", "mp", "--out", str(tmp_path / "alone"), "--world-size",
+                             "1", "--variants", "fsdp", "--dtypes", "bf16", "--context-length", "16", "--warmup", "1",
+                             "--steps", "2", "--profile", "", "--collectives-alone"])
+    assert alone["status"].tolist() == ["ok"] and alone["collectives_alone"].all()
+    assert alone["all_gathers_per_step"].iloc[0] > 0  # every block gathered for forward and again for backward
     with pytest.raises(ValueError, match="world-size"):
         fsdp_sweep.main(["--device", "cpu", "--world-size", "0", "--out", str(tmp_path)])
     too_many = str(torch.cuda.device_count() + 1)
