@@ -212,14 +212,14 @@ def add_variant_flags(p: argparse.ArgumentParser, compiled_sweep: str, compile_n
                    "single step in alternating blocks for N rounds (0: off)")
     p.add_argument("--compile", action="store_true", help=f"compile every TransformerBlock (torch.compile) in every "
                    f"variant{compile_note}; rows go to {compiled_sweep}.parquet")
-    p.add_argument("--collectives-alone", action="store_true", help="with --world-size 1: the project's wrappers "
+    p.add_argument("--collectives-alone", action="store_true", help="with --world-sizes 1: the project's wrappers "
                    "issue every collective a larger group does (over no peer) instead of being the identity, so the "
                    "whole machinery is timed on one GPU (torch's wrappers always do)")
 
 
 def check_collectives_alone(collectives_alone: bool, world_size: int) -> None:
     if collectives_alone and world_size != 1:
-        raise ValueError(f"--collectives-alone needs --world-size 1 (got {world_size}): a larger group always "
+        raise ValueError(f"--collectives-alone needs --world-sizes 1 (got {world_size}): a larger group always "
                          "communicates")
 
 

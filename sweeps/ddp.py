@@ -18,7 +18,7 @@ is the share of NCCL kernel time that runs beside compute kernels (rank 0's trac
 `--compile` compiles every TransformerBlock in every variant (rows in `ddp_compiled.parquet`, own baselines);
 `--paired-rounds N` also times each variant against a `single` step in alternating blocks (ABBA) in the same
 process, a ratio a drifting host does not bias (the targets use it when every variant has one).
-`--world-size 1 --collectives-alone` times the project's wrappers on a group of one through a larger group's path
+`--world-sizes 1 --collectives-alone` times the project's wrappers on a group of one through a larger group's path
 (every collective issued, over no peer) instead of as the identity: their whole host cost on one GPU.
 
 Without GPUs the run uses gloo ranks on the CPU, the `tiny` model at context 64, fp32 only. Optimizer-state

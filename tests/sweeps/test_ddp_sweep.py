@@ -329,7 +329,6 @@ def test_group_of_one_measures_the_wrappers_alone(tmp_path):
     paired = ddp.set_index("label")["paired_ratio"]    # every variant timed against single, single itself not
     assert (paired.drop(["single", "single (rerun)"]) > 0).all() and paired[["single", "single (rerun)"]].isna().all()
     assert "paired vs single" in (tmp_path / "ddp.md").read_text()
-    rows = ddp.set_index("label")
     ours = ddp[ddp["variant"].isin(["naive", "overlapped", "bucketed"])]
     assert len(ours) == 3 and (ours["collectives_per_step"] == 0).all(), ours[["label", "collectives_per_step"]]
     assert "1 rank (gloo" in (tmp_path / "ddp.md").read_text()
@@ -342,7 +341,7 @@ def test_group_of_one_measures_the_wrappers_alone(tmp_path):
     ours = alone.set_index("label").drop("single")
     assert (ours["collectives_per_step"] > 0).all(), ours["collectives_per_step"]
     assert "--collectives-alone" in (tmp_path / "alone" / "ddp.md").read_text()
-    with pytest.raises(ValueError, match=r"--collectives-alone needs --world-size 1 \(got 2\)"):
+    with pytest.raises(ValueError, match=r"--collectives-alone needs --world-sizes 1 \(got 2\)"):
         ddp_sweep.main([*ARGS, "--world-size", "2", "--collectives-alone", "--out", str(tmp_path / "never")])
     assert not (tmp_path / "never").exists()
 
