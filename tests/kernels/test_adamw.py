@@ -9,28 +9,13 @@ rounded; the kernel's is, as CUDA's is), and within a few ulps of the update wit
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import kernels.adamw as fa  # noqa: E402
-from raysys.model import AdamW  # noqa: E402
-
-if not fa.INTERPRET and os.environ.get("TRITON_INTERPRET") == "1":
-    fa = importlib.reload(fa)
-
-interpret = pytest.mark.skipif(not fa.INTERPRET, reason="kernels were compiled for the GPU in this process; "
-                                                        "run with TRITON_INTERPRET=1 to use the interpreter")
-
-
-def on_interpreter(fn):
-    return pytest.mark.interpret(interpret(fn))
+import kernels.adamw as fa
+from raysys.model import AdamW
+from tests.kernels.interp import on_interpreter
 
 SHAPES = [(1,), (7,), (1025,), (33, 17), ()]
 GROUPS = [dict(), dict(lr=3e-2, weight_decay=0.1, betas=(0.8, 0.99), eps=1e-6)]

@@ -9,16 +9,12 @@ compile time down; the benchmark exercises the autotuner.
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # keep one decision per process for all flash test modules
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import kernels.flash_attention as fa  # noqa: E402
+import kernels.flash_attention as fa
 
 pytestmark = [
     pytest.mark.gpu,

@@ -8,19 +8,15 @@ with a random upstream gradient), causal or not, at lengths that are not multipl
 from __future__ import annotations
 
 import math
-import os
 import warnings
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-if not torch.cuda.is_available():  # Triton picks interpreter vs GPU when kernels.flash_attention is imported
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import kernels.flash_attention_pytorch as fp  # noqa: E402
-from kernels.flash_attention import flash_attention_flops, flash_attention_reference  # noqa: E402
-from kernels.flash_attention_pytorch import (  # noqa: E402
+import kernels.flash_attention_pytorch as fp
+from kernels.flash_attention import flash_attention_flops, flash_attention_reference
+from kernels.flash_attention_pytorch import (
     FlashAttentionPytorch,
     check_attention_inputs,
     flash_attention_pytorch,

@@ -4,34 +4,19 @@ Small fp32 / fp16 shapes (the interpreter is slow and has no bf16): forward O an
 random upstream gradient, against fp64 `flash_attention_reference`; lengths that are not tile multiples,
 n_q != n_k, padded head dims (24, 40, 80 -> BLOCK_D 32, 64, 128), strided inputs; outputs allocated
 NaN-poisoned with guard elements, so an element the kernels forget to write or a write out of bounds fails.
-Triton decides interpreter vs GPU when a kernel is decorated, so the variable is set before the import.
+Triton decides interpreter vs GPU when a kernel is decorated: `tests/kernels/interp.py` says how the tests arrange it.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import kernels.flash_attention as fa  # noqa: E402
-import kernels.flash_attention_tuning as ft  # noqa: E402
-
-if not fa.INTERPRET and os.environ.get("TRITON_INTERPRET") == "1":
-    # Someone imported the kernels before the variable was set (another test module): rebuild them interpreted.
-    import kernels.flash_attention_kernels as fk
-
-    ft = importlib.reload(ft)
-    importlib.reload(fk)
-    fa = importlib.reload(fa)
-
-interpret = pytest.mark.skipif(not fa.INTERPRET, reason="kernels were compiled for the GPU in this process; "
-                                                        "run with TRITON_INTERPRET=1 to use the interpreter")
+import kernels.flash_attention as fa
+import kernels.flash_attention_tuning as ft
+from tests.kernels.interp import on_interpreter
 
 # (q shape, k shape, causal, dtype). Interpreter tiles: fwd 32x16, dK/dV 16x32, dQ 32x16.
 CASES = [
@@ -88,8 +73,7 @@ def poisoned(monkeypatch):
     return alloc
 
 
-@interpret
-@pytest.mark.interpret
+@on_interpreter
 @pytest.mark.parametrize("q_shape,k_shape,causal,dtype", CASES)
 def test_forward_and_backward_match_fp64_reference(q_shape, k_shape, causal, dtype, poisoned):
     q, k, v, do = _inputs(q_shape, k_shape, dtype)
@@ -124,8 +108,7 @@ TMA_CONFIGS = [
 ]
 
 
-@interpret
-@pytest.mark.interpret
+@on_interpreter
 @pytest.mark.parametrize("configs", TMA_CONFIGS, ids=["autotuned", "persistent", "warp_specialize", "knobs"])
 @pytest.mark.parametrize("q_shape,k_shape,causal,dtype", CASES[:3] + CASES[4:])
 def test_tma_path_matches_fp64_reference(q_shape, k_shape, causal, dtype, configs, poisoned):
@@ -143,8 +126,7 @@ def test_tma_path_matches_fp64_reference(q_shape, k_shape, causal, dtype, config
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
-@interpret
-@pytest.mark.interpret
+@on_interpreter
 @pytest.mark.parametrize("path", ["portable", "tma"])
 @pytest.mark.parametrize("q_shape,k_shape,causal,dtype", CASES[:3] + CASES[4:])
 def test_one_pass_backward_matches_fp64_reference(q_shape, k_shape, causal, dtype, path, poisoned):
@@ -162,8 +144,7 @@ def test_one_pass_backward_matches_fp64_reference(q_shape, k_shape, causal, dtyp
         torch.testing.assert_close(got.double(), want, **tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@interpret
-@pytest.mark.interpret
+@on_interpreter
 @pytest.mark.parametrize("q_shape,k_shape,causal,dtype", CASES[:2] + CASES[4:])
 def test_lazy_rescale_forward_matches_fp64_reference(q_shape, k_shape, causal, dtype, poisoned):
     """Rescaling O only in key tiles where some row's running max grew leaves O and L exact; the rows' maxima
@@ -242,8 +223,7 @@ def test_portable_path_refuses_tma_knobs():
     with pytest.raises(ValueError, match="persistent"):
         ft.FlashConfig(64, 64, persistent=1)
 
-@interpret
-@pytest.mark.interpret
+@on_interpreter
 def test_strided_inputs_and_broadcast_upstream_gradient():
     """The model's layout: (B, S, H, D) transposed to (B, H, S, D); `.sum().backward()` gives dO of stride 0."""
     gen = torch.Generator().manual_seed(1)
@@ -254,8 +234,7 @@ def test_strided_inputs_and_broadcast_upstream_gradient():
         torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-5)
 
 
-@interpret
-@pytest.mark.interpret
+@on_interpreter
 def test_only_requested_gradients_are_computed(poisoned):
     q, k, v, do = _inputs((1, 20, 16), (1, 20, 16), torch.float32)
     k.requires_grad_()
@@ -265,8 +244,7 @@ def test_only_requested_gradients_are_computed(poisoned):
     assert len(poisoned.buffers) == 5  # O, L, D, dK, dV: no dQ
 
 
-@interpret
-@pytest.mark.interpret
+@on_interpreter
 def test_explicit_configs_match_autotuned_path():
     q, k, v, do = _inputs((1, 40, 16), (1, 40, 16), torch.float32, seed=2)
     out, lse = fa.flash_attention_fwd(q, k, v, True, config=ft.FlashConfig(16, 16, 1, 1))
@@ -281,8 +259,7 @@ def test_explicit_configs_match_autotuned_path():
         fa.flash_attention_fwd(q, k, v, True, config=ft.FlashConfig(16, 32, 1, 1))
 
 
-@interpret
-@pytest.mark.interpret
+@on_interpreter
 def test_matches_pytorch_tiled_implementation():
     from kernels.flash_attention_pytorch import flash_forward_pytorch
 
@@ -294,8 +271,7 @@ def test_matches_pytorch_tiled_implementation():
 
 
 
-@interpret
-@pytest.mark.interpret
+@on_interpreter
 def test_compiled_model_matches_eager():
     """torch.compile(model) with attention="flash_triton", one graph (aot_eager: the interpreter's kernels run
     as opaque custom ops), gives the eager logits and every parameter gradient."""
@@ -319,8 +295,7 @@ def test_compiled_model_matches_eager():
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
-@interpret
-@pytest.mark.interpret
+@on_interpreter
 @pytest.mark.parametrize("causal,path", [(False, "portable"), (True, "portable"), (True, "tma")])
 def test_custom_ops_pass_opcheck(causal, path):
     """Schema, fake (meta) implementation, autograd registration and AOT dispatch of both custom ops."""

@@ -10,27 +10,12 @@ to fp16 once (2^-11 = 4.9e-4 relative each, three in a row), doubled for the acc
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import kernels.fused_linear_ce as flce  # noqa: E402
-
-if not flce.INTERPRET and os.environ.get("TRITON_INTERPRET") == "1":
-    flce = importlib.reload(flce)
-
-interpret = pytest.mark.skipif(not flce.INTERPRET, reason="kernels were compiled for the GPU in this process; "
-                                                          "run with TRITON_INTERPRET=1 to use the interpreter")
-
-
-def on_interpreter(fn):
-    return pytest.mark.interpret(interpret(fn))
+import kernels.fused_linear_ce as flce
+from tests.kernels.interp import on_interpreter
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
 

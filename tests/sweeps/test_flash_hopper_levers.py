@@ -5,18 +5,14 @@ capped variant. The timings themselves need an H200."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import pandas as pd
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # one interpreter decision per process for every flash test module
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import kernels.flash_attention_tuning as ft  # noqa: E402
-from sweeps import flash_bench, flash_tiles  # noqa: E402
+import kernels.flash_attention_tuning as ft
+from sweeps import flash_bench, flash_tiles
 
 
 def test_every_candidate_is_a_valid_config_set_on_its_path():

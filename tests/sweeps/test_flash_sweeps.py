@@ -7,17 +7,13 @@ paths on tiny grids, and the table logic runs on hand-made rows whose answers ar
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import pandas as pd
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # one interpreter decision per process for every flash test module
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from sweeps import attention, flash_bench, flash_summary, flash_tiles  # noqa: E402
+from sweeps import attention, flash_bench, flash_summary, flash_tiles
 
 
 def test_flash_bench_cpu_rows(tmp_path):
