@@ -178,7 +178,7 @@ def block_saved(w: Workload) -> dict[str, int]:
 def _block_saved(w: Workload) -> dict[str, int]:
     c, B, S, e = w.config, w.batch_size, w.S, w.e
     d, f, H, Dh = c.d_model, c.d_ff, c.num_heads, c.d_head
-    BS, BSd, BSf, BHS, BHSS = B * S, B * S * d, B * S * f, B * H * S, B * H * S * S
+    BSd, BSf, BHS, BHSS = B * S * d, B * S * f, B * H * S, B * H * S * S
     norm = _norm_saved(w)
     if w.amp:  # each consumer keeps its own cast of the norm output; weights are cast per call
         out = {"norms": 2 * norm + (3 + 2) * e * BSd, "weight_casts": (4 * d * d + 3 * d * f) * e}
@@ -378,7 +378,7 @@ def block_backward_excess(w: Workload, kind: str) -> int:
     """Largest allocation above the block's own residuals while its backward runs (measured moments)."""
     c, B, S, e = w.config, w.batch_size, w.S, w.e
     d, f = c.d_model, c.d_ff
-    BSd, BSf, BHSS = B * S * d, B * S * f, B * c.num_heads * S * S
+    BSf, BHSS = B * S * f, B * c.num_heads * S * S
     grad_cast = 2 if w.amp else 0  # low-precision weight gradient before its fp32 cast
     gb = _grad_bytes(w)
     ffn = 2 * e * BSf + d * f * (gb + grad_cast)

@@ -282,7 +282,7 @@ def ablation_markdown(df: pd.DataFrame) -> str:
         head = (harness if not harness.empty else best).iloc[-1]
         how = f"do_bench rep {head.rep_ms:g} ms / warmup {head.warmup_ms:g} ms" if head.timer == "do_bench" else "events"
         step = head.step_median_s
-        verdict = lambda limit: f"met" if step <= limit else f"missed by {step - limit:.2f} s"
+        verdict = lambda limit: "met" if step <= limit else f"missed by {step - limit:.2f} s"
         lines.append(f"- fast step, batch {head.batch_size} x {head.seq_len} ({how}): {head.step_median_s:.3f} s, "
                      f"{head.model_tflops:.0f} model TFLOP/s, MFU {head.mfu:.2f} of a {head.matmul_tflops:.0f} TFLOP/s "
                      f"matmul measured in the run; target <= {TARGET_STEP_S} s: {verdict(TARGET_STEP_S)}; first "

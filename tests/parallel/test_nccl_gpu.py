@@ -11,8 +11,6 @@ reference that casts its weights to bf16 for forward and backward.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
