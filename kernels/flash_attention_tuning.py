@@ -16,8 +16,9 @@ Ray Tune sweep `sweeps/flash_tiles.py` writes its best configs per (kernel, path
 `flash_attention_tuned.json` beside this file, with the device and versions they were measured on. When the
 file has entries for a call's (kernel, path, head dim, dtype), the autotuner benchmarks only those (so the
 first call's tuning cost is bounded by the file); otherwise the built-in family. The file's `auto_path` says
-which path `auto` takes on sm_90 (`tuned_auto_path`). `RAYSYS_FLASH_AUTOTUNE=0` takes the first valid config
-without benchmarking. Under `TRITON_INTERPRET=1` each kernel has one small config.
+which path `auto` takes on sm_90 (`tuned_auto_path`). `RAYSYS_FLASH_TUNED=<file>` makes the kernels read another
+tuned file instead (what a tuning run wrote, tried before it is installed). `RAYSYS_FLASH_AUTOTUNE=0` takes the
+first valid config without benchmarking. Under `TRITON_INTERPRET=1` each kernel has one small config.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ INTERPRET = _interpret_mode()
 
 KERNELS = ("fwd", "dkdv", "dq", "dkdvq")
 PATHS = ("portable", "tma")
-TUNED_CONFIGS_PATH = Path(__file__).with_name("flash_attention_tuned.json")
+COMMITTED_TUNED_PATH = Path(__file__).with_name("flash_attention_tuned.json")
+TUNED_CONFIGS_PATH = Path(os.environ.get("RAYSYS_FLASH_TUNED") or COMMITTED_TUNED_PATH)
+"""The tuned file the kernels read: `RAYSYS_FLASH_TUNED` when set (at import), else the committed one."""
 
 
 @dataclass(frozen=True)

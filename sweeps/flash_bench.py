@@ -507,6 +507,9 @@ def write_tuned(df: pd.DataFrame, json_path: Path) -> dict[str, list[dict]]:
     from raysys.files import write_text
 
     winners = candidate_winners(df)
+    if not any(winners.values()):
+        raise ValueError("no candidate was timed (no row of the candidates study with status ok): nothing to write "
+                         f"into {json_path}")
     data = json.loads(json_path.read_text()) if json_path.exists() else {}
     load_tuned_configs(json_path)  # the file as it is must be valid
     for kernel, entries in winners.items():

@@ -11,12 +11,20 @@
 #      $BENCH_PROVIDERS narrows the providers);
 #   4. (RUN_NCU=1) ncu on one launch of each kernel per path (--clock-control none; a few sections);
 #   5. (RUN_COLD=1) first-call cost at 1x32x32768x128: one fwd+bwd on a fresh Triton cache, tuned file or autotuning.
+# Everything it writes lies under $OUT: the tuned file the later steps read is $OUT/flash_attention_tuned.json
+# (RAYSYS_FLASH_TUNED), never the committed kernels/flash_attention_tuned.json (copy it there to install it).
 # Run from the repository root:   OUT=/tmp/x bash sweeps/flash_gpu_check.sh
 set -u
 OUT=${OUT:-/tmp/flash_gpu_check}
-mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
+if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2> /dev/null; then
+  echo "flash_gpu_check.sh: needs a CUDA GPU; this machine has none (torch.cuda.is_available() is False)" >&2
+  exit 2
+fi
+mkdir -p "$OUT"
+cp kernels/flash_attention_tuned.json "$OUT/flash_attention_tuned.json"
+export RAYSYS_FLASH_TUNED=$OUT/flash_attention_tuned.json
 TILES_SHAPES=${TILES_SHAPES:-16384/128/bf16/causal,2048/128/bf16/causal,4096/64/bf16/causal}
 TILES_VARIANTS=${TILES_VARIANTS:-tma,tma_r128,tma_persistent}
 
@@ -50,8 +58,7 @@ print('Config', inspect.signature(triton.Config.__init__))" | tee -a "$OUT/env.t
   echo "flash_bench exit code $?" >> "$OUT/bench.log"
   grep -E "^candidates" "$OUT/bench.log" | sed 's/^candidates //'
   $PY sweeps/flash_bench.py --studies candidates --report-only --out "$OUT" \
-    --write-tuned kernels/flash_attention_tuned.json > "$OUT/write_tuned.log" 2>&1 && cat "$OUT/write_tuned.log"
-  cp kernels/flash_attention_tuned.json "$OUT/"  # this machine's copy of the tree only
+    --write-tuned "$RAYSYS_FLASH_TUNED" > "$OUT/write_tuned.log" 2>&1; cat "$OUT/write_tuned.log"
   timeout "${HOPPER_TIMEOUT:-140}" $PY sweeps/flash_bench.py --study hopper --time-budget-s "${HOPPER_BUDGET:-115}" \
     --out "$OUT/hopper" > "$OUT/hopper_bench.log" 2>&1
   echo "flash_bench hopper exit code $?" >> "$OUT/hopper_bench.log"
@@ -85,7 +92,6 @@ PYEOF
   exit 0
 fi
 XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-8}" || echo "")
-cp kernels/flash_attention_tuned.json "$OUT/flash_attention_tuned.json"
 
 rm -f "$OUT/tests.done"
 (timeout "${TEST_TIMEOUT:-200}" $PY -m pytest -m gpu tests/kernels/test_flash_attention_gpu.py -q -p no:cacheprovider \
@@ -116,7 +122,6 @@ if [ "${RUN_TILES:-1}" = 0 ]; then
   # workers segfaulted loading kernels (in Triton's _init_handles); the same kernels passed in later tests.
   CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}; mkdir -p "$CACHE"; cp -r /tmp/flash_cache_*/* "$CACHE"/
 fi
-cp "$OUT/flash_attention_tuned.json" kernels/flash_attention_tuned.json  # this machine's copy of the tree only
 
 # Autotuning on, bounded by the tuned file: each kernel benchmarks only the file's entries for its path and head dim.
 timeout "${BENCH_TIMEOUT:-150}" $PY sweeps/flash_bench.py --study hopper --out "$OUT" \

@@ -11,8 +11,9 @@ kernel), `max_abs_err`. A config that does not compile (shared memory, registers
 row too (`error` / `oom`).
 
 Afterwards the best config of each (kernel, head dim, dtype) - lowest geometric-mean time over the swept
-shapes - and each shape's winner are written to `kernels/flash_attention_tuned.json` (atomically; `--json`
-elsewhere), per path, with the device and versions they were measured on. The kernels' autotuner benchmarks
+shapes - and each shape's winner are written to `<out>/flash_attention_tuned.json` (atomically; `--json`
+elsewhere), per path, with the device and versions they were measured on; `--json kernels/flash_attention_tuned.json`
+installs them where the kernels read them, `RAYSYS_FLASH_TUNED=<file>` tries a file without installing it. The kernels' autotuner benchmarks
 only those for a call whose (path, head dim, dtype) has entries and, with `RAYSYS_FLASH_AUTOTUNE=0`, uses the
 first. Writes `<out>/flash_tiles.parquet`. `--compile-workers N` (local launcher) compiles every trial's
 kernel in N processes before the timed trials.
@@ -37,6 +38,7 @@ import functools
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -474,7 +476,8 @@ def build_parser():
     list_flag(p, "--shapes", default=None, help="comma list of seq/head_dim/dtype/{causal,full} (default: "
                                                 f"{','.join(SHAPES)}; --quick: {','.join(QUICK_SHAPES)})")
     list_flag(p, "--kernels", default=",".join(KERNELS), help=f"comma list of {','.join(KERNELS)}")
-    p.add_argument("--json", default=str(TUNED_CONFIGS_PATH), help="where to write the tuned configs")
+    p.add_argument("--json", default=None, help="where to write the tuned configs (default: "
+                   "<out>/flash_attention_tuned.json; kernels/flash_attention_tuned.json installs them)")
     p.add_argument("--no-json", action="store_true", help="do not write the tuned-config file")
     p.add_argument("--max-trials", type=int, default=None, help="run at most this many trials, all kernels "
                                                                 "(default: no limit)")
@@ -525,8 +528,11 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         print(f"{not_run} trials of this grid did not run (budget or interrupt); rerun with --resume to run them")
     tuned = best_configs(df, args.min_configs)
     if not args.no_json:
-        tuned = write_tuned(df, tuned, Path(args.json))
-        print(f"tuned configs -> {args.json}")
+        json_path = Path(args.json) if args.json else out / "flash_attention_tuned.json"
+        if not json_path.exists() and TUNED_CONFIGS_PATH.exists():  # start from the file in use: other paths stay
+            shutil.copyfile(TUNED_CONFIGS_PATH, json_path)
+        tuned = write_tuned(df, tuned, json_path)
+        print(f"tuned configs -> {json_path}")
     for kernel, entries in tuned.items():
         for e in entries[:3]:
             print(f"  {kernel:4} {e}")

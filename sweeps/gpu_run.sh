@@ -17,14 +17,14 @@
 #   bash sweeps/gpu_run.sh tests     # the gpu-marked tests (-n 8 needs pytest-xdist)                      (~1 min)
 #   bash sweeps/gpu_run.sh e2e       # the end-to-end model study (handout 2)                             (~7 min)
 #
-# Ray comes from wheels when the host has none: set WHEELS=.whl (see README, "GPU hosts without Ray").
+# Ray comes from wheels when the host has none: set WHEELS=.whl (the README's "Studies" section says how to make it).
+# Exit status: 2 without the GPUs the phase needs (nothing runs), 1 if a study failed, else 0.
 set -u
 phase=${1:?usage: gpu_run.sh dist|allreduce|fsdp|paired|compiled|alone|ckpt|flash|tests|e2e}
 OUT=${OUT:-/tmp/raysys-gpu}
 # Results go to a run directory of their own (never straight into the committed results/): running a phase again
 # continues it (--resume of the same commit); copy what you keep into results/ afterwards.
 RESULTS=${RESULTS:-runs/gpu}
-mkdir -p "$OUT" "$RESULTS"
 export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if [ -n "${WHEELS:-}" ]; then
@@ -37,12 +37,27 @@ fi
 # got a copy of a working tree may hold a stale .git: set RAYSYS_GIT_SHA=<commit> there, 12 digits
 # (`git rev-parse --short=12 HEAD`, as rows write it); a shorter one is expanded by `python -m raysys.migrate`.
 
+# GPUs each phase needs; none runs without them (one line, exit 2, before any study starts).
+case $phase in
+  dist|allreduce|fsdp|paired|compiled) need=2 ;;
+  *) need=1 ;;
+esac
+have=$(python3 -c "import torch; print(torch.cuda.device_count())" 2> /dev/null || echo 0)
+if [ "$have" -lt "$need" ]; then
+  echo "gpu_run.sh $phase: needs $need CUDA GPU(s); this machine has $have" >&2
+  exit 2
+fi
+mkdir -p "$OUT" "$RESULTS"
+
+FAILED=0
 study() {  # study NAME SECONDS command...: run with a timeout, keep its log, never stop the phase
-  local name=$1 seconds=$2
+  local name=$1 seconds=$2 code
   shift 2
   echo "== $name (at most ${seconds}s)"
   timeout --signal=TERM --kill-after=20 "$seconds" "$@" > "$OUT/$name.log" 2>&1
-  echo "   exit $? ; last lines:"
+  code=$?
+  [ $code -ne 0 ] && FAILED=1
+  echo "   exit $code ; last lines:"
   grep -v -E "USDT|^\s*$|logging.cc" "$OUT/$name.log" | tail -n 12 | cut -c1-220
 }
 
@@ -63,6 +78,10 @@ allreduce() {  # the scan (mp launch, all-reduce, 2 ranks; its own file), then t
   for env in "${NCCL_SCAN[@]}"; do scan+=(--nccl-env "$env"); done
   study allreduce_scan 240 python3 sweeps/allreduce.py --device cuda --out "$RESULTS" --resume --world-sizes 2 \
     --launchers mp --ops all_reduce --sizes 256MiB,1GiB --sweep-name allreduce_scan "${scan[@]}"
+  if [ ! -f "$RESULTS/allreduce_scan.parquet" ]; then
+    echo "   no scan rows: the collectives grid is not run"
+    return
+  fi
   best=$(python3 - "$RESULTS" <<'PY'
 import sys, pandas as pd
 d = pd.read_parquet(f"{sys.argv[1]}/allreduce_scan.parquet")
@@ -138,6 +157,6 @@ case $phase in
     exit 2
     ;;
 esac
-tar czf "$OUT/results.tgz" --exclude='*.pickle' --exclude='traces' "$RESULTS" kernels/flash_attention_tuned.json \
-  2>/dev/null
+tar czf "$OUT/results.tgz" --exclude='*.pickle' --exclude='traces' "$RESULTS" 2>/dev/null
 echo "packed $OUT/results.tgz"
+exit $FAILED
