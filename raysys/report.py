@@ -4,7 +4,9 @@
 beside it (each study in `sweeps/` draws its own tables), else a generic table of the configuration and metric
 columns that vary; provenance (device, versions, commits, time) once per file. A file that cannot be read is one
 line and the others still report. `--plots OUT` draws the plots the studies declare (`sweeps.PLOTS`: file stem ->
-the function of its study that draws it), imported only then; a plot that cannot be drawn is one line.
+the function of its study that draws it), imported only then, laid out in OUT as each study's `--report-only --out
+OUT` lays them out (so `--plots results` redraws the committed ones in place); a plot that cannot be drawn is one
+line.
 """
 
 from __future__ import annotations
@@ -106,6 +108,8 @@ def _plotter(stem: str) -> Callable[[pd.DataFrame, Path], list[Path]] | None:
     fn = getattr(importlib.import_module(module), name)
     if takes == "dir":
         return lambda df, out_dir: list(fn(df, out_dir))
+    if takes == "plots":
+        return lambda df, out_dir: list(fn(df, out_dir / "plots"))
     return lambda df, out_dir: [p for p in [fn(df, out_dir / f"{stem}.png")] if p is not None]
 
 
