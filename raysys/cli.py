@@ -6,6 +6,7 @@ Defaults run on a laptop CPU: `python -m raysys bench --size tiny` finishes in s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from raysys.bench import DTYPES, MODES, BenchConfig, row_config, run_benchmark
 from raysys.config import SIZES
 from raysys.device import check_fits, resolve_device
 from raysys.results import DiskFull, ResultWriter, discard_empty_run_dirs, resolve_out, trial_id
+from raysys.signals import interrupt_on_sigterm
 
 
 def _add_bench(sub) -> None:
@@ -50,22 +52,24 @@ def _bench(args) -> int:
         check_fits(cfg.model_config(), cfg.batch_size, 1, resolve_device(cfg.device).type)
     out = resolve_out(args.out, "bench")
     mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
-    rows_writer = ResultWriter(out, "bench", mode=mode, allow_mixed=args.allow_mixed)
-    kernels_writer = ResultWriter(out, "bench_kernels", mode=mode, allow_mixed=True) if args.profile else None
     rows = []
-    for cfg in configs:
-        if rows_writer.done(trial_id(row_config(cfg))):
-            continue
-        row, kernels = run_benchmark(cfg, out)
-        rows.append(row)
-        rows_writer.write([row])
-        if kernels is not None and not kernels.empty:
-            kernels_writer.rows = [r for r in kernels_writer.rows if r.get("trial_id") != row["trial_id"]]
-            kernels_writer.rows += kernels.to_dict("records")
-            kernels_writer.write([])
-            from raysys.profiling import format_top
-            print(format_top(kernels[["phase", "kernel", "calls_per_step", "total_s", "call_mean_s", "share_of_phase",
-                                      "share_of_step", "is_matmul"]]))
+    with contextlib.ExitStack() as stack:  # an interrupt or error releases the writers' locks
+        rows_writer = stack.enter_context(ResultWriter(out, "bench", mode=mode, allow_mixed=args.allow_mixed))
+        kernels_writer = (stack.enter_context(ResultWriter(out, "bench_kernels", mode=mode, allow_mixed=True))
+                          if args.profile else None)
+        for cfg in configs:
+            if rows_writer.done(trial_id(row_config(cfg))):
+                continue
+            row, kernels = run_benchmark(cfg, out)
+            rows.append(row)
+            rows_writer.write([row])
+            if kernels is not None and not kernels.empty:
+                kernels_writer.rows = [r for r in kernels_writer.rows if r.get("trial_id") != row["trial_id"]]
+                kernels_writer.rows += kernels.to_dict("records")
+                kernels_writer.write([])
+                from raysys.profiling import format_top
+                print(format_top(kernels[["phase", "kernel", "calls_per_step", "total_s", "call_mean_s",
+                                          "share_of_phase", "share_of_step", "is_matmul"]]))
     _print_bench(rows)
     print(f"\nwrote {rows_writer.path}")
     return 0
@@ -192,8 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        code = {"bench": _bench, "report": _report, "advise": _advise, "plan": _plan, "submit": _submit,
-                "doctor": _doctor, "leaderboard": _leaderboard}[args.command](args)
+        with interrupt_on_sigterm():  # `timeout`, a scheduler: the rows written stay, the writer's lock goes
+            code = {"bench": _bench, "report": _report, "advise": _advise, "plan": _plan, "submit": _submit,
+                    "doctor": _doctor, "leaderboard": _leaderboard}[args.command](args)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at interpreter exit
         return code
     except (ValueError, DiskFull) as exc:
@@ -206,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(exc, "__notes__", None):  # run_sweep / tune_run already said where the rows are
             print(f"raysys {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        discard_empty_run_dirs()  # a run stopped before its first row leaves no empty ./runs/<UTC>-<command>/
 
 
 def _silence_stdout() -> None:
@@ -227,7 +234,8 @@ def run_script(main_fn, argv: list[str] | None = None) -> int:
     run_sweep and tune_run) and 130, never a traceback."""
     name = Path(sys.argv[0]).name
     try:
-        result = main_fn(argv)
+        with interrupt_on_sigterm():
+            result = main_fn(argv)
     except ValueError as exc:
         print(f"{name}: error: {exc}", file=sys.stderr)
         return 2

@@ -33,10 +33,8 @@ import contextlib
 import functools
 import itertools
 import os
-import signal
 import sys
 import tempfile
-import threading
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -48,6 +46,7 @@ from tqdm.auto import tqdm
 from raysys.gang import Gang, check_placement, cluster_info, cluster_nodes, gang_device, init_ray
 from raysys.mp_gang import ProcessGang, check_local_placement, local_device
 from raysys.rank import PlacementInfeasible, RankContext
+from raysys.signals import interrupt_on_sigterm
 from raysys.telemetry import SweepProgress
 from raysys.results import (ResultWriter, check_row_keys, check_sweep_name, error_row, make_row, resolve_out,
                             trial_id)
@@ -94,32 +93,6 @@ def writer_options(args: argparse.Namespace) -> dict:
     --allow-mixed."""
     mode = "resume" if getattr(args, "resume", False) else "overwrite" if getattr(args, "overwrite", False) else "new"
     return {"mode": mode, "allow_mixed": bool(getattr(args, "allow_mixed", False))}
-
-
-@contextlib.contextmanager
-def interrupt_on_sigterm():
-    """Within the block, SIGTERM raises KeyboardInterrupt in the main thread, as Ctrl-C does.
-
-    `timeout`, `ray job stop` and batch schedulers stop a process with SIGTERM. By default that kills it on
-    the spot, and a Ray driver's handler (installed by `ray.init`) exits from inside the signal handler; either
-    way `finally` blocks may not get to stop gangs and Tune trials. With this, cleanup runs and the rows already
-    written stay. The previous handler comes back afterwards. An application's own handler (not the default,
-    not Ray's) is left alone, as is everything in a worker thread; so blocks nest.
-    """
-    previous = signal.getsignal(signal.SIGTERM)
-    ours = previous in (signal.SIG_DFL, None) or getattr(previous, "__module__", "").startswith("ray.")
-    if threading.current_thread() is not threading.main_thread() or not ours:
-        yield
-        return
-
-    def raise_interrupt(signum, frame):
-        raise KeyboardInterrupt(f"{signal.Signals(signum).name} received")
-
-    signal.signal(signal.SIGTERM, raise_interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def sweep_parser(doc: str | None, sweep: str, *, device_help: str) -> argparse.ArgumentParser:
@@ -432,8 +405,6 @@ def tune_run(trainable: Callable[[dict], Any], param_space: Mapping[str, Any], *
     far stay, Ray is shut down (which stops this driver's trials) and the interrupt propagates.
     Returns the rows of this call's finished trials.
     """
-    from ray import tune
-
     resources = {"cpu": 1, **{k.lower(): v for k, v in (resources or {}).items()}}
     if not set(resources) <= {"cpu", "gpu"}:
         raise ValueError(f"resources {dict(resources)} may only name 'cpu' and 'gpu'")

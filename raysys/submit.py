@@ -40,6 +40,7 @@ HEAD_PORTS = {
     "dashboard": (8265, "--dashboard-port"),
     "dashboard agent HTTP (the job agent)": (52365, "--dashboard-agent-listen-port"),
     "Ray client server": (10001, "--ray-client-server-port"),
+    "metrics export (the README's head command)": (8080, "--metrics-export-port"),
 }
 NO_AGENT = "No available agent to submit job"
 
