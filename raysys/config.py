@@ -25,7 +25,7 @@ TABLE1_SIZES = ("small", "medium", "large", "xl", "10B")
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Hyper-parameters of the basics Transformer LM (see shared/reference/basics-model.md)."""
+    """Hyper-parameters of the basics Transformer LM (the course's `cs336_basics` model)."""
 
     vocab_size: int = 10_000
     """Number of token ids; the embedding and LM-head rows."""

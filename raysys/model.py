@@ -1,6 +1,6 @@
 """The model under test: the basics pre-norm decoder-only Transformer LM (CS336 assignment 1).
 
-Behaviour, parameter names and initialisation follow `shared/reference/basics-model.md` exactly, so state
+Behaviour, parameter names and initialisation follow the course's reference model (`cs336_basics`) exactly, so state
 dicts move both ways between raysys and the reference `cs336_basics` and fp32 logits agree to ~1e-5.
 
 Attention is pluggable per model instance: every `CausalMultiHeadSelfAttention` calls the backend named by
