@@ -7,6 +7,7 @@ import copy
 import gc
 import math
 import time
+import types
 
 import pytest
 import torch
@@ -17,18 +18,34 @@ from raysys.timing import PHASES, Marks, median_ci_rel, paired_steps, time_steps
 from raysys.train_step import TrainStep, compile_blocks
 
 
-class _SleepStep:
-    """A stand-in TrainStep whose phases sleep for the given seconds; records whether the GC was on."""
+class _Clock:
+    """A virtual `perf_counter` that only the stand-in steps move: what a test of the timer's logic reads instead of
+    the host's clock, which a loaded CI machine stretches by tens of percent."""
 
-    def __init__(self, durations):
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class _SleepStep:
+    """A stand-in TrainStep whose phases sleep for the given seconds (on `clock` when given: virtual time);
+    records whether the GC was on."""
+
+    def __init__(self, durations, clock: _Clock | None = None):
         self.device, self.durations, self.calls, self.gc_on = torch.device("cpu"), iter(durations), 0, []
+        self.sleep = clock.sleep if clock is not None else time.sleep
 
     def __call__(self):
         marks = Marks(self.device)
         seconds = next(self.durations)
         for _ in PHASES:
             marks.mark()
-            time.sleep(seconds / len(PHASES))
+            self.sleep(seconds / len(PHASES))
         marks.mark()
         self.calls += 1
         self.gc_on.append(gc.isenabled())
@@ -36,10 +53,11 @@ class _SleepStep:
 
 
 class _DriftingStep(_SleepStep):
-    """Sleeps `base` seconds times a host slowdown that grows with every step of any _DriftingStep (shared `log`)."""
+    """Sleeps `base` seconds times a host slowdown that grows with every step of any _DriftingStep (shared `log`),
+    in virtual time (`clock`)."""
 
-    def __init__(self, name, base, log):
-        super().__init__([])
+    def __init__(self, name, base, log, clock: _Clock):
+        super().__init__([], clock)
         self.name, self.base, self.log = name, base, log
 
     def __call__(self):
@@ -48,9 +66,11 @@ class _DriftingStep(_SleepStep):
         return super().__call__()
 
 
-def test_paired_steps_alternate_blocks_and_cancel_drift():
+def test_paired_steps_alternate_blocks_and_cancel_drift(monkeypatch):
+    clock = _Clock()  # the timer reads virtual time: the drift below is the only one
+    monkeypatch.setattr("raysys.timing.time", types.SimpleNamespace(perf_counter=clock, process_time=time.process_time))
     log = []
-    slow, fast = _DriftingStep("slow", 0.004, log), _DriftingStep("fast", 0.002, log)
+    slow, fast = _DriftingStep("slow", 0.004, log, clock), _DriftingStep("fast", 0.002, log, clock)
     out = paired_steps(slow, fast, rounds=4, block=2)
     blocks = [log[i] for i in range(0, len(log), 3)]                # 1 untimed + 2 timed steps per block
     assert blocks == ["slow", "fast", "fast", "slow", "slow", "fast", "fast", "slow"] and len(log) == 24
@@ -58,9 +78,9 @@ def test_paired_steps_alternate_blocks_and_cancel_drift():
     assert out["paired_ratio_min"] <= out["paired_ratio"] <= out["paired_ratio_max"]
     assert out["paired_step_median_s"] > out["paired_reference_median_s"] > 0
     # Timed in trials some steps apart, the slow step looks ~3.5x the fast one (the host slowed down meanwhile).
-    first = time_steps(_DriftingStep("fast", 0.002, log), 1, 8)["step_median_s"]
+    first = time_steps(_DriftingStep("fast", 0.002, log, clock), 1, 8)["step_median_s"]
     log.extend(["other trials"] * 20)
-    later = time_steps(_DriftingStep("slow", 0.004, log), 1, 8)["step_median_s"]
+    later = time_steps(_DriftingStep("slow", 0.004, log, clock), 1, 8)["step_median_s"]
     assert later / first > 2.6
     with pytest.raises(ValueError, match="rounds"):
         paired_steps(slow, fast, rounds=0)
