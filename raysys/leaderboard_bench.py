@@ -553,25 +553,32 @@ def variant_row(args, session: Session, variant: Variant, sweep: str = SWEEP, **
     return row
 
 
-def run_ablation(args, session: Session) -> "pd.DataFrame":
-    """Every variant of the session, one row each in `<out>/leaderboard.parquet` (`--resume` skips done ones)."""
+def run_variants(args, session: Session, sweep: str, items, summarize: Callable[["pd.DataFrame"], str]
+                 ) -> "pd.DataFrame":
+    """One row per `(variant, extra config, extra metrics)` of `items` in `<out>/<sweep>.parquet`, written as it
+    is measured (`--resume` skips the done ones); `summarize(rows)` is printed at the end."""
     import pandas as pd
 
     from raysys.results import trial_id
 
     rows = []
-    with open_writer(args.out, SWEEP, resume=args.resume, overwrite=args.overwrite) as writer:
-        for v in session.variants:
-            if writer.done(trial_id(variant_config(args, session, v))):
+    with open_writer(args.out, sweep, resume=args.resume, overwrite=args.overwrite) as writer:
+        for variant, extra, metrics in items:
+            if writer.done(trial_id(variant_config(args, session, variant, **extra))):
                 continue
-            row = variant_row(args, session, v)
+            row = {**variant_row(args, session, variant, sweep=sweep, **extra), **metrics}
             rows.append(row)
             writer.write([row])
         path = writer.path
     df = pd.DataFrame(rows)
-    print(summary(df))
+    print(summarize(df))
     print(f"wrote {path}")
     return df
+
+
+def run_ablation(args, session: Session) -> "pd.DataFrame":
+    """Every variant of the session, one row each in `<out>/leaderboard.parquet` (`--resume` skips done ones)."""
+    return run_variants(args, session, SWEEP, ((v, {}, {}) for v in session.variants), summary)
 
 
 def run_leaderboard(args) -> "pd.DataFrame":

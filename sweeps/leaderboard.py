@@ -38,8 +38,8 @@ from raysys.config import ModelConfig  # noqa: E402
 from raysys.device import check_fits  # noqa: E402
 from raysys.leaderboard import LeaderboardStep, StepConfig, device_memory_bytes, plan_step  # noqa: E402
 from raysys.leaderboard_bench import (DTYPE_NAMES, SWEEP, Session, Variant, build_leaderboard_parser,  # noqa: E402
-                                      build_model, for_device, make_batch, open_writer, run_ablation, run_check,
-                                      start_session, variant_config, variant_row)
+                                      build_model, for_device, make_batch, run_ablation, run_check, run_variants,
+                                      start_session, variant_row)
 from raysys.results import ROW_COLUMNS, read_results  # noqa: E402
 
 STUDIES = ("ablation", "neighbours", "ddp")
@@ -83,24 +83,11 @@ def fast_plan(session: Session, args) -> tuple:
 def run_neighbours_local(args, session: Session) -> pd.DataFrame:
     """The plan and its neighbours on the session's model, one after another (no Ray)."""
     plan, step = fast_plan(session, args)
-    rows = []
-    with open_writer(args.out, TUNE_SWEEP, resume=args.resume, overwrite=args.overwrite) as writer:
-        for off, spec in neighbour_specs(plan.layers, args.offsets):
-            variant = Variant(name=f"plan{off:+d}", step=step.replace(recompute=spec), batch_size=args.batch_size)
-            extra = {"offset": off, "advisor_policy": plan.spec, "launcher": "local"}
-            from raysys.results import trial_id
-
-            if writer.done(trial_id(variant_config(args, session, variant, **extra))):
-                continue
-            row = variant_row(args, session, variant, sweep=TUNE_SWEEP, **extra)
-            row["advisor_predicted_peak_bytes"] = plan.predicted_peak_bytes
-            rows.append(row)
-            writer.write([row])
-        path = writer.path
-    df = pd.DataFrame(rows)
-    print(neighbours_summary(df))
-    print(f"wrote {path}")
-    return df
+    items = ((Variant(name=f"plan{off:+d}", step=step.replace(recompute=spec), batch_size=args.batch_size),
+              {"offset": off, "advisor_policy": plan.spec, "launcher": "local"},
+              {"advisor_predicted_peak_bytes": plan.predicted_peak_bytes})
+             for off, spec in neighbour_specs(plan.layers, args.offsets))
+    return run_variants(args, session, TUNE_SWEEP, items, neighbours_summary)
 
 
 TUNE_ARGS = ("size", "context_length", "vocab_size", "batch_size", "dtype", "device", "timer", "do_bench_only",
