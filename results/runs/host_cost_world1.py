@@ -9,6 +9,7 @@ variant minus `single` (`single_bf16`: autocast, for `fsdp_bf16`).
     git archive 25ed37f parallel | tar -x -C /tmp/before
     HOST_COST_ROOT=/tmp/before python results/runs/host_cost_world1.py  # the wrappers before issue 19's change
     python results/runs/host_cost_world1.py --hooks
+    python results/runs/host_cost_world1.py --collectives-alone --profile  # the collective path on a group of one
 """
 import argparse, gc, os, statistics, sys, tempfile, time
 from functools import partial
@@ -30,6 +31,9 @@ MC = ModelConfig(vocab_size=64, context_length=8, d_model=16, num_layers=32, num
 PHASES = ("forward", "backward", "finish", "optimizer", "step")
 
 
+ALONE: dict = {}  # {"collectives_alone": True} with --collectives-alone (the wrappers of this checkout only)
+
+
 def build(variant: str):
     torch.manual_seed(0)
     model = TransformerLM(MC)
@@ -37,11 +41,11 @@ def build(variant: str):
         return model
     if variant.startswith("fsdp"):
         dtype = torch.bfloat16 if variant.endswith("bf16") else None
-        return make_fsdp("fsdp", model, compute_dtype=dtype, units=(TransformerBlock,))
+        return make_fsdp("fsdp", model, compute_dtype=dtype, units=(TransformerBlock,), **ALONE)
     kind, _, mb = variant.partition(":")
     if kind == "torch":
         return make_ddp("torch", model, broadcast_buffers=False)
-    return make_ddp(kind, model, **({"bucket_size_mb": float(mb)} if mb else {}))
+    return make_ddp(kind, model, **({"bucket_size_mb": float(mb)} if mb else {}), **ALONE)
 
 
 class Step:
@@ -122,7 +126,7 @@ def hooks(num_params: int = 291, reps: int = 100, rounds: int = 9) -> None:
     def grad_ready(bucket_per_param: bool):
         ps = leaves()
         buckets = [[p] for p in ps] if bucket_per_param else [ps]
-        red = _Reducer(None, [_Bucket(b, copy=False) for b in buckets], SMCarveout(None))
+        red = _Reducer(None, [_Bucket(b, copy=False) for b in buckets], SMCarveout(None), True)  # a group of one
         for i, p in enumerate(ps):
             p.register_post_accumulate_grad_hook(partial(red.grad_ready, i, 0) if bucket_per_param
                                                  else partial(red.grad_ready, 0, i))
@@ -164,9 +168,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10, help="timed steps per block")
     p.add_argument("--rounds", type=int, default=6, help="blocks per variant, in alternating order")
     p.add_argument("--hooks", action="store_true", help="time the gradient hooks alone instead")
+    p.add_argument("--collectives-alone", action="store_true", help="the project's wrappers issue a larger group's "
+                   "collectives on the group of one (collectives_alone=True) instead of being the identity")
     p.add_argument("--profile", action="store_true", help="also profile 5 steps of each variant (torch.profiler, CPU): "
                    "calls per step and mean CPU time per call of the process-group ops")
     args = p.parse_args()
+    if args.collectives_alone:
+        ALONE["collectives_alone"] = True
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
     gc.disable()
