@@ -1,5 +1,9 @@
 """The benchmark harness, CLI, results I/O, profiling summary and memory accounting on CPU."""
 
+import signal
+import subprocess
+import sys
+
 import pandas as pd
 import pytest
 import torch
@@ -9,6 +13,7 @@ from raysys.bench import BenchConfig, run_benchmark
 from raysys.config import ModelConfig
 from raysys.model import TransformerLM, cross_entropy
 from raysys.results import ResultWriter, error_row, make_row, read_results, status_of, trial_id
+from tests.subprocess_utils import repo_env, signal_when
 
 TINY = dict(size="tiny", context_length=16, batch_size=2, warmup=1, steps=2, device="cpu")
 
@@ -183,28 +188,11 @@ def test_run_script_turns_bad_input_into_exit_code_2(capsys):
 def test_sigterm_mid_run_leaves_no_lock_and_no_empty_run_dir(tmp_path):
     """`timeout` (SIGTERM) stops a bench run before its first row: one line, exit 130, and neither the writer's
     lock nor an empty ./runs/<UTC>-bench/ is left behind."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen([sys.executable, "-m", "raysys", "bench", "--size", "small", "--device", "cpu",
-                             "--warmup", "0", "--steps", "1000"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                             "--warmup", "0", "--steps", "1000"], cwd=tmp_path, env=repo_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not list(tmp_path.glob("runs/*-bench/.bench.parquet.lock")):  # the writer holds its lock: mid-run
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    # Once the writer holds its lock the run is under way (a small model's steps take seconds each on a CPU).
+    out, err = signal_when(proc, lambda: any(tmp_path.glob("runs/*-bench/.bench.parquet.lock")), signal.SIGTERM)
     assert proc.returncode == 130, (out, err)
     assert err.strip().splitlines()[-1] == "raysys bench: interrupted", err
     assert not any(tmp_path.glob("runs/*")), sorted(p.name for p in tmp_path.rglob("*"))

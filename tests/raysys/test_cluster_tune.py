@@ -17,6 +17,7 @@ from ray import tune
 
 from raysys.cluster import tune_run
 from raysys.results import read_results
+from tests.subprocess_utils import repo_env, signal_when
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # pytest's module name is not importable by workers
@@ -119,22 +120,10 @@ def _hang_forever_on_3(config: dict) -> dict:
 def test_sigterm_keeps_finished_trials_and_resume_runs_the_rest(ray_cluster, tmp_path):
     script, marker, parquet = tmp_path / "driver.py", tmp_path / "trial3.pid", tmp_path / "tune_hang.parquet"
     script.write_text(_HANGING_DRIVER)
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), str(marker), ray_cluster["address"]],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 90
-        # The run cannot end (trial 3 sleeps 600 s), so rows on disk now were written as their trials ended.
-        while not (marker.exists() and len(_rows(parquet)) == 3):
-            assert proc.poll() is None, f"the driver exited early:\n{proc.stdout.read()}"
-            assert time.monotonic() < deadline, f"rows on disk: {_rows(parquet)[['x', 'status']]}"
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+                            env=repo_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # The run cannot end (trial 3 sleeps 600 s), so rows on disk now were written as their trials ended.
+    output, _ = signal_when(proc, lambda: marker.exists() and len(_rows(parquet)) == 3, signal.SIGTERM, wait_s=90)
     assert proc.returncode != 0, output
     assert f"tune_hang: interrupted after 3 of 4 trials; its rows are in {parquet}; rerun with --resume" in output, output
     rows = pd.read_parquet(parquet)

@@ -9,13 +9,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from raysys.gang import Gang
 from raysys.mp_gang import ProcessGang
 from raysys.rank import BaseGang, PlacementInfeasible, RankContext
+from tests.subprocess_utils import repo_env
 
 
 class FakeGang(BaseGang):
@@ -167,12 +167,10 @@ def test_a_rank_dies_with_its_killed_driver(tmp_path):
     the kernel ends them too, rather than leaving them blocked in a collective."""
     script = tmp_path / "driver.py"
     script.write_text(_ORPHAN_DRIVER)
-    root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     log = tmp_path / "driver.out"  # a file, not a pipe: an orphan writing to a pipe nobody reads can die of that
     with open(log, "w") as f:
         returncode = subprocess.run([sys.executable, str(script)], stdout=f, stderr=subprocess.STDOUT, timeout=120,
-                                    env=env).returncode
+                                    env=repo_env()).returncode
     assert returncode == -signal.SIGKILL, log.read_text()
     pid = int(log.read_text().split()[0])
     deadline = time.monotonic() + 30
