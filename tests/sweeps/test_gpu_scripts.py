@@ -1,0 +1,32 @@
+"""The one-command GPU scripts on a machine without the GPUs they need: one line, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.subprocess_utils import REPO, repo_env
+
+
+@pytest.mark.parametrize("script, args, gpus, expect", [
+    ("sweeps/gpu_run.sh", ["dist"], 2, "gpu_run.sh dist: needs 2 CUDA GPU(s); this machine has"),
+    ("sweeps/gpu_run.sh", ["alone"], 1, "gpu_run.sh alone: needs 1 CUDA GPU(s); this machine has 0"),
+    ("sweeps/flash_gpu_check.sh", [], 1, "flash_gpu_check.sh: needs a CUDA GPU; this machine has none"),
+])
+def test_refused_without_gpus_before_writing_anything(tmp_path, script, args, gpus, expect):
+    if torch.cuda.device_count() >= gpus:
+        pytest.skip(f"this machine has the {gpus} GPU(s) {script} needs")
+    tuned = (REPO / "kernels" / "flash_attention_tuned.json").read_bytes()
+    # The scripts call `python3` (gpu_run.sh) or $PYTHON (flash_gpu_check.sh): this interpreter, which has torch.
+    env = repo_env(OUT=str(tmp_path / "out"), RESULTS=str(tmp_path / "results"), MODE="candidates",
+                   PYTHON=sys.executable, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    proc = subprocess.run(["bash", script, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith(expect), proc.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "results").exists()
+    assert (REPO / "kernels" / "flash_attention_tuned.json").read_bytes() == tuned  # the committed file untouched
