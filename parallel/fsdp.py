@@ -9,7 +9,7 @@ alone by default, or every outermost module of `units=(TransformerBlock,)` (as F
 
 Per unit and step: one all-gather (coalesced over its weights, in place) before its forward, issued two units ahead;
 its full weights freed after forward and gathered again for backward, one unit ahead; one coalesced reduce-scatter
-of its fp32 gradients once the last has arrived. With `compute_dtype` (e.g. bf16) shards are cast before the
+of its fp32 gradients once the last has arrived (on gloo, one reduce-scatter of a rank-major copy). With `compute_dtype` (e.g. bf16) shards are cast before the
 all-gather and Linear / Embedding compute in that dtype; gradients are cast back to fp32 for the reduction.
 
 Invariant: after `finish_gradient_synchronization()` every shard's `.grad` (fp32, shard shape) holds its rows of the
@@ -445,13 +445,15 @@ class FSDP(nn.Module):
         self._fwd_calls: list[_Unit] = []
         self._last_order: list[_Unit] = []
         self._reduce_scatter_ok = self._probe_reduce_scatter()
-        # Coalesced all-gathers and reduce-scatters: NCCL has both, gloo in recent torch; else the flat fallbacks.
+        # Coalesced all-gathers: NCCL has them, gloo in recent torch; else the flat fallback. Coalesced
+        # reduce-scatters: NCCL's are one grouped launch; gloo's are one all-reduce per tensor run concurrently on its
+        # worker threads (and hung in a two-rank test here), so on gloo one flat reduce-scatter over the rank-major
+        # buffer does the same work as a single collective.
         self._coalesced_gather = self._has_coalesced(
             "allgather_into_tensor_coalesced",
             lambda: self._all_gather_coalesced([torch.zeros(self.world_size)], [torch.zeros(1)]))
-        self._coalesced_reduce_scatter = self._reduce_scatter_ok and self._has_coalesced(
-            "reduce_scatter_tensor_coalesced",
-            lambda: self._reduce_scatter_coalesced([torch.zeros(1)], [torch.zeros(self.world_size)]))
+        self._coalesced_reduce_scatter = (dist.get_backend(process_group) != "gloo"
+                                          and hasattr(self._group, "reduce_scatter_tensor_coalesced"))
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
