@@ -217,8 +217,11 @@ def add_variant_flags(p: argparse.ArgumentParser, compiled_sweep: str, compile_n
                    "whole machinery is timed on one GPU (torch's wrappers always do)")
 
 
-def check_collectives_alone(collectives_alone: bool, world_size: int) -> None:
-    if collectives_alone and world_size != 1:
+def check_variant_flags(args: argparse.Namespace, world_size: int) -> None:
+    """What `add_variant_flags` added, checked before any rank starts."""
+    if args.paired_rounds < 0:
+        raise ValueError(f"--paired-rounds ({args.paired_rounds}) must be >= 0")
+    if args.collectives_alone and world_size != 1:
         raise ValueError(f"--collectives-alone needs --world-sizes 1 (got {world_size}): a larger group always "
                          "communicates")
 

@@ -55,9 +55,10 @@ from raysys.rank import nccl_group  # noqa: E402
 from raysys.timing import paired_steps, time_steps  # noqa: E402
 from raysys.train_step import TrainStep  # noqa: E402
 from sweeps.common import (GANG_DTYPES, NOT_ON_CPU, VariantTrial, adamw_kwargs, add_model_flags,  # noqa: E402
-                           add_variant_flags, build_model, check_collectives_alone, check_fits, column, gang_study_main, grid_values, in_trial_scope, list_flag,
-                           main_entry, markdown_report, on_cpu, parse_list, profile_one_step, pyplot, save_figure,
-                           setup_sentence, step_column, study_parser, write_markdown)
+                           add_variant_flags, build_model, check_fits, check_variant_flags, column, gang_study_main,
+                           grid_values, in_trial_scope, list_flag, main_entry, markdown_report, on_cpu, parse_list,
+                           profile_one_step, pyplot, save_figure, setup_sentence, step_column, study_parser,
+                           write_markdown)
 
 SWEEP = "ddp"
 COMPILED = "ddp_compiled"   # the same study with compiled blocks (--compile): its own file, tables and baselines
@@ -458,9 +459,7 @@ def grid(args, device: str, world_size: int, check_device: bool = True) -> list[
         raise ValueError(f"--max-steps ({max_steps}) must be >= --steps ({steps})")
     if args.nccl_max_ctas is not None and args.nccl_max_ctas < 1:
         raise ValueError(f"--nccl-max-ctas ({args.nccl_max_ctas}) must be >= 1")
-    if args.paired_rounds < 0:
-        raise ValueError(f"--paired-rounds ({args.paired_rounds}) must be >= 0")
-    check_collectives_alone(args.collectives_alone, world_size)
+    check_variant_flags(args, world_size)
     trials = ddp_trials(**values, dtypes=parse_list(args.dtypes or d["dtypes"], "dtypes", GANG_DTYPES),
                         variants=parse_list(args.variants, "variants"),
                         profile=[v for v in (args.profile or "").split(",") if v.strip()], max_steps=max_steps,

@@ -57,9 +57,9 @@ from raysys.rank import nccl_group  # noqa: E402
 from raysys.timing import paired_steps, time_steps  # noqa: E402
 from raysys.train_step import TrainStep  # noqa: E402
 from sweeps.common import (GANG_DTYPES, NOT_ON_CPU, VariantTrial, adamw_kwargs, add_model_flags,  # noqa: E402
-                           add_variant_flags, build_model, check_collectives_alone, check_fits, gang_study_main, grid_values, in_trial_scope, list_flag,
-                           main_entry, markdown_report, on_cpu, parse_list, profile_one_step, setup_sentence,
-                           step_column, study_parser, write_markdown)
+                           add_variant_flags, build_model, check_fits, check_variant_flags, gang_study_main,
+                           grid_values, in_trial_scope, list_flag, main_entry, markdown_report, on_cpu, parse_list,
+                           profile_one_step, setup_sentence, step_column, study_parser, write_markdown)
 
 SWEEP = "fsdp"
 COMPILED = "fsdp_compiled"  # the same study with compiled blocks (--compile): its own file, tables and baselines
@@ -410,9 +410,7 @@ def _variants(text: str | None, device: str, defaults: dict, compiled: bool = Fa
 def grid(args, device: str, world_size: int, check_device: bool = True) -> list[FSDPTrial]:
     """The trials the flags ask for on `device` (its defaults fill the flags left out); every value checked, and
     with `check_device` what `device` cannot run."""
-    if args.paired_rounds < 0:
-        raise ValueError(f"--paired-rounds ({args.paired_rounds}) must be >= 0")
-    check_collectives_alone(args.collectives_alone, world_size)
+    check_variant_flags(args, world_size)
     out = trials(**grid_values(args, DEFAULTS, device), dtypes=parse_list(args.dtypes, "dtypes", GANG_DTYPES),
                  variants=_variants(args.variants, device, DEFAULTS[device], args.compile),
                  profile=[v.strip() for v in (args.profile or "").split(",") if v.strip()], compile=args.compile,
