@@ -50,6 +50,9 @@ PATHS = ("portable", "tma")
 COMMITTED_TUNED_PATH = Path(__file__).with_name("flash_attention_tuned.json")
 TUNED_CONFIGS_PATH = Path(os.environ.get("RAYSYS_FLASH_TUNED") or COMMITTED_TUNED_PATH)
 """The tuned file the kernels read: `RAYSYS_FLASH_TUNED` when set (at import), else the committed one."""
+if not TUNED_CONFIGS_PATH.is_file() and os.environ.get("RAYSYS_FLASH_TUNED"):  # a typo must not mean "untuned"
+    raise ValueError(f"RAYSYS_FLASH_TUNED ({TUNED_CONFIGS_PATH}) names no file; unset it to read the committed "
+                     f"{COMMITTED_TUNED_PATH.name}")
 
 
 @dataclass(frozen=True)
