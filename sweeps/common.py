@@ -215,6 +215,10 @@ def add_variant_flags(p: argparse.ArgumentParser, compiled_sweep: str, compile_n
     p.add_argument("--collectives-alone", action="store_true", help="with --world-sizes 1: the project's wrappers "
                    "issue every collective a larger group does (over no peer) instead of being the identity, so the "
                    "whole machinery is timed on one GPU (torch's wrappers always do)")
+    p.add_argument("--nccl-trace-buffer", type=int, default=None, metavar="N",
+                   help="TORCH_NCCL_TRACE_BUFFER_SIZE in every rank: entries of torch's NCCL flight recorder, whose "
+                   "bookkeeping is part of every process-group call's host cost; 0 turns it off (default: torch's "
+                   "setting, no column)")
 
 
 def check_variant_flags(args: argparse.Namespace, world_size: int) -> None:
@@ -224,6 +228,8 @@ def check_variant_flags(args: argparse.Namespace, world_size: int) -> None:
     if args.collectives_alone and world_size != 1:
         raise ValueError(f"--collectives-alone needs --world-sizes 1 (got {world_size}): a larger group always "
                          "communicates")
+    if args.nccl_trace_buffer is not None and args.nccl_trace_buffer < 0:
+        raise ValueError(f"--nccl-trace-buffer ({args.nccl_trace_buffer}) must be >= 0 (0: flight recorder off)")
 
 
 def check_timing_options(warmup: int, compile: bool, paired_rounds: int) -> None:
@@ -310,18 +316,31 @@ class VariantTrial(GangTrial):
     """Rounds of the variant against a single step in alternating blocks (0: none)."""
     collectives_alone: bool = False
     """On a group of one the project's wrappers issue a larger group's collectives (not the identity)."""
+    nccl_trace_buffer: int | None = None
+    """TORCH_NCCL_TRACE_BUFFER_SIZE in the gang's ranks (torch's NCCL flight recorder; 0: off); None: torch's own."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.variant not in self.VARIANTS:
             raise ValueError(f"variant {self.variant!r} must be one of {self.VARIANTS}")
         check_timing_options(self.warmup, self.compile, self.paired_rounds)
+        if self.nccl_trace_buffer is not None:
+            check_int("nccl_trace_buffer", self.nccl_trace_buffer, 0)
 
     def config(self) -> dict[str, Any]:
         out = super().config()
+        # Rows from before these settings never had their columns: ids stay.
         if not self.collectives_alone:
-            del out["collectives_alone"]  # rows from before the flag never had the column: ids stay
+            del out["collectives_alone"]
+        if self.nccl_trace_buffer is None:
+            del out["nccl_trace_buffer"]
         return out
+
+    def rank_env(self) -> dict[str, str]:
+        """What the gang's ranks set in their environment before the process group starts, for this trial."""
+        if self.nccl_trace_buffer is None:
+            return {}
+        return {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(self.nccl_trace_buffer)}
 
 
 def build_model(mc: ModelConfig, device: torch.device, *, seed: int, compile: bool = False) -> nn.Module:
@@ -405,8 +424,9 @@ def run_gang_study(args: argparse.Namespace, sweep: str, grid: Callable[..., lis
     with open_writer(out, sweep, args, expect=expect) as writer:
         device = gang_device(args, world_size)
         trials = grid(args, device, world_size)
+        env = trials[0].rank_env()  # the flags set it for the whole grid: one gang serves every trial
         return run_sweep(sweep, trials, trial_fn(out), world_size, device=device, launcher=args.launcher,
-                         timeout_s=args.timeout_s, reduce=reduce, writer=writer, show=False), out
+                         timeout_s=args.timeout_s, reduce=reduce, env=env, writer=writer, show=False), out
 
 
 def gang_study_main(args: argparse.Namespace, sweep: str, grid: Callable[..., list],
@@ -561,9 +581,12 @@ def setup_sentence(first: pd.Series) -> str:
     alone = first.get("collectives_alone", False)
     alone = (", the project's wrappers issuing a larger group's collectives (--collectives-alone)"
              if pd.notna(alone) and bool(alone) else "")
+    trace = first.get("nccl_trace_buffer", math.nan)
+    trace = "" if pd.isna(trace) else (", NCCL flight recorder off" if trace == 0 else
+                                       f", NCCL flight recorder of {int(trace)} entries")
     return (f"{first['size']} model, context {int(first['context_length'])}, {world} rank{'s' * (world != 1)} "
             f"({first.get('backend', '')}, {first.get('device_name', '')}), {int(first['batch_per_rank'])} sequences "
-            f"per rank{compiled}{alone}")
+            f"per rank{compiled}{alone}{trace}")
 
 
 def not_measured(df: pd.DataFrame, keys: Sequence[str]) -> str:

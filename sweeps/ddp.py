@@ -152,7 +152,8 @@ def parse_variant(spec: str) -> dict:
 def ddp_trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: list[str], variants: list[str],
                profile: list[str], warmup: int, steps: int, max_steps: int | None = None,
                nccl_max_ctas: int | None = None, rerun_single: bool = True, compile: bool = False,
-               paired_rounds: int = 0, collectives_alone: bool = False, seed: int = 0) -> list[DDPTrial]:
+               paired_rounds: int = 0, collectives_alone: bool = False, nccl_trace_buffer: int | None = None,
+               seed: int = 0) -> list[DDPTrial]:
     """One trial per dtype x variant, plus `single (rerun)` last in each dtype when `single` is in the grid
     with other variants and `rerun_single` (validated here, before any rank starts)."""
     bad = [d for d in dtypes if d not in GANG_DTYPES]
@@ -167,7 +168,8 @@ def ddp_trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: l
         parsed.append({**parse_variant("single"), "label": RERUN})
     common = dict(size=size, context_length=context_length, batch_per_rank=batch_per_rank, warmup=warmup,
                   steps=steps, max_steps=steps if max_steps is None else max_steps, compile=compile,
-                  paired_rounds=paired_rounds, collectives_alone=collectives_alone, seed=seed)
+                  paired_rounds=paired_rounds, collectives_alone=collectives_alone, nccl_trace_buffer=nccl_trace_buffer,
+                  seed=seed)
     return [DDPTrial(dtype=dtype, **common, **{"nccl_max_ctas": nccl_max_ctas, **v}, profile=v["label"] in profiled)
             for dtype in dtypes for v in parsed]
 
@@ -464,7 +466,8 @@ def grid(args, device: str, world_size: int, check_device: bool = True) -> list[
                         variants=parse_list(args.variants, "variants"),
                         profile=[v for v in (args.profile or "").split(",") if v.strip()], max_steps=max_steps,
                         nccl_max_ctas=args.nccl_max_ctas, rerun_single=not args.no_single_rerun, compile=args.compile,
-                        paired_rounds=args.paired_rounds, collectives_alone=args.collectives_alone)
+                        paired_rounds=args.paired_rounds, collectives_alone=args.collectives_alone,
+                        nccl_trace_buffer=args.nccl_trace_buffer)
     if not check_device:
         return trials
     capped = [t.label for t in trials if " CTAs" in t.label]

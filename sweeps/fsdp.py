@@ -94,7 +94,7 @@ class FSDPTrial(VariantTrial):
 
 def trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: list[str], variants: list[str],
            profile: list[str], warmup: int, steps: int, compile: bool = False, paired_rounds: int = 0,
-           collectives_alone: bool = False, seed: int = 0) -> list[FSDPTrial]:
+           collectives_alone: bool = False, nccl_trace_buffer: int | None = None, seed: int = 0) -> list[FSDPTrial]:
     """One trial per dtype x variant, validated before any rank starts."""
     for what, items, allowed in (("dtypes", dtypes, GANG_DTYPES), ("variants", variants, VARIANTS),
                                  ("profile", profile, VARIANTS)):
@@ -103,7 +103,8 @@ def trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: list[
             raise ValueError(f"{what} {bad} not in {allowed}")
     return [FSDPTrial(size=size, context_length=context_length, batch_per_rank=batch_per_rank, dtype=dtype,
                       variant=variant, profile=variant in profile, warmup=warmup, steps=steps, compile=compile,
-                      paired_rounds=paired_rounds, collectives_alone=collectives_alone, seed=seed)
+                      paired_rounds=paired_rounds, collectives_alone=collectives_alone,
+                      nccl_trace_buffer=nccl_trace_buffer, seed=seed)
             for dtype in dtypes for variant in variants]
 
 
@@ -414,7 +415,8 @@ def grid(args, device: str, world_size: int, check_device: bool = True) -> list[
     out = trials(**grid_values(args, DEFAULTS, device), dtypes=parse_list(args.dtypes, "dtypes", GANG_DTYPES),
                  variants=_variants(args.variants, device, DEFAULTS[device], args.compile),
                  profile=[v.strip() for v in (args.profile or "").split(",") if v.strip()], compile=args.compile,
-                 paired_rounds=args.paired_rounds, collectives_alone=args.collectives_alone)
+                 paired_rounds=args.paired_rounds, collectives_alone=args.collectives_alone,
+                 nccl_trace_buffer=args.nccl_trace_buffer)
     if check_device:
         capped = [t.variant for t in out if t.variant in OWN_GROUP]
         if capped and device != "cuda":

@@ -11,7 +11,7 @@
 #                                    #   alternating blocks (--paired-rounds), into $RESULTS/paired          (~8 min)
 #   bash sweeps/gpu_run.sh compiled  # 2 GPUs: the same with compiled blocks (--compile), into $RESULTS/compiled (~8 min)
 #   bash sweeps/gpu_run.sh alone     # 1 GPU: the wrappers' whole machinery on a group of one (bf16 DDP eager and
-#                                    #   compiled, FSDP compiled, --collectives-alone, paired vs single)   (~6 min)
+#                                    #   compiled, FSDP compiled, --collectives-alone, paired vs single)   (~7 min)
 #   bash sweeps/gpu_run.sh ckpt      # checkpointing trials (Ray Tune, one GPU per trial)                  (~4 min)
 #   bash sweeps/gpu_run.sh flash     # Ray Tune tile sweep (one GPU per trial), the FlashAttention grid    (~9.5 min)
 #   bash sweeps/gpu_run.sh tests     # the gpu-marked tests (-n 8 needs pytest-xdist)                      (~1 min)
@@ -128,8 +128,10 @@ case $phase in
     paired_studies "$RESULTS/compiled" --compile
     ;;
   alone)  # issue 19 on one GPU: every collective a larger group issues, over no peer, against single and torch's
-    w1=(--device cuda --world-sizes 1 --launcher mp --dtypes bf16 --collectives-alone --paired-rounds 4
-        --warmup 2 --steps 4 --profile "")
+    # wrappers; torch's NCCL flight recorder off in every variant (it doubles each NCCL call's host cost; TRACE=N
+    # keeps N entries), 10 paired rounds (4 did not resolve 2% on the lent host)
+    w1=(--device cuda --world-sizes 1 --launcher mp --dtypes bf16 --collectives-alone --paired-rounds 10
+        --warmup 2 --steps 4 --profile "" --nccl-trace-buffer "${TRACE:-0}")
     study ddp_alone 150 python3 sweeps/ddp.py "${w1[@]}" --out "$RESULTS/alone" --resume --max-steps 4 \
       --no-single-rerun --variants single,overlapped,bucketed:1000,torch
     study ddp_alone_compiled 200 python3 sweeps/ddp.py "${w1[@]}" --out "$RESULTS/alone" --resume --max-steps 4 \

@@ -332,17 +332,24 @@ def test_group_of_one_measures_the_wrappers_alone(tmp_path):
     ours = ddp[ddp["variant"].isin(["naive", "overlapped", "bucketed"])]
     assert len(ours) == 3 and (ours["collectives_per_step"] == 0).all(), ours[["label", "collectives_per_step"]]
     assert "1 rank (gloo" in (tmp_path / "ddp.md").read_text()
-    assert "collectives_alone" not in ddp.columns  # the default adds no column: ids of earlier rows stay
-    # --collectives-alone: the same wrappers through a larger group's path, one collective per bucket.
+    # The defaults add no column: ids of earlier rows stay.
+    assert "collectives_alone" not in ddp.columns and "nccl_trace_buffer" not in ddp.columns
+    # --collectives-alone: the same wrappers through a larger group's path, one collective per bucket;
+    # --nccl-trace-buffer reaches every rank before its process group starts, and is a column.
     alone = ddp_sweep.main([*ARGS, "--world-size", "1", "--launcher", "mp", "--studies", "ddp", "--out",
                             str(tmp_path / "alone"), "--variants", "single,overlapped,bucketed:0.05",
-                            "--no-single-rerun", "--collectives-alone"])
+                            "--no-single-rerun", "--collectives-alone", "--nccl-trace-buffer", "0"])
     assert (alone["status"] == "ok").all() and alone["collectives_alone"].all(), alone[["label", "status", "error"]]
+    assert (alone["nccl_trace_buffer"] == 0).all() and (alone["nccl_trace_buffer_env"] == "0").all()
+    assert "NCCL flight recorder off" in (tmp_path / "alone" / "ddp.md").read_text()
     ours = alone.set_index("label").drop("single")
     assert (ours["collectives_per_step"] > 0).all(), ours["collectives_per_step"]
     assert "--collectives-alone" in (tmp_path / "alone" / "ddp.md").read_text()
     with pytest.raises(ValueError, match=r"--collectives-alone needs --world-sizes 1 \(got 2\)"):
         ddp_sweep.main([*ARGS, "--world-size", "2", "--collectives-alone", "--out", str(tmp_path / "never")])
+    with pytest.raises(ValueError, match=r"--nccl-trace-buffer \(-1\) must be >= 0"):
+        ddp_sweep.main([*ARGS, "--world-size", "1", "--nccl-trace-buffer", "-1", "--out", str(tmp_path / "never")])
+    assert not (tmp_path / "never").exists()
     assert not (tmp_path / "never").exists()
 
 

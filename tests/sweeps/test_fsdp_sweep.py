@@ -165,8 +165,10 @@ def test_script_with_a_group_of_one(tmp_path):
     assert df.set_index("variant").loc["fsdp", "all_gathers_per_step"] == 0  # a group of one is the identity
     alone = fsdp_sweep.main(["--device", "cpu", "--launcher", "mp", "--out", str(tmp_path / "alone"), "--world-size",
                              "1", "--variants", "fsdp", "--dtypes", "bf16", "--context-length", "16", "--warmup", "1",
-                             "--steps", "2", "--profile", "", "--collectives-alone"])
+                             "--steps", "2", "--profile", "", "--collectives-alone", "--nccl-trace-buffer", "100"])
     assert alone["status"].tolist() == ["ok"] and alone["collectives_alone"].all()
+    assert alone["nccl_trace_buffer"].tolist() == [100] and alone["nccl_trace_buffer_env"].tolist() == ["100"]
+    assert "nccl_trace_buffer" not in df.columns
     assert alone["all_gathers_per_step"].iloc[0] > 0  # every block gathered for forward and again for backward
     with pytest.raises(ValueError, match="world-size"):
         fsdp_sweep.main(["--device", "cpu", "--world-size", "0", "--out", str(tmp_path)])
