@@ -132,7 +132,7 @@ case $phase in
     # keeps N entries), 10 paired rounds (4 did not resolve 2% on the lent host)
     w1=(--device cuda --world-sizes 1 --launcher mp --dtypes bf16 --collectives-alone --paired-rounds "${ROUNDS:-10}"
         --warmup 2 --steps 4 --profile "" --nccl-trace-buffer "${TRACE:-0}")
-    study ddp_alone 150 python3 sweeps/ddp.py "${w1[@]}" --out "$RESULTS/alone" --resume --max-steps 4 \
+    study ddp_alone 200 python3 sweeps/ddp.py "${w1[@]}" --out "$RESULTS/alone" --resume --max-steps 4 \
       --no-single-rerun --variants single,overlapped,bucketed:1000,torch
     study ddp_alone_compiled 200 python3 sweeps/ddp.py "${w1[@]}" --out "$RESULTS/alone" --resume --max-steps 4 \
       --no-single-rerun --variants single,overlapped,bucketed:1000,torch --compile
