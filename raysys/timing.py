@@ -131,13 +131,14 @@ def _thread_ctx_switches() -> float:
 
 def host_info() -> dict[str, float | str]:
     """Where this rank's process runs: torch threads, CPUs it may use, OMP_NUM_THREADS, load average, and the size of
-    torch's NCCL flight recorder as the process sees it (`TORCH_NCCL_TRACE_BUFFER_SIZE`, '' for torch's default),
-    which adds host time to every NCCL process-group call."""
+    torch's NCCL flight recorder as the process sees it (`TORCH_FR_BUFFER_SIZE`, else its old name
+    `TORCH_NCCL_TRACE_BUFFER_SIZE`; '' for torch's default), which adds host time to every NCCL process-group call."""
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
     return {"torch_threads": torch.get_num_threads(), "cpu_affinity_count": len(affinity) or math.nan,
             "host_cpu_count": os.cpu_count() or math.nan, "omp_num_threads": os.environ.get("OMP_NUM_THREADS", ""),
             "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan,
-            "nccl_trace_buffer_env": os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "")}
+            "nccl_trace_buffer_env": os.environ.get("TORCH_FR_BUFFER_SIZE",
+                                                    os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", ""))}
 
 
 def time_steps(step: TimedStep, warmup: int, steps: int, *, max_steps: int | None = None,

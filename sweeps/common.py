@@ -216,7 +216,8 @@ def add_variant_flags(p: argparse.ArgumentParser, compiled_sweep: str, compile_n
                    "issue every collective a larger group does (over no peer) instead of being the identity, so the "
                    "whole machinery is timed on one GPU (torch's wrappers always do)")
     p.add_argument("--nccl-trace-buffer", type=int, default=None, metavar="N",
-                   help="TORCH_NCCL_TRACE_BUFFER_SIZE in every rank: entries of torch's NCCL flight recorder, whose "
+                   help="TORCH_FR_BUFFER_SIZE (and its old name TORCH_NCCL_TRACE_BUFFER_SIZE) in every rank: entries of "
+                   "torch's NCCL flight recorder, whose "
                    "bookkeeping is part of every process-group call's host cost; 0 turns it off (default: torch's "
                    "setting, no column)")
 
@@ -317,7 +318,7 @@ class VariantTrial(GangTrial):
     collectives_alone: bool = False
     """On a group of one the project's wrappers issue a larger group's collectives (not the identity)."""
     nccl_trace_buffer: int | None = None
-    """TORCH_NCCL_TRACE_BUFFER_SIZE in the gang's ranks (torch's NCCL flight recorder; 0: off); None: torch's own."""
+    """Entries of torch's NCCL flight recorder in the gang's ranks (TORCH_FR_BUFFER_SIZE; 0: off); None: torch's own."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -340,7 +341,8 @@ class VariantTrial(GangTrial):
         """What the gang's ranks set in their environment before the process group starts, for this trial."""
         if self.nccl_trace_buffer is None:
             return {}
-        return {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(self.nccl_trace_buffer)}
+        # Newer torch reads TORCH_FR_BUFFER_SIZE (the old name still works there, with a deprecation warning)
+        return {name: str(self.nccl_trace_buffer) for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")}
 
 
 def build_model(mc: ModelConfig, device: torch.device, *, seed: int, compile: bool = False) -> nn.Module:
