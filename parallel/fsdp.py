@@ -9,8 +9,9 @@ alone by default, or every outermost module of `units=(TransformerBlock,)` (as F
 
 Per unit and step: one all-gather (coalesced over its weights, in place) before its forward, issued two units ahead;
 its full weights freed after forward and gathered again for backward, one unit ahead; one coalesced reduce-scatter
-of its fp32 gradients once the last has arrived (on gloo, one reduce-scatter of a rank-major copy). With `compute_dtype` (e.g. bf16) shards are cast before the
-all-gather and Linear / Embedding compute in that dtype; gradients are cast back to fp32 for the reduction.
+of its fp32 gradients once the last has arrived. With `compute_dtype` (e.g. bf16) shards are cast before the
+all-gather and Linear / Embedding compute in that dtype; gradients are cast back to fp32 for the reduction. On gloo
+(CPU tests) one reduce-scatter of a rank-major copy per unit, and one collective in flight at a time.
 
 Invariant: after `finish_gradient_synchronization()` every shard's `.grad` (fp32, shard shape) holds its rows of the
 mean over ranks of the local full-weight gradients (zero in padding rows), every replicated `.grad` the mean over
@@ -247,6 +248,7 @@ class _Unit:
             fsdp._count_gathered(self.nbytes)
             self.state = _READY
             return
+        fsdp._before_collective()
         if len(self.weights) == 1 or fsdp._coalesced_gather:
             # One all-gather per weight into its padded full tensor (rank-major is each weight's own layout),
             # issued as one group. A cast writes this rank's shards straight into their slots of the outputs, and
@@ -454,6 +456,10 @@ class FSDP(nn.Module):
             lambda: self._all_gather_coalesced([torch.zeros(self.world_size)], [torch.zeros(1)]))
         self._coalesced_reduce_scatter = (dist.get_backend(process_group) != "gloo"
                                           and hasattr(self._group, "reduce_scatter_tensor_coalesced"))
+        # gloo: one collective in flight at a time. Its worker threads run concurrent collectives of one group side
+        # by side, and two-rank stress runs of this wrapper here crashed inside gloo's issue path (heap corruption,
+        # 3 of ~60 runs) or hung in one of its all-reduces; NCCL orders a group's collectives on one stream.
+        self._one_in_flight = dist.get_backend(process_group) == "gloo"
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -582,6 +588,7 @@ class FSDP(nn.Module):
             torch._chunk_cat(full_grads, dim=0, num_chunks=n, out=send.view(n, -1))
             del full_grads
         del grads, first
+        self._before_collective()
         # A group of one reduces in place: this rank's slot of the input is the whole input, and nothing moves.
         out = send if n == 1 else torch.empty(unit.shard_numel, dtype=torch.float32, device=device)
         if coalesced:  # one reduce-scatter per weight, issued as one group: each shard lands in its slot of `out`
@@ -634,6 +641,7 @@ class FSDP(nn.Module):
         for p in self._replicated:
             if p.grad is not None:
                 by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        self._before_collective()
         for grads in by_dtype.values():
             if len(grads) == 1:
                 self._group.allreduce(grads, self._all_reduce_opts).wait()
@@ -695,6 +703,7 @@ class FSDP(nn.Module):
         """{name: full fp32 tensor} for every parameter, named as in the unwrapped model.
 
         A collective: every rank must call it."""
+        self._before_collective()
         out = {}
         for name, p in self.module.named_parameters():
             w = self._weight_of_shard.get(id(p))
@@ -721,6 +730,17 @@ class FSDP(nn.Module):
         return sum(unit.storage.nbytes() for unit in self._units if not unit.aliased)
 
     # ------------------------------------------------------------------ helpers
+    def _before_collective(self) -> None:
+        """On gloo, complete every gather and reduction in flight before another collective is issued (see
+        `_one_in_flight`); nothing on NCCL."""
+        if not self._one_in_flight:
+            return
+        for unit in self._units:
+            if unit.state == _GATHERING:
+                unit.wait_gather(self)
+        while self._pending:
+            self._pending.popleft().complete()
+
     def _free_all(self) -> None:
         for unit in self._units:
             unit.free(self)

@@ -313,6 +313,27 @@ def _check_in_place_gather(rank: int, world_size: int) -> dict:
     return dict(in_place=in_place, cast_ok=cast_ok)
 
 
+def _check_one_in_flight(rank: int, world_size: int) -> list[int]:
+    """On gloo the wrapper keeps one collective in flight: per collective issued (two bf16 training steps with
+    prefetch, per-block units), how many were in flight with it."""
+    fsdp = FSDP(_build("tiny", 3), compute_dtype=torch.bfloat16, units=UNITS["block"])
+    optimizer = _optimizer("adamw", fsdp.parameters())
+    in_flight = []
+
+    def log(event: str, name: str, phase: str) -> None:
+        issued = 1 if event == "reduce_scatter" else 0  # a gather is GATHERING when logged; a reduction not yet pending
+        in_flight.append(sum(u.state == "gathering" for u in fsdp._units) + len(fsdp._pending) + issued)
+
+    fsdp._log = log
+    for step in range(2):
+        x, y = _data("tiny", step)
+        optimizer.zero_grad(set_to_none=True)
+        _loss(fsdp, x[rank::world_size], y[rank::world_size]).backward()
+        fsdp.finish_gradient_synchronization()
+        optimizer.step()
+    return in_flight
+
+
 def _all_checks(rank: int, world_size: int) -> dict:
     # One pair of processes for the whole file: spawning and importing torch (dynamo, on the first optimizer)
     # costs more than all the checks together.
@@ -324,12 +345,21 @@ def _all_checks(rank: int, world_size: int) -> dict:
                 sync={(str(dt), units): _check_sync_and_memory(rank, world_size, dt, units)
                       for dt in (None, torch.bfloat16) for units in ("layer", "block")},
                 prefetch={units: _check_prefetch(rank, world_size, units) for units in ("layer", "block")},
-                lifetime=_check_lifetime(rank, world_size), in_place=_check_in_place_gather(rank, world_size))
+                lifetime=_check_lifetime(rank, world_size), in_place=_check_in_place_gather(rank, world_size),
+                one_in_flight=_check_one_in_flight(rank, world_size))
 
 
 @pytest.fixture(scope="module")
 def per_rank() -> list[dict]:
     return run_ranks(_all_checks, WORLD, timeout_s=900)  # every check in one spawn: minutes on a loaded 2-core host
+
+
+@pytest.mark.multiproc
+def test_one_collective_in_flight_on_gloo(per_rank):
+    """gloo ran concurrent collectives of one group into crashes here: the wrapper issues one at a time there."""
+    for res in per_rank:
+        counts = res["one_in_flight"]
+        assert len(counts) > 10 and set(counts) == {1}, counts
 
 
 @pytest.mark.multiproc
