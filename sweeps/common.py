@@ -292,6 +292,10 @@ class GangTrial(Mapping):
         """The row's configuration columns (a subclass drops what older rows did not have, so ids stay)."""
         return dataclasses.asdict(self)
 
+    def rank_env(self) -> dict[str, str]:
+        """What the gang's ranks set in their environment before the process group starts (none by default)."""
+        return {}
+
     def __getitem__(self, key: str) -> Any:
         return self.config()[key]
 
@@ -338,7 +342,7 @@ class VariantTrial(GangTrial):
         return out
 
     def rank_env(self) -> dict[str, str]:
-        """What the gang's ranks set in their environment before the process group starts, for this trial."""
+        """`TORCH_FR_BUFFER_SIZE` and its old name, when `nccl_trace_buffer` is set."""
         if self.nccl_trace_buffer is None:
             return {}
         # Newer torch reads TORCH_FR_BUFFER_SIZE (the old name still works there, with a deprecation warning)
