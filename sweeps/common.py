@@ -216,10 +216,9 @@ def add_variant_flags(p: argparse.ArgumentParser, compiled_sweep: str, compile_n
                    "issue every collective a larger group does (over no peer) instead of being the identity, so the "
                    "whole machinery is timed on one GPU (torch's wrappers always do)")
     p.add_argument("--nccl-trace-buffer", type=int, default=None, metavar="N",
-                   help="TORCH_FR_BUFFER_SIZE (and its old name TORCH_NCCL_TRACE_BUFFER_SIZE) in every rank: entries of "
-                   "torch's NCCL flight recorder, whose "
-                   "bookkeeping is part of every process-group call's host cost; 0 turns it off (default: torch's "
-                   "setting, no column)")
+                   help="entries of torch's NCCL flight recorder in every rank (TORCH_FR_BUFFER_SIZE, and its old name "
+                   "TORCH_NCCL_TRACE_BUFFER_SIZE), whose bookkeeping is part of every NCCL call's host cost; 0 turns "
+                   "it off (default: torch's setting, no column)")
 
 
 def check_variant_flags(args: argparse.Namespace, world_size: int) -> None:

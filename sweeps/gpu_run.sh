@@ -129,7 +129,7 @@ case $phase in
     ;;
   alone)  # issue 19 on one GPU: every collective a larger group issues, over no peer, against single and torch's
     # wrappers; torch's NCCL flight recorder off in every variant (it doubles each NCCL call's host cost; TRACE=N
-    # keeps N entries), 10 paired rounds (4 did not resolve 2% on the lent host)
+    # keeps N entries), ROUNDS paired rounds (default 10; even 20 did not resolve 2% on the lent hosts)
     w1=(--device cuda --world-sizes 1 --launcher mp --dtypes bf16 --collectives-alone --paired-rounds "${ROUNDS:-10}"
         --warmup 2 --steps 4 --profile "" --nccl-trace-buffer "${TRACE:-0}")
     study ddp_alone 200 python3 sweeps/ddp.py "${w1[@]}" --out "$RESULTS/alone" --resume --max-steps 4 \
