@@ -23,8 +23,8 @@ units). `raysys.leaderboard.LeaderboardStep` asks for the plan of its own compos
 CLI (mounted as `python -m raysys advise`):
     python -m raysys advise --size xl --context-length 2048 --batch-size 4 --gpu-memory 80GiB [--dtype bf16]
         [--attention naive|sdpa|flash_triton] [--param-dtype fp32|bf16] [--loss materialized|fused]
-        [--compiled] [--optimizer reference|foreach|fused] [--optimizer-in-backward] [--shards N] [--json]
-    python -m raysys advise --size leaderboard --batch-size 1 --param-dtype bf16 --loss fused --compiled \
+        [--compiled [--lean]] [--optimizer reference|foreach|fused] [--optimizer-in-backward] [--shards N] [--json]
+    python -m raysys advise --size leaderboard --batch-size 1 --param-dtype bf16 --loss fused --compiled --lean \
         --optimizer fused --attention flash_triton --gpu-memory 141GB       # the leaderboard step's plan
 """
 
@@ -82,7 +82,7 @@ class Plan:
         w, c = self.workload, self.workload.config
         return {"size": c.name, "num_layers": c.num_layers, "batch_size": w.batch_size,
                 "seq_len": w.S, "precision": w.precision, "param_dtype": w.param_dtype, "loss": w.loss,
-                "compiled": w.compiled, "optimizer": w.optimizer, "optimizer_in_backward": w.optimizer_in_backward,
+                "compiled": w.compiled, "lean": w.lean, "optimizer": w.optimizer, "optimizer_in_backward": w.optimizer_in_backward,
                 "shards": w.shards, "attention": c.attention,
                 "policy": self.spec, "layers": list(self.layers), "fits": self.fits,
                 "predicted_peak_bytes": self.predicted_peak_bytes, "usable_bytes": self.usable_bytes,
@@ -101,7 +101,7 @@ class Plan:
                  + (", autocast" if w.amp else ""))
         lines = [f"{c.name} ({c.num_layers} layers, d_model {c.d_model}), batch {w.batch_size} x {w.S} tokens, "
                  f"{w.precision} compute, {state}, attention {c.attention}, {w.loss} loss, {w.optimizer} AdamW"
-                 + (" in backward" if w.optimizer_in_backward else "") + (", compiled pieces" if w.compiled else ""),
+                 + (" in backward" if w.optimizer_in_backward else "") + (", lean compiled blocks" if w.lean else ", compiled pieces" if w.compiled else ""),
                  "per-layer policy:"]
         lines += [f"  blocks {lo:>3}-{hi:<3} {kind}" for kind, lo, hi in runs]
         lines += [f"policy spec:     {self.spec}",
@@ -177,10 +177,10 @@ def advise(config: ModelConfig, batch_size: int, gpu_memory_bytes: int, dtype: s
            pcie_gbps: float = 25.0, margin: float = 0.05, kinds: tuple[str, ...] = KINDS,
            host_memory_bytes: int | None = None, param_dtype: str = "fp32", loss: str = "materialized",
            compiled: bool = False, optimizer: str = "reference", shards: int = 1,
-           device_type: str = "cuda", optimizer_in_backward: bool = False) -> Plan:
+           device_type: str = "cuda", optimizer_in_backward: bool = False, lean: bool = False) -> Plan:
     """The per-layer plan with the least predicted overhead whose predicted peak fits
     `(gpu_memory_bytes - CUDA context) * (1 - margin)` (and whose offloaded bytes fit `host_memory_bytes`).
-    `param_dtype`, `loss`, `compiled`, `optimizer`, `shards`, `device_type`, `optimizer_in_backward`: see
+    `param_dtype`, `loss`, `compiled`, `lean`, `optimizer`, `shards`, `device_type`, `optimizer_in_backward`: see
     `raysys.recompute_model.Workload`."""
     if attention is not None:
         config = config.replace(attention=attention)
@@ -199,7 +199,7 @@ def advise(config: ModelConfig, batch_size: int, gpu_memory_bytes: int, dtype: s
     if pcie_gbps <= 0 or (tflops is not None and tflops <= 0):
         raise ValueError(f"pcie_gbps ({pcie_gbps}) and tflops ({tflops}) must be positive")
     w = Workload(config=config, batch_size=batch_size, seq_len=seq_len, precision=dtype, device_type=device_type,
-                 param_dtype=param_dtype, loss=loss, compiled=compiled, optimizer=optimizer, shards=shards,
+                 param_dtype=param_dtype, loss=loss, compiled=compiled, lean=lean, optimizer=optimizer, shards=shards,
                  optimizer_in_backward=optimizer_in_backward)
     cost = _Cost(tflops or DEFAULT_TFLOPS[dtype], pcie_gbps)
     usable = int((gpu_memory_bytes - CONTEXT_RESERVE_BYTES) * (1 - margin))
@@ -319,6 +319,9 @@ def build_advise_parser(parser: argparse.ArgumentParser | None = None) -> argpar
                    help="materialized logits (cross_entropy(model(x), y)) or the fused LM head + loss (no logits)")
     p.add_argument("--compiled", action="store_true",
                    help="RMSNorm, RoPE and SwiGLU compiled (raysys.leaderboard.compile_pieces; pure precision only)")
+    p.add_argument("--lean", action="store_true",
+                   help="with --compiled: lean blocks (raysys.leaderboard.lean_blocks): norm outputs and SwiGLU's "
+                        "gated product recomputed, attention's heads merged as a view")
     p.add_argument("--optimizer", default="reference", choices=OPTIMIZERS,
                    help="AdamW implementation (its step's temporary): reference, foreach or fused")
     p.add_argument("--optimizer-in-backward", action="store_true",
@@ -354,7 +357,7 @@ def run_advise(args: argparse.Namespace) -> int:
         raise ValueError(f"--shards ({args.shards}) must be >= 1")
     plan = advise(config, args.batch_size, parse_bytes(args.gpu_memory), dtype, tflops=args.tflops,
                   pcie_gbps=args.pcie_gbps, margin=args.margin, kinds=tuple(args.kinds), host_memory_bytes=host,
-                  param_dtype=args.param_dtype, loss=args.loss, compiled=args.compiled, optimizer=args.optimizer,
+                  param_dtype=args.param_dtype, loss=args.loss, compiled=args.compiled, lean=args.lean, optimizer=args.optimizer,
                   shards=args.shards, optimizer_in_backward=args.optimizer_in_backward)
     print(json.dumps(plan.as_dict(), indent=2) if args.json else plan.format())
     return 0 if plan.fits else 1

@@ -15,7 +15,13 @@ A step is `zero_grad(set_to_none=True)`, the loss, `backward()`, (a data-paralle
   `parallel.checkpointing.parse_policy` spec;
 - `compile`: RMSNorm, RoPE and SwiGLU (their elementwise work, around the matmuls) compiled with `torch.compile`,
   each module's `forward` replaced by a compiled one; blocks, attention and the Triton kernels stay eager, so
-  checkpointing wraps compiled pieces (one graph per piece, shared by every layer).
+  checkpointing wraps compiled pieces (one graph per piece, shared by every layer);
+- `lean` (with `compile`): `lean_blocks` gives the blocks a forward that keeps less for backward at the price of
+  elementwise recomputation only: ln1 and ln2's outputs and SwiGLU's gated product are recomputed in backward
+  (Inductor's partitioner reruns what `torch.utils.checkpoint` marks inside a compiled graph), and RoPE writes q
+  and k in the projections' (B, S, H, D) layout, so attention's output reaches the output projection as a view
+  instead of a merged-heads copy. A block keeps x, q, k, v, O, h, w1 x and w3 x: 2.85 of 4.27 GiB at the
+  leaderboard's shape.
 
 Invariant: the loss and the gradients are those of the reference step (`cross_entropy(model(x), y)`, reference
 `AdamW.step()`), up to floating-point reassociation (fp32: within 1e-5 after several steps; the tests check it).
@@ -37,11 +43,13 @@ from typing import Callable
 import torch
 from torch import nn
 
+from torch.utils.checkpoint import checkpoint
+
 from parallel.checkpointing import CheckpointHandle, apply_activation_checkpointing, parse_policy
 from raysys.advisor import KINDS
 from raysys.config import ModelConfig
-from raysys.model import (AdamW, RMSNorm, RotaryEmbedding, SwiGLU, TransformerLM, cross_entropy, fused_loss_kernel,
-                          get_attention)
+from raysys.model import (AdamW, Linear, RMSNorm, RotaryEmbedding, SwiGLU, TransformerBlock, TransformerLM,
+                          cross_entropy, fused_loss_kernel, get_attention, silu)
 
 LOSSES = ("fused", "materialized")
 LOSS_IMPLS = ("auto", "triton", "torch")
@@ -74,6 +82,9 @@ class StepConfig:
     (`OptimizerInBackward`): no step after backward, and about one block's gradients alive instead of all."""
     compile: bool = True
     """Compile RMSNorm, RoPE and SwiGLU (`compile_pieces`)."""
+    lean: bool | None = None
+    """Blocks keep only what elementwise recomputation cannot give back (`lean_blocks`; compiled graphs, so it
+    needs `compile`); None: lean exactly when compiled."""
     compile_backend: str = "inductor"
     """`torch.compile` backend of the pieces (the CPU tests use `aot_eager_decomp_partition`: same partitioner)."""
     gpu_memory: int | None = None
@@ -91,8 +102,15 @@ class StepConfig:
             parse_policy(self.recompute, 1 if "*" not in self.recompute else _count_layers(self.recompute))
         if self.gpu_memory is not None and self.gpu_memory <= 0:
             raise ValueError(f"gpu_memory ({self.gpu_memory}) must be positive")
+        if self.lean is None:
+            object.__setattr__(self, "lean", self.compile)
+        if self.lean and not self.compile:
+            raise ValueError("lean blocks are compiled graphs: lean=True needs compile=True")
 
     def replace(self, **changes) -> "StepConfig":
+        """A copy with `changes`; changing `compile` alone makes `lean` follow it again."""
+        if "compile" in changes and "lean" not in changes:
+            changes["lean"] = None
         return dataclasses.replace(self, **changes)
 
     def as_dict(self) -> dict:
@@ -175,6 +193,104 @@ def compile_pieces(model: nn.Module, backend: str = "inductor") -> CompiledPiece
     return CompiledPieces(modules, backend)
 
 
+def _class_forward(module: nn.Module, *args):
+    """The module's class `forward` (not a compiled instance-level one: the lean graphs trace the plain code)."""
+    return type(module).forward(module, *args)
+
+
+def _gate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gated product silu(w1 x) * w3 x."""
+    return silu(a) * b
+
+
+def lean_attention_inputs(attn: nn.Module, ln1: RMSNorm, x: torch.Tensor, positions: torch.Tensor):
+    """q, k, v (B, H, S, D) of `attn(ln1(x))`, as views of (B, S, H, D) storage; ln1's output is recomputed in
+    backward (only x is kept for the projections' weight gradients). RoPE is the model's own, its result written
+    in the projections' layout (one fused kernel under Inductor): attention then returns O in that layout too
+    (cuDNN and the Triton kernel allocate O like q), and merging its heads is a view."""
+    n = checkpoint(_class_forward, ln1, x, use_reentrant=False)
+    rope, heads = attn.positional_encoder, (attn.num_heads, attn.d_head)
+    q, k, v = (_class_forward(proj, n).unflatten(-1, heads) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+    q, k = (_class_forward(rope, t.transpose(-3, -2), positions).transpose(-3, -2).contiguous().transpose(-3, -2)
+            for t in (q, k))
+    return q, k, v.transpose(-3, -2)
+
+
+def lean_ffn_branch(ln2: RMSNorm, ffn: SwiGLU, h: torch.Tensor) -> torch.Tensor:
+    """ffn(ln2(h)) keeping h, w1 x and w3 x: ln2's output and the gated product are recomputed in backward."""
+    n = checkpoint(_class_forward, ln2, h, use_reentrant=False)
+    a, b = _class_forward(ffn.w1, n), _class_forward(ffn.w3, n)
+    return _class_forward(ffn.w2, checkpoint(_gate, a, b, use_reentrant=False))
+
+
+class _LeanFfnBranch:
+    """A block's `ffn_branch` through the compiled `lean_ffn_branch`."""
+
+    def __init__(self, block: nn.Module, compiled):
+        self.block, self.compiled = block, compiled
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return self.compiled(self.block.ln2, self.block.ffn, h)
+
+
+class _LeanBlockForward:
+    """`TransformerBlock.forward` with the attention inputs from the compiled `lean_attention_inputs`; the block's
+    (possibly checkpointed) `ffn_branch` after it. Inputs the lean graph does not cover (no RoPE, positions other
+    than one (S,) row, not (B, S, d)) take the class forward."""
+
+    def __init__(self, block: nn.Module, compiled):
+        self.block, self.compiled = block, compiled
+
+    def __call__(self, x: torch.Tensor, token_positions: torch.Tensor | None = None) -> torch.Tensor:
+        block = self.block
+        attn = block.attn
+        if attn.positional_encoder is None or x.dim() != 3 or (token_positions is not None
+                                                                and token_positions.dim() != 1):
+            return type(block).forward(block, x, token_positions)
+        if token_positions is None:
+            token_positions = torch.arange(x.shape[-2], device=x.device)
+        q, k, v = self.compiled(attn, block.ln1, x, token_positions)
+        out = get_attention(attn.attention)(q, k, v, True)
+        h = x + attn.output_proj(out.transpose(-3, -2).flatten(-2))
+        return h + block.ffn_branch(h)
+
+
+@dataclass
+class LeanBlocks:
+    """The instance attributes `lean_blocks` installed; `remove()` restores the blocks."""
+
+    patched: list[tuple[nn.Module, str]]
+
+    def remove(self) -> None:
+        for module, attr in self.patched:
+            module.__dict__.pop(attr, None)
+        self.patched = []
+
+
+def lean_blocks(model: nn.Module, backend: str = "inductor") -> LeanBlocks:
+    """Give every `TransformerBlock` of `model` the lean forward and feed-forward branch (module docstring),
+    where activation checkpointing has not installed its own: a full or offloaded block keeps its segment
+    forward (a recomputed block's lean savings would not outlive the recomputation) but gets the lean branch, an
+    ffn block keeps its checkpointed branch but gets the lean forward. Two compiled graphs, shared by every
+    block (the modules are graph inputs)."""
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+    attention_inputs = torch.compile(lean_attention_inputs, backend=backend, fullgraph=True, dynamic=False)
+    ffn_branch = torch.compile(lean_ffn_branch, backend=backend, fullgraph=True, dynamic=False)
+    patched = []
+    for block in model.modules():
+        if not isinstance(block, TransformerBlock):
+            continue
+        if "ffn_branch" not in block.__dict__:
+            block.ffn_branch = _LeanFfnBranch(block, ffn_branch)
+            patched.append((block, "ffn_branch"))
+        if "forward" not in block.__dict__:
+            block.forward = _LeanBlockForward(block, attention_inputs)
+            patched.append((block, "forward"))
+    return LeanBlocks(patched)
+
+
 def model_dtype_name(model: nn.Module) -> str:
     dtype = next(model.parameters()).dtype
     if dtype not in DTYPE_NAMES:
@@ -199,7 +315,8 @@ def plan_step(model_config: ModelConfig, batch_size: int, seq_len: int, config: 
     return advise(model_config, batch_size, gpu_memory, dtype, seq_len=seq_len, attention=config.attention,
                   param_dtype=param_dtype, loss="fused" if config.loss == "fused" else "materialized",
                   compiled=config.compile, optimizer=config.optimizer, shards=shards, device_type=device_type,
-                  kinds=config.recompute_kinds, optimizer_in_backward=config.optimizer_in_backward)
+                  kinds=config.recompute_kinds, optimizer_in_backward=config.optimizer_in_backward,
+                  lean=config.lean)
 
 
 class OptimizerInBackward:
@@ -309,6 +426,7 @@ class LeaderboardStep:
             policy = parse_policy(config.recompute, mc.num_layers)
         self.checkpointing: CheckpointHandle | None = apply_activation_checkpointing(model, policy)
         self.compiled = compile_pieces(model, config.compile_backend) if config.compile else None
+        self.lean = lean_blocks(model, config.compile_backend) if config.lean else None
         if config.optimizer_in_backward and (optimizer is not None or sync is not None):
             raise ValueError("optimizer_in_backward builds its own per-parameter optimizers and steps them inside "
                              "backward: it takes no optimizer and no gradient sync")
@@ -344,7 +462,7 @@ class LeaderboardStep:
                 "policy": self.policy_spec,
                 "num_full": sum(r.stop - r.start for r in self.checkpointing.regions if r.kind == "full"),
                 "compiled": ",".join(sorted({type(m).__name__ for m in self.compiled.modules}))
-                if self.compiled else "", "param_dtype": self.dtype,
+                if self.compiled else "", "lean": self.lean is not None, "param_dtype": self.dtype,
                 "predicted_peak_bytes": plan.predicted_peak_bytes if plan is not None else float("nan"),
                 "plan_fits": plan.fits if plan is not None else None}
 
@@ -359,6 +477,9 @@ class LeaderboardStep:
         """Undo what the constructor applied to the model (checkpoint policy, compiled forwards, backward hooks)."""
         if isinstance(self.optimizer, OptimizerInBackward):
             self.optimizer.remove()
+        if self.lean is not None:
+            self.lean.remove()
+            self.lean = None
         if self.compiled is not None:
             self.compiled.remove()
             self.compiled = None

@@ -55,17 +55,19 @@ ATTENTION_CANDIDATES = ("flash_triton", "cudnn")
 def ablation(batch_size: int = 1, *, batch2: bool = True, attention: str = "flash_triton") -> list[Variant]:
     """The fast step first (it meets the empty compile caches: its first step is the cold start), then today's
     composition and today's with each optimisation added alone, then the fast step at twice the batch. `best`
-    runs `attention`; `best-ffn` is the fast step whose advisor may only mix none and full blocks; `today+advisor_plan` lets the advisor mix none and full blocks, `today+ffn_recompute` none,
+    runs `attention`; `best-ffn` is the fast step whose advisor may only mix none and full blocks, `best-lean` the
+    fast step with compiled pieces instead of lean blocks (`today+lean` adds both); `today+advisor_plan` lets the advisor mix none and full blocks, `today+ffn_recompute` none,
     ffn and full (today's composition does not fit with ffn alone: eager SwiGLU keeps five (B, S, d_ff) tensors)."""
     best = StepConfig(attention=attention)
     variants = [Variant(name="best", step=best, batch_size=batch_size), Variant(name="today", step=TODAY, batch_size=batch_size)]
     for name, change in (("fused_loss", dict(loss="fused")), ("fused_adamw", dict(optimizer="fused")),
-                         ("compile", dict(compile=True)), ("cudnn", dict(attention="cudnn")),
+                         ("compile", dict(compile=True, lean=False)), ("lean", dict(compile=True, lean=True)), ("cudnn", dict(attention="cudnn")),
                          ("advisor_plan", dict(recompute="advisor", recompute_kinds=("none", "full"))),
                          ("ffn_recompute", dict(recompute="advisor", recompute_kinds=("none", "ffn", "full")))):
         variants.append(Variant(name=f"today+{name}", step=TODAY.replace(**change), batch_size=batch_size))
     variants.insert(1, Variant(name="best-ffn", step=best.replace(recompute_kinds=("none", "full")),
                                batch_size=batch_size))
+    variants.insert(2, Variant(name="best-lean", step=best.replace(lean=False), batch_size=batch_size))
     if batch2:
         variants.append(Variant(name="best", step=best, batch_size=2 * batch_size))
     return variants
@@ -280,7 +282,7 @@ def predicted_peak(model: TransformerLM, variant: Variant, seq_len: int, regions
     dtype = model_dtype_name(model)
     s = variant.step
     w = Workload(config=model.config.replace(attention=s.attention), batch_size=variant.batch_size, seq_len=seq_len,
-                 precision=dtype, param_dtype=dtype, loss=s.loss, compiled=s.compile, optimizer=s.optimizer,
+                 precision=dtype, param_dtype=dtype, loss=s.loss, compiled=s.compile, lean=s.lean, optimizer=s.optimizer,
                  device_type=next(model.parameters()).device.type)
     return predict_peak(w, regions).peak_bytes
 
@@ -369,8 +371,9 @@ def build_leaderboard_parser(parser=None):
     p.add_argument("--batch-size", type=int, default=1, help="sequences per step on this device (the per-rank batch)")
     p.add_argument("--no-batch2", action="store_true", help="skip the fast step at twice the batch")
     p.add_argument("--variants", nargs="+", default=None,
-                   help="variant names to run (default all: best, best-ffn, today, today+fused_loss, "
-                        "today+fused_adamw, today+compile, today+cudnn, today+advisor_plan, today+ffn_recompute)")
+                   help="variant names to run (default all: best, best-ffn, best-lean, today, today+fused_loss, "
+                        "today+fused_adamw, today+compile, today+lean, today+cudnn, today+advisor_plan, "
+                        "today+ffn_recompute)")
     p.add_argument("--best-attention", default="auto", choices=("auto",) + ATTENTION_CANDIDATES,
                    help="attention of the fast step: auto times each candidate's forward + backward at the step's "
                         "shape first and takes the faster (CUDA; the CPU runs sdpa)")
@@ -519,7 +522,7 @@ def variant_config(args, session: Session, variant: Variant, **extra) -> dict:
     row_config = {"variant": variant.name, "size": c.name, "batch_size": variant.batch_size, "seq_len": c.context_length,
                   "vocab_size": c.vocab_size, "dtype": args.dtype, "device": session.device.type,
                   **{k: getattr(variant.step, k) for k in ("attention", "loss", "loss_impl", "optimizer", "recompute",
-                                                           "compile", "compile_backend")},
+                                                           "compile", "lean", "compile_backend")},
                   "timer": timer, "rep_ms": args.rep_ms if timer == "do_bench" else float("nan"),
                   "warmup_ms": args.warmup_ms if timer == "do_bench" else float("nan"),
                   "steps": args.steps if timer == "events" else float("nan"), **extra}

@@ -89,6 +89,10 @@ class Workload:
     """RMSNorm, RoPE and SwiGLU compiled (`raysys.leaderboard.compile_pieces`, pure precision only): a norm keeps
     its input and rsqrt, SwiGLU its input, w1 x, w3 x and their gated product, RoPE its positions and (once for
     all blocks) its cos / sin buffers: what Inductor's min-cut partitioner saves, checked on the CPU."""
+    lean: bool = False
+    """With `compiled`: lean blocks (`raysys.leaderboard.lean_blocks`): ln1 and ln2 keep only their inputs (their
+    outputs and rsqrt recomputed in backward), attention keeps q, k, v and O (its heads merged as a view), SwiGLU
+    keeps w1 x and w3 x (the gated product recomputed). Checked on the CPU like `compiled`."""
     optimizer: str = "reference"
     """AdamW's step transient: reference (sqrt(v) of one parameter), foreach (of up to 1 GiB of them), fused (none)."""
     optimizer_in_backward: bool = False
@@ -123,6 +127,8 @@ class Workload:
             raise ValueError(f"shards ({self.shards}) > 1 needs param_dtype fp32: parallel/fsdp.py keeps fp32 shards")
         if self.optimizer_in_backward and self.shards > 1:
             raise ValueError("optimizer_in_backward is modelled for one rank holding the whole state (no FSDP)")
+        if self.lean and not self.compiled:
+            raise ValueError("lean blocks are compiled graphs: lean needs compiled")
         if self.compiled and self.amp:
             raise ValueError("compiled pieces are modelled for pure-precision steps (param_dtype == precision), "
                              "not under autocast")
@@ -182,16 +188,18 @@ def _block_saved(w: Workload) -> dict[str, int]:
     norm = _norm_saved(w)
     if w.amp:  # each consumer keeps its own cast of the norm output; weights are cast per call
         out = {"norms": 2 * norm + (3 + 2) * e * BSd, "weight_casts": (4 * d * d + 3 * d * f) * e}
+    elif w.lean:  # the input only: the output is recomputed from it in backward
+        out = {"norms": 2 * w.a * BSd, "weight_casts": 0}
     else:  # the output once (its consumers share it)
         out = {"norms": 2 * (norm + e * BSd), "weight_casts": 0}
     # eager: cos / sin rows for q and for k (fp32 buffers); compiled: the int64 positions (the whole buffers,
     # shared by every block, are counted once in head_saved)
     out["rope"] = 8 * S if w.compiled else 4 * S * (Dh // 2) * 4
-    if w.fused:
-        out["attention"] = 5 * e * BSd + 4 * BHS  # q, k, v, O, merged heads; fp32 log-sum-exp
+    if w.fused:  # q, k, v, O, merged heads (a view of O in lean blocks); fp32 log-sum-exp
+        out["attention"] = (4 if w.lean else 5) * e * BSd + 4 * BHS
     else:
         out["attention"] = 4 * e * BSd + S * S + 2 * e * BHSS + w.e_softmax * BHSS + (e + w.e_softmax) * BHS
-    out["ffn"] = (3 if w.compiled else 5) * e * BSf
+    out["ffn"] = (2 if w.lean else 3 if w.compiled else 5) * e * BSf
     return out
 
 
@@ -225,6 +233,8 @@ def ffn_branch_saved(w: Workload) -> int:
     BSd = w.batch_size * w.S * c.d_model
     if w.amp:
         ln2 = _norm_saved(w) + 2 * e * BSd + 3 * c.d_model * c.d_ff * e
+    elif w.lean:  # the branch's input h, kept by the lean norm
+        ln2 = w.a * BSd
     else:
         ln2 = _norm_saved(w) + e * BSd
     return ln2 + _block_saved(w)["ffn"]
@@ -382,6 +392,8 @@ def block_backward_excess(w: Workload, kind: str) -> int:
     grad_cast = 2 if w.amp else 0  # low-precision weight gradient before its fp32 cast
     gb = _grad_bytes(w)
     ffn = 2 * e * BSf + d * f * (gb + grad_cast)
+    if w.lean and kind == "none":  # the recomputed gated product, ln2's output and one more (B, S, d_ff) gradient
+        ffn += 2 * e * BSf + e * B * S * d  # (Inductor's CPU backward of a tiny model measures within 1%)
     if w.fused:
         return ffn
     parts = _block_saved(w)

@@ -288,6 +288,13 @@ def ablation_markdown(df: pd.DataFrame) -> str:
                 lines.append(f"- same run {r.run_id}: fast step with the advisor choosing among none / ffn / full "
                              f"({r.policy}) {r.step_median_s:.3f} s vs among none / full ({o.policy}) "
                              f"{o.step_median_s:.3f} s: {o.step_median_s - r.step_median_s:.3f} s saved by ffn blocks")
+            lean = ok[(ok.run_id == r.run_id) & (ok.variant == "best-lean") & (ok.batch_size == r.batch_size)]
+            if not lean.empty:
+                o = lean.iloc[0]
+                lines.append(f"- same run {r.run_id}: fast step with lean blocks ({r.policy}, peak "
+                             f"{r.peak_bytes / 2**30:.1f} GiB) {r.step_median_s:.3f} s vs compiled pieces ({o.policy}, "
+                             f"peak {o.peak_bytes / 2**30:.1f} GiB) {o.step_median_s:.3f} s: "
+                             f"{o.step_median_s - r.step_median_s:.3f} s saved by lean blocks")
             times = {c.removeprefix("attention_").removesuffix("_s"): getattr(r, c) for c in ok.columns
                      if c.startswith("attention_") and c.endswith("_s") and getattr(r, c) == getattr(r, c)}
             if times:
@@ -332,7 +339,8 @@ def repredict(rows: pd.DataFrame) -> pd.Series:
         mc = ModelConfig.from_name(r.size, context_length=int(r.seq_len), vocab_size=int(r.vocab_size),
                                    attention=r.attention)
         w = Workload(config=mc, batch_size=int(r.batch_size), precision=r.dtype, param_dtype=r.dtype, loss=r.loss,
-                     compiled=bool(r.compile), optimizer=r.optimizer, device_type=r.device)
+                     compiled=bool(r.compile), lean=getattr(r, "lean", False) is True, optimizer=r.optimizer,
+                     device_type=r.device)
         out.append(predict_peak(w, parse_policy(r.policy, mc.num_layers).regions(mc.num_layers)).peak_bytes)
     return pd.Series(out, index=rows.index, dtype=float)
 

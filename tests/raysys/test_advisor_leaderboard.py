@@ -10,7 +10,7 @@ from kernels.adamw import ForeachAdamW
 from parallel.checkpointing import apply_activation_checkpointing, parse_policy
 from raysys.advisor import advise, advise_main
 from raysys.config import ModelConfig
-from raysys.leaderboard import compile_pieces
+from raysys.leaderboard import compile_pieces, lean_blocks
 from raysys.memory import SavedTensorAccount, saved_bytes_per_block
 from raysys.model import AdamW, TransformerLM
 from raysys.recompute_model import (GiB, Workload, block_saved, cpu_allocation_trace, fused_loss_transient,
@@ -39,6 +39,14 @@ def test_hand_counts_of_the_leaderboard_workload():
     assert blk == {"norms": 2 * (2 * 2 * BSd + 4 * BS), "weight_casts": 0, "rope": 8 * S,
                    "attention": 5 * 2 * BSd + 4 * H * BS, "ffn": 3 * 2 * BSf}
     assert sum(blk.values()) / GiB == pytest.approx(4.27, abs=0.01)
+    # lean blocks: norms keep their inputs only, attention q k v O + lse (heads merged as a view), SwiGLU w1 x and
+    # w3 x, RoPE its positions (its cos / sin buffers once, in head_saved)
+    lean = block_saved(pure(compiled=True, lean=True))
+    assert lean == {"norms": 2 * 2 * BSd, "weight_casts": 0, "rope": 8 * S,
+                    "attention": 4 * 2 * BSd + 4 * H * BS, "ffn": 2 * 2 * BSf}
+    assert sum(lean.values()) / GiB == pytest.approx(2.85, abs=0.01)
+    w = pure(compiled=True, lean=True)
+    assert saved_per_block(w, "none") - saved_per_block(w, "ffn") == 2 * 2 * BSf  # ffn keeps h, drops w1 x, w3 x
     eager = block_saved(pure())
     assert eager["norms"] == 2 * (8 * BSd + 4 * BS + 2 * BSd) and eager["ffn"] == 5 * 2 * BSf
     # heads: fused keeps the final norm's input + rsqrt, RoPE's buffers, and two gradients; materialised the logits
@@ -73,6 +81,8 @@ def test_workload_validation():
         Workload(config=LB, batch_size=1, precision="bf16", param_dtype="bf16", shards=2)
     with pytest.raises(ValueError, match="compiled"):
         Workload(config=LB, batch_size=1, precision="bf16", compiled=True)  # autocast
+    with pytest.raises(ValueError, match="lean needs compiled"):
+        Workload(config=LB, batch_size=1, precision="bf16", param_dtype="bf16", lean=True)
     for bad in (dict(loss="logits"), dict(optimizer="sgd"), dict(shards=0)):
         with pytest.raises(ValueError):
             Workload(config=LB, batch_size=1, **bad)
@@ -84,51 +94,62 @@ def tiny(attention="sdpa", N=3, S=96, d=32, H=2, f=64, V=40):
                        attention=attention)
 
 
-def build(cfg, dtype, compiled, backend="aot_eager_decomp_partition"):
+def build(cfg, dtype, compiled, backend="aot_eager_decomp_partition", lean=False):
     torch.manual_seed(0)
     model = TransformerLM(cfg, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
     if compiled:  # Inductor's min-cut partitioner decides what is saved; aot_eager_decomp_partition runs it too
         compile_pieces(model, backend)
+    if lean:
+        lean_blocks(model, backend)
     return model
 
 
-CASES = [("bf16", "fused", False), ("bf16", "materialized", False), ("bf16", "fused", True),
-         ("fp32", "fused", True), ("bf16", "materialized", True)]
+CASES = [("bf16", "fused", False, False), ("bf16", "materialized", False, False), ("bf16", "fused", True, False),
+         ("fp32", "fused", True, False), ("bf16", "materialized", True, False), ("bf16", "fused", True, True),
+         ("fp32", "fused", True, True)]
 
 
-@pytest.mark.parametrize("dtype,loss,compiled", CASES)
-def test_saved_bytes_match_saved_tensor_hooks(dtype, loss, compiled):
+@pytest.mark.parametrize("dtype,loss,compiled,lean", CASES)
+def test_saved_bytes_match_saved_tensor_hooks(dtype, loss, compiled, lean):
     cfg = tiny(S=40)
-    model = build(cfg, dtype, compiled)
+    model = build(cfg, dtype, compiled, lean=lean)
     x, y = torch.randint(0, cfg.vocab_size, (2, 40)), torch.randint(0, cfg.vocab_size, (2, 40))
     account = SavedTensorAccount(model)
     with account.track():
         out = model.loss(x, y, fused=loss == "fused", impl="torch")
     w = Workload(config=cfg, batch_size=2, precision=dtype, param_dtype=dtype, loss=loss, compiled=compiled,
-                 device_type="cpu")
+                 lean=lean, device_type="cpu")
     ids = (1 if loss == "fused" else 2) * 2 * 40 * 8  # token ids (embedding), targets (the materialised gather)
     assert account.total_bytes == cfg.num_layers * sum(block_saved(w).values()) + head_saved(w) + ids
     del out
-    # per block, as raysys.memory reports it (the shared RoPE module's saves are attributed to layers.0)
+    # per block, as raysys.memory reports it (the shared RoPE module's saves are attributed to layers.0; a lean
+    # block saves its positions itself, and layers.0 the cos / sin buffers)
     per_block, _ = saved_bytes_per_block(model, lambda: model.loss(x, y, fused=loss == "fused", impl="torch"))
     saved = dict(zip(per_block.module, per_block.saved_bytes))
-    assert saved["layers.1"] == saved["layers.2"] == sum(block_saved(w).values()) - block_saved(w)["rope"]
+    rope = 0 if lean else block_saved(w)["rope"]
+    assert saved["layers.1"] == saved["layers.2"] == sum(block_saved(w).values()) - rope
 
 
-@pytest.mark.parametrize("dtype,compiled", [("bf16", False), pytest.param("bf16", True, marks=pytest.mark.slow),
-                                            pytest.param("fp32", True, marks=pytest.mark.slow)])
-def test_ffn_saved_bytes_match_saved_tensor_hooks(dtype, compiled):
+@pytest.mark.parametrize("dtype,compiled,lean", [("bf16", False, False),
+                                                 pytest.param("bf16", True, False, marks=pytest.mark.slow),
+                                                 pytest.param("fp32", True, False, marks=pytest.mark.slow),
+                                                 ("bf16", True, True)])
+def test_ffn_saved_bytes_match_saved_tensor_hooks(dtype, compiled, lean):
     """ffn checkpointing over pure-precision blocks, eager and compiled (Inductor's partitioner decides what the
-    compiled norm and SwiGLU would keep; the checkpoint keeps only the branch input)."""
+    compiled norm and SwiGLU would keep; the checkpoint keeps only the branch input), and under lean blocks (the
+    lean attention inputs, the checkpointed branch)."""
     cfg = tiny(S=40)
     model = build(cfg, dtype, compiled)
     apply_activation_checkpointing(model, parse_policy("ffn", cfg.num_layers))
+    if lean:  # after the policy, as LeaderboardStep applies them: ffn blocks keep their checkpointed branch
+        lean_blocks(model, "aot_eager_decomp_partition")
     x, y = torch.randint(0, cfg.vocab_size, (2, 40)), torch.randint(0, cfg.vocab_size, (2, 40))
     per_block, _ = saved_bytes_per_block(model, lambda: model.loss(x, y, impl="torch"))
     saved = dict(zip(per_block.module, per_block.saved_bytes))
     w = Workload(config=cfg, batch_size=2, precision=dtype, param_dtype=dtype, loss="fused", compiled=compiled,
-                 device_type="cpu")
-    assert saved["layers.1"] == saved["layers.2"] == saved_per_block(w, "ffn") - block_saved(w)["rope"]
+                 lean=lean, device_type="cpu")
+    rope = 0 if lean else block_saved(w)["rope"]  # a lean block saves its positions itself
+    assert saved["layers.1"] == saved["layers.2"] == saved_per_block(w, "ffn") - rope
 
 
 PEAK_CASES = [("bf16", "fused", False, spec) for spec in ("none", "full", "full*1+none*2", "ffn*2+none*1")] + [
@@ -157,6 +178,31 @@ def test_step_peak_within_five_percent(dtype, loss, compiled, spec):
     measured = sum(static_bytes(w).values()) + max(cpu_allocation_trace(step))
     estimate = predict_peak(w, handle.regions)
     assert estimate.peak_bytes == pytest.approx(measured, rel=0.05), estimate.where
+
+
+@pytest.mark.slow
+def test_lean_step_peak_within_five_percent(spec="ffn*1+none*2"):
+    """Lean blocks under Inductor on a block-heavy shape (the peak is a block's backward, as at the leaderboard's):
+    their saved tensors and their backward's recomputed product and norm output against the measured CPU step."""
+    cfg = tiny(S=256, d=64, H=2, f=256, V=40)
+    model = build(cfg, "bf16", True, backend="inductor")
+    handle = apply_activation_checkpointing(model, parse_policy(spec, cfg.num_layers))
+    lean_blocks(model, "inductor")
+    opt = ForeachAdamW(model.parameters())
+    x, y = torch.randint(0, cfg.vocab_size, (2, 256)), torch.randint(0, cfg.vocab_size, (2, 256))
+
+    def step():
+        model.loss(x, y, impl="torch").backward()
+        opt.step()
+
+    step()
+    opt.zero_grad(set_to_none=True)
+    w = Workload(config=cfg, batch_size=2, precision="bf16", param_dtype="bf16", loss="fused", compiled=True,
+                 lean=True, optimizer="foreach", device_type="cpu")
+    measured = sum(static_bytes(w).values()) + max(cpu_allocation_trace(step))
+    estimate = predict_peak(w, handle.regions)
+    assert estimate.where.startswith("block 2 backward")
+    assert estimate.peak_bytes == pytest.approx(measured, rel=0.05)
 
 
 def test_optimizer_in_backward_peak_within_five_percent():

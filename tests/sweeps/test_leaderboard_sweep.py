@@ -50,11 +50,14 @@ def test_an_oom_is_a_row_and_the_ablation_goes_on(tmp_path, monkeypatch):
 
 def test_ablation_variants_and_the_measured_attention_choice(monkeypatch):
     assert [v.name for v in bench.ablation()] == [
-        "best", "best-ffn", "today", "today+fused_loss", "today+fused_adamw", "today+compile", "today+cudnn", "today+advisor_plan",
-        "today+ffn_recompute", "best"]
+        "best", "best-ffn", "best-lean", "today", "today+fused_loss", "today+fused_adamw", "today+compile", "today+lean",
+        "today+cudnn", "today+advisor_plan", "today+ffn_recompute", "best"]
     v = {v.name: v.step for v in bench.ablation(attention="cudnn", batch2=False)}
     assert v["best"].attention == v["best-ffn"].attention == "cudnn"
     assert v["best-ffn"] == v["best"].replace(recompute_kinds=("none", "full"))
+    assert v["best"].lean and not v["best-lean"].lean and v["best-lean"].compile
+    assert v["today+compile"].compile and not v["today+compile"].lean and v["today+lean"].lean
+    assert not v["today"].lean
     assert v["today+cudnn"] == bench.TODAY.replace(attention="cudnn")
     assert "ffn" in v["today+ffn_recompute"].recompute_kinds and "ffn" not in v["today+advisor_plan"].recompute_kinds
     assert bench.for_device(v["best"], torch.device("cpu")).attention == "sdpa"  # the CPU's stand-in

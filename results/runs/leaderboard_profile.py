@@ -1,0 +1,105 @@
+"""Issue 15: where the leaderboard step's time goes on one GPU, and how fast the host link is (for offload).
+
+One fast step (`raysys.leaderboard.StepConfig`, cuDNN attention, the advisor's plan unless POLICY is set) of the 8B
+model at batch 1 x 32768 in bf16: two warm-up steps (the first compiles), then one step under the CUDA profiler.
+Kernel time is grouped by what ran (cuBLAS / CUTLASS matmuls, cuDNN attention, the project's Triton kernels,
+Inductor's kernels, other); `gaps` is the step's wall time (CUDA events) minus the kernels' summed time (the GPU
+waiting on the host, or on nothing). Then pinned host <-> device copies of 1 GiB, alone. Writes
+`$OUT/leaderboard_profile_<label>.txt` and `.parquet` (one row per kernel name). Run on the GPU host:
+
+    LABEL=lean python results/runs/leaderboard_profile.py
+    LABEL=pieces LEAN=0 python results/runs/leaderboard_profile.py
+"""
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from raysys.config import ModelConfig  # noqa: E402
+from raysys.leaderboard import LeaderboardStep, StepConfig  # noqa: E402
+from raysys.leaderboard_bench import build_model, make_batch  # noqa: E402
+
+LABEL = os.environ.get("LABEL", "lean")
+OUT = Path(os.environ.get("OUT", "/tmp")) / f"leaderboard_profile_{LABEL}"
+CATEGORIES = [  # first match wins
+    ("attention (cuDNN)", r"sdpa|fmha|flash|cudnn"),
+    ("fused loss (Triton)", r"_ce_loss_grad_kernel"),
+    ("AdamW (Triton)", r"_adamw_kernel"),
+    ("matmul", r"gemm|nvjet|xmma|cutlass|sm90_|Kernel2"),
+    ("Inductor", r"^triton_"),
+    ("other", r"."),
+]
+
+
+def category(name: str) -> str:
+    return next(c for c, pattern in CATEGORIES if re.search(pattern, name))
+
+
+def link_gbps(direction: str, nbytes: int = 2**30, reps: int = 5) -> float:
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src, dst = (dev, host) if direction == "d2h" else (host, dev)
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    return reps * nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def main() -> None:
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    device = torch.device("cuda")
+    lines = [f"# leaderboard step profile ({LABEL}): {torch.cuda.get_device_name()}, torch {torch.__version__}"]
+    lines.append(f"pinned copies of 1 GiB: host->device {link_gbps('h2d'):.1f} GB/s, device->host "
+                 f"{link_gbps('d2h'):.1f} GB/s")
+    config = ModelConfig.from_name("leaderboard")
+    model = build_model(config, device, torch.bfloat16)
+    step_config = StepConfig(attention="cudnn", lean=os.environ.get("LEAN", "1") == "1",
+                             recompute=os.environ.get("POLICY", "advisor"))
+    step = LeaderboardStep(model, step_config, batch_size=1)
+    x, y = make_batch(config, 1, config.context_length, device)
+    lines.append(f"policy {step.policy_spec}; {step.describe()}")
+    for _ in range(2):
+        step(x, y)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
+        step(x, y)
+        end.record()
+        torch.cuda.synchronize()
+    wall_ms = start.elapsed_time(end)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t > 0 and e.device_type == torch.autograd.DeviceType.CUDA:
+            rows.append({"kernel": e.key, "category": category(e.key), "calls": e.count, "total_ms": t / 1e3})
+    df = pd.DataFrame(rows).sort_values("total_ms", ascending=False)
+    df["label"], df["wall_ms"], df["peak_gib"] = LABEL, wall_ms, peak
+    by_cat = df.groupby("category")["total_ms"].sum().sort_values(ascending=False)
+    lines.append(f"step {wall_ms:.1f} ms (CUDA events, under the profiler), peak {peak:.2f} GiB")
+    for cat, ms in by_cat.items():
+        lines.append(f"  {cat:<22} {ms:9.1f} ms  {100 * ms / wall_ms:5.1f}%")
+    lines.append(f"  {'gaps':<22} {wall_ms - by_cat.sum():9.1f} ms  {100 * (1 - by_cat.sum() / wall_ms):5.1f}%")
+    lines.append("top kernels:")
+    for r in df.head(30).itertuples():
+        lines.append(f"  {r.total_ms:9.1f} ms {r.calls:5d}x  {r.category:<20} {r.kernel[:110]}")
+    text = "\n".join(lines) + "\n"
+    print(text, flush=True)
+    OUT.with_suffix(".txt").write_text(text)
+    df.to_parquet(OUT.with_suffix(".parquet"), index=False)
+
+
+if __name__ == "__main__":
+    main()
