@@ -5,7 +5,7 @@ blocks under full checkpointing, n_offload offloaded, n_ffn with only the feed-f
 n_selective under selective checkpointing and the rest kept is scored with `raysys.recompute_model`: predicted peak memory of a training step (weights + AdamW state +
 gradients + activations + transients + workspace) and predicted overhead = (recomputed FLOPs / achieved FLOP/s
 + transfer time not hidden behind compute) / predicted step time. The advisor returns the plan with the least
-overhead whose peak fits the usable memory; ties go to the lower peak. For each n_full and n_offload the cheap
+overhead whose peak fits the usable memory; ties go to fewer offloaded blocks, then to the lower peak. For each n_full and n_offload the cheap
 kinds are searched along lines where fitting is monotone: the fewest ffn (or selective) blocks that fit, and the
 ffn / selective split with no block kept (with per-block costs and savings that add up, the cheapest fitting
 mix is one of these). Blocks are ordered
@@ -163,13 +163,23 @@ def _score(w: Workload, layers: tuple[str, ...], cost: _Cost) -> tuple[float, Pe
     base_s = cost.seconds(flops["forward"] + flops["backward"])
     extra_s = cost.seconds(flops["recompute"])
     n_off = layers.count("offload")
-    if n_off:  # each offloaded block crosses PCIe twice, hidden behind that block's forward / its backward
-        bf = block_flops(w)
-        fwd_s = cost.seconds(bf["linear"] + bf["core"])
-        bwd_s = cost.seconds(2 * bf["linear"] + (2.5 if w.fused else 2.0) * bf["core"])
-        transfer_s = saved_per_block(w, "none") / (cost.pcie_gbps * 1e9)
-        extra_s += n_off * (max(0.0, transfer_s - fwd_s) + max(0.0, transfer_s - bwd_s))
+    if n_off:
+        extra_s += _offload_seconds(w, layers, cost)
     return extra_s / base_s, peak, flops
+
+
+def _offload_seconds(w: Workload, layers: tuple[str, ...], cost: _Cost) -> float:
+    """Step time the host link adds (`parallel.checkpointing.OffloadStore`). Device-to-host copies queue on one
+    side stream from the first offloaded block's forward on and must be done when backward starts (what is still
+    queued then is counted as a stall); in backward each offloaded block is copied back while the block after it
+    runs its backward (the last offloaded block never left the device), stalling when a copy outlasts it."""
+    bf = block_flops(w)
+    fwd_s = cost.seconds(bf["linear"] + bf["core"])
+    bwd_s = cost.seconds(2 * bf["linear"] + (2.5 if w.fused else 2.0) * bf["core"])
+    transfer_s = saved_per_block(w, "none") / (cost.pcie_gbps * 1e9)
+    n_off = layers.count("offload")
+    forward_after = (len(layers) - layers.index("offload")) * fwd_s
+    return max(0.0, n_off * transfer_s - forward_after) + (n_off - 1) * max(0.0, transfer_s - bwd_s)
 
 
 def advise(config: ModelConfig, batch_size: int, gpu_memory_bytes: int, dtype: str = "fp32", *,
@@ -250,7 +260,9 @@ def advise(config: ModelConfig, batch_size: int, gpu_memory_bytes: int, dtype: s
     candidates = list(candidates.values())
     fitting = [c for c in candidates if c[0]]
     if fitting:
-        _, overhead, _, layers, peak, flops = min(fitting, key=lambda c: (round(c[1], 6), c[2]))
+        # ties: fewer blocks over the host link (pinned memory, copies sharing the link), then the lower peak
+        _, overhead, _, layers, peak, flops = min(fitting, key=lambda c: (round(c[1], 6), c[3].count("offload"),
+                                                                          c[2]))
         reason = _why(w, layers, peak, usable, cost)
         return _plan(w, layers, True, peak, usable, overhead, flops, reason)
     nested = ("nested",) * n

@@ -36,7 +36,9 @@ Invariant: the loss and the gradients are those of the reference step (`cross_en
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -45,10 +47,10 @@ from torch import nn
 
 from torch.utils.checkpoint import checkpoint
 
-from parallel.checkpointing import CheckpointHandle, apply_activation_checkpointing, parse_policy
+from parallel.checkpointing import CheckpointHandle, OffloadForward, apply_activation_checkpointing, parse_policy
 from raysys.advisor import KINDS
 from raysys.config import ModelConfig
-from raysys.model import (AdamW, Linear, RMSNorm, RotaryEmbedding, SwiGLU, TransformerBlock, TransformerLM,
+from raysys.model import (AdamW, RMSNorm, RotaryEmbedding, SwiGLU, TransformerBlock, TransformerLM,
                           cross_entropy, fused_loss_kernel, get_attention, silu)
 
 LOSSES = ("fused", "materialized")
@@ -75,8 +77,9 @@ class StepConfig:
     """fused (`kernels.adamw.FusedAdamW`), foreach (`kernels.adamw.ForeachAdamW`) or reference (`raysys.model.AdamW`)."""
     recompute: str = "advisor"
     """`advisor` (the advisor's per-layer plan for this step) or a `parallel.checkpointing.parse_policy` spec."""
-    recompute_kinds: tuple = ("none", "ffn", "full")
-    """Per-block kinds the advisor may choose from (`raysys.advisor.KINDS`, with `none`)."""
+    recompute_kinds: tuple = ("none", "ffn", "full", "offload")
+    """Per-block kinds the advisor may choose from (`raysys.advisor.KINDS`, with `none`); offload on CUDA only,
+    planned with the host link measured (`plan_on_device`)."""
     optimizer_in_backward: bool = False
     """Step each parameter's AdamW as soon as backward has written its gradient, then free the gradient
     (`OptimizerInBackward`): no step after backward, and about one block's gradients alive instead of all."""
@@ -204,16 +207,17 @@ def _gate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def lean_attention_inputs(attn: nn.Module, ln1: RMSNorm, x: torch.Tensor, positions: torch.Tensor):
-    """q, k, v (B, H, S, D) of `attn(ln1(x))`, as views of (B, S, H, D) storage; ln1's output is recomputed in
-    backward (only x is kept for the projections' weight gradients). RoPE is the model's own, its result written
-    in the projections' layout (one fused kernel under Inductor): attention then returns O in that layout too
-    (cuDNN and the Triton kernel allocate O like q), and merging its heads is a view."""
+    """q, k, v of `attn(ln1(x))` as contiguous (B, S, H, D) tensors (the caller's transpose to (B, H, S, D) is a
+    view); ln1's output is recomputed in backward (only x is kept for the projections' weight gradients). RoPE is
+    the model's own, its result written in the projections' layout (one fused kernel under Inductor): attention
+    then returns O in that layout too (cuDNN and the Triton kernel allocate O like q), so merging its heads is a
+    view, and the gradients of q, k, v come back in the layout the graph returned (AOTAutograd would otherwise
+    copy each into the traced output's layout)."""
     n = checkpoint(_class_forward, ln1, x, use_reentrant=False)
     rope, heads = attn.positional_encoder, (attn.num_heads, attn.d_head)
     q, k, v = (_class_forward(proj, n).unflatten(-1, heads) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-    q, k = (_class_forward(rope, t.transpose(-3, -2), positions).transpose(-3, -2).contiguous().transpose(-3, -2)
-            for t in (q, k))
-    return q, k, v.transpose(-3, -2)
+    q, k = (_class_forward(rope, t.transpose(-3, -2), positions).transpose(-3, -2).contiguous() for t in (q, k))
+    return q, k, v
 
 
 def lean_ffn_branch(ln2: RMSNorm, ffn: SwiGLU, h: torch.Tensor) -> torch.Tensor:
@@ -249,7 +253,7 @@ class _LeanBlockForward:
             return type(block).forward(block, x, token_positions)
         if token_positions is None:
             token_positions = torch.arange(x.shape[-2], device=x.device)
-        q, k, v = self.compiled(attn, block.ln1, x, token_positions)
+        q, k, v = (t.transpose(-3, -2) for t in self.compiled(attn, block.ln1, x, token_positions))
         out = get_attention(attn.attention)(q, k, v, True)
         h = x + attn.output_proj(out.transpose(-3, -2).flatten(-2))
         return h + block.ffn_branch(h)
@@ -260,35 +264,43 @@ class LeanBlocks:
     """The instance attributes `lean_blocks` installed; `remove()` restores the blocks."""
 
     patched: list[tuple[nn.Module, str]]
+    offloaded: list = dataclasses.field(default_factory=list)
+    """Offloaded blocks' forwards (`parallel.checkpointing`) whose inner forward is the lean one."""
 
     def remove(self) -> None:
         for module, attr in self.patched:
             module.__dict__.pop(attr, None)
-        self.patched = []
+        for forward in self.offloaded:
+            forward.inner = None
+        self.patched, self.offloaded = [], []
 
 
 def lean_blocks(model: nn.Module, backend: str = "inductor") -> LeanBlocks:
     """Give every `TransformerBlock` of `model` the lean forward and feed-forward branch (module docstring),
-    where activation checkpointing has not installed its own: a full or offloaded block keeps its segment
-    forward (a recomputed block's lean savings would not outlive the recomputation) but gets the lean branch, an
-    ffn block keeps its checkpointed branch but gets the lean forward. Two compiled graphs, shared by every
-    block (the modules are graph inputs)."""
+    where activation checkpointing has not installed its own: a fully checkpointed block keeps its segment
+    forward (its lean savings would not outlive the recomputation) but gets the lean branch, an ffn block keeps its
+    checkpointed branch but gets the lean forward, an offloaded block runs the lean forward inside the store's
+    hooks (less to copy). Two compiled graphs, shared by every block (the modules are graph inputs)."""
     import torch._dynamo.config as dynamo_config
 
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
     attention_inputs = torch.compile(lean_attention_inputs, backend=backend, fullgraph=True, dynamic=False)
     ffn_branch = torch.compile(lean_ffn_branch, backend=backend, fullgraph=True, dynamic=False)
-    patched = []
+    patched, offloaded = [], []
     for block in model.modules():
         if not isinstance(block, TransformerBlock):
             continue
         if "ffn_branch" not in block.__dict__:
             block.ffn_branch = _LeanFfnBranch(block, ffn_branch)
             patched.append((block, "ffn_branch"))
-        if "forward" not in block.__dict__:
+        forward = block.__dict__.get("forward")
+        if forward is None:
             block.forward = _LeanBlockForward(block, attention_inputs)
             patched.append((block, "forward"))
-    return LeanBlocks(patched)
+        elif isinstance(forward, OffloadForward) and forward.inner is None:  # the lean forward under its hooks
+            forward.inner = _LeanBlockForward(block, attention_inputs)
+            offloaded.append(forward)
+    return LeanBlocks(patched, offloaded)
 
 
 def model_dtype_name(model: nn.Module) -> str:
@@ -305,18 +317,59 @@ def device_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+HOST_MEMORY_SHARE = 0.5
+"""Share of the host's physical memory offloaded activations may pin (the rest is the host's)."""
+
+
+@functools.lru_cache(maxsize=None)
+def host_link_gbps(device: torch.device, nbytes: int = 256 * 2**20) -> float:
+    """GB/s of a pinned host <-> `device` copy, the slower direction (what offload's copies get), measured once
+    per device and process."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    rates = []
+    for src, dst in ((host, dev), (dev, host)):
+        dst.copy_(src, non_blocking=True)  # warm-up
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(3):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        rates.append(3 * nbytes / (time.perf_counter() - start) / 1e9)
+    return min(rates)
+
+
 def plan_step(model_config: ModelConfig, batch_size: int, seq_len: int, config: StepConfig, *, dtype: str,
-              device_type: str, gpu_memory: int, shards: int = 1):
+              device_type: str, gpu_memory: int, shards: int = 1, link_gbps: float | None = None,
+              host_memory: int | None = None):
     """The advisor's per-layer recompute plan for this step: pure `dtype` weights (or fp32 masters sharded over
-    `shards` ranks), the step's loss, optimizer, attention and compiled pieces, `gpu_memory` device bytes."""
+    `shards` ranks), the step's loss, optimizer, attention and compiled pieces, `gpu_memory` device bytes.
+    Offloaded blocks are considered on CUDA when the host link's speed (`link_gbps`) is given, with at most
+    `host_memory` bytes of them on the host."""
     from raysys.advisor import advise
 
+    kinds = config.recompute_kinds
+    if device_type != "cuda" or link_gbps is None:
+        kinds = tuple(k for k in kinds if k != "offload")
     param_dtype = "fp32" if shards > 1 else dtype
     return advise(model_config, batch_size, gpu_memory, dtype, seq_len=seq_len, attention=config.attention,
                   param_dtype=param_dtype, loss="fused" if config.loss == "fused" else "materialized",
                   compiled=config.compile, optimizer=config.optimizer, shards=shards, device_type=device_type,
-                  kinds=config.recompute_kinds, optimizer_in_backward=config.optimizer_in_backward,
-                  lean=config.lean)
+                  kinds=kinds, optimizer_in_backward=config.optimizer_in_backward, lean=config.lean,
+                  **({"pcie_gbps": link_gbps} if link_gbps else {}), host_memory_bytes=host_memory)
+
+
+def plan_on_device(model_config: ModelConfig, batch_size: int, seq_len: int, config: StepConfig, *, dtype: str,
+                   device: torch.device, shards: int = 1):
+    """`plan_step` for `device` as it is: its memory (or `config.gpu_memory`), and on CUDA, when the kinds allow
+    offload, the host link measured (`host_link_gbps`) and `HOST_MEMORY_SHARE` of the host's memory."""
+    link, host = None, None
+    if device.type == "cuda" and "offload" in config.recompute_kinds:
+        link = host_link_gbps(device)
+        host = int(HOST_MEMORY_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return plan_step(model_config, batch_size, seq_len, config, dtype=dtype, device_type=device.type,
+                     gpu_memory=config.gpu_memory or device_memory_bytes(device), shards=shards, link_gbps=link,
+                     host_memory=host)
 
 
 class OptimizerInBackward:
@@ -418,9 +471,8 @@ class LeaderboardStep:
         model.set_attention(config.attention)
         self.plan = None
         if config.recompute == "advisor":
-            memory = config.gpu_memory or device_memory_bytes(self.device)
-            self.plan = plan_step(model.config, batch_size, seq_len, config, dtype=self.dtype,
-                                  device_type=self.device.type, gpu_memory=memory, shards=shards)
+            self.plan = plan_on_device(model.config, batch_size, seq_len, config, dtype=self.dtype,
+                                       device=self.device, shards=shards)
             policy = self.plan.policy
         else:
             policy = parse_policy(config.recompute, mc.num_layers)

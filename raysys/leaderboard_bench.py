@@ -55,8 +55,8 @@ ATTENTION_CANDIDATES = ("flash_triton", "cudnn")
 def ablation(batch_size: int = 1, *, batch2: bool = True, attention: str = "flash_triton") -> list[Variant]:
     """The fast step first (it meets the empty compile caches: its first step is the cold start), then today's
     composition and today's with each optimisation added alone, then the fast step at twice the batch. `best`
-    runs `attention`; `best-ffn` is the fast step whose advisor may only mix none and full blocks, `best-lean` the
-    fast step with compiled pieces instead of lean blocks (`today+lean` adds both); `today+advisor_plan` lets the advisor mix none and full blocks, `today+ffn_recompute` none,
+    runs `attention`; `best-ffn` and `best-offload` are the fast step whose advisor may not choose ffn (offloaded)
+    blocks, `best-lean` the fast step with compiled pieces instead of lean blocks (`today+lean` adds both); `today+advisor_plan` lets the advisor mix none and full blocks, `today+ffn_recompute` none,
     ffn and full (today's composition does not fit with ffn alone: eager SwiGLU keeps five (B, S, d_ff) tensors)."""
     best = StepConfig(attention=attention)
     variants = [Variant(name="best", step=best, batch_size=batch_size), Variant(name="today", step=TODAY, batch_size=batch_size)]
@@ -65,9 +65,10 @@ def ablation(batch_size: int = 1, *, batch2: bool = True, attention: str = "flas
                          ("advisor_plan", dict(recompute="advisor", recompute_kinds=("none", "full"))),
                          ("ffn_recompute", dict(recompute="advisor", recompute_kinds=("none", "ffn", "full")))):
         variants.append(Variant(name=f"today+{name}", step=TODAY.replace(**change), batch_size=batch_size))
-    variants.insert(1, Variant(name="best-ffn", step=best.replace(recompute_kinds=("none", "full")),
-                               batch_size=batch_size))
-    variants.insert(2, Variant(name="best-lean", step=best.replace(lean=False), batch_size=batch_size))
+    without = lambda kind: best.replace(recompute_kinds=tuple(k for k in best.recompute_kinds if k != kind))
+    variants[1:1] = [Variant(name="best-ffn", step=without("ffn"), batch_size=batch_size),
+                     Variant(name="best-offload", step=without("offload"), batch_size=batch_size),
+                     Variant(name="best-lean", step=best.replace(lean=False), batch_size=batch_size)]
     if batch2:
         variants.append(Variant(name="best", step=best, batch_size=2 * batch_size))
     return variants
@@ -371,7 +372,8 @@ def build_leaderboard_parser(parser=None):
     p.add_argument("--batch-size", type=int, default=1, help="sequences per step on this device (the per-rank batch)")
     p.add_argument("--no-batch2", action="store_true", help="skip the fast step at twice the batch")
     p.add_argument("--variants", nargs="+", default=None,
-                   help="variant names to run (default all: best, best-ffn, best-lean, today, today+fused_loss, "
+                   help="variant names to run (default all: best, best-ffn, best-offload, best-lean, today, "
+                        "today+fused_loss, "
                         "today+fused_adamw, today+compile, today+lean, today+cudnn, today+advisor_plan, "
                         "today+ffn_recompute)")
     p.add_argument("--best-attention", default="auto", choices=("auto",) + ATTENTION_CANDIDATES,

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 from parallel.checkpointing import parse_policy  # noqa: E402
 from raysys.config import ModelConfig  # noqa: E402
 from raysys.device import check_fits  # noqa: E402
-from raysys.leaderboard import LeaderboardStep, StepConfig, device_memory_bytes, plan_step  # noqa: E402
+from raysys.leaderboard import LeaderboardStep, StepConfig, plan_on_device  # noqa: E402
 from raysys.leaderboard_bench import (DTYPE_NAMES, SWEEP, Session, Variant, build_leaderboard_parser,  # noqa: E402
                                       build_model, for_device, make_batch, run_ablation, run_check, run_variants,
                                       start_session, variant_row)
@@ -75,9 +75,8 @@ def neighbour_specs(plan_layers: tuple[str, ...], offsets: list[int], grow: str 
 def fast_plan(session: Session, args) -> tuple:
     """The advisor's plan of the fast step (batch --batch-size) on this device."""
     step = for_device(StepConfig(attention=session.attention), session.device, args.compile_backend)
-    memory = step.gpu_memory or device_memory_bytes(session.device)
-    return plan_step(session.config, args.batch_size, session.config.context_length, step, dtype=args.dtype,
-                     device_type=session.device.type, gpu_memory=memory), step
+    return plan_on_device(session.config, args.batch_size, session.config.context_length, step, dtype=args.dtype,
+                          device=session.device), step
 
 
 def run_neighbours_local(args, session: Session) -> pd.DataFrame:
@@ -125,8 +124,7 @@ def run_neighbours_tune(args) -> pd.DataFrame:
     device = torch.device("cuda" if args.device in ("auto", "cuda") and torch.cuda.is_available() else args.device)
     config = ModelConfig.from_name(args.size, **_overrides(args))
     step = for_device(StepConfig(), device, args.compile_backend)
-    plan = plan_step(config, args.batch_size, config.context_length, step, dtype=args.dtype,
-                     device_type=device.type, gpu_memory=step.gpu_memory or device_memory_bytes(device))
+    plan = plan_on_device(config, args.batch_size, config.context_length, step, dtype=args.dtype, device=device)
     offsets = [off for off, _ in neighbour_specs(plan.layers, args.offsets)]
     space = {**{k: getattr(args, k) for k in TUNE_ARGS}, "launcher": "tune", "advisor_policy": plan.spec,
              "offset": tune.grid_search(offsets)}
@@ -282,19 +280,15 @@ def ablation_markdown(df: pd.DataFrame) -> str:
                 lines.append(f"- same run {r.run_id}: fast {fast:.3f} s vs today's composition {slow:.3f} s "
                              f"(peak {t.peak_bytes / 2**30:.1f} GiB): {slow / fast:.2f}x (target "
                              f"{TARGET_SPEEDUP}x: {'met' if slow / fast >= TARGET_SPEEDUP else 'missed'})")
-            other = ok[(ok.run_id == r.run_id) & (ok.variant == "best-ffn") & (ok.batch_size == r.batch_size)]
-            if not other.empty:
-                o = other.iloc[0]
-                lines.append(f"- same run {r.run_id}: fast step with the advisor choosing among none / ffn / full "
-                             f"({r.policy}) {r.step_median_s:.3f} s vs among none / full ({o.policy}) "
-                             f"{o.step_median_s:.3f} s: {o.step_median_s - r.step_median_s:.3f} s saved by ffn blocks")
-            lean = ok[(ok.run_id == r.run_id) & (ok.variant == "best-lean") & (ok.batch_size == r.batch_size)]
-            if not lean.empty:
-                o = lean.iloc[0]
-                lines.append(f"- same run {r.run_id}: fast step with lean blocks ({r.policy}, peak "
-                             f"{r.peak_bytes / 2**30:.1f} GiB) {r.step_median_s:.3f} s vs compiled pieces ({o.policy}, "
-                             f"peak {o.peak_bytes / 2**30:.1f} GiB) {o.step_median_s:.3f} s: "
-                             f"{o.step_median_s - r.step_median_s:.3f} s saved by lean blocks")
+            for name, what in (("best-ffn", "ffn blocks"), ("best-offload", "offloaded blocks"),
+                               ("best-lean", "lean blocks")):
+                other = ok[(ok.run_id == r.run_id) & (ok.variant == name) & (ok.batch_size == r.batch_size)]
+                if not other.empty:
+                    o = other.iloc[0]
+                    lines.append(f"- same run {r.run_id}: fast step ({r.policy}, peak {r.peak_bytes / 2**30:.1f} GiB) "
+                                 f"{r.step_median_s:.3f} s vs without {what} ({o.policy}, peak "
+                                 f"{o.peak_bytes / 2**30:.1f} GiB) {o.step_median_s:.3f} s: "
+                                 f"{o.step_median_s - r.step_median_s:.3f} s saved by {what}")
             times = {c.removeprefix("attention_").removesuffix("_s"): getattr(r, c) for c in ok.columns
                      if c.startswith("attention_") and c.endswith("_s") and getattr(r, c) == getattr(r, c)}
             if times:

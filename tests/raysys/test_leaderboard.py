@@ -43,6 +43,11 @@ STEPS = [
     pytest.param("sdpa+chunked+foreach+compiled", StepConfig(
         attention="sdpa", loss_impl="torch", optimizer="foreach", recompute="full*1+ffn*1+none*1",
         compile_backend=CPU_BACKEND), id="sdpa+chunked+foreach+compiled"),
+    # lean blocks in every role: offloaded (the lean forward inside the store's hooks), ffn (lean forward,
+    # checkpointed branch), kept
+    pytest.param("sdpa+lean+offload", StepConfig(
+        attention="sdpa", loss_impl="torch", optimizer="foreach", recompute="offload*1+ffn*1+none*1",
+        compile_backend=CPU_BACKEND), id="sdpa+lean+offload"),
     pytest.param("today", TODAY.replace(attention="sdpa"), id="today"),
     # One interpreted case (a minute on CI's 2 cores): all three kernels, compiled pieces around them, a plan
     # that mixes kept and recomputed blocks.
@@ -55,7 +60,7 @@ STEPS = [
 @pytest.mark.interpret
 @pytest.mark.parametrize("name,step_config", STEPS)
 def test_fast_step_matches_reference_fp32(name, step_config):
-    cfg = config(N=3) if name in ("today", "sdpa+chunked+foreach+compiled") else config(N=2, S=16)
+    cfg = config(N=3) if name in ("today", "sdpa+chunked+foreach+compiled", "sdpa+lean+offload") else config(N=2, S=16)
     torch.manual_seed(0)
     ref = TransformerLM(cfg)  # naive attention: the reference model
     fast = copy.deepcopy(ref)
@@ -66,9 +71,11 @@ def test_fast_step_matches_reference_fp32(name, step_config):
         assert step(x, y).item() == pytest.approx(expected.item(), abs=1e-5)
     for (n, p), q in zip(ref.named_parameters(), fast.parameters()):
         assert (p - q).abs().max().item() <= 1e-5, n
+    if step_config.lean:
+        assert any(type(b.__dict__.get("forward")).__name__ == "_LeanBlockForward" for b in fast.layers)
     step.close()
     assert "forward" not in fast.layers[0].__dict__ and "forward" not in fast.ln_final.__dict__
-    assert "ffn_branch" not in fast.layers[1].__dict__
+    assert not any({"forward", "ffn_branch"} & set(b.__dict__) for b in fast.layers)
 
 
 @pytest.mark.interpret

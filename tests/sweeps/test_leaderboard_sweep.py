@@ -50,11 +50,12 @@ def test_an_oom_is_a_row_and_the_ablation_goes_on(tmp_path, monkeypatch):
 
 def test_ablation_variants_and_the_measured_attention_choice(monkeypatch):
     assert [v.name for v in bench.ablation()] == [
-        "best", "best-ffn", "best-lean", "today", "today+fused_loss", "today+fused_adamw", "today+compile", "today+lean",
+        "best", "best-ffn", "best-offload", "best-lean", "today", "today+fused_loss", "today+fused_adamw", "today+compile", "today+lean",
         "today+cudnn", "today+advisor_plan", "today+ffn_recompute", "best"]
     v = {v.name: v.step for v in bench.ablation(attention="cudnn", batch2=False)}
     assert v["best"].attention == v["best-ffn"].attention == "cudnn"
-    assert v["best-ffn"] == v["best"].replace(recompute_kinds=("none", "full"))
+    assert v["best-ffn"] == v["best"].replace(recompute_kinds=("none", "full", "offload"))
+    assert v["best-offload"] == v["best"].replace(recompute_kinds=("none", "ffn", "full"))
     assert v["best"].lean and not v["best-lean"].lean and v["best-lean"].compile
     assert v["today+compile"].compile and not v["today+compile"].lean and v["today+lean"].lean
     assert not v["today"].lean
