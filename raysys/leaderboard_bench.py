@@ -294,11 +294,18 @@ def _sync(device: torch.device) -> None:
 
 
 def _free(device: torch.device) -> None:
+    """Between variants: drop the caching allocators' free blocks, the device's and the pinned host memory's
+    (offloaded blocks' copies: a variant that offloads at another size would otherwise pin new memory beside
+    the cached blocks it cannot reuse; on the GPU host a full ablation was killed for host memory that way)."""
     import gc
 
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        empty_host_cache = (getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+                            or getattr(torch._C, "_host_emptyCache", None))  # the CUDA builds' older name
+        if empty_host_cache is not None and torch.cuda.is_initialized():
+            empty_host_cache()
 
 
 def for_device(step: StepConfig, device: torch.device, compile_backend: str | None = None) -> StepConfig:

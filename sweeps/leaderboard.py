@@ -283,7 +283,12 @@ def ablation_markdown(df: pd.DataFrame) -> str:
             for name, what in (("best-ffn", "ffn blocks"), ("best-offload", "offloaded blocks"),
                                ("best-lean", "lean blocks")):
                 other = ok[(ok.run_id == r.run_id) & (ok.variant == name) & (ok.batch_size == r.batch_size)]
-                if not other.empty:
+                if not other.empty and other.iloc[0].policy == r.policy:
+                    o = other.iloc[0]
+                    lines.append(f"- same run {r.run_id}: the fast step's plan ({r.policy}) has no {what}; without "
+                                 f"them the advisor chose it again: {o.step_median_s:.3f} s against {r.step_median_s:.3f} s"
+                                 f" (the same step measured twice)")
+                elif not other.empty:
                     o = other.iloc[0]
                     lines.append(f"- same run {r.run_id}: fast step ({r.policy}, peak {r.peak_bytes / 2**30:.1f} GiB) "
                                  f"{r.step_median_s:.3f} s vs without {what} ({o.policy}, peak "

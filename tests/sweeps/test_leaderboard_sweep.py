@@ -156,3 +156,16 @@ def test_two_rank_ddp_step_equals_one_process_bitwise():
         for name, value in expected.items():
             assert torch.equal(rank["params"][name], value), name
     assert per_rank[0]["losses"] != per_rank[1]["losses"]  # each rank trained on its own sequences
+
+
+def test_variants_release_pinned_host_memory(monkeypatch):
+    """Between variants the pinned host cache is emptied too (offloaded copies of one variant's sizes would stay
+    pinned beside the next one's)."""
+    calls = []
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: calls.append("host"), raising=False)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("device"))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    bench._free(torch.device("cuda"))
+    assert calls == ["device", "host"]
+    bench._free(torch.device("cpu"))
+    assert calls == ["device", "host"]
