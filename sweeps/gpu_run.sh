@@ -14,13 +14,15 @@
 #                                    #   compiled, FSDP compiled, --collectives-alone, paired vs single)   (~7 min)
 #   bash sweeps/gpu_run.sh ckpt      # checkpointing trials (Ray Tune, one GPU per trial)                  (~4 min)
 #   bash sweeps/gpu_run.sh flash     # Ray Tune tile sweep (one GPU per trial), the FlashAttention grid    (~9.5 min)
+#   bash sweeps/gpu_run.sh leaderboard # 1 GPU: the 8B step's ablation and --check (issue 15)             (~8.5 min)
+#   bash sweeps/gpu_run.sh lbtune    # 1 GPU: the advisor's plan against its neighbours, a profile of the step (~7 min)
 #   bash sweeps/gpu_run.sh tests     # the gpu-marked tests (-n 8 needs pytest-xdist)                      (~1 min)
 #   bash sweeps/gpu_run.sh e2e       # the end-to-end model study (handout 2)                             (~7 min)
 #
 # Ray comes from wheels when the host has none: set WHEELS=.whl (the README's "Studies" section says how to make it).
 # Exit status: 2 without the GPUs the phase needs (nothing runs), 1 if a study failed, else 0.
 set -u
-phase=${1:?usage: gpu_run.sh dist|allreduce|fsdp|paired|compiled|alone|ckpt|flash|tests|e2e}
+phase=${1:?usage: gpu_run.sh dist|allreduce|fsdp|paired|compiled|alone|ckpt|flash|leaderboard|lbtune|tests|e2e}
 OUT=${OUT:-/tmp/raysys-gpu}
 # Results go to a run directory of their own (never straight into the committed results/): running a phase again
 # continues it (--resume of the same commit); copy what you keep into results/ afterwards.
@@ -148,6 +150,17 @@ case $phase in
     study flash_grid 250 python3 sweeps/flash_bench.py --studies grid --device cuda --out "$RESULTS" --resume \
       --time-budget-s 230
     ;;
+  leaderboard)  # issue 15 on one GPU: --check, then the ablation (the fast step at batch 1 by the course's do_bench,
+    # shortened; the other rows by CUDA events after their first step), into $RESULTS/leaderboard (~8.5 min)
+    study leaderboard 560 python3 sweeps/leaderboard.py --size leaderboard --device cuda --study ablation --no-ray \
+      --timer do_bench --do-bench-only best:b1 --rep-ms 1 --warmup-ms 1 --steps 2 --warmup-steps 0 --check \
+      --out "$RESULTS/leaderboard" --resume
+    ;;
+  lbtune)  # issue 15: the advisor's plan of the fast step and its neighbours, then a profile of one fast step (~7 min)
+    study leaderboard_tune 300 python3 sweeps/leaderboard.py --size leaderboard --device cuda --study neighbours \
+      --no-ray --best-attention cudnn --steps 2 --out "$RESULTS/leaderboard" --resume
+    study leaderboard_profile 150 env OUT="$RESULTS/leaderboard" LABEL=fast python3 results/runs/leaderboard_profile.py
+    ;;
   tests)
     study gpu_tests 170 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 tests
     ;;
@@ -155,7 +168,7 @@ case $phase in
     study end_to_end 420 python3 sweeps/end_to_end.py --device cuda --out "$RESULTS" --resume
     ;;
   *)
-    echo "unknown phase $phase (dist, allreduce, fsdp, paired, compiled, alone, ckpt, flash, tests, e2e)" >&2
+    echo "unknown phase $phase (dist, allreduce, fsdp, paired, compiled, alone, ckpt, flash, leaderboard, lbtune, tests, e2e)" >&2
     exit 2
     ;;
 esac
