@@ -318,7 +318,8 @@ def device_memory_bytes(device: torch.device) -> int:
 
 
 HOST_MEMORY_SHARE = 0.5
-"""Share of the host's physical memory offloaded activations may pin (the rest is the host's)."""
+"""Share of the host's physical memory offloaded activations may pin (the rest is the host's), split evenly
+between the host's GPUs (one process each, as the data-parallel step runs)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -362,11 +363,13 @@ def plan_step(model_config: ModelConfig, batch_size: int, seq_len: int, config: 
 def plan_on_device(model_config: ModelConfig, batch_size: int, seq_len: int, config: StepConfig, *, dtype: str,
                    device: torch.device, shards: int = 1):
     """`plan_step` for `device` as it is: its memory (or `config.gpu_memory`), and on CUDA, when the kinds allow
-    offload, the host link measured (`host_link_gbps`) and `HOST_MEMORY_SHARE` of the host's memory."""
+    offload, the host link measured (`host_link_gbps`) and this GPU's part of `HOST_MEMORY_SHARE` of the host's
+    memory."""
     link, host = None, None
     if device.type == "cuda" and "offload" in config.recompute_kinds:
         link = host_link_gbps(device)
-        host = int(HOST_MEMORY_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        host = int(HOST_MEMORY_SHARE * physical / max(1, torch.cuda.device_count()))
     return plan_step(model_config, batch_size, seq_len, config, dtype=dtype, device_type=device.type,
                      gpu_memory=config.gpu_memory or device_memory_bytes(device), shards=shards, link_gbps=link,
                      host_memory=host)

@@ -253,3 +253,28 @@ def test_optimizer_in_backward_refuses_a_second_gradient():
     (x @ w).sum().backward()
     assert opt.state[w]["t"] == 3
     opt.remove()
+
+
+def test_plan_on_device_offloads_over_the_measured_link(monkeypatch):
+    """On CUDA the advisor may offload blocks, planned with the host link as measured (`host_link_gbps`) and this
+    GPU's share of the host's memory; without a link figure, or on a slow one, it recomputes instead."""
+    import os
+
+    import raysys.leaderboard as lb
+
+    host_bytes = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 256 * 2**30 // 4096}
+    monkeypatch.setattr(os, "sysconf", lambda name: host_bytes[name])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(lb, "host_link_gbps", lambda device: 55.0)
+    cfg = ModelConfig.from_name("leaderboard", attention="cudnn")
+    step = StepConfig(attention="cudnn", gpu_memory=143771 * 2**20)
+    plan = lb.plan_on_device(cfg, 1, 32768, step, dtype="bf16", device=torch.device("cuda"))
+    assert plan.fits and plan.spec == "offload*6+none*28"
+    # 256 GiB / 2 GPUs x 0.5 = 64 GiB of pinned copies at most: at batch 2 (5.7 GiB a block) that caps offload
+    wide = lb.plan_on_device(cfg, 2, 32768, step, dtype="bf16", device=torch.device("cuda"))
+    assert wide.fits and 0 < wide.layers.count("offload") <= 64 // 5.7
+    for link in (None, 5.0):
+        other = lb.plan_step(cfg, 1, 32768, step, dtype="bf16", device_type="cuda", gpu_memory=step.gpu_memory,
+                             link_gbps=link)
+        assert other.fits and "offload" not in other.layers and "ffn" in other.layers
+    assert "offload" not in lb.plan_on_device(cfg, 1, 32768, step, dtype="bf16", device=torch.device("cpu")).layers
