@@ -286,10 +286,14 @@ def lean_blocks(model: nn.Module, backend: str = "inductor") -> LeanBlocks:
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
     attention_inputs = torch.compile(lean_attention_inputs, backend=backend, fullgraph=True, dynamic=False)
     ffn_branch = torch.compile(lean_ffn_branch, backend=backend, fullgraph=True, dynamic=False)
+    blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, TransformerBlock)]
+    hooked = [f"{name}.{sub}" for name, block in blocks for sub, m in block.named_modules()
+              if sub and (m._forward_pre_hooks or m._forward_hooks)]
+    if hooked:  # e.g. FSDP's per-Linear all-gathers: the lean graphs call the submodules' code, not the modules
+        raise ValueError(f"lean blocks run {hooked[0]}'s code inside a compiled graph, so its module hooks would "
+                         f"not run ({len(hooked)} hooked submodule(s)); use StepConfig(lean=False) with them")
     patched, offloaded = [], []
-    for block in model.modules():
-        if not isinstance(block, TransformerBlock):
-            continue
+    for _, block in blocks:
         if "ffn_branch" not in block.__dict__:
             block.ffn_branch = _LeanFfnBranch(block, ffn_branch)
             patched.append((block, "ffn_branch"))
@@ -479,12 +483,17 @@ class LeaderboardStep:
             policy = self.plan.policy
         else:
             policy = parse_policy(config.recompute, mc.num_layers)
-        self.checkpointing: CheckpointHandle | None = apply_activation_checkpointing(model, policy)
-        self.compiled = compile_pieces(model, config.compile_backend) if config.compile else None
-        self.lean = lean_blocks(model, config.compile_backend) if config.lean else None
         if config.optimizer_in_backward and (optimizer is not None or sync is not None):
             raise ValueError("optimizer_in_backward builds its own per-parameter optimizers and steps them inside "
                              "backward: it takes no optimizer and no gradient sync")
+        self.checkpointing: CheckpointHandle | None = apply_activation_checkpointing(model, policy)
+        self.compiled, self.lean, self.optimizer = None, None, None
+        try:  # a part that refuses this model leaves it as it was
+            self.compiled = compile_pieces(model, config.compile_backend) if config.compile else None
+            self.lean = lean_blocks(model, config.compile_backend) if config.lean else None
+        except ValueError:
+            self.close()
+            raise
         if config.optimizer_in_backward:
             self.optimizer = OptimizerInBackward(lambda ps: make_optimizer(config.optimizer, ps), model.parameters())
         else:

@@ -278,3 +278,31 @@ def test_plan_on_device_offloads_over_the_measured_link(monkeypatch):
                              link_gbps=link)
         assert other.fits and "offload" not in other.layers and "ffn" in other.layers
     assert "offload" not in lb.plan_on_device(cfg, 1, 32768, step, dtype="bf16", device=torch.device("cpu")).layers
+
+
+def test_lean_blocks_refuse_hooked_submodules():
+    """A hook on a block's submodule (FSDP's per-Linear all-gather) would be skipped by the lean graphs: refused
+    with one line before anything is installed; hooks on the block itself still run."""
+    from raysys.leaderboard import lean_blocks
+
+    model = TransformerLM(config(N=2))
+    model.layers[0].register_forward_pre_hook(lambda module, args: None)
+    lean_blocks(model, CPU_BACKEND).remove()
+    model.layers[1].ffn.w1.register_forward_pre_hook(lambda module, args: None)
+    with pytest.raises(ValueError, match=r"layers\.1\.ffn\.w1's code inside a compiled graph"):
+        lean_blocks(model, CPU_BACKEND)
+    assert not any({"forward", "ffn_branch"} & set(b.__dict__) for b in model.layers)
+
+
+def test_a_refused_step_leaves_the_model_as_it_was():
+    model = TransformerLM(config(N=2))
+    model.layers[1].attn.q_proj.register_forward_pre_hook(lambda module, args: None)
+    with pytest.raises(ValueError, match="lean=False"):
+        LeaderboardStep(model, StepConfig(attention="sdpa", loss_impl="torch", optimizer="foreach",
+                                          recompute="ffn*1+none*1", compile_backend=CPU_BACKEND), batch_size=1)
+    assert all("forward" not in m.__dict__ and "ffn_branch" not in m.__dict__ for m in model.modules())
+    assert getattr(model, "_activation_checkpointing", None) is None
+    step = LeaderboardStep(model, StepConfig(attention="sdpa", loss_impl="torch", optimizer="foreach",
+                                             recompute="ffn*1+none*1", lean=False, compile_backend=CPU_BACKEND),
+                           batch_size=1)
+    step.close()
