@@ -6,7 +6,8 @@ Kernel time is grouped by what ran (cuBLAS / CUTLASS matmuls, cuDNN attention, t
 Inductor's kernels, other) and offload's host link copies, which run on a side stream beside them; `gaps` is the
 step's wall time (CUDA events) minus the kernels' summed time, copies aside (the GPU waiting on the host, a copy
 or nothing). Then pinned host <-> device copies of 1 GiB, alone. Writes
-`$OUT/leaderboard_profile_<label>.txt` and `.parquet` (one row per kernel name). Run on the GPU host:
+`$OUT/leaderboard_profile_<label>.txt` and `.parquet` (one `raysys.results` row per kernel name: calls, total_s,
+the profiled step's step_s and peak_bytes). Run on the GPU host:
 
     LABEL=lean python results/runs/leaderboard_profile.py
     LABEL=pieces LEAN=0 python results/runs/leaderboard_profile.py
@@ -26,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from raysys.config import ModelConfig  # noqa: E402
 from raysys.leaderboard import LeaderboardStep, StepConfig  # noqa: E402
 from raysys.leaderboard_bench import build_model, make_batch  # noqa: E402
+from raysys.results import make_row  # noqa: E402
 
 LABEL = os.environ.get("LABEL", "lean")
 OUT = Path(os.environ.get("OUT", "/tmp")) / f"leaderboard_profile_{LABEL}"
@@ -88,9 +90,12 @@ def main() -> None:
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if t > 0 and e.device_type == torch.autograd.DeviceType.CUDA:
-            rows.append({"kernel": e.key, "category": category(e.key), "calls": e.count, "total_ms": t / 1e3})
-    df = pd.DataFrame(rows).sort_values("total_ms", ascending=False)
-    df["label"], df["wall_ms"], df["peak_gib"] = LABEL, wall_ms, peak
+            config = {"label": LABEL, "policy": step.policy_spec, "kernel": e.key, "category": category(e.key)}
+            rows.append(make_row("leaderboard_profile", config, {"calls": e.count, "total_s": t / 1e6,
+                                 "step_s": wall_ms / 1e3, "peak_bytes": torch.cuda.max_memory_allocated()},
+                                 device=device))
+    df = pd.DataFrame(rows).sort_values("total_s", ascending=False)
+    df["total_ms"] = df["total_s"] * 1e3
     by_cat = df.groupby("category")["total_ms"].sum().sort_values(ascending=False)
     lines.append(f"step {wall_ms:.1f} ms (CUDA events, under the profiler), peak {peak:.2f} GiB")
     for cat, ms in by_cat.items():
@@ -104,7 +109,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text, flush=True)
     OUT.with_suffix(".txt").write_text(text)
-    df.to_parquet(OUT.with_suffix(".parquet"), index=False)
+    df.drop(columns="total_ms").to_parquet(OUT.with_suffix(".parquet"), index=False)
 
 
 if __name__ == "__main__":
