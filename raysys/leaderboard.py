@@ -2,7 +2,7 @@
 
 A step is `zero_grad(set_to_none=True)`, the loss, `backward()`, (a data-parallel gradient sync), `optimizer.step()`.
 `StepConfig` chooses each part, and `LeaderboardStep` applies them to a model in one place, in torchtitan's order
-(activation checkpointing, then compile, then the optimizer):
+(activation checkpointing, then compile and the lean blocks, then the optimizer):
 - attention backend (`flash_triton` by default, or `cudnn`: O and the log-sum-exp saved, P recomputed in its
   backward; the benchmark measures both and takes the faster);
 - the loss: `fused` (`TransformerLM.loss`: LM head + cross-entropy in one op, no (B, S, vocab) logits) or
@@ -11,8 +11,9 @@ A step is `zero_grad(set_to_none=True)`, the loss, `backward()`, (a data-paralle
   or `reference` (`raysys.model.AdamW`, per parameter); all three compute the reference update; with
   `optimizer_in_backward` each parameter is stepped inside backward as soon as its gradient is final;
 - recomputation: `advisor` (the per-layer plan `raysys.advisor` makes for this exact composition, model, batch and
-  device memory, choosing per block among `recompute_kinds`: none, ffn, full by default) or any
-  `parallel.checkpointing.parse_policy` spec;
+  device memory, choosing per block among `recompute_kinds`: none, ffn, full and, on CUDA, offload by default,
+  offload planned over the host link as `host_link_gbps` measures it) or any `parallel.checkpointing.parse_policy`
+  spec;
 - `compile`: RMSNorm, RoPE and SwiGLU (their elementwise work, around the matmuls) compiled with `torch.compile`,
   each module's `forward` replaced by a compiled one; blocks, attention and the Triton kernels stay eager, so
   checkpointing wraps compiled pieces (one graph per piece, shared by every layer);
