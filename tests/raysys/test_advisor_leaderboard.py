@@ -274,3 +274,23 @@ def test_cli_new_flags(capsys):
     assert "shards" in capsys.readouterr().err
     assert advise_main(args + ["--shards", "0"]) == 2
     assert advise_main(args + ["--param-dtype", "bf16", "--dtype", "fp32"]) == 2
+
+
+def test_offload_time_model_counts_the_link_across_blocks():
+    """Copies to the host queue behind the whole forward from the first offloaded block on; only what the forward
+    cannot cover, and each copy back that outlasts the next block's backward, costs time (the last offloaded block
+    never leaves the device)."""
+    from raysys.advisor import _Cost, _offload_seconds
+    from raysys.recompute_model import block_flops
+
+    w = pure(compiled=True, lean=True, loss="fused", optimizer="fused")
+    bf = block_flops(w)
+    fwd_s = (bf["linear"] + bf["core"]) / 400e12
+    per_block = saved_per_block(w, "none")
+    cost = _Cost(tflops=400.0, pcie_gbps=per_block / (1.5 * fwd_s) / 1e9)  # one block's copy: 1.5 forwards
+    few = ("offload",) * 6 + ("none",) * 28
+    many = ("offload",) * 30 + ("none",) * 4
+    assert _offload_seconds(w, few, cost) == pytest.approx(0.0)  # 9 forwards of copies under 34 forwards
+    assert _offload_seconds(w, many, cost) == pytest.approx((30 * 1.5 - 34) * fwd_s)
+    late = ("none",) * 28 + ("offload",) * 6  # the copies start later: only 6 forwards to hide 9
+    assert _offload_seconds(w, late, cost) == pytest.approx(3 * fwd_s)
