@@ -62,6 +62,15 @@ def link_gbps(direction: str, nbytes: int = 2**30, reps: int = 5) -> float:
 
 
 def main() -> None:
+    if not torch.cuda.is_available():
+        sys.exit("leaderboard_profile.py: needs a CUDA GPU (it profiles the 8B step on one); this machine has none")
+    if os.environ.get("LEAN", "1") not in ("0", "1"):
+        sys.exit(f"leaderboard_profile.py: LEAN ({os.environ['LEAN']!r}) must be 0 or 1")
+    try:  # a bad POLICY is one line before any GPU work
+        step_config = StepConfig(attention="cudnn", lean=os.environ.get("LEAN", "1") == "1",
+                                 recompute=os.environ.get("POLICY", "advisor"))
+    except ValueError as exc:
+        sys.exit(f"leaderboard_profile.py: {exc}")
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     device = torch.device("cuda")
     lines = [f"# leaderboard step profile ({LABEL}): {torch.cuda.get_device_name()}, torch {torch.__version__}"]
@@ -69,8 +78,6 @@ def main() -> None:
                  f"{link_gbps('d2h'):.1f} GB/s")
     config = ModelConfig.from_name("leaderboard")
     model = build_model(config, device, torch.bfloat16)
-    step_config = StepConfig(attention="cudnn", lean=os.environ.get("LEAN", "1") == "1",
-                             recompute=os.environ.get("POLICY", "advisor"))
     step = LeaderboardStep(model, step_config, batch_size=1)
     x, y = make_batch(config, 1, config.context_length, device)
     lines.append(f"policy {step.policy_spec}; {step.describe()}")
