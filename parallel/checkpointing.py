@@ -270,8 +270,8 @@ def parse_policy(spec: str, num_layers: int) -> Policy:
 # ----------------------------------------------------------------------------------------------------------------
 # Mechanisms: small callable objects installed as instance `forward`s (picklable, deepcopy-safe).
 
-def _class_forward(module: nn.Module, *args, **kwargs):
-    """The module's own forward, bypassing an instance-level replacement."""
+def class_forward(module: nn.Module, *args, **kwargs):
+    """The module's own forward, bypassing an instance-level replacement (a policy's, a compiled one)."""
     return type(module).forward(module, *args, **kwargs)
 
 
@@ -289,14 +289,14 @@ class _SegmentForward:
             x = checkpoint(self._run, lo, mid, x, *args, use_reentrant=False, **kwargs)
             return checkpoint(self._run, mid, hi, x, *args, use_reentrant=False, **kwargs)
         for block in self.blocks[lo:hi]:
-            x = _class_forward(block, x, *args, **kwargs)
+            x = class_forward(block, x, *args, **kwargs)
         return x
 
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if not torch.is_grad_enabled():  # nothing is saved without autograd: run the plain blocks
             out = x
             for block in self.blocks:
-                out = _class_forward(block, out, *args, **kwargs)
+                out = class_forward(block, out, *args, **kwargs)
         elif self.nested_leaf is not None:  # the top level itself is not wrapped: its input is x anyway
             out = self._run(0, len(self.blocks), x, *args, **kwargs)
         else:
@@ -316,7 +316,7 @@ class _PassThrough:
         if ref is not None and ref() is x:
             return x
         # Not called with the segment's output (the block used on its own): behave like the plain block.
-        return _class_forward(self.block, x, *args, **kwargs)
+        return class_forward(self.block, x, *args, **kwargs)
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
@@ -331,9 +331,9 @@ class _SelectiveAttentionForward:
 
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
-            return _class_forward(self.attn, *args, **kwargs)
+            return class_forward(self.attn, *args, **kwargs)
         context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
-        return checkpoint(_class_forward, self.attn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        return checkpoint(class_forward, self.attn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
 class _FfnBranchForward:
@@ -362,7 +362,7 @@ class OffloadForward:
         with self.store.offloading(self.group, self.block):
             if self.inner is not None:
                 return self.inner(*args, **kwargs)
-            return _class_forward(self.block, *args, **kwargs)
+            return class_forward(self.block, *args, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------------------

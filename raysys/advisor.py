@@ -1,17 +1,17 @@
 """Activation-checkpointing advisor: the cheapest per-layer recompute plan that fits a memory budget.
 
-For a model size, batch, sequence length, precision and attention backend, every per-layer plan with n_full
-blocks under full checkpointing, n_offload offloaded, n_ffn with only the feed-forward branch checkpointed,
-n_selective under selective checkpointing and the rest kept is scored with `raysys.recompute_model`: predicted peak memory of a training step (weights + AdamW state +
-gradients + activations + transients + workspace) and predicted overhead = (recomputed FLOPs / achieved FLOP/s
-+ transfer time not hidden behind compute) / predicted step time. The advisor returns the plan with the least
-overhead whose peak fits the usable memory; ties go to fewer offloaded blocks, then to the lower peak. For each n_full and n_offload the cheap
-kinds are searched along lines where fitting is monotone: the fewest ffn (or selective) blocks that fit, and the
-ffn / selective split with no block kept (with per-block costs and savings that add up, the cheapest fitting
-mix is one of these). Blocks are ordered
-full, offload, ffn, selective, none from the first block on (the blocks whose backward runs last rematerialise when most of the
-others are already freed); the reverse order is scored too and the better one kept. When no per-layer plan
-fits, nested (recursive, O(log N)) checkpointing is tried before reporting that nothing fits.
+For a model size, batch, sequence length, precision and attention backend, every per-layer plan with n_full blocks
+under full checkpointing, n_offload offloaded, n_ffn with only the feed-forward branch checkpointed, n_selective
+under selective checkpointing and the rest kept is scored with `raysys.recompute_model`: predicted peak memory of a
+training step (weights + AdamW state + gradients + activations + transients + workspace) and predicted overhead =
+(recomputed FLOPs / achieved FLOP/s + transfer time not hidden behind compute) / predicted step time. The advisor
+returns the plan with the least overhead whose peak fits the usable memory; ties go to fewer offloaded blocks, then
+to the lower peak. For each n_full and n_offload the cheap kinds are searched along lines where fitting is monotone:
+the fewest ffn (or selective) blocks that fit, and the ffn / selective split with no block kept (with per-block
+costs and savings that add up, the cheapest fitting mix is one of these). Blocks are ordered full, offload, ffn,
+selective, none from the first block on (the blocks whose backward runs last rematerialise when most of the others
+are already freed); the reverse order is scored too and the better one kept. When no per-layer plan fits, nested
+(recursive, O(log N)) checkpointing is tried before reporting that nothing fits.
 
 The workload also names how the state is held and what the step computes: `param_dtype` (fp32 master weights,
 or the model built in bf16 as the course's leaderboard harness does: weights, gradients and AdamW moments in bf16,
@@ -82,7 +82,8 @@ class Plan:
         w, c = self.workload, self.workload.config
         return {"size": c.name, "num_layers": c.num_layers, "batch_size": w.batch_size,
                 "seq_len": w.S, "precision": w.precision, "param_dtype": w.param_dtype, "loss": w.loss,
-                "compiled": w.compiled, "lean": w.lean, "optimizer": w.optimizer, "optimizer_in_backward": w.optimizer_in_backward,
+                "compiled": w.compiled, "lean": w.lean, "optimizer": w.optimizer,
+                "optimizer_in_backward": w.optimizer_in_backward,
                 "shards": w.shards, "attention": c.attention,
                 "policy": self.spec, "layers": list(self.layers), "fits": self.fits,
                 "predicted_peak_bytes": self.predicted_peak_bytes, "usable_bytes": self.usable_bytes,
@@ -101,7 +102,8 @@ class Plan:
                  + (", autocast" if w.amp else ""))
         lines = [f"{c.name} ({c.num_layers} layers, d_model {c.d_model}), batch {w.batch_size} x {w.S} tokens, "
                  f"{w.precision} compute, {state}, attention {c.attention}, {w.loss} loss, {w.optimizer} AdamW"
-                 + (" in backward" if w.optimizer_in_backward else "") + (", lean compiled blocks" if w.lean else ", compiled pieces" if w.compiled else ""),
+                 + (" in backward" if w.optimizer_in_backward else "")
+                 + (", lean compiled blocks" if w.lean else ", compiled pieces" if w.compiled else ""),
                  "per-layer policy:"]
         lines += [f"  blocks {lo:>3}-{hi:<3} {kind}" for kind, lo, hi in runs]
         lines += [f"policy spec:     {self.spec}",
@@ -209,7 +211,8 @@ def advise(config: ModelConfig, batch_size: int, gpu_memory_bytes: int, dtype: s
     if pcie_gbps <= 0 or (tflops is not None and tflops <= 0):
         raise ValueError(f"pcie_gbps ({pcie_gbps}) and tflops ({tflops}) must be positive")
     w = Workload(config=config, batch_size=batch_size, seq_len=seq_len, precision=dtype, device_type=device_type,
-                 param_dtype=param_dtype, loss=loss, compiled=compiled, lean=lean, optimizer=optimizer, shards=shards,
+                 param_dtype=param_dtype, loss=loss, compiled=compiled, lean=lean, optimizer=optimizer,
+                 shards=shards,
                  optimizer_in_backward=optimizer_in_backward)
     cost = _Cost(tflops or DEFAULT_TFLOPS[dtype], pcie_gbps)
     usable = int((gpu_memory_bytes - CONTEXT_RESERVE_BYTES) * (1 - margin))
@@ -369,8 +372,8 @@ def run_advise(args: argparse.Namespace) -> int:
         raise ValueError(f"--shards ({args.shards}) must be >= 1")
     plan = advise(config, args.batch_size, parse_bytes(args.gpu_memory), dtype, tflops=args.tflops,
                   pcie_gbps=args.pcie_gbps, margin=args.margin, kinds=tuple(args.kinds), host_memory_bytes=host,
-                  param_dtype=args.param_dtype, loss=args.loss, compiled=args.compiled, lean=args.lean, optimizer=args.optimizer,
-                  shards=args.shards, optimizer_in_backward=args.optimizer_in_backward)
+                  param_dtype=args.param_dtype, loss=args.loss, compiled=args.compiled, lean=args.lean,
+                  optimizer=args.optimizer, shards=args.shards, optimizer_in_backward=args.optimizer_in_backward)
     print(json.dumps(plan.as_dict(), indent=2) if args.json else plan.format())
     return 0 if plan.fits else 1
 

@@ -48,7 +48,8 @@ from torch import nn
 
 from torch.utils.checkpoint import checkpoint
 
-from parallel.checkpointing import CheckpointHandle, OffloadForward, apply_activation_checkpointing, parse_policy
+from parallel.checkpointing import (CheckpointHandle, OffloadForward, apply_activation_checkpointing, class_forward,
+                                    parse_policy)
 from raysys.advisor import KINDS
 from raysys.config import ModelConfig
 from raysys.model import (AdamW, RMSNorm, RotaryEmbedding, SwiGLU, TransformerBlock, TransformerLM,
@@ -197,11 +198,6 @@ def compile_pieces(model: nn.Module, backend: str = "inductor") -> CompiledPiece
     return CompiledPieces(modules, backend)
 
 
-def _class_forward(module: nn.Module, *args):
-    """The module's class `forward` (not a compiled instance-level one: the lean graphs trace the plain code)."""
-    return type(module).forward(module, *args)
-
-
 def _gate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """SwiGLU's gated product silu(w1 x) * w3 x."""
     return silu(a) * b
@@ -214,18 +210,18 @@ def lean_attention_inputs(attn: nn.Module, ln1: RMSNorm, x: torch.Tensor, positi
     then returns O in that layout too (cuDNN and the Triton kernel allocate O like q), so merging its heads is a
     view, and the gradients of q, k, v come back in the layout the graph returned (AOTAutograd would otherwise
     copy each into the traced output's layout)."""
-    n = checkpoint(_class_forward, ln1, x, use_reentrant=False)
+    n = checkpoint(class_forward, ln1, x, use_reentrant=False)
     rope, heads = attn.positional_encoder, (attn.num_heads, attn.d_head)
-    q, k, v = (_class_forward(proj, n).unflatten(-1, heads) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-    q, k = (_class_forward(rope, t.transpose(-3, -2), positions).transpose(-3, -2).contiguous() for t in (q, k))
+    q, k, v = (class_forward(proj, n).unflatten(-1, heads) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+    q, k = (class_forward(rope, t.transpose(-3, -2), positions).transpose(-3, -2).contiguous() for t in (q, k))
     return q, k, v
 
 
 def lean_ffn_branch(ln2: RMSNorm, ffn: SwiGLU, h: torch.Tensor) -> torch.Tensor:
     """ffn(ln2(h)) keeping h, w1 x and w3 x: ln2's output and the gated product are recomputed in backward."""
-    n = checkpoint(_class_forward, ln2, h, use_reentrant=False)
-    a, b = _class_forward(ffn.w1, n), _class_forward(ffn.w3, n)
-    return _class_forward(ffn.w2, checkpoint(_gate, a, b, use_reentrant=False))
+    n = checkpoint(class_forward, ln2, h, use_reentrant=False)
+    a, b = class_forward(ffn.w1, n), class_forward(ffn.w3, n)
+    return class_forward(ffn.w2, checkpoint(_gate, a, b, use_reentrant=False))
 
 
 class _LeanFfnBranch:
@@ -251,7 +247,7 @@ class _LeanBlockForward:
         attn = block.attn
         if attn.positional_encoder is None or x.dim() != 3 or (token_positions is not None
                                                                 and token_positions.dim() != 1):
-            return type(block).forward(block, x, token_positions)
+            return class_forward(block, x, token_positions)
         if token_positions is None:
             token_positions = torch.arange(x.shape[-2], device=x.device)
         q, k, v = (t.transpose(-3, -2) for t in self.compiled(attn, block.ln1, x, token_positions))

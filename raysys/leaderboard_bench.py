@@ -56,12 +56,14 @@ def ablation(batch_size: int = 1, *, batch2: bool = True, attention: str = "flas
     """The fast step first (it meets the empty compile caches: its first step is the cold start), then today's
     composition and today's with each optimisation added alone, then the fast step at twice the batch. `best`
     runs `attention`; `best-ffn` and `best-offload` are the fast step whose advisor may not choose ffn (offloaded)
-    blocks, `best-lean` the fast step with compiled pieces instead of lean blocks (`today+lean` adds both); `today+advisor_plan` lets the advisor mix none and full blocks, `today+ffn_recompute` none,
-    ffn and full (today's composition does not fit with ffn alone: eager SwiGLU keeps five (B, S, d_ff) tensors)."""
+    blocks, `best-lean` the fast step with compiled pieces instead of lean blocks (`today+lean` adds both to today's,
+    a no-op under its full checkpointing); `today+advisor_plan` lets the advisor mix none and full blocks,
+    `today+ffn_recompute` none, ffn and full (today's composition does not fit with ffn alone: eager SwiGLU keeps five (B, S, d_ff) tensors)."""
     best = StepConfig(attention=attention)
     variants = [Variant(name="best", step=best, batch_size=batch_size), Variant(name="today", step=TODAY, batch_size=batch_size)]
     for name, change in (("fused_loss", dict(loss="fused")), ("fused_adamw", dict(optimizer="fused")),
-                         ("compile", dict(compile=True, lean=False)), ("lean", dict(compile=True, lean=True)), ("cudnn", dict(attention="cudnn")),
+                         ("compile", dict(compile=True, lean=False)), ("lean", dict(compile=True, lean=True)),
+                         ("cudnn", dict(attention="cudnn")),
                          ("advisor_plan", dict(recompute="advisor", recompute_kinds=("none", "full"))),
                          ("ffn_recompute", dict(recompute="advisor", recompute_kinds=("none", "ffn", "full")))):
         variants.append(Variant(name=f"today+{name}", step=TODAY.replace(**change), batch_size=batch_size))
@@ -283,7 +285,8 @@ def predicted_peak(model: TransformerLM, variant: Variant, seq_len: int, regions
     dtype = model_dtype_name(model)
     s = variant.step
     w = Workload(config=model.config.replace(attention=s.attention), batch_size=variant.batch_size, seq_len=seq_len,
-                 precision=dtype, param_dtype=dtype, loss=s.loss, compiled=s.compile, lean=s.lean, optimizer=s.optimizer,
+                 precision=dtype, param_dtype=dtype, loss=s.loss, compiled=s.compile, lean=s.lean,
+                 optimizer=s.optimizer,
                  device_type=next(model.parameters()).device.type)
     return predict_peak(w, regions).peak_bytes
 

@@ -286,8 +286,8 @@ def ablation_markdown(df: pd.DataFrame) -> str:
                 if not other.empty and other.iloc[0].policy == r.policy:
                     o = other.iloc[0]
                     lines.append(f"- same run {r.run_id}: the fast step's plan ({r.policy}) has no {what}; without "
-                                 f"them the advisor chose it again: {o.step_median_s:.3f} s against {r.step_median_s:.3f} s"
-                                 f" (the same step measured twice)")
+                                 f"them the advisor chose it again: {o.step_median_s:.3f} s against "
+                                 f"{r.step_median_s:.3f} s (the same step measured twice)")
                 elif not other.empty:
                     o = other.iloc[0]
                     lines.append(f"- same run {r.run_id}: fast step ({r.policy}, peak {r.peak_bytes / 2**30:.1f} GiB) "
@@ -337,8 +337,9 @@ def repredict(rows: pd.DataFrame) -> pd.Series:
     for r in rows.itertuples():
         mc = ModelConfig.from_name(r.size, context_length=int(r.seq_len), vocab_size=int(r.vocab_size),
                                    attention=r.attention)
+        lean = getattr(r, "lean", False)  # rows from before lean blocks: no column, or NaN beside newer rows
         w = Workload(config=mc, batch_size=int(r.batch_size), precision=r.dtype, param_dtype=r.dtype, loss=r.loss,
-                     compiled=bool(r.compile), lean=getattr(r, "lean", False) is True, optimizer=r.optimizer,
+                     compiled=bool(r.compile), lean=bool(pd.notna(lean) and lean), optimizer=r.optimizer,
                      device_type=r.device)
         out.append(predict_peak(w, parse_policy(r.policy, mc.num_layers).regions(mc.num_layers)).peak_bytes)
     return pd.Series(out, index=rows.index, dtype=float)

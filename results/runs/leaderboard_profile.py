@@ -5,7 +5,7 @@ model at batch 1 x 32768 in bf16: two warm-up steps (the first compiles), then o
 Kernel time is grouped by what ran (cuBLAS / CUTLASS matmuls, cuDNN attention, the project's Triton kernels,
 Inductor's kernels, other) and offload's host link copies, which run on a side stream beside them; `gaps` is the
 step's wall time (CUDA events) minus the kernels' summed time, copies aside (the GPU waiting on the host, a copy
-or nothing). Then pinned host <-> device copies of 1 GiB, alone. Writes
+or nothing). First the host link, as the step measures it (`host_link_gbps`, 1 GiB copies). Writes
 `$OUT/leaderboard_profile_<label>.txt` and `.parquet` (one `raysys.results` row per kernel name: calls, total_s,
 the profiled step's step_s and peak_bytes). Run on the GPU host:
 
@@ -15,7 +15,6 @@ the profiled step's step_s and peak_bytes). Run on the GPU host:
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -25,7 +24,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from raysys.config import ModelConfig  # noqa: E402
-from raysys.leaderboard import LeaderboardStep, StepConfig  # noqa: E402
+from raysys.leaderboard import LeaderboardStep, StepConfig, host_link_gbps  # noqa: E402
 from raysys.leaderboard_bench import build_model, make_batch  # noqa: E402
 from raysys.results import make_row  # noqa: E402
 
@@ -48,19 +47,6 @@ def category(name: str) -> str:
     return next(c for c, pattern in CATEGORIES if re.search(pattern, name))
 
 
-def link_gbps(direction: str, nbytes: int = 2**30, reps: int = 5) -> float:
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    src, dst = (dev, host) if direction == "d2h" else (host, dev)
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    return reps * nbytes / (time.perf_counter() - t0) / 1e9
-
-
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("leaderboard_profile.py: needs a CUDA GPU (it profiles the 8B step on one); this machine has none")
@@ -74,8 +60,7 @@ def main() -> None:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     device = torch.device("cuda")
     lines = [f"# leaderboard step profile ({LABEL}): {torch.cuda.get_device_name()}, torch {torch.__version__}"]
-    lines.append(f"pinned copies of 1 GiB: host->device {link_gbps('h2d'):.1f} GB/s, device->host "
-                 f"{link_gbps('d2h'):.1f} GB/s")
+    lines.append(f"pinned copies of 1 GiB, the slower direction: {host_link_gbps(device, 2**30):.1f} GB/s")
     config = ModelConfig.from_name("leaderboard")
     model = build_model(config, device, torch.bfloat16)
     step = LeaderboardStep(model, step_config, batch_size=1)
