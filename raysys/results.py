@@ -15,9 +15,12 @@ commit, device or `expect`ed configuration unless `allow_mixed=True`; `"overwrit
 write. The writer holds an exclusive lock on the file while it lives (a second run writing it fails at once)
 and rewrites it atomically after every `write` (`raysys.files`): readers see the old or the new file, a full
 disk leaves the old one and says so, files are 0644 under the usual umask, and temp files of dead writers are
-removed. Committed results (`results/`) are written only when named with `--out`; a fresh run directory a run
+removed. A reader of a file a live sweep is writing must open it once: `read_results` reads its bytes in one go,
+whereas `pd.read_parquet(path)` opens the path again for the data after its footer, and a replace in between
+mixes two files' bytes (pyarrow then raises "Couldn't deserialize thrift"). Committed results (`results/`) are written only when named with `--out`; a fresh run directory a run
 left empty (it failed before its first row) is removed when it ends (`discard_empty_run_dirs`).
-Analysis is `pd.read_parquet(path)`; `read_results(dir)` skips an unreadable file with one line on stderr.
+Analysis is `read_results(path)` (or `pd.read_parquet(path)` on a finished file); `read_results(dir)` skips an
+unreadable file with one line on stderr.
 
 Column convention, one for every study (`make_row` refuses a metric named otherwise): measured times are seconds
 (`_s`), memory is bytes (`_bytes`), a statistic comes before the unit (`step_median_s`, `step_mean_s`, `step_std_s`,
@@ -34,6 +37,7 @@ import atexit
 import datetime as _dt
 import functools
 import hashlib
+import io
 import json
 import os
 import platform
@@ -236,8 +240,8 @@ def error_row(sweep: str, config: Mapping[str, Any], exc: BaseException, **extra
 
 
 def write_parquet(df: pd.DataFrame, path: str | os.PathLike) -> Path:
-    """Write `df` to `path` atomically (`raysys.files.atomic_write`): readers see the old file or the new one, a
-    full disk raises `DiskFull` and leaves the old one. The caller owns `path` (a `ResultWriter` holds its lock)."""
+    """Write `df` to `path` atomically (`raysys.files.atomic_write`): a reader that opens it once (`read_results`)
+    sees the old file or the new one, a full disk raises `DiskFull` and leaves the old one. The caller owns `path` (a `ResultWriter` holds its lock)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write(path, df.to_parquet(index=False))
@@ -333,11 +337,11 @@ def resolve_out(out: str | os.PathLike | None, sweep: str) -> Path:
 # ---------------------------------------------------------------------------------------------------- read
 def _read_parquet(path: Path) -> pd.DataFrame:
     """The rows of `path` in the column convention (`raysys.migrate.canonical`: a file written before it reads
-    like a new one)."""
+    like a new one). The bytes are read in one go: a writer's atomic replace cannot land between footer and data."""
     from raysys.migrate import canonical
 
     try:
-        df = pd.read_parquet(path)
+        df = pd.read_parquet(io.BytesIO(path.read_bytes()))
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
         text = str(exc).strip()
         first = text.splitlines()[0] if text else type(exc).__name__

@@ -101,7 +101,8 @@ tune_run(trainable, {"x": tune.grid_search([1, 2, 3, 4])}, sweep="tune_hang", ou
 
 
 def _rows(path: Path) -> pd.DataFrame:
-    return pd.read_parquet(path) if path.exists() else pd.DataFrame(columns=["x", "status"])
+    # read_results, not pd.read_parquet: the driver replaces the file as each trial ends, while this polls it.
+    return read_results(path) if path.exists() else pd.DataFrame(columns=["x", "status"])
 
 
 def _alive(pid: int) -> bool:

@@ -146,6 +146,34 @@ def test_concurrent_writers_lose_no_row(tmp_path):
         assert any("is being written by another run" in err for _, err in outs)
 
 
+def test_a_reader_polling_a_live_sweep_never_sees_two_files_mixed(tmp_path):
+    """The writer replaces the file after every row; `pd.read_parquet(path)` opens it again after the footer, so it
+    can mix two versions ("Couldn't deserialize thrift"). `read_results` reads the bytes once: never."""
+    import threading
+
+    path, stop = tmp_path / "demo.parquet", threading.Event()
+
+    def write():
+        with ResultWriter(tmp_path, "demo") as w:
+            for i in range(100_000):
+                if stop.is_set():
+                    return
+                w.write(_rows(1, start=i, pad="x" * (i % 97)))
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        while not path.exists():
+            time.sleep(0.001)
+        counts, deadline = [], time.monotonic() + 3
+        while time.monotonic() < deadline:
+            counts.append(len(read_results(path)))
+    finally:
+        stop.set()
+        writer.join()
+    assert len(counts) > 50 and counts == sorted(counts) and counts[-1] > counts[0], counts[:5]
+
+
 def test_sigkill_during_writes_leaves_a_readable_file_and_no_stale_temp(tmp_path):
     seen = 0
     for round_ in range(3):
