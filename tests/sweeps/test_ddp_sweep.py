@@ -149,7 +149,8 @@ def test_trial_functions_serialise_as_under_a_script():
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_script_with_compiled_blocks(tmp_path):
-    argv = [*ARGS, "--launcher", "mp", "--compile", "--variants", "single,bucketed:0.05", "--out", str(tmp_path)]
+    argv = [*ARGS, "--launcher", "mp", "--compile", "--variants", "single,bucketed:0.05", "--no-single-rerun",
+            "--out", str(tmp_path)]
     ddp = ddp_sweep.main(argv)                             # --compile: rows in a file of their own
     assert (ddp["status"] == "ok").all() and ddp["compile"].all(), ddp[["label", "status", "error"]]
     assert (ddp["graphs_compiled_timed"] == 0).all()
