@@ -15,7 +15,7 @@
 #   bash sweeps/gpu_run.sh ckpt      # checkpointing trials (Ray Tune, one GPU per trial)                  (~4 min)
 #   bash sweeps/gpu_run.sh flash     # Ray Tune tile sweep (one GPU per trial), the FlashAttention grid    (~9.5 min)
 #   bash sweeps/gpu_run.sh leaderboard # 1 GPU: the 8B step's ablation and --check (issue 15)             (~8.5 min)
-#   bash sweeps/gpu_run.sh lbtune    # 1 GPU: the advisor's plan against its neighbours, a profile of the step (~9 min)
+#   bash sweeps/gpu_run.sh lbtune    # 1 GPU: the advisor's plan against its neighbours, a profile of the step (~8 min)
 #   bash sweeps/gpu_run.sh tests     # the gpu-marked tests (-n 8 needs pytest-xdist)                      (~1 min)
 #   bash sweeps/gpu_run.sh e2e       # the end-to-end model study (handout 2)                             (~7 min)
 #
@@ -156,9 +156,11 @@ case $phase in
       --timer do_bench --do-bench-only best:b1 --rep-ms 1 --warmup-ms 1 --steps 2 --warmup-steps 0 --check \
       --out "$RESULTS/leaderboard" --resume
     ;;
-  lbtune)  # issue 15: the advisor's plan of the fast step and its neighbours, then a profile of one fast step (~9 min)
-    study leaderboard_tune 400 python3 sweeps/leaderboard.py --size leaderboard --device cuda --study neighbours \
-      --no-ray --best-attention cudnn --steps 2 --out "$RESULTS/leaderboard" --resume
+  lbtune)  # issue 15: the advisor's plan of the fast step and its neighbours, then a profile of one fast step (~8 min)
+    # The events timer (first step, one warm-up, median of 3), as the ablation's rows other than best:b1: the
+    # course's do_bench defaults (10 s warm-up, 30 s of repeats) would spend about a minute on each of the five plans.
+    study leaderboard_tune 330 python3 sweeps/leaderboard.py --size leaderboard --device cuda --study neighbours \
+      --no-ray --best-attention cudnn --timer events --warmup-steps 1 --steps 3 --out "$RESULTS/leaderboard" --resume
     study leaderboard_profile 150 env OUT="$RESULTS/leaderboard" LABEL=fast python3 results/runs/leaderboard_profile.py
     ;;
   tests)
