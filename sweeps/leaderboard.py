@@ -134,11 +134,13 @@ def run_neighbours_tune(args) -> pd.DataFrame:
     return df
 
 
-def neighbours_summary(df: pd.DataFrame) -> str:
+def neighbours_summary(df: pd.DataFrame, ablation: pd.DataFrame | None = None) -> str:
     """The measured neighbours, and the advisor's plan against the fastest that fit (target: within 5%) and its
-    predicted peak against the measured (target: within 10%)."""
+    predicted peak against the measured (target: within 10%). With the ablation's rows (`leaderboard.parquet`
+    beside it): a line when the fast step of its latest run ran another plan than these neighbours surround."""
     if df.empty or "step_median_s" not in df:
         return "no neighbour rows"
+    stale = _stale_neighbours(df, ablation)
     cols = [c for c in ("offset", "policy", "status", "step_median_s", "peak_bytes", "predicted_peak_bytes")
             if c in df]
     lines = [df[cols].sort_values("offset").to_markdown(index=False, floatfmt=".4g"), ""]
@@ -155,7 +157,23 @@ def neighbours_summary(df: pd.DataFrame) -> str:
             lines.append(f"- plan's predicted peak {p.predicted_peak_bytes / 2**30:.2f} GiB vs measured "
                          f"{p.peak_bytes / 2**30:.2f} GiB: {100 * (p.predicted_peak_bytes / p.peak_bytes - 1):+.1f}% "
                          f"(target within 10%)")
-    return "\n".join(lines)
+    return "\n".join(lines + ([stale] if stale else []))
+
+
+def _stale_neighbours(df: pd.DataFrame, ablation: pd.DataFrame | None) -> str | None:
+    """A warning line when the latest ablation run's fast step (`best` at batch 1) ran a plan other than the
+    advisor's plan these neighbours surround (the two files come from different commits)."""
+    if ablation is None or ablation.empty or "advisor_policy" not in df:
+        return None
+    fast = ablation[(ablation.variant == "best") & (ablation.batch_size == 1) & (ablation.status == "ok")]
+    if fast.empty:
+        return None
+    latest, plans = fast.sort_values("utc").iloc[-1], sorted(set(df.advisor_policy.dropna()))
+    if plans == [latest.policy]:
+        return None
+    return (f"- **not the fast step's plan now**: these neighbours surround {', '.join(plans)} (commit "
+            f"{', '.join(sorted(set(df.git_sha.dropna())))}); the ablation's latest fast step (run {latest.run_id}, "
+            f"commit {latest.git_sha}) ran {latest.policy}, not yet measured against its neighbours")
 
 
 # ---------------------------------------------------------------------------------------------------- ddp
@@ -357,8 +375,10 @@ def check_markdown(df: pd.DataFrame) -> str:
 def write_reports(out: Path) -> list[Path]:
     """`<sweep>.md` beside each of this study's Parquet files in `out` (what `python -m raysys report` shows)."""
     made = []
+    ablation_path = Path(out) / f"{SWEEP}.parquet"
+    ablation = read_results(ablation_path) if ablation_path.exists() else None
     for sweep, draw in ((SWEEP, ablation_markdown), (TUNE_SWEEP, lambda d: "## Leaderboard recompute plan and its "
-                        "neighbours\n\n" + neighbours_summary(d) + "\n"), (f"{SWEEP}_check", check_markdown)):
+                        "neighbours\n\n" + neighbours_summary(d, ablation) + "\n"), (f"{SWEEP}_check", check_markdown)):
         path = Path(out) / f"{sweep}.parquet"
         if path.exists():
             md = path.with_suffix(".md")

@@ -114,6 +114,29 @@ def test_neighbours_without_ray(tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.slow
+def test_neighbours_report_says_when_the_fast_step_ran_another_plan(tmp_path, monkeypatch):
+    tune = pd.DataFrame({"offset": [-1, 0, 1], "policy": ["ffn*1+none*3", "ffn*2+none*2", "ffn*3+none*1"],
+                         "status": "ok", "step_median_s": [1.01, 1.0, 1.02], "peak_bytes": 2.0**30,
+                         "predicted_peak_bytes": 2.0**30, "advisor_policy": "ffn*2+none*2", "git_sha": "aaaaaaaaaaaa"})
+    ablation = pd.DataFrame({"variant": ["best", "best", "best", "today"], "batch_size": [1, 1, 2, 1],
+                             "status": "ok", "policy": ["ffn*2+none*2", "offload*1+none*3", "ffn*4", "full"],
+                             "utc": ["2026-01-01T00:00:00Z", "2026-01-02T00:00:00Z", "2026-01-03T00:00:00Z",
+                                     "2026-01-04T00:00:00Z"], "run_id": ["r1", "r2", "r2", "r2"],
+                             "git_sha": ["aaaaaaaaaaaa", "bbbbbbbbbbbb", "bbbbbbbbbbbb", "bbbbbbbbbbbb"]})
+    text = sweep.neighbours_summary(tune, ablation)
+    assert "plan / best = 1.000" in text
+    assert ("these neighbours surround ffn*2+none*2 (commit aaaaaaaaaaaa); the ablation's latest fast step (run r2, "
+            "commit bbbbbbbbbbbb) ran offload*1+none*3") in text
+    assert "not the fast step's plan" not in sweep.neighbours_summary(tune, ablation.iloc[[0, 2, 3]])
+    assert "not the fast step's plan" not in sweep.neighbours_summary(tune)
+    # --report-only reads the ablation file beside the neighbours file (whose own report is not the point here)
+    monkeypatch.setattr(sweep, "ablation_markdown", lambda df: "## ablation\n")
+    tune.to_parquet(tmp_path / "leaderboard_tune.parquet")
+    ablation.to_parquet(tmp_path / "leaderboard.parquet")
+    sweep.write_reports(tmp_path)
+    assert "ran offload*1+none*3" in (tmp_path / "leaderboard_tune.md").read_text()
+
+
 def test_neighbours_as_ray_tune_trials(tmp_path, ray_cluster):  # noqa: F811
     df = sweep.run_neighbours_tune(sweep.build_parser().parse_args(
         ["--size", "tiny", "--device", "cpu", "--dtype", "fp32", "--study", "neighbours", "--offsets", "0", "1",
