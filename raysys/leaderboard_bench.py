@@ -106,7 +106,7 @@ def pick_attention(config: ModelConfig, batch_size: int, seq_len: int, device: t
         except (ValueError, RuntimeError) as exc:
             print(f"attention {name}: cannot run ({str(exc).splitlines()[0][:160]})", flush=True)
             times[name] = float("inf")
-        _free(device)
+        release_cached_memory(device)
     return min(candidates, key=lambda name: times[name]), times
 
 
@@ -153,6 +153,51 @@ def _wall_ms(fn: Callable[[], object], *, warmup: int, steps: int, device: torch
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "timed_steps": steps}
+
+
+def do_bench_agreed(fn: Callable[[], object], device: torch.device, *, warmup_ms: float, rep_ms: float,
+                    agree: Callable[[float], float]) -> dict:
+    """`triton.testing.do_bench`'s procedure on every rank of a gang: one call, five calls for an estimate, then
+    warmup_ms / estimate untimed calls and rep_ms / estimate timed ones, the L2 cache cleared (a 256 MB write, as
+    Triton's `clear_cache`) before each, timed one by one. The only rank-dependent number, the estimate, goes
+    through `agree` (the slowest rank's): every rank makes the same calls, so each step's collectives pair up
+    where Triton's own would leave ranks with different counts and a collective waiting forever. CUDA events on
+    a GPU, the wall clock elsewhere (the CPU tests). Returns `time_step`'s dict (median and 20 / 80% quantiles)."""
+    import time
+
+    cuda = device.type == "cuda"
+    cache = torch.empty(256 * 2**20 if cuda else 2**20, dtype=torch.int8, device=device)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def timed(n: int) -> list[float]:
+        if cuda:
+            pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+            for start, end in pairs:
+                cache.zero_()
+                start.record()
+                fn()
+                end.record()
+            sync()
+            return [start.elapsed_time(end) for start, end in pairs]
+        out = []
+        for _ in range(n):
+            cache.zero_()
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    fn()
+    sync()
+    estimate_ms = agree(sum(timed(5)) / 5)
+    for _ in range(max(1, int(warmup_ms / estimate_ms))):
+        fn()
+    times = torch.tensor(timed(max(1, int(rep_ms / estimate_ms))), dtype=torch.float64)
+    q20, median, q80 = torch.quantile(times, torch.tensor([0.2, 0.5, 0.8], dtype=torch.float64)).tolist()
+    return {"median_ms": median, "min_ms": q20, "max_ms": q80, "timed_steps": len(times)}
 
 
 def time_step(fn: Callable[[], object], device: torch.device, *, timer: str, rep_ms: float, warmup_ms: float,
@@ -240,7 +285,7 @@ def run_variant(model: TransformerLM, variant: Variant, *, seq_len: int, timer: 
     mc = model.config
     step = None
     try:
-        _free(device)
+        release_cached_memory(device)
         t0 = _now()
         step = LeaderboardStep(model, variant.step, batch_size=variant.batch_size, seq_len=seq_len)
         x, y = make_batch(mc, variant.batch_size, seq_len, device, seed)
@@ -275,7 +320,7 @@ def run_variant(model: TransformerLM, variant: Variant, *, seq_len: int, timer: 
             step.reset_optimizer_state()
             del step
         model.zero_grad(set_to_none=True)
-        _free(device)
+        release_cached_memory(device)
 
 
 def predicted_peak(model: TransformerLM, variant: Variant, seq_len: int, regions) -> int:
@@ -296,7 +341,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _free(device: torch.device) -> None:
+def release_cached_memory(device: torch.device) -> None:
     """Between variants: drop the caching allocators' free blocks, the device's and the pinned host memory's
     (offloaded blocks' copies: a variant that offloads at another size would otherwise pin new memory beside
     the cached blocks it cannot reuse; on the GPU host a full ablation was killed for host memory that way)."""
@@ -363,7 +408,7 @@ def compare_with_reference(config: ModelConfig, device: torch.device, dtype: tor
     finally:
         composed.close()
         del reference, fast, composed
-        _free(device)
+        release_cached_memory(device)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -603,7 +648,7 @@ def run_leaderboard(args) -> "pd.DataFrame":
     df = run_ablation(args, session)
     if args.check:
         session.model = None
-        _free(session.device)
+        release_cached_memory(session.device)
         run_check(args, session)
     return df
 

@@ -16,13 +16,14 @@
 #   bash sweeps/gpu_run.sh flash     # Ray Tune tile sweep (one GPU per trial), the FlashAttention grid    (~9.5 min)
 #   bash sweeps/gpu_run.sh leaderboard # 1 GPU: the 8B step's ablation and --check (issue 15)             (~8.5 min)
 #   bash sweeps/gpu_run.sh lbtune    # 1 GPU: the advisor's plan against its neighbours, a profile of the step (~8 min)
+#   bash sweeps/gpu_run.sh lb2       # 2 GPUs: the 8B step on two ranks (Ray gang) and on one, same commit (~8 min)
 #   bash sweeps/gpu_run.sh tests     # the gpu-marked tests (-n 8 needs pytest-xdist)                      (~1 min)
 #   bash sweeps/gpu_run.sh e2e       # the end-to-end model study (handout 2)                             (~7 min)
 #
 # Ray comes from wheels when the host has none: set WHEELS=.whl (the README's "Studies" section says how to make it).
 # Exit status: 2 without the GPUs the phase needs (nothing runs), 1 if a study failed, else 0.
 set -u
-phase=${1:?usage: gpu_run.sh dist|allreduce|fsdp|paired|compiled|alone|ckpt|flash|leaderboard|lbtune|tests|e2e}
+phase=${1:?usage: gpu_run.sh dist|allreduce|fsdp|paired|compiled|alone|ckpt|flash|leaderboard|lbtune|lb2|tests|e2e}
 OUT=${OUT:-/tmp/raysys-gpu}
 # Results go to a run directory of their own (never straight into the committed results/): running a phase again
 # continues it (--resume of the same commit); copy what you keep into results/ afterwards.
@@ -41,7 +42,7 @@ fi
 
 # GPUs each phase needs; none runs without them (one line, exit 2, before any study starts).
 case $phase in
-  dist|allreduce|fsdp|paired|compiled) need=2 ;;
+  dist|allreduce|fsdp|paired|compiled|lb2) need=2 ;;
   *) need=1 ;;
 esac
 have=$(python3 -c "import torch; print(torch.cuda.device_count())" 2> /dev/null || echo 0)
@@ -163,6 +164,14 @@ case $phase in
       --no-ray --best-attention cudnn --timer events --warmup-steps 1 --steps 3 --out "$RESULTS/leaderboard" --resume
     study leaderboard_profile 150 env OUT="$RESULTS/leaderboard" LABEL=fast python3 results/runs/leaderboard_profile.py
     ;;
+  lb2)  # issue 17 on two GPUs: the 2-GPU step (batch 1 per rank, 2 in all) through the Ray gang by the course's
+    # harness (its call counts agreed across the ranks) with one profiled step, then this commit's one-GPU step at
+    # batch 1 by the same harness, in a process of its own (a driver that held the 8B model would crowd rank 0) (~8 min)
+    study leaderboard_ddp 300 python3 sweeps/leaderboard.py --size leaderboard --device cuda --study ddp \
+      --world-size 2 --launcher ray --timer do_bench --rep-ms 20000 --warmup-ms 5000 --out "$RESULTS/leaderboard" --resume
+    study leaderboard_one 200 python3 sweeps/leaderboard.py --size leaderboard --device cuda --study ablation \
+      --variants best --no-batch2 --timer do_bench --rep-ms 20000 --warmup-ms 5000 --out "$RESULTS/leaderboard" --resume
+    ;;
   tests)
     study gpu_tests 170 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 tests
     ;;
@@ -170,7 +179,7 @@ case $phase in
     study end_to_end 420 python3 sweeps/end_to_end.py --device cuda --out "$RESULTS" --resume
     ;;
   *)
-    echo "unknown phase $phase (dist, allreduce, fsdp, paired, compiled, alone, ckpt, flash, leaderboard, lbtune, tests, e2e)" >&2
+    echo "unknown phase $phase (dist, allreduce, fsdp, paired, compiled, alone, ckpt, flash, leaderboard, lbtune, lb2, tests, e2e)" >&2
     exit 2
     ;;
 esac

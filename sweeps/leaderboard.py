@@ -11,7 +11,10 @@
               Ray): every rank holds the whole bf16 state, as the memory plan allows (65 GB of state fits one
               GPU; `parallel/fsdp.py` keeps fp32 shards and recomputes nothing), and runs the fast step on its
               own sequences; `parallel.ddp.OverlappedDDP` all-reduces each gradient in place as backward makes
-              it. `<out>/leaderboard_ddp.parquet`.
+              it. Timed on CUDA by the course's harness with its call counts agreed across the ranks
+              (`do_bench_agreed`), then one step profiled for the NCCL time no other kernel hides (exposed); the
+              report sets the step against the one-GPU fast step of the same commit (`leaderboard.parquet`).
+              `<out>/leaderboard_ddp.parquet` (`bash sweeps/gpu_run.sh lb2` on a 2-GPU host: both, one call).
 
     python sweeps/leaderboard.py --size leaderboard --device cuda --study ablation neighbours --no-ray \\
         --timer do_bench --do-bench-only best today --rep-ms 1 --warmup-ms 1 --steps 2 --out "$PWD/results"
@@ -37,8 +40,9 @@ from parallel.checkpointing import parse_policy  # noqa: E402
 from raysys.config import ModelConfig  # noqa: E402
 from raysys.device import check_fits  # noqa: E402
 from raysys.leaderboard import LeaderboardStep, StepConfig, plan_on_device  # noqa: E402
-from raysys.leaderboard_bench import (DTYPE_NAMES, SWEEP, Session, Variant, build_leaderboard_parser,  # noqa: E402
-                                      build_model, for_device, make_batch, run_ablation, run_check, run_variants,
+from raysys.leaderboard_bench import (COURSE_REP_MS, COURSE_WARMUP_MS, DTYPE_NAMES, SWEEP, Session,  # noqa: E402
+                                      Variant, build_leaderboard_parser, build_model, do_bench_agreed, for_device,
+                                      make_batch, release_cached_memory, run_ablation, run_check, run_variants,
                                       start_session, variant_row)
 from raysys.results import ROW_COLUMNS, read_results  # noqa: E402
 
@@ -190,7 +194,14 @@ class DDPTrial:
     step: tuple = ()
     """`StepConfig` fields as (name, value) pairs."""
     steps: int = 3
-    """Timed steps (after one untimed first step)."""
+    """Timed steps (after one untimed first step), with the events timer."""
+    timer: str = "events"
+    """`events`: `steps` steps between synchronisations; `do_bench`: the course's harness, its call counts agreed
+    across the ranks (`do_bench_agreed`)."""
+    rep_ms: float = COURSE_REP_MS
+    warmup_ms: float = COURSE_WARMUP_MS
+    profile: bool = False
+    """Profile one more step: the NCCL kernels' time and the part of it no other kernel overlaps (exposed)."""
     seed: int = 0
     return_params: bool = False
     """Return every parameter after the steps (the tests compare them with one process)."""
@@ -200,13 +211,36 @@ class DDPTrial:
                                                                         ("vocab_size", self.vocab_size)) if v})
 
 
+def _agree_max(ctx, value: float) -> float:
+    """The largest `value` over the gang's ranks (a collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.process_group)
+    return float(t.item())
+
+
+def exposed_communication(prof) -> dict:
+    """From one profiled step: the NCCL kernels' seconds and the seconds of them no other kernel overlaps (NaN
+    without GPU kernels to read, as on the CPU: `profile_status` says why)."""
+    from raysys.profiling import kernel_intervals, overlap
+
+    status = prof.status(expect_nccl=True)
+    if status != "ok":
+        return {"profile_status": status, "comm_s": float("nan"), "comm_exposed_s": float("nan")}
+    total_us, shared_us = overlap(*kernel_intervals(prof.events))
+    return {"profile_status": status, "comm_s": total_us * 1e-6, "comm_exposed_s": (total_us - shared_us) * 1e-6}
+
+
 def ddp_trial(ctx, config: dict) -> dict:
     """On every rank: the model (same seed everywhere; the wrapper broadcasts rank 0's anyway), OverlappedDDP over
-    the gang's group, the fast step on this rank's own sequences, `steps` timed steps."""
+    the gang's group, the fast step on this rank's own sequences, timed by `timer`; with `profile`, one more step
+    under the profiler for the communication it leaves exposed."""
     import statistics
     import time
 
     from parallel.ddp import OverlappedDDP
+    from raysys.profiling import profile_steps
 
     t = DDPTrial(**config)
     dtype = {v: k for k, v in DTYPE_NAMES.items()}[t.dtype]
@@ -218,17 +252,25 @@ def ddp_trial(ctx, config: dict) -> dict:
     try:
         x, y = make_batch(mc, t.batch_size, mc.context_length, ctx.device, t.seed, rank=ctx.rank)
         losses = [float(step(x, y))]
-        times = []
-        for _ in range(t.steps):
-            ctx.synchronize()
-            t0 = time.perf_counter()
-            losses.append(float(step(x, y)))
-            ctx.synchronize()
-            times.append(time.perf_counter() - t0)
+        if t.timer == "do_bench":
+            timing = do_bench_agreed(lambda: step(x, y), ctx.device, warmup_ms=t.warmup_ms, rep_ms=t.rep_ms,
+                                     agree=lambda v: _agree_max(ctx, v))
+            median, timed = timing["median_ms"] * 1e-3, timing["timed_steps"]
+        else:
+            times = []
+            for _ in range(t.steps):
+                ctx.synchronize()
+                t0 = time.perf_counter()
+                losses.append(float(step(x, y)))
+                ctx.synchronize()
+                times.append(time.perf_counter() - t0)
+            median, timed = statistics.median(times), len(times)
         peak = float(torch.cuda.max_memory_allocated(ctx.device)) if ctx.device.type == "cuda" else float("nan")
-        out = {"step_median_s": statistics.median(times), "losses": losses, "peak_bytes": peak,
-               "tokens_per_s": ctx.world_size * t.batch_size * mc.context_length / statistics.median(times),
+        out = {"step_median_s": median, "timed_steps": timed, "losses": losses, "peak_bytes": peak,
+               "tokens_per_s": ctx.world_size * t.batch_size * mc.context_length / median,
                **{k: v for k, v in step.describe().items() if k != "plan_fits"}}
+        if t.profile:
+            out.update(exposed_communication(profile_steps(lambda: step(x, y), ctx.device, warmup=1, active=1)))
         if t.return_params:
             out["params"] = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
         return out
@@ -243,15 +285,21 @@ def run_ddp(args) -> pd.DataFrame:
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     step = for_device(StepConfig(), torch.device(device), args.compile_backend)
+    timer = args.timer or ("do_bench" if device.startswith("cuda") else "events")
     trial = DDPTrial(size=args.size, context_length=args.context_length, vocab_size=args.vocab_size,
                      batch_size=args.batch_size, dtype=args.dtype, step=tuple(sorted(step.as_dict().items())),
-                     steps=args.steps, seed=args.seed)
+                     steps=args.steps, timer=timer, rep_ms=args.rep_ms, warmup_ms=args.warmup_ms,
+                     profile=device.startswith("cuda"), seed=args.seed)
     cfg = {k: v for k, v in dataclasses.asdict(trial).items() if k != "return_params"}
 
-    def reduce(config, per_rank):  # the slowest rank's step; every rank's losses and peaks
+    def reduce(config, per_rank):  # the slowest rank's step and exposed communication; every rank's losses, peaks
         slow = max(per_rank, key=lambda m: m["step_median_s"])
-        return {**{k: v for k, v in slow.items() if k != "losses"}, "losses": [m["losses"] for m in per_rank],
-                "peak_bytes_max": max(m["peak_bytes"] for m in per_rank)}
+        row = {**{k: v for k, v in slow.items() if k != "losses"}, "losses": [m["losses"] for m in per_rank],
+               "peak_bytes_max": max(m["peak_bytes"] for m in per_rank)}
+        if "comm_exposed_s" in slow:
+            row["comm_exposed_s"] = max((m["comm_exposed_s"] for m in per_rank if m["comm_exposed_s"] == m["comm_exposed_s"]),
+                                        default=float("nan"))
+        return row
 
     return run_sweep(DDP_SWEEP, [cfg], ddp_trial, args.world_size, args.out, device=device, resume=args.resume,
                      reduce=reduce, launcher=args.launcher)
@@ -363,6 +411,46 @@ def repredict(rows: pd.DataFrame) -> pd.Series:
     return pd.Series(out, index=rows.index, dtype=float)
 
 
+DDP_TARGET_STEP_S, DDP_TARGET_RATIO = 4.6, 1.02
+"""Issue 17's goals: the 2-GPU step (batch 2) <= 4.6 s, and <= 1.02x the one-GPU per-rank step of the commit."""
+
+
+def ddp_markdown(df: pd.DataFrame, ablation: pd.DataFrame | None = None) -> str:
+    """The data-parallel rows, and for each the one-GPU fast step at its per-rank batch measured by the same
+    commit (the ablation's latest `best` row of that commit and batch): the ratio, and the exposed communication."""
+    lines = ["## Leaderboard step, data parallel (`--study ddp`)", ""]
+    if df.empty:
+        return "\n".join(lines + ["no rows"])
+    cols = [c for c in ("world_size", "batch_size", "timer", "status", "step_median_s", "timed_steps",
+                        "peak_bytes_max", "comm_s", "comm_exposed_s", "profile_status", "policy", "attention",
+                        "git_sha", "error") if c in df]
+    lines += [df[cols].to_markdown(index=False, floatfmt=".4g"), ""]
+    for r in df[df.status == "ok"].itertuples():
+        world, batch = int(getattr(r, "world_size", 0) or 0), int(r.batch_size)
+        line = (f"- {r.size}, {world} ranks x batch {batch} (global batch {world * batch}): {r.step_median_s:.3f} s "
+                f"({getattr(r, 'timer', 'events')})")
+        if r.size == "leaderboard":
+            line += (f"; goal <= {DDP_TARGET_STEP_S} s: "
+                     f"{'met' if r.step_median_s <= DDP_TARGET_STEP_S else 'missed'}")
+        exposed = getattr(r, "comm_exposed_s", float("nan"))
+        if exposed == exposed:
+            line += f"; communication {1e3 * r.comm_s:.1f} ms, of it exposed {1e3 * exposed:.1f} ms"
+        one = None if ablation is None or ablation.empty else ablation[
+            (ablation.variant == "best") & (ablation.batch_size == batch) & (ablation.status == "ok")
+            & (ablation.git_sha == r.git_sha)]
+        if one is not None and not one.empty:
+            ref = one.sort_values("utc").iloc[-1]
+            ratio = r.step_median_s / ref.step_median_s
+            line += (f"; one GPU, batch {batch}, same commit (run {ref.run_id}, {ref.timer}): {ref.step_median_s:.3f} "
+                     f"s, ratio {ratio:.3f} (goal <= {DDP_TARGET_RATIO}: {'met' if ratio <= DDP_TARGET_RATIO else 'missed'})")
+            if ref.size != r.size:
+                line += f" [sizes differ: {ref.size}]"
+        else:
+            line += f"; no one-GPU fast step at batch {batch} of commit {r.git_sha} to compare with"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
 def check_markdown(df: pd.DataFrame) -> str:
     cols = ["size", "seq_len", "dtype", "loss", "reference_loss", "loss_abs_diff", "grad_max_rel_error",
             "grad_worst_param", "update_max_abs_diff", "attention", "loss_path", "optimizer_class", "compiled"]
@@ -378,7 +466,8 @@ def write_reports(out: Path) -> list[Path]:
     ablation_path = Path(out) / f"{SWEEP}.parquet"
     ablation = read_results(ablation_path) if ablation_path.exists() else None
     for sweep, draw in ((SWEEP, ablation_markdown), (TUNE_SWEEP, lambda d: "## Leaderboard recompute plan and its "
-                        "neighbours\n\n" + neighbours_summary(d, ablation) + "\n"), (f"{SWEEP}_check", check_markdown)):
+                        "neighbours\n\n" + neighbours_summary(d, ablation) + "\n"), (f"{SWEEP}_check", check_markdown),
+                        (DDP_SWEEP, lambda d: ddp_markdown(d, ablation))):
         path = Path(out) / f"{sweep}.parquet"
         if path.exists():
             md = path.with_suffix(".md")
@@ -420,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--context-length ({args.context_length}) must be >= 1")
     if not args.report_only:  # a CPU run bounded by this machine's memory, before any model, gang or Tune trial
         cpu = args.device == "cpu" or args.device == "auto" and not torch.cuda.is_available()
+        if cpu and args.timer == "do_bench":
+            raise ValueError("--timer do_bench needs a CUDA device (triton.testing.do_bench times with CUDA events)")
         check_fits(ModelConfig.from_name(args.size, **_overrides(args)), args.batch_size,
                    args.world_size if "ddp" in args.study else 1, "cpu" if cpu else "cuda")
     if args.report_only:
@@ -438,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if session is not None:  # the ranks need the memory
                 session.model = None
+                release_cached_memory(session.device)
             run_ddp(args)
     if args.check:
         if session is not None:

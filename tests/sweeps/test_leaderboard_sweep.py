@@ -181,6 +181,59 @@ def test_two_rank_ddp_step_equals_one_process_bitwise():
     assert per_rank[0]["losses"] != per_rank[1]["losses"]  # each rank trained on its own sequences
 
 
+def _bench_unequal_ranks(ctx, config: dict) -> dict:
+    """do_bench_agreed on ranks of different speeds (rank 1 five times slower), no collective inside the call."""
+    import time
+
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.002 * (1 + 4 * ctx.rank))
+
+    timing = bench.do_bench_agreed(fn, torch.device("cpu"), warmup_ms=20, rep_ms=60,
+                                   agree=lambda v: sweep._agree_max(ctx, v))
+    return {"calls": len(calls), **timing}
+
+
+@pytest.mark.multiproc
+def test_do_bench_agreed_makes_the_same_calls_on_every_rank():
+    """Triton's do_bench sizes its loops by each rank's own estimate: ranks of a gang would disagree on the number
+    of steps (and a step's collectives would wait forever). The agreed version sizes them by the slowest rank's."""
+    with ProcessGang(2, device="cpu", name="agreed") as gang:
+        fast, slow = gang.run(_bench_unequal_ranks, {})
+    assert fast["calls"] == slow["calls"]
+    # 60 ms of repeats at the slow rank's ~10 ms a call (the fast rank's own ~2 ms would give it about 30)
+    assert fast["timed_steps"] == slow["timed_steps"] <= 7
+    assert fast["median_ms"] < slow["median_ms"] / 2
+
+
+@pytest.mark.multiproc
+def test_ddp_trial_by_the_course_harness_with_a_profiled_step():
+    step = bench.for_device(StepConfig(), torch.device("cpu"))
+    trial = sweep.DDPTrial(size="tiny", context_length=16, dtype="fp32", step=tuple(sorted(step.as_dict().items())),
+                           timer="do_bench", rep_ms=30, warmup_ms=10, profile=True)
+    with ProcessGang(2, device="cpu", name="leaderboard_ddp") as gang:
+        per_rank = gang.run(sweep.ddp_trial, dataclasses.asdict(trial))
+    for rank in per_rank:
+        assert rank["timed_steps"] >= 1 and rank["step_median_s"] > 0
+        assert rank["profile_status"] == "cpu" and rank["comm_exposed_s"] != rank["comm_exposed_s"]  # NaN on the CPU
+    assert per_rank[0]["timed_steps"] == per_rank[1]["timed_steps"]
+
+
+def test_ddp_report_compares_with_the_one_gpu_step_of_the_same_commit():
+    ddp = pd.DataFrame({"size": "leaderboard", "world_size": [2], "batch_size": [1], "timer": "do_bench",
+                        "status": "ok", "step_median_s": [4.5], "comm_s": [0.2], "comm_exposed_s": [0.05],
+                        "git_sha": "bbbbbbbbbbbb"})
+    ablation = pd.DataFrame({"size": "leaderboard", "variant": "best", "batch_size": [1, 1, 2], "status": "ok",
+                             "step_median_s": [4.0, 4.4, 9.0], "git_sha": ["aaaaaaaaaaaa", "bbbbbbbbbbbb", "bbbbbbbbbbbb"],
+                             "run_id": ["r1", "r2", "r2"], "timer": "do_bench", "utc": ["1", "2", "3"]})
+    text = sweep.ddp_markdown(ddp, ablation)
+    assert "4.500 s (do_bench); goal <= 4.6 s: met; communication 200.0 ms, of it exposed 50.0 ms" in text
+    assert "same commit (run r2, do_bench): 4.400 s, ratio 1.023 (goal <= 1.02: missed)" in text
+    assert "no one-GPU fast step at batch 1 of commit bbbbbbbbbbbb" in sweep.ddp_markdown(ddp, ablation.iloc[[0]])
+
+
 def test_variants_release_pinned_host_memory(monkeypatch):
     """Between variants the pinned host cache is emptied too (offloaded copies of one variant's sizes would stay
     pinned beside the next one's)."""
@@ -188,7 +241,7 @@ def test_variants_release_pinned_host_memory(monkeypatch):
     monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: calls.append("host"), raising=False)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("device"))
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    bench._free(torch.device("cuda"))
+    bench.release_cached_memory(torch.device("cuda"))
     assert calls == ["device", "host"]
-    bench._free(torch.device("cpu"))
+    bench.release_cached_memory(torch.device("cpu"))
     assert calls == ["device", "host"]
