@@ -226,7 +226,8 @@ def test_ddp_report_compares_with_the_one_gpu_step_of_the_same_commit():
                         "status": "ok", "step_median_s": [4.5], "comm_s": [0.2], "comm_exposed_s": [0.05],
                         "git_sha": "bbbbbbbbbbbb"})
     ablation = pd.DataFrame({"size": "leaderboard", "variant": "best", "batch_size": [1, 1, 2], "status": "ok",
-                             "step_median_s": [4.0, 4.4, 9.0], "git_sha": ["aaaaaaaaaaaa", "bbbbbbbbbbbb", "bbbbbbbbbbbb"],
+                             "step_median_s": [4.0, 4.4, 9.0],
+                             "git_sha": ["aaaaaaaaaaaa", "bbbbbbbbbbbb", "bbbbbbbbbbbb"],
                              "run_id": ["r1", "r2", "r2"], "timer": "do_bench", "utc": ["1", "2", "3"]})
     text = sweep.ddp_markdown(ddp, ablation)
     assert "4.500 s (do_bench); goal <= 4.6 s: met; communication 200.0 ms, of it exposed 50.0 ms" in text
