@@ -87,6 +87,11 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
         assert raysys_main(["leaderboard", "--size", "tiny", "--out", str(tmp_path), *argv]) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "leaderboard.parquet").exists()
+    # every study checks the shared options before its first model or rank, the data-parallel one too
+    for argv, message in ((["--rep-ms", "-1"], r"--rep-ms \(-1.0\) > 0"), (["--timer", "do_bench"], "CUDA")):
+        with pytest.raises(ValueError, match=message):
+            sweep.main(["--study", "ddp", "--device", "cpu", "--launcher", "mp", "--out", str(tmp_path), *argv])
+    assert not list(tmp_path.iterdir())
 
 
 def test_neighbour_specs():
