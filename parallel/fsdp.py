@@ -9,9 +9,11 @@ alone by default, or every outermost module of `units=(TransformerBlock,)` (as F
 
 Per unit and step: one all-gather (coalesced over its weights, in place) before its forward, issued two units ahead;
 its full weights freed after forward and gathered again for backward, one unit ahead; one coalesced reduce-scatter
-of its fp32 gradients once the last has arrived. With `compute_dtype` (e.g. bf16) shards are cast before the
-all-gather and Linear / Embedding compute in that dtype; gradients are cast back to fp32 for the reduction. On gloo
-(CPU tests) one reduce-scatter of a rank-major copy per unit, and one collective in flight at a time.
+of its fp32 gradients once the last has arrived (`flat_collectives=True`: one flat all-gather, copied out, and one
+reduce-scatter of a rank-major buffer per unit, one NCCL operation each instead of one per weight). With
+`compute_dtype` (e.g. bf16) shards are cast before the all-gather and Linear / Embedding compute in that dtype;
+gradients are cast back to fp32 for the reduction. On gloo (CPU tests) one reduce-scatter of a rank-major copy per
+unit, and one collective in flight at a time.
 
 Invariant: after `finish_gradient_synchronization()` every shard's `.grad` (fp32, shard shape) holds its rows of the
 mean over ranks of the local full-weight gradients (zero in padding rows), every replicated `.grad` the mean over
@@ -171,12 +173,13 @@ class _Unit:
                     `_foreach_copy_`), one reduce-scatter per weight issued as one coalesced group into this rank's
                     (S,) slot; with N = 1 the output is the input itself (nothing moves)
 
-    Backends without coalesced collectives get a flat all-gather into (N, S) and a copy-out, and a `_chunk_cat` into
-    (N, S) and one reduce-scatter. Forward: the pre-hook waits for (or issues) the unit's gather and swaps the full
-    weights in; the post-hook swaps the shards back, frees the full weights and issues the gather of the unit two
-    ahead in the previous forward's order. Backward: a hook on the unit's output gradient issues its gather and the
-    next one backward needs; once all its trainable weights have their gradient, the full weights are freed and
-    the reduce-scatter issued (a frozen unit is freed by a hook on its inputs' gradients instead).
+    Backends without coalesced collectives (and `flat_collectives=True`) get a flat all-gather into (N, S) and a
+    copy-out, and a `_chunk_cat` into (N, S) and one reduce-scatter. Forward: the pre-hook waits for (or issues)
+    the unit's gather and swaps the full weights in; the post-hook swaps the shards back, frees the full weights
+    and issues the gather of the unit two ahead in the previous forward's order. Backward: a hook on the unit's
+    output gradient issues its gather and the next one backward needs; once all its trainable weights have their
+    gradient, the full weights are freed and the reduce-scatter issued (a frozen unit is freed by a hook on its
+    inputs' gradients instead).
 
     Holds no reference to its wrapper (see Lifetime in the module docstring): the wrapper passes itself to the
     methods that communicate or count."""
@@ -365,12 +368,17 @@ class FSDP(nn.Module):
             after its weight (`layers.0.attn.q_proj.weight`), a larger one after its root (`layers.0`).
         collectives_alone: on a group of one, issue every collective a larger group does (over no peer) instead of
             being the identity (see the module docstring); no effect on a larger group.
+        flat_collectives: one flat all-gather per unit (copied out into the weights' pre-built views when it is
+            waited for) and one reduce-scatter over a rank-major buffer (`torch._chunk_cat`), instead of one
+            collective per weight issued as a coalesced group. NCCL enqueues each tensor of a group as its own
+            operation: flat, a unit costs one enqueue each way for one device copy each way (FSDP2's layout). The
+            paths gloo takes anyway; fp32 training is tested bitwise against one process either way.
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
                  process_group: dist.ProcessGroup | None = None, *, units: Iterable[type | str] | None = None,
                  max_inflight_reductions: int = 1, sm_carveout: int | None = None, event_log: list | None = None,
-                 collectives_alone: bool = False):
+                 collectives_alone: bool = False, flat_collectives: bool = False):
         super().__init__()
         carveout = SMCarveout(sm_carveout)
         if not isinstance(module, nn.Module):
@@ -451,10 +459,11 @@ class FSDP(nn.Module):
         # reduce-scatters: NCCL's are one grouped launch; gloo's are one all-reduce per tensor run concurrently on its
         # worker threads (and hung in a two-rank test here), so on gloo one flat reduce-scatter over the rank-major
         # buffer does the same work as a single collective.
-        self._coalesced_gather = self._has_coalesced(
+        self.flat_collectives = flat_collectives
+        self._coalesced_gather = not flat_collectives and self._has_coalesced(
             "allgather_into_tensor_coalesced",
             lambda: self._all_gather_coalesced([torch.zeros(self.world_size)], [torch.zeros(1)]))
-        self._coalesced_reduce_scatter = (dist.get_backend(process_group) != "gloo"
+        self._coalesced_reduce_scatter = (not flat_collectives and dist.get_backend(process_group) != "gloo"
                                           and hasattr(self._group, "reduce_scatter_tensor_coalesced"))
         # gloo: one collective in flight at a time. Its worker threads run concurrent collectives of one group side
         # by side, and two-rank stress runs of this wrapper crashed inside gloo's issue path (heap corruption, 3 of

@@ -106,7 +106,7 @@ paired_studies() {  # paired_studies FOLDER [--compile]: the bf16 DDP and FSDP t
     --warmup 2 --steps 8 --max-steps 12 --paired-rounds 6 --profile "" "$@" \
     --variants single,overlapped,bucketed:100,bucketed:1000,torch
   study fsdp_paired 200 python3 sweeps/fsdp.py --device cuda --out "$dir" --resume --dtypes bf16 --profile "" \
-    --paired-rounds 6 "$@" --variants single,ddp_sharded,fsdp,fsdp_hp,fsdp2
+    --paired-rounds 6 "$@" --variants single,ddp_sharded,fsdp,fsdp_flat,fsdp_hp,fsdp2
 }
 
 case $phase in
@@ -140,7 +140,7 @@ case $phase in
     study ddp_alone_compiled 200 python3 sweeps/ddp.py "${w1[@]}" --out "$RESULTS/alone" --resume --max-steps 4 \
       --no-single-rerun --variants single,overlapped,bucketed:1000,torch --compile
     study fsdp_alone_compiled 200 python3 sweeps/fsdp.py "${w1[@]}" --out "$RESULTS/alone" --resume \
-      --variants single,fsdp,fsdp2 --compile
+      --variants single,fsdp,fsdp_flat,fsdp2 --compile
     ;;
   ckpt)  # the checkpointing trials (Ray Tune, one GPU per trial: two at a time)
     study checkpointing 250 python3 sweeps/checkpointing.py --device cuda --out "$RESULTS" --resume

@@ -67,7 +67,9 @@ def _build(kind: str, num_layers: int = 2) -> nn.Module:
 
 # Units per model kind: None = every sharded module alone; the whole toy model as one unit (padding, a bias, an
 # embedding and, for toy-spare, a weight without gradient, all in one all-gather); tiny's blocks.
+# `<units>-flat`: the same units with `flat_collectives=True` (one flat all-gather and reduce-scatter per unit).
 UNITS = {"layer": None, "model": ("ToyModel",), "block": (TransformerBlock,)}
+UNITS.update({f"{name}-flat": spec for name, spec in list(UNITS.items())})
 
 
 def _data(kind: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +124,8 @@ def _train_and_compare(rank: int, world_size: int, kind: str, opt_name: str, com
     if kind.endswith("-compiled"):   # blocks compiled (the sweeps' --compile); aot_eager: same kernels, no codegen
         compile_blocks(ref, backend="aot_eager")
         compile_blocks(mine, backend="aot_eager")
-    fsdp = FSDP(mine, compute_dtype=compute_dtype, units=UNITS[units])
+    fsdp = FSDP(mine, compute_dtype=compute_dtype, units=UNITS[units], flat_collectives=units.endswith("-flat"))
+    assert not (fsdp._coalesced_gather or fsdp._coalesced_reduce_scatter) or not units.endswith("-flat")
     ref_opt, fsdp_opt = _optimizer(opt_name, ref.parameters()), _optimizer(opt_name, fsdp.parameters())
     local = BATCH // world_size
     diffs, mismatched, names, gathered_after_backward, padding_zero = [], [], [], [], []
@@ -166,7 +169,9 @@ TRAINING = [("toy", "sgd", None, 3, "layer"), ("toy", "adamw", None, 3, "layer")
             ("toy", "adamw", None, 3, "model"), ("toy-spare", "adamw", None, 3, "model"),
             ("toy-frozen", "adamw", None, 3, "layer"), ("toy-frozen", "adamw", None, 3, "model"),
             ("tiny", "adamw", None, 2, "block"), ("tiny-compiled", "adamw", None, 2, "block"),
-            ("toy", "sgd", torch.float16, 3, "model"), ("tiny", "sgd", torch.float16, 2, "block")]
+            ("toy", "sgd", torch.float16, 3, "model"), ("tiny", "sgd", torch.float16, 2, "block"),
+            ("toy-spare", "adamw", None, 3, "model-flat"), ("tiny", "adamw", None, 2, "block-flat"),
+            ("tiny", "sgd", torch.float16, 2, "block-flat")]
 
 
 def _check_training(rank: int, world_size: int) -> dict:
@@ -374,7 +379,8 @@ def test_compute_dtype_gathers_run_in_place_in_the_ranks_own_slot(per_rank):
                                             ("tiny", "adamw", "layer"), ("toy", "adamw", "model"),
                                             ("toy-spare", "adamw", "model"), ("toy-frozen", "adamw", "layer"),
                                             ("toy-frozen", "adamw", "model"), ("tiny", "adamw", "block"),
-                                            ("tiny-compiled", "adamw", "block")])
+                                            ("tiny-compiled", "adamw", "block"), ("toy-spare", "adamw", "model-flat"),
+                                            ("tiny", "adamw", "block-flat")])
 def test_fp32_training_is_bitwise_equal_to_single_process(per_rank, kind, opt, units):
     for res in per_rank:
         r = res["training"][(kind, opt, "None", units)]
@@ -391,7 +397,7 @@ def test_fp32_training_is_bitwise_equal_to_single_process(per_rank, kind, opt, u
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("kind,units", [("toy", "layer"), ("toy", "model"), ("tiny", "block")])
+@pytest.mark.parametrize("kind,units", [("toy", "layer"), ("toy", "model"), ("tiny", "block"), ("tiny", "block-flat")])
 def test_fp16_compute_matches_mixed_precision_reference(per_rank, kind, units):
     for res in per_rank:
         diffs = res["training"][(kind, "sgd", str(torch.float16), units)]["diffs"]
