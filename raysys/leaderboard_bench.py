@@ -166,7 +166,7 @@ def do_bench_agreed(fn: Callable[[], object], device: torch.device, *, warmup_ms
     import time
 
     cuda = device.type == "cuda"
-    cache = torch.empty(256 * 2**20 if cuda else 2**20, dtype=torch.int8, device=device)
+    cache = torch.empty(int(256e6) if cuda else 2**20, dtype=torch.int8, device=device)  # Triton's 256 MB
 
     def sync():
         if cuda:
