@@ -474,8 +474,9 @@ def open_writer(out, sweep: str, *, resume: bool, overwrite: bool):
     return ResultWriter(out, sweep, mode="resume" if resume else "overwrite" if overwrite else "new")
 
 
-def check_args(args) -> tuple[torch.device, ModelConfig, list[Variant]]:
-    """Validate the command line (ValueError) before any model is built; returns device, model config, variants."""
+def check_options(args) -> torch.device:
+    """Validate the options every leaderboard study shares (counts, do_bench's times, device, timer; ValueError) and
+    resolve `args.timer`; returns the device. Before any model is built or rank started."""
     for name in ("batch_size", "steps", "check_context_length"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 1")
@@ -492,6 +493,13 @@ def check_args(args) -> tuple[torch.device, ModelConfig, list[Variant]]:
     if timer == "do_bench" and device.type != "cuda":
         raise ValueError("--timer do_bench needs a CUDA device (triton.testing.do_bench times with CUDA events)")
     args.timer = timer
+    return device
+
+
+def check_args(args) -> tuple[torch.device, ModelConfig, list[Variant]]:
+    """Validate the command line of the ablation (ValueError) before any model is built: `check_options`, then
+    that its largest batch fits this machine; returns device, model config, variants."""
+    device = check_options(args)
     overrides = {k: v for k, v in (("context_length", args.context_length), ("vocab_size", args.vocab_size))
                  if v is not None}
     config = ModelConfig.from_name(args.size, **overrides)

@@ -42,7 +42,7 @@ from raysys.config import ModelConfig  # noqa: E402
 from raysys.device import check_fits  # noqa: E402
 from raysys.leaderboard import LeaderboardStep, StepConfig, plan_on_device  # noqa: E402
 from raysys.leaderboard_bench import (COURSE_REP_MS, COURSE_WARMUP_MS, DTYPE_NAMES, SWEEP, Session,  # noqa: E402
-                                      Variant, build_leaderboard_parser, build_model, check_args, do_bench_agreed,
+                                      Variant, build_leaderboard_parser, build_model, check_options, do_bench_agreed,
                                       for_device, make_batch, release_cached_memory, run_ablation, run_check,
                                       run_variants, start_session, variant_row)
 from raysys.results import ROW_COLUMNS, read_results  # noqa: E402
@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.context_length is not None and args.context_length < 1:
         raise ValueError(f"--context-length ({args.context_length}) must be >= 1")
     if not args.report_only:  # a CPU run bounded by this machine's memory, before any model, gang or Tune trial
-        check_args(args)  # the options every study shares (timer, rep / warm-up, device), whichever runs
+        check_options(args)  # the options every study shares (timer, rep / warm-up, device), whichever runs
         cpu = args.device == "cpu" or args.device == "auto" and not torch.cuda.is_available()
         check_fits(ModelConfig.from_name(args.size, **_overrides(args)), args.batch_size,
                    args.world_size if "ddp" in args.study else 1, "cpu" if cpu else "cuda")
