@@ -292,18 +292,20 @@ def run_ddp(args) -> pd.DataFrame:
                      steps=args.steps, timer=timer, rep_ms=args.rep_ms, warmup_ms=args.warmup_ms,
                      profile=device.startswith("cuda"), seed=args.seed)
     cfg = {k: v for k, v in dataclasses.asdict(trial).items() if k != "return_params"}
-
-    def reduce(config, per_rank):  # the slowest rank's step and exposed communication; every rank's losses, peaks
-        slow = max(per_rank, key=lambda m: m["step_median_s"])
-        row = {**{k: v for k, v in slow.items() if k != "losses"}, "losses": [m["losses"] for m in per_rank],
-               "peak_bytes_max": max(m["peak_bytes"] for m in per_rank)}
-        if "comm_exposed_s" in slow:  # the most any rank left exposed; NaN where none was measured
-            measured = [m["comm_exposed_s"] for m in per_rank if not math.isnan(m["comm_exposed_s"])]
-            row["comm_exposed_s"] = max(measured, default=float("nan"))
-        return row
-
     return run_sweep(DDP_SWEEP, [cfg], ddp_trial, args.world_size, args.out, device=device, resume=args.resume,
-                     reduce=reduce, launcher=args.launcher)
+                     reduce=reduce_ddp_ranks, launcher=args.launcher)
+
+
+def reduce_ddp_ranks(config: dict, per_rank: list[dict]) -> dict:
+    """The row of a data-parallel trial: the slowest rank's step, every rank's losses, the largest peak and the most
+    communication any rank left exposed (NaN where no rank could measure it)."""
+    slow = max(per_rank, key=lambda m: m["step_median_s"])
+    row = {**{k: v for k, v in slow.items() if k != "losses"}, "losses": [m["losses"] for m in per_rank],
+           "peak_bytes_max": max(m["peak_bytes"] for m in per_rank)}
+    if "comm_exposed_s" in slow:
+        measured = [m["comm_exposed_s"] for m in per_rank if not math.isnan(m["comm_exposed_s"])]
+        row["comm_exposed_s"] = max(measured, default=float("nan"))
+    return row
 
 
 # ---------------------------------------------------------------------------------------------------- report

@@ -2,6 +2,7 @@
 neighbours with and without Ray Tune, and the 2-rank data-parallel step against one process, bitwise in fp32."""
 
 import dataclasses
+import math
 
 import pandas as pd
 import pytest
@@ -224,6 +225,18 @@ def test_ddp_trial_by_the_course_harness_with_a_profiled_step():
         assert rank["timed_steps"] >= 1 and rank["step_median_s"] > 0
         assert rank["profile_status"] == "cpu" and rank["comm_exposed_s"] != rank["comm_exposed_s"]  # NaN on the CPU
     assert per_rank[0]["timed_steps"] == per_rank[1]["timed_steps"]
+
+
+def test_ddp_row_takes_the_slowest_rank_and_the_most_exposed_communication():
+    rank = lambda step, peak, exposed: {"step_median_s": step, "peak_bytes": peak, "losses": [step],  # noqa: E731
+                                        "comm_s": 0.5, "comm_exposed_s": exposed}
+    row = sweep.reduce_ddp_ranks({}, [rank(4.0, 2.0, 0.2), rank(4.2, 1.0, float("nan")), rank(4.1, 3.0, 0.1)])
+    assert row["step_median_s"] == 4.2 and row["peak_bytes_max"] == 3.0 and row["comm_exposed_s"] == 0.2
+    assert row["losses"] == [[4.0], [4.2], [4.1]]
+    nothing = sweep.reduce_ddp_ranks({}, [rank(1.0, 1.0, float("nan"))] * 2)
+    assert math.isnan(nothing["comm_exposed_s"])
+    assert "comm_exposed_s" not in sweep.reduce_ddp_ranks({}, [{"step_median_s": 1.0, "peak_bytes": 1.0,
+                                                                "losses": []}])
 
 
 def test_ddp_report_compares_with_the_one_gpu_step_of_the_same_commit():
