@@ -242,7 +242,8 @@ def error_row(sweep: str, config: Mapping[str, Any], exc: BaseException, **extra
 
 def write_parquet(df: pd.DataFrame, path: str | os.PathLike) -> Path:
     """Write `df` to `path` atomically (`raysys.files.atomic_write`): a reader that opens it once (`read_results`)
-    sees the old file or the new one, a full disk raises `DiskFull` and leaves the old one. The caller owns `path` (a `ResultWriter` holds its lock)."""
+    sees the old file or the new one, a full disk raises `DiskFull` and leaves the old one. The caller owns `path`
+    (a `ResultWriter` holds its lock)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write(path, df.to_parquet(index=False))

@@ -504,9 +504,6 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("--out is required (a results directory)")
     if args.world_size < 1:
         raise ValueError(f"--world-size ({args.world_size}) must be >= 1")
-    for name in ("batch_size", "steps"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 1")
     if 0 not in args.offsets:
         raise ValueError(f"--offsets {args.offsets} must contain 0 (the advisor's plan itself)")
     if args.context_length is not None and args.context_length < 1:
