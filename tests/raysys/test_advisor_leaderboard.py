@@ -17,6 +17,9 @@ from raysys.recompute_model import (GiB, Workload, block_saved, cpu_allocation_t
                                     head_saved, optimizer_transient, predict_peak, saved_per_block, sharding_transient,
                                     static_bytes)
 
+# Allocations measured on the CPU, the same on every host (see the fixture).
+pytestmark = pytest.mark.usefixtures("host_independent_gemm")
+
 LB = ModelConfig.from_name("leaderboard", attention="flash_triton")
 B, S, d, f, V, H, N = 1, 32768, 4096, 11008, 151936, 32, 34
 P = N * (4 * d * d + 3 * d * f + 2 * d) + d + 2 * V * d

@@ -16,6 +16,9 @@ from raysys.model import AdamW, TransformerLM, cross_entropy
 from raysys.recompute_model import (Workload, block_saved, cpu_allocation_trace, head_saved, predict_peak,
                                     saved_per_block, static_bytes, step_flops)
 
+# Allocations measured on the CPU, the same on every host (see the fixture).
+pytestmark = pytest.mark.usefixtures("host_independent_gemm")
+
 
 @pytest.fixture(autouse=True, scope="module")
 def single_thread():
