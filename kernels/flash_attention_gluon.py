@@ -1,0 +1,388 @@
+"""FlashAttention forward for Hopper (sm_90) in Gluon: warp-specialised, FlashAttention-3 style.
+
+Computes O = softmax(Q K^T / sqrt(d) + mask) V and L = logsumexp(Q K^T / sqrt(d) + mask) (natural log, fp32, the
+units `kernels.flash_attention.flash_attention_fwd` returns and its backward consumes). Causal is the top-left
+aligned mask of the tl kernels: query i sees keys j <= i (also when n_q != n_k). Masked scores are -inf here
+(every row sees key 0, so no row's max is ever -inf). [J. Shah et al., FlashAttention-3, 2024, sections 3.1-3.2.]
+
+Shape legend: B batch, H heads, N n_queries / n_keys, D head dim (64 or 128). Inputs (B, H, N, D), bf16 or fp16,
+unit stride along D and 16-byte aligned strides (the TMA unit reads them through 4-D descriptors, so any
+B/H/N strides work and tiles never cross a head: rows past N read as 0 and stores past N are dropped).
+
+One program owns NUM_CONSUMERS * BLOCK_M query rows of one (batch, head) and runs three kinds of warps:
+- a loader (1 warp, 24 registers): TMA-loads the Q tiles once, then K and V tiles into a NUM_STAGES-deep ring of
+  shared-memory buffers; `*_ready` mbarriers say a buffer is full, `*_empty` ones (one arrival per consumer)
+  that every consumer is done with it.
+- NUM_CONSUMERS consumer warp groups (4 warps each, up to 240 registers), each with its own BLOCK_M query rows
+  and the same K/V tiles. Intra-warp-group pipelining: iteration j issues S(j) = Q K(j)^T and O += P(j-1) V(j-1)
+  as async wgmma, waits for S(j) only, computes softmax(j) while P(j-1) V(j-1) runs on the tensor cores, then
+  waits for it and rescales O. Across consumers, the warp scheduler runs one group's softmax under another's
+  matrix products (no explicit ping-pong barrier).
+P stays in registers (wgmma A operand). Work items are numbered heaviest causal tile first. ptxas hoists a
+wgmma wait above independent ALU work of its basic block, so the wait for P V sits behind a branch the compiler
+cannot fold (the K release); the SASS then reads HGMMA(S) HGMMA(PV) DEPBAR<=1 EX2... DEPBAR<=0.
+
+Usage: `out, lse = gluon_attention_fwd(q, k, v, is_causal)` when `supported(q, k, v)`; knobs in `GluonConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import triton
+
+try:  # Gluon's Hopper dialect; the API below is Triton 3.6's.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAS_GLUON_HOPPER = True
+except ImportError:  # pragma: no cover - older Triton
+    HAS_GLUON_HOPPER = False
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.bfloat16, torch.float16)
+LOADER_REGS = 24
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------------------
+if HAS_GLUON_HOPPER:
+
+    @gluon.jit
+    def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                off_b, off_h, start_m, num_kv,
+                NUM_CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                NUM_STAGES: gl.constexpr):
+        """Producer warp: Q tiles once, then K(j), V(j) into ring slot j % NUM_STAGES."""
+        # 1. Q: one barrier for all consumers' tiles.
+        mbarrier.expect(q_bar, NUM_CONSUMERS * q_desc.block_type.nbytes)
+        for c in gl.static_range(NUM_CONSUMERS):
+            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m + c * BLOCK_M, 0], q_bar, q_bufs.index(c))
+        # 2. K/V ring. Empty barriers start "phase 1 complete", so the first pass through the ring does not wait.
+        for j in range(num_kv):
+            stage = j % NUM_STAGES
+            phase = (j // NUM_STAGES) & 1
+            mbarrier.wait(k_empty.index(stage), phase ^ 1)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [off_b, off_h, j * BLOCK_N, 0], k_ready.index(stage),
+                                            k_bufs.index(stage))
+            mbarrier.wait(v_empty.index(stage), phase ^ 1)
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [off_b, off_h, j * BLOCK_N, 0], v_ready.index(stage),
+                                            v_bufs.index(stage))
+
+    @gluon.jit
+    def _softmax_tile(s, m_i, j, n_unmasked, rows, N_K, qk_scale, s_layout: gl.constexpr,
+                      IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Scores S(j) (raw Q K^T, fp32) -> (P~ in base 2 units, new row max, alpha = exp2(m_old - m_new))."""
+        if j >= n_unmasked:  # the diagonal and key-tail tiles only (a uniform branch)
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            keep = gl.expand_dims(cols < N_K, 0)
+            if IS_CAUSAL:
+                keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1))
+            s = gl.where(keep, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        # One FMA + exp2 per score: scale and max subtraction folded (base-2 units).
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        alpha = gl.exp2(m_i - m_new)
+        return p, m_new, alpha
+
+    @gluon.jit
+    def _consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
+                  off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """One warp group's BLOCK_M query rows [start_m, start_m + BLOCK_M): Algorithm 1 of FA3 (pipelined)."""
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        q = q_smem.reshape([BLOCK_M, HEAD_DIM])
+        rows = start_m + gl.arange(0, BLOCK_M, layout=row_s)
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+        s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+
+        # 1. Tile 0: S(0), softmax(0); no P V in flight yet.
+        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(k_ready.index(0), 0)
+        k = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
+        s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        p32, m_i, alpha = _softmax_tile(s, m_i, 0, n_unmasked, rows, N_K, qk_scale, s_layout, IS_CAUSAL, BLOCK_N)
+        l_i = gl.sum(p32, 1)
+        p = gl.convert_layout(p32.to(dtype), p_layout)
+
+        # 2. Steady state, iteration j: S(j) and P(j-1) V(j-1) go to the tensor cores back to back; softmax(j)
+        #    is meant to run under P(j-1) V(j-1) (see the module docstring for what ptxas makes of that).
+        for j in range(1, num_kv):
+            stage = j % NUM_STAGES
+            prev = (j - 1) % NUM_STAGES
+            mbarrier.wait(k_ready.index(stage), (j // NUM_STAGES) & 1)
+            k = k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM])
+            s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
+            v = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
+            acc = warpgroup_mma(p, v, acc, is_async=True)
+            # wgmma groups retire in order: one outstanding left means S(j) is done, P V may still run.
+            s = warpgroup_mma_wait(1, deps=(s,))
+            p32, m_i, alpha = _softmax_tile(s, m_i, j, n_unmasked, rows, N_K, qk_scale, s_layout, IS_CAUSAL,
+                                            BLOCK_N)
+            l_i = l_i * alpha + gl.sum(p32, 1)
+            # K(j) is released here, under a branch the compiler cannot fold, so that the wait below starts a
+            # new basic block: within one block ptxas hoists a wgmma wait above the exp2s.
+            if N_K > 0:
+                mbarrier.arrive(k_empty.index(stage), count=1)
+            # P(j) goes into the registers P(j-1) V(j-1) still reads (the loop carries P): pack it only after
+            # that wgmma retires; p32 passes through the wait so that the packing cannot move above it.
+            acc, p32 = warpgroup_mma_wait(0, deps=(acc, p32))
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            p = gl.convert_layout(p32.to(dtype), p_layout)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+
+        # 3. The last P V.
+        last = (num_kv - 1) % NUM_STAGES
+        mbarrier.wait(v_ready.index(last), ((num_kv - 1) // NUM_STAGES) & 1)
+        v = v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM])
+        acc = warpgroup_mma(p, v, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(last), count=1)
+
+        # 4. Epilogue: O = acc / l through the (now free) Q buffer and a TMA store (rows past N_Q dropped);
+        #    L = ln(l) + m ln 2 (natural log, like the tl kernels).
+        acc = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+        q.store(acc.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [off_b, off_h, start_m, 0], q_smem)
+        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+        gl.store(L + pid_bh.to(gl.int64) * N_Q + rows, lse, mask=rows < N_Q)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _consumer_partition(C: gl.constexpr, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                            o_desc, L, off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
+                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """Partition entry of consumer C: its Q buffer and rows."""
+        _consumer(q_bufs.index(C), k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
+                  off_b, off_h, pid_bh, start_m + C * BLOCK_M, N_Q, N_K, num_kv, n_unmasked, qk_scale,
+                  HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)
+
+    @gluon.jit
+    def _gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, L, H, N_Q, N_K, qk_scale,
+                               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                               NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+                               IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+        """Grid (cdiv(N_Q, NUM_CONSUMERS * BLOCK_M) * B * H,): program -> (query tile, batch*head), heavy first."""
+        TILE_M: gl.constexpr = NUM_CONSUMERS * BLOCK_M
+        # 1. Work item: causal tiles numbered by decreasing query-tile index across all heads.
+        num_bh = gl.num_programs(0) // gl.cdiv(N_Q, TILE_M)
+        pid = gl.program_id(0)
+        pid_bh = pid % num_bh
+        pid_m = gl.cdiv(N_Q, TILE_M) - 1 - pid // num_bh
+        off_b = pid_bh // H
+        off_h = pid_bh % H
+        start_m = pid_m * TILE_M
+        # 2. Key tiles: [0, num_kv) in all; [n_unmasked, num_kv) need the causal and/or key-tail mask.
+        if IS_CAUSAL:
+            kv_end = gl.minimum(start_m + TILE_M, N_K)
+            n_unmasked = gl.minimum(start_m // BLOCK_N, N_K // BLOCK_N)
+        else:
+            kv_end = N_K
+            n_unmasked = N_K // BLOCK_N
+        num_kv = gl.cdiv(kv_end, BLOCK_N)
+
+        # 3. Shared memory: Q (one tile per consumer, reused for O), the K/V ring, barriers.
+        dtype: gl.constexpr = q_desc.dtype
+        q_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)
+            mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
+
+        # 4. Partitions: consumer 0 is the default (num_warps = 4); the others and the loader are workers. The
+        #    argument tuples are written inline: a tuple assigned to a variable turns its constexprs into values.
+        if NUM_CONSUMERS == 1:
+            gl.warp_specialize([
+                (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
+                                       off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
+                (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                           off_b, off_h, start_m, num_kv, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
+            ], [1], [LOADER_REGS])
+        elif NUM_CONSUMERS == 2:
+            gl.warp_specialize([
+                (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
+                                       off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
+                (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
+                                       off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
+                (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                           off_b, off_h, start_m, num_kv, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
+            ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+        else:
+            gl.static_assert(NUM_CONSUMERS == 3, "NUM_CONSUMERS must be 1, 2 or 3")
+            gl.warp_specialize([
+                (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
+                                       off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
+                (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
+                                       off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
+                (_consumer_partition, (2, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
+                                       off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
+                (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                           off_b, off_h, start_m, num_kv, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
+            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Configs and launcher
+# ----------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GluonConfig:
+    """Launch knobs of `_gluon_attn_fwd_kernel` (one program = num_consumers * block_m query rows)."""
+
+    block_m: int = 64
+    """Query rows per consumer warp group (64: one wgmma row block per warp group)."""
+    block_n: int = 128
+    """Keys per K/V tile."""
+    num_stages: int = 2
+    """Depth of the K/V shared-memory ring."""
+    num_consumers: int = 2
+    """Consumer warp groups (1-3), each on its own block_m query rows."""
+
+    def __post_init__(self):
+        if self.block_m not in (64, 128):
+            raise ValueError(f"block_m ({self.block_m}) must be 64 or 128")
+        if self.block_n not in (32, 64, 128):
+            raise ValueError(f"block_n ({self.block_n}) must be 32, 64 or 128 (a power of two: a TMA box)")
+        if self.num_stages < 1 or self.num_consumers not in (1, 2, 3):
+            raise ValueError(f"num_stages ({self.num_stages}) must be >= 1 and num_consumers "
+                             f"({self.num_consumers}) 1, 2 or 3")
+
+    @property
+    def name(self) -> str:
+        return f"{self.num_consumers}x{self.block_m}x{self.block_n}/s{self.num_stages}"
+
+    def registers(self) -> tuple[int, int]:
+        """(maxnreg of the launch, consumer warp groups' registers): 64 K registers per SM over all warp groups
+        (the loader's rounds up to one), the loader at LOADER_REGS and the consumers sharing the rest."""
+        groups = self.num_consumers + 1
+        cap = (65536 // (128 * groups)) // 8 * 8
+        consumer = min(240, ((cap * groups - LOADER_REGS) // self.num_consumers) // 8 * 8)
+        maxnreg = min(cap, ((consumer * self.num_consumers + LOADER_REGS + groups - 1) // groups + 7) // 8 * 8)
+        return maxnreg, consumer
+
+    def shared_bytes(self, head_dim: int, elem: int = 2) -> int:
+        return elem * head_dim * (self.num_consumers * self.block_m + 2 * self.num_stages * self.block_n)
+
+
+DEFAULT_CONFIGS = {64: GluonConfig(block_m=64, block_n=128, num_stages=3, num_consumers=2),
+                   128: GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2)}
+"""Per head dim: FA3's hdim-128 shape (two 64-row consumer groups, 128-key tiles)."""
+
+
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `gluon_attention_fwd` runs on these tensors: CUDA sm_90, Triton with Gluon's Hopper API, bf16/fp16,
+    4-D (B, H, N, D) with D in {64, 128}, unit stride along D, 16-byte aligned strides and pointers."""
+    return not unsupported_reason(q, k, v)
+
+
+def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """'' when supported, else why not (the first rule broken)."""
+    if not HAS_GLUON_HOPPER:
+        return f"Triton {triton.__version__} has no Gluon Hopper API"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            return f"{name} is not a tensor"
+        if t.device.type != "cuda":
+            return f"{name} is on {t.device}, not a CUDA device"
+        if t.dtype not in DTYPES:
+            return f"{name} has dtype {t.dtype}; needs bfloat16 or float16"
+        if t.dim() != 4:
+            return f"{name} has shape {tuple(t.shape)}; needs 4-D (B, H, N, D)"
+        if t.shape[-1] not in HEAD_DIMS:
+            return f"{name} has head dim {t.shape[-1]}; needs one of {HEAD_DIMS}"
+        elem = t.element_size()
+        if t.stride(-1) != 1 or any((s * elem) % 16 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+            return f"{name} strides {tuple(t.stride())} (or its pointer) are not 16-byte aligned with unit stride on D"
+    if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
+        return "q, k, v must share dtype and device"
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+        return f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match"
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return f"device capability {torch.cuda.get_device_capability(q.device)} is not sm_90"
+    return ""
+
+
+def _descriptor(t: torch.Tensor, block_rows: int) -> "TensorDescriptor":
+    block = [1, 1, block_rows, t.shape[-1]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16 if t.dtype == torch.float16 else gl.bfloat16)
+    return TensorDescriptor.from_tensor(t, block, layout)
+
+
+def launch_args(q, k, v, out, lse, is_causal: bool, config: GluonConfig):
+    """(grid, positional args, keyword args) of one launch: shared by the launcher and the CPU compile check."""
+    batch, heads, n_q, head_dim = q.shape
+    n_k = k.shape[2]
+    maxnreg, consumer_regs = config.registers()
+    grid = (triton.cdiv(n_q, config.num_consumers * config.block_m) * batch * heads,)
+    args = (_descriptor(q, config.block_m), _descriptor(k, config.block_n), _descriptor(v, config.block_n),
+            _descriptor(out, config.block_m), lse, heads, n_q, n_k, LOG2E / math.sqrt(head_dim))
+    meta = dict(HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
+                NUM_CONSUMERS=config.num_consumers, IS_CAUSAL=is_causal, CONSUMER_REGS=consumer_regs, LOADER_REGS=LOADER_REGS,
+                num_warps=4, maxnreg=maxnreg)
+    return grid, args, meta
+
+
+def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
+                        config: GluonConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O like q, L fp32 (B, H, N_Q), natural log) of softmax(Q K^T / sqrt(d) [+ causal mask]) V."""
+    reason = unsupported_reason(q, k, v)
+    if reason:
+        raise ValueError(f"gluon_attention_fwd: {reason}")
+    config = config or DEFAULT_CONFIGS[q.shape[-1]]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous: a valid TMA target
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    grid, args, meta = launch_args(q, k, v, out, lse, is_causal, config)
+    with torch.cuda.device(q.device):
+        _gluon_attn_fwd_kernel[grid](*args, **meta)
+    return out, lse
+
+
+def gluon_attention_flops(batch: int, heads: int, n_q: int, n_k: int, head_dim: int, is_causal: bool) -> float:
+    """Forward FLOPs: 4 B H N_q N_k D, halved under a causal mask (the convention of results/flash_bench)."""
+    flops = 4.0 * batch * heads * n_q * n_k * head_dim
+    return flops / 2 if is_causal else flops

@@ -1,0 +1,164 @@
+"""GPU check of the Gluon (Hopper, warp-specialised) FlashAttention forward: correctness, then timing.
+
+For each knob config of `kernels.flash_attention_gluon.GluonConfig` (its own try/except: a config that fails to
+compile or is wrong prints one line and the script goes on):
+(a) O and L against fp32 SDPA / a torch logsumexp on odd shapes, bf16 and fp16, causal and not, n_q != n_k;
+(b) forward time (triton.testing.do_bench, median) at four causal bf16 shapes beside SDPA pinned to cuDNN and to
+    FLASH_ATTENTION and the project's tl kernel; TFLOP/s count the causal half of 4 B H N^2 d.
+Rows go to $OUT/flash_gluon.parquet. Run: `PYTHONPATH=$PWD python3 sweeps/flash_gluon_check.py --out $OUT`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+import traceback
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import kernels.flash_attention_gluon as fg
+
+CONFIGS = {
+    64: [fg.GluonConfig(block_m=64, block_n=128, num_stages=3, num_consumers=2),
+         fg.GluonConfig(block_m=64, block_n=64, num_stages=3, num_consumers=3),
+         fg.GluonConfig(block_m=128, block_n=64, num_stages=3, num_consumers=2)],
+    128: [fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2),
+          fg.GluonConfig(block_m=64, block_n=64, num_stages=3, num_consumers=2),
+          fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=1)],
+}
+"""Per head dim, the default first."""
+CHECK_SHAPES = [((1, 3, 1000, 128), 1000, True), ((1, 3, 1000, 128), 1000, False), ((2, 2, 777, 64), 777, True),
+                ((2, 2, 777, 64), 777, False), ((1, 2, 513, 128), 1029, False), ((1, 2, 513, 64), 1029, False)]
+"""(q shape, n_k, causal)."""
+BENCH_SHAPES = [(1, 16, 16384, 128), (1, 32, 32768, 128), (8, 16, 4096, 64), (4, 32, 2048, 128)]
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+"""Max |O - O_ref| allowed (inputs ~N(0, 1), outputs |O| < ~1); L gets the same."""
+
+
+def _short(e: BaseException, lines: int = 4) -> str:
+    text = "".join(traceback.format_exception_only(type(e), e)).strip().splitlines()
+    return " | ".join(t.strip() for t in text[-lines:])[:600]
+
+
+def _reference(q, k, v, causal):
+    """fp32 O and natural-log L with the top-left causal mask (query i sees keys j <= i)."""
+    qf, kf, vf = (t.float() for t in (q, k, v))
+    scores = qf @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        n_q, n_k = q.shape[2], k.shape[2]
+        mask = torch.arange(n_k, device=q.device)[None, :] > torch.arange(n_q, device=q.device)[:, None]
+        scores = scores.masked_fill(mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = F.scaled_dot_product_attention(qf, kf, vf, is_causal=causal) if q.shape[2] == k.shape[2] or not causal \
+        else torch.softmax(scores, -1) @ vf
+    return out, lse
+
+
+def check(config: fg.GluonConfig, head_dim: int) -> tuple[bool, list[dict]]:
+    rows, ok = [], True
+    for q_shape, n_k, causal in CHECK_SHAPES:
+        if q_shape[-1] != head_dim:
+            continue
+        for dtype in (torch.bfloat16, torch.float16):
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            k_shape = q_shape[:2] + (n_k, head_dim)
+            q, k, v = (torch.randn(s, generator=gen, device="cuda").to(dtype) for s in (q_shape, k_shape, k_shape))
+            out, lse = fg.gluon_attention_fwd(q, k, v, causal, config=config)
+            torch.cuda.synchronize()
+            ref_out, ref_lse = _reference(q, k, v, causal)
+            err_o = (out.float() - ref_out).abs().max().item()
+            err_l = (lse - ref_lse).abs().max().item()
+            good = err_o <= TOL[dtype] and err_l <= TOL[dtype] and math.isfinite(err_o) and math.isfinite(err_l)
+            ok &= good
+            print(f"  check {config.name} {tuple(q_shape)} n_k={n_k} causal={causal} {str(dtype)[6:]}: "
+                  f"max|dO|={err_o:.2e} max|dL|={err_l:.2e} {'ok' if good else 'WRONG'}", flush=True)
+            rows.append(dict(kind="check", config=config.name, head_dim=head_dim, shape=str(q_shape), n_k=n_k,
+                             causal=causal, dtype=str(dtype), err_out=err_o, err_lse=err_l, ok=good))
+    return ok, rows
+
+
+def bench(fn, shape, provider: str, config: str = "") -> dict:
+    batch, heads, n, d = shape
+    flops = fg.gluon_attention_flops(batch, heads, n, n, d, True)
+    ms = triton.testing.do_bench(fn, warmup=10, rep=50)
+    return dict(kind="time", provider=provider, config=config, shape=f"{batch}x{heads}x{n}x{d}", head_dim=d,
+                causal=True, dtype="torch.bfloat16", ms=ms, tflops=flops / ms * 1e-9)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for flash_gluon.parquet")
+    parser.add_argument("--tl-autotune", action="store_true",
+                        help="let the tl kernel autotune (slow first call) instead of its tuned/first config")
+    args = parser.parse_args()
+    if not args.tl_autotune:
+        os.environ["RAYSYS_FLASH_AUTOTUNE"] = "0"
+    os.makedirs(args.out, exist_ok=True)
+    start = time.time()
+    print(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}", flush=True)
+    rows, passed = [], {64: [], 128: []}
+    # (a) correctness per config.
+    for head_dim, configs in CONFIGS.items():
+        for config in configs:
+            t0 = time.time()
+            try:
+                ok, r = check(config, head_dim)
+                rows += r
+                if ok:
+                    passed[head_dim].append(config)
+                print(f"config d={head_dim} {config.name}: {'PASS' if ok else 'FAIL'} ({time.time() - t0:.1f}s)",
+                      flush=True)
+            except Exception as e:  # compile error, launch failure, ...
+                print(f"config d={head_dim} {config.name}: ERROR {_short(e)}", flush=True)
+                rows.append(dict(kind="check", config=config.name, head_dim=head_dim, ok=False, error=_short(e)))
+    # (b) timing: baselines, then every config that passed.
+    from kernels.flash_attention import flash_attention_fwd
+    for shape in BENCH_SHAPES:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        cands = [("sdpa_cudnn", "", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", "", SDPBackend.FLASH_ATTENTION)]
+        for name, cfg, backend in cands:
+            try:
+                def fn(backend=backend):
+                    with sdpa_kernel(backend):
+                        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                rows.append(bench(fn, shape, name))
+            except Exception as e:
+                print(f"time {name} {shape}: ERROR {_short(e, 2)}", flush=True)
+        try:
+            rows.append(bench(lambda: flash_attention_fwd(q, k, v, True), shape, "triton_tl"))
+        except Exception as e:
+            print(f"time triton_tl {shape}: ERROR {_short(e, 2)}", flush=True)
+        for config in passed[shape[-1]]:
+            try:
+                rows.append(bench(lambda c=config: fg.gluon_attention_fwd(q, k, v, True, config=c), shape, "gluon",
+                                  config.name))
+            except Exception as e:
+                print(f"time gluon {config.name} {shape}: ERROR {_short(e, 2)}", flush=True)
+        q = k = v = None  # free the inputs before the next shape
+        torch.cuda.empty_cache()
+    df = pd.DataFrame(rows)
+    timed = df[df.kind == "time"].copy()
+    if len(timed):
+        cudnn = timed[timed.provider == "sdpa_cudnn"].set_index("shape")["ms"]
+        timed["vs_cudnn"] = cudnn.reindex(timed["shape"]).to_numpy() / timed["ms"]
+        df.loc[timed.index, "vs_cudnn"] = timed["vs_cudnn"]
+        print("\nforward, causal bf16 (vs_cudnn = cuDNN ms / ms)")
+        print(timed[["shape", "provider", "config", "ms", "tflops", "vs_cudnn"]].to_string(
+            index=False, float_format=lambda x: f"{x:.3f}"))
+    df["device"] = torch.cuda.get_device_name()
+    df["torch"], df["triton"] = torch.__version__, triton.__version__
+    tmp = os.path.join(args.out, "flash_gluon.parquet.tmp")
+    df.to_parquet(tmp)
+    os.replace(tmp, os.path.join(args.out, "flash_gluon.parquet"))
+    print(f"\nwrote {os.path.join(args.out, 'flash_gluon.parquet')} ({len(df)} rows, {time.time() - start:.0f}s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Tests of the Gluon Hopper FlashAttention forward (`kernels/flash_attention_gluon.py`).
+
+CPU: the config rules, `supported` refusing what the kernel cannot run, and (under the Triton 3.6 whose Gluon API
+the kernel is written against) a compile for sm_90 with Triton's bundled ptxas, no GPU needed. GPU (sm_90):
+O and the natural-log L against fp32 attention on odd shapes, causal and not, n_q != n_k, bf16 and fp16.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import triton
+
+import kernels.flash_attention_gluon as fg
+
+GLUON_API = "3.6."
+"""The Triton release whose Gluon API the kernel uses (the GPU host's); others skip the compile test."""
+
+
+def _cpu(shape, dtype=torch.bfloat16):
+    return torch.zeros(shape, dtype=dtype)
+
+
+def test_config_rules():
+    with pytest.raises(ValueError, match="block_n"):
+        fg.GluonConfig(block_n=96)
+    with pytest.raises(ValueError, match="num_consumers"):
+        fg.GluonConfig(num_consumers=4)
+    for n in (1, 2, 3):
+        maxnreg, consumer = fg.GluonConfig(num_consumers=n).registers()
+        # One SM's 64 K registers cover every warp group (the loader's rounded up to one) at maxnreg ...
+        assert maxnreg * 128 * (n + 1) <= 65536
+        # ... and what the consumers and the loader ask for fits in that budget.
+        assert consumer * n + fg.LOADER_REGS <= maxnreg * (n + 1)
+    assert fg.GluonConfig(num_consumers=2).registers() == (168, 240)
+
+
+def test_flops_count_causal_half():
+    assert fg.gluon_attention_flops(1, 32, 32768, 32768, 128, True) == pytest.approx(2 * 32 * 32768**2 * 128)
+    assert fg.gluon_attention_flops(2, 2, 10, 20, 64, False) == 4 * 2 * 2 * 10 * 20 * 64
+
+
+@pytest.mark.parametrize("q, reason", [
+    (_cpu((1, 2, 64, 128)), "not a CUDA device"),
+])
+def test_supported_refuses_cpu(q, reason):
+    assert not fg.supported(q, q, q)
+    if fg.HAS_GLUON_HOPPER:
+        assert reason in fg.unsupported_reason(q, q, q)
+    with pytest.raises(ValueError, match="gluon_attention_fwd"):
+        fg.gluon_attention_fwd(q, q, q, True)
+
+
+@pytest.mark.skipif(not fg.HAS_GLUON_HOPPER, reason="this Triton has no Gluon Hopper API")
+def test_unsupported_reasons_name_the_rule(monkeypatch):
+    # Pretend tensors live on a GPU so that the dtype / shape / stride rules are reached on a CPU host.
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    good = _cpu((1, 2, 64, 128))
+    assert fg.unsupported_reason(good, good, good) == ""
+    assert "float32" in fg.unsupported_reason(*[_cpu((1, 2, 64, 128), torch.float32)] * 3)
+    assert "head dim 80" in fg.unsupported_reason(*[_cpu((1, 2, 64, 80))] * 3)
+    assert "4-D" in fg.unsupported_reason(*[_cpu((2, 64, 128))] * 3)
+    strided = _cpu((1, 2, 64, 256))[..., ::2]
+    assert "strides" in fg.unsupported_reason(strided, strided, strided)
+    odd = _cpu((1, 2, 64, 130))[..., :128]  # row stride 130 elements: 260 bytes, not 16-byte aligned
+    assert "strides" in fg.unsupported_reason(odd, odd, odd)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert "sm_90" in fg.unsupported_reason(good, good, good)
+
+
+def _compile_sm90(config: fg.GluonConfig, head_dim: int, dtype: torch.dtype, causal: bool):
+    """Compile the kernel for sm_90 without a GPU: the launcher's own arguments, mangled into a signature."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    q = _cpu((1, 3, 1000, head_dim), dtype)
+    k = _cpu((1, 3, 777, head_dim), dtype)
+    lse = torch.zeros(1, 3, 1000)
+    _, args, meta = fg.launch_args(q, k, k, torch.zeros_like(q), lse, causal, config)
+    options = {name: meta.pop(name) for name in ("num_warps", "maxnreg")}
+    kernel = fg._gluon_attn_fwd_kernel
+    signature = {p.name: mangle_type(a) for p, a in zip(kernel.params, args)}
+    signature.update({name: "constexpr" for name in meta})
+    source = GluonASTSource(fn=kernel, signature=signature, constexprs=dict(meta))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not triton.__version__.startswith(GLUON_API),
+                    reason=f"the kernel is written against Triton {GLUON_API}x's Gluon API, this is {triton.__version__}")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_compiles_for_sm90(head_dim):
+    config = fg.DEFAULT_CONFIGS[head_dim]
+    compiled = _compile_sm90(config, head_dim, torch.bfloat16, True)
+    ptx, sass_bytes = compiled.asm["ptx"], compiled.asm["cubin"]
+    assert sass_bytes and compiled.metadata.shared >= config.shared_bytes(head_dim)
+    # Async wgmma (S and P V in flight together, then a wait that leaves one outstanding) and the
+    # consumer/producer register split.
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx
+    assert f"setmaxnreg.inc.sync.aligned.u32 \t{config.registers()[1]};" in ptx
+    assert f"setmaxnreg.dec.sync.aligned.u32 \t{fg.LOADER_REGS};" in ptx
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GPU numerics
+# ----------------------------------------------------------------------------------------------------------
+def _reference(q, k, v, causal):
+    qf, kf, vf = (t.float() for t in (q, k, v))
+    scores = qf @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:  # top-left aligned: query i sees keys j <= i
+        scores = scores.masked_fill(torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
+                                    .triu(1), float("-inf"))
+    return torch.softmax(scores, -1) @ vf, torch.logsumexp(scores, -1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
+                    or not fg.HAS_GLUON_HOPPER, reason="needs an sm_90 GPU and Gluon's Hopper API")
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
+@pytest.mark.parametrize("q_shape, n_k, causal", [
+    ((1, 3, 1000, 128), 1000, True), ((1, 3, 1000, 128), 1000, False), ((2, 2, 777, 64), 777, True),
+    ((1, 2, 513, 128), 1029, False), ((1, 2, 1029, 64), 513, True)])
+def test_matches_fp32_attention(q_shape, n_k, causal, dtype, tol):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k_shape = q_shape[:2] + (n_k, q_shape[-1])
+    q, k, v = (torch.randn(s, generator=gen, device="cuda").to(dtype) for s in (q_shape, k_shape, k_shape))
+    assert fg.supported(q, k, v)
+    out, lse = fg.gluon_attention_fwd(q, k, v, causal)
+    ref_out, ref_lse = _reference(q, k, v, causal)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == q_shape[:3]
+    assert (out.float() - ref_out).abs().max().item() <= tol
+    assert (lse - ref_lse).abs().max().item() <= tol
+    # Same units as the tl kernels' L (natural log), so their backward can consume it.
+    from kernels.flash_attention import flash_attention_fwd
+    if q_shape[2] == n_k or not causal:
+        _, tl_lse = flash_attention_fwd(q, k, v, causal)
+        assert (lse - tl_lse).abs().max().item() <= tol
