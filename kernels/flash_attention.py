@@ -18,9 +18,11 @@ fp32 products unless `torch.set_float32_matmul_precision` allows TF32.
 
 Paths (one kernel family, a constexpr apart): `portable` (pointer loads; every GPU and the interpreter) and `tma`
 (sm_90 with Triton >= 3.4: device-side tensor descriptors for the Q/K/V/O/dO/dK/dV/dQ tiles, whose edges the TMA
-unit clips; optional persistent grid and warp specialisation). `RAYSYS_FLASH_PATH` / `path=` picks one; `auto`
-takes tma on sm_90 when the tuned file's `auto_path` says so (set by the measurement that wrote it), else
-portable. Launch configs are autotuned per (sequence bucket, head dim, causal, dtype, path) among
+unit clips; optional persistent grid and warp specialisation). On sm_90 the forward also has `gluon`
+(`kernels/flash_attention_gluon.py`: warp-specialised, FlashAttention-3 style; bf16 / fp16, head dim 64 or 128,
+TMA-able layouts), whose backward is the tl kernels' (it takes the same L). `RAYSYS_FLASH_PATH` / `path=` picks
+one; `auto` takes gluon for the forward where it runs (and no launch config is given), and for the tl kernels tma
+on sm_90 when the tuned file's `auto_path` says so (set by the measurement that wrote it), else portable. Launch configs are autotuned per (sequence bucket, head dim, causal, dtype, path) among
 `kernels/flash_attention_tuning.py`'s candidates (the tuned file's entries when it has some);
 `RAYSYS_FLASH_AUTOTUNE=0` takes the first valid one. Under `TRITON_INTERPRET=1` (read at import) each kernel has
 one small config and CPU tensors are accepted; the interpreter has no bf16.
@@ -42,6 +44,7 @@ import triton.language as tl
 from torch._subclasses.fake_tensor import is_fake
 from torch._subclasses.functional_tensor import FunctionalTensor
 
+import kernels.flash_attention_gluon as gluon_fwd
 from kernels.device import device_of
 from kernels.flash_attention_kernels import (
     _flash_bwd_dkdv_kernel,
@@ -80,8 +83,8 @@ _TUNED = {name: triton.autotune(configs=[c.to_triton(name) for c in config_list(
 LAST_PATH: dict[str, str] = {}
 """kernel -> the path its last launch in this process took, and `bwd` -> the last backward's mode (benchmark
 rows report them)."""
-LAST_CONFIG: dict[str, FlashConfig] = {}
-"""kernel -> the launch config of its last launch in this process."""
+LAST_CONFIG: dict[str, FlashConfig | gluon_fwd.GluonConfig] = {}
+"""kernel -> the launch config of its last launch in this process (a GluonConfig for the gluon forward)."""
 
 
 def best_configs() -> dict[str, dict[tuple, FlashConfig]]:
@@ -151,7 +154,9 @@ def _launch(kernel: str, num_tiles, args: tuple, meta: dict, n_q: int, n_k: int,
 # Path choice and launchers
 # ----------------------------------------------------------------------------------------------------------
 PATH_ENV = "RAYSYS_FLASH_PATH"
-"""auto (default), portable or tma: the path `flash_attention` and the custom ops take."""
+"""auto (default), portable, tma or gluon: the path `flash_attention` and the custom ops take."""
+GLUON = "gluon"
+"""The forward-only path: the Gluon kernel forward, the tl kernels' auto path backward."""
 AUTO_TMA = tuned_auto_path() == "tma"
 """Whether `auto` takes the tma path where it can (sm_90, Triton with device-side tensor descriptors): the tuned
 file's `auto_path`, which the candidates study of sweeps/flash_bench.py sets from its timings of both paths."""
@@ -185,11 +190,38 @@ def tma_layout_ok(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def resolve_path(requested: str | None, *tensors: torch.Tensor) -> str:
-    """`portable` or `tma` for a call on `tensors`; `requested` None reads RAYSYS_FLASH_PATH (default auto)."""
+def gluon_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """'' when the Gluon forward runs on these tensors (also fake ones, under torch.compile), else the rule broken:
+    an sm_90 GPU, a Triton with Gluon's Hopper API, bf16 / fp16, head dim 64 or 128, TMA-able layouts."""
+    if INTERPRET:
+        return "the Triton interpreter (TRITON_INTERPRET=1) runs no Gluon kernel"
+    if not gluon_fwd.HAS_GLUON_HOPPER:
+        return f"Triton {triton.__version__} has no Gluon Hopper API"
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return f"it needs an sm_90 GPU, not {q.device}"
+    if q.dtype not in gluon_fwd.DTYPES:
+        return f"it needs bfloat16 or float16 inputs, not {q.dtype}"
+    if q.shape[-1] not in gluon_fwd.HEAD_DIMS:
+        return f"it needs head dim 64 or 128, not {q.shape[-1]}"
+    if not tma_layout_ok(q, k, v):
+        return f"it needs unit stride along d and 16-byte aligned strides, got {[tuple(t.stride()) for t in (q, k, v)]}"
+    return ""
+
+
+def resolve_path(requested: str | None, *tensors: torch.Tensor, forward: bool = False) -> str:
+    """The path of a call on (q, k, v, ...) `tensors`: `portable` or `tma`, or `gluon` for a `forward` (the gluon
+    path's backward is the tl kernels' auto path); `requested` None reads RAYSYS_FLASH_PATH (default auto)."""
     requested = _requested_path(requested)
-    if requested not in ("auto",) + PATHS:
-        raise ValueError(f"flash path {requested!r} must be one of auto, {', '.join(PATHS)}")
+    if requested not in ("auto", GLUON) + PATHS:
+        raise ValueError(f"flash path {requested!r} must be one of auto, {', '.join(PATHS + (GLUON,))}")
+    if requested in ("auto", GLUON) and forward:
+        reason = gluon_unsupported(*tensors[:3])
+        if not reason:
+            return GLUON
+        if requested == GLUON:
+            raise ValueError(f"the gluon path cannot run here: {reason}")
+    if requested == GLUON:
+        requested = "auto"
     if requested == "portable":
         return "portable"
     device = tensors[0].device
@@ -248,8 +280,14 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_ca
     (auto, portable, tma; None reads RAYSYS_FLASH_PATH) picks the kernel variant."""
     check_attention_inputs(q, k, v, is_causal)
     _check_device(q)
-    path = resolve_path(path, q, k, v)
+    if config is not None and _requested_path(path) == GLUON:
+        raise ValueError("a FlashConfig is a launch config of the tl kernels, not of the gluon path")
+    path = resolve_path(path, q, k, v, forward=config is None)  # a launch config is the tl kernels'
     q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
+    if path == GLUON:
+        LAST_PATH["fwd"], LAST_CONFIG["fwd"] = GLUON, gluon_fwd.DEFAULT_CONFIGS[q.shape[-1]]
+        out, lse = gluon_attn_fwd_op(q4, k4, v4, is_causal)
+        return out.view(q.shape), lse.view(q.shape[:-1])
     heads, n_q = q4.shape[1], q4.shape[2]
     n_k = k4.shape[2]
     out = _empty(q.shape, dtype=q.dtype, device=q.device)
@@ -363,6 +401,20 @@ def _define_op(name: str, impl, fake):
         op.register_fake(fake)
         return op
     return torch.library.triton_op(f"raysys::{name}", impl, mutates_args=())
+
+
+# The Gluon forward is an opaque op (Inductor calls it; it cannot trace Gluon launches as it does tl ones), so the
+# triton_op `flash_attn_fwd` that calls it stays traceable.
+@torch.library.custom_op("raysys::gluon_attn_fwd", mutates_args=())
+def gluon_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    with device_of(q):
+        return gluon_fwd.gluon_attention_fwd(q, k, v, is_causal)
+
+
+@gluon_attn_fwd_op.register_fake
+def _gluon_fwd_fake(q, k, v, is_causal):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 flash_attn_fwd_op = _define_op("flash_attn_fwd", _fwd_impl, _fwd_fake)

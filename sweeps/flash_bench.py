@@ -63,14 +63,15 @@ PROVIDERS = ("triton", "pytorch_tiled", "naive", "sdpa_flash", "sdpa_cudnn")
 SDPA_PROVIDERS = ("sdpa_flash", "sdpa_cudnn")
 # The Triton kernels with the path and the backward pinned (None: the auto dispatch).
 TRITON_PATHS = {"triton": (None, None), "triton_portable": ("portable", "two_pass"), "triton_tma": ("tma", "two_pass"),
-                "triton_portable_1pass": ("portable", "one_pass"), "triton_tma_1pass": ("tma", "one_pass")}
+                "triton_portable_1pass": ("portable", "one_pass"), "triton_tma_1pass": ("tma", "one_pass"),
+                "triton_gluon": ("gluon", "two_pass")}
 PATH_PROVIDERS = tuple(TRITON_PATHS)[1:]
 MODES = ("fwd", "bwd", "fwd_bwd")
 TARGET = dict(batch=1, heads=16, seq=16384, head_dim=128, dtype="bf16", causal=True)
 # Issue 16's shapes (bf16, causal), each Triton path against both SDPA backends in one run.
 HOPPER_SHAPES = ((1, 16, 16384, 128), (1, 32, 32768, 128), (8, 16, 4096, 64), (4, 32, 2048, 128))
-HOPPER_PROVIDERS = ("triton", "triton_tma", "triton_tma_1pass", "triton_portable", "triton_portable_1pass",
-                    "sdpa_cudnn", "sdpa_flash")
+HOPPER_PROVIDERS = ("triton", "triton_gluon", "triton_tma", "triton_tma_1pass", "triton_portable",
+                    "triton_portable_1pass", "sdpa_cudnn", "sdpa_flash")
 DTYPE_ORDER = ("bf16", "fp16", "fp32")  # grid order: the dtype the kernels are for first
 STUDIES = ("target", "grid", "hopper", "candidates")
 # The candidates study (issue 16): launch configs pinned per kernel, one lever changed at a time from the tuned
@@ -254,12 +255,15 @@ def provider_fn(name: str, device: torch.device) -> Callable:
     if name in TRITON_PATHS:
         if device.type != "cuda":
             raise Unsupported("the Triton kernels need a CUDA device (or TRITON_INTERPRET=1, far too slow here)")
-        from kernels.flash_attention import flash_attention, tma_supported
+        from kernels.flash_attention import flash_attention, gluon_unsupported, tma_supported
 
         path, bwd = TRITON_PATHS[name]
         if path == "tma" and not tma_supported(device):
             raise Unsupported(f"the tma path needs an sm_90 GPU and Triton >= 3.4, not "
                               f"{torch.cuda.get_device_name(device)}")
+        probe = torch.empty(1, 1, 16, 64, dtype=torch.bfloat16, device=device)
+        if path == "gluon" and gluon_unsupported(probe, probe, probe):
+            raise Unsupported(f"the gluon path: {gluon_unsupported(probe, probe, probe)}")
         return functools.partial(flash_attention, path=path, bwd=bwd)
     if name == "pytorch_tiled":
         from kernels.flash_attention_pytorch import flash_attention_pytorch
@@ -338,7 +342,9 @@ def run_trial(cfg: dict, device: torch.device, caps: dict, check_only: bool = Fa
     if cfg["provider"] in TRITON_PATHS:
         from kernels.flash_attention import LAST_PATH
 
-        metrics["path"] = f"{LAST_PATH['fwd']}, {LAST_PATH['bwd']}"
+        bwd_path = LAST_PATH["dkdvq" if LAST_PATH["bwd"] == "one_pass" else "dkdv"]
+        fwd = LAST_PATH["fwd"] if LAST_PATH["fwd"] == bwd_path else f"{LAST_PATH['fwd']} fwd / {bwd_path} bwd"
+        metrics["path"] = f"{fwd}, {LAST_PATH['bwd']}"
         metrics["triton_configs"] = triton_picks(LAST_PATH["bwd"])
     return metrics
 

@@ -217,3 +217,64 @@ def test_triton_ops_pass_opcheck(path):
     for bwd in fa.BWD_MODES:
         torch.library.opcheck(fa.flash_attn_bwd_op, (q.detach(), k.detach(), v.detach(), out, lse, do, True, True,
                                                      True, path, bwd))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The gluon path (sm_90): the Gluon forward, the tl kernels' backward on its L
+# ----------------------------------------------------------------------------------------------------------
+def _gluon_runs() -> bool:
+    if not torch.cuda.is_available() or fa.INTERPRET:
+        return False
+    x = torch.zeros(1, 1, 16, 64, dtype=torch.bfloat16, device="cuda")
+    return not fa.gluon_unsupported(x, x, x)
+
+
+needs_gluon = pytest.mark.skipif(not _gluon_runs(), reason="needs an sm_90 GPU and Triton's Gluon Hopper API")
+
+
+@needs_gluon
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_gluon_forward_matches_fp64_reference(head_dim, dtype, causal):
+    """O, L and every gradient (3-D and 4-D input, odd lengths, n_q != n_k) as the tl paths are held to."""
+    _check_against_fp64(head_dim, dtype, causal, "gluon", "two_pass")
+    assert fa.LAST_PATH["fwd"] == "gluon" and fa.LAST_PATH["dkdv"] in PATHS and fa.LAST_PATH["dq"] in PATHS
+
+
+@needs_gluon
+def test_auto_takes_gluon_forward_where_it_runs():
+    q, k, v, _ = _inputs((1, 2, 300, 128), (1, 2, 300, 128), torch.bfloat16, seed=6)
+    fa.flash_attention_fwd(q, k, v, True)
+    assert fa.LAST_PATH["fwd"] == "gluon"
+    fa.flash_attention_fwd(q.float(), k.float(), v.float(), True)  # fp32: the tl kernels
+    assert fa.LAST_PATH["fwd"] in PATHS
+
+
+@needs_gluon
+def test_gluon_forward_composes_with_torch_compile():
+    """fullgraph Inductor: the Gluon forward is called as its op, the tl backward kernels are launched by
+    Inductor itself; output and gradients equal eager's."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    q, k, v, do = _inputs((2, 3, 197, 64), (2, 3, 197, 64), torch.bfloat16, seed=7)
+
+    def attn(q, k, v, causal):
+        return fa.flash_attention(q, k, v, causal, path="gluon")
+
+    eager = _run(attn, q, k, v, do, True)
+    compiled = torch.compile(attn, fullgraph=True)
+    got, code = run_and_get_code(lambda: _run(compiled, q, k, v, do, True))
+    code = "\n".join(code)
+    assert "gluon_attn_fwd" in code and "_flash_bwd_dkdv_kernel" in code and "_flash_fwd_kernel" not in code
+    for name, g, w in zip(("out", "dq", "dk", "dv"), (got[0], *got[2:]), (eager[0], *eager[2:])):
+        assert torch.equal(g, w), name
+
+
+@needs_gluon
+def test_gluon_op_passes_opcheck():
+    q, k, v, _ = _inputs((1, 2, 150, 128), (1, 2, 150, 128), torch.float16, seed=8)
+    torch.library.opcheck(fa.gluon_attn_fwd_op, (q, k, v, True))
+    torch.library.opcheck(fa.flash_attn_fwd_op, (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), True,
+                                                 "gluon", "two_pass"))

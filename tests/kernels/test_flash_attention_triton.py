@@ -198,10 +198,38 @@ def test_path_choice(monkeypatch):
         assert fa.resolve_path(None, q, q, q) == "tma"
     assert fa.resolve_path("portable", q, q, q) == "portable"
     monkeypatch.setenv(fa.PATH_ENV, "fast")
-    with pytest.raises(ValueError, match="flash path 'fast' must be one of auto, portable, tma"):
+    with pytest.raises(ValueError, match="flash path 'fast' must be one of auto, portable, tma, gluon"):
         fa.resolve_path(None, q, q, q)
     with pytest.raises(ValueError, match="the tma path needs"):
         fa.resolve_path("tma", q, q, torch.zeros(1, 2, 32, 20, dtype=torch.float16))  # rows of 40 bytes
+
+
+def test_gluon_path_choice(monkeypatch):
+    """The gluon forward where it runs (auto, or asked for), the tl kernels elsewhere and for every backward; asked
+    for where it cannot run, one line naming the rule."""
+    q = torch.zeros(1, 2, 32, 64, dtype=torch.float16)
+    assert fa.resolve_path("auto", q, q, q, forward=True) == "portable"  # CPU / interpreter
+    with pytest.raises(ValueError, match="the gluon path cannot run here: .*(interpreter|Gluon|sm_90)"):
+        fa.resolve_path("gluon", q, q, q, forward=True)
+    with pytest.raises(ValueError, match="the gluon path cannot run here"):
+        fa.flash_attention(q, q, q, path="gluon")
+    assert fa.resolve_path("gluon", q, q, q) == "portable"  # its backward: the tl kernels' auto path
+    # The rules past the device, on tensors that pretend to sit on an sm_90 GPU.
+    monkeypatch.setattr(fa, "INTERPRET", False)
+    monkeypatch.setattr(fa.gluon_fwd, "HAS_GLUON_HOPPER", True)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert fa.gluon_unsupported(q, q, q) == ""
+    assert fa.resolve_path("auto", q, q, q, forward=True) == "gluon"
+    assert fa.resolve_path("auto", q, q, q) != "gluon"
+    for t, rule in ((q.float(), "bfloat16 or float16"), (torch.zeros(1, 2, 32, 80, dtype=torch.float16), "head dim"),
+                    (torch.zeros(1, 2, 32, 128, dtype=torch.float16)[..., ::2], "stride")):
+        assert rule in fa.gluon_unsupported(t, t, t)
+        assert fa.resolve_path("auto", t, t, t, forward=True) != "gluon"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert "sm_90" in fa.gluon_unsupported(q, q, q)
+    with pytest.raises(ValueError, match="FlashConfig is a launch config of the tl kernels"):
+        fa.flash_attention_fwd(q, q, q, config=fa.FlashConfig(64, 32, 4, 2), path="gluon")
 
 
 def test_tma_layout_rule():
