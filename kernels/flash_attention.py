@@ -285,7 +285,6 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_ca
     path = resolve_path(path, q, k, v, forward=config is None)  # a launch config is the tl kernels'
     q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
     if path == GLUON:
-        LAST_PATH["fwd"], LAST_CONFIG["fwd"] = GLUON, gluon_fwd.DEFAULT_CONFIGS[q.shape[-1]]
         out, lse = gluon_attn_fwd_op(q4, k4, v4, is_causal)
         return out.view(q.shape), lse.view(q.shape[:-1])
     heads, n_q = q4.shape[1], q4.shape[2]
@@ -408,6 +407,7 @@ def _define_op(name: str, impl, fake):
 @torch.library.custom_op("raysys::gluon_attn_fwd", mutates_args=())
 def gluon_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    LAST_PATH["fwd"], LAST_CONFIG["fwd"] = GLUON, gluon_fwd.DEFAULT_CONFIGS[q.shape[-1]]
     with device_of(q):
         return gluon_fwd.gluon_attention_fwd(q, k, v, is_causal)
 

@@ -351,10 +351,11 @@ def run_trial(cfg: dict, device: torch.device, caps: dict, check_only: bool = Fa
 
 def triton_picks(bwd: str = "two_pass") -> str:
     """The launch configs of the last forward and backward, e.g. `fwd=128x64/w8/s3; dkdv=...; dq=...`."""
-    from kernels.flash_attention import LAST_CONFIG
+    from kernels.flash_attention import LAST_CONFIG, FlashConfig
 
     kernels = ("fwd", "dkdvq") if bwd == "one_pass" else ("fwd", "dkdv", "dq")
-    return "; ".join(f"{k}={LAST_CONFIG[k].label()}" for k in kernels if k in LAST_CONFIG)
+    return "; ".join(f"{k}={c.label() if isinstance(c, FlashConfig) else 'gluon ' + c.name}"
+                     for k in kernels if (c := LAST_CONFIG.get(k)) is not None)
 
 
 def _max_error(out, q, k, v, causal, device) -> float:

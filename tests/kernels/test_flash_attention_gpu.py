@@ -98,6 +98,17 @@ def test_one_pass_dq_survives_autotuning(path, monkeypatch):
     for a, b in zip(one, two):
         assert _rel_err(a, b.double()) < 1e-2
 
+def _naive(q, k, v, causal):
+    """Plain attention in the inputs' dtype: the course's reference (its -1e6 mask overflows fp16, where SDPA's
+    math backend, with -inf, stands in)."""
+    if q.dtype != torch.float16:
+        return fa.flash_attention_reference(q, k, v, causal)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
 def _check_against_fp64(head_dim, dtype, causal, path, bwd):
     q_shape, k_shape = _shape(head_dim, causal, dtype)
     q, k, v, do = _inputs(q_shape, k_shape, dtype)
@@ -111,7 +122,7 @@ def _check_against_fp64(head_dim, dtype, causal, path, bwd):
         for name, g, w in zip(names, got, want):
             assert _rel_err(g, w) < 2e-5, f"{name}: relative error {_rel_err(g, w):.2e} ({q_shape}, {k_shape})"
         return
-    naive = _run(lambda *a: fa.flash_attention_reference(*a), q, k, v, do, causal)  # plain bf16 attention
+    naive = _run(_naive, q, k, v, do, causal)  # plain attention in the inputs' dtype
     assert (got[1].double() - want[1]).abs().max() < 1e-3, "lse"  # fp32 math on the bf16 inputs
     for i in (0, 2, 3, 4):
         ours, base = _rel_err(got[i], want[i]), _rel_err(naive[i], want[i])
@@ -267,7 +278,8 @@ def test_gluon_forward_composes_with_torch_compile():
     compiled = torch.compile(attn, fullgraph=True)
     got, code = run_and_get_code(lambda: _run(compiled, q, k, v, do, True))
     code = "\n".join(code)
-    assert "gluon_attn_fwd" in code and "_flash_bwd_dkdv_kernel" in code and "_flash_fwd_kernel" not in code
+    assert "gluon_attn_fwd" in code and "def _flash_bwd_dkdv_kernel(" in code
+    assert "def _flash_fwd_kernel(" not in code  # (other kernels' sources mention it in comments)
     for name, g, w in zip(("out", "dq", "dk", "dv"), (got[0], *got[2:]), (eager[0], *eager[2:])):
         assert torch.equal(g, w), name
 
