@@ -5,7 +5,10 @@ compile or is wrong prints one line and the script goes on):
 (a) O and L against fp32 SDPA / a torch logsumexp on odd shapes, bf16 and fp16, causal and not, n_q != n_k;
 (b) forward time (triton.testing.do_bench, median) at four causal bf16 shapes beside SDPA pinned to cuDNN and to
     FLASH_ATTENTION and the project's tl kernel; TFLOP/s count the causal half of 4 B H N^2 d.
-Rows go to $OUT/flash_gluon.parquet. Run: `PYTHONPATH=$PWD python3 sweeps/flash_gluon_check.py --out $OUT`.
+Backward (`--part bwd|all`), per `GluonBwdConfig`: (c) dQ, dK, dV against fp32 autograd of the reference attention
+on the same odd shapes (the tl backward's errors printed beside them); (d) forward+backward time (gluon fwd + gluon
+bwd, gluon fwd + tl bwd, SDPA cuDNN), TFLOP/s counting 3.5x the causal-half forward.
+Rows go to $OUT/flash_gluon.parquet. Run: `PYTHONPATH=$PWD python3 sweeps/flash_gluon_check.py --out $OUT [--part all]`.
 """
 
 from __future__ import annotations
@@ -39,6 +42,16 @@ CHECK_SHAPES = [((1, 3, 1000, 128), 1000, True), ((1, 3, 1000, 128), 1000, False
 BENCH_SHAPES = [(1, 16, 16384, 128), (1, 32, 32768, 128), (8, 16, 4096, 64), (4, 32, 2048, 128)]
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 """Max |O - O_ref| allowed (inputs ~N(0, 1), outputs |O| < ~1); L gets the same."""
+BWD_CONFIGS = {
+    64: [fg.GluonBwdConfig(block_m=64, num_stages=2, num_consumers=2),
+         fg.GluonBwdConfig(block_m=64, num_stages=3, num_consumers=2)],
+    128: [fg.GluonBwdConfig(block_m=64, num_stages=2, num_consumers=2),
+          fg.GluonBwdConfig(block_m=64, num_stages=3, num_consumers=1)],
+}
+"""Per head dim, the default first."""
+GRAD_TOL = {torch.bfloat16: 3e-2, torch.float16: 6e-3}
+"""Max |g - g_ref| / max |g_ref| per gradient: P, dS and the gradients are rounded to the input dtype (relative
+2^-9 bf16, 2^-12 fp16) and summed over ~1000 terms with random signs; a wrong row or tail shows up as O(1)."""
 
 
 def _short(e: BaseException, lines: int = 4) -> str:
@@ -91,11 +104,116 @@ def bench(fn, shape, provider: str, config: str = "") -> dict:
                 causal=True, dtype="torch.bfloat16", ms=ms, tflops=flops / ms * 1e-9)
 
 
+def _grad_reference(q, k, v, do, causal):
+    """fp32 autograd of the reference attention: (dQ, dK, dV)."""
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    out, _ = _reference(qf, kf, vf, causal)
+    out.backward(do.float())
+    return qf.grad, kf.grad, vf.grad
+
+
+def _rel_err(g, ref) -> float:
+    return ((g.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+
+
+def check_bwd(config: fg.GluonBwdConfig, head_dim: int) -> tuple[bool, list[dict]]:
+    from kernels.flash_attention import flash_attention_bwd
+    rows, ok = [], True
+    for q_shape, n_k, causal in CHECK_SHAPES:
+        if q_shape[-1] != head_dim:
+            continue
+        for dtype in (torch.bfloat16, torch.float16):
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            k_shape = q_shape[:2] + (n_k, head_dim)
+            q, k, v = (torch.randn(s, generator=gen, device="cuda").to(dtype) for s in (q_shape, k_shape, k_shape))
+            do = torch.randn(q_shape, generator=gen, device="cuda").to(dtype)
+            out, lse = fg.gluon_attention_fwd(q, k, v, causal)
+            grads = fg.gluon_attention_bwd(q, k, v, out, lse, do, causal, config=config)
+            torch.cuda.synchronize()
+            refs = _grad_reference(q, k, v, do, causal)
+            errs = [_rel_err(g, r) for g, r in zip(grads, refs)]
+            try:  # the project's tl backward on the same O and L, for scale
+                tl_errs = [_rel_err(g, r) for g, r in zip(flash_attention_bwd(q, k, v, out, lse, do, causal), refs)]
+            except Exception as e:
+                tl_errs = [float("nan")] * 3
+                print(f"  (tl backward: {_short(e, 1)})", flush=True)
+            good = all(math.isfinite(e) and e <= GRAD_TOL[dtype] for e in errs) and all(
+                g.dtype == dtype and g.shape == t.shape for g, t in zip(grads, (q, k, v)))
+            ok &= good
+            print(f"  check {config.name} {tuple(q_shape)} n_k={n_k} causal={causal} {str(dtype)[6:]}: rel max err "
+                  f"dq={errs[0]:.2e} dk={errs[1]:.2e} dv={errs[2]:.2e} (tl {tl_errs[0]:.1e} {tl_errs[1]:.1e} "
+                  f"{tl_errs[2]:.1e}) {'ok' if good else 'WRONG'}", flush=True)
+            rows.append(dict(kind="check_bwd", config=config.name, head_dim=head_dim, shape=str(q_shape), n_k=n_k,
+                             causal=causal, dtype=str(dtype), err_dq=errs[0], err_dk=errs[1], err_dv=errs[2],
+                             tl_err_dq=tl_errs[0], tl_err_dk=tl_errs[1], tl_err_dv=tl_errs[2], ok=good))
+    return ok, rows
+
+
+def bench_fwd_bwd(fn, shape, provider: str, config: str = "", grad_to_none=None) -> dict:
+    batch, heads, n, d = shape
+    flops = 3.5 * fg.gluon_attention_flops(batch, heads, n, n, d, True)
+    ms = triton.testing.do_bench(fn, warmup=5, rep=40, grad_to_none=grad_to_none)
+    return dict(kind="time_fwd_bwd", provider=provider, config=config, shape=f"{batch}x{heads}x{n}x{d}", head_dim=d,
+                causal=True, dtype="torch.bfloat16", ms=ms, tflops=flops / ms * 1e-9)
+
+
+def run_bwd(rows: list[dict]) -> None:
+    """(c) backward correctness per config, then (d) forward+backward timing of the configs that passed."""
+    passed = {64: [], 128: []}
+    for head_dim, configs in BWD_CONFIGS.items():
+        for config in configs:
+            t0 = time.time()
+            try:
+                ok, r = check_bwd(config, head_dim)
+                rows += r
+                if ok:
+                    passed[head_dim].append(config)
+                print(f"bwd config d={head_dim} {config.name}: {'PASS' if ok else 'FAIL'} ({time.time() - t0:.1f}s)",
+                      flush=True)
+            except Exception as e:  # compile error, launch failure, ...
+                print(f"bwd config d={head_dim} {config.name}: ERROR {_short(e)}", flush=True)
+                rows.append(dict(kind="check_bwd", config=config.name, head_dim=head_dim, ok=False, error=_short(e)))
+    from kernels.flash_attention import flash_attention_bwd
+    for shape in BENCH_SHAPES:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, do = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        try:
+            qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+
+            def cudnn():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    F.scaled_dot_product_attention(qg, kg, vg, is_causal=True).backward(do)
+            rows.append(bench_fwd_bwd(cudnn, shape, "sdpa_cudnn", grad_to_none=[qg, kg, vg]))
+            qg = kg = vg = None
+        except Exception as e:
+            print(f"time sdpa_cudnn fwd+bwd {shape}: ERROR {_short(e, 2)}", flush=True)
+
+        def gluon_tl():
+            out, lse = fg.gluon_attention_fwd(q, k, v, True)
+            return flash_attention_bwd(q, k, v, out, lse, do, True)
+        try:
+            rows.append(bench_fwd_bwd(gluon_tl, shape, "gluon_fwd+tl_bwd"))
+        except Exception as e:
+            print(f"time gluon_fwd+tl_bwd {shape}: ERROR {_short(e, 2)}", flush=True)
+        for config in passed[shape[-1]]:
+            def gluon(c=config):
+                out, lse = fg.gluon_attention_fwd(q, k, v, True)
+                return fg.gluon_attention_bwd(q, k, v, out, lse, do, True, config=c)
+            try:
+                rows.append(bench_fwd_bwd(gluon, shape, "gluon", config.name))
+            except Exception as e:
+                print(f"time gluon {config.name} fwd+bwd {shape}: ERROR {_short(e, 2)}", flush=True)
+        q = k = v = do = None
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for flash_gluon.parquet")
     parser.add_argument("--tl-autotune", action="store_true",
                         help="let the tl kernel autotune (slow first call) instead of its tuned/first config")
+    parser.add_argument("--part", choices=("fwd", "bwd", "all"), default="fwd",
+                        help="forward checks and timing, backward ones, or both (all: under 4 minutes on an H200)")
     args = parser.parse_args()
     if not args.tl_autotune:
         os.environ["RAYSYS_FLASH_AUTOTUNE"] = "0"
@@ -103,7 +221,15 @@ def main() -> None:
     start = time.time()
     print(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}", flush=True)
     rows, passed = [], {64: [], 128: []}
-    # (a) correctness per config.
+    if args.part in ("fwd", "all"):
+        run_fwd(rows, passed)
+    if args.part in ("bwd", "all"):
+        run_bwd(rows)
+    write(rows, args.out, start)
+
+
+def run_fwd(rows: list[dict], passed: dict) -> None:
+    """(a) forward correctness per config, then (b) forward timing of the configs that passed."""
     for head_dim, configs in CONFIGS.items():
         for config in configs:
             t0 = time.time()
@@ -143,21 +269,27 @@ def main() -> None:
                 print(f"time gluon {config.name} {shape}: ERROR {_short(e, 2)}", flush=True)
         q = k = v = None  # free the inputs before the next shape
         torch.cuda.empty_cache()
+
+
+def write(rows: list[dict], out_dir: str, start: float) -> None:
+    """Summary tables (vs_cudnn = cuDNN ms / ms) and the parquet file, written atomically."""
     df = pd.DataFrame(rows)
-    timed = df[df.kind == "time"].copy()
-    if len(timed):
+    for kind, title in (("time", "forward"), ("time_fwd_bwd", "forward+backward")):
+        if "kind" not in df or not (df.kind == kind).any():
+            continue
+        timed = df[df.kind == kind].copy()
         cudnn = timed[timed.provider == "sdpa_cudnn"].set_index("shape")["ms"]
         timed["vs_cudnn"] = cudnn.reindex(timed["shape"]).to_numpy() / timed["ms"]
         df.loc[timed.index, "vs_cudnn"] = timed["vs_cudnn"]
-        print("\nforward, causal bf16 (vs_cudnn = cuDNN ms / ms)")
+        print(f"\n{title}, causal bf16 (vs_cudnn = cuDNN ms / ms)")
         print(timed[["shape", "provider", "config", "ms", "tflops", "vs_cudnn"]].to_string(
             index=False, float_format=lambda x: f"{x:.3f}"))
     df["device"] = torch.cuda.get_device_name()
     df["torch"], df["triton"] = torch.__version__, triton.__version__
-    tmp = os.path.join(args.out, "flash_gluon.parquet.tmp")
+    tmp = os.path.join(out_dir, "flash_gluon.parquet.tmp")
     df.to_parquet(tmp)
-    os.replace(tmp, os.path.join(args.out, "flash_gluon.parquet"))
-    print(f"\nwrote {os.path.join(args.out, 'flash_gluon.parquet')} ({len(df)} rows, {time.time() - start:.0f}s)")
+    os.replace(tmp, os.path.join(out_dir, "flash_gluon.parquet"))
+    print(f"\nwrote {os.path.join(out_dir, 'flash_gluon.parquet')} ({len(df)} rows, {time.time() - start:.0f}s)")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""Tests of the Gluon Hopper FlashAttention forward (`kernels/flash_attention_gluon.py`).
+"""Tests of the Gluon Hopper FlashAttention forward and backward (`kernels/flash_attention_gluon.py`).
 
 CPU: the config rules, `supported` refusing what the kernel cannot run, and (under the Triton 3.6 whose Gluon API
 the kernel is written against) a compile for sm_90 with Triton's bundled ptxas, no GPU needed. GPU (sm_90):
-O and the natural-log L against fp32 attention on odd shapes, causal and not, n_q != n_k, bf16 and fp16.
+O and the natural-log L against fp32 attention on odd shapes, causal and not, n_q != n_k, bf16 and fp16; dQ, dK, dV
+against fp32 autograd on the same shapes with a random upstream gradient.
 """
 
 from __future__ import annotations
@@ -105,6 +106,59 @@ def test_compiles_for_sm90(head_dim):
     assert f"setmaxnreg.dec.sync.aligned.u32 \t{fg.LOADER_REGS};" in ptx
 
 
+def test_bwd_config_rules():
+    with pytest.raises(ValueError, match="block_m"):
+        fg.GluonBwdConfig(block_m=96)
+    with pytest.raises(ValueError, match="num_consumers"):
+        fg.GluonBwdConfig(num_consumers=3)
+    config = fg.GluonBwdConfig(block_m=64, num_stages=2, num_consumers=2)
+    # K, V (2 x 2 x 64 x 128), the Q/dO ring (2 x 2 x 64 x 128) and dS^T (2 x 64 x 64), bf16.
+    assert config.shared_bytes(128) == 2 * (128 * (4 * 64 + 4 * 64) + 2 * 64 * 64)
+    assert config.registers() == fg.GluonConfig(num_consumers=2).registers()
+
+
+def test_bwd_refuses_cpu_and_bad_lse():
+    q = _cpu((1, 2, 64, 128))
+    with pytest.raises(ValueError, match="gluon_attention_bwd"):
+        fg.gluon_attention_bwd(q, q, q, q, torch.zeros(1, 2, 64), q, True)
+
+
+def _compile_sm90_bwd(config: fg.GluonBwdConfig, head_dim: int, dtype: torch.dtype, causal: bool):
+    """The backward kernel for sm_90 without a GPU, from the launcher's own arguments."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    q = _cpu((1, 3, 1000, head_dim), dtype)
+    k = _cpu((1, 3, 777, head_dim), dtype)
+    lse = torch.zeros(1, 3, 1000)
+    _, args, meta = fg.bwd_launch_args(q, k, k, q, k, k, lse, lse, torch.zeros(q.shape), causal, config)
+    options = {name: meta.pop(name) for name in ("num_warps", "maxnreg")}
+    kernel = fg._gluon_attn_bwd_kernel
+    signature = {p.name: mangle_type(a) for p, a in zip(kernel.params, args)}
+    signature.update({name: "constexpr" for name in meta})
+    source = GluonASTSource(fn=kernel, signature=signature, constexprs=dict(meta))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not triton.__version__.startswith(GLUON_API),
+                    reason=f"the kernel is written against Triton {GLUON_API}x's Gluon API, this is {triton.__version__}")
+@pytest.mark.parametrize("head_dim, causal, dtype", [(64, True, torch.bfloat16), (128, True, torch.bfloat16),
+                                                     (128, False, torch.float16)])
+def test_bwd_compiles_for_sm90(head_dim, causal, dtype):
+    config = fg.DEFAULT_BWD_CONFIGS[head_dim]
+    compiled = _compile_sm90_bwd(config, head_dim, dtype, causal)
+    ptx = compiled.asm["ptx"]
+    assert compiled.asm["cubin"] and compiled.metadata.shared >= config.shared_bytes(head_dim)
+    # S^T and dP^T in flight together (a wait that leaves one outstanding), dQ summed by fp32 atomics, and the
+    # consumer/producer register split.
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx
+    assert "atom.global.gpu.relaxed.add.f32" in ptx
+    assert f"setmaxnreg.inc.sync.aligned.u32 \t{config.registers()[1]};" in ptx
+    assert f"setmaxnreg.dec.sync.aligned.u32 \t{fg.LOADER_REGS};" in ptx
+
+
 # ----------------------------------------------------------------------------------------------------------
 # GPU numerics
 # ----------------------------------------------------------------------------------------------------------
@@ -139,3 +193,30 @@ def test_matches_fp32_attention(q_shape, n_k, causal, dtype, tol):
     if q_shape[2] == n_k or not causal:
         _, tl_lse = flash_attention_fwd(q, k, v, causal)
         assert (lse - tl_lse).abs().max().item() <= tol
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
+                    or not fg.HAS_GLUON_HOPPER, reason="needs an sm_90 GPU and Gluon's Hopper API")
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 3e-2), (torch.float16, 6e-3)])
+@pytest.mark.parametrize("q_shape, n_k, causal", [
+    ((1, 3, 1000, 128), 1000, True), ((1, 3, 1000, 128), 1000, False), ((2, 2, 777, 64), 777, True),
+    ((1, 2, 513, 128), 1029, False), ((1, 2, 1029, 64), 513, True), ((1, 2, 513, 128), 1029, True)])
+def test_bwd_matches_fp32_autograd(q_shape, n_k, causal, dtype, tol):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k_shape = q_shape[:2] + (n_k, q_shape[-1])
+    q, k, v = (torch.randn(s, generator=gen, device="cuda").to(dtype) for s in (q_shape, k_shape, k_shape))
+    do = torch.randn(q_shape, generator=gen, device="cuda").to(dtype)  # a non-unit upstream gradient
+    qf, kf, vf = (t.float().requires_grad_() for t in (q, k, v))
+    _reference(qf, kf, vf, causal)[0].backward(do.float())
+    out, lse = fg.gluon_attention_fwd(q, k, v, causal)
+    grads = fg.gluon_attention_bwd(q, k, v, out, lse, do, causal)
+    for name, g, ref, t in zip("qkv", grads, (qf.grad, kf.grad, vf.grad), (q, k, v)):
+        assert g.dtype == dtype and g.shape == t.shape, name
+        # Max error relative to the largest gradient: P and dS are rounded to the input dtype (2^-9 bf16, 2^-12
+        # fp16) and summed over ~1000 terms; a wrong row, tail or mask shows up as O(1).
+        assert ((g.float() - ref).abs().max() / ref.abs().max()).item() <= tol, name
+    # Through autograd too.
+    qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
+    fg.gluon_attention(qa, ka, va, causal).backward(do)
+    assert ((qa.grad.float() - qf.grad).abs().max() / qf.grad.abs().max()).item() <= tol
