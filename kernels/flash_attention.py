@@ -21,8 +21,9 @@ Paths (one kernel family, a constexpr apart): `portable` (pointer loads; every G
 unit clips; optional persistent grid and warp specialisation). On sm_90 the forward also has `gluon`
 (`kernels/flash_attention_gluon.py`: warp-specialised, FlashAttention-3 style; bf16 / fp16, head dim 64 or 128,
 TMA-able layouts), whose backward is the tl kernels' (it takes the same L). `RAYSYS_FLASH_PATH` / `path=` picks
-one; `auto` takes gluon for the forward where it runs (and no launch config is given), and for the tl kernels tma
-on sm_90 when the tuned file's `auto_path` says so (set by the measurement that wrote it), else portable. Launch configs are autotuned per (sequence bucket, head dim, causal, dtype, path) among
+one; `auto` takes gluon for the forward where it runs and the call is large enough to hide its launch
+(`GLUON_AUTO_MIN_WORK`; and no launch config is given), and for the tl kernels tma on sm_90 when the tuned file's
+`auto_path` says so (set by the measurement that wrote it), else portable. Launch configs are autotuned per (sequence bucket, head dim, causal, dtype, path) among
 `kernels/flash_attention_tuning.py`'s candidates (the tuned file's entries when it has some);
 `RAYSYS_FLASH_AUTOTUNE=0` takes the first valid one. Under `TRITON_INTERPRET=1` (read at import) each kernel has
 one small config and CPU tensors are accepted; the interpreter has no bf16.
@@ -157,6 +158,12 @@ PATH_ENV = "RAYSYS_FLASH_PATH"
 """auto (default), portable, tma or gluon: the path `flash_attention` and the custom ops take."""
 GLUON = "gluon"
 """The forward-only path: the Gluon kernel forward, the tl kernels' auto path backward."""
+GLUON_AUTO_MIN_WORK = 2**38
+"""B * H * n_q * n_k * d from which `auto` takes the gluon forward. Its launch costs about 0.2 ms more host time
+than the tl kernels' (four host-side TMA descriptors, Gluon's launcher): in the H200 hopper study of e7dd8cb it
+won where this product is 5.5e11 and more (1x16x16384x128: 1.63 ms against tl 2.40, cuDNN 1.79; the leaderboard's
+4.4e12: 15.5-15.7 ms against 19.5) and lost where it is 1.4e11 and less (8x16x4096x64, 4x32x2048x128), where the
+steps were host-bound."""
 AUTO_TMA = tuned_auto_path() == "tma"
 """Whether `auto` takes the tma path where it can (sm_90, Triton with device-side tensor descriptors): the tuned
 file's `auto_path`, which the candidates study of sweeps/flash_bench.py sets from its timings of both paths."""
@@ -208,6 +215,11 @@ def gluon_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
     return ""
 
 
+def _work(q: torch.Tensor, k: torch.Tensor) -> int:
+    """B * H * n_q * n_k * d: the size of an attention call, in units of half its FLOPs without a mask."""
+    return q.numel() * k.shape[-2]
+
+
 def resolve_path(requested: str | None, *tensors: torch.Tensor, forward: bool = False) -> str:
     """The path of a call on (q, k, v, ...) `tensors`: `portable` or `tma`, or `gluon` for a `forward` (the gluon
     path's backward is the tl kernels' auto path); `requested` None reads RAYSYS_FLASH_PATH (default auto)."""
@@ -216,7 +228,7 @@ def resolve_path(requested: str | None, *tensors: torch.Tensor, forward: bool = 
         raise ValueError(f"flash path {requested!r} must be one of auto, {', '.join(PATHS + (GLUON,))}")
     if requested in ("auto", GLUON) and forward:
         reason = gluon_unsupported(*tensors[:3])
-        if not reason:
+        if not reason and (requested == GLUON or _work(*tensors[:2]) >= GLUON_AUTO_MIN_WORK):
             return GLUON
         if requested == GLUON:
             raise ValueError(f"the gluon path cannot run here: {reason}")

@@ -257,6 +257,9 @@ def test_gluon_forward_matches_fp64_reference(head_dim, dtype, causal):
 def test_auto_takes_gluon_forward_where_it_runs():
     q, k, v, _ = _inputs((1, 2, 300, 128), (1, 2, 300, 128), torch.bfloat16, seed=6)
     fa.flash_attention_fwd(q, k, v, True)
+    assert fa.LAST_PATH["fwd"] in PATHS  # too small to hide the gluon launch
+    q, k, v, _ = _inputs((1, 16, 16384, 128), (1, 16, 16384, 128), torch.bfloat16, seed=6)
+    fa.flash_attention_fwd(q, k, v, True)
     assert fa.LAST_PATH["fwd"] == "gluon"
     fa.flash_attention_fwd(q.float(), k.float(), v.float(), True)  # fp32: the tl kernels
     assert fa.LAST_PATH["fwd"] in PATHS
