@@ -26,6 +26,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kernels.flash_attention_gluon as fg
+import kernels.flash_attention_gluon_bwd as fgb
 
 CONFIGS = {
     64: [fg.GluonConfig(block_m=64, block_n=128, num_stages=3, num_consumers=2),
@@ -43,10 +44,10 @@ BENCH_SHAPES = [(1, 16, 16384, 128), (1, 32, 32768, 128), (8, 16, 4096, 64), (4,
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 """Max |O - O_ref| allowed (inputs ~N(0, 1), outputs |O| < ~1); L gets the same."""
 BWD_CONFIGS = {
-    64: [fg.GluonBwdConfig(block_m=64, num_stages=2, num_consumers=2),
-         fg.GluonBwdConfig(block_m=64, num_stages=3, num_consumers=2)],
-    128: [fg.GluonBwdConfig(block_m=64, num_stages=2, num_consumers=2),
-          fg.GluonBwdConfig(block_m=64, num_stages=3, num_consumers=1)],
+    64: [fgb.GluonBwdConfig(block_m=64, num_stages=2, num_consumers=2),
+         fgb.GluonBwdConfig(block_m=64, num_stages=3, num_consumers=2)],
+    128: [fgb.GluonBwdConfig(block_m=64, num_stages=2, num_consumers=2),
+          fgb.GluonBwdConfig(block_m=64, num_stages=3, num_consumers=1)],
 }
 """Per head dim, the default first."""
 GRAD_TOL = {torch.bfloat16: 3e-2, torch.float16: 6e-3}
@@ -116,7 +117,7 @@ def _rel_err(g, ref) -> float:
     return ((g.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
 
 
-def check_bwd(config: fg.GluonBwdConfig, head_dim: int) -> tuple[bool, list[dict]]:
+def check_bwd(config: fgb.GluonBwdConfig, head_dim: int) -> tuple[bool, list[dict]]:
     from kernels.flash_attention import flash_attention_bwd
     rows, ok = [], True
     for q_shape, n_k, causal in CHECK_SHAPES:
@@ -128,7 +129,7 @@ def check_bwd(config: fg.GluonBwdConfig, head_dim: int) -> tuple[bool, list[dict
             q, k, v = (torch.randn(s, generator=gen, device="cuda").to(dtype) for s in (q_shape, k_shape, k_shape))
             do = torch.randn(q_shape, generator=gen, device="cuda").to(dtype)
             out, lse = fg.gluon_attention_fwd(q, k, v, causal)
-            grads = fg.gluon_attention_bwd(q, k, v, out, lse, do, causal, config=config)
+            grads = fgb.gluon_attention_bwd(q, k, v, out, lse, do, causal, config=config)
             torch.cuda.synchronize()
             refs = _grad_reference(q, k, v, do, causal)
             errs = [_rel_err(g, r) for g, r in zip(grads, refs)]
@@ -198,7 +199,7 @@ def run_bwd(rows: list[dict]) -> None:
         for config in passed[shape[-1]]:
             def gluon(c=config):
                 out, lse = fg.gluon_attention_fwd(q, k, v, True)
-                return fg.gluon_attention_bwd(q, k, v, out, lse, do, True, config=c)
+                return fgb.gluon_attention_bwd(q, k, v, out, lse, do, True, config=c)
             try:
                 rows.append(bench_fwd_bwd(gluon, shape, "gluon", config.name))
             except Exception as e:

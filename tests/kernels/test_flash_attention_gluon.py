@@ -15,6 +15,7 @@ import torch
 import triton
 
 import kernels.flash_attention_gluon as fg
+import kernels.flash_attention_gluon_bwd as fgb
 
 GLUON_API = "3.6."
 """The Triton release whose Gluon API the kernel uses (the GPU host's); others skip the compile test."""
@@ -108,10 +109,10 @@ def test_compiles_for_sm90(head_dim):
 
 def test_bwd_config_rules():
     with pytest.raises(ValueError, match="block_m"):
-        fg.GluonBwdConfig(block_m=96)
+        fgb.GluonBwdConfig(block_m=96)
     with pytest.raises(ValueError, match="num_consumers"):
-        fg.GluonBwdConfig(num_consumers=3)
-    config = fg.GluonBwdConfig(block_m=64, num_stages=2, num_consumers=2)
+        fgb.GluonBwdConfig(num_consumers=3)
+    config = fgb.GluonBwdConfig(block_m=64, num_stages=2, num_consumers=2)
     # K, V (2 x 2 x 64 x 128), the Q/dO ring (2 x 2 x 64 x 128) and dS^T (2 x 64 x 64), bf16.
     assert config.shared_bytes(128) == 2 * (128 * (4 * 64 + 4 * 64) + 2 * 64 * 64)
     assert config.registers() == fg.GluonConfig(num_consumers=2).registers()
@@ -120,10 +121,10 @@ def test_bwd_config_rules():
 def test_bwd_refuses_cpu_and_bad_lse():
     q = _cpu((1, 2, 64, 128))
     with pytest.raises(ValueError, match="gluon_attention_bwd"):
-        fg.gluon_attention_bwd(q, q, q, q, torch.zeros(1, 2, 64), q, True)
+        fgb.gluon_attention_bwd(q, q, q, q, torch.zeros(1, 2, 64), q, True)
 
 
-def _compile_sm90_bwd(config: fg.GluonBwdConfig, head_dim: int, dtype: torch.dtype, causal: bool):
+def _compile_sm90_bwd(config: fgb.GluonBwdConfig, head_dim: int, dtype: torch.dtype, causal: bool):
     """The backward kernel for sm_90 without a GPU, from the launcher's own arguments."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -132,9 +133,9 @@ def _compile_sm90_bwd(config: fg.GluonBwdConfig, head_dim: int, dtype: torch.dty
     q = _cpu((1, 3, 1000, head_dim), dtype)
     k = _cpu((1, 3, 777, head_dim), dtype)
     lse = torch.zeros(1, 3, 1000)
-    _, args, meta = fg.bwd_launch_args(q, k, k, q, k, k, lse, lse, torch.zeros(q.shape), causal, config)
+    _, args, meta = fgb.bwd_launch_args(q, k, k, q, k, k, lse, lse, torch.zeros(q.shape), causal, config)
     options = {name: meta.pop(name) for name in ("num_warps", "maxnreg")}
-    kernel = fg._gluon_attn_bwd_kernel
+    kernel = fgb._gluon_attn_bwd_kernel
     signature = {p.name: mangle_type(a) for p, a in zip(kernel.params, args)}
     signature.update({name: "constexpr" for name in meta})
     source = GluonASTSource(fn=kernel, signature=signature, constexprs=dict(meta))
@@ -147,7 +148,7 @@ def _compile_sm90_bwd(config: fg.GluonBwdConfig, head_dim: int, dtype: torch.dty
 @pytest.mark.parametrize("head_dim, causal, dtype", [(64, True, torch.bfloat16), (128, True, torch.bfloat16),
                                                      (128, False, torch.float16)])
 def test_bwd_compiles_for_sm90(head_dim, causal, dtype):
-    config = fg.DEFAULT_BWD_CONFIGS[head_dim]
+    config = fgb.DEFAULT_BWD_CONFIGS[head_dim]
     compiled = _compile_sm90_bwd(config, head_dim, dtype, causal)
     ptx = compiled.asm["ptx"]
     assert compiled.asm["cubin"] and compiled.metadata.shared >= config.shared_bytes(head_dim)
@@ -210,7 +211,7 @@ def test_bwd_matches_fp32_autograd(q_shape, n_k, causal, dtype, tol):
     qf, kf, vf = (t.float().requires_grad_() for t in (q, k, v))
     _reference(qf, kf, vf, causal)[0].backward(do.float())
     out, lse = fg.gluon_attention_fwd(q, k, v, causal)
-    grads = fg.gluon_attention_bwd(q, k, v, out, lse, do, causal)
+    grads = fgb.gluon_attention_bwd(q, k, v, out, lse, do, causal)
     for name, g, ref, t in zip("qkv", grads, (qf.grad, kf.grad, vf.grad), (q, k, v)):
         assert g.dtype == dtype and g.shape == t.shape, name
         # Max error relative to the largest gradient: P and dS are rounded to the input dtype (2^-9 bf16, 2^-12
@@ -218,5 +219,5 @@ def test_bwd_matches_fp32_autograd(q_shape, n_k, causal, dtype, tol):
         assert ((g.float() - ref).abs().max() / ref.abs().max()).item() <= tol, name
     # Through autograd too.
     qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
-    fg.gluon_attention(qa, ka, va, causal).backward(do)
+    fgb.gluon_attention(qa, ka, va, causal).backward(do)
     assert ((qa.grad.float() - qf.grad).abs().max() / qf.grad.abs().max()).item() <= tol
