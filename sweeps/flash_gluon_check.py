@@ -27,6 +27,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kernels.flash_attention_gluon as fg
 import kernels.flash_attention_gluon_bwd as fgb
+from raysys.results import make_row, write_parquet
+
+SWEEP = "flash_gluon"
 
 CONFIGS = {
     64: [fg.GluonConfig(block_m=64, block_n=128, num_stages=3, num_consumers=2),
@@ -92,8 +95,8 @@ def check(config: fg.GluonConfig, head_dim: int) -> tuple[bool, list[dict]]:
             ok &= good
             print(f"  check {config.name} {tuple(q_shape)} n_k={n_k} causal={causal} {str(dtype)[6:]}: "
                   f"max|dO|={err_o:.2e} max|dL|={err_l:.2e} {'ok' if good else 'WRONG'}", flush=True)
-            rows.append(dict(kind="check", config=config.name, head_dim=head_dim, shape=str(q_shape), n_k=n_k,
-                             causal=causal, dtype=str(dtype), err_out=err_o, err_lse=err_l, ok=good))
+            rows.append(_row(dict(kind="check", config=config.name, head_dim=head_dim, shape=str(q_shape), n_k=n_k,
+                                  causal=causal, dtype=str(dtype)), dict(err_out=err_o, err_lse=err_l, ok=good)))
     return ok, rows
 
 
@@ -101,8 +104,8 @@ def bench(fn, shape, provider: str, config: str = "") -> dict:
     batch, heads, n, d = shape
     flops = fg.gluon_attention_flops(batch, heads, n, n, d, True)
     ms = triton.testing.do_bench(fn, warmup=10, rep=50)
-    return dict(kind="time", provider=provider, config=config, shape=f"{batch}x{heads}x{n}x{d}", head_dim=d,
-                causal=True, dtype="torch.bfloat16", ms=ms, tflops=flops / ms * 1e-9)
+    return _row(dict(kind="time", provider=provider, config=config, shape=f"{batch}x{heads}x{n}x{d}", head_dim=d,
+                     causal=True, dtype="torch.bfloat16"), dict(median_s=ms / 1e3, tflops=flops / ms * 1e-9))
 
 
 def _grad_reference(q, k, v, do, causal):
@@ -144,9 +147,10 @@ def check_bwd(config: fgb.GluonBwdConfig, head_dim: int) -> tuple[bool, list[dic
             print(f"  check {config.name} {tuple(q_shape)} n_k={n_k} causal={causal} {str(dtype)[6:]}: rel max err "
                   f"dq={errs[0]:.2e} dk={errs[1]:.2e} dv={errs[2]:.2e} (tl {tl_errs[0]:.1e} {tl_errs[1]:.1e} "
                   f"{tl_errs[2]:.1e}) {'ok' if good else 'WRONG'}", flush=True)
-            rows.append(dict(kind="check_bwd", config=config.name, head_dim=head_dim, shape=str(q_shape), n_k=n_k,
-                             causal=causal, dtype=str(dtype), err_dq=errs[0], err_dk=errs[1], err_dv=errs[2],
-                             tl_err_dq=tl_errs[0], tl_err_dk=tl_errs[1], tl_err_dv=tl_errs[2], ok=good))
+            rows.append(_row(dict(kind="check_bwd", config=config.name, head_dim=head_dim, shape=str(q_shape),
+                                  n_k=n_k, causal=causal, dtype=str(dtype)),
+                             dict(err_dq=errs[0], err_dk=errs[1], err_dv=errs[2], tl_err_dq=tl_errs[0],
+                                  tl_err_dk=tl_errs[1], tl_err_dv=tl_errs[2], ok=good)))
     return ok, rows
 
 
@@ -154,8 +158,8 @@ def bench_fwd_bwd(fn, shape, provider: str, config: str = "", grad_to_none=None)
     batch, heads, n, d = shape
     flops = 3.5 * fg.gluon_attention_flops(batch, heads, n, n, d, True)
     ms = triton.testing.do_bench(fn, warmup=5, rep=40, grad_to_none=grad_to_none)
-    return dict(kind="time_fwd_bwd", provider=provider, config=config, shape=f"{batch}x{heads}x{n}x{d}", head_dim=d,
-                causal=True, dtype="torch.bfloat16", ms=ms, tflops=flops / ms * 1e-9)
+    return _row(dict(kind="time_fwd_bwd", provider=provider, config=config, shape=f"{batch}x{heads}x{n}x{d}",
+                     head_dim=d, causal=True, dtype="torch.bfloat16"), dict(median_s=ms / 1e3, tflops=flops / ms * 1e-9))
 
 
 def run_bwd(rows: list[dict]) -> None:
@@ -173,7 +177,8 @@ def run_bwd(rows: list[dict]) -> None:
                       flush=True)
             except Exception as e:  # compile error, launch failure, ...
                 print(f"bwd config d={head_dim} {config.name}: ERROR {_short(e)}", flush=True)
-                rows.append(dict(kind="check_bwd", config=config.name, head_dim=head_dim, ok=False, error=_short(e)))
+                rows.append(_row(dict(kind="check_bwd", config=config.name, head_dim=head_dim), dict(ok=False),
+                                 status="error", error=_short(e)))
     from kernels.flash_attention import flash_attention_bwd
     for shape in BENCH_SHAPES:
         gen = torch.Generator(device="cuda").manual_seed(0)
@@ -243,7 +248,8 @@ def run_fwd(rows: list[dict], passed: dict) -> None:
                       flush=True)
             except Exception as e:  # compile error, launch failure, ...
                 print(f"config d={head_dim} {config.name}: ERROR {_short(e)}", flush=True)
-                rows.append(dict(kind="check", config=config.name, head_dim=head_dim, ok=False, error=_short(e)))
+                rows.append(_row(dict(kind="check", config=config.name, head_dim=head_dim), dict(ok=False),
+                                 status="error", error=_short(e)))
     # (b) timing: baselines, then every config that passed.
     from kernels.flash_attention import flash_attention_fwd
     for shape in BENCH_SHAPES:
@@ -272,9 +278,15 @@ def run_fwd(rows: list[dict], passed: dict) -> None:
         torch.cuda.empty_cache()
 
 
+def _row(config: dict, metrics: dict, **kw) -> dict:
+    """A result row in the project's convention (raysys.results: provenance, seconds)."""
+    return make_row(SWEEP, config, metrics, **kw)
+
+
 def write(rows: list[dict], out_dir: str, start: float) -> None:
-    """Summary tables (vs_cudnn = cuDNN ms / ms) and the parquet file, written atomically."""
+    """Summary tables (vs_cudnn = cuDNN time / time) and `<out>/flash_gluon.parquet`, written atomically."""
     df = pd.DataFrame(rows)
+    df["ms"] = df["median_s"] * 1e3 if "median_s" in df else float("nan")  # the printed tables only
     for kind, title in (("time", "forward"), ("time_fwd_bwd", "forward+backward")):
         if "kind" not in df or not (df.kind == kind).any():
             continue
@@ -285,12 +297,8 @@ def write(rows: list[dict], out_dir: str, start: float) -> None:
         print(f"\n{title}, causal bf16 (vs_cudnn = cuDNN ms / ms)")
         print(timed[["shape", "provider", "config", "ms", "tflops", "vs_cudnn"]].to_string(
             index=False, float_format=lambda x: f"{x:.3f}"))
-    df["device"] = torch.cuda.get_device_name()
-    df["torch"], df["triton"] = torch.__version__, triton.__version__
-    tmp = os.path.join(out_dir, "flash_gluon.parquet.tmp")
-    df.to_parquet(tmp)
-    os.replace(tmp, os.path.join(out_dir, "flash_gluon.parquet"))
-    print(f"\nwrote {os.path.join(out_dir, 'flash_gluon.parquet')} ({len(df)} rows, {time.time() - start:.0f}s)")
+    path = write_parquet(df.drop(columns="ms"), os.path.join(out_dir, f"{SWEEP}.parquet"))
+    print(f"\nwrote {path} ({len(df)} rows, {time.time() - start:.0f}s)")
 
 
 if __name__ == "__main__":

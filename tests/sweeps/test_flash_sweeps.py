@@ -276,3 +276,22 @@ def test_flash_tiles_time_budget_stops_starting_trials(tmp_path, monkeypatch):
     assert 1 <= len(df) <= 2 and (df["status"] == "ok").all()  # trials start at ~0 s and ~1.5 s, not at ~3 s
     with pytest.raises(ValueError, match="--time-budget-s"):
         flash_tiles.main(["--launcher", "local", "--quick", "--out", str(tmp_path), "--time-budget-s", "0"])
+
+
+def test_gluon_check_rows_follow_the_results_convention(tmp_path, capsys):
+    """The Gluon check script's rows: provenance, times in seconds, ratios against cuDNN in the printed table
+    only; the file is readable by `raysys.results.read_results`."""
+    from raysys.results import read_results
+    from sweeps import flash_gluon_check as check
+
+    shape = dict(kind="time", config="", shape="1x2x64x64", head_dim=64, causal=True, dtype="torch.bfloat16")
+    rows = [check._row(dict(shape, provider="sdpa_cudnn"), dict(median_s=2e-3, tflops=500.0)),
+            check._row(dict(shape, provider="gluon", config="2x64x128/s3"), dict(median_s=1e-3, tflops=1000.0)),
+            check._row(dict(kind="check", config="2x64x128/s3", head_dim=64), dict(ok=False), status="error",
+                       error="RuntimeError: boom")]
+    check.write(rows, str(tmp_path), time.time())
+    df = read_results(tmp_path / "flash_gluon.parquet")
+    assert {"run_id", "git_sha", "median_s", "status"} <= set(df.columns) and "ms" not in df.columns
+    assert df.set_index("provider")["vs_cudnn"].dropna().to_dict() == {"sdpa_cudnn": 1.0, "gluon": 2.0}
+    assert list(df.status) == ["ok", "ok", "error"]
+    assert "2x64x128/s3" in capsys.readouterr().out
