@@ -14,6 +14,7 @@
 #                                    #   compiled, FSDP compiled, --collectives-alone, paired vs single)   (~7 min)
 #   bash sweeps/gpu_run.sh ckpt      # checkpointing trials (Ray Tune, one GPU per trial)                  (~4 min)
 #   bash sweeps/gpu_run.sh flash     # Ray Tune tile sweep (one GPU per trial), the FlashAttention grid    (~9.5 min)
+#   bash sweeps/gpu_run.sh gluon     # 1 GPU: the Gluon kernels' GPU tests and checks, then the hopper study (~6 min)
 #   bash sweeps/gpu_run.sh leaderboard # 1 GPU: the 8B step's ablation and --check (issue 15)             (~8.5 min)
 #   bash sweeps/gpu_run.sh lbtune    # 1 GPU: the advisor's plan against its neighbours, a profile of the step (~8 min)
 #   bash sweeps/gpu_run.sh lb2       # 2 GPUs: the 8B step on two ranks (Ray gang) and on one, same commit (~8 min)
@@ -23,7 +24,7 @@
 # Ray comes from wheels when the host has none: set WHEELS=.whl (the README's "Studies" section says how to make it).
 # Exit status: 2 without the GPUs the phase needs (nothing runs), 1 if a study failed, else 0.
 set -u
-phase=${1:?usage: gpu_run.sh dist|allreduce|fsdp|paired|compiled|alone|ckpt|flash|leaderboard|lbtune|lb2|tests|e2e}
+phase=${1:?usage: gpu_run.sh dist|allreduce|fsdp|paired|compiled|alone|ckpt|flash|gluon|leaderboard|lbtune|lb2|tests|e2e}
 OUT=${OUT:-/tmp/raysys-gpu}
 # Results go to a run directory of their own (never straight into the committed results/): running a phase again
 # continues it (--resume of the same commit); copy what you keep into results/ afterwards.
@@ -151,6 +152,14 @@ case $phase in
     study flash_grid 250 python3 sweeps/flash_bench.py --studies grid --device cuda --out "$RESULTS" --resume \
       --time-budget-s 230
     ;;
+  gluon)  # issue 16 on one GPU: the gluon path's GPU tests, every Gluon config checked and timed (forward and the
+    # experimental backward), then the hopper study with the gluon path beside the tl paths and both SDPA backends
+    study flash_gluon_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_flash_attention_gpu.py \
+      tests/kernels/test_flash_attention_gluon.py -k gluon
+    study flash_gluon 200 python3 sweeps/flash_gluon_check.py --part all --out "$RESULTS"
+    study flash_hopper 200 python3 sweeps/flash_bench.py --studies hopper --time-budget-s 180 --out "$RESULTS" --resume \
+      --providers triton,triton_gluon,triton_tma,triton_portable,sdpa_cudnn,sdpa_flash
+    ;;
   leaderboard)  # issue 15 on one GPU: --check, then the ablation (the fast step at batch 1 by the course's do_bench,
     # shortened; the other rows by CUDA events after their first step), into $RESULTS/leaderboard (~8.5 min)
     study leaderboard 560 python3 sweeps/leaderboard.py --size leaderboard --device cuda --study ablation --no-ray \
@@ -179,7 +188,7 @@ case $phase in
     study end_to_end 420 python3 sweeps/end_to_end.py --device cuda --out "$RESULTS" --resume
     ;;
   *)
-    echo "unknown phase $phase (dist, allreduce, fsdp, paired, compiled, alone, ckpt, flash, leaderboard, lbtune, lb2, tests, e2e)" >&2
+    echo "unknown phase $phase (dist, allreduce, fsdp, paired, compiled, alone, ckpt, flash, gluon, leaderboard, lbtune, lb2, tests, e2e)" >&2
     exit 2
     ;;
 esac
