@@ -162,23 +162,30 @@ def bench_fwd_bwd(fn, shape, provider: str, config: str = "", grad_to_none=None)
                      head_dim=d, causal=True, dtype="torch.bfloat16"), dict(median_s=ms / 1e3, tflops=flops / ms * 1e-9))
 
 
-def run_bwd(rows: list[dict]) -> None:
-    """(c) backward correctness per config, then (d) forward+backward timing of the configs that passed."""
-    passed = {64: [], 128: []}
-    for head_dim, configs in BWD_CONFIGS.items():
-        for config in configs:
+def check_configs(configs: dict[int, list], check_fn, kind: str, rows: list[dict]) -> dict[int, list]:
+    """Run `check_fn(config, head_dim)` for every config (a failure to compile or launch is one line and an error
+    row; the script goes on): the configs that passed, per head dim."""
+    passed: dict[int, list] = {64: [], 128: []}
+    for head_dim, head_configs in configs.items():
+        for config in head_configs:
             t0 = time.time()
             try:
-                ok, r = check_bwd(config, head_dim)
+                ok, r = check_fn(config, head_dim)
                 rows += r
                 if ok:
                     passed[head_dim].append(config)
-                print(f"bwd config d={head_dim} {config.name}: {'PASS' if ok else 'FAIL'} ({time.time() - t0:.1f}s)",
+                print(f"{kind} d={head_dim} {config.name}: {'PASS' if ok else 'FAIL'} ({time.time() - t0:.1f}s)",
                       flush=True)
             except Exception as e:  # compile error, launch failure, ...
-                print(f"bwd config d={head_dim} {config.name}: ERROR {_short(e)}", flush=True)
-                rows.append(_row(dict(kind="check_bwd", config=config.name, head_dim=head_dim), dict(ok=False),
+                print(f"{kind} d={head_dim} {config.name}: ERROR {_short(e)}", flush=True)
+                rows.append(_row(dict(kind=kind, config=config.name, head_dim=head_dim), dict(ok=False),
                                  status="error", error=_short(e)))
+    return passed
+
+
+def run_bwd(rows: list[dict]) -> None:
+    """(c) backward correctness per config, then (d) forward+backward timing of the configs that passed."""
+    passed = check_configs(BWD_CONFIGS, check_bwd, "check_bwd", rows)
     from kernels.flash_attention import flash_attention_bwd
     for shape in BENCH_SHAPES:
         gen = torch.Generator(device="cuda").manual_seed(0)
@@ -236,20 +243,7 @@ def main() -> None:
 
 def run_fwd(rows: list[dict], passed: dict) -> None:
     """(a) forward correctness per config, then (b) forward timing of the configs that passed."""
-    for head_dim, configs in CONFIGS.items():
-        for config in configs:
-            t0 = time.time()
-            try:
-                ok, r = check(config, head_dim)
-                rows += r
-                if ok:
-                    passed[head_dim].append(config)
-                print(f"config d={head_dim} {config.name}: {'PASS' if ok else 'FAIL'} ({time.time() - t0:.1f}s)",
-                      flush=True)
-            except Exception as e:  # compile error, launch failure, ...
-                print(f"config d={head_dim} {config.name}: ERROR {_short(e)}", flush=True)
-                rows.append(_row(dict(kind="check", config=config.name, head_dim=head_dim), dict(ok=False),
-                                 status="error", error=_short(e)))
+    passed.update(check_configs(CONFIGS, check, "check", rows))
     # (b) timing: baselines, then every config that passed.
     from kernels.flash_attention import flash_attention_fwd
     for shape in BENCH_SHAPES:

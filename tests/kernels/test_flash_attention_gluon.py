@@ -73,22 +73,26 @@ def test_unsupported_reasons_name_the_rule(monkeypatch):
     assert "sm_90" in fg.unsupported_reason(good, good, good)
 
 
-def _compile_sm90(config: fg.GluonConfig, head_dim: int, dtype: torch.dtype, causal: bool):
-    """Compile the kernel for sm_90 without a GPU: the launcher's own arguments, mangled into a signature."""
+def _compile_for_sm90(kernel, args: tuple, meta: dict):
+    """Compile a Gluon kernel for sm_90 without a GPU, from its launcher's own arguments (mangled into a
+    signature) and keyword arguments."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    q = _cpu((1, 3, 1000, head_dim), dtype)
-    k = _cpu((1, 3, 777, head_dim), dtype)
-    lse = torch.zeros(1, 3, 1000)
-    _, args, meta = fg.launch_args(q, k, k, torch.zeros_like(q), lse, causal, config)
+    meta = dict(meta)
     options = {name: meta.pop(name) for name in ("num_warps", "maxnreg")}
-    kernel = fg._gluon_attn_fwd_kernel
     signature = {p.name: mangle_type(a) for p, a in zip(kernel.params, args)}
     signature.update({name: "constexpr" for name in meta})
     source = GluonASTSource(fn=kernel, signature=signature, constexprs=dict(meta))
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _compile_sm90(config: fg.GluonConfig, head_dim: int, dtype: torch.dtype, causal: bool):
+    q = _cpu((1, 3, 1000, head_dim), dtype)
+    k = _cpu((1, 3, 777, head_dim), dtype)
+    _, args, meta = fg.launch_args(q, k, k, torch.zeros_like(q), torch.zeros(1, 3, 1000), causal, config)
+    return _compile_for_sm90(fg._gluon_attn_fwd_kernel, args, meta)
 
 
 @pytest.mark.slow
@@ -125,21 +129,11 @@ def test_bwd_refuses_cpu_and_bad_lse():
 
 
 def _compile_sm90_bwd(config: fgb.GluonBwdConfig, head_dim: int, dtype: torch.dtype, causal: bool):
-    """The backward kernel for sm_90 without a GPU, from the launcher's own arguments."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
     q = _cpu((1, 3, 1000, head_dim), dtype)
     k = _cpu((1, 3, 777, head_dim), dtype)
     lse = torch.zeros(1, 3, 1000)
     _, args, meta = fgb.bwd_launch_args(q, k, k, q, k, k, lse, lse, torch.zeros(q.shape), causal, config)
-    options = {name: meta.pop(name) for name in ("num_warps", "maxnreg")}
-    kernel = fgb._gluon_attn_bwd_kernel
-    signature = {p.name: mangle_type(a) for p, a in zip(kernel.params, args)}
-    signature.update({name: "constexpr" for name in meta})
-    source = GluonASTSource(fn=kernel, signature=signature, constexprs=dict(meta))
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return _compile_for_sm90(fgb._gluon_attn_bwd_kernel, args, meta)
 
 
 @pytest.mark.slow
