@@ -77,26 +77,33 @@ def _reference(q, k, v, causal):
     return out, lse
 
 
-def check(config: fg.GluonConfig, head_dim: int) -> tuple[bool, list[dict]]:
-    rows, ok = [], True
+def _check_cases(head_dim: int):
+    """(q shape, n_k, causal, dtype, (q, k, v, dO)) of every check shape of `head_dim`, bf16 and fp16, seeded."""
     for q_shape, n_k, causal in CHECK_SHAPES:
         if q_shape[-1] != head_dim:
             continue
         for dtype in (torch.bfloat16, torch.float16):
             gen = torch.Generator(device="cuda").manual_seed(0)
             k_shape = q_shape[:2] + (n_k, head_dim)
-            q, k, v = (torch.randn(s, generator=gen, device="cuda").to(dtype) for s in (q_shape, k_shape, k_shape))
-            out, lse = fg.gluon_attention_fwd(q, k, v, causal, config=config)
-            torch.cuda.synchronize()
-            ref_out, ref_lse = _reference(q, k, v, causal)
-            err_o = (out.float() - ref_out).abs().max().item()
-            err_l = (lse - ref_lse).abs().max().item()
-            good = err_o <= TOL[dtype] and err_l <= TOL[dtype] and math.isfinite(err_o) and math.isfinite(err_l)
-            ok &= good
-            print(f"  check {config.name} {tuple(q_shape)} n_k={n_k} causal={causal} {str(dtype)[6:]}: "
-                  f"max|dO|={err_o:.2e} max|dL|={err_l:.2e} {'ok' if good else 'WRONG'}", flush=True)
-            rows.append(_row(dict(kind="check", config=config.name, head_dim=head_dim, shape=str(q_shape), n_k=n_k,
-                                  causal=causal, dtype=str(dtype)), dict(err_out=err_o, err_lse=err_l, ok=good)))
+            shapes = (q_shape, k_shape, k_shape, q_shape)
+            tensors = [torch.randn(s, generator=gen, device="cuda").to(dtype) for s in shapes]
+            yield q_shape, n_k, causal, dtype, tensors
+
+
+def check(config: fg.GluonConfig, head_dim: int) -> tuple[bool, list[dict]]:
+    rows, ok = [], True
+    for q_shape, n_k, causal, dtype, (q, k, v, _) in _check_cases(head_dim):
+        out, lse = fg.gluon_attention_fwd(q, k, v, causal, config=config)
+        torch.cuda.synchronize()
+        ref_out, ref_lse = _reference(q, k, v, causal)
+        err_o = (out.float() - ref_out).abs().max().item()
+        err_l = (lse - ref_lse).abs().max().item()
+        good = err_o <= TOL[dtype] and err_l <= TOL[dtype] and math.isfinite(err_o) and math.isfinite(err_l)
+        ok &= good
+        print(f"  check {config.name} {tuple(q_shape)} n_k={n_k} causal={causal} {str(dtype)[6:]}: "
+              f"max|dO|={err_o:.2e} max|dL|={err_l:.2e} {'ok' if good else 'WRONG'}", flush=True)
+        rows.append(_row(dict(kind="check", config=config.name, head_dim=head_dim, shape=str(q_shape), n_k=n_k,
+                              causal=causal, dtype=str(dtype)), dict(err_out=err_o, err_lse=err_l, ok=good)))
     return ok, rows
 
 
@@ -123,34 +130,27 @@ def _rel_err(g, ref) -> float:
 def check_bwd(config: fgb.GluonBwdConfig, head_dim: int) -> tuple[bool, list[dict]]:
     from kernels.flash_attention import flash_attention_bwd
     rows, ok = [], True
-    for q_shape, n_k, causal in CHECK_SHAPES:
-        if q_shape[-1] != head_dim:
-            continue
-        for dtype in (torch.bfloat16, torch.float16):
-            gen = torch.Generator(device="cuda").manual_seed(0)
-            k_shape = q_shape[:2] + (n_k, head_dim)
-            q, k, v = (torch.randn(s, generator=gen, device="cuda").to(dtype) for s in (q_shape, k_shape, k_shape))
-            do = torch.randn(q_shape, generator=gen, device="cuda").to(dtype)
-            out, lse = fg.gluon_attention_fwd(q, k, v, causal)
-            grads = fgb.gluon_attention_bwd(q, k, v, out, lse, do, causal, config=config)
-            torch.cuda.synchronize()
-            refs = _grad_reference(q, k, v, do, causal)
-            errs = [_rel_err(g, r) for g, r in zip(grads, refs)]
-            try:  # the project's tl backward on the same O and L, for scale
-                tl_errs = [_rel_err(g, r) for g, r in zip(flash_attention_bwd(q, k, v, out, lse, do, causal), refs)]
-            except Exception as e:
-                tl_errs = [float("nan")] * 3
-                print(f"  (tl backward: {_short(e, 1)})", flush=True)
-            good = all(math.isfinite(e) and e <= GRAD_TOL[dtype] for e in errs) and all(
-                g.dtype == dtype and g.shape == t.shape for g, t in zip(grads, (q, k, v)))
-            ok &= good
-            print(f"  check {config.name} {tuple(q_shape)} n_k={n_k} causal={causal} {str(dtype)[6:]}: rel max err "
-                  f"dq={errs[0]:.2e} dk={errs[1]:.2e} dv={errs[2]:.2e} (tl {tl_errs[0]:.1e} {tl_errs[1]:.1e} "
-                  f"{tl_errs[2]:.1e}) {'ok' if good else 'WRONG'}", flush=True)
-            rows.append(_row(dict(kind="check_bwd", config=config.name, head_dim=head_dim, shape=str(q_shape),
-                                  n_k=n_k, causal=causal, dtype=str(dtype)),
-                             dict(err_dq=errs[0], err_dk=errs[1], err_dv=errs[2], tl_err_dq=tl_errs[0],
-                                  tl_err_dk=tl_errs[1], tl_err_dv=tl_errs[2], ok=good)))
+    for q_shape, n_k, causal, dtype, (q, k, v, do) in _check_cases(head_dim):
+        out, lse = fg.gluon_attention_fwd(q, k, v, causal)
+        grads = fgb.gluon_attention_bwd(q, k, v, out, lse, do, causal, config=config)
+        torch.cuda.synchronize()
+        refs = _grad_reference(q, k, v, do, causal)
+        errs = [_rel_err(g, r) for g, r in zip(grads, refs)]
+        try:  # the project's tl backward on the same O and L, for scale
+            tl_errs = [_rel_err(g, r) for g, r in zip(flash_attention_bwd(q, k, v, out, lse, do, causal), refs)]
+        except Exception as e:
+            tl_errs = [float("nan")] * 3
+            print(f"  (tl backward: {_short(e, 1)})", flush=True)
+        good = all(math.isfinite(e) and e <= GRAD_TOL[dtype] for e in errs) and all(
+            g.dtype == dtype and g.shape == t.shape for g, t in zip(grads, (q, k, v)))
+        ok &= good
+        print(f"  check {config.name} {tuple(q_shape)} n_k={n_k} causal={causal} {str(dtype)[6:]}: rel max err "
+              f"dq={errs[0]:.2e} dk={errs[1]:.2e} dv={errs[2]:.2e} (tl {tl_errs[0]:.1e} {tl_errs[1]:.1e} "
+              f"{tl_errs[2]:.1e}) {'ok' if good else 'WRONG'}", flush=True)
+        rows.append(_row(dict(kind="check_bwd", config=config.name, head_dim=head_dim, shape=str(q_shape),
+                              n_k=n_k, causal=causal, dtype=str(dtype)),
+                         dict(err_dq=errs[0], err_dk=errs[1], err_dv=errs[2], tl_err_dq=tl_errs[0],
+                              tl_err_dk=tl_errs[1], tl_err_dv=tl_errs[2], ok=good)))
     return ok, rows
 
 
