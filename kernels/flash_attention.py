@@ -23,8 +23,9 @@ unit clips; optional persistent grid and warp specialisation). On sm_90 the forw
 TMA-able layouts), whose backward is the tl kernels' (it takes the same L). `RAYSYS_FLASH_PATH` / `path=` picks
 one; `auto` takes gluon for the forward where it runs and the call is large enough to hide its launch
 (`GLUON_AUTO_MIN_WORK`; and no launch config is given), and for the tl kernels tma on sm_90 when the tuned file's
-`auto_path` says so (set by the measurement that wrote it), else portable. Launch configs are autotuned per (sequence bucket, head dim, causal, dtype, path) among
-`kernels/flash_attention_tuning.py`'s candidates (the tuned file's entries when it has some);
+`auto_path` says so (set by the measurement that wrote it), else portable. Launch configs are autotuned per
+(sequence bucket, head dim, causal, dtype, path) among `kernels/flash_attention_tuning.py`'s candidates (the tuned
+file's entries when it has some);
 `RAYSYS_FLASH_AUTOTUNE=0` takes the first valid one. Under `TRITON_INTERPRET=1` (read at import) each kernel has
 one small config and CPU tensors are accepted; the interpreter has no bf16.
 

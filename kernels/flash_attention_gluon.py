@@ -368,7 +368,8 @@ def launch_args(q, k, v, out, lse, is_causal: bool, config: GluonConfig):
     args = (_descriptor(q, config.block_m), _descriptor(k, config.block_n), _descriptor(v, config.block_n),
             _descriptor(out, config.block_m), lse, heads, n_q, n_k, LOG2E / math.sqrt(head_dim))
     meta = dict(HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
-                NUM_CONSUMERS=config.num_consumers, IS_CAUSAL=is_causal, CONSUMER_REGS=consumer_regs, LOADER_REGS=LOADER_REGS,
+                NUM_CONSUMERS=config.num_consumers, IS_CAUSAL=is_causal, CONSUMER_REGS=consumer_regs,
+                LOADER_REGS=LOADER_REGS,
                 num_warps=4, maxnreg=maxnreg)
     return grid, args, meta
 

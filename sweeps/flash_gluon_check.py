@@ -159,7 +159,8 @@ def bench_fwd_bwd(fn, shape, provider: str, config: str = "", grad_to_none=None)
     flops = 3.5 * fg.gluon_attention_flops(batch, heads, n, n, d, True)
     ms = triton.testing.do_bench(fn, warmup=5, rep=40, grad_to_none=grad_to_none)
     return _row(dict(kind="time_fwd_bwd", provider=provider, config=config, shape=f"{batch}x{heads}x{n}x{d}",
-                     head_dim=d, causal=True, dtype="torch.bfloat16"), dict(median_s=ms / 1e3, tflops=flops / ms * 1e-9))
+                     head_dim=d, causal=True, dtype="torch.bfloat16"),
+                dict(median_s=ms / 1e3, tflops=flops / ms * 1e-9))
 
 
 def check_configs(configs: dict[int, list], check_fn, kind: str, rows: list[dict]) -> dict[int, list]:

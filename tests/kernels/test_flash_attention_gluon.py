@@ -19,6 +19,9 @@ import kernels.flash_attention_gluon_bwd as fgb
 
 GLUON_API = "3.6."
 """The Triton release whose Gluon API the kernel uses (the GPU host's); others skip the compile test."""
+needs_gluon_api = pytest.mark.skipif(
+    not triton.__version__.startswith(GLUON_API),
+    reason=f"the kernels are written against Triton {GLUON_API}x's Gluon API, this is {triton.__version__}")
 
 
 def _cpu(shape, dtype=torch.bfloat16):
@@ -96,8 +99,7 @@ def _compile_sm90(config: fg.GluonConfig, head_dim: int, dtype: torch.dtype, cau
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not triton.__version__.startswith(GLUON_API),
-                    reason=f"the kernel is written against Triton {GLUON_API}x's Gluon API, this is {triton.__version__}")
+@needs_gluon_api
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_compiles_for_sm90(head_dim):
     config = fg.DEFAULT_CONFIGS[head_dim]
@@ -137,8 +139,7 @@ def _compile_sm90_bwd(config: fgb.GluonBwdConfig, head_dim: int, dtype: torch.dt
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not triton.__version__.startswith(GLUON_API),
-                    reason=f"the kernel is written against Triton {GLUON_API}x's Gluon API, this is {triton.__version__}")
+@needs_gluon_api
 @pytest.mark.parametrize("head_dim, causal, dtype", [(64, True, torch.bfloat16), (128, True, torch.bfloat16),
                                                      (128, False, torch.float16)])
 def test_bwd_compiles_for_sm90(head_dim, causal, dtype):
