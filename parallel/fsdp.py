@@ -372,7 +372,9 @@ class FSDP(nn.Module):
             waited for) and one reduce-scatter over a rank-major buffer (`torch._chunk_cat`), instead of one
             collective per weight issued as a coalesced group. NCCL enqueues each tensor of a group as its own
             operation: flat, a unit costs one enqueue each way for one device copy each way (FSDP2's layout). The
-            paths gloo takes anyway; fp32 training is tested bitwise against one process either way.
+            paths gloo takes anyway; fp32 training is tested bitwise against one process either way. On one H200
+            through a larger group's collectives the copies cost more than the enqueues saved (the `fsdp_flat` row
+            of results/runs/fsdp_world1_alone_compiled_b2d54fe.parquet); on a real group it is not yet measured.
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
