@@ -516,7 +516,8 @@ class LeaderboardStep:
     def describe(self) -> dict:
         """Which code path runs: the columns a benchmark row records."""
         plan = self.plan
-        return {"attention": self.config.attention, "loss_path": self.loss_impl,
+        return {"attention": self.config.attention, "attention_kernels": self._attention_kernels(),
+                "loss_path": self.loss_impl,
                 "num_ffn": sum(r.stop - r.start for r in self.checkpointing.regions if r.kind == "ffn"),
                 "optimizer_class": (f"{self.optimizer.kind} in backward" if isinstance(self.optimizer,
                                     OptimizerInBackward) else type(self.optimizer).__name__),
@@ -526,6 +527,15 @@ class LeaderboardStep:
                 if self.compiled else "", "lean": self.lean is not None, "param_dtype": self.dtype,
                 "predicted_peak_bytes": plan.predicted_peak_bytes if plan is not None else float("nan"),
                 "plan_fits": plan.fits if plan is not None else None}
+
+    def _attention_kernels(self) -> str:
+        """For `flash_triton`, the kernel paths its last forward and backward took (`gluon fwd / tma bwd`: the auto
+        dispatch depends on the GPU, the Triton and the shape), so rows of one name but other kernels never mix."""
+        if self.config.attention != "flash_triton":
+            return ""
+        from kernels.flash_attention import LAST_PATH
+
+        return f"{LAST_PATH.get('fwd', '?')} fwd / {LAST_PATH.get('dkdv', LAST_PATH.get('dkdvq', '?'))} bwd"
 
     def reset_optimizer_state(self) -> None:
         """Drop the AdamW state (moments and step counts), as a fresh optimizer would have it."""

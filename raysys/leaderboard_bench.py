@@ -672,6 +672,18 @@ def _print_row(row: dict) -> None:
           f"{row['optimizer_class']}", flush=True)
 
 
+
+def _attention_label(df: "pd.DataFrame") -> "pd.Series | None":
+    """The attention column of a table: the backend, and for flash_triton the kernels that ran (rows written before
+    the `attention_kernels` column existed show the backend alone)."""
+    import pandas as pd
+
+    if "attention" not in df:
+        return None
+    kernels = df["attention_kernels"] if "attention_kernels" in df else pd.Series("", index=df.index)
+    return pd.Series([f"{a} ({k})" if isinstance(k, str) and k else a for a, k in zip(df["attention"], kernels)],
+                     index=df.index)
+
 def summary(df: "pd.DataFrame") -> str:
     """Markdown: the ablation table with the speed-up of every row over today's composition of the same run and
     batch, and what ran."""
@@ -691,7 +703,7 @@ def summary(df: "pd.DataFrame") -> str:
                          "step (s)": df["step_median_s"], "vs today": df["speedup_vs_today"],
                          "peak (GiB)": gib("peak_bytes"), "predicted (GiB)": gib("predicted_peak_bytes"),
                          "TFLOP/s": df.get("model_tflops"), "MFU": df.get("mfu"), "tokens/s": df.get("tokens_per_s"),
-                         "cold start (s)": df.get("cold_start_s"), "attention": df.get("attention"),
+                         "cold start (s)": df.get("cold_start_s"), "attention": _attention_label(df),
                          "policy": df.get("policy"),
                          "loss": df.get("loss_path"), "optimizer": df.get("optimizer_class"),
                          "compiled": df.get("compiled")})

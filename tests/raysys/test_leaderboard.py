@@ -191,6 +191,7 @@ def test_default_step_applies_the_advisor_plan():
     assert [r.kind for r in step.checkpointing.regions] == [r.kind for r in tight.policy.regions(4)]
     info = step.describe()
     assert info["policy"] == tight.spec and info["optimizer_class"] == "ForeachAdamW" and info["loss_path"] == "torch"
+    assert info["attention_kernels"] == ""  # sdpa: no kernel paths of its own
 
 
 def test_step_config_validation():
@@ -306,3 +307,23 @@ def test_a_refused_step_leaves_the_model_as_it_was():
                                              recompute="ffn*1+none*1", lean=False, compile_backend=CPU_BACKEND),
                            batch_size=1)
     step.close()
+
+
+def test_rows_name_the_flash_kernels_that_ran(monkeypatch):
+    """flash_triton's kernels depend on the GPU, the Triton and the shape (the auto dispatch): a row says which
+    forward and backward ran, and the table shows them beside the backend."""
+    import pandas as pd
+
+    import kernels.flash_attention as fa
+    from raysys.leaderboard_bench import _attention_label
+
+    model = TransformerLM(config(N=2, S=32, d=32, f=64, V=50))
+    step = LeaderboardStep(model, StepConfig(attention="flash_triton", loss_impl="torch", optimizer="foreach",
+                                             compile=False, recompute="none"), batch_size=1)
+    monkeypatch.setitem(fa.LAST_PATH, "fwd", "gluon")
+    monkeypatch.setitem(fa.LAST_PATH, "dkdv", "tma")
+    assert step.describe()["attention_kernels"] == "gluon fwd / tma bwd"
+    step.close()
+    rows = pd.DataFrame({"attention": ["flash_triton", "cudnn"], "attention_kernels": ["gluon fwd / tma bwd", ""]})
+    assert list(_attention_label(rows)) == ["flash_triton (gluon fwd / tma bwd)", "cudnn"]
+    assert list(_attention_label(rows.drop(columns="attention_kernels"))) == ["flash_triton", "cudnn"]
