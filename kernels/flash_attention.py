@@ -211,7 +211,9 @@ def gluon_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
         return f"it needs bfloat16 or float16 inputs, not {q.dtype}"
     if q.shape[-1] not in gluon_fwd.HEAD_DIMS:
         return f"it needs head dim 64 or 128, not {q.shape[-1]}"
-    if not tma_layout_ok(q, k, v):
+    # Its descriptors are 4-D and encode every stride, those of length-1 dimensions too.
+    if not tma_layout_ok(q, k, v) or any((stride * t.element_size()) % 16 for t in (q, k, v)
+                                         for stride in _as_4d(t).stride()[:-1]):
         return f"it needs unit stride along d and 16-byte aligned strides, got {[tuple(t.stride()) for t in (q, k, v)]}"
     return ""
 

@@ -226,7 +226,8 @@ def test_gluon_path_choice(monkeypatch):
     assert fa.resolve_path("auto", q, q, q, forward=True) == "gluon"
     assert fa.resolve_path("auto", q, q, q) != "gluon"
     for t, rule in ((q.float(), "bfloat16 or float16"), (torch.zeros(1, 2, 32, 80, dtype=torch.float16), "head dim"),
-                    (torch.zeros(1, 2, 32, 128, dtype=torch.float16)[..., ::2], "stride")):
+                    (torch.zeros(1, 2, 32, 128, dtype=torch.float16)[..., ::2], "stride"),
+                    (torch.zeros(4096, dtype=torch.float16).as_strided((1, 1, 32, 64), (3, 3, 64, 1)), "stride")):
         assert rule in fa.gluon_unsupported(t, t, t)
         assert fa.resolve_path("auto", t, t, t, forward=True) != "gluon"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
