@@ -2,23 +2,32 @@
 
 Consumes the forward's O and natural-log L (`kernels/flash_attention_gluon.py`) and returns (dQ, dK, dV) in the
 inputs' dtype, same semantics as `kernels.flash_attention.flash_attention_bwd` (top-left causal mask, scale
-1/sqrt(d), any N, n_q != n_k, d 64 or 128, bf16 / fp16). No dispatch path calls it: on the H200 it is slower than
-the tl kernels' two-pass backward (results/flash_hopper_notes.md, section 6, says by how much and why).
+1/sqrt(d), any N, n_q != n_k, d 64 or 128, bf16 / fp16). D = rowsum(dO O) comes from the tl preprocess kernel. Every
+kernel runs a 1-warp TMA loader and two consumer warp groups (register split of the forward) and numbers its
+causal work items heaviest first. No dispatch path calls it yet (results/flash_hopper_notes.md, section 6).
 
-One program per NUM_CONSUMERS * 64 keys, each consumer warp group holding dK, dV of its 64 keys in fp32 registers;
-a loader warp streams Q(i), dO(i) through an mbarrier ring; S^T and dP^T are in flight together, P and dS are
-computed under the next product, dV += P^T dO and dK += dS^T Q take P and dS from registers, dQ(i) += dS K goes
-through shared dS^T and is summed by fp32 atomics (so dQ's last bits can vary run to run). D = rowsum(dO O) comes
-from the tl preprocess kernel.
+two_pass (the default; deterministic: dQ is bitwise equal run to run), FA2's two passes with P recomputed:
+- `_gluon_attn_bwd_dkdv_kernel`: one program per 2 * 64 keys, each consumer holding dK, dV of its 64 keys in fp32
+  registers; the loader streams Q(i), dO(i) through an mbarrier ring. S^T = K Q^T and dP^T = V dO^T are in flight
+  together, P^T is computed under dP^T, dS^T under dV += P^T dO, then dK += dS^T Q (P^T, dS^T register operands).
+- `_gluon_attn_bwd_dq_kernel`: one program per 2 * 64 query rows, each consumer holding Q, dO in shared memory and
+  dQ in fp32 registers; the loader streams K(j), V(j). S = Q K^T and dP = dO V^T in flight together, P under dP
+  (a branch keeps ptxas from hoisting the dP wait above the exp2s), dQ += dS K with dS from registers.
+one_pass (`kernels/flash_attention_gluon_bwd_onepass.py`): one program per key tile as the dK/dV kernel, plus
+dQ(i) += dS K through a shared dS^T tile and fp32 atomics (so dQ's last bits can vary run to run); slower
+(section 6: spills at d 128, scalar atomics).
+Wgmma accumulators are waited on within their iteration: carried in flight across the loop, ptxas serialises every
+wgmma of the kernel (C7512).
 
-Usage: `dq, dk, dv = gluon_attention_bwd(q, k, v, out, lse, grad_out, is_causal)`; `gluon_attention(q, k, v,
-is_causal)` differentiates through the Gluon forward and backward.
+Usage: `dq, dk, dv = gluon_attention_bwd(q, k, v, out, lse, grad_out, is_causal, mode="two_pass")`;
+`gluon_attention(q, k, v, is_causal)` differentiates through the Gluon forward and the two-pass backward.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -33,6 +42,9 @@ from kernels.flash_attention_gluon import (
     unsupported_reason,
 )
 
+if TYPE_CHECKING:
+    from kernels.flash_attention_gluon_bwd_onepass import GluonBwdConfig
+
 if HAS_GLUON_HOPPER:  # Triton 3.6's Gluon API, as in the forward
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -45,7 +57,7 @@ if HAS_GLUON_HOPPER:  # Triton 3.6's Gluon API, as in the forward
     )
 
 # ----------------------------------------------------------------------------------------------------------
-# Backward kernel: one program per key tile (NUM_CONSUMERS * BLOCK_N keys), Q/dO tiles streamed
+# The loader of the key-tile-stationary kernels (two-pass dK/dV, one-pass): K, V once, Q/dO tiles streamed
 # ----------------------------------------------------------------------------------------------------------
 if HAS_GLUON_HOPPER:
 
@@ -71,38 +83,26 @@ if HAS_GLUON_HOPPER:
             tma.async_copy_global_to_shared(do_desc, [off_b, off_h, row, 0], do_ready.index(stage),
                                             do_bufs.index(stage))
 
-    @gluon.jit
-    def _dq_atomic_add(dq_base, dq, start_m, col0, N_Q, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                       DQ_N: gl.constexpr):
-        """dQ[start_m:, col0:col0 + DQ_N] += dq (fp32 atomics), rows past N_Q dropped. Four contiguous floats a
-        thread (one 16-byte vector atomic where the compiler makes one) and 32-bit offsets from one base."""
-        layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 // (DQ_N // 4), DQ_N // 4],
-                                                warps_per_cta=[4, 1], order=[1, 0])
-        dq = gl.convert_layout(dq, layout)
-        rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-        cols = col0 + gl.arange(0, DQ_N, layout=gl.SliceLayout(0, layout))
-        offs = gl.expand_dims(rows * HEAD_DIM, 1) + gl.expand_dims(cols, 0)
-        gl.atomic_add(dq_base + offs, dq, mask=gl.expand_dims(rows < N_Q, 1), sem="relaxed")
+
+# ----------------------------------------------------------------------------------------------------------
+# Two-pass backward: a dK/dV kernel (key tile stationary, no dQ) and a dQ kernel (query tile stationary)
+# ----------------------------------------------------------------------------------------------------------
+if HAS_GLUON_HOPPER:
 
     @gluon.jit
-    def _bwd_consumer(k_smem, v_smem, ds_smem, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, dk_desc, dv_desc,
-                      L, Delta, DQ, off_b, off_h, pid_bh, start_n, m_start, num_m, N_Q, N_K, qk_scale, sm_scale,
-                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
-        """One warp group's BLOCK_N keys [start_n, start_n + BLOCK_N): FA2 Algorithm 2 transposed (S^T, dP^T with
-        the keys as wgmma rows, so P^T and dS^T are register A operands of dV += P^T dO and dK += dS^T Q)."""
+    def _dkdv_consumer(k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, dk_desc, dv_desc, L,
+                       Delta, off_b, off_h, pid_bh, start_n, m_start, num_m, N_Q, N_K, qk_scale, sm_scale,
+                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """One warp group's BLOCK_N keys: `_bwd_consumer` without dQ (dS stays in registers); P^T is kept only as
+        the 16-bit dV operand, and dS^T is computed from it (fp32 P^T beside dK, dV, dP^T spills at d 128)."""
         dtype: gl.constexpr = k_smem.dtype
-        # S^T, dP^T: BLOCK_N keys x BLOCK_M queries. dK, dV: BLOCK_N x HEAD_DIM; dQ: BLOCK_M x 64 pieces.
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, HEAD_DIM, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-        DQ_N: gl.constexpr = 64
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, DQ_N, 16])
-
         k = k_smem.reshape([BLOCK_N, HEAD_DIM])
         v = v_smem.reshape([BLOCK_N, HEAD_DIM])
         keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
@@ -110,67 +110,50 @@ if HAS_GLUON_HOPPER:
         dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
         lse_base = L + pid_bh.to(gl.int64) * N_Q
         delta_base = Delta + pid_bh.to(gl.int64) * N_Q
-        dq_base = DQ + pid_bh.to(gl.int64) * N_Q * HEAD_DIM
+        # 1. Causal: query tiles wholly above these keys are released unread (after their load landed, so that an
+        #    early arrival cannot complete the other consumer's phase of the same slot).
+        it0 = 0
+        if IS_CAUSAL:
+            it0 = gl.minimum(start_n // BLOCK_M - m_start, num_m)
+        for it in range(0, it0):
+            mbarrier.wait(q_ready.index(it % NUM_STAGES), (it // NUM_STAGES) & 1)
+            mbarrier.wait(do_ready.index(it % NUM_STAGES), (it // NUM_STAGES) & 1)
+            mbarrier.arrive(empty.index(it % NUM_STAGES), count=1)
         mbarrier.wait(kv_bar, 0)
-
-        for it in range(num_m):
+        for it in range(it0, num_m):
             stage = it % NUM_STAGES
             phase = (it // NUM_STAGES) & 1
             start_m = (m_start + it) * BLOCK_M
             cols = start_m + gl.arange(0, BLOCK_M, layout=col_s)
-            # Rows past N_Q: Q and dO read as 0 (TMA), L and D as 0, so P = 1 and dS = 0 there: no mask needed.
+            # Rows past N_Q: Q and dO read as 0 (TMA), L and D as 0, so P = 1 and dS = 0 there.
             l2 = gl.load(lse_base + cols, mask=cols < N_Q, other=0.0) * 1.4426950408889634
             mbarrier.wait(q_ready.index(stage), phase)
             mbarrier.wait(do_ready.index(stage), phase)
-            # A causal query tile entirely above this warp group's keys contributes nothing: skip its products.
-            if (not IS_CAUSAL) or start_m + BLOCK_M > start_n:
-                q = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
-                do = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
-                # 1. S^T = K Q^T and dP^T = V dO^T in flight together; P^T = exp(S^T / sqrt(d) - L) under dP^T.
-                # (Accumulators of use_acc=False products are made inside the branch: carried through the loop,
-                #  they would hold registers across the whole iteration.)
-                s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
-                s = warpgroup_mma(k, q.permute((1, 0)), s, use_acc=False, is_async=True)
-                dp = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
-                dp = warpgroup_mma(v, do.permute((1, 0)), dp, use_acc=False, is_async=True)
-                s = warpgroup_mma_wait(1, deps=(s,))
-                p = gl.exp2(s * qk_scale - gl.expand_dims(l2, 0))
-                if (IS_CAUSAL and start_m < start_n + BLOCK_N) or start_n + BLOCK_N > N_K:
-                    keep = gl.expand_dims(keys < N_K, 1)
-                    if IS_CAUSAL:  # top-left: query i sees keys j <= i
-                        keep = keep & (gl.expand_dims(keys, 1) <= gl.expand_dims(cols, 0))
-                    p = gl.where(keep, p, 0.0)
-                p16 = p.to(dtype)
-                # 2. dV += P^T dO (FA2 eq. 16) under dS^T = P^T (dP^T - D) / sqrt(d) (eq. 17 with the scale of
-                #    eqs. 18-19 folded in: one FFMA per element).
-                dv = warpgroup_mma(gl.convert_layout(p16, a_layout), do, dv, is_async=True)
-                delta = gl.load(delta_base + cols, mask=cols < N_Q, other=0.0) * sm_scale
-                dp = warpgroup_mma_wait(1, deps=(dp,))
-                ds16 = (p * (dp * sm_scale - gl.expand_dims(delta, 0))).to(dtype)
-                # 3. dK += dS^T Q from registers; dQ(i) share = dS K needs dS as the row operand: via shared memory,
-                #    in 64-column pieces of K (a 64 x d fp32 piece beside dK and dV would not fit 240 registers).
-                dk = warpgroup_mma(gl.convert_layout(ds16, a_layout), q, dk, is_async=True)
-                ds_smem.store(ds16)
-                fence_async_shared()
-                dst = ds_smem.permute((1, 0))
-                dq0 = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
-                dq0 = warpgroup_mma(dst, k.slice(0, DQ_N, dim=1), dq0, use_acc=False, is_async=True)
-                dv, dk, dq0 = warpgroup_mma_wait(0, deps=(dv, dk, dq0))
-                mbarrier.arrive(empty.index(stage), count=1)  # Q(i) and dO(i) are no longer read
-                # 4. This key block's share of dQ(i), summed in fp32 in global memory (order not fixed); the atomics
-                #    of one piece go out while the tensor cores compute the next.
-                if HEAD_DIM == 2 * DQ_N:
-                    _dq_atomic_add(dq_base, dq0, start_m, 0, N_Q, HEAD_DIM, BLOCK_M, DQ_N)
-                    dq1 = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
-                    dq1 = warpgroup_mma(dst, k.slice(DQ_N, DQ_N, dim=1), dq1, use_acc=False, is_async=True)
-                    dq1 = warpgroup_mma_wait(0, deps=(dq1,))
-                    _dq_atomic_add(dq_base, dq1, start_m, DQ_N, N_Q, HEAD_DIM, BLOCK_M, DQ_N)
-                else:
-                    _dq_atomic_add(dq_base, dq0, start_m, 0, N_Q, HEAD_DIM, BLOCK_M, DQ_N)
-            else:
-                mbarrier.arrive(empty.index(stage), count=1)
-
-        # 5. Epilogue: dK (already scaled) and dV through the K and V buffers; rows past N_K are dropped.
+            q = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
+            do = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
+            # 2. S^T = K Q^T and dP^T = V dO^T in flight together.
+            s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+            s = warpgroup_mma(k, q.permute((1, 0)), s, use_acc=False, is_async=True)
+            dp = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+            dp = warpgroup_mma(v, do.permute((1, 0)), dp, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s,))
+            # 3. P^T = exp(S^T / sqrt(d) - L) under dP^T; diagonal and tail tiles masked.
+            p = gl.exp2(s * qk_scale - gl.expand_dims(l2, 0))
+            if (IS_CAUSAL and start_m < start_n + BLOCK_N) or start_n + BLOCK_N > N_K:
+                keep = gl.expand_dims(keys < N_K, 1)
+                if IS_CAUSAL:
+                    keep = keep & (gl.expand_dims(keys, 1) <= gl.expand_dims(cols, 0))
+                p = gl.where(keep, p, 0.0)
+            # 4. dV += P^T dO (FA2 eq. 16) runs under dS^T = P^T (dP^T - D) / sqrt(d) (eq. 17, scale folded).
+            p16 = p.to(dtype)
+            dv = warpgroup_mma(gl.convert_layout(p16, a_layout), do, dv, is_async=True)
+            delta = gl.load(delta_base + cols, mask=cols < N_Q, other=0.0) * sm_scale
+            dp = warpgroup_mma_wait(1, deps=(dp,))
+            ds16 = (p16.to(gl.float32) * (dp * sm_scale - gl.expand_dims(delta, 0))).to(dtype)
+            dk = warpgroup_mma(gl.convert_layout(ds16, a_layout), q, dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+            mbarrier.arrive(empty.index(stage), count=1)
+        # 5. Epilogue: dK (already scaled), dV through the K and V buffers; rows past N_K dropped.
         k.store(dk.to(dtype))
         v.store(dv.to(dtype))
         fence_async_shared()
@@ -179,44 +162,32 @@ if HAS_GLUON_HOPPER:
         tma.store_wait(0)
 
     @gluon.jit
-    def _bwd_consumer_partition(C: gl.constexpr, k_bufs, v_bufs, ds_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready,
-                                empty, dk_desc, dv_desc, L, Delta, DQ, off_b, off_h, pid_bh, start_n, m_start, num_m,
-                                N_Q, N_K, qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                                BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
-        """Partition entry of consumer C: its K, V and dS buffers and keys."""
-        _bwd_consumer(k_bufs.index(C), v_bufs.index(C), ds_bufs.index(C), q_bufs, do_bufs, kv_bar, q_ready, do_ready,
-                      empty, dk_desc, dv_desc, L, Delta, DQ, off_b, off_h, pid_bh, start_n + C * BLOCK_N, m_start,
-                      num_m, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)
+    def _dkdv_partition(C: gl.constexpr, k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, dk_desc,
+                        dv_desc, L, Delta, off_b, off_h, pid_bh, start_n, m_start, num_m, N_Q, N_K, qk_scale,
+                        sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        _dkdv_consumer(k_bufs.index(C), v_bufs.index(C), q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, dk_desc,
+                       dv_desc, L, Delta, off_b, off_h, pid_bh, start_n + C * BLOCK_N, m_start, num_m, N_Q, N_K,
+                       qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)
 
     @gluon.jit
-    def _gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, DQ, H, N_Q, N_K,
-                               qk_scale, sm_scale,
-                               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                               NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                               CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
-        """Grid (cdiv(N_K, NUM_CONSUMERS * BLOCK_N) * B * H,): program -> (key tile, batch*head), heavy first."""
-        TILE_N: gl.constexpr = NUM_CONSUMERS * BLOCK_N
-        # 1. Work item: causal key tiles numbered by increasing key-tile index (the first see the most queries).
-        num_bh = gl.num_programs(0) // gl.cdiv(N_K, TILE_N)
+    def _gluon_attn_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, H, N_Q, N_K,
+                                    qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                                    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                                    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+        """Grid (cdiv(N_K, 2 * BLOCK_N) * B * H,): two consumer warp groups of BLOCK_N keys and a loader warp."""
+        num_bh = gl.num_programs(0) // gl.cdiv(N_K, 2 * BLOCK_N)
         pid = gl.program_id(0)
         pid_bh = pid % num_bh
-        start_n = (pid // num_bh) * TILE_N
-        off_b = pid_bh // H
-        off_h = pid_bh % H
-        # 2. Query tiles [m_start, cdiv(N_Q, BLOCK_M)): causal ones start at the first query that sees key start_n
-        #    (none when start_n >= N_Q: dK = dV = 0 are still written).
+        start_n = (pid // num_bh) * (2 * BLOCK_N)  # low key tiles (the most causal queries) first
         if IS_CAUSAL:
             m_start = start_n // BLOCK_M
         else:
             m_start = 0
         num_m = gl.maximum(gl.cdiv(N_Q, BLOCK_M) - m_start, 0)
-
-        # 3. Shared memory: each consumer's K, V (reused for dK, dV) and dS^T; the Q/dO ring; barriers.
         dtype: gl.constexpr = q_desc.dtype
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        k_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + k_desc.block_type.shape, k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + v_desc.block_type.shape, v_desc.layout)
-        ds_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_N, BLOCK_M], ds_layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
         q_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
         do_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -227,71 +198,208 @@ if HAS_GLUON_HOPPER:
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(do_ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=NUM_CONSUMERS)
+            mbarrier.init(empty.index(i), count=2)
+        gl.warp_specialize([
+            (_dkdv_partition, (0, k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, dk_desc, dv_desc,
+                               L, Delta, pid_bh // H, pid_bh % H, pid_bh, start_n, m_start, num_m, N_Q, N_K, qk_scale,
+                               sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
+            (_dkdv_partition, (1, k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, dk_desc, dv_desc,
+                               L, Delta, pid_bh // H, pid_bh % H, pid_bh, start_n, m_start, num_m, N_Q, N_K, qk_scale,
+                               sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
+            (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, q_ready,
+                           do_ready, empty, pid_bh // H, pid_bh % H, start_n, m_start, num_m, 2, BLOCK_M, BLOCK_N,
+                           NUM_STAGES)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
-        # 4. Partitions (argument tuples inline, as in the forward).
-        if NUM_CONSUMERS == 1:
-            gl.warp_specialize([
-                (_bwd_consumer_partition, (0, k_bufs, v_bufs, ds_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty,
-                                           dk_desc, dv_desc, L, Delta, DQ, off_b, off_h, pid_bh, start_n, m_start, num_m,
-                                           N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                           IS_CAUSAL)),
-                (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, q_ready,
-                               do_ready, empty, off_b, off_h, start_n, m_start, num_m, NUM_CONSUMERS, BLOCK_M, BLOCK_N,
-                               NUM_STAGES)),
-            ], [1], [LOADER_REGS])
+    @gluon.jit
+    def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty,
+                   v_ready, v_empty, off_b, off_h, start_m, num_kv, NUM_CONSUMERS: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+        """Producer warp: each consumer's Q and dO rows once, then K(j), V(j) into ring slot j % NUM_STAGES."""
+        mbarrier.expect(q_bar, NUM_CONSUMERS * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
+        for c in gl.static_range(NUM_CONSUMERS):
+            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m + c * BLOCK_M, 0], q_bar, q_bufs.index(c))
+            tma.async_copy_global_to_shared(do_desc, [off_b, off_h, start_m + c * BLOCK_M, 0], q_bar,
+                                            do_bufs.index(c))
+        for j in range(num_kv):
+            stage = j % NUM_STAGES
+            phase = ((j // NUM_STAGES) & 1) ^ 1  # empty barriers start "phase 1 complete"
+            mbarrier.wait(k_empty.index(stage), phase)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [off_b, off_h, j * BLOCK_N, 0], k_ready.index(stage),
+                                            k_bufs.index(stage))
+            mbarrier.wait(v_empty.index(stage), phase)
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [off_b, off_h, j * BLOCK_N, 0], v_ready.index(stage),
+                                            v_bufs.index(stage))
+
+    @gluon.jit
+    def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, dq_desc, L, Delta,
+                     off_b, off_h, pid_bh, start_m, num_kv, N_Q, N_K, qk_scale, sm_scale,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """One warp group's BLOCK_M query rows: FA2 Algorithm 2's dQ loop, dQ in fp32 registers, no atomics."""
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        q = q_smem.reshape([BLOCK_M, HEAD_DIM])
+        do = do_smem.reshape([BLOCK_M, HEAD_DIM])
+        rows = start_m + gl.arange(0, BLOCK_M, layout=row_s)
+        # Rows past N_Q: Q, dO read as 0, L and D as 0, so dS = 0 there (and their stores are dropped).
+        l2 = gl.load(L + pid_bh.to(gl.int64) * N_Q + rows, mask=rows < N_Q, other=0.0) * 1.4426950408889634
+        delta = gl.load(Delta + pid_bh.to(gl.int64) * N_Q + rows, mask=rows < N_Q, other=0.0)
+        # 1. Key tiles [0, my_kv) for these rows ([n_unmasked, my_kv) masked); the loader streams the program's
+        #    [0, num_kv), and tiles past my_kv are released unread (after they landed: see `_dkdv_consumer`).
+        if IS_CAUSAL:
+            my_kv = gl.minimum(gl.cdiv(gl.minimum(start_m + BLOCK_M, N_K), BLOCK_N), num_kv)
+            n_unmasked = gl.minimum(start_m // BLOCK_N, N_K // BLOCK_N)
         else:
-            gl.static_assert(NUM_CONSUMERS == 2, "the backward takes NUM_CONSUMERS 1 or 2")
-            gl.warp_specialize([
-                (_bwd_consumer_partition, (0, k_bufs, v_bufs, ds_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty,
-                                           dk_desc, dv_desc, L, Delta, DQ, off_b, off_h, pid_bh, start_n, m_start, num_m,
-                                           N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                           IS_CAUSAL)),
-                (_bwd_consumer_partition, (1, k_bufs, v_bufs, ds_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty,
-                                           dk_desc, dv_desc, L, Delta, DQ, off_b, off_h, pid_bh, start_n, m_start, num_m,
-                                           N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                           IS_CAUSAL)),
-                (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, q_ready,
-                               do_ready, empty, off_b, off_h, start_n, m_start, num_m, NUM_CONSUMERS, BLOCK_M, BLOCK_N,
-                               NUM_STAGES)),
-            ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+            my_kv = num_kv
+            n_unmasked = N_K // BLOCK_N
+        dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=acc_layout)
+        mbarrier.wait(q_bar, 0)
+        for j in range(my_kv):
+            stage = j % NUM_STAGES
+            phase = (j // NUM_STAGES) & 1
+            # 2. S = Q K^T and dP = dO V^T in flight together.
+            mbarrier.wait(k_ready.index(stage), phase)
+            k = k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM])
+            s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+            s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(stage), phase)
+            v = v_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM])
+            dp = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+            dp = warpgroup_mma(do, v.permute((1, 0)), dp, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s,))
+            # 3. P = exp(S / sqrt(d) - L) under dP; diagonal and key-tail tiles masked. The mask is a branch the
+            #    compiler cannot fold between the exp2s and the dP wait: within one basic block ptxas would hoist the
+            #    wait above the exp2s (the forward's finding); SASS: HGMMA(S) HGMMA(dP) DEPBAR<=1 EX2.. DEPBAR<=0.
+            p = gl.exp2(s * qk_scale - gl.expand_dims(l2, 1))
+            if j >= n_unmasked:
+                cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                keep = gl.expand_dims(cols < N_K, 0)
+                if IS_CAUSAL:
+                    keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1))
+                p = gl.where(keep, p, 0.0)
+            dp, p = warpgroup_mma_wait(0, deps=(dp, p))
+            mbarrier.arrive(v_empty.index(stage), count=1)
+            # 4. dS = P (dP - D) (FA2 eq. 17); dQ += dS K with dS from registers; 1/sqrt(d) applied once at the end.
+            ds16 = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)
+            dq = warpgroup_mma(gl.convert_layout(ds16, a_layout), k, dq, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq,))
+            mbarrier.arrive(k_empty.index(stage), count=1)
+        for j in range(my_kv, num_kv):
+            mbarrier.wait(k_ready.index(j % NUM_STAGES), (j // NUM_STAGES) & 1)
+            mbarrier.arrive(k_empty.index(j % NUM_STAGES), count=1)
+            mbarrier.wait(v_ready.index(j % NUM_STAGES), (j // NUM_STAGES) & 1)
+            mbarrier.arrive(v_empty.index(j % NUM_STAGES), count=1)
+        # 5. Epilogue: dQ = dS K / sqrt(d) through the Q buffer (rows past N_Q dropped). Deterministic: one program
+        #    owns these rows and sums its key tiles in a fixed order.
+        q.store((dq * sm_scale).to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dq_desc, [off_b, off_h, start_m, 0], q_smem)
+        tma.store_wait(0)
 
+    @gluon.jit
+    def _dq_partition(C: gl.constexpr, q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                      dq_desc, L, Delta, off_b, off_h, pid_bh, start_m, num_kv, N_Q, N_K, qk_scale, sm_scale,
+                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        _dq_consumer(q_bufs.index(C), do_bufs.index(C), k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                     dq_desc, L, Delta, off_b, off_h, pid_bh, start_m + C * BLOCK_M, num_kv, N_Q, N_K, qk_scale,
+                     sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GluonBwdConfig:
-    """Launch knobs of `_gluon_attn_bwd_kernel` (one program = num_consumers * BWD_BLOCK_N keys)."""
-
-    block_m: int = 64
-    """Query rows per streamed Q/dO tile (the N of S^T = K Q^T, the K of dV += P^T dO)."""
-    num_stages: int = 2
-    """Depth of the Q/dO shared-memory ring."""
-    num_consumers: int = 2
-    """Consumer warp groups (1 or 2), each on its own BWD_BLOCK_N keys with its own dK, dV accumulators."""
-
-    def __post_init__(self):
-        if self.block_m not in (64, 128):
-            raise ValueError(f"block_m ({self.block_m}) must be 64 or 128")
-        if self.num_stages < 1 or self.num_consumers not in (1, 2):
-            raise ValueError(f"num_stages ({self.num_stages}) must be >= 1 and num_consumers "
-                             f"({self.num_consumers}) 1 or 2")
-
-    @property
-    def name(self) -> str:
-        return f"bwd{self.num_consumers}x{BWD_BLOCK_N}xq{self.block_m}/s{self.num_stages}"
-
-    def registers(self) -> tuple[int, int]:
-        return register_split(self.num_consumers)
-
-    def shared_bytes(self, head_dim: int, elem: int = 2) -> int:
-        """K, V per consumer, the Q/dO ring, one dS^T tile per consumer."""
-        return elem * (head_dim * (2 * self.num_consumers * BWD_BLOCK_N + 2 * self.num_stages * self.block_m)
-                       + self.num_consumers * BWD_BLOCK_N * self.block_m)
-
+    @gluon.jit
+    def _gluon_attn_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, L, Delta, H, N_Q, N_K, qk_scale,
+                                  sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                  NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                  LOADER_REGS: gl.constexpr):
+        """Grid (cdiv(N_Q, 2 * BLOCK_M) * B * H,): two consumer warp groups of BLOCK_M query rows, a loader warp;
+        causal query tiles numbered from the last (the most keys) down."""
+        num_bh = gl.num_programs(0) // gl.cdiv(N_Q, 2 * BLOCK_M)
+        pid = gl.program_id(0)
+        pid_bh = pid % num_bh
+        start_m = (gl.cdiv(N_Q, 2 * BLOCK_M) - 1 - pid // num_bh) * (2 * BLOCK_M)
+        if IS_CAUSAL:
+            num_kv = gl.cdiv(gl.minimum(start_m + 2 * BLOCK_M, N_K), BLOCK_N)
+        else:
+            num_kv = gl.cdiv(N_K, BLOCK_N)
+        dtype: gl.constexpr = q_desc.dtype
+        q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        do_bufs = gl.allocate_shared_memory(dtype, [2] + do_desc.block_type.shape, do_desc.layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)
+            mbarrier.init(v_empty.index(i), count=2)
+        gl.warp_specialize([
+            (_dq_partition, (0, q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, dq_desc, L,
+                             Delta, pid_bh // H, pid_bh % H, pid_bh, start_m, num_kv, N_Q, N_K, qk_scale, sm_scale,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
+            (_dq_partition, (1, q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, dq_desc, L,
+                             Delta, pid_bh // H, pid_bh % H, pid_bh, start_m, num_kv, N_Q, N_K, qk_scale, sm_scale,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
+            (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty,
+                          v_ready, v_empty, pid_bh // H, pid_bh % H, start_m, num_kv, 2, BLOCK_M, BLOCK_N,
+                          NUM_STAGES)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 BWD_BLOCK_N = 64
 """Keys per consumer warp group: the M of one wgmma, so dK and dV take 2 * 64 * d / 128 fp32 registers a thread."""
-DEFAULT_BWD_CONFIGS = {64: GluonBwdConfig(block_m=64, num_stages=2, num_consumers=2),
-                       128: GluonBwdConfig(block_m=64, num_stages=2, num_consumers=2)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GluonBwd2Config:
+    """Launch knobs of the two-pass backward: `_gluon_attn_bwd_dkdv_kernel` (one program = 2 * BWD_BLOCK_N keys)
+    and `_gluon_attn_bwd_dq_kernel` (one program = 2 * DQ_BLOCK_M query rows); both run two consumer warp groups."""
+
+    dkdv_block_m: int = 64
+    """Query rows per streamed Q/dO tile of the dK/dV kernel (the N of S^T = K Q^T)."""
+    dkdv_stages: int = 2
+    """Depth of the dK/dV kernel's Q/dO ring."""
+    dq_block_n: int = 64
+    """Keys per streamed K/V tile of the dQ kernel (the N of S = Q K^T, the K of dQ += dS K)."""
+    dq_stages: int = 2
+    """Depth of the dQ kernel's K/V ring."""
+
+    def __post_init__(self):
+        if self.dkdv_block_m not in (32, 64) or self.dq_block_n not in (32, 64, 128):
+            raise ValueError(f"dkdv_block_m ({self.dkdv_block_m}) must be 32 or 64 and dq_block_n "
+                             f"({self.dq_block_n}) 32, 64 or 128")
+        if self.dkdv_stages < 1 or self.dq_stages < 1:
+            raise ValueError(f"dkdv_stages ({self.dkdv_stages}) and dq_stages ({self.dq_stages}) must be >= 1")
+
+    @property
+    def name(self) -> str:
+        return (f"2pass:dkdv2x{BWD_BLOCK_N}xq{self.dkdv_block_m}/s{self.dkdv_stages},"
+                f"dq2x{DQ_BLOCK_M}xk{self.dq_block_n}/s{self.dq_stages}")
+
+    def registers(self) -> tuple[int, int]:
+        return register_split(2)
+
+    def shared_bytes(self, head_dim: int, elem: int = 2) -> tuple[int, int]:
+        """(dK/dV kernel: K, V per consumer and the Q/dO ring; dQ kernel: Q, dO per consumer and the K/V ring)."""
+        return (elem * head_dim * (4 * BWD_BLOCK_N + 2 * self.dkdv_stages * self.dkdv_block_m),
+                elem * head_dim * (4 * DQ_BLOCK_M + 2 * self.dq_stages * self.dq_block_n))
+
+
+DQ_BLOCK_M = 64
+"""Query rows per consumer warp group of the dQ kernel: one wgmma row block, dQ in 64 * d / 128 fp32 registers."""
+DEFAULT_BWD2_CONFIGS = {64: GluonBwd2Config(dkdv_block_m=64, dkdv_stages=2, dq_block_n=128, dq_stages=2),
+                        128: GluonBwd2Config(dkdv_block_m=32, dkdv_stages=3, dq_block_n=64, dq_stages=2)}
+"""Per head dim, tiles that build without spills (d 128: 64-query dK/dV tiles spill 28 bytes outside the loop)."""
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -302,29 +410,44 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-def bwd_launch_args(q, k, v, grad_out, dk, dv, lse, delta, dq_acc, is_causal: bool, config: GluonBwdConfig):
-    """(grid, positional args, keyword args) of one backward launch (the launcher's and the CPU compile check's)."""
+def bwd2_launch_args(q, k, v, grad_out, dq, dk, dv, lse, delta, is_causal: bool, config: GluonBwd2Config):
+    """((grid, args, meta) of the dK/dV launch, (grid, args, meta) of the dQ launch) of the two-pass backward."""
     batch, heads, n_q, head_dim = q.shape
     n_k = k.shape[2]
     maxnreg, consumer_regs = config.registers()
-    grid = (triton.cdiv(n_k, config.num_consumers * BWD_BLOCK_N) * batch * heads,)
-    args = (_descriptor(q, config.block_m), _descriptor(k, BWD_BLOCK_N), _descriptor(v, BWD_BLOCK_N),
-            _descriptor(grad_out, config.block_m), _descriptor(dk, BWD_BLOCK_N), _descriptor(dv, BWD_BLOCK_N),
-            lse, delta, dq_acc, heads, n_q, n_k, LOG2E / math.sqrt(head_dim), 1.0 / math.sqrt(head_dim))
-    meta = dict(HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=BWD_BLOCK_N, NUM_STAGES=config.num_stages,
-                NUM_CONSUMERS=config.num_consumers, IS_CAUSAL=is_causal, CONSUMER_REGS=consumer_regs,
-                LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=maxnreg)
-    return grid, args, meta
+    scales = (LOG2E / math.sqrt(head_dim), 1.0 / math.sqrt(head_dim))
+    common = dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, CONSUMER_REGS=consumer_regs, LOADER_REGS=LOADER_REGS,
+                  num_warps=4, maxnreg=maxnreg)
+    bm, bn = config.dkdv_block_m, BWD_BLOCK_N
+    dkdv = ((triton.cdiv(n_k, 2 * bn) * batch * heads,),
+            (_descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(grad_out, bm),
+             _descriptor(dk, bn), _descriptor(dv, bn), lse, delta, heads, n_q, n_k, *scales),
+            dict(common, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=config.dkdv_stages))
+    bm, bn = DQ_BLOCK_M, config.dq_block_n
+    dq_launch = ((triton.cdiv(n_q, 2 * bm) * batch * heads,),
+                 (_descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(grad_out, bm),
+                  _descriptor(dq, bm), lse, delta, heads, n_q, n_k, *scales),
+                 dict(common, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=config.dq_stages))
+    return dkdv, dq_launch
 
 
 def gluon_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                        grad_out: torch.Tensor, is_causal: bool = False, config: GluonBwdConfig | None = None
+                        grad_out: torch.Tensor, is_causal: bool = False,
+                        config: GluonBwd2Config | GluonBwdConfig | None = None, mode: str = "two_pass"
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dK, dV) in the inputs' dtype from O and the natural-log L of the forward. dK, dV are written once
-    per key; dQ is summed in fp32 by atomics from every key tile, so its last bits can vary run to run."""
+    """(dQ, dK, dV) in the inputs' dtype from O and the natural-log L of the forward. dK, dV are written once per
+    key. mode "two_pass" (config a `GluonBwd2Config`): dQ is summed per query tile in a fixed order, bitwise equal
+    run to run; "one_pass" (a `GluonBwdConfig`): dQ is summed in fp32 by atomics, its last bits can vary."""
+    if mode not in ("two_pass", "one_pass"):
+        raise ValueError(f"gluon_attention_bwd: mode {mode!r} must be 'two_pass' or 'one_pass'")
     reason = unsupported_reason(q, k, v)
     if reason:
         raise ValueError(f"gluon_attention_bwd: {reason}")
+    from kernels import flash_attention_gluon_bwd_onepass as one_pass
+
+    config = config or (DEFAULT_BWD2_CONFIGS if mode == "two_pass" else one_pass.DEFAULT_BWD_CONFIGS)[q.shape[-1]]
+    if not isinstance(config, GluonBwd2Config if mode == "two_pass" else one_pass.GluonBwdConfig):
+        raise ValueError(f"gluon_attention_bwd: config {config!r} does not fit mode {mode!r}")
     if out.shape != q.shape or grad_out.shape != q.shape:
         raise ValueError(f"gluon_attention_bwd: out {tuple(out.shape)} and grad_out {tuple(grad_out.shape)} must "
                          f"have q's shape {tuple(q.shape)}")
@@ -333,7 +456,6 @@ def gluon_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
                          f"got {lse.dtype} {tuple(lse.shape)}")
     from kernels.flash_attention_kernels import _flash_bwd_preprocess_kernel
 
-    config = config or DEFAULT_BWD_CONFIGS[q.shape[-1]]
     batch, heads, n_q, head_dim = q.shape
     grad_out = _tma_ready(grad_out.to(q.dtype))
     lse = lse.contiguous()
@@ -343,11 +465,18 @@ def gluon_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
         _flash_bwd_preprocess_kernel[(triton.cdiv(n_q, 64), batch * heads)](
             out, grad_out, delta, *out.stride(), *grad_out.stride(), heads, n_q,
             HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=64, num_warps=4)
-        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # contiguous: valid TMA targets
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-        grid, args, meta = bwd_launch_args(q, k, v, grad_out, dk, dv, lse, delta, dq_acc, is_causal, config)
-        _gluon_attn_bwd_kernel[grid](*args, **meta)
+        if mode == "two_pass":
+            dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            (grid, args, meta), (dq_grid, dq_args, dq_meta) = bwd2_launch_args(q, k, v, grad_out, dq, dk, dv, lse,
+                                                                               delta, is_causal, config)
+            _gluon_attn_bwd_dkdv_kernel[grid](*args, **meta)
+            _gluon_attn_bwd_dq_kernel[dq_grid](*dq_args, **dq_meta)
+            return dq, dk, dv
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        grid, args, meta = one_pass.bwd_launch_args(q, k, v, grad_out, dk, dv, lse, delta, dq_acc, is_causal, config)
+        one_pass._gluon_attn_bwd_kernel[grid](*args, **meta)
     return dq_acc.to(q.dtype), dk, dv
 
 

@@ -5,9 +5,11 @@ compile or is wrong prints one line and the script goes on):
 (a) O and L against fp32 SDPA / a torch logsumexp on odd shapes, bf16 and fp16, causal and not, n_q != n_k;
 (b) forward time (triton.testing.do_bench, median) at four causal bf16 shapes beside SDPA pinned to cuDNN and to
     FLASH_ATTENTION and the project's tl kernel; TFLOP/s count the causal half of 4 B H N^2 d.
-Backward (`--part bwd|all`), per `GluonBwdConfig`: (c) dQ, dK, dV against fp32 autograd of the reference attention
-on the same odd shapes (the tl backward's errors printed beside them); (d) forward+backward time (gluon fwd + gluon
-bwd, gluon fwd + tl bwd, SDPA cuDNN), TFLOP/s counting 3.5x the causal-half forward.
+Backward (`--part bwd|all`), per two-pass `GluonBwd2Config` and one-pass `GluonBwdConfig`: (c) dQ, dK, dV against
+fp32 autograd of the reference attention on the same odd shapes (the tl backward's errors printed beside them; the
+two-pass dQ/dK/dV must also be bitwise equal over two runs); (d) forward+backward time (gluon fwd + gluon bwd, gluon
+fwd + tl bwd, SDPA cuDNN), TFLOP/s counting 3.5x the causal-half forward, and backward-only time (cuDNN through
+autograd with the graph retained, tl, two-pass gluon) counting 2.5x.
 Rows go to $OUT/flash_gluon.parquet. Run: `PYTHONPATH=$PWD python3 sweeps/flash_gluon_check.py --out $OUT [--part all]`.
 """
 
@@ -27,6 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kernels.flash_attention_gluon as fg
 import kernels.flash_attention_gluon_bwd as fgb
+import kernels.flash_attention_gluon_bwd_onepass as fgo
 from raysys.results import make_row, write_parquet
 
 SWEEP = "flash_gluon"
@@ -47,12 +50,13 @@ BENCH_SHAPES = [(1, 16, 16384, 128), (1, 32, 32768, 128), (8, 16, 4096, 64), (4,
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 """Max |O - O_ref| allowed (inputs ~N(0, 1), outputs |O| < ~1); L gets the same."""
 BWD_CONFIGS = {
-    64: [fgb.GluonBwdConfig(block_m=64, num_stages=2, num_consumers=2),
-         fgb.GluonBwdConfig(block_m=64, num_stages=3, num_consumers=2)],
-    128: [fgb.GluonBwdConfig(block_m=64, num_stages=2, num_consumers=2),
-          fgb.GluonBwdConfig(block_m=64, num_stages=3, num_consumers=1)],
+    64: [fgb.DEFAULT_BWD2_CONFIGS[64], fgb.GluonBwd2Config(dkdv_block_m=32, dkdv_stages=3, dq_block_n=64),
+         fgo.DEFAULT_BWD_CONFIGS[64]],
+    128: [fgb.DEFAULT_BWD2_CONFIGS[128], fgb.GluonBwd2Config(dkdv_block_m=64, dkdv_stages=2, dq_block_n=128),
+          fgo.DEFAULT_BWD_CONFIGS[128]],
 }
-"""Per head dim, the default first."""
+"""Per head dim: the two-pass default, one other two-pass config (the other tile of each kernel), the one-pass
+default (a `GluonBwdConfig` runs mode="one_pass")."""
 GRAD_TOL = {torch.bfloat16: 3e-2, torch.float16: 6e-3}
 """Max |g - g_ref| / max |g_ref| per gradient: P, dS and the gradients are rounded to the input dtype (relative
 2^-9 bf16, 2^-12 fp16) and summed over ~1000 terms with random signs; a wrong row or tail shows up as O(1)."""
@@ -127,12 +131,19 @@ def _rel_err(g, ref) -> float:
     return ((g.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
 
 
-def check_bwd(config: fgb.GluonBwdConfig, head_dim: int) -> tuple[bool, list[dict]]:
+def _mode(config) -> str:
+    return "two_pass" if isinstance(config, fgb.GluonBwd2Config) else "one_pass"
+
+
+def check_bwd(config: fgo.GluonBwdConfig | fgb.GluonBwd2Config, head_dim: int) -> tuple[bool, list[dict]]:
     from kernels.flash_attention import flash_attention_bwd
     rows, ok = [], True
     for q_shape, n_k, causal, dtype, (q, k, v, do) in _check_cases(head_dim):
         out, lse = fg.gluon_attention_fwd(q, k, v, causal)
-        grads = fgb.gluon_attention_bwd(q, k, v, out, lse, do, causal, config=config)
+        grads = fgb.gluon_attention_bwd(q, k, v, out, lse, do, causal, config=config, mode=_mode(config))
+        # The two-pass backward has no atomics: a second run must be bitwise equal.
+        same = _mode(config) == "one_pass" or all(torch.equal(a, b) for a, b in zip(grads, fgb.gluon_attention_bwd(
+            q, k, v, out, lse, do, causal, config=config, mode="two_pass")))
         torch.cuda.synchronize()
         refs = _grad_reference(q, k, v, do, causal)
         errs = [_rel_err(g, r) for g, r in zip(grads, refs)]
@@ -141,24 +152,25 @@ def check_bwd(config: fgb.GluonBwdConfig, head_dim: int) -> tuple[bool, list[dic
         except Exception as e:
             tl_errs = [float("nan")] * 3
             print(f"  (tl backward: {_short(e, 1)})", flush=True)
-        good = all(math.isfinite(e) and e <= GRAD_TOL[dtype] for e in errs) and all(
+        good = same and all(math.isfinite(e) and e <= GRAD_TOL[dtype] for e in errs) and all(
             g.dtype == dtype and g.shape == t.shape for g, t in zip(grads, (q, k, v)))
         ok &= good
         print(f"  check {config.name} {tuple(q_shape)} n_k={n_k} causal={causal} {str(dtype)[6:]}: rel max err "
               f"dq={errs[0]:.2e} dk={errs[1]:.2e} dv={errs[2]:.2e} (tl {tl_errs[0]:.1e} {tl_errs[1]:.1e} "
-              f"{tl_errs[2]:.1e}) {'ok' if good else 'WRONG'}", flush=True)
+              f"{tl_errs[2]:.1e}){'' if same else ' NOT DETERMINISTIC'} {'ok' if good else 'WRONG'}", flush=True)
         rows.append(_row(dict(kind="check_bwd", config=config.name, head_dim=head_dim, shape=str(q_shape),
                               n_k=n_k, causal=causal, dtype=str(dtype)),
                          dict(err_dq=errs[0], err_dk=errs[1], err_dv=errs[2], tl_err_dq=tl_errs[0],
-                              tl_err_dk=tl_errs[1], tl_err_dv=tl_errs[2], ok=good)))
+                              tl_err_dk=tl_errs[1], tl_err_dv=tl_errs[2], deterministic=same, ok=good)))
     return ok, rows
 
 
-def bench_fwd_bwd(fn, shape, provider: str, config: str = "", grad_to_none=None) -> dict:
+def bench_fwd_bwd(fn, shape, provider: str, config: str = "", grad_to_none=None, kind: str = "time_fwd_bwd") -> dict:
+    """Forward+backward (kind time_fwd_bwd, 3.5x the forward's FLOPs) or backward-only (time_bwd, 2.5x) time."""
     batch, heads, n, d = shape
-    flops = 3.5 * fg.gluon_attention_flops(batch, heads, n, n, d, True)
+    flops = (3.5 if kind == "time_fwd_bwd" else 2.5) * fg.gluon_attention_flops(batch, heads, n, n, d, True)
     ms = triton.testing.do_bench(fn, warmup=5, rep=40, grad_to_none=grad_to_none)
-    return _row(dict(kind="time_fwd_bwd", provider=provider, config=config, shape=f"{batch}x{heads}x{n}x{d}",
+    return _row(dict(kind=kind, provider=provider, config=config, shape=f"{batch}x{heads}x{n}x{d}",
                      head_dim=d, causal=True, dtype="torch.bfloat16"),
                 dict(median_s=ms / 1e3, tflops=flops / ms * 1e-9))
 
@@ -185,7 +197,7 @@ def check_configs(configs: dict[int, list], check_fn, kind: str, rows: list[dict
 
 
 def run_bwd(rows: list[dict]) -> None:
-    """(c) backward correctness per config, then (d) forward+backward timing of the configs that passed."""
+    """(c) backward correctness per config, then (d) forward+backward and backward-only timing of those passed."""
     passed = check_configs(BWD_CONFIGS, check_bwd, "check_bwd", rows)
     from kernels.flash_attention import flash_attention_bwd
     for shape in BENCH_SHAPES:
@@ -198,26 +210,40 @@ def run_bwd(rows: list[dict]) -> None:
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     F.scaled_dot_product_attention(qg, kg, vg, is_causal=True).backward(do)
             rows.append(bench_fwd_bwd(cudnn, shape, "sdpa_cudnn", grad_to_none=[qg, kg, vg]))
-            qg = kg = vg = None
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                out_g = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
+            rows.append(bench_fwd_bwd(lambda: out_g.backward(do, retain_graph=True), shape, "sdpa_cudnn",
+                                      grad_to_none=[qg, kg, vg], kind="time_bwd"))
+            qg = kg = vg = out_g = None
         except Exception as e:
             print(f"time sdpa_cudnn fwd+bwd {shape}: ERROR {_short(e, 2)}", flush=True)
 
         def gluon_tl():
             out, lse = fg.gluon_attention_fwd(q, k, v, True)
             return flash_attention_bwd(q, k, v, out, lse, do, True)
+        out = lse = None
         try:
+            out, lse = fg.gluon_attention_fwd(q, k, v, True)
             rows.append(bench_fwd_bwd(gluon_tl, shape, "gluon_fwd+tl_bwd"))
+            rows.append(bench_fwd_bwd(lambda: flash_attention_bwd(q, k, v, out, lse, do, True), shape, "tl",
+                                      kind="time_bwd"))
         except Exception as e:
             print(f"time gluon_fwd+tl_bwd {shape}: ERROR {_short(e, 2)}", flush=True)
         for config in passed[shape[-1]]:
+            provider = "gluon" if _mode(config) == "one_pass" else "gluon_2pass"
+
             def gluon(c=config):
                 out, lse = fg.gluon_attention_fwd(q, k, v, True)
-                return fgb.gluon_attention_bwd(q, k, v, out, lse, do, True, config=c)
+                return fgb.gluon_attention_bwd(q, k, v, out, lse, do, True, config=c, mode=_mode(c))
             try:
-                rows.append(bench_fwd_bwd(gluon, shape, "gluon", config.name))
+                rows.append(bench_fwd_bwd(gluon, shape, provider, config.name))
+                if provider == "gluon_2pass":
+                    rows.append(bench_fwd_bwd(lambda c=config: fgb.gluon_attention_bwd(
+                        q, k, v, out, lse, do, True, config=c, mode="two_pass"), shape, provider, config.name,
+                        kind="time_bwd"))
             except Exception as e:
-                print(f"time gluon {config.name} fwd+bwd {shape}: ERROR {_short(e, 2)}", flush=True)
-        q = k = v = do = None
+                print(f"time {provider} {config.name} fwd+bwd {shape}: ERROR {_short(e, 2)}", flush=True)
+        q = k = v = do = out = lse = None
         torch.cuda.empty_cache()
 
 
@@ -282,7 +308,7 @@ def write(rows: list[dict], out_dir: str, start: float) -> None:
     """Summary tables (vs_cudnn = cuDNN time / time) and `<out>/flash_gluon.parquet`, written atomically."""
     df = pd.DataFrame(rows)
     df["ms"] = df["median_s"] * 1e3 if "median_s" in df else float("nan")  # the printed tables only
-    for kind, title in (("time", "forward"), ("time_fwd_bwd", "forward+backward")):
+    for kind, title in (("time", "forward"), ("time_fwd_bwd", "forward+backward"), ("time_bwd", "backward")):
         if "kind" not in df or not (df.kind == kind).any():
             continue
         timed = df[df.kind == kind].copy()

@@ -1,9 +1,10 @@
 """Tests of the Gluon Hopper FlashAttention forward and backward (`kernels/flash_attention_gluon.py`).
 
 CPU: the config rules, `supported` refusing what the kernel cannot run, and (under the Triton 3.6 whose Gluon API
-the kernel is written against) a compile for sm_90 with Triton's bundled ptxas, no GPU needed. GPU (sm_90):
-O and the natural-log L against fp32 attention on odd shapes, causal and not, n_q != n_k, bf16 and fp16; dQ, dK, dV
-against fp32 autograd on the same shapes with a random upstream gradient.
+the kernel is written against) a compile for sm_90 with Triton's bundled ptxas, no GPU needed (the two-pass
+backward's kernels also without spills or wgmma serialisation). GPU (sm_90): O and the natural-log L against fp32
+attention on odd shapes, causal and not, n_q != n_k, bf16 and fp16; dQ, dK, dV of both backward modes against fp32
+autograd on the same shapes with a random upstream gradient; the two-pass backward bitwise deterministic.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import triton
 
 import kernels.flash_attention_gluon as fg
 import kernels.flash_attention_gluon_bwd as fgb
+import kernels.flash_attention_gluon_bwd_onepass as fgo
 
 GLUON_API = "3.6."
 """The Triton release whose Gluon API the kernel uses (the GPU host's); others skip the compile test."""
@@ -115,10 +117,10 @@ def test_compiles_for_sm90(head_dim):
 
 def test_bwd_config_rules():
     with pytest.raises(ValueError, match="block_m"):
-        fgb.GluonBwdConfig(block_m=96)
+        fgo.GluonBwdConfig(block_m=96)
     with pytest.raises(ValueError, match="num_consumers"):
-        fgb.GluonBwdConfig(num_consumers=3)
-    config = fgb.GluonBwdConfig(block_m=64, num_stages=2, num_consumers=2)
+        fgo.GluonBwdConfig(num_consumers=3)
+    config = fgo.GluonBwdConfig(block_m=64, num_stages=2, num_consumers=2)
     # K, V (2 x 2 x 64 x 128), the Q/dO ring (2 x 2 x 64 x 128) and dS^T (2 x 64 x 64), bf16.
     assert config.shared_bytes(128) == 2 * (128 * (4 * 64 + 4 * 64) + 2 * 64 * 64)
     assert config.registers() == fg.GluonConfig(num_consumers=2).registers()
@@ -130,12 +132,12 @@ def test_bwd_refuses_cpu_and_bad_lse():
         fgb.gluon_attention_bwd(q, q, q, q, torch.zeros(1, 2, 64), q, True)
 
 
-def _compile_sm90_bwd(config: fgb.GluonBwdConfig, head_dim: int, dtype: torch.dtype, causal: bool):
+def _compile_sm90_bwd(config: fgo.GluonBwdConfig, head_dim: int, dtype: torch.dtype, causal: bool):
     q = _cpu((1, 3, 1000, head_dim), dtype)
     k = _cpu((1, 3, 777, head_dim), dtype)
     lse = torch.zeros(1, 3, 1000)
-    _, args, meta = fgb.bwd_launch_args(q, k, k, q, k, k, lse, lse, torch.zeros(q.shape), causal, config)
-    return _compile_for_sm90(fgb._gluon_attn_bwd_kernel, args, meta)
+    _, args, meta = fgo.bwd_launch_args(q, k, k, q, k, k, lse, lse, torch.zeros(q.shape), causal, config)
+    return _compile_for_sm90(fgo._gluon_attn_bwd_kernel, args, meta)
 
 
 @pytest.mark.slow
@@ -143,7 +145,7 @@ def _compile_sm90_bwd(config: fgb.GluonBwdConfig, head_dim: int, dtype: torch.dt
 @pytest.mark.parametrize("head_dim, causal, dtype", [(64, True, torch.bfloat16), (128, True, torch.bfloat16),
                                                      (128, False, torch.float16)])
 def test_bwd_compiles_for_sm90(head_dim, causal, dtype):
-    config = fgb.DEFAULT_BWD_CONFIGS[head_dim]
+    config = fgo.DEFAULT_BWD_CONFIGS[head_dim]
     compiled = _compile_sm90_bwd(config, head_dim, dtype, causal)
     ptx = compiled.asm["ptx"]
     assert compiled.asm["cubin"] and compiled.metadata.shared >= config.shared_bytes(head_dim)
@@ -153,6 +155,94 @@ def test_bwd_compiles_for_sm90(head_dim, causal, dtype):
     assert "atom.global.gpu.relaxed.add.f32" in ptx
     assert f"setmaxnreg.inc.sync.aligned.u32 \t{config.registers()[1]};" in ptx
     assert f"setmaxnreg.dec.sync.aligned.u32 \t{fg.LOADER_REGS};" in ptx
+
+
+ALT_BWD2_CONFIGS = {64: fgb.GluonBwd2Config(dkdv_block_m=32, dkdv_stages=3, dq_block_n=64),
+                    128: fgb.GluonBwd2Config(dkdv_block_m=64, dkdv_stages=2, dq_block_n=128)}
+"""Per head dim, the two-pass config the check sweep times beside the default (the other tile of each kernel)."""
+
+
+def test_bwd2_config_rules():
+    with pytest.raises(ValueError, match="dkdv_block_m"):
+        fgb.GluonBwd2Config(dkdv_block_m=128)
+    with pytest.raises(ValueError, match="dq_stages"):
+        fgb.GluonBwd2Config(dq_stages=0)
+    config = fgb.GluonBwd2Config(dkdv_block_m=64, dkdv_stages=2, dq_block_n=64, dq_stages=3)
+    # dK/dV: K, V of two consumers (4 x 64 x 128) and the Q/dO ring (2 x 2 x 64 x 128); dQ: Q, dO of two consumers
+    # (4 x 64 x 128) and the K/V ring (2 x 3 x 64 x 128); bf16.
+    assert config.shared_bytes(128) == (2 * 128 * (4 * 64 + 4 * 64), 2 * 128 * (4 * 64 + 6 * 64))
+    assert config.registers() == fg.GluonConfig(num_consumers=2).registers()
+    assert config.name != fgb.GluonBwd2Config().name
+
+
+def test_bwd_refuses_unknown_mode():
+    q = _cpu((1, 2, 64, 128))
+    with pytest.raises(ValueError, match="mode"):
+        fgb.gluon_attention_bwd(q, q, q, q, torch.zeros(1, 2, 64), q, True, mode="three_pass")
+
+
+def _compile_sm90_bwd2(config: fgb.GluonBwd2Config, head_dim: int, dtype: torch.dtype, causal: bool):
+    """(dK/dV kernel, dQ kernel), compiled for sm_90 from the launcher's own arguments."""
+    q = _cpu((1, 3, 1000, head_dim), dtype)
+    k = _cpu((1, 3, 777, head_dim), dtype)
+    lse = torch.zeros(1, 3, 1000)
+    dkdv, dq = fgb.bwd2_launch_args(q, k, k, q, q, k, k, lse, lse, causal, config)
+    return (_compile_for_sm90(fgb._gluon_attn_bwd_dkdv_kernel, *dkdv[1:]),
+            _compile_for_sm90(fgb._gluon_attn_bwd_dq_kernel, *dq[1:]))
+
+
+def _ptxas_log(ptx: str) -> str:
+    """Triton's bundled ptxas -v on a kernel's PTX: register, spill and C75xx performance notes."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(f"{tmp}/k.ptx", "w") as f:
+            f.write(ptx)
+        done = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
+                              capture_output=True, text=True, check=True)
+    return done.stdout + done.stderr
+
+
+@pytest.mark.slow
+@needs_gluon_api
+@pytest.mark.parametrize("head_dim, causal, dtype", [(64, True, torch.bfloat16), (128, True, torch.bfloat16),
+                                                     (128, False, torch.float16)])
+def test_bwd2_compiles_for_sm90_without_spills(head_dim, causal, dtype):
+    config = fgb.DEFAULT_BWD2_CONFIGS[head_dim]
+    for compiled, shared in zip(_compile_sm90_bwd2(config, head_dim, dtype, causal), config.shared_bytes(head_dim)):
+        ptx = compiled.asm["ptx"]
+        assert compiled.asm["cubin"] and compiled.metadata.shared >= shared
+        # Two products in flight (S and dP), no atomics (dQ deterministic), the consumer/producer register split.
+        assert "wgmma.wait_group.sync.aligned 1;" in ptx
+        assert "atom.global" not in ptx and "red.global" not in ptx
+        assert f"setmaxnreg.inc.sync.aligned.u32 \t{config.registers()[1]};" in ptx
+        assert f"setmaxnreg.dec.sync.aligned.u32 \t{fg.LOADER_REGS};" in ptx
+        # No spills, and no wgmma serialisation (C7512: what an accumulator carried in flight across the loop gives).
+        log = _ptxas_log(ptx)
+        assert " 0 bytes spill stores, 0 bytes spill loads" in log and "C7512" not in log, log
+
+
+@pytest.mark.slow
+@needs_gluon_api
+def test_bwd2_dq_exp2s_run_under_dp():
+    """SASS of the dQ loop: the dP wait (DEPBAR <= 0) comes after the exp2s of P, which follow the S wait."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+    _, dq = _compile_sm90_bwd2(fgb.DEFAULT_BWD2_CONFIGS[128], 128, torch.bfloat16, True)
+    cuobjdump = get_ptxas(90).path.replace("ptxas", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(dq.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    ops = re.findall(r"(HGMMA|WARPGROUP\.DEPBAR\.LE gsb0, 0x[01]|MUFU\.EX2)", sass)
+    first = ops.index("WARPGROUP.DEPBAR.LE gsb0, 0x1")
+    assert ops[first - 1] == "HGMMA" and ops[first + 1] == "MUFU.EX2"
+    assert ops.index("WARPGROUP.DEPBAR.LE gsb0, 0x0", first) > first + 8
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -198,7 +288,8 @@ def test_matches_fp32_attention(q_shape, n_k, causal, dtype, tol):
 @pytest.mark.parametrize("q_shape, n_k, causal", [
     ((1, 3, 1000, 128), 1000, True), ((1, 3, 1000, 128), 1000, False), ((2, 2, 777, 64), 777, True),
     ((1, 2, 513, 128), 1029, False), ((1, 2, 1029, 64), 513, True), ((1, 2, 513, 128), 1029, True)])
-def test_bwd_matches_fp32_autograd(q_shape, n_k, causal, dtype, tol):
+@pytest.mark.parametrize("mode, alt", [("two_pass", False), ("two_pass", True), ("one_pass", False)])
+def test_bwd_matches_fp32_autograd(q_shape, n_k, causal, dtype, tol, mode, alt):
     gen = torch.Generator(device="cuda").manual_seed(0)
     k_shape = q_shape[:2] + (n_k, q_shape[-1])
     q, k, v = (torch.randn(s, generator=gen, device="cuda").to(dtype) for s in (q_shape, k_shape, k_shape))
@@ -206,13 +297,33 @@ def test_bwd_matches_fp32_autograd(q_shape, n_k, causal, dtype, tol):
     qf, kf, vf = (t.float().requires_grad_() for t in (q, k, v))
     _reference(qf, kf, vf, causal)[0].backward(do.float())
     out, lse = fg.gluon_attention_fwd(q, k, v, causal)
-    grads = fgb.gluon_attention_bwd(q, k, v, out, lse, do, causal)
+    config = ALT_BWD2_CONFIGS[q_shape[-1]] if alt else None
+    grads = fgb.gluon_attention_bwd(q, k, v, out, lse, do, causal, config=config, mode=mode)
     for name, g, ref, t in zip("qkv", grads, (qf.grad, kf.grad, vf.grad), (q, k, v)):
         assert g.dtype == dtype and g.shape == t.shape, name
         # Max error relative to the largest gradient: P and dS are rounded to the input dtype (2^-9 bf16, 2^-12
         # fp16) and summed over ~1000 terms; a wrong row, tail or mask shows up as O(1).
         assert ((g.float() - ref).abs().max() / ref.abs().max()).item() <= tol, name
-    # Through autograd too.
+    if mode == "one_pass" or alt:
+        return
+    # Through autograd too (the two-pass default).
     qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
     fgb.gluon_attention(qa, ka, va, causal).backward(do)
     assert ((qa.grad.float() - qf.grad).abs().max() / qf.grad.abs().max()).item() <= tol
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
+                    or not fg.HAS_GLUON_HOPPER, reason="needs an sm_90 GPU and Gluon's Hopper API")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bwd2_is_deterministic(head_dim):
+    """Two two-pass backwards of the same inputs give bitwise equal dQ, dK, dV (no atomics anywhere)."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v, do = (torch.randn((2, 3, 1537, head_dim), generator=gen, device="cuda").to(torch.bfloat16)
+                   for _ in range(4))
+    out, lse = fg.gluon_attention_fwd(q, k, v, True)
+    first = fgb.gluon_attention_bwd(q, k, v, out, lse, do, True, mode="two_pass")
+    for _ in range(2):
+        again = fgb.gluon_attention_bwd(q, k, v, out, lse, do, True, mode="two_pass")
+        for name, a, b in zip("qkv", first, again):
+            assert torch.equal(a, b), name
