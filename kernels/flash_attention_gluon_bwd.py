@@ -45,16 +45,9 @@ from kernels.flash_attention_gluon import (
 if TYPE_CHECKING:
     from kernels.flash_attention_gluon_bwd_onepass import GluonBwdConfig
 
-if HAS_GLUON_HOPPER:  # Triton 3.6's Gluon API, as in the forward
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
+if HAS_GLUON_HOPPER:  # the forward's imports of Triton 3.6's Gluon API
+    from kernels.flash_attention_gluon import (fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma,
+                                               warpgroup_mma_wait)
 
 # ----------------------------------------------------------------------------------------------------------
 # The loader of the key-tile-stationary kernels (two-pass dK/dV, one-pass): K, V once, Q/dO tiles streamed

@@ -15,16 +15,9 @@ import triton
 from kernels.flash_attention_gluon import HAS_GLUON_HOPPER, LOADER_REGS, LOG2E, _descriptor, register_split
 from kernels.flash_attention_gluon_bwd import BWD_BLOCK_N, _bwd_loader
 
-if HAS_GLUON_HOPPER:  # Triton 3.6's Gluon API, as in the forward
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
+if HAS_GLUON_HOPPER:  # the forward's imports of Triton 3.6's Gluon API
+    from kernels.flash_attention_gluon import (fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma,
+                                               warpgroup_mma_wait)
 
 if HAS_GLUON_HOPPER:
 
