@@ -247,6 +247,18 @@ def run_bwd(rows: list[dict]) -> None:
         torch.cuda.empty_cache()
 
 
+def _no_gluon_gpu() -> str:
+    """'' on an sm_90 GPU with Gluon's Hopper API, else what this machine lacks."""
+    if not torch.cuda.is_available():
+        return "this machine has no CUDA GPU"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) != (9, 0):
+        return f"this machine's GPU is {torch.cuda.get_device_name()} (sm_{major}{minor})"
+    if not fg.HAS_GLUON_HOPPER:
+        return f"Triton {triton.__version__} has none"
+    return ""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for flash_gluon.parquet")
@@ -255,6 +267,8 @@ def main() -> None:
     parser.add_argument("--part", choices=("fwd", "bwd", "all"), default="fwd",
                         help="forward checks and timing, backward ones, or both (all: under 4 minutes on an H200)")
     args = parser.parse_args()
+    if reason := _no_gluon_gpu():
+        parser.exit(2, f"flash_gluon_check.py: needs an sm_90 GPU and Triton's Gluon Hopper API; {reason}\n")
     if not args.tl_autotune:
         os.environ["RAYSYS_FLASH_AUTOTUNE"] = "0"
     os.makedirs(args.out, exist_ok=True)

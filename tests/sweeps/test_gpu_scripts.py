@@ -47,3 +47,17 @@ def test_a_tuned_file_that_does_not_exist_is_an_error_not_untuned_kernels(tmp_pa
     ok = subprocess.run([sys.executable, "-c", code + "; print(kernels.flash_attention_tuning.TUNED_CONFIGS_PATH)"],
                         env=repo_env(RAYSYS_FLASH_TUNED=str(good)), capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and ok.stdout.strip() == str(good), ok.stderr
+
+
+def test_gluon_check_refused_without_an_sm90_gpu(tmp_path):
+    """`sweeps/flash_gluon_check.py` on a machine without an sm_90 GPU: one line, exit 2, nothing written."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        pytest.skip("this machine has the sm_90 GPU the script needs")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "sweeps/flash_gluon_check.py", "--out", str(out)], cwd=REPO,
+                          env=repo_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and proc.stderr.startswith(
+        "flash_gluon_check.py: needs an sm_90 GPU and Triton's Gluon Hopper API; this machine has no CUDA GPU")
+    assert not out.exists()
+
