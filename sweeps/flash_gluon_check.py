@@ -10,7 +10,8 @@ fp32 autograd of the reference attention on the same odd shapes (the tl backward
 two-pass dQ/dK/dV must also be bitwise equal over two runs); (d) forward+backward time (gluon fwd + gluon bwd, gluon
 fwd + tl bwd, SDPA cuDNN), TFLOP/s counting 3.5x the causal-half forward, and backward-only time (cuDNN through
 autograd with the graph retained, tl, two-pass gluon) counting 2.5x.
-Rows go to $OUT/flash_gluon.parquet. Run: `PYTHONPATH=$PWD python3 sweeps/flash_gluon_check.py --out $OUT [--part all]`.
+Rows go to <out>/flash_gluon.parquet (never over an earlier one without `--overwrite`). Run:
+`PYTHONPATH=$PWD python3 sweeps/flash_gluon_check.py --out $OUT [--part all]`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import math
 import os
 import time
 import traceback
+from pathlib import Path
 
 import pandas as pd
 import torch
@@ -30,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import kernels.flash_attention_gluon as fg
 import kernels.flash_attention_gluon_bwd as fgb
 import kernels.flash_attention_gluon_bwd_onepass as fgo
-from raysys.results import make_row, write_parquet
+from raysys.results import make_row, resolve_out, write_parquet
 
 SWEEP = "flash_gluon"
 
@@ -261,17 +263,22 @@ def _no_gluon_gpu() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for flash_gluon.parquet")
+    parser.add_argument("--out", default=None,
+                        help="folder for flash_gluon.parquet (default: a fresh runs/<UTC time>-flash_gluon/)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier flash_gluon.parquet in --out")
     parser.add_argument("--tl-autotune", action="store_true",
                         help="let the tl kernel autotune (slow first call) instead of its tuned/first config")
     parser.add_argument("--part", choices=("fwd", "bwd", "all"), default="fwd",
                         help="forward checks and timing, backward ones, or both (all: under 4 minutes on an H200)")
     args = parser.parse_args()
+    if args.out is not None and (Path(args.out) / f"{SWEEP}.parquet").exists() and not args.overwrite:
+        parser.exit(2, f"flash_gluon_check.py: {Path(args.out) / f'{SWEEP}.parquet'} exists (an earlier run); pass "
+                       "--overwrite to replace it or another --out\n")
     if reason := _no_gluon_gpu():
         parser.exit(2, f"flash_gluon_check.py: needs an sm_90 GPU and Triton's Gluon Hopper API; {reason}\n")
     if not args.tl_autotune:
         os.environ["RAYSYS_FLASH_AUTOTUNE"] = "0"
-    os.makedirs(args.out, exist_ok=True)
+    out = resolve_out(args.out, SWEEP)
     start = time.time()
     print(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}", flush=True)
     rows, passed = [], {64: [], 128: []}
@@ -279,7 +286,7 @@ def main() -> None:
         run_fwd(rows, passed)
     if args.part in ("bwd", "all"):
         run_bwd(rows)
-    write(rows, args.out, start)
+    write(rows, str(out), start)
 
 
 def run_fwd(rows: list[dict], passed: dict) -> None:

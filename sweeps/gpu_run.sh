@@ -154,9 +154,10 @@ case $phase in
     ;;
   gluon)  # issue 16 on one GPU: the gluon path's GPU tests, every Gluon config checked and timed (forward and the
     # experimental backward), then the hopper study with the gluon path beside the tl paths and both SDPA backends
-    study flash_gluon_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_flash_attention_gpu.py \
-      tests/kernels/test_flash_attention_gluon.py -k gluon
-    study flash_gluon 200 python3 sweeps/flash_gluon_check.py --part all --out "$RESULTS"
+    study flash_gluon_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider -k gluon \
+      tests/kernels/test_flash_attention_gpu.py tests/kernels/test_flash_attention_gluon.py
+    # (the check is one pass, redone whole when the phase runs again: --overwrite)
+    study flash_gluon 200 python3 sweeps/flash_gluon_check.py --part all --out "$RESULTS" --overwrite
     study flash_hopper 200 python3 sweeps/flash_bench.py --studies hopper --time-budget-s 180 --out "$RESULTS" --resume \
       --providers triton,triton_gluon,triton_tma,triton_portable,sdpa_cudnn,sdpa_flash
     ;;

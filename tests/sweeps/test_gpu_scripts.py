@@ -61,3 +61,12 @@ def test_gluon_check_refused_without_an_sm90_gpu(tmp_path):
         "flash_gluon_check.py: needs an sm_90 GPU and Triton's Gluon Hopper API; this machine has no CUDA GPU")
     assert not out.exists()
 
+
+def test_gluon_check_never_replaces_an_earlier_file_unasked(tmp_path):
+    earlier = tmp_path / "flash_gluon.parquet"
+    earlier.write_bytes(b"an earlier run")
+    proc = subprocess.run([sys.executable, "sweeps/flash_gluon_check.py", "--out", str(tmp_path)], cwd=REPO,
+                          env=repo_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and f"{earlier} exists (an earlier run); pass --overwrite" in proc.stderr, proc.stderr
+    assert earlier.read_bytes() == b"an earlier run"
+
