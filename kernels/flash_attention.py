@@ -199,23 +199,12 @@ def tma_layout_ok(*tensors: torch.Tensor) -> bool:
 
 
 def gluon_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
-    """'' when the Gluon forward runs on these tensors (also fake ones, under torch.compile), else the rule broken:
-    an sm_90 GPU, a Triton with Gluon's Hopper API, bf16 / fp16, head dim 64 or 128, TMA-able layouts."""
+    """'' when the Gluon forward runs on these (B[, H], N, d) tensors, also torch.compile's fake ones, else the rule
+    broken (`kernels.flash_attention_gluon.unsupported_reason`: an sm_90 GPU, Gluon's Hopper API, bf16 / fp16,
+    head dim 64 or 128, TMA-able layouts)."""
     if INTERPRET:
         return "the Triton interpreter (TRITON_INTERPRET=1) runs no Gluon kernel"
-    if not gluon_fwd.HAS_GLUON_HOPPER:
-        return f"Triton {triton.__version__} has no Gluon Hopper API"
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
-        return f"it needs an sm_90 GPU, not {q.device}"
-    if q.dtype not in gluon_fwd.DTYPES:
-        return f"it needs bfloat16 or float16 inputs, not {q.dtype}"
-    if q.shape[-1] not in gluon_fwd.HEAD_DIMS:
-        return f"it needs head dim 64 or 128, not {q.shape[-1]}"
-    # Its descriptors are 4-D and encode every stride, those of length-1 dimensions too.
-    if not tma_layout_ok(q, k, v) or any((stride * t.element_size()) % 16 for t in (q, k, v)
-                                         for stride in _as_4d(t).stride()[:-1]):
-        return f"it needs unit stride along d and 16-byte aligned strides, got {[tuple(t.stride()) for t in (q, k, v)]}"
-    return ""
+    return gluon_fwd.unsupported_reason(_as_4d(q), _as_4d(k), _as_4d(v))
 
 
 def _work(q: torch.Tensor, k: torch.Tensor) -> int:
@@ -291,8 +280,8 @@ def _launch_meta(q: torch.Tensor, is_causal: bool) -> dict:
 def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
                         config: FlashConfig | None = None, path: str | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the forward kernel: (O like q, L fp32 of shape q.shape[:-1]). `config` skips autotuning; `path`
-    (auto, portable, tma; None reads RAYSYS_FLASH_PATH) picks the kernel variant."""
+    """Run the forward kernel: (O like q, L fp32 of shape q.shape[:-1]). `config` (a tl launch config) skips
+    autotuning; `path` (auto, portable, tma, gluon; None reads RAYSYS_FLASH_PATH) picks the kernel variant."""
     check_attention_inputs(q, k, v, is_causal)
     _check_device(q)
     if config is not None and _requested_path(path) == GLUON:
@@ -496,7 +485,8 @@ def resolve_bwd(requested: str | None, path: str) -> str:
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
                     path: str | None = None, bwd: str | None = None) -> torch.Tensor:
     """softmax(Q K^T / sqrt(d) + causal mask) V with the Triton kernels (differentiable, torch.compile-able).
-    `path`: auto, portable or tma (None reads RAYSYS_FLASH_PATH); the backward takes the same. `bwd`: auto,
+    `path`: auto, portable, tma or gluon (None reads RAYSYS_FLASH_PATH); the backward takes the same (gluon's:
+    the tl kernels' auto path). `bwd`: auto,
     two_pass or one_pass (None reads RAYSYS_FLASH_BWD)."""
     check_attention_inputs(q, k, v, is_causal)
     return flash_attn_fwd_op(q, k, v, is_causal, _requested_path(path), _requested_bwd(bwd))[0]

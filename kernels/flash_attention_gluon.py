@@ -34,6 +34,8 @@ import math
 
 import torch
 import triton
+from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 try:  # Gluon's Hopper dialect; the API below is Triton 3.6's.
     from triton.experimental import gluon
@@ -341,9 +343,13 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str
             return f"{name} has shape {tuple(t.shape)}; needs 4-D (B, H, N, D)"
         if t.shape[-1] not in HEAD_DIMS:
             return f"{name} has head dim {t.shape[-1]}; needs one of {HEAD_DIMS}"
+        # The 4-D descriptors encode every stride (length-1 dimensions' too) and the start; a tracing stand-in
+        # (torch.compile's fake tensors) has no pointer, its storage offset stands for it.
         elem = t.element_size()
-        if t.stride(-1) != 1 or any((s * elem) % 16 for s in t.stride()[:-1]) or t.data_ptr() % 16:
-            return f"{name} strides {tuple(t.stride())} (or its pointer) are not 16-byte aligned with unit stride on D"
+        start = t.storage_offset() * elem if is_fake(t) or isinstance(t, FunctionalTensor) else t.data_ptr()
+        if t.stride(-1) != 1 or any((s * elem) % 16 for s in t.stride()[:-1]) or start % 16:
+            return (f"{name} strides {tuple(t.stride())} (or its start) are not 16-byte aligned with unit stride "
+                    "on D")
     if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
         return "q, k, v must share dtype and device"
     if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
