@@ -89,6 +89,14 @@ LAST_CONFIG: dict[str, FlashConfig | gluon_fwd.GluonConfig] = {}
 """kernel -> the launch config of its last launch in this process (a GluonConfig for the gluon forward)."""
 
 
+def last_paths() -> str:
+    """The paths of this process's last forward and backward, as benchmark rows record them: `tma, two_pass`, or
+    `gluon fwd / portable bwd, two_pass` when the two halves took different ones."""
+    mode = LAST_PATH.get("bwd", "?")
+    fwd, bwd = LAST_PATH.get("fwd", "?"), LAST_PATH.get("dkdvq" if mode == "one_pass" else "dkdv", "?")
+    return f"{fwd if fwd == bwd else f'{fwd} fwd / {bwd} bwd'}, {mode}"
+
+
 def best_configs() -> dict[str, dict[tuple, FlashConfig]]:
     """What the autotuners picked so far in this process: kernel -> {autotune key: config}."""
     return {name: {key: FlashConfig.from_triton(cfg) for key, cfg in tuner.cache.items()}

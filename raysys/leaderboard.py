@@ -529,13 +529,14 @@ class LeaderboardStep:
                 "plan_fits": plan.fits if plan is not None else None}
 
     def _attention_kernels(self) -> str:
-        """For `flash_triton`, the kernel paths its last forward and backward took (`gluon fwd / tma bwd`: the auto
-        dispatch depends on the GPU, the Triton and the shape), so rows of one name but other kernels never mix."""
+        """For `flash_triton`, the kernel paths its last forward and backward took (`gluon fwd / tma bwd, two_pass`:
+        the auto dispatch depends on the GPU, the Triton and the shape), so rows of one name but other kernels never
+        mix."""
         if self.config.attention != "flash_triton":
             return ""
-        from kernels.flash_attention import LAST_PATH
+        from kernels.flash_attention import last_paths
 
-        return f"{LAST_PATH.get('fwd', '?')} fwd / {LAST_PATH.get('dkdv', LAST_PATH.get('dkdvq', '?'))} bwd"
+        return last_paths()
 
     def reset_optimizer_state(self) -> None:
         """Drop the AdamW state (moments and step counts), as a fresh optimizer would have it."""

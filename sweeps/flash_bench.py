@@ -262,8 +262,8 @@ def provider_fn(name: str, device: torch.device) -> Callable:
             raise Unsupported(f"the tma path needs an sm_90 GPU and Triton >= 3.4, not "
                               f"{torch.cuda.get_device_name(device)}")
         probe = torch.empty(1, 1, 16, 64, dtype=torch.bfloat16, device=device)
-        if path == "gluon" and gluon_unsupported(probe, probe, probe):
-            raise Unsupported(f"the gluon path: {gluon_unsupported(probe, probe, probe)}")
+        if path == "gluon" and (reason := gluon_unsupported(probe, probe, probe)):
+            raise Unsupported(f"the gluon path: {reason}")
         return functools.partial(flash_attention, path=path, bwd=bwd)
     if name == "pytorch_tiled":
         from kernels.flash_attention_pytorch import flash_attention_pytorch
@@ -340,11 +340,9 @@ def run_trial(cfg: dict, device: torch.device, caps: dict, check_only: bool = Fa
     for mode in MODES:
         metrics[f"{mode}_tflops"] = _flops(cfg, mode) / metrics[f"{mode}_median_s"] / 1e12
     if cfg["provider"] in TRITON_PATHS:
-        from kernels.flash_attention import LAST_PATH
+        from kernels.flash_attention import LAST_PATH, last_paths
 
-        bwd_path = LAST_PATH["dkdvq" if LAST_PATH["bwd"] == "one_pass" else "dkdv"]
-        fwd = LAST_PATH["fwd"] if LAST_PATH["fwd"] == bwd_path else f"{LAST_PATH['fwd']} fwd / {bwd_path} bwd"
-        metrics["path"] = f"{fwd}, {LAST_PATH['bwd']}"
+        metrics["path"] = last_paths()
         metrics["triton_configs"] = triton_picks(LAST_PATH["bwd"])
     return metrics
 

@@ -322,8 +322,11 @@ def test_rows_name_the_flash_kernels_that_ran(monkeypatch):
                                              compile=False, recompute="none"), batch_size=1)
     monkeypatch.setitem(fa.LAST_PATH, "fwd", "gluon")
     monkeypatch.setitem(fa.LAST_PATH, "dkdv", "tma")
-    assert step.describe()["attention_kernels"] == "gluon fwd / tma bwd"
+    monkeypatch.setitem(fa.LAST_PATH, "bwd", "two_pass")
+    assert step.describe()["attention_kernels"] == "gluon fwd / tma bwd, two_pass"
+    monkeypatch.setitem(fa.LAST_PATH, "fwd", "tma")
+    assert step.describe()["attention_kernels"] == "tma, two_pass"
     step.close()
-    rows = pd.DataFrame({"attention": ["flash_triton", "cudnn"], "attention_kernels": ["gluon fwd / tma bwd", ""]})
-    assert list(_attention_label(rows)) == ["flash_triton (gluon fwd / tma bwd)", "cudnn"]
+    rows = pd.DataFrame({"attention": ["flash_triton", "cudnn"], "attention_kernels": ["tma, two_pass", ""]})
+    assert list(_attention_label(rows)) == ["flash_triton (tma, two_pass)", "cudnn"]
     assert list(_attention_label(rows.drop(columns="attention_kernels"))) == ["flash_triton", "cudnn"]
