@@ -1,14 +1,20 @@
 """Host time per call of the FlashAttention forward entry points (issue 16), one H200.
 
-Run on the GPU host from the repository root: `PYTHONPATH=$PWD python3 results/runs/flash_host_cost.py`. For each
-entry point, 200 calls at 4x32x2048x128 bf16 causal: `host` is the time to issue them (microseconds per call),
-`wall` the time until the GPU finished them; host close to wall means host-bound calls. Output of the e7dd8cb run:
-`flash_host_cost_e7dd8cb.txt`.
+Run on the GPU host from the repository root: `PYTHONPATH=$PWD python3 results/runs/flash_host_cost.py OUT_DIR`.
+For each entry point, 200 calls at 4x32x2048x128 bf16 causal: `host_s` is the time to issue one (seconds per
+call), `wall_s` the time until the GPU finished them, per call; host close to wall means host-bound calls. Rows go
+to OUT_DIR/flash_host_cost.parquet (the results convention). The e7dd8cb run: `flash_host_cost_e7dd8cb.parquet`
+(its printed output, `flash_host_cost_e7dd8cb.txt`, converted).
 """
 
+import sys
 import time
+from pathlib import Path
 
+import pandas as pd
 import torch
+
+from raysys.results import make_row, write_parquet
 
 import kernels.flash_attention as fa
 import kernels.flash_attention_gluon as g
@@ -36,8 +42,14 @@ def main() -> None:
              ("desc x4", lambda: [g._descriptor(t, 64) for t in (q, k, v, q)]),
              ("unsupported", lambda: fa.gluon_unsupported(q, k, v)),
              ("tl", lambda: fa.flash_attention_fwd(q, k, v, True, path="tma"))]
+    rows = []
     for name, fn in cases:
-        print(name, "host us/call %.1f  wall us/call %.1f" % host_and_wall(fn))
+        host_us, wall_us = host_and_wall(fn)
+        print(name, "host us/call %.1f  wall us/call %.1f" % (host_us, wall_us))
+        rows.append(make_row("flash_host_cost", dict(case=name, shape="4x32x2048x128", calls=200),
+                             dict(host_s=host_us * 1e-6, wall_s=wall_us * 1e-6)))
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else ".") / "flash_host_cost.parquet"
+    print("wrote", write_parquet(pd.DataFrame(rows), out))
 
 
 if __name__ == "__main__":
