@@ -168,11 +168,10 @@ PATH_ENV = "RAYSYS_FLASH_PATH"
 GLUON = "gluon"
 """The forward-only path: the Gluon kernel forward, the tl kernels' auto path backward."""
 GLUON_AUTO_MIN_WORK = 2**38
-"""B * H * n_q * n_k * d from which `auto` takes the gluon forward. Its launch costs about 0.2 ms more host time
-than the tl kernels' (four host-side TMA descriptors, Gluon's launcher): in the H200 hopper study of e7dd8cb it
-won where this product is 5.5e11 and more (1x16x16384x128: 1.63 ms against tl 2.40, cuDNN 1.79; the leaderboard's
-4.4e12: 15.5-15.7 ms against 19.5) and lost where it is 1.4e11 and less (8x16x4096x64, 4x32x2048x128), where the
-steps were host-bound."""
+"""B * H * n_q * n_k * d from which `auto` takes the gluon forward: its launch costs more host time than the tl
+kernels' (four host-side TMA descriptors, Gluon's launcher), so short calls are host-bound. The threshold lies
+between the hopper shapes where it lost and where it won (the hopper rows of results/flash_bench.parquet;
+results/flash_hopper_notes.md, section 6)."""
 AUTO_TMA = tuned_auto_path() == "tma"
 """Whether `auto` takes the tma path where it can (sm_90, Triton with device-side tensor descriptors): the tuned
 file's `auto_path`, which the candidates study of sweeps/flash_bench.py sets from its timings of both paths."""
