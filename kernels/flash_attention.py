@@ -18,12 +18,14 @@ fp32 products unless `torch.set_float32_matmul_precision` allows TF32.
 
 Paths (one kernel family, a constexpr apart): `portable` (pointer loads; every GPU and the interpreter) and `tma`
 (sm_90 with Triton >= 3.4: device-side tensor descriptors for the Q/K/V/O/dO/dK/dV/dQ tiles, whose edges the TMA
-unit clips; optional persistent grid and warp specialisation). On sm_90 the forward also has `gluon`
-(`kernels/flash_attention_gluon.py`: warp-specialised, FlashAttention-3 style; bf16 / fp16, head dim 64 or 128,
-TMA-able layouts), whose backward is the tl kernels' (it takes the same L). `RAYSYS_FLASH_PATH` / `path=` picks
-one; `auto` takes gluon for the forward where it runs and the call is large enough to hide its launch
-(`GLUON_AUTO_MIN_WORK`; and no launch config is given), and for the tl kernels tma on sm_90 when the tuned file's
-`auto_path` says so (set by the measurement that wrote it), else portable. Launch configs are autotuned per
+unit clips; optional persistent grid and warp specialisation). On sm_90 there is also `gluon`
+(`kernels/flash_attention_gluon*.py`: warp-specialised, FlashAttention-3 style; bf16 / fp16, head dim 64 or 128,
+TMA-able layouts): its forward, and its one-pass backward (dQ summed in fp32 by TMA reductions) unless the
+backward is asked to be two_pass or deterministic (`torch.use_deterministic_algorithms`), when the tl kernels run
+it on the same L. `RAYSYS_FLASH_PATH` / `path=` picks one; `auto` takes the gluon forward where it runs and the
+call is large enough to hide its launch (`GLUON_AUTO_MIN_WORK`; and no launch config is given), the gluon
+backward there too at the head dims where it was measured faster (`GLUON_BWD_HEAD_DIMS`), and for the tl kernels
+tma on sm_90 when the tuned file's `auto_path` says so (set by the measurement that wrote it), else portable. Launch configs are autotuned per
 (sequence bucket, head dim, causal, dtype, path) among `kernels/flash_attention_tuning.py`'s candidates (the tuned
 file's entries when it has some);
 `RAYSYS_FLASH_AUTOTUNE=0` takes the first valid one. Under `TRITON_INTERPRET=1` (read at import) each kernel has
@@ -47,6 +49,8 @@ from torch._subclasses.fake_tensor import is_fake
 from torch._subclasses.functional_tensor import FunctionalTensor
 
 import kernels.flash_attention_gluon as gluon_fwd
+import kernels.flash_attention_gluon_bwd as gluon_bwd
+import kernels.flash_attention_gluon_bwd_onepass as gluon_bwd_onepass
 from kernels.device import device_of
 from kernels.flash_attention_kernels import (
     _flash_bwd_dkdv_kernel,
@@ -166,12 +170,17 @@ def _launch(kernel: str, num_tiles, args: tuple, meta: dict, n_q: int, n_k: int,
 PATH_ENV = "RAYSYS_FLASH_PATH"
 """auto (default), portable, tma or gluon: the path `flash_attention` and the custom ops take."""
 GLUON = "gluon"
-"""The forward-only path: the Gluon kernel forward, the tl kernels' auto path backward."""
+"""The Gluon kernels' path: their forward, and their one-pass backward (`gluon_bwd_chosen`), else the tl kernels'
+auto path backward."""
 GLUON_AUTO_MIN_WORK = 2**38
 """B * H * n_q * n_k * d from which `auto` takes the gluon forward: its launch costs more host time than the tl
 kernels' (four host-side TMA descriptors, Gluon's launcher), so short calls are host-bound. The threshold lies
 between the hopper shapes where it lost and where it won (the hopper rows of results/flash_bench.parquet;
 results/flash_hopper_notes.md, section 6)."""
+GLUON_BWD_HEAD_DIMS = (128,)
+"""Head dims at which `auto` takes the Gluon one-pass backward from GLUON_AUTO_MIN_WORK on: faster than the tl
+backward at 1x16x16384x128 and 1x32x32768x128, slower at 8x16x4096x64 and 4x32x2048x128 (the hopper rows of
+results/flash_bench.parquet; results/flash_hopper_notes.md, section 7), so d 64 keeps the tl kernels."""
 AUTO_TMA = tuned_auto_path() == "tma"
 """Whether `auto` takes the tma path where it can (sm_90, Triton with device-side tensor descriptors): the tuned
 file's `auto_path`, which the candidates study of sweeps/flash_bench.py sets from its timings of both paths."""
@@ -219,9 +228,24 @@ def _work(q: torch.Tensor, k: torch.Tensor) -> int:
     return q.numel() * k.shape[-2]
 
 
+def gluon_bwd_chosen(path: str | None, bwd: str | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a backward of dQ and dK/dV on (B[, H], N, d) `q, k, v` runs the Gluon one-pass kernel: `path` gluon,
+    or auto at a head dim of GLUON_BWD_HEAD_DIMS from GLUON_AUTO_MIN_WORK on (the forward's rule), where the Gluon
+    kernels run; and `bwd` one_pass, or auto outside `torch.use_deterministic_algorithms` (its dQ additions have no
+    fixed order). `bwd` two_pass keeps the tl kernels. None reads RAYSYS_FLASH_PATH / RAYSYS_FLASH_BWD."""
+    requested, mode = _requested_path(path), _requested_bwd(bwd)
+    if requested not in ("auto", GLUON) or mode not in ("auto", "one_pass"):
+        return False
+    if mode == "auto" and torch.are_deterministic_algorithms_enabled():
+        return False
+    if requested == "auto" and (q.shape[-1] not in GLUON_BWD_HEAD_DIMS or _work(q, k) < GLUON_AUTO_MIN_WORK):
+        return False
+    return not gluon_unsupported(q, k, v)
+
+
 def resolve_path(requested: str | None, *tensors: torch.Tensor, forward: bool = False) -> str:
-    """The path of a call on (q, k, v, ...) `tensors`: `portable` or `tma`, or `gluon` for a `forward` (the gluon
-    path's backward is the tl kernels' auto path); `requested` None reads RAYSYS_FLASH_PATH (default auto)."""
+    """The path of a call on (q, k, v, ...) `tensors`: `portable` or `tma`, or `gluon` for a `forward` (for the
+    backward, `gluon_bwd_chosen` decides first); `requested` None reads RAYSYS_FLASH_PATH (default auto)."""
     requested = _requested_path(requested)
     if requested not in ("auto", GLUON) + PATHS:
         raise ValueError(f"flash path {requested!r} must be one of auto, {', '.join(PATHS + (GLUON,))}")
@@ -328,6 +352,12 @@ def flash_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     if lse.shape != q.shape[:-1] or lse.dtype != torch.float32:
         raise ValueError(f"lse must be float32 of shape {tuple(q.shape[:-1])}, got {lse.dtype} {tuple(lse.shape)}")
     _check_device(q)
+    resolve_bwd(bwd, "portable")  # a bad request raises here, whichever kernels would run
+    if compute_dq and compute_dkdv and gluon_bwd_chosen(path, bwd, q, k, v):
+        LAST_PATH["bwd"] = "one_pass"
+        dq, dk, dv = gluon_attn_bwd_op(*(_as_4d(t) for t in (q, k, v, out)), lse.reshape(_as_4d(q).shape[:-1]),
+                                       _as_4d(grad_out.to(q.dtype)), is_causal)
+        return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
     path = resolve_path(path, q, k, v)
     one_pass = compute_dq and compute_dkdv and resolve_bwd(bwd, path) == "one_pass"
     LAST_PATH["bwd"] = "one_pass" if one_pass else "two_pass"
@@ -428,6 +458,20 @@ def _gluon_fwd_fake(q, k, v, is_causal):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
+@torch.library.custom_op("raysys::gluon_attn_bwd", mutates_args=())
+def gluon_attn_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                      grad_out: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV) of 4-D inputs by the Gluon one-pass backward (opaque to Inductor, as the forward)."""
+    LAST_PATH["dkdvq"], LAST_CONFIG["dkdvq"] = GLUON, gluon_bwd_onepass.DEFAULT_BWD_CONFIGS[q.shape[-1]]
+    with device_of(q):
+        return gluon_bwd.gluon_attention_bwd(q, k, v, out, lse, grad_out, is_causal, mode="one_pass")
+
+
+@gluon_attn_bwd_op.register_fake
+def _gluon_bwd_fake(q, k, v, out, lse, grad_out, is_causal):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
 flash_attn_fwd_op = _define_op("flash_attn_fwd", _fwd_impl, _fwd_fake)
 flash_attn_bwd_op = _define_op("flash_attn_bwd", _bwd_impl, _bwd_fake)
 
@@ -492,9 +536,9 @@ def resolve_bwd(requested: str | None, path: str) -> str:
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
                     path: str | None = None, bwd: str | None = None) -> torch.Tensor:
     """softmax(Q K^T / sqrt(d) + causal mask) V with the Triton kernels (differentiable, torch.compile-able).
-    `path`: auto, portable, tma or gluon (None reads RAYSYS_FLASH_PATH); the backward takes the same (gluon's:
-    the tl kernels' auto path). `bwd`: auto,
-    two_pass or one_pass (None reads RAYSYS_FLASH_BWD)."""
+    `path`: auto, portable, tma or gluon (None reads RAYSYS_FLASH_PATH); the backward takes the same
+    (`gluon_bwd_chosen` says when the Gluon one-pass backward runs). `bwd`: auto, two_pass or one_pass (None reads
+    RAYSYS_FLASH_BWD)."""
     check_attention_inputs(q, k, v, is_causal)
     return flash_attn_fwd_op(q, k, v, is_causal, _requested_path(path), _requested_bwd(bwd))[0]
 

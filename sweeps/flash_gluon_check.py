@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import time
 import traceback
 from pathlib import Path
@@ -53,12 +54,13 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 """Max |O - O_ref| allowed (inputs ~N(0, 1), outputs |O| < ~1); L gets the same."""
 BWD_CONFIGS = {
     64: [fgb.DEFAULT_BWD2_CONFIGS[64], fgb.GluonBwd2Config(dkdv_block_m=32, dkdv_stages=3, dq_block_n=64),
-         fgo.DEFAULT_BWD_CONFIGS[64]],
+         fgo.DEFAULT_BWD_CONFIGS[64], fgo.GluonBwdConfig(dq_tma=False)],
     128: [fgb.DEFAULT_BWD2_CONFIGS[128], fgb.GluonBwd2Config(dkdv_block_m=64, dkdv_stages=2, dq_block_n=128),
-          fgo.DEFAULT_BWD_CONFIGS[128]],
+          fgo.DEFAULT_BWD_CONFIGS[128], fgo.GluonBwdConfig(dq_tma=False)],
 }
 """Per head dim: the two-pass default, one other two-pass config (the other tile of each kernel), the one-pass
-default (a `GluonBwdConfig` runs mode="one_pass")."""
+default (dQ summed by TMA reductions) and its register-reduction variant (a `GluonBwdConfig` runs
+mode="one_pass")."""
 GRAD_TOL = {torch.bfloat16: 3e-2, torch.float16: 6e-3}
 """Max |g - g_ref| / max |g_ref| per gradient: P, dS and the gradients are rounded to the input dtype (relative
 2^-9 bf16, 2^-12 fp16) and summed over ~1000 terms with random signs; a wrong row or tail shows up as O(1)."""
@@ -239,10 +241,9 @@ def run_bwd(rows: list[dict]) -> None:
                 return fgb.gluon_attention_bwd(q, k, v, out, lse, do, True, config=c, mode=_mode(c))
             try:
                 rows.append(bench_fwd_bwd(gluon, shape, provider, config.name))
-                if provider == "gluon_2pass":
-                    rows.append(bench_fwd_bwd(lambda c=config: fgb.gluon_attention_bwd(
-                        q, k, v, out, lse, do, True, config=c, mode="two_pass"), shape, provider, config.name,
-                        kind="time_bwd"))
+                rows.append(bench_fwd_bwd(lambda c=config: fgb.gluon_attention_bwd(
+                    q, k, v, out, lse, do, True, config=c, mode=_mode(c)), shape, provider, config.name,
+                    kind="time_bwd"))
             except Exception as e:
                 print(f"time {provider} {config.name} fwd+bwd {shape}: ERROR {_short(e, 2)}", flush=True)
         q = k = v = do = out = lse = None
@@ -270,7 +271,19 @@ def main() -> None:
                         help="let the tl kernel autotune (slow first call) instead of its tuned/first config")
     parser.add_argument("--part", choices=("fwd", "bwd", "all"), default="fwd",
                         help="forward checks and timing, backward ones, or both (all: under 4 minutes on an H200)")
+    parser.add_argument("--config-match", default=None, metavar="REGEX",
+                        help="only the Gluon configs whose name matches REGEX (re.search), e.g. '^bwd' for the "
+                             "one-pass backward; the baselines always run")
     args = parser.parse_args()
+    if args.config_match is not None:
+        try:
+            pattern = re.compile(args.config_match)
+        except re.error as e:
+            parser.exit(2, f"flash_gluon_check.py: --config-match {args.config_match!r} is not a regular "
+                           f"expression ({e})\n")
+        for table in (CONFIGS, BWD_CONFIGS):
+            for head_dim in table:
+                table[head_dim] = [c for c in table[head_dim] if pattern.search(c.name)]
     if args.out is not None and (Path(args.out) / f"{SWEEP}.parquet").exists() and not args.overwrite:
         parser.exit(2, f"flash_gluon_check.py: {Path(args.out) / f'{SWEEP}.parquet'} exists (an earlier run); pass "
                        "--overwrite to replace it or another --out\n")

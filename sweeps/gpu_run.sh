@@ -14,7 +14,7 @@
 #                                    #   compiled, FSDP compiled, --collectives-alone, paired vs single)   (~7 min)
 #   bash sweeps/gpu_run.sh ckpt      # checkpointing trials (Ray Tune, one GPU per trial)                  (~4 min)
 #   bash sweeps/gpu_run.sh flash     # Ray Tune tile sweep (one GPU per trial), the FlashAttention grid    (~9.5 min)
-#   bash sweeps/gpu_run.sh gluon     # 1 GPU: the Gluon kernels' GPU tests and checks, then the hopper study (~6 min)
+#   bash sweeps/gpu_run.sh gluon     # 1 GPU: the Gluon kernels' GPU tests and checks, then the hopper study (~8 min)
 #   bash sweeps/gpu_run.sh leaderboard # 1 GPU: the 8B step's ablation and --check (issue 15)             (~8.5 min)
 #   bash sweeps/gpu_run.sh lbtune    # 1 GPU: the advisor's plan against its neighbours, a profile of the step (~8 min)
 #   bash sweeps/gpu_run.sh lb2       # 2 GPUs: the 8B step on two ranks (Ray gang) and on one, same commit (~8 min)
@@ -154,7 +154,7 @@ case $phase in
     ;;
   gluon)  # issue 16 on one GPU: the gluon path's GPU tests, every Gluon config checked and timed (forward and the
     # experimental backward), then the hopper study with the gluon path beside the tl paths and both SDPA backends
-    study flash_gluon_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider -k gluon \
+    study flash_gluon_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 -k gluon \
       tests/kernels/test_flash_attention_gpu.py tests/kernels/test_flash_attention_gluon.py
     # (the check is one pass, redone whole when the phase runs again: --overwrite)
     study flash_gluon 200 python3 sweeps/flash_gluon_check.py --part all --out "$RESULTS" --overwrite

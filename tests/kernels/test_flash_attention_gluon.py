@@ -117,12 +117,13 @@ def test_compiles_for_sm90(head_dim):
 
 def test_bwd_config_rules():
     with pytest.raises(ValueError, match="block_m"):
-        fgo.GluonBwdConfig(block_m=96)
-    with pytest.raises(ValueError, match="num_consumers"):
-        fgo.GluonBwdConfig(num_consumers=3)
-    config = fgo.GluonBwdConfig(block_m=64, num_stages=2, num_consumers=2)
-    # K, V (2 x 2 x 64 x 128), the Q/dO ring (2 x 2 x 64 x 128) and dS^T (2 x 64 x 64), bf16.
-    assert config.shared_bytes(128) == 2 * (128 * (4 * 64 + 4 * 64) + 2 * 64 * 64)
+        fgo.GluonBwdConfig(block_m=128)
+    with pytest.raises(ValueError, match="num_stages"):
+        fgo.GluonBwdConfig(num_stages=0)
+    config = fgo.GluonBwdConfig(block_m=64, num_stages=2)
+    # K, V (2 x 2 x 64 x 128), the Q/dO ring (2 x 2 x 64 x 128) and dS^T of both groups' keys (2 x 128 x 64), bf16;
+    # each group's fp32 dQ tile (2 x 64 x 64 x 4 bytes).
+    assert config.shared_bytes(128) == 2 * (128 * (4 * 64 + 4 * 64) + 2 * 128 * 64) + 2 * 64 * 64 * 4
     assert config.registers() == fg.GluonConfig(num_consumers=2).registers()
 
 
@@ -149,10 +150,11 @@ def test_bwd_compiles_for_sm90(head_dim, causal, dtype):
     compiled = _compile_sm90_bwd(config, head_dim, dtype, causal)
     ptx = compiled.asm["ptx"]
     assert compiled.asm["cubin"] and compiled.metadata.shared >= config.shared_bytes(head_dim)
-    # S^T and dP^T in flight together (a wait that leaves one outstanding), dQ summed by fp32 atomics, and the
-    # consumer/producer register split.
+    # S^T and dP^T in flight together (a wait that leaves one outstanding), dQ summed by the TMA unit's bulk
+    # reductions (no per-thread atomics), and the consumer/producer register split.
     assert "wgmma.wait_group.sync.aligned 1;" in ptx
-    assert "atom.global.gpu.relaxed.add.f32" in ptx
+    assert "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in ptx
+    assert "atom.global" not in ptx and "red.global" not in ptx
     assert f"setmaxnreg.inc.sync.aligned.u32 \t{config.registers()[1]};" in ptx
     assert f"setmaxnreg.dec.sync.aligned.u32 \t{fg.LOADER_REGS};" in ptx
 
@@ -179,6 +181,45 @@ def test_bwd_refuses_unknown_mode():
     q = _cpu((1, 2, 64, 128))
     with pytest.raises(ValueError, match="mode"):
         fgb.gluon_attention_bwd(q, q, q, q, torch.zeros(1, 2, 64), q, True, mode="three_pass")
+
+
+@pytest.fixture
+def gluon_runs_anywhere(monkeypatch):
+    """`gluon_bwd_chosen`'s rules on the CPU: the Gluon kernels' own support check answers "runs"."""
+    from kernels import flash_attention as fa
+    monkeypatch.setattr(fa, "gluon_unsupported", lambda q, k, v: "")
+    monkeypatch.delenv(fa.PATH_ENV, raising=False)
+    monkeypatch.delenv(fa.BWD_ENV, raising=False)
+    return fa
+
+
+@pytest.mark.parametrize("path, bwd, shape, chosen", [
+    ("gluon", "auto", (1, 2, 300, 64), True),             # the gluon path: its own backward, any size
+    ("gluon", "one_pass", (1, 2, 300, 128), True),
+    ("gluon", "two_pass", (1, 2, 300, 128), False),       # two_pass: the deterministic tl kernels
+    ("auto", "auto", (1, 16, 16384, 128), True),          # auto: d 128 from GLUON_AUTO_MIN_WORK on
+    ("auto", "auto", (4, 32, 2048, 128), False),          # (below it)
+    ("auto", "auto", (1, 32, 32768, 64), False),          # (d 64: the tl kernels were faster)
+    ("tma", "auto", (1, 16, 16384, 128), False),
+    ("portable", "one_pass", (1, 16, 16384, 128), False),
+])
+def test_gluon_bwd_rule(gluon_runs_anywhere, path, bwd, shape, chosen):
+    fa = gluon_runs_anywhere
+    q = torch.empty(shape, device="meta")
+    assert fa.gluon_bwd_chosen(path, bwd, q, q, q) is chosen
+
+
+def test_gluon_bwd_rule_follows_determinism_and_support(gluon_runs_anywhere, monkeypatch):
+    fa = gluon_runs_anywhere
+    q = torch.empty((1, 16, 16384, 128), device="meta")
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert not fa.gluon_bwd_chosen("gluon", "auto", q, q, q)  # auto: deterministic kernels when asked for
+    assert fa.gluon_bwd_chosen("gluon", "one_pass", q, q, q)  # one_pass asked for explicitly
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: False)
+    monkeypatch.setenv(fa.BWD_ENV, "two_pass")
+    assert not fa.gluon_bwd_chosen("gluon", None, q, q, q)  # None reads RAYSYS_FLASH_BWD
+    monkeypatch.setattr(fa, "gluon_unsupported", lambda q, k, v: "no sm_90 GPU")
+    assert not fa.gluon_bwd_chosen("gluon", "one_pass", q, q, q)
 
 
 def _compile_sm90_bwd2(config: fgb.GluonBwd2Config, head_dim: int, dtype: torch.dtype, causal: bool):

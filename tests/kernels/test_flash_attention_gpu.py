@@ -231,7 +231,7 @@ def test_triton_ops_pass_opcheck(path):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The gluon path (sm_90): the Gluon forward, the tl kernels' backward on its L
+# The gluon path (sm_90): the Gluon forward, and the Gluon one-pass backward or the tl kernels' on its L
 # ----------------------------------------------------------------------------------------------------------
 def _gluon_runs() -> bool:
     if not torch.cuda.is_available() or fa.INTERPRET:
@@ -254,28 +254,55 @@ def test_gluon_forward_matches_fp64_reference(head_dim, dtype, causal):
 
 
 @needs_gluon
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_gluon_backward_matches_fp64_reference(head_dim, dtype, causal):
+    """The gluon path's own backward (one-pass, dQ by TMA reductions): every gradient, 3-D and 4-D input, odd
+    lengths, n_q != n_k, as the tl paths are held to."""
+    _check_against_fp64(head_dim, dtype, causal, "gluon", "auto")
+    assert fa.LAST_PATH["fwd"] == "gluon" and fa.LAST_PATH["dkdvq"] == "gluon" and fa.last_paths() == "gluon, one_pass"
+
+
+@needs_gluon
+def test_gluon_backward_yields_to_deterministic_algorithms():
+    q, k, v, do = _inputs((1, 2, 300, 128), (1, 2, 300, 128), torch.bfloat16, seed=9)
+    torch.use_deterministic_algorithms(True)
+    try:
+        first = _run(lambda *a: fa.flash_attention(*a, path="gluon"), q, k, v, do, True)
+        assert fa.last_paths().endswith("two_pass") and "gluon fwd" in fa.last_paths()
+        again = _run(lambda *a: fa.flash_attention(*a, path="gluon"), q, k, v, do, True)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), first, again):
+        assert torch.equal(a, b), name
+
+
+@needs_gluon
 def test_auto_takes_gluon_forward_where_it_runs():
     q, k, v, _ = _inputs((1, 2, 300, 128), (1, 2, 300, 128), torch.bfloat16, seed=6)
     fa.flash_attention_fwd(q, k, v, True)
     assert fa.LAST_PATH["fwd"] in PATHS  # too small to hide the gluon launch
-    q, k, v, _ = _inputs((1, 16, 16384, 128), (1, 16, 16384, 128), torch.bfloat16, seed=6)
-    fa.flash_attention_fwd(q, k, v, True)
+    q, k, v, do = _inputs((1, 16, 16384, 128), (1, 16, 16384, 128), torch.bfloat16, seed=6)
+    out, lse = fa.flash_attention_fwd(q, k, v, True)
     assert fa.LAST_PATH["fwd"] == "gluon"
+    fa.flash_attention_bwd(q, k, v, out, lse, do, True)  # d 128 at this size: the Gluon backward too
+    assert fa.last_paths() == "gluon, one_pass"
     fa.flash_attention_fwd(q.float(), k.float(), v.float(), True)  # fp32: the tl kernels
     assert fa.LAST_PATH["fwd"] in PATHS
 
 
 @needs_gluon
 def test_gluon_forward_composes_with_torch_compile():
-    """fullgraph Inductor: the Gluon forward is called as its op, the tl backward kernels are launched by
-    Inductor itself; output and gradients equal eager's."""
+    """fullgraph Inductor: the Gluon forward is called as its op, the tl backward kernels (two_pass asked for) are
+    launched by Inductor itself; output and gradients equal eager's."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
     q, k, v, do = _inputs((2, 3, 197, 64), (2, 3, 197, 64), torch.bfloat16, seed=7)
 
     def attn(q, k, v, causal):
-        return fa.flash_attention(q, k, v, causal, path="gluon")
+        return fa.flash_attention(q, k, v, causal, path="gluon", bwd="two_pass")
 
     eager = _run(attn, q, k, v, do, True)
     compiled = torch.compile(attn, fullgraph=True)
@@ -288,8 +315,34 @@ def test_gluon_forward_composes_with_torch_compile():
 
 
 @needs_gluon
+def test_gluon_backward_composes_with_torch_compile():
+    """fullgraph Inductor with the Gluon backward: both Gluon ops called, no tl kernel; output, dK and dV equal
+    eager's bitwise (each written once), dQ to its last bits (fp32 reductions in no fixed order)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    q, k, v, do = _inputs((2, 3, 197, 128), (2, 3, 197, 128), torch.bfloat16, seed=7)
+
+    def attn(q, k, v, causal):
+        return fa.flash_attention(q, k, v, causal, path="gluon")
+
+    eager = _run(attn, q, k, v, do, True)
+    got, code = run_and_get_code(lambda: _run(torch.compile(attn, fullgraph=True), q, k, v, do, True))
+    code = "\n".join(code)
+    assert "gluon_attn_fwd" in code and "gluon_attn_bwd" in code and "def _flash_bwd_dkdv_kernel(" not in code
+    for name, g, w in zip(("out", "dk", "dv"), (got[0], *got[3:]), (eager[0], *eager[3:])):
+        assert torch.equal(g, w), name
+    torch.testing.assert_close(got[2], eager[2], rtol=2**-7, atol=1e-3)
+
+
+@needs_gluon
 def test_gluon_op_passes_opcheck():
     q, k, v, _ = _inputs((1, 2, 150, 128), (1, 2, 150, 128), torch.float16, seed=8)
     torch.library.opcheck(fa.gluon_attn_fwd_op, (q, k, v, True))
     torch.library.opcheck(fa.flash_attn_fwd_op, (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), True,
                                                  "gluon", "two_pass"))
+    out, lse = fa.flash_attention_fwd(q.detach(), k.detach(), v.detach(), True, path="gluon")
+    # (the schema and fake checks; the Gluon backward's dQ is not bitwise repeatable, which opcheck's
+    #  test_aot_dispatch_dynamic would compare)
+    torch.library.opcheck(fa.gluon_attn_bwd_op, (q.detach(), k.detach(), v.detach(), out, lse, torch.randn_like(out),
+                                                 True), test_utils=("test_schema", "test_faketensor"))
