@@ -70,3 +70,14 @@ def test_gluon_check_never_replaces_an_earlier_file_unasked(tmp_path):
     assert proc.returncode == 2 and f"{earlier} exists (an earlier run); pass --overwrite" in proc.stderr, proc.stderr
     assert earlier.read_bytes() == b"an earlier run"
 
+
+
+def test_gluon_check_refuses_a_bad_config_match(tmp_path):
+    """A --config-match that is no regular expression: one line naming it, exit 2, before any GPU work."""
+    proc = subprocess.run([sys.executable, "sweeps/flash_gluon_check.py", "--out", str(tmp_path / "out"),
+                           "--config-match", "(bwd"], cwd=REPO, env=repo_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert proc.stderr.startswith("flash_gluon_check.py: --config-match '(bwd' is not a regular expression")
+    assert not (tmp_path / "out").exists()
