@@ -83,6 +83,25 @@ if HAS_GLUON_HOPPER:
 if HAS_GLUON_HOPPER:
 
     @gluon.jit
+    def _sdp_transposed(k, v, q, do, l2, keys, cols, start_m, start_n, N_K, qk_scale, s_layout: gl.constexpr,
+                        BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """S^T = K Q^T and dP^T = V dO^T issued together (keys as wgmma rows), then P^T = exp(S^T / sqrt(d) - L)
+        under dP^T, diagonal and tail tiles masked: (P^T fp32, dP^T still in flight). The dK/dV loops' shared
+        first half (the two-pass one here, the one-pass one in flash_attention_gluon_bwd_onepass.py)."""
+        s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+        s = warpgroup_mma(k, q.permute((1, 0)), s, use_acc=False, is_async=True)
+        dp = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+        dp = warpgroup_mma(v, do.permute((1, 0)), dp, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s,))
+        p = gl.exp2(s * qk_scale - gl.expand_dims(l2, 0))
+        if (IS_CAUSAL and start_m < start_n + BLOCK_N) or start_n + BLOCK_N > N_K:
+            keep = gl.expand_dims(keys < N_K, 1)
+            if IS_CAUSAL:  # top-left: query i sees keys j <= i
+                keep = keep & (gl.expand_dims(keys, 1) <= gl.expand_dims(cols, 0))
+            p = gl.where(keep, p, 0.0)
+        return p, dp
+
+    @gluon.jit
     def _dkdv_consumer(k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, dk_desc, dv_desc, L,
                        Delta, off_b, off_h, pid_bh, start_n, m_start, num_m, N_Q, N_K, qk_scale, sm_scale,
                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -124,19 +143,9 @@ if HAS_GLUON_HOPPER:
             mbarrier.wait(do_ready.index(stage), phase)
             q = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
             do = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
-            # 2. S^T = K Q^T and dP^T = V dO^T in flight together.
-            s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
-            s = warpgroup_mma(k, q.permute((1, 0)), s, use_acc=False, is_async=True)
-            dp = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
-            dp = warpgroup_mma(v, do.permute((1, 0)), dp, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(1, deps=(s,))
-            # 3. P^T = exp(S^T / sqrt(d) - L) under dP^T; diagonal and tail tiles masked.
-            p = gl.exp2(s * qk_scale - gl.expand_dims(l2, 0))
-            if (IS_CAUSAL and start_m < start_n + BLOCK_N) or start_n + BLOCK_N > N_K:
-                keep = gl.expand_dims(keys < N_K, 1)
-                if IS_CAUSAL:
-                    keep = keep & (gl.expand_dims(keys, 1) <= gl.expand_dims(cols, 0))
-                p = gl.where(keep, p, 0.0)
+            # 2.-3. S^T and dP^T in flight together; P^T under dP^T, masked.
+            p, dp = _sdp_transposed(k, v, q, do, l2, keys, cols, start_m, start_n, N_K, qk_scale, s_layout, BLOCK_N,
+                                    BLOCK_M, IS_CAUSAL)
             # 4. dV += P^T dO (FA2 eq. 16) runs under dS^T = P^T (dP^T - D) / sqrt(d) (eq. 17, scale folded).
             p16 = p.to(dtype)
             dv = warpgroup_mma(gl.convert_layout(p16, a_layout), do, dv, is_async=True)

@@ -20,7 +20,7 @@ import math
 import triton
 
 from kernels.flash_attention_gluon import HAS_GLUON_HOPPER, LOADER_REGS, LOG2E, _descriptor, register_split
-from kernels.flash_attention_gluon_bwd import BWD_BLOCK_N, _bwd_loader
+from kernels.flash_attention_gluon_bwd import BWD_BLOCK_N, _bwd_loader, _sdp_transposed
 
 
 if HAS_GLUON_HOPPER:  # the forward's imports of Triton 3.6's Gluon API
@@ -86,18 +86,9 @@ if HAS_GLUON_HOPPER:
             mbarrier.wait(do_ready.index(stage), phase)
             q = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
             do = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
-            # 1. S^T = K Q^T and dP^T = V dO^T in flight together; P^T under dP^T.
-            s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
-            s = warpgroup_mma(k, q.permute((1, 0)), s, use_acc=False, is_async=True)
-            dp = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
-            dp = warpgroup_mma(v, do.permute((1, 0)), dp, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(1, deps=(s,))
-            p = gl.exp2(s * qk_scale - gl.expand_dims(l2, 0))
-            if (IS_CAUSAL and start_m < start_n + BLOCK_N) or start_n + BLOCK_N > N_K:
-                keep = gl.expand_dims(keys < N_K, 1)
-                if IS_CAUSAL:  # top-left: query i sees keys j <= i
-                    keep = keep & (gl.expand_dims(keys, 1) <= gl.expand_dims(cols, 0))
-                p = gl.where(keep, p, 0.0)
+            # 1. S^T and dP^T in flight together; P^T under dP^T, masked.
+            p, dp = _sdp_transposed(k, v, q, do, l2, keys, cols, start_m, start_n, N_K, qk_scale, s_layout, BLOCK_N,
+                                    BLOCK_M, IS_CAUSAL)
             # 2. dV += P^T dO under dS^T = P^T (dP^T - D) / sqrt(d) (FA2 eqs. 16-17, the scale folded in).
             p16 = p.to(dtype)
             dv = warpgroup_mma(gl.convert_layout(p16, a_layout), do, dv, is_async=True)
