@@ -213,7 +213,7 @@ def test_gluon_path_choice(monkeypatch):
         fa.resolve_path("gluon", q, q, q, forward=True)
     with pytest.raises(ValueError, match="the gluon path cannot run here"):
         fa.flash_attention(q, q, q, path="gluon")
-    assert fa.resolve_path("gluon", q, q, q) == "portable"  # its backward: the tl kernels' auto path
+    assert fa.resolve_path("gluon", q, q, q) == "portable"  # a backward gluon_bwd_chosen declines: the tl auto path
     # The rules past the device, on tensors that pretend to sit on an sm_90 GPU.
     monkeypatch.setattr(fa, "INTERPRET", False)
     monkeypatch.setattr(fa.gluon_fwd, "HAS_GLUON_HOPPER", True)
