@@ -448,7 +448,7 @@ def _define_op(name: str, impl, fake):
 @torch.library.custom_op("raysys::gluon_attn_fwd", mutates_args=())
 def gluon_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    LAST_PATH["fwd"], LAST_CONFIG["fwd"] = GLUON, gluon_fwd.DEFAULT_CONFIGS[q.shape[-1]]
+    LAST_PATH["fwd"], LAST_CONFIG["fwd"] = GLUON, gluon_fwd.default_config(q.shape[-1], q.dtype)
     with device_of(q):
         return gluon_fwd.gluon_attention_fwd(q, k, v, is_causal)
 
@@ -462,7 +462,7 @@ def _gluon_fwd_fake(q, k, v, is_causal):
 def gluon_attn_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                       grad_out: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) of 4-D inputs by the Gluon one-pass backward (opaque to Inductor, as the forward)."""
-    LAST_PATH["dkdvq"], LAST_CONFIG["dkdvq"] = GLUON, gluon_bwd_onepass.DEFAULT_BWD_CONFIGS[q.shape[-1]]
+    LAST_PATH["dkdvq"], LAST_CONFIG["dkdvq"] = GLUON, gluon_bwd_onepass.default_config(q.shape[-1], q.dtype)
     with device_of(q):
         return gluon_bwd.gluon_attention_bwd(q, k, v, out, lse, grad_out, is_causal, mode="one_pass")
 

@@ -37,6 +37,8 @@ import triton
 from torch._subclasses.fake_tensor import is_fake
 from torch._subclasses.functional_tensor import FunctionalTensor
 
+from kernels.flash_attention_tuning import gluon_tuned_fields
+
 try:  # Gluon's Hopper dialect; the API below is Triton 3.6's.
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -322,6 +324,13 @@ DEFAULT_CONFIGS = {64: GluonConfig(block_m=64, block_n=128, num_stages=3, num_co
 """Per head dim: FA3's hdim-128 shape (two 64-row consumer groups, 128-key tiles)."""
 
 
+def default_config(head_dim: int, dtype: torch.dtype) -> GluonConfig:
+    """The tuned file's forward config for this head dim and dtype (`sweeps/flash_tiles.py --variants gluon`),
+    else DEFAULT_CONFIGS'."""
+    fields = gluon_tuned_fields("fwd", head_dim, dtype)
+    return GluonConfig(**fields) if fields else DEFAULT_CONFIGS[head_dim]
+
+
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether `gluon_attention_fwd` runs on these tensors: CUDA sm_90, Triton with Gluon's Hopper API, bf16/fp16,
     4-D (B, H, N, D) with D in {64, 128}, unit stride along D, 16-byte aligned strides and pointers."""
@@ -386,7 +395,7 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_ca
     reason = unsupported_reason(q, k, v)
     if reason:
         raise ValueError(f"gluon_attention_fwd: {reason}")
-    config = config or DEFAULT_CONFIGS[q.shape[-1]]
+    config = config or default_config(q.shape[-1], q.dtype)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous: a valid TMA target
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     grid, args, meta = launch_args(q, k, v, out, lse, is_causal, config)

@@ -447,7 +447,8 @@ def gluon_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
         raise ValueError(f"gluon_attention_bwd: {reason}")
     from kernels import flash_attention_gluon_bwd_onepass as one_pass
 
-    config = config or (DEFAULT_BWD2_CONFIGS if mode == "two_pass" else one_pass.DEFAULT_BWD_CONFIGS)[q.shape[-1]]
+    config = config or (DEFAULT_BWD2_CONFIGS[q.shape[-1]] if mode == "two_pass"
+                        else one_pass.default_config(q.shape[-1], q.dtype))
     if not isinstance(config, GluonBwd2Config if mode == "two_pass" else one_pass.GluonBwdConfig):
         raise ValueError(f"gluon_attention_bwd: config {config!r} does not fit mode {mode!r}")
     if out.shape != q.shape or grad_out.shape != q.shape:
@@ -477,7 +478,9 @@ def gluon_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
             _gluon_attn_bwd_dq_kernel[dq_grid](*dq_args, **dq_meta)
             return dq, dk, dv
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        grid, args, meta = one_pass.bwd_launch_args(q, k, v, grad_out, dk, dv, lse, delta, dq_acc, is_causal, config)
+        grid, args, meta = one_pass.bwd_launch_args(q, k, v, grad_out, dk, dv, one_pass.padded_rows(lse, config.block_m),
+                                                    one_pass.padded_rows(delta, config.block_m), dq_acc, is_causal,
+                                                    config)
         one_pass._gluon_attn_bwd_kernel[grid](*args, **meta)
     return dq_acc.to(q.dtype), dk, dv
 

@@ -227,6 +227,33 @@ def load_tuned_configs(path: str | os.PathLike = TUNED_CONFIGS_PATH) -> dict[str
     return out
 
 
+GLUON_KINDS = ("fwd", "bwd")
+"""The Gluon kernels the tuned file's `gluon` part holds configs of: the forward (`GluonConfig`) and the one-pass
+backward (`GluonBwdConfig`)."""
+
+
+def load_gluon_tuned(path: str | os.PathLike = TUNED_CONFIGS_PATH) -> dict[str, list[dict]]:
+    """The tuned file's `gluon` part, {kind: entries} (each the config's fields, `head_dim`, `dtype`, and `shapes`
+    for a winner over the swept shapes or `shape` for one shape's), or {} without a file or part. The kernel
+    modules build and so check the configs."""
+    path = Path(path)
+    if not path.exists():
+        return {}
+    part = json.loads(path.read_text()).get("gluon", {})
+    if not isinstance(part, dict) or set(part) - set(GLUON_KINDS):
+        raise ValueError(f"{path}: 'gluon' must map some of {GLUON_KINDS} to lists of config objects")
+    return {kind: list(part.get(kind, [])) for kind in GLUON_KINDS}
+
+
+def gluon_tuned_fields(kind: str, head_dim: int, dtype: torch.dtype) -> dict | None:
+    """The config fields the tuned file's sweep-wide winner for this Gluon `kind`, head dim and dtype has, or None
+    (then the kernel module's default)."""
+    for entry in _GLUON_TUNED.get(kind, []):
+        if "shapes" in entry and entry.get("head_dim") == head_dim and entry.get("dtype") == _dtype_name(dtype):
+            return {k: v for k, v in entry.items() if k not in ("head_dim", "dtype", "shapes", "geomean_ms", "path")}
+    return None
+
+
 def _entry_config(entry: dict) -> FlashConfig:
     return FlashConfig(entry["block_m"], entry["block_n"], entry["num_warps"], entry["num_stages"],
                        bool(entry.get("warp_specialize", False)), bool(entry.get("persistent", False)),
@@ -238,6 +265,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 _TUNED = {} if INTERPRET else load_tuned_configs()
+_GLUON_TUNED = {} if INTERPRET else load_gluon_tuned()
 
 
 def tuned_auto_path(path: str | os.PathLike = TUNED_CONFIGS_PATH) -> str:

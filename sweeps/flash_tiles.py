@@ -2,7 +2,8 @@
 
 Every trial is one kernel (`fwd`, `dkdv`, `dq`, or `dkdvq`: dK/dV with dQ summed in the same pass), one
 variant (`--variants`: the portable path, or the tma path plain, warp-specialised and/or on a persistent
-grid), one launch config (block_m x block_n, num_warps, num_stages) and one shape (seq, head dim, dtype,
+grid, or `gluon`: the Gluon forward and one-pass backward of sm_90, their own knobs, written to the tuned file's
+`gluon` part, which their launchers read), one launch config (block_m x block_n, num_warps, num_stages) and one shape (seq, head dim, dtype,
 causal; batch 1, 16 heads), on one GPU. The trial runs the kernel with that explicit config, checks its result
 against the same kernel under the first built-in config (a config that computes something else fails), and
 times it with `triton.testing.do_bench` (median). Metrics: `time_median_s`, `tflops` (the kernel's matmuls: fwd 2,
@@ -84,8 +85,17 @@ MATMULS = {"fwd": 2, "dkdv": 4, "dq": 3, "dkdvq": 5}
 # `variant` key is `portable` (the rows of earlier runs).
 VARIANTS = {"portable": ("portable", False, False), "tma": ("tma", False, False), "tma_ws": ("tma", True, False),
             "tma_persistent": ("tma", False, True), "tma_ws_persistent": ("tma", True, True),
-            "tma_r128": ("tma", False, False)}
+            "tma_r128": ("tma", False, False), "gluon": ("gluon", False, False)}
 REGISTER_CAPS = {"tma_r128": 128}
+# The Gluon kernels (sm_90, Triton 3.6; variant `gluon`): the forward's knobs (`GluonConfig`: query rows per
+# consumer group x keys per tile, ring depth, consumer groups) and the one-pass backward's (`GluonBwdConfig`: 64
+# query rows x 64 keys per group, ring depth), on shapes of head dim 64 or 128 in bf16 / fp16.
+GLUON_KERNELS = {"fwd": "fwd", "dkdvq": "bwd"}
+"""Sweep kernel -> the tuned file's `gluon` kind."""
+GLUON_TILES = {"fwd": ("64x128", "64x64", "128x64"), "dkdvq": ("64x64",)}
+GLUON_STAGES = {"fwd": (2, 3), "dkdvq": (1, 2, 3)}
+GLUON_CONSUMERS = (1, 2, 3)
+GLUON_KEYS = ["block_m", "block_n", "num_stages", "num_consumers"]
 QUICK_PER_VARIANT = 4  # --quick: the first built-in candidates of each variant
 
 
@@ -119,7 +129,8 @@ def param_spaces(quick: bool, shapes: tuple[str, ...], variants: tuple[str, ...]
     variant and `kernel/variant` for the others; every combination is a valid config for its kernel.
 
     Full: TILES x WARPS x STAGES per kernel (4 warps only when warp-specialised, which Triton 3.6 applies to
-    4-warp fwd and dK/dV loops). Quick: portable, the built-in candidates' tiles x 4, 8 warps x 2, 3 stages;
+    4-warp fwd and dK/dV loops); `gluon`: GLUON_TILES x GLUON_STAGES (x GLUON_CONSUMERS for fwd) of fwd and the
+    one-pass `dkdvq`, on the shapes the Gluon kernels take, quick or not. Quick: portable, the built-in candidates' tiles x 4, 8 warps x 2, 3 stages;
     the tma variants, one grid per built-in candidate (the first QUICK_PER_VARIANT of each), over the shapes."""
     import torch
 
@@ -132,6 +143,16 @@ def param_spaces(quick: bool, shapes: tuple[str, ...], variants: tuple[str, ...]
     for kernel in KERNELS:
         for variant in variants:
             path, ws, persistent = VARIANTS[variant]
+            if variant == "gluon":
+                gluon_shapes = [sh for sh in shapes if parse_shape(sh)["head_dim"] in (64, 128)
+                                and parse_shape(sh)["dtype"] in ("bfloat16", "float16")]
+                if kernel in GLUON_KERNELS and gluon_shapes:
+                    spaces[f"{kernel}/gluon"] = {
+                        "kernel": kernel, "variant": "gluon", "tile": {"grid_search": list(GLUON_TILES[kernel])},
+                        "num_warps": 4, "num_stages": {"grid_search": list(GLUON_STAGES[kernel])},
+                        **({"num_consumers": {"grid_search": list(GLUON_CONSUMERS)}} if kernel == "fwd" else {}),
+                        "shape": {"grid_search": gluon_shapes}}
+                continue
             if ws and kernel in ("dq", "dkdvq"):
                 continue
             extra = {} if variant == "portable" else {"variant": variant}
@@ -180,6 +201,8 @@ def trial(config: dict, device: str = "cuda") -> dict:
     variant = config.get("variant", "portable")
     path, ws, persistent = VARIANTS[variant]
     block_m, block_n = (int(x) for x in config["tile"].split("x"))
+    if variant == "gluon":
+        return gluon_trial(config, block_m, block_n)
     cfg = FlashConfig(block_m, block_n, config["num_warps"], config["num_stages"], ws, persistent,
                       REGISTER_CAPS.get(variant)).check(kernel, path)
     shape = parse_shape(config["shape"])
@@ -222,6 +245,52 @@ def trial(config: dict, device: str = "cuda") -> dict:
     return {"block_m": block_m, "block_n": block_n, "path": path, "warp_specialize": ws, "persistent": persistent,
             "maxnreg": cfg.maxnreg or 0, **shape, "time_median_s": ms / 1e3, "tflops": flops / (ms * 1e-3) / 1e12,
             "max_abs_err": err}
+
+
+def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
+    """A `gluon` trial: the Gluon forward (`fwd`) or one-pass backward's dQ (`dkdvq`) under the trial's config,
+    checked against the tl kernels' portable path under their first built-in config, then timed."""
+    import torch
+
+    import kernels.flash_attention_gluon as gluon_fwd
+    import kernels.flash_attention_gluon_bwd as gluon_bwd
+    import kernels.flash_attention_gluon_bwd_onepass as one_pass
+    from kernels.flash_attention import flash_attention_bwd, flash_attention_flops, flash_attention_fwd
+    from kernels.flash_attention_tuning import candidates
+
+    kernel, shape = config["kernel"], parse_shape(config["shape"])
+    dtype, causal, head_dim = getattr(torch, shape["dtype"]), shape["causal"], shape["head_dim"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dims = (1, HEADS, config.get("_compile_seq", shape["seq"]), head_dim)
+    q, k, v, do = (torch.randn(dims, generator=gen, device="cuda", dtype=dtype) for _ in range(4))
+    base_fwd = candidates("fwd", dtype, head_dim)[0]
+    if kernel == "fwd":
+        cfg = gluon_fwd.GluonConfig(block_m=block_m, block_n=block_n, num_stages=config["num_stages"],
+                                    num_consumers=config["num_consumers"])
+        run = lambda: gluon_fwd.gluon_attention_fwd(q, k, v, causal, config=cfg)[0]  # noqa: E731
+        want = flash_attention_fwd(q, k, v, causal, config=base_fwd, path="portable")[0]
+    else:
+        if (block_m, block_n) != (64, one_pass.BWD_BLOCK_N):
+            raise ValueError(f"the one-pass Gluon backward's tile is 64x{one_pass.BWD_BLOCK_N}, not {config['tile']}")
+        cfg = one_pass.GluonBwdConfig(block_m=block_m, num_stages=config["num_stages"])
+        out, lse = gluon_fwd.gluon_attention_fwd(q, k, v, causal)
+        run = lambda: gluon_bwd.gluon_attention_bwd(q, k, v, out, lse, do, causal, config=cfg,  # noqa: E731
+                                                    mode="one_pass")[0]
+        want = flash_attention_bwd(q, k, v, out, lse, do, causal, path="portable", bwd="two_pass",
+                                   dkdv_config=candidates("dkdv", dtype, head_dim)[0],
+                                   dq_config=candidates("dq", dtype, head_dim)[0])[0]
+    got = run()
+    if "_compile_seq" in config:
+        return {}
+    err = float((got.float() - want.float()).abs().max())
+    limit = 2e-2 * float(want.float().abs().max())
+    if not err <= limit:
+        raise RuntimeError(f"wrong result: max abs difference {err:.3g} from the tl kernels > {limit:.3g}")
+    ms = median_ms(run, torch.device("cuda"))
+    flops = flash_attention_flops(1, HEADS, shape["seq"], shape["seq"], head_dim, causal, "fwd") * MATMULS[kernel] / 2
+    return {"block_m": block_m, "block_n": block_n, "num_consumers": config.get("num_consumers", 2), "path": "gluon",
+            "warp_specialize": True, "persistent": False, "maxnreg": 0, **shape, "time_median_s": ms / 1e3,
+            "tflops": flops / (ms * 1e-3) / 1e12, "max_abs_err": err}
 
 
 def median_ms(fn, device) -> float:
@@ -275,7 +344,7 @@ def precompile(configs: list[dict], workers: int) -> None:
     # Specialisation matches the timed launch: the same heads, dtype, head dim, mask and tile flags, and
     # sequence lengths that are multiples of 16 (Triton keys its cache on divisibility by 16, not the value).
     unique = list({(c["kernel"], c.get("variant"), c["tile"], c["num_warps"], c["num_stages"],
-                    c["shape"].split("/", 1)[1]): c for c in configs}.values())
+                    c.get("num_consumers"), c["shape"].split("/", 1)[1]): c for c in configs}.values())
     start = time.monotonic()
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         errors = [e for e in pool.map(compile_only, unique) if e]
@@ -362,9 +431,31 @@ def best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict[str, 
     out: dict[str, list[dict]] = {}
     for kernel in KERNELS:
         entries = []
-        for path, sel in ok[ok["kernel"] == kernel].groupby("path"):
+        for path, sel in ok[(ok["kernel"] == kernel) & (ok["path"] != "gluon")].groupby("path"):
             entries += _best_entries(sel, keys, {"path": path}, min_configs)
         out[kernel] = entries
+    return out
+
+
+def gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict[str, list[dict]]:
+    """The tuned file's `gluon` part from the `gluon` rows: per kind (GLUON_KERNELS) the winners as
+    `best_configs` picks them, over GLUON_KEYS; a shape counts as swept with min(min_configs, the kind's grid)
+    measured configs (the one-pass backward's grid has three)."""
+    ok = df[(df["status"] == "ok") & (df.get("path", pd.Series(index=df.index, dtype=object)) == "gluon")].copy()
+    out: dict[str, list[dict]] = {}
+    for kernel, kind in GLUON_KERNELS.items():
+        sel = ok[ok["kernel"] == kernel].copy()
+        if sel.empty:
+            continue
+        for col in GLUON_KEYS:
+            sel[col] = sel[col].astype(int)
+        sel["median_ms"] = 1e3 * sel["time_median_s"]
+        sel["log_ms"] = sel["median_ms"].map(math.log)
+        grid = len(GLUON_TILES[kernel]) * len(GLUON_STAGES[kernel]) * (len(GLUON_CONSUMERS) if kernel == "fwd" else 1)
+        entries = _best_entries(sel, GLUON_KEYS, {}, min(min_configs, grid))
+        if kernel != "fwd":  # GluonBwdConfig has no block_n (BWD_BLOCK_N) or consumer count (two)
+            entries = [{k: v for k, v in e.items() if k not in ("block_n", "num_consumers")} for e in entries]
+        out[kind] = entries
     return out
 
 
@@ -372,6 +463,7 @@ def _best_entries(sel: pd.DataFrame, keys: list[str], tags: dict, min_configs: i
     """best_configs for the rows of one (kernel, path)."""
 
     def config_of(values) -> dict:
+        values = values if isinstance(values, tuple) else tuple(values)
         config = {k: (bool(v) if k in ("warp_specialize", "persistent") else int(v)) for k, v in zip(keys, values)}
         if "maxnreg" in config:
             config["maxnreg"] = config["maxnreg"] or None  # 0: no register cap
@@ -425,11 +517,19 @@ def write_json(data: dict, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def write_tuned(df: pd.DataFrame, tuned: dict[str, list[dict]], json_path: Path) -> dict[str, list[dict]]:
-    """Write `tuned` (best_configs of `df`) to `json_path`, keeping the file's entries of the (kernel, path)
-    pairs `tuned` has none for, and saying where each part comes from; returns what was written."""
+def write_tuned(df: pd.DataFrame, tuned: dict[str, list[dict]], json_path: Path,
+                gluon: dict[str, list[dict]] | None = None) -> dict[str, list[dict]]:
+    """Write `tuned` (best_configs of `df`) and `gluon` (gluon_best_configs) to `json_path`, keeping the file's
+    entries of the (kernel, path) pairs and Gluon kinds this run has none for, and its other keys (`auto_path`),
+    and saying where each part comes from; returns the tl part written."""
     note, provenance = json_note(df), json_provenance(df)
     tuned = dict(tuned)
+    extra: dict = {}
+    if json_path.exists():
+        old = json.loads(json_path.read_text())
+        extra = {key: value for key, value in old.items() if key not in ("note", "device", "torch", "triton", *KERNELS)}
+    if gluon:
+        extra["gluon"] = {**extra.get("gluon", {}), **gluon}
     if json_path.exists():
         from kernels.flash_attention_tuning import load_tuned_configs
 
@@ -443,7 +543,7 @@ def write_tuned(df: pd.DataFrame, tuned: dict[str, list[dict]], json_path: Path)
             old = json.loads(json_path.read_text())
             note += f"; {kept} entries of other paths kept from the previous file: {old.get('note', '')}"
             provenance = {k: sorted(set(v) | set(old.get(k, []))) for k, v in provenance.items()}
-    write_json({"note": note, **provenance, **tuned}, json_path)
+    write_json({"note": note, **provenance, **tuned, **extra}, json_path)
     return tuned
 
 
@@ -531,7 +631,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         json_path = Path(args.json) if args.json else out / "flash_attention_tuned.json"
         if not json_path.exists() and TUNED_CONFIGS_PATH.exists():  # start from the file in use: other paths stay
             shutil.copyfile(TUNED_CONFIGS_PATH, json_path)
-        tuned = write_tuned(df, tuned, json_path)
+        tuned = write_tuned(df, tuned, json_path, gluon_best_configs(df, args.min_configs))
         print(f"tuned configs -> {json_path}")
     for kernel, entries in tuned.items():
         for e in entries[:3]:

@@ -15,6 +15,7 @@
 #   bash sweeps/gpu_run.sh ckpt      # checkpointing trials (Ray Tune, one GPU per trial)                  (~4 min)
 #   bash sweeps/gpu_run.sh flash     # Ray Tune tile sweep (one GPU per trial), the FlashAttention grid    (~9.5 min)
 #   bash sweeps/gpu_run.sh gluon     # 1 GPU: the Gluon kernels' GPU tests and checks, then the hopper study (~8 min)
+#   bash sweeps/gpu_run.sh gluontiles # 1 GPU: the Gluon kernels' launch knobs (flash_tiles --variants gluon) (~3 min)
 #   bash sweeps/gpu_run.sh leaderboard # 1 GPU: the 8B step's ablation and --check (issue 15)             (~8.5 min)
 #   bash sweeps/gpu_run.sh lbtune    # 1 GPU: the advisor's plan against its neighbours, a profile of the step (~8 min)
 #   bash sweeps/gpu_run.sh lb2       # 2 GPUs: the 8B step on two ranks (Ray gang) and on one, same commit (~8 min)
@@ -24,7 +25,7 @@
 # Ray comes from wheels when the host has none: set WHEELS=.whl (the README's "Studies" section says how to make it).
 # Exit status: 2 without the GPUs the phase needs (nothing runs), 1 if a study failed, else 0.
 set -u
-phase=${1:?usage: gpu_run.sh dist|allreduce|fsdp|paired|compiled|alone|ckpt|flash|gluon|leaderboard|lbtune|lb2|tests|e2e}
+phase=${1:?usage: gpu_run.sh dist|allreduce|fsdp|paired|compiled|alone|ckpt|flash|gluon|gluontiles|leaderboard|lbtune|lb2|tests|e2e}
 OUT=${OUT:-/tmp/raysys-gpu}
 # Results go to a run directory of their own (never straight into the committed results/): running a phase again
 # continues it (--resume of the same commit); copy what you keep into results/ afterwards.
@@ -161,6 +162,12 @@ case $phase in
     study flash_hopper 200 python3 sweeps/flash_bench.py --studies hopper --time-budget-s 180 --out "$RESULTS" --resume \
       --providers triton,triton_gluon,triton_tma,triton_portable,sdpa_cudnn,sdpa_flash
     ;;
+  gluontiles)  # issue 16 on one GPU: the Gluon forward's and one-pass backward's knobs at a d-128 and a d-64 shape, each
+    # checked against the tl kernels and timed (the local launcher: 8 processes compile the grid first), into
+    # $RESULTS/flash_tiles.parquet and the tuned file beside it (its `gluon` part; install it by copying it to kernels/)
+    study flash_tiles_gluon 300 python3 sweeps/flash_tiles.py --launcher local --variants gluon --kernels fwd,dkdvq \
+      --shapes 16384/128/bf16/causal,4096/64/bf16/causal --compile-workers 8 --out "$RESULTS" --resume
+    ;;
   leaderboard)  # issue 15 on one GPU: --check, then the ablation (the fast step at batch 1 by the course's do_bench,
     # shortened; the other rows by CUDA events after their first step), into $RESULTS/leaderboard (~8.5 min)
     study leaderboard 560 python3 sweeps/leaderboard.py --size leaderboard --device cuda --study ablation --no-ray \
@@ -189,7 +196,7 @@ case $phase in
     study end_to_end 420 python3 sweeps/end_to_end.py --device cuda --out "$RESULTS" --resume
     ;;
   *)
-    echo "unknown phase $phase (dist, allreduce, fsdp, paired, compiled, alone, ckpt, flash, gluon, leaderboard, lbtune, lb2, tests, e2e)" >&2
+    echo "unknown phase $phase (dist, allreduce, fsdp, paired, compiled, alone, ckpt, flash, gluon, gluontiles, leaderboard, lbtune, lb2, tests, e2e)" >&2
     exit 2
     ;;
 esac

@@ -129,6 +129,52 @@ def test_flash_tiles_variants_grids_and_tuned_entries_per_path(tmp_path):
     data = json.loads(path.read_text())
     assert data["device"] == ["H200"] and data["triton"] == ["3.6"] and data["note"].endswith("earlier")
 
+def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
+    """`--variants gluon`: the Gluon forward's and one-pass backward's knobs, only on shapes they take; their winners
+    go to the tuned file's `gluon` part (beside the tl entries and `auto_path`, which stay), and the Gluon
+    launchers read it."""
+    import kernels.flash_attention_gluon as gluon_fwd
+    import kernels.flash_attention_gluon_bwd_onepass as one_pass
+    from kernels import flash_attention_tuning as tuning
+
+    a, b = "16384/128/bfloat16/causal", "4096/128/bfloat16/causal"
+    spaces = flash_tiles.param_spaces(False, (a, b, "4096/32/bfloat16/causal", "4096/64/float32/causal"), ("gluon",))
+    assert set(spaces) == {"fwd/gluon", "dkdvq/gluon"}
+    fwd, bwd = (flash_tiles.grid_configs(spaces[k]) for k in ("fwd/gluon", "dkdvq/gluon"))
+    assert len(fwd) == 18 * 2 and len(bwd) == 3 * 2 and {c["shape"] for c in fwd + bwd} == {a, b}
+    for c in fwd:  # every grid point is a valid config
+        m, n = map(int, c["tile"].split("x"))
+        gluon_fwd.GluonConfig(block_m=m, block_n=n, num_stages=c["num_stages"], num_consumers=c["num_consumers"])
+
+    def row(kernel, tile, stages, consumers, shape, ms):
+        return dict(_tile_row(kernel, tile, 4, stages, shape, ms), variant="gluon", path="gluon",
+                    num_consumers=consumers)
+    rows = [row("fwd", t, s, c, sh, 1.0 + 0.1 * c + 0.01 * s + (0.5 if t == "128x64" else 0) + (sh == b))
+            for t in ("64x128", "128x64") for s in (2, 3) for c in (1, 2) for sh in (a, b)]
+    rows[0]["time_median_s"] = 0.5e-3  # 64x128, 2 stages, 1 consumer: fastest on a only
+    rows += [row("dkdvq", "64x64", s, 2, sh, 2.0 - 0.1 * s) for s in (1, 2, 3) for sh in (a, b)]
+    rows += [_tile_row("fwd", "64x64", 4, 3, a, 0.1)]  # a tl row: not the Gluon kernels'
+    df = pd.DataFrame(rows).assign(device_name="H200", torch_version="2.11", triton_version="3.6")
+    gluon = flash_tiles.gluon_best_configs(df, min_configs=8)
+    assert gluon["fwd"][0] == dict(block_m=64, block_n=128, num_stages=2, num_consumers=1, head_dim=128,
+                                   dtype="bfloat16", shapes=[a, b], geomean_ms=gluon["fwd"][0]["geomean_ms"])
+    assert {k: gluon["bwd"][0][k] for k in ("block_m", "num_stages", "shapes")} == dict(block_m=64, num_stages=3,
+                                                                                       shapes=[a, b])
+    assert "block_n" not in gluon["bwd"][0] and all(e.get("path") != "gluon" for e in
+                                                    flash_tiles.best_configs(df, min_configs=1)["fwd"])
+    path = tmp_path / "tuned.json"
+    flash_tiles.write_json({"note": "earlier", "auto_path": "tma", "fwd": []}, path)
+    flash_tiles.write_tuned(df, flash_tiles.best_configs(df, min_configs=1), path, gluon)
+    data = json.loads(path.read_text())
+    assert data["auto_path"] == "tma" and data["gluon"] == json.loads(json.dumps(gluon))
+    monkeypatch.setattr(tuning, "_GLUON_TUNED", tuning.load_gluon_tuned(path))
+    assert gluon_fwd.default_config(128, torch.bfloat16) == gluon_fwd.GluonConfig(
+        block_m=64, block_n=128, num_stages=2, num_consumers=1)
+    assert one_pass.default_config(128, torch.bfloat16) == one_pass.GluonBwdConfig(block_m=64, num_stages=3)
+    assert gluon_fwd.default_config(64, torch.bfloat16) == gluon_fwd.DEFAULT_CONFIGS[64]  # not swept: the default
+    assert one_pass.default_config(128, torch.float16) == one_pass.DEFAULT_BWD_CONFIGS[128]
+
+
 def test_best_configs_ignore_a_partly_swept_shape():
     """A shape a cut-short run reached with two configs must not decide the winner (its times are smaller)."""
     a, b = "16384/128/bfloat16/causal", "4096/128/bfloat16/causal"
