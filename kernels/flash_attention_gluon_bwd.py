@@ -1,25 +1,27 @@
-"""FlashAttention backward for Hopper (sm_90) in Gluon, FlashAttention-3 style (section 3.3): an experiment.
+"""FlashAttention backward for Hopper (sm_90) in Gluon, FlashAttention-3 style (section 3.3).
 
 Consumes the forward's O and natural-log L (`kernels/flash_attention_gluon.py`) and returns (dQ, dK, dV) in the
 inputs' dtype, same semantics as `kernels.flash_attention.flash_attention_bwd` (top-left causal mask, scale
 1/sqrt(d), any N, n_q != n_k, d 64 or 128, bf16 / fp16). D = rowsum(dO O) comes from the tl preprocess kernel. Every
 kernel runs a 1-warp TMA loader and two consumer warp groups (register split of the forward) and numbers its
-causal work items heaviest first. No dispatch path calls it yet (results/flash_hopper_notes.md, section 6).
+causal work items heaviest first. The gluon path of `kernels.flash_attention` runs the one-pass backward
+(`gluon_bwd_chosen` there); the two-pass one is the deterministic alternative, no faster than the tl kernels'
+(results/flash_hopper_notes.md, section 7).
 
-two_pass (the default; deterministic: dQ is bitwise equal run to run), FA2's two passes with P recomputed:
+two_pass (the default here; deterministic: dQ is bitwise equal run to run), FA2's two passes with P recomputed:
 - `_gluon_attn_bwd_dkdv_kernel`: one program per 2 * 64 keys, each consumer holding dK, dV of its 64 keys in fp32
   registers; the loader streams Q(i), dO(i) through an mbarrier ring. S^T = K Q^T and dP^T = V dO^T are in flight
   together, P^T is computed under dP^T, dS^T under dV += P^T dO, then dK += dS^T Q (P^T, dS^T register operands).
 - `_gluon_attn_bwd_dq_kernel`: one program per 2 * 64 query rows, each consumer holding Q, dO in shared memory and
   dQ in fp32 registers; the loader streams K(j), V(j). S = Q K^T and dP = dO V^T in flight together, P under dP
   (a branch keeps ptxas from hoisting the dP wait above the exp2s), dQ += dS K with dS from registers.
-one_pass (`kernels/flash_attention_gluon_bwd_onepass.py`): one program per key tile as the dK/dV kernel, plus
-dQ(i) += dS K through a shared dS^T tile and fp32 atomics (so dQ's last bits can vary run to run); slower
-(section 6: spills at d 128, scalar atomics).
+one_pass (`kernels/flash_attention_gluon_bwd_onepass.py`): the dK/dV kernel's loop plus each program's share of
+dQ(i) = dS K through a shared dS^T tile, summed into an fp32 dQ by the TMA unit (so dQ's last bits can vary run to
+run): 5 matmuls per tile pair instead of 7.
 Wgmma accumulators are waited on within their iteration: carried in flight across the loop, ptxas serialises every
 wgmma of the kernel (C7512).
 
-Usage: `dq, dk, dv = gluon_attention_bwd(q, k, v, out, lse, grad_out, is_causal, mode="two_pass")`;
+Usage: `dq, dk, dv = gluon_attention_bwd(q, k, v, out, lse, grad_out, is_causal, mode="one_pass")`;
 `gluon_attention(q, k, v, is_causal)` differentiates through the Gluon forward and the two-pass backward.
 """
 
@@ -439,7 +441,8 @@ def gluon_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) in the inputs' dtype from O and the natural-log L of the forward. dK, dV are written once per
     key. mode "two_pass" (config a `GluonBwd2Config`): dQ is summed per query tile in a fixed order, bitwise equal
-    run to run; "one_pass" (a `GluonBwdConfig`): dQ is summed in fp32 by atomics, its last bits can vary."""
+    run to run; "one_pass" (a `GluonBwdConfig`): dQ is summed in fp32 by the TMA unit, its last bits can vary.
+    `config` None: the mode's default (one_pass: the tuned file's, `default_config`)."""
     if mode not in ("two_pass", "one_pass"):
         raise ValueError(f"gluon_attention_bwd: mode {mode!r} must be 'two_pass' or 'one_pass'")
     reason = unsupported_reason(q, k, v)

@@ -51,7 +51,7 @@ if HAS_GLUON_HOPPER:
         """Consumer C of the program's 2 * BLOCK_N keys: its BLOCK_N keys' dK, dV (the two-pass `_dkdv_consumer`,
         S^T and dP^T with the keys as wgmma rows), and columns [C * HEAD_DIM / 2, ...) of the program's share of dQ(i)
         = dS(i) K over all 2 * BLOCK_N keys: both groups' dS^T meet in shared memory (barrier `ds_ready`), so each
-        dQ element is reduced once per program, by vector fp32 reductions."""
+        dQ element is reduced once per program, by the TMA unit's bulk fp32 reduction."""
         dtype: gl.constexpr = k_bufs.dtype
         DQ_N: gl.constexpr = HEAD_DIM // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
