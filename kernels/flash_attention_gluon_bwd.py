@@ -481,8 +481,8 @@ def gluon_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
             _gluon_attn_bwd_dq_kernel[dq_grid](*dq_args, **dq_meta)
             return dq, dk, dv
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        grid, args, meta = one_pass.bwd_launch_args(q, k, v, grad_out, dk, dv, one_pass.padded_rows(lse, config.block_m),
-                                                    one_pass.padded_rows(delta, config.block_m), dq_acc, is_causal,
+        lse_pad, delta_pad = (one_pass.padded_rows(t, config.block_m) for t in (lse, delta))
+        grid, args, meta = one_pass.bwd_launch_args(q, k, v, grad_out, dk, dv, lse_pad, delta_pad, dq_acc, is_causal,
                                                     config)
         one_pass._gluon_attn_bwd_kernel[grid](*args, **meta)
     return dq_acc.to(q.dtype), dk, dv

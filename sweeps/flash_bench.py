@@ -64,14 +64,14 @@ SDPA_PROVIDERS = ("sdpa_flash", "sdpa_cudnn")
 # The Triton kernels with the path and the backward pinned (None: the auto dispatch).
 TRITON_PATHS = {"triton": (None, None), "triton_portable": ("portable", "two_pass"), "triton_tma": ("tma", "two_pass"),
                 "triton_portable_1pass": ("portable", "one_pass"), "triton_tma_1pass": ("tma", "one_pass"),
-                "triton_gluon": ("gluon", "two_pass")}
+                "triton_gluon": ("gluon", "two_pass"), "triton_gluon_1pass": ("gluon", "one_pass")}
 PATH_PROVIDERS = tuple(TRITON_PATHS)[1:]
 MODES = ("fwd", "bwd", "fwd_bwd")
 TARGET = dict(batch=1, heads=16, seq=16384, head_dim=128, dtype="bf16", causal=True)
 # Issue 16's shapes (bf16, causal), each Triton path against both SDPA backends in one run.
 HOPPER_SHAPES = ((1, 16, 16384, 128), (1, 32, 32768, 128), (8, 16, 4096, 64), (4, 32, 2048, 128))
-HOPPER_PROVIDERS = ("triton", "triton_gluon", "triton_tma", "triton_tma_1pass", "triton_portable",
-                    "triton_portable_1pass", "sdpa_cudnn", "sdpa_flash")
+HOPPER_PROVIDERS = ("triton", "triton_gluon", "triton_gluon_1pass", "triton_tma", "triton_tma_1pass",
+                    "triton_portable", "triton_portable_1pass", "sdpa_cudnn", "sdpa_flash")
 DTYPE_ORDER = ("bf16", "fp16", "fp32")  # grid order: the dtype the kernels are for first
 STUDIES = ("target", "grid", "hopper", "candidates")
 # The candidates study (issue 16): launch configs pinned per kernel, one lever changed at a time from the tuned

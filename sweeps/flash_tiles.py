@@ -1,13 +1,13 @@
 """Ray Tune sweep over the FlashAttention-2 kernels' launch configs: tile sizes, warps, pipeline stages.
 
 Every trial is one kernel (`fwd`, `dkdv`, `dq`, or `dkdvq`: dK/dV with dQ summed in the same pass), one
-variant (`--variants`: the portable path, or the tma path plain, warp-specialised and/or on a persistent
-grid, or `gluon`: the Gluon forward and one-pass backward of sm_90, their own knobs, written to the tuned file's
-`gluon` part, which their launchers read), one launch config (block_m x block_n, num_warps, num_stages) and one shape (seq, head dim, dtype,
-causal; batch 1, 16 heads), on one GPU. The trial runs the kernel with that explicit config, checks its result
-against the same kernel under the first built-in config (a config that computes something else fails), and
-times it with `triton.testing.do_bench` (median). Metrics: `time_median_s`, `tflops` (the kernel's matmuls: fwd 2,
-dK/dV 4, dQ 3, dK/dV/dQ 5 of the 2*pairs*d each; the backward times include the small D = rowsum(O * dO)
+variant (`--variants`: the portable path, or the tma path plain, warp-specialised and/or on a persistent grid, or
+`gluon`: the Gluon forward and one-pass backward of sm_90 with their own knobs, written to the tuned file's `gluon`
+part, which their launchers read), one launch config (block_m x block_n, num_warps, num_stages) and one shape (seq,
+head dim, dtype, causal; batch 1, 16 heads), on one GPU. The trial runs the kernel with that explicit config, checks
+its result against the same kernel under the first built-in config (a config that computes something else fails),
+and times it with `triton.testing.do_bench` (median). Metrics: `time_median_s`, `tflops` (the kernel's matmuls: fwd
+2, dK/dV 4, dQ 3, dK/dV/dQ 5 of the 2*pairs*d each; the backward times include the small D = rowsum(O * dO)
 kernel), `max_abs_err`. A config that does not compile (shared memory, registers) or runs out of memory is a
 row too (`error` / `oom`).
 
@@ -130,8 +130,9 @@ def param_spaces(quick: bool, shapes: tuple[str, ...], variants: tuple[str, ...]
 
     Full: TILES x WARPS x STAGES per kernel (4 warps only when warp-specialised, which Triton 3.6 applies to
     4-warp fwd and dK/dV loops); `gluon`: GLUON_TILES x GLUON_STAGES (x GLUON_CONSUMERS for fwd) of fwd and the
-    one-pass `dkdvq`, on the shapes the Gluon kernels take, quick or not. Quick: portable, the built-in candidates' tiles x 4, 8 warps x 2, 3 stages;
-    the tma variants, one grid per built-in candidate (the first QUICK_PER_VARIANT of each), over the shapes."""
+    one-pass `dkdvq`, on the shapes the Gluon kernels take, quick or not. Quick: portable, the built-in
+    candidates' tiles x 4, 8 warps x 2, 3 stages; the tma variants, one grid per built-in candidate (the first
+    QUICK_PER_VARIANT of each), over the shapes."""
     import torch
 
     from kernels.flash_attention_tuning import candidates
@@ -271,7 +272,8 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
         want = flash_attention_fwd(q, k, v, causal, config=base_fwd, path="portable")[0]
     else:
         if (block_m, block_n) != (64, one_pass.BWD_BLOCK_N):
-            raise ValueError(f"the one-pass Gluon backward's tile is 64x{one_pass.BWD_BLOCK_N}, not {config['tile']}")
+            raise ValueError(f"the one-pass Gluon backward's tile is 64x{one_pass.BWD_BLOCK_N}, "
+                             f"not {config['tile']}")
         cfg = one_pass.GluonBwdConfig(block_m=block_m, num_stages=config["num_stages"])
         out, lse = gluon_fwd.gluon_attention_fwd(q, k, v, causal)
         run = lambda: gluon_bwd.gluon_attention_bwd(q, k, v, out, lse, do, causal, config=cfg,  # noqa: E731
@@ -287,7 +289,8 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
     if not err <= limit:
         raise RuntimeError(f"wrong result: max abs difference {err:.3g} from the tl kernels > {limit:.3g}")
     ms = median_ms(run, torch.device("cuda"))
-    flops = flash_attention_flops(1, HEADS, shape["seq"], shape["seq"], head_dim, causal, "fwd") * MATMULS[kernel] / 2
+    flops = flash_attention_flops(1, HEADS, shape["seq"], shape["seq"], head_dim, causal, "fwd")
+    flops *= MATMULS[kernel] / 2
     return {"block_m": block_m, "block_n": block_n, "num_consumers": config.get("num_consumers", 2), "path": "gluon",
             "warp_specialize": True, "persistent": False, "maxnreg": 0, **shape, "time_median_s": ms / 1e3,
             "tflops": flops / (ms * 1e-3) / 1e12, "max_abs_err": err}
@@ -451,7 +454,8 @@ def gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict
             sel[col] = sel[col].astype(int)
         sel["median_ms"] = 1e3 * sel["time_median_s"]
         sel["log_ms"] = sel["median_ms"].map(math.log)
-        grid = len(GLUON_TILES[kernel]) * len(GLUON_STAGES[kernel]) * (len(GLUON_CONSUMERS) if kernel == "fwd" else 1)
+        grid = len(GLUON_TILES[kernel]) * len(GLUON_STAGES[kernel])
+        grid *= len(GLUON_CONSUMERS) if kernel == "fwd" else 1
         entries = _best_entries(sel, GLUON_KEYS, {}, min(min_configs, grid))
         if kernel != "fwd":  # GluonBwdConfig has no block_n (BWD_BLOCK_N) or consumer count (two)
             entries = [{k: v for k, v in e.items() if k not in ("block_n", "num_consumers")} for e in entries]
@@ -527,7 +531,8 @@ def write_tuned(df: pd.DataFrame, tuned: dict[str, list[dict]], json_path: Path,
     extra: dict = {}
     if json_path.exists():
         old = json.loads(json_path.read_text())
-        extra = {key: value for key, value in old.items() if key not in ("note", "device", "torch", "triton", *KERNELS)}
+        extra = {key: value for key, value in old.items()
+                 if key not in ("note", "device", "torch", "triton", *KERNELS)}
     if gluon:
         extra["gluon"] = {**extra.get("gluon", {}), **gluon}
     if json_path.exists():
