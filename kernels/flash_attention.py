@@ -232,7 +232,8 @@ def gluon_bwd_chosen(path: str | None, bwd: str | None, q: torch.Tensor, k: torc
     """Whether a backward of dQ and dK/dV on (B[, H], N, d) `q, k, v` runs the Gluon one-pass kernel: `path` gluon,
     or auto at a head dim of GLUON_BWD_HEAD_DIMS from GLUON_AUTO_MIN_WORK on (the forward's rule), where the Gluon
     kernels run; and `bwd` one_pass, or auto outside `torch.use_deterministic_algorithms` (its dQ additions have no
-    fixed order). `bwd` two_pass keeps the tl kernels. None reads RAYSYS_FLASH_PATH / RAYSYS_FLASH_BWD."""
+    fixed order). `bwd` two_pass keeps the tl kernels. None reads RAYSYS_FLASH_PATH / RAYSYS_FLASH_BWD. Under
+    torch.compile the choice is made when the backward is traced (a later determinism switch needs a recompile)."""
     requested, mode = _requested_path(path), _requested_bwd(bwd)
     if requested not in ("auto", GLUON) or mode not in ("auto", "one_pass"):
         return False
