@@ -209,8 +209,9 @@ def paired_steps(step: TimedStep, reference: TimedStep, rounds: int, block: int 
     does, slows both alike. Per round, the ratio of the two blocks' median steps; the result is their median.
 
     Returns `paired_rounds`, `paired_ratio` (median over rounds of step / reference), `paired_ratio_min`,
-    `paired_ratio_max`, `paired_step_median_s` and `paired_reference_median_s` (medians over rounds of the block
-    medians).
+    `paired_ratio_max`, `paired_ratio_ci_rel` (the 95% confidence half-width of that median, relative to it:
+    `median_ci_rel`; inf under 3 rounds), `paired_step_median_s` and `paired_reference_median_s` (medians over
+    rounds of the block medians).
     Every rank of a gang must call this with the same arguments (the steps' collectives stay matched).
     """
     if not isinstance(rounds, int) or rounds < 1 or not isinstance(block, int) or block < 2:
@@ -223,7 +224,8 @@ def paired_steps(step: TimedStep, reference: TimedStep, rounds: int, block: int 
         theirs.append(medians[id(reference)])
         ratios.append(mine[-1] / theirs[-1])
     return {"paired_rounds": rounds, "paired_ratio": statistics.median(ratios), "paired_ratio_min": min(ratios),
-            "paired_ratio_max": max(ratios), "paired_step_median_s": statistics.median(mine),
+            "paired_ratio_max": max(ratios), "paired_ratio_ci_rel": median_ci_rel(ratios),
+            "paired_step_median_s": statistics.median(mine),
             "paired_reference_median_s": statistics.median(theirs)}
 
 

@@ -316,8 +316,11 @@ def targets(df: pd.DataFrame) -> list[str]:
                 verdict = f" ({'met' if value <= limit else 'missed'}: <= {limit:g}x)" if not cpu else ""
                 checks.append(f"{value:.3f}x {name}{verdict}")
         if paired:
+            ci_rel = best.get("paired_ratio_ci_rel", math.nan)
+            ci = (f", median +-{100 * ci_rel:.1f}% (95% confidence)" if pd.notna(ci_rel) and math.isfinite(ci_rel)
+                  else "")
             checks.append(f"paired: median of {int(best['paired_rounds'])} rounds, single-ratio range "
-                          f"{best['paired_ratio_min']:.3f}-{best['paired_ratio_max']:.3f}")
+                          f"{best['paired_ratio_min']:.3f}-{best['paired_ratio_max']:.3f}{ci}")
         line = f"- {dtype}: fastest variant `{best['label']}` at {1e3 * best[col]:.1f} ms: " + ", ".join(checks)
         if cpu:
             line += f"; targets <= {TARGET_VS_SINGLE:g}x single and <= {TARGET_VS_TORCH:g}x torch DDP: {NOT_ON_CPU}"

@@ -307,7 +307,10 @@ def targets(df: pd.DataFrame) -> list[str]:
                          f"{verdict(ratio <= TARGET_VS_SINGLE, f'<= {TARGET_VS_SINGLE:.2f}x')}"
                          + (f"; fsdp2 {theirs_ratio:.3f}x" if pd.notna(theirs_ratio) else "")
                          + (f" (paired: median of {int(row['paired_rounds'])} rounds, range "
-                            f"{row['paired_ratio_min']:.3f}-{row['paired_ratio_max']:.3f})" if paired else ""))
+                            f"{row['paired_ratio_min']:.3f}-{row['paired_ratio_max']:.3f}"
+                            + (f", median +-{100 * row['paired_ratio_ci_rel']:.1f}% (95% confidence)"
+                               if math.isfinite(row.get("paired_ratio_ci_rel", math.nan)) else "") + ")"
+                            if paired else ""))
         if not theirs.empty and pd.notna(row["peak_memory_max_rank_bytes"]):
             mine = row["peak_memory_max_rank_bytes"] / 2**30
             ref = theirs.iloc[0]["peak_memory_max_rank_bytes"] / 2**30

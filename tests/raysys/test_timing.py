@@ -76,6 +76,9 @@ def test_paired_steps_alternate_blocks_and_cancel_drift(monkeypatch):
     assert blocks == ["slow", "fast", "fast", "slow", "slow", "fast", "fast", "slow"] and len(log) == 24
     assert out["paired_rounds"] == 4 and 1.8 < out["paired_ratio"] < 2.2, out
     assert out["paired_ratio_min"] <= out["paired_ratio"] <= out["paired_ratio_max"]
+    # How far the median of the rounds' ratios can be trusted: median_ci_rel of those ratios.
+    assert 0 < out["paired_ratio_ci_rel"] < 0.5
+    assert paired_steps(slow, fast, rounds=2, block=2)["paired_ratio_ci_rel"] == math.inf  # too few rounds
     assert out["paired_step_median_s"] > out["paired_reference_median_s"] > 0
     # Timed in trials some steps apart, the slow step looks ~3.5x the fast one (the host slowed down meanwhile).
     first = time_steps(_DriftingStep("fast", 0.002, log, clock), 1, 8)["step_median_s"]

@@ -194,12 +194,13 @@ def test_targets_use_paired_ratios_when_every_variant_has_one():
                        "label": ["single", "overlapped", "bucketed 100MB", "torch DDP 25MB"],
                        "step_mean_s": [0.100, 0.103, 0.101, 0.102], "paired_rounds": 6,
                        "paired_ratio": [math.nan, 1.015, 1.05, 1.02], "paired_ratio_min": [math.nan, 1.0, 1.0, 1.0],
-                       "paired_ratio_max": [math.nan, 1.03, 1.1, 1.04]})
+                       "paired_ratio_max": [math.nan, 1.03, 1.1, 1.04],
+                       "paired_ratio_ci_rel": [math.nan, 0.012, 0.03, 0.02]})
     ratios = ddp_sweep.with_ratios(df)
     assert ratios["vs_torch_paired"].tolist()[1:] == pytest.approx([1.015 / 1.02, 1.05 / 1.02, 1.0])
     (line,) = ddp_sweep.targets(ratios)     # overlapped: slower by the clock of its trial, faster paired
     assert "`overlapped`" in line and "1.015x single (met" in line and "0.995x torch DDP (met" in line
-    assert "median of 6 rounds" in line and "1.000-1.030" in line
+    assert "median of 6 rounds" in line and "1.000-1.030" in line and "median +-1.2% (95% confidence)" in line
     df.loc[2, "paired_ratio"] = math.nan    # one variant without: the clock's ratios, as before
     (line,) = ddp_sweep.targets(ddp_sweep.with_ratios(df))
     assert "`bucketed 100MB`" in line and "paired" not in line
