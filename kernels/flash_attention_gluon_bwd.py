@@ -85,6 +85,27 @@ if HAS_GLUON_HOPPER:
 if HAS_GLUON_HOPPER:
 
     @gluon.jit
+    def _key_stationary_shared(q_desc, k_desc, v_desc, do_desc, NUM_STAGES: gl.constexpr):
+        """Shared memory of a program over 2 groups' keys (the dK/dV kernel's, the one-pass kernel's): both groups'
+        K and V, the Q/dO ring, and the barriers `_bwd_loader` and the consumers use: `kv_bar` (K, V landed),
+        `q_ready` / `do_ready` per slot (one TMA arrival) and `empty` per slot (one arrival per group)."""
+        dtype: gl.constexpr = q_desc.dtype
+        k_bufs = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+        q_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
+        do_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(do_ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        return k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty
+
+    @gluon.jit
     def _sdp_transposed(k, v, q, do, l2, keys, cols, start_m, start_n, N_K, qk_scale, s_layout: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
         """S^T = K Q^T and dP^T = V dO^T issued together (keys as wgmma rows), then P^T = exp(S^T / sqrt(d) - L)
@@ -189,20 +210,8 @@ if HAS_GLUON_HOPPER:
         else:
             m_start = 0
         num_m = gl.maximum(gl.cdiv(N_Q, BLOCK_M) - m_start, 0)
-        dtype: gl.constexpr = q_desc.dtype
-        k_bufs = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
-        q_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
-        do_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_bar, count=1)
-        for i in gl.static_range(NUM_STAGES):
-            mbarrier.init(q_ready.index(i), count=1)
-            mbarrier.init(do_ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)
+        k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty = _key_stationary_shared(
+            q_desc, k_desc, v_desc, do_desc, NUM_STAGES)
         gl.warp_specialize([
             (_dkdv_partition, (0, k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, dk_desc, dv_desc,
                                L, Delta, pid_bh // H, pid_bh % H, pid_bh, start_n, m_start, num_m, N_Q, N_K, qk_scale,

@@ -20,7 +20,7 @@ import math
 import triton
 
 from kernels.flash_attention_gluon import HAS_GLUON_HOPPER, LOADER_REGS, LOG2E, _descriptor, register_split
-from kernels.flash_attention_gluon_bwd import BWD_BLOCK_N, _bwd_loader, _sdp_transposed
+from kernels.flash_attention_gluon_bwd import BWD_BLOCK_N, _bwd_loader, _key_stationary_shared, _sdp_transposed
 from kernels.flash_attention_tuning import gluon_tuned_fields
 
 
@@ -162,25 +162,14 @@ if HAS_GLUON_HOPPER:
 
         # 3. Shared memory: each group's K, V (reused for dK, dV); the Q/dO ring; per slot a dS^T tile of both
         #    groups' keys; barriers (`ds_ready`: one arrival per group).
-        dtype: gl.constexpr = q_desc.dtype
+        k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty = _key_stationary_shared(
+            q_desc, k_desc, v_desc, do_desc, NUM_STAGES)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        k_bufs = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
-        ds_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, TILE_N, BLOCK_M], ds_layout)
+        ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [NUM_STAGES, TILE_N, BLOCK_M], ds_layout)
         dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
-        q_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
-        do_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_bar, count=1)
         for i in gl.static_range(NUM_STAGES):
-            mbarrier.init(q_ready.index(i), count=1)
-            mbarrier.init(do_ready.index(i), count=1)
             mbarrier.init(ds_ready.index(i), count=2)
-            mbarrier.init(empty.index(i), count=2)
 
         # 4. Partitions (argument tuples inline, as in the forward).
         gl.warp_specialize([
