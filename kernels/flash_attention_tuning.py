@@ -232,6 +232,10 @@ GLUON_KINDS = ("fwd", "bwd")
 backward (`GluonBwdConfig`)."""
 
 
+GLUON_FIELDS = {"fwd": {"block_m", "block_n", "num_stages", "num_consumers"}, "bwd": {"block_m", "num_stages"}}
+"""The config fields of each Gluon kind (`GluonConfig`, `GluonBwdConfig`) a tuned entry may hold."""
+
+
 def load_gluon_tuned(path: str | os.PathLike = TUNED_CONFIGS_PATH) -> dict[str, list[dict]]:
     """The tuned file's `gluon` part, {kind: entries} (each the config's fields, `head_dim`, `dtype`, and `shapes`
     for a winner over the swept shapes or `shape` for one shape's), or {} without a file or part. The kernel
@@ -242,6 +246,13 @@ def load_gluon_tuned(path: str | os.PathLike = TUNED_CONFIGS_PATH) -> dict[str, 
     part = json.loads(path.read_text()).get("gluon", {})
     if not isinstance(part, dict) or set(part) - set(GLUON_KINDS):
         raise ValueError(f"{path}: 'gluon' must map some of {GLUON_KINDS} to lists of config objects")
+    for kind, entries in part.items():
+        for entry in entries:
+            unknown = set(entry) - GLUON_FIELDS[kind] - {"head_dim", "dtype", "shapes", "geomean_ms", "shape",
+                                                         "median_ms", "tflops"} if isinstance(entry, dict) else None
+            if unknown is None or unknown:
+                raise ValueError(f"{path}: gluon {kind} entry {entry!r} has fields {sorted(unknown or [])} that are "
+                                 f"not among {sorted(GLUON_FIELDS[kind])} and the measurement's")
     return {kind: list(part.get(kind, [])) for kind in GLUON_KINDS}
 
 

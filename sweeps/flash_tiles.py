@@ -147,7 +147,10 @@ def param_spaces(quick: bool, shapes: tuple[str, ...], variants: tuple[str, ...]
             if variant == "gluon":
                 gluon_shapes = [sh for sh in shapes if parse_shape(sh)["head_dim"] in (64, 128)
                                 and parse_shape(sh)["dtype"] in ("bfloat16", "float16")]
-                if kernel in GLUON_KERNELS and gluon_shapes:
+                if not gluon_shapes:
+                    raise ValueError(f"variant gluon runs shapes of head dim 64 or 128 in bf16 / fp16; none of "
+                                     f"{list(shapes)} is one")
+                if kernel in GLUON_KERNELS:
                     spaces[f"{kernel}/gluon"] = {
                         "kernel": kernel, "variant": "gluon", "tile": {"grid_search": list(GLUON_TILES[kernel])},
                         "num_warps": 4, "num_stages": {"grid_search": list(GLUON_STAGES[kernel])},

@@ -173,6 +173,13 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     assert one_pass.default_config(128, torch.bfloat16) == one_pass.GluonBwdConfig(block_m=64, num_stages=3)
     assert gluon_fwd.default_config(64, torch.bfloat16) == gluon_fwd.DEFAULT_CONFIGS[64]  # not swept: the default
     assert one_pass.default_config(128, torch.float16) == one_pass.DEFAULT_BWD_CONFIGS[128]
+    # Bad input, before any work: no shape the Gluon kernels take; a tuned entry with a field no config has.
+    with pytest.raises(ValueError, match="variant gluon runs shapes of head dim 64 or 128"):
+        flash_tiles.param_spaces(False, ("4096/32/bfloat16/causal",), ("tma", "gluon"))
+    data["gluon"]["fwd"][0]["num_warps"] = 8
+    flash_tiles.write_json(data, path)
+    with pytest.raises(ValueError, match=r"gluon fwd entry .* fields \['num_warps'\]"):
+        tuning.load_gluon_tuned(path)
 
 
 def test_best_configs_ignore_a_partly_swept_shape():
