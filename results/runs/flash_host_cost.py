@@ -1,18 +1,24 @@
-"""Host time per call of the FlashAttention forward entry points (issue 16), one H200.
+"""Host time per call of the FlashAttention entry points (issue 16), one H200.
 
-Run on the GPU host from the repository root: `PYTHONPATH=$PWD python3 results/runs/flash_host_cost.py OUT_DIR`.
-For each entry point, 200 calls at 4x32x2048x128 bf16 causal: `host_s` is the time to issue one (seconds per
-call), `wall_s` the time until the GPU finished them, per call; host close to wall means host-bound calls. Rows go
-to OUT_DIR/flash_host_cost.parquet (the results convention). The e7dd8cb run: `flash_host_cost_e7dd8cb.parquet`
-(its printed output, `flash_host_cost_e7dd8cb.txt`, converted).
+Run on the GPU host from the repository root: `PYTHONPATH=$PWD python3 results/runs/flash_host_cost.py OUT_DIR
+[--profile]`. For each entry point, 200 calls at 4x32x2048x128 bf16 causal: `host_s` is the time to issue one
+(seconds per call), `wall_s` the time until the GPU finished them, per call; host close to wall means host-bound
+calls. SDPA's cuDNN backend is the baseline. `--profile` prints, per case, the functions with the most own and
+cumulative time over the calls (cProfile). Rows go to OUT_DIR/flash_host_cost.parquet (the results convention).
+The e7dd8cb run: `flash_host_cost_e7dd8cb.parquet` (its printed output, `flash_host_cost_e7dd8cb.txt`, converted).
 """
 
+import cProfile
+import io
+import pstats
 import sys
 import time
 from pathlib import Path
 
 import pandas as pd
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from raysys.results import make_row, write_parquet
 
@@ -33,22 +39,60 @@ def host_and_wall(fn, n: int = 200) -> tuple[float, float]:
     return (issued - start) / n * 1e6, (done - start) / n * 1e6
 
 
+def profile(name: str, fn, n: int = 50) -> None:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(n):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    for key in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(18)
+        print(f"--- {name}: by {key}, {n} calls\n" + "\n".join(text.getvalue().splitlines()[6:]))
+
+
 def main() -> None:
     q = torch.randn(4, 32, 2048, 128, device="cuda", dtype=torch.bfloat16)
-    k, v = q.clone(), q.clone()
+    k, v, do = q.clone(), q.clone(), torch.randn_like(q)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+
+    def fwd_bwd(path):
+        def run():
+            fa.flash_attention(qg, kg, vg, True, path=path).backward(do)
+        return run
+
+    def sdpa_fwd():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def sdpa_fwd_bwd():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            F.scaled_dot_product_attention(qg, kg, vg, is_causal=True).backward(do)
+
     cases = [("direct", lambda: g.gluon_attention_fwd(q, k, v, True)),      # the Gluon launcher alone
-             ("fwd_api", lambda: fa.flash_attention_fwd(q, k, v, True)),    # + path choice (then: auto -> gluon)
+             ("fwd_api", lambda: fa.flash_attention_fwd(q, k, v, True)),    # + path choice (auto)
              ("op", lambda: fa.flash_attention(q, k, v, True)),             # + the custom op and autograd
+             ("op gluon", lambda: fa.flash_attention(q, k, v, True, path="gluon")),
              ("desc x4", lambda: [g._descriptor(t, 64) for t in (q, k, v, q)]),
              ("unsupported", lambda: fa.gluon_unsupported(q, k, v)),
-             ("tl", lambda: fa.flash_attention_fwd(q, k, v, True, path="tma"))]
+             ("tl", lambda: fa.flash_attention_fwd(q, k, v, True, path="tma")),
+             ("sdpa cudnn", sdpa_fwd),
+             ("fwd+bwd auto", fwd_bwd(None)),
+             ("fwd+bwd gluon", fwd_bwd("gluon")),
+             ("fwd+bwd sdpa cudnn", sdpa_fwd_bwd)]
     rows = []
     for name, fn in cases:
         host_us, wall_us = host_and_wall(fn)
         print(name, "host us/call %.1f  wall us/call %.1f" % (host_us, wall_us))
         rows.append(make_row("flash_host_cost", dict(case=name, shape="4x32x2048x128", calls=200),
                              dict(host_s=host_us * 1e-6, wall_s=wall_us * 1e-6)))
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else ".") / "flash_host_cost.parquet"
+    if "--profile" in sys.argv:
+        for name, fn in cases:
+            if name in ("op", "op gluon", "fwd+bwd auto", "fwd+bwd gluon"):
+                profile(name, fn)
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    out = Path(args[0] if args else ".") / "flash_host_cost.parquet"
     print("wrote", write_parquet(pd.DataFrame(rows), out))
 
 
