@@ -31,9 +31,12 @@ file's entries when it has some);
 `RAYSYS_FLASH_AUTOTUNE=0` takes the first valid one. Under `TRITON_INTERPRET=1` (read at import) each kernel has
 one small config and CPU tensors are accepted; the interpreter has no bf16.
 
-torch.compile: `flash_attention` calls the custom op `raysys::flash_attn_fwd` (autograd registered, backward
-`raysys::flash_attn_bwd`): `triton_op`s on a GPU, so Inductor launches the kernels itself (with the configs
-autotuning off takes), opaque `custom_op`s with fake implementations under the interpreter.
+torch.compile: under tracing `flash_attention` calls the custom op `raysys::flash_attn_fwd` (autograd registered,
+backward `raysys::flash_attn_bwd`): `triton_op`s on a GPU, so Inductor launches the kernels itself (with the configs
+autotuning off takes), opaque `custom_op`s with fake implementations under the interpreter. Eager calls on real
+tensors (`_eager`) skip the ops' dispatch, about 100 us of host time per op and call, which short calls pay in full
+(results/runs/flash_host_cost.py): an autograd.Function calls the same launchers, and an autotuned launch config,
+once chosen for its key, is launched directly instead of through Triton's autotuner.
 """
 
 from __future__ import annotations
@@ -91,6 +94,8 @@ LAST_PATH: dict[str, str] = {}
 rows report them)."""
 LAST_CONFIG: dict[str, FlashConfig | gluon_fwd.GluonConfig] = {}
 """kernel -> the launch config of its last launch in this process (a GluonConfig for the gluon forward)."""
+_CHOSEN: dict[tuple, FlashConfig] = {}
+"""(kernel, dtype, *autotune key) -> the config the autotuner chose (`_launch` launches it directly after)."""
 
 
 def last_paths() -> str:
@@ -150,11 +155,17 @@ def _launch(kernel: str, num_tiles, args: tuple, meta: dict, n_q: int, n_k: int,
     if config is None and (traced or not autotune_enabled()):
         config = first_valid_config(kernel, q.dtype, meta["HEAD_DIM"], meta["BLOCK_D"], q.device, path)
     if config is None:
-        tuner = _TUNED[kernel]
-        tuner[lambda m: _grid(num_tiles(m["BLOCK_M"], m["BLOCK_N"]), num_bh, m["PERSISTENT"], q.device)](
-            *args, **meta)
-        LAST_CONFIG[kernel] = FlashConfig.from_triton(tuner.best_config)
-        return
+        # The autotuner's key (AUTOTUNE_KEY and the tensors' dtypes, all q's but L's fp32): once it has chosen for
+        # a key, later calls launch its choice directly (the same kernel and meta, less host time).
+        key = (kernel, q.dtype, triton.next_power_of_2(max(n_q, n_k)), meta["HEAD_DIM"], meta["IS_CAUSAL"],
+               meta["INPUT_PRECISION"], meta["USE_TMA"])
+        config = _CHOSEN.get(key)
+        if config is None:
+            tuner = _TUNED[kernel]
+            tuner[lambda m: _grid(num_tiles(m["BLOCK_M"], m["BLOCK_N"]), num_bh, m["PERSISTENT"], q.device)](
+                *args, **meta)
+            LAST_CONFIG[kernel] = _CHOSEN[key] = FlashConfig.from_triton(tuner.best_config)
+            return
     LAST_CONFIG[kernel] = config
     config.check(kernel, path)
     fn = torch.library.wrap_triton(_KERNELS[kernel]) if traced else _KERNELS[kernel]
@@ -196,7 +207,7 @@ def tma_supported(device: torch.device) -> bool:
     3.6 on the GPU host). The interpreter emulates descriptors but keeps the portable path unless asked."""
     if INTERPRET or device.type != "cuda" or not hasattr(tl, "make_tensor_descriptor"):
         return False
-    return torch.cuda.get_device_capability(device)[0] == 9
+    return gluon_fwd.capability(device)[0] == 9
 
 
 def tma_layout_ok(*tensors: torch.Tensor) -> bool:
@@ -321,7 +332,7 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_ca
     path = resolve_path(path, q, k, v, forward=config is None)  # a launch config is the tl kernels'
     q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
     if path == GLUON:
-        out, lse = gluon_attn_fwd_op(q4, k4, v4, is_causal)
+        out, lse = (gluon_attn_fwd_op if _traced(q4) else _gluon_fwd)(q4, k4, v4, is_causal)
         return out.view(q.shape), lse.view(q.shape[:-1])
     heads, n_q = q4.shape[1], q4.shape[2]
     n_k = k4.shape[2]
@@ -356,8 +367,9 @@ def flash_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     resolve_bwd(bwd, "portable")  # a bad request raises here, whichever kernels would run
     if compute_dq and compute_dkdv and gluon_bwd_chosen(path, bwd, q, k, v):
         LAST_PATH["bwd"] = "one_pass"
-        dq, dk, dv = gluon_attn_bwd_op(*(_as_4d(t) for t in (q, k, v, out)), lse.reshape(_as_4d(q).shape[:-1]),
-                                       _as_4d(grad_out.to(q.dtype)), is_causal)
+        dq, dk, dv = (gluon_attn_bwd_op if _traced(q) else _gluon_bwd)(
+            *(_as_4d(t) for t in (q, k, v, out)), lse.reshape(_as_4d(q).shape[:-1]), _as_4d(grad_out.to(q.dtype)),
+            is_causal)
         return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
     path = resolve_path(path, q, k, v)
     one_pass = compute_dq and compute_dkdv and resolve_bwd(bwd, path) == "one_pass"
@@ -444,14 +456,24 @@ def _define_op(name: str, impl, fake):
     return torch.library.triton_op(f"raysys::{name}", impl, mutates_args=())
 
 
-# The Gluon forward is an opaque op (Inductor calls it; it cannot trace Gluon launches as it does tl ones), so the
-# triton_op `flash_attn_fwd` that calls it stays traceable.
-@torch.library.custom_op("raysys::gluon_attn_fwd", mutates_args=())
-def gluon_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def _gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     LAST_PATH["fwd"], LAST_CONFIG["fwd"] = GLUON, gluon_fwd.default_config(q.shape[-1], q.dtype)
     with device_of(q):
         return gluon_fwd.gluon_attention_fwd(q, k, v, is_causal)
+
+
+def _gluon_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+               grad_out: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV) of 4-D inputs by the Gluon one-pass backward."""
+    LAST_PATH["dkdvq"], LAST_CONFIG["dkdvq"] = GLUON, gluon_bwd_onepass.default_config(q.shape[-1], q.dtype)
+    with device_of(q):
+        return gluon_bwd.gluon_attention_bwd(q, k, v, out, lse, grad_out, is_causal, mode="one_pass")
+
+
+# The Gluon kernels are opaque ops while traced (Inductor calls them; it cannot trace Gluon launches as it does tl
+# ones), so the triton_ops that call them stay traceable; eager calls skip the ops.
+gluon_attn_fwd_op = torch.library.custom_op("raysys::gluon_attn_fwd", _gluon_fwd, mutates_args=())
 
 
 @gluon_attn_fwd_op.register_fake
@@ -459,13 +481,7 @@ def _gluon_fwd_fake(q, k, v, is_causal):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
-@torch.library.custom_op("raysys::gluon_attn_bwd", mutates_args=())
-def gluon_attn_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                      grad_out: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dK, dV) of 4-D inputs by the Gluon one-pass backward (opaque to Inductor, as the forward)."""
-    LAST_PATH["dkdvq"], LAST_CONFIG["dkdvq"] = GLUON, gluon_bwd_onepass.default_config(q.shape[-1], q.dtype)
-    with device_of(q):
-        return gluon_bwd.gluon_attention_bwd(q, k, v, out, lse, grad_out, is_causal, mode="one_pass")
+gluon_attn_bwd_op = torch.library.custom_op("raysys::gluon_attn_bwd", _gluon_bwd, mutates_args=())
 
 
 @gluon_attn_bwd_op.register_fake
@@ -496,13 +512,26 @@ def _backward(ctx, grad_out, grad_lse):
 flash_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _eager(q: torch.Tensor) -> bool:
+    """Whether a call on `q` runs the launchers straight from Python rather than through the custom ops: a real
+    tensor (not torch.compile's or export's stand-in, not on the meta device) outside tracing and functorch
+    transforms. The ops' dispatch costs about 100 us of host time per call (results/runs/flash_host_cost.py)."""
+    return (type(q) in _PLAIN and q.device.type != "meta" and not torch.compiler.is_compiling()
+            and torch._C._functorch.peek_interpreter_stack() is None)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 class FlashAttentionTriton(torch.autograd.Function):
-    """FlashAttention-2 with Triton forward and backward (the course's interface); saves Q, K, V, O and L only."""
+    """FlashAttention-2 with Triton forward and backward (the course's interface); saves Q, K, V, O and L only.
+    `path` / `bwd` None read RAYSYS_FLASH_PATH / RAYSYS_FLASH_BWD. Eager calls (`_eager`) run the launchers
+    directly, traced ones the custom ops."""
 
     @staticmethod
-    def forward(ctx, q, k, v, is_causal=False):
-        ctx.path, ctx.bwd = _requested_path(None), _requested_bwd(None)
-        out, lse = flash_attn_fwd_op(q, k, v, is_causal, ctx.path, ctx.bwd)
+    def forward(ctx, q, k, v, is_causal=False, path=None, bwd=None):
+        ctx.path, ctx.bwd = _requested_path(path), _requested_bwd(bwd)
+        out, lse = (_fwd_impl if _eager(q) else flash_attn_fwd_op)(q, k, v, is_causal, ctx.path, ctx.bwd)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.is_causal = is_causal
         return out
@@ -512,9 +541,9 @@ class FlashAttentionTriton(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        dq, dk, dv = flash_attn_bwd_op(q, k, v, out, lse, grad_out, ctx.is_causal, need_q, need_k or need_v,
-                                       ctx.path, ctx.bwd)
-        return dq if need_q else None, dk if need_k else None, dv if need_v else None, None
+        dq, dk, dv = (_bwd_impl if _eager(q) else flash_attn_bwd_op)(
+            q, k, v, out, lse, grad_out, ctx.is_causal, need_q, need_k or need_v, ctx.path, ctx.bwd)
+        return dq if need_q else None, dk if need_k else None, dv if need_v else None, None, None, None
 
 
 def _requested_path(path: str | None) -> str:
@@ -541,6 +570,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal
     (`gluon_bwd_chosen` says when the Gluon one-pass backward runs). `bwd`: auto, two_pass or one_pass (None reads
     RAYSYS_FLASH_BWD)."""
     check_attention_inputs(q, k, v, is_causal)
+    if _eager(q):
+        return FlashAttentionTriton.apply(q, k, v, is_causal, path, bwd)
     return flash_attn_fwd_op(q, k, v, is_causal, _requested_path(path), _requested_bwd(bwd))[0]
 
 

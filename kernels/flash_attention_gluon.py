@@ -30,6 +30,7 @@ is `kernels/flash_attention_gluon_bwd.py`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -363,15 +364,27 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str
         return "q, k, v must share dtype and device"
     if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
         return f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match"
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
-        return f"device capability {torch.cuda.get_device_capability(q.device)} is not sm_90"
+    if capability(q.device) != (9, 0):
+        return f"device capability {capability(q.device)} is not sm_90"
     return ""
+
+
+@functools.lru_cache(maxsize=None)
+def capability(device: torch.device) -> tuple[int, int]:
+    """`torch.cuda.get_device_capability`, asked once per device (it costs microseconds per call)."""
+    return torch.cuda.get_device_capability(device)
+
+
+@functools.lru_cache(maxsize=None)
+def shared_layout(block: tuple[int, ...], dtype: torch.dtype):
+    """The NVMMA shared layout of a TMA block (an immutable value: built once per block shape and dtype)."""
+    gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
 
 def _descriptor(t: torch.Tensor, block_rows: int) -> "TensorDescriptor":
     block = [1, 1, block_rows, t.shape[-1]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16 if t.dtype == torch.float16 else gl.bfloat16)
-    return TensorDescriptor.from_tensor(t, block, layout)
+    return TensorDescriptor.from_tensor(t, block, shared_layout(tuple(block), t.dtype))
 
 
 def launch_args(q, k, v, out, lse, is_causal: bool, config: GluonConfig):

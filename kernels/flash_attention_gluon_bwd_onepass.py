@@ -17,9 +17,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import torch
 import triton
 
-from kernels.flash_attention_gluon import HAS_GLUON_HOPPER, LOADER_REGS, LOG2E, _descriptor, register_split
+from kernels.flash_attention_gluon import (HAS_GLUON_HOPPER, LOADER_REGS, LOG2E, _descriptor, register_split,
+                                          shared_layout)
 from kernels.flash_attention_gluon_bwd import BWD_BLOCK_N, _bwd_loader, _key_stationary_shared, _sdp_transposed
 from kernels.flash_attention_tuning import gluon_tuned_fields
 
@@ -246,7 +248,7 @@ def bwd_launch_args(q, k, v, grad_out, dk, dv, lse, delta, dq_acc, is_causal: bo
     maxnreg, consumer_regs = config.registers()
     grid = (triton.cdiv(n_k, 2 * BWD_BLOCK_N) * batch * heads,)
     dq_block = [1, 1, config.block_m, head_dim // 2]
-    dq_desc = TensorDescriptor.from_tensor(dq_acc, dq_block, gl.NVMMASharedLayout.get_default_for(dq_block, gl.float32))
+    dq_desc = TensorDescriptor.from_tensor(dq_acc, dq_block, shared_layout(tuple(dq_block), torch.float32))
     args = (_descriptor(q, config.block_m), _descriptor(k, BWD_BLOCK_N), _descriptor(v, BWD_BLOCK_N),
             _descriptor(grad_out, config.block_m), _descriptor(dk, BWD_BLOCK_N), _descriptor(dv, BWD_BLOCK_N),
             dq_desc, lse, delta, heads, n_q, n_k, LOG2E / math.sqrt(head_dim), 1.0 / math.sqrt(head_dim))

@@ -64,7 +64,7 @@ def test_supported_refuses_cpu(q, reason):
 def test_unsupported_reasons_name_the_rule(monkeypatch):
     # Pretend tensors live on a GPU so that the dtype / shape / stride rules are reached on a CPU host.
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(fg, "capability", lambda device: (9, 0))
     good = _cpu((1, 2, 64, 128))
     assert fg.unsupported_reason(good, good, good) == ""
     assert "float32" in fg.unsupported_reason(*[_cpu((1, 2, 64, 128), torch.float32)] * 3)
@@ -74,7 +74,7 @@ def test_unsupported_reasons_name_the_rule(monkeypatch):
     assert "strides" in fg.unsupported_reason(strided, strided, strided)
     odd = _cpu((1, 2, 64, 130))[..., :128]  # row stride 130 elements: 260 bytes, not 16-byte aligned
     assert "strides" in fg.unsupported_reason(odd, odd, odd)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(fg, "capability", lambda device: (8, 0))
     assert "sm_90" in fg.unsupported_reason(good, good, good)
 
 

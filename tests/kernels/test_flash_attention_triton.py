@@ -218,7 +218,7 @@ def test_gluon_path_choice(monkeypatch):
     monkeypatch.setattr(fa, "INTERPRET", False)
     monkeypatch.setattr(fa.gluon_fwd, "HAS_GLUON_HOPPER", True)
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(fa.gluon_fwd, "capability", lambda device: (9, 0))
     assert fa.gluon_unsupported(q, q, q) == ""
     assert fa.resolve_path("gluon", q, q, q, forward=True) == "gluon"
     assert fa.resolve_path("auto", q, q, q, forward=True) != "gluon"  # too small to hide its launch
@@ -230,7 +230,7 @@ def test_gluon_path_choice(monkeypatch):
                     (torch.zeros(4096, dtype=torch.float16).as_strided((1, 1, 32, 64), (3, 3, 64, 1)), "stride")):
         assert rule in fa.gluon_unsupported(t, t, t)
         assert fa.resolve_path("auto", t, t, t, forward=True) != "gluon"
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(fa.gluon_fwd, "capability", lambda device: (8, 0))
     assert "sm_90" in fa.gluon_unsupported(q, q, q)
     with pytest.raises(ValueError, match="FlashConfig is a launch config of the tl kernels"):
         fa.flash_attention_fwd(q, q, q, config=fa.FlashConfig(64, 32, 4, 2), path="gluon")
@@ -325,6 +325,63 @@ def test_compiled_model_matches_eager():
     torch.testing.assert_close(logits, eager_logits, atol=1e-6, rtol=1e-6)
     for got, want in zip(grads, eager_grads):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@on_interpreter
+def test_eager_calls_skip_the_custom_ops(monkeypatch):
+    """Eager calls on real tensors launch the kernels from an autograd.Function, not through the custom ops (whose
+    dispatch costs ~100 us of host time per call), with the ops' results; stand-ins (fake, meta) go to the ops."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v, do = _inputs((1, 2, 37, 16), (1, 2, 37, 16), torch.float32, seed=5)
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        out.backward(do)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    via_ops = run(lambda *a: fa.flash_attn_fwd_op(*a, True, "portable", "two_pass")[0])
+
+    def refuse(*args):
+        raise AssertionError("an eager call went through a custom op")
+
+    monkeypatch.setattr(fa, "flash_attn_fwd_op", refuse)
+    monkeypatch.setattr(fa, "flash_attn_bwd_op", refuse)
+    for fn in (lambda *a: fa.flash_attention(*a, True, path="portable", bwd="two_pass"),
+               lambda *a: fa.FlashAttentionTriton.apply(*a, True)):
+        for got, want in zip(run(fn), via_ops):
+            assert torch.equal(got, want)
+    assert fa._eager(q)
+    assert not fa._eager(torch.empty(2, device="meta"))
+    with FakeTensorMode():
+        assert not fa._eager(torch.empty(2))
+
+
+@on_interpreter
+def test_autotuned_config_is_launched_directly_once_chosen(monkeypatch):
+    """The autotuner runs once per key (kernel, dtype, sequence bucket, head dim, causal, precision, path); later
+    calls launch its choice directly, with the same result."""
+    monkeypatch.setenv("RAYSYS_FLASH_AUTOTUNE", "1")
+    monkeypatch.setattr(fa, "_CHOSEN", {})
+    tuner, asked = fa._TUNED["fwd"], []
+
+    class Counting:
+        best_config = property(lambda self: tuner.best_config)
+
+        def __getitem__(self, grid):
+            asked.append(grid)
+            return tuner[grid]
+
+    monkeypatch.setitem(fa._TUNED, "fwd", Counting())
+    q, k, v, _ = _inputs((1, 2, 37, 16), (1, 2, 37, 16), torch.float32, seed=6)
+    first = fa.flash_attention_fwd(q, k, v, True, path="portable")
+    second = fa.flash_attention_fwd(q, k, v, True, path="portable")
+    assert len(asked) == 1 and all(torch.equal(a, b) for a, b in zip(first, second))
+    assert list(fa._CHOSEN.values()) == [fa.LAST_CONFIG["fwd"]]
+    fa.flash_attention_fwd(q, k, v, False, path="portable")  # another key: tuned again
+    fa.flash_attention_fwd(q[..., :30, :], k, v, False, path="portable")  # same bucket (64): not
+    assert len(asked) == 2 and len(fa._CHOSEN) == 2
 
 
 @on_interpreter
