@@ -24,7 +24,7 @@ TMA-able layouts): its forward, and its one-pass backward (dQ summed in fp32 by 
 backward is asked to be two_pass or deterministic (`torch.use_deterministic_algorithms`), when the tl kernels run
 it on the same L. `RAYSYS_FLASH_PATH` / `path=` picks one; `auto` takes the gluon forward where it runs and the
 call is large enough to hide its launch (`GLUON_AUTO_MIN_WORK`; and no launch config is given), the gluon
-backward there too at the head dims where it was measured faster (`GLUON_BWD_HEAD_DIMS`), and for the tl kernels
+backward on the larger calls at the head dims where it was measured faster (`GLUON_BWD_HEAD_DIMS`), and for the tl kernels
 tma on sm_90 when the tuned file's `auto_path` says so (set by the measurement that wrote it), else portable. Launch configs are autotuned per
 (sequence bucket, head dim, causal, dtype, path) among `kernels/flash_attention_tuning.py`'s candidates (the tuned
 file's entries when it has some);
@@ -183,13 +183,16 @@ PATH_ENV = "RAYSYS_FLASH_PATH"
 GLUON = "gluon"
 """The Gluon kernels' path: their forward, and their one-pass backward (`gluon_bwd_chosen`), else the tl kernels'
 auto path backward."""
-GLUON_AUTO_MIN_WORK = 2**38
-"""B * H * n_q * n_k * d from which `auto` takes the gluon forward: its launch costs more host time than the tl
-kernels' (four host-side TMA descriptors, Gluon's launcher), so short calls are host-bound. The threshold lies
-between the hopper shapes where it lost and where it won (the hopper rows of results/flash_bench.parquet;
-results/flash_hopper_notes.md, section 6)."""
+GLUON_AUTO_MIN_WORK = {128: 2**36, 64: 2**38}
+"""Head dim -> B * H * n_q * n_k * d from which `auto` takes the gluon forward. Its launch costs more host time
+than the tl kernels' (host-side TMA descriptors, Gluon's launcher), so short calls stay on the tl kernels. Set from
+the hopper shapes (results/runs/flash_bench_hopper_e5db843.parquet, after the eager calls stopped paying the
+custom ops' dispatch): at d 128 it was faster from 4x32x2048x128 (2^36) on; at d 64 slower at 8x16x4096x64 (2^37),
+so d 64 keeps the earlier 2^38 (results/flash_hopper_notes.md, sections 6 and 8)."""
+GLUON_BWD_AUTO_MIN_WORK = 2**38
+"""B * H * n_q * n_k * d from which `auto` takes the Gluon one-pass backward, at GLUON_BWD_HEAD_DIMS."""
 GLUON_BWD_HEAD_DIMS = (128,)
-"""Head dims at which `auto` takes the Gluon one-pass backward from GLUON_AUTO_MIN_WORK on: faster than the tl
+"""Head dims at which `auto` takes the Gluon one-pass backward from GLUON_BWD_AUTO_MIN_WORK on: faster than the tl
 backward at 1x16x16384x128 and 1x32x32768x128, slower at 8x16x4096x64 and 4x32x2048x128 (the hopper rows of
 results/flash_bench.parquet; results/flash_hopper_notes.md, section 7), so d 64 keeps the tl kernels."""
 AUTO_TMA = tuned_auto_path() == "tma"
@@ -241,7 +244,7 @@ def _work(q: torch.Tensor, k: torch.Tensor) -> int:
 
 def gluon_bwd_chosen(path: str | None, bwd: str | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether a backward of dQ and dK/dV on (B[, H], N, d) `q, k, v` runs the Gluon one-pass kernel: `path` gluon,
-    or auto at a head dim of GLUON_BWD_HEAD_DIMS from GLUON_AUTO_MIN_WORK on (the forward's rule), where the Gluon
+    or auto at a head dim of GLUON_BWD_HEAD_DIMS from GLUON_BWD_AUTO_MIN_WORK on, where the Gluon
     kernels run; and `bwd` one_pass, or auto outside `torch.use_deterministic_algorithms` (its dQ additions have no
     fixed order). `bwd` two_pass keeps the tl kernels. None reads RAYSYS_FLASH_PATH / RAYSYS_FLASH_BWD. Under
     torch.compile the choice is made when the backward is traced (a later determinism switch needs a recompile)."""
@@ -250,7 +253,7 @@ def gluon_bwd_chosen(path: str | None, bwd: str | None, q: torch.Tensor, k: torc
         return False
     if mode == "auto" and torch.are_deterministic_algorithms_enabled():
         return False
-    if requested == "auto" and (q.shape[-1] not in GLUON_BWD_HEAD_DIMS or _work(q, k) < GLUON_AUTO_MIN_WORK):
+    if requested == "auto" and (q.shape[-1] not in GLUON_BWD_HEAD_DIMS or _work(q, k) < GLUON_BWD_AUTO_MIN_WORK):
         return False
     return not gluon_unsupported(q, k, v)
 
@@ -263,7 +266,7 @@ def resolve_path(requested: str | None, *tensors: torch.Tensor, forward: bool = 
         raise ValueError(f"flash path {requested!r} must be one of auto, {', '.join(PATHS + (GLUON,))}")
     if requested in ("auto", GLUON) and forward:
         reason = gluon_unsupported(*tensors[:3])
-        if not reason and (requested == GLUON or _work(*tensors[:2]) >= GLUON_AUTO_MIN_WORK):
+        if not reason and (requested == GLUON or _work(*tensors[:2]) >= GLUON_AUTO_MIN_WORK[tensors[0].shape[-1]]):
             return GLUON
         if requested == GLUON:
             raise ValueError(f"the gluon path cannot run here: {reason}")

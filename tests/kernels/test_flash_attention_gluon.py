@@ -209,6 +209,20 @@ def test_gluon_bwd_rule(gluon_runs_anywhere, path, bwd, shape, chosen):
     assert fa.gluon_bwd_chosen(path, bwd, q, q, q) is chosen
 
 
+@pytest.mark.parametrize("shape, chosen", [
+    ((1, 16, 16384, 128), True),
+    ((4, 32, 2048, 128), True),      # d 128 from 2^36 on
+    ((2, 32, 2048, 128), False),     # (below it)
+    ((8, 16, 4096, 64), False),      # d 64 from 2^38 on
+    ((1, 16, 16384, 64), True),
+])
+def test_gluon_forward_rule(gluon_runs_anywhere, shape, chosen):
+    fa = gluon_runs_anywhere
+    q = torch.empty(shape, device="meta")
+    assert (fa.resolve_path("auto", q, q, q, forward=True) == "gluon") is chosen
+    assert fa.resolve_path("gluon", q, q, q, forward=True) == "gluon"
+
+
 def test_gluon_bwd_rule_follows_determinism_and_support(gluon_runs_anywhere, monkeypatch):
     fa = gluon_runs_anywhere
     q = torch.empty((1, 16, 16384, 128), device="meta")

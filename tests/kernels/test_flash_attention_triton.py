@@ -222,7 +222,7 @@ def test_gluon_path_choice(monkeypatch):
     assert fa.gluon_unsupported(q, q, q) == ""
     assert fa.resolve_path("gluon", q, q, q, forward=True) == "gluon"
     assert fa.resolve_path("auto", q, q, q, forward=True) != "gluon"  # too small to hide its launch
-    monkeypatch.setattr(fa, "GLUON_AUTO_MIN_WORK", q.numel() * 32)
+    monkeypatch.setattr(fa, "GLUON_AUTO_MIN_WORK", {64: q.numel() * 32})
     assert fa.resolve_path("auto", q, q, q, forward=True) == "gluon"
     assert fa.resolve_path("auto", q, q, q) != "gluon"
     for t, rule in ((q.float(), "bfloat16 or float16"), (torch.zeros(1, 2, 32, 80, dtype=torch.float16), "head dim"),
