@@ -335,7 +335,8 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_ca
     path = resolve_path(path, q, k, v, forward=config is None)  # a launch config is the tl kernels'
     q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
     if path == GLUON:
-        out, lse = (gluon_attn_fwd_op if _traced(q4) else _gluon_fwd)(q4, k4, v4, is_causal)
+        out, lse = gluon_attn_fwd_op(q4, k4, v4, is_causal) if _traced(q4) else _gluon_fwd(q4, k4, v4, is_causal,
+                                                                                             checked=True)
         return out.view(q.shape), lse.view(q.shape[:-1])
     heads, n_q = q4.shape[1], q4.shape[2]
     n_k = k4.shape[2]
@@ -370,9 +371,9 @@ def flash_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     resolve_bwd(bwd, "portable")  # a bad request raises here, whichever kernels would run
     if compute_dq and compute_dkdv and gluon_bwd_chosen(path, bwd, q, k, v):
         LAST_PATH["bwd"] = "one_pass"
-        dq, dk, dv = (gluon_attn_bwd_op if _traced(q) else _gluon_bwd)(
-            *(_as_4d(t) for t in (q, k, v, out)), lse.reshape(_as_4d(q).shape[:-1]), _as_4d(grad_out.to(q.dtype)),
-            is_causal)
+        args = (*(_as_4d(t) for t in (q, k, v, out)), lse.reshape(_as_4d(q).shape[:-1]),
+                _as_4d(grad_out.to(q.dtype)), is_causal)
+        dq, dk, dv = gluon_attn_bwd_op(*args) if _traced(q) else _gluon_bwd(*args, checked=True)
         return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
     path = resolve_path(path, q, k, v)
     one_pass = compute_dq and compute_dkdv and resolve_bwd(bwd, path) == "one_pass"
@@ -459,24 +460,32 @@ def _define_op(name: str, impl, fake):
     return torch.library.triton_op(f"raysys::{name}", impl, mutates_args=())
 
 
-def _gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
+def _gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, checked: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    LAST_PATH["fwd"], LAST_CONFIG["fwd"] = GLUON, gluon_fwd.default_config(q.shape[-1], q.dtype)
-    with device_of(q):
-        return gluon_fwd.gluon_attention_fwd(q, k, v, is_causal)
+    """The gluon forward of 4-D inputs; `checked`: `gluon_unsupported` accepted them already (its host time once)."""
+    config = gluon_fwd.default_config(q.shape[-1], q.dtype)
+    LAST_PATH["fwd"], LAST_CONFIG["fwd"] = GLUON, config
+    return (gluon_fwd.launch_fwd if checked else gluon_fwd.gluon_attention_fwd)(q, k, v, is_causal, config)
 
 
 def _gluon_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-               grad_out: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dK, dV) of 4-D inputs by the Gluon one-pass backward."""
-    LAST_PATH["dkdvq"], LAST_CONFIG["dkdvq"] = GLUON, gluon_bwd_onepass.default_config(q.shape[-1], q.dtype)
-    with device_of(q):
-        return gluon_bwd.gluon_attention_bwd(q, k, v, out, lse, grad_out, is_causal, mode="one_pass")
+               grad_out: torch.Tensor, is_causal: bool, checked: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV) of 4-D inputs by the Gluon one-pass backward; `checked`: as `_gluon_fwd`'s (and the shapes of
+    out, lse and grad_out too)."""
+    config = gluon_bwd_onepass.default_config(q.shape[-1], q.dtype)
+    LAST_PATH["dkdvq"], LAST_CONFIG["dkdvq"] = GLUON, config
+    if checked:
+        return gluon_bwd.launch_bwd(q, k, v, out, lse, grad_out, is_causal, config)
+    return gluon_bwd.gluon_attention_bwd(q, k, v, out, lse, grad_out, is_causal, config, mode="one_pass")
 
 
 # The Gluon kernels are opaque ops while traced (Inductor calls them; it cannot trace Gluon launches as it does tl
-# ones), so the triton_ops that call them stay traceable; eager calls skip the ops.
-gluon_attn_fwd_op = torch.library.custom_op("raysys::gluon_attn_fwd", _gluon_fwd, mutates_args=())
+# ones), so the triton_ops that call them stay traceable; eager calls skip the ops (and the checks done before).
+@torch.library.custom_op("raysys::gluon_attn_fwd", mutates_args=())
+def gluon_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _gluon_fwd(q, k, v, is_causal)
 
 
 @gluon_attn_fwd_op.register_fake
@@ -484,7 +493,10 @@ def _gluon_fwd_fake(q, k, v, is_causal):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
-gluon_attn_bwd_op = torch.library.custom_op("raysys::gluon_attn_bwd", _gluon_bwd, mutates_args=())
+@torch.library.custom_op("raysys::gluon_attn_bwd", mutates_args=())
+def gluon_attn_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                      grad_out: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _gluon_bwd(q, k, v, out, lse, grad_out, is_causal)
 
 
 @gluon_attn_bwd_op.register_fake
@@ -572,9 +584,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal
     `path`: auto, portable, tma or gluon (None reads RAYSYS_FLASH_PATH); the backward takes the same
     (`gluon_bwd_chosen` says when the Gluon one-pass backward runs). `bwd`: auto, two_pass or one_pass (None reads
     RAYSYS_FLASH_BWD)."""
-    check_attention_inputs(q, k, v, is_causal)
-    if _eager(q):
+    if _eager(q):  # the launchers check the inputs
         return FlashAttentionTriton.apply(q, k, v, is_causal, path, bwd)
+    check_attention_inputs(q, k, v, is_causal)
     return flash_attn_fwd_op(q, k, v, is_causal, _requested_path(path), _requested_bwd(bwd))[0]
 
 

@@ -408,7 +408,13 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_ca
     reason = unsupported_reason(q, k, v)
     if reason:
         raise ValueError(f"gluon_attention_fwd: {reason}")
-    config = config or default_config(q.shape[-1], q.dtype)
+    return launch_fwd(q, k, v, is_causal, config or default_config(q.shape[-1], q.dtype))
+
+
+def launch_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config: GluonConfig
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gluon_attention_fwd` on inputs `unsupported_reason` accepted: for callers that checked them already (the
+    check costs host time on every call)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous: a valid TMA target
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     grid, args, meta = launch_args(q, k, v, out, lse, is_causal, config)

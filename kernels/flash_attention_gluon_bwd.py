@@ -469,6 +469,15 @@ def gluon_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     if lse.shape != q.shape[:-1] or lse.dtype != torch.float32:
         raise ValueError(f"gluon_attention_bwd: lse must be float32 of shape {tuple(q.shape[:-1])}, "
                          f"got {lse.dtype} {tuple(lse.shape)}")
+    return launch_bwd(q, k, v, out, lse, grad_out, is_causal, config)
+
+
+def launch_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+               grad_out: torch.Tensor, is_causal: bool, config: GluonBwd2Config | GluonBwdConfig
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`gluon_attention_bwd` on inputs it accepts, its mode the config's: for callers that checked them already
+    (the checks cost host time on every call)."""
+    from kernels import flash_attention_gluon_bwd_onepass as one_pass
     from kernels.flash_attention_kernels import _flash_bwd_preprocess_kernel
 
     batch, heads, n_q, head_dim = q.shape
@@ -482,7 +491,7 @@ def gluon_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
             HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=64, num_warps=4)
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # contiguous: valid TMA targets
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-        if mode == "two_pass":
+        if isinstance(config, GluonBwd2Config):
             dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             (grid, args, meta), (dq_grid, dq_args, dq_meta) = bwd2_launch_args(q, k, v, grad_out, dq, dk, dv, lse,
                                                                                delta, is_causal, config)
