@@ -21,7 +21,9 @@ reference in the input dtype), `sdpa_flash` and `sdpa_cudnn` (torch SDPA pinned 
 One row per (study, provider, shape): median latency (`triton.testing.do_bench`) of the forward, the backward
 (over a retained graph) and forward+backward, TFLOP/s of each (`flash_attention_flops`), the output's max abs
 error against an fp32 SDPA reference, the peak memory of one forward+backward, and the speedup against
-sdpa_flash, sdpa_cudnn and the faster of the two (`speedup_*_vs_best_sdpa` > 1: raysys is faster). An
+sdpa_flash, sdpa_cudnn and the faster of the two (`speedup_*_vs_best_sdpa` > 1: raysys is faster); with
+`--paired-rounds N` the auto dispatch is also timed against cuDNN in N alternating rounds (`paired_speedups`: the
+median ratio and its confidence, robust to the GPU's speed drifting over the run). An
 unsupported provider/dtype is a `skipped` row, an OOM an `oom` row. The Python-loop and naive providers are
 capped (`--max-seq-pytorch`, `--max-seq-naive`) and `--time-budget-s` bounds the whole run: trials after it
 become `skipped` rows that say so, and `--resume` runs exactly those (and failed ones) next time. Writes
@@ -54,6 +56,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from raysys.device import DTYPES, resolve_device  # noqa: E402
 from raysys.results import ResultWriter, make_row, status_of, trial_id  # noqa: E402
+from raysys.timing import median_ci_rel  # noqa: E402
 from sweeps.common import (PROGRESS, alias, check_int, check_timeout, list_flag, main_entry, open_writer,  # noqa: E402
                            output_dir, parse_ints, parse_list, read_rows, redraw_report, study_parser,
                            write_markdown)
@@ -278,15 +281,43 @@ def provider_fn(name: str, device: torch.device) -> Callable:
     return _sdpa({"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}[name])
 
 
-def bench_s(fn: Callable[[], object], device: torch.device) -> float:
+def bench_s(fn: Callable[[], object], device: torch.device, warmup_ms: float = 25, rep_ms: float = 100) -> float:
     """Median seconds: `triton.testing.do_bench` on CUDA (L2 flushed between calls; it answers in ms), else wall
     clock."""
     if device.type == "cuda":
         import triton.testing
 
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")) / 1e3
+        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")) / 1e3
     fn()
     return statistics.median(timeit.timeit(fn, number=1) for _ in range(3))
+
+
+PAIRED_PROVIDERS = ("triton",)
+"""Providers `--paired-rounds` times against SDPA cuDNN in alternating rounds (the auto dispatch: what issue 16's
+targets judge)."""
+PAIRED_MODES = ("fwd", "fwd_bwd")
+
+
+def paired_speedups(ours: dict[str, Callable[[], object]], base: dict[str, Callable[[], object]], rounds: int,
+                    bench: Callable[[Callable[[], object]], float]) -> dict[str, float]:
+    """Per mode, `rounds` rounds of `bench(ours[mode])` and `bench(base[mode])` back to back, the order swapped
+    every round: `paired_speedup_<mode>_vs_sdpa_cudnn` is the median of the rounds' base / ours ratios and
+    `..._ci_rel` its 95% confidence half-width (relative). A drift of the GPU's speed over the run (clocks, heat)
+    moves both sides of a round alike, so it cancels in the ratio, which per-provider blocks do not."""
+    out: dict[str, float] = {"paired_rounds": float(rounds)}
+    for mode in ours:
+        ratios = []
+        for r in range(rounds):
+            if r % 2 == 0:
+                t_ours = bench(ours[mode])
+                t_base = bench(base[mode])
+            else:
+                t_base = bench(base[mode])
+                t_ours = bench(ours[mode])
+            ratios.append(t_base / t_ours)
+        out[f"paired_speedup_{mode}_vs_sdpa_cudnn"] = statistics.median(ratios)
+        out[f"paired_speedup_{mode}_ci_rel"] = median_ci_rel(ratios)
+    return out
 
 
 def _flops(cfg: dict, mode: str) -> float:
@@ -296,9 +327,11 @@ def _flops(cfg: dict, mode: str) -> float:
                                  cfg["causal"], mode)
 
 
-def run_trial(cfg: dict, device: torch.device, caps: dict, check_only: bool = False) -> dict:
+def run_trial(cfg: dict, device: torch.device, caps: dict, check_only: bool = False, paired_rounds: int = 0
+              ) -> dict:
     """Time one provider on one shape; raises Unsupported for a skipped row. A candidate is checked first
-    (`check_candidate`); `check_only` stops there."""
+    (`check_candidate`); `check_only` stops there. `paired_rounds` > 0: a PAIRED_PROVIDERS row on CUDA is also
+    timed against SDPA cuDNN in that many alternating rounds (`paired_speedups`)."""
     cap = caps.get(cfg["provider"])
     if cap is not None and cfg["seq"] > cap:
         raise Unsupported(f"seq {cfg['seq']} above the cap {cap} for {cfg['provider']}")
@@ -339,6 +372,12 @@ def run_trial(cfg: dict, device: torch.device, caps: dict, check_only: bool = Fa
         metrics["peak_mem_fwd_bwd_bytes"] = float(torch.cuda.max_memory_allocated(device) - base)
     for mode in MODES:
         metrics[f"{mode}_tflops"] = _flops(cfg, mode) / metrics[f"{mode}_median_s"] / 1e12
+    if paired_rounds and cfg["provider"] in PAIRED_PROVIDERS and device.type == "cuda":
+        cudnn = provider_fn("sdpa_cudnn", device)
+        metrics.update(paired_speedups(
+            {"fwd": fwd, "fwd_bwd": lambda: fn(q, k, v, causal).backward(do)},
+            {"fwd": lambda: cudnn(q, k, v, causal), "fwd_bwd": lambda: cudnn(q, k, v, causal).backward(do)},
+            paired_rounds, lambda f: bench_s(f, device, warmup_ms=10, rep_ms=50)))
     if cfg["provider"] in TRITON_PATHS:
         from kernels.flash_attention import LAST_PATH, last_paths
 
@@ -413,7 +452,8 @@ def markdown(df: pd.DataFrame) -> str:
     ok = df[df.status == "ok"]
     cols = ["provider", "path", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops",
             "speedup_fwd_vs_sdpa_flash", "speedup_fwd_bwd_vs_sdpa_flash", "speedup_fwd_vs_sdpa_cudnn",
-            "speedup_fwd_bwd_vs_sdpa_cudnn", "max_abs_err"]
+            "speedup_fwd_bwd_vs_sdpa_cudnn", "paired_speedup_fwd_vs_sdpa_cudnn", "paired_speedup_fwd_ci_rel",
+            "paired_speedup_fwd_bwd_vs_sdpa_cudnn", "paired_speedup_fwd_bwd_ci_rel", "max_abs_err"]
     parts = []
     target = ok[ok.study == "target"]
     if not target.empty:
@@ -425,7 +465,8 @@ def markdown(df: pd.DataFrame) -> str:
     hopper = ok[ok.study == "hopper"]
     if not hopper.empty:
         parts.append("Hopper shapes (bf16, causal; B x H x N x d): each Triton path against both SDPA backends, same "
-                     "run.")
+                     "run. `paired_*` (when the run had --paired-rounds): the auto dispatch against cuDNN timed in "
+                     "alternating rounds, the median ratio and its 95% confidence half-width (relative).")
         shape_cols = ["batch", "heads", "seq", "head_dim"]
         parts.append(hopper[shape_cols + [c for c in cols if c in hopper]].to_markdown(index=False, floatfmt=".3g"))
     cand = ok[(ok.study == "candidates") & ok.get("fwd_ms", pd.Series(index=ok.index, dtype=float)).notna()]
@@ -562,6 +603,9 @@ def build_parser():
     list_flag(p, "--candidates", default=None, help="candidates study: comma list of CANDIDATES names (default: all)")
     p.add_argument("--check-only", action="store_true",
                    help="candidates study: only the correctness check of each candidate (compiles its kernels)")
+    p.add_argument("--paired-rounds", type=int, default=0,
+                   help=f"also time {', '.join(PAIRED_PROVIDERS)} against SDPA cuDNN in this many alternating rounds "
+                        "(median ratio and its confidence; default 0: not)")
     p.add_argument("--write-tuned", default=None, metavar="JSON",
                    help="candidates study: put the fastest tma configs first in this tuned-config file (default: none, write no file)")
     return p
@@ -582,6 +626,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     providers = parse_list(args.providers or ",".join(PROVIDERS + PATH_PROVIDERS), "providers",
                            PROVIDERS + PATH_PROVIDERS)
     budget = check_timeout("--time-budget-s", args.time_budget_s) if args.time_budget_s is not None else math.inf
+    paired_rounds = check_int("--paired-rounds", args.paired_rounds, 0)
+    if paired_rounds in (1, 2):
+        raise ValueError(f"--paired-rounds ({paired_rounds}) must be 0 (off) or >= 3 (a median and its confidence)")
     caps = {"pytorch_tiled": check_int("--max-seq-pytorch", args.max_seq_pytorch, 1),
             "naive": check_int("--max-seq-naive", args.max_seq_naive, 1)}
     device = resolve_device(args.device)
@@ -603,7 +650,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                 row = make_row(SWEEP, cfg, status="skipped", device=device,
                                error=f"{BUDGET_SKIP} {budget:g} spent (--resume runs it)")
             else:
-                row = measure(cfg, device, caps, args.check_only)
+                row = measure(cfg, device, caps, args.check_only, paired_rounds)
             writer.write([row])
             print(f"{cfg['study']:6} {cfg['provider']:13} seq={cfg['seq']:<6} d={cfg['head_dim']:<3} {cfg['dtype']:4} "
                   f"{cfg.get('candidate', '')} -> {row['status']}"
@@ -617,11 +664,11 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     return df
 
 
-def measure(cfg: dict, device: torch.device, caps: dict, check_only: bool = False) -> dict:
+def measure(cfg: dict, device: torch.device, caps: dict, check_only: bool = False, paired_rounds: int = 0) -> dict:
     """The row of one trial: its metrics, `skipped` for a provider that cannot run it, or its failure (an OOM
     or a failed trial is a row, never the end of the sweep)."""
     try:
-        return make_row(SWEEP, cfg, run_trial(cfg, device, caps, check_only), device=device)
+        return make_row(SWEEP, cfg, run_trial(cfg, device, caps, check_only, paired_rounds), device=device)
     except Unsupported as exc:
         return make_row(SWEEP, cfg, status="skipped", error=f"unsupported: {exc}", device=device)
     except Exception as exc:

@@ -159,8 +159,9 @@ case $phase in
       tests/kernels/test_flash_attention_gpu.py tests/kernels/test_flash_attention_gluon.py
     # (the check is one pass, redone whole when the phase runs again: --overwrite)
     study flash_gluon 200 python3 sweeps/flash_gluon_check.py --part all --out "$RESULTS" --overwrite
-    study flash_hopper 200 python3 sweeps/flash_bench.py --studies hopper --time-budget-s 180 --out "$RESULTS" --resume \
-      --providers triton,triton_gluon,triton_gluon_1pass,triton_tma,triton_portable,sdpa_cudnn,sdpa_flash
+    study flash_hopper 230 python3 sweeps/flash_bench.py --studies hopper --time-budget-s 180 --out "$RESULTS" --resume \
+      --providers triton,triton_gluon,triton_gluon_1pass,triton_tma,triton_portable,sdpa_cudnn,sdpa_flash \
+      --paired-rounds 5
     ;;
   gluontiles)  # issue 16 on one GPU: the Gluon forward's and one-pass backward's knobs at a d-128 and a d-64 shape, each
     # checked against the tl kernels and timed (the local launcher: 8 processes compile the grid first), into
