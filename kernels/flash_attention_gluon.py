@@ -18,13 +18,16 @@ One program owns NUM_CONSUMERS * BLOCK_M query rows of one (batch, head) and run
   as async wgmma, waits for S(j) only, computes softmax(j) while P(j-1) V(j-1) runs on the tensor cores, then
   waits for it and rescales O. Across consumers, the warp scheduler runs one group's softmax under another's
   matrix products (no explicit ping-pong barrier).
-P stays in registers (wgmma A operand). Work items are numbered heaviest causal tile first. ptxas hoists a
+P stays in registers (wgmma A operand). Work items are numbered heaviest causal tile first (`_work_item`). With
+`GluonConfig.persistent` one program per SM walks items p, p + #programs, ...: the K/V ring runs on from item to
+item, O has buffers of its own and Q's is released after the last S, so the next item's loads overlap this one's
+last P V and epilogue, the per-item start and drain that short sequences pay (two consumer groups). ptxas hoists a
 wgmma wait above independent ALU work of its basic block, so the wait for P V sits behind a branch the compiler
 cannot fold (the K release); the SASS then reads HGMMA(S) HGMMA(PV) DEPBAR<=1 EX2... DEPBAR<=0.
 
 Usage: `out, lse = gluon_attention_fwd(q, k, v, is_causal)` when `supported(q, k, v)`; knobs in `GluonConfig`.
-`kernels.flash_attention` calls it for its `gluon` path (the backward there is the tl kernels'); the Gluon backward
-is `kernels/flash_attention_gluon_bwd.py`.
+`kernels.flash_attention` calls it for its `gluon` path; the Gluon backward is `kernels/flash_attention_gluon_bwd.py`
+(and `_bwd_onepass.py`).
 """
 
 from __future__ import annotations
@@ -69,19 +72,22 @@ LOADER_REGS = 24
 if HAS_GLUON_HOPPER:
 
     @gluon.jit
-    def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
-                off_b, off_h, start_m, num_kv,
-                NUM_CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                NUM_STAGES: gl.constexpr):
-        """Producer warp: Q tiles once, then K(j), V(j) into ring slot j % NUM_STAGES."""
-        # 1. Q: one barrier for all consumers' tiles.
+    def _load_q(q_desc, q_bufs, q_bar, off_b, off_h, start_m, NUM_CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr):
+        """The consumers' Q tiles, behind one barrier."""
         mbarrier.expect(q_bar, NUM_CONSUMERS * q_desc.block_type.nbytes)
         for c in gl.static_range(NUM_CONSUMERS):
             tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m + c * BLOCK_M, 0], q_bar, q_bufs.index(c))
-        # 2. K/V ring. Empty barriers start "phase 1 complete", so the first pass through the ring does not wait.
+
+    @gluon.jit
+    def _load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, off_b, off_h, num_kv, it0,
+                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+        """K(j), V(j) for j < num_kv into ring slot (it0 + j) % NUM_STAGES: `it0` counts the tiles the ring took
+        before (earlier work items of a persistent program). Empty barriers start "phase 1 complete", so the first
+        pass through the ring does not wait."""
         for j in range(num_kv):
-            stage = j % NUM_STAGES
-            phase = (j // NUM_STAGES) & 1
+            it = it0 + j
+            stage = it % NUM_STAGES
+            phase = (it // NUM_STAGES) & 1
             mbarrier.wait(k_empty.index(stage), phase ^ 1)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [off_b, off_h, j * BLOCK_N, 0], k_ready.index(stage),
@@ -90,6 +96,50 @@ if HAS_GLUON_HOPPER:
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(v_desc, [off_b, off_h, j * BLOCK_N, 0], v_ready.index(stage),
                                             v_bufs.index(stage))
+
+    @gluon.jit
+    def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                off_b, off_h, start_m, num_kv,
+                NUM_CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                NUM_STAGES: gl.constexpr):
+        """Producer warp: Q tiles once, then K(j), V(j) into ring slot j % NUM_STAGES."""
+        _load_q(q_desc, q_bufs, q_bar, off_b, off_h, start_m, NUM_CONSUMERS, BLOCK_M)
+        _load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, off_b, off_h, num_kv, 0,
+                 BLOCK_N, NUM_STAGES)
+
+    @gluon.jit
+    def _work_item(t, BH, H, N_Q, N_K, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """Work item t -> (pid_bh, off_b, off_h, start_m, num_kv, n_unmasked): causal query tiles numbered by
+        decreasing tile index across all BH heads (heaviest first); key tiles [0, num_kv) in all, [n_unmasked,
+        num_kv) needing the causal and/or key-tail mask."""
+        pid_bh = t % BH
+        start_m = (gl.cdiv(N_Q, TILE_M) - 1 - t // BH) * TILE_M
+        if IS_CAUSAL:
+            kv_end = gl.minimum(start_m + TILE_M, N_K)
+            n_unmasked = gl.minimum(start_m // BLOCK_N, N_K // BLOCK_N)
+        else:
+            kv_end = N_K
+            n_unmasked = N_K // BLOCK_N
+        return pid_bh, pid_bh // H, pid_bh % H, start_m, gl.cdiv(kv_end, BLOCK_N), n_unmasked
+
+    @gluon.jit
+    def _persistent_loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty,
+                           v_ready, v_empty, H, BH, N_Q, N_K, NUM_CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
+                           BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """Producer warp of a persistent program: per work item, its Q tiles once the consumers released the
+        previous ones (`q_empty`, after their last S), then its K/V through the ring, which runs on across items."""
+        TILE_M: gl.constexpr = NUM_CONSUMERS * BLOCK_M
+        it0 = 0
+        n = 0
+        for t in range(gl.program_id(0), gl.cdiv(N_Q, TILE_M) * BH, gl.num_programs(0)):
+            pid_bh, off_b, off_h, start_m, num_kv, n_unmasked = _work_item(t, BH, H, N_Q, N_K, TILE_M, BLOCK_N,
+                                                                           IS_CAUSAL)
+            mbarrier.wait(q_empty, (n & 1) ^ 1)
+            _load_q(q_desc, q_bufs, q_bar, off_b, off_h, start_m, NUM_CONSUMERS, BLOCK_M)
+            _load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, off_b, off_h, num_kv, it0,
+                     BLOCK_N, NUM_STAGES)
+            it0 += num_kv
+            n += 1
 
     @gluon.jit
     def _softmax_tile(s, m_i, j, n_unmasked, rows, N_K, qk_scale, s_layout: gl.constexpr,
@@ -108,11 +158,15 @@ if HAS_GLUON_HOPPER:
         return p, m_new, alpha
 
     @gluon.jit
-    def _consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
-                  off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
+    def _consumer(q_smem, o_smem, k_bufs, v_bufs, q_bar, q_phase, q_empty, k_ready, k_empty, v_ready, v_empty,
+                  o_desc, L, off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, it0, qk_scale,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
-        """One warp group's BLOCK_M query rows [start_m, start_m + BLOCK_M): Algorithm 1 of FA3 (pipelined)."""
+                  NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+        """One warp group's BLOCK_M query rows [start_m, start_m + BLOCK_M): Algorithm 1 of FA3 (pipelined). The
+        ring slots continue from `it0` (the key tiles of the program's earlier work items) and Q's barrier is in
+        phase `q_phase`. O goes out through `o_smem`: Q's own buffer in a one-item program; in a PERSISTENT one a
+        buffer of its own, and Q's is released (`q_empty`) after the last S, so that the next item's Q loads under
+        this one's last P V and epilogue."""
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -130,12 +184,13 @@ if HAS_GLUON_HOPPER:
         s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
 
         # 1. Tile 0: S(0), softmax(0); no P V in flight yet.
-        mbarrier.wait(q_bar, 0)
-        mbarrier.wait(k_ready.index(0), 0)
-        k = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
+        mbarrier.wait(q_bar, q_phase)
+        first = it0 % NUM_STAGES
+        mbarrier.wait(k_ready.index(first), (it0 // NUM_STAGES) & 1)
+        k = k_bufs.index(first).reshape([BLOCK_N, HEAD_DIM])
         s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
-        mbarrier.arrive(k_empty.index(0), count=1)
+        mbarrier.arrive(k_empty.index(first), count=1)
         p32, m_i, alpha = _softmax_tile(s, m_i, 0, n_unmasked, rows, N_K, qk_scale, s_layout, IS_CAUSAL, BLOCK_N)
         l_i = gl.sum(p32, 1)
         p = gl.convert_layout(p32.to(dtype), p_layout)
@@ -143,12 +198,13 @@ if HAS_GLUON_HOPPER:
         # 2. Steady state, iteration j: S(j) and P(j-1) V(j-1) go to the tensor cores back to back; softmax(j)
         #    is meant to run under P(j-1) V(j-1) (see the module docstring for what ptxas makes of that).
         for j in range(1, num_kv):
-            stage = j % NUM_STAGES
-            prev = (j - 1) % NUM_STAGES
-            mbarrier.wait(k_ready.index(stage), (j // NUM_STAGES) & 1)
+            it = it0 + j
+            stage = it % NUM_STAGES
+            prev = (it - 1) % NUM_STAGES
+            mbarrier.wait(k_ready.index(stage), (it // NUM_STAGES) & 1)
             k = k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM])
             s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), ((it - 1) // NUM_STAGES) & 1)
             v = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
             acc = warpgroup_mma(p, v, acc, is_async=True)
             # wgmma groups retire in order: one outstanding left means S(j) is done, P V may still run.
@@ -166,60 +222,64 @@ if HAS_GLUON_HOPPER:
             mbarrier.arrive(v_empty.index(prev), count=1)
             p = gl.convert_layout(p32.to(dtype), p_layout)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        if PERSISTENT:  # every S has retired: Q's buffer may take the next item's Q
+            mbarrier.arrive(q_empty, count=1)
 
         # 3. The last P V.
-        last = (num_kv - 1) % NUM_STAGES
-        mbarrier.wait(v_ready.index(last), ((num_kv - 1) // NUM_STAGES) & 1)
+        last_it = it0 + num_kv - 1
+        last = last_it % NUM_STAGES
+        mbarrier.wait(v_ready.index(last), (last_it // NUM_STAGES) & 1)
         v = v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM])
         acc = warpgroup_mma(p, v, acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(last), count=1)
 
-        # 4. Epilogue: O = acc / l through the (now free) Q buffer and a TMA store (rows past N_Q dropped);
-        #    L = ln(l) + m ln 2 (natural log, like the tl kernels).
+        # 4. Epilogue: O = acc / l through `o_smem` and a TMA store (rows past N_Q dropped); L = ln(l) + m ln 2
+        #    (natural log, like the tl kernels). A persistent program waits for its previous O store to leave the
+        #    buffer first, and for its last one at the end of the program.
         acc = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
-        q.store(acc.to(dtype))
+        if PERSISTENT:
+            tma.store_wait(0)
+        o_smem.reshape([BLOCK_M, HEAD_DIM]).store(acc.to(dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [off_b, off_h, start_m, 0], q_smem)
+        tma.async_copy_shared_to_global(o_desc, [off_b, off_h, start_m, 0], o_smem)
         lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
         gl.store(L + pid_bh.to(gl.int64) * N_Q + rows, lse, mask=rows < N_Q)
-        tma.store_wait(0)
+        if not PERSISTENT:
+            tma.store_wait(0)
 
     @gluon.jit
     def _consumer_partition(C: gl.constexpr, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
                             o_desc, L, off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
-        """Partition entry of consumer C: its Q buffer and rows."""
-        _consumer(q_bufs.index(C), k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
-                  off_b, off_h, pid_bh, start_m + C * BLOCK_M, N_Q, N_K, num_kv, n_unmasked, qk_scale,
-                  HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)
+        """Partition entry of consumer C: its Q buffer (also O's) and rows."""
+        _consumer(q_bufs.index(C), q_bufs.index(C), k_bufs, v_bufs, q_bar, 0, q_bar, k_ready, k_empty, v_ready,
+                  v_empty, o_desc, L, off_b, off_h, pid_bh, start_m + C * BLOCK_M, N_Q, N_K, num_kv, n_unmasked, 0,
+                  qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, False)
 
     @gluon.jit
-    def _gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, L, H, N_Q, N_K, qk_scale,
-                               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                               NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                               IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
-        """Grid (cdiv(N_Q, NUM_CONSUMERS * BLOCK_M) * B * H,): program -> (query tile, batch*head), heavy first."""
+    def _persistent_consumer(C: gl.constexpr, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty,
+                             v_ready, v_empty, o_desc, L, H, BH, N_Q, N_K, qk_scale, HEAD_DIM: gl.constexpr,
+                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                             NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """Consumer C of a persistent program: work items pid, pid + #programs, ... (`_work_item` order)."""
         TILE_M: gl.constexpr = NUM_CONSUMERS * BLOCK_M
-        # 1. Work item: causal tiles numbered by decreasing query-tile index across all heads.
-        num_bh = gl.num_programs(0) // gl.cdiv(N_Q, TILE_M)
-        pid = gl.program_id(0)
-        pid_bh = pid % num_bh
-        pid_m = gl.cdiv(N_Q, TILE_M) - 1 - pid // num_bh
-        off_b = pid_bh // H
-        off_h = pid_bh % H
-        start_m = pid_m * TILE_M
-        # 2. Key tiles: [0, num_kv) in all; [n_unmasked, num_kv) need the causal and/or key-tail mask.
-        if IS_CAUSAL:
-            kv_end = gl.minimum(start_m + TILE_M, N_K)
-            n_unmasked = gl.minimum(start_m // BLOCK_N, N_K // BLOCK_N)
-        else:
-            kv_end = N_K
-            n_unmasked = N_K // BLOCK_N
-        num_kv = gl.cdiv(kv_end, BLOCK_N)
+        it0 = 0
+        n = 0
+        for t in range(gl.program_id(0), gl.cdiv(N_Q, TILE_M) * BH, gl.num_programs(0)):
+            pid_bh, off_b, off_h, start_m, num_kv, n_unmasked = _work_item(t, BH, H, N_Q, N_K, TILE_M, BLOCK_N,
+                                                                           IS_CAUSAL)
+            _consumer(q_bufs.index(C), o_bufs.index(C), k_bufs, v_bufs, q_bar, n & 1, q_empty, k_ready, k_empty,
+                      v_ready, v_empty, o_desc, L, off_b, off_h, pid_bh, start_m + C * BLOCK_M, N_Q, N_K, num_kv,
+                      n_unmasked, it0, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, True)
+            it0 += num_kv
+            n += 1
+        tma.store_wait(0)
 
-        # 3. Shared memory: Q (one tile per consumer, reused for O), the K/V ring, barriers.
+    @gluon.jit
+    def _fwd_shared(q_desc, k_desc, v_desc, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+        """Shared memory of a forward program: Q (one tile per consumer), the K/V ring and their barriers."""
         dtype: gl.constexpr = q_desc.dtype
         q_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
         k_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -235,8 +295,24 @@ if HAS_GLUON_HOPPER:
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)
             mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
+        return q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty
 
-        # 4. Partitions: consumer 0 is the default (num_warps = 4); the others and the loader are workers. The
+    @gluon.jit
+    def _gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, L, H, N_Q, N_K, qk_scale,
+                               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                               NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+                               IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+        """Grid (cdiv(N_Q, NUM_CONSUMERS * BLOCK_M) * B * H,): program -> (query tile, batch*head), heavy first."""
+        TILE_M: gl.constexpr = NUM_CONSUMERS * BLOCK_M
+        # 1. Work item: this program's (`_work_item`, heaviest first).
+        num_bh = gl.num_programs(0) // gl.cdiv(N_Q, TILE_M)
+        pid_bh, off_b, off_h, start_m, num_kv, n_unmasked = _work_item(gl.program_id(0), num_bh, H, N_Q, N_K, TILE_M,
+                                                                       BLOCK_N, IS_CAUSAL)
+        # 2. Shared memory: Q (one tile per consumer, reused for O), the K/V ring, barriers.
+        q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty = _fwd_shared(q_desc, k_desc, v_desc,
+                                                                                        NUM_STAGES, NUM_CONSUMERS)
+
+        # 3. Partitions: consumer 0 is the default (num_warps = 4); the others and the loader are workers. The
         #    argument tuples are written inline: a tuple assigned to a variable turns its constexprs into values.
         if NUM_CONSUMERS == 1:
             gl.warp_specialize([
@@ -274,6 +350,34 @@ if HAS_GLUON_HOPPER:
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
 
 
+    @gluon.jit
+    def _gluon_attn_fwd_persistent_kernel(q_desc, k_desc, v_desc, o_desc, L, H, BH, N_Q, N_K, qk_scale,
+                                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                          NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+                                          IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                          LOADER_REGS: gl.constexpr):
+        """Grid (at most one program per SM,): program p takes work items p, p + #programs, ... of the
+        `_work_item` order (the heaviest first); its K/V ring runs on from one item to the next, and the next
+        item's Q loads under the last P V and epilogue of the current one (O has buffers of its own)."""
+        gl.static_assert(NUM_CONSUMERS == 2, "the persistent forward has two consumer groups")
+        q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty = _fwd_shared(q_desc, k_desc, v_desc,
+                                                                                        NUM_STAGES, NUM_CONSUMERS)
+        o_bufs = gl.allocate_shared_memory(o_desc.dtype, [NUM_CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_empty, count=NUM_CONSUMERS)
+        gl.warp_specialize([
+            (_persistent_consumer, (0, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty, v_ready,
+                                    v_empty, o_desc, L, H, BH, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                    NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL)),
+            (_persistent_consumer, (1, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty, v_ready,
+                                    v_empty, o_desc, L, H, BH, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                    NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL)),
+            (_persistent_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty,
+                                  v_ready, v_empty, H, BH, N_Q, N_K, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                  IS_CAUSAL)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Configs and launcher
 # ----------------------------------------------------------------------------------------------------------
@@ -299,8 +403,15 @@ class GluonConfig:
     """Depth of the K/V shared-memory ring."""
     num_consumers: int = 2
     """Consumer warp groups (1-3), each on its own block_m query rows."""
+    persistent: bool = False
+    """One program per SM walking the work items (`_gluon_attn_fwd_persistent_kernel`; two consumer groups):
+    the next item's loads overlap the current one's tail, which short sequences pay per item."""
 
     def __post_init__(self):
+        if self.persistent not in (True, False):
+            raise ValueError(f"persistent ({self.persistent!r}) must be a bool")
+        if self.persistent and self.num_consumers != 2:
+            raise ValueError(f"persistent needs num_consumers 2, not {self.num_consumers}")
         if self.block_m not in (64, 128):
             raise ValueError(f"block_m ({self.block_m}) must be 64 or 128")
         if self.block_n not in (32, 64, 128):
@@ -311,13 +422,19 @@ class GluonConfig:
 
     @property
     def name(self) -> str:
-        return f"{self.num_consumers}x{self.block_m}x{self.block_n}/s{self.num_stages}"
+        return f"{self.num_consumers}x{self.block_m}x{self.block_n}/s{self.num_stages}" + ("/p" if self.persistent else "")
 
     def registers(self) -> tuple[int, int]:
         return register_split(self.num_consumers)
 
     def shared_bytes(self, head_dim: int, elem: int = 2) -> int:
-        return elem * head_dim * (self.num_consumers * self.block_m + 2 * self.num_stages * self.block_n)
+        """Q (and O's own buffers when persistent) and the K/V ring."""
+        q_tiles = self.num_consumers * self.block_m * (2 if self.persistent else 1)
+        return elem * head_dim * (q_tiles + 2 * self.num_stages * self.block_n)
+
+    @property
+    def kernel(self):
+        return _gluon_attn_fwd_persistent_kernel if self.persistent else _gluon_attn_fwd_kernel
 
 
 DEFAULT_CONFIGS = {64: GluonConfig(block_m=64, block_n=128, num_stages=3, num_consumers=2),
@@ -370,6 +487,13 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str
 
 
 @functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (the persistent grid); an H100 / H200's 132 for a CPU tensor
+    (the sm_90 build check on a host without a GPU)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+@functools.lru_cache(maxsize=None)
 def capability(device: torch.device) -> tuple[int, int]:
     """`torch.cuda.get_device_capability`, asked once per device (it costs microseconds per call)."""
     return torch.cuda.get_device_capability(device)
@@ -392,9 +516,15 @@ def launch_args(q, k, v, out, lse, is_causal: bool, config: GluonConfig):
     batch, heads, n_q, head_dim = q.shape
     n_k = k.shape[2]
     maxnreg, consumer_regs = config.registers()
-    grid = (triton.cdiv(n_q, config.num_consumers * config.block_m) * batch * heads,)
-    args = (_descriptor(q, config.block_m), _descriptor(k, config.block_n), _descriptor(v, config.block_n),
-            _descriptor(out, config.block_m), lse, heads, n_q, n_k, LOG2E / math.sqrt(head_dim))
+    num_items = triton.cdiv(n_q, config.num_consumers * config.block_m) * batch * heads
+    descriptors = (_descriptor(q, config.block_m), _descriptor(k, config.block_n), _descriptor(v, config.block_n),
+                   _descriptor(out, config.block_m), lse, heads)
+    if config.persistent:
+        grid = (min(num_items, num_sms(q.device)),)
+        args = (*descriptors, batch * heads, n_q, n_k, LOG2E / math.sqrt(head_dim))
+    else:
+        grid = (num_items,)
+        args = (*descriptors, n_q, n_k, LOG2E / math.sqrt(head_dim))
     meta = dict(HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
                 NUM_CONSUMERS=config.num_consumers, IS_CAUSAL=is_causal, CONSUMER_REGS=consumer_regs,
                 LOADER_REGS=LOADER_REGS,
@@ -419,7 +549,7 @@ def launch_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: boo
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     grid, args, meta = launch_args(q, k, v, out, lse, is_causal, config)
     with torch.cuda.device(q.device):
-        _gluon_attn_fwd_kernel[grid](*args, **meta)
+        config.kernel[grid](*args, **meta)
     return out, lse
 
 

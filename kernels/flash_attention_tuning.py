@@ -232,7 +232,8 @@ GLUON_KINDS = ("fwd", "bwd")
 backward (`GluonBwdConfig`)."""
 
 
-GLUON_FIELDS = {"fwd": {"block_m", "block_n", "num_stages", "num_consumers"}, "bwd": {"block_m", "num_stages"}}
+GLUON_FIELDS = {"fwd": {"block_m", "block_n", "num_stages", "num_consumers", "persistent"},
+                "bwd": {"block_m", "num_stages"}}
 """The config fields of each Gluon kind (`GluonConfig`, `GluonBwdConfig`) a tuned entry may hold."""
 
 

@@ -40,10 +40,12 @@ SWEEP = "flash_gluon"
 CONFIGS = {
     64: [fg.GluonConfig(block_m=64, block_n=128, num_stages=3, num_consumers=2),
          fg.GluonConfig(block_m=64, block_n=64, num_stages=3, num_consumers=3),
-         fg.GluonConfig(block_m=128, block_n=64, num_stages=3, num_consumers=2)],
+         fg.GluonConfig(block_m=128, block_n=64, num_stages=3, num_consumers=2),
+         fg.GluonConfig(block_m=128, block_n=64, num_stages=2, num_consumers=2, persistent=True)],
     128: [fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2),
           fg.GluonConfig(block_m=64, block_n=64, num_stages=3, num_consumers=2),
-          fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=1)],
+          fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=1),
+          fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2, persistent=True)],
 }
 """Per head dim, the default first."""
 CHECK_SHAPES = [((1, 3, 1000, 128), 1000, True), ((1, 3, 1000, 128), 1000, False), ((2, 2, 777, 64), 777, True),

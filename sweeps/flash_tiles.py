@@ -85,7 +85,8 @@ MATMULS = {"fwd": 2, "dkdv": 4, "dq": 3, "dkdvq": 5}
 # `variant` key is `portable` (the rows of earlier runs).
 VARIANTS = {"portable": ("portable", False, False), "tma": ("tma", False, False), "tma_ws": ("tma", True, False),
             "tma_persistent": ("tma", False, True), "tma_ws_persistent": ("tma", True, True),
-            "tma_r128": ("tma", False, False), "gluon": ("gluon", False, False)}
+            "tma_r128": ("tma", False, False), "gluon": ("gluon", False, False),
+            "gluon_persistent": ("gluon", False, True)}
 REGISTER_CAPS = {"tma_r128": 128}
 # The Gluon kernels (sm_90, Triton 3.6; variant `gluon`): the forward's knobs (`GluonConfig`: query rows per
 # consumer group x keys per tile, ring depth, consumer groups) and the one-pass backward's (`GluonBwdConfig`: 64
@@ -95,7 +96,10 @@ GLUON_KERNELS = {"fwd": "fwd", "dkdvq": "bwd"}
 GLUON_TILES = {"fwd": ("64x128", "64x64", "128x64"), "dkdvq": ("64x64",)}
 GLUON_STAGES = {"fwd": (2, 3), "dkdvq": (1, 2, 3)}
 GLUON_CONSUMERS = (1, 2, 3)
-GLUON_KEYS = ["block_m", "block_n", "num_stages", "num_consumers"]
+GLUON_KEYS = ["block_m", "block_n", "num_stages", "num_consumers", "persistent"]
+GLUON_VARIANTS = ("gluon", "gluon_persistent")
+"""`gluon_persistent`: the forward's persistent grid (`GluonConfig.persistent`, two consumer groups), its tiles
+and ring depths."""
 QUICK_PER_VARIANT = 4  # --quick: the first built-in candidates of each variant
 
 
@@ -144,17 +148,18 @@ def param_spaces(quick: bool, shapes: tuple[str, ...], variants: tuple[str, ...]
     for kernel in KERNELS:
         for variant in variants:
             path, ws, persistent = VARIANTS[variant]
-            if variant == "gluon":
+            if variant in GLUON_VARIANTS:
                 gluon_shapes = [sh for sh in shapes if parse_shape(sh)["head_dim"] in (64, 128)
                                 and parse_shape(sh)["dtype"] in ("bfloat16", "float16")]
                 if not gluon_shapes:
-                    raise ValueError(f"variant gluon runs shapes of head dim 64 or 128 in bf16 / fp16; none of "
+                    raise ValueError(f"variant {variant} runs shapes of head dim 64 or 128 in bf16 / fp16; none of "
                                      f"{list(shapes)} is one")
-                if kernel in GLUON_KERNELS:
-                    spaces[f"{kernel}/gluon"] = {
-                        "kernel": kernel, "variant": "gluon", "tile": {"grid_search": list(GLUON_TILES[kernel])},
+                if kernel in GLUON_KERNELS and (kernel == "fwd" or not persistent):
+                    consumers = [2] if persistent else list(GLUON_CONSUMERS)
+                    spaces[f"{kernel}/{variant}"] = {
+                        "kernel": kernel, "variant": variant, "tile": {"grid_search": list(GLUON_TILES[kernel])},
                         "num_warps": 4, "num_stages": {"grid_search": list(GLUON_STAGES[kernel])},
-                        **({"num_consumers": {"grid_search": list(GLUON_CONSUMERS)}} if kernel == "fwd" else {}),
+                        **({"num_consumers": {"grid_search": consumers}} if kernel == "fwd" else {}),
                         "shape": {"grid_search": gluon_shapes}}
                 continue
             if ws and kernel in ("dq", "dkdvq"):
@@ -205,7 +210,7 @@ def trial(config: dict, device: str = "cuda") -> dict:
     variant = config.get("variant", "portable")
     path, ws, persistent = VARIANTS[variant]
     block_m, block_n = (int(x) for x in config["tile"].split("x"))
-    if variant == "gluon":
+    if variant in GLUON_VARIANTS:
         return gluon_trial(config, block_m, block_n)
     cfg = FlashConfig(block_m, block_n, config["num_warps"], config["num_stages"], ws, persistent,
                       REGISTER_CAPS.get(variant)).check(kernel, path)
@@ -263,6 +268,7 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
     from kernels.flash_attention_tuning import candidates
 
     kernel, shape = config["kernel"], parse_shape(config["shape"])
+    persistent = VARIANTS[config["variant"]][2]
     dtype, causal, head_dim = getattr(torch, shape["dtype"]), shape["causal"], shape["head_dim"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     dims = (1, HEADS, config.get("_compile_seq", shape["seq"]), head_dim)
@@ -270,7 +276,7 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
     base_fwd = candidates("fwd", dtype, head_dim)[0]
     if kernel == "fwd":
         cfg = gluon_fwd.GluonConfig(block_m=block_m, block_n=block_n, num_stages=config["num_stages"],
-                                    num_consumers=config["num_consumers"])
+                                    num_consumers=config["num_consumers"], persistent=persistent)
         run = lambda: gluon_fwd.gluon_attention_fwd(q, k, v, causal, config=cfg)[0]  # noqa: E731
         want = flash_attention_fwd(q, k, v, causal, config=base_fwd, path="portable")[0]
     else:
@@ -295,7 +301,7 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
     flops = flash_attention_flops(1, HEADS, shape["seq"], shape["seq"], head_dim, causal, "fwd")
     flops *= MATMULS[kernel] / 2
     return {"block_m": block_m, "block_n": block_n, "num_consumers": config.get("num_consumers", 2), "path": "gluon",
-            "warp_specialize": True, "persistent": False, "maxnreg": 0, **shape, "time_median_s": ms / 1e3,
+            "warp_specialize": True, "persistent": persistent, "maxnreg": 0, **shape, "time_median_s": ms / 1e3,
             "tflops": flops / (ms * 1e-3) / 1e12, "max_abs_err": err}
 
 
@@ -453,6 +459,9 @@ def gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict
         sel = ok[ok["kernel"] == kernel].copy()
         if sel.empty:
             continue
+        if "persistent" not in sel:  # rows of runs before the persistent forward
+            sel["persistent"] = False
+        sel["persistent"] = sel["persistent"].fillna(False)
         for col in GLUON_KEYS:
             sel[col] = sel[col].astype(int)
         sel["median_ms"] = 1e3 * sel["time_median_s"]
@@ -460,8 +469,9 @@ def gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict
         grid = len(GLUON_TILES[kernel]) * len(GLUON_STAGES[kernel])
         grid *= len(GLUON_CONSUMERS) if kernel == "fwd" else 1
         entries = _best_entries(sel, GLUON_KEYS, {}, min(min_configs, grid))
-        if kernel != "fwd":  # GluonBwdConfig has no block_n (BWD_BLOCK_N) or consumer count (two)
-            entries = [{k: v for k, v in e.items() if k not in ("block_n", "num_consumers")} for e in entries]
+        if kernel != "fwd":  # GluonBwdConfig has no block_n (BWD_BLOCK_N), consumer count (two) or persistence
+            entries = [{k: v for k, v in e.items() if k not in ("block_n", "num_consumers", "persistent")}
+                       for e in entries]
         out[kind] = entries
     return out
 

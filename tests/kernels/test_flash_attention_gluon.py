@@ -9,6 +9,7 @@ autograd on the same shapes with a random upstream gradient; the two-pass backwa
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -42,6 +43,12 @@ def test_config_rules():
         # ... and what the consumers and the loader ask for fits in that budget.
         assert consumer * n + fg.LOADER_REGS <= maxnreg * (n + 1)
     assert fg.GluonConfig(num_consumers=2).registers() == (168, 240)
+    with pytest.raises(ValueError, match="persistent needs num_consumers 2, not 3"):
+        fg.GluonConfig(num_consumers=3, persistent=True)
+    persistent = fg.GluonConfig(persistent=True)
+    assert persistent.name == "2x64x128/s2/p"
+    # O gets buffers of its own beside Q's (two 64 x 128 tiles), the K/V ring (2 x 2 x 128 x 128), bf16.
+    assert persistent.shared_bytes(128) == fg.GluonConfig().shared_bytes(128) + 2 * 64 * 128 * 2 == 196608
 
 
 def test_flops_count_causal_half():
@@ -97,14 +104,14 @@ def _compile_sm90(config: fg.GluonConfig, head_dim: int, dtype: torch.dtype, cau
     q = _cpu((1, 3, 1000, head_dim), dtype)
     k = _cpu((1, 3, 777, head_dim), dtype)
     _, args, meta = fg.launch_args(q, k, k, torch.zeros_like(q), torch.zeros(1, 3, 1000), causal, config)
-    return _compile_for_sm90(fg._gluon_attn_fwd_kernel, args, meta)
+    return _compile_for_sm90(config.kernel, args, meta)
 
 
 @pytest.mark.slow
 @needs_gluon_api
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_compiles_for_sm90(head_dim):
-    config = fg.DEFAULT_CONFIGS[head_dim]
+@pytest.mark.parametrize("head_dim, persistent", [(64, False), (128, False), (128, True)])
+def test_compiles_for_sm90(head_dim, persistent):
+    config = dataclasses.replace(fg.DEFAULT_CONFIGS[head_dim], persistent=persistent)
     compiled = _compile_sm90(config, head_dim, torch.bfloat16, True)
     ptx, sass_bytes = compiled.asm["ptx"], compiled.asm["cubin"]
     assert sass_bytes and compiled.metadata.shared >= config.shared_bytes(head_dim)
@@ -113,6 +120,7 @@ def test_compiles_for_sm90(head_dim):
     assert "wgmma.wait_group.sync.aligned 1;" in ptx
     assert f"setmaxnreg.inc.sync.aligned.u32 \t{config.registers()[1]};" in ptx
     assert f"setmaxnreg.dec.sync.aligned.u32 \t{fg.LOADER_REGS};" in ptx
+    assert "0 bytes spill stores" in _ptxas_log(ptx)
 
 
 def test_bwd_config_rules():
@@ -310,6 +318,32 @@ def _reference(q, k, v, causal):
         scores = scores.masked_fill(torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
                                     .triu(1), float("-inf"))
     return torch.softmax(scores, -1) @ vf, torch.logsumexp(scores, -1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
+                    or not fg.HAS_GLUON_HOPPER, reason="needs an sm_90 GPU and Gluon's Hopper API")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("q_shape, n_k, causal", [
+    ((4, 16, 1000, 128), 1000, True), ((3, 16, 777, 64), 777, True), ((4, 16, 513, 128), 1029, False),
+    ((3, 16, 1029, 64), 513, False)])
+def test_persistent_forward_matches_the_one_item_programs(q_shape, n_k, causal, dtype):
+    """The persistent forward: several work items per program (more items than SMs), so the ring and Q's barrier
+    run on across items; bitwise the one-item programs' O and L (same tiles, same order of additions)."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    k_shape = q_shape[:2] + (n_k, q_shape[-1])
+    q, k, v = (torch.randn(s, generator=gen, device="cuda").to(dtype) for s in (q_shape, k_shape, k_shape))
+    base = fg.default_config(q_shape[-1], dtype)
+    if base.num_consumers != 2:
+        base = fg.DEFAULT_CONFIGS[q_shape[-1]]
+    persistent = dataclasses.replace(base, persistent=True)
+    items = triton.cdiv(q_shape[2], 2 * persistent.block_m) * q_shape[0] * q_shape[1]
+    assert items > 2 * fg.num_sms(q.device)
+    want = fg.gluon_attention_fwd(q, k, v, causal, config=base)
+    got = fg.gluon_attention_fwd(q, k, v, causal, config=persistent)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    ref_out, _ = _reference(q, k, v, causal)
+    assert (got[0].float() - ref_out).abs().max().item() <= (2e-2 if dtype == torch.bfloat16 else 4e-3)
 
 
 @pytest.mark.gpu

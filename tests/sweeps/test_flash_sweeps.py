@@ -187,8 +187,9 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     rows += [_tile_row("fwd", "64x64", 4, 3, a, 0.1)]  # a tl row: not the Gluon kernels'
     df = pd.DataFrame(rows).assign(device_name="H200", torch_version="2.11", triton_version="3.6")
     gluon = flash_tiles.gluon_best_configs(df, min_configs=8)
-    assert gluon["fwd"][0] == dict(block_m=64, block_n=128, num_stages=2, num_consumers=1, head_dim=128,
-                                   dtype="bfloat16", shapes=[a, b], geomean_ms=gluon["fwd"][0]["geomean_ms"])
+    assert gluon["fwd"][0] == dict(block_m=64, block_n=128, num_stages=2, num_consumers=1, persistent=False,
+                                   head_dim=128, dtype="bfloat16", shapes=[a, b],
+                                   geomean_ms=gluon["fwd"][0]["geomean_ms"])
     assert {k: gluon["bwd"][0][k] for k in ("block_m", "num_stages", "shapes")} == dict(block_m=64, num_stages=3,
                                                                                        shapes=[a, b])
     assert "block_n" not in gluon["bwd"][0] and all(e.get("path") != "gluon" for e in
@@ -202,6 +203,16 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     assert gluon_fwd.default_config(128, torch.bfloat16) == gluon_fwd.GluonConfig(
         block_m=64, block_n=128, num_stages=2, num_consumers=1)
     assert one_pass.default_config(128, torch.bfloat16) == one_pass.GluonBwdConfig(block_m=64, num_stages=3)
+    # The persistent forward: its own variant (fwd only, two consumer groups); a winner carries `persistent`.
+    spaces = flash_tiles.param_spaces(False, (a,), ("gluon_persistent",))
+    assert set(spaces) == {"fwd/gluon_persistent"}
+    grid = flash_tiles.grid_configs(spaces["fwd/gluon_persistent"])
+    assert len(grid) == 6 and {c["num_consumers"] for c in grid} == {2}
+    fast = dict(row("fwd", "64x128", 2, 2, a, 0.2), variant="gluon_persistent", persistent=True)
+    df_p = pd.concat([df, pd.DataFrame([fast, dict(fast, shape=b)])], ignore_index=True)
+    winner = flash_tiles.gluon_best_configs(df_p, min_configs=8)["fwd"][0]
+    assert winner["persistent"] is True and winner["num_consumers"] == 2
+    assert gluon_fwd.GluonConfig(**{k: winner[k] for k in tuning.GLUON_FIELDS["fwd"]}).persistent
     assert gluon_fwd.default_config(64, torch.bfloat16) == gluon_fwd.DEFAULT_CONFIGS[64]  # not swept: the default
     assert one_pass.default_config(128, torch.float16) == one_pass.DEFAULT_BWD_CONFIGS[128]
     # Bad input, before any work: no shape the Gluon kernels take; a tuned entry with a field no config has.
