@@ -368,43 +368,6 @@ def test_group_of_one_trains_bitwise_like_one_process():
         assert no_grad == plain, f"{name}: {no_grad} != {plain}"
 
 
-def _waits(rank: int, world_size: int) -> dict:
-    """The works `finish_gradient_synchronization()` waits for, per rule: each of them (gloo, whose worker threads
-    may finish collectives out of order), or only the last (NCCL: one stream, issue order); and what gloo is."""
-    out = {}
-    for in_order in (False, True):
-        torch.manual_seed(0)
-        ddp = make_ddp("overlapped", _build("transformer"), collectives_alone=True)
-        reducer = ddp._reducer
-        out["gloo_in_order"] = reducer.in_order
-        reducer.in_order = in_order
-        x, y = _batch("transformer", 0)
-        _loss("transformer", ddp, x, y).backward()
-        waited = []
-
-        class Counted:
-            def __init__(self, i, work):
-                self.i, self.work = i, work
-
-            def wait(self):
-                waited.append(self.i)
-                return self.work.wait()
-
-        reducer.works[:] = [Counted(i, w) for i, w in enumerate(reducer.works)]
-        issued = len(reducer.works)
-        ddp.finish_gradient_synchronization()
-        out[in_order] = (waited, issued, ddp.num_collectives)
-    return out
-
-
-def test_finish_waits_once_where_collectives_run_in_order():
-    [out] = run_ranks(_waits, 1)
-    assert out.pop("gloo_in_order") is False
-    for in_order, (waited, issued, expected) in out.items():
-        assert issued == expected > 1
-        assert waited == ([issued - 1] if in_order else list(range(issued))), (in_order, waited)
-
-
 def _train_compiled(rank: int, world_size: int, variants: list, num_steps: int) -> tuple[dict, int]:
     graphs = dynamo_graphs()
     return _train_variants(rank, world_size, "transformer-compiled", variants, num_steps), dynamo_graphs() - graphs
