@@ -48,8 +48,8 @@ if TYPE_CHECKING:
     from kernels.flash_attention_gluon_bwd_onepass import GluonBwdConfig
 
 if HAS_GLUON_HOPPER:  # the forward's imports of Triton 3.6's Gluon API
-    from kernels.flash_attention_gluon import (fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma,
-                                               warpgroup_mma_wait)
+    from kernels.flash_attention_gluon import (_fwd_shared, _work_item, fence_async_shared, gl, gluon, mbarrier, tma,
+                                               warpgroup_mma, warpgroup_mma_wait)
 
 # ----------------------------------------------------------------------------------------------------------
 # The loader of the key-tile-stationary kernels (two-pass dK/dV, one-pass): K, V once, Q/dO tiles streamed
@@ -333,39 +333,22 @@ if HAS_GLUON_HOPPER:
                                   LOADER_REGS: gl.constexpr):
         """Grid (cdiv(N_Q, 2 * BLOCK_M) * B * H,): two consumer warp groups of BLOCK_M query rows, a loader warp;
         causal query tiles numbered from the last (the most keys) down."""
+        # The forward's work items (heaviest first) and shared memory (Q per group, the K/V ring), with dO beside Q.
         num_bh = gl.num_programs(0) // gl.cdiv(N_Q, 2 * BLOCK_M)
-        pid = gl.program_id(0)
-        pid_bh = pid % num_bh
-        start_m = (gl.cdiv(N_Q, 2 * BLOCK_M) - 1 - pid // num_bh) * (2 * BLOCK_M)
-        if IS_CAUSAL:
-            num_kv = gl.cdiv(gl.minimum(start_m + 2 * BLOCK_M, N_K), BLOCK_N)
-        else:
-            num_kv = gl.cdiv(N_K, BLOCK_N)
-        dtype: gl.constexpr = q_desc.dtype
-        q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-        do_bufs = gl.allocate_shared_memory(dtype, [2] + do_desc.block_type.shape, do_desc.layout)
-        k_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(NUM_STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)
-            mbarrier.init(v_empty.index(i), count=2)
+        pid_bh, off_b, off_h, start_m, num_kv, n_unmasked = _work_item(gl.program_id(0), num_bh, H, N_Q, N_K,
+                                                                       2 * BLOCK_M, BLOCK_N, IS_CAUSAL)
+        q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty = _fwd_shared(q_desc, k_desc, v_desc,
+                                                                                        NUM_STAGES, 2)
+        do_bufs = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
         gl.warp_specialize([
             (_dq_partition, (0, q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, dq_desc, L,
-                             Delta, pid_bh // H, pid_bh % H, pid_bh, start_m, num_kv, N_Q, N_K, qk_scale, sm_scale,
+                             Delta, off_b, off_h, pid_bh, start_m, num_kv, N_Q, N_K, qk_scale, sm_scale,
                              HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
             (_dq_partition, (1, q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, dq_desc, L,
-                             Delta, pid_bh // H, pid_bh % H, pid_bh, start_m, num_kv, N_Q, N_K, qk_scale, sm_scale,
+                             Delta, off_b, off_h, pid_bh, start_m, num_kv, N_Q, N_K, qk_scale, sm_scale,
                              HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
             (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty,
-                          v_ready, v_empty, pid_bh // H, pid_bh % H, start_m, num_kv, 2, BLOCK_M, BLOCK_N,
+                          v_ready, v_empty, off_b, off_h, start_m, num_kv, 2, BLOCK_M, BLOCK_N,
                           NUM_STAGES)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
