@@ -108,12 +108,23 @@ if HAS_GLUON_HOPPER:
                  BLOCK_N, NUM_STAGES)
 
     @gluon.jit
-    def _work_item(t, BH, H, N_Q, N_K, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    def _work_item(t, BH, H, GROUP: gl.constexpr, N_Q, N_K, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   IS_CAUSAL: gl.constexpr):
         """Work item t -> (pid_bh, off_b, off_h, start_m, num_kv, n_unmasked): causal query tiles numbered by
-        decreasing tile index across all BH heads (heaviest first); key tiles [0, num_kv) in all, [n_unmasked,
-        num_kv) needing the causal and/or key-tail mask."""
-        pid_bh = t % BH
-        start_m = (gl.cdiv(N_Q, TILE_M) - 1 - t // BH) * TILE_M
+        decreasing tile index across the BH heads (heaviest first), or, with GROUP > 0, the heads taken GROUP at a
+        time (the last group may be smaller) and so within each group, so the programs running at once share the
+        K/V of at most GROUP heads in L2; key tiles [0, num_kv) in all, [n_unmasked, num_kv) needing the causal
+        and/or key-tail mask. (GROUP is a constexpr: a runtime one costs the persistent consumers a spill.)"""
+        num_m = gl.cdiv(N_Q, TILE_M)
+        if GROUP == 0:
+            pid_bh = t % BH
+            start_m = (num_m - 1 - t // BH) * TILE_M
+        else:
+            g = t // (num_m * GROUP)
+            r = t - g * (num_m * GROUP)
+            heads = gl.minimum(BH - g * GROUP, GROUP)
+            pid_bh = g * GROUP + r % heads
+            start_m = (num_m - 1 - r // heads) * TILE_M
         if IS_CAUSAL:
             kv_end = gl.minimum(start_m + TILE_M, N_K)
             n_unmasked = gl.minimum(start_m // BLOCK_N, N_K // BLOCK_N)
@@ -124,16 +135,17 @@ if HAS_GLUON_HOPPER:
 
     @gluon.jit
     def _persistent_loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty,
-                           v_ready, v_empty, H, BH, N_Q, N_K, NUM_CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
-                           BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+                           v_ready, v_empty, H, BH, GROUP: gl.constexpr, N_Q, N_K, NUM_CONSUMERS: gl.constexpr,
+                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                           IS_CAUSAL: gl.constexpr):
         """Producer warp of a persistent program: per work item, its Q tiles once the consumers released the
         previous ones (`q_empty`, after their last S), then its K/V through the ring, which runs on across items."""
         TILE_M: gl.constexpr = NUM_CONSUMERS * BLOCK_M
         it0 = 0
         n = 0
         for t in range(gl.program_id(0), gl.cdiv(N_Q, TILE_M) * BH, gl.num_programs(0)):
-            pid_bh, off_b, off_h, start_m, num_kv, n_unmasked = _work_item(t, BH, H, N_Q, N_K, TILE_M, BLOCK_N,
-                                                                           IS_CAUSAL)
+            pid_bh, off_b, off_h, start_m, num_kv, n_unmasked = _work_item(t, BH, H, GROUP, N_Q, N_K, TILE_M,
+                                                                           BLOCK_N, IS_CAUSAL)
             mbarrier.wait(q_empty, (n & 1) ^ 1)
             _load_q(q_desc, q_bufs, q_bar, off_b, off_h, start_m, NUM_CONSUMERS, BLOCK_M)
             _load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, off_b, off_h, num_kv, it0,
@@ -260,7 +272,8 @@ if HAS_GLUON_HOPPER:
 
     @gluon.jit
     def _persistent_consumer(C: gl.constexpr, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty,
-                             v_ready, v_empty, o_desc, L, H, BH, N_Q, N_K, qk_scale, HEAD_DIM: gl.constexpr,
+                             v_ready, v_empty, o_desc, L, H, BH, GROUP: gl.constexpr, N_Q, N_K, qk_scale,
+                             HEAD_DIM: gl.constexpr,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                              NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr):
         """Consumer C of a persistent program: work items pid, pid + #programs, ... (`_work_item` order)."""
@@ -268,8 +281,8 @@ if HAS_GLUON_HOPPER:
         it0 = 0
         n = 0
         for t in range(gl.program_id(0), gl.cdiv(N_Q, TILE_M) * BH, gl.num_programs(0)):
-            pid_bh, off_b, off_h, start_m, num_kv, n_unmasked = _work_item(t, BH, H, N_Q, N_K, TILE_M, BLOCK_N,
-                                                                           IS_CAUSAL)
+            pid_bh, off_b, off_h, start_m, num_kv, n_unmasked = _work_item(t, BH, H, GROUP, N_Q, N_K, TILE_M,
+                                                                           BLOCK_N, IS_CAUSAL)
             _consumer(q_bufs.index(C), o_bufs.index(C), k_bufs, v_bufs, q_bar, n & 1, q_empty, k_ready, k_empty,
                       v_ready, v_empty, o_desc, L, off_b, off_h, pid_bh, start_m + C * BLOCK_M, N_Q, N_K, num_kv,
                       n_unmasked, it0, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, True)
@@ -298,7 +311,7 @@ if HAS_GLUON_HOPPER:
         return q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty
 
     @gluon.jit
-    def _gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, L, H, N_Q, N_K, qk_scale,
+    def _gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, L, H, N_Q, N_K, qk_scale, GROUP: gl.constexpr,
                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                                IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
@@ -306,8 +319,8 @@ if HAS_GLUON_HOPPER:
         TILE_M: gl.constexpr = NUM_CONSUMERS * BLOCK_M
         # 1. Work item: this program's (`_work_item`, heaviest first).
         num_bh = gl.num_programs(0) // gl.cdiv(N_Q, TILE_M)
-        pid_bh, off_b, off_h, start_m, num_kv, n_unmasked = _work_item(gl.program_id(0), num_bh, H, N_Q, N_K, TILE_M,
-                                                                       BLOCK_N, IS_CAUSAL)
+        pid_bh, off_b, off_h, start_m, num_kv, n_unmasked = _work_item(gl.program_id(0), num_bh, H, GROUP, N_Q,
+                                                                       N_K, TILE_M, BLOCK_N, IS_CAUSAL)
         # 2. Shared memory: Q (one tile per consumer, reused for O), the K/V ring, barriers.
         q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty = _fwd_shared(q_desc, k_desc, v_desc,
                                                                                         NUM_STAGES, NUM_CONSUMERS)
@@ -352,7 +365,8 @@ if HAS_GLUON_HOPPER:
 
     @gluon.jit
     def _gluon_attn_fwd_persistent_kernel(q_desc, k_desc, v_desc, o_desc, L, H, BH, N_Q, N_K, qk_scale,
-                                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                          GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                                          BLOCK_N: gl.constexpr,
                                           NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                                           IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                           LOADER_REGS: gl.constexpr):
@@ -367,13 +381,13 @@ if HAS_GLUON_HOPPER:
         mbarrier.init(q_empty, count=NUM_CONSUMERS)
         gl.warp_specialize([
             (_persistent_consumer, (0, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty, v_ready,
-                                    v_empty, o_desc, L, H, BH, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                    v_empty, o_desc, L, H, BH, GROUP, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
                                     NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL)),
             (_persistent_consumer, (1, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty, v_ready,
-                                    v_empty, o_desc, L, H, BH, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                    v_empty, o_desc, L, H, BH, GROUP, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
                                     NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL)),
             (_persistent_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty,
-                                  v_ready, v_empty, H, BH, N_Q, N_K, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                  v_ready, v_empty, H, BH, GROUP, N_Q, N_K, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES,
                                   IS_CAUSAL)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
@@ -406,10 +420,15 @@ class GluonConfig:
     persistent: bool = False
     """One program per SM walking the work items (`_gluon_attn_fwd_persistent_kernel`; two consumer groups):
     the next item's loads overlap the current one's tail, which short sequences pay per item."""
+    head_group: int = 0
+    """Heads whose work items run together (`_work_item`; a compile-time constant): 0 for all B * H, heaviest first
+    across them; fewer keeps the programs in flight on fewer heads' K/V, more of them in L2 at long sequences."""
 
     def __post_init__(self):
         if self.persistent not in (True, False):
             raise ValueError(f"persistent ({self.persistent!r}) must be a bool")
+        if isinstance(self.head_group, bool) or not isinstance(self.head_group, int) or self.head_group < 0:
+            raise ValueError(f"head_group ({self.head_group!r}) must be an int >= 0 (0: all heads)")
         if self.persistent and self.num_consumers != 2:
             raise ValueError(f"persistent needs num_consumers 2, not {self.num_consumers}")
         if self.block_m not in (64, 128):
@@ -422,7 +441,8 @@ class GluonConfig:
 
     @property
     def name(self) -> str:
-        return f"{self.num_consumers}x{self.block_m}x{self.block_n}/s{self.num_stages}" + ("/p" if self.persistent else "")
+        return (f"{self.num_consumers}x{self.block_m}x{self.block_n}/s{self.num_stages}"
+                + ("/p" if self.persistent else "") + (f"/g{self.head_group}" if self.head_group else ""))
 
     def registers(self) -> tuple[int, int]:
         return register_split(self.num_consumers)
@@ -525,7 +545,8 @@ def launch_args(q, k, v, out, lse, is_causal: bool, config: GluonConfig):
     else:
         grid = (num_items,)
         args = (*descriptors, n_q, n_k, LOG2E / math.sqrt(head_dim))
-    meta = dict(HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
+    meta = dict(GROUP=config.head_group, HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                NUM_STAGES=config.num_stages,
                 NUM_CONSUMERS=config.num_consumers, IS_CAUSAL=is_causal, CONSUMER_REGS=consumer_regs,
                 LOADER_REGS=LOADER_REGS,
                 num_warps=4, maxnreg=maxnreg)

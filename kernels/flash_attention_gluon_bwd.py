@@ -335,7 +335,7 @@ if HAS_GLUON_HOPPER:
         causal query tiles numbered from the last (the most keys) down."""
         # The forward's work items (heaviest first) and shared memory (Q per group, the K/V ring), with dO beside Q.
         num_bh = gl.num_programs(0) // gl.cdiv(N_Q, 2 * BLOCK_M)
-        pid_bh, off_b, off_h, start_m, num_kv, n_unmasked = _work_item(gl.program_id(0), num_bh, H, N_Q, N_K,
+        pid_bh, off_b, off_h, start_m, num_kv, n_unmasked = _work_item(gl.program_id(0), num_bh, H, 0, N_Q, N_K,
                                                                        2 * BLOCK_M, BLOCK_N, IS_CAUSAL)
         q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty = _fwd_shared(q_desc, k_desc, v_desc,
                                                                                         NUM_STAGES, 2)

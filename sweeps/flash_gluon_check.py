@@ -41,13 +41,16 @@ CONFIGS = {
     64: [fg.GluonConfig(block_m=64, block_n=128, num_stages=3, num_consumers=2),
          fg.GluonConfig(block_m=64, block_n=64, num_stages=3, num_consumers=3),
          fg.GluonConfig(block_m=128, block_n=64, num_stages=3, num_consumers=2),
-         fg.GluonConfig(block_m=128, block_n=64, num_stages=2, num_consumers=2, persistent=True)],
+         fg.GluonConfig(block_m=128, block_n=64, num_stages=2, num_consumers=2, persistent=True),
+         fg.GluonConfig(block_m=128, block_n=64, num_stages=3, num_consumers=2, head_group=8)],
     128: [fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2),
           fg.GluonConfig(block_m=64, block_n=64, num_stages=3, num_consumers=2),
           fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=1),
-          fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2, persistent=True)],
+          fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2, persistent=True),
+          *(fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2, persistent=p, head_group=g)
+            for p in (False, True) for g in (4, 8, 16))],
 }
-"""Per head dim, the default first."""
+"""Per head dim, the default first; `head_group` on the default and the persistent grid."""
 CHECK_SHAPES = [((1, 3, 1000, 128), 1000, True), ((1, 3, 1000, 128), 1000, False), ((2, 2, 777, 64), 777, True),
                 ((2, 2, 777, 64), 777, False), ((1, 2, 513, 128), 1029, False), ((1, 2, 513, 64), 1029, False)]
 """(q shape, n_k, causal)."""

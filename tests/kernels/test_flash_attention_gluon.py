@@ -49,6 +49,11 @@ def test_config_rules():
     assert persistent.name == "2x64x128/s2/p"
     # O gets buffers of its own beside Q's (two 64 x 128 tiles), the K/V ring (2 x 2 x 128 x 128), bf16.
     assert persistent.shared_bytes(128) == fg.GluonConfig().shared_bytes(128) + 2 * 64 * 128 * 2 == 196608
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match=rf"head_group \({bad!r}\) must be an int >= 0"):
+            fg.GluonConfig(head_group=bad)
+    assert fg.GluonConfig(persistent=True, head_group=8).name == "2x64x128/s2/p/g8"
+    assert fg.GluonConfig(head_group=8).shared_bytes(128) == fg.GluonConfig().shared_bytes(128)
 
 
 def test_flops_count_causal_half():
@@ -109,9 +114,10 @@ def _compile_sm90(config: fg.GluonConfig, head_dim: int, dtype: torch.dtype, cau
 
 @pytest.mark.slow
 @needs_gluon_api
-@pytest.mark.parametrize("head_dim, persistent", [(64, False), (128, False), (128, True)])
-def test_compiles_for_sm90(head_dim, persistent):
-    config = dataclasses.replace(fg.DEFAULT_CONFIGS[head_dim], persistent=persistent)
+@pytest.mark.parametrize("head_dim, persistent, head_group", [(64, False, 0), (128, False, 0), (128, True, 0),
+                                                              (128, False, 8)])
+def test_compiles_for_sm90(head_dim, persistent, head_group):
+    config = dataclasses.replace(fg.DEFAULT_CONFIGS[head_dim], persistent=persistent, head_group=head_group)
     compiled = _compile_sm90(config, head_dim, torch.bfloat16, True)
     ptx, sass_bytes = compiled.asm["ptx"], compiled.asm["cubin"]
     assert sass_bytes and compiled.metadata.shared >= config.shared_bytes(head_dim)
@@ -325,25 +331,28 @@ def _reference(q, k, v, causal):
                     or not fg.HAS_GLUON_HOPPER, reason="needs an sm_90 GPU and Gluon's Hopper API")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("q_shape, n_k, causal", [
-    ((4, 16, 1000, 128), 1000, True), ((3, 16, 777, 64), 777, True), ((4, 16, 513, 128), 1029, False),
-    ((3, 16, 1029, 64), 513, False)])
-def test_persistent_forward_matches_the_one_item_programs(q_shape, n_k, causal, dtype):
-    """The persistent forward: several work items per program (more items than SMs), so the ring and Q's barrier
-    run on across items; bitwise the one-item programs' O and L (same tiles, same order of additions)."""
+    ((4, 3, 1000, 128), 1000, True), ((3, 4, 777, 64), 777, True), ((2, 7, 513, 128), 1029, False),
+    ((3, 3, 1029, 64), 513, False)])
+def test_persistent_forward_and_head_groups_match_the_one_item_programs(q_shape, n_k, causal, dtype, monkeypatch):
+    """The persistent forward on a grid of 16 programs (several work items each, so the ring and Q's barrier run on
+    across items), and both forwards with their items taken 5 heads at a time (a smaller last group): bitwise the
+    one-item programs' O and L in `_work_item`'s default order (same tiles, same order of additions)."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     k_shape = q_shape[:2] + (n_k, q_shape[-1])
     q, k, v = (torch.randn(s, generator=gen, device="cuda").to(dtype) for s in (q_shape, k_shape, k_shape))
     base = fg.default_config(q_shape[-1], dtype)
-    if base.num_consumers != 2:
+    if base.num_consumers != 2 or base.persistent or base.head_group:
         base = fg.DEFAULT_CONFIGS[q_shape[-1]]
-    persistent = dataclasses.replace(base, persistent=True)
-    items = triton.cdiv(q_shape[2], 2 * persistent.block_m) * q_shape[0] * q_shape[1]
-    assert items > 2 * fg.num_sms(q.device)
+    monkeypatch.setattr(fg, "num_sms", lambda device: 16)
+    items = triton.cdiv(q_shape[2], 2 * base.block_m) * q_shape[0] * q_shape[1]
+    assert items > 2 * 16 and (q_shape[0] * q_shape[1]) % 5
     want = fg.gluon_attention_fwd(q, k, v, causal, config=base)
-    got = fg.gluon_attention_fwd(q, k, v, causal, config=persistent)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     ref_out, _ = _reference(q, k, v, causal)
-    assert (got[0].float() - ref_out).abs().max().item() <= (2e-2 if dtype == torch.bfloat16 else 4e-3)
+    for config in (dataclasses.replace(base, persistent=True), dataclasses.replace(base, head_group=5),
+                   dataclasses.replace(base, persistent=True, head_group=5)):
+        got = fg.gluon_attention_fwd(q, k, v, causal, config=config)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), config.name
+    assert (want[0].float() - ref_out).abs().max().item() <= (2e-2 if dtype == torch.bfloat16 else 4e-3)
 
 
 @pytest.mark.gpu
