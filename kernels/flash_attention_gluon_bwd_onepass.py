@@ -142,16 +142,26 @@ if HAS_GLUON_HOPPER:
     def _gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, L, Delta, H, N_Q,
                                N_K, qk_scale, sm_scale,
                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                               NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                               NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, GROUP: gl.constexpr,
                                CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
         """Grid (cdiv(N_K, 2 * BLOCK_N) * B * H,): program -> (key tile, batch*head), heavy first; two consumer
         warp groups of BLOCK_N keys and a loader warp."""
         TILE_N: gl.constexpr = 2 * BLOCK_N
-        # 1. Work item: causal key tiles numbered by increasing key-tile index (the first see the most queries).
-        num_bh = gl.num_programs(0) // gl.cdiv(N_K, TILE_N)
+        # 1. Work item: causal key tiles numbered by increasing key-tile index (the first see the most queries),
+        #    across all heads or, GROUP > 0, GROUP heads at a time (the last group may be smaller), so the programs
+        #    in flight share fewer heads' Q, dO and dQ in L2 (as the forward's `_work_item`).
+        num_t = gl.cdiv(N_K, TILE_N)
+        num_bh = gl.num_programs(0) // num_t
         pid = gl.program_id(0)
-        pid_bh = pid % num_bh
-        tile_n = (pid // num_bh) * TILE_N
+        if GROUP == 0:
+            pid_bh = pid % num_bh
+            tile_n = (pid // num_bh) * TILE_N
+        else:
+            g = pid // (num_t * GROUP)
+            r = pid - g * (num_t * GROUP)
+            heads = gl.minimum(num_bh - g * GROUP, GROUP)
+            pid_bh = g * GROUP + r % heads
+            tile_n = (r // heads) * TILE_N
         off_b = pid_bh // H
         off_h = pid_bh % H
         # 2. Query tiles [m_start, cdiv(N_Q, BLOCK_M)): causal ones start at the first query that sees key tile_n
@@ -197,16 +207,22 @@ class GluonBwdConfig:
     query columns beside dK and dV would not fit a group's registers)."""
     num_stages: int = 2
     """Depth of the Q/dO (and dS^T) shared-memory ring."""
+    head_group: int = 0
+    """Heads whose key tiles run together (a compile-time constant): 0 for all B * H; fewer keeps the programs in
+    flight on fewer heads' Q, dO and dQ accumulators, more of them in L2 at long sequences."""
 
     def __post_init__(self):
         if self.block_m != 64:
             raise ValueError(f"block_m ({self.block_m}) must be 64")
         if self.num_stages < 1:
             raise ValueError(f"num_stages ({self.num_stages}) must be >= 1")
+        if isinstance(self.head_group, bool) or not isinstance(self.head_group, int) or self.head_group < 0:
+            raise ValueError(f"head_group ({self.head_group!r}) must be an int >= 0 (0: all heads)")
 
     @property
     def name(self) -> str:
-        return f"bwd2x{BWD_BLOCK_N}xq{self.block_m}/s{self.num_stages}"
+        return f"bwd2x{BWD_BLOCK_N}xq{self.block_m}/s{self.num_stages}" + (f"/g{self.head_group}" if self.head_group
+                                                                            else "")
 
     def registers(self) -> tuple[int, int]:
         return register_split(2)
@@ -253,6 +269,7 @@ def bwd_launch_args(q, k, v, grad_out, dk, dv, lse, delta, dq_acc, is_causal: bo
             _descriptor(grad_out, config.block_m), _descriptor(dk, BWD_BLOCK_N), _descriptor(dv, BWD_BLOCK_N),
             dq_desc, lse, delta, heads, n_q, n_k, LOG2E / math.sqrt(head_dim), 1.0 / math.sqrt(head_dim))
     meta = dict(HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=BWD_BLOCK_N, NUM_STAGES=config.num_stages,
-                IS_CAUSAL=is_causal, CONSUMER_REGS=consumer_regs, LOADER_REGS=LOADER_REGS, num_warps=4,
+                IS_CAUSAL=is_causal, GROUP=config.head_group, CONSUMER_REGS=consumer_regs, LOADER_REGS=LOADER_REGS,
+                num_warps=4,
                 maxnreg=maxnreg)
     return grid, args, meta

@@ -232,8 +232,8 @@ GLUON_KINDS = ("fwd", "bwd")
 backward (`GluonBwdConfig`)."""
 
 
-GLUON_FIELDS = {"fwd": {"block_m", "block_n", "num_stages", "num_consumers", "persistent"},
-                "bwd": {"block_m", "num_stages"}}
+GLUON_FIELDS = {"fwd": {"block_m", "block_n", "num_stages", "num_consumers", "persistent", "head_group"},
+                "bwd": {"block_m", "num_stages", "head_group"}}
 """The config fields of each Gluon kind (`GluonConfig`, `GluonBwdConfig`) a tuned entry may hold."""
 
 

@@ -96,7 +96,9 @@ GLUON_KERNELS = {"fwd": "fwd", "dkdvq": "bwd"}
 GLUON_TILES = {"fwd": ("64x128", "64x64", "128x64"), "dkdvq": ("64x64",)}
 GLUON_STAGES = {"fwd": (2, 3), "dkdvq": (1, 2, 3)}
 GLUON_CONSUMERS = (1, 2, 3)
-GLUON_KEYS = ["block_m", "block_n", "num_stages", "num_consumers", "persistent"]
+GLUON_GROUPS = {"fwd": (0, 8), "dkdvq": (0, 4, 8)}
+"""`head_group` (GluonConfig / GluonBwdConfig): heads whose work items run together, 0 for all."""
+GLUON_KEYS = ["block_m", "block_n", "num_stages", "num_consumers", "persistent", "head_group"]
 GLUON_VARIANTS = ("gluon", "gluon_persistent")
 """`gluon_persistent`: the forward's persistent grid (`GluonConfig.persistent`, two consumer groups), its tiles
 and ring depths."""
@@ -160,6 +162,7 @@ def param_spaces(quick: bool, shapes: tuple[str, ...], variants: tuple[str, ...]
                         "kernel": kernel, "variant": variant, "tile": {"grid_search": list(GLUON_TILES[kernel])},
                         "num_warps": 4, "num_stages": {"grid_search": list(GLUON_STAGES[kernel])},
                         **({"num_consumers": {"grid_search": consumers}} if kernel == "fwd" else {}),
+                        "head_group": {"grid_search": list(GLUON_GROUPS[kernel])},
                         "shape": {"grid_search": gluon_shapes}}
                 continue
             if ws and kernel in ("dq", "dkdvq"):
@@ -276,14 +279,16 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
     base_fwd = candidates("fwd", dtype, head_dim)[0]
     if kernel == "fwd":
         cfg = gluon_fwd.GluonConfig(block_m=block_m, block_n=block_n, num_stages=config["num_stages"],
-                                    num_consumers=config["num_consumers"], persistent=persistent)
+                                    num_consumers=config["num_consumers"], persistent=persistent,
+                                    head_group=config.get("head_group", 0))
         run = lambda: gluon_fwd.gluon_attention_fwd(q, k, v, causal, config=cfg)[0]  # noqa: E731
         want = flash_attention_fwd(q, k, v, causal, config=base_fwd, path="portable")[0]
     else:
         if (block_m, block_n) != (64, one_pass.BWD_BLOCK_N):
             raise ValueError(f"the one-pass Gluon backward's tile is 64x{one_pass.BWD_BLOCK_N}, "
                              f"not {config['tile']}")
-        cfg = one_pass.GluonBwdConfig(block_m=block_m, num_stages=config["num_stages"])
+        cfg = one_pass.GluonBwdConfig(block_m=block_m, num_stages=config["num_stages"],
+                                      head_group=config.get("head_group", 0))
         out, lse = gluon_fwd.gluon_attention_fwd(q, k, v, causal)
         run = lambda: gluon_bwd.gluon_attention_bwd(q, k, v, out, lse, do, causal, config=cfg,  # noqa: E731
                                                     mode="one_pass")[0]
@@ -301,7 +306,8 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
     flops = flash_attention_flops(1, HEADS, shape["seq"], shape["seq"], head_dim, causal, "fwd")
     flops *= MATMULS[kernel] / 2
     return {"block_m": block_m, "block_n": block_n, "num_consumers": config.get("num_consumers", 2), "path": "gluon",
-            "warp_specialize": True, "persistent": persistent, "maxnreg": 0, **shape, "time_median_s": ms / 1e3,
+            "warp_specialize": True, "persistent": persistent, "head_group": cfg.head_group, "maxnreg": 0, **shape,
+            "time_median_s": ms / 1e3,
             "tflops": flops / (ms * 1e-3) / 1e12, "max_abs_err": err}
 
 
@@ -462,12 +468,13 @@ def gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict
         if "persistent" not in sel:  # rows of runs before the persistent forward
             sel["persistent"] = False
         sel["persistent"] = sel["persistent"].fillna(False)
+        sel["head_group"] = (sel["head_group"] if "head_group" in sel else pd.Series(0, index=sel.index)).fillna(0)
         for col in GLUON_KEYS:
             sel[col] = sel[col].astype(int)
         sel["median_ms"] = 1e3 * sel["time_median_s"]
         sel["log_ms"] = sel["median_ms"].map(math.log)
         grid = len(GLUON_TILES[kernel]) * len(GLUON_STAGES[kernel])
-        grid *= len(GLUON_CONSUMERS) if kernel == "fwd" else 1
+        grid *= (len(GLUON_CONSUMERS) if kernel == "fwd" else 1) * len(GLUON_GROUPS[kernel])
         entries = _best_entries(sel, GLUON_KEYS, {}, min(min_configs, grid))
         if kernel != "fwd":  # GluonBwdConfig has no block_n (BWD_BLOCK_N), consumer count (two) or persistence
             entries = [{k: v for k, v in e.items() if k not in ("block_n", "num_consumers", "persistent")}

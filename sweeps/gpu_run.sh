@@ -165,8 +165,9 @@ case $phase in
     ;;
   gluontiles)  # issue 16 on one GPU: the Gluon forward's and one-pass backward's knobs at a d-128 and a d-64 shape, each
     # checked against the tl kernels and timed (the local launcher: 8 processes compile the grid first), into
-    # $RESULTS/flash_tiles.parquet and the tuned file beside it (its `gluon` part; install it by copying it to kernels/)
-    study flash_tiles_gluon 300 python3 sweeps/flash_tiles.py --launcher local --variants gluon,gluon_persistent --kernels fwd,dkdvq \
+    # $RESULTS/flash_tiles.parquet and the tuned file beside it (its `gluon` part; install it by copying it to kernels/);
+    # VARIANTS=gluon,gluon_persistent adds the persistent forward's grid (~2 min more)
+    study flash_tiles_gluon 420 python3 sweeps/flash_tiles.py --launcher local --variants "${VARIANTS:-gluon}" --kernels fwd,dkdvq \
       --shapes 16384/128/bf16/causal,4096/64/bf16/causal --compile-workers 8 --out "$RESULTS" --resume
     ;;
   leaderboard)  # issue 15 on one GPU: --check, then the ablation (the fast step at batch 1 by the course's do_bench,

@@ -172,10 +172,12 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     spaces = flash_tiles.param_spaces(False, (a, b, "4096/32/bfloat16/causal", "4096/64/float32/causal"), ("gluon",))
     assert set(spaces) == {"fwd/gluon", "dkdvq/gluon"}
     fwd, bwd = (flash_tiles.grid_configs(spaces[k]) for k in ("fwd/gluon", "dkdvq/gluon"))
-    assert len(fwd) == 18 * 2 and len(bwd) == 3 * 2 and {c["shape"] for c in fwd + bwd} == {a, b}
+    assert len(fwd) == 18 * 2 * 2 and len(bwd) == 3 * 3 * 2 and {c["shape"] for c in fwd + bwd} == {a, b}
     for c in fwd:  # every grid point is a valid config
         m, n = map(int, c["tile"].split("x"))
-        gluon_fwd.GluonConfig(block_m=m, block_n=n, num_stages=c["num_stages"], num_consumers=c["num_consumers"])
+        gluon_fwd.GluonConfig(block_m=m, block_n=n, num_stages=c["num_stages"], num_consumers=c["num_consumers"],
+                              head_group=c["head_group"])
+    assert {c["head_group"] for c in fwd} == {0, 8} and {c["head_group"] for c in bwd} == {0, 4, 8}
 
     def row(kernel, tile, stages, consumers, shape, ms):
         return dict(_tile_row(kernel, tile, 4, stages, shape, ms), variant="gluon", path="gluon",
@@ -183,15 +185,16 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     rows = [row("fwd", t, s, c, sh, 1.0 + 0.1 * c + 0.01 * s + (0.5 if t == "128x64" else 0) + (sh == b))
             for t in ("64x128", "128x64") for s in (2, 3) for c in (1, 2) for sh in (a, b)]
     rows[0]["time_median_s"] = 0.5e-3  # 64x128, 2 stages, 1 consumer: fastest on a only
-    rows += [row("dkdvq", "64x64", s, 2, sh, 2.0 - 0.1 * s) for s in (1, 2, 3) for sh in (a, b)]
+    rows += [dict(row("dkdvq", "64x64", s, 2, sh, 2.0 - 0.1 * s - 0.01 * g), head_group=g)
+             for s in (1, 2, 3) for g in (0, 4, 8) for sh in (a, b)]  # fwd rows: no head_group (earlier runs: 0)
     rows += [_tile_row("fwd", "64x64", 4, 3, a, 0.1)]  # a tl row: not the Gluon kernels'
     df = pd.DataFrame(rows).assign(device_name="H200", torch_version="2.11", triton_version="3.6")
     gluon = flash_tiles.gluon_best_configs(df, min_configs=8)
     assert gluon["fwd"][0] == dict(block_m=64, block_n=128, num_stages=2, num_consumers=1, persistent=False,
-                                   head_dim=128, dtype="bfloat16", shapes=[a, b],
+                                   head_group=0, head_dim=128, dtype="bfloat16", shapes=[a, b],
                                    geomean_ms=gluon["fwd"][0]["geomean_ms"])
-    assert {k: gluon["bwd"][0][k] for k in ("block_m", "num_stages", "shapes")} == dict(block_m=64, num_stages=3,
-                                                                                       shapes=[a, b])
+    assert {k: gluon["bwd"][0][k] for k in ("block_m", "num_stages", "head_group", "shapes")} == dict(
+        block_m=64, num_stages=3, head_group=8, shapes=[a, b])
     assert "block_n" not in gluon["bwd"][0] and all(e.get("path") != "gluon" for e in
                                                     flash_tiles.best_configs(df, min_configs=1)["fwd"])
     path = tmp_path / "tuned.json"
@@ -202,12 +205,13 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     monkeypatch.setattr(tuning, "_GLUON_TUNED", tuning.load_gluon_tuned(path))
     assert gluon_fwd.default_config(128, torch.bfloat16) == gluon_fwd.GluonConfig(
         block_m=64, block_n=128, num_stages=2, num_consumers=1)
-    assert one_pass.default_config(128, torch.bfloat16) == one_pass.GluonBwdConfig(block_m=64, num_stages=3)
+    assert one_pass.default_config(128, torch.bfloat16) == one_pass.GluonBwdConfig(block_m=64, num_stages=3,
+                                                                                   head_group=8)
     # The persistent forward: its own variant (fwd only, two consumer groups); a winner carries `persistent`.
     spaces = flash_tiles.param_spaces(False, (a,), ("gluon_persistent",))
     assert set(spaces) == {"fwd/gluon_persistent"}
     grid = flash_tiles.grid_configs(spaces["fwd/gluon_persistent"])
-    assert len(grid) == 6 and {c["num_consumers"] for c in grid} == {2}
+    assert len(grid) == 6 * 2 and {c["num_consumers"] for c in grid} == {2}
     fast = dict(row("fwd", "64x128", 2, 2, a, 0.2), variant="gluon_persistent", persistent=True)
     df_p = pd.concat([df, pd.DataFrame([fast, dict(fast, shape=b)])], ignore_index=True)
     winner = flash_tiles.gluon_best_configs(df_p, min_configs=8)["fwd"][0]
