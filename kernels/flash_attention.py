@@ -189,12 +189,15 @@ than the tl kernels' (host-side TMA descriptors, Gluon's launcher), so short cal
 the hopper shapes (results/runs/flash_bench_hopper_e5db843.parquet, after the eager calls stopped paying the
 custom ops' dispatch): at d 128 it was faster from 4x32x2048x128 (2^36) on; at d 64 slower at 8x16x4096x64 (2^37),
 so d 64 keeps the earlier 2^38 (results/flash_hopper_notes.md, sections 6 and 8)."""
-GLUON_BWD_AUTO_MIN_WORK = 2**38
-"""B * H * n_q * n_k * d from which `auto` takes the Gluon one-pass backward, at GLUON_BWD_HEAD_DIMS."""
+GLUON_BWD_AUTO_MIN_WORK = 2**36
+"""B * H * n_q * n_k * d from which `auto` takes the Gluon one-pass backward, at GLUON_BWD_HEAD_DIMS: the
+forward's d-128 bound. With its key tiles taken a few heads at a time (the tuned file's `head_group`) it beat the tl
+backward at 4x32x2048x128 too, where it lost while it spread them over every head (results/flash_hopper_notes.md,
+section 9)."""
 GLUON_BWD_HEAD_DIMS = (128,)
 """Head dims at which `auto` takes the Gluon one-pass backward from GLUON_BWD_AUTO_MIN_WORK on: faster than the tl
-backward at 1x16x16384x128 and 1x32x32768x128, slower at 8x16x4096x64 and 4x32x2048x128 (the hopper rows of
-results/flash_bench.parquet; results/flash_hopper_notes.md, section 7), so d 64 keeps the tl kernels."""
+backward at every d-128 hopper shape, slower at 8x16x4096x64 (the hopper rows of results/flash_bench.parquet;
+results/flash_hopper_notes.md, sections 7 and 9), so d 64 keeps the tl kernels."""
 AUTO_TMA = tuned_auto_path() == "tma"
 """Whether `auto` takes the tma path where it can (sm_90, Triton with device-side tensor descriptors): the tuned
 file's `auto_path`, which the candidates study of sweeps/flash_bench.py sets from its timings of both paths."""

@@ -457,9 +457,14 @@ def best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict[str, 
 
 def gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict[str, list[dict]]:
     """The tuned file's `gluon` part from the `gluon` rows: per kind (GLUON_KERNELS) the winners as
-    `best_configs` picks them, over GLUON_KEYS; a shape counts as swept with min(min_configs, the kind's grid)
-    measured configs (the one-pass backward's grid has three)."""
+    `best_configs` picks them, over GLUON_KEYS; a shape counts as swept with min(min_configs, the configs of the
+    kind's grid that fit) measured configs: a config whose build ran out of shared memory or registers at a head
+    dim and dtype (an `OutOfResources` error row) never runs there, so it is not missing from the sweep (the
+    one-pass backward's 3-slot ring does not fit at d 128, 6 of its 9 configs do)."""
     ok = df[(df["status"] == "ok") & (df.get("path", pd.Series(index=df.index, dtype=object)) == "gluon")].copy()
+    errors = df[(df["status"] == "error") & df.get("variant", pd.Series(index=df.index, dtype=object)).isin(
+        GLUON_VARIANTS) & df.get("error", pd.Series("", index=df.index)).fillna("").str.startswith("OutOfResources")]
+    errors = errors.assign(**{key: [parse_shape(sh)[key] for sh in errors["shape"]] for key in ("head_dim", "dtype")})
     out: dict[str, list[dict]] = {}
     for kernel, kind in GLUON_KERNELS.items():
         sel = ok[ok["kernel"] == kernel].copy()
@@ -475,7 +480,12 @@ def gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict
         sel["log_ms"] = sel["median_ms"].map(math.log)
         grid = len(GLUON_TILES[kernel]) * len(GLUON_STAGES[kernel])
         grid *= (len(GLUON_CONSUMERS) if kernel == "fwd" else 1) * len(GLUON_GROUPS[kernel])
-        entries = _best_entries(sel, GLUON_KEYS, {}, min(min_configs, grid))
+        failed = errors[errors["kernel"] == kernel]
+        entries = []
+        for (head_dim, dtype), part in sel.groupby(["head_dim", "dtype"]):
+            unfit = failed[(failed["head_dim"] == head_dim) & (failed["dtype"] == dtype)]
+            unfit = unfit.drop_duplicates(["variant", "tile", "num_stages", "num_consumers", "head_group"])
+            entries += _best_entries(part, GLUON_KEYS, {}, min(min_configs, grid - len(unfit)))
         if kernel != "fwd":  # GluonBwdConfig has no block_n (BWD_BLOCK_N), consumer count (two) or persistence
             entries = [{k: v for k, v in e.items() if k not in ("block_n", "num_consumers", "persistent")}
                        for e in entries]

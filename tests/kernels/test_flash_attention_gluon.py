@@ -211,8 +211,9 @@ def gluon_runs_anywhere(monkeypatch):
     ("gluon", "auto", (1, 2, 300, 64), True),             # the gluon path: its own backward, any size
     ("gluon", "one_pass", (1, 2, 300, 128), True),
     ("gluon", "two_pass", (1, 2, 300, 128), False),       # two_pass: the deterministic tl kernels
-    ("auto", "auto", (1, 16, 16384, 128), True),          # auto: d 128 from GLUON_AUTO_MIN_WORK on
-    ("auto", "auto", (4, 32, 2048, 128), False),          # (below it)
+    ("auto", "auto", (1, 16, 16384, 128), True),          # auto: d 128 from GLUON_BWD_AUTO_MIN_WORK (2^36) on
+    ("auto", "auto", (4, 32, 2048, 128), True),
+    ("auto", "auto", (2, 32, 2048, 128), False),          # (below it)
     ("auto", "auto", (1, 32, 32768, 64), False),          # (d 64: the tl kernels were faster)
     ("tma", "auto", (1, 16, 16384, 128), False),
     ("portable", "one_pass", (1, 16, 16384, 128), False),

@@ -228,6 +228,28 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
         tuning.load_gluon_tuned(path)
 
 
+def test_gluon_winner_counts_configs_that_do_not_fit_as_swept():
+    """A one-pass backward config whose build runs out of shared memory (the 3-slot ring at d 128) never runs at that
+    head dim: the 6 configs that fit make the shape swept; a trial that failed otherwise still leaves it short."""
+    a = "16384/128/bfloat16/causal"
+
+    def row(stages, group, ms=None, error=""):
+        base = dict(_tile_row("dkdvq", "64x64", 4, stages, a, ms or 1.0), variant="gluon", num_consumers=2,
+                    head_group=group)
+        if not error:
+            return dict(base, path="gluon")
+        return dict(base, status="error", error=error, block_m=None, block_n=None, head_dim=None, dtype=None,
+                    time_median_s=None, tflops=None, path=None)
+    rows = [row(s, g, ms=2.0 - 0.1 * s - 0.01 * g) for s in (1, 2) for g in (0, 4, 8)]
+    oor = "OutOfResources: out of resource: shared memory, Required: 246256, Hardware limit: 232448."
+    df = pd.DataFrame(rows + [row(3, g, error=oor) for g in (0, 4, 8)])
+    bwd = flash_tiles.gluon_best_configs(df, min_configs=8)["bwd"]
+    assert [(e["num_stages"], e["head_group"], e.get("shapes", e.get("shape"))) for e in bwd] == [
+        (2, 8, [a]), (2, 8, a)]
+    crashed = pd.DataFrame(rows + [row(3, g, error="RuntimeError: illegal memory access") for g in (0, 4, 8)])
+    assert flash_tiles.gluon_best_configs(crashed, min_configs=8)["bwd"] == []
+
+
 def test_best_configs_ignore_a_partly_swept_shape():
     """A shape a cut-short run reached with two configs must not decide the winner (its times are smaller)."""
     a, b = "16384/128/bfloat16/causal", "4096/128/bfloat16/causal"
