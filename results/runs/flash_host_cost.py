@@ -1,10 +1,12 @@
 """Host time per call of the FlashAttention entry points (issue 16), one H200.
 
 Run on the GPU host from the repository root: `PYTHONPATH=$PWD python3 results/runs/flash_host_cost.py OUT_DIR
-[--profile]`. For each entry point, 200 calls at 4x32x2048x128 bf16 causal: `host_s` is the time to issue one
-(seconds per call), `wall_s` the time until the GPU finished them, per call; host close to wall means host-bound
-calls. SDPA's cuDNN backend is the baseline. `--profile` prints, per case, the functions with the most own and
-cumulative time over the calls (cProfile). Rows go to OUT_DIR/flash_host_cost.parquet (the results convention).
+[--profile] [--shape B,H,N,d]`. For each entry point, 200 calls at 4x32x2048x128 bf16 causal (or `--shape`):
+`host_s` is the time to issue one (seconds per call), `wall_s` the time until the GPU finished them, per call;
+host close to wall means host-bound calls. `kernel_s` is the GPU time of the call's kernels (the CUDA kernels the
+profiler saw over 20 calls, summed, per call): wall above kernel is time the GPU waited. SDPA's cuDNN backend is
+the baseline. `--profile` prints, per case, the functions with the most own and cumulative time over the calls
+(cProfile). Rows go to OUT_DIR/flash_host_cost.parquet (the results convention).
 The e7dd8cb run: `flash_host_cost_e7dd8cb.parquet` (its printed output, `flash_host_cost_e7dd8cb.txt`, converted).
 """
 
@@ -39,6 +41,20 @@ def host_and_wall(fn, n: int = 200) -> tuple[float, float]:
     return (issued - start) / n * 1e6, (done - start) / n * 1e6
 
 
+def kernel_s(fn, n: int = 20) -> float:
+    """Seconds of CUDA kernel time per call of `fn` (every kernel the profiler recorded over `n` calls)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.device_time_total for e in prof.key_averages()
+               if e.device_type == torch.autograd.DeviceType.CUDA) / n * 1e-6
+
+
 def profile(name: str, fn, n: int = 50) -> None:
     profiler = cProfile.Profile()
     profiler.enable()
@@ -53,7 +69,14 @@ def profile(name: str, fn, n: int = 50) -> None:
 
 
 def main() -> None:
-    q = torch.randn(4, 32, 2048, 128, device="cuda", dtype=torch.bfloat16)
+    shape = (4, 32, 2048, 128)
+    if "--shape" in sys.argv:
+        text = sys.argv[sys.argv.index("--shape") + 1]
+        if not (len(parts := text.split(",")) == 4 and all(x.isdigit() and int(x) > 0 for x in parts)):
+            raise SystemExit(f"--shape {text!r} must be four positive integers B,H,N,d")
+        shape = tuple(map(int, parts))
+    label = "x".join(map(str, shape))
+    q = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
     k, v, do = q.clone(), q.clone(), torch.randn_like(q)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
 
@@ -80,18 +103,20 @@ def main() -> None:
              ("sdpa cudnn", sdpa_fwd),
              ("fwd+bwd auto", fwd_bwd(None)),
              ("fwd+bwd gluon", fwd_bwd("gluon")),
+             ("fwd+bwd tma", fwd_bwd("tma")),                               # the tl kernels, two-pass backward
              ("fwd+bwd sdpa cudnn", sdpa_fwd_bwd)]
     rows = []
     for name, fn in cases:
         host_us, wall_us = host_and_wall(fn)
-        print(name, "host us/call %.1f  wall us/call %.1f" % (host_us, wall_us))
-        rows.append(make_row("flash_host_cost", dict(case=name, shape="4x32x2048x128", calls=200),
-                             dict(host_s=host_us * 1e-6, wall_s=wall_us * 1e-6)))
+        gpu_us = kernel_s(fn) * 1e6
+        print(name, "host us/call %.1f  wall us/call %.1f  kernels us/call %.1f" % (host_us, wall_us, gpu_us))
+        rows.append(make_row("flash_host_cost", dict(case=name, shape=label, calls=200),
+                             dict(host_s=host_us * 1e-6, wall_s=wall_us * 1e-6, kernel_s=gpu_us * 1e-6)))
     if "--profile" in sys.argv:
         for name, fn in cases:
             if name in ("op", "op gluon", "fwd+bwd auto", "fwd+bwd gluon"):
                 profile(name, fn)
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    args = [a for i, a in enumerate(sys.argv[1:], 1) if not a.startswith("--") and sys.argv[i - 1] != "--shape"]
     out = Path(args[0] if args else ".") / "flash_host_cost.parquet"
     print("wrote", write_parquet(pd.DataFrame(rows), out))
 
