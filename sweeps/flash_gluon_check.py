@@ -42,7 +42,9 @@ CONFIGS = {
          fg.GluonConfig(block_m=64, block_n=64, num_stages=3, num_consumers=3),
          fg.GluonConfig(block_m=128, block_n=64, num_stages=3, num_consumers=2),
          fg.GluonConfig(block_m=128, block_n=64, num_stages=2, num_consumers=2, persistent=True),
-         fg.GluonConfig(block_m=128, block_n=64, num_stages=3, num_consumers=2, head_group=8)],
+         *(fg.GluonConfig(block_m=128, block_n=64, num_stages=3, num_consumers=2, head_group=g) for g in (4, 8, 16)),
+         *(fg.GluonConfig(block_m=64, block_n=128, num_stages=s, num_consumers=3, head_group=g)
+           for s in (2, 3) for g in (0, 8))],
     128: [fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2),
           fg.GluonConfig(block_m=64, block_n=64, num_stages=3, num_consumers=2),
           fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=1),
@@ -50,7 +52,8 @@ CONFIGS = {
           *(fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2, persistent=p, head_group=g)
             for p in (False, True) for g in (4, 8, 16))],
 }
-"""Per head dim, the default first; `head_group` on the default and the persistent grid."""
+"""Per head dim, the default first; `head_group` on the default and the persistent grid; at d 64 also three consumer
+groups of 64 query rows (FlashAttention-3's 192-row tile there)."""
 CHECK_SHAPES = [((1, 3, 1000, 128), 1000, True), ((1, 3, 1000, 128), 1000, False), ((2, 2, 777, 64), 777, True),
                 ((2, 2, 777, 64), 777, False), ((1, 2, 513, 128), 1029, False), ((1, 2, 513, 64), 1029, False)]
 """(q shape, n_k, causal)."""
@@ -59,12 +62,12 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 """Max |O - O_ref| allowed (inputs ~N(0, 1), outputs |O| < ~1); L gets the same."""
 BWD_CONFIGS = {
     64: [fgb.DEFAULT_BWD2_CONFIGS[64], fgb.GluonBwd2Config(dkdv_block_m=32, dkdv_stages=3, dq_block_n=64),
-         fgo.DEFAULT_BWD_CONFIGS[64]],
+         fgo.DEFAULT_BWD_CONFIGS[64], *(fgo.GluonBwdConfig(num_stages=3, head_group=g) for g in (4, 8, 16))],
     128: [fgb.DEFAULT_BWD2_CONFIGS[128], fgb.GluonBwd2Config(dkdv_block_m=64, dkdv_stages=2, dq_block_n=128),
           fgo.DEFAULT_BWD_CONFIGS[128], fgo.GluonBwdConfig(head_group=4), fgo.GluonBwdConfig(head_group=8)],
 }
 """Per head dim: the two-pass default, one other two-pass config (the other tile of each kernel), the one-pass
-default (dQ summed by TMA reductions; a `GluonBwdConfig` runs mode="one_pass"), at d 128 also with head groups."""
+default (dQ summed by TMA reductions; a `GluonBwdConfig` runs mode="one_pass"), also with head groups."""
 GRAD_TOL = {torch.bfloat16: 3e-2, torch.float16: 6e-3}
 """Max |g - g_ref| / max |g_ref| per gradient: P, dS and the gradients are rounded to the input dtype (relative
 2^-9 bf16, 2^-12 fp16) and summed over ~1000 terms with random signs; a wrong row or tail shows up as O(1)."""
