@@ -4,7 +4,7 @@ Every trial is one kernel (`fwd`, `dkdv`, `dq`, or `dkdvq`: dK/dV with dQ summed
 variant (`--variants`: the portable path, or the tma path plain, warp-specialised and/or on a persistent grid, or
 `gluon`: the Gluon forward and one-pass backward of sm_90 with their own knobs, written to the tuned file's `gluon`
 part, which their launchers read), one launch config (block_m x block_n, num_warps, num_stages) and one shape (seq,
-head dim, dtype, causal; batch 1, 16 heads), on one GPU. The trial runs the kernel with that explicit config, checks
+head dim, dtype, causal; batch 1 and 16 heads unless the shape says `BxH/`), on one GPU. The trial runs the kernel with that explicit config, checks
 its result against the same kernel under the first built-in config (a config that computes something else fails),
 and times it with `triton.testing.do_bench` (median). Metrics: `time_median_s`, `tflops` (the kernel's matmuls: fwd
 2, dK/dV 4, dQ 3, dK/dV/dQ 5 of the 2*pairs*d each; the backward times include the small D = rowsum(O * dO)
@@ -19,7 +19,7 @@ only those for a call whose (path, head dim, dtype) has entries and, with `RAYSY
 first. Writes `<out>/flash_tiles.parquet`. `--compile-workers N` (local launcher) compiles every trial's
 kernel in N processes before the timed trials.
 
-Shapes are `seq/head_dim/dtype/{causal,full}` with dtype bf16, fp16, fp32 or the torch names; rows carry the
+Shapes are `[BxH/]seq/head_dim/dtype/{causal,full}` with dtype bf16, fp16, fp32 or the torch names; rows carry the
 torch name (`4096/64/bfloat16/causal`), so both spellings resume the same trials. Each row is written when
 its trial ends; `--max-trials` and `--time-budget-s` end a run cleanly (leave ~30 s of the budget for stopping
 the last trials before an outer `timeout`), and `--resume` runs what is left.
@@ -112,22 +112,33 @@ def variant_of(cfg, path: str) -> str:
 
 
 def parse_shape(shape: str) -> dict:
-    """`seq/head_dim/dtype/{causal,full}` -> {seq, head_dim, dtype (torch name), causal}."""
+    """`[BxH/]seq/head_dim/dtype/{causal,full}` -> {batch, heads, seq, head_dim, dtype (torch name), causal}; without
+    the `BxH/` prefix batch 1 and HEADS heads (a short grid fills few SMs: `8x16/4096/64/bf16/causal` is the
+    hopper study's d-64 shape, 128 heads' work)."""
     parts = shape.split("/")
-    rule = f"seq/head_dim/{{{','.join(DTYPE_ALIASES)}}}/{{causal,full}}"
+    rule = f"[BxH/]seq/head_dim/{{{','.join(DTYPE_ALIASES)}}}/{{causal,full}}"
+    batch, heads = 1, HEADS
+    if len(parts) == 5:
+        bh = parts.pop(0).split("x")
+        if len(bh) != 2 or not all(x.isdigit() and int(x) > 0 for x in bh):
+            raise ValueError(f"shape {shape!r} must be {rule} with positive B and H, e.g. 8x16/4096/64/bf16/causal")
+        batch, heads = map(int, bh)
     if (len(parts) != 4 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in DTYPE_ALIASES
             or parts[3] not in ("causal", "full")):
         raise ValueError(f"shape {shape!r} must be {rule}, e.g. 4096/64/bf16/causal")
     seq, head_dim, dtype, mask = parts
     if int(seq) < 1 or int(head_dim) < 1:
         raise ValueError(f"shape {shape!r}: seq and head_dim must be positive")
-    return dict(seq=int(seq), head_dim=int(head_dim), dtype=DTYPE_ALIASES[dtype], causal=mask == "causal")
+    return dict(batch=batch, heads=heads, seq=int(seq), head_dim=int(head_dim), dtype=DTYPE_ALIASES[dtype],
+                causal=mask == "causal")
 
 
 def canonical_shape(shape: str) -> str:
-    """The spelling rows and trial ids use: torch dtype names (`4096/64/bf16/causal` -> `.../bfloat16/...`)."""
+    """The spelling rows and trial ids use: torch dtype names (`4096/64/bf16/causal` -> `.../bfloat16/...`), the
+    `BxH/` prefix only when it is not the default 1 x HEADS."""
     p = parse_shape(shape)
-    return f"{p['seq']}/{p['head_dim']}/{p['dtype']}/{'causal' if p['causal'] else 'full'}"
+    prefix = "" if (p["batch"], p["heads"]) == (1, HEADS) else f"{p['batch']}x{p['heads']}/"
+    return f"{prefix}{p['seq']}/{p['head_dim']}/{p['dtype']}/{'causal' if p['causal'] else 'full'}"
 
 
 def param_spaces(quick: bool, shapes: tuple[str, ...], variants: tuple[str, ...] = ("portable",)) -> dict[str, dict]:
@@ -221,7 +232,7 @@ def trial(config: dict, device: str = "cuda") -> dict:
     dtype = getattr(torch, shape["dtype"])
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(0)
-    dims = (1, HEADS, config.get("_compile_seq", shape["seq"]), shape["head_dim"])
+    dims = (shape["batch"], shape["heads"], config.get("_compile_seq", shape["seq"]), shape["head_dim"])
     q, k, v, do = (torch.randn(dims, generator=gen, device=device, dtype=dtype) for _ in range(4))
     causal = shape["causal"]
     baseline = candidates(kernel, dtype, shape["head_dim"])[0]  # known-good reference config (portable)
@@ -252,7 +263,7 @@ def trial(config: dict, device: str = "cuda") -> dict:
     if not err <= limit:  # NaN fails too
         raise RuntimeError(f"wrong result: max abs difference {err:.3g} from the baseline config > {limit:.3g}")
     ms = median_ms(lambda: run(cfg), device)
-    flops = flash_attention_flops(1, HEADS, shape["seq"], shape["seq"], shape["head_dim"], causal, "fwd")
+    flops = flash_attention_flops(shape["batch"], shape["heads"], shape["seq"], shape["seq"], shape["head_dim"], causal, "fwd")
     flops *= MATMULS[kernel] / 2
     return {"block_m": block_m, "block_n": block_n, "path": path, "warp_specialize": ws, "persistent": persistent,
             "maxnreg": cfg.maxnreg or 0, **shape, "time_median_s": ms / 1e3, "tflops": flops / (ms * 1e-3) / 1e12,
@@ -274,7 +285,7 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
     persistent = VARIANTS[config["variant"]][2]
     dtype, causal, head_dim = getattr(torch, shape["dtype"]), shape["causal"], shape["head_dim"]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    dims = (1, HEADS, config.get("_compile_seq", shape["seq"]), head_dim)
+    dims = (shape["batch"], shape["heads"], config.get("_compile_seq", shape["seq"]), head_dim)
     q, k, v, do = (torch.randn(dims, generator=gen, device="cuda", dtype=dtype) for _ in range(4))
     base_fwd = candidates("fwd", dtype, head_dim)[0]
     if kernel == "fwd":
@@ -303,7 +314,7 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
     if not err <= limit:
         raise RuntimeError(f"wrong result: max abs difference {err:.3g} from the tl kernels > {limit:.3g}")
     ms = median_ms(run, torch.device("cuda"))
-    flops = flash_attention_flops(1, HEADS, shape["seq"], shape["seq"], head_dim, causal, "fwd")
+    flops = flash_attention_flops(shape["batch"], shape["heads"], shape["seq"], shape["seq"], head_dim, causal, "fwd")
     flops *= MATMULS[kernel] / 2
     return {"block_m": block_m, "block_n": block_n, "num_consumers": config.get("num_consumers", 2), "path": "gluon",
             "warp_specialize": True, "persistent": persistent, "head_group": cfg.head_group, "maxnreg": 0, **shape,

@@ -354,11 +354,19 @@ def test_flash_bench_budget_skips_say_how_to_continue(tmp_path):
 
 def test_flash_tiles_short_dtype_names_are_one_spelling():
     assert flash_tiles.parse_shape("4096/64/bf16/causal") == flash_tiles.parse_shape("4096/64/bfloat16/causal") == \
-        dict(seq=4096, head_dim=64, dtype="bfloat16", causal=True)
+        dict(batch=1, heads=flash_tiles.HEADS, seq=4096, head_dim=64, dtype="bfloat16", causal=True)
     assert flash_tiles.canonical_shape("1024/128/fp32/full") == "1024/128/float32/full"
     assert flash_tiles.canonical_shape("1024/128/fp16/causal") == "1024/128/float16/causal"
+    # An explicit batch x heads (the hopper study's shapes); the default one keeps the short spelling (trial ids).
+    assert flash_tiles.parse_shape("8x16/4096/64/bf16/causal") == dict(
+        batch=8, heads=16, seq=4096, head_dim=64, dtype="bfloat16", causal=True)
+    assert flash_tiles.canonical_shape("8x16/4096/64/bf16/causal") == "8x16/4096/64/bfloat16/causal"
+    assert flash_tiles.canonical_shape(f"1x{flash_tiles.HEADS}/4096/64/bf16/causal") == "4096/64/bfloat16/causal"
     for bad in ("4096/64/bf8/causal", "4096/64/bf16", "4096/x/bf16/causal", "4096/64/bf16/sliding"):
         with pytest.raises(ValueError, match="bf16,fp16,fp32"):
+            flash_tiles.parse_shape(bad)
+    for bad in ("8/4096/64/bf16/causal", "0x16/4096/64/bf16/causal", "8x16x2/4096/64/bf16/causal"):
+        with pytest.raises(ValueError, match="positive B and H"):
             flash_tiles.parse_shape(bad)
 
 
