@@ -183,12 +183,12 @@ PATH_ENV = "RAYSYS_FLASH_PATH"
 GLUON = "gluon"
 """The Gluon kernels' path: their forward, and their one-pass backward (`gluon_bwd_chosen`), else the tl kernels'
 auto path backward."""
-GLUON_AUTO_MIN_WORK = {128: 2**36, 64: 2**38}
+GLUON_AUTO_MIN_WORK = {128: 2**36, 64: 2**37}
 """Head dim -> B * H * n_q * n_k * d from which `auto` takes the gluon forward. Its launch costs more host time
 than the tl kernels' (host-side TMA descriptors, Gluon's launcher), so short calls stay on the tl kernels. Set from
-the hopper shapes (results/runs/flash_bench_hopper_e5db843.parquet, after the eager calls stopped paying the
-custom ops' dispatch): at d 128 it was faster from 4x32x2048x128 (2^36) on; at d 64 slower at 8x16x4096x64 (2^37),
-so d 64 keeps the earlier 2^38 (results/flash_hopper_notes.md, sections 6 and 8)."""
+the hopper shapes: at d 128 it was faster from 4x32x2048x128 (2^36) on (results/runs/flash_bench_hopper_e5db843.parquet);
+at d 64 from 8x16x4096x64 (2^37) on once its tile sweep ran on that shape and chose 2x64x128 tiles in groups of 8
+heads (results/flash_hopper_notes.md, sections 8 and 9)."""
 GLUON_BWD_AUTO_MIN_WORK = 2**36
 """B * H * n_q * n_k * d from which `auto` takes the Gluon one-pass backward, at GLUON_BWD_HEAD_DIMS: the
 forward's d-128 bound. With its key tiles taken a few heads at a time (the tuned file's `head_group`) it beat the tl

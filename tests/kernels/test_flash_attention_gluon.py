@@ -228,7 +228,8 @@ def test_gluon_bwd_rule(gluon_runs_anywhere, path, bwd, shape, chosen):
     ((1, 16, 16384, 128), True),
     ((4, 32, 2048, 128), True),      # d 128 from 2^36 on
     ((2, 32, 2048, 128), False),     # (below it)
-    ((8, 16, 4096, 64), False),      # d 64 from 2^38 on
+    ((8, 16, 4096, 64), True),       # d 64 from 2^37 on
+    ((4, 16, 4096, 64), False),      # (below it)
     ((1, 16, 16384, 64), True),
 ])
 def test_gluon_forward_rule(gluon_runs_anywhere, shape, chosen):
