@@ -207,6 +207,14 @@ def check_configs(configs: dict[int, list], check_fn, kind: str, rows: list[dict
     return passed
 
 
+def _bwd_path() -> str:
+    """The path and mode of this process's last `flash_attention_bwd`, e.g. `gluon, one_pass`, `portable, two_pass`."""
+    from kernels.flash_attention import LAST_PATH
+
+    mode = LAST_PATH.get("bwd", "?")
+    return f"{LAST_PATH.get('dkdvq' if mode == 'one_pass' else 'dkdv', '?')}, {mode}"
+
+
 def run_bwd(rows: list[dict]) -> None:
     """(c) backward correctness per config, then (d) forward+backward and backward-only timing of those passed."""
     passed = check_configs(BWD_CONFIGS, check_bwd, "check_bwd", rows)
@@ -229,17 +237,19 @@ def run_bwd(rows: list[dict]) -> None:
         except Exception as e:
             print(f"time sdpa_cudnn fwd+bwd {shape}: ERROR {_short(e, 2)}", flush=True)
 
-        def gluon_tl():
+        # The backward `flash_attention_bwd` picks (auto: the one-pass Gluon kernel where `gluon_bwd_chosen` takes
+        # it, else the tl kernels); its row's `path` says which ran.
+        def gluon_auto():
             out, lse = fg.gluon_attention_fwd(q, k, v, True)
             return flash_attention_bwd(q, k, v, out, lse, do, True)
         out = lse = None
         try:
             out, lse = fg.gluon_attention_fwd(q, k, v, True)
-            rows.append(bench_fwd_bwd(gluon_tl, shape, "gluon_fwd+tl_bwd"))
-            rows.append(bench_fwd_bwd(lambda: flash_attention_bwd(q, k, v, out, lse, do, True), shape, "tl",
-                                      kind="time_bwd"))
+            rows.append(dict(bench_fwd_bwd(gluon_auto, shape, "gluon_fwd+auto_bwd"), path=_bwd_path()))
+            rows.append(dict(bench_fwd_bwd(lambda: flash_attention_bwd(q, k, v, out, lse, do, True), shape,
+                                           "auto_bwd", kind="time_bwd"), path=_bwd_path()))
         except Exception as e:
-            print(f"time gluon_fwd+tl_bwd {shape}: ERROR {_short(e, 2)}", flush=True)
+            print(f"time gluon_fwd+auto_bwd {shape}: ERROR {_short(e, 2)}", flush=True)
         for config in passed[shape[-1]]:
             provider = "gluon" if _mode(config) == "one_pass" else "gluon_2pass"
 

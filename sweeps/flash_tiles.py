@@ -602,8 +602,9 @@ def markdown(df: pd.DataFrame) -> str:
     ok = ok.assign(median_ms=1e3 * ok["time_median_s"])  # the table shows milliseconds
     best = ok.sort_values("median_ms").groupby(["shape", "kernel"], as_index=False).head(3)
     best = best.sort_values(["shape", "kernel", "median_ms"])
+    gluon_knobs = [c for c in ("num_consumers", "head_group") if c in best and best[c].notna().any()]
     cols = ["shape", "kernel", *(["variant"] if "variant" in best else []), "tile", "num_warps", "num_stages",
-            "median_ms", "tflops"]
+            *gluon_knobs, "median_ms", "tflops"]  # the Gluon kernels' own knobs (blank on tl rows)
     return (f"{len(df)} launch configurations timed ({failed or 'none'} failed); the three fastest per kernel and "
             "shape (these feed `kernels/flash_attention_tuned.json`, which the autotuner tries first).\n\n"
             + best[cols].to_markdown(index=False, floatfmt=".3g") + "\n")

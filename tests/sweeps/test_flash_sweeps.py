@@ -424,3 +424,14 @@ def test_gluon_check_rows_follow_the_results_convention(tmp_path, capsys):
     assert df.set_index("provider")["vs_cudnn"].dropna().to_dict() == {"sdpa_cudnn": 1.0, "gluon": 2.0}
     assert list(df.status) == ["ok", "ok", "error"]
     assert "2x64x128/s3" in capsys.readouterr().out
+
+
+def test_gluon_check_names_the_backward_auto_ran(monkeypatch):
+    """The check's `auto_bwd` rows say which kernels `flash_attention_bwd` picked (the Gluon one-pass or the tl ones)."""
+    from kernels import flash_attention as fa
+    from sweeps import flash_gluon_check as check
+
+    monkeypatch.setattr(fa, "LAST_PATH", {"fwd": "gluon", "dkdvq": "gluon", "dkdv": "portable", "bwd": "one_pass"})
+    assert check._bwd_path() == "gluon, one_pass"
+    monkeypatch.setattr(fa, "LAST_PATH", {"dkdvq": "gluon", "dkdv": "portable", "bwd": "two_pass"})
+    assert check._bwd_path() == "portable, two_pass"
