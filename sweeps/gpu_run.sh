@@ -14,7 +14,8 @@
 #                                    #   compiled, FSDP compiled, --collectives-alone, paired vs single)   (~7 min)
 #   bash sweeps/gpu_run.sh ckpt      # checkpointing trials (Ray Tune, one GPU per trial)                  (~4 min)
 #   bash sweeps/gpu_run.sh flash     # Ray Tune tile sweep (one GPU per trial), the FlashAttention grid    (~9.5 min)
-#   bash sweeps/gpu_run.sh gluon     # 1 GPU: the Gluon kernels' GPU tests and checks, then the hopper study (~8 min)
+#   bash sweeps/gpu_run.sh gluon     # 1 GPU: the Gluon kernels' GPU tests, then the hopper study (paired)  (~6 min)
+#   bash sweeps/gpu_run.sh gluoncheck # 1 GPU: every Gluon config checked on odd shapes and timed          (~6 min)
 #   bash sweeps/gpu_run.sh gluontiles # 1 GPU: the Gluon kernels' launch knobs (flash_tiles --variants gluon) (~3 min)
 #   bash sweeps/gpu_run.sh leaderboard # 1 GPU: the 8B step's ablation and --check (issue 15)             (~8.5 min)
 #   bash sweeps/gpu_run.sh lbtune    # 1 GPU: the advisor's plan against its neighbours, a profile of the step (~8 min)
@@ -25,7 +26,7 @@
 # Ray comes from wheels when the host has none: set WHEELS=.whl (the README's "Studies" section says how to make it).
 # Exit status: 2 without the GPUs the phase needs (nothing runs), 1 if a study failed, else 0.
 set -u
-phase=${1:?usage: gpu_run.sh dist|allreduce|fsdp|paired|compiled|alone|ckpt|flash|gluon|gluontiles|leaderboard|lbtune|lb2|tests|e2e}
+phase=${1:?usage: gpu_run.sh dist|allreduce|fsdp|paired|compiled|alone|ckpt|flash|gluon|gluoncheck|gluontiles|leaderboard|lbtune|lb2|tests|e2e}
 OUT=${OUT:-/tmp/raysys-gpu}
 # Results go to a run directory of their own (never straight into the committed results/): running a phase again
 # continues it (--resume of the same commit); copy what you keep into results/ afterwards.
@@ -153,15 +154,19 @@ case $phase in
     study flash_grid 250 python3 sweeps/flash_bench.py --studies grid --device cuda --out "$RESULTS" --resume \
       --time-budget-s 230
     ;;
-  gluon)  # issue 16 on one GPU: the gluon path's GPU tests, every Gluon config checked and timed (forward and the
-    # experimental backward), then the hopper study with the gluon path beside the tl paths and both SDPA backends
-    study flash_gluon_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 -k gluon \
+  gluon)  # issue 16 on one GPU: the gluon path's GPU tests, then the hopper study with the gluon path beside the tl
+    # paths and both SDPA backends, auto also paired against cuDNN in alternating rounds (~6 min)
+    study flash_gluon_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 -k gluon \
       tests/kernels/test_flash_attention_gpu.py tests/kernels/test_flash_attention_gluon.py
-    # (the check is one pass, redone whole when the phase runs again: --overwrite)
-    study flash_gluon 200 python3 sweeps/flash_gluon_check.py --part all --out "$RESULTS" --overwrite
-    study flash_hopper 230 python3 sweeps/flash_bench.py --studies hopper --time-budget-s 180 --out "$RESULTS" --resume \
+    study flash_hopper 260 python3 sweeps/flash_bench.py --studies hopper --time-budget-s 210 --out "$RESULTS" --resume \
       --providers triton,triton_gluon,triton_gluon_1pass,triton_tma,triton_portable,sdpa_cudnn,sdpa_flash \
       --paired-rounds 5
+    ;;
+  gluoncheck)  # issue 16 on one GPU: every Gluon config of flash_gluon_check.py checked on odd shapes and timed
+    # (forward and backward; one pass, redone whole when the phase runs again: --overwrite; MATCH=REGEX picks
+    # configs) (~6 min cold)
+    study flash_gluon 500 python3 sweeps/flash_gluon_check.py --part all --out "$RESULTS" --overwrite \
+      ${MATCH:+--config-match "$MATCH"}
     ;;
   gluontiles)  # issue 16 on one GPU: the Gluon forward's and one-pass backward's knobs at two d-128 and one d-64 shape, each
     # checked against the tl kernels and timed (the local launcher: 8 processes compile the grid first), into
@@ -199,7 +204,7 @@ case $phase in
     study end_to_end 420 python3 sweeps/end_to_end.py --device cuda --out "$RESULTS" --resume
     ;;
   *)
-    echo "unknown phase $phase (dist, allreduce, fsdp, paired, compiled, alone, ckpt, flash, gluon, gluontiles, leaderboard, lbtune, lb2, tests, e2e)" >&2
+    echo "unknown phase $phase (dist, allreduce, fsdp, paired, compiled, alone, ckpt, flash, gluon, gluoncheck, gluontiles, leaderboard, lbtune, lb2, tests, e2e)" >&2
     exit 2
     ;;
 esac

@@ -18,6 +18,7 @@ from tests.subprocess_utils import REPO, repo_env
     ("sweeps/gpu_run.sh", ["alone"], 1, "gpu_run.sh alone: needs 1 CUDA GPU(s); this machine has 0"),
     ("sweeps/gpu_run.sh", ["leaderboard"], 1, "gpu_run.sh leaderboard: needs 1 CUDA GPU(s); this machine has 0"),
     ("sweeps/gpu_run.sh", ["gluon"], 1, "gpu_run.sh gluon: needs 1 CUDA GPU(s); this machine has 0"),
+    ("sweeps/gpu_run.sh", ["gluoncheck"], 1, "gpu_run.sh gluoncheck: needs 1 CUDA GPU(s); this machine has 0"),
     ("sweeps/gpu_run.sh", ["lb2"], 2, "gpu_run.sh lb2: needs 2 CUDA GPU(s); this machine has"),
     ("sweeps/flash_gpu_check.sh", [], 1, "flash_gpu_check.sh: needs a CUDA GPU; this machine has none"),
 ])
