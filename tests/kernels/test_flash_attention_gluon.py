@@ -129,6 +129,18 @@ def test_compiles_for_sm90(head_dim, persistent, head_group):
     assert "0 bytes spill stores" in _ptxas_log(ptx)
 
 
+@pytest.mark.slow
+@needs_gluon_api
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_tuned_forward_configs_compile_for_sm90_without_spills(head_dim):
+    """The config the gluon forward launches by default (the tuned file's sweep-wide winner, else the built-in one)
+    builds for sm_90 within shared memory and without spills."""
+    config = fg.default_config(head_dim, torch.bfloat16)
+    compiled = _compile_sm90(config, head_dim, torch.bfloat16, True)
+    assert compiled.metadata.shared >= config.shared_bytes(head_dim)
+    assert "0 bytes spill stores" in _ptxas_log(compiled.asm["ptx"]), config.name
+
+
 def test_bwd_config_rules():
     with pytest.raises(ValueError, match="block_m"):
         fgo.GluonBwdConfig(block_m=128)
