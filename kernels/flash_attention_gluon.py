@@ -425,7 +425,7 @@ class GluonConfig:
     across them; fewer keeps the programs in flight on fewer heads' K/V, more of them in L2 at long sequences."""
 
     def __post_init__(self):
-        if self.persistent not in (True, False):
+        if not isinstance(self.persistent, bool):
             raise ValueError(f"persistent ({self.persistent!r}) must be a bool")
         if isinstance(self.head_group, bool) or not isinstance(self.head_group, int) or self.head_group < 0:
             raise ValueError(f"head_group ({self.head_group!r}) must be an int >= 0 (0: all heads)")

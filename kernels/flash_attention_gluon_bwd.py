@@ -57,26 +57,38 @@ if HAS_GLUON_HOPPER:  # the forward's imports of Triton 3.6's Gluon API
 if HAS_GLUON_HOPPER:
 
     @gluon.jit
+    def _load_kv_tiles(k_desc, v_desc, k_bufs, v_bufs, kv_bar, off_b, off_h, start_n,
+                       NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Each consumer's K and V rows [start_n + c * BLOCK_N, ...) into its buffers, all on `kv_bar`."""
+        mbarrier.expect(kv_bar, NUM_CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+        for c in gl.static_range(NUM_CONSUMERS):
+            tma.async_copy_global_to_shared(k_desc, [off_b, off_h, start_n + c * BLOCK_N, 0], kv_bar, k_bufs.index(c))
+            tma.async_copy_global_to_shared(v_desc, [off_b, off_h, start_n + c * BLOCK_N, 0], kv_bar, v_bufs.index(c))
+
+    @gluon.jit
+    def _load_q_do_tile(q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, empty, off_b, off_h, row, it,
+                        NUM_STAGES: gl.constexpr):
+        """Q and dO rows [row, row + BLOCK_M) into ring slot it % NUM_STAGES, once the consumers freed it: one
+        `empty` barrier per slot (one arrival per consumer) frees Q and dO together; it starts "phase 1 complete",
+        so the first pass through the ring does not wait. `it` counts the program's ring uses (across work items in
+        a persistent program)."""
+        stage = it % NUM_STAGES
+        mbarrier.wait(empty.index(stage), ((it // NUM_STAGES) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [off_b, off_h, row, 0], q_ready.index(stage), q_bufs.index(stage))
+        mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [off_b, off_h, row, 0], do_ready.index(stage), do_bufs.index(stage))
+
+    @gluon.jit
     def _bwd_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, q_ready, do_ready,
                     empty, off_b, off_h, start_n, m_start, num_m,
                     NUM_CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     NUM_STAGES: gl.constexpr):
         """Producer warp: each consumer's K and V rows once, then Q(i), dO(i) into ring slot i % NUM_STAGES."""
-        mbarrier.expect(kv_bar, NUM_CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
-        for c in gl.static_range(NUM_CONSUMERS):
-            tma.async_copy_global_to_shared(k_desc, [off_b, off_h, start_n + c * BLOCK_N, 0], kv_bar, k_bufs.index(c))
-            tma.async_copy_global_to_shared(v_desc, [off_b, off_h, start_n + c * BLOCK_N, 0], kv_bar, v_bufs.index(c))
-        # One `empty` barrier per slot (one arrival per consumer) frees Q and dO together; it starts "phase 1
-        # complete", so the first pass through the ring does not wait.
+        _load_kv_tiles(k_desc, v_desc, k_bufs, v_bufs, kv_bar, off_b, off_h, start_n, NUM_CONSUMERS, BLOCK_N)
         for it in range(num_m):
-            stage = it % NUM_STAGES
-            row = (m_start + it) * BLOCK_M
-            mbarrier.wait(empty.index(stage), ((it // NUM_STAGES) & 1) ^ 1)
-            mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, row, 0], q_ready.index(stage), q_bufs.index(stage))
-            mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(do_desc, [off_b, off_h, row, 0], do_ready.index(stage),
-                                            do_bufs.index(stage))
+            _load_q_do_tile(q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, empty, off_b, off_h,
+                            (m_start + it) * BLOCK_M, it, NUM_STAGES)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -485,7 +497,7 @@ def launch_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
         lse_pad, delta_pad = (one_pass.padded_rows(t, config.block_m) for t in (lse, delta))
         grid, args, meta = one_pass.bwd_launch_args(q, k, v, grad_out, dk, dv, lse_pad, delta_pad, dq_acc, is_causal,
                                                     config)
-        one_pass._gluon_attn_bwd_kernel[grid](*args, **meta)
+        config.kernel[grid](*args, **meta)
     return dq_acc.to(q.dtype), dk, dv
 
 

@@ -9,6 +9,11 @@ fixed, so dQ's last bits can vary run to run.
 Why this shape (results/flash_hopper_notes.md, section 7): each dQ element is reduced once per program, not once
 per group, and by the TMA unit, not by per-thread atomics, which cost 22 ms of 63 at the leaderboard shape.
 
+`GluonBwdConfig(persistent=True)` runs the same work items on one program per SM
+(`_gluon_attn_bwd_persistent_kernel`), as cuDNN's backward does: the Q/dO ring runs on across items, K and V are
+reloaded once both groups' dK and dV left their buffers. Not taken by `auto` until a measurement puts it in the
+tuned file.
+
 Usage: `gluon_attention_bwd(..., mode="one_pass")` of `kernels/flash_attention_gluon_bwd.py` launches it.
 """
 
@@ -20,9 +25,10 @@ import math
 import torch
 import triton
 
-from kernels.flash_attention_gluon import (HAS_GLUON_HOPPER, LOADER_REGS, LOG2E, _descriptor, register_split,
+from kernels.flash_attention_gluon import (HAS_GLUON_HOPPER, LOADER_REGS, LOG2E, _descriptor, num_sms, register_split,
                                           shared_layout)
-from kernels.flash_attention_gluon_bwd import BWD_BLOCK_N, _bwd_loader, _key_stationary_shared, _sdp_transposed
+from kernels.flash_attention_gluon_bwd import (BWD_BLOCK_N, _bwd_loader, _key_stationary_shared, _load_kv_tiles,
+                                              _load_q_do_tile, _sdp_transposed)
 from kernels.flash_attention_tuning import gluon_tuned_fields
 
 
@@ -50,10 +56,24 @@ if HAS_GLUON_HOPPER:
                       ds_ready, empty, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h, pid_bh, tile_n, m_start,
                       num_m, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
-        """Consumer C of the program's 2 * BLOCK_N keys: its BLOCK_N keys' dK, dV (the two-pass `_dkdv_consumer`,
+        """Partition entry of consumer C in a one-item program: `_bwd_consumer_item` from ring use 0."""
+        _bwd_consumer_item(C, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, 0, q_ready, do_ready,
+                           ds_ready, empty, kv_bar, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h, pid_bh, tile_n,
+                           m_start, num_m, 0, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                           IS_CAUSAL, False)
+
+    @gluon.jit
+    def _bwd_consumer_item(C: gl.constexpr, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, kv_phase,
+                           q_ready, do_ready, ds_ready, empty, kv_empty, dk_desc, dv_desc, dq_desc, L, Delta, off_b,
+                           off_h, pid_bh, tile_n, m_start, num_m, it0, N_Q, N_K, qk_scale, sm_scale,
+                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+        """Consumer C of one work item's 2 * BLOCK_N keys: its BLOCK_N keys' dK, dV (the two-pass `_dkdv_consumer`,
         S^T and dP^T with the keys as wgmma rows), and columns [C * HEAD_DIM / 2, ...) of the program's share of dQ(i)
         = dS(i) K over all 2 * BLOCK_N keys: both groups' dS^T meet in shared memory (barrier `ds_ready`), so each
-        dQ element is reduced once per program, by the TMA unit's bulk fp32 reduction."""
+        dQ element is reduced once per program, by the TMA unit's bulk fp32 reduction. The ring slots continue from
+        ring use `it0` (the query tiles of the program's earlier items) and `kv_bar` is in phase `kv_phase`; a
+        PERSISTENT program's consumer releases its K and V buffers (`kv_empty`) once its dK and dV left them."""
         dtype: gl.constexpr = k_bufs.dtype
         DQ_N: gl.constexpr = HEAD_DIM // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -78,10 +98,19 @@ if HAS_GLUON_HOPPER:
         n_pad = gl.cdiv(N_Q, BLOCK_M) * BLOCK_M
         lse_base = L + pid_bh.to(gl.int64) * n_pad
         delta_base = Delta + pid_bh.to(gl.int64) * n_pad
-        mbarrier.wait(kv_bar, 0)
+        # (A one-item program's ring uses and barrier phases start at 0: constants, so its build is the one the
+        # measurements before the persistent kernel ran.)
+        if PERSISTENT:
+            mbarrier.wait(kv_bar, kv_phase)
+        else:
+            mbarrier.wait(kv_bar, 0)
         for it in range(num_m):
-            stage = it % NUM_STAGES
-            phase = (it // NUM_STAGES) & 1
+            if PERSISTENT:
+                use = it0 + it
+            else:
+                use = it
+            stage = use % NUM_STAGES
+            phase = (use // NUM_STAGES) & 1
             start_m = (m_start + it) * BLOCK_M
             cols = start_m + gl.arange(0, BLOCK_M, layout=col_s)
             # Rows past N_Q: Q and dO read as 0 (TMA), L and D are 0, so P = 1 and dS = 0 there. A causal query tile
@@ -130,13 +159,106 @@ if HAS_GLUON_HOPPER:
         #    product has read K (the last slot's `empty` phase completes when both groups arrived); rows past N_K
         #    are dropped.
         if num_m > 0:
-            mbarrier.wait(empty.index((num_m - 1) % NUM_STAGES), ((num_m - 1) // NUM_STAGES) & 1)
+            if PERSISTENT:
+                last = it0 + num_m - 1
+            else:
+                last = num_m - 1
+            mbarrier.wait(empty.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
         k.store(dk.to(dtype))
         v.store(dv.to(dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(dk_desc, [off_b, off_h, start_n, 0], k_bufs.index(C))
         tma.async_copy_shared_to_global(dv_desc, [off_b, off_h, start_n, 0], v_bufs.index(C))
         tma.store_wait(0)  # (and the last dQ reduction)
+        if PERSISTENT:  # dK and dV have left this group's K and V buffers: the next item's K and V may land there
+            mbarrier.arrive(kv_empty, count=1)
+
+    @gluon.jit
+    def _bwd_item(t, num_t, BH, H, GROUP: gl.constexpr, N_Q, TILE_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                  IS_CAUSAL: gl.constexpr):
+        """Work item t -> (pid_bh, off_b, off_h, tile_n, m_start, num_m): causal key tiles numbered by increasing
+        key-tile index (the first see the most queries), across all BH heads or, GROUP > 0, GROUP heads at a time
+        (the last group may be smaller), so the programs in flight share fewer heads' Q, dO and dQ in L2 (as the
+        forward's `_work_item`); query tiles [m_start, m_start + num_m): causal ones from the first query that sees
+        key tile_n (none when tile_n >= N_Q: dK = dV = 0 are still written)."""
+        if GROUP == 0:
+            pid_bh = t % BH
+            tile_n = (t // BH) * TILE_N
+        else:
+            g = t // (num_t * GROUP)
+            r = t - g * (num_t * GROUP)
+            heads = gl.minimum(BH - g * GROUP, GROUP)
+            pid_bh = g * GROUP + r % heads
+            tile_n = (r // heads) * TILE_N
+        off_b = pid_bh // H
+        off_h = pid_bh % H
+        if IS_CAUSAL:
+            m_start = tile_n // BLOCK_M
+        else:
+            m_start = 0
+        num_m = gl.maximum(gl.cdiv(N_Q, BLOCK_M) - m_start, 0)
+        return pid_bh, off_b, off_h, tile_n, m_start, num_m
+
+    @gluon.jit
+    def _bwd_persistent_consumer(C: gl.constexpr, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, q_ready,
+                                 do_ready, ds_ready, empty, kv_empty, dk_desc, dv_desc, dq_desc, L, Delta, H, BH,
+                                 GROUP: gl.constexpr, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM: gl.constexpr,
+                                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                                 IS_CAUSAL: gl.constexpr):
+        """Consumer C of a persistent program: work items pid, pid + #programs, ... (`_bwd_item` order)."""
+        num_t = gl.cdiv(N_K, 2 * BLOCK_N)
+        it0 = 0
+        n = 0
+        for t in range(gl.program_id(0), num_t * BH, gl.num_programs(0)):
+            pid_bh, off_b, off_h, tile_n, m_start, num_m = _bwd_item(t, num_t, BH, H, GROUP, N_Q, 2 * BLOCK_N,
+                                                                     BLOCK_M, IS_CAUSAL)
+            _bwd_consumer_item(C, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, n & 1, q_ready,
+                               do_ready, ds_ready, empty, kv_empty, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h,
+                               pid_bh, tile_n, m_start, num_m, it0, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M,
+                               BLOCK_N, NUM_STAGES, IS_CAUSAL, True)
+            it0 += num_m
+            n += 1
+
+    @gluon.jit
+    def _bwd_persistent_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, q_ready,
+                               do_ready, empty, kv_empty, H, BH, GROUP: gl.constexpr, N_Q, N_K,
+                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                               IS_CAUSAL: gl.constexpr):
+        """Producer warp of a persistent program, per work item: its first Q/dO tiles into the ring as soon as the
+        previous item's last ones are released (under that item's dK/dV epilogue), then its K and V once both groups
+        released theirs (`kv_empty`), then the rest of its Q/dO tiles."""
+        num_t = gl.cdiv(N_K, 2 * BLOCK_N)
+        it0 = 0
+        n = 0
+        for t in range(gl.program_id(0), num_t * BH, gl.num_programs(0)):
+            pid_bh, off_b, off_h, tile_n, m_start, num_m = _bwd_item(t, num_t, BH, H, GROUP, N_Q, 2 * BLOCK_N,
+                                                                     BLOCK_M, IS_CAUSAL)
+            ahead = gl.minimum(num_m, NUM_STAGES)
+            for it in range(ahead):
+                _load_q_do_tile(q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, empty, off_b, off_h,
+                                (m_start + it) * BLOCK_M, it0 + it, NUM_STAGES)
+            mbarrier.wait(kv_empty, (n & 1) ^ 1)  # starts "phase 1 complete": the first item does not wait
+            _load_kv_tiles(k_desc, v_desc, k_bufs, v_bufs, kv_bar, off_b, off_h, tile_n, 2, BLOCK_N)
+            for it in range(ahead, num_m):
+                _load_q_do_tile(q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, empty, off_b, off_h,
+                                (m_start + it) * BLOCK_M, it0 + it, NUM_STAGES)
+            it0 += num_m
+            n += 1
+
+    @gluon.jit
+    def _one_pass_shared(q_desc, k_desc, v_desc, do_desc, dq_desc, NUM_STAGES: gl.constexpr, TILE_N: gl.constexpr,
+                         BLOCK_M: gl.constexpr):
+        """Each group's K, V (reused for dK, dV); the Q/dO ring; per slot a dS^T tile of both groups' keys; each
+        group's fp32 dQ tile; barriers (`_key_stationary_shared`'s, and `ds_ready`: one arrival per group)."""
+        k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty = _key_stationary_shared(
+            q_desc, k_desc, v_desc, do_desc, NUM_STAGES)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [NUM_STAGES, TILE_N, BLOCK_M], ds_layout)
+        dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+        ds_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(ds_ready.index(i), count=2)
+        return k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, ds_bufs, dq_bufs, ds_ready
 
     @gluon.jit
     def _gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, L, Delta, H, N_Q,
@@ -147,41 +269,15 @@ if HAS_GLUON_HOPPER:
         """Grid (cdiv(N_K, 2 * BLOCK_N) * B * H,): program -> (key tile, batch*head), heavy first; two consumer
         warp groups of BLOCK_N keys and a loader warp."""
         TILE_N: gl.constexpr = 2 * BLOCK_N
-        # 1. Work item: causal key tiles numbered by increasing key-tile index (the first see the most queries),
-        #    across all heads or, GROUP > 0, GROUP heads at a time (the last group may be smaller), so the programs
-        #    in flight share fewer heads' Q, dO and dQ in L2 (as the forward's `_work_item`).
+        # 1.-2. Work item (`_bwd_item`: key tile, heavy first, head groups) and its query tiles.
         num_t = gl.cdiv(N_K, TILE_N)
         num_bh = gl.num_programs(0) // num_t
-        pid = gl.program_id(0)
-        if GROUP == 0:
-            pid_bh = pid % num_bh
-            tile_n = (pid // num_bh) * TILE_N
-        else:
-            g = pid // (num_t * GROUP)
-            r = pid - g * (num_t * GROUP)
-            heads = gl.minimum(num_bh - g * GROUP, GROUP)
-            pid_bh = g * GROUP + r % heads
-            tile_n = (r // heads) * TILE_N
-        off_b = pid_bh // H
-        off_h = pid_bh % H
-        # 2. Query tiles [m_start, cdiv(N_Q, BLOCK_M)): causal ones start at the first query that sees key tile_n
-        #    (none when tile_n >= N_Q: dK = dV = 0 are still written).
-        if IS_CAUSAL:
-            m_start = tile_n // BLOCK_M
-        else:
-            m_start = 0
-        num_m = gl.maximum(gl.cdiv(N_Q, BLOCK_M) - m_start, 0)
+        pid_bh, off_b, off_h, tile_n, m_start, num_m = _bwd_item(gl.program_id(0), num_t, num_bh, H, GROUP, N_Q,
+                                                                 TILE_N, BLOCK_M, IS_CAUSAL)
 
-        # 3. Shared memory: each group's K, V (reused for dK, dV); the Q/dO ring; per slot a dS^T tile of both
-        #    groups' keys; barriers (`ds_ready`: one arrival per group).
-        k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty = _key_stationary_shared(
-            q_desc, k_desc, v_desc, do_desc, NUM_STAGES)
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [NUM_STAGES, TILE_N, BLOCK_M], ds_layout)
-        dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
-        ds_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NUM_STAGES):
-            mbarrier.init(ds_ready.index(i), count=2)
+        # 3. Shared memory (`_one_pass_shared`).
+        k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, ds_bufs, dq_bufs, ds_ready = \
+            _one_pass_shared(q_desc, k_desc, v_desc, do_desc, dq_desc, NUM_STAGES, TILE_N, BLOCK_M)
 
         # 4. Partitions (argument tuples inline, as in the forward).
         gl.warp_specialize([
@@ -197,6 +293,34 @@ if HAS_GLUON_HOPPER:
                            do_ready, empty, off_b, off_h, tile_n, m_start, num_m, 2, BLOCK_M, BLOCK_N, NUM_STAGES)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
+    @gluon.jit
+    def _gluon_attn_bwd_persistent_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, L, Delta, H,
+                                          BH, N_Q, N_K, qk_scale, sm_scale,
+                                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                          NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, GROUP: gl.constexpr,
+                                          CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+        """Grid (min(#work items, #SMs),): each program walks the work items p, p + #programs, ... of the one-item
+        kernel (`_bwd_item`, heavy first). The Q/dO ring runs on across items (the next item's first tiles load
+        under this one's dK/dV epilogue); K and V are reloaded once both groups released them (`kv_empty`: one
+        arrival per group, after its dK and dV stores left the buffers)."""
+        k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, ds_bufs, dq_bufs, ds_ready = \
+            _one_pass_shared(q_desc, k_desc, v_desc, do_desc, dq_desc, NUM_STAGES, 2 * BLOCK_N, BLOCK_M)
+        kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_empty, count=2)
+        gl.warp_specialize([
+            (_bwd_persistent_consumer, (0, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, q_ready,
+                                        do_ready, ds_ready, empty, kv_empty, dk_desc, dv_desc, dq_desc, L, Delta, H, BH,
+                                        GROUP, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                        IS_CAUSAL)),
+            (_bwd_persistent_consumer, (1, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, q_ready,
+                                        do_ready, ds_ready, empty, kv_empty, dk_desc, dv_desc, dq_desc, L, Delta, H, BH,
+                                        GROUP, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                        IS_CAUSAL)),
+            (_bwd_persistent_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar,
+                                      q_ready, do_ready, empty, kv_empty, H, BH, GROUP, N_Q, N_K, BLOCK_M, BLOCK_N,
+                                      NUM_STAGES, IS_CAUSAL)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GluonBwdConfig:
@@ -210,6 +334,10 @@ class GluonBwdConfig:
     head_group: int = 0
     """Heads whose key tiles run together (a compile-time constant): 0 for all B * H; fewer keeps the programs in
     flight on fewer heads' Q, dO and dQ accumulators, more of them in L2 at long sequences."""
+    persistent: bool = False
+    """One program per SM walking the work items (`_gluon_attn_bwd_persistent_kernel`), as cuDNN's backward runs
+    (results/flash_hopper_notes.md, section 9): no program start per key tile, the next item's Q/dO under this
+    one's epilogue."""
 
     def __post_init__(self):
         if self.block_m != 64:
@@ -218,11 +346,17 @@ class GluonBwdConfig:
             raise ValueError(f"num_stages ({self.num_stages}) must be >= 1")
         if isinstance(self.head_group, bool) or not isinstance(self.head_group, int) or self.head_group < 0:
             raise ValueError(f"head_group ({self.head_group!r}) must be an int >= 0 (0: all heads)")
+        if not isinstance(self.persistent, bool):
+            raise ValueError(f"persistent ({self.persistent!r}) must be a bool")
 
     @property
     def name(self) -> str:
-        return f"bwd2x{BWD_BLOCK_N}xq{self.block_m}/s{self.num_stages}" + (f"/g{self.head_group}" if self.head_group
-                                                                            else "")
+        return (f"bwd2x{BWD_BLOCK_N}xq{self.block_m}/s{self.num_stages}" + ("/p" if self.persistent else "")
+                + (f"/g{self.head_group}" if self.head_group else ""))
+
+    @property
+    def kernel(self):
+        return _gluon_attn_bwd_persistent_kernel if self.persistent else _gluon_attn_bwd_kernel
 
     def registers(self) -> tuple[int, int]:
         return register_split(2)
@@ -262,12 +396,18 @@ def bwd_launch_args(q, k, v, grad_out, dk, dv, lse, delta, dq_acc, is_causal: bo
     batch, heads, n_q, head_dim = q.shape
     n_k = k.shape[2]
     maxnreg, consumer_regs = config.registers()
-    grid = (triton.cdiv(n_k, 2 * BWD_BLOCK_N) * batch * heads,)
+    num_items = triton.cdiv(n_k, 2 * BWD_BLOCK_N) * batch * heads
     dq_block = [1, 1, config.block_m, head_dim // 2]
     dq_desc = TensorDescriptor.from_tensor(dq_acc, dq_block, shared_layout(tuple(dq_block), torch.float32))
     args = (_descriptor(q, config.block_m), _descriptor(k, BWD_BLOCK_N), _descriptor(v, BWD_BLOCK_N),
             _descriptor(grad_out, config.block_m), _descriptor(dk, BWD_BLOCK_N), _descriptor(dv, BWD_BLOCK_N),
-            dq_desc, lse, delta, heads, n_q, n_k, LOG2E / math.sqrt(head_dim), 1.0 / math.sqrt(head_dim))
+            dq_desc, lse, delta, heads)
+    if config.persistent:
+        grid = (min(num_items, num_sms(q.device)),)
+        args += (batch * heads,)
+    else:
+        grid = (num_items,)
+    args += (n_q, n_k, LOG2E / math.sqrt(head_dim), 1.0 / math.sqrt(head_dim))
     meta = dict(HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=BWD_BLOCK_N, NUM_STAGES=config.num_stages,
                 IS_CAUSAL=is_causal, GROUP=config.head_group, CONSUMER_REGS=consumer_regs, LOADER_REGS=LOADER_REGS,
                 num_warps=4,
