@@ -565,16 +565,19 @@ def write_json(data: dict, path: Path) -> None:
 def write_tuned(df: pd.DataFrame, tuned: dict[str, list[dict]], json_path: Path,
                 gluon: dict[str, list[dict]] | None = None) -> dict[str, list[dict]]:
     """Write `tuned` (best_configs of `df`) and `gluon` (gluon_best_configs) to `json_path`, keeping the file's
-    entries of the (kernel, path) pairs and Gluon kinds this run has none for, and its other keys (`auto_path`),
-    and saying where each part comes from; returns the tl part written."""
+    entries of the (kernel, path) pairs and Gluon kinds this run has none for, and its other keys (`auto_path`).
+    `note` says where the tl entries come from and `gluon_note` where the Gluon ones do: a run that swept only one
+    kind of kernel leaves the other's note as it was. Returns the tl part written."""
     note, provenance = json_note(df), json_provenance(df)
     tuned = dict(tuned)
-    extra: dict = {}
-    if json_path.exists():
-        old = json.loads(json_path.read_text())
-        extra = {key: value for key, value in old.items()
-                 if key not in ("note", "device", "torch", "triton", *KERNELS)}
+    old = json.loads(json_path.read_text()) if json_path.exists() else {}
+    extra = {key: value for key, value in old.items()
+             if key not in ("note", "gluon_note", "device", "torch", "triton", *KERNELS)}
+    gluon_note = old.get("gluon_note")
+    kept_kinds = sorted(set(extra.get("gluon", {})) - set(gluon or {}))
     if gluon:
+        gluon_note = note + (f"; {', '.join(kept_kinds)} kept from the previous file: {old.get('gluon_note', '')}"
+                             if kept_kinds else "")
         extra["gluon"] = {**extra.get("gluon", {}), **gluon}
     if json_path.exists():
         from kernels.flash_attention_tuning import load_tuned_configs
@@ -585,11 +588,14 @@ def write_tuned(df: pd.DataFrame, tuned: dict[str, list[dict]], json_path: Path,
             keep = [e for e in entries if (kernel, e.get("path", "portable")) not in swept]
             tuned[kernel] = tuned.get(kernel, []) + keep
             kept += len(keep)
-        if kept:
-            old = json.loads(json_path.read_text())
+        if not swept:  # no tl entries from this run: the tl part and its note stay as they were
+            note = old.get("note", note)
+        elif kept:
             note += f"; {kept} entries of other paths kept from the previous file: {old.get('note', '')}"
+        if kept or kept_kinds:
             provenance = {k: sorted(set(v) | set(old.get(k, []))) for k, v in provenance.items()}
-    write_json({"note": note, **provenance, **tuned, **extra}, json_path)
+    data = {"note": note, **({"gluon_note": gluon_note} if gluon_note else {}), **provenance, **tuned, **extra}
+    write_json(data, json_path)
     return tuned
 
 

@@ -202,6 +202,21 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     flash_tiles.write_tuned(df, flash_tiles.best_configs(df, min_configs=1), path, gluon)
     data = json.loads(path.read_text())
     assert data["auto_path"] == "tma" and data["gluon"] == json.loads(json.dumps(gluon))
+    assert data["gluon_note"].startswith("written by sweeps/flash_tiles.py") and "earlier" not in data["gluon_note"]
+    # A later run of the tl kernels alone keeps the gluon part and its note; one of the Gluon kernels alone keeps
+    # the tl part's note (and its entries).
+    tl_only = pd.DataFrame([_tile_row("fwd", "64x64", 4, 3, a, 0.2)]).assign(
+        device_name="H100", torch_version="2.11", triton_version="3.6")
+    flash_tiles.write_tuned(tl_only, flash_tiles.best_configs(tl_only, min_configs=1), path)
+    after_tl = json.loads(path.read_text())
+    assert after_tl["gluon"] == data["gluon"] and after_tl["gluon_note"] == data["gluon_note"]
+    assert after_tl["note"] != data["note"] and after_tl["device"] == ["H100", "H200"]
+    gluon_rows = df[df["path"] == "gluon"]
+    flash_tiles.write_tuned(gluon_rows, flash_tiles.best_configs(gluon_rows, min_configs=1), path,
+                            {"fwd": gluon["fwd"]})
+    after_gluon = json.loads(path.read_text())
+    assert after_gluon["note"] == after_tl["note"] and after_gluon["fwd"] == after_tl["fwd"]
+    assert "bwd kept from the previous file" in after_gluon["gluon_note"]
     monkeypatch.setattr(tuning, "_GLUON_TUNED", tuning.load_gluon_tuned(path))
     assert gluon_fwd.default_config(128, torch.bfloat16) == gluon_fwd.GluonConfig(
         block_m=64, block_n=128, num_stages=2, num_consumers=1)
