@@ -100,8 +100,9 @@ GLUON_GROUPS = {"fwd": (0, 8), "dkdvq": (0, 4, 8)}
 """`head_group` (GluonConfig / GluonBwdConfig): heads whose work items run together, 0 for all."""
 GLUON_KEYS = ["block_m", "block_n", "num_stages", "num_consumers", "persistent", "head_group"]
 GLUON_VARIANTS = ("gluon", "gluon_persistent")
-"""`gluon_persistent`: the forward's persistent grid (`GluonConfig.persistent`, two consumer groups), its tiles
-and ring depths."""
+"""`gluon_persistent`: the persistent grids (one program per SM) of the forward (`GluonConfig.persistent`, two
+consumer groups) and of the one-pass backward (`GluonBwdConfig.persistent`), over the same tiles, ring depths and
+head groups."""
 QUICK_PER_VARIANT = 4  # --quick: the first built-in candidates of each variant
 
 
@@ -167,7 +168,7 @@ def param_spaces(quick: bool, shapes: tuple[str, ...], variants: tuple[str, ...]
                 if not gluon_shapes:
                     raise ValueError(f"variant {variant} runs shapes of head dim 64 or 128 in bf16 / fp16; none of "
                                      f"{list(shapes)} is one")
-                if kernel in GLUON_KERNELS and (kernel == "fwd" or not persistent):
+                if kernel in GLUON_KERNELS:
                     consumers = [2] if persistent else list(GLUON_CONSUMERS)
                     spaces[f"{kernel}/{variant}"] = {
                         "kernel": kernel, "variant": variant, "tile": {"grid_search": list(GLUON_TILES[kernel])},
@@ -298,7 +299,7 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
         if (block_m, block_n) != (64, one_pass.BWD_BLOCK_N):
             raise ValueError(f"the one-pass Gluon backward's tile is 64x{one_pass.BWD_BLOCK_N}, "
                              f"not {config['tile']}")
-        cfg = one_pass.GluonBwdConfig(block_m=block_m, num_stages=config["num_stages"],
+        cfg = one_pass.GluonBwdConfig(block_m=block_m, num_stages=config["num_stages"], persistent=persistent,
                                       head_group=config.get("head_group", 0))
         out, lse = gluon_fwd.gluon_attention_fwd(q, k, v, causal)
         run = lambda: gluon_bwd.gluon_attention_bwd(q, k, v, out, lse, do, causal, config=cfg,  # noqa: E731
@@ -497,9 +498,8 @@ def gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict
             unfit = failed[(failed["head_dim"] == head_dim) & (failed["dtype"] == dtype)]
             unfit = unfit.drop_duplicates(["variant", "tile", "num_stages", "num_consumers", "head_group"])
             entries += _best_entries(part, GLUON_KEYS, {}, min(min_configs, grid - len(unfit)))
-        if kernel != "fwd":  # GluonBwdConfig has no block_n (BWD_BLOCK_N), consumer count (two) or persistence
-            entries = [{k: v for k, v in e.items() if k not in ("block_n", "num_consumers", "persistent")}
-                       for e in entries]
+        if kernel != "fwd":  # GluonBwdConfig has no block_n (BWD_BLOCK_N) or consumer count (two)
+            entries = [{k: v for k, v in e.items() if k not in ("block_n", "num_consumers")} for e in entries]
         out[kind] = entries
     return out
 

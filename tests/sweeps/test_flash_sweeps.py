@@ -224,14 +224,21 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
                                                                                    head_group=8)
     # The persistent forward: its own variant (fwd only, two consumer groups); a winner carries `persistent`.
     spaces = flash_tiles.param_spaces(False, (a,), ("gluon_persistent",))
-    assert set(spaces) == {"fwd/gluon_persistent"}
+    assert set(spaces) == {"fwd/gluon_persistent", "dkdvq/gluon_persistent"}
     grid = flash_tiles.grid_configs(spaces["fwd/gluon_persistent"])
     assert len(grid) == 6 * 2 and {c["num_consumers"] for c in grid} == {2}
+    assert len(flash_tiles.grid_configs(spaces["dkdvq/gluon_persistent"])) == 3 * 3
     fast = dict(row("fwd", "64x128", 2, 2, a, 0.2), variant="gluon_persistent", persistent=True)
     df_p = pd.concat([df, pd.DataFrame([fast, dict(fast, shape=b)])], ignore_index=True)
     winner = flash_tiles.gluon_best_configs(df_p, min_configs=8)["fwd"][0]
     assert winner["persistent"] is True and winner["num_consumers"] == 2
     assert gluon_fwd.GluonConfig(**{k: winner[k] for k in tuning.GLUON_FIELDS["fwd"]}).persistent
+    # The persistent one-pass backward: a winner carries `persistent`, which its config takes.
+    fast_bwd = dict(row("dkdvq", "64x64", 2, 2, a, 0.3), head_group=4, variant="gluon_persistent", persistent=True)
+    df_b = pd.concat([df, pd.DataFrame([fast_bwd, dict(fast_bwd, shape=b)])], ignore_index=True)
+    bwd_winner = flash_tiles.gluon_best_configs(df_b, min_configs=8)["bwd"][0]
+    assert bwd_winner["persistent"] is True and bwd_winner["head_group"] == 4
+    assert one_pass.GluonBwdConfig(**{k: bwd_winner[k] for k in tuning.GLUON_FIELDS["bwd"]}).persistent
     assert gluon_fwd.default_config(64, torch.bfloat16) == gluon_fwd.DEFAULT_CONFIGS[64]  # not swept: the default
     assert one_pass.default_config(128, torch.float16) == one_pass.DEFAULT_BWD_CONFIGS[128]
     # Bad input, before any work: no shape the Gluon kernels take; a tuned entry with a field no config has.
