@@ -26,7 +26,15 @@
 # Ray comes from wheels when the host has none: set WHEELS=.whl (the README's "Studies" section says how to make it).
 # Exit status: 2 without the GPUs the phase needs (nothing runs), 1 if a study failed, else 0.
 set -u
-phase=${1:?usage: gpu_run.sh dist|allreduce|fsdp|paired|compiled|alone|ckpt|flash|gluon|gluoncheck|gluontiles|leaderboard|lbtune|lb2|tests|e2e}
+PHASES="dist allreduce fsdp paired compiled alone ckpt flash gluon gluoncheck gluontiles leaderboard lbtune lb2 tests e2e"
+phase=${1:?usage: gpu_run.sh PHASE, one of: $PHASES}
+# An unknown phase is refused first, before the GPU check (one line, exit 2).
+known=0
+for name in $PHASES; do [ "$phase" = "$name" ] && known=1; done
+if [ $known = 0 ]; then
+  echo "gpu_run.sh: unknown phase '$phase' (one of: $PHASES)" >&2
+  exit 2
+fi
 OUT=${OUT:-/tmp/raysys-gpu}
 # Results go to a run directory of their own (never straight into the committed results/): running a phase again
 # continues it (--resume of the same commit); copy what you keep into results/ afterwards.
@@ -203,8 +211,7 @@ case $phase in
   e2e)
     study end_to_end 420 python3 sweeps/end_to_end.py --device cuda --out "$RESULTS" --resume
     ;;
-  *)
-    echo "unknown phase $phase (dist, allreduce, fsdp, paired, compiled, alone, ckpt, flash, gluon, gluoncheck, gluontiles, leaderboard, lbtune, lb2, tests, e2e)" >&2
+  *)  # (refused above)
     exit 2
     ;;
 esac

@@ -20,6 +20,8 @@ from tests.subprocess_utils import REPO, repo_env
     ("sweeps/gpu_run.sh", ["gluon"], 1, "gpu_run.sh gluon: needs 1 CUDA GPU(s); this machine has 0"),
     ("sweeps/gpu_run.sh", ["gluoncheck"], 1, "gpu_run.sh gluoncheck: needs 1 CUDA GPU(s); this machine has 0"),
     ("sweeps/gpu_run.sh", ["lb2"], 2, "gpu_run.sh lb2: needs 2 CUDA GPU(s); this machine has"),
+    # An unknown phase is refused on any machine (so the "GPUs it needs" never skip it), before the GPU check.
+    ("sweeps/gpu_run.sh", ["gluon gluoncheck"], 10**6, "gpu_run.sh: unknown phase 'gluon gluoncheck' (one of: dist "),
     ("sweeps/flash_gpu_check.sh", [], 1, "flash_gpu_check.sh: needs a CUDA GPU; this machine has none"),
 ])
 def test_refused_without_gpus_before_writing_anything(tmp_path, script, args, gpus, expect):
