@@ -56,7 +56,8 @@ if HAS_GLUON_HOPPER:
                       ds_ready, empty, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h, pid_bh, tile_n, m_start,
                       num_m, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
-        """Partition entry of consumer C in a one-item program: `_bwd_consumer_item` from ring use 0."""
+        """Partition entry of consumer C in a one-item program: `_bwd_consumer_item` from ring use 0 (its `kv_empty`
+        is never arrived on when not PERSISTENT: `kv_bar` fills the slot)."""
         _bwd_consumer_item(C, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, 0, q_ready, do_ready,
                            ds_ready, empty, kv_bar, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h, pid_bh, tile_n,
                            m_start, num_m, 0, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,

@@ -71,11 +71,14 @@ def profile(name: str, fn, n: int = 50) -> None:
 def main() -> None:
     shape = (4, 32, 2048, 128)
     if "--shape" in sys.argv:
-        text = sys.argv[sys.argv.index("--shape") + 1]
+        at = sys.argv.index("--shape") + 1
+        text = sys.argv[at] if at < len(sys.argv) else ""
         if not (len(parts := text.split(",")) == 4 and all(x.isdigit() and int(x) > 0 for x in parts)):
             raise SystemExit(f"--shape {text!r} must be four positive integers B,H,N,d")
         shape = tuple(map(int, parts))
     label = "x".join(map(str, shape))
+    if not torch.cuda.is_available():
+        raise SystemExit("flash_host_cost.py: needs a CUDA GPU (it times the kernels on one); this machine has none")
     q = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
     k, v, do = q.clone(), q.clone(), torch.randn_like(q)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))

@@ -26,6 +26,8 @@ def main() -> None:
     parts = text.split(",")
     if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
         raise SystemExit(f"shape {text!r} must be four positive integers B,H,N,d")
+    if not torch.cuda.is_available():
+        raise SystemExit("flash_ncu_pair.py: needs a CUDA GPU (it times the kernels on one); this machine has none")
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(tuple(map(int, parts)), generator=gen, device="cuda", dtype=torch.bfloat16)
                    for _ in range(4))
