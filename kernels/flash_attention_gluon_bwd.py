@@ -119,19 +119,17 @@ if HAS_GLUON_HOPPER:
 
     @gluon.jit
     def _sdp_transposed(k, v, q, do, l2, keys, cols, start_m, start_n, N_K, qk_scale, s_layout: gl.constexpr,
-                        BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                        MASK: gl.constexpr = True):
+                        BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
         """S^T = K Q^T and dP^T = V dO^T issued together (keys as wgmma rows), then P^T = exp(S^T / sqrt(d) - L)
-        under dP^T, diagonal and tail tiles masked (MASK=False: the caller knows the tile needs no mask, and no mask
-        code is built): (P^T fp32, dP^T still in flight). The dK/dV loops' shared first half (the two-pass one
-        here, the one-pass one in flash_attention_gluon_bwd_onepass.py)."""
+        under dP^T, diagonal and tail tiles masked: (P^T fp32, dP^T still in flight). The dK/dV loops' shared
+        first half (the two-pass one here, the one-pass one in flash_attention_gluon_bwd_onepass.py)."""
         s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
         s = warpgroup_mma(k, q.permute((1, 0)), s, use_acc=False, is_async=True)
         dp = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
         dp = warpgroup_mma(v, do.permute((1, 0)), dp, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))
         p = gl.exp2(s * qk_scale - gl.expand_dims(l2, 0))
-        if MASK and ((IS_CAUSAL and start_m < start_n + BLOCK_N) or start_n + BLOCK_N > N_K):
+        if (IS_CAUSAL and start_m < start_n + BLOCK_N) or start_n + BLOCK_N > N_K:
             keep = gl.expand_dims(keys < N_K, 1)
             if IS_CAUSAL:  # top-left: query i sees keys j <= i
                 keep = keep & (gl.expand_dims(keys, 1) <= gl.expand_dims(cols, 0))

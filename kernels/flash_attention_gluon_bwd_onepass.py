@@ -64,76 +64,6 @@ if HAS_GLUON_HOPPER:
                            IS_CAUSAL, False)
 
     @gluon.jit
-    def _bwd_tile(C: gl.constexpr, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, q_ready, do_ready, ds_ready,
-                  empty, dq_desc, lse_base, delta_base, keys, dk, dv, off_b, off_h, start_n, m, use, N_K, qk_scale,
-                  sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK: gl.constexpr):
-        """Query tile m (ring use `use`) of consumer C's loop in `_bwd_consumer_item`: (dK, dV) updated, this
-        group's share of dQ(m) on its way to global memory. MASK=False builds no mask code (a tile that starts
-        after this group's last key, inside N_K)."""
-        dtype: gl.constexpr = k_bufs.dtype
-        DQ_N: gl.constexpr = HEAD_DIM // 2
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_M, 16])
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, HEAD_DIM, 16])
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, DQ_N, 16])
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-        k = k_bufs.index(C).reshape([BLOCK_N, HEAD_DIM])
-        v = v_bufs.index(C).reshape([BLOCK_N, HEAD_DIM])
-        # dQ's operands: each group's keys, this group's half of the head dim.
-        k0_half = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).slice(C * DQ_N, DQ_N, dim=1)
-        k1_half = k_bufs.index(1).reshape([BLOCK_N, HEAD_DIM]).slice(C * DQ_N, DQ_N, dim=1)
-        stage = use % NUM_STAGES
-        phase = (use // NUM_STAGES) & 1
-        start_m = m * BLOCK_M
-        cols = start_m + gl.arange(0, BLOCK_M, layout=col_s)
-        # Rows past N_Q: Q and dO read as 0 (TMA), L and D are 0, so P = 1 and dS = 0 there. A causal query tile
-        # wholly above this group's keys (the first of the second group) is computed, masked to P = dS = 0:
-        # both groups take part in every tile's dQ.
-        l2 = gl.load(lse_base + cols) * 1.4426950408889634
-        mbarrier.wait(q_ready.index(stage), phase)
-        mbarrier.wait(do_ready.index(stage), phase)
-        q = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
-        do = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
-        # 1. S^T and dP^T in flight together; P^T under dP^T, masked where MASK.
-        p, dp = _sdp_transposed(k, v, q, do, l2, keys, cols, start_m, start_n, N_K, qk_scale, s_layout, BLOCK_N,
-                                BLOCK_M, IS_CAUSAL, MASK)
-        # 2. dV += P^T dO under dS^T = P^T (dP^T - D) / sqrt(d) (FA2 eqs. 16-17, the scale folded in).
-        p16 = p.to(dtype)
-        dv = warpgroup_mma(gl.convert_layout(p16, a_layout), do, dv, is_async=True)
-        delta = gl.load(delta_base + cols) * sm_scale
-        dp = warpgroup_mma_wait(1, deps=(dp,))
-        ds16 = (p16.to(gl.float32) * (dp * sm_scale - gl.expand_dims(delta, 0))).to(dtype)
-        # 3. dK += dS^T Q from registers; dS^T to this group's rows of the slot's shared tile.
-        dk = warpgroup_mma(gl.convert_layout(ds16, a_layout), q, dk, is_async=True)
-        dv = warpgroup_mma_wait(1, deps=(dv,))  # frees P^T's registers before dQ's accumulator is live
-        ds_tile = ds_bufs.index(stage)
-        ds_tile.slice(C * BLOCK_N, BLOCK_N, dim=0).store(ds16)
-        fence_async_shared()
-        mbarrier.arrive(ds_ready.index(stage), count=1)
-        # 4. Once both halves landed: dQ(i)[:, this half] share = dS(i) K over the program's keys.
-        mbarrier.wait(ds_ready.index(stage), phase)
-        dq = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
-        dq = warpgroup_mma(ds_tile.slice(0, BLOCK_N, dim=0).permute((1, 0)), k0_half, dq, use_acc=False,
-                           is_async=True)
-        dq = warpgroup_mma(ds_tile.slice(BLOCK_N, BLOCK_N, dim=0).permute((1, 0)), k1_half, dq, is_async=True)
-        dk, dq = warpgroup_mma_wait(0, deps=(dk, dq))
-        # Q(i), dO(i) and the dS slot are no longer read by this group (the loader refills the slot, and the
-        # other group rewrites its dS rows, only after both groups arrive).
-        mbarrier.arrive(empty.index(stage), count=1)
-        # 5. Summed in fp32 in global memory by the TMA unit (order not fixed), from a shared tile of this
-        #    group's that the previous tile's reduction has finished reading.
-        dq_smem = dq_bufs.index(C)
-        tma.store_wait(0)
-        dq_smem.reshape([BLOCK_M, DQ_N]).store(dq)
-        fence_async_shared()
-        _tma_reduce_add(dq_desc, [off_b, off_h, start_m, C * DQ_N], dq_smem)
-        return dk, dv
-
-    @gluon.jit
     def _bwd_consumer_item(C: gl.constexpr, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, kv_phase,
                            q_ready, do_ready, ds_ready, empty, kv_empty, dk_desc, dv_desc, dq_desc, L, Delta, off_b,
                            off_h, pid_bh, tile_n, m_start, num_m, it0, N_Q, N_K, qk_scale, sm_scale,
@@ -146,13 +76,21 @@ if HAS_GLUON_HOPPER:
         ring use `it0` (the query tiles of the program's earlier items) and `kv_bar` is in phase `kv_phase`; a
         PERSISTENT program's consumer releases its K and V buffers (`kv_empty`) once its dK and dV left them."""
         dtype: gl.constexpr = k_bufs.dtype
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, HEAD_DIM, 16])
+        DQ_N: gl.constexpr = HEAD_DIM // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, DQ_N, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         start_n = tile_n + C * BLOCK_N
         k = k_bufs.index(C).reshape([BLOCK_N, HEAD_DIM])
         v = v_bufs.index(C).reshape([BLOCK_N, HEAD_DIM])
+        # dQ's operands: each group's keys, this group's half of the head dim.
+        k0_half = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).slice(C * DQ_N, DQ_N, dim=1)
+        k1_half = k_bufs.index(1).reshape([BLOCK_N, HEAD_DIM]).slice(C * DQ_N, DQ_N, dim=1)
         keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
         dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
         dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
@@ -165,33 +103,58 @@ if HAS_GLUON_HOPPER:
         # measurements before the persistent kernel ran.)
         if PERSISTENT:
             mbarrier.wait(kv_bar, kv_phase)
-            use0 = it0
         else:
             mbarrier.wait(kv_bar, 0)
-            use0 = 0
-        if IS_CAUSAL:
-            # The query tiles that need a mask come first: those that start before this group's last key (one for
-            # the first group, two for the second), or every tile when this group's keys run past N_K. The loop
-            # over the rest is built without mask code: fewer instructions and spills in the hot loop.
-            n_masked = gl.minimum(gl.cdiv(start_n + BLOCK_N, BLOCK_M) - m_start, num_m)
-            if start_n + BLOCK_N > N_K:
-                n_masked = num_m
-            for it in range(0, n_masked):
-                dk, dv = _bwd_tile(C, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, q_ready, do_ready, ds_ready,
-                                   empty, dq_desc, lse_base, delta_base, keys, dk, dv, off_b, off_h, start_n,
-                                   m_start + it, use0 + it, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                   NUM_STAGES, IS_CAUSAL, True)
-            for it in range(n_masked, num_m):
-                dk, dv = _bwd_tile(C, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, q_ready, do_ready, ds_ready,
-                                   empty, dq_desc, lse_base, delta_base, keys, dk, dv, off_b, off_h, start_n,
-                                   m_start + it, use0 + it, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                   NUM_STAGES, IS_CAUSAL, False)
-        else:  # one loop, the key tail's mask decided per tile (two loops spill in the second, without a mask)
-            for it in range(0, num_m):
-                dk, dv = _bwd_tile(C, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, q_ready, do_ready, ds_ready,
-                                   empty, dq_desc, lse_base, delta_base, keys, dk, dv, off_b, off_h, start_n,
-                                   m_start + it, use0 + it, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                   NUM_STAGES, IS_CAUSAL, True)
+        for it in range(num_m):
+            if PERSISTENT:
+                use = it0 + it
+            else:
+                use = it
+            stage = use % NUM_STAGES
+            phase = (use // NUM_STAGES) & 1
+            start_m = (m_start + it) * BLOCK_M
+            cols = start_m + gl.arange(0, BLOCK_M, layout=col_s)
+            # Rows past N_Q: Q and dO read as 0 (TMA), L and D are 0, so P = 1 and dS = 0 there. A causal query tile
+            # wholly above this group's keys (the first of the second group) is computed, masked to P = dS = 0:
+            # both groups take part in every tile's dQ.
+            l2 = gl.load(lse_base + cols) * 1.4426950408889634
+            mbarrier.wait(q_ready.index(stage), phase)
+            mbarrier.wait(do_ready.index(stage), phase)
+            q = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
+            do = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
+            # 1. S^T and dP^T in flight together; P^T under dP^T, masked.
+            p, dp = _sdp_transposed(k, v, q, do, l2, keys, cols, start_m, start_n, N_K, qk_scale, s_layout, BLOCK_N,
+                                    BLOCK_M, IS_CAUSAL)
+            # 2. dV += P^T dO under dS^T = P^T (dP^T - D) / sqrt(d) (FA2 eqs. 16-17, the scale folded in).
+            p16 = p.to(dtype)
+            dv = warpgroup_mma(gl.convert_layout(p16, a_layout), do, dv, is_async=True)
+            delta = gl.load(delta_base + cols) * sm_scale
+            dp = warpgroup_mma_wait(1, deps=(dp,))
+            ds16 = (p16.to(gl.float32) * (dp * sm_scale - gl.expand_dims(delta, 0))).to(dtype)
+            # 3. dK += dS^T Q from registers; dS^T to this group's rows of the slot's shared tile.
+            dk = warpgroup_mma(gl.convert_layout(ds16, a_layout), q, dk, is_async=True)
+            dv = warpgroup_mma_wait(1, deps=(dv,))  # frees P^T's registers before dQ's accumulator is live
+            ds_tile = ds_bufs.index(stage)
+            ds_tile.slice(C * BLOCK_N, BLOCK_N, dim=0).store(ds16)
+            fence_async_shared()
+            mbarrier.arrive(ds_ready.index(stage), count=1)
+            # 4. Once both halves landed: dQ(i)[:, this half] share = dS(i) K over the program's keys.
+            mbarrier.wait(ds_ready.index(stage), phase)
+            dq = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
+            dq = warpgroup_mma(ds_tile.slice(0, BLOCK_N, dim=0).permute((1, 0)), k0_half, dq, use_acc=False,
+                               is_async=True)
+            dq = warpgroup_mma(ds_tile.slice(BLOCK_N, BLOCK_N, dim=0).permute((1, 0)), k1_half, dq, is_async=True)
+            dk, dq = warpgroup_mma_wait(0, deps=(dk, dq))
+            # Q(i), dO(i) and the dS slot are no longer read by this group (the loader refills the slot, and the
+            # other group rewrites its dS rows, only after both groups arrive).
+            mbarrier.arrive(empty.index(stage), count=1)
+            # 5. Summed in fp32 in global memory by the TMA unit (order not fixed), from a shared tile of this
+            #    group's that the previous tile's reduction has finished reading.
+            dq_smem = dq_bufs.index(C)
+            tma.store_wait(0)
+            dq_smem.reshape([BLOCK_M, DQ_N]).store(dq)
+            fence_async_shared()
+            _tma_reduce_add(dq_desc, [off_b, off_h, start_m, C * DQ_N], dq_smem)
 
         # 6. Epilogue: dK (already scaled) and dV through the K and V buffers, once the other group's last dQ
         #    product has read K (the last slot's `empty` phase completes when both groups arrived); rows past N_K
