@@ -494,8 +494,7 @@ def launch_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
             _gluon_attn_bwd_dq_kernel[dq_grid](*dq_args, **dq_meta)
             return dq, dk, dv
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse_pad = one_pass.padded_rows(lse, config.block_m, one_pass.LOG2E)
-        delta_pad = one_pass.padded_rows(delta, config.block_m, 1.0 / math.sqrt(head_dim))
+        lse_pad, delta_pad = (one_pass.padded_rows(t, config.block_m) for t in (lse, delta))
         grid, args, meta = one_pass.bwd_launch_args(q, k, v, grad_out, dk, dv, lse_pad, delta_pad, dq_acc, is_causal,
                                                     config)
         config.kernel[grid](*args, **meta)

@@ -94,11 +94,8 @@ if HAS_GLUON_HOPPER:
         keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
         dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
         dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
-        # L and D rows padded with zeros to whole BLOCK_M tiles, L in log2 units and D times 1/sqrt(d) (the
-        # launcher's `padded_rows`): unmasked loads, which keep the per-column registers of a mask out of the loop
-        # (the causal kernel spilled 100 bytes more), and no arithmetic on a loaded value before its first use
-        # after an MMA: the loads' latency hides under S^T and dP^T (ncu put 11% of the consumers' stall samples
-        # on the multiplications that waited for them, results/runs/ncu_bwd_sass_d6349b2.txt).
+        # L and D rows padded with zeros to whole BLOCK_M tiles (the launcher's `padded_rows`): unmasked loads, which
+        # keep the per-column registers of a mask out of the loop (the causal kernel spilled 100 bytes more).
         n_pad = gl.cdiv(N_Q, BLOCK_M) * BLOCK_M
         lse_base = L + pid_bh.to(gl.int64) * n_pad
         delta_base = Delta + pid_bh.to(gl.int64) * n_pad
@@ -120,7 +117,7 @@ if HAS_GLUON_HOPPER:
             # Rows past N_Q: Q and dO read as 0 (TMA), L and D are 0, so P = 1 and dS = 0 there. A causal query tile
             # wholly above this group's keys (the first of the second group) is computed, masked to P = dS = 0:
             # both groups take part in every tile's dQ.
-            l2 = gl.load(lse_base + cols)
+            l2 = gl.load(lse_base + cols) * 1.4426950408889634
             mbarrier.wait(q_ready.index(stage), phase)
             mbarrier.wait(do_ready.index(stage), phase)
             q = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
@@ -131,7 +128,7 @@ if HAS_GLUON_HOPPER:
             # 2. dV += P^T dO under dS^T = P^T (dP^T - D) / sqrt(d) (FA2 eqs. 16-17, the scale folded in).
             p16 = p.to(dtype)
             dv = warpgroup_mma(gl.convert_layout(p16, a_layout), do, dv, is_async=True)
-            delta = gl.load(delta_base + cols)
+            delta = gl.load(delta_base + cols) * sm_scale
             dp = warpgroup_mma_wait(1, deps=(dp,))
             ds16 = (p16.to(gl.float32) * (dp * sm_scale - gl.expand_dims(delta, 0))).to(dtype)
             # 3. dK += dS^T Q from registers; dS^T to this group's rows of the slot's shared tile.
@@ -383,21 +380,20 @@ def default_config(head_dim: int, dtype) -> GluonBwdConfig:
     return GluonBwdConfig(**fields) if fields else DEFAULT_BWD_CONFIGS[head_dim]
 
 
-def padded_rows(t, block_m: int, scale: float = 1.0):
-    """(B, H, N) fp32 `t` times `scale` as (B, H, N rounded up to whole block_m tiles), zeros past N: the L (scale
-    log2(e): the kernel's exponentials are base 2) and D (scale 1/sqrt(d), the scale dS carries) the kernel reads
-    without a mask and uses as loaded (the zeros make P = 1 and dS = 0 on the rows past N_Q, whose Q and dO the TMA
-    unit reads as zeros)."""
+def padded_rows(t, block_m: int):
+    """(B, H, N) fp32 `t` as (B, H, N rounded up to whole block_m tiles), zeros past N: the L and D the kernel
+    reads without a mask (the zeros make P = 1 and dS = 0 on the rows past N_Q, whose Q and dO the TMA unit reads
+    as zeros)."""
     batch, heads, n = t.shape
     padded = t.new_zeros((batch, heads, triton.cdiv(n, block_m) * block_m))
-    torch.mul(t, scale, out=padded[..., :n])
+    padded[..., :n] = t
     return padded
 
 
 def bwd_launch_args(q, k, v, grad_out, dk, dv, lse, delta, dq_acc, is_causal: bool, config: GluonBwdConfig):
     """(grid, positional args, keyword args) of one backward launch (the launcher's and the CPU compile check's);
     `dq_acc`: fp32 zeros of q's shape, contiguous (a TMA target; the unit drops rows past N_Q); `lse`, `delta`:
-    as `padded_rows` makes them (L times log2(e), D times 1/sqrt(d))."""
+    as `padded_rows` makes them."""
     batch, heads, n_q, head_dim = q.shape
     n_k = k.shape[2]
     maxnreg, consumer_regs = config.registers()

@@ -212,15 +212,6 @@ def test_bwd2_config_rules():
     assert config.name != fgb.GluonBwd2Config().name
 
 
-def test_padded_rows_scale_and_zero_the_tail():
-    """The one-pass kernel's L and D: scaled as the kernel uses them, whole 64-row tiles, zeros past N."""
-    t = torch.randn(2, 3, 70)
-    padded = fgo.padded_rows(t, 64, 0.5)
-    assert padded.shape == (2, 3, 128)
-    assert torch.equal(padded[..., :70], t * 0.5) and not padded[..., 70:].any()
-    assert torch.equal(fgo.padded_rows(t, 64)[..., :70], t)
-
-
 def test_bwd_refuses_unknown_mode():
     q = _cpu((1, 2, 64, 128))
     with pytest.raises(ValueError, match="mode"):
