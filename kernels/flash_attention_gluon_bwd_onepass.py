@@ -76,7 +76,10 @@ if HAS_GLUON_HOPPER:
         ring use `it0` (the query tiles of the program's earlier items) and `kv_bar` is in phase `kv_phase`; a
         PERSISTENT program's consumer releases its K and V buffers (`kv_empty`) once its dK and dV left them."""
         dtype: gl.constexpr = k_bufs.dtype
-        DQ_N: gl.constexpr = HEAD_DIM // 2
+        # dQ tiles as wide as the head dim (`GluonBwdConfig.dq_whole`, the launcher's dQ descriptor): each query
+        # tile's dQ whole, by one group, the groups taking alternate tiles; else half of the head dim per group.
+        DQ_WHOLE: gl.constexpr = dq_desc.block_type.shape[3] == HEAD_DIM
+        DQ_N: gl.constexpr = dq_desc.block_type.shape[3]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -88,9 +91,9 @@ if HAS_GLUON_HOPPER:
         start_n = tile_n + C * BLOCK_N
         k = k_bufs.index(C).reshape([BLOCK_N, HEAD_DIM])
         v = v_bufs.index(C).reshape([BLOCK_N, HEAD_DIM])
-        # dQ's operands: each group's keys, this group's half of the head dim.
-        k0_half = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).slice(C * DQ_N, DQ_N, dim=1)
-        k1_half = k_bufs.index(1).reshape([BLOCK_N, HEAD_DIM]).slice(C * DQ_N, DQ_N, dim=1)
+        # dQ's operands: each group's keys, this group's half of the head dim (or all of it).
+        k0_half = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).slice((1 - DQ_WHOLE) * C * DQ_N, DQ_N, dim=1)
+        k1_half = k_bufs.index(1).reshape([BLOCK_N, HEAD_DIM]).slice((1 - DQ_WHOLE) * C * DQ_N, DQ_N, dim=1)
         keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
         dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
         dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
@@ -138,23 +141,45 @@ if HAS_GLUON_HOPPER:
             ds_tile.slice(C * BLOCK_N, BLOCK_N, dim=0).store(ds16)
             fence_async_shared()
             mbarrier.arrive(ds_ready.index(stage), count=1)
-            # 4. Once both halves landed: dQ(i)[:, this half] share = dS(i) K over the program's keys.
-            mbarrier.wait(ds_ready.index(stage), phase)
-            dq = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
-            dq = warpgroup_mma(ds_tile.slice(0, BLOCK_N, dim=0).permute((1, 0)), k0_half, dq, use_acc=False,
-                               is_async=True)
-            dq = warpgroup_mma(ds_tile.slice(BLOCK_N, BLOCK_N, dim=0).permute((1, 0)), k1_half, dq, is_async=True)
-            dk, dq = warpgroup_mma_wait(0, deps=(dk, dq))
-            # Q(i), dO(i) and the dS slot are no longer read by this group (the loader refills the slot, and the
-            # other group rewrites its dS rows, only after both groups arrive).
-            mbarrier.arrive(empty.index(stage), count=1)
-            # 5. Summed in fp32 in global memory by the TMA unit (order not fixed), from a shared tile of this
-            #    group's that the previous tile's reduction has finished reading.
-            dq_smem = dq_bufs.index(C)
-            tma.store_wait(0)
-            dq_smem.reshape([BLOCK_M, DQ_N]).store(dq)
-            fence_async_shared()
-            _tma_reduce_add(dq_desc, [off_b, off_h, start_m, C * DQ_N], dq_smem)
+            if DQ_WHOLE:
+                # The groups take alternate tiles' dQ: dK completes here (an async accumulator cannot cross the
+                # branch), under the dS^T store and the other group's arrival.
+                dk = warpgroup_mma_wait(0, deps=(dk,))
+                if use % 2 == C:
+                    mbarrier.wait(ds_ready.index(stage), phase)
+                    dq = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
+                    dq = warpgroup_mma(ds_tile.slice(0, BLOCK_N, dim=0).permute((1, 0)), k0_half, dq,
+                                       use_acc=False, is_async=True)
+                    dq = warpgroup_mma(ds_tile.slice(BLOCK_N, BLOCK_N, dim=0).permute((1, 0)), k1_half, dq,
+                                       is_async=True)
+                    dq = warpgroup_mma_wait(0, deps=(dq,))
+                    mbarrier.arrive(empty.index(stage), count=1)
+                    dq_smem = dq_bufs.index(C)
+                    tma.store_wait(0)
+                    dq_smem.reshape([BLOCK_M, DQ_N]).store(dq)
+                    fence_async_shared()
+                    _tma_reduce_add(dq_desc, [off_b, off_h, start_m, 0], dq_smem)
+                else:
+                    mbarrier.arrive(empty.index(stage), count=1)
+            else:
+                # 4. Once both halves landed: dQ(i)[:, this half] share = dS(i) K over the program's keys.
+                mbarrier.wait(ds_ready.index(stage), phase)
+                dq = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
+                dq = warpgroup_mma(ds_tile.slice(0, BLOCK_N, dim=0).permute((1, 0)), k0_half, dq, use_acc=False,
+                                   is_async=True)
+                dq = warpgroup_mma(ds_tile.slice(BLOCK_N, BLOCK_N, dim=0).permute((1, 0)), k1_half, dq,
+                                   is_async=True)
+                dk, dq = warpgroup_mma_wait(0, deps=(dk, dq))
+                # Q(i), dO(i) and the dS slot are no longer read by this group (the loader refills the slot, and
+                # the other group rewrites its dS rows, only after both groups arrive).
+                mbarrier.arrive(empty.index(stage), count=1)
+                # 5. Summed in fp32 in global memory by the TMA unit (order not fixed), from a shared tile of this
+                #    group's that the previous tile's reduction has finished reading.
+                dq_smem = dq_bufs.index(C)
+                tma.store_wait(0)
+                dq_smem.reshape([BLOCK_M, DQ_N]).store(dq)
+                fence_async_shared()
+                _tma_reduce_add(dq_desc, [off_b, off_h, start_m, C * DQ_N], dq_smem)
 
         # 6. Epilogue: dK (already scaled) and dV through the K and V buffers, once the other group's last dQ
         #    product has read K (the last slot's `empty` phase completes when both groups arrived); rows past N_K
@@ -335,6 +360,11 @@ class GluonBwdConfig:
     head_group: int = 0
     """Heads whose key tiles run together (a compile-time constant): 0 for all B * H; fewer keeps the programs in
     flight on fewer heads' Q, dO and dQ accumulators, more of them in L2 at long sequences."""
+    dq_whole: bool = False
+    """Each query tile's dQ computed whole (every head-dim column, over both groups' keys) by one group, the groups
+    taking alternate tiles: wgmmas as wide as the head dim (64x128 at d 128, as cuDNN's backward issues), a dQ
+    accumulator live every other tile, twice the shared dQ tile; else each group computes half of the head dim's
+    columns of every tile (results/flash_hopper_notes.md, section 10)."""
     persistent: bool = False
     """One program per SM walking the work items (`_gluon_attn_bwd_persistent_kernel`), as cuDNN's backward runs
     (results/flash_hopper_notes.md, section 9): no program start per key tile, the next item's Q/dO under this
@@ -349,10 +379,13 @@ class GluonBwdConfig:
             raise ValueError(f"head_group ({self.head_group!r}) must be an int >= 0 (0: all heads)")
         if not isinstance(self.persistent, bool):
             raise ValueError(f"persistent ({self.persistent!r}) must be a bool")
+        if not isinstance(self.dq_whole, bool):
+            raise ValueError(f"dq_whole ({self.dq_whole!r}) must be a bool")
 
     @property
     def name(self) -> str:
-        return (f"bwd2x{BWD_BLOCK_N}xq{self.block_m}/s{self.num_stages}" + ("/p" if self.persistent else "")
+        return (f"bwd2x{BWD_BLOCK_N}xq{self.block_m}/s{self.num_stages}" + ("/dqw" if self.dq_whole else "")
+                + ("/p" if self.persistent else "")
                 + (f"/g{self.head_group}" if self.head_group else ""))
 
     @property
@@ -364,10 +397,10 @@ class GluonBwdConfig:
 
     def shared_bytes(self, head_dim: int, elem: int = 2) -> int:
         """K, V of both groups, the Q/dO ring, a dS^T tile of both groups' keys per ring slot (and each group's
-        fp32 dQ tile)."""
+        fp32 dQ tile: half of the head dim, or all of it with `dq_whole`)."""
         return (elem * (head_dim * (4 * BWD_BLOCK_N + 2 * self.num_stages * self.block_m)
                         + self.num_stages * 2 * BWD_BLOCK_N * self.block_m)
-                + 4 * self.block_m * head_dim)
+                + 4 * self.block_m * head_dim * (2 if self.dq_whole else 1))
 
 
 DEFAULT_BWD_CONFIGS = {64: GluonBwdConfig(block_m=64, num_stages=2), 128: GluonBwdConfig(block_m=64, num_stages=2)}
@@ -398,7 +431,7 @@ def bwd_launch_args(q, k, v, grad_out, dk, dv, lse, delta, dq_acc, is_causal: bo
     n_k = k.shape[2]
     maxnreg, consumer_regs = config.registers()
     num_items = triton.cdiv(n_k, 2 * BWD_BLOCK_N) * batch * heads
-    dq_block = [1, 1, config.block_m, head_dim // 2]
+    dq_block = [1, 1, config.block_m, head_dim if config.dq_whole else head_dim // 2]
     dq_desc = TensorDescriptor.from_tensor(dq_acc, dq_block, shared_layout(tuple(dq_block), torch.float32))
     args = (_descriptor(q, config.block_m), _descriptor(k, BWD_BLOCK_N), _descriptor(v, BWD_BLOCK_N),
             _descriptor(grad_out, config.block_m), _descriptor(dk, BWD_BLOCK_N), _descriptor(dv, BWD_BLOCK_N),
