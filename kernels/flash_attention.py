@@ -24,7 +24,7 @@ TMA-able layouts): its forward, and its one-pass backward (dQ summed in fp32 by 
 backward is asked to be two_pass or deterministic (`torch.use_deterministic_algorithms`), when the tl kernels run
 it on the same L. `RAYSYS_FLASH_PATH` / `path=` picks one; `auto` takes the gluon forward where it runs and the
 call is large enough to hide its launch (`GLUON_AUTO_MIN_WORK`; and no launch config is given), the gluon
-backward on the larger calls at the head dims where it was measured faster (`GLUON_BWD_HEAD_DIMS`), and for the tl kernels
+backward on the larger calls at the head dims where it was measured faster (`GLUON_BWD_AUTO_MIN_WORK`), and for the tl kernels
 tma on sm_90 when the tuned file's `auto_path` says so (set by the measurement that wrote it), else portable. Launch configs are autotuned per
 (sequence bucket, head dim, causal, dtype, path) among `kernels/flash_attention_tuning.py`'s candidates (the tuned
 file's entries when it has some);
@@ -189,15 +189,12 @@ than the tl kernels' (host-side TMA descriptors, Gluon's launcher), so short cal
 the hopper shapes: at d 128 it was faster from 4x32x2048x128 (2^36) on (results/runs/flash_bench_hopper_e5db843.parquet);
 at d 64 from 8x16x4096x64 (2^37) on once its tile sweep ran on that shape and chose 2x64x128 tiles in groups of 8
 heads (results/flash_hopper_notes.md, sections 8 and 9)."""
-GLUON_BWD_AUTO_MIN_WORK = 2**36
-"""B * H * n_q * n_k * d from which `auto` takes the Gluon one-pass backward, at GLUON_BWD_HEAD_DIMS: the
-forward's d-128 bound. With its key tiles taken a few heads at a time (the tuned file's `head_group`) it beat the tl
-backward at 4x32x2048x128 too, where it lost while it spread them over every head (results/flash_hopper_notes.md,
-section 9)."""
-GLUON_BWD_HEAD_DIMS = (128,)
-"""Head dims at which `auto` takes the Gluon one-pass backward from GLUON_BWD_AUTO_MIN_WORK on: faster than the tl
-backward at every d-128 hopper shape, slower at 8x16x4096x64 (the hopper rows of results/flash_bench.parquet;
-results/flash_hopper_notes.md, sections 7 and 9), so d 64 keeps the tl kernels."""
+GLUON_BWD_AUTO_MIN_WORK = {128: 2**36, 64: 2**37}
+"""Head dim -> B * H * n_q * n_k * d from which `auto` takes the Gluon one-pass backward (other head dims keep the
+tl kernels). d 128: with its key tiles taken a few heads at a time (the tuned file's `head_group`) it beat the tl
+backward at every hopper shape, 4x32x2048x128 included (results/flash_hopper_notes.md, section 9). d 64: with each
+tile's dQ whole by one group (`dq_whole`) it beat the tl two-pass backward at 8x16x4096x64, 1.993 ms against 2.136
+(section 10); it had lost there before."""
 AUTO_TMA = tuned_auto_path() == "tma"
 """Whether `auto` takes the tma path where it can (sm_90, Triton with device-side tensor descriptors): the tuned
 file's `auto_path`, which the candidates study of sweeps/flash_bench.py sets from its timings of both paths."""
@@ -247,7 +244,7 @@ def _work(q: torch.Tensor, k: torch.Tensor) -> int:
 
 def gluon_bwd_chosen(path: str | None, bwd: str | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether a backward of dQ and dK/dV on (B[, H], N, d) `q, k, v` runs the Gluon one-pass kernel: `path` gluon,
-    or auto at a head dim of GLUON_BWD_HEAD_DIMS from GLUON_BWD_AUTO_MIN_WORK on, where the Gluon
+    or auto at a head dim of GLUON_BWD_AUTO_MIN_WORK from its bound on, where the Gluon
     kernels run; and `bwd` one_pass, or auto outside `torch.use_deterministic_algorithms` (its dQ additions have no
     fixed order). `bwd` two_pass keeps the tl kernels. None reads RAYSYS_FLASH_PATH / RAYSYS_FLASH_BWD. Under
     torch.compile the choice is made when the backward is traced (a later determinism switch needs a recompile)."""
@@ -256,7 +253,7 @@ def gluon_bwd_chosen(path: str | None, bwd: str | None, q: torch.Tensor, k: torc
         return False
     if mode == "auto" and torch.are_deterministic_algorithms_enabled():
         return False
-    if requested == "auto" and (q.shape[-1] not in GLUON_BWD_HEAD_DIMS or _work(q, k) < GLUON_BWD_AUTO_MIN_WORK):
+    if requested == "auto" and _work(q, k) < GLUON_BWD_AUTO_MIN_WORK.get(q.shape[-1], math.inf):
         return False
     return not gluon_unsupported(q, k, v)
 

@@ -360,11 +360,12 @@ class GluonBwdConfig:
     head_group: int = 0
     """Heads whose key tiles run together (a compile-time constant): 0 for all B * H; fewer keeps the programs in
     flight on fewer heads' Q, dO and dQ accumulators, more of them in L2 at long sequences."""
-    dq_whole: bool = False
+    dq_whole: bool = True
     """Each query tile's dQ computed whole (every head-dim column, over both groups' keys) by one group, the groups
     taking alternate tiles: wgmmas as wide as the head dim (64x128 at d 128, as cuDNN's backward issues), a dQ
     accumulator live every other tile, twice the shared dQ tile; else each group computes half of the head dim's
-    columns of every tile (results/flash_hopper_notes.md, section 10)."""
+    columns of every tile. Faster at every hopper shape in the ebe812e check, by 1.5% at d 128 and 9.5% at d 64
+    (results/flash_hopper_notes.md, section 10)."""
     persistent: bool = False
     """One program per SM walking the work items (`_gluon_attn_bwd_persistent_kernel`), as cuDNN's backward runs
     (results/flash_hopper_notes.md, section 9): no program start per key tile, the next item's Q/dO under this

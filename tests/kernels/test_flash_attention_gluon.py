@@ -150,13 +150,18 @@ def test_bwd_config_rules():
         fgo.GluonBwdConfig(num_stages=0)
     config = fgo.GluonBwdConfig(block_m=64, num_stages=2)
     # K, V (2 x 2 x 64 x 128), the Q/dO ring (2 x 2 x 64 x 128) and dS^T of both groups' keys (2 x 128 x 64), bf16;
-    # each group's fp32 dQ tile (2 x 64 x 64 x 4 bytes).
-    assert config.shared_bytes(128) == 2 * (128 * (4 * 64 + 4 * 64) + 2 * 128 * 64) + 2 * 64 * 64 * 4
+    # each group's fp32 dQ tile, the whole head dim (2 x 64 x 128 x 4 bytes) or half of it: 224 KB, 192 KB.
+    assert config.shared_bytes(128) == 2 * (128 * (4 * 64 + 4 * 64) + 2 * 128 * 64) + 2 * 64 * 128 * 4
+    halves = dataclasses.replace(config, dq_whole=False)
+    assert halves.shared_bytes(128) == config.shared_bytes(128) - 64 * 128 * 4
     assert config.registers() == fg.GluonConfig(num_consumers=2).registers()
     with pytest.raises(ValueError, match="persistent"):
         fgo.GluonBwdConfig(persistent=1)
+    with pytest.raises(ValueError, match="dq_whole"):
+        fgo.GluonBwdConfig(dq_whole="yes")
     persistent = fgo.GluonBwdConfig(persistent=True, head_group=4)
-    assert persistent.name == "bwd2x64xq64/s2/p/g4" and persistent.kernel is not config.kernel
+    assert persistent.name == "bwd2x64xq64/s2/dqw/p/g4" and persistent.kernel is not config.kernel
+    assert halves.name == "bwd2x64xq64/s2"
 
 
 def test_bwd_refuses_cpu_and_bad_lse():
@@ -175,11 +180,12 @@ def _compile_sm90_bwd(config: fgo.GluonBwdConfig, head_dim: int, dtype: torch.dt
 
 @pytest.mark.slow
 @needs_gluon_api
-@pytest.mark.parametrize("head_dim, causal, dtype, persistent", [
-    (64, True, torch.bfloat16, False), (128, True, torch.bfloat16, False), (128, False, torch.float16, False),
-    (64, True, torch.bfloat16, True), (128, True, torch.bfloat16, True)])
-def test_bwd_compiles_for_sm90(head_dim, causal, dtype, persistent):
-    config = dataclasses.replace(fgo.DEFAULT_BWD_CONFIGS[head_dim], persistent=persistent)
+@pytest.mark.parametrize("head_dim, causal, dtype, persistent, dq_whole", [
+    (64, True, torch.bfloat16, False, True), (128, True, torch.bfloat16, False, True),
+    (128, False, torch.float16, False, True), (64, True, torch.bfloat16, True, True),
+    (128, True, torch.bfloat16, True, True), (128, True, torch.bfloat16, False, False)])
+def test_bwd_compiles_for_sm90(head_dim, causal, dtype, persistent, dq_whole):
+    config = dataclasses.replace(fgo.DEFAULT_BWD_CONFIGS[head_dim], persistent=persistent, dq_whole=dq_whole)
     compiled = _compile_sm90_bwd(config, head_dim, dtype, causal)
     ptx = compiled.asm["ptx"]
     assert compiled.asm["cubin"] and compiled.metadata.shared >= config.shared_bytes(head_dim)
@@ -235,7 +241,9 @@ def gluon_runs_anywhere(monkeypatch):
     ("auto", "auto", (1, 16, 16384, 128), True),          # auto: d 128 from GLUON_BWD_AUTO_MIN_WORK (2^36) on
     ("auto", "auto", (4, 32, 2048, 128), True),
     ("auto", "auto", (2, 32, 2048, 128), False),          # (below it)
-    ("auto", "auto", (1, 32, 32768, 64), False),          # (d 64: the tl kernels were faster)
+    ("auto", "auto", (8, 16, 4096, 64), True),            # d 64 from 2^37 on (dQ whole per group)
+    ("auto", "auto", (4, 16, 4096, 64), False),           # (below it)
+    ("auto", "auto", (1, 2, 4096, 80), False),            # (other head dims: the tl kernels)
     ("tma", "auto", (1, 16, 16384, 128), False),
     ("portable", "one_pass", (1, 16, 16384, 128), False),
 ])
