@@ -172,7 +172,8 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     spaces = flash_tiles.param_spaces(False, (a, b, "4096/32/bfloat16/causal", "4096/64/float32/causal"), ("gluon",))
     assert set(spaces) == {"fwd/gluon", "dkdvq/gluon"}
     fwd, bwd = (flash_tiles.grid_configs(spaces[k]) for k in ("fwd/gluon", "dkdvq/gluon"))
-    assert len(fwd) == 18 * 2 * 2 and len(bwd) == 3 * 3 * 2 and {c["shape"] for c in fwd + bwd} == {a, b}
+    assert len(fwd) == 18 * 2 * 2 and len(bwd) == 3 * 3 * 2 * 2 and {c["shape"] for c in fwd + bwd} == {a, b}
+    assert {c["dq_whole"] for c in bwd} == {True, False} and all("dq_whole" not in c for c in fwd)
     for c in fwd:  # every grid point is a valid config
         m, n = map(int, c["tile"].split("x"))
         gluon_fwd.GluonConfig(block_m=m, block_n=n, num_stages=c["num_stages"], num_consumers=c["num_consumers"],
@@ -193,8 +194,9 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     assert gluon["fwd"][0] == dict(block_m=64, block_n=128, num_stages=2, num_consumers=1, persistent=False,
                                    head_group=0, head_dim=128, dtype="bfloat16", shapes=[a, b],
                                    geomean_ms=gluon["fwd"][0]["geomean_ms"])
-    assert {k: gluon["bwd"][0][k] for k in ("block_m", "num_stages", "head_group", "shapes")} == dict(
-        block_m=64, num_stages=3, head_group=8, shapes=[a, b])
+    assert {k: gluon["bwd"][0][k] for k in ("block_m", "num_stages", "head_group", "shapes", "dq_whole")} == dict(
+        block_m=64, num_stages=3, head_group=8, shapes=[a, b], dq_whole=False)  # rows without it: the halves
+    assert "dq_whole" not in gluon["fwd"][0]
     assert "block_n" not in gluon["bwd"][0] and all(e.get("path") != "gluon" for e in
                                                     flash_tiles.best_configs(df, min_configs=1)["fwd"])
     path = tmp_path / "tuned.json"
@@ -221,13 +223,13 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     assert gluon_fwd.default_config(128, torch.bfloat16) == gluon_fwd.GluonConfig(
         block_m=64, block_n=128, num_stages=2, num_consumers=1)
     assert one_pass.default_config(128, torch.bfloat16) == one_pass.GluonBwdConfig(block_m=64, num_stages=3,
-                                                                                   head_group=8)
+                                                                                   head_group=8, dq_whole=False)
     # The persistent forward: its own variant (fwd only, two consumer groups); a winner carries `persistent`.
     spaces = flash_tiles.param_spaces(False, (a,), ("gluon_persistent",))
     assert set(spaces) == {"fwd/gluon_persistent", "dkdvq/gluon_persistent"}
     grid = flash_tiles.grid_configs(spaces["fwd/gluon_persistent"])
     assert len(grid) == 6 * 2 and {c["num_consumers"] for c in grid} == {2}
-    assert len(flash_tiles.grid_configs(spaces["dkdvq/gluon_persistent"])) == 3 * 3
+    assert len(flash_tiles.grid_configs(spaces["dkdvq/gluon_persistent"])) == 3 * 3 * 2
     fast = dict(row("fwd", "64x128", 2, 2, a, 0.2), variant="gluon_persistent", persistent=True)
     df_p = pd.concat([df, pd.DataFrame([fast, dict(fast, shape=b)])], ignore_index=True)
     winner = flash_tiles.gluon_best_configs(df_p, min_configs=8)["fwd"][0]
@@ -239,6 +241,14 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     bwd_winner = flash_tiles.gluon_best_configs(df_b, min_configs=8)["bwd"][0]
     assert bwd_winner["persistent"] is True and bwd_winner["head_group"] == 4
     assert one_pass.GluonBwdConfig(**{k: bwd_winner[k] for k in tuning.GLUON_FIELDS["bwd"]}).persistent
+    # dq_whole swept: the grid doubles, and a winner carries it.
+    whole = [dict(row("dkdvq", "64x64", s, 2, sh, 1.5 - 0.1 * s - 0.01 * g), head_group=g, dq_whole=w)
+             for s in (1, 2, 3) for g in (0, 4, 8) for w in (True, False) for sh in (a, b)]
+    df_w = pd.concat([df[df["kernel"] == "fwd"], pd.DataFrame(whole)], ignore_index=True)
+    df_w.loc[(df_w["kernel"] == "dkdvq") & (df_w["dq_whole"] == True), "time_median_s"] -= 0.2e-3  # noqa: E712
+    w_winner = flash_tiles.gluon_best_configs(df_w, min_configs=8)["bwd"][0]
+    assert w_winner["dq_whole"] is True and w_winner["num_stages"] == 3
+    assert one_pass.GluonBwdConfig(**{k: w_winner[k] for k in tuning.GLUON_FIELDS["bwd"]}).dq_whole
     assert gluon_fwd.default_config(64, torch.bfloat16) == gluon_fwd.DEFAULT_CONFIGS[64]  # not swept: the default
     assert one_pass.default_config(128, torch.float16) == one_pass.DEFAULT_BWD_CONFIGS[128]
     # Bad input, before any work: no shape the Gluon kernels take; a tuned entry with a field no config has.
