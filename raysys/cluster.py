@@ -28,14 +28,12 @@ Gang mechanics (placement, GPU visibility, process-group bootstrap) live in `ray
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import itertools
 import os
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -48,8 +46,9 @@ from raysys.mp_gang import ProcessGang, check_local_placement, local_device
 from raysys.rank import PlacementInfeasible, RankContext
 from raysys.signals import interrupt_on_sigterm
 from raysys.telemetry import SweepProgress
-from raysys.results import (ResultWriter, check_row_keys, check_sweep_name, error_row, make_row, resolve_out,
-                            trial_id)
+from raysys.results import ResultWriter, check_row_keys, check_sweep_name, error_row, make_row, trial_id
+from raysys.studies import (interrupted_message, read_sweep, resolve_out_dir, summary_table, sweep_parser,
+                            writer_options)
 
 __all__ = ["Gang", "PlacementInfeasible", "ProcessGang", "RankContext", "check_gang", "cluster_info", "cluster_nodes",
            "init_ray", "interrupt_on_sigterm", "interrupted_message", "read_sweep", "resolve_out_dir", "run_sweep",
@@ -59,68 +58,6 @@ LAUNCHERS = ("ray", "mp")
 _METRIC_SKIP = {"trial_id", "config", "date", "timestamp", "time_this_iter_s", "time_total_s", "pid", "hostname",
                 "node_ip", "time_since_restore", "iterations_since_restore", "checkpoint_dir_name", "done",
                 "training_iteration", "experiment_tag"}
-
-
-def resolve_out_dir(out: str | os.PathLike | None = None, sweep: str | None = None) -> Path:
-    """The absolute results directory of a sweep, created if missing (`ResultsError`, a ValueError, if it cannot be).
-
-    `out` if given (a relative path resolves against the current directory), else `$RAYSYS_RESULTS_DIR`, else a
-    fresh run directory `./runs/<UTC time>-<sweep>/` (`$RAYSYS_RUNS_DIR` instead of `./runs`; `sweep` defaults to
-    the script's name): the committed `results/` is written only when named. Under `ray job submit` the driver
-    runs in a temporary copy of the working directory: `python -m raysys submit` sets `RAYSYS_RUNS_DIR` to the
-    submitter's `./runs`; a plain `ray job submit` without an absolute `--out` gets a warning.
-    """
-    if sweep is None:
-        stem = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else ""
-        sweep = stem if stem and stem[0].isalnum() and all(c.isalnum() or c in "_.-" for c in stem) else "run"
-    path = resolve_out(out, sweep)
-    if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ and path.is_relative_to(Path.cwd()):
-        warnings.warn(f"results go to {path}, inside this Ray job's temporary working directory; submit with "
-                      f"`python -m raysys submit` or pass an absolute --out (e.g. --out \"$PWD/runs/x\" at submit "
-                      f"time) to keep them", stacklevel=2)
-    return path
-
-
-def interrupted_message(sweep: str, done: int, total: int | None, path: Path | None) -> str:
-    """What a sweep stopped by Ctrl-C or SIGTERM prints (one line) before its interrupt propagates."""
-    where = f"; its rows are in {path}" if path is not None else ""
-    of = f" of {total}" if total is not None else ""
-    return f"{sweep}: interrupted after {done}{of} trials{where}; rerun with --resume to continue"
-
-
-def writer_options(args: argparse.Namespace) -> dict:
-    """`ResultWriter` keyword arguments (`mode`, `allow_mixed`) from `sweep_parser`'s --resume / --overwrite /
-    --allow-mixed."""
-    mode = "resume" if getattr(args, "resume", False) else "overwrite" if getattr(args, "overwrite", False) else "new"
-    return {"mode": mode, "allow_mixed": bool(getattr(args, "allow_mixed", False))}
-
-
-def sweep_parser(doc: str | None, sweep: str, *, device_help: str) -> argparse.ArgumentParser:
-    """An argument parser with the options every gang sweep shares: --device, --out, --resume, --report-only."""
-    p = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help=device_help)
-    p.add_argument("--out", default=None, help="results directory (default: a fresh ./runs/<UTC time>-<sweep>/; "
-                                               "the committed results/ only when named)")
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--resume", action="store_true", help=f"skip trials already in <out>/{sweep}.parquet (refuses "
-                                                            "rows of another commit or device)")
-    mode.add_argument("--overwrite", action="store_true", help=f"replace an existing <out>/{sweep}.parquet")
-    p.add_argument("--allow-mixed", action="store_true", help="with --resume: keep rows of another commit, device "
-                                                              "or configuration in the file")
-    p.add_argument("--report-only", action="store_true", help=f"only redraw the {sweep} tables and plots from the "
-                                                              "Parquet file")
-    return p
-
-
-def read_sweep(out: Path, sweep: str) -> pd.DataFrame:
-    """The rows of `<out>/<sweep>.parquet` (for --report-only) in the column convention (`read_results`: a file of
-    older code reads like a new one), or a ValueError naming the missing file."""
-    from raysys.results import read_results
-
-    path = out / f"{sweep}.parquet"
-    if not path.exists():
-        raise ValueError(f"--report-only: {path} does not exist")
-    return read_results(path)
 
 
 def _default_reduce(config: Mapping[str, Any], per_rank: list) -> dict:
@@ -274,17 +211,6 @@ def _run_sweep(sweep: str, trials: list[dict], trial_fn: Callable[..., Any], wor
     if show and not df.empty:
         print(summary_table(df))
     return df
-
-
-def summary_table(df: pd.DataFrame) -> str:
-    """The varying configuration, metric and status columns of `df`, as text."""
-    hide = {"sweep", "trial_id", "git_sha", "torch_version", "triton_version", "ray_version", "host", "utc",
-            "error", "device_name"}
-    cols = [c for c in df.columns if c not in hide and (c == "status" or df[c].astype(str).nunique() > 1)]
-    view = df[cols].copy()
-    if "error" in df and (df["status"] != "ok").any():
-        view["error"] = df["error"].astype(str).str.split("\n").str[0].str[:60]
-    return view.to_string(index=False, float_format=lambda v: f"{v:.4g}")
 
 
 # ---------------------------------------------------------------------------------------------------- Ray Tune

@@ -92,10 +92,10 @@ def alias(p: argparse.ArgumentParser, old: str, new: str, **kwargs) -> None:
 def study_parser(doc: str | None, sweep: str, *, device_help: str = "auto: cuda when present",
                  devices: Sequence[str] = ("auto", "cuda", "cpu"), gang: bool = False, ray: bool = False,
                  timeout_s: float | None = None) -> argparse.ArgumentParser:
-    """The flags every study takes (`raysys.cluster.sweep_parser`: --device, --out, --resume | --overwrite,
+    """The flags every study takes (`raysys.studies.sweep_parser`: --device, --out, --resume | --overwrite,
     --allow-mixed, --report-only) with the whole docstring as description; `gang=True` adds --launcher, and with
     `ray=True` --address and --dashboard; `timeout_s` adds --timeout-s with that default."""
-    from raysys.cluster import sweep_parser
+    from raysys.studies import sweep_parser
 
     p = sweep_parser(doc, sweep, device_help=device_help)
     p.description, p.formatter_class = doc, HelpFormatter
@@ -457,10 +457,10 @@ def print_written(out: Path, sweep: str, *paths: Path | None) -> None:
 
 # ---------------------------------------------------------------------------------------------------- output
 def output_dir(args: argparse.Namespace, sweep: str) -> Path:
-    """The absolute results directory of this run (`raysys.cluster.resolve_out_dir`): `--out`, made if missing
+    """The absolute results directory of this run (`raysys.studies.resolve_out_dir`): `--out`, made if missing
     (a one-line error if it is a file or cannot be written), else a fresh run directory. Call it once the flags
     are checked; --resume and --report-only need `--out` (the run to continue or redraw)."""
-    from raysys.cluster import resolve_out_dir
+    from raysys.studies import resolve_out_dir
 
     check_sweep_name(sweep)
     for flag in ("resume", "report_only"):
@@ -532,10 +532,10 @@ class TrackedWriter(ResultWriter):
 
 def open_writer(out: Path, sweep: str, args: argparse.Namespace, expect: Mapping[str, Any] | None = None
                 ) -> ResultWriter:
-    """The result file of `sweep` in `out` as the flags say (`raysys.cluster.writer_options`): a new file, or
+    """The result file of `sweep` in `out` as the flags say (`raysys.studies.writer_options`): a new file, or
     --resume (refusing rows of another commit, device or of `expect`'s values unless --allow-mixed), or
     --overwrite; locked against a second writer. Open it before Ray starts: a refusal costs nothing then."""
-    from raysys.cluster import writer_options
+    from raysys.studies import writer_options
 
     return TrackedWriter(out, sweep, expect=expect, **writer_options(args))
 
@@ -544,7 +544,7 @@ def main_entry(main: Callable[[list[str] | None], Any], argv: list[str] | None =
     """Run a study's `main` (`raysys.cli.run_script`): bad input is one line on stderr and exit code 2; Ctrl-C
     (or SIGTERM) is one line, "interrupted after N of M trials; rerun with --resume", and exit code 130."""
     from raysys.cli import run_script
-    from raysys.cluster import interrupted_message
+    from raysys.studies import interrupted_message
 
     def guarded(argv: list[str] | None):
         try:

@@ -281,3 +281,20 @@ def test_leaderboard_context_length_is_bounded_before_any_model(tmp_path, capsys
         leaderboard.main([*argv, "--context-length", "0"])
     assert cli.main(["leaderboard", *argv, "--context-length", "100000000"]) == 2
     assert "exceed this machine's" in capsys.readouterr().err and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("study", ["flash_bench", "fused_ops", "end_to_end"])
+def test_studies_in_their_own_process_need_no_ray(study):
+    """A study whose trials run in its own process imports nothing of Ray on its way to a bad-input exit: the GPU
+    host without Ray runs it as it is (raysys.studies holds what the studies share; raysys.cluster the Ray part)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; sys.modules['ray'] = None\n"  # `import ray` raises ImportError from here on
+            f"from sweeps.{study} import main\nfrom sweeps.common import main_entry\n"
+            "sys.exit(main_entry(main, ['--bogus-flag']))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "unrecognized arguments: --bogus-flag" in done.stderr and "ray" not in done.stderr.lower()
