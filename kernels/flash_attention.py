@@ -193,8 +193,8 @@ GLUON_BWD_AUTO_MIN_WORK = {128: 2**36, 64: 2**37}
 """Head dim -> B * H * n_q * n_k * d from which `auto` takes the Gluon one-pass backward (other head dims keep the
 tl kernels). d 128: with its key tiles taken a few heads at a time (the tuned file's `head_group`) it beat the tl
 backward at every hopper shape, 4x32x2048x128 included (results/flash_hopper_notes.md, section 9). d 64: with each
-tile's dQ whole by one group (`dq_whole`) it beat the tl two-pass backward at 8x16x4096x64, 1.993 ms against 2.136
-(section 10); it had lost there before."""
+tile's dQ whole by one group (`dq_whole`) it beat the tl two-pass backward at 8x16x4096x64, where it had lost
+before (section 10; the run: results/runs/flash_gluon_bwd_dqw_ebe812e.parquet)."""
 AUTO_TMA = tuned_auto_path() == "tma"
 """Whether `auto` takes the tma path where it can (sm_90, Triton with device-side tensor descriptors): the tuned
 file's `auto_path`, which the candidates study of sweeps/flash_bench.py sets from its timings of both paths."""
