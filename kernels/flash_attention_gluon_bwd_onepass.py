@@ -365,8 +365,7 @@ class GluonBwdConfig:
     taking alternate tiles: wgmmas as wide as the head dim (64x128 at d 128, as cuDNN's backward issues), a dQ
     accumulator live every other tile, twice the shared dQ tile; else each group computes half of the head dim's
     columns of every tile. It was faster at the long d-128 shapes and at d 64, level at 4x32x2048x128, in the check
-    that set the default
-    (results/flash_hopper_notes.md, section 10)."""
+    that set the default (results/flash_hopper_notes.md, section 10)."""
     persistent: bool = False
     """One program per SM walking the work items (`_gluon_attn_bwd_persistent_kernel`), as cuDNN's backward runs
     (results/flash_hopper_notes.md, section 9): no program start per key tile, the next item's Q/dO under this
