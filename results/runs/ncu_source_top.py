@@ -28,8 +28,14 @@ def number(text: str) -> float:
 def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit("usage: ncu_source_top.py SASS_CSV [N]")
+    if len(sys.argv) > 2 and not (sys.argv[2].isdigit() and int(sys.argv[2]) > 0):
+        raise SystemExit(f"N {sys.argv[2]!r} must be a positive integer")
     top = int(sys.argv[2]) if len(sys.argv) > 2 else 40
-    with open(sys.argv[1], newline="") as f:
+    try:
+        f = open(sys.argv[1], newline="")
+    except OSError as e:
+        raise SystemExit(f"ncu_source_top.py: cannot read {sys.argv[1]!r} ({e.strerror})") from None
+    with f:
         lines = [line for line in f if not line.startswith(("==", '"Kernel Name"'))]
     rows = list(csv.DictReader(lines))
     if not rows:
