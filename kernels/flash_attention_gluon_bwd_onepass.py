@@ -64,6 +64,25 @@ if HAS_GLUON_HOPPER:
                            IS_CAUSAL, False)
 
     @gluon.jit
+    def _dq_product(ds_tile, k0, k1, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DQ_N: gl.constexpr):
+        """This group's dQ share of a query tile, in flight: dS (both groups' keys, from the slot's shared dS^T
+        tile) times the DQ_N head-dim columns `k0`, `k1` of each group's K."""
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, DQ_N, 16])
+        dq = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
+        dq = warpgroup_mma(ds_tile.slice(0, BLOCK_N, dim=0).permute((1, 0)), k0, dq, use_acc=False, is_async=True)
+        return warpgroup_mma(ds_tile.slice(BLOCK_N, BLOCK_N, dim=0).permute((1, 0)), k1, dq, is_async=True)
+
+    @gluon.jit
+    def _dq_to_global(dq, dq_smem, dq_desc, off_b, off_h, start_m, col, BLOCK_M: gl.constexpr, DQ_N: gl.constexpr):
+        """5. Summed in fp32 in global memory at (start_m, col) by the TMA unit (order not fixed), from this group's
+        shared tile once the previous tile's reduction has finished reading it."""
+        tma.store_wait(0)
+        dq_smem.reshape([BLOCK_M, DQ_N]).store(dq)
+        fence_async_shared()
+        _tma_reduce_add(dq_desc, [off_b, off_h, start_m, col], dq_smem)
+
+    @gluon.jit
     def _bwd_consumer_item(C: gl.constexpr, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, kv_phase,
                            q_ready, do_ready, ds_ready, empty, kv_empty, dk_desc, dv_desc, dq_desc, L, Delta, off_b,
                            off_h, pid_bh, tile_n, m_start, num_m, it0, N_Q, N_K, qk_scale, sm_scale,
@@ -84,8 +103,6 @@ if HAS_GLUON_HOPPER:
                                                            instr_shape=[16, BLOCK_M, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, HEAD_DIM, 16])
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, DQ_N, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         start_n = tile_n + C * BLOCK_N
@@ -147,39 +164,20 @@ if HAS_GLUON_HOPPER:
                 dk = warpgroup_mma_wait(0, deps=(dk,))
                 if use % 2 == C:
                     mbarrier.wait(ds_ready.index(stage), phase)
-                    dq = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
-                    dq = warpgroup_mma(ds_tile.slice(0, BLOCK_N, dim=0).permute((1, 0)), k0_half, dq,
-                                       use_acc=False, is_async=True)
-                    dq = warpgroup_mma(ds_tile.slice(BLOCK_N, BLOCK_N, dim=0).permute((1, 0)), k1_half, dq,
-                                       is_async=True)
-                    dq = warpgroup_mma_wait(0, deps=(dq,))
+                    dq = warpgroup_mma_wait(0, deps=(_dq_product(ds_tile, k0_half, k1_half, BLOCK_M, BLOCK_N, DQ_N),))
                     mbarrier.arrive(empty.index(stage), count=1)
-                    dq_smem = dq_bufs.index(C)
-                    tma.store_wait(0)
-                    dq_smem.reshape([BLOCK_M, DQ_N]).store(dq)
-                    fence_async_shared()
-                    _tma_reduce_add(dq_desc, [off_b, off_h, start_m, 0], dq_smem)
+                    _dq_to_global(dq, dq_bufs.index(C), dq_desc, off_b, off_h, start_m, 0, BLOCK_M, DQ_N)
                 else:
                     mbarrier.arrive(empty.index(stage), count=1)
             else:
                 # 4. Once both halves landed: dQ(i)[:, this half] share = dS(i) K over the program's keys.
                 mbarrier.wait(ds_ready.index(stage), phase)
-                dq = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
-                dq = warpgroup_mma(ds_tile.slice(0, BLOCK_N, dim=0).permute((1, 0)), k0_half, dq, use_acc=False,
-                                   is_async=True)
-                dq = warpgroup_mma(ds_tile.slice(BLOCK_N, BLOCK_N, dim=0).permute((1, 0)), k1_half, dq,
-                                   is_async=True)
-                dk, dq = warpgroup_mma_wait(0, deps=(dk, dq))
+                dk, dq = warpgroup_mma_wait(0, deps=(dk, _dq_product(ds_tile, k0_half, k1_half, BLOCK_M, BLOCK_N,
+                                                                     DQ_N)))
                 # Q(i), dO(i) and the dS slot are no longer read by this group (the loader refills the slot, and
                 # the other group rewrites its dS rows, only after both groups arrive).
                 mbarrier.arrive(empty.index(stage), count=1)
-                # 5. Summed in fp32 in global memory by the TMA unit (order not fixed), from a shared tile of this
-                #    group's that the previous tile's reduction has finished reading.
-                dq_smem = dq_bufs.index(C)
-                tma.store_wait(0)
-                dq_smem.reshape([BLOCK_M, DQ_N]).store(dq)
-                fence_async_shared()
-                _tma_reduce_add(dq_desc, [off_b, off_h, start_m, C * DQ_N], dq_smem)
+                _dq_to_global(dq, dq_bufs.index(C), dq_desc, off_b, off_h, start_m, C * DQ_N, BLOCK_M, DQ_N)
 
         # 6. Epilogue: dK (already scaled) and dV through the K and V buffers, once the other group's last dQ
         #    product has read K (the last slot's `empty` phase completes when both groups arrived); rows past N_K
