@@ -50,10 +50,12 @@ CONFIGS = {
           fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=1),
           fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2, persistent=True),
           *(fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2, persistent=p, head_group=g)
-            for p in (False, True) for g in (4, 8, 16))],
+            for p in (False, True) for g in (4, 8, 16)),
+          *(fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2, head_group=g) for g in (1, 2)),
+          *(fg.GluonConfig(block_m=64, block_n=64, num_stages=2, num_consumers=3, head_group=g) for g in (2, 8))],
 }
-"""Per head dim, the default first; `head_group` on the default and the persistent grid; at d 64 also three consumer
-groups of 64 query rows (FlashAttention-3's 192-row tile there)."""
+"""Per head dim, the default first; `head_group` on the default and the persistent grid; three consumer groups of 64
+query rows (FlashAttention-3's 192-row tile), at d 128 on 64-key tiles (the tile sweep's winner at 16384)."""
 CHECK_SHAPES = [((1, 3, 1000, 128), 1000, True), ((1, 3, 1000, 128), 1000, False), ((2, 2, 777, 64), 777, True),
                 ((2, 2, 777, 64), 777, False), ((1, 2, 513, 128), 1029, False), ((1, 2, 513, 64), 1029, False)]
 """(q shape, n_k, causal)."""
@@ -66,7 +68,7 @@ BWD_CONFIGS = {
          fgo.GluonBwdConfig(num_stages=3, head_group=8, persistent=True),
          *(fgo.GluonBwdConfig(num_stages=3, head_group=g, dq_whole=False) for g in (4, 8))],
     128: [fgb.DEFAULT_BWD2_CONFIGS[128], fgb.GluonBwd2Config(dkdv_block_m=64, dkdv_stages=2, dq_block_n=128),
-          fgo.DEFAULT_BWD_CONFIGS[128], fgo.GluonBwdConfig(head_group=4), fgo.GluonBwdConfig(head_group=8),
+          fgo.DEFAULT_BWD_CONFIGS[128], *(fgo.GluonBwdConfig(head_group=g) for g in (1, 2, 4, 8)),
           fgo.GluonBwdConfig(persistent=True), fgo.GluonBwdConfig(head_group=4, persistent=True),
           fgo.GluonBwdConfig(head_group=4, dq_whole=False), fgo.GluonBwdConfig(head_group=4, dq_whole=False,
                                                                                 persistent=True)],
