@@ -20,6 +20,7 @@ Usage: `gluon_attention_bwd(..., mode="one_pass")` of `kernels/flash_attention_g
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -405,11 +406,40 @@ class GluonBwdConfig:
 DEFAULT_BWD_CONFIGS = {64: GluonBwdConfig(block_m=64, num_stages=2), 128: GluonBwdConfig(block_m=64, num_stages=2)}
 
 
-def default_config(head_dim: int, dtype) -> GluonBwdConfig:
+def default_config(head_dim: int, dtype, n_q: int | None = None, heads: int | None = None,
+                   l2_bytes: int | None = None) -> GluonBwdConfig:
     """The tuned file's one-pass config for this head dim and dtype (`sweeps/flash_tiles.py --variants gluon`),
-    else DEFAULT_BWD_CONFIGS'."""
+    else DEFAULT_BWD_CONFIGS'; given the problem's query length `n_q`, its B * H `heads` and the device's L2 bytes,
+    its `head_group` capped by `l2_head_group`."""
     fields = gluon_tuned_fields("bwd", head_dim, dtype)
-    return GluonBwdConfig(**fields) if fields else DEFAULT_BWD_CONFIGS[head_dim]
+    config = GluonBwdConfig(**fields) if fields else DEFAULT_BWD_CONFIGS[head_dim]
+    if n_q is None:
+        return config
+    group = l2_head_group(config.head_group, n_q, head_dim, torch.empty((), dtype=dtype).element_size(),
+                          heads, l2_bytes)
+    return config if group == config.head_group else dataclasses.replace(config, head_group=group)
+
+
+def l2_head_group(head_group: int, n_q: int, head_dim: int, elem: int, heads: int | None,
+                  l2_bytes: int | None) -> int:
+    """`head_group` (0: all `heads`) lowered to the heads whose streamed rows fit the L2 cache together: each
+    head's programs read Q and dO (`elem` bytes) and add into its fp32 dQ accumulator, n_q * head_dim *
+    (2 * elem + 4) bytes, from every key tile in flight. The tuned group was measured at the swept shapes; at
+    longer sequences fewer heads fit (results/flash_hopper_notes.md, section 11: at 1x32x32768x128 one or two heads
+    beat the tuned eight by 5%). Unchanged without `l2_bytes` or where the tuned group fits."""
+    if l2_bytes is None or l2_bytes <= 0:
+        return head_group
+    fit = max(1, l2_bytes // (n_q * head_dim * (2 * elem + 4)))
+    current = head_group or heads
+    if current is None or current <= fit:
+        return head_group
+    return fit
+
+
+@functools.lru_cache(maxsize=None)
+def l2_cache_bytes(device: torch.device) -> int | None:
+    """The L2 cache of a CUDA device in bytes (asked once per device); None for another device."""
+    return torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else None
 
 
 def padded_rows(t, block_m: int):

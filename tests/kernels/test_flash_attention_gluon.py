@@ -164,6 +164,24 @@ def test_bwd_config_rules():
     assert halves.name == "bwd2x64xq64/s2"
 
 
+def test_bwd_head_group_fits_the_l2_cache(monkeypatch):
+    mib = 2**20
+    # bf16 d 128: Q, dO and the fp32 dQ are 1 KiB a row: 16 MiB a head at 16384, 32 MiB at 32768, 2 MiB at 2048.
+    assert fgo.l2_head_group(8, 16384, 128, 2, 16, 50 * mib) == 3
+    assert fgo.l2_head_group(8, 32768, 128, 2, 32, 50 * mib) == 1
+    assert fgo.l2_head_group(8, 2048, 128, 2, 128, 50 * mib) == 8  # the tuned group fits: kept
+    assert fgo.l2_head_group(0, 16384, 128, 2, 16, 50 * mib) == 3  # all 16 heads do not fit
+    assert fgo.l2_head_group(0, 2048, 128, 2, 16, 50 * mib) == 0  # all 16 heads fit (32 MiB)
+    assert fgo.l2_head_group(8, 65536, 128, 4, 4, 50 * mib) == 1  # fp32 rows; never below one head
+    assert fgo.l2_head_group(8, 32768, 128, 2, 32, None) == 8  # no cache size known: the tuned group
+    monkeypatch.setattr(fgo, "gluon_tuned_fields", lambda kind, head_dim, dtype: dict(head_group=8, num_stages=2))
+    tuned = fgo.default_config(128, torch.bfloat16)
+    assert tuned == fgo.GluonBwdConfig(head_group=8, num_stages=2)
+    assert fgo.default_config(128, torch.bfloat16, 32768, 32, 50 * mib) == dataclasses.replace(tuned, head_group=1)
+    assert fgo.default_config(128, torch.bfloat16, 2048, 128, 50 * mib) == tuned
+    assert fgo.l2_cache_bytes(torch.device("cpu")) is None
+
+
 def test_bwd_refuses_cpu_and_bad_lse():
     q = _cpu((1, 2, 64, 128))
     with pytest.raises(ValueError, match="gluon_attention_bwd"):
