@@ -56,13 +56,14 @@ if HAS_GLUON_HOPPER:
     def _bwd_consumer(C: gl.constexpr, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready,
                       ds_ready, empty, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h, pid_bh, tile_n, m_start,
                       num_m, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+                      BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                      DK_LATE: gl.constexpr):
         """Partition entry of consumer C in a one-item program: `_bwd_consumer_item` from ring use 0 (its `kv_empty`
         is never arrived on when not PERSISTENT: `kv_bar` fills the slot)."""
         _bwd_consumer_item(C, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, 0, q_ready, do_ready,
                            ds_ready, empty, kv_bar, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h, pid_bh, tile_n,
                            m_start, num_m, 0, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                           IS_CAUSAL, False)
+                           IS_CAUSAL, False, DK_LATE)
 
     @gluon.jit
     def _dq_product(ds_tile, k0, k1, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DQ_N: gl.constexpr):
@@ -88,7 +89,8 @@ if HAS_GLUON_HOPPER:
                            q_ready, do_ready, ds_ready, empty, kv_empty, dk_desc, dv_desc, dq_desc, L, Delta, off_b,
                            off_h, pid_bh, tile_n, m_start, num_m, it0, N_Q, N_K, qk_scale, sm_scale,
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+                           NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
+                           DK_LATE: gl.constexpr):
         """Consumer C of one work item's 2 * BLOCK_N keys: its BLOCK_N keys' dK, dV (the two-pass `_dkdv_consumer`,
         S^T and dP^T with the keys as wgmma rows), and columns [C * HEAD_DIM / 2, ...) of the program's share of dQ(i)
         = dS(i) K over all 2 * BLOCK_N keys: both groups' dS^T meet in shared memory (barrier `ds_ready`), so each
@@ -152,14 +154,31 @@ if HAS_GLUON_HOPPER:
             delta = gl.load(delta_base + cols) * sm_scale
             dp = warpgroup_mma_wait(1, deps=(dp,))
             ds16 = (p16.to(gl.float32) * (dp * sm_scale - gl.expand_dims(delta, 0))).to(dtype)
-            # 3. dK += dS^T Q from registers; dS^T to this group's rows of the slot's shared tile.
-            dk = warpgroup_mma(gl.convert_layout(ds16, a_layout), q, dk, is_async=True)
-            dv = warpgroup_mma_wait(1, deps=(dv,))  # frees P^T's registers before dQ's accumulator is live
+            # 3. dK += dS^T Q from registers (DK_LATE: after the dS^T store, in each branch below); dS^T to this
+            #    group's rows of the slot's shared tile.
+            if DQ_WHOLE and DK_LATE:
+                dv = warpgroup_mma_wait(0, deps=(dv,))
+            else:
+                dk = warpgroup_mma(gl.convert_layout(ds16, a_layout), q, dk, is_async=True)
+                dv = warpgroup_mma_wait(1, deps=(dv,))  # frees P^T's registers before dQ's accumulator is live
             ds_tile = ds_bufs.index(stage)
             ds_tile.slice(C * BLOCK_N, BLOCK_N, dim=0).store(ds16)
             fence_async_shared()
             mbarrier.arrive(ds_ready.index(stage), count=1)
-            if DQ_WHOLE:
+            if DQ_WHOLE and DK_LATE:
+                # dK issued in each branch: it runs under the wait for the other group's dS^T and beside dQ.
+                if use % 2 == C:
+                    dk = warpgroup_mma(gl.convert_layout(ds16, a_layout), q, dk, is_async=True)
+                    mbarrier.wait(ds_ready.index(stage), phase)
+                    dk, dq = warpgroup_mma_wait(0, deps=(dk, _dq_product(ds_tile, k0_half, k1_half, BLOCK_M,
+                                                                         BLOCK_N, DQ_N)))
+                    mbarrier.arrive(empty.index(stage), count=1)
+                    _dq_to_global(dq, dq_bufs.index(C), dq_desc, off_b, off_h, start_m, 0, BLOCK_M, DQ_N)
+                else:
+                    dk = warpgroup_mma(gl.convert_layout(ds16, a_layout), q, dk, is_async=True)
+                    dk = warpgroup_mma_wait(0, deps=(dk,))
+                    mbarrier.arrive(empty.index(stage), count=1)
+            elif DQ_WHOLE:
                 # The groups take alternate tiles' dQ: dK completes here (an async accumulator cannot cross the
                 # branch), under the dS^T store and the other group's arrival.
                 dk = warpgroup_mma_wait(0, deps=(dk,))
@@ -229,7 +248,7 @@ if HAS_GLUON_HOPPER:
                                  do_ready, ds_ready, empty, kv_empty, dk_desc, dv_desc, dq_desc, L, Delta, H, BH,
                                  GROUP: gl.constexpr, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM: gl.constexpr,
                                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                                 IS_CAUSAL: gl.constexpr):
+                                 IS_CAUSAL: gl.constexpr, DK_LATE: gl.constexpr):
         """Consumer C of a persistent program: work items pid, pid + #programs, ... (`_bwd_item` order)."""
         num_t = gl.cdiv(N_K, 2 * BLOCK_N)
         it0 = 0
@@ -240,7 +259,7 @@ if HAS_GLUON_HOPPER:
             _bwd_consumer_item(C, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, n & 1, q_ready,
                                do_ready, ds_ready, empty, kv_empty, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h,
                                pid_bh, tile_n, m_start, num_m, it0, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M,
-                               BLOCK_N, NUM_STAGES, IS_CAUSAL, True)
+                               BLOCK_N, NUM_STAGES, IS_CAUSAL, True, DK_LATE)
             it0 += num_m
             n += 1
 
@@ -290,7 +309,7 @@ if HAS_GLUON_HOPPER:
                                N_K, qk_scale, sm_scale,
                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, GROUP: gl.constexpr,
-                               CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                               CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, DK_LATE: gl.constexpr):
         """Grid (cdiv(N_K, 2 * BLOCK_N) * B * H,): program -> (key tile, batch*head), heavy first; two consumer
         warp groups of BLOCK_N keys and a loader warp."""
         TILE_N: gl.constexpr = 2 * BLOCK_N
@@ -309,11 +328,11 @@ if HAS_GLUON_HOPPER:
             (_bwd_consumer, (0, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready,
                              ds_ready, empty, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h, pid_bh, tile_n,
                              m_start, num_m, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                             IS_CAUSAL)),
+                             IS_CAUSAL, DK_LATE)),
             (_bwd_consumer, (1, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready,
                              ds_ready, empty, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h, pid_bh, tile_n,
                              m_start, num_m, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                             IS_CAUSAL)),
+                             IS_CAUSAL, DK_LATE)),
             (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, q_ready,
                            do_ready, empty, off_b, off_h, tile_n, m_start, num_m, 2, BLOCK_M, BLOCK_N, NUM_STAGES)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -323,7 +342,8 @@ if HAS_GLUON_HOPPER:
                                           BH, N_Q, N_K, qk_scale, sm_scale,
                                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                           NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, GROUP: gl.constexpr,
-                                          CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                                          CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                                          DK_LATE: gl.constexpr):
         """Grid (min(#work items, #SMs),): each program walks the work items p, p + #programs, ... of the one-item
         kernel (`_bwd_item`, heavy first). The Q/dO ring runs on across items (the next item's first tiles load
         under this one's dK/dV epilogue); K and V are reloaded once both groups released them (`kv_empty`: one
@@ -336,11 +356,11 @@ if HAS_GLUON_HOPPER:
             (_bwd_persistent_consumer, (0, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, q_ready,
                                         do_ready, ds_ready, empty, kv_empty, dk_desc, dv_desc, dq_desc, L, Delta, H, BH,
                                         GROUP, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                        IS_CAUSAL)),
+                                        IS_CAUSAL, DK_LATE)),
             (_bwd_persistent_consumer, (1, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, q_ready,
                                         do_ready, ds_ready, empty, kv_empty, dk_desc, dv_desc, dq_desc, L, Delta, H, BH,
                                         GROUP, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                        IS_CAUSAL)),
+                                        IS_CAUSAL, DK_LATE)),
             (_bwd_persistent_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar,
                                       q_ready, do_ready, empty, kv_empty, H, BH, GROUP, N_Q, N_K, BLOCK_M, BLOCK_N,
                                       NUM_STAGES, IS_CAUSAL)),
@@ -365,6 +385,9 @@ class GluonBwdConfig:
     accumulator live every other tile, twice the shared dQ tile; else each group computes half of the head dim's
     columns of every tile. It was faster at the long d-128 shapes and at d 64, level at 4x32x2048x128, in the check
     that set the default (results/flash_hopper_notes.md, section 10)."""
+    dk_late: bool = False
+    """With `dq_whole`: each tile's dK wgmma issued after the dS^T store, in both branches, so that it runs under the
+    wait for the other group's dS^T and beside dQ's wgmmas (else before the store, completed before the branch)."""
     persistent: bool = False
     """One program per SM walking the work items (`_gluon_attn_bwd_persistent_kernel`), as cuDNN's backward runs
     (results/flash_hopper_notes.md, section 9): no program start per key tile, the next item's Q/dO under this
@@ -381,10 +404,13 @@ class GluonBwdConfig:
             raise ValueError(f"persistent ({self.persistent!r}) must be a bool")
         if not isinstance(self.dq_whole, bool):
             raise ValueError(f"dq_whole ({self.dq_whole!r}) must be a bool")
+        if not isinstance(self.dk_late, bool) or (self.dk_late and not self.dq_whole):
+            raise ValueError(f"dk_late ({self.dk_late!r}) must be a bool, and True only with dq_whole")
 
     @property
     def name(self) -> str:
         return (f"bwd2x{BWD_BLOCK_N}xq{self.block_m}/s{self.num_stages}" + ("/dqw" if self.dq_whole else "")
+                + ("/dkl" if self.dk_late else "")
                 + ("/p" if self.persistent else "")
                 + (f"/g{self.head_group}" if self.head_group else ""))
 
@@ -473,6 +499,7 @@ def bwd_launch_args(q, k, v, grad_out, dk, dv, lse, delta, dq_acc, is_causal: bo
     args += (n_q, n_k, LOG2E / math.sqrt(head_dim), 1.0 / math.sqrt(head_dim))
     meta = dict(HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=BWD_BLOCK_N, NUM_STAGES=config.num_stages,
                 IS_CAUSAL=is_causal, GROUP=config.head_group, CONSUMER_REGS=consumer_regs, LOADER_REGS=LOADER_REGS,
+                DK_LATE=config.dk_late,
                 num_warps=4,
                 maxnreg=maxnreg)
     return grid, args, meta

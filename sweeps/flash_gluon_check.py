@@ -66,9 +66,11 @@ BWD_CONFIGS = {
     64: [fgb.DEFAULT_BWD2_CONFIGS[64], fgb.GluonBwd2Config(dkdv_block_m=32, dkdv_stages=3, dq_block_n=64),
          fgo.DEFAULT_BWD_CONFIGS[64], *(fgo.GluonBwdConfig(num_stages=3, head_group=g) for g in (4, 8, 16)),
          fgo.GluonBwdConfig(num_stages=3, head_group=8, persistent=True),
-         *(fgo.GluonBwdConfig(num_stages=3, head_group=g, dq_whole=False) for g in (4, 8))],
+         *(fgo.GluonBwdConfig(num_stages=3, head_group=g, dq_whole=False) for g in (4, 8)),
+         fgo.GluonBwdConfig(num_stages=3, head_group=4, dk_late=True)],
     128: [fgb.DEFAULT_BWD2_CONFIGS[128], fgb.GluonBwd2Config(dkdv_block_m=64, dkdv_stages=2, dq_block_n=128),
           fgo.DEFAULT_BWD_CONFIGS[128], *(fgo.GluonBwdConfig(head_group=g) for g in (1, 2, 4, 8)),
+          *(fgo.GluonBwdConfig(head_group=g, dk_late=True) for g in (1, 2)),
           fgo.GluonBwdConfig(persistent=True), fgo.GluonBwdConfig(head_group=4, persistent=True),
           fgo.GluonBwdConfig(head_group=4, dq_whole=False), fgo.GluonBwdConfig(head_group=4, dq_whole=False,
                                                                                 persistent=True)],
@@ -76,7 +78,7 @@ BWD_CONFIGS = {
 """Per head dim: the two-pass default, one other two-pass config (the other tile of each kernel), the one-pass
 default (dQ summed by TMA reductions; a `GluonBwdConfig` runs mode="one_pass"), also with head groups, on the
 persistent grid (`persistent`), and with dQ in head-dim halves per group (`dq_whole=False`, the kernel before
-ebe812e)."""
+ebe812e); `dk_late`: dK's wgmma after the dS^T store, in both branches."""
 GRAD_TOL = {torch.bfloat16: 3e-2, torch.float16: 6e-3}
 """Max |g - g_ref| / max |g_ref| per gradient: P, dS and the gradients are rounded to the input dtype (relative
 2^-9 bf16, 2^-12 fp16) and summed over ~1000 terms with random signs; a wrong row or tail shows up as O(1)."""

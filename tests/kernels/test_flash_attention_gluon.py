@@ -159,6 +159,9 @@ def test_bwd_config_rules():
         fgo.GluonBwdConfig(persistent=1)
     with pytest.raises(ValueError, match="dq_whole"):
         fgo.GluonBwdConfig(dq_whole="yes")
+    with pytest.raises(ValueError, match="dk_late"):
+        fgo.GluonBwdConfig(dq_whole=False, dk_late=True)
+    assert fgo.GluonBwdConfig(dk_late=True, head_group=2).name == "bwd2x64xq64/s2/dqw/dkl/g2"
     persistent = fgo.GluonBwdConfig(persistent=True, head_group=4)
     assert persistent.name == "bwd2x64xq64/s2/dqw/p/g4" and persistent.kernel is not config.kernel
     assert halves.name == "bwd2x64xq64/s2"
@@ -201,9 +204,11 @@ def _compile_sm90_bwd(config: fgo.GluonBwdConfig, head_dim: int, dtype: torch.dt
 @pytest.mark.parametrize("head_dim, causal, dtype, persistent, dq_whole", [
     (64, True, torch.bfloat16, False, True), (128, True, torch.bfloat16, False, True),
     (128, False, torch.float16, False, True), (64, True, torch.bfloat16, True, True),
-    (128, True, torch.bfloat16, True, True), (128, True, torch.bfloat16, False, False)])
+    (128, True, torch.bfloat16, True, True), (128, True, torch.bfloat16, False, False),
+    (128, True, torch.bfloat16, False, "dk_late")])
 def test_bwd_compiles_for_sm90(head_dim, causal, dtype, persistent, dq_whole):
-    config = dataclasses.replace(fgo.DEFAULT_BWD_CONFIGS[head_dim], persistent=persistent, dq_whole=dq_whole)
+    config = dataclasses.replace(fgo.DEFAULT_BWD_CONFIGS[head_dim], persistent=persistent, dq_whole=bool(dq_whole),
+                                 dk_late=dq_whole == "dk_late")
     compiled = _compile_sm90_bwd(config, head_dim, dtype, causal)
     ptx = compiled.asm["ptx"]
     assert compiled.asm["cubin"] and compiled.metadata.shared >= config.shared_bytes(head_dim)
