@@ -98,11 +98,12 @@ GLUON_STAGES = {"fwd": (2, 3), "dkdvq": (1, 2, 3)}
 GLUON_CONSUMERS = (1, 2, 3)
 GLUON_GROUPS = {"fwd": (0, 8), "dkdvq": (0, 4, 8)}
 """`head_group` (GluonConfig / GluonBwdConfig): heads whose work items run together, 0 for all."""
-GLUON_DQ_WHOLE = (True, False)
-"""`GluonBwdConfig.dq_whole` (the one-pass backward only): each query tile's dQ whole by one group, or in head-dim
-halves by both; rows of runs before it measured the halves."""
+GLUON_DQ = {"whole": (True, False), "halves": (False, False), "whole_dk_late": (True, True)}
+"""The one-pass backward's dQ axis -> its (`GluonBwdConfig.dq_whole`, `dk_late`): each query tile's dQ whole by one
+group, in head-dim halves by both, or whole with dK's wgmma after the dS^T store. Rows record the two fields; rows of
+runs before an axis value existed measured the halves (before dq_whole) or dK before the store (before dk_late)."""
 GLUON_KEYS = ["block_m", "block_n", "num_stages", "num_consumers", "persistent", "head_group"]
-GLUON_BWD_KEYS = GLUON_KEYS + ["dq_whole"]
+GLUON_BWD_KEYS = GLUON_KEYS + ["dq_whole", "dk_late"]
 GLUON_VARIANTS = ("gluon", "gluon_persistent")
 """`gluon_persistent`: the persistent grids (one program per SM) of the forward (`GluonConfig.persistent`, two
 consumer groups) and of the one-pass backward (`GluonBwdConfig.persistent`), over the same tiles, ring depths and
@@ -179,7 +180,7 @@ def param_spaces(quick: bool, shapes: tuple[str, ...], variants: tuple[str, ...]
                         "num_warps": 4, "num_stages": {"grid_search": list(GLUON_STAGES[kernel])},
                         **({"num_consumers": {"grid_search": consumers}} if kernel == "fwd" else {}),
                         "head_group": {"grid_search": list(GLUON_GROUPS[kernel])},
-                        **({"dq_whole": {"grid_search": list(GLUON_DQ_WHOLE)}} if kernel == "dkdvq" else {}),
+                        **({"dq": {"grid_search": list(GLUON_DQ)}} if kernel == "dkdvq" else {}),
                         "shape": {"grid_search": gluon_shapes}}
                 continue
             if ws and kernel in ("dq", "dkdvq"):
@@ -304,9 +305,9 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
         if (block_m, block_n) != (64, one_pass.BWD_BLOCK_N):
             raise ValueError(f"the one-pass Gluon backward's tile is 64x{one_pass.BWD_BLOCK_N}, "
                              f"not {config['tile']}")
+        dq_whole, dk_late = GLUON_DQ[config.get("dq", "halves")]
         cfg = one_pass.GluonBwdConfig(block_m=block_m, num_stages=config["num_stages"], persistent=persistent,
-                                      head_group=config.get("head_group", 0),
-                                      dq_whole=bool(config.get("dq_whole", False)))
+                                      head_group=config.get("head_group", 0), dq_whole=dq_whole, dk_late=dk_late)
         out, lse = gluon_fwd.gluon_attention_fwd(q, k, v, causal)
         run = lambda: gluon_bwd.gluon_attention_bwd(q, k, v, out, lse, do, causal, config=cfg,  # noqa: E731
                                                     mode="one_pass")[0]
@@ -325,7 +326,7 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
     flops *= MATMULS[kernel] / 2
     return {"block_m": block_m, "block_n": block_n, "num_consumers": config.get("num_consumers", 2), "path": "gluon",
             "warp_specialize": True, "persistent": persistent, "head_group": cfg.head_group, "maxnreg": 0, **shape,
-            **({"dq_whole": cfg.dq_whole} if kernel != "fwd" else {}),
+            **({"dq_whole": cfg.dq_whole, "dk_late": cfg.dk_late} if kernel != "fwd" else {}),
             "time_median_s": ms / 1e3,
             "tflops": flops / (ms * 1e-3) / 1e12, "max_abs_err": err}
 
@@ -378,10 +379,12 @@ def precompile(configs: list[dict], workers: int) -> None:
     import concurrent.futures
     import multiprocessing
 
-    # Specialisation matches the timed launch: the same heads, dtype, head dim, mask and tile flags, and
+    # Specialisation matches the timed launch: the same heads, dtype, head dim, mask, tile flags and Gluon knobs (head
+    # groups and the dQ axis are compile-time constants), and
     # sequence lengths that are multiples of 16 (Triton keys its cache on divisibility by 16, not the value).
     unique = list({(c["kernel"], c.get("variant"), c["tile"], c["num_warps"], c["num_stages"],
-                    c.get("num_consumers"), c["shape"].split("/", 1)[1]): c for c in configs}.values())
+                    c.get("num_consumers"), c.get("head_group"), c.get("dq"), c["shape"].split("/", 1)[1]): c
+                   for c in configs}.values())
     start = time.monotonic()
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         errors = [e for e in pool.map(compile_only, unique) if e]
@@ -494,24 +497,24 @@ def gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict
         sel["persistent"] = sel["persistent"].fillna(False)
         sel["head_group"] = (sel["head_group"] if "head_group" in sel else pd.Series(0, index=sel.index)).fillna(0)
         keys = GLUON_KEYS if kernel == "fwd" else GLUON_BWD_KEYS
-        swept_dq = kernel != "fwd" and "dq_whole" in sel and sel["dq_whole"].notna().any()
-        if kernel != "fwd":  # rows before dq_whole measured the head-dim halves
-            sel["dq_whole"] = (sel["dq_whole"] if "dq_whole" in sel else pd.Series(False, index=sel.index)
-                               ).astype("boolean").fillna(False)
+        # (the dQ axis of the runs the rows come from: none, dq_whole's two values, or GLUON_DQ's three)
+        dq_axis = 1 if kernel == "fwd" else 1 + sum(c in sel and sel[c].notna().any() for c in ("dq_whole", "dk_late"))
+        if kernel != "fwd":  # rows before dq_whole measured the head-dim halves, rows before dk_late dK before
+            for c in ("dq_whole", "dk_late"):
+                sel[c] = (sel[c] if c in sel else pd.Series(False, index=sel.index)).astype("boolean").fillna(False)
         for col in keys:
             sel[col] = sel[col].astype(int)
         sel["median_ms"] = 1e3 * sel["time_median_s"]
         sel["log_ms"] = sel["median_ms"].map(math.log)
         grid = len(GLUON_TILES[kernel]) * len(GLUON_STAGES[kernel])
-        # (the grid of the runs the rows come from: dq_whole doubled it once a run swept it)
-        grid *= (len(GLUON_CONSUMERS) if kernel == "fwd" else len(GLUON_DQ_WHOLE) if swept_dq else 1)
+        grid *= len(GLUON_CONSUMERS) if kernel == "fwd" else dq_axis
         grid *= len(GLUON_GROUPS[kernel])
         failed = errors[errors["kernel"] == kernel]
         entries = []
         for (head_dim, dtype), part in sel.groupby(["head_dim", "dtype"]):
             unfit = failed[(failed["head_dim"] == head_dim) & (failed["dtype"] == dtype)]
             unfit = unfit.drop_duplicates([c for c in ("variant", "tile", "num_stages", "num_consumers", "head_group",
-                                                       "dq_whole") if c in unfit])
+                                                       "dq_whole", "dq") if c in unfit])
             entries += _best_entries(part, keys, {}, min(min_configs, grid - len(unfit)))
         if kernel != "fwd":  # GluonBwdConfig has no block_n (BWD_BLOCK_N) or consumer count (two)
             entries = [{k: v for k, v in e.items() if k not in ("block_n", "num_consumers")} for e in entries]
@@ -524,7 +527,7 @@ def _best_entries(sel: pd.DataFrame, keys: list[str], tags: dict, min_configs: i
 
     def config_of(values) -> dict:
         values = values if isinstance(values, tuple) else tuple(values)
-        config = {k: (bool(v) if k in ("warp_specialize", "persistent", "dq_whole") else int(v))
+        config = {k: (bool(v) if k in ("warp_specialize", "persistent", "dq_whole", "dk_late") else int(v))
                   for k, v in zip(keys, values)}
         if "maxnreg" in config:
             config["maxnreg"] = config["maxnreg"] or None  # 0: no register cap
@@ -624,7 +627,8 @@ def markdown(df: pd.DataFrame) -> str:
     ok = ok.assign(median_ms=1e3 * ok["time_median_s"])  # the table shows milliseconds
     best = ok.sort_values("median_ms").groupby(["shape", "kernel"], as_index=False).head(3)
     best = best.sort_values(["shape", "kernel", "median_ms"])
-    gluon_knobs = [c for c in ("num_consumers", "head_group", "dq_whole") if c in best and best[c].notna().any()]
+    gluon_knobs = [c for c in ("num_consumers", "head_group", "dq_whole", "dk_late")
+                   if c in best and best[c].notna().any()]
     cols = ["shape", "kernel", *(["variant"] if "variant" in best else []), "tile", "num_warps", "num_stages",
             *gluon_knobs, "median_ms", "tflops"]  # the Gluon kernels' own knobs (blank on tl rows)
     return (f"{len(df)} launch configurations timed ({failed or 'none'} failed); the three fastest per kernel and "

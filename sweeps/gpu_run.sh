@@ -180,7 +180,8 @@ case $phase in
     # checked against the tl kernels and timed (the local launcher: 8 processes compile the grid first), into
     # $RESULTS/flash_tiles.parquet and the tuned file beside it (its `gluon` part; install it by copying it to kernels/);
     # VARIANTS=gluon,gluon_persistent adds the persistent grids of the forward and the one-pass backward (~3 min more);
-    # the backward's grid doubled with `dq_whole`: a phase cut off by its timeout continues when run again (--resume)
+    # the backward's dQ axis (halves, whole, whole with `dk_late`) triples its grid: a phase cut off by its timeout
+    # continues when run again (--resume)
     study flash_tiles_gluon 420 python3 sweeps/flash_tiles.py --launcher local --variants "${VARIANTS:-gluon}" --kernels fwd,dkdvq \
       --shapes 16384/128/bf16/causal,4x32/2048/128/bf16/causal,8x16/4096/64/bf16/causal --compile-workers 8 \
       --out "$RESULTS" --resume

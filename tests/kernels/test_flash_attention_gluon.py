@@ -205,7 +205,7 @@ def _compile_sm90_bwd(config: fgo.GluonBwdConfig, head_dim: int, dtype: torch.dt
     (64, True, torch.bfloat16, False, True), (128, True, torch.bfloat16, False, True),
     (128, False, torch.float16, False, True), (64, True, torch.bfloat16, True, True),
     (128, True, torch.bfloat16, True, True), (128, True, torch.bfloat16, False, False),
-    (128, True, torch.bfloat16, False, "dk_late")])
+    (128, True, torch.bfloat16, False, "dk_late"), (128, True, torch.bfloat16, True, "dk_late")])
 def test_bwd_compiles_for_sm90(head_dim, causal, dtype, persistent, dq_whole):
     config = dataclasses.replace(fgo.DEFAULT_BWD_CONFIGS[head_dim], persistent=persistent, dq_whole=bool(dq_whole),
                                  dk_late=dq_whole == "dk_late")

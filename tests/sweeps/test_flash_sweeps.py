@@ -172,8 +172,12 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     spaces = flash_tiles.param_spaces(False, (a, b, "4096/32/bfloat16/causal", "4096/64/float32/causal"), ("gluon",))
     assert set(spaces) == {"fwd/gluon", "dkdvq/gluon"}
     fwd, bwd = (flash_tiles.grid_configs(spaces[k]) for k in ("fwd/gluon", "dkdvq/gluon"))
-    assert len(fwd) == 18 * 2 * 2 and len(bwd) == 3 * 3 * 2 * 2 and {c["shape"] for c in fwd + bwd} == {a, b}
-    assert {c["dq_whole"] for c in bwd} == {True, False} and all("dq_whole" not in c for c in fwd)
+    assert len(fwd) == 18 * 2 * 2 and len(bwd) == 3 * 3 * 3 * 2 and {c["shape"] for c in fwd + bwd} == {a, b}
+    assert {c["dq"] for c in bwd} == {"whole", "halves", "whole_dk_late"} and all("dq" not in c for c in fwd)
+    for c in bwd:  # every grid point is a valid config
+        dq_whole, dk_late = flash_tiles.GLUON_DQ[c["dq"]]
+        one_pass.GluonBwdConfig(num_stages=c["num_stages"], head_group=c["head_group"], dq_whole=dq_whole,
+                                dk_late=dk_late)
     for c in fwd:  # every grid point is a valid config
         m, n = map(int, c["tile"].split("x"))
         gluon_fwd.GluonConfig(block_m=m, block_n=n, num_stages=c["num_stages"], num_consumers=c["num_consumers"],
@@ -194,8 +198,9 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     assert gluon["fwd"][0] == dict(block_m=64, block_n=128, num_stages=2, num_consumers=1, persistent=False,
                                    head_group=0, head_dim=128, dtype="bfloat16", shapes=[a, b],
                                    geomean_ms=gluon["fwd"][0]["geomean_ms"])
-    assert {k: gluon["bwd"][0][k] for k in ("block_m", "num_stages", "head_group", "shapes", "dq_whole")} == dict(
-        block_m=64, num_stages=3, head_group=8, shapes=[a, b], dq_whole=False)  # rows without it: the halves
+    assert {k: gluon["bwd"][0][k] for k in ("block_m", "num_stages", "head_group", "shapes", "dq_whole",
+                                            "dk_late")} == dict(
+        block_m=64, num_stages=3, head_group=8, shapes=[a, b], dq_whole=False, dk_late=False)  # rows without them
     assert "dq_whole" not in gluon["fwd"][0]
     assert "block_n" not in gluon["bwd"][0] and all(e.get("path") != "gluon" for e in
                                                     flash_tiles.best_configs(df, min_configs=1)["fwd"])
@@ -229,7 +234,7 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     assert set(spaces) == {"fwd/gluon_persistent", "dkdvq/gluon_persistent"}
     grid = flash_tiles.grid_configs(spaces["fwd/gluon_persistent"])
     assert len(grid) == 6 * 2 and {c["num_consumers"] for c in grid} == {2}
-    assert len(flash_tiles.grid_configs(spaces["dkdvq/gluon_persistent"])) == 3 * 3 * 2
+    assert len(flash_tiles.grid_configs(spaces["dkdvq/gluon_persistent"])) == 3 * 3 * 3
     fast = dict(row("fwd", "64x128", 2, 2, a, 0.2), variant="gluon_persistent", persistent=True)
     df_p = pd.concat([df, pd.DataFrame([fast, dict(fast, shape=b)])], ignore_index=True)
     winner = flash_tiles.gluon_best_configs(df_p, min_configs=8)["fwd"][0]
@@ -249,6 +254,16 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     w_winner = flash_tiles.gluon_best_configs(df_w, min_configs=8)["bwd"][0]
     assert w_winner["dq_whole"] is True and w_winner["num_stages"] == 3
     assert one_pass.GluonBwdConfig(**{k: w_winner[k] for k in tuning.GLUON_FIELDS["bwd"]}).dq_whole
+    # The three-valued dQ axis (dk_late swept, 27 configs a shape): a winner carries dk_late, which its config takes.
+    modes = flash_tiles.GLUON_DQ.values()
+    late = [dict(row("dkdvq", "64x64", s, 2, sh, 1.5 - 0.1 * s - 0.01 * g - 0.3 * dkl), head_group=g, dq_whole=w,
+                 dk_late=dkl) for s in (1, 2, 3) for g in (0, 4, 8) for w, dkl in modes for sh in (a, b)]
+    df_l = pd.concat([df[df["kernel"] == "fwd"], pd.DataFrame(late)], ignore_index=True)
+    l_winner = flash_tiles.gluon_best_configs(df_l, min_configs=27)["bwd"][0]
+    assert l_winner["dk_late"] is True and l_winner["dq_whole"] is True and l_winner["shapes"] == [a, b]
+    assert one_pass.GluonBwdConfig(**{k: l_winner[k] for k in tuning.GLUON_FIELDS["bwd"]}).dk_late
+    # Rows of a run that swept dq_whole alone: its grid (18 configs a shape) caps the count asked for.
+    assert flash_tiles.gluon_best_configs(df_w, min_configs=27)["bwd"][0]["dq_whole"] is True
     assert gluon_fwd.default_config(64, torch.bfloat16) == gluon_fwd.DEFAULT_CONFIGS[64]  # not swept: the default
     assert one_pass.default_config(128, torch.float16) == one_pass.DEFAULT_BWD_CONFIGS[128]
     # Bad input, before any work: no shape the Gluon kernels take; a tuned entry with a field no config has.
