@@ -468,24 +468,12 @@ def _gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: boo
     return (gluon_fwd.launch_fwd if checked else gluon_fwd.gluon_attention_fwd)(q, k, v, is_causal, config)
 
 
-@functools.lru_cache(maxsize=64)
-def _bwd_config_for(head_dim: int, dtype: torch.dtype, n_q: int, heads: int, device: torch.device):
-    return gluon_bwd_onepass.default_config(head_dim, dtype, n_q, heads, gluon_bwd_onepass.l2_cache_bytes(device))
-
-
-def _gluon_bwd_config(q: torch.Tensor):
-    """The one-pass config `auto` launches for q (B, H, N_Q, d): the tuned one, its head group fit to the L2 cache
-    (`l2_head_group`); one lookup per problem shape."""
-    batch, heads, n_q, head_dim = q.shape
-    return _bwd_config_for(head_dim, q.dtype, n_q, batch * heads, q.device)
-
-
 def _gluon_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                grad_out: torch.Tensor, is_causal: bool, checked: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) of 4-D inputs by the Gluon one-pass backward; `checked`: as `_gluon_fwd`'s (and the shapes of
     out, lse and grad_out too)."""
-    config = _gluon_bwd_config(q)
+    config = gluon_bwd_onepass.problem_config(q)
     LAST_PATH["dkdvq"], LAST_CONFIG["dkdvq"] = GLUON, config
     if checked:
         return gluon_bwd.launch_bwd(q, k, v, out, lse, grad_out, is_causal, config)

@@ -446,8 +446,8 @@ def gluon_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     """(dQ, dK, dV) in the inputs' dtype from O and the natural-log L of the forward. dK, dV are written once per
     key. mode "two_pass" (config a `GluonBwd2Config`): dQ is summed per query tile in a fixed order, bitwise equal
     run to run; "one_pass" (a `GluonBwdConfig`): dQ is summed in fp32 by the TMA unit, its last bits can vary.
-    `config` None: the mode's default (one_pass: the tuned file's, `default_config`, its head group fit to the L2
-    cache)."""
+    `config` None: the mode's default (one_pass: `problem_config`, the tuned file's with its head group fit to the
+    L2 cache)."""
     if mode not in ("two_pass", "one_pass"):
         raise ValueError(f"gluon_attention_bwd: mode {mode!r} must be 'two_pass' or 'one_pass'")
     reason = unsupported_reason(q, k, v)
@@ -456,8 +456,7 @@ def gluon_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     from kernels import flash_attention_gluon_bwd_onepass as one_pass
 
     config = config or (DEFAULT_BWD2_CONFIGS[q.shape[-1]] if mode == "two_pass"
-                        else one_pass.default_config(q.shape[-1], q.dtype, q.shape[2], q.shape[0] * q.shape[1],
-                                                     one_pass.l2_cache_bytes(q.device)))
+                        else one_pass.problem_config(q))
     if not isinstance(config, GluonBwd2Config if mode == "two_pass" else one_pass.GluonBwdConfig):
         raise ValueError(f"gluon_attention_bwd: config {config!r} does not fit mode {mode!r}")
     if out.shape != q.shape or grad_out.shape != q.shape:

@@ -451,8 +451,8 @@ def l2_head_group(head_group: int, n_q: int, head_dim: int, elem: int, heads: in
     """`head_group` (0: all `heads`) lowered to the heads whose streamed rows fit the L2 cache together: each
     head's programs read Q and dO (`elem` bytes) and add into its fp32 dQ accumulator, n_q * head_dim *
     (2 * elem + 4) bytes, from every key tile in flight. The tuned group was measured at the swept shapes; at
-    longer sequences fewer heads fit (results/flash_hopper_notes.md, section 11: at 1x32x32768x128 one or two heads
-    beat the tuned eight by 5%). Unchanged without `l2_bytes` or where the tuned group fits."""
+    longer sequences fewer heads fit, and fewer heads were faster there (results/flash_hopper_notes.md, section 11).
+    Unchanged without `l2_bytes` or where the tuned group fits."""
     if l2_bytes is None or l2_bytes <= 0:
         return head_group
     fit = max(1, l2_bytes // (n_q * head_dim * (2 * elem + 4)))
@@ -466,6 +466,19 @@ def l2_head_group(head_group: int, n_q: int, head_dim: int, elem: int, heads: in
 def l2_cache_bytes(device: torch.device) -> int | None:
     """The L2 cache of a CUDA device in bytes (asked once per device); None for another device."""
     return torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else None
+
+
+def problem_config(q: torch.Tensor) -> GluonBwdConfig:
+    """The one-pass config for q (B, H, N_Q, d) when none is given: `default_config` with its head group fit to the
+    L2 cache of q's device (`l2_head_group`); one lookup per problem shape."""
+    batch, heads, n_q, head_dim = q.shape
+    return _problem_config(head_dim, q.dtype, n_q, batch * heads, q.device)
+
+
+@functools.lru_cache(maxsize=64)
+def _problem_config(head_dim: int, dtype: torch.dtype, n_q: int, heads: int,
+                    device: torch.device) -> GluonBwdConfig:
+    return default_config(head_dim, dtype, n_q, heads, l2_cache_bytes(device))
 
 
 def padded_rows(t, block_m: int):

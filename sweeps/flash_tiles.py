@@ -380,8 +380,8 @@ def precompile(configs: list[dict], workers: int) -> None:
     import multiprocessing
 
     # Specialisation matches the timed launch: the same heads, dtype, head dim, mask, tile flags and Gluon knobs (head
-    # groups and the dQ axis are compile-time constants), and
-    # sequence lengths that are multiples of 16 (Triton keys its cache on divisibility by 16, not the value).
+    # groups and the dQ axis are compile-time constants), and sequence lengths that are multiples of 16 (Triton keys
+    # its cache on divisibility by 16, not the value).
     unique = list({(c["kernel"], c.get("variant"), c["tile"], c["num_warps"], c["num_stages"],
                     c.get("num_consumers"), c.get("head_group"), c.get("dq"), c["shape"].split("/", 1)[1]): c
                    for c in configs}.values())

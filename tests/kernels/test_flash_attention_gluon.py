@@ -183,6 +183,13 @@ def test_bwd_head_group_fits_the_l2_cache(monkeypatch):
     assert fgo.default_config(128, torch.bfloat16, 32768, 32, 50 * mib) == dataclasses.replace(tuned, head_group=1)
     assert fgo.default_config(128, torch.bfloat16, 2048, 128, 50 * mib) == tuned
     assert fgo.l2_cache_bytes(torch.device("cpu")) is None
+    # What `auto` and a config-less call launch: the cap from the tensor's shape and its device's L2.
+    fgo._problem_config.cache_clear()
+    monkeypatch.setattr(fgo, "l2_cache_bytes", lambda device: 50 * mib)
+    q = torch.empty(1, 32, 32768, 128, dtype=torch.bfloat16, device="meta")
+    assert fgo.problem_config(q) == dataclasses.replace(tuned, head_group=1)
+    assert fgo.problem_config(q[:, :, :2048]) == tuned
+    fgo._problem_config.cache_clear()
 
 
 def test_bwd_refuses_cpu_and_bad_lse():
