@@ -444,8 +444,11 @@ def test_matches_fp32_attention(q_shape, n_k, causal, dtype, tol):
 @pytest.mark.parametrize("q_shape, n_k, causal", [
     ((1, 3, 1000, 128), 1000, True), ((1, 3, 1000, 128), 1000, False), ((2, 2, 777, 64), 777, True),
     ((1, 2, 513, 128), 1029, False), ((1, 2, 1029, 64), 513, True), ((1, 2, 513, 128), 1029, True)])
-@pytest.mark.parametrize("mode, alt", [("two_pass", False), ("two_pass", True), ("one_pass", False)])
+@pytest.mark.parametrize("mode, alt", [("two_pass", False), ("two_pass", True), ("one_pass", False),
+                                       ("one_pass", "halves"), ("one_pass", "dk_late")])
 def test_bwd_matches_fp32_autograd(q_shape, n_k, causal, dtype, tol, mode, alt):
+    """Both backwards against fp32 autograd: the two-pass with its default and alternative configs, the one-pass
+    with the config `auto` picks, with dQ in head-dim halves per group, and with dK's wgmma after the dS^T store."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     k_shape = q_shape[:2] + (n_k, q_shape[-1])
     q, k, v = (torch.randn(s, generator=gen, device="cuda").to(dtype) for s in (q_shape, k_shape, k_shape))
@@ -453,7 +456,11 @@ def test_bwd_matches_fp32_autograd(q_shape, n_k, causal, dtype, tol, mode, alt):
     qf, kf, vf = (t.float().requires_grad_() for t in (q, k, v))
     _reference(qf, kf, vf, causal)[0].backward(do.float())
     out, lse = fg.gluon_attention_fwd(q, k, v, causal)
-    config = ALT_BWD2_CONFIGS[q_shape[-1]] if alt else None
+    if mode == "one_pass" and alt:
+        config = dataclasses.replace(fgo.DEFAULT_BWD_CONFIGS[q_shape[-1]], dq_whole=alt == "dk_late",
+                                     dk_late=alt == "dk_late")
+    else:
+        config = ALT_BWD2_CONFIGS[q_shape[-1]] if alt else None
     grads = fgb.gluon_attention_bwd(q, k, v, out, lse, do, causal, config=config, mode=mode)
     for name, g, ref, t in zip("qkv", grads, (qf.grad, kf.grad, vf.grad), (q, k, v)):
         assert g.dtype == dtype and g.shape == t.shape, name
@@ -474,12 +481,14 @@ def test_bwd_matches_fp32_autograd(q_shape, n_k, causal, dtype, tol, mode, alt):
 @pytest.mark.parametrize("q_shape, n_k, causal", [
     ((4, 3, 1000, 128), 1000, True), ((3, 4, 777, 64), 777, True), ((2, 7, 513, 128), 1029, False),
     ((3, 3, 1029, 64), 513, True), ((2, 6, 1029, 128), 513, False)])
-def test_persistent_one_pass_backward_matches_the_one_item_programs(q_shape, n_k, causal, dtype, monkeypatch):
+@pytest.mark.parametrize("dk_late", [False, True])
+def test_persistent_one_pass_backward_matches_the_one_item_programs(q_shape, n_k, causal, dtype, dk_late,
+                                                                    monkeypatch):
     """The persistent one-pass backward on a grid of 16 programs (several work items each, so the Q/dO ring, K/V's
     barriers and the dQ tiles run on across items), also with its items taken 5 heads at a time: dK and dV bitwise
     the one-item programs' (same tiles, same order of additions), dQ (fp32 sums by the TMA unit, in no fixed
     order) within rounding of theirs, and all three against fp32 autograd. n_k < n_q causal gives items with no
-    query tile (dK = dV = 0)."""
+    query tile (dK = dV = 0). With and without `dk_late` (dK's wgmma after the dS^T store), on both sides."""
     gen = torch.Generator(device="cuda").manual_seed(2)
     k_shape = q_shape[:2] + (n_k, q_shape[-1])
     q, k, v = (torch.randn(s, generator=gen, device="cuda").to(dtype) for s in (q_shape, k_shape, k_shape))
@@ -487,7 +496,7 @@ def test_persistent_one_pass_backward_matches_the_one_item_programs(q_shape, n_k
     qf, kf, vf = (t.float().requires_grad_() for t in (q, k, v))
     _reference(qf, kf, vf, causal)[0].backward(do.float())
     out, lse = fg.gluon_attention_fwd(q, k, v, causal)
-    base = fgo.GluonBwdConfig(num_stages=3 if q_shape[-1] == 64 else 2)
+    base = fgo.GluonBwdConfig(num_stages=3 if q_shape[-1] == 64 else 2, dk_late=dk_late)
     monkeypatch.setattr(fgo, "num_sms", lambda device: 16)
     items = triton.cdiv(n_k, 2 * fgo.BWD_BLOCK_N) * q_shape[0] * q_shape[1]
     assert items > 2 * 16 and (q_shape[0] * q_shape[1]) % 5
