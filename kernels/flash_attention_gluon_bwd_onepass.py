@@ -54,16 +54,16 @@ if HAS_GLUON_HOPPER:
 
     @gluon.jit
     def _bwd_consumer(C: gl.constexpr, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready,
-                      ds_ready, empty, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h, pid_bh, tile_n, m_start,
-                      num_m, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                      DK_LATE: gl.constexpr):
+                      ds_ready, empty, rows_bufs, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h, pid_bh,
+                      tile_n, m_start, num_m, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                      IS_CAUSAL: gl.constexpr, DK_LATE: gl.constexpr, ROWS_TMA: gl.constexpr):
         """Partition entry of consumer C in a one-item program: `_bwd_consumer_item` from ring use 0 (its `kv_empty`
         is never arrived on when not PERSISTENT: `kv_bar` fills the slot)."""
         _bwd_consumer_item(C, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, 0, q_ready, do_ready,
-                           ds_ready, empty, kv_bar, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h, pid_bh, tile_n,
-                           m_start, num_m, 0, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                           IS_CAUSAL, False, DK_LATE)
+                           ds_ready, empty, kv_bar, rows_bufs, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h,
+                           pid_bh, tile_n, m_start, num_m, 0, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                           NUM_STAGES, IS_CAUSAL, False, DK_LATE, ROWS_TMA)
 
     @gluon.jit
     def _dq_product(ds_tile, k0, k1, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DQ_N: gl.constexpr):
@@ -86,17 +86,19 @@ if HAS_GLUON_HOPPER:
 
     @gluon.jit
     def _bwd_consumer_item(C: gl.constexpr, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, kv_phase,
-                           q_ready, do_ready, ds_ready, empty, kv_empty, dk_desc, dv_desc, dq_desc, L, Delta, off_b,
-                           off_h, pid_bh, tile_n, m_start, num_m, it0, N_Q, N_K, qk_scale, sm_scale,
+                           q_ready, do_ready, ds_ready, empty, kv_empty, rows_bufs, dk_desc, dv_desc, dq_desc, L,
+                           Delta, off_b, off_h, pid_bh, tile_n, m_start, num_m, it0, N_Q, N_K, qk_scale, sm_scale,
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
-                           DK_LATE: gl.constexpr):
+                           DK_LATE: gl.constexpr, ROWS_TMA: gl.constexpr):
         """Consumer C of one work item's 2 * BLOCK_N keys: its BLOCK_N keys' dK, dV (the two-pass `_dkdv_consumer`,
         S^T and dP^T with the keys as wgmma rows), and columns [C * HEAD_DIM / 2, ...) of the program's share of dQ(i)
         = dS(i) K over all 2 * BLOCK_N keys: both groups' dS^T meet in shared memory (barrier `ds_ready`), so each
         dQ element is reduced once per program, by the TMA unit's bulk fp32 reduction. The ring slots continue from
         ring use `it0` (the query tiles of the program's earlier items) and `kv_bar` is in phase `kv_phase`; a
-        PERSISTENT program's consumer releases its K and V buffers (`kv_empty`) once its dK and dV left them."""
+        PERSISTENT program's consumer releases its K and V buffers (`kv_empty`) once its dK and dV left them.
+        ROWS_TMA: the query tile's L and D rows come from the ring slot (`rows_bufs`, landed with Q and dO), else
+        from global memory (`L`, `Delta`: pointers then)."""
         dtype: gl.constexpr = k_bufs.dtype
         # dQ tiles as wide as the head dim (`GluonBwdConfig.dq_whole`, the launcher's dQ descriptor): each query
         # tile's dQ whole, by one group, the groups taking alternate tiles; else half of the head dim per group.
@@ -119,9 +121,10 @@ if HAS_GLUON_HOPPER:
         dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
         # L and D rows padded with zeros to whole BLOCK_M tiles (the launcher's `padded_rows`): unmasked loads, which
         # keep the per-column registers of a mask out of the loop (the causal kernel spilled 100 bytes more).
-        n_pad = gl.cdiv(N_Q, BLOCK_M) * BLOCK_M
-        lse_base = L + pid_bh.to(gl.int64) * n_pad
-        delta_base = Delta + pid_bh.to(gl.int64) * n_pad
+        if not ROWS_TMA:
+            n_pad = gl.cdiv(N_Q, BLOCK_M) * BLOCK_M
+            lse_base = L + pid_bh.to(gl.int64) * n_pad
+            delta_base = Delta + pid_bh.to(gl.int64) * n_pad
         # (A one-item program's ring uses and barrier phases start at 0: constants, so its build is the one the
         # measurements before the persistent kernel ran.)
         if PERSISTENT:
@@ -140,9 +143,14 @@ if HAS_GLUON_HOPPER:
             # Rows past N_Q: Q and dO read as 0 (TMA), L and D are 0, so P = 1 and dS = 0 there. A causal query tile
             # wholly above this group's keys (the first of the second group) is computed, masked to P = dS = 0:
             # both groups take part in every tile's dQ.
-            l2 = gl.load(lse_base + cols) * 1.4426950408889634
-            mbarrier.wait(q_ready.index(stage), phase)
-            mbarrier.wait(do_ready.index(stage), phase)
+            if ROWS_TMA:
+                mbarrier.wait(q_ready.index(stage), phase)
+                l2 = rows_bufs.index(stage).load(col_s) * 1.4426950408889634
+                mbarrier.wait(do_ready.index(stage), phase)
+            else:
+                l2 = gl.load(lse_base + cols) * 1.4426950408889634
+                mbarrier.wait(q_ready.index(stage), phase)
+                mbarrier.wait(do_ready.index(stage), phase)
             q = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
             do = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
             # 1. S^T and dP^T in flight together; P^T under dP^T, masked.
@@ -151,7 +159,10 @@ if HAS_GLUON_HOPPER:
             # 2. dV += P^T dO under dS^T = P^T (dP^T - D) / sqrt(d) (FA2 eqs. 16-17, the scale folded in).
             p16 = p.to(dtype)
             dv = warpgroup_mma(gl.convert_layout(p16, a_layout), do, dv, is_async=True)
-            delta = gl.load(delta_base + cols) * sm_scale
+            if ROWS_TMA:
+                delta = rows_bufs.index(NUM_STAGES + stage).load(col_s) * sm_scale
+            else:
+                delta = gl.load(delta_base + cols) * sm_scale
             dp = warpgroup_mma_wait(1, deps=(dp,))
             ds16 = (p16.to(gl.float32) * (dp * sm_scale - gl.expand_dims(delta, 0))).to(dtype)
             # 3. dK += dS^T Q from registers (DK_LATE: after the dS^T store, in each branch below); dS^T to this
@@ -245,10 +256,10 @@ if HAS_GLUON_HOPPER:
 
     @gluon.jit
     def _bwd_persistent_consumer(C: gl.constexpr, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, q_ready,
-                                 do_ready, ds_ready, empty, kv_empty, dk_desc, dv_desc, dq_desc, L, Delta, H, BH,
-                                 GROUP: gl.constexpr, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM: gl.constexpr,
+                                 do_ready, ds_ready, empty, kv_empty, rows_bufs, dk_desc, dv_desc, dq_desc, L, Delta,
+                                 H, BH, GROUP: gl.constexpr, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM: gl.constexpr,
                                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                                 IS_CAUSAL: gl.constexpr, DK_LATE: gl.constexpr):
+                                 IS_CAUSAL: gl.constexpr, DK_LATE: gl.constexpr, ROWS_TMA: gl.constexpr):
         """Consumer C of a persistent program: work items pid, pid + #programs, ... (`_bwd_item` order)."""
         num_t = gl.cdiv(N_K, 2 * BLOCK_N)
         it0 = 0
@@ -257,17 +268,17 @@ if HAS_GLUON_HOPPER:
             pid_bh, off_b, off_h, tile_n, m_start, num_m = _bwd_item(t, num_t, BH, H, GROUP, N_Q, 2 * BLOCK_N,
                                                                      BLOCK_M, IS_CAUSAL)
             _bwd_consumer_item(C, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, n & 1, q_ready,
-                               do_ready, ds_ready, empty, kv_empty, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h,
-                               pid_bh, tile_n, m_start, num_m, it0, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M,
-                               BLOCK_N, NUM_STAGES, IS_CAUSAL, True, DK_LATE)
+                               do_ready, ds_ready, empty, kv_empty, rows_bufs, dk_desc, dv_desc, dq_desc, L, Delta,
+                               off_b, off_h, pid_bh, tile_n, m_start, num_m, it0, N_Q, N_K, qk_scale, sm_scale,
+                               HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, True, DK_LATE, ROWS_TMA)
             it0 += num_m
             n += 1
 
     @gluon.jit
-    def _bwd_persistent_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, q_ready,
-                               do_ready, empty, kv_empty, H, BH, GROUP: gl.constexpr, N_Q, N_K,
+    def _bwd_persistent_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, rows_bufs, kv_bar,
+                               q_ready, do_ready, empty, kv_empty, L, Delta, H, BH, GROUP: gl.constexpr, N_Q, N_K,
                                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                               IS_CAUSAL: gl.constexpr):
+                               IS_CAUSAL: gl.constexpr, ROWS_TMA: gl.constexpr):
         """Producer warp of a persistent program, per work item: its first Q/dO tiles into the ring as soon as the
         previous item's last ones are released (under that item's dK/dV epilogue), then its K and V once both groups
         released theirs (`kv_empty`), then the rest of its Q/dO tiles."""
@@ -279,21 +290,55 @@ if HAS_GLUON_HOPPER:
                                                                      BLOCK_M, IS_CAUSAL)
             ahead = gl.minimum(num_m, NUM_STAGES)
             for it in range(ahead):
-                _load_q_do_tile(q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, empty, off_b, off_h,
-                                (m_start + it) * BLOCK_M, it0 + it, NUM_STAGES)
+                _load_query_tile(q_desc, do_desc, q_bufs, do_bufs, rows_bufs, q_ready, do_ready, empty, L, Delta,
+                                 off_b, off_h, pid_bh, N_Q, (m_start + it) * BLOCK_M, it0 + it, NUM_STAGES, ROWS_TMA)
             mbarrier.wait(kv_empty, (n & 1) ^ 1)  # starts "phase 1 complete": the first item does not wait
             _load_kv_tiles(k_desc, v_desc, k_bufs, v_bufs, kv_bar, off_b, off_h, tile_n, 2, BLOCK_N)
             for it in range(ahead, num_m):
-                _load_q_do_tile(q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, empty, off_b, off_h,
-                                (m_start + it) * BLOCK_M, it0 + it, NUM_STAGES)
+                _load_query_tile(q_desc, do_desc, q_bufs, do_bufs, rows_bufs, q_ready, do_ready, empty, L, Delta,
+                                 off_b, off_h, pid_bh, N_Q, (m_start + it) * BLOCK_M, it0 + it, NUM_STAGES, ROWS_TMA)
             it0 += num_m
             n += 1
 
     @gluon.jit
-    def _one_pass_shared(q_desc, k_desc, v_desc, do_desc, dq_desc, NUM_STAGES: gl.constexpr, TILE_N: gl.constexpr,
-                         BLOCK_M: gl.constexpr):
+    def _load_query_tile(q_desc, do_desc, q_bufs, do_bufs, rows_bufs, q_ready, do_ready, empty, L, Delta, off_b, off_h,
+                         pid_bh, N_Q, row, it, NUM_STAGES: gl.constexpr, ROWS_TMA: gl.constexpr):
+        """Query rows [row, row + BLOCK_M) into ring slot it % NUM_STAGES (`_load_q_do_tile`); ROWS_TMA: their L
+        and D rows too (descriptors over the flat zero-padded rows), on Q's and dO's barriers."""
+        if ROWS_TMA:
+            stage = it % NUM_STAGES
+            block_m: gl.constexpr = q_desc.block_type.shape[2]
+            flat = pid_bh * (gl.cdiv(N_Q, block_m) * block_m) + row
+            mbarrier.wait(empty.index(stage), ((it // NUM_STAGES) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + L.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, row, 0], q_ready.index(stage), q_bufs.index(stage))
+            tma.async_copy_global_to_shared(L, [flat], q_ready.index(stage), rows_bufs.index(stage))
+            mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes + Delta.block_type.nbytes)
+            tma.async_copy_global_to_shared(do_desc, [off_b, off_h, row, 0], do_ready.index(stage),
+                                            do_bufs.index(stage))
+            tma.async_copy_global_to_shared(Delta, [flat], do_ready.index(stage), rows_bufs.index(NUM_STAGES + stage))
+        else:
+            _load_q_do_tile(q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, empty, off_b, off_h, row, it,
+                            NUM_STAGES)
+
+    @gluon.jit
+    def _one_pass_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, rows_bufs, kv_bar, q_ready,
+                         do_ready, empty, L, Delta, off_b, off_h, pid_bh, tile_n, m_start, num_m, N_Q,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                         ROWS_TMA: gl.constexpr):
+        """Producer warp of a one-item program: both groups' K and V once, then the query tiles
+        (`_load_query_tile`)."""
+        _load_kv_tiles(k_desc, v_desc, k_bufs, v_bufs, kv_bar, off_b, off_h, tile_n, 2, BLOCK_N)
+        for it in range(num_m):
+            _load_query_tile(q_desc, do_desc, q_bufs, do_bufs, rows_bufs, q_ready, do_ready, empty, L, Delta, off_b,
+                             off_h, pid_bh, N_Q, (m_start + it) * BLOCK_M, it, NUM_STAGES, ROWS_TMA)
+
+    @gluon.jit
+    def _one_pass_shared(q_desc, k_desc, v_desc, do_desc, dq_desc, L, NUM_STAGES: gl.constexpr, TILE_N: gl.constexpr,
+                         BLOCK_M: gl.constexpr, ROWS_TMA: gl.constexpr):
         """Each group's K, V (reused for dK, dV); the Q/dO ring; per slot a dS^T tile of both groups' keys; each
-        group's fp32 dQ tile; barriers (`_key_stationary_shared`'s, and `ds_ready`: one arrival per group)."""
+        group's fp32 dQ tile; barriers (`_key_stationary_shared`'s, and `ds_ready`: one arrival per group);
+        ROWS_TMA: per slot the L row, then per slot the D row (`rows_bufs`, fp32), else a placeholder."""
         k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty = _key_stationary_shared(
             q_desc, k_desc, v_desc, do_desc, NUM_STAGES)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -302,14 +347,19 @@ if HAS_GLUON_HOPPER:
         ds_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(ds_ready.index(i), count=2)
-        return k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, ds_bufs, dq_bufs, ds_ready
+        if ROWS_TMA:
+            rows_bufs = gl.allocate_shared_memory(gl.float32, [2 * NUM_STAGES, BLOCK_M], L.layout)
+        else:
+            rows_bufs = ds_ready
+        return k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, ds_bufs, dq_bufs, ds_ready, rows_bufs
 
     @gluon.jit
     def _gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, L, Delta, H, N_Q,
                                N_K, qk_scale, sm_scale,
                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, GROUP: gl.constexpr,
-                               CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, DK_LATE: gl.constexpr):
+                               CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, DK_LATE: gl.constexpr,
+                               ROWS_TMA: gl.constexpr):
         """Grid (cdiv(N_K, 2 * BLOCK_N) * B * H,): program -> (key tile, batch*head), heavy first; two consumer
         warp groups of BLOCK_N keys and a loader warp."""
         TILE_N: gl.constexpr = 2 * BLOCK_N
@@ -320,21 +370,22 @@ if HAS_GLUON_HOPPER:
                                                                  TILE_N, BLOCK_M, IS_CAUSAL)
 
         # 3. Shared memory (`_one_pass_shared`).
-        k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, ds_bufs, dq_bufs, ds_ready = \
-            _one_pass_shared(q_desc, k_desc, v_desc, do_desc, dq_desc, NUM_STAGES, TILE_N, BLOCK_M)
+        k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, ds_bufs, dq_bufs, ds_ready, rows_bufs = \
+            _one_pass_shared(q_desc, k_desc, v_desc, do_desc, dq_desc, L, NUM_STAGES, TILE_N, BLOCK_M, ROWS_TMA)
 
         # 4. Partitions (argument tuples inline, as in the forward).
         gl.warp_specialize([
             (_bwd_consumer, (0, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready,
-                             ds_ready, empty, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h, pid_bh, tile_n,
-                             m_start, num_m, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                             IS_CAUSAL, DK_LATE)),
+                             ds_ready, empty, rows_bufs, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h, pid_bh,
+                             tile_n, m_start, num_m, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                             NUM_STAGES, IS_CAUSAL, DK_LATE, ROWS_TMA)),
             (_bwd_consumer, (1, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready,
-                             ds_ready, empty, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h, pid_bh, tile_n,
-                             m_start, num_m, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                             IS_CAUSAL, DK_LATE)),
-            (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, q_ready,
-                           do_ready, empty, off_b, off_h, tile_n, m_start, num_m, 2, BLOCK_M, BLOCK_N, NUM_STAGES)),
+                             ds_ready, empty, rows_bufs, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h, pid_bh,
+                             tile_n, m_start, num_m, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                             NUM_STAGES, IS_CAUSAL, DK_LATE, ROWS_TMA)),
+            (_one_pass_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, rows_bufs, kv_bar,
+                                q_ready, do_ready, empty, L, Delta, off_b, off_h, pid_bh, tile_n, m_start, num_m, N_Q,
+                                BLOCK_M, BLOCK_N, NUM_STAGES, ROWS_TMA)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
     @gluon.jit
@@ -343,27 +394,27 @@ if HAS_GLUON_HOPPER:
                                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                           NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, GROUP: gl.constexpr,
                                           CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                                          DK_LATE: gl.constexpr):
+                                          DK_LATE: gl.constexpr, ROWS_TMA: gl.constexpr):
         """Grid (min(#work items, #SMs),): each program walks the work items p, p + #programs, ... of the one-item
         kernel (`_bwd_item`, heavy first). The Q/dO ring runs on across items (the next item's first tiles load
         under this one's dK/dV epilogue); K and V are reloaded once both groups released them (`kv_empty`: one
         arrival per group, after its dK and dV stores left the buffers)."""
-        k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, ds_bufs, dq_bufs, ds_ready = \
-            _one_pass_shared(q_desc, k_desc, v_desc, do_desc, dq_desc, NUM_STAGES, 2 * BLOCK_N, BLOCK_M)
+        k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, ds_bufs, dq_bufs, ds_ready, rows_bufs = \
+            _one_pass_shared(q_desc, k_desc, v_desc, do_desc, dq_desc, L, NUM_STAGES, 2 * BLOCK_N, BLOCK_M, ROWS_TMA)
         kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_empty, count=2)
         gl.warp_specialize([
             (_bwd_persistent_consumer, (0, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, q_ready,
-                                        do_ready, ds_ready, empty, kv_empty, dk_desc, dv_desc, dq_desc, L, Delta, H, BH,
-                                        GROUP, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                        IS_CAUSAL, DK_LATE)),
+                                        do_ready, ds_ready, empty, kv_empty, rows_bufs, dk_desc, dv_desc, dq_desc, L,
+                                        Delta, H, BH, GROUP, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                        NUM_STAGES, IS_CAUSAL, DK_LATE, ROWS_TMA)),
             (_bwd_persistent_consumer, (1, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, q_ready,
-                                        do_ready, ds_ready, empty, kv_empty, dk_desc, dv_desc, dq_desc, L, Delta, H, BH,
-                                        GROUP, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                        IS_CAUSAL, DK_LATE)),
-            (_bwd_persistent_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar,
-                                      q_ready, do_ready, empty, kv_empty, H, BH, GROUP, N_Q, N_K, BLOCK_M, BLOCK_N,
-                                      NUM_STAGES, IS_CAUSAL)),
+                                        do_ready, ds_ready, empty, kv_empty, rows_bufs, dk_desc, dv_desc, dq_desc, L,
+                                        Delta, H, BH, GROUP, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                        NUM_STAGES, IS_CAUSAL, DK_LATE, ROWS_TMA)),
+            (_bwd_persistent_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, rows_bufs,
+                                      kv_bar, q_ready, do_ready, empty, kv_empty, L, Delta, H, BH, GROUP, N_Q, N_K,
+                                      BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, ROWS_TMA)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -388,6 +439,10 @@ class GluonBwdConfig:
     dk_late: bool = False
     """With `dq_whole`: each tile's dK wgmma issued after the dS^T store, in both branches, so that it runs under the
     wait for the other group's dS^T and beside dQ's wgmmas (else before the store, completed before the branch)."""
+    rows_tma: bool = False
+    """Each query tile's L and D rows brought into its ring slot by the loader's TMA unit, with Q and dO (as FA3's
+    producer brings LSE and dPsum), and read by the consumers from shared memory; else each consumer loads them
+    from global memory."""
     persistent: bool = False
     """One program per SM walking the work items (`_gluon_attn_bwd_persistent_kernel`), as cuDNN's backward runs
     (results/flash_hopper_notes.md, section 9): no program start per key tile, the next item's Q/dO under this
@@ -404,13 +459,15 @@ class GluonBwdConfig:
             raise ValueError(f"persistent ({self.persistent!r}) must be a bool")
         if not isinstance(self.dq_whole, bool):
             raise ValueError(f"dq_whole ({self.dq_whole!r}) must be a bool")
+        if not isinstance(self.rows_tma, bool):
+            raise ValueError(f"rows_tma ({self.rows_tma!r}) must be a bool")
         if not isinstance(self.dk_late, bool) or (self.dk_late and not self.dq_whole):
             raise ValueError(f"dk_late ({self.dk_late!r}) must be a bool, and True only with dq_whole")
 
     @property
     def name(self) -> str:
         return (f"bwd2x{BWD_BLOCK_N}xq{self.block_m}/s{self.num_stages}" + ("/dqw" if self.dq_whole else "")
-                + ("/dkl" if self.dk_late else "")
+                + ("/dkl" if self.dk_late else "") + ("/rt" if self.rows_tma else "")
                 + ("/p" if self.persistent else "")
                 + (f"/g{self.head_group}" if self.head_group else ""))
 
@@ -423,10 +480,12 @@ class GluonBwdConfig:
 
     def shared_bytes(self, head_dim: int, elem: int = 2) -> int:
         """K, V of both groups, the Q/dO ring, a dS^T tile of both groups' keys per ring slot (and each group's
-        fp32 dQ tile: half of the head dim, or all of it with `dq_whole`)."""
+        fp32 dQ tile: half of the head dim, or all of it with `dq_whole`; with `rows_tma` the L and D rows per
+        slot)."""
         return (elem * (head_dim * (4 * BWD_BLOCK_N + 2 * self.num_stages * self.block_m)
                         + self.num_stages * 2 * BWD_BLOCK_N * self.block_m)
-                + 4 * self.block_m * head_dim * (2 if self.dq_whole else 1))
+                + 4 * self.block_m * head_dim * (2 if self.dq_whole else 1)
+                + (4 * 2 * self.num_stages * self.block_m if self.rows_tma else 0))
 
 
 DEFAULT_BWD_CONFIGS = {64: GluonBwdConfig(block_m=64, num_stages=2), 128: GluonBwdConfig(block_m=64, num_stages=2)}
@@ -491,6 +550,12 @@ def padded_rows(t, block_m: int):
     return padded
 
 
+def _rows_descriptor(t: torch.Tensor, block_m: int) -> "TensorDescriptor":
+    """A TMA descriptor over zero-padded rows (`padded_rows`) flattened to one dimension, block_m at a time."""
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    return TensorDescriptor(t, [t.numel()], [1], [block_m], layout)
+
+
 def bwd_launch_args(q, k, v, grad_out, dk, dv, lse, delta, dq_acc, is_causal: bool, config: GluonBwdConfig):
     """(grid, positional args, keyword args) of one backward launch (the launcher's and the CPU compile check's);
     `dq_acc`: fp32 zeros of q's shape, contiguous (a TMA target; the unit drops rows past N_Q); `lse`, `delta`:
@@ -501,9 +566,10 @@ def bwd_launch_args(q, k, v, grad_out, dk, dv, lse, delta, dq_acc, is_causal: bo
     num_items = triton.cdiv(n_k, 2 * BWD_BLOCK_N) * batch * heads
     dq_block = [1, 1, config.block_m, head_dim if config.dq_whole else head_dim // 2]
     dq_desc = TensorDescriptor.from_tensor(dq_acc, dq_block, shared_layout(tuple(dq_block), torch.float32))
+    rows = tuple(_rows_descriptor(t, config.block_m) for t in (lse, delta)) if config.rows_tma else (lse, delta)
     args = (_descriptor(q, config.block_m), _descriptor(k, BWD_BLOCK_N), _descriptor(v, BWD_BLOCK_N),
             _descriptor(grad_out, config.block_m), _descriptor(dk, BWD_BLOCK_N), _descriptor(dv, BWD_BLOCK_N),
-            dq_desc, lse, delta, heads)
+            dq_desc, *rows, heads)
     if config.persistent:
         grid = (min(num_items, num_sms(q.device)),)
         args += (batch * heads,)
@@ -512,7 +578,7 @@ def bwd_launch_args(q, k, v, grad_out, dk, dv, lse, delta, dq_acc, is_causal: bo
     args += (n_q, n_k, LOG2E / math.sqrt(head_dim), 1.0 / math.sqrt(head_dim))
     meta = dict(HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=BWD_BLOCK_N, NUM_STAGES=config.num_stages,
                 IS_CAUSAL=is_causal, GROUP=config.head_group, CONSUMER_REGS=consumer_regs, LOADER_REGS=LOADER_REGS,
-                DK_LATE=config.dk_late,
+                DK_LATE=config.dk_late, ROWS_TMA=config.rows_tma,
                 num_warps=4,
                 maxnreg=maxnreg)
     return grid, args, meta
