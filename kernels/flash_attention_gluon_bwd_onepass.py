@@ -439,10 +439,11 @@ class GluonBwdConfig:
     dk_late: bool = False
     """With `dq_whole`: each tile's dK wgmma issued after the dS^T store, in both branches, so that it runs under the
     wait for the other group's dS^T and beside dQ's wgmmas (else before the store, completed before the branch)."""
-    rows_tma: bool = False
+    rows_tma: bool = True
     """Each query tile's L and D rows brought into its ring slot by the loader's TMA unit, with Q and dO (as FA3's
     producer brings LSE and dPsum), and read by the consumers from shared memory; else each consumer loads them
-    from global memory."""
+    from global memory. The sm_90 build spills far less causal at d 128 with it, and it was faster at every d-128
+    shape, level at d 64, in the check that set the default (results/flash_hopper_notes.md, section 12)."""
     persistent: bool = False
     """One program per SM walking the work items (`_gluon_attn_bwd_persistent_kernel`), as cuDNN's backward runs
     (results/flash_hopper_notes.md, section 9): no program start per key tile, the next item's Q/dO under this

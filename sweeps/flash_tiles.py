@@ -103,7 +103,9 @@ GLUON_DQ = {"whole": (True, False), "halves": (False, False), "whole_dk_late": (
 group, in head-dim halves by both, or whole with dK's wgmma after the dS^T store. Rows record the two fields; rows of
 runs before an axis value existed measured the halves (before dq_whole) or dK before the store (before dk_late)."""
 GLUON_KEYS = ["block_m", "block_n", "num_stages", "num_consumers", "persistent", "head_group"]
-GLUON_BWD_KEYS = GLUON_KEYS + ["dq_whole", "dk_late"]
+GLUON_BWD_KEYS = GLUON_KEYS + ["dq_whole", "dk_late", "rows_tma"]
+"""The one-pass backward's fields in rows and tuned entries; `rows_tma` (L and D through the ring) is not swept:
+rows record the default they ran, False in rows of runs before it existed."""
 GLUON_VARIANTS = ("gluon", "gluon_persistent")
 """`gluon_persistent`: the persistent grids (one program per SM) of the forward (`GluonConfig.persistent`, two
 consumer groups) and of the one-pass backward (`GluonBwdConfig.persistent`), over the same tiles, ring depths and
@@ -326,7 +328,7 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
     flops *= MATMULS[kernel] / 2
     return {"block_m": block_m, "block_n": block_n, "num_consumers": config.get("num_consumers", 2), "path": "gluon",
             "warp_specialize": True, "persistent": persistent, "head_group": cfg.head_group, "maxnreg": 0, **shape,
-            **({"dq_whole": cfg.dq_whole, "dk_late": cfg.dk_late} if kernel != "fwd" else {}),
+            **({"dq_whole": cfg.dq_whole, "dk_late": cfg.dk_late, "rows_tma": cfg.rows_tma} if kernel != "fwd" else {}),
             "time_median_s": ms / 1e3,
             "tflops": flops / (ms * 1e-3) / 1e12, "max_abs_err": err}
 
@@ -500,7 +502,7 @@ def gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict
         # (the dQ axis of the runs the rows come from: none, dq_whole's two values, or GLUON_DQ's three)
         dq_axis = 1 if kernel == "fwd" else 1 + sum(c in sel and sel[c].notna().any() for c in ("dq_whole", "dk_late"))
         if kernel != "fwd":  # rows before dq_whole measured the head-dim halves, rows before dk_late dK before
-            for c in ("dq_whole", "dk_late"):
+            for c in ("dq_whole", "dk_late", "rows_tma"):
                 sel[c] = (sel[c] if c in sel else pd.Series(False, index=sel.index)).astype("boolean").fillna(False)
         for col in keys:
             sel[col] = sel[col].astype(int)
@@ -527,7 +529,7 @@ def _best_entries(sel: pd.DataFrame, keys: list[str], tags: dict, min_configs: i
 
     def config_of(values) -> dict:
         values = values if isinstance(values, tuple) else tuple(values)
-        config = {k: (bool(v) if k in ("warp_specialize", "persistent", "dq_whole", "dk_late") else int(v))
+        config = {k: (bool(v) if k in ("warp_specialize", "persistent", "dq_whole", "dk_late", "rows_tma") else int(v))
                   for k, v in zip(keys, values)}
         if "maxnreg" in config:
             config["maxnreg"] = config["maxnreg"] or None  # 0: no register cap
@@ -627,7 +629,7 @@ def markdown(df: pd.DataFrame) -> str:
     ok = ok.assign(median_ms=1e3 * ok["time_median_s"])  # the table shows milliseconds
     best = ok.sort_values("median_ms").groupby(["shape", "kernel"], as_index=False).head(3)
     best = best.sort_values(["shape", "kernel", "median_ms"])
-    gluon_knobs = [c for c in ("num_consumers", "head_group", "dq_whole", "dk_late")
+    gluon_knobs = [c for c in ("num_consumers", "head_group", "dq_whole", "dk_late", "rows_tma")
                    if c in best and best[c].notna().any()]
     cols = ["shape", "kernel", *(["variant"] if "variant" in best else []), "tile", "num_warps", "num_stages",
             *gluon_knobs, "median_ms", "tflops"]  # the Gluon kernels' own knobs (blank on tl rows)

@@ -150,8 +150,10 @@ def test_bwd_config_rules():
         fgo.GluonBwdConfig(num_stages=0)
     config = fgo.GluonBwdConfig(block_m=64, num_stages=2)
     # K, V (2 x 2 x 64 x 128), the Q/dO ring (2 x 2 x 64 x 128) and dS^T of both groups' keys (2 x 128 x 64), bf16;
-    # each group's fp32 dQ tile, the whole head dim (2 x 64 x 128 x 4 bytes) or half of it: 224 KB, 192 KB.
-    assert config.shared_bytes(128) == 2 * (128 * (4 * 64 + 4 * 64) + 2 * 128 * 64) + 2 * 64 * 128 * 4
+    # each group's fp32 dQ tile, the whole head dim (2 x 64 x 128 x 4 bytes) or half of it; the L and D rows of
+    # each slot (2 x 2 x 64 x 4 bytes): 225 KB, 193 KB.
+    assert config.shared_bytes(128) == (2 * (128 * (4 * 64 + 4 * 64) + 2 * 128 * 64) + 2 * 64 * 128 * 4
+                                        + 2 * 2 * 64 * 4)
     halves = dataclasses.replace(config, dq_whole=False)
     assert halves.shared_bytes(128) == config.shared_bytes(128) - 64 * 128 * 4
     assert config.registers() == fg.GluonConfig(num_consumers=2).registers()
@@ -161,15 +163,15 @@ def test_bwd_config_rules():
         fgo.GluonBwdConfig(dq_whole="yes")
     with pytest.raises(ValueError, match="dk_late"):
         fgo.GluonBwdConfig(dq_whole=False, dk_late=True)
-    assert fgo.GluonBwdConfig(dk_late=True, head_group=2).name == "bwd2x64xq64/s2/dqw/dkl/g2"
+    assert fgo.GluonBwdConfig(dk_late=True, head_group=2).name == "bwd2x64xq64/s2/dqw/dkl/rt/g2"
     with pytest.raises(ValueError, match="rows_tma"):
         fgo.GluonBwdConfig(rows_tma=1)
-    rows = fgo.GluonBwdConfig(rows_tma=True)
-    assert rows.name == "bwd2x64xq64/s2/dqw/rt"
-    assert rows.shared_bytes(128) == fgo.GluonBwdConfig().shared_bytes(128) + 2 * 2 * 64 * 4
+    rows = fgo.GluonBwdConfig(rows_tma=False)
+    assert rows.name == "bwd2x64xq64/s2/dqw"
+    assert fgo.GluonBwdConfig().shared_bytes(128) == rows.shared_bytes(128) + 2 * 2 * 64 * 4
     persistent = fgo.GluonBwdConfig(persistent=True, head_group=4)
-    assert persistent.name == "bwd2x64xq64/s2/dqw/p/g4" and persistent.kernel is not config.kernel
-    assert halves.name == "bwd2x64xq64/s2"
+    assert persistent.name == "bwd2x64xq64/s2/dqw/rt/p/g4" and persistent.kernel is not config.kernel
+    assert halves.name == "bwd2x64xq64/s2/rt"
 
 
 def test_bwd_head_group_fits_the_l2_cache(monkeypatch):
@@ -218,10 +220,10 @@ def _compile_sm90_bwd(config: fgo.GluonBwdConfig, head_dim: int, dtype: torch.dt
     (128, False, torch.float16, False, True), (64, True, torch.bfloat16, True, True),
     (128, True, torch.bfloat16, True, True), (128, True, torch.bfloat16, False, False),
     (128, True, torch.bfloat16, False, "dk_late"), (128, True, torch.bfloat16, True, "dk_late"),
-    (128, True, torch.bfloat16, False, "rows_tma"), (64, True, torch.bfloat16, True, "rows_tma")])
+    (128, True, torch.bfloat16, False, "rows_global"), (64, True, torch.bfloat16, True, "rows_global")])
 def test_bwd_compiles_for_sm90(head_dim, causal, dtype, persistent, dq_whole):
     config = dataclasses.replace(fgo.DEFAULT_BWD_CONFIGS[head_dim], persistent=persistent, dq_whole=bool(dq_whole),
-                                 dk_late=dq_whole == "dk_late", rows_tma=dq_whole == "rows_tma")
+                                 dk_late=dq_whole == "dk_late", rows_tma=dq_whole != "rows_global")
     compiled = _compile_sm90_bwd(config, head_dim, dtype, causal)
     ptx = compiled.asm["ptx"]
     assert compiled.asm["cubin"] and compiled.metadata.shared >= config.shared_bytes(head_dim)
@@ -454,11 +456,12 @@ def test_matches_fp32_attention(q_shape, n_k, causal, dtype, tol):
     ((1, 3, 1000, 128), 1000, True), ((1, 3, 1000, 128), 1000, False), ((2, 2, 777, 64), 777, True),
     ((1, 2, 513, 128), 1029, False), ((1, 2, 1029, 64), 513, True), ((1, 2, 513, 128), 1029, True)])
 @pytest.mark.parametrize("mode, alt", [("two_pass", False), ("two_pass", True), ("one_pass", False),
-                                       ("one_pass", "halves"), ("one_pass", "dk_late"), ("one_pass", "rows_tma")])
+                                       ("one_pass", "halves"), ("one_pass", "dk_late"),
+                                       ("one_pass", "rows_global")])
 def test_bwd_matches_fp32_autograd(q_shape, n_k, causal, dtype, tol, mode, alt):
     """Both backwards against fp32 autograd: the two-pass with its default and alternative configs, the one-pass
     with the config `auto` picks, with dQ in head-dim halves per group, with dK's wgmma after the dS^T store, and
-    with L and D through the ring (`rows_tma`)."""
+    with L and D loaded from global memory (`rows_tma=False`)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     k_shape = q_shape[:2] + (n_k, q_shape[-1])
     q, k, v = (torch.randn(s, generator=gen, device="cuda").to(dtype) for s in (q_shape, k_shape, k_shape))
@@ -468,7 +471,7 @@ def test_bwd_matches_fp32_autograd(q_shape, n_k, causal, dtype, tol, mode, alt):
     out, lse = fg.gluon_attention_fwd(q, k, v, causal)
     if mode == "one_pass" and alt:
         config = dataclasses.replace(fgo.DEFAULT_BWD_CONFIGS[q_shape[-1]], dq_whole=alt != "halves",
-                                     dk_late=alt == "dk_late", rows_tma=alt == "rows_tma")
+                                     dk_late=alt == "dk_late", rows_tma=alt != "rows_global")
     else:
         config = ALT_BWD2_CONFIGS[q_shape[-1]] if alt else None
     grads = fgb.gluon_attention_bwd(q, k, v, out, lse, do, causal, config=config, mode=mode)
@@ -491,15 +494,15 @@ def test_bwd_matches_fp32_autograd(q_shape, n_k, causal, dtype, tol, mode, alt):
 @pytest.mark.parametrize("q_shape, n_k, causal", [
     ((4, 3, 1000, 128), 1000, True), ((3, 4, 777, 64), 777, True), ((2, 7, 513, 128), 1029, False),
     ((3, 3, 1029, 64), 513, True), ((2, 6, 1029, 128), 513, False)])
-@pytest.mark.parametrize("knobs", [{}, {"dk_late": True}, {"rows_tma": True}])
+@pytest.mark.parametrize("knobs", [{}, {"dk_late": True}, {"rows_tma": False}])
 def test_persistent_one_pass_backward_matches_the_one_item_programs(q_shape, n_k, causal, dtype, knobs,
                                                                     monkeypatch):
     """The persistent one-pass backward on a grid of 16 programs (several work items each, so the Q/dO ring, K/V's
     barriers and the dQ tiles run on across items), also with its items taken 5 heads at a time: dK and dV bitwise
     the one-item programs' (same tiles, same order of additions), dQ (fp32 sums by the TMA unit, in no fixed
     order) within rounding of theirs, and all three against fp32 autograd. n_k < n_q causal gives items with no
-    query tile (dK = dV = 0). Also with `dk_late` (dK's wgmma after the dS^T store) and with `rows_tma` (L and D
-    through the ring), on both sides."""
+    query tile (dK = dV = 0). Also with `dk_late` (dK's wgmma after the dS^T store) and without `rows_tma` (L and D
+    from global memory), on both sides."""
     gen = torch.Generator(device="cuda").manual_seed(2)
     k_shape = q_shape[:2] + (n_k, q_shape[-1])
     q, k, v = (torch.randn(s, generator=gen, device="cuda").to(dtype) for s in (q_shape, k_shape, k_shape))

@@ -199,8 +199,9 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
                                    head_group=0, head_dim=128, dtype="bfloat16", shapes=[a, b],
                                    geomean_ms=gluon["fwd"][0]["geomean_ms"])
     assert {k: gluon["bwd"][0][k] for k in ("block_m", "num_stages", "head_group", "shapes", "dq_whole",
-                                            "dk_late")} == dict(
-        block_m=64, num_stages=3, head_group=8, shapes=[a, b], dq_whole=False, dk_late=False)  # rows without them
+                                            "dk_late", "rows_tma")} == dict(
+        block_m=64, num_stages=3, head_group=8, shapes=[a, b], dq_whole=False, dk_late=False,
+        rows_tma=False)  # rows without them
     assert "dq_whole" not in gluon["fwd"][0]
     assert "block_n" not in gluon["bwd"][0] and all(e.get("path") != "gluon" for e in
                                                     flash_tiles.best_configs(df, min_configs=1)["fwd"])
@@ -227,8 +228,8 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     monkeypatch.setattr(tuning, "_GLUON_TUNED", tuning.load_gluon_tuned(path))
     assert gluon_fwd.default_config(128, torch.bfloat16) == gluon_fwd.GluonConfig(
         block_m=64, block_n=128, num_stages=2, num_consumers=1)
-    assert one_pass.default_config(128, torch.bfloat16) == one_pass.GluonBwdConfig(block_m=64, num_stages=3,
-                                                                                   head_group=8, dq_whole=False)
+    assert one_pass.default_config(128, torch.bfloat16) == one_pass.GluonBwdConfig(
+        block_m=64, num_stages=3, head_group=8, dq_whole=False, rows_tma=False)
     # The persistent forward: its own variant (fwd only, two consumer groups); a winner carries `persistent`.
     spaces = flash_tiles.param_spaces(False, (a,), ("gluon_persistent",))
     assert set(spaces) == {"fwd/gluon_persistent", "dkdvq/gluon_persistent"}
@@ -262,6 +263,12 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     l_winner = flash_tiles.gluon_best_configs(df_l, min_configs=27)["bwd"][0]
     assert l_winner["dk_late"] is True and l_winner["dq_whole"] is True and l_winner["shapes"] == [a, b]
     assert one_pass.GluonBwdConfig(**{k: l_winner[k] for k in tuning.GLUON_FIELDS["bwd"]}).dk_late
+    assert l_winner["rows_tma"] is False  # rows of runs before rows_tma: L and D from global memory
+    # rows_tma is not swept: the winners carry the value the rows record (the default a run ran).
+    df_r = df_l.assign(rows_tma=df_l["kernel"] == "dkdvq")
+    r_winner = flash_tiles.gluon_best_configs(df_r, min_configs=27)["bwd"][0]
+    assert r_winner["rows_tma"] is True and r_winner["dk_late"] is True
+    assert one_pass.GluonBwdConfig(**{k: r_winner[k] for k in tuning.GLUON_FIELDS["bwd"]}).rows_tma
     # Rows of a run that swept dq_whole alone: its grid (18 configs a shape) caps the count asked for.
     assert flash_tiles.gluon_best_configs(df_w, min_configs=27)["bwd"][0]["dq_whole"] is True
     assert gluon_fwd.default_config(64, torch.bfloat16) == gluon_fwd.DEFAULT_CONFIGS[64]  # not swept: the default
