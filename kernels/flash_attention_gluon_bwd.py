@@ -474,28 +474,35 @@ def launch_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
     """`gluon_attention_bwd` on inputs it accepts, its mode the config's: for callers that checked them already
     (the checks cost host time on every call)."""
     from kernels import flash_attention_gluon_bwd_onepass as one_pass
-    from kernels.flash_attention_kernels import _flash_bwd_preprocess_kernel
+    from kernels.flash_attention_kernels import _flash_bwd_preprocess_kernel, _onepass_bwd_preprocess_kernel
 
     batch, heads, n_q, head_dim = q.shape
     grad_out = _tma_ready(grad_out.to(q.dtype))
     lse = lse.contiguous()
     with torch.cuda.device(q.device):
-        # D = rowsum(dO * O), fp32 (B, H, N_Q) like L (FA2 Algorithm 2, line 2).
-        delta = torch.empty_like(lse)
-        _flash_bwd_preprocess_kernel[(triton.cdiv(n_q, 64), batch * heads)](
-            out, grad_out, delta, *out.stride(), *grad_out.stride(), heads, n_q,
-            HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=64, num_warps=4)
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # contiguous: valid TMA targets
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
         if isinstance(config, GluonBwd2Config):
+            # D = rowsum(dO * O), fp32 (B, H, N_Q) like L (FA2 Algorithm 2, line 2).
+            delta = torch.empty_like(lse)
+            _flash_bwd_preprocess_kernel[(triton.cdiv(n_q, 64), batch * heads)](
+                out, grad_out, delta, *out.stride(), *grad_out.stride(), heads, n_q,
+                HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=64, num_warps=4)
             dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             (grid, args, meta), (dq_grid, dq_args, dq_meta) = bwd2_launch_args(q, k, v, grad_out, dq, dk, dv, lse,
                                                                                delta, is_causal, config)
             _gluon_attn_bwd_dkdv_kernel[grid](*args, **meta)
             _gluon_attn_bwd_dq_kernel[dq_grid](*dq_args, **dq_meta)
             return dq, dk, dv
-        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse_pad, delta_pad = (one_pass.padded_rows(t, config.block_m) for t in (lse, delta))
+        # D and L zero-padded to whole query tiles (`padded_rows`' layout) and the fp32 dQ accumulator zeroed, in
+        # one launch.
+        n_pad = triton.cdiv(n_q, config.block_m) * config.block_m
+        lse_pad, delta_pad = (torch.empty((batch, heads, n_pad), dtype=torch.float32, device=q.device)
+                              for _ in range(2))
+        dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        _onepass_bwd_preprocess_kernel[(n_pad // config.block_m, batch * heads)](
+            out, grad_out, lse, dq_acc, delta_pad, lse_pad, *out.stride(), *grad_out.stride(), heads, n_q, n_pad,
+            HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=config.block_m, num_warps=4)
         grid, args, meta = one_pass.bwd_launch_args(q, k, v, grad_out, dk, dv, lse_pad, delta_pad, dq_acc, is_causal,
                                                     config)
         config.kernel[grid](*args, **meta)

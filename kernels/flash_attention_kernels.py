@@ -280,6 +280,35 @@ def _flash_bwd_preprocess_kernel(O, DO, Delta,
 
 
 @triton.jit
+def _onepass_bwd_preprocess_kernel(O, DO, L, DQ, Delta_pad, L_pad,
+                                   stride_ob, stride_oh, stride_om, stride_od,
+                                   stride_dob, stride_doh, stride_dom, stride_dod,
+                                   H, N_Q, N_PAD, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                                   BLOCK_M: tl.constexpr):
+    """The Gluon one-pass backward's inputs in one launch (grid (N_PAD / BLOCK_M, B * H)): D = rowsum(O * dO) and
+    the natural-log L, both zero-padded to N_PAD rows (whole query tiles; (B * H, N_PAD) fp32), and the fp32 dQ
+    accumulator (contiguous, q's shape) zeroed, where the launcher used to run six (D, two zero-filled copies, a
+    memset)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // H).to(tl.int64)
+    off_h = (pid_bh % H).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    o = _load_tile(O + off_b * stride_ob + off_h * stride_oh + rows[:, None] * stride_om + cols[None, :] * stride_od,
+                   rows, cols, N_Q, HEAD_DIM, True, True)
+    do = _load_tile(DO + off_b * stride_dob + off_h * stride_doh + rows[:, None] * stride_dom
+                    + cols[None, :] * stride_dod, rows, cols, N_Q, HEAD_DIM, True, True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)  # 0 on rows past N_Q (their O, dO read as 0)
+    lse = tl.load(L + pid_bh.to(tl.int64) * N_Q + rows, mask=rows < N_Q, other=0.0)
+    tl.store(Delta_pad + pid_bh.to(tl.int64) * N_PAD + rows, delta)
+    tl.store(L_pad + pid_bh.to(tl.int64) * N_PAD + rows, lse)
+    dq = DQ + pid_bh.to(tl.int64) * N_Q * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :]
+    tl.store(dq, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32),
+             mask=(rows[:, None] < N_Q) & (cols[None, :] < HEAD_DIM))
+
+
+@triton.jit
 def _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, dq_src, scale, stride_dqm,
                           stride_qm, stride_qd, stride_dom, stride_dod,
                           offs_n, offs_d, lo, hi, N_Q, qk_scale,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import pytest
 import torch
@@ -540,3 +541,31 @@ def test_bwd2_is_deterministic(head_dim):
         again = fgb.gluon_attention_bwd(q, k, v, out, lse, do, True, mode="two_pass")
         for name, a, b in zip("qkv", first, again):
             assert torch.equal(a, b), name
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="needs the Triton interpreter (TRITON_INTERPRET=1) or a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n_q, head_dim", [(1, 64), (65, 64), (128, 128), (130, 128)])
+def test_onepass_preprocess_pads_rows_and_zeroes_dq(n_q, head_dim, dtype):
+    """The one-pass backward's single preprocess launch: D = rowsum(O * dO) and L as `padded_rows` pads them (zeros
+    past N_Q up to whole 64-row tiles), and the fp32 dQ accumulator zeroed over every element, from a
+    non-contiguous O and a garbage-filled dQ buffer."""
+    from kernels.flash_attention_kernels import _onepass_bwd_preprocess_kernel
+
+    device = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    gen = torch.Generator(device=device).manual_seed(0)
+    batch, heads, block_m = 2, 3, 64
+    out = torch.randn((batch, n_q, heads, head_dim), generator=gen, device=device).to(dtype).transpose(1, 2)
+    grad_out = torch.randn((batch, heads, n_q, head_dim), generator=gen, device=device).to(dtype)
+    lse = torch.randn((batch, heads, n_q), generator=gen, device=device)
+    n_pad = triton.cdiv(n_q, block_m) * block_m
+    dq_acc = torch.full((batch, heads, n_q, head_dim), float("nan"), device=device)
+    delta_pad, lse_pad = (torch.full((batch, heads, n_pad), float("nan"), device=device) for _ in range(2))
+    _onepass_bwd_preprocess_kernel[(n_pad // block_m, batch * heads)](
+        out, grad_out, lse, dq_acc, delta_pad, lse_pad, *out.stride(), *grad_out.stride(), heads, n_q, n_pad,
+        HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=block_m, num_warps=4)
+    delta = (out.float() * grad_out.float()).sum(-1)
+    torch.testing.assert_close(delta_pad, fgo.padded_rows(delta, block_m), rtol=1e-5, atol=1e-5)
+    assert torch.equal(lse_pad, fgo.padded_rows(lse, block_m))
+    assert torch.equal(dq_acc, torch.zeros_like(dq_acc))
