@@ -526,6 +526,46 @@ def shared_layout(block: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
 
+def _arg_key(arg):
+    """What a launch argument's compiled kernel depends on: a descriptor's type, shape, strides and base alignment,
+    a tensor's dtype and alignment, an int's value (Triton specialises ints on 1, on 16 | n and on their width), a
+    float's type; anything else its value."""
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if isinstance(arg, float):
+        return float
+    if HAS_GLUON_HOPPER and isinstance(arg, TensorDescriptor):
+        return (arg.base.dtype, tuple(arg.shape), tuple(arg.strides), tuple(arg.block_shape), arg.layout,
+                arg.padding, arg.base.data_ptr() % 16 == 0)
+    return (type(arg), arg)
+
+
+_COMPILED: dict = {}
+"""(kernel, device, argument keys, keyword arguments) -> the compiled kernel its first launch returned."""
+
+
+def launch(kernel, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
+    """`kernel[grid](*args, **meta)` on the current device and stream, for a kernel whose parameters after `args`
+    are all named in `meta` (with Triton's options, num_warps, maxnreg). The first launch of a specialisation goes
+    through Triton's JIT dispatch and keeps the compiled kernel it returns; later ones with the same keys
+    (`_arg_key`) launch it directly (`CompiledKernel.run`, as Inductor's launchers do), without the dispatch's
+    per-call argument binding, specialisation and cache lookup: host time on every call, which small attention
+    calls are bound by (results/flash_hopper_notes.md, section 12)."""
+    device = torch.cuda.current_device()
+    key = (kernel, device, tuple(_arg_key(a) for a in args), tuple(meta.items()))
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        _COMPILED[key] = kernel[grid](*args, **meta)
+        return
+    bound = (*args, *(meta[p.name] for p in kernel.params[len(args):]))
+    stream = torch.cuda.current_stream(device).cuda_stream
+    grid = (*grid, 1, 1)
+    hooks = triton.knobs.runtime
+    compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
+                 compiled.launch_metadata(grid[:3], stream, *bound), hooks.launch_enter_hook, hooks.launch_exit_hook,
+                 *bound)
+
+
 def _descriptor(t: torch.Tensor, block_rows: int) -> "TensorDescriptor":
     block = [1, 1, block_rows, t.shape[-1]]
     return TensorDescriptor.from_tensor(t, block, shared_layout(tuple(block), t.dtype))
@@ -570,7 +610,7 @@ def launch_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: boo
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     grid, args, meta = launch_args(q, k, v, out, lse, is_causal, config)
     with torch.cuda.device(q.device):
-        config.kernel[grid](*args, **meta)
+        launch(config.kernel, grid, args, meta)
     return out, lse
 
 

@@ -40,6 +40,7 @@ from kernels.flash_attention_gluon import (
     LOG2E,
     _descriptor,
     gluon_attention_fwd,
+    launch,
     register_split,
     unsupported_reason,
 )
@@ -491,8 +492,8 @@ def launch_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
             dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             (grid, args, meta), (dq_grid, dq_args, dq_meta) = bwd2_launch_args(q, k, v, grad_out, dq, dk, dv, lse,
                                                                                delta, is_causal, config)
-            _gluon_attn_bwd_dkdv_kernel[grid](*args, **meta)
-            _gluon_attn_bwd_dq_kernel[dq_grid](*dq_args, **dq_meta)
+            launch(_gluon_attn_bwd_dkdv_kernel, grid, args, meta)
+            launch(_gluon_attn_bwd_dq_kernel, dq_grid, dq_args, dq_meta)
             return dq, dk, dv
         # D and L zero-padded to whole query tiles (`padded_rows`' layout) and the fp32 dQ accumulator zeroed, in
         # one launch.
@@ -500,12 +501,12 @@ def launch_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
         lse_pad, delta_pad = (torch.empty((batch, heads, n_pad), dtype=torch.float32, device=q.device)
                               for _ in range(2))
         dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        _onepass_bwd_preprocess_kernel[(n_pad // config.block_m, batch * heads)](
-            out, grad_out, lse, dq_acc, delta_pad, lse_pad, *out.stride(), *grad_out.stride(), heads, n_q, n_pad,
-            HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=config.block_m, num_warps=4)
+        launch(_onepass_bwd_preprocess_kernel, (n_pad // config.block_m, batch * heads),
+               (out, grad_out, lse, dq_acc, delta_pad, lse_pad, *out.stride(), *grad_out.stride(), heads, n_q, n_pad),
+               dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=config.block_m, num_warps=4))
         grid, args, meta = one_pass.bwd_launch_args(q, k, v, grad_out, dk, dv, lse_pad, delta_pad, dq_acc, is_causal,
                                                     config)
-        config.kernel[grid](*args, **meta)
+        launch(config.kernel, grid, args, meta)
     return dq_acc.to(q.dtype), dk, dv
 
 

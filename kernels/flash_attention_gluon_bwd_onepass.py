@@ -28,8 +28,8 @@ import triton
 
 from kernels.flash_attention_gluon import (HAS_GLUON_HOPPER, LOADER_REGS, LOG2E, _descriptor, num_sms, register_split,
                                           shared_layout)
-from kernels.flash_attention_gluon_bwd import (BWD_BLOCK_N, _bwd_loader, _key_stationary_shared, _load_kv_tiles,
-                                              _load_q_do_tile, _sdp_transposed)
+from kernels.flash_attention_gluon_bwd import (BWD_BLOCK_N, _key_stationary_shared, _load_kv_tiles, _load_q_do_tile,
+                                              _sdp_transposed)
 from kernels.flash_attention_tuning import gluon_tuned_fields
 
 

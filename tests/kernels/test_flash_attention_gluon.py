@@ -569,3 +569,47 @@ def test_onepass_preprocess_pads_rows_and_zeroes_dq(n_q, head_dim, dtype):
     torch.testing.assert_close(delta_pad, fgo.padded_rows(delta, block_m), rtol=1e-5, atol=1e-5)
     assert torch.equal(lse_pad, fgo.padded_rows(lse, block_m))
     assert torch.equal(dq_acc, torch.zeros_like(dq_acc))
+
+
+def test_launch_dispatches_once_per_specialisation(monkeypatch):
+    """`launch`: the first call of a specialisation goes through the JIT (kernel[grid]), later ones straight to the
+    compiled kernel with every parameter in order (constexprs from the keyword arguments, not the options) and
+    the grid padded to 3-D; a new int value, a misaligned tensor or other keywords dispatch through the JIT again."""
+    calls = []
+
+    class Compiled:
+        function, packed_metadata = "fn", "meta"
+
+        def launch_metadata(self, grid, stream, *args):
+            return ("md", grid)
+
+        def run(self, *args):
+            calls.append(("run", args))
+
+    class Kernel:
+        params = [type("P", (), {"name": n})() for n in ("x", "n", "scale", "BLOCK", "CAUSAL")]
+
+        def __getitem__(self, grid):
+            def jit(*args, **meta):
+                calls.append(("jit", grid, args, meta))
+                return Compiled()
+            return jit
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: type("S", (), {"cuda_stream": 7})())
+    monkeypatch.setattr(fg, "_COMPILED", {})
+    kernel, x = Kernel(), torch.zeros(64)
+    meta = dict(BLOCK=64, CAUSAL=True, num_warps=4)
+    fg.launch(kernel, (3,), (x, 100, 0.5), meta)
+    fg.launch(kernel, (5, 2), (x, 100, 0.25), meta)
+    assert [c[0] for c in calls] == ["jit", "run"]
+    assert calls[0][1:] == ((3,), (x, 100, 0.5), meta)
+    hooks = triton.knobs.runtime
+    assert calls[1][1] == (5, 2, 1, 7, "fn", "meta", ("md", (5, 2, 1)), hooks.launch_enter_hook,
+                           hooks.launch_exit_hook, x, 100, 0.25, 64, True)
+    fg.launch(kernel, (3,), (x, 101, 0.5), meta)             # another int value
+    fg.launch(kernel, (3,), (x[1:], 100, 0.5), meta)         # 4 bytes off 16-byte alignment
+    fg.launch(kernel, (3,), (x, 100, 0.5), dict(meta, num_warps=8))
+    assert [c[0] for c in calls] == ["jit", "run", "jit", "jit", "jit"]
+    fg.launch(kernel, (3,), (x.clone(), 100, 0.5), meta)     # another aligned tensor: the compiled kernel
+    assert calls[-1][0] == "run"
