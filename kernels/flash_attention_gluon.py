@@ -541,7 +541,9 @@ def _arg_key(arg):
 
 
 _COMPILED: dict = {}
-"""(kernel, device, argument keys, keyword arguments) -> the compiled kernel its first launch returned."""
+"""(kernel, device, argument keys, keyword arguments) -> the compiled kernel its first launch returned; emptied when
+it reaches _COMPILED_MAX entries (a run over many sequence lengths: one per length and kernel)."""
+_COMPILED_MAX = 4096
 
 
 def launch(kernel, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
@@ -555,6 +557,8 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
     key = (kernel, device, tuple(_arg_key(a) for a in args), tuple(meta.items()))
     compiled = _COMPILED.get(key)
     if compiled is None:
+        if len(_COMPILED) >= _COMPILED_MAX:
+            _COMPILED.clear()
         _COMPILED[key] = kernel[grid](*args, **meta)
         return
     bound = (*args, *(meta[p.name] for p in kernel.params[len(args):]))
@@ -566,9 +570,37 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
                  *bound)
 
 
+_DESCRIPTOR_FIELDS: dict = {}
+"""(shape, strides, dtype, block shape, layout) -> a checked descriptor's fields but its base."""
+
+
+def tensor_descriptor(t: torch.Tensor, block: list[int], layout, shape: list[int] | None = None,
+                      strides: list[int] | None = None) -> "TensorDescriptor":
+    """`TensorDescriptor(t, shape, strides, block, layout)` (t's own shape and strides when not given). Its
+    dataclass checks (strides' alignment, block shape, layout) run on the first descriptor of each (shape, strides,
+    dtype, block, layout); later ones copy its fields and check only the base's 16-byte alignment, which is all that
+    differs: host time on every launch, nine descriptors per backward."""
+    shape = tuple(t.shape) if shape is None else tuple(shape)
+    strides = tuple(t.stride()) if strides is None else tuple(strides)
+    key = (shape, strides, t.dtype, tuple(block), layout)
+    fields = _DESCRIPTOR_FIELDS.get(key)
+    if fields is None:
+        desc = TensorDescriptor(t, list(shape), list(strides), list(block), layout)
+        if len(_DESCRIPTOR_FIELDS) >= 4096:  # a run over many sequence lengths
+            _DESCRIPTOR_FIELDS.clear()
+        _DESCRIPTOR_FIELDS[key] = {name: value for name, value in vars(desc).items() if name != "base"}
+        return desc
+    if t.data_ptr() % 16:
+        raise ValueError(f"a TMA descriptor's base must be 16-byte aligned, got address {t.data_ptr():#x}")
+    desc = object.__new__(TensorDescriptor)
+    vars(desc).update(fields)
+    desc.base = t
+    return desc
+
+
 def _descriptor(t: torch.Tensor, block_rows: int) -> "TensorDescriptor":
     block = [1, 1, block_rows, t.shape[-1]]
-    return TensorDescriptor.from_tensor(t, block, shared_layout(tuple(block), t.dtype))
+    return tensor_descriptor(t, block, shared_layout(tuple(block), t.dtype))
 
 
 def launch_args(q, k, v, out, lse, is_causal: bool, config: GluonConfig):

@@ -27,7 +27,7 @@ import torch
 import triton
 
 from kernels.flash_attention_gluon import (HAS_GLUON_HOPPER, LOADER_REGS, LOG2E, _descriptor, num_sms, register_split,
-                                          shared_layout)
+                                          shared_layout, tensor_descriptor)
 from kernels.flash_attention_gluon_bwd import (BWD_BLOCK_N, _key_stationary_shared, _load_kv_tiles, _load_q_do_tile,
                                               _sdp_transposed)
 from kernels.flash_attention_tuning import gluon_tuned_fields
@@ -554,7 +554,7 @@ def padded_rows(t, block_m: int):
 def _rows_descriptor(t: torch.Tensor, block_m: int) -> "TensorDescriptor":
     """A TMA descriptor over zero-padded rows (`padded_rows`) flattened to one dimension, block_m at a time."""
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    return TensorDescriptor(t, [t.numel()], [1], [block_m], layout)
+    return tensor_descriptor(t, [block_m], layout, shape=[t.numel()], strides=[1])
 
 
 def bwd_launch_args(q, k, v, grad_out, dk, dv, lse, delta, dq_acc, is_causal: bool, config: GluonBwdConfig):
@@ -566,7 +566,7 @@ def bwd_launch_args(q, k, v, grad_out, dk, dv, lse, delta, dq_acc, is_causal: bo
     maxnreg, consumer_regs = config.registers()
     num_items = triton.cdiv(n_k, 2 * BWD_BLOCK_N) * batch * heads
     dq_block = [1, 1, config.block_m, head_dim if config.dq_whole else head_dim // 2]
-    dq_desc = TensorDescriptor.from_tensor(dq_acc, dq_block, shared_layout(tuple(dq_block), torch.float32))
+    dq_desc = tensor_descriptor(dq_acc, dq_block, shared_layout(tuple(dq_block), torch.float32))
     rows = tuple(_rows_descriptor(t, config.block_m) for t in (lse, delta)) if config.rows_tma else (lse, delta)
     args = (_descriptor(q, config.block_m), _descriptor(k, BWD_BLOCK_N), _descriptor(v, BWD_BLOCK_N),
             _descriptor(grad_out, config.block_m), _descriptor(dk, BWD_BLOCK_N), _descriptor(dv, BWD_BLOCK_N),

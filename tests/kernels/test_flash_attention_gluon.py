@@ -613,3 +613,29 @@ def test_launch_dispatches_once_per_specialisation(monkeypatch):
     assert [c[0] for c in calls] == ["jit", "run", "jit", "jit", "jit"]
     fg.launch(kernel, (3,), (x.clone(), 100, 0.5), meta)     # another aligned tensor: the compiled kernel
     assert calls[-1][0] == "run"
+    monkeypatch.setattr(fg, "_COMPILED_MAX", len(fg._COMPILED))  # full: a new specialisation starts it afresh
+    fg.launch(kernel, (3,), (x, 102, 0.5), meta)
+    assert calls[-1][0] == "jit" and len(fg._COMPILED) == 1
+
+
+@needs_gluon_api
+def test_tensor_descriptor_checks_once_per_layout_and_always_the_base(monkeypatch):
+    """`tensor_descriptor`: the first descriptor of a (shape, strides, dtype, block, layout) is Triton's own, checked;
+    later ones carry the same fields over their own base (no field shared with another's base); a misaligned base
+    is refused on every call; other strides make a new checked descriptor."""
+    monkeypatch.setattr(fg, "_DESCRIPTOR_FIELDS", {})
+    checked = []
+    monkeypatch.setattr(fg.TensorDescriptor, "__post_init__", lambda self, real=fg.TensorDescriptor.__post_init__:
+                        (checked.append(self.shape), real(self)))
+    a, b = _cpu((2, 3, 200, 128)), _cpu((2, 3, 200, 128))
+    first, second = fg._descriptor(a, 64), fg._descriptor(b, 64)
+    want = fg.TensorDescriptor.from_tensor(b, [1, 1, 64, 128], fg.shared_layout((1, 1, 64, 128), torch.bfloat16))
+    fields = lambda d: {k: list(v) if isinstance(v, tuple) else v for k, v in vars(d).items()  # noqa: E731
+                        if k != "base"}
+    assert fields(second) == fields(want) and second.base is b and first.base is a
+    assert len(checked) == 2  # the first descriptor and `want`; not the second
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        fg.tensor_descriptor(_cpu((2 * 3 * 200 * 128 + 8,)).narrow(0, 1, 2 * 3 * 200 * 128).view(2, 3, 200, 128),
+                             [1, 1, 64, 128], fg.shared_layout((1, 1, 64, 128), torch.bfloat16))
+    strided = _cpu((2, 200, 3, 128)).transpose(1, 2)
+    assert tuple(fg._descriptor(strided, 64).strides) == strided.stride() and len(checked) == 3
