@@ -14,7 +14,7 @@
 #                                    #   compiled, FSDP compiled, --collectives-alone, paired vs single)   (~7 min)
 #   bash sweeps/gpu_run.sh ckpt      # checkpointing trials (Ray Tune, one GPU per trial)                  (~4 min)
 #   bash sweeps/gpu_run.sh flash     # Ray Tune tile sweep (one GPU per trial), the FlashAttention grid    (~9.5 min)
-#   bash sweeps/gpu_run.sh gluon     # 1 GPU: the Gluon kernels' GPU tests, then the hopper study (paired)  (~6 min)
+#   bash sweeps/gpu_run.sh gluon     # 1 GPU: Gluon GPU tests, the paired hopper study, host time per call   (~7 min)
 #   bash sweeps/gpu_run.sh gluoncheck # 1 GPU: every Gluon config checked on odd shapes and timed          (~6 min)
 #   bash sweeps/gpu_run.sh gluontiles # 1 GPU: the Gluon kernels' launch knobs (flash_tiles --variants gluon) (~3 min)
 #   bash sweeps/gpu_run.sh leaderboard # 1 GPU: the 8B step's ablation and --check (issue 15)             (~8.5 min)
@@ -163,12 +163,15 @@ case $phase in
       --time-budget-s 230
     ;;
   gluon)  # issue 16 on one GPU: the gluon path's GPU tests, then the hopper study with the gluon path beside the tl
-    # paths and both SDPA backends, auto also paired against cuDNN in alternating rounds (~6 min)
+    # paths and both SDPA backends, auto also paired against cuDNN in alternating rounds, then the host time of a
+    # call (~7 min)
     study flash_gluon_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 -k gluon \
       tests/kernels/test_flash_attention_gpu.py tests/kernels/test_flash_attention_gluon.py
     study flash_hopper 260 python3 sweeps/flash_bench.py --studies hopper --time-budget-s 210 --out "$RESULTS" --resume \
       --providers triton,triton_gluon,triton_gluon_1pass,triton_tma,triton_portable,sdpa_cudnn,sdpa_flash \
       --paired-rounds 5
+    # host time per call at 4x32x2048x128 (the shape a slow host binds), into $RESULTS/flash_host_cost.parquet
+    study flash_host_cost 90 python3 results/runs/flash_host_cost.py "$RESULTS"
     ;;
   gluoncheck)  # issue 16 on one GPU: every Gluon config of flash_gluon_check.py checked on odd shapes and timed
     # (forward and backward; one pass, redone whole when the phase runs again: --overwrite; MATCH=REGEX picks
