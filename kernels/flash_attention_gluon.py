@@ -540,10 +540,11 @@ def _arg_key(arg):
     return (type(arg), arg)
 
 
+_CACHE_MAX = 4096
+"""Entries at which `launch`'s and `tensor_descriptor`'s caches start afresh (a run over many sequence lengths adds
+one per length, kernel and descriptor)."""
 _COMPILED: dict = {}
-"""(kernel, device, argument keys, keyword arguments) -> the compiled kernel its first launch returned; emptied when
-it reaches _COMPILED_MAX entries (a run over many sequence lengths: one per length and kernel)."""
-_COMPILED_MAX = 4096
+"""(kernel, device, argument keys, keyword arguments) -> the compiled kernel its first launch returned."""
 
 
 def launch(kernel, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
@@ -557,7 +558,7 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
     key = (kernel, device, tuple(_arg_key(a) for a in args), tuple(meta.items()))
     compiled = _COMPILED.get(key)
     if compiled is None:
-        if len(_COMPILED) >= _COMPILED_MAX:
+        if len(_COMPILED) >= _CACHE_MAX:
             _COMPILED.clear()
         _COMPILED[key] = kernel[grid](*args, **meta)
         return
@@ -586,7 +587,7 @@ def tensor_descriptor(t: torch.Tensor, block: list[int], layout, shape: list[int
     fields = _DESCRIPTOR_FIELDS.get(key)
     if fields is None:
         desc = TensorDescriptor(t, list(shape), list(strides), list(block), layout)
-        if len(_DESCRIPTOR_FIELDS) >= 4096:  # a run over many sequence lengths
+        if len(_DESCRIPTOR_FIELDS) >= _CACHE_MAX:
             _DESCRIPTOR_FIELDS.clear()
         _DESCRIPTOR_FIELDS[key] = {name: value for name, value in vars(desc).items() if name != "base"}
         return desc

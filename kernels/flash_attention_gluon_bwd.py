@@ -486,17 +486,17 @@ def launch_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
         if isinstance(config, GluonBwd2Config):
             # D = rowsum(dO * O), fp32 (B, H, N_Q) like L (FA2 Algorithm 2, line 2).
             delta = torch.empty_like(lse)
-            _flash_bwd_preprocess_kernel[(triton.cdiv(n_q, 64), batch * heads)](
-                out, grad_out, delta, *out.stride(), *grad_out.stride(), heads, n_q,
-                HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=64, num_warps=4)
+            launch(_flash_bwd_preprocess_kernel, (triton.cdiv(n_q, 64), batch * heads),
+                   (out, grad_out, delta, *out.stride(), *grad_out.stride(), heads, n_q),
+                   dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=64, num_warps=4))
             dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             (grid, args, meta), (dq_grid, dq_args, dq_meta) = bwd2_launch_args(q, k, v, grad_out, dq, dk, dv, lse,
                                                                                delta, is_causal, config)
             launch(_gluon_attn_bwd_dkdv_kernel, grid, args, meta)
             launch(_gluon_attn_bwd_dq_kernel, dq_grid, dq_args, dq_meta)
             return dq, dk, dv
-        # D and L zero-padded to whole query tiles (`padded_rows`' layout) and the fp32 dQ accumulator zeroed, in
-        # one launch.
+        # D and L zero-padded to whole query tiles (as `bwd_launch_args` takes them) and the fp32 dQ accumulator
+        # zeroed, in one launch.
         n_pad = triton.cdiv(n_q, config.block_m) * config.block_m
         lse_pad, delta_pad = (torch.empty((batch, heads, n_pad), dtype=torch.float32, device=q.device)
                               for _ in range(2))

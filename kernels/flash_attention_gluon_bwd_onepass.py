@@ -119,7 +119,7 @@ if HAS_GLUON_HOPPER:
         keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
         dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
         dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
-        # L and D rows padded with zeros to whole BLOCK_M tiles (the launcher's `padded_rows`): unmasked loads, which
+        # L and D rows padded with zeros to whole BLOCK_M tiles (`bwd_launch_args`): unmasked loads, which
         # keep the per-column registers of a mask out of the loop (the causal kernel spilled 100 bytes more).
         if not ROWS_TMA:
             n_pad = gl.cdiv(N_Q, BLOCK_M) * BLOCK_M
@@ -541,18 +541,9 @@ def _problem_config(head_dim: int, dtype: torch.dtype, n_q: int, heads: int,
     return default_config(head_dim, dtype, n_q, heads, l2_cache_bytes(device))
 
 
-def padded_rows(t, block_m: int):
-    """(B, H, N) fp32 `t` as (B, H, N rounded up to whole block_m tiles), zeros past N: the L and D the kernel
-    reads without a mask (the zeros make P = 1 and dS = 0 on the rows past N_Q, whose Q and dO the TMA unit reads
-    as zeros)."""
-    batch, heads, n = t.shape
-    padded = t.new_zeros((batch, heads, triton.cdiv(n, block_m) * block_m))
-    padded[..., :n] = t
-    return padded
-
-
 def _rows_descriptor(t: torch.Tensor, block_m: int) -> "TensorDescriptor":
-    """A TMA descriptor over zero-padded rows (`padded_rows`) flattened to one dimension, block_m at a time."""
+    """A TMA descriptor over zero-padded rows (`bwd_launch_args`' `lse`, `delta`) flattened to one dimension,
+    block_m at a time."""
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     return tensor_descriptor(t, [block_m], layout, shape=[t.numel()], strides=[1])
 
@@ -560,7 +551,9 @@ def _rows_descriptor(t: torch.Tensor, block_m: int) -> "TensorDescriptor":
 def bwd_launch_args(q, k, v, grad_out, dk, dv, lse, delta, dq_acc, is_causal: bool, config: GluonBwdConfig):
     """(grid, positional args, keyword args) of one backward launch (the launcher's and the CPU compile check's);
     `dq_acc`: fp32 zeros of q's shape, contiguous (a TMA target; the unit drops rows past N_Q); `lse`, `delta`:
-    as `padded_rows` makes them."""
+    (B, H, N_Q rounded up to whole block_m tiles) fp32, zeros past N_Q, which the kernel reads without a mask (the
+    zeros make P = 1 and dS = 0 on the rows past N_Q, whose Q and dO the TMA unit reads as zeros);
+    `_onepass_bwd_preprocess_kernel` writes all three."""
     batch, heads, n_q, head_dim = q.shape
     n_k = k.shape[2]
     maxnreg, consumer_regs = config.registers()

@@ -543,12 +543,21 @@ def test_bwd2_is_deterministic(head_dim):
             assert torch.equal(a, b), name
 
 
+def _padded_rows(t: torch.Tensor, block_m: int) -> torch.Tensor:
+    """(B, H, N) `t` as (B, H, N rounded up to whole block_m tiles), zeros past N: the reference layout of the
+    one-pass backward's L and D."""
+    batch, heads, n = t.shape
+    padded = t.new_zeros((batch, heads, triton.cdiv(n, block_m) * block_m))
+    padded[..., :n] = t
+    return padded
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="needs the Triton interpreter (TRITON_INTERPRET=1) or a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n_q, head_dim", [(1, 64), (65, 64), (128, 128), (130, 128)])
 def test_onepass_preprocess_pads_rows_and_zeroes_dq(n_q, head_dim, dtype):
-    """The one-pass backward's single preprocess launch: D = rowsum(O * dO) and L as `padded_rows` pads them (zeros
+    """The one-pass backward's single preprocess launch: D = rowsum(O * dO) and L as `_padded_rows` pads them (zeros
     past N_Q up to whole 64-row tiles), and the fp32 dQ accumulator zeroed over every element, from a
     non-contiguous O and a garbage-filled dQ buffer."""
     from kernels.flash_attention_kernels import _onepass_bwd_preprocess_kernel
@@ -566,8 +575,8 @@ def test_onepass_preprocess_pads_rows_and_zeroes_dq(n_q, head_dim, dtype):
         out, grad_out, lse, dq_acc, delta_pad, lse_pad, *out.stride(), *grad_out.stride(), heads, n_q, n_pad,
         HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=block_m, num_warps=4)
     delta = (out.float() * grad_out.float()).sum(-1)
-    torch.testing.assert_close(delta_pad, fgo.padded_rows(delta, block_m), rtol=1e-5, atol=1e-5)
-    assert torch.equal(lse_pad, fgo.padded_rows(lse, block_m))
+    torch.testing.assert_close(delta_pad, _padded_rows(delta, block_m), rtol=1e-5, atol=1e-5)
+    assert torch.equal(lse_pad, _padded_rows(lse, block_m))
     assert torch.equal(dq_acc, torch.zeros_like(dq_acc))
 
 
@@ -613,7 +622,7 @@ def test_launch_dispatches_once_per_specialisation(monkeypatch):
     assert [c[0] for c in calls] == ["jit", "run", "jit", "jit", "jit"]
     fg.launch(kernel, (3,), (x.clone(), 100, 0.5), meta)     # another aligned tensor: the compiled kernel
     assert calls[-1][0] == "run"
-    monkeypatch.setattr(fg, "_COMPILED_MAX", len(fg._COMPILED))  # full: a new specialisation starts it afresh
+    monkeypatch.setattr(fg, "_CACHE_MAX", len(fg._COMPILED))  # full: a new specialisation starts it afresh
     fg.launch(kernel, (3,), (x, 102, 0.5), meta)
     assert calls[-1][0] == "jit" and len(fg._COMPILED) == 1
 
