@@ -1,7 +1,8 @@
 """Host time per call of the FlashAttention entry points (issue 16), one H200.
 
 Run on the GPU host from the repository root: `PYTHONPATH=$PWD python3 results/runs/flash_host_cost.py OUT_DIR
-[--profile] [--shape B,H,N,d]`. For each entry point, 200 calls at 4x32x2048x128 bf16 causal (or `--shape`):
+[--profile] [--shape B,H,N,d] [--overwrite]` (an existing OUT_DIR/flash_host_cost.parquet is refused without
+`--overwrite`, before any work). For each entry point, 200 calls at 4x32x2048x128 bf16 causal (or `--shape`):
 `host_s` is the time to issue one (seconds per call), `wall_s` the time until the GPU finished them, per call;
 host close to wall means host-bound calls. `kernel_s` is the GPU time of the call's kernels (the CUDA kernels the
 profiler saw over 20 calls, summed, per call): wall above kernel is time the GPU waited. SDPA's cuDNN backend is
@@ -77,6 +78,11 @@ def main() -> None:
             raise SystemExit(f"--shape {text!r} must be four positive integers B,H,N,d")
         shape = tuple(map(int, parts))
     label = "x".join(map(str, shape))
+    args = [a for i, a in enumerate(sys.argv[1:], 1) if not a.startswith("--") and sys.argv[i - 1] != "--shape"]
+    out = Path(args[0] if args else ".") / "flash_host_cost.parquet"
+    if out.exists() and "--overwrite" not in sys.argv:
+        raise SystemExit(f"flash_host_cost.py: {out} already exists; pass --overwrite to replace it, or another "
+                         "OUT_DIR")
     if not torch.cuda.is_available():
         raise SystemExit("flash_host_cost.py: needs a CUDA GPU (it times the kernels on one); this machine has none")
     q = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
@@ -119,8 +125,6 @@ def main() -> None:
         for name, fn in cases:
             if name in ("op", "op gluon", "fwd+bwd auto", "fwd+bwd gluon"):
                 profile(name, fn)
-    args = [a for i, a in enumerate(sys.argv[1:], 1) if not a.startswith("--") and sys.argv[i - 1] != "--shape"]
-    out = Path(args[0] if args else ".") / "flash_host_cost.parquet"
     print("wrote", write_parquet(pd.DataFrame(rows), out))
 
 

@@ -84,3 +84,23 @@ def test_gluon_check_refuses_a_bad_config_match(tmp_path):
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
     assert proc.stderr.startswith("flash_gluon_check.py: --config-match '(bwd' is not a regular expression")
     assert not (tmp_path / "out").exists()
+
+
+def test_host_cost_script_never_replaces_an_earlier_file_unasked(tmp_path, monkeypatch):
+    """results/runs/flash_host_cost.py refuses an existing flash_host_cost.parquet in its OUT_DIR before any work
+    (one line, the file untouched); with --overwrite it goes on to its GPU check."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("flash_host_cost", REPO / "results/runs/flash_host_cost.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    earlier = tmp_path / "flash_host_cost.parquet"
+    earlier.write_bytes(b"earlier rows")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["flash_host_cost.py", str(tmp_path)])
+    with pytest.raises(SystemExit, match="already exists; pass --overwrite"):
+        script.main()
+    monkeypatch.setattr(sys, "argv", ["flash_host_cost.py", str(tmp_path), "--overwrite"])
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        script.main()
+    assert earlier.read_bytes() == b"earlier rows"
