@@ -260,21 +260,26 @@ def _flash_fwd_kernel(Q, K, V, O, L,
 
 
 @triton.jit
-def _rowsum_o_do(O, DO, stride_ob, stride_oh, stride_om, stride_od, stride_dob, stride_doh, stride_dom, stride_dod,
-                 H, N_Q, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(pid_bh, rows, cols, D = rowsum(O * dO) in fp32) of this program's BLOCK_M query rows (grid (row tiles,
-    B * H)); rows past N_Q read O and dO as 0, so their D is 0."""
-    pid_m = tl.program_id(0)
+def _row_tile(H, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(pid_bh, rows, cols) of this program's BLOCK_M query rows (grid (row tiles, B * H))."""
     pid_bh = tl.program_id(1)
+    return pid_bh, tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
+
+
+@triton.jit
+def _rowsum_o_do(O, DO, stride_ob, stride_oh, stride_om, stride_od, stride_dob, stride_doh, stride_dom, stride_dod,
+                 pid_bh, rows, cols, H, N_Q, HEAD_DIM: tl.constexpr):
+    """D = rowsum(O * dO) in fp32 of `rows` of head `pid_bh`; rows past N_Q read O and dO as 0, so their D is 0.
+    It returns D only: the callers' store addresses must not derive from a call that takes O and dO, or torch's
+    mutation analysis of a `wrap_triton` launch (which follows addresses back through calls) takes O and dO for
+    written tensors."""
     off_b = (pid_bh // H).to(tl.int64)
     off_h = (pid_bh % H).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_D)
     o = _load_tile(O + off_b * stride_ob + off_h * stride_oh + rows[:, None] * stride_om + cols[None, :] * stride_od,
                    rows, cols, N_Q, HEAD_DIM, True, True)
     do = _load_tile(DO + off_b * stride_dob + off_h * stride_doh + rows[:, None] * stride_dom
                     + cols[None, :] * stride_dod, rows, cols, N_Q, HEAD_DIM, True, True)
-    return pid_bh, rows, cols, tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    return tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
 
 
 @triton.jit
@@ -283,8 +288,9 @@ def _flash_bwd_preprocess_kernel(O, DO, Delta,
                                  stride_dob, stride_doh, stride_dom, stride_dod,
                                  H, N_Q, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """Algorithm 2, line 2: D = rowsum(O * dO) in fp32."""
-    pid_bh, rows, cols, delta = _rowsum_o_do(O, DO, stride_ob, stride_oh, stride_om, stride_od, stride_dob,
-                                             stride_doh, stride_dom, stride_dod, H, N_Q, HEAD_DIM, BLOCK_D, BLOCK_M)
+    pid_bh, rows, cols = _row_tile(H, BLOCK_M, BLOCK_D)
+    delta = _rowsum_o_do(O, DO, stride_ob, stride_oh, stride_om, stride_od, stride_dob, stride_doh, stride_dom,
+                         stride_dod, pid_bh, rows, cols, H, N_Q, HEAD_DIM)
     tl.store(Delta + pid_bh.to(tl.int64) * N_Q + rows, delta, mask=rows < N_Q)
 
 
@@ -298,8 +304,9 @@ def _onepass_bwd_preprocess_kernel(O, DO, L, DQ, Delta_pad, L_pad,
     the natural-log L, both zero-padded to N_PAD rows (whole query tiles; (B * H, N_PAD) fp32), and the fp32 dQ
     accumulator (contiguous, q's shape) zeroed: one launch for what took six (D, two zero-filled copies, a
     memset)."""
-    pid_bh, rows, cols, delta = _rowsum_o_do(O, DO, stride_ob, stride_oh, stride_om, stride_od, stride_dob,
-                                             stride_doh, stride_dom, stride_dod, H, N_Q, HEAD_DIM, BLOCK_D, BLOCK_M)
+    pid_bh, rows, cols = _row_tile(H, BLOCK_M, BLOCK_D)
+    delta = _rowsum_o_do(O, DO, stride_ob, stride_oh, stride_om, stride_od, stride_dob, stride_doh, stride_dom,
+                         stride_dod, pid_bh, rows, cols, H, N_Q, HEAD_DIM)
     lse = tl.load(L + pid_bh.to(tl.int64) * N_Q + rows, mask=rows < N_Q, other=0.0)
     tl.store(Delta_pad + pid_bh.to(tl.int64) * N_PAD + rows, delta)
     tl.store(L_pad + pid_bh.to(tl.int64) * N_PAD + rows, lse)

@@ -10,6 +10,10 @@ Triton decides interpreter vs GPU when a kernel is decorated: `tests/kernels/int
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +30,7 @@ CASES = [
     ((2, 64, 32), (2, 64, 32), True, torch.float32),     # every tile full: the unmasked fast path
     ((1, 50, 80), (1, 50, 80), True, torch.float16),     # fp16, head dim 80
 ]
+REPO = Path(__file__).resolve().parents[2]
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.float16: dict(atol=3e-3, rtol=3e-3)}
 
 
@@ -396,6 +401,55 @@ def test_custom_ops_pass_opcheck(causal, path):
         for bwd in fa.BWD_MODES:
             torch.library.opcheck(fa.flash_attn_bwd_op, (q.detach(), k.detach(), v.detach(), out, lse, do, causal,
                                                          *flags, path, bwd))
+
+
+@on_interpreter
+def test_traced_launches_write_only_their_outputs(monkeypatch, tmp_path):
+    """Every kernel launched through `wrap_triton` under torch.compile writes only its outputs as torch's mutation
+    analysis reads it (tests/kernels/ttir_writes.py, in a process of its own). A store address derived from a
+    helper's result that took O and dO once made the analysis take O and dO for written, and AOT autograd then
+    failed to partition the gluon path's graph (opcheck's test_aot_dispatch_dynamic on the GPU)."""
+    import kernels.flash_attention_kernels as fk
+    launches = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                launches.append((self.kernel.fn.__name__, args, kwargs))
+                return self.kernel[grid](*args, **kwargs)
+            return run
+
+    monkeypatch.setenv("RAYSYS_FLASH_AUTOTUNE", "0")  # as traced: the plain kernels with the first valid config
+    for name, kernel in list(fa._KERNELS.items()):
+        monkeypatch.setitem(fa._KERNELS, name, Recorder(kernel))
+    monkeypatch.setattr(fa, "_flash_bwd_preprocess_kernel", Recorder(fk._flash_bwd_preprocess_kernel))
+    q, k, v, do = _inputs((1, 2, 19, 16), (1, 2, 23, 16), torch.float32, seed=5)
+    for bwd in fa.BWD_MODES:
+        out, lse = fa.flash_attention_fwd(q, k, v, False, path="portable")
+        fa.flash_attention_bwd(q, k, v, out, lse, do, False, path="portable", bwd=bwd)
+    torch.save(launches, tmp_path / "launches.pt")
+    done = subprocess.run([sys.executable, "-m", "tests.kernels.ttir_writes", str(tmp_path / "launches.pt")],
+                          env=dict(os.environ, TRITON_INTERPRET="0"), cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    written = [set(json.loads(line)) for line in done.stdout.splitlines()]
+    expected = {"_flash_fwd_kernel": {"O", "L"}, "_flash_bwd_preprocess_kernel": {"Delta"},
+                "_flash_bwd_dq_kernel": {"DQ"}}
+    seen = set()
+    assert len(written) == len(launches)
+    for (name, _, kwargs), names in zip(launches, written):
+        if name == "_flash_bwd_dkdv_kernel":  # one pass (DQ_ATOMIC) also adds into the fp32 dQ
+            want = {"DK", "DV", "DQ"} if kwargs["DQ_ATOMIC"] else {"DK", "DV"}
+        else:
+            want = expected[name]
+        assert names == want, name
+        seen.add((name, bool(kwargs.get("DQ_ATOMIC"))))
+    assert seen == {("_flash_fwd_kernel", False), ("_flash_bwd_preprocess_kernel", False),
+                    ("_flash_bwd_dkdv_kernel", False), ("_flash_bwd_dkdv_kernel", True),
+                    ("_flash_bwd_dq_kernel", False)}
 
 
 def test_cpu_tensors_without_interpreter_raise(monkeypatch):
