@@ -13,8 +13,9 @@ host-bound: launch overhead, autocast casts, Python hooks). Noise control:
     context switches per step, torch threads and CPUs (`host_info`), and the graphs Dynamo compiled during
     warm-up and during the timed steps (which must be none).
 `paired_steps` times a step against a reference in alternating blocks (ABBA), for ratios that a drifting host
-speed does not bias. `PhaseTimer` times named phases of the single-process benchmark (`raysys.bench`) the same
-way, and `do_bench` times kernels (`triton.testing.do_bench`: CUDA events, median of many repetitions).
+speed does not bias; `paired_speedups` does the same for kernel calls. `PhaseTimer` times named phases of the
+single-process benchmark (`raysys.bench`) the same way, and `do_bench` times kernels (`triton.testing.do_bench`:
+CUDA events, median of many repetitions).
 
 A timed step is any callable with a `device` that returns its `Marks` (`raysys.train_step.TrainStep` is one):
 
@@ -227,6 +228,29 @@ def paired_steps(step: TimedStep, reference: TimedStep, rounds: int, block: int 
             "paired_ratio_max": max(ratios), "paired_ratio_ci_rel": median_ci_rel(ratios),
             "paired_step_median_s": statistics.median(mine),
             "paired_reference_median_s": statistics.median(theirs)}
+
+
+def paired_speedups(ours: dict[str, Callable[[], object]], base: dict[str, Callable[[], object]], rounds: int,
+                    bench: Callable[[Callable[[], object]], float], base_name: str) -> dict[str, float]:
+    """Per mode (the dicts' keys), `rounds` rounds of `bench(ours[mode])` and `bench(base[mode])` back to back, the
+    order swapped every round: `paired_speedup_<mode>_vs_<base_name>` is the median of the rounds' base / ours
+    time ratios and `paired_speedup_<mode>_ci_rel` its 95% confidence half-width (relative). A drift of the GPU's
+    speed over the run (clocks, heat) moves both sides of a round alike, so it cancels in the ratio, which timing
+    each side in a block of its own does not. `paired_steps` is the same for training steps."""
+    out: dict[str, float] = {"paired_rounds": float(rounds)}
+    for mode in ours:
+        ratios = []
+        for r in range(rounds):
+            if r % 2 == 0:
+                t_ours = bench(ours[mode])
+                t_base = bench(base[mode])
+            else:
+                t_base = bench(base[mode])
+                t_ours = bench(ours[mode])
+            ratios.append(t_base / t_ours)
+        out[f"paired_speedup_{mode}_vs_{base_name}"] = statistics.median(ratios)
+        out[f"paired_speedup_{mode}_ci_rel"] = median_ci_rel(ratios)
+    return out
 
 
 def dynamo_graphs() -> int:

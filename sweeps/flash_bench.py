@@ -56,7 +56,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from raysys.device import DTYPES, resolve_device  # noqa: E402
 from raysys.results import ResultWriter, make_row, status_of, trial_id  # noqa: E402
-from raysys.timing import median_ci_rel  # noqa: E402
+from raysys.timing import paired_speedups  # noqa: E402
 from sweeps.common import (PROGRESS, alias, check_int, check_timeout, list_flag, main_entry, open_writer,  # noqa: E402
                            output_dir, parse_ints, parse_list, read_rows, redraw_report, study_parser,
                            write_markdown)
@@ -298,28 +298,6 @@ targets judge)."""
 PAIRED_MODES = ("fwd", "fwd_bwd")
 
 
-def paired_speedups(ours: dict[str, Callable[[], object]], base: dict[str, Callable[[], object]], rounds: int,
-                    bench: Callable[[Callable[[], object]], float]) -> dict[str, float]:
-    """Per mode, `rounds` rounds of `bench(ours[mode])` and `bench(base[mode])` back to back, the order swapped
-    every round: `paired_speedup_<mode>_vs_sdpa_cudnn` is the median of the rounds' base / ours ratios and
-    `..._ci_rel` its 95% confidence half-width (relative). A drift of the GPU's speed over the run (clocks, heat)
-    moves both sides of a round alike, so it cancels in the ratio, which per-provider blocks do not."""
-    out: dict[str, float] = {"paired_rounds": float(rounds)}
-    for mode in ours:
-        ratios = []
-        for r in range(rounds):
-            if r % 2 == 0:
-                t_ours = bench(ours[mode])
-                t_base = bench(base[mode])
-            else:
-                t_base = bench(base[mode])
-                t_ours = bench(ours[mode])
-            ratios.append(t_base / t_ours)
-        out[f"paired_speedup_{mode}_vs_sdpa_cudnn"] = statistics.median(ratios)
-        out[f"paired_speedup_{mode}_ci_rel"] = median_ci_rel(ratios)
-    return out
-
-
 def _flops(cfg: dict, mode: str) -> float:
     from kernels.flash_attention import flash_attention_flops
 
@@ -377,7 +355,7 @@ def run_trial(cfg: dict, device: torch.device, caps: dict, check_only: bool = Fa
         metrics.update(paired_speedups(
             {"fwd": fwd, "fwd_bwd": lambda: fn(q, k, v, causal).backward(do)},
             {"fwd": lambda: cudnn(q, k, v, causal), "fwd_bwd": lambda: cudnn(q, k, v, causal).backward(do)},
-            paired_rounds, lambda f: bench_s(f, device, warmup_ms=10, rep_ms=50)))
+            paired_rounds, lambda f: bench_s(f, device, warmup_ms=10, rep_ms=50), "sdpa_cudnn"))
     if cfg["provider"] in TRITON_PATHS:
         from kernels.flash_attention import LAST_PATH, last_paths
 

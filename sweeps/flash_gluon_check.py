@@ -10,7 +10,8 @@ fp32 autograd of the reference attention on the same odd shapes (the tl backward
 two-pass dQ/dK/dV must also be bitwise equal over two runs); (d) forward+backward time (gluon fwd + gluon bwd, gluon
 fwd + tl bwd, SDPA cuDNN), TFLOP/s counting 3.5x the causal-half forward, and backward-only time (cuDNN through
 autograd with the graph retained, tl, two-pass gluon) counting 2.5x.
-Rows go to <out>/flash_gluon.parquet (never over an earlier one without `--overwrite`). Run:
+`--paired-rounds N`: (b') each forward config against the head dim's default (the tuned one) in N alternating
+rounds. Rows go to <out>/flash_gluon.parquet (never over an earlier one without `--overwrite`). Run:
 `PYTHONPATH=$PWD python3 sweeps/flash_gluon_check.py --out $OUT [--part all]`.
 """
 
@@ -34,6 +35,7 @@ import kernels.flash_attention_gluon as fg
 import kernels.flash_attention_gluon_bwd as fgb
 import kernels.flash_attention_gluon_bwd_onepass as fgo
 from raysys.results import make_row, resolve_out, write_parquet
+from raysys.timing import paired_speedups
 
 SWEEP = "flash_gluon"
 
@@ -309,10 +311,16 @@ def main() -> None:
                         help="let the tl kernel autotune (slow first call) instead of its tuned/first config")
     parser.add_argument("--part", choices=("fwd", "bwd", "all"), default="fwd",
                         help="forward checks and timing, backward ones, or both (all: under 4 minutes on an H200)")
+    parser.add_argument("--paired-rounds", type=int, default=0, metavar="N",
+                        help="also time every forward config against its head dim's default (the tuned file's, "
+                             "what the gluon path launches) in N alternating rounds (>= 3; rows of kind 'paired')")
     parser.add_argument("--config-match", default=None, metavar="REGEX",
                         help="only the Gluon configs whose name matches REGEX (re.search), e.g. '^bwd' for the "
                              "one-pass backward; the baselines always run")
     args = parser.parse_args()
+    if args.paired_rounds and args.paired_rounds < 3:
+        parser.exit(2, f"flash_gluon_check.py: --paired-rounds ({args.paired_rounds}) must be 0 (off) or >= 3 (a "
+                       "median and its confidence)\n")
     if args.config_match is not None:
         try:
             pattern = re.compile(args.config_match)
@@ -334,14 +342,17 @@ def main() -> None:
     print(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}", flush=True)
     rows, passed = [], {64: [], 128: []}
     if args.part in ("fwd", "all"):
-        run_fwd(rows, passed)
+        run_fwd(rows, passed, args.paired_rounds)
     if args.part in ("bwd", "all"):
         run_bwd(rows)
     write(rows, str(out), start)
 
 
-def run_fwd(rows: list[dict], passed: dict) -> None:
-    """(a) forward correctness per config, then (b) forward timing of the configs that passed."""
+def run_fwd(rows: list[dict], passed: dict, paired_rounds: int = 0) -> None:
+    """(a) forward correctness per config, then (b) forward timing of the configs that passed; with
+    `paired_rounds`, (c) each of them against the head dim's default config in alternating rounds (a run's GPU
+    speed drifts by more than the configs differ: the unpaired medians of one kernel moved by up to 13% within one
+    run)."""
     passed.update(check_configs(CONFIGS, check, "check", rows))
     # (b) timing: baselines, then every config that passed.
     from kernels.flash_attention import flash_attention_fwd
@@ -367,8 +378,36 @@ def run_fwd(rows: list[dict], passed: dict) -> None:
                                   config.name))
             except Exception as e:
                 print(f"time gluon {config.name} {shape}: ERROR {_short(e, 2)}", flush=True)
+        if paired_rounds:
+            rows.extend(paired_against_default(q, k, v, shape, passed[shape[-1]], paired_rounds))
         q = k = v = None  # free the inputs before the next shape
         torch.cuda.empty_cache()
+
+
+def paired_against_default(q, k, v, shape, configs: list, rounds: int) -> list[dict]:
+    """Rows of kind 'paired': each config but the default against `fg.default_config` at this shape, `rounds`
+    alternating rounds (`raysys.timing.paired_speedups`): `paired_speedup_fwd_vs_default` = default time / config
+    time, > 1 where the config is faster."""
+    default = fg.default_config(shape[-1], q.dtype)
+    rows = []
+    for config in configs:
+        if config == default:
+            continue
+        try:
+            metrics = paired_speedups(
+                {"fwd": lambda c=config: fg.gluon_attention_fwd(q, k, v, True, config=c)},
+                {"fwd": lambda: fg.gluon_attention_fwd(q, k, v, True, config=default)}, rounds,
+                lambda fn: triton.testing.do_bench(fn, warmup=10, rep=50), "default")
+        except Exception as e:
+            print(f"paired gluon {config.name} {shape}: ERROR {_short(e, 2)}", flush=True)
+            continue
+        batch, heads, n, d = shape
+        rows.append(_row(dict(kind="paired", provider="gluon", config=config.name, default=default.name,
+                              shape=f"{batch}x{heads}x{n}x{d}", head_dim=d, causal=True, dtype="torch.bfloat16"),
+                         metrics))
+        print(f"paired {config.name} vs {default.name} {shape}: {metrics['paired_speedup_fwd_vs_default']:.3f} "
+              f"(+-{metrics['paired_speedup_fwd_ci_rel']:.1%})", flush=True)
+    return rows
 
 
 def _row(config: dict, metrics: dict, **kw) -> dict:

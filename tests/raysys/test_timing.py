@@ -14,7 +14,7 @@ import torch
 
 from raysys.config import ModelConfig
 from raysys.model import TransformerLM, cross_entropy
-from raysys.timing import PHASES, Marks, median_ci_rel, paired_steps, time_steps
+from raysys.timing import PHASES, Marks, median_ci_rel, paired_speedups, paired_steps, time_steps
 from raysys.train_step import TrainStep, compile_blocks
 
 
@@ -127,3 +127,27 @@ def test_compiled_blocks_and_the_graphs_the_timer_counts():
         torch.testing.assert_close(a, b)
     with pytest.raises(ValueError, match="no TransformerBlock"):
         compile_blocks(torch.nn.Linear(2, 2))
+
+
+def test_paired_speedups_cancel_a_drift_and_alternate_the_order():
+    """A GPU whose speed drifts over the run (here 1% slower per timed call) skews a ratio of two blocks timed one
+    after the other; alternating rounds recover the true ratio (base 1.2x slower than ours) within the drift."""
+    calls = []
+
+    def bench(fn):
+        calls.append(fn.__name__)
+        return fn() * (1 + 0.01 * len(calls))
+
+    def ours():
+        return 1.0
+
+    def base():
+        return 1.2
+
+    out = paired_speedups({"fwd": ours}, {"fwd": base}, 5, bench, "sdpa_cudnn")
+    assert calls == ["ours", "base", "base", "ours", "ours", "base", "base", "ours", "ours", "base"]
+    assert out["paired_rounds"] == 5
+    assert out["paired_speedup_fwd_vs_sdpa_cudnn"] == pytest.approx(1.2, rel=0.011)
+    assert 0 < out["paired_speedup_fwd_ci_rel"] < 0.05
+    blocks = [bench(ours) for _ in range(5)], [bench(base) for _ in range(5)]  # per-provider blocks: skewed
+    assert sorted(blocks[1])[2] / sorted(blocks[0])[2] > 1.2 * 1.04
