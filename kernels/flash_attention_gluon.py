@@ -154,18 +154,6 @@ if HAS_GLUON_HOPPER:
             n += 1
 
     @gluon.jit
-    def _take_turn(turns, k, C: gl.constexpr):
-        """Wait for consumer C's k-th turn to issue its matrix products (FA3's warp-group ping-pong): consumer C
-        goes after consumer C - 1 has issued its own, the first after the last, so one group's softmax runs under
-        the others' products rather than beside them. Consumer 0's first turn is free (a fresh barrier's phase 1
-        counts as complete); its k-th waits for the last consumer's (k - 1)-th arrival, the others' k-th for their
-        predecessor's k-th."""
-        if C == 0:
-            mbarrier.wait(turns.index(0), (k & 1) ^ 1)
-        else:
-            mbarrier.wait(turns.index(C), k & 1)
-
-    @gluon.jit
     def _softmax_tile(s, m_i, j, n_unmasked, rows, N_K, qk_scale, s_layout: gl.constexpr,
                       IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
         """Scores S(j) (raw Q K^T, fp32) -> (P~ in base 2 units, new row max, alpha = exp2(m_old - m_new))."""
@@ -183,16 +171,14 @@ if HAS_GLUON_HOPPER:
 
     @gluon.jit
     def _consumer(q_smem, o_smem, k_bufs, v_bufs, q_bar, q_phase, q_empty, k_ready, k_empty, v_ready, v_empty,
-                  turns, o_desc, L, off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, it0, turn0,
-                  qk_scale, C: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                  PERSISTENT: gl.constexpr, PINGPONG: gl.constexpr):
-        """Consumer C's BLOCK_M query rows [start_m, start_m + BLOCK_M): Algorithm 1 of FA3 (pipelined). The
+                  o_desc, L, off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, it0, qk_scale,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+        """One warp group's BLOCK_M query rows [start_m, start_m + BLOCK_M): Algorithm 1 of FA3 (pipelined). The
         ring slots continue from `it0` (the key tiles of the program's earlier work items) and Q's barrier is in
         phase `q_phase`. O goes out through `o_smem`: Q's own buffer in a one-item program; in a PERSISTENT one a
         buffer of its own, and Q's is released (`q_empty`) after the last S, so that the next item's Q loads under
-        this one's last P V and epilogue. PINGPONG: the consumers issue their steady-state matrix products in turn
-        (`_take_turn`); `turn0` counts the turns this consumer took in earlier work items."""
+        this one's last P V and epilogue."""
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -229,14 +215,10 @@ if HAS_GLUON_HOPPER:
             prev = (it - 1) % NUM_STAGES
             mbarrier.wait(k_ready.index(stage), (it // NUM_STAGES) & 1)
             k = k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM])
-            if PINGPONG:
-                _take_turn(turns, turn0 + j - 1, C)
             s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
             mbarrier.wait(v_ready.index(prev), ((it - 1) // NUM_STAGES) & 1)
             v = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
             acc = warpgroup_mma(p, v, acc, is_async=True)
-            if PINGPONG:  # the next consumer's turn
-                mbarrier.arrive(turns.index((C + 1) % NUM_CONSUMERS), count=1)
             # wgmma groups retire in order: one outstanding left means S(j) is done, P V may still run.
             s = warpgroup_mma_wait(1, deps=(s,))
             p32, m_i, alpha = _softmax_tile(s, m_i, j, n_unmasked, rows, N_K, qk_scale, s_layout, IS_CAUSAL,
@@ -280,22 +262,20 @@ if HAS_GLUON_HOPPER:
 
     @gluon.jit
     def _consumer_partition(C: gl.constexpr, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
-                            turns, o_desc, L, off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
-                            NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                            BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                            PINGPONG: gl.constexpr):
+                            o_desc, L, off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
+                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
         """Partition entry of consumer C: its Q buffer (also O's) and rows."""
         _consumer(q_bufs.index(C), q_bufs.index(C), k_bufs, v_bufs, q_bar, 0, q_bar, k_ready, k_empty, v_ready,
-                  v_empty, turns, o_desc, L, off_b, off_h, pid_bh, start_m + C * BLOCK_M, N_Q, N_K, num_kv,
-                  n_unmasked, 0, 0, qk_scale, C, NUM_CONSUMERS, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
-                  False, PINGPONG)
+                  v_empty, o_desc, L, off_b, off_h, pid_bh, start_m + C * BLOCK_M, N_Q, N_K, num_kv, n_unmasked, 0,
+                  qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, False)
 
     @gluon.jit
     def _persistent_consumer(C: gl.constexpr, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty,
-                             v_ready, v_empty, turns, o_desc, L, H, BH, GROUP: gl.constexpr, N_Q, N_K, qk_scale,
+                             v_ready, v_empty, o_desc, L, H, BH, GROUP: gl.constexpr, N_Q, N_K, qk_scale,
                              HEAD_DIM: gl.constexpr,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                             NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+                             NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr):
         """Consumer C of a persistent program: work items pid, pid + #programs, ... (`_work_item` order)."""
         TILE_M: gl.constexpr = NUM_CONSUMERS * BLOCK_M
         it0 = 0
@@ -303,11 +283,9 @@ if HAS_GLUON_HOPPER:
         for t in range(gl.program_id(0), gl.cdiv(N_Q, TILE_M) * BH, gl.num_programs(0)):
             pid_bh, off_b, off_h, start_m, num_kv, n_unmasked = _work_item(t, BH, H, GROUP, N_Q, N_K, TILE_M,
                                                                            BLOCK_N, IS_CAUSAL)
-            # turns taken before: one per key tile after the first of every earlier item, it0 - n
             _consumer(q_bufs.index(C), o_bufs.index(C), k_bufs, v_bufs, q_bar, n & 1, q_empty, k_ready, k_empty,
-                      v_ready, v_empty, turns, o_desc, L, off_b, off_h, pid_bh, start_m + C * BLOCK_M, N_Q, N_K,
-                      num_kv, n_unmasked, it0, it0 - n, qk_scale, C, NUM_CONSUMERS, HEAD_DIM, BLOCK_M, BLOCK_N,
-                      NUM_STAGES, IS_CAUSAL, True, PINGPONG)
+                      v_ready, v_empty, o_desc, L, off_b, off_h, pid_bh, start_m + C * BLOCK_M, N_Q, N_K, num_kv,
+                      n_unmasked, it0, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, True)
             it0 += num_kv
             n += 1
         tma.store_wait(0)
@@ -333,19 +311,10 @@ if HAS_GLUON_HOPPER:
         return q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty
 
     @gluon.jit
-    def _turn_barriers(NUM_CONSUMERS: gl.constexpr):
-        """The consumers' turn barriers (`_take_turn`), one per consumer."""
-        turns = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-        for c in gl.static_range(NUM_CONSUMERS):
-            mbarrier.init(turns.index(c), count=1)
-        return turns
-
-    @gluon.jit
     def _gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, L, H, N_Q, N_K, qk_scale, GROUP: gl.constexpr,
                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                               IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                               LOADER_REGS: gl.constexpr):
+                               IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
         """Grid (cdiv(N_Q, NUM_CONSUMERS * BLOCK_M) * B * H,): program -> (query tile, batch*head), heavy first."""
         TILE_M: gl.constexpr = NUM_CONSUMERS * BLOCK_M
         # 1. Work item: this program's (`_work_item`, heaviest first).
@@ -355,47 +324,40 @@ if HAS_GLUON_HOPPER:
         # 2. Shared memory: Q (one tile per consumer, reused for O), the K/V ring, barriers.
         q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty = _fwd_shared(q_desc, k_desc, v_desc,
                                                                                         NUM_STAGES, NUM_CONSUMERS)
-        turns = _turn_barriers(NUM_CONSUMERS)
 
         # 3. Partitions: consumer 0 is the default (num_warps = 4); the others and the loader are workers. The
         #    argument tuples are written inline: a tuple assigned to a variable turns its constexprs into values.
         if NUM_CONSUMERS == 1:
             gl.warp_specialize([
-                (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
-                                       turns, o_desc, L, off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked,
-                                       qk_scale, NUM_CONSUMERS, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
-                                       PINGPONG)),
+                (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
+                                       off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
                 (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
                            off_b, off_h, start_m, num_kv, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
             ], [1], [LOADER_REGS])
         elif NUM_CONSUMERS == 2:
             gl.warp_specialize([
-                (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
-                                       turns, o_desc, L, off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked,
-                                       qk_scale, NUM_CONSUMERS, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
-                                       PINGPONG)),
-                (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
-                                       turns, o_desc, L, off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked,
-                                       qk_scale, NUM_CONSUMERS, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
-                                       PINGPONG)),
+                (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
+                                       off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
+                (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
+                                       off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
                 (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
                            off_b, off_h, start_m, num_kv, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
             ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
         else:
             gl.static_assert(NUM_CONSUMERS == 3, "NUM_CONSUMERS must be 1, 2 or 3")
             gl.warp_specialize([
-                (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
-                                       turns, o_desc, L, off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked,
-                                       qk_scale, NUM_CONSUMERS, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
-                                       PINGPONG)),
-                (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
-                                       turns, o_desc, L, off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked,
-                                       qk_scale, NUM_CONSUMERS, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
-                                       PINGPONG)),
-                (_consumer_partition, (2, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
-                                       turns, o_desc, L, off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked,
-                                       qk_scale, NUM_CONSUMERS, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
-                                       PINGPONG)),
+                (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
+                                       off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
+                (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
+                                       off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
+                (_consumer_partition, (2, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
+                                       off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
                 (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
                            off_b, off_h, start_m, num_kv, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
@@ -406,25 +368,24 @@ if HAS_GLUON_HOPPER:
                                           GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                                           BLOCK_N: gl.constexpr,
                                           NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                                          IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                                          CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                                          IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                          LOADER_REGS: gl.constexpr):
         """Grid (at most one program per SM,): program p takes work items p, p + #programs, ... of the
         `_work_item` order (the heaviest first); its K/V ring runs on from one item to the next, and the next
         item's Q loads under the last P V and epilogue of the current one (O has buffers of its own)."""
         gl.static_assert(NUM_CONSUMERS == 2, "the persistent forward has two consumer groups")
         q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty = _fwd_shared(q_desc, k_desc, v_desc,
                                                                                         NUM_STAGES, NUM_CONSUMERS)
-        turns = _turn_barriers(NUM_CONSUMERS)
         o_bufs = gl.allocate_shared_memory(o_desc.dtype, [NUM_CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_empty, count=NUM_CONSUMERS)
         gl.warp_specialize([
             (_persistent_consumer, (0, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty, v_ready,
-                                    v_empty, turns, o_desc, L, H, BH, GROUP, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_M,
-                                    BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, PINGPONG)),
+                                    v_empty, o_desc, L, H, BH, GROUP, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                    NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL)),
             (_persistent_consumer, (1, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty, v_ready,
-                                    v_empty, turns, o_desc, L, H, BH, GROUP, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_M,
-                                    BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, PINGPONG)),
+                                    v_empty, o_desc, L, H, BH, GROUP, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                    NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL)),
             (_persistent_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty,
                                   v_ready, v_empty, H, BH, GROUP, N_Q, N_K, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES,
                                   IS_CAUSAL)),
@@ -462,19 +423,12 @@ class GluonConfig:
     head_group: int = 0
     """Heads whose work items run together (`_work_item`; a compile-time constant): 0 for all B * H, heaviest first
     across them; fewer keeps the programs in flight on fewer heads' K/V, more of them in L2 at long sequences."""
-    pingpong: bool = False
-    """The consumer groups issue their steady-state matrix products in turn (FA3's warp-group ping-pong,
-    `_take_turn`) instead of leaving the interleaving to the warp scheduler; needs num_consumers >= 2."""
 
     def __post_init__(self):
         if not isinstance(self.persistent, bool):
             raise ValueError(f"persistent ({self.persistent!r}) must be a bool")
         if isinstance(self.head_group, bool) or not isinstance(self.head_group, int) or self.head_group < 0:
             raise ValueError(f"head_group ({self.head_group!r}) must be an int >= 0 (0: all heads)")
-        if not isinstance(self.pingpong, bool):
-            raise ValueError(f"pingpong ({self.pingpong!r}) must be a bool")
-        if self.pingpong and self.num_consumers < 2:
-            raise ValueError(f"pingpong needs num_consumers >= 2, not {self.num_consumers}")
         if self.persistent and self.num_consumers != 2:
             raise ValueError(f"persistent needs num_consumers 2, not {self.num_consumers}")
         if self.block_m not in (64, 128):
@@ -488,8 +442,7 @@ class GluonConfig:
     @property
     def name(self) -> str:
         return (f"{self.num_consumers}x{self.block_m}x{self.block_n}/s{self.num_stages}"
-                + ("/p" if self.persistent else "") + ("/pp" if self.pingpong else "")
-                + (f"/g{self.head_group}" if self.head_group else ""))
+                + ("/p" if self.persistent else "") + (f"/g{self.head_group}" if self.head_group else ""))
 
     def registers(self) -> tuple[int, int]:
         return register_split(self.num_consumers)
@@ -667,8 +620,7 @@ def launch_args(q, k, v, out, lse, is_causal: bool, config: GluonConfig):
         args = (*descriptors, n_q, n_k, LOG2E / math.sqrt(head_dim))
     meta = dict(GROUP=config.head_group, HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                 NUM_STAGES=config.num_stages,
-                NUM_CONSUMERS=config.num_consumers, IS_CAUSAL=is_causal, PINGPONG=config.pingpong,
-                CONSUMER_REGS=consumer_regs,
+                NUM_CONSUMERS=config.num_consumers, IS_CAUSAL=is_causal, CONSUMER_REGS=consumer_regs,
                 LOADER_REGS=LOADER_REGS,
                 num_warps=4, maxnreg=maxnreg)
     return grid, args, meta

@@ -46,9 +46,7 @@ CONFIGS = {
          fg.GluonConfig(block_m=128, block_n=64, num_stages=2, num_consumers=2, persistent=True),
          *(fg.GluonConfig(block_m=128, block_n=64, num_stages=3, num_consumers=2, head_group=g) for g in (4, 8, 16)),
          *(fg.GluonConfig(block_m=64, block_n=128, num_stages=s, num_consumers=3, head_group=g)
-           for s in (2, 3) for g in (0, 8)),
-         *(fg.GluonConfig(block_m=64, block_n=128, num_stages=3, num_consumers=2, persistent=p, head_group=8,
-                          pingpong=pp) for p in (False, True) for pp in (False, True))],
+           for s in (2, 3) for g in (0, 8))],
     128: [fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2),
           fg.GluonConfig(block_m=64, block_n=64, num_stages=3, num_consumers=2),
           fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=1),
@@ -56,14 +54,10 @@ CONFIGS = {
           *(fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2, persistent=p, head_group=g)
             for p in (False, True) for g in (4, 8, 16)),
           *(fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2, head_group=g) for g in (1, 2)),
-          *(fg.GluonConfig(block_m=64, block_n=64, num_stages=2, num_consumers=3, head_group=g) for g in (2, 8)),
-          *(fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2, persistent=p, head_group=8,
-                           pingpong=True) for p in (False, True)),
-          fg.GluonConfig(block_m=64, block_n=64, num_stages=2, num_consumers=3, head_group=8, pingpong=True)],
+          *(fg.GluonConfig(block_m=64, block_n=64, num_stages=2, num_consumers=3, head_group=g) for g in (2, 8))],
 }
 """Per head dim, the default first; `head_group` on the default and the persistent grid; three consumer groups of 64
-query rows (FlashAttention-3's 192-row tile), at d 128 on 64-key tiles (the tile sweep's winner at 16384); the
-consumers' ping-pong (`/pp`) beside the tuned configs."""
+query rows (FlashAttention-3's 192-row tile), at d 128 on 64-key tiles (the tile sweep's winner at 16384)."""
 CHECK_SHAPES = [((1, 3, 1000, 128), 1000, True), ((1, 3, 1000, 128), 1000, False), ((2, 2, 777, 64), 777, True),
                 ((2, 2, 777, 64), 777, False), ((1, 2, 513, 128), 1029, False), ((1, 2, 513, 64), 1029, False)]
 """(q shape, n_k, causal)."""

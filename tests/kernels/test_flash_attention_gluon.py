@@ -56,11 +56,6 @@ def test_config_rules():
         with pytest.raises(ValueError, match=rf"head_group \({bad!r}\) must be an int >= 0"):
             fg.GluonConfig(head_group=bad)
     assert fg.GluonConfig(persistent=True, head_group=8).name == "2x64x128/s2/p/g8"
-    assert fg.GluonConfig(persistent=True, pingpong=True, head_group=8).name == "2x64x128/s2/p/pp/g8"
-    with pytest.raises(ValueError, match="pingpong needs num_consumers >= 2, not 1"):
-        fg.GluonConfig(num_consumers=1, pingpong=True)
-    with pytest.raises(ValueError, match="pingpong"):
-        fg.GluonConfig(pingpong=1)
     assert fg.GluonConfig(head_group=8).shared_bytes(128) == fg.GluonConfig().shared_bytes(128)
 
 
@@ -147,21 +142,6 @@ def test_tuned_forward_configs_compile_for_sm90_without_spills(head_dim):
     compiled = _compile_sm90(config, head_dim, torch.bfloat16, True)
     assert compiled.metadata.shared >= config.shared_bytes(head_dim)
     assert "0 bytes spill stores" in _ptxas_log(compiled.asm["ptx"]), config.name
-
-
-@pytest.mark.slow
-@needs_gluon_api
-@pytest.mark.parametrize("head_dim, persistent, consumers", [(64, True, 2), (128, False, 2), (128, False, 3)])
-def test_pingpong_forward_compiles_for_sm90(head_dim, persistent, consumers):
-    """With `pingpong` each consumer waits for its turn and hands it on once per steady-state iteration: one more
-    mbarrier wait and arrive per consumer in the PTX than without, still no spills."""
-    base = fg.GluonConfig(block_m=64, block_n=128 if consumers == 2 else 64, num_stages=2,
-                          num_consumers=consumers, persistent=persistent, head_group=8)
-    ptx = {pp: _compile_sm90(dataclasses.replace(base, pingpong=pp), head_dim, torch.bfloat16, True).asm["ptx"]
-           for pp in (False, True)}
-    for op in ("mbarrier.try_wait", "mbarrier.arrive"):
-        assert ptx[True].count(op) - ptx[False].count(op) == consumers, op
-    assert " 0 bytes spill stores, 0 bytes spill loads" in _ptxas_log(ptx[True])
 
 
 def test_bwd_config_rules():
@@ -445,26 +425,6 @@ def test_persistent_forward_and_head_groups_match_the_one_item_programs(q_shape,
         got = fg.gluon_attention_fwd(q, k, v, causal, config=config)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), config.name
     assert (want[0].float() - ref_out).abs().max().item() <= (2e-2 if dtype == torch.bfloat16 else 4e-3)
-
-
-@pytest.mark.gpu
-@needs_sm90
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("q_shape, n_k, causal", [
-    ((4, 3, 1000, 128), 1000, True), ((3, 4, 777, 64), 777, True), ((2, 7, 513, 128), 1029, False)])
-def test_pingpong_matches_free_scheduling(q_shape, n_k, causal, dtype, monkeypatch):
-    """The consumers' ping-pong only orders when each issues its products: O and L bitwise those without it, for
-    one-item programs of two and three consumers and for the persistent grid (16 programs, several items each, so
-    the turns run on across items)."""
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    k_shape = q_shape[:2] + (n_k, q_shape[-1])
-    q, k, v = (torch.randn(s, generator=gen, device="cuda").to(dtype) for s in (q_shape, k_shape, k_shape))
-    monkeypatch.setattr(fg, "num_sms", lambda device: 16)
-    for config in (fg.GluonConfig(num_consumers=2), fg.GluonConfig(num_consumers=2, persistent=True, head_group=5),
-                   fg.GluonConfig(block_n=64, num_consumers=3)):
-        want = fg.gluon_attention_fwd(q, k, v, causal, config=config)
-        got = fg.gluon_attention_fwd(q, k, v, causal, config=dataclasses.replace(config, pingpong=True))
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), config.name
 
 
 @pytest.mark.gpu
