@@ -308,6 +308,9 @@ def main() -> None:
     parser.add_argument("--paired-rounds", type=int, default=0, metavar="N",
                         help="also time every forward config against its head dim's default (the tuned file's, "
                              "what the gluon path launches) in N alternating rounds (>= 3; rows of kind 'paired')")
+    parser.add_argument("--shapes", default=None, metavar="BxHxNxD,...",
+                        help="causal bf16 shapes to time instead of the four hopper ones, e.g. 8x16x2048x128 "
+                             "(head dim 64 or 128)")
     parser.add_argument("--config-match", default=None, metavar="REGEX",
                         help="only the Gluon configs whose name matches REGEX (re.search), e.g. '^bwd' for the "
                              "one-pass backward; the baselines always run")
@@ -315,6 +318,11 @@ def main() -> None:
     if args.paired_rounds and args.paired_rounds < 3:
         parser.exit(2, f"flash_gluon_check.py: --paired-rounds ({args.paired_rounds}) must be 0 (off) or >= 3 (a "
                        "median and its confidence)\n")
+    if args.shapes is not None:
+        try:
+            BENCH_SHAPES[:] = [parse_shape(text) for text in args.shapes.split(",")]
+        except ValueError as e:
+            parser.exit(2, f"flash_gluon_check.py: --shapes: {e}\n")
     if args.config_match is not None:
         try:
             pattern = re.compile(args.config_match)
@@ -340,6 +348,17 @@ def main() -> None:
     if args.part in ("bwd", "all"):
         run_bwd(rows)
     write(rows, str(out), start)
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int]:
+    """'BxHxNxD' -> (B, H, N, D); positive ints, D a head dim the Gluon kernels take."""
+    parts = text.strip().split("x")
+    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"shape {text!r} must be BxHxNxD with positive ints, e.g. 4x32x2048x128")
+    shape = tuple(int(p) for p in parts)
+    if shape[-1] not in fg.HEAD_DIMS:
+        raise ValueError(f"shape {text!r} has head dim {shape[-1]}; must be one of {fg.HEAD_DIMS}")
+    return shape
 
 
 def run_fwd(rows: list[dict], passed: dict, paired_rounds: int = 0) -> None:

@@ -7,6 +7,7 @@ paths on tiny grids, and the table logic runs on hand-made rows whose answers ar
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import pandas as pd
@@ -465,3 +466,26 @@ def test_gluon_check_names_the_backward_auto_ran(monkeypatch):
     assert check._bwd_path() == "gluon, one_pass"
     monkeypatch.setattr(fa, "LAST_PATH", {"dkdvq": "gluon", "dkdv": "portable", "bwd": "two_pass"})
     assert check._bwd_path() == "portable, two_pass"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--paired-rounds", "2"], "--paired-rounds (2) must be 0 (off) or >= 3"),
+    (["--shapes", "4x32x2048"], "shape '4x32x2048' must be BxHxNxD with positive ints"),
+    (["--shapes", "4x32x2048x128,1x2x64x80"], "shape '1x2x64x80' has head dim 80; must be one of (64, 128)")])
+def test_gluon_check_refuses_bad_flags_before_any_work(argv, message, monkeypatch, capsys):
+    """One line naming the value and the rule, exit 2, before the GPU check (this host has no GPU: a flag that got
+    through would end on that refusal instead)."""
+    from sweeps import flash_gluon_check as check
+
+    monkeypatch.setattr(check, "BENCH_SHAPES", list(check.BENCH_SHAPES))
+    monkeypatch.setattr(sys, "argv", ["flash_gluon_check.py", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        check.main()
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_gluon_check_shapes_flag_sets_the_timed_shapes():
+    from sweeps import flash_gluon_check as check
+
+    assert check.parse_shape(" 8x16x2048x128") == (8, 16, 2048, 128)
