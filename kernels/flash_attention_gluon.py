@@ -469,6 +469,29 @@ def default_config(head_dim: int, dtype: torch.dtype) -> GluonConfig:
     return GluonConfig(**fields) if fields else DEFAULT_CONFIGS[head_dim]
 
 
+SHORT_SEQUENCE = {128: (2048, {"persistent": True, "head_group": 4})}
+"""Head dim -> (n_q up to which, the fields that replace the tuned config's). Short sequences make short work
+items, whose start and drain a persistent program hides behind the next item's loads; timed against the tuned
+config in alternating rounds at n_q 1024 to 8192, the persistent grid in groups of 4 heads was faster up to 2048 and
+slower from 4096 (results/runs/flash_gluon_fwd_short_f10ffad.parquet; results/flash_hopper_notes.md, section 13).
+The tile sweep times each shape in trials of its own, whose GPU speed differs by more than that."""
+
+
+def problem_config(q: torch.Tensor) -> GluonConfig:
+    """The forward config for q (B, H, N_Q, d) when none is given: `default_config`, with SHORT_SEQUENCE's fields
+    up to its length when the tuned config has two consumer groups (what the persistent grid takes)."""
+    return _problem_config(q.shape[-1], q.dtype, q.shape[2])
+
+
+@functools.lru_cache(maxsize=64)
+def _problem_config(head_dim: int, dtype: torch.dtype, n_q: int) -> GluonConfig:
+    config = default_config(head_dim, dtype)
+    n_max, fields = SHORT_SEQUENCE.get(head_dim, (0, {}))
+    if n_q <= n_max and config.num_consumers == 2:
+        return dataclasses.replace(config, **fields)
+    return config
+
+
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether `gluon_attention_fwd` runs on these tensors: CUDA sm_90, Triton with Gluon's Hopper API, bf16/fp16,
     4-D (B, H, N, D) with D in {64, 128}, unit stride along D, 16-byte aligned strides and pointers."""
@@ -632,7 +655,7 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_ca
     reason = unsupported_reason(q, k, v)
     if reason:
         raise ValueError(f"gluon_attention_fwd: {reason}")
-    return launch_fwd(q, k, v, is_causal, config or default_config(q.shape[-1], q.dtype))
+    return launch_fwd(q, k, v, is_causal, config or problem_config(q))
 
 
 def launch_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config: GluonConfig

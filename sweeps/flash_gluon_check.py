@@ -10,8 +10,8 @@ fp32 autograd of the reference attention on the same odd shapes (the tl backward
 two-pass dQ/dK/dV must also be bitwise equal over two runs); (d) forward+backward time (gluon fwd + gluon bwd, gluon
 fwd + tl bwd, SDPA cuDNN), TFLOP/s counting 3.5x the causal-half forward, and backward-only time (cuDNN through
 autograd with the graph retained, tl, two-pass gluon) counting 2.5x.
-`--paired-rounds N`: (b') each forward config against the head dim's default (the tuned one) in N alternating
-rounds. Rows go to <out>/flash_gluon.parquet (never over an earlier one without `--overwrite`). Run:
+`--paired-rounds N`: (b') each forward config against the one the gluon path launches at that shape in N
+alternating rounds. Rows go to <out>/flash_gluon.parquet (never over an earlier one without `--overwrite`). Run:
 `PYTHONPATH=$PWD python3 sweeps/flash_gluon_check.py --out $OUT [--part all]`.
 """
 
@@ -306,8 +306,9 @@ def main() -> None:
     parser.add_argument("--part", choices=("fwd", "bwd", "all"), default="fwd",
                         help="forward checks and timing, backward ones, or both (all: under 4 minutes on an H200)")
     parser.add_argument("--paired-rounds", type=int, default=0, metavar="N",
-                        help="also time every forward config against its head dim's default (the tuned file's, "
-                             "what the gluon path launches) in N alternating rounds (>= 3; rows of kind 'paired')")
+                        help="also time every forward config against the one the gluon path launches at each shape "
+                             "(the tuned file's, or the short-sequence one) in N alternating rounds (>= 3; rows of "
+                             "kind 'paired')")
     parser.add_argument("--shapes", default=None, metavar="BxHxNxD,...",
                         help="causal bf16 shapes to time instead of the four hopper ones, e.g. 8x16x2048x128 "
                              "(head dim 64 or 128)")
@@ -363,9 +364,8 @@ def parse_shape(text: str) -> tuple[int, int, int, int]:
 
 def run_fwd(rows: list[dict], passed: dict, paired_rounds: int = 0) -> None:
     """(a) forward correctness per config, then (b) forward timing of the configs that passed; with
-    `paired_rounds`, (c) each of them against the head dim's default config in alternating rounds (a run's GPU
-    speed drifts by more than the configs differ: the unpaired medians of one kernel moved by up to 13% within one
-    run)."""
+    `paired_rounds`, (c) each of them against the config the gluon path launches in alternating rounds (within one
+    run the GPU's speed drifts by more than the configs differ: results/flash_hopper_notes.md, section 13)."""
     passed.update(check_configs(CONFIGS, check, "check", rows))
     # (b) timing: baselines, then every config that passed.
     from kernels.flash_attention import flash_attention_fwd
@@ -398,10 +398,11 @@ def run_fwd(rows: list[dict], passed: dict, paired_rounds: int = 0) -> None:
 
 
 def paired_against_default(q, k, v, shape, configs: list, rounds: int) -> list[dict]:
-    """Rows of kind 'paired': each config but the default against `fg.default_config` at this shape, `rounds`
+    """Rows of kind 'paired': each config but the default against `fg.problem_config` (what the gluon path launches
+    at this shape: the tuned config, or SHORT_SEQUENCE's), `rounds`
     alternating rounds (`raysys.timing.paired_speedups`): `paired_speedup_fwd_vs_default` = default time / config
     time, > 1 where the config is faster."""
-    default = fg.default_config(shape[-1], q.dtype)
+    default = fg.problem_config(q)
     rows = []
     for config in configs:
         if config == default:

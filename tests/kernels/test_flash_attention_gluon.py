@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -136,12 +137,33 @@ def test_compiles_for_sm90(head_dim, persistent, head_group):
 @needs_gluon_api
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_tuned_forward_configs_compile_for_sm90_without_spills(head_dim):
-    """The config the gluon forward launches by default (the tuned file's sweep-wide winner, else the built-in one)
-    builds for sm_90 within shared memory and without spills."""
-    config = fg.default_config(head_dim, torch.bfloat16)
-    compiled = _compile_sm90(config, head_dim, torch.bfloat16, True)
-    assert compiled.metadata.shared >= config.shared_bytes(head_dim)
-    assert "0 bytes spill stores" in _ptxas_log(compiled.asm["ptx"]), config.name
+    """The configs the gluon forward launches by default (the tuned file's sweep-wide winner, else the built-in one,
+    and at a short sequence SHORT_SEQUENCE's) build for sm_90 within shared memory and without spills; at d 128 the
+    persistent grid with head groups spills a few bytes (the short-sequence timing includes them), no more."""
+    for config in {fg.default_config(head_dim, torch.bfloat16), fg.problem_config(_cpu((4, 32, 2048, head_dim)))}:
+        compiled = _compile_sm90(config, head_dim, torch.bfloat16, True)
+        assert compiled.metadata.shared >= config.shared_bytes(head_dim)
+        log = _ptxas_log(compiled.asm["ptx"])
+        spilled = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+        allowed = 32 if head_dim == 128 and config.persistent and config.head_group else 0
+        assert spilled <= allowed, (config.name, log)
+
+
+def test_problem_config_takes_the_persistent_grid_for_short_sequences(monkeypatch):
+    """`problem_config`: SHORT_SEQUENCE's fields over the tuned config up to its length (d 128), the tuned config
+    beyond it, at other head dims and when the tuned config has three consumer groups."""
+    tuned = {64: fg.GluonConfig(num_stages=3, persistent=True, head_group=8), 128: fg.GluonConfig(head_group=8)}
+    monkeypatch.setattr(fg, "default_config", lambda head_dim, dtype: tuned[head_dim])
+    fg._problem_config.cache_clear()
+    n_max, fields = fg.SHORT_SEQUENCE[128]
+    for n in (1, 1000, n_max):
+        assert fg.problem_config(_cpu((4, 32, n, 128))) == dataclasses.replace(tuned[128], **fields)
+    assert fg.problem_config(_cpu((1, 2, n_max + 1, 128))) == tuned[128]
+    assert fg.problem_config(_cpu((8, 16, 1024, 64))) == tuned[64]
+    tuned[128] = fg.GluonConfig(block_n=64, num_consumers=3, head_group=8)
+    fg._problem_config.cache_clear()
+    assert fg.problem_config(_cpu((4, 32, 2048, 128))) == tuned[128]
+    fg._problem_config.cache_clear()
 
 
 def test_bwd_config_rules():
