@@ -169,7 +169,7 @@ case $phase in
       tests/kernels/test_flash_attention_gpu.py tests/kernels/test_flash_attention_gluon.py
     study flash_hopper 260 python3 sweeps/flash_bench.py --studies hopper --time-budget-s 210 --out "$RESULTS" --resume \
       --providers triton,triton_gluon,triton_gluon_1pass,triton_tma,triton_portable,sdpa_cudnn,sdpa_flash \
-      --paired-rounds 5
+      --paired-rounds 9
     # host time per call at 4x32x2048x128 (the shape a slow host binds), into $RESULTS/flash_host_cost.parquet (redone
     # whole when the phase runs again: --overwrite)
     study flash_host_cost 90 python3 results/runs/flash_host_cost.py "$RESULTS" --overwrite
