@@ -235,6 +235,9 @@ backward (`GluonBwdConfig`)."""
 GLUON_FIELDS = {"fwd": {"block_m", "block_n", "num_stages", "num_consumers", "persistent", "head_group"},
                 "bwd": {"block_m", "num_stages", "head_group", "persistent", "dq_whole", "dk_late", "rows_tma"}}
 """The config fields of each Gluon kind (`GluonConfig`, `GluonBwdConfig`) a tuned entry may hold."""
+GLUON_MEASURED = {"head_dim", "dtype", "shapes", "geomean_ms", "geomean_vs_reference", "shape", "median_ms", "tflops",
+                  "vs_reference"}
+"""The other fields of a tuned Gluon entry: what it was measured on and how it did (`sweeps/flash_tiles.py`)."""
 
 
 def load_gluon_tuned(path: str | os.PathLike = TUNED_CONFIGS_PATH) -> dict[str, list[dict]]:
@@ -249,8 +252,7 @@ def load_gluon_tuned(path: str | os.PathLike = TUNED_CONFIGS_PATH) -> dict[str, 
         raise ValueError(f"{path}: 'gluon' must map some of {GLUON_KINDS} to lists of config objects")
     for kind, entries in part.items():
         for entry in entries:
-            unknown = set(entry) - GLUON_FIELDS[kind] - {"head_dim", "dtype", "shapes", "geomean_ms", "shape",
-                                                         "median_ms", "tflops"} if isinstance(entry, dict) else None
+            unknown = set(entry) - GLUON_FIELDS[kind] - GLUON_MEASURED if isinstance(entry, dict) else None
             if unknown is None or unknown:
                 raise ValueError(f"{path}: gluon {kind} entry {entry!r} has fields {sorted(unknown or [])} that are "
                                  f"not among {sorted(GLUON_FIELDS[kind])} and the measurement's")
@@ -262,7 +264,7 @@ def gluon_tuned_fields(kind: str, head_dim: int, dtype: torch.dtype) -> dict | N
     (then the kernel module's default)."""
     for entry in _GLUON_TUNED.get(kind, []):
         if "shapes" in entry and entry.get("head_dim") == head_dim and entry.get("dtype") == _dtype_name(dtype):
-            return {k: v for k, v in entry.items() if k not in ("head_dim", "dtype", "shapes", "geomean_ms", "path")}
+            return {k: v for k, v in entry.items() if k in GLUON_FIELDS[kind]}
     return None
 
 

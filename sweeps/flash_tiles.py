@@ -12,7 +12,8 @@ kernel), `max_abs_err`. A config that does not compile (shared memory, registers
 row too (`error` / `oom`).
 
 Afterwards the best config of each (kernel, head dim, dtype) - lowest geometric-mean time over the swept
-shapes - and each shape's winner are written to `<out>/flash_attention_tuned.json` (atomically; `--json`
+shapes; with `--paired-rounds N` (gluon variants) highest geometric-mean ratio against the config the launcher
+takes, which each trial also times in N alternating rounds (`PAIRED_KEY`) - and each shape's winner are written to `<out>/flash_attention_tuned.json` (atomically; `--json`
 elsewhere), per path, with the device and versions they were measured on; `--json kernels/flash_attention_tuned.json`
 installs them where the kernels read them, `RAYSYS_FLASH_TUNED=<file>` tries a file without installing it. The kernels' autotuner benchmarks
 only those for a call whose (path, head dim, dtype) has entries and, with `RAYSYS_FLASH_AUTOTUNE=0`, uses the
@@ -111,6 +112,12 @@ GLUON_VARIANTS = ("gluon", "gluon_persistent")
 consumer groups) and of the one-pass backward (`GluonBwdConfig.persistent`), over the same tiles, ring depths and
 head groups."""
 QUICK_PER_VARIANT = 4  # --quick: the first built-in candidates of each variant
+PAIRED_KEY = "paired_speedup_kernel_vs_reference"
+"""With --paired-rounds, a gluon trial's median over alternating rounds of (the reference's time / its config's
+time), the reference being the config the launcher takes at that shape (row column `reference`). Within one run the
+GPU's speed drifts by more than the Gluon configs differ (results/flash_hopper_notes.md, section 13), and each
+trial pairs within itself, so the winners are chosen by these ratios where every row of a head dim and dtype has
+one against a single reference per shape."""
 
 
 def variant_of(cfg, path: str) -> str:
@@ -149,7 +156,8 @@ def canonical_shape(shape: str) -> str:
     return f"{prefix}{p['seq']}/{p['head_dim']}/{p['dtype']}/{'causal' if p['causal'] else 'full'}"
 
 
-def param_spaces(quick: bool, shapes: tuple[str, ...], variants: tuple[str, ...] = ("portable",)) -> dict[str, dict]:
+def param_spaces(quick: bool, shapes: tuple[str, ...], variants: tuple[str, ...] = ("portable",),
+                 paired_rounds: int = 0) -> dict[str, dict]:
     """Grids (`{"grid_search": [...]}` is what `ray.tune.grid_search` builds) keyed `kernel` for the portable
     variant and `kernel/variant` for the others; every combination is a valid config for its kernel.
 
@@ -157,7 +165,8 @@ def param_spaces(quick: bool, shapes: tuple[str, ...], variants: tuple[str, ...]
     4-warp fwd and dK/dV loops); `gluon`: GLUON_TILES x GLUON_STAGES (x GLUON_CONSUMERS for fwd) of fwd and the
     one-pass `dkdvq`, on the shapes the Gluon kernels take, quick or not. Quick: portable, the built-in
     candidates' tiles x 4, 8 warps x 2, 3 stages; the tma variants, one grid per built-in candidate (the first
-    QUICK_PER_VARIANT of each), over the shapes."""
+    QUICK_PER_VARIANT of each), over the shapes. `paired_rounds` > 0: the gluon trials also time their config against
+    the one the launcher would take, in that many alternating rounds (a key only then: earlier trial ids stay)."""
     import torch
 
     from kernels.flash_attention_tuning import candidates
@@ -183,6 +192,7 @@ def param_spaces(quick: bool, shapes: tuple[str, ...], variants: tuple[str, ...]
                         **({"num_consumers": {"grid_search": consumers}} if kernel == "fwd" else {}),
                         "head_group": {"grid_search": list(GLUON_GROUPS[kernel])},
                         **({"dq": {"grid_search": list(GLUON_DQ)}} if kernel == "dkdvq" else {}),
+                        **({"paired_rounds": paired_rounds} if paired_rounds else {}),
                         "shape": {"grid_search": gluon_shapes}}
                 continue
             if ws and kernel in ("dq", "dkdvq"):
@@ -324,13 +334,27 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
     if not err <= limit:
         raise RuntimeError(f"wrong result: max abs difference {err:.3g} from the tl kernels > {limit:.3g}")
     ms = median_ms(run, torch.device("cuda"))
+    paired = {}
+    if config.get("paired_rounds"):  # against what the launcher takes at this shape, alternating (PAIRED_KEY)
+        from raysys.timing import paired_speedups
+
+        if kernel == "fwd":
+            ref = gluon_fwd.problem_config(q)
+            ref_run = lambda: gluon_fwd.gluon_attention_fwd(q, k, v, causal, config=ref)[0]  # noqa: E731
+        else:
+            ref = one_pass.problem_config(q)
+            ref_run = lambda: gluon_bwd.gluon_attention_bwd(q, k, v, out, lse, do, causal,  # noqa: E731
+                                                            config=ref, mode="one_pass")[0]
+        paired = {**paired_speedups({"kernel": run}, {"kernel": ref_run}, int(config["paired_rounds"]),
+                                    lambda fn: median_ms(fn, torch.device("cuda")), "reference"),
+                  "reference": ref.name}
     flops = flash_attention_flops(shape["batch"], shape["heads"], shape["seq"], shape["seq"], head_dim, causal, "fwd")
     flops *= MATMULS[kernel] / 2
     return {"block_m": block_m, "block_n": block_n, "num_consumers": config.get("num_consumers", 2), "path": "gluon",
             "warp_specialize": True, "persistent": persistent, "head_group": cfg.head_group, "maxnreg": 0, **shape,
             **({"dq_whole": cfg.dq_whole, "dk_late": cfg.dk_late, "rows_tma": cfg.rows_tma} if kernel != "fwd" else {}),
             "time_median_s": ms / 1e3,
-            "tflops": flops / (ms * 1e-3) / 1e12, "max_abs_err": err}
+            "tflops": flops / (ms * 1e-3) / 1e12, "max_abs_err": err, **paired}
 
 
 def median_ms(fn, device) -> float:
@@ -484,7 +508,10 @@ def gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict
     `best_configs` picks them, over GLUON_KEYS; a shape counts as swept with min(min_configs, the configs of the
     kind's grid that fit) measured configs: a config whose build ran out of shared memory or registers at a head
     dim and dtype (an `OutOfResources` error row) never runs there, so it is not missing from the sweep (the
-    one-pass backward's 3-slot ring does not fit at d 128, 6 of its 9 configs do)."""
+    one-pass backward's 3-slot ring does not fit at d 128, 6 of its 9 configs do). Where every row of a head dim and
+    dtype was paired against one reference per shape (--paired-rounds, PAIRED_KEY), the winners are those with the
+    highest (geometric-mean) ratio against it; the entries then also carry it (`geomean_vs_reference`,
+    `vs_reference`)."""
     ok = df[(df["status"] == "ok") & (df.get("path", pd.Series(index=df.index, dtype=object)) == "gluon")].copy()
     errors = df[(df["status"] == "error") & df.get("variant", pd.Series(index=df.index, dtype=object)).isin(
         GLUON_VARIANTS) & df.get("error", pd.Series("", index=df.index)).fillna("").str.startswith("OutOfResources")]
@@ -517,15 +544,22 @@ def gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict
             unfit = failed[(failed["head_dim"] == head_dim) & (failed["dtype"] == dtype)]
             unfit = unfit.drop_duplicates([c for c in ("variant", "tile", "num_stages", "num_consumers", "head_group",
                                                        "dq_whole", "dq") if c in unfit])
-            entries += _best_entries(part, keys, {}, min(min_configs, grid - len(unfit)))
+            paired = (PAIRED_KEY in part and part[PAIRED_KEY].notna().all()
+                      and part.groupby("shape")["reference"].nunique().max() == 1)
+            if paired:
+                part = part.assign(log_rel=-part[PAIRED_KEY].map(math.log))
+            entries += _best_entries(part, keys, {}, min(min_configs, grid - len(unfit)), paired)
         if kernel != "fwd":  # GluonBwdConfig has no block_n (BWD_BLOCK_N) or consumer count (two)
             entries = [{k: v for k, v in e.items() if k not in ("block_n", "num_consumers")} for e in entries]
         out[kind] = entries
     return out
 
 
-def _best_entries(sel: pd.DataFrame, keys: list[str], tags: dict, min_configs: int) -> list[dict]:
-    """best_configs for the rows of one (kernel, path)."""
+def _best_entries(sel: pd.DataFrame, keys: list[str], tags: dict, min_configs: int, paired: bool = False
+                  ) -> list[dict]:
+    """best_configs for the rows of one (kernel, path); `paired`: ranked by `log_rel` (log of time relative to the
+    paired reference) instead of `log_ms`."""
+    score = "log_rel" if paired else "log_ms"
 
     def config_of(values) -> dict:
         values = values if isinstance(values, tuple) else tuple(values)
@@ -544,17 +578,19 @@ def _best_entries(sel: pd.DataFrame, keys: list[str], tags: dict, min_configs: i
             lambda g, n=len(swept): g["shape"].nunique() == n)  # ran on every swept shape
         if full.empty:
             continue
-        best = full.groupby(keys)["log_ms"].mean().idxmin()
+        means = full.groupby(keys)[score].mean()
+        best = means.idxmin()
         entries.append({**config_of(best), **tags, "head_dim": int(head_dim), "dtype": dtype,
-                        "shapes": swept, "geomean_ms": round(math.exp(
-                            full.groupby(keys)["log_ms"].mean().min()), 4)})
+                        "shapes": swept, "geomean_ms": round(math.exp(full.groupby(keys)["log_ms"].mean()[best]), 4),
+                        **({"geomean_vs_reference": round(math.exp(-means[best]), 4)} if paired else {})})
     for shape, group in sel.groupby("shape"):
         if group.groupby(keys).ngroups < min_configs:
             continue
-        row = group.loc[group["median_ms"].idxmin()]
+        row = group.loc[group[score].idxmin()]
         entries.append({**config_of(row[k] for k in keys), **tags, "head_dim": int(row["head_dim"]),
                         "dtype": row["dtype"], "shape": shape, "median_ms": round(float(row["median_ms"]), 4),
-                        "tflops": round(float(row["tflops"]), 1)})
+                        "tflops": round(float(row["tflops"]), 1),
+                        **({"vs_reference": round(math.exp(-float(row["log_rel"])), 4)} if paired else {})})
     return entries
 
 
@@ -660,6 +696,9 @@ def build_parser():
                                                                      "(ray: Tune also stops the running ones; "
                                                                      "default: no limit)")
     list_flag(p, "--variants", default="portable", help=f"comma list of kernel variants, of {','.join(VARIANTS)}")
+    p.add_argument("--paired-rounds", type=int, default=0,
+                   help="gluon variants: each trial also times its config against the one the launcher takes at "
+                        "that shape in N alternating rounds (>= 3), and the winners are chosen by those ratios")
     p.add_argument("--min-configs", type=int, default=MIN_CONFIGS,
                    help="configs a shape needs measured before it yields a tuned entry")
     p.add_argument("--compile-workers", type=int, default=0,
@@ -679,6 +718,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     kernels = parse_list(args.kernels, "kernels", KERNELS)
     budget = Budget(args.max_trials, args.time_budget_s)
     variants = tuple(parse_list(args.variants, "variants", tuple(VARIANTS)))
+    if args.paired_rounds and (args.paired_rounds < 3 or not set(variants) & set(GLUON_VARIANTS)):
+        raise ValueError(f"--paired-rounds ({args.paired_rounds}) must be 0 (off) or >= 3, and pairs the gluon "
+                         f"variants' trials only (--variants {','.join(variants)})")
     if args.min_configs < 1 or args.compile_workers < 0:
         raise ValueError(f"--min-configs ({args.min_configs}) must be >= 1 and --compile-workers "
                          f"({args.compile_workers}) >= 0")
@@ -686,7 +728,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     if device == "cpu" and (os.environ.get("TRITON_INTERPRET") != "1" or args.compile_workers):
         raise ValueError("--device cpu runs the kernels under the Triton interpreter: start with TRITON_INTERPRET=1 "
                          "(and no --compile-workers)")
-    spaces = {k: v for k, v in param_spaces(args.quick, shapes, variants).items() if v["kernel"] in kernels}
+    spaces = {k: v for k, v in param_spaces(args.quick, shapes, variants, args.paired_rounds).items()
+              if v["kernel"] in kernels}
     out = output_dir(args, SWEEP)
     PROGRESS.plan(sum(len(grid_configs(space)) for space in spaces.values()))
     with open_writer(out, SWEEP, args) as writer:

@@ -16,7 +16,7 @@
 #   bash sweeps/gpu_run.sh flash     # Ray Tune tile sweep (one GPU per trial), the FlashAttention grid    (~9.5 min)
 #   bash sweeps/gpu_run.sh gluon     # 1 GPU: Gluon GPU tests, the paired hopper study, host time per call   (~7 min)
 #   bash sweeps/gpu_run.sh gluoncheck # 1 GPU: every Gluon config checked on odd shapes and timed          (~6 min)
-#   bash sweeps/gpu_run.sh gluontiles # 1 GPU: the Gluon kernels' launch knobs (flash_tiles --variants gluon) (~3 min)
+#   bash sweeps/gpu_run.sh gluontiles # 1 GPU: the Gluon kernels' launch knobs, paired (flash_tiles --variants gluon) (~6 min)
 #   bash sweeps/gpu_run.sh leaderboard # 1 GPU: the 8B step's ablation and --check (issue 15)             (~8.5 min)
 #   bash sweeps/gpu_run.sh lbtune    # 1 GPU: the advisor's plan against its neighbours, a profile of the step (~8 min)
 #   bash sweeps/gpu_run.sh lb2       # 2 GPUs: the 8B step on two ranks (Ray gang) and on one, same commit (~8 min)
@@ -185,10 +185,11 @@ case $phase in
     # $RESULTS/flash_tiles.parquet and the tuned file beside it (its `gluon` part; install it by copying it to kernels/);
     # VARIANTS=gluon,gluon_persistent adds the persistent grids of the forward and the one-pass backward (~3 min more);
     # the backward's dQ axis (halves, whole, whole with `dk_late`) triples its grid: a phase cut off by its timeout
-    # continues when run again (--resume)
+    # continues when run again (--resume); each trial also pairs its config against the launcher's in PAIRED
+    # alternating rounds (default 4; 0: off), and the winners go by those ratios
     study flash_tiles_gluon 420 python3 sweeps/flash_tiles.py --launcher local --variants "${VARIANTS:-gluon}" --kernels fwd,dkdvq \
       --shapes 16384/128/bf16/causal,4x32/2048/128/bf16/causal,8x16/4096/64/bf16/causal --compile-workers 8 \
-      --out "$RESULTS" --resume
+      --paired-rounds "${PAIRED:-4}" --out "$RESULTS" --resume
     ;;
   leaderboard)  # issue 15 on one GPU: --check, then the ablation (the fast step at batch 1 by the course's do_bench,
     # shortened; the other rows by CUDA events after their first step), into $RESULTS/leaderboard (~8.5 min)

@@ -489,3 +489,45 @@ def test_gluon_check_shapes_flag_sets_the_timed_shapes():
     from sweeps import flash_gluon_check as check
 
     assert check.parse_shape(" 8x16x2048x128") == (8, 16, 2048, 128)
+
+
+def test_gluon_winners_by_paired_ratio_where_every_row_has_one(tmp_path, monkeypatch):
+    """--paired-rounds: the gluon grids carry the rounds (and nothing else does); winners go by the trials' paired
+    ratios against the launcher's config, not by their medians, whose GPU speed drifted between trials; rows of a
+    head dim without a ratio each, or paired against two references at one shape, fall back to the medians."""
+    import kernels.flash_attention_gluon as gluon_fwd
+    from kernels import flash_attention_tuning as tuning
+
+    a, b = "16384/128/bfloat16/causal", "4x32/2048/128/bfloat16/causal"
+    spaces = flash_tiles.param_spaces(False, (a, b), ("gluon", "tma"), paired_rounds=5)
+    assert all(("paired_rounds" in space) == ("gluon" in key) for key, space in spaces.items())
+    assert {c["paired_rounds"] for c in flash_tiles.grid_configs(spaces["fwd/gluon"])} == {5}
+    assert all("paired_rounds" not in s for s in flash_tiles.param_spaces(False, (a,), ("gluon",)).values())
+
+    def row(stages, group, shape, ms, ratio):
+        return dict(_tile_row("fwd", "64x128", 4, stages, shape, ms), variant="gluon", path="gluon",
+                    num_consumers=2, head_group=group, reference="2x64x128/s2/g8",
+                    **{flash_tiles.PAIRED_KEY: ratio})
+    # g4 is 3% faster than the reference in its own rounds but its trials ran while the GPU was slow.
+    rows = [row(s, g, sh, (1.2 if g == 4 else 1.0) * (1 + 0.01 * s), (1.03 if g == 4 else 1.0) - 0.01 * s)
+            for s in (2, 3) for g in (0, 4, 8) for sh in (a, b)]
+    df = pd.DataFrame(rows).assign(device_name="H200", torch_version="2.11", triton_version="3.6")
+    fwd = flash_tiles.gluon_best_configs(df, min_configs=4)["fwd"]
+    assert (fwd[0]["head_group"], fwd[0]["num_stages"]) == (4, 2) and fwd[0]["geomean_vs_reference"] == 1.01
+    assert all(e["head_group"] == 4 and e["vs_reference"] == 1.01 for e in fwd[1:]) and len(fwd) == 3
+    unpaired = df.copy()
+    unpaired.loc[0, flash_tiles.PAIRED_KEY] = float("nan")
+    two_refs = df.copy()
+    two_refs.loc[0, "reference"] = "2x64x128/s2/p/g4"
+    for rows_ in (unpaired, two_refs):
+        fwd = flash_tiles.gluon_best_configs(rows_, min_configs=4)["fwd"]
+        assert fwd[0]["head_group"] != 4 and "geomean_vs_reference" not in fwd[0]
+    # The tuned file takes the paired entries; the launcher reads only their config fields.
+    path = tmp_path / "tuned.json"
+    flash_tiles.write_tuned(df, {}, path, flash_tiles.gluon_best_configs(df, min_configs=4))
+    monkeypatch.setattr(tuning, "_GLUON_TUNED", tuning.load_gluon_tuned(path))
+    assert gluon_fwd.default_config(128, torch.bfloat16) == gluon_fwd.GluonConfig(head_group=4)
+    with pytest.raises(ValueError, match=r"--paired-rounds \(2\) must be 0 \(off\) or >= 3"):
+        flash_tiles.main(["--launcher", "local", "--variants", "gluon", "--paired-rounds", "2", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="pairs the gluon variants' trials only"):
+        flash_tiles.main(["--launcher", "local", "--quick", "--paired-rounds", "4", "--out", str(tmp_path)])
