@@ -474,7 +474,8 @@ SHORT_SEQUENCE = {128: (2048, {"persistent": True, "head_group": 4})}
 items, whose start and drain a persistent program hides behind the next item's loads; timed against the tuned
 config in alternating rounds at n_q 1024 to 8192, the persistent grid in groups of 4 heads was faster up to 2048 and
 slower from 4096 (results/runs/flash_gluon_fwd_short_f10ffad.parquet; results/flash_hopper_notes.md, section 13).
-The tile sweep times each shape in trials of its own, whose GPU speed differs by more than that."""
+The tuned file gives one config per head dim (`sweeps/flash_tiles.py` writes per-shape winners too, but at lengths
+too far apart to place this crossover)."""
 
 
 def problem_config(q: torch.Tensor) -> GluonConfig:
