@@ -149,15 +149,17 @@ def time_steps(step: TimedStep, warmup: int, steps: int, *, max_steps: int | Non
     Returns, in seconds (`raysys.results`' column convention), `step_mean_s`, `step_std_s`, `step_median_s`,
     `step_min_s`, `step_max_s`, `timed_steps`, `step_median_ci_rel` (the median's relative 95% half-width), per
     phase `<phase>_mean_s` and `<phase>_median_s` (device time) and `host_<phase>_median_s` (host time),
-    `host_step_median_s` (time for `step()` to return, before the synchronisation), and the diagnostics. With `max_steps >
-    steps` every rank of `process_group` must call this together (they agree on when to stop).
+    `host_step_median_s` (time for `step()` to return, before the synchronisation), `host_cpu_step_median_s` (the
+    CPU time this thread spent in `step()`: the host's issuing work, not the time it was descheduled or waited), and
+    the diagnostics. With `max_steps > steps` every rank of `process_group` must call this together (they agree on
+    when to stop).
     """
     max_steps = steps if max_steps is None else max_steps
     if warmup < 0 or steps < 2 or max_steps < steps:
         raise ValueError(f"warmup ({warmup}) must be >= 0, steps ({steps}) >= 2 and max_steps ({max_steps}) "
                          f">= steps")
     device = step.device
-    totals, host_totals, phases, host_phases = [], [], [], []
+    totals, host_totals, host_cpu, phases, host_phases = [], [], [], [], []
     graphs0 = dynamo_graphs()
     with paused_gc() as collected:
         for _ in range(warmup):
@@ -168,12 +170,13 @@ def time_steps(step: TimedStep, warmup: int, steps: int, *, max_steps: int | Non
         target = steps
         while True:
             while len(totals) < target:
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.thread_time()
                 marks = step()
-                issued = time.perf_counter()
+                issued, cpu_issued = time.perf_counter(), time.thread_time()
                 synchronize(device)
                 totals.append((time.perf_counter() - start) * 1e3)
                 host_totals.append((issued - start) * 1e3)
+                host_cpu.append((cpu_issued - cpu_start) * 1e3)
                 phases.append(marks.durations_ms())
                 host_phases.append(marks.host_ms())
             if len(totals) >= max_steps or not _any_rank(median_ci_rel(totals) > rel_tol, device, process_group):
@@ -186,7 +189,8 @@ def time_steps(step: TimedStep, warmup: int, steps: int, *, max_steps: int | Non
     out = {"step_mean_s": statistics.fmean(totals) / 1e3, "step_std_s": statistics.stdev(totals) / 1e3,
            "step_median_s": statistics.median(totals) / 1e3, "step_min_s": min(totals) / 1e3,
            "step_max_s": max(totals) / 1e3, "step_median_ci_rel": median_ci_rel(totals), "timed_steps": n,
-           "host_step_median_s": statistics.median(host_totals) / 1e3}
+           "host_step_median_s": statistics.median(host_totals) / 1e3,
+           "host_cpu_step_median_s": statistics.median(host_cpu) / 1e3}
     for i, name in enumerate(PHASES):
         out[f"{name}_mean_s"] = statistics.fmean(p[i] for p in phases) / 1e3
         out[f"{name}_median_s"] = statistics.median(p[i] for p in phases) / 1e3
@@ -212,22 +216,30 @@ def paired_steps(step: TimedStep, reference: TimedStep, rounds: int, block: int 
     Returns `paired_rounds`, `paired_ratio` (median over rounds of step / reference), `paired_ratio_min`,
     `paired_ratio_max`, `paired_ratio_ci_rel` (the 95% confidence half-width of that median, relative to it:
     `median_ci_rel`; inf under 3 rounds), `paired_step_median_s` and `paired_reference_median_s` (medians over
-    rounds of the block medians).
+    rounds of the block medians), and `paired_host_cpu_ratio` with its `paired_host_cpu_ratio_ci_rel`: the same
+    for the CPU time the thread spent issuing a step (`host_cpu_step_median_s`). Where steps are host-bound that
+    is the machinery's host cost alone, which a host whose threads are descheduled now and then (a shared VM)
+    leaves out of it: a tighter estimate than the steps' wall time.
     Every rank of a gang must call this with the same arguments (the steps' collectives stay matched).
     """
     if not isinstance(rounds, int) or rounds < 1 or not isinstance(block, int) or block < 2:
         raise ValueError(f"rounds ({rounds!r}) must be an int >= 1 and block ({block!r}) an int >= 2")
-    ratios, mine, theirs = [], [], []
+    ratios, cpu_ratios, mine, theirs = [], [], [], []
     for r in range(rounds):
         order = (step, reference) if r % 2 == 0 else (reference, step)
-        medians = {id(s): time_steps(s, 1, block)["step_median_s"] for s in order}
-        mine.append(medians[id(step)])
-        theirs.append(medians[id(reference)])
+        timed = {id(s): time_steps(s, 1, block) for s in order}
+        mine.append(timed[id(step)]["step_median_s"])
+        theirs.append(timed[id(reference)]["step_median_s"])
         ratios.append(mine[-1] / theirs[-1])
+        cpu = [timed[id(s)]["host_cpu_step_median_s"] for s in (step, reference)]
+        if cpu[1] > 0:  # (a clock too coarse to see the reference's issue time leaves its round out)
+            cpu_ratios.append(cpu[0] / cpu[1])
     return {"paired_rounds": rounds, "paired_ratio": statistics.median(ratios), "paired_ratio_min": min(ratios),
             "paired_ratio_max": max(ratios), "paired_ratio_ci_rel": median_ci_rel(ratios),
             "paired_step_median_s": statistics.median(mine),
-            "paired_reference_median_s": statistics.median(theirs)}
+            "paired_reference_median_s": statistics.median(theirs),
+            "paired_host_cpu_ratio": statistics.median(cpu_ratios) if cpu_ratios else math.nan,
+            "paired_host_cpu_ratio_ci_rel": median_ci_rel(cpu_ratios)}
 
 
 def paired_speedups(ours: dict[str, Callable[[], object]], base: dict[str, Callable[[], object]], rounds: int,

@@ -232,6 +232,22 @@ def check_variant_flags(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--nccl-trace-buffer ({args.nccl_trace_buffer}) must be >= 0 (0: flight recorder off)")
 
 
+def paired_summary(row: Mapping) -> str:
+    """What `raysys.timing.paired_steps` found for a result row, in one clause: the median's rounds, the range over
+    them and its 95% half-width, then the same for the CPU time a step's issue took (`paired_host_cpu_ratio`)."""
+    text = (f"paired: median of {int(row['paired_rounds'])} rounds, range {row['paired_ratio_min']:.3f}-"
+            f"{row['paired_ratio_max']:.3f}")
+    ci_rel = row.get("paired_ratio_ci_rel", math.nan)
+    if pd.notna(ci_rel) and math.isfinite(ci_rel):
+        text += f", median +-{100 * ci_rel:.1f}% (95% confidence)"
+    cpu = row.get("paired_host_cpu_ratio", math.nan)
+    if pd.notna(cpu):
+        cpu_ci = row.get("paired_host_cpu_ratio_ci_rel", math.nan)
+        text += f"; host CPU time per step {cpu:.3f}x" + (
+            f" +-{100 * cpu_ci:.1f}%" if pd.notna(cpu_ci) and math.isfinite(cpu_ci) else "")
+    return text
+
+
 def check_timing_options(warmup: int, compile: bool, paired_rounds: int) -> None:
     """--compile and --paired-rounds, as the DDP and FSDP studies take them."""
     if not isinstance(paired_rounds, int) or paired_rounds < 0:

@@ -56,9 +56,9 @@ from raysys.timing import paired_steps, time_steps  # noqa: E402
 from raysys.train_step import TrainStep  # noqa: E402
 from sweeps.common import (GANG_DTYPES, NOT_ON_CPU, VariantTrial, adamw_kwargs, add_model_flags,  # noqa: E402
                            add_variant_flags, build_model, check_fits, check_variant_flags, column, gang_study_main,
-                           grid_values, in_trial_scope, list_flag, main_entry, markdown_report, on_cpu, parse_list,
-                           profile_one_step, pyplot, save_figure, setup_sentence, step_column, study_parser,
-                           write_markdown)
+                           grid_values, in_trial_scope, list_flag, main_entry, markdown_report, on_cpu, paired_summary,
+                           parse_list, profile_one_step, pyplot, save_figure, setup_sentence, step_column,
+                           study_parser, write_markdown)
 
 SWEEP = "ddp"
 COMPILED = "ddp_compiled"   # the same study with compiled blocks (--compile): its own file, tables and baselines
@@ -316,11 +316,7 @@ def targets(df: pd.DataFrame) -> list[str]:
                 verdict = f" ({'met' if value <= limit else 'missed'}: <= {limit:g}x)" if not cpu else ""
                 checks.append(f"{value:.3f}x {name}{verdict}")
         if paired:
-            ci_rel = best.get("paired_ratio_ci_rel", math.nan)
-            ci = (f", median +-{100 * ci_rel:.1f}% (95% confidence)" if pd.notna(ci_rel) and math.isfinite(ci_rel)
-                  else "")
-            checks.append(f"paired: median of {int(best['paired_rounds'])} rounds, single-ratio range "
-                          f"{best['paired_ratio_min']:.3f}-{best['paired_ratio_max']:.3f}{ci}")
+            checks.append(paired_summary(best))
         line = f"- {dtype}: fastest variant `{best['label']}` at {1e3 * best[col]:.1f} ms: " + ", ".join(checks)
         if cpu:
             line += f"; targets <= {TARGET_VS_SINGLE:g}x single and <= {TARGET_VS_TORCH:g}x torch DDP: {NOT_ON_CPU}"

@@ -59,8 +59,8 @@ from raysys.timing import paired_steps, time_steps  # noqa: E402
 from raysys.train_step import TrainStep  # noqa: E402
 from sweeps.common import (GANG_DTYPES, NOT_ON_CPU, VariantTrial, adamw_kwargs, add_model_flags,  # noqa: E402
                            add_variant_flags, build_model, check_fits, check_variant_flags, gang_study_main,
-                           grid_values, in_trial_scope, list_flag, main_entry, markdown_report, on_cpu, parse_list,
-                           profile_one_step, setup_sentence, step_column, study_parser, write_markdown)
+                           grid_values, in_trial_scope, list_flag, main_entry, markdown_report, on_cpu, paired_summary,
+                           parse_list, profile_one_step, setup_sentence, step_column, study_parser, write_markdown)
 
 SWEEP = "fsdp"
 COMPILED = "fsdp_compiled"  # the same study with compiled blocks (--compile): its own file, tables and baselines
@@ -306,11 +306,7 @@ def targets(df: pd.DataFrame) -> list[str]:
             lines.append(f"- bf16 `{variant}` step: {1e3 * row[col]:.1f} ms = {ratio:.3f}x single "
                          f"{verdict(ratio <= TARGET_VS_SINGLE, f'<= {TARGET_VS_SINGLE:.2f}x')}"
                          + (f"; fsdp2 {theirs_ratio:.3f}x" if pd.notna(theirs_ratio) else "")
-                         + (f" (paired: median of {int(row['paired_rounds'])} rounds, range "
-                            f"{row['paired_ratio_min']:.3f}-{row['paired_ratio_max']:.3f}"
-                            + (f", median +-{100 * row['paired_ratio_ci_rel']:.1f}% (95% confidence)"
-                               if math.isfinite(row.get("paired_ratio_ci_rel", math.nan)) else "") + ")"
-                            if paired else ""))
+                         + (f" ({paired_summary(row)})" if paired else ""))
         if not theirs.empty and pd.notna(row["peak_memory_max_rank_bytes"]):
             mine = row["peak_memory_max_rank_bytes"] / 2**30
             ref = theirs.iloc[0]["peak_memory_max_rank_bytes"] / 2**30

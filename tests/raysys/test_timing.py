@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import gc
 import math
+import random
 import time
 import types
 
@@ -68,7 +69,8 @@ class _DriftingStep(_SleepStep):
 
 def test_paired_steps_alternate_blocks_and_cancel_drift(monkeypatch):
     clock = _Clock()  # the timer reads virtual time: the drift below is the only one
-    monkeypatch.setattr("raysys.timing.time", types.SimpleNamespace(perf_counter=clock, process_time=time.process_time))
+    monkeypatch.setattr("raysys.timing.time", types.SimpleNamespace(perf_counter=clock, process_time=time.process_time,
+                                                                    thread_time=time.thread_time))
     log = []
     slow, fast = _DriftingStep("slow", 0.004, log, clock), _DriftingStep("fast", 0.002, log, clock)
     out = paired_steps(slow, fast, rounds=4, block=2)
@@ -151,3 +153,42 @@ def test_paired_speedups_cancel_a_drift_and_alternate_the_order():
     assert 0 < out["paired_speedup_fwd_ci_rel"] < 0.05
     blocks = [bench(ours) for _ in range(5)], [bench(base) for _ in range(5)]  # per-provider blocks: skewed
     assert sorted(blocks[1])[2] / sorted(blocks[0])[2] > 1.2 * 1.04
+
+
+class _BurnStep:
+    """Burns `burn_s` of this thread's CPU time, then sleeps a random 0-20 ms (a host whose thread is descheduled
+    now and then): its wall time is noisy, its issuing CPU time is not."""
+
+    def __init__(self, burn_s, seed):
+        self.device, self.burn_s, self.rng = torch.device("cpu"), burn_s, random.Random(seed)
+
+    def __call__(self):
+        marks = Marks(self.device)
+        end = time.thread_time() + self.burn_s
+        while time.thread_time() < end:
+            pass
+        time.sleep(self.rng.uniform(0, 0.02))
+        for _ in range(len(PHASES) + 1):
+            marks.mark()
+        return marks
+
+
+def test_paired_host_cpu_ratio_sees_through_a_jittery_host():
+    """The paired ratio of the CPU time a thread spends issuing each step: 2x for a step that burns twice the CPU,
+    with a half-width far below the wall-time ratio's, which the random pauses dominate."""
+    out = paired_steps(_BurnStep(0.004, 1), _BurnStep(0.002, 2), rounds=6, block=3)
+    assert 1.7 < out["paired_host_cpu_ratio"] < 2.3, out
+    assert out["paired_host_cpu_ratio_ci_rel"] < min(0.1, out["paired_ratio_ci_rel"])
+    timed = time_steps(_BurnStep(0.002, 3), warmup=1, steps=4)
+    assert 0.0015 < timed["host_cpu_step_median_s"] < timed["step_median_s"]
+
+
+def test_paired_summary_names_both_ratios():
+    from sweeps.common import paired_summary
+
+    row = {"paired_rounds": 10.0, "paired_ratio_min": 0.91, "paired_ratio_max": 1.08, "paired_ratio_ci_rel": 0.045,
+           "paired_host_cpu_ratio": 1.031, "paired_host_cpu_ratio_ci_rel": 0.004}
+    assert paired_summary(row) == ("paired: median of 10 rounds, range 0.910-1.080, median +-4.5% (95% confidence); "
+                                   "host CPU time per step 1.031x +-0.4%")
+    earlier = {k: v for k, v in row.items() if "cpu" not in k}  # rows of runs before the CPU ratio
+    assert paired_summary(earlier) == "paired: median of 10 rounds, range 0.910-1.080, median +-4.5% (95% confidence)"
