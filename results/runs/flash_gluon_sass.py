@@ -1,0 +1,85 @@
+"""Instruction counts of the Gluon forward's steady-state loop in its sm_90 SASS (issue 16), built on a CPU host.
+
+Run from the repository root with Triton 3.6 (Gluon's Hopper API) and TRITON_INTERPRET unset or 0, no GPU needed:
+`PYTHONPATH=$PWD python3 results/runs/flash_gluon_sass.py OUT_DIR [--overwrite]` (an existing
+OUT_DIR/flash_gluon_sass.parquet is refused without `--overwrite`, before any work). For each head dim's tuned forward
+config (`kernels.flash_attention_gluon.default_config`, bf16, causal), the kernel is compiled for sm_90 and its
+SASS disassembled (Triton's bundled cuobjdump); the steady-state loop is, of the innermost loops with HGMMA in their
+body, the one with the most MUFU (the consumer's iteration j: S(j), P(j-1) V(j-1), softmax(j); its body also
+holds the diagonal tile's masking, which only diagonal iterations run). One row per (config, opcode): how many
+instructions of that opcode the loop body holds, per consumer thread and iteration.
+"""
+
+import collections
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from raysys.results import make_row, write_parquet
+
+import kernels.flash_attention_gluon as fg
+
+SWEEP = "flash_gluon_sass"
+
+
+def sass_of(config: fg.GluonConfig, head_dim: int) -> str:
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    from tests.kernels.test_flash_attention_gluon import _compile_sm90
+    compiled = _compile_sm90(config, head_dim, torch.bfloat16, True)
+    cuobjdump = get_ptxas(90).path.replace("ptxas", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def loop_counts(sass: str) -> collections.Counter:
+    """Opcodes of the consumer's steady-state loop: of the innermost loops (a backward branch whose range holds no
+    other) with HGMMA in their body, the one with the most MUFU (the exp2s)."""
+    ins = [(int(a, 16), text.strip()) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    loops = []
+    for addr, text in ins:
+        target = re.search(r"0x([0-9a-f]+)", text.split("BRA", 1)[1]) if "BRA" in text else None
+        if target is not None and int(target.group(1), 16) < addr:
+            loops.append((int(target.group(1), 16), addr))
+    innermost = [(lo, hi) for lo, hi in loops
+                 if not any(lo <= a < b <= hi and (a, b) != (lo, hi) for a, b in loops)]
+    best = collections.Counter()
+    for lo, hi in innermost:
+        ops = collections.Counter(re.match(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", t).group(1)
+                                  for a, t in ins if lo <= a <= hi)
+        if ops["HGMMA"] and ops["MUFU"] > best["MUFU"]:
+            best = ops
+    if not best:
+        raise RuntimeError("no innermost loop with HGMMA and MUFU instructions in the SASS")
+    return best
+
+
+def main(out_dir: str, overwrite: bool) -> None:
+    path = Path(out_dir) / f"{SWEEP}.parquet"
+    if path.exists() and not overwrite:
+        sys.exit(f"flash_gluon_sass.py: {path} exists (an earlier run); pass --overwrite to replace it")
+    if not fg.HAS_GLUON_HOPPER:
+        sys.exit("flash_gluon_sass.py: needs Triton's Gluon Hopper API (Triton 3.6)")
+    rows = []
+    for head_dim in fg.HEAD_DIMS:
+        config = fg.default_config(head_dim, torch.bfloat16)
+        counts = loop_counts(sass_of(config, head_dim))
+        print(f"d {head_dim} {config.name}: {sum(counts.values())} instructions; "
+              + ", ".join(f"{op} {n}" for op, n in counts.most_common(12)))
+        rows += [make_row(SWEEP, {"head_dim": head_dim, "config": config.name, "opcode": op},
+                          {"count_per_iteration": float(n)}) for op, n in sorted(counts.items())]
+    print(f"wrote {write_parquet(pd.DataFrame(rows), str(path))}")
+
+
+if __name__ == "__main__":
+    args = [a for a in sys.argv[1:] if a != "--overwrite"]
+    if len(args) != 1:
+        sys.exit("usage: flash_gluon_sass.py OUT_DIR [--overwrite]")
+    main(args[0], "--overwrite" in sys.argv[1:])
