@@ -260,7 +260,7 @@ def _flash_fwd_kernel(Q, K, V, O, L,
 
 
 @triton.jit
-def _row_tile(H, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _row_tile(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """(pid_bh, rows, cols) of this program's BLOCK_M query rows (grid (row tiles, B * H))."""
     pid_bh = tl.program_id(1)
     return pid_bh, tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
@@ -288,7 +288,7 @@ def _flash_bwd_preprocess_kernel(O, DO, Delta,
                                  stride_dob, stride_doh, stride_dom, stride_dod,
                                  H, N_Q, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """Algorithm 2, line 2: D = rowsum(O * dO) in fp32."""
-    pid_bh, rows, cols = _row_tile(H, BLOCK_M, BLOCK_D)
+    pid_bh, rows, cols = _row_tile(BLOCK_M, BLOCK_D)
     delta = _rowsum_o_do(O, DO, stride_ob, stride_oh, stride_om, stride_od, stride_dob, stride_doh, stride_dom,
                          stride_dod, pid_bh, rows, cols, H, N_Q, HEAD_DIM)
     tl.store(Delta + pid_bh.to(tl.int64) * N_Q + rows, delta, mask=rows < N_Q)
@@ -304,7 +304,7 @@ def _onepass_bwd_preprocess_kernel(O, DO, L, DQ, Delta_pad, L_pad,
     the natural-log L, both zero-padded to N_PAD rows (whole query tiles; (B * H, N_PAD) fp32), and the fp32 dQ
     accumulator (contiguous, q's shape) zeroed: one launch for what took six (D, two zero-filled copies, a
     memset)."""
-    pid_bh, rows, cols = _row_tile(H, BLOCK_M, BLOCK_D)
+    pid_bh, rows, cols = _row_tile(BLOCK_M, BLOCK_D)
     delta = _rowsum_o_do(O, DO, stride_ob, stride_oh, stride_om, stride_od, stride_dob, stride_doh, stride_dom,
                          stride_dod, pid_bh, rows, cols, H, N_Q, HEAD_DIM)
     lse = tl.load(L + pid_bh.to(tl.int64) * N_Q + rows, mask=rows < N_Q, other=0.0)

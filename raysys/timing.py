@@ -242,6 +242,12 @@ def paired_steps(step: TimedStep, reference: TimedStep, rounds: int, block: int 
             "paired_host_cpu_ratio_ci_rel": median_ci_rel(cpu_ratios)}
 
 
+PAIRED_REP_MS = 200
+"""Milliseconds of calls per side and round when kernels are paired with `paired_speedups` (`do_bench`'s rep): at
+50 a leaderboard-shape attention forward+backward ran about once per round, and that shape's half-widths were the
+widest."""
+
+
 def paired_speedups(ours: dict[str, Callable[[], object]], base: dict[str, Callable[[], object]], rounds: int,
                     bench: Callable[[Callable[[], object]], float], base_name: str) -> dict[str, float]:
     """Per mode (the dicts' keys), `rounds` rounds of `bench(ours[mode])` and `bench(base[mode])` back to back, the

@@ -56,7 +56,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from raysys.device import DTYPES, resolve_device  # noqa: E402
 from raysys.results import ResultWriter, make_row, status_of, trial_id  # noqa: E402
-from raysys.timing import paired_speedups  # noqa: E402
+from raysys.timing import PAIRED_REP_MS, paired_speedups  # noqa: E402
 from sweeps.common import (PROGRESS, alias, check_int, check_timeout, list_flag, main_entry, open_writer,  # noqa: E402
                            output_dir, parse_ints, parse_list, read_rows, redraw_report, study_parser,
                            write_markdown)
@@ -296,9 +296,6 @@ PAIRED_PROVIDERS = ("triton",)
 """Providers `--paired-rounds` times against SDPA cuDNN in alternating rounds (the auto dispatch: what issue 16's
 targets judge)."""
 PAIRED_MODES = ("fwd", "fwd_bwd")
-PAIRED_REP_MS = 200
-"""Milliseconds of calls per side and round of the paired timing: at 50 a leaderboard-shape forward+backward ran
-about once per round, and that shape's half-widths were the widest."""
 
 
 def _flops(cfg: dict, mode: str) -> float:

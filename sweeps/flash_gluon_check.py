@@ -35,7 +35,7 @@ import kernels.flash_attention_gluon as fg
 import kernels.flash_attention_gluon_bwd as fgb
 import kernels.flash_attention_gluon_bwd_onepass as fgo
 from raysys.results import make_row, resolve_out, write_parquet
-from raysys.timing import paired_speedups
+from raysys.timing import PAIRED_REP_MS, paired_speedups
 
 SWEEP = "flash_gluon"
 
@@ -399,9 +399,9 @@ def run_fwd(rows: list[dict], passed: dict, paired_rounds: int = 0) -> None:
 
 def paired_against_default(q, k, v, shape, configs: list, rounds: int) -> list[dict]:
     """Rows of kind 'paired': each config but the default against `fg.problem_config` (what the gluon path launches
-    at this shape: the tuned config, or SHORT_SEQUENCE's), `rounds`
-    alternating rounds (`raysys.timing.paired_speedups`): `paired_speedup_fwd_vs_default` = default time / config
-    time, > 1 where the config is faster."""
+    at this shape: the tuned config, or SHORT_SEQUENCE's) in `rounds` alternating rounds
+    (`raysys.timing.paired_speedups`): `paired_speedup_fwd_vs_default` = default time / config time, > 1 where the
+    config is faster."""
     default = fg.problem_config(q)
     rows = []
     for config in configs:
@@ -411,7 +411,7 @@ def paired_against_default(q, k, v, shape, configs: list, rounds: int) -> list[d
             metrics = paired_speedups(
                 {"fwd": lambda c=config: fg.gluon_attention_fwd(q, k, v, True, config=c)},
                 {"fwd": lambda: fg.gluon_attention_fwd(q, k, v, True, config=default)}, rounds,
-                lambda fn: triton.testing.do_bench(fn, warmup=10, rep=50), "default")
+                lambda fn: triton.testing.do_bench(fn, warmup=25, rep=PAIRED_REP_MS), "default")
         except Exception as e:
             print(f"paired gluon {config.name} {shape}: ERROR {_short(e, 2)}", flush=True)
             continue

@@ -13,9 +13,10 @@ row too (`error` / `oom`).
 
 Afterwards the best config of each (kernel, head dim, dtype) - lowest geometric-mean time over the swept
 shapes; with `--paired-rounds N` (gluon variants) highest geometric-mean ratio against the config the launcher
-takes, which each trial also times in N alternating rounds (`PAIRED_KEY`) - and each shape's winner are written to `<out>/flash_attention_tuned.json` (atomically; `--json`
-elsewhere), per path, with the device and versions they were measured on; `--json kernels/flash_attention_tuned.json`
-installs them where the kernels read them, `RAYSYS_FLASH_TUNED=<file>` tries a file without installing it. The kernels' autotuner benchmarks
+takes, which each trial also times in N alternating rounds (`PAIRED_KEY`) - and each shape's winner are
+written to `<out>/flash_attention_tuned.json` (atomically; `--json` elsewhere), per path, with the device and
+versions they were measured on; `--json kernels/flash_attention_tuned.json` installs them where the kernels read
+them, `RAYSYS_FLASH_TUNED=<file>` tries a file without installing it. The kernels' autotuner benchmarks
 only those for a call whose (path, head dim, dtype) has entries and, with `RAYSYS_FLASH_AUTOTUNE=0`, uses the
 first. Writes `<out>/flash_tiles.parquet`. `--compile-workers N` (local launcher) compiles every trial's
 kernel in N processes before the timed trials.
