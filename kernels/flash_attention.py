@@ -463,7 +463,7 @@ def _define_op(name: str, impl, fake):
 def _gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, checked: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gluon forward of 4-D inputs; `checked`: `gluon_unsupported` accepted them already (its host time once)."""
-    config = gluon_fwd.problem_config(q)
+    config = gluon_fwd.problem_config(q, k)
     LAST_PATH["fwd"], LAST_CONFIG["fwd"] = GLUON, config
     return (gluon_fwd.launch_fwd if checked else gluon_fwd.gluon_attention_fwd)(q, k, v, is_causal, config)
 

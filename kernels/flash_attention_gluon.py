@@ -478,19 +478,46 @@ The tuned file gives one config per head dim (`sweeps/flash_tiles.py` writes per
 too far apart to place this crossover)."""
 
 
-def problem_config(q: torch.Tensor) -> GluonConfig:
-    """The forward config for q (B, H, N_Q, d) when none is given: `default_config`, with SHORT_SEQUENCE's fields
-    up to its length when the tuned config has two consumer groups (what the persistent grid takes)."""
-    return _problem_config(q.shape[-1], q.dtype, q.shape[2])
+def problem_config(q: torch.Tensor, k: torch.Tensor) -> GluonConfig:
+    """The forward config for q (B, H, N_Q, d) and k (B, H, N_K, d) when none is given: `default_config`, with
+    SHORT_SEQUENCE's fields up to its length when the tuned config has two consumer groups (what the persistent grid
+    takes), and its head group fit to the L2 cache of q's device (`l2_head_group`: every query tile of a head reads
+    that head's K and V again, 2 * N_K * d elements); one lookup per problem shape."""
+    batch, heads, n_q, head_dim = q.shape
+    return _problem_config(head_dim, q.dtype, n_q, k.shape[2], batch * heads, q.device)
 
 
 @functools.lru_cache(maxsize=64)
-def _problem_config(head_dim: int, dtype: torch.dtype, n_q: int) -> GluonConfig:
+def _problem_config(head_dim: int, dtype: torch.dtype, n_q: int, n_k: int, heads: int,
+                    device: torch.device) -> GluonConfig:
     config = default_config(head_dim, dtype)
     n_max, fields = SHORT_SEQUENCE.get(head_dim, (0, {}))
     if n_q <= n_max and config.num_consumers == 2:
-        return dataclasses.replace(config, **fields)
-    return config
+        config = dataclasses.replace(config, **fields)
+    head_bytes = 2 * n_k * head_dim * torch.empty((), dtype=dtype).element_size()
+    group = l2_head_group(config.head_group, head_bytes, heads, l2_cache_bytes(device))
+    return config if group == config.head_group else dataclasses.replace(config, head_group=group)
+
+
+def l2_head_group(head_group: int, head_bytes: int, heads: int | None, l2_bytes: int | None) -> int:
+    """`head_group` (0: all `heads`) lowered to the heads whose re-read rows fit the L2 cache together, `head_bytes`
+    a head (what every program of the head streams again: K and V in the forward; Q, dO and the fp32 dQ in the
+    one-pass backward). The tuned group was measured at the swept shapes; at longer sequences fewer heads fit, and
+    fewer heads were faster there (results/flash_hopper_notes.md, sections 11 and 13). Unchanged without `l2_bytes`
+    or where the tuned group fits."""
+    if l2_bytes is None or l2_bytes <= 0:
+        return head_group
+    fit = max(1, l2_bytes // head_bytes)
+    current = head_group or heads
+    if current is None or current <= fit:
+        return head_group
+    return fit
+
+
+@functools.lru_cache(maxsize=None)
+def l2_cache_bytes(device: torch.device) -> int | None:
+    """The L2 cache of a CUDA device in bytes (asked once per device); None for another device."""
+    return torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else None
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -656,7 +683,7 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_ca
     reason = unsupported_reason(q, k, v)
     if reason:
         raise ValueError(f"gluon_attention_fwd: {reason}")
-    return launch_fwd(q, k, v, is_causal, config or problem_config(q))
+    return launch_fwd(q, k, v, is_causal, config or problem_config(q, k))
 
 
 def launch_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config: GluonConfig

@@ -26,8 +26,8 @@ import math
 import torch
 import triton
 
-from kernels.flash_attention_gluon import (HAS_GLUON_HOPPER, LOADER_REGS, LOG2E, _descriptor, num_sms, register_split,
-                                          shared_layout, tensor_descriptor)
+from kernels.flash_attention_gluon import (HAS_GLUON_HOPPER, LOADER_REGS, LOG2E, _descriptor, l2_cache_bytes,
+                                          l2_head_group, num_sms, register_split, shared_layout, tensor_descriptor)
 from kernels.flash_attention_gluon_bwd import (BWD_BLOCK_N, _key_stationary_shared, _load_kv_tiles, _load_q_do_tile,
                                               _sdp_transposed)
 from kernels.flash_attention_tuning import gluon_tuned_fields
@@ -496,36 +496,15 @@ def default_config(head_dim: int, dtype, n_q: int | None = None, heads: int | No
                    l2_bytes: int | None = None) -> GluonBwdConfig:
     """The tuned file's one-pass config for this head dim and dtype (`sweeps/flash_tiles.py --variants gluon`),
     else DEFAULT_BWD_CONFIGS'; given the problem's query length `n_q`, its B * H `heads` and the device's L2 bytes,
-    its `head_group` capped by `l2_head_group`."""
+    its `head_group` capped by `l2_head_group` (a head's Q and dO rows and its fp32 dQ, n_q * d * (2 * elem + 4)
+    bytes)."""
     fields = gluon_tuned_fields("bwd", head_dim, dtype)
     config = GluonBwdConfig(**fields) if fields else DEFAULT_BWD_CONFIGS[head_dim]
     if n_q is None:
         return config
-    group = l2_head_group(config.head_group, n_q, head_dim, torch.empty((), dtype=dtype).element_size(),
-                          heads, l2_bytes)
+    elem = torch.empty((), dtype=dtype).element_size()
+    group = l2_head_group(config.head_group, n_q * head_dim * (2 * elem + 4), heads, l2_bytes)
     return config if group == config.head_group else dataclasses.replace(config, head_group=group)
-
-
-def l2_head_group(head_group: int, n_q: int, head_dim: int, elem: int, heads: int | None,
-                  l2_bytes: int | None) -> int:
-    """`head_group` (0: all `heads`) lowered to the heads whose streamed rows fit the L2 cache together: each
-    head's programs read Q and dO (`elem` bytes) and add into its fp32 dQ accumulator, n_q * head_dim *
-    (2 * elem + 4) bytes, from every key tile in flight. The tuned group was measured at the swept shapes; at
-    longer sequences fewer heads fit, and fewer heads were faster there (results/flash_hopper_notes.md, section 11).
-    Unchanged without `l2_bytes` or where the tuned group fits."""
-    if l2_bytes is None or l2_bytes <= 0:
-        return head_group
-    fit = max(1, l2_bytes // (n_q * head_dim * (2 * elem + 4)))
-    current = head_group or heads
-    if current is None or current <= fit:
-        return head_group
-    return fit
-
-
-@functools.lru_cache(maxsize=None)
-def l2_cache_bytes(device: torch.device) -> int | None:
-    """The L2 cache of a CUDA device in bytes (asked once per device); None for another device."""
-    return torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else None
 
 
 def problem_config(q: torch.Tensor) -> GluonBwdConfig:

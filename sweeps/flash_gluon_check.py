@@ -53,11 +53,13 @@ CONFIGS = {
           fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2, persistent=True),
           *(fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2, persistent=p, head_group=g)
             for p in (False, True) for g in (4, 8, 16)),
-          *(fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2, head_group=g) for g in (1, 2)),
+          *(fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2, head_group=g)
+            for g in (1, 2, 3, 6)),
           *(fg.GluonConfig(block_m=64, block_n=64, num_stages=2, num_consumers=3, head_group=g) for g in (2, 8))],
 }
-"""Per head dim, the default first; `head_group` on the default and the persistent grid; three consumer groups of 64
-query rows (FlashAttention-3's 192-row tile), at d 128 on 64-key tiles (the tile sweep's winner at 16384)."""
+"""Per head dim, the default first; `head_group` on the default and the persistent grid (3 and 6: what the L2 cap
+takes at 32768 and 16384, d 128); three consumer groups of 64 query rows (FlashAttention-3's 192-row tile), at d 128
+on 64-key tiles (the tile sweep's winner at 16384)."""
 CHECK_SHAPES = [((1, 3, 1000, 128), 1000, True), ((1, 3, 1000, 128), 1000, False), ((2, 2, 777, 64), 777, True),
                 ((2, 2, 777, 64), 777, False), ((1, 2, 513, 128), 1029, False), ((1, 2, 513, 64), 1029, False)]
 """(q shape, n_k, causal)."""
@@ -399,10 +401,10 @@ def run_fwd(rows: list[dict], passed: dict, paired_rounds: int = 0) -> None:
 
 def paired_against_default(q, k, v, shape, configs: list, rounds: int) -> list[dict]:
     """Rows of kind 'paired': each config but the default against `fg.problem_config` (what the gluon path launches
-    at this shape: the tuned config, or SHORT_SEQUENCE's) in `rounds` alternating rounds
-    (`raysys.timing.paired_speedups`): `paired_speedup_fwd_vs_default` = default time / config time, > 1 where the
+    at this shape: the tuned config or SHORT_SEQUENCE's, its head group fit to the L2 cache) in `rounds` alternating
+    rounds (`raysys.timing.paired_speedups`): `paired_speedup_fwd_vs_default` = default time / config time, > 1 where the
     config is faster."""
-    default = fg.problem_config(q)
+    default = fg.problem_config(q, k)
     rows = []
     for config in configs:
         if config == default:

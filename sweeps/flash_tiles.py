@@ -340,7 +340,7 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
         from raysys.timing import paired_speedups
 
         if kernel == "fwd":
-            ref = gluon_fwd.problem_config(q)
+            ref = gluon_fwd.problem_config(q, k)
             ref_run = lambda: gluon_fwd.gluon_attention_fwd(q, k, v, causal, config=ref)[0]  # noqa: E731
         else:
             ref = one_pass.problem_config(q)

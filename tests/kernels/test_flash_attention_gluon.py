@@ -139,14 +139,22 @@ def test_compiles_for_sm90(head_dim, persistent, head_group):
 def test_tuned_forward_configs_compile_for_sm90_without_spills(head_dim):
     """The configs the gluon forward launches by default (the tuned file's sweep-wide winner, else the built-in one,
     and at a short sequence SHORT_SEQUENCE's) build for sm_90 within shared memory and without spills; at d 128 the
-    persistent grid with head groups spills a few bytes (the short-sequence timing includes them), no more."""
-    for config in {fg.default_config(head_dim, torch.bfloat16), fg.problem_config(_cpu((4, 32, 2048, head_dim)))}:
+    persistent grid with head groups spills a few bytes (the short-sequence timing includes them), no more; the head
+    groups the L2 cap takes at 16384 and 32768 (50 MiB) build without spills too."""
+    tuned = fg.default_config(head_dim, torch.bfloat16)
+    capped = {dataclasses.replace(tuned, head_group=fg.l2_head_group(tuned.head_group, 4 * n * head_dim, 32, 50 * 2**20))
+              for n in (16384, 32768)}
+    for config in {tuned, _self_attention_config((4, 32, 2048, head_dim)), *capped}:
         compiled = _compile_sm90(config, head_dim, torch.bfloat16, True)
         assert compiled.metadata.shared >= config.shared_bytes(head_dim)
         log = _ptxas_log(compiled.asm["ptx"])
         spilled = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
         allowed = 32 if head_dim == 128 and config.persistent and config.head_group else 0
         assert spilled <= allowed, (config.name, log)
+
+
+def _self_attention_config(shape):
+    return fg.problem_config(_cpu(shape), _cpu(shape))
 
 
 def test_problem_config_takes_the_persistent_grid_for_short_sequences(monkeypatch):
@@ -157,12 +165,36 @@ def test_problem_config_takes_the_persistent_grid_for_short_sequences(monkeypatc
     fg._problem_config.cache_clear()
     n_max, fields = fg.SHORT_SEQUENCE[128]
     for n in (1, 1000, n_max):
-        assert fg.problem_config(_cpu((4, 32, n, 128))) == dataclasses.replace(tuned[128], **fields)
-    assert fg.problem_config(_cpu((1, 2, n_max + 1, 128))) == tuned[128]
-    assert fg.problem_config(_cpu((8, 16, 1024, 64))) == tuned[64]
+        assert _self_attention_config((4, 32, n, 128)) == dataclasses.replace(tuned[128], **fields)
+    assert _self_attention_config((1, 2, n_max + 1, 128)) == tuned[128]
+    assert _self_attention_config((8, 16, 1024, 64)) == tuned[64]
     tuned[128] = fg.GluonConfig(block_n=64, num_consumers=3, head_group=8)
     fg._problem_config.cache_clear()
-    assert fg.problem_config(_cpu((4, 32, 2048, 128))) == tuned[128]
+    assert _self_attention_config((4, 32, 2048, 128)) == tuned[128]
+    fg._problem_config.cache_clear()
+
+
+def test_forward_head_group_fits_the_l2_cache(monkeypatch):
+    """`problem_config` caps the tuned forward config's head group at the heads whose K and V (2 * N_K * d elements
+    each) fit the device's L2 together: by the keys' length, not the queries'; SHORT_SEQUENCE's group kept where it
+    fits; no cap off CUDA (no cache size)."""
+    mib = 2**20
+    tuned = fg.GluonConfig(head_group=8)
+    monkeypatch.setattr(fg, "default_config", lambda head_dim, dtype: tuned)
+    fg._problem_config.cache_clear()
+    monkeypatch.setattr(fg, "l2_cache_bytes", lambda device: 50 * mib)
+    q = torch.empty(1, 32, 32768, 128, dtype=torch.bfloat16, device="meta")
+    assert fg.problem_config(q, q) == dataclasses.replace(tuned, head_group=3)  # 16 MiB a head
+    assert fg.problem_config(q[:, :16, :16384], q[:, :16, :16384]) == dataclasses.replace(tuned, head_group=6)
+    assert fg.problem_config(q[:, :, :4096], q) == dataclasses.replace(tuned, head_group=3)  # N_K decides
+    assert fg.problem_config(q[:, :, :4096], q[:, :, :4096]) == tuned  # 2 MiB a head: 8 fit
+    n_max, fields = fg.SHORT_SEQUENCE[128]
+    short = q[:, :, :n_max]
+    assert fg.problem_config(short, short) == dataclasses.replace(tuned, **fields)
+    assert fg.problem_config(q.float()[:, :16, :16384], q.float()[:, :16, :16384]).head_group == 3  # 4-byte elements
+    fg._problem_config.cache_clear()
+    monkeypatch.undo()
+    assert fg.l2_cache_bytes(torch.device("cpu")) is None
     fg._problem_config.cache_clear()
 
 
@@ -197,16 +229,19 @@ def test_bwd_config_rules():
     assert halves.name == "bwd2x64xq64/s2/rt"
 
 
-def test_bwd_head_group_fits_the_l2_cache(monkeypatch):
+def test_head_group_fits_the_l2_cache(monkeypatch):
     mib = 2**20
-    # bf16 d 128: Q, dO and the fp32 dQ are 1 KiB a row: 16 MiB a head at 16384, 32 MiB at 32768, 2 MiB at 2048.
-    assert fgo.l2_head_group(8, 16384, 128, 2, 16, 50 * mib) == 3
-    assert fgo.l2_head_group(8, 32768, 128, 2, 32, 50 * mib) == 1
-    assert fgo.l2_head_group(8, 2048, 128, 2, 128, 50 * mib) == 8  # the tuned group fits: kept
-    assert fgo.l2_head_group(0, 16384, 128, 2, 16, 50 * mib) == 3  # all 16 heads do not fit
-    assert fgo.l2_head_group(0, 2048, 128, 2, 16, 50 * mib) == 0  # all 16 heads fit (32 MiB)
-    assert fgo.l2_head_group(8, 65536, 128, 4, 4, 50 * mib) == 1  # fp32 rows; never below one head
-    assert fgo.l2_head_group(8, 32768, 128, 2, 32, None) == 8  # no cache size known: the tuned group
+    # `head_bytes` a head, bf16 d 128. Backward (Q, dO and the fp32 dQ, 1 KiB a row): 16 MiB a head at 16384,
+    # 32 MiB at 32768, 2 MiB at 2048. Forward (K and V, 512 bytes a row): 8 MiB at 16384, 16 MiB at 32768.
+    assert fg.l2_head_group(8, 16 * mib, 16, 50 * mib) == 3
+    assert fg.l2_head_group(8, 32 * mib, 32, 50 * mib) == 1
+    assert fg.l2_head_group(8, 2 * mib, 128, 50 * mib) == 8  # the tuned group fits: kept
+    assert fg.l2_head_group(0, 16 * mib, 16, 50 * mib) == 3  # all 16 heads do not fit
+    assert fg.l2_head_group(0, 2 * mib, 16, 50 * mib) == 0  # all 16 heads fit (32 MiB)
+    assert fg.l2_head_group(8, 64 * mib, 4, 50 * mib) == 1  # never below one head
+    assert fg.l2_head_group(8, 32 * mib, 32, None) == 8  # no cache size known: the tuned group
+    assert fg.l2_head_group(8, 8 * mib, 16, 50 * mib) == 6
+    assert fg.l2_head_group(8, 16 * mib, 32, 50 * mib) == 3
     monkeypatch.setattr(fgo, "gluon_tuned_fields", lambda kind, head_dim, dtype: dict(head_group=8, num_stages=2))
     tuned = fgo.default_config(128, torch.bfloat16)
     assert tuned == fgo.GluonBwdConfig(head_group=8, num_stages=2)
