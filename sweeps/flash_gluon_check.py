@@ -10,8 +10,8 @@ fp32 autograd of the reference attention on the same odd shapes (the tl backward
 two-pass dQ/dK/dV must also be bitwise equal over two runs); (d) forward+backward time (gluon fwd + gluon bwd, gluon
 fwd + tl bwd, SDPA cuDNN), TFLOP/s counting 3.5x the causal-half forward, and backward-only time (cuDNN through
 autograd with the graph retained, tl, two-pass gluon) counting 2.5x.
-`--paired-rounds N`: (b') each forward config against the one the gluon path launches at that shape in N
-alternating rounds. Rows go to <out>/flash_gluon.parquet (never over an earlier one without `--overwrite`). Run:
+`--paired-rounds N`: (b') each forward config, and (d') each one-pass backward config, against the one the gluon
+path launches at that shape in N alternating rounds. Rows go to <out>/flash_gluon.parquet (never over an earlier one without `--overwrite`). Run:
 `PYTHONPATH=$PWD python3 sweeps/flash_gluon_check.py --out $OUT [--part all]`.
 """
 
@@ -234,8 +234,10 @@ def _bwd_path() -> str:
     return f"{LAST_PATH.get('dkdvq' if mode == 'one_pass' else 'dkdv', '?')}, {mode}"
 
 
-def run_bwd(rows: list[dict]) -> None:
-    """(c) backward correctness per config, then (d) forward+backward and backward-only timing of those passed."""
+def run_bwd(rows: list[dict], paired_rounds: int = 0) -> None:
+    """(c) backward correctness per config, then (d) forward+backward and backward-only timing of those passed;
+    with `paired_rounds`, (d') each one-pass config's backward against the one the gluon path launches
+    (`fgo.problem_config`) in alternating rounds."""
     passed = check_configs(BWD_CONFIGS, check_bwd, "check_bwd", rows)
     from kernels.flash_attention import flash_attention_bwd
     for shape in BENCH_SHAPES:
@@ -282,6 +284,12 @@ def run_bwd(rows: list[dict]) -> None:
                     kind="time_bwd"))
             except Exception as e:
                 print(f"time {provider} {config.name} fwd+bwd {shape}: ERROR {_short(e, 2)}", flush=True)
+        if paired_rounds and out is not None:
+            one_pass = [c for c in passed[shape[-1]] if _mode(c) == "one_pass"]
+            rows.extend(paired_against_default(
+                shape, one_pass, fgo.problem_config(q),
+                lambda c: fgb.gluon_attention_bwd(q, k, v, out, lse, do, True, config=c, mode="one_pass"),
+                paired_rounds, mode="bwd"))
         q = k = v = do = out = lse = None
         torch.cuda.empty_cache()
 
@@ -308,9 +316,9 @@ def main() -> None:
     parser.add_argument("--part", choices=("fwd", "bwd", "all"), default="fwd",
                         help="forward checks and timing, backward ones, or both (all: under 4 minutes on an H200)")
     parser.add_argument("--paired-rounds", type=int, default=0, metavar="N",
-                        help="also time every forward config against the one the gluon path launches at each shape "
-                             "(the tuned file's, or the short-sequence one) in N alternating rounds (>= 3; rows of "
-                             "kind 'paired')")
+                        help="also time every forward config (--part bwd/all: every one-pass backward config) "
+                             "against the one the gluon path launches at each shape in N alternating rounds (>= 3; "
+                             "rows of kind 'paired' / 'paired_bwd')")
     parser.add_argument("--shapes", default=None, metavar="BxHxNxD,...",
                         help="causal bf16 shapes to time instead of the four hopper ones, e.g. 8x16x2048x128 "
                              "(head dim 64 or 128)")
@@ -349,7 +357,7 @@ def main() -> None:
     if args.part in ("fwd", "all"):
         run_fwd(rows, passed, args.paired_rounds)
     if args.part in ("bwd", "all"):
-        run_bwd(rows)
+        run_bwd(rows, args.paired_rounds)
     write(rows, str(out), start)
 
 
@@ -394,35 +402,38 @@ def run_fwd(rows: list[dict], passed: dict, paired_rounds: int = 0) -> None:
             except Exception as e:
                 print(f"time gluon {config.name} {shape}: ERROR {_short(e, 2)}", flush=True)
         if paired_rounds:
-            rows.extend(paired_against_default(q, k, v, shape, passed[shape[-1]], paired_rounds))
+            rows.extend(paired_against_default(
+                shape, passed[shape[-1]], fg.problem_config(q, k),
+                lambda c: fg.gluon_attention_fwd(q, k, v, True, config=c), paired_rounds))
         q = k = v = None  # free the inputs before the next shape
         torch.cuda.empty_cache()
 
 
-def paired_against_default(q, k, v, shape, configs: list, rounds: int) -> list[dict]:
-    """Rows of kind 'paired': each config but the default against `fg.problem_config` (what the gluon path launches
-    at this shape: the tuned config or SHORT_SEQUENCE's, its head group fit to the L2 cache) in `rounds` alternating
-    rounds (`raysys.timing.paired_speedups`): `paired_speedup_fwd_vs_default` = default time / config time, > 1 where the
-    config is faster."""
-    default = fg.problem_config(q, k)
+def paired_against_default(shape, configs: list, default, run, rounds: int, mode: str = "fwd",
+                           bench=None) -> list[dict]:
+    """Rows of kind 'paired' (`mode` fwd) or 'paired_bwd' (bwd): each config but `default` (what the gluon path
+    launches at this shape: `fg.problem_config` / `fgo.problem_config`) against it, `run(config)` timed in `rounds`
+    alternating rounds (`raysys.timing.paired_speedups`; `bench` None: do_bench for PAIRED_REP_MS):
+    `paired_speedup_<mode>_vs_default` = default time / config time, > 1 where the config is faster. A config that
+    fails prints one line and gets no row."""
+    bench = bench or (lambda fn: triton.testing.do_bench(fn, warmup=25, rep=PAIRED_REP_MS))
+    batch, heads, n, d = shape
     rows = []
     for config in configs:
         if config == default:
             continue
         try:
-            metrics = paired_speedups(
-                {"fwd": lambda c=config: fg.gluon_attention_fwd(q, k, v, True, config=c)},
-                {"fwd": lambda: fg.gluon_attention_fwd(q, k, v, True, config=default)}, rounds,
-                lambda fn: triton.testing.do_bench(fn, warmup=25, rep=PAIRED_REP_MS), "default")
+            metrics = paired_speedups({mode: lambda c=config: run(c)}, {mode: lambda: run(default)}, rounds, bench,
+                                      "default")
         except Exception as e:
-            print(f"paired gluon {config.name} {shape}: ERROR {_short(e, 2)}", flush=True)
+            print(f"paired gluon {mode} {config.name} {shape}: ERROR {_short(e, 2)}", flush=True)
             continue
-        batch, heads, n, d = shape
-        rows.append(_row(dict(kind="paired", provider="gluon", config=config.name, default=default.name,
-                              shape=f"{batch}x{heads}x{n}x{d}", head_dim=d, causal=True, dtype="torch.bfloat16"),
-                         metrics))
-        print(f"paired {config.name} vs {default.name} {shape}: {metrics['paired_speedup_fwd_vs_default']:.3f} "
-              f"(+-{metrics['paired_speedup_fwd_ci_rel']:.1%})", flush=True)
+        rows.append(_row(dict(kind="paired" if mode == "fwd" else f"paired_{mode}", provider="gluon",
+                              config=config.name, default=default.name, shape=f"{batch}x{heads}x{n}x{d}",
+                              head_dim=d, causal=True, dtype="torch.bfloat16"), metrics))
+        print(f"paired {mode} {config.name} vs {default.name} {shape}: "
+              f"{metrics[f'paired_speedup_{mode}_vs_default']:.3f} (+-{metrics[f'paired_speedup_{mode}_ci_rel']:.1%})",
+              flush=True)
     return rows
 
 

@@ -485,6 +485,32 @@ def test_gluon_check_refuses_bad_flags_before_any_work(argv, message, monkeypatc
     assert message in capsys.readouterr().err
 
 
+def test_gluon_check_pairs_each_config_against_the_launched_one(capsys):
+    """`paired_against_default`: one row per config but the launched one, its ratio the launched config's time over
+    the config's (median over alternating rounds), kind 'paired' for the forward and 'paired_bwd' for the backward;
+    a config whose run fails prints one line and gets no row."""
+    from kernels.flash_attention_gluon_bwd_onepass import GluonBwdConfig
+    from sweeps import flash_gluon_check as check
+
+    default, faster, slower, broken = (GluonBwdConfig(head_group=g) for g in (3, 1, 8, 2))
+    times = {default: 5.0, faster: 4.0, slower: 6.25}
+
+    def run(config):
+        if config == broken:
+            raise RuntimeError("launch failed")
+        return times[config]
+    rows = check.paired_against_default((1, 16, 16384, 128), [default, faster, slower, broken], default, run, 3,
+                                        mode="bwd", bench=lambda fn: fn())
+    assert [(r["kind"], r["config"], r["default"], r["shape"]) for r in rows] == [
+        ("paired_bwd", faster.name, default.name, "1x16x16384x128"),
+        ("paired_bwd", slower.name, default.name, "1x16x16384x128")]
+    assert [r["paired_speedup_bwd_vs_default"] for r in rows] == [1.25, 0.8]
+    assert all(r["paired_rounds"] == 3 and "paired_speedup_fwd_vs_default" not in r for r in rows)
+    assert f"paired gluon bwd {broken.name}" in capsys.readouterr().out
+    fwd = check.paired_against_default((1, 16, 16384, 128), [faster], default, run, 3, bench=lambda fn: fn())
+    assert fwd[0]["kind"] == "paired" and fwd[0]["paired_speedup_fwd_vs_default"] == 1.25
+
+
 def test_gluon_check_shapes_flag_sets_the_timed_shapes():
     from sweeps import flash_gluon_check as check
 
