@@ -499,15 +499,23 @@ def _problem_config(head_dim: int, dtype: torch.dtype, n_q: int, n_k: int, heads
     return config if group == config.head_group else dataclasses.replace(config, head_group=group)
 
 
+L2_SHARE = 4
+"""`l2_head_group` keeps a group's re-read rows within 1 / L2_SHARE of the L2 cache. Measured, not derived: paired
+against the neighbouring groups on the H200 (60 MiB), one head at a time was fastest in both directions at 16384 and
+32768 (d 128; results/runs/flash_gluon_fwd_groups_c70d41a.parquet, flash_gluon_bwd_groups_c7d98d2.parquet), which
+the whole cache (7 and 3 forward heads, 3 backward at 16384) missed; the cache is two partitions, and the outputs
+and single-use tiles pass through it too. Short sequences keep their tuned groups under it."""
+
+
 def l2_head_group(head_group: int, head_bytes: int, heads: int | None, l2_bytes: int | None) -> int:
-    """`head_group` (0: all `heads`) lowered to the heads whose re-read rows fit the L2 cache together, `head_bytes`
-    a head (what every program of the head streams again: K and V in the forward; Q, dO and the fp32 dQ in the
-    one-pass backward). The tuned group was measured at the swept shapes; at longer sequences fewer heads fit, and
-    fewer heads were faster there (results/flash_hopper_notes.md, sections 11 and 13). Unchanged without `l2_bytes`
-    or where the tuned group fits."""
+    """`head_group` (0: all `heads`) lowered to the heads whose re-read rows fit their share of the L2 cache
+    (L2_SHARE) together, `head_bytes` a head (what every program of the head streams again: K and V in the forward;
+    Q, dO and the fp32 dQ in the one-pass backward). The tuned group was measured at the swept shapes; at longer
+    sequences fewer heads fit, and fewer heads were faster there (results/flash_hopper_notes.md, sections 11 and 14).
+    Unchanged without `l2_bytes` or where the tuned group fits."""
     if l2_bytes is None or l2_bytes <= 0:
         return head_group
-    fit = max(1, l2_bytes // head_bytes)
+    fit = max(1, l2_bytes // (L2_SHARE * head_bytes))
     current = head_group or heads
     if current is None or current <= fit:
         return head_group

@@ -176,22 +176,24 @@ def test_problem_config_takes_the_persistent_grid_for_short_sequences(monkeypatc
 
 def test_forward_head_group_fits_the_l2_cache(monkeypatch):
     """`problem_config` caps the tuned forward config's head group at the heads whose K and V (2 * N_K * d elements
-    each) fit the device's L2 together: by the keys' length, not the queries'; SHORT_SEQUENCE's group kept where it
-    fits; no cap off CUDA (no cache size)."""
+    each) fit their share of the device's L2 together: by the keys' length, not the queries'; SHORT_SEQUENCE's group
+    and short d-64 problems kept; no cap off CUDA (no cache size)."""
     mib = 2**20
     tuned = fg.GluonConfig(head_group=8)
     monkeypatch.setattr(fg, "default_config", lambda head_dim, dtype: tuned)
     fg._problem_config.cache_clear()
-    monkeypatch.setattr(fg, "l2_cache_bytes", lambda device: 50 * mib)
+    monkeypatch.setattr(fg, "l2_cache_bytes", lambda device: 60 * mib)
     q = torch.empty(1, 32, 32768, 128, dtype=torch.bfloat16, device="meta")
-    assert fg.problem_config(q, q) == dataclasses.replace(tuned, head_group=3)  # 16 MiB a head
-    assert fg.problem_config(q[:, :16, :16384], q[:, :16, :16384]) == dataclasses.replace(tuned, head_group=6)
-    assert fg.problem_config(q[:, :, :4096], q) == dataclasses.replace(tuned, head_group=3)  # N_K decides
-    assert fg.problem_config(q[:, :, :4096], q[:, :, :4096]) == tuned  # 2 MiB a head: 8 fit
+    assert fg.problem_config(q, q) == dataclasses.replace(tuned, head_group=1)  # 16 MiB a head
+    assert fg.problem_config(q[:, :16, :16384], q[:, :16, :16384]) == dataclasses.replace(tuned, head_group=1)
+    assert fg.problem_config(q[:, :, :8192], q[:, :, :8192]) == dataclasses.replace(tuned, head_group=3)  # 4 MiB
+    assert fg.problem_config(q[:, :, :128], q[:, :, :8192]).head_group == 3  # N_K decides
     n_max, fields = fg.SHORT_SEQUENCE[128]
     short = q[:, :, :n_max]
-    assert fg.problem_config(short, short) == dataclasses.replace(tuned, **fields)
-    assert fg.problem_config(q.float()[:, :16, :16384], q.float()[:, :16, :16384]).head_group == 3  # 4-byte elements
+    assert fg.problem_config(short, short) == dataclasses.replace(tuned, **fields)  # 1 MiB a head: 4 fit
+    d64 = torch.empty(8, 16, 4096, 64, dtype=torch.bfloat16, device="meta")
+    assert fg.problem_config(d64, d64) == tuned  # 1 MiB a head: 8 fit
+    assert fg.problem_config(d64.float(), d64.float()).head_group == 7  # 4-byte elements: 2 MiB
     fg._problem_config.cache_clear()
     monkeypatch.undo()
     assert fg.l2_cache_bytes(torch.device("cpu")) is None
@@ -232,25 +234,28 @@ def test_bwd_config_rules():
 def test_head_group_fits_the_l2_cache(monkeypatch):
     mib = 2**20
     # `head_bytes` a head, bf16 d 128. Backward (Q, dO and the fp32 dQ, 1 KiB a row): 16 MiB a head at 16384,
-    # 32 MiB at 32768, 2 MiB at 2048. Forward (K and V, 512 bytes a row): 8 MiB at 16384, 16 MiB at 32768.
-    assert fg.l2_head_group(8, 16 * mib, 16, 50 * mib) == 3
-    assert fg.l2_head_group(8, 32 * mib, 32, 50 * mib) == 1
-    assert fg.l2_head_group(8, 2 * mib, 128, 50 * mib) == 8  # the tuned group fits: kept
-    assert fg.l2_head_group(0, 16 * mib, 16, 50 * mib) == 3  # all 16 heads do not fit
-    assert fg.l2_head_group(0, 2 * mib, 16, 50 * mib) == 0  # all 16 heads fit (32 MiB)
-    assert fg.l2_head_group(8, 64 * mib, 4, 50 * mib) == 1  # never below one head
+    # 32 MiB at 32768, 2 MiB at 2048. Forward (K and V, 512 bytes a row): 8 MiB at 16384, 1 MiB at 2048. The
+    # H200's 60 MiB, a quarter of it (L2_SHARE) for the group: 15 MiB.
+    assert fg.L2_SHARE == 4
+    assert fg.l2_head_group(4, 16 * mib, 16, 60 * mib) == 1
+    assert fg.l2_head_group(8, 32 * mib, 32, 60 * mib) == 1
+    assert fg.l2_head_group(8, 8 * mib, 16, 60 * mib) == 1
+    assert fg.l2_head_group(4, 2 * mib, 128, 60 * mib) == 4  # the tuned group fits: kept
+    assert fg.l2_head_group(8, 2 * mib, 128, 60 * mib) == 7
+    assert fg.l2_head_group(0, 2 * mib, 16, 60 * mib) == 7  # all 16 heads do not fit
+    assert fg.l2_head_group(0, 1 * mib, 8, 60 * mib) == 0  # all 8 heads fit (8 MiB)
+    assert fg.l2_head_group(8, 64 * mib, 4, 60 * mib) == 1  # never below one head
     assert fg.l2_head_group(8, 32 * mib, 32, None) == 8  # no cache size known: the tuned group
-    assert fg.l2_head_group(8, 8 * mib, 16, 50 * mib) == 6
-    assert fg.l2_head_group(8, 16 * mib, 32, 50 * mib) == 3
-    monkeypatch.setattr(fgo, "gluon_tuned_fields", lambda kind, head_dim, dtype: dict(head_group=8, num_stages=2))
+    monkeypatch.setattr(fgo, "gluon_tuned_fields", lambda kind, head_dim, dtype: dict(head_group=4, num_stages=2))
     tuned = fgo.default_config(128, torch.bfloat16)
-    assert tuned == fgo.GluonBwdConfig(head_group=8, num_stages=2)
-    assert fgo.default_config(128, torch.bfloat16, 32768, 32, 50 * mib) == dataclasses.replace(tuned, head_group=1)
-    assert fgo.default_config(128, torch.bfloat16, 2048, 128, 50 * mib) == tuned
+    assert tuned == fgo.GluonBwdConfig(head_group=4, num_stages=2)
+    assert fgo.default_config(128, torch.bfloat16, 32768, 32, 60 * mib) == dataclasses.replace(tuned, head_group=1)
+    assert fgo.default_config(128, torch.bfloat16, 16384, 16, 60 * mib) == dataclasses.replace(tuned, head_group=1)
+    assert fgo.default_config(128, torch.bfloat16, 2048, 128, 60 * mib) == tuned
     assert fgo.l2_cache_bytes(torch.device("cpu")) is None
     # What `auto` and a config-less call launch: the cap from the tensor's shape and its device's L2.
     fgo._problem_config.cache_clear()
-    monkeypatch.setattr(fgo, "l2_cache_bytes", lambda device: 50 * mib)
+    monkeypatch.setattr(fgo, "l2_cache_bytes", lambda device: 60 * mib)
     q = torch.empty(1, 32, 32768, 128, dtype=torch.bfloat16, device="meta")
     assert fgo.problem_config(q) == dataclasses.replace(tuned, head_group=1)
     assert fgo.problem_config(q[:, :, :2048]) == tuned
