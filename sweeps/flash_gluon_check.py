@@ -11,7 +11,8 @@ two-pass dQ/dK/dV must also be bitwise equal over two runs); (d) forward+backwar
 fwd + tl bwd, SDPA cuDNN), TFLOP/s counting 3.5x the causal-half forward, and backward-only time (cuDNN through
 autograd with the graph retained, tl, two-pass gluon) counting 2.5x.
 `--paired-rounds N`: (b') each forward config, and (d') each one-pass backward config, against the one the gluon
-path launches at that shape in N alternating rounds. Rows go to <out>/flash_gluon.parquet (never over an earlier one without `--overwrite`). Run:
+path launches at that shape in N alternating rounds. Rows go to <out>/flash_gluon.parquet (never over an earlier
+one without `--overwrite`). Run:
 `PYTHONPATH=$PWD python3 sweeps/flash_gluon_check.py --out $OUT [--part all]`.
 """
 
@@ -58,8 +59,8 @@ CONFIGS = {
           *(fg.GluonConfig(block_m=64, block_n=64, num_stages=2, num_consumers=3, head_group=g) for g in (2, 8))],
 }
 """Per head dim, the default first; `head_group` on the default and the persistent grid (3 and 6: what a cap by the
-whole L2 cache took at 32768 and 16384, d 128); three consumer groups of 64 query rows (FlashAttention-3's 192-row tile), at d 128
-on 64-key tiles (the tile sweep's winner at 16384)."""
+whole L2 cache took at 32768 and 16384, d 128); three consumer groups of 64 query rows (FlashAttention-3's 192-row
+tile), at d 128 on 64-key tiles (the tile sweep's winner at 16384)."""
 CHECK_SHAPES = [((1, 3, 1000, 128), 1000, True), ((1, 3, 1000, 128), 1000, False), ((2, 2, 777, 64), 777, True),
                 ((2, 2, 777, 64), 777, False), ((1, 2, 513, 128), 1029, False), ((1, 2, 513, 64), 1029, False)]
 """(q shape, n_k, causal)."""
