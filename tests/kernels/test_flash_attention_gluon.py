@@ -251,6 +251,7 @@ def test_head_group_fits_the_l2_cache(monkeypatch):
     assert tuned == fgo.GluonBwdConfig(head_group=4, num_stages=2)
     assert fgo.default_config(128, torch.bfloat16, 32768, 32, 60 * mib) == dataclasses.replace(tuned, head_group=1)
     assert fgo.default_config(128, torch.bfloat16, 16384, 16, 60 * mib) == dataclasses.replace(tuned, head_group=1)
+    assert fgo.default_config(128, torch.bfloat16, 4096, 32, 60 * mib) == dataclasses.replace(tuned, head_group=3)
     assert fgo.default_config(128, torch.bfloat16, 2048, 128, 60 * mib) == tuned
     assert fgo.l2_cache_bytes(torch.device("cpu")) is None
     # What `auto` and a config-less call launch: the cap from the tensor's shape and its device's L2.
