@@ -58,9 +58,9 @@ CONFIGS = {
             for g in (1, 2, 3, 6)),
           *(fg.GluonConfig(block_m=64, block_n=64, num_stages=2, num_consumers=3, head_group=g) for g in (2, 8))],
 }
-"""Per head dim, the default first; `head_group` on the default and the persistent grid (3 and 6: what a cap by the
-whole L2 cache took at 32768 and 16384, d 128); three consumer groups of 64 query rows (FlashAttention-3's 192-row
-tile), at d 128 on 64-key tiles (the tile sweep's winner at 16384)."""
+"""Per head dim, the default first; `head_group` on the default and the persistent grid (3 and 6 beside what a cap
+by the whole L2 cache took, d 128: 3 at 32768, 7 at 16384 on the H200); three consumer groups of 64 query rows
+(FlashAttention-3's 192-row tile), at d 128 on 64-key tiles (the tile sweep's winner at 16384)."""
 CHECK_SHAPES = [((1, 3, 1000, 128), 1000, True), ((1, 3, 1000, 128), 1000, False), ((2, 2, 777, 64), 777, True),
                 ((2, 2, 777, 64), 777, False), ((1, 2, 513, 128), 1029, False), ((1, 2, 513, 64), 1029, False)]
 """(q shape, n_k, causal)."""
