@@ -512,7 +512,8 @@ def gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict
     one-pass backward's 3-slot ring does not fit at d 128, 6 of its 9 configs do). Where every row of a head dim and
     dtype was paired against one reference per shape (--paired-rounds, PAIRED_KEY), the winners are those with the
     highest (geometric-mean) ratio against it; the entries then also carry it (`geomean_vs_reference`,
-    `vs_reference`)."""
+    `vs_reference`). The forward's sweep-wide winner is ranked over the shapes beyond SHORT_SEQUENCE's length
+    (`_tuned_entry_shapes`)."""
     ok = df[(df["status"] == "ok") & (df.get("path", pd.Series(index=df.index, dtype=object)) == "gluon")].copy()
     errors = df[(df["status"] == "error") & df.get("variant", pd.Series(index=df.index, dtype=object)).isin(
         GLUON_VARIANTS) & df.get("error", pd.Series("", index=df.index)).fillna("").str.startswith("OutOfResources")]
@@ -549,17 +550,32 @@ def gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict
                       and part.groupby("shape")["reference"].nunique().max() == 1)
             if paired:
                 part = part.assign(log_rel=-part[PAIRED_KEY].map(math.log))
-            entries += _best_entries(part, keys, {}, min(min_configs, grid - len(unfit)), paired)
+            ranked = _tuned_entry_shapes(part, kernel, int(head_dim))
+            entries += _best_entries(part, keys, {}, min(min_configs, grid - len(unfit)), paired, ranked)
         if kernel != "fwd":  # GluonBwdConfig has no block_n (BWD_BLOCK_N) or consumer count (two)
             entries = [{k: v for k, v in e.items() if k not in ("block_n", "num_consumers")} for e in entries]
         out[kind] = entries
     return out
 
 
-def _best_entries(sel: pd.DataFrame, keys: list[str], tags: dict, min_configs: int, paired: bool = False
-                  ) -> list[dict]:
+def _tuned_entry_shapes(part: pd.DataFrame, kernel: str, head_dim: int) -> set[str] | None:
+    """The shapes of `part` (one head dim and dtype) that rank the tuned forward entry: none up to the length where
+    the launcher takes `SHORT_SEQUENCE`'s grid instead (its ratios there say nothing of the tuned config's use),
+    unless that would leave none. None: every shape ranks (the backward)."""
+    if kernel != "fwd":
+        return None
+    from kernels.flash_attention_gluon import SHORT_SEQUENCE
+
+    n_max = SHORT_SEQUENCE.get(head_dim, (0, {}))[0]
+    long = {shape for shape in part["shape"].unique() if parse_shape(shape)["seq"] > n_max}
+    return long or None
+
+
+def _best_entries(sel: pd.DataFrame, keys: list[str], tags: dict, min_configs: int, paired: bool = False,
+                  ranked: set[str] | None = None) -> list[dict]:
     """best_configs for the rows of one (kernel, path); `paired`: ranked by `log_rel` (log of time relative to the
-    paired reference) instead of `log_ms`."""
+    paired reference) instead of `log_ms`; `ranked`: the shapes the sweep-wide winner is chosen over (None: all;
+    every shape still gets its own winner)."""
     score = "log_rel" if paired else "log_ms"
 
     def config_of(values) -> dict:
@@ -572,6 +588,8 @@ def _best_entries(sel: pd.DataFrame, keys: list[str], tags: dict, min_configs: i
 
     entries = []
     for (head_dim, dtype), group in sel.groupby(["head_dim", "dtype"]):
+        if ranked is not None:
+            group = group[group["shape"].isin(ranked)]
         per_shape = {shape: part.groupby(keys).ngroups for shape, part in group.groupby("shape")}
         floor = max(min_configs, max(per_shape.values()) / 2)
         swept = sorted(shape for shape, n in per_shape.items() if n >= floor)

@@ -557,3 +557,33 @@ def test_gluon_winners_by_paired_ratio_where_every_row_has_one(tmp_path, monkeyp
         flash_tiles.main(["--launcher", "local", "--variants", "gluon", "--paired-rounds", "2", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="pairs the gluon variants' trials only"):
         flash_tiles.main(["--launcher", "local", "--quick", "--paired-rounds", "4", "--out", str(tmp_path)])
+
+
+def test_gluon_forward_entry_ranked_beyond_the_short_sequence_grid():
+    """The tuned forward entry (d 128) is ranked over the shapes longer than SHORT_SEQUENCE's: up to it the launcher
+    runs the persistent grid instead, so the ratios there say nothing of the entry's use; each shape keeps its own
+    winner; d 64 (no SHORT_SEQUENCE) ranks over all; a sweep of short shapes only still gets an entry."""
+    import kernels.flash_attention_gluon as gluon_fwd
+
+    n_max = gluon_fwd.SHORT_SEQUENCE[128][0]
+    long, short = "16384/128/bfloat16/causal", f"4x32/{n_max}/128/bfloat16/causal"
+
+    def row(group, shape, ratio):
+        return dict(_tile_row("fwd", "64x128", 4, 2, shape, 1.0), variant="gluon", path="gluon", num_consumers=2,
+                    head_group=group, reference="ref", **{flash_tiles.PAIRED_KEY: ratio})
+
+    def frame(rows):
+        return pd.DataFrame(rows).assign(device_name="H200", torch_version="2.11", triton_version="3.6")
+    # g8 wins the short shape by far, g4 the long one by a little: a geomean over both would take g8.
+    ratios = {(0, long): 0.99, (4, long): 1.02, (8, long): 1.0, (0, short): 0.9, (4, short): 0.9, (8, short): 1.2}
+    df = frame([row(g, sh, r) for (g, sh), r in ratios.items()])
+    fwd = flash_tiles.gluon_best_configs(df, min_configs=3)["fwd"]
+    assert (fwd[0]["head_group"], fwd[0]["shapes"]) == (4, [long])
+    assert {e["shape"]: e["head_group"] for e in fwd[1:]} == {long: 4, short: 8}
+    only_short = flash_tiles.gluon_best_configs(df[df["shape"] == short], min_configs=3)["fwd"]
+    assert (only_short[0]["head_group"], only_short[0]["shapes"]) == (8, [short])
+    d64 = {long: "8x16/4096/64/bfloat16/causal", short: f"8x16/{n_max}/64/bfloat16/causal"}
+    df64 = frame([row(g, d64[sh], r) for (g, sh), r in ratios.items()])
+    entry64 = flash_tiles.gluon_best_configs(df64, min_configs=3)["fwd"][0]
+    assert 64 not in gluon_fwd.SHORT_SEQUENCE
+    assert (entry64["head_group"], entry64["shapes"]) == (8, sorted(d64.values()))
