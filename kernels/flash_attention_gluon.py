@@ -494,7 +494,7 @@ def _problem_config(head_dim: int, dtype: torch.dtype, n_q: int, n_k: int, heads
     n_max, fields = SHORT_SEQUENCE.get(head_dim, (0, {}))
     if n_q <= n_max and config.num_consumers == 2:
         config = dataclasses.replace(config, **fields)
-    head_bytes = 2 * n_k * head_dim * torch.empty((), dtype=dtype).element_size()
+    head_bytes = 2 * n_k * head_dim * dtype.itemsize
     group = l2_head_group(config.head_group, head_bytes, heads, l2_cache_bytes(device))
     return config if group == config.head_group else dataclasses.replace(config, head_group=group)
 

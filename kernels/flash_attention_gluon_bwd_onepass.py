@@ -502,7 +502,7 @@ def default_config(head_dim: int, dtype, n_q: int | None = None, heads: int | No
     config = GluonBwdConfig(**fields) if fields else DEFAULT_BWD_CONFIGS[head_dim]
     if n_q is None:
         return config
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     group = l2_head_group(config.head_group, n_q * head_dim * (2 * elem + 4), heads, l2_bytes)
     return config if group == config.head_group else dataclasses.replace(config, head_group=group)
 

@@ -105,7 +105,7 @@ _empty = torch.empty
 def chunk_rows(num_tokens: int, vocab: int, dtype: torch.dtype, max_bytes: int = MAX_CHUNK_BYTES) -> int:
     """Rows C of the logits buffer: as many as `max_bytes` allows (a multiple of 256 when that is >= 256, for
     full matmul tiles), at least 1, at most `num_tokens`."""
-    rows = max(1, max_bytes // (vocab * torch.empty((), dtype=dtype).element_size()))
+    rows = max(1, max_bytes // (vocab * dtype.itemsize))
     if rows >= 256:
         rows -= rows % 256
     return max(1, min(rows, num_tokens))
