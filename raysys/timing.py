@@ -130,6 +130,48 @@ def _thread_ctx_switches() -> float:
     return float(resource.getrusage(who).ru_nivcsw) if who is not None else math.nan
 
 
+AUTOGRAD_THREAD_PREFIX = "pt_autograd_"
+"""The name torch gives the autograd engine's device threads (`pt_autograd_<device>`): a backward of CUDA tensors,
+with its gradient hooks (DDP's, FSDP's), runs on one of them while the calling thread waits."""
+
+
+def _thread_cpu_clocks(prefix: str) -> list[int]:
+    """CPU-time clock ids of this process's threads whose name starts with `prefix` (Linux; [] elsewhere)."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    clocks = []
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended
+            continue
+        if name.startswith(prefix):
+            clocks.append((~int(tid) << 3) | 6)  # MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED), as pthread_getcpuclockid
+    return clocks
+
+
+class IssueClock:
+    """CPU time spent issuing steps: the calling thread's plus that of the threads named `prefix` (by default the
+    autograd device threads, where a GPU backward and its hooks run; `thread_time()` alone would miss them). The
+    threads are found once, when made (after a warm-up step has started them); `threads` says how many."""
+
+    def __init__(self, prefix: str = AUTOGRAD_THREAD_PREFIX):
+        self._clocks = _thread_cpu_clocks(prefix)
+        self.threads = len(self._clocks)
+
+    def __call__(self) -> float:
+        total = time.thread_time()
+        for clock in self._clocks:
+            try:
+                total += time.clock_gettime(clock)
+            except OSError:  # the thread ended: what it spent is no longer counted on either side of a step
+                pass
+        return total
+
+
 def host_info() -> dict[str, float | str]:
     """Where this rank's process runs: torch threads, CPUs it may use, OMP_NUM_THREADS, load average, and the size of
     torch's NCCL flight recorder as the process sees it (`TORCH_FR_BUFFER_SIZE`, else its old name
@@ -150,7 +192,8 @@ def time_steps(step: TimedStep, warmup: int, steps: int, *, max_steps: int | Non
     `step_min_s`, `step_max_s`, `timed_steps`, `step_median_ci_rel` (the median's relative 95% half-width), per
     phase `<phase>_mean_s` and `<phase>_median_s` (device time) and `host_<phase>_median_s` (host time),
     `host_step_median_s` (time for `step()` to return, before the synchronisation), `host_cpu_step_median_s` (the
-    CPU time this thread spent in `step()`: the host's issuing work, not the time it was descheduled or waited), and
+    CPU time spent in `step()` by this thread and by torch's autograd device threads, `IssueClock`, their number
+    `host_cpu_threads`: the host's issuing work, not the time it was descheduled or waited), and
     the diagnostics. With `max_steps > steps` every rank of `process_group` must call this together (they agree on
     when to stop).
     """
@@ -166,13 +209,16 @@ def time_steps(step: TimedStep, warmup: int, steps: int, *, max_steps: int | Non
             step()
         synchronize(device)
         graphs1 = dynamo_graphs()
+        issue_clock = IssueClock()
         alloc0, cpu0, csw0 = _allocator_counts(device), time.process_time(), _thread_ctx_switches()
         target = steps
         while True:
             while len(totals) < target:
-                start, cpu_start = time.perf_counter(), time.thread_time()
+                cpu_start = issue_clock()
+                start = time.perf_counter()
                 marks = step()
-                issued, cpu_issued = time.perf_counter(), time.thread_time()
+                issued = time.perf_counter()
+                cpu_issued = issue_clock()
                 synchronize(device)
                 totals.append((time.perf_counter() - start) * 1e3)
                 host_totals.append((issued - start) * 1e3)
@@ -190,7 +236,7 @@ def time_steps(step: TimedStep, warmup: int, steps: int, *, max_steps: int | Non
            "step_median_s": statistics.median(totals) / 1e3, "step_min_s": min(totals) / 1e3,
            "step_max_s": max(totals) / 1e3, "step_median_ci_rel": median_ci_rel(totals), "timed_steps": n,
            "host_step_median_s": statistics.median(host_totals) / 1e3,
-           "host_cpu_step_median_s": statistics.median(host_cpu) / 1e3}
+           "host_cpu_step_median_s": statistics.median(host_cpu) / 1e3, "host_cpu_threads": 1 + issue_clock.threads}
     for i, name in enumerate(PHASES):
         out[f"{name}_mean_s"] = statistics.fmean(p[i] for p in phases) / 1e3
         out[f"{name}_median_s"] = statistics.median(p[i] for p in phases) / 1e3
@@ -217,7 +263,7 @@ def paired_steps(step: TimedStep, reference: TimedStep, rounds: int, block: int 
     `paired_ratio_max`, `paired_ratio_ci_rel` (the 95% confidence half-width of that median, relative to it:
     `median_ci_rel`; inf under 3 rounds), `paired_step_median_s` and `paired_reference_median_s` (medians over
     rounds of the block medians), and `paired_host_cpu_ratio` with its `paired_host_cpu_ratio_ci_rel`: the same
-    for the CPU time the thread spent issuing a step (`host_cpu_step_median_s`). Where steps are host-bound that
+    for the CPU time spent issuing a step (`host_cpu_step_median_s`, autograd's threads included). Where steps are host-bound that
     is the machinery's host cost alone, which a host whose threads are descheduled now and then (a shared VM)
     leaves out of it: a tighter estimate than the steps' wall time.
     Every rank of a gang must call this with the same arguments (the steps' collectives stay matched).

@@ -7,6 +7,7 @@ import copy
 import gc
 import math
 import random
+import sys
 import time
 import types
 
@@ -181,6 +182,53 @@ def test_paired_host_cpu_ratio_sees_through_a_jittery_host():
     assert out["paired_host_cpu_ratio_ci_rel"] < min(0.1, out["paired_ratio_ci_rel"])
     timed = time_steps(_BurnStep(0.002, 3), warmup=1, steps=4)
     assert 0.0015 < timed["host_cpu_step_median_s"] < timed["step_median_s"]
+
+
+class _BackwardThreadStep:
+    """A step whose CPU work runs on another thread named as torch names its autograd device threads, while the
+    calling thread waits: what a GPU backward and its gradient hooks look like to the host."""
+
+    def __init__(self, burn_s):
+        import ctypes
+        import queue
+        import threading
+
+        self.device, self.burn_s = torch.device("cpu"), burn_s
+        self.requests, self.done = queue.Queue(), threading.Event()
+
+        def serve():
+            ctypes.CDLL(None).prctl(15, b"pt_autograd_7")  # PR_SET_NAME
+            while (burn := self.requests.get()) is not None:
+                end = time.thread_time() + burn
+                while time.thread_time() < end:
+                    pass
+                self.done.set()
+
+        self.thread = threading.Thread(target=serve, daemon=True)
+        self.thread.start()
+
+    def __call__(self):
+        marks = Marks(self.device)
+        marks.mark()
+        self.done.clear()
+        self.requests.put(self.burn_s)
+        self.done.wait()
+        for _ in range(len(PHASES)):
+            marks.mark()
+        return marks
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names and CPU clocks from /proc")
+def test_issue_cpu_time_counts_the_autograd_threads():
+    """A backward's host work on an autograd device thread is issuing work: counted, with the thread."""
+    step = _BackwardThreadStep(0.004)
+    try:
+        timed = time_steps(step, warmup=1, steps=4)
+    finally:
+        step.requests.put(None)
+        step.thread.join()
+    assert timed["host_cpu_threads"] == 2, timed
+    assert 0.0035 < timed["host_cpu_step_median_s"] < 0.02, timed
 
 
 def test_paired_summary_names_both_ratios():
