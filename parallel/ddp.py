@@ -21,8 +21,7 @@ nothing is copied, divided or communicated, and an unused parameter keeps `.grad
 runs a group of one through the path of a larger group instead (every collective issued, over no peer): what a
 one-GPU measurement of the machinery's cost needs.
 
-Host cost per step: one post-accumulate-grad hook call per parameter, one collective call per bucket (on the group;
-on NCCL a synchronous one on the wrapper's own stream after one event, with one stream wait per step in finish).
+Host cost per step: one post-accumulate-grad hook call per parameter, one collective call per bucket (on the group).
 Gradients stay where autograd put them: nothing is copied, allocated or re-pointed (`grad_as_bucket_view=False`
 is the textbook bucket, copied into a flat buffer and back). `sm_carveout=N`: see parallel/carveout.py.
 
@@ -243,20 +242,10 @@ class _Reducer:
         self.identity = identity  # a group of one: a launch only advances `next` (module docstring)
         op, self.divisor = mean_reduction(group)
         self.opts, self.coalesced_opts = AllreduceOptions(), AllreduceCoalescedOptions()
-        # NCCL on torch >= 2.7 (which has `asyncOp`): the collectives run on a stream of the reducer's own, issued as
-        # synchronous ones there (`asyncOp=False`: on the current stream, no Work, no stashed tensors, no future), and
-        # ordered by one event per launch and one stream wait per step: what FSDP2 does with its streams. torch's
-        # asynchronous path makes a Work per call and needs a wait() per Work to let its tensors go (see finish).
-        # Elsewhere (gloo, older torch) the process group's asynchronous Works.
-        self.stream: torch.cuda.Stream | None = None
-        if (not identity and buckets and hasattr(self.opts, "asyncOp")
-                and dist.get_backend(self.group) == "nccl"):
-            self.stream = torch.cuda.Stream(buckets[0].params[0].device)
-            self.ready = torch.cuda.Event()
         for opts in (self.opts, self.coalesced_opts):
             opts.reduceOp = op
-            if hasattr(opts, "asyncOp"):  # False: as dist.all_reduce(async_op=False), on the current stream
-                opts.asyncOp = self.stream is None
+            if hasattr(opts, "asyncOp"):  # torch >= 2.7: on NCCL's stream, as dist.all_reduce(async_op=True)
+                opts.asyncOp = True
         self.sizes = [len(b.params) for b in buckets]
         self.buffers = [b.buffer for b in buckets]
         self.views = [b.views for b in buckets]
@@ -313,33 +302,13 @@ class _Reducer:
             tensors = [self.buffers[b]]
         if self.divisor != 1:
             torch._foreach_div_(tensors, self.divisor)
-        if self.stream is None:
-            self.works.append(self._all_reduce(tensors))
-        else:
-            self.ready.record()  # on backward's stream, after the bucket's gradients (and its copy) were written
-            self.stream.wait_event(self.ready)
-            with torch.cuda.stream(self.stream):
-                work = self._all_reduce(tensors)
-            if work is not None:  # a backend that still returns one
-                self.works.append(work)
+        if len(tensors) == 1:
+            work = self.group.allreduce(tensors, self.opts)
+        else:  # NCCL: one grouped launch of an all-reduce per tensor
+            work = self.group.allreduce_coalesced(tensors, self.coalesced_opts)
+        self.works.append(work)
         self.all_reduces += 1
         self.next += 1
-
-    def _all_reduce(self, tensors: list[torch.Tensor]) -> dist.Work | None:
-        if len(tensors) == 1:
-            return self.group.allreduce(tensors, self.opts)
-        return self.group.allreduce_coalesced(tensors, self.coalesced_opts)  # NCCL: one grouped launch
-
-    def wait(self) -> None:
-        """Order the current stream after every collective launched (the gradients stay referenced until then)."""
-        # Every Work is waited for, also on NCCL, where the last one alone would order the streams: a Work keeps its
-        # tensors alive until it is waited for or torch's watchdog reaps it, so with only the last one waited for the
-        # step's gradients stayed allocated and the caching allocator called cudaMalloc 54-138 times in 4 timed steps
-        # instead of 4 (results/runs/ddp_world1_alone_*_c5c2037.parquet, `cuda_mallocs_timed`).
-        for work in self.works:
-            work.wait()
-        if self.stream is not None and self.next > 0:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
 
 class _OverlappedDataParallel(_DataParallel):
@@ -414,7 +383,12 @@ class _OverlappedDataParallel(_DataParallel):
                     if grad is None:
                         grads[i] = self._local_grad(self.buckets[b].params[i])
             reducer.launch(b)
-        reducer.wait()
+        # Every work is waited for, also on NCCL, where the last one alone would order the streams: a work keeps its
+        # tensors alive until it is waited for or torch's watchdog reaps it, so with only the last one waited for the
+        # step's gradients stayed allocated and the caching allocator called cudaMalloc 54-138 times in 4 timed steps
+        # instead of 4 (results/runs/ddp_world1_alone_*_c5c2037.parquet, `cuda_mallocs_timed`).
+        for work in reducer.works:
+            work.wait()
         for grads, bucket in zip(reducer.grads, self.buckets):
             if bucket.buffer is not None:
                 torch._foreach_copy_(grads, bucket.views)

@@ -149,31 +149,6 @@ def test_group_of_one_on_nccl_trains_like_one_process(alone):
     assert res["all_reduce_after"] == 1
 
 
-def _launch_path(rank: int, world_size: int) -> list[tuple[bool, int, int]]:
-    """Per hook-driven DDP kind, after a backward on NCCL: (own stream, Works held, buckets launched)."""
-    device = _device(rank)
-    out = []
-    for kind, kwargs in (("overlapped", {}), ("bucketed", {"bucket_size_mb": 0.5})):
-        ddp = make_ddp(kind, _model(device), collectives_alone=True, **kwargs)
-        x, y = _batch(0, device)
-        cross_entropy(ddp(x), y).backward()
-        reducer = ddp._reducer
-        out.append((reducer.stream is not None, len(reducer.works), reducer.next))
-        ddp.finish_gradient_synchronization()
-        assert ddp.num_all_reduces == ddp.num_buckets
-    return out
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_ddp_on_nccl_reduces_on_its_own_stream_without_works():
-    """On NCCL the hook-driven wrappers issue synchronous collectives on a stream of their own: no Work per call."""
-    [res] = run_ranks(_launch_path, 1, backend="nccl", timeout_s=300)
-    buckets = [len(list(_model(torch.device("cpu")).parameters())), None]
-    for (own_stream, works, launched), expected in zip(res, buckets):
-        assert own_stream and works == 0 and launched > 1, res
-        assert expected is None or launched == expected, res
-
-
 FP32_RUNS = [f"ddp:{k}{sorted(kw.items())}" for k, kw in DDP_VARIANTS] + ["sharded", "fsdp:fp32", "fsdp_block:fp32",
                                                                         "fsdp_flat:fp32"]
 
