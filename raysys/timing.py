@@ -263,7 +263,10 @@ def paired_steps(step: TimedStep, reference: TimedStep, rounds: int, block: int 
     `paired_ratio_max`, `paired_ratio_ci_rel` (the 95% confidence half-width of that median, relative to it:
     `median_ci_rel`; inf under 3 rounds), `paired_step_median_s` and `paired_reference_median_s` (medians over
     rounds of the block medians), and `paired_host_cpu_ratio` with its `paired_host_cpu_ratio_ci_rel`: the same
-    for the CPU time spent issuing a step (`host_cpu_step_median_s`, autograd's threads included). Where steps are host-bound that
+    for the CPU time spent issuing a step (`host_cpu_step_median_s`, autograd's threads included), and
+    `paired_allocator_retries` / `paired_cuda_mallocs`: the CUDA caching allocator's retries (it freed its cache to
+    satisfy an allocation: a device synchronisation) and cudaMalloc calls over both sides' timed steps (NaN off a
+    GPU), which two large models alive in one process can cost. Where steps are host-bound that
     is the machinery's host cost alone, which a host whose threads are descheduled now and then (a shared VM)
     leaves out of it: a tighter estimate than the steps' wall time.
     Every rank of a gang must call this with the same arguments (the steps' collectives stay matched).
@@ -271,9 +274,13 @@ def paired_steps(step: TimedStep, reference: TimedStep, rounds: int, block: int 
     if not isinstance(rounds, int) or rounds < 1 or not isinstance(block, int) or block < 2:
         raise ValueError(f"rounds ({rounds!r}) must be an int >= 1 and block ({block!r}) an int >= 2")
     ratios, cpu_ratios, mine, theirs = [], [], [], []
+    allocator = {"paired_allocator_retries": 0.0, "paired_cuda_mallocs": 0.0}
     for r in range(rounds):
         order = (step, reference) if r % 2 == 0 else (reference, step)
         timed = {id(s): time_steps(s, 1, block) for s in order}
+        for side in timed.values():
+            allocator["paired_allocator_retries"] += side.get("allocator_retries_timed", math.nan)
+            allocator["paired_cuda_mallocs"] += side.get("cuda_mallocs_timed", math.nan)
         mine.append(timed[id(step)]["step_median_s"])
         theirs.append(timed[id(reference)]["step_median_s"])
         ratios.append(mine[-1] / theirs[-1])
@@ -285,7 +292,7 @@ def paired_steps(step: TimedStep, reference: TimedStep, rounds: int, block: int 
             "paired_step_median_s": statistics.median(mine),
             "paired_reference_median_s": statistics.median(theirs),
             "paired_host_cpu_ratio": statistics.median(cpu_ratios) if cpu_ratios else math.nan,
-            "paired_host_cpu_ratio_ci_rel": median_ci_rel(cpu_ratios)}
+            "paired_host_cpu_ratio_ci_rel": median_ci_rel(cpu_ratios), **allocator}
 
 
 PAIRED_REP_MS = 200

@@ -82,6 +82,7 @@ def test_paired_steps_alternate_blocks_and_cancel_drift(monkeypatch):
     # How far the median of the rounds' ratios can be trusted: median_ci_rel of those ratios.
     assert 0 < out["paired_ratio_ci_rel"] < 0.5
     assert paired_steps(slow, fast, rounds=2, block=2)["paired_ratio_ci_rel"] == math.inf  # too few rounds
+    assert math.isnan(out["paired_allocator_retries"]) and math.isnan(out["paired_cuda_mallocs"])  # no CUDA allocator
     assert out["paired_step_median_s"] > out["paired_reference_median_s"] > 0
     # Timed in trials some steps apart, the slow step looks ~3.5x the fast one (the host slowed down meanwhile).
     first = time_steps(_DriftingStep("fast", 0.002, log, clock), 1, 8)["step_median_s"]
@@ -240,3 +241,25 @@ def test_paired_summary_names_both_ratios():
                                    "host CPU time per step 1.031x +-0.4%")
     earlier = {k: v for k, v in row.items() if "cpu" not in k}  # rows of runs before the CPU ratio
     assert paired_summary(earlier) == "paired: median of 10 rounds, range 0.910-1.080, median +-4.5% (95% confidence)"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_paired_steps_count_the_allocator_on_a_gpu():
+    """On a GPU the paired rows say how often the caching allocator called cudaMalloc or freed its cache."""
+    device = torch.device("cuda")
+
+    class Alloc:
+        def __init__(self, n):
+            self.device, self.n = device, n
+
+        def __call__(self):
+            marks = Marks(device)
+            marks.mark()
+            torch.empty(self.n, device=device).fill_(1.0)
+            for _ in range(len(PHASES)):
+                marks.mark()
+            return marks
+
+    out = paired_steps(Alloc(1 << 20), Alloc(1 << 10), rounds=2, block=2)
+    assert out["paired_allocator_retries"] == 0 and out["paired_cuda_mallocs"] >= 0, out
