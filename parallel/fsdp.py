@@ -145,7 +145,7 @@ class _Weight:
     """One sharded weight of a unit: its shard (the optimizer's parameter, a view of the unit's shard storage) and
     its full compute-dtype weight (a leaf viewing the unit's full storage)."""
 
-    __slots__ = ("name", "module", "shape", "numel", "offset", "shard_numel", "shard", "full", "padded", "on_grad")
+    __slots__ = ("name", "module", "shape", "numel", "offset", "shard_numel", "shard", "full", "padded")
 
     def __init__(self, name: str, module: nn.Module, offset: int, shard: nn.Parameter, full: nn.Parameter,
                  padded: torch.Tensor):
@@ -153,25 +153,6 @@ class _Weight:
         self.shape, self.numel = full.shape, full.numel()
         self.shard, self.full, self.padded = shard, full, padded
         self.shard_numel = shard.numel()
-        self.on_grad: Callable[[torch.Tensor], None] | None = None  # the wrapper's gradient hook (trainable only)
-
-
-class _GradTap(torch.autograd.Function):
-    """The identity on a full weight in forward (a view of it). In backward, hands the weight's gradient, as the
-    unit's backward produced it (a compiled block returns some transposed), to `on_grad` and returns none for the
-    weight: nothing is accumulated into `.grad`. A post-accumulate-grad hook would get it only after AccumulateGrad
-    cloned every gradient whose strides differ from the weight's (its layout contract): a copy kernel and an
-    allocation per weight that `_cast_into` then copies again."""
-
-    @staticmethod
-    def forward(ctx, on_grad: Callable[[torch.Tensor], None], full: torch.Tensor) -> torch.Tensor:
-        ctx.on_grad = on_grad
-        return full.view_as(full)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[None, None]:
-        ctx.on_grad(grad)
-        return None, None
 
 
 class _Unit:
@@ -327,12 +308,8 @@ class _Unit:
         self.state = _FREE
 
     def swap_in(self) -> None:
-        """Put the full weights in the modules; while gradients are recorded, each trainable one through its
-        `_GradTap` (a tensor, not a Parameter, until `swap_out`)."""
-        tap = torch.is_grad_enabled()
         for w in self.weights:
-            w.module._parameters["weight"] = (_GradTap.apply(w.on_grad, w.full) if tap and w.on_grad is not None
-                                              else w.full)
+            w.module._parameters["weight"] = w.full
 
     def swap_out(self) -> None:
         for w in self.weights:
@@ -465,7 +442,8 @@ class FSDP(nn.Module):
             for pos, w in enumerate(unit.weights):
                 w.module._parameters["weight"] = w.shard
                 if w.full.requires_grad:
-                    w.on_grad = WeakHook(self._owner, FSDP._post_backward, unit.index, pos)
+                    handles.append(w.full.register_post_accumulate_grad_hook(
+                        WeakHook(self._owner, FSDP._post_backward, unit.index, pos)))
                 if compute_dtype is not None:
                     handles.append(w.module.register_forward_pre_hook(WeakHook(self._owner, FSDP._cast_pre)))
                     if has_other_floating_params(w.module):
@@ -579,9 +557,9 @@ class FSDP(nn.Module):
                 return cand if cand.state == _FREE else None
         return None
 
-    def _post_backward(self, index: int, pos: int, grad: torch.Tensor) -> None:
-        """A full weight's gradient, from its `_GradTap`; the unit's reduction once all have come."""
+    def _post_backward(self, index: int, pos: int, full: torch.Tensor) -> None:
         unit = self._units[index]
+        grad, full.grad = full.grad, None
         if unit.grads[pos] is None:
             unit.grads[pos] = grad
             unit.grads_left -= 1
@@ -655,7 +633,7 @@ class FSDP(nn.Module):
         as they are; compute-dtype ones are cast into one flat fp32 buffer (one `_foreach_copy_`) the shards view.
         Kept as a list (one per weight) until finish; a second backward pass adds into it."""
         if unit.aliased and all(g is not None for g in grads):
-            pieces = [g if g.is_contiguous() else g.contiguous() for g in grads]  # the shards' layout, as .grad
+            pieces = grads
         else:
             flat = torch.empty(unit.shard_numel, dtype=torch.float32, device=unit.shard_flat.device)
             pieces = list(flat.split(unit.sizes))
