@@ -5,6 +5,11 @@ each phase (median of 6 steps), then the ops with the most host time in 3 profil
 self time and calls per step), then Python's own view of the same steps (cProfile, internal time per step).
 
     PYTHONPATH=$PWD python3 results/runs/fsdp_host_profile.py > fsdp_host_profile.txt
+    git archive <commit> parallel | tar -x -C /tmp/before          # another commit's wrappers, on the same host:
+    PARALLEL_ROOT=/tmp/before PYTHONPATH=$PWD python3 results/runs/fsdp_host_profile.py single,fsdp
+
+`PARALLEL_ROOT`: the `parallel` package is imported from there, before `sweeps/` puts this checkout first on the
+path (setting PYTHONPATH alone does not do it).
 """
 import cProfile
 import io
@@ -16,6 +21,12 @@ import time
 
 os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")  # the flight recorder off, as the `alone` phase runs it
 os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")
+
+if os.environ.get("PARALLEL_ROOT"):
+    sys.path.insert(0, os.environ["PARALLEL_ROOT"])
+    import parallel.ddp  # noqa: E402,F401  (cached: sweeps/ then gets these)
+    import parallel.fsdp  # noqa: E402,F401
+    print(f"parallel from {parallel.fsdp.__file__}")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
