@@ -375,12 +375,17 @@ class FSDP(nn.Module):
             paths gloo takes anyway; fp32 training is tested bitwise against one process either way. On one H200
             through a larger group's collectives the copies cost more than the enqueues saved (the `fsdp_flat` row
             of results/runs/fsdp_world1_alone_compiled_b2d54fe.parquet); on a real group it is not yet measured.
+        flat_reduce_scatter: the reduce-scatter of `flat_collectives` alone (the all-gathers stay one per weight,
+            in place): one `_chunk_cat` kernel casts and lays out the unit's gradients rank-major, where the
+            coalesced path casts each weight with a copy of its own, and one NCCL reduce-scatter takes them all,
+            where the coalesced path enqueues one per weight. The same bytes move either way; the host does one
+            call of each instead of one per weight. Unmeasured as yet (`fsdp_flat_rs` in sweeps/fsdp.py).
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
                  process_group: dist.ProcessGroup | None = None, *, units: Iterable[type | str] | None = None,
                  max_inflight_reductions: int = 1, sm_carveout: int | None = None, event_log: list | None = None,
-                 collectives_alone: bool = False, flat_collectives: bool = False):
+                 collectives_alone: bool = False, flat_collectives: bool = False, flat_reduce_scatter: bool = False):
         super().__init__()
         carveout = SMCarveout(sm_carveout)
         if not isinstance(module, nn.Module):
@@ -388,6 +393,9 @@ class FSDP(nn.Module):
         if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype)
                                               and compute_dtype.is_floating_point):
             raise ValueError(f"compute_dtype ({compute_dtype!r}) must be a floating-point torch.dtype or None")
+        for name, flag in (("flat_collectives", flat_collectives), ("flat_reduce_scatter", flat_reduce_scatter)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} ({flag!r}) must be a bool")
         if max_inflight_reductions < 1:
             raise ValueError(f"max_inflight_reductions ({max_inflight_reductions}) must be >= 1")
         spec = _unit_spec(units)
@@ -465,7 +473,8 @@ class FSDP(nn.Module):
         self._coalesced_gather = not flat_collectives and self._has_coalesced(
             "allgather_into_tensor_coalesced",
             lambda: self._all_gather_coalesced([torch.zeros(self.world_size)], [torch.zeros(1)]))
-        self._coalesced_reduce_scatter = (not flat_collectives and dist.get_backend(process_group) != "gloo"
+        self.flat_reduce_scatter = flat_collectives or flat_reduce_scatter
+        self._coalesced_reduce_scatter = (not self.flat_reduce_scatter and dist.get_backend(process_group) != "gloo"
                                           and hasattr(self._group, "reduce_scatter_tensor_coalesced"))
         # gloo: one collective in flight at a time. Its worker threads run concurrent collectives of one group side
         # by side, and two-rank stress runs of this wrapper crashed inside gloo's issue path (heap corruption, 3 of

@@ -150,8 +150,8 @@ case $phase in
       --no-single-rerun --variants single,overlapped,bucketed:1000,torch
     study ddp_alone_compiled 200 python3 sweeps/ddp.py "${w1[@]}" --out "$RESULTS/alone" --resume --max-steps 4 \
       --no-single-rerun --variants single,overlapped,bucketed:1000,torch --compile
-    study fsdp_alone_compiled 200 python3 sweeps/fsdp.py "${w1[@]}" --out "$RESULTS/alone" --resume \
-      --variants single,fsdp,fsdp_flat,fsdp2 --compile
+    study fsdp_alone_compiled 260 python3 sweeps/fsdp.py "${w1[@]}" --out "$RESULTS/alone" --resume \
+      --variants single,fsdp,fsdp_flat_rs,fsdp_flat,fsdp2 --compile
     ;;
   ckpt)  # the checkpointing trials (Ray Tune, one GPU per trial: two at a time)
     study checkpointing 250 python3 sweeps/checkpointing.py --device cuda --out "$RESULTS" --resume

@@ -556,6 +556,8 @@ def test_invalid_arguments_raise_before_any_communication():
     mixed.up.half()
     with pytest.raises(ValueError, match="share one"):
         FSDP(mixed, units=(ToyModel,))
+    with pytest.raises(ValueError, match=r"flat_reduce_scatter \('yes'\) must be a bool"):
+        FSDP(nn.Linear(2, 2), flat_reduce_scatter="yes")
     with pytest.raises(ValueError, match="process group"):
         FSDP(nn.Linear(2, 2))
 

@@ -125,6 +125,10 @@ def _all(rank: int, world_size: int, alone: dict | None = None) -> dict:
     flat = {**blocks, "flat_collectives": True}  # one flat all-gather and reduce-scatter per block, copied out
     results["fsdp_flat:fp32"] = _train(rank, world_size, "fsdp", flat, alone)
     results["fsdp_flat:bf16"] = _train(rank, world_size, "fsdp", {**flat, "compute_dtype": torch.bfloat16}, alone)
+    flat_rs = {**blocks, "flat_reduce_scatter": True}  # per-weight all-gathers, one flat reduce-scatter per block
+    results["fsdp_flat_rs:fp32"] = _train(rank, world_size, "fsdp", flat_rs, alone)
+    results["fsdp_flat_rs:bf16"] = _train(rank, world_size, "fsdp", {**flat_rs, "compute_dtype": torch.bfloat16},
+                                          alone)
     # The same process group must still work: no collective was left pending by any wrapper.
     t = torch.ones(1, device=_device(rank))
     dist.all_reduce(t)
@@ -144,13 +148,13 @@ def test_group_of_one_on_nccl_trains_like_one_process(alone):
     [res] = run_ranks(_all, 1, alone, backend="nccl", timeout_s=300)
     for name in FP32_RUNS:
         assert [mismatched for _, mismatched in res[name]] == [[]] * STEPS, f"{name}: max |diff| per step {res[name]}"
-    for name in ("fsdp:bf16", "fsdp_block:bf16", "fsdp_flat:bf16"):
+    for name in ("fsdp:bf16", "fsdp_block:bf16", "fsdp_flat:bf16", "fsdp_flat_rs:bf16"):
         assert max(d for d, _ in res[name]) < 1e-3, res[name]
     assert res["all_reduce_after"] == 1
 
 
 FP32_RUNS = [f"ddp:{k}{sorted(kw.items())}" for k, kw in DDP_VARIANTS] + ["sharded", "fsdp:fp32", "fsdp_block:fp32",
-                                                                        "fsdp_flat:fp32"]
+                                                                        "fsdp_flat:fp32", "fsdp_flat_rs:fp32"]
 
 
 @needs_two
@@ -162,7 +166,7 @@ def test_fp32_bitwise_equal_to_single_process_on_nccl(per_rank, name):
 
 
 @needs_two
-@pytest.mark.parametrize("name", ["fsdp:bf16", "fsdp_block:bf16", "fsdp_flat:bf16"])
+@pytest.mark.parametrize("name", ["fsdp:bf16", "fsdp_block:bf16", "fsdp_flat:bf16", "fsdp_flat_rs:bf16"])
 def test_fsdp_bf16_compute_matches_cast_reference_on_nccl(per_rank, name):
     for res in per_rank:
         diffs = [d for d, _ in res[name]]
