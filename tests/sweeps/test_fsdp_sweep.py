@@ -187,3 +187,19 @@ def test_compiled_blocks_need_per_block_units(tmp_path):
         fsdp_sweep.trials(size="tiny", context_length=16, batch_per_rank=2, dtypes=["fp32"], variants=["fsdp"],
                           profile=[], warmup=0, steps=2, compile=True)
     assert "fsdp_layer" not in fsdp_sweep._variants(None, "cpu", fsdp_sweep.DEFAULTS["cpu"], compiled=True)
+
+
+def _flat_flags(rank: int, world_size: int) -> dict:
+    out = {}
+    for variant in ("fsdp", "fsdp_flat", "fsdp_flat_rs"):
+        [trial] = fsdp_sweep.trials(dtypes=["fp32"], variants=[variant], profile=[], **TINY)
+        model, _ = fsdp_sweep.build(trial, torch.device("cpu"), dist.group.WORLD)
+        out[variant] = (model.flat_collectives, model.flat_reduce_scatter)
+    return out
+
+
+@pytest.mark.multiproc
+def test_flat_variants_build_their_collectives():
+    """On gloo every variant reduces through the flat path anyway, so the rows differ only by what build() asks."""
+    [flags] = run_ranks(_flat_flags, 1, timeout_s=120)
+    assert flags == {"fsdp": (False, False), "fsdp_flat": (True, True), "fsdp_flat_rs": (False, True)}, flags
