@@ -263,12 +263,12 @@ def paired_steps(step: TimedStep, reference: TimedStep, rounds: int, block: int 
     `paired_ratio_max`, `paired_ratio_ci_rel` (the 95% confidence half-width of that median, relative to it:
     `median_ci_rel`; inf under 3 rounds), `paired_step_median_s` and `paired_reference_median_s` (medians over
     rounds of the block medians), and `paired_host_cpu_ratio` with its `paired_host_cpu_ratio_ci_rel`: the same
-    for the CPU time spent issuing a step (`host_cpu_step_median_s`, autograd's threads included), and
-    `paired_allocator_retries` / `paired_cuda_mallocs`: the CUDA caching allocator's retries (it freed its cache to
-    satisfy an allocation: a device synchronisation) and cudaMalloc calls over both sides' timed steps (NaN off a
-    GPU), which two large models alive in one process can cost. Where steps are host-bound that
-    is the machinery's host cost alone, which a host whose threads are descheduled now and then (a shared VM)
-    leaves out of it: a tighter estimate than the steps' wall time.
+    for the CPU time spent issuing a step (`host_cpu_step_median_s`, autograd's threads included). Where steps are
+    host-bound that is the machinery's host cost alone, which a host whose threads are descheduled now and then (a
+    shared VM) leaves out of it: a tighter estimate than the steps' wall time. `paired_allocator_retries` /
+    `paired_cuda_mallocs`: the CUDA caching allocator's retries (it freed its cache to satisfy an allocation: a
+    device synchronisation) and cudaMalloc calls over both sides' timed steps (NaN off a GPU), which two large
+    models alive in one process can cost.
     Every rank of a gang must call this with the same arguments (the steps' collectives stay matched).
     """
     if not isinstance(rounds, int) or rounds < 1 or not isinstance(block, int) or block < 2:

@@ -70,7 +70,7 @@ VARIANTS = ("single", "single_cast", "ddp", "ddp_sharded", "fsdp", "fsdp_flat", 
 # Per-block FSDP over a group of its own (NCCL only): variant -> nccl_group options; and the SM carve-outs.
 OWN_GROUP = {"fsdp_hp": dict(high_priority=True), "fsdp@8": dict(max_ctas=8)}
 SM_CARVEOUT = {"fsdp@8": 8}
-OURS = ("fsdp", "fsdp_flat", "fsdp_flat_rs", "fsdp_hp", "fsdp@8")  # per-block FSDP variants, checked against the targets
+OURS = ("fsdp", "fsdp_flat", "fsdp_flat_rs", "fsdp_hp", "fsdp@8")  # per-block FSDP variants, checked against targets
 AUTOCAST_VARIANTS = ("single", "ddp", "ddp_sharded")  # the others cast weights to the compute dtype themselves
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 DDP_BUCKET_MB = 100.0
@@ -122,7 +122,7 @@ def build(trial: FSDPTrial, device: torch.device, process_group) -> tuple[nn.Mod
         model = CastForCompute(model, low)
     elif variant in ("ddp", "ddp_sharded"):
         model = make_ddp("bucketed", model, bucket_size_mb=DDP_BUCKET_MB, process_group=process_group, **alone)
-    elif variant in ("fsdp", "fsdp_flat", "fsdp_flat_rs", "fsdp_layer") or variant in OWN_GROUP:  # fsdp_layer: per Linear
+    elif variant in ("fsdp", "fsdp_flat", "fsdp_flat_rs", "fsdp_layer") or variant in OWN_GROUP:  # layer: per Linear
         model = make_fsdp("fsdp", model, compute_dtype=low, process_group=process_group,
                           units=None if variant == "fsdp_layer" else (TransformerBlock,),
                           sm_carveout=SM_CARVEOUT.get(variant), flat_collectives=variant == "fsdp_flat",

@@ -2,7 +2,7 @@
 full weights are) or on modules whose `_parameters` are swapped? A tiny TransformerBlock compiled with backend="eager",
 the lookup's mean host time from torch.profiler over 200 forward calls per case. CPU only:
 
-    PYTHONPATH=$PWD python results/runs/dynamo_guard_check.py > results/runs/dynamo_guard_check.txt
+    PYTHONPATH=$PWD python results/runs/dynamo_guard_check.py > dynamo_guard_check.txt
 """
 import torch
 from torch.profiler import profile, ProfilerActivity

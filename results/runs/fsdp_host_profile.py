@@ -49,6 +49,11 @@ def host_phases(step: TrainStep, n: int) -> list[float]:
 
 
 def main() -> None:
+    unknown = [v for v in VARIANTS if v not in FSDPTrial.VARIANTS]
+    if unknown:
+        raise SystemExit(f"fsdp_host_profile.py: variants {unknown} are not among {list(FSDPTrial.VARIANTS)}")
+    if not torch.cuda.is_available():
+        raise SystemExit("fsdp_host_profile.py: needs a CUDA GPU (an NCCL group of one); this machine has none")
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29561", rank=0, world_size=1, device_id=device)

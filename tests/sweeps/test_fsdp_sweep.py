@@ -133,7 +133,8 @@ def test_trial_function_on_gloo_ranks():
             assert m["params_bytes"] + m["grads_bytes"] == m["expected_params_bytes"] + m["expected_grads_bytes"]
         else:  # what the tensors hold is what the sharding predicts, to the byte
             assert m["state_bytes"] == m["expected_state_bytes"], config["variant"]
-        if config["variant"] in ("fsdp", "fsdp_flat", "fsdp_flat_rs", "fsdp_layer"):  # the embedding is not re-gathered in backward
+        # the embedding is not re-gathered in backward
+        if config["variant"] in ("fsdp", "fsdp_flat", "fsdp_flat_rs", "fsdp_layer"):
             units = 16 if config["variant"] == "fsdp_layer" else 2 + 2  # embedding, 2 blocks (of 7 layers), lm_head
             assert m["all_gathers_per_step"] == 2 * units - 1, config["variant"]
             assert m["gather_wait_s"] >= 0 and m["peak_gathered_bytes"] > 0
