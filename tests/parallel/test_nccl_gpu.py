@@ -11,6 +11,8 @@ reference that casts its weights to bf16 for forward and backward.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -28,7 +30,10 @@ needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GP
 
 WORLD, BATCH, SEQ, STEPS = 2, 6, 24, 3
 DDP_VARIANTS = [("naive", {}), ("flat", {}), ("overlapped", {}), ("bucketed", {"bucket_size_mb": 1e-4}),
-                ("bucketed", {"bucket_size_mb": 0.5}), ("bucketed", {"bucket_size_mb": 1000.0})]
+                ("bucketed", {"bucket_size_mb": 0.5}), ("bucketed", {"bucket_size_mb": 1000.0}),
+                ("overlapped", {"comm_thread": True}), ("bucketed", {"bucket_size_mb": 0.5, "comm_thread": True}),
+                # backward on a side stream: the comm thread must issue on it (CommThread.use_stream)
+                ("bucketed", {"bucket_size_mb": 0.5, "comm_thread": True, "side_stream": True})]
 
 
 def _device(rank: int) -> torch.device:
@@ -82,8 +87,10 @@ def _train(rank: int, world_size: int, kind: str, kwargs: dict, alone: dict | No
         wrapped = make_ddp("bucketed", _model(device), bucket_size_mb=0.5, **alone)
         opt = ShardedOptimizer(wrapped.parameters(), AdamW, lr=1e-2, weight_decay=0.1)
     else:
-        wrapped = make_ddp(kind, _model(device), **kwargs, **alone)
+        wrapped = make_ddp(kind, _model(device), **{k: v for k, v in kwargs.items() if k != "side_stream"}, **alone)
         opt = optimizer(wrapped.parameters())
+    side = kwargs.get("side_stream") and device.type == "cuda"
+    stream = torch.cuda.Stream(device) if side else None
     local = BATCH // world_size
     out = []
     for step in range(STEPS):
@@ -96,9 +103,14 @@ def _train(rank: int, world_size: int, kind: str, kwargs: dict, alone: dict | No
                 cross_entropy(ref(x).float(), y).backward()
             ref_opt.step()
         opt.zero_grad(set_to_none=True)
-        cross_entropy(wrapped(x[rank * local:(rank + 1) * local]).float(),
-                      y[rank * local:(rank + 1) * local]).backward()
-        wrapped.finish_gradient_synchronization()
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            cross_entropy(wrapped(x[rank * local:(rank + 1) * local]).float(),
+                          y[rank * local:(rank + 1) * local]).backward()
+            wrapped.finish_gradient_synchronization()
+        if stream is not None:
+            torch.cuda.current_stream(device).wait_stream(stream)
         opt.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
