@@ -67,6 +67,8 @@ def _serve(calls: queue.SimpleQueue, errors: list[BaseException]) -> None:
             fn(*args)
         except BaseException as exc:  # handed to the submitter by drain()
             errors.append(exc)
+        # Hold nothing while waiting for the next call: a bound method would keep its wrapper alive.
+        del item, fn, args
 
 
 class CommThread:

@@ -152,7 +152,7 @@ case $phase in
     study ddp_alone_compiled 300 python3 sweeps/ddp.py "${w1[@]}" --out "$RESULTS/alone" --resume --max-steps 4 \
       --no-single-rerun --variants $ddp_variants --compile
     study fsdp_alone_compiled 260 python3 sweeps/fsdp.py "${w1[@]}" --out "$RESULTS/alone" --resume \
-      --variants single,fsdp,fsdp_flat_rs,fsdp_flat,fsdp2 --compile
+      --variants single,fsdp,fsdp_flat_rs,fsdp_thread,fsdp2 --compile
     ;;
   ckpt)  # the checkpointing trials (Ray Tune, one GPU per trial: two at a time)
     study checkpointing 250 python3 sweeps/checkpointing.py --device cuda --out "$RESULTS" --resume

@@ -56,9 +56,9 @@ def test_calls_queued_after_use_stream_run_on_that_stream():
     comm = CommThread()
     side = torch.cuda.Stream()
     seen = []
-    comm.submit(lambda: seen.append(torch.cuda.current_stream()))
+    comm.submit(lambda: seen.append(torch.cuda.current_stream().cuda_stream))
     comm.use_stream(side)
-    comm.submit(lambda: seen.append(torch.cuda.current_stream()))
+    comm.submit(lambda: seen.append(torch.cuda.current_stream().cuda_stream))
     comm.drain()
-    assert seen == [torch.cuda.default_stream(), side]
+    assert seen == [torch.cuda.default_stream().cuda_stream, side.cuda_stream], (seen, side)
     comm.close()
