@@ -141,6 +141,9 @@ def _all(rank: int, world_size: int, alone: dict | None = None) -> dict:
     results["fsdp_flat_rs:fp32"] = _train(rank, world_size, "fsdp", flat_rs, alone)
     results["fsdp_flat_rs:bf16"] = _train(rank, world_size, "fsdp", {**flat_rs, "compute_dtype": torch.bfloat16},
                                           alone)
+    thread = {**blocks, "comm_thread": True}  # reduce-scatters issued from a comm thread
+    results["fsdp_thread:fp32"] = _train(rank, world_size, "fsdp", thread, alone)
+    results["fsdp_thread:bf16"] = _train(rank, world_size, "fsdp", {**thread, "compute_dtype": torch.bfloat16}, alone)
     # The same process group must still work: no collective was left pending by any wrapper.
     t = torch.ones(1, device=_device(rank))
     dist.all_reduce(t)
@@ -160,13 +163,15 @@ def test_group_of_one_on_nccl_trains_like_one_process(alone):
     [res] = run_ranks(_all, 1, alone, backend="nccl", timeout_s=300)
     for name in FP32_RUNS:
         assert [mismatched for _, mismatched in res[name]] == [[]] * STEPS, f"{name}: max |diff| per step {res[name]}"
-    for name in ("fsdp:bf16", "fsdp_block:bf16", "fsdp_flat:bf16", "fsdp_flat_rs:bf16"):
+    for name in BF16_RUNS:
         assert max(d for d, _ in res[name]) < 1e-3, res[name]
     assert res["all_reduce_after"] == 1
 
 
 FP32_RUNS = [f"ddp:{k}{sorted(kw.items())}" for k, kw in DDP_VARIANTS] + ["sharded", "fsdp:fp32", "fsdp_block:fp32",
-                                                                        "fsdp_flat:fp32", "fsdp_flat_rs:fp32"]
+                                                                        "fsdp_flat:fp32", "fsdp_flat_rs:fp32",
+                                                                        "fsdp_thread:fp32"]
+BF16_RUNS = ["fsdp:bf16", "fsdp_block:bf16", "fsdp_flat:bf16", "fsdp_flat_rs:bf16", "fsdp_thread:bf16"]
 
 
 @needs_two
@@ -178,7 +183,7 @@ def test_fp32_bitwise_equal_to_single_process_on_nccl(per_rank, name):
 
 
 @needs_two
-@pytest.mark.parametrize("name", ["fsdp:bf16", "fsdp_block:bf16", "fsdp_flat:bf16", "fsdp_flat_rs:bf16"])
+@pytest.mark.parametrize("name", BF16_RUNS)
 def test_fsdp_bf16_compute_matches_cast_reference_on_nccl(per_rank, name):
     for res in per_rank:
         diffs = [d for d, _ in res[name]]
