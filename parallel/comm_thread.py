@@ -78,7 +78,7 @@ class CommThread:
     def __init__(self, name: str = "raysys-comm"):
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._errors: list[BaseException] = []
-        self._stream: Any = None
+        self._stream: tuple[int, int] | None = None  # (device, stream id) of the last use_stream
         self._closed = False
         self._thread = threading.Thread(target=_serve, args=(self._calls, self._errors), name=name, daemon=True)
         self._thread.start()
@@ -91,8 +91,10 @@ class CommThread:
 
     def use_stream(self, stream: "torch.cuda.Stream") -> None:
         """Make `stream` the thread's current CUDA stream for the calls queued from now on (no-op if it already is)."""
-        if stream != self._stream:
-            self._stream = stream
+        # Compared by id: a torch Stream is never `!=` None (its rich comparison answers False for any op on None).
+        key = (stream.device_index, stream.stream_id)
+        if key != self._stream:
+            self._stream = key
             self.submit(torch.cuda.set_stream, stream)
 
     def drain(self) -> None:
