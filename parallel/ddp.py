@@ -23,9 +23,7 @@ one-GPU measurement of the machinery's cost needs.
 
 Host cost per step: one post-accumulate-grad hook call per parameter, one collective call per bucket (on the group).
 Gradients stay where autograd put them: nothing is copied, allocated or re-pointed (`grad_as_bucket_view=False`
-is the textbook bucket, copied into a flat buffer and back). `comm_thread=True` (overlapped and bucketed) moves the
-collective calls off the autograd thread that runs backward, onto a thread of their own (parallel/comm_thread.py):
-the hook queues the bucket, that thread issues it. `sm_carveout=N`: see parallel/carveout.py.
+is the textbook bucket, copied into a flat buffer and back). `sm_carveout=N`: see parallel/carveout.py.
 
 `no_sync()`: backward passes of forwards inside it accumulate locally; the next synchronised one reduces the sum.
 Lifetime: hooks hold a `_Reducer`, never a parameter or the wrapper, so a dropped wrapper is freed at once.
@@ -51,7 +49,6 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.distributed_c10d import AllreduceCoalescedOptions, AllreduceOptions
 
 from parallel.carveout import SMCarveout
-from parallel.comm_thread import CommThread
 from parallel.hooks import remove_handles
 
 __all__ = ["NaiveDDP", "FlatDDP", "OverlappedDDP", "BucketedDDP", "TorchDDP", "DDP_KINDS", "make_ddp", "assign_buckets",
@@ -240,11 +237,9 @@ class _Reducer:
     a parameter, a module or the wrapper (see Lifetime in the module docstring), so hooks may hold it.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, buckets: list[_Bucket], carveout: SMCarveout, identity: bool,
-                 comm: CommThread | None = None):
+    def __init__(self, group: dist.ProcessGroup | None, buckets: list[_Bucket], carveout: SMCarveout, identity: bool):
         self.group = group if group is not None else dist.group.WORLD
         self.identity = identity  # a group of one: a launch only advances `next` (module docstring)
-        self.comm = comm          # where launches are issued (None: on the calling thread)
         op, self.divisor = mean_reduction(group)
         self.opts, self.coalesced_opts = AllreduceOptions(), AllreduceCoalescedOptions()
         for opts in (self.opts, self.coalesced_opts):
@@ -292,23 +287,15 @@ class _Reducer:
                 self.launch(self.next)
 
     def launch(self, b: int) -> None:
-        """Launch bucket b's all-reduce (every gradient in `grads[b]` set): issue it here, or queue it on the comm
-        thread. Buckets must be launched in order."""
+        """Issue bucket b's all-reduce (every gradient in `grads[b]` set); buckets must be launched in order."""
         assert b == self.next, (b, self.next)
-        self.next += 1
         if self.identity:
+            self.next += 1
             return
-        self.carveout.enter()  # the rest of backward's matmuls leave the collectives' SMs alone
-        if self.comm is not None:
-            self.comm.submit(self.issue, b)
-        else:
-            self.issue(b)
-
-    def issue(self, b: int) -> None:
-        """Issue bucket b's all-reduce (on the calling thread)."""
         if torch.is_grad_enabled():  # backward(create_graph=True) runs hooks with grad mode on
             with torch.no_grad():
-                return self.issue(b)
+                return self.launch(b)
+        self.carveout.enter()  # the rest of backward's matmuls leave the collectives' SMs alone
         tensors = self.grads[b]
         if self.buffers[b] is not None:
             torch._foreach_copy_(self.views[b], tensors)
@@ -321,25 +308,7 @@ class _Reducer:
             work = self.group.allreduce_coalesced(tensors, self.coalesced_opts)
         self.works.append(work)
         self.all_reduces += 1
-
-    def drain(self) -> None:
-        """Wait until every launched bucket has been issued (with a comm thread; a no-op without one); raise what
-        issuing one raised, after clearing the step (the wrapper trains on afterwards)."""
-        if self.comm is None:
-            return
-        try:
-            self.comm.drain()
-        except BaseException:
-            self.works.clear()
-            self.reset()
-            self.carveout.exit()
-            raise
-
-
-def _release(handles: list, comm: CommThread | None) -> None:
-    remove_handles(handles)
-    if comm is not None:
-        comm.close()
+        self.next += 1
 
 
 class _OverlappedDataParallel(_DataParallel):
@@ -350,26 +319,19 @@ class _OverlappedDataParallel(_DataParallel):
 
     def __init__(self, module: nn.Module, buckets: list[list[nn.Parameter]], grad_as_bucket_view: bool,
                  process_group: dist.ProcessGroup | None, sm_carveout: int | None = None,
-                 collectives_alone: bool = False, comm_thread: bool = False):
+                 collectives_alone: bool = False):
         carveout = SMCarveout(sm_carveout)  # validated before the broadcast (a collective)
-        if not isinstance(comm_thread, bool):
-            raise ValueError(f"comm_thread ({comm_thread!r}) must be a bool")
         _DataParallel.__init__(self, module, process_group, collectives_alone=collectives_alone)
         self.carveout = carveout
         self.grad_as_bucket_view = grad_as_bucket_view
         copy = not (grad_as_bucket_view or self._identity)
         self.buckets = [_Bucket(params, copy=copy) for params in buckets]
-        # A group of one issues nothing: no thread to issue it.
-        self.comm_thread = comm_thread and not self._identity
-        comm = CommThread(f"{type(self).__name__}-comm") if self.comm_thread else None
-        self._device = _module_device(module)
-        self._reducer = _Reducer(process_group, self.buckets, carveout, self._identity, comm)
+        self._reducer = _Reducer(process_group, self.buckets, carveout, self._identity)
         self._hooks_removed = False
         handles = [p.register_post_accumulate_grad_hook(partial(self._reducer.grad_ready, b, i))
                    for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)]
-        # Runs remove_hooks' work when the wrapper is collected (or when remove_hooks() calls it): the hooks go,
-        # and the comm thread exits once it has issued what was queued.
-        self._remove_handles = weakref.finalize(self, _release, handles, comm)
+        # Runs remove_hooks' work when the wrapper is collected (or when remove_hooks() calls it).
+        self._remove_handles = weakref.finalize(self, remove_handles, handles)
 
     @property
     def num_all_reduces(self) -> int:
@@ -387,14 +349,10 @@ class _OverlappedDataParallel(_DataParallel):
     def remove_hooks(self) -> None:
         """Unregister the gradient hooks and drop in-flight work: the wrapper no longer synchronises (a later
         forward raises). Happens by itself when the wrapper is garbage-collected; idempotent."""
-        reducer = self._reducer
-        if reducer.comm is not None and not self._hooks_removed:
-            with contextlib.suppress(Exception):  # what is in flight is dropped, its error with it
-                reducer.comm.drain()
         self._remove_handles()
         self._hooks_removed = True
         self.carveout.exit()
-        reducer.reset()
+        self._reducer.reset()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._hooks_removed:
@@ -404,9 +362,6 @@ class _OverlappedDataParallel(_DataParallel):
             raise RuntimeError("forward called while gradients of the previous backward are still being reduced: "
                                "call finish_gradient_synchronization() after every synchronised backward")
         reducer.sync = self._require_sync
-        if reducer.comm is not None and self._device.type == "cuda":
-            # Backward runs each op on its forward op's stream: the collectives are ordered after this one.
-            reducer.comm.use_stream(torch.cuda.current_stream(self._device))
         out = self.module(*args, **kwargs)
         # A synchronised training forward obliges finish_gradient_synchronization() to reduce every bucket,
         # even on a rank whose backward produced no gradient at all (the other ranks wait for it).
@@ -428,7 +383,6 @@ class _OverlappedDataParallel(_DataParallel):
                     if grad is None:
                         grads[i] = self._local_grad(self.buckets[b].params[i])
             reducer.launch(b)
-        reducer.drain()
         # Every work is waited for, also on NCCL, where the last one alone would order the streams: a work keeps its
         # tensors alive until it is waited for or torch's watchdog reaps it, so with only the last one waited for the
         # step's gradients stayed allocated and the caching allocator called cudaMalloc 54-138 times in 4 timed steps
@@ -447,11 +401,10 @@ class OverlappedDDP(_OverlappedDataParallel):
     (in reverse parameter order; see the ordering note in the module docstring)."""
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None, *,
-                 sm_carveout: int | None = None, collectives_alone: bool = False, comm_thread: bool = False):
+                 sm_carveout: int | None = None, collectives_alone: bool = False):
         params = [p for p in module.parameters() if p.requires_grad]
         super().__init__(module, [[p] for p in reversed(params)], grad_as_bucket_view=True,
-                         process_group=process_group, sm_carveout=sm_carveout, collectives_alone=collectives_alone,
-                         comm_thread=comm_thread)
+                         process_group=process_group, sm_carveout=sm_carveout, collectives_alone=collectives_alone)
 
 
 class BucketedDDP(_OverlappedDataParallel):
@@ -464,12 +417,12 @@ class BucketedDDP(_OverlappedDataParallel):
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, *, grad_as_bucket_view: bool = True,
                  process_group: dist.ProcessGroup | None = None, sm_carveout: int | None = None,
-                 collectives_alone: bool = False, comm_thread: bool = False):
+                 collectives_alone: bool = False):
         if not isinstance(bucket_size_mb, (int, float)) or not math.isfinite(bucket_size_mb) or bucket_size_mb < 0:
             raise ValueError(f"bucket_size_mb ({bucket_size_mb!r}) must be a finite number >= 0")
         params = [p for p in module.parameters() if p.requires_grad]
         super().__init__(module, assign_buckets(params, bucket_size_mb), grad_as_bucket_view, process_group,
-                         sm_carveout, collectives_alone, comm_thread)
+                         sm_carveout, collectives_alone)
         self.bucket_size_mb = float(bucket_size_mb)
 
 

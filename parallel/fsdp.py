@@ -13,8 +13,7 @@ of its fp32 gradients once the last has arrived (`flat_collectives=True`: one fl
 reduce-scatter of a rank-major buffer per unit, one NCCL operation each instead of one per weight). With
 `compute_dtype` (e.g. bf16) shards are cast before the all-gather and Linear / Embedding compute in that dtype;
 gradients are cast back to fp32 for the reduction. On gloo (CPU tests) one reduce-scatter of a rank-major copy per
-unit, and one collective in flight at a time. `comm_thread=True` issues the reduce-scatters from a thread of their
-own, off the thread running backward.
+unit, and one collective in flight at a time.
 
 Invariant: after `finish_gradient_synchronization()` every shard's `.grad` (fp32, shard shape) holds its rows of the
 mean over ranks of the local full-weight gradients (zero in padding rows), every replicated `.grad` the mean over
@@ -38,7 +37,6 @@ wrapper is freed at once; its modules keep their shards (`gather_full_params()` 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 import weakref
@@ -54,7 +52,6 @@ from torch.distributed.distributed_c10d import (AllgatherOptions, AllreduceCoale
                                                 ReduceScatterOptions)
 
 from parallel.carveout import SMCarveout
-from parallel.comm_thread import CommThread
 from parallel.ddp import broadcast_module_state, mean_reduction
 from parallel.hooks import WeakHook, remove_handles
 from parallel.mixed_precision import (cast_inputs, cast_params, has_other_floating_params, is_embedding,
@@ -382,18 +379,15 @@ class FSDP(nn.Module):
             in place): one `_chunk_cat` kernel casts and lays out the unit's gradients rank-major, where the
             coalesced path casts each weight with a copy of its own, and one NCCL reduce-scatter takes them all,
             where the coalesced path enqueues one per weight. The same bytes move either way; the host does one
-            call of each instead of one per weight. Unmeasured as yet (`fsdp_flat_rs` in sweeps/fsdp.py).
-        comm_thread: issue each unit's reduce-scatter (its gradients' cast and the collective) from a thread of
-            its own (parallel/comm_thread.py) instead of the autograd thread running backward, which then only
-            queues it; all-gathers stay where they are (their waits follow at once). On gloo the thread completes
-            each reduce-scatter before the next collective, as the one-in-flight rule wants.
+            call of each instead of one per weight. On one H200 through a larger group's collectives it cost more
+            host time than the coalesced path (the `fsdp_flat_rs` row of
+            results/runs/fsdp_world1_alone_compiled_28374cb.parquet).
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
                  process_group: dist.ProcessGroup | None = None, *, units: Iterable[type | str] | None = None,
                  max_inflight_reductions: int = 1, sm_carveout: int | None = None, event_log: list | None = None,
-                 collectives_alone: bool = False, flat_collectives: bool = False, flat_reduce_scatter: bool = False,
-                 comm_thread: bool = False):
+                 collectives_alone: bool = False, flat_collectives: bool = False, flat_reduce_scatter: bool = False):
         super().__init__()
         carveout = SMCarveout(sm_carveout)
         if not isinstance(module, nn.Module):
@@ -401,8 +395,7 @@ class FSDP(nn.Module):
         if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype)
                                               and compute_dtype.is_floating_point):
             raise ValueError(f"compute_dtype ({compute_dtype!r}) must be a floating-point torch.dtype or None")
-        for name, flag in (("flat_collectives", flat_collectives), ("flat_reduce_scatter", flat_reduce_scatter),
-                           ("comm_thread", comm_thread)):
+        for name, flag in (("flat_collectives", flat_collectives), ("flat_reduce_scatter", flat_reduce_scatter)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} ({flag!r}) must be a bool")
         if max_inflight_reductions < 1:
@@ -465,13 +458,8 @@ class FSDP(nn.Module):
                     handles.append(w.module.register_forward_pre_hook(WeakHook(self._owner, FSDP._cast_pre)))
                     if has_other_floating_params(w.module):
                         handles.append(w.module.register_forward_hook(WeakHook(self._owner, FSDP._cast_post)))
-        # The reduce-scatters' issuing thread (a group of one that is the identity issues none).
-        self.comm_thread = comm_thread and not (self.world_size == 1 and not collectives_alone)
-        self._comm = CommThread("FSDP-comm") if self.comm_thread else None
-        self._device = next((p.device for p in module.parameters()), torch.device("cpu"))
-        # Runs remove_hooks' work when the wrapper is collected (or when remove_hooks() calls it): the hooks go, and
-        # the comm thread exits once it has issued what was queued.
-        self._remove_handles = weakref.finalize(self, _release, handles, self._comm)
+        # Runs remove_hooks' work when the wrapper is collected (or when remove_hooks() calls it).
+        self._remove_handles = weakref.finalize(self, remove_handles, handles)
         self._pre_backward_hooks = [WeakHook(self._owner, FSDP._pre_backward, unit.index) for unit in self._units]
         self._weight_of_shard = {id(w.shard): w for unit in self._units for w in unit.weights}
         self._replicated = [p for p in module.parameters() if id(p) not in self._weight_of_shard and p.requires_grad]
@@ -502,9 +490,6 @@ class FSDP(nn.Module):
             raise RuntimeError("this FSDP wrapper's hooks were removed (remove_hooks()): its modules hold only this "
                                "rank's weight shards; gather_full_params() returns the full weights")
         self._reduce_partial_units()
-        if self._comm is not None and self._device.type == "cuda":
-            # Backward runs each op on its forward op's stream: the reduce-scatters are ordered after this one.
-            self._comm.use_stream(torch.cuda.current_stream(self._device))
         self.carveout.enter()
         self._fwd_calls = []
         for unit in self._units:
@@ -605,22 +590,10 @@ class FSDP(nn.Module):
         grads, unit.grads, unit.grads_left = unit.grads, [None] * len(unit.weights), unit.num_trainable
         unit.backward_done = True
         unit.free(self)
+        n, device = self.world_size, unit.shard_flat.device
         if unit.identity:
             self._store_identity(unit, grads)
             return
-        if self._comm is None:
-            self._issue_reduce(unit, grads)
-            return
-        # gloo (one collective in flight): none may be when the comm thread issues this one. Later gathers drain
-        # the comm thread first (`_before_collective`). Logged here, in the order of the hooks.
-        self._before_collective()
-        self._log("reduce_scatter", unit.name, "backward")
-        self._comm.submit(self._issue_reduce, unit, grads, False)
-
-    def _issue_reduce(self, unit: _Unit, grads: list[torch.Tensor | None], log: bool = True) -> None:
-        """Cast the unit's gradients into the fp32 send buffer and issue its reduce-scatter (on the calling thread:
-        the autograd thread, or the comm thread)."""
-        n, device = self.world_size, unit.shard_flat.device
         first = grads[0]
         coalesced = self._coalesced_reduce_scatter
         if (len(grads) == 1 and first is not None and first.dtype == torch.float32 and first.is_contiguous()
@@ -638,8 +611,7 @@ class FSDP(nn.Module):
             torch._chunk_cat(full_grads, dim=0, num_chunks=n, out=send.view(n, -1))
             del full_grads
         del grads, first
-        if self._comm is None:
-            self._before_collective()
+        self._before_collective()
         # A group of one reduces in place: this rank's slot of the input is the whole input, and nothing moves.
         out = send if n == 1 else torch.empty(unit.shard_numel, dtype=torch.float32, device=device)
         if coalesced:  # one reduce-scatter per weight, issued as one group: each shard lands in its slot of `out`
@@ -651,12 +623,9 @@ class FSDP(nn.Module):
             work = dist.all_reduce(send, op=self._mean_op, group=self.process_group, async_op=True)
         self.stats.reduce_scatters += 1
         self.stats.reduce_scatter_bytes += send.numel() * send.element_size()
-        if log:
-            self._log("reduce_scatter", unit.name, "backward")
+        self._log("reduce_scatter", unit.name, "backward")
         self._pending.append(_PendingOp(work, partial(self._store_shard_grad, unit, out), send, out))
-        # gloo with a comm thread: complete here, so that nothing is in flight once the thread is drained.
-        limit = 0 if self._one_in_flight and self._comm is not None else self.max_inflight_reductions
-        while len(self._pending) > limit:  # frees the oldest full-size gradient buffer
+        while len(self._pending) > self.max_inflight_reductions:  # frees the oldest full-size gradient buffer
             self._pending.popleft().complete()
 
     def _reduce_partial_units(self) -> None:
@@ -711,7 +680,6 @@ class FSDP(nn.Module):
         """Wait for the reduce-scatters, all-reduce the replicated gradients; write each shard's fp32 `.grad`
         (added to an existing one; the shards of a unit get views of one buffer)."""
         self._reduce_partial_units()
-        self._drain()
         while self._pending:
             self._pending.popleft().complete()
         self._free_all()  # weights prefetched for a backward step that never came
@@ -743,9 +711,6 @@ class FSDP(nn.Module):
         Happens by itself when the wrapper is garbage-collected; idempotent. Never waits on a collective (a rank
         whose peers failed must not block here): an in-flight one keeps its buffers alive until it completes."""
         self._remove_handles()
-        if self._comm is not None and not self._hooks_removed:
-            with contextlib.suppress(Exception):  # what is in flight is dropped, its error with it
-                self._comm.drain()
         self._hooks_removed = True
         self.carveout.exit()
         self._pending.clear()
@@ -793,28 +758,11 @@ class FSDP(nn.Module):
         `_one_in_flight`); nothing on NCCL."""
         if not self._one_in_flight:
             return
-        if self._comm is not None:  # the reduce-scatters it was given: issued and completed
-            self._comm.drain()
         for unit in self._units:
             if unit.state == _GATHERING:
                 unit.wait_gather(self)
         while self._pending:
             self._pending.popleft().complete()
-
-    def _drain(self) -> None:
-        """Wait until the comm thread has issued every reduce-scatter it was given (nothing without one); raise what
-        issuing one raised, after dropping the step's reductions (the wrapper trains on afterwards)."""
-        if self._comm is None:
-            return
-        try:
-            self._comm.drain()
-        except BaseException:
-            self._pending.clear()
-            for unit in self._units:
-                unit.reduced_grad = None
-                unit.had_grad = [False] * len(unit.weights)
-            self.carveout.exit()
-            raise
 
     def _free_all(self) -> None:
         for unit in self._units:
@@ -861,12 +809,6 @@ class FSDP(nn.Module):
         except (RuntimeError, NotImplementedError):
             return False
         return True
-
-
-def _release(handles: list, comm: CommThread | None) -> None:
-    remove_handles(handles)
-    if comm is not None:
-        comm.close()
 
 
 FSDP_KINDS = ("fsdp", "fsdp2")

@@ -40,7 +40,6 @@ from typing import Callable, Iterator, Protocol
 import torch
 import torch.distributed as dist
 
-from parallel.comm_thread import OS_THREAD_NAME as COMM_THREAD_NAME
 from raysys.device import synchronize
 
 PHASES = ("forward", "backward", "comm_wait", "optimizer")
@@ -136,8 +135,8 @@ AUTOGRAD_THREAD_PREFIX = "pt_autograd_"
 with its gradient hooks (DDP's, FSDP's), runs on one of them while the calling thread waits."""
 
 
-def _thread_cpu_clocks(prefixes: tuple[str, ...]) -> list[int]:
-    """CPU-time clock ids of this process's threads whose name starts with one of `prefixes` (Linux; [] elsewhere)."""
+def _thread_cpu_clocks(prefix: str) -> list[int]:
+    """CPU-time clock ids of this process's threads whose name starts with `prefix` (Linux; [] elsewhere)."""
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
@@ -149,19 +148,18 @@ def _thread_cpu_clocks(prefixes: tuple[str, ...]) -> list[int]:
                 name = f.read().strip()
         except OSError:  # the thread ended
             continue
-        if name.startswith(prefixes):
+        if name.startswith(prefix):
             clocks.append((~int(tid) << 3) | 6)  # MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED), as pthread_getcpuclockid
     return clocks
 
 
 class IssueClock:
-    """CPU time spent issuing steps: the calling thread's plus that of the threads whose names start with one of
-    `prefixes` (by default the autograd device threads, where a GPU backward and its hooks run, and the wrappers'
-    comm threads, parallel/comm_thread.py; `thread_time()` alone would miss them). The threads are found once, when
-    made (after a warm-up step has started them); `threads` says how many."""
+    """CPU time spent issuing steps: the calling thread's plus that of the threads named `prefix` (by default the
+    autograd device threads, where a GPU backward and its hooks run; `thread_time()` alone would miss them). The
+    threads are found once, when made (after a warm-up step has started them); `threads` says how many."""
 
-    def __init__(self, prefixes: tuple[str, ...] = (AUTOGRAD_THREAD_PREFIX, COMM_THREAD_NAME)):
-        self._clocks = _thread_cpu_clocks(prefixes)
+    def __init__(self, prefix: str = AUTOGRAD_THREAD_PREFIX):
+        self._clocks = _thread_cpu_clocks(prefix)
         self.threads = len(self._clocks)
 
     def __call__(self) -> float:

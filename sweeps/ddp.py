@@ -5,8 +5,7 @@ Variants (`--variants`): `single` (each rank trains its own replica, no communic
 and again last in each dtype as `single (rerun)`, which bounds the drift of the run), `naive`, `flat`,
 `overlapped`, `bucketed:MB`, `bucketed_copy:MB` (copy-in/out buffers instead of gradient views), `torch`
 (DistributedDataParallel). A suffix `@N` (`overlapped@8`) caps that variant's NCCL communicator at N CTAs;
-`@N+carve` also keeps cuBLAS off N SMs while its all-reduces overlap backward (parallel/carveout.py); a last `+thread`
-(`overlapped+thread`) issues its collectives from a thread of their own (parallel/comm_thread.py). `label`
+`@N+carve` also keeps cuBLAS off N SMs while its all-reduces overlap backward (parallel/carveout.py). `label`
 names a variant uniquely. Every rank runs the same `--batch-per-rank` batch, `single` included, so a row's step
 and `single`'s differ by what data parallelism costs.
 
@@ -91,8 +90,6 @@ class DDPTrial(VariantTrial):
     """CTAs per collective of the variant's NCCL communicator (None: NCCL's choice)."""
     sm_carveout: int | None = None
     """SMs kept from cuBLAS while the variant's all-reduces overlap backward."""
-    comm_thread: bool = False
-    """Overlapped / bucketed: collectives issued by a thread of their own, not the autograd thread (`+thread`)."""
     max_steps: int
     """Timed steps at most (more than `steps` while the median is uncertain)."""
 
@@ -107,8 +104,6 @@ class DDPTrial(VariantTrial):
         out = super().config()
         if self.sm_carveout is None and " CTAs" not in self.label:
             del out["sm_carveout"]  # rows of variants without a cap of their own never had the column: ids stay
-        if not self.comm_thread:
-            del out["comm_thread"]  # nor rows from before the comm thread
         return out
 
 
@@ -116,17 +111,8 @@ def parse_variant(spec: str) -> dict:
     """'bucketed:100' -> {'variant': 'bucketed', 'bucket_size_mb': 100.0, 'bucket_view': True, 'label': ...}.
     A suffix `@N` (`overlapped@8`, `torch:25@8`) caps that variant's NCCL communicator at N CTAs
     (`nccl_max_ctas`; CUDA only), so capped and uncapped variants share one run's baselines; `@N+carve` also
-    keeps cuBLAS off N SMs while the all-reduces overlap backward (`sm_carveout`). A last `+thread`
-    (`overlapped+thread`, `bucketed:1000+thread`) issues the variant's collectives from a thread of their own
-    (`comm_thread`; parallel/comm_thread.py)."""
-    spec = spec.strip()
-    if spec.endswith("+thread"):
-        parsed = parse_variant(spec.removesuffix("+thread"))
-        if parsed["variant"] not in ("overlapped", "bucketed"):
-            raise ValueError(f"variant {spec}: '+thread' needs an overlapped or bucketed variant (they issue "
-                             f"collectives from gradient hooks)")
-        return {**parsed, "comm_thread": True, "label": f"{parsed['label']} + comm thread"}
-    spec, at, ctas_text = spec.partition("@")
+    keeps cuBLAS off N SMs while the all-reduces overlap backward (`sm_carveout`)."""
+    spec, at, ctas_text = spec.strip().partition("@")
     if at:
         ctas_text, plus, flag = ctas_text.partition("+")
         full = f"{spec}@{ctas_text}{plus}{flag}"
@@ -135,8 +121,6 @@ def parse_variant(spec: str) -> dict:
         if plus and flag != "carve":
             raise ValueError(f"variant {full}: the only suffix after the CTA cap is '+carve'")
         parsed = parse_variant(spec)
-        if parsed.get("comm_thread"):
-            raise ValueError(f"variant {full}: '+thread' goes last, after the CTA cap")
         if parsed["variant"] == "single":
             raise ValueError(f"variant {full}: single does not communicate; a CTA cap means nothing")
         if plus and parsed["variant"] not in ("overlapped", "bucketed"):
@@ -212,7 +196,6 @@ def wrap(trial: DDPTrial, model: nn.Module, process_group) -> nn.Module:
         return model
     carve = {"sm_carveout": trial.sm_carveout} if trial.sm_carveout is not None else {}
     alone = {"collectives_alone": True} if trial.collectives_alone else {}
-    alone |= {"comm_thread": True} if trial.comm_thread else {}
     if trial.variant == "bucketed":
         return make_ddp("bucketed", model, bucket_size_mb=trial.bucket_size_mb, grad_as_bucket_view=trial.bucket_view,
                         process_group=process_group, **carve, **alone)

@@ -6,8 +6,7 @@ Variants: `single` (each rank trains its own replica, no communication; bf16 = a
 compute policy without sharding: weights cast to bf16 per forward, `CastForCompute`), `ddp` (BucketedDDP, 100
 MiB buckets), `ddp_sharded` (+ ShardedOptimizer, ZeRO-1 style), `fsdp` (parallel.fsdp.FSDP with one unit per
 TransformerBlock, as fsdp2), `fsdp_flat` (fsdp with one flat all-gather and reduce-scatter per unit,
-`flat_collectives`), `fsdp_flat_rs` (fsdp with the flat reduce-scatter alone, `flat_reduce_scatter`), `fsdp_thread`
-(fsdp with its reduce-scatters issued from a thread of their own, `comm_thread`), `fsdp_hp`
+`flat_collectives`), `fsdp_flat_rs` (fsdp with the flat reduce-scatter alone, `flat_reduce_scatter`), `fsdp_hp`
 (fsdp over an NCCL group on a high-priority stream, CUDA only), `fsdp@8`
 (fsdp over an NCCL group capped at 8 CTAs with cuBLAS kept off 8 SMs, CUDA only), `fsdp_layer` (one unit per
 Linear / Embedding, the handout's granularity) and `fsdp2` (torch's fully_shard per block and on the root,
@@ -66,13 +65,12 @@ from sweeps.common import (GANG_DTYPES, NOT_ON_CPU, VariantTrial, adamw_kwargs, 
 
 SWEEP = "fsdp"
 COMPILED = "fsdp_compiled"  # the same study with compiled blocks (--compile): its own file, tables and baselines
-VARIANTS = ("single", "single_cast", "ddp", "ddp_sharded", "fsdp", "fsdp_flat", "fsdp_flat_rs", "fsdp_thread",
-            "fsdp_hp", "fsdp@8", "fsdp_layer", "fsdp2")
+VARIANTS = ("single", "single_cast", "ddp", "ddp_sharded", "fsdp", "fsdp_flat", "fsdp_flat_rs", "fsdp_hp", "fsdp@8",
+            "fsdp_layer", "fsdp2")
 # Per-block FSDP over a group of its own (NCCL only): variant -> nccl_group options; and the SM carve-outs.
 OWN_GROUP = {"fsdp_hp": dict(high_priority=True), "fsdp@8": dict(max_ctas=8)}
 SM_CARVEOUT = {"fsdp@8": 8}
-# Per-block FSDP variants, checked against targets.
-OURS = ("fsdp", "fsdp_flat", "fsdp_flat_rs", "fsdp_thread", "fsdp_hp", "fsdp@8")
+OURS = ("fsdp", "fsdp_flat", "fsdp_flat_rs", "fsdp_hp", "fsdp@8")  # per-block FSDP variants, checked against targets
 AUTOCAST_VARIANTS = ("single", "ddp", "ddp_sharded")  # the others cast weights to the compute dtype themselves
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 DDP_BUCKET_MB = 100.0
@@ -124,12 +122,11 @@ def build(trial: FSDPTrial, device: torch.device, process_group) -> tuple[nn.Mod
         model = CastForCompute(model, low)
     elif variant in ("ddp", "ddp_sharded"):
         model = make_ddp("bucketed", model, bucket_size_mb=DDP_BUCKET_MB, process_group=process_group, **alone)
-    elif variant in OURS or variant == "fsdp_layer":  # layer: per Linear
+    elif variant in ("fsdp", "fsdp_flat", "fsdp_flat_rs", "fsdp_layer") or variant in OWN_GROUP:  # layer: per Linear
         model = make_fsdp("fsdp", model, compute_dtype=low, process_group=process_group,
                           units=None if variant == "fsdp_layer" else (TransformerBlock,),
                           sm_carveout=SM_CARVEOUT.get(variant), flat_collectives=variant == "fsdp_flat",
-                          flat_reduce_scatter=variant == "fsdp_flat_rs", comm_thread=variant == "fsdp_thread",
-                          **alone)
+                          flat_reduce_scatter=variant == "fsdp_flat_rs", **alone)
     elif variant == "fsdp2":
         model = make_fsdp("fsdp2", model, compute_dtype=low, process_group=process_group, units=(TransformerBlock,))
     if variant == "ddp_sharded":
@@ -159,8 +156,9 @@ def expected_state(mc: ModelConfig, variant: str, world_size: int) -> dict[str, 
     params = list(model.parameters())
     total = sum(p.numel() for p in params)
     ours = sum(padded(p) if id(p) in sharded else p.numel() for p in params)
-    per_rank = {"single": total, "single_cast": total, "ddp": total, "ddp_sharded": total, "fsdp_layer": ours,
-                "fsdp2": sum(padded(p) for p in params), **{v: ours for v in OURS}}[variant]
+    per_rank = {"single": total, "single_cast": total, "ddp": total, "ddp_sharded": total, "fsdp": ours,
+                "fsdp_flat": ours, "fsdp_flat_rs": ours, "fsdp_hp": ours, "fsdp@8": ours, "fsdp_layer": ours,
+                "fsdp2": sum(padded(p) for p in params)}[variant]
     moments = 2 * (total / world_size if variant == "ddp_sharded" else per_rank)
     return {"expected_params_bytes": 4.0 * per_rank, "expected_grads_bytes": 4.0 * per_rank,
             "expected_optimizer_state_bytes": 4.0 * moments,

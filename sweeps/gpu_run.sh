@@ -11,7 +11,7 @@
 #                                    #   alternating blocks (--paired-rounds), into $RESULTS/paired          (~8 min)
 #   bash sweeps/gpu_run.sh compiled  # 2 GPUs: the same with compiled blocks (--compile), into $RESULTS/compiled (~8 min)
 #   bash sweeps/gpu_run.sh alone     # 1 GPU: the wrappers' whole machinery on a group of one (bf16 DDP eager and
-#                                    #   compiled, FSDP compiled, --collectives-alone, paired vs single)   (~11 min)
+#                                    #   compiled, FSDP compiled, --collectives-alone, paired vs single)   (~7 min)
 #   bash sweeps/gpu_run.sh ckpt      # checkpointing trials (Ray Tune, one GPU per trial)                  (~4 min)
 #   bash sweeps/gpu_run.sh flash     # Ray Tune tile sweep (one GPU per trial), the FlashAttention grid    (~9.5 min)
 #   bash sweeps/gpu_run.sh gluon     # 1 GPU: Gluon GPU tests, the paired hopper study, host time per call   (~7 min)
@@ -146,13 +146,12 @@ case $phase in
     # keeps N entries), ROUNDS paired rounds (default 10; even 20 did not resolve 2% on the lent hosts)
     w1=(--device cuda --world-sizes 1 --launcher mp --dtypes bf16 --collectives-alone --paired-rounds "${ROUNDS:-10}"
         --warmup 2 --steps 4 --profile "" --nccl-trace-buffer "${TRACE:-0}")
-    ddp_variants=single,overlapped,overlapped+thread,bucketed:1000,bucketed:1000+thread,torch
-    study ddp_alone 300 python3 sweeps/ddp.py "${w1[@]}" --out "$RESULTS/alone" --resume --max-steps 4 \
-      --no-single-rerun --variants $ddp_variants
-    study ddp_alone_compiled 300 python3 sweeps/ddp.py "${w1[@]}" --out "$RESULTS/alone" --resume --max-steps 4 \
-      --no-single-rerun --variants $ddp_variants --compile
+    study ddp_alone 200 python3 sweeps/ddp.py "${w1[@]}" --out "$RESULTS/alone" --resume --max-steps 4 \
+      --no-single-rerun --variants single,overlapped,bucketed:1000,torch
+    study ddp_alone_compiled 200 python3 sweeps/ddp.py "${w1[@]}" --out "$RESULTS/alone" --resume --max-steps 4 \
+      --no-single-rerun --variants single,overlapped,bucketed:1000,torch --compile
     study fsdp_alone_compiled 260 python3 sweeps/fsdp.py "${w1[@]}" --out "$RESULTS/alone" --resume \
-      --variants single,fsdp,fsdp_flat_rs,fsdp_thread,fsdp2 --compile
+      --variants single,fsdp,fsdp2 --compile
     ;;
   ckpt)  # the checkpointing trials (Ray Tune, one GPU per trial: two at a time)
     study checkpointing 250 python3 sweeps/checkpointing.py --device cuda --out "$RESULTS" --resume

@@ -89,8 +89,6 @@ TOY_VARIANTS = [
     ("bucketed", {"bucket_size_mb": 0.003}),                               # multi-parameter buckets
     ("bucketed", {"bucket_size_mb": 0.003, "grad_as_bucket_view": False}),  # copy-in / copy-out
     ("bucketed", {"bucket_size_mb": 1000.0}),                              # everything in one bucket
-    ("overlapped", {"comm_thread": True}),                                 # collectives issued by a thread
-    ("bucketed", {"bucket_size_mb": 0.003, "comm_thread": True}),
 ]
 
 
@@ -242,7 +240,7 @@ def _toy_checks(rank: int, world_size: int) -> dict:
     return {"train": {name: _train_variants(rank, world_size, name, TOY_VARIANTS, TOY_STEPS)
                       for name in ("toy", "tied", "branch")},
             "no_sync": {kind: _no_sync_accumulation(rank, world_size, kind)
-                        for kind in ("naive", "flat", "overlapped", "bucketed", "bucketed+thread")},
+                        for kind in ("naive", "flat", "overlapped", "bucketed")},
             "misuse": _misuse(rank, world_size),
             "lifetime": _lifetime(rank, world_size),
             "torch": _train_variants(rank, world_size, "toy", [("torch", {})], TOY_STEPS)}
@@ -297,8 +295,7 @@ def test_variants_match_single_process_training_transformer():
 
 
 WORLD_OF_ONE = [("naive", {}), ("flat", {}), ("overlapped", {}), ("bucketed", {"bucket_size_mb": 0.05}),
-                ("bucketed", {"bucket_size_mb": 0.05, "grad_as_bucket_view": False}), ("bucketed", {"bucket_size_mb": 1000.0}),
-                ("overlapped", {"comm_thread": True}), ("bucketed", {"bucket_size_mb": 0.05, "comm_thread": True})]
+                ("bucketed", {"bucket_size_mb": 0.05, "grad_as_bucket_view": False}), ("bucketed", {"bucket_size_mb": 1000.0})]
 # The same wrappers told to run the collective path of a larger group (what a one-GPU measurement of its cost needs).
 ALONE = [(kind, {**kwargs, "collectives_alone": True}) for kind, kwargs in WORLD_OF_ONE]
 
@@ -389,10 +386,7 @@ def _no_sync_accumulation(rank: int, world_size: int, kind: str) -> dict:
     torch.manual_seed(0)
     reference = ToyModel()
     torch.manual_seed(rank)
-    kwargs = {"bucket_size_mb": 0.003} if kind.startswith("bucketed") else {}
-    if kind.endswith("+thread"):
-        kind, kwargs = kind.removesuffix("+thread"), {**kwargs, "comm_thread": True}
-    ddp = make_ddp(kind, ToyModel(), **kwargs)
+    ddp = make_ddp(kind, ToyModel(), **({"bucket_size_mb": 0.003} if kind == "bucketed" else {}))
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     diffs, calls_in_no_sync, calls_total = [], [], []
@@ -442,8 +436,7 @@ def _lifetime(rank: int, world_size: int) -> dict:
     """Hook-driven wrappers must not be kept alive by their own hooks (a parameter's hook dict is held from C++,
     invisible to the cycle collector): checked with the collector off, so only reference counting frees."""
     out = {}
-    for kind, kwargs in (("overlapped", {}), ("bucketed", {"bucket_size_mb": 0.003}),
-                         ("bucketed", {"bucket_size_mb": 0.003, "comm_thread": True})):
+    for kind, kwargs in (("overlapped", {}), ("bucketed", {"bucket_size_mb": 0.003})):
         module = ToyModel()
         ddp = make_ddp(kind, module, **kwargs)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
@@ -452,7 +445,6 @@ def _lifetime(rank: int, world_size: int) -> dict:
         ddp.finish_gradient_synchronization()
         optimizer.step()
         wrapper, model = weakref.ref(ddp), weakref.ref(module)
-        comm = ddp._reducer.comm
         params = list(module.parameters())
         hooks_while_wrapped = sum(len(p._post_accumulate_grad_hooks or {}) for p in params)
         gc.disable()
@@ -464,9 +456,6 @@ def _lifetime(rank: int, world_size: int) -> dict:
             model_freed = model() is None
         finally:
             gc.enable()
-        if comm is not None:  # the dropped wrapper's comm thread exits
-            comm._thread.join(timeout=10)
-        thread_exited = comm is None or not comm.alive
         # remove_hooks(): explicit, idempotent, and the wrapper refuses to train afterwards.
         ddp = make_ddp(kind, ToyModel(), **kwargs)
         ddp.remove_hooks()
@@ -477,10 +466,8 @@ def _lifetime(rank: int, world_size: int) -> dict:
             forward_error = ""
         except RuntimeError as exc:
             forward_error = str(exc)
-        out[_name(kind, kwargs)] = dict(
-            hooks_while_wrapped=hooks_while_wrapped, wrapper_freed=wrapper_freed, hooks_left=hooks_left,
-            model_freed=model_freed, hooks_after_remove=hooks_after_remove, forward_error=forward_error,
-            thread_exited=thread_exited)
+        out[kind] = dict(hooks_while_wrapped=hooks_while_wrapped, wrapper_freed=wrapper_freed, hooks_left=hooks_left,
+                         model_freed=model_freed, hooks_after_remove=hooks_after_remove, forward_error=forward_error)
     return out
 
 
@@ -491,8 +478,6 @@ def test_wrappers_are_freed_with_their_hooks(toy_checks):
             assert r["wrapper_freed"] and r["hooks_left"] == 0, f"{kind}: the dropped wrapper is still alive: {r}"
             assert r["model_freed"], f"{kind}: the model outlived its last reference: {r}"
             assert r["hooks_after_remove"] == 0 and "remove_hooks" in r["forward_error"], kind
-            assert r["thread_exited"], f"{kind}: the dropped wrapper's comm thread still runs"
-        assert len(checks["lifetime"]) == 3
 
 
 def test_no_sync_accumulates_locally_then_reduces_once(toy_checks):

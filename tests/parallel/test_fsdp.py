@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-import time
 import warnings
 import weakref
 
@@ -68,10 +67,9 @@ def _build(kind: str, num_layers: int = 2) -> nn.Module:
 
 # Units per model kind: None = every sharded module alone; the whole toy model as one unit (padding, a bias, an
 # embedding and, for toy-spare, a weight without gradient, all in one all-gather); tiny's blocks.
-# `<units>-flat`: the same units with `flat_collectives=True` (one flat all-gather and reduce-scatter per unit);
-# `<units>-thread`: with `comm_thread=True` (reduce-scatters issued by a thread of their own).
+# `<units>-flat`: the same units with `flat_collectives=True` (one flat all-gather and reduce-scatter per unit).
 UNITS = {"layer": None, "model": ("ToyModel",), "block": (TransformerBlock,)}
-UNITS.update({f"{name}-{how}": spec for name, spec in list(UNITS.items()) for how in ("flat", "thread")})
+UNITS.update({f"{name}-flat": spec for name, spec in list(UNITS.items())})
 
 
 def _data(kind: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,9 +124,7 @@ def _train_and_compare(rank: int, world_size: int, kind: str, opt_name: str, com
     if kind.endswith("-compiled"):   # blocks compiled (the sweeps' --compile); aot_eager: same kernels, no codegen
         compile_blocks(ref, backend="aot_eager")
         compile_blocks(mine, backend="aot_eager")
-    fsdp = FSDP(mine, compute_dtype=compute_dtype, units=UNITS[units], flat_collectives=units.endswith("-flat"),
-                comm_thread=units.endswith("-thread"))
-    assert fsdp.comm_thread == units.endswith("-thread")
+    fsdp = FSDP(mine, compute_dtype=compute_dtype, units=UNITS[units], flat_collectives=units.endswith("-flat"))
     assert not (fsdp._coalesced_gather or fsdp._coalesced_reduce_scatter) or not units.endswith("-flat")
     ref_opt, fsdp_opt = _optimizer(opt_name, ref.parameters()), _optimizer(opt_name, fsdp.parameters())
     local = BATCH // world_size
@@ -175,9 +171,7 @@ TRAINING = [("toy", "sgd", None, 3, "layer"), ("toy", "adamw", None, 3, "layer")
             ("tiny", "adamw", None, 2, "block"), ("tiny-compiled", "adamw", None, 2, "block"),
             ("toy", "sgd", torch.float16, 3, "model"), ("tiny", "sgd", torch.float16, 2, "block"),
             ("toy-spare", "adamw", None, 3, "model-flat"), ("tiny", "adamw", None, 2, "block-flat"),
-            ("tiny", "sgd", torch.float16, 2, "block-flat"), ("toy-spare", "adamw", None, 3, "model-thread"),
-            ("toy-frozen", "adamw", None, 3, "layer-thread"), ("tiny", "adamw", None, 2, "block-thread"),
-            ("tiny", "sgd", torch.float16, 2, "block-thread")]
+            ("tiny", "sgd", torch.float16, 2, "block-flat")]
 
 
 def _check_training(rank: int, world_size: int) -> dict:
@@ -274,13 +268,11 @@ def _hook_count(units: list) -> int:
             + sum(len(w.full._post_accumulate_grad_hooks or {}) for unit in units for w in unit.weights))
 
 
-def _check_lifetime(rank: int, world_size: int, comm_thread: bool = False) -> dict:
+def _check_lifetime(rank: int, world_size: int) -> dict:
     """A dropped wrapper must not be kept alive by its own hooks (a parameter's hook dict is held from C++, invisible
-    to the cycle collector), nor by its comm thread: checked with the collector off, so only reference counting
-    frees; the thread must exit with the wrapper."""
+    to the cycle collector): checked with the collector off, so only reference counting frees."""
     module = ToyModel()
-    fsdp = FSDP(module, comm_thread=comm_thread)
-    comm = fsdp._comm
+    fsdp = FSDP(module)
     optimizer = torch.optim.SGD(fsdp.parameters(), lr=0.1)
     x, y = _data("toy", rank)
     _loss(fsdp, x, y).backward()
@@ -298,11 +290,8 @@ def _check_lifetime(rank: int, world_size: int, comm_thread: bool = False) -> di
         model_freed = model() is None
     finally:
         gc.enable()
-    if comm is not None:
-        comm._thread.join(timeout=10)
-    thread_exited = comm is None or not comm.alive
     # remove_hooks(): explicit, idempotent, and the wrapper refuses to train afterwards.
-    fsdp = FSDP(ToyModel(), comm_thread=comm_thread)
+    fsdp = FSDP(ToyModel())
     fsdp.remove_hooks()
     fsdp.remove_hooks()
     try:
@@ -311,8 +300,7 @@ def _check_lifetime(rank: int, world_size: int, comm_thread: bool = False) -> di
     except RuntimeError as exc:
         forward_error = str(exc)
     return dict(hooks_while_wrapped=hooks_while_wrapped, wrapper_freed=wrapper_freed, hooks_left=hooks_left,
-                model_freed=model_freed, hooks_after_remove=_hook_count(fsdp._units), forward_error=forward_error,
-                thread_exited=thread_exited, had_thread=comm is not None)
+                model_freed=model_freed, hooks_after_remove=_hook_count(fsdp._units), forward_error=forward_error)
 
 
 def _check_in_place_gather(rank: int, world_size: int) -> dict:
@@ -330,10 +318,10 @@ def _check_in_place_gather(rank: int, world_size: int) -> dict:
     return dict(in_place=in_place, cast_ok=cast_ok)
 
 
-def _check_one_in_flight(rank: int, world_size: int, comm_thread: bool = False) -> list[int]:
+def _check_one_in_flight(rank: int, world_size: int) -> list[int]:
     """On gloo the wrapper keeps one collective in flight: per collective issued (two bf16 training steps with
     prefetch, per-block units), how many were in flight with it."""
-    fsdp = FSDP(_build("tiny", 3), compute_dtype=torch.bfloat16, units=UNITS["block"], comm_thread=comm_thread)
+    fsdp = FSDP(_build("tiny", 3), compute_dtype=torch.bfloat16, units=UNITS["block"])
     optimizer = _optimizer("adamw", fsdp.parameters())
     in_flight = []
 
@@ -363,9 +351,7 @@ def _all_checks(rank: int, world_size: int) -> dict:
                       for dt in (None, torch.bfloat16) for units in ("layer", "block")},
                 prefetch={units: _check_prefetch(rank, world_size, units) for units in ("layer", "block")},
                 lifetime=_check_lifetime(rank, world_size), in_place=_check_in_place_gather(rank, world_size),
-                one_in_flight=_check_one_in_flight(rank, world_size),
-                one_in_flight_thread=_check_one_in_flight(rank, world_size, comm_thread=True),
-                lifetime_thread=_check_lifetime(rank, world_size, comm_thread=True))
+                one_in_flight=_check_one_in_flight(rank, world_size))
 
 
 @pytest.fixture(scope="module")
@@ -377,9 +363,8 @@ def per_rank() -> list[dict]:
 def test_one_collective_in_flight_on_gloo(per_rank):
     """gloo ran concurrent collectives of one group into crashes here: the wrapper issues one at a time there."""
     for res in per_rank:
-        for key in ("one_in_flight", "one_in_flight_thread"):
-            counts = res[key]
-            assert len(counts) > 10 and set(counts) == {1}, (key, counts)
+        counts = res["one_in_flight"]
+        assert len(counts) > 10 and set(counts) == {1}, counts
 
 
 @pytest.mark.multiproc
@@ -395,9 +380,7 @@ def test_compute_dtype_gathers_run_in_place_in_the_ranks_own_slot(per_rank):
                                             ("toy-spare", "adamw", "model"), ("toy-frozen", "adamw", "layer"),
                                             ("toy-frozen", "adamw", "model"), ("tiny", "adamw", "block"),
                                             ("tiny-compiled", "adamw", "block"), ("toy-spare", "adamw", "model-flat"),
-                                            ("tiny", "adamw", "block-flat"), ("toy-spare", "adamw", "model-thread"),
-                                            ("toy-frozen", "adamw", "layer-thread"),
-                                            ("tiny", "adamw", "block-thread")])
+                                            ("tiny", "adamw", "block-flat")])
 def test_fp32_training_is_bitwise_equal_to_single_process(per_rank, kind, opt, units):
     for res in per_rank:
         r = res["training"][(kind, opt, "None", units)]
@@ -414,8 +397,7 @@ def test_fp32_training_is_bitwise_equal_to_single_process(per_rank, kind, opt, u
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("kind,units", [("toy", "layer"), ("toy", "model"), ("tiny", "block"), ("tiny", "block-flat"),
-                                        ("tiny", "block-thread")])
+@pytest.mark.parametrize("kind,units", [("toy", "layer"), ("toy", "model"), ("tiny", "block"), ("tiny", "block-flat")])
 def test_fp16_compute_matches_mixed_precision_reference(per_rank, kind, units):
     for res in per_rank:
         diffs = res["training"][(kind, "sgd", str(torch.float16), units)]["diffs"]
@@ -479,20 +461,17 @@ def test_forward_prefetch_starts_after_the_unit_two_before(per_rank, units):
 @pytest.mark.multiproc
 def test_wrapper_and_model_are_freed_with_their_hooks(per_rank):
     for res in per_rank:
-        for key in ("lifetime", "lifetime_thread"):
-            r = res[key]
-            assert r["hooks_while_wrapped"] == 4 * 3, r  # embedding, up, down, lm_head: 2 forward + 1 grad hook each
-            assert r["wrapper_freed"] and r["hooks_left"] == 0, f"the dropped wrapper is still alive: {r}"
-            assert r["model_freed"], f"the model outlived its last reference: {r}"
-            assert r["hooks_after_remove"] == 0 and "remove_hooks" in r["forward_error"], r
-            assert r["had_thread"] == (key == "lifetime_thread") and r["thread_exited"], r
+        r = res["lifetime"]
+        assert r["hooks_while_wrapped"] == 4 * 3, r  # embedding, up, down, lm_head: 2 forward hooks + 1 grad hook each
+        assert r["wrapper_freed"] and r["hooks_left"] == 0, f"the dropped wrapper is still alive: {r}"
+        assert r["model_freed"], f"the model outlived its last reference: {r}"
+        assert r["hooks_after_remove"] == 0 and "remove_hooks" in r["forward_error"], r
 
 
 WORLD_OF_ONE = [("fsdp", None, None), ("fsdp", (TransformerBlock,), None), ("fsdp", (TransformerBlock,), torch.bfloat16),
                 ("fsdp2", (TransformerBlock,), None)]
 # FSDP told to run a larger group's collectives on its group of one (what a one-GPU measurement of its cost needs).
-ALONE = [("fsdp-alone", None, None), ("fsdp-alone", (TransformerBlock,), torch.bfloat16),
-         ("fsdp-alone-thread", (TransformerBlock,), torch.bfloat16)]  # reduce-scatters from a comm thread
+ALONE = [("fsdp-alone", None, None), ("fsdp-alone", (TransformerBlock,), torch.bfloat16)]
 
 
 def _world_of_one(rank: int, world_size: int) -> dict:
@@ -503,15 +482,8 @@ def _world_of_one(rank: int, world_size: int) -> dict:
     for kind, units, dtype in WORLD_OF_ONE + ALONE:
         base = _build("tiny")
         ref = copy.deepcopy(base) if dtype is None else CastForCompute(copy.deepcopy(base), dtype)
-        alone = {"collectives_alone": True} if "-alone" in kind else {}
-        alone |= {"comm_thread": True} if kind.endswith("-thread") else {}
-        mine = make_fsdp(kind.split("-")[0], copy.deepcopy(base), compute_dtype=dtype, units=units, **alone)
-        if kind.endswith("-thread"):
-            # As on NCCL (gloo would drain before its next collective anyway), and a comm thread that lags behind
-            # backward: finish must still wait for every reduce-scatter it was given.
-            mine._one_in_flight = False
-            issue = mine._issue_reduce
-            mine._issue_reduce = lambda *args: (time.sleep(0.05), issue(*args))
+        alone = {"collectives_alone": True} if kind == "fsdp-alone" else {}
+        mine = make_fsdp(kind.removesuffix("-alone"), copy.deepcopy(base), compute_dtype=dtype, units=units, **alone)
         ref_opt, opt = _optimizer("adamw", ref.parameters()), _optimizer("adamw", mine.parameters())
         mismatched = []
         for step in range(2):
@@ -561,7 +533,7 @@ def test_group_of_one_trains_bitwise_like_one_process():
             assert value, f"{case}: two backward passes did not add up"
         else:
             assert value == [[], []], f"{case}: {value}"
-    assert sum(case[0] == "counts" for case in results) == 6
+    assert sum(case[0] == "counts" for case in results) == 5
 
 
 def test_make_fsdp_rejects_an_unknown_kind_and_bad_units():
@@ -586,8 +558,6 @@ def test_invalid_arguments_raise_before_any_communication():
         FSDP(mixed, units=(ToyModel,))
     with pytest.raises(ValueError, match=r"flat_reduce_scatter \('yes'\) must be a bool"):
         FSDP(nn.Linear(2, 2), flat_reduce_scatter="yes")
-    with pytest.raises(ValueError, match=r"comm_thread \(1\) must be a bool"):
-        FSDP(nn.Linear(2, 2), comm_thread=1)
     with pytest.raises(ValueError, match="process group"):
         FSDP(nn.Linear(2, 2))
 

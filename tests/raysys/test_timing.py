@@ -232,41 +232,6 @@ def test_issue_cpu_time_counts_the_autograd_threads():
     assert 0.0035 < timed["host_cpu_step_median_s"] < 0.02, timed
 
 
-class _CommThreadStep:
-    """A step whose CPU work runs on a wrapper's comm thread (parallel/comm_thread.py) while the caller drains it."""
-
-    def __init__(self, burn_s):
-        from parallel.comm_thread import CommThread
-
-        self.device, self.burn_s, self.comm = torch.device("cpu"), burn_s, CommThread()
-
-    def _burn(self):
-        end = time.thread_time() + self.burn_s
-        while time.thread_time() < end:
-            pass
-
-    def __call__(self):
-        marks = Marks(self.device)
-        marks.mark()
-        self.comm.submit(self._burn)
-        self.comm.drain()
-        for _ in range(len(PHASES)):
-            marks.mark()
-        return marks
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names and CPU clocks from /proc")
-def test_issue_cpu_time_counts_the_comm_threads():
-    """Collectives a comm thread issues for the step are issuing work too: counted, with the thread."""
-    step = _CommThreadStep(0.004)
-    try:
-        timed = time_steps(step, warmup=1, steps=4)
-    finally:
-        step.comm.close()
-    assert timed["host_cpu_threads"] >= 2, timed
-    assert 0.0035 < timed["host_cpu_step_median_s"] < 0.02, timed
-
-
 def test_paired_summary_names_both_ratios():
     from sweeps.common import paired_summary
 

@@ -48,16 +48,10 @@ def test_parse_variant():
                       "sm_carveout": None, "label": "bucketed 100MB @8 CTAs"}
     carved = ddp_sweep.parse_variant("overlapped@8+carve")
     assert (carved["nccl_max_ctas"], carved["sm_carveout"], carved["label"]) == (8, 8, "overlapped @8 CTAs + carve-out")
-    threaded = ddp_sweep.parse_variant("bucketed:1000+thread")
-    assert (threaded["bucket_size_mb"], threaded["comm_thread"], threaded["label"]) == (
-        1000.0, True, "bucketed 1000MB + comm thread")
-    assert ddp_sweep.parse_variant("overlapped@8+carve+thread")["sm_carveout"] == 8
-    assert "comm_thread" not in ddp_sweep.parse_variant("overlapped")
     for bad, match in (("ring", "not one of"), ("naive:10", "only bucketed"), ("bucketed:x", "not a number"),
                        ("bucketed:0", "positive"), ("overlapped@0", "int >= 1"), ("overlapped@x", "int >= 1"),
                        ("single@8", "does not communicate"), ("bucketed:100@8+fast", "only suffix"),
-                       ("torch@8+carve", "overlapped or bucketed"), ("naive+thread", "overlapped or bucketed"),
-                       ("overlapped+thread@8", "goes last")):
+                       ("torch@8+carve", "overlapped or bucketed")):
         with pytest.raises(ValueError, match=match):
             ddp_sweep.parse_variant(bad)
 

@@ -192,10 +192,10 @@ def test_compiled_blocks_need_per_block_units(tmp_path):
 
 def _flat_flags(rank: int, world_size: int) -> dict:
     out = {}
-    for variant in ("fsdp", "fsdp_flat", "fsdp_flat_rs", "fsdp_thread"):
-        [trial] = fsdp_sweep.trials(dtypes=["fp32"], variants=[variant], profile=[], collectives_alone=True, **TINY)
+    for variant in ("fsdp", "fsdp_flat", "fsdp_flat_rs"):
+        [trial] = fsdp_sweep.trials(dtypes=["fp32"], variants=[variant], profile=[], **TINY)
         model, _ = fsdp_sweep.build(trial, torch.device("cpu"), dist.group.WORLD)
-        out[variant] = (model.flat_collectives, model.flat_reduce_scatter, model.comm_thread)
+        out[variant] = (model.flat_collectives, model.flat_reduce_scatter)
     return out
 
 
@@ -203,5 +203,4 @@ def _flat_flags(rank: int, world_size: int) -> dict:
 def test_flat_variants_build_their_collectives():
     """On gloo every variant reduces through the flat path anyway, so the rows differ only by what build() asks."""
     [flags] = run_ranks(_flat_flags, 1, timeout_s=120)
-    assert flags == {"fsdp": (False, False, False), "fsdp_flat": (True, True, False),
-                     "fsdp_flat_rs": (False, True, False), "fsdp_thread": (False, False, True)}, flags
+    assert flags == {"fsdp": (False, False), "fsdp_flat": (True, True), "fsdp_flat_rs": (False, True)}, flags
