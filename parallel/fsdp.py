@@ -54,8 +54,8 @@ from torch.distributed.distributed_c10d import (AllgatherOptions, AllreduceCoale
 from parallel.carveout import SMCarveout
 from parallel.ddp import broadcast_module_state, mean_reduction
 from parallel.hooks import WeakHook, remove_handles
-from parallel.mixed_precision import (cast_inputs, cast_params, has_other_floating_params, is_embedding,
-                                      is_sharded_module)
+from parallel.mixed_precision import (cast_inputs, cast_inputs_hook, cast_params, has_other_floating_params,
+                                      is_embedding, is_sharded_module)
 
 __all__ = ["FSDP", "FSDP_KINDS", "CommStats", "is_sharded_module", "make_fsdp"]
 
@@ -454,10 +454,14 @@ class FSDP(nn.Module):
                 if w.full.requires_grad:
                     handles.append(w.full.register_post_accumulate_grad_hook(
                         WeakHook(self._owner, FSDP._post_backward, unit.index, pos)))
-                if compute_dtype is not None:
+                if compute_dtype is not None and has_other_floating_params(w.module):
                     handles.append(w.module.register_forward_pre_hook(WeakHook(self._owner, FSDP._cast_pre)))
-                    if has_other_floating_params(w.module):
-                        handles.append(w.module.register_forward_hook(WeakHook(self._owner, FSDP._cast_post)))
+                    handles.append(w.module.register_forward_hook(WeakHook(self._owner, FSDP._cast_post)))
+                elif compute_dtype is not None:
+                    # Only inputs to cast: a hook holding nothing but the dtype. Traced into a compiled block, it
+                    # costs Dynamo a few guards per module, where the wrapper's hook cost a dozen (its weak
+                    # reference, the wrapper, its attributes), checked at every call of the block.
+                    handles.append(w.module.register_forward_pre_hook(partial(cast_inputs_hook, compute_dtype)))
         # Runs remove_hooks' work when the wrapper is collected (or when remove_hooks() calls it).
         self._remove_handles = weakref.finalize(self, remove_handles, handles)
         self._pre_backward_hooks = [WeakHook(self._owner, FSDP._pre_backward, unit.index) for unit in self._units]

@@ -18,8 +18,8 @@ from torch import nn
 
 from parallel.hooks import WeakHook, remove_handles
 
-__all__ = ["CastForCompute", "cast_inputs", "cast_params", "has_other_floating_params", "is_embedding",
-           "is_sharded_module"]
+__all__ = ["CastForCompute", "cast_inputs", "cast_inputs_hook", "cast_params", "has_other_floating_params",
+           "is_embedding", "is_sharded_module"]
 
 
 def is_sharded_module(module: nn.Module) -> bool:
@@ -50,6 +50,11 @@ def cast_inputs(args: tuple, dtype: torch.dtype) -> tuple | None:
     if not any(isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != dtype for a in args):
         return None
     return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+
+
+def cast_inputs_hook(dtype: torch.dtype, module: nn.Module, args: tuple) -> tuple | None:
+    """A forward pre-hook casting the module's floating inputs to `dtype` (`partial(cast_inputs_hook, dtype)`)."""
+    return cast_inputs(args, dtype)
 
 
 def has_other_floating_params(module: nn.Module) -> bool:
