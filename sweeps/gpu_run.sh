@@ -11,7 +11,7 @@
 #                                    #   alternating blocks (--paired-rounds), into $RESULTS/paired          (~8 min)
 #   bash sweeps/gpu_run.sh compiled  # 2 GPUs: the same with compiled blocks (--compile), into $RESULTS/compiled (~8 min)
 #   bash sweeps/gpu_run.sh alone     # 1 GPU: the wrappers' whole machinery on a group of one (bf16 DDP eager and
-#                                    #   compiled, FSDP compiled, --collectives-alone, paired vs single)   (~7 min)
+#                                    #   compiled, FSDP compiled, --collectives-alone, paired vs single)   (~4 min)
 #   bash sweeps/gpu_run.sh ckpt      # checkpointing trials (Ray Tune, one GPU per trial)                  (~4 min)
 #   bash sweeps/gpu_run.sh flash     # Ray Tune tile sweep (one GPU per trial), the FlashAttention grid    (~9.5 min)
 #   bash sweeps/gpu_run.sh gluon     # 1 GPU: Gluon GPU tests, the paired hopper study, host time per call   (~7 min)
