@@ -23,12 +23,15 @@ the trace are taken in `on_trace_ready`, while the recorded cycle is current.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
 import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pandas as pd
 import torch
@@ -166,6 +169,31 @@ def kernel_intervals(events) -> tuple[list[tuple[float, float]], list[tuple[floa
     for name, start, end in device_kernels(events):
         (comm if is_nccl(name) else compute).append((start, end))
     return comm, compute
+
+
+@contextlib.contextmanager
+def dynamo_guard_log() -> Iterator[io.StringIO]:
+    """Collect the guards Dynamo installs for what compiles inside the block (torch's "guards" log, as
+    `TORCH_LOGS=guards` prints it): every one is checked at each call of the compiled code, the call's cache lookup.
+    Turns torch's other logs back to their defaults on exit."""
+    text = io.StringIO()
+    handler = logging.StreamHandler(text)
+    torch._logging.set_logs(guards=True)
+    logger = logging.getLogger("torch._dynamo.guards.__guards")  # the "guards" artifact's logger
+    logger.addHandler(handler)
+    try:
+        yield text
+    finally:
+        torch._logging.set_logs()
+        logger.removeHandler(handler)
+
+
+def guard_kinds(log: str) -> dict[str, int]:
+    """{guard kind: count} in a `dynamo_guard_log` text (TYPE_MATCH, TENSOR_MATCH, ...), most frequent first."""
+    kinds: dict[str, int] = {}
+    for kind in re.findall(r"\+- ([A-Z_]+):", log):
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return dict(sorted(kinds.items(), key=lambda item: -item[1]))
 
 
 def cpu_op_time(events, name: str) -> tuple[int, float]:

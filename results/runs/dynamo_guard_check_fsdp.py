@@ -16,11 +16,7 @@ Cases: `single` (fp32), `single-autocast` (bf16 autocast, as the sweeps' single)
 `fsdp-bf16` (compute dtype bf16: per-Linear input casts traced into the block; a group of one, the identity) and
 `fsdp-bf16-alone` (the same through a larger group's collectives).
 """
-import collections
-import io
-import logging
 import os
-import re
 import sys
 
 if os.environ.get("PARALLEL_ROOT"):
@@ -33,6 +29,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from parallel.fsdp import FSDP  # noqa: E402
 from raysys.config import ModelConfig  # noqa: E402
 from raysys.model import TransformerBlock, TransformerLM, cross_entropy  # noqa: E402
+from raysys.profiling import dynamo_guard_log, guard_kinds  # noqa: E402
 from raysys.train_step import compile_blocks  # noqa: E402
 
 DEVICE = torch.device(sys.argv[1] if len(sys.argv) > 1 else "cpu")
@@ -44,11 +41,6 @@ dist.init_process_group("nccl" if DEVICE.type == "cuda" else "gloo", rank=0, wor
 MC = ModelConfig(vocab_size=64, context_length=8, d_model=32, num_layers=4, num_heads=2, d_ff=64, name="t")
 X, Y = torch.randint(0, 64, (1, 8), device=DEVICE), torch.randint(0, 64, (1, 8), device=DEVICE)
 BACKEND = "inductor" if DEVICE.type == "cuda" else "eager"
-
-
-def guard_counts(log: str) -> str:
-    kinds = collections.Counter(re.findall(r"\+- ([A-Z_]+):", log))
-    return f"{sum(kinds.values())} guards: " + ", ".join(f"{k} {n}" for k, n in kinds.most_common())
 
 
 def lookup_us(kind: str) -> tuple[float, str]:
@@ -67,23 +59,17 @@ def lookup_us(kind: str) -> tuple[float, str]:
         loss.backward()
         getattr(model, "finish_gradient_synchronization", lambda: None)()
 
-    text = io.StringIO()
-    handler = logging.StreamHandler(text)
-    torch._logging.set_logs(guards=True)
-    guard_log = logging.getLogger("torch._dynamo.guards.__guards")  # the "guards" artifact's logger
-    guard_log.addHandler(handler)
-    try:
+    with dynamo_guard_log() as log:
         step()  # compiles the block: its guards are logged
-    finally:
-        torch._logging.set_logs()
-        guard_log.removeHandler(handler)
+    kinds = guard_kinds(log.getvalue())
     for _ in range(2):
         step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(20):
             step()
     [event] = [e for e in prof.key_averages() if "Cache Lookup" in e.key]
-    return event.cpu_time_total / event.count, guard_counts(text.getvalue())
+    guards = f"{sum(kinds.values())} guards: " + ", ".join(f"{kind} {n}" for kind, n in kinds.items())
+    return event.cpu_time_total / event.count, guards
 
 
 print(f"torch {torch.__version__}, {DEVICE}, backend {BACKEND}, "

@@ -604,25 +604,16 @@ def test_cast_for_compute_is_freed_with_its_hooks():
 
 def _block_guards(rank: int, world_size: int) -> str:
     """The guards Dynamo installed for a compiled block of a bf16 FSDP model (a group of one), as its log prints them."""
-    import io
-    import logging
+    from raysys.profiling import dynamo_guard_log
 
     torch._dynamo.reset()
     model = _build("tiny", 1)
     compile_blocks(model, backend="eager")
     fsdp = FSDP(model, compute_dtype=torch.bfloat16, units=UNITS["block"])
-    text = io.StringIO()
-    handler = logging.StreamHandler(text)
-    torch._logging.set_logs(guards=True)
-    logger = logging.getLogger("torch._dynamo.guards.__guards")  # the "guards" artifact's logger
-    logger.addHandler(handler)
-    try:
-        x, y = _data("tiny", 0)
+    x, y = _data("tiny", 0)
+    with dynamo_guard_log() as log:
         _loss(fsdp, x, y).backward()
-    finally:
-        torch._logging.set_logs()
-        logger.removeHandler(handler)
-    return text.getvalue()
+    return log.getvalue()
 
 
 @pytest.mark.multiproc
