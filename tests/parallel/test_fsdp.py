@@ -603,7 +603,7 @@ def test_cast_for_compute_is_freed_with_its_hooks():
 
 
 def _block_guards(rank: int, world_size: int) -> str:
-    """The guards Dynamo installed for a compiled block of a bf16 FSDP model (a group of one), as its log prints them."""
+    """The guards Dynamo installed for a compiled block of a bf16 FSDP model (a group of one), as logged."""
     from raysys.profiling import dynamo_guard_log
 
     torch._dynamo.reset()
@@ -623,4 +623,5 @@ def test_compute_dtype_hooks_traced_into_a_compiled_block_guard_on_the_dtype_onl
     its attributes) made each call's cache lookup twice as slow as single's."""
     [guards] = run_ranks(_block_guards, 1)
     assert "_forward_pre_hooks" in guards, guards[:2000]   # the casts were traced (the check below means something)
-    assert ".owner" not in guards and "FSDP" not in guards, [line for line in guards.splitlines() if "owner" in line][:5]
+    owner_lines = [line for line in guards.splitlines() if "owner" in line]
+    assert ".owner" not in guards and "FSDP" not in guards, owner_lines[:5]
