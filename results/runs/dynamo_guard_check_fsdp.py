@@ -1,12 +1,13 @@
 """Issue 19: Dynamo's cache lookup per call of a compiled block, with and without FSDP around the model. A tiny
 4-block TransformerLM, blocks compiled with backend="eager" (as `compile_blocks`), on a gloo group of one; per case
 the mean host time of "TorchDynamo Cache Lookup" over 20 profiled training steps (80 calls), and how many guards of
-each kind Dynamo installed for the block (its guard log):
+each kind Dynamo installed for the block (its guard log). One row per case in OUT (Parquet, `lookup_mean_s`,
+`guards`, `guard_kinds` as JSON, `parallel_from`), printed too; an existing OUT is refused:
 
-    PYTHONPATH=$PWD python3 results/runs/dynamo_guard_check_fsdp.py > dynamo_guard_check_fsdp.txt
+    PYTHONPATH=$PWD python3 results/runs/dynamo_guard_check_fsdp.py --out /tmp/guards.parquet
     git archive <commit> parallel | tar -x -C /tmp/before          # another commit's wrappers, same host:
-    PARALLEL_ROOT=/tmp/before PYTHONPATH=$PWD python3 results/runs/dynamo_guard_check_fsdp.py
-    PYTHONPATH=$PWD python3 results/runs/dynamo_guard_check_fsdp.py cuda   # a GPU: NCCL, inductor, bf16 autocast
+    PARALLEL_ROOT=/tmp/before PYTHONPATH=$PWD python3 results/runs/dynamo_guard_check_fsdp.py --out /tmp/before.parquet
+    PYTHONPATH=$PWD python3 results/runs/dynamo_guard_check_fsdp.py --device cuda --out ...  # NCCL, inductor
 
 On the H200 a compiled xl block's lookup took 85-89 us under FSDP against 23 us in single
 (`fsdp_host_profile_ab_66bb84e.txt`, `fsdp_host_profile_80b28c5.txt`), far more than on this CPU: the `cuda` run
@@ -16,12 +17,15 @@ Cases: `single` (fp32), `single-autocast` (bf16 autocast, as the sweeps' single)
 `fsdp-bf16` (compute dtype bf16: per-Linear input casts traced into the block; a group of one, the identity) and
 `fsdp-bf16-alone` (the same through a larger group's collectives).
 """
+import argparse
+import json
 import os
 import sys
 
 if os.environ.get("PARALLEL_ROOT"):
     sys.path.insert(0, os.environ["PARALLEL_ROOT"])
 
+import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
@@ -30,50 +34,75 @@ from parallel.fsdp import FSDP  # noqa: E402
 from raysys.config import ModelConfig  # noqa: E402
 from raysys.model import TransformerBlock, TransformerLM, cross_entropy  # noqa: E402
 from raysys.profiling import dynamo_guard_log, guard_kinds  # noqa: E402
+from raysys.results import provenance, write_parquet  # noqa: E402
 from raysys.train_step import compile_blocks  # noqa: E402
 
-DEVICE = torch.device(sys.argv[1] if len(sys.argv) > 1 else "cpu")
-if DEVICE.type not in ("cpu", "cuda") or (DEVICE.type == "cuda" and not torch.cuda.is_available()):
-    raise SystemExit(f"dynamo_guard_check_fsdp.py: device {DEVICE} must be cpu or cuda (with a GPU)")
-os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-os.environ.setdefault("MASTER_PORT", "29561")
-dist.init_process_group("nccl" if DEVICE.type == "cuda" else "gloo", rank=0, world_size=1)
+CASES = ("single", "single-autocast", "fsdp-fp32", "fsdp-bf16", "fsdp-bf16-alone", "single", "fsdp-bf16")
 MC = ModelConfig(vocab_size=64, context_length=8, d_model=32, num_layers=4, num_heads=2, d_ff=64, name="t")
-X, Y = torch.randint(0, 64, (1, 8), device=DEVICE), torch.randint(0, 64, (1, 8), device=DEVICE)
-BACKEND = "inductor" if DEVICE.type == "cuda" else "eager"
 
 
-def lookup_us(kind: str) -> tuple[float, str]:
+def parse_args() -> argparse.Namespace:
+    """The flags, checked before any work (one line and exit 2 on bad ones)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--out", required=True, help="Parquet file to write (refused if it exists)")
+    args = p.parse_args()
+    if os.path.exists(args.out):
+        p.error(f"--out {args.out} already exists; name a new file")
+    if not args.out.endswith(".parquet"):
+        p.error(f"--out {args.out} must end in .parquet")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: this machine has no CUDA GPU")
+    return args
+
+
+def lookup(kind: str, device: torch.device) -> tuple[float, dict[str, int]]:
+    """(mean seconds of one cache lookup of the compiled block, {guard kind: count}) for one case."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = TransformerLM(MC, device=DEVICE)
-    compile_blocks(model, backend=BACKEND)
-    autocast = torch.autocast(DEVICE.type, torch.bfloat16, enabled=kind == "single-autocast")
+    model = TransformerLM(MC, device=device)
+    compile_blocks(model, backend="inductor" if device.type == "cuda" else "eager")
+    autocast = torch.autocast(device.type, torch.bfloat16, enabled=kind == "single-autocast")
     if kind.startswith("fsdp"):
         model = FSDP(model, compute_dtype=torch.bfloat16 if "bf16" in kind else None, units=(TransformerBlock,),
                      collectives_alone="alone" in kind)
+    x, y = torch.randint(0, 64, (1, 8), device=device), torch.randint(0, 64, (1, 8), device=device)
 
     def step():
         with autocast:
-            loss = cross_entropy(model(X).float(), Y)
+            loss = cross_entropy(model(x).float(), y)
         loss.backward()
         getattr(model, "finish_gradient_synchronization", lambda: None)()
 
     with dynamo_guard_log() as log:
         step()  # compiles the block: its guards are logged
-    kinds = guard_kinds(log.getvalue())
     for _ in range(2):
         step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(20):
             step()
     [event] = [e for e in prof.key_averages() if "Cache Lookup" in e.key]
-    guards = f"{sum(kinds.values())} guards: " + ", ".join(f"{kind} {n}" for kind, n in kinds.items())
-    return event.cpu_time_total / event.count, guards
+    return event.cpu_time_total / event.count / 1e6, guard_kinds(log.getvalue())
 
 
-print(f"torch {torch.__version__}, {DEVICE}, backend {BACKEND}, "
-      f"parallel from {os.path.relpath(sys.modules['parallel.fsdp'].__file__)}")
-for kind in ("single", "single-autocast", "fsdp-fp32", "fsdp-bf16", "fsdp-bf16-alone", "single", "fsdp-bf16"):
-    us, guards = lookup_us(kind)
-    print(f"{kind:16s} cache lookup {us:6.1f} us per call; {guards}", flush=True)
+def main() -> None:
+    args = parse_args()
+    device = torch.device(args.device)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29561")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    source = os.path.relpath(sys.modules["parallel.fsdp"].__file__)
+    print(f"torch {torch.__version__}, {device}, parallel from {source}")
+    rows = []
+    for repeat, kind in enumerate(CASES):
+        seconds, kinds = lookup(kind, device)
+        rows.append({"case": kind, "order": repeat, "lookup_mean_s": seconds, "guards": sum(kinds.values()),
+                     "guard_kinds": json.dumps(kinds), "parallel_from": source, **provenance(device)})
+        print(f"{kind:16s} cache lookup {seconds * 1e6:6.1f} us per call; {sum(kinds.values())} guards: "
+              + ", ".join(f"{k} {n}" for k, n in kinds.items()), flush=True)
+    write_parquet(pd.DataFrame(rows), args.out)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
