@@ -23,6 +23,7 @@ the trace are taken in `on_trace_ready`, while the recorded cycle is current.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import logging
@@ -190,10 +191,7 @@ def dynamo_guard_log() -> Iterator[io.StringIO]:
 
 def guard_kinds(log: str) -> dict[str, int]:
     """{guard kind: count} in a `dynamo_guard_log` text (TYPE_MATCH, TENSOR_MATCH, ...), most frequent first."""
-    kinds: dict[str, int] = {}
-    for kind in re.findall(r"\+- ([A-Z_]+):", log):
-        kinds[kind] = kinds.get(kind, 0) + 1
-    return dict(sorted(kinds.items(), key=lambda item: -item[1]))
+    return dict(collections.Counter(re.findall(r"\+- ([A-Z_]+):", log)).most_common())
 
 
 def cpu_op_time(events, name: str) -> tuple[int, float]:
