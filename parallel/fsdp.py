@@ -167,8 +167,8 @@ class _Unit:
                     the same full weights, whose version counters the gathers never move (they write through
                     `padded`, another tensor on the storage)
     all-gather      in place: a compute-dtype cast writes rank r's shards into rank r's rows of the outputs (one
-                    `_foreach_copy_`), and the k all-gathers run there as one coalesced group; fp32 sends the shard
-                    views as they are. Every view involved is built once, here
+                    strided copy per run of same-size weights, `_cast_runs`), and the k all-gathers run there as one
+                    coalesced group; fp32 sends the shard views as they are. Every view involved is built once, here
     reduce-scatter  fp32, N * s_1 | N * s_2 | ...: each weight's gradient cast into its padded piece (one
                     `_foreach_copy_`), one reduce-scatter per weight issued as one coalesced group into this rank's
                     (S,) slot; with N = 1 the output is the input itself (nothing moves)
@@ -223,6 +223,7 @@ class _Unit:
         # Views of the full storage built while it is allocated (they stay valid across resizes, as `padded` does).
         self.gather_outputs = [w.padded.view(-1) for w in self.weights]
         self.send_slots = [w.padded[rank] for w in self.weights]  # the compute-dtype gathers' inputs, in place
+        self.cast_runs = _cast_runs(self.storage, self.shard_flat, sizes, n, rank, self.dtype)
         if not self.aliased:
             self.storage.resize_(0)
         self.shard_pieces = list(self.shard_flat.split(sizes))
@@ -247,7 +248,7 @@ class _Unit:
         cast = self.shard_flat.dtype != self.dtype  # cast before communicating: bf16 moves half the bytes of fp32
         if self.identity:  # the cast is the whole gather (aliased units are never free)
             self.storage.resize_(self.nbytes)
-            torch._foreach_copy_(self.send_slots, self.shard_pieces)
+            self.cast_shards()
             fsdp._count_gathered(self.nbytes)
             self.state = _READY
             return
@@ -258,7 +259,7 @@ class _Unit:
             # the all-gathers run in place there (as FSDP2's): no separate send buffer.
             self.storage.resize_(self.nbytes)
             if cast:
-                torch._foreach_copy_(self.send_slots, self.shard_pieces)
+                self.cast_shards()
                 self._send = self.send_slots
             else:
                 self._send = self.shard_pieces
@@ -277,6 +278,12 @@ class _Unit:
         fsdp.stats.all_gathers += 1
         fsdp.stats.all_gather_bytes += self.nbytes
         fsdp._log("all_gather", self.name, phase)
+
+    def cast_shards(self) -> None:
+        """Write this rank's shards, cast to the compute dtype, into its slots of the full weights: one strided
+        copy per run of same-size shards (`_cast_runs`)."""
+        for dst, src in self.cast_runs:
+            dst.copy_(src)
 
     def wait_gather(self, fsdp: "FSDP", phase: str | None = None, copy_out: bool = True) -> None:
         """Wait for the issued all-gather and copy its output into the full weights; with `phase`, add the blocked
@@ -314,6 +321,31 @@ class _Unit:
     def swap_out(self) -> None:
         for w in self.weights:
             w.module._parameters["weight"] = w.shard
+
+
+def _cast_runs(storage: torch.UntypedStorage, shard_flat: torch.Tensor, sizes: list[int], n: int, rank: int,
+               dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(destination, source) pairs that together cast the shards in `shard_flat` (padded sizes `sizes`, back to
+    back) into rank `rank`'s slots of the full storage (weight after weight, each N * size, rank-major). Weight i's
+    slot starts at N * offset_i + rank * size_i, so consecutive weights of one size have slots N * size apart: a run
+    of k of them is one (k, size) view of each side and one copy kernel (with N = 1 every slot is contiguous: one
+    copy in all). A `_foreach_copy_` over the weights launches a kernel per 320 chunks of 64K elements instead.
+    Views of the storage, built once: they stay valid across its resizes, as each weight's `padded` does."""
+    runs, i = [], 0
+    while i < len(sizes):
+        j = i + 1
+        while j < len(sizes) and (n == 1 or sizes[j] == sizes[i]):
+            j += 1
+        offset, size, total = sum(sizes[:i]), sizes[i], sum(sizes[i:j])
+        if n == 1:
+            shape, strides = (1, total), (total, 1)
+        else:
+            shape, strides = (j - i, size), (n * size, 1)
+        dst = torch.empty(0, dtype=dtype, device=shard_flat.device).set_(storage, n * offset + rank * size, shape,
+                                                                         strides)
+        runs.append((dst, shard_flat[offset:offset + total].view(shape)))
+        i = j
+    return runs
 
 
 def _cast_into(pieces: list[torch.Tensor], grads: list[torch.Tensor | None], weights: list[_Weight]) -> None:

@@ -2,8 +2,10 @@
 group of one collective per weight that `parallel/fsdp.py` issues, against one flat collective over the block's
 weights back to back (what a flat-parameter layout, as FSDP1's, would issue: no copy-out, the output is the
 weights). The seven xl block weights (q, k, v, o: 2560 x 2560; w1, w3: 10240 x 2560; w2: 2560 x 10240), bf16
-all-gathers and fp32 reduce-scatters, 32 calls in a row (one per block) timed from the first call to the last
-call's return, 30 times after 3 warm-up passes (the waits and a synchronisation come after, untimed); the flight
+all-gathers and fp32 reduce-scatters; beside them the casts around them: the fp32 shards into the bf16 gather
+slots by one `_foreach_copy_` or by `parallel.fsdp._cast_runs`' strided copies (the layouts of a group of one and
+of two ranks), and the bf16 gradients into the fp32 reduce-scatter input by one `_foreach_copy_` or a `copy_` per
+weight. 32 calls of each in a row (one per block) timed from the first call to the last call's return, 30 times after 3 warm-up passes (the waits and a synchronisation come after, untimed); the flight
 recorder off, as the `alone` phase runs. One row per case in OUT (Parquet: `case`, `calls`, `min_us`,
 `median_us`, `per_call_us`), printed too; an existing OUT is refused:
 
@@ -22,6 +24,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.distributed_c10d import AllgatherOptions, ReduceScatterOptions  # noqa: E402
 
+from parallel.fsdp import _cast_runs  # noqa: E402
 from raysys.results import provenance, write_parquet  # noqa: E402
 
 SHAPES = [(2560, 2560)] * 4 + [(10240, 2560), (2560, 10240), (10240, 2560)]
@@ -52,7 +55,25 @@ def main() -> None:
     full32 = [torch.zeros(sum(sizes), dtype=torch.float32, device=dev) for _ in range(2)]
     pieces16 = [list(f.split(sizes)) for f in full16]
     pieces32 = [list(f.split(sizes)) for f in full32]
+    shard32 = torch.randn(sum(sizes), device=dev)
+    slots = list(full16[0].split(sizes))
+    shards = list(shard32.split(sizes))
+    runs1 = _cast_runs(full16[0].untyped_storage(), shard32, sizes, 1, 0, torch.bfloat16)
+    half = [s // 2 for s in sizes]  # rank 0 of two: the same storage laid out for N = 2
+    runs2 = _cast_runs(full16[0].untyped_storage(), shard32[:sum(half)], half, 2, 0, torch.bfloat16)
+    grads = [torch.randn(shape, device=dev, dtype=torch.bfloat16) for shape in SHAPES]
+    grad_dst = [p.view(shape) for p, shape in zip(pieces32[0], SHAPES)]
+
+    def copies(pairs):
+        for dst, src in pairs:
+            dst.copy_(src)
+
     cases = {
+        "cast foreach (7 weights, fp32 -> bf16 slots)": lambda i: torch._foreach_copy_(slots, shards),
+        "cast runs, group of one (1 copy)": lambda i: copies(runs1),
+        "cast runs, two ranks' layout (2 copies)": lambda i: copies(runs2),
+        "grads foreach (7 weights, bf16 -> fp32)": lambda i: torch._foreach_copy_(grad_dst, grads),
+        "grads copy_ per weight (7)": lambda i: copies(zip(grad_dst, grads)),
         "all_gather coalesced (7 weights, bf16)":
             lambda i: pg.allgather_into_tensor_coalesced(pieces16[i % 2], pieces16[i % 2], ag),
         "all_gather flat (one tensor, bf16)": lambda i: pg._allgather_base(full16[i % 2], full16[i % 2], ag),

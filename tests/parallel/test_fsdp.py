@@ -305,9 +305,16 @@ def _check_lifetime(rank: int, world_size: int) -> dict:
 
 def _check_in_place_gather(rank: int, world_size: int) -> dict:
     """With a compute dtype, each weight's all-gather reads this rank's slot of its own output (in place, as NCCL
-    needs for aliasing buffers: any other slot would race with the gather), and the cast landed there."""
-    fsdp = FSDP(_build("tiny", 2), compute_dtype=torch.bfloat16, units=UNITS["block"])
+    needs for aliasing buffers: any other slot would race with the gather), and the cast landed there: tiny's
+    blocks (runs of same-size weights) and the toy model as one unit (padded weights of four sizes)."""
     in_place, cast_ok = [], []
+    for fsdp in (FSDP(_build("tiny", 2), compute_dtype=torch.bfloat16, units=UNITS["block"]),
+                 FSDP(_build("toy"), compute_dtype=torch.bfloat16, units=UNITS["model"])):
+        _gather_each_unit(fsdp, rank, in_place, cast_ok)
+    return dict(in_place=in_place, cast_ok=cast_ok)
+
+
+def _gather_each_unit(fsdp: FSDP, rank: int, in_place: list[bool], cast_ok: list[bool]) -> None:
     for unit in fsdp._units:
         unit.start_gather(fsdp, "forward")
         in_place += [s.data_ptr() == w.padded[rank].data_ptr() for s, w in zip(unit._send, unit.weights)]
@@ -315,7 +322,6 @@ def _check_in_place_gather(rank: int, world_size: int) -> dict:
         unit.wait_gather(fsdp)
         cast_ok += [torch.equal(w.padded[rank], e) for w, e in zip(unit.weights, expected)]
         unit.free(fsdp)
-    return dict(in_place=in_place, cast_ok=cast_ok)
 
 
 def _check_one_in_flight(rank: int, world_size: int) -> list[int]:
