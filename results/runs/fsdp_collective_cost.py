@@ -69,10 +69,10 @@ def main() -> None:
             dst.copy_(src)
 
     cases = {
-        "cast foreach (7 weights, fp32 -> bf16 slots)": lambda i: torch._foreach_copy_(slots, shards),
+        "cast foreach (7 weights, fp32 -> bf16 slots)": lambda i: torch._foreach_copy_(slots, shards) and None,
         "cast runs, group of one (1 copy)": lambda i: copies(runs1),
         "cast runs, two ranks' layout (2 copies)": lambda i: copies(runs2),
-        "grads foreach (7 weights, bf16 -> fp32)": lambda i: torch._foreach_copy_(grad_dst, grads),
+        "grads foreach (7 weights, bf16 -> fp32)": lambda i: torch._foreach_copy_(grad_dst, grads) and None,
         "grads copy_ per weight (7)": lambda i: copies(zip(grad_dst, grads)),
         "all_gather coalesced (7 weights, bf16)":
             lambda i: pg.allgather_into_tensor_coalesced(pieces16[i % 2], pieces16[i % 2], ag),
