@@ -169,8 +169,8 @@ class _Unit:
     all-gather      in place: a compute-dtype cast writes rank r's shards into rank r's rows of the outputs (one
                     strided copy per run of same-size weights, `_cast_runs`), and the k all-gathers run there as one
                     coalesced group; fp32 sends the shard views as they are. Every view involved is built once, here
-    reduce-scatter  fp32, N * s_1 | N * s_2 | ...: each weight's gradient cast into its padded piece (a
-                    copy each), one reduce-scatter per weight issued as one coalesced group into this rank's
+    reduce-scatter  fp32, N * s_1 | N * s_2 | ...: each weight's gradient cast into its padded piece (one
+                    `_foreach_copy_`), one reduce-scatter per weight issued as one coalesced group into this rank's
                     (S,) slot; with N = 1 the output is the input itself (nothing moves)
 
     Backends without coalesced collectives (and `flat_collectives=True`) get a flat all-gather into (N, S) and a
@@ -350,18 +350,19 @@ def _cast_runs(storage: torch.UntypedStorage, shard_flat: torch.Tensor, sizes: l
 
 def _cast_into(pieces: list[torch.Tensor], grads: list[torch.Tensor | None], weights: list[_Weight]) -> None:
     """Write each weight's gradient (zeros if None) into its flat fp32 `piece` of N * padded rows, padding rows zero:
-    a `copy_` per weight, where a `_foreach_copy_` that casts takes its slow path (the same copies, one by one) after
-    its checks. A function of its own so that no local outlives the call: the caller drops the compute-dtype
-    gradients right after, before it allocates the reduce-scatter's output."""
+    one `_foreach_copy_` casts them all. A function of its own so that no local outlives the call: the caller drops
+    the compute-dtype gradients right after, before it allocates the reduce-scatter's output."""
+    dsts, srcs = [], []
     for grad, w, piece in zip(grads, weights, pieces):
         rows = piece.view(-1, *w.shape[1:])
         if grad is None:
             rows.zero_()
             continue
+        dsts.append(rows[:w.shape[0]])
+        srcs.append(grad)
         if rows.shape[0] > w.shape[0]:
             rows[w.shape[0]:].zero_()  # padding rows
-            rows = rows[:w.shape[0]]
-        rows.copy_(grad)
+    torch._foreach_copy_(dsts, srcs)
 
 
 class _PendingOp:
@@ -676,7 +677,7 @@ class FSDP(nn.Module):
     @staticmethod
     def _store_identity(unit: _Unit, grads: list[torch.Tensor | None]) -> None:
         """A group of one: the local gradients are the mean. fp32 ones (an aliased unit's) are the shard gradients
-        as they are; compute-dtype ones are cast into one flat fp32 buffer (a copy per weight) the shards view.
+        as they are; compute-dtype ones are cast into one flat fp32 buffer (one `_foreach_copy_`) the shards view.
         Kept as a list (one per weight) until finish; a second backward pass adds into it."""
         if unit.aliased and all(g is not None for g in grads):
             pieces = grads
