@@ -66,10 +66,60 @@ DTYPES = (torch.bfloat16, torch.float16)
 LOADER_REGS = 24
 
 
+EXP2_POLY = (0x3F7FFB49, 0x3F31798D, 0x3E786F0E, 0x3D61FBB0)
+"""fp32 bits of c0..c3, 2^f ~ c0 + f (c1 + f (c2 + f c3)) on f in [-1/2, 1/2]: a least-squares fit of the relative
+error refined toward minimax (Lawson), at most 7.5e-5 of 2^f in fp32, against bf16's 2^-9 and fp16's 2^-11 steps."""
+
+
+def exp2_mixed_asm(every: int) -> str:
+    """PTX for `every` consecutive fp32 scores x <= 0 (inline asm, `pack=every`): exp2 of the first every - 1 on the
+    MUFU unit (`ex2.approx`), of the last by FlashAttention-4's emulation on the FMA and integer pipes: x clamped to
+    -126, split as n + f with n = round(x) (the 1.5 * 2^23 shifter, no conversion instruction: conversions share the
+    MUFU's pipe), 2^f by `EXP2_POLY`, and 2^n added to the result's exponent bits (n << 23; exact, as the result
+    stays normal). A masked score (-inf) comes out 2^-126 times about 1 instead of 0: below every 16-bit output's
+    resolution next to the row's largest term, exp2(0) = 1."""
+    if every < 2:
+        raise ValueError(f"every ({every}) must be >= 2")
+    c0, c1, c2, c3 = (f"0f{c:08X}" for c in EXP2_POLY)
+    native = "".join(f"ex2.approx.ftz.f32 ${i}, ${i + every};\n" for i in range(every - 1))
+    out, arg = f"${every - 1}", f"${2 * every - 1}"
+    return ("{\n.reg .b32 t, j, n, f, p, e;\n" + native
+            + f"max.ftz.f32 t, {arg}, 0fC2FC0000;\n"       # -126
+            + "add.rn.f32 j, t, 0f4B400000;\n"              # 1.5 * 2^23 + round(t) in the low bits
+            + "sub.rn.f32 n, j, 0f4B400000;\n"
+            + "sub.rn.f32 f, t, n;\n"
+            + f"fma.rn.f32 p, f, {c3}, {c2};\n"
+            + f"fma.rn.f32 p, p, f, {c1};\n"
+            + f"fma.rn.f32 p, p, f, {c0};\n"
+            + "shl.b32 e, j, 23;\n"
+            + f"add.s32 {out}, p, e;\n}}")
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Kernel
 # ----------------------------------------------------------------------------------------------------------
 if HAS_GLUON_HOPPER:
+    _EXP2_ASM_2: gl.constexpr = gl.constexpr(exp2_mixed_asm(2))
+    _EXP2_ASM_4: gl.constexpr = gl.constexpr(exp2_mixed_asm(4))
+    _EXP2_ASM_8: gl.constexpr = gl.constexpr(exp2_mixed_asm(8))
+
+    @gluon.jit
+    def _exp2(x, EXP2_EMULATED: gl.constexpr):
+        """exp2(x) for x <= 0: all on the MUFU unit (EXP2_EMULATED 0), or one in EXP2_EMULATED (2, 4 or 8) of them
+        emulated on the FMA pipe (`exp2_mixed_asm`)."""
+        if EXP2_EMULATED == 0:
+            return gl.exp2(x)
+        elif EXP2_EMULATED == 2:
+            return gl.inline_asm_elementwise(_EXP2_ASM_2, "=r,=r,r,r", [x], dtype=gl.float32, is_pure=True,
+                                             pack=2)
+        elif EXP2_EMULATED == 4:
+            return gl.inline_asm_elementwise(_EXP2_ASM_4, "=r,=r,=r,=r,r,r,r,r", [x], dtype=gl.float32,
+                                             is_pure=True, pack=4)
+        else:
+            gl.static_assert(EXP2_EMULATED == 8, "EXP2_EMULATED must be 0, 2, 4 or 8")
+            return gl.inline_asm_elementwise(_EXP2_ASM_8, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r", [x],
+                                             dtype=gl.float32, is_pure=True, pack=8)
+
 
     @gluon.jit
     def _load_q(q_desc, q_bufs, q_bar, off_b, off_h, start_m, NUM_CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr):
@@ -155,7 +205,7 @@ if HAS_GLUON_HOPPER:
 
     @gluon.jit
     def _softmax_tile(s, m_i, j, n_unmasked, rows, N_K, qk_scale, s_layout: gl.constexpr,
-                      IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+                      IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, EXP2_EMULATED: gl.constexpr):
         """Scores S(j) (raw Q K^T, fp32) -> (P~ in base 2 units, new row max, alpha = exp2(m_old - m_new))."""
         if j >= n_unmasked:  # the diagonal and key-tail tiles only (a uniform branch)
             cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -165,7 +215,7 @@ if HAS_GLUON_HOPPER:
             s = gl.where(keep, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         # One FMA + exp2 per score: scale and max subtraction folded (base-2 units).
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        p = _exp2(s * qk_scale - gl.expand_dims(m_new, 1), EXP2_EMULATED)
         alpha = gl.exp2(m_i - m_new)
         return p, m_new, alpha
 
@@ -173,7 +223,8 @@ if HAS_GLUON_HOPPER:
     def _consumer(q_smem, o_smem, k_bufs, v_bufs, q_bar, q_phase, q_empty, k_ready, k_empty, v_ready, v_empty,
                   o_desc, L, off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, it0, qk_scale,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+                  NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
+                  EXP2_EMULATED: gl.constexpr):
         """One warp group's BLOCK_M query rows [start_m, start_m + BLOCK_M): Algorithm 1 of FA3 (pipelined). The
         ring slots continue from `it0` (the key tiles of the program's earlier work items) and Q's barrier is in
         phase `q_phase`. O goes out through `o_smem`: Q's own buffer in a one-item program; in a PERSISTENT one a
@@ -203,7 +254,8 @@ if HAS_GLUON_HOPPER:
         s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(first), count=1)
-        p32, m_i, alpha = _softmax_tile(s, m_i, 0, n_unmasked, rows, N_K, qk_scale, s_layout, IS_CAUSAL, BLOCK_N)
+        p32, m_i, alpha = _softmax_tile(s, m_i, 0, n_unmasked, rows, N_K, qk_scale, s_layout, IS_CAUSAL, BLOCK_N,
+                                        EXP2_EMULATED)
         l_i = gl.sum(p32, 1)
         p = gl.convert_layout(p32.to(dtype), p_layout)
 
@@ -222,7 +274,7 @@ if HAS_GLUON_HOPPER:
             # wgmma groups retire in order: one outstanding left means S(j) is done, P V may still run.
             s = warpgroup_mma_wait(1, deps=(s,))
             p32, m_i, alpha = _softmax_tile(s, m_i, j, n_unmasked, rows, N_K, qk_scale, s_layout, IS_CAUSAL,
-                                            BLOCK_N)
+                                            BLOCK_N, EXP2_EMULATED)
             l_i = l_i * alpha + gl.sum(p32, 1)
             # K(j) is released here, under a branch the compiler cannot fold, so that the wait below starts a
             # new basic block: within one block ptxas hoists a wgmma wait above the exp2s.
@@ -264,18 +316,18 @@ if HAS_GLUON_HOPPER:
     def _consumer_partition(C: gl.constexpr, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
                             o_desc, L, off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                            NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+                            NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, EXP2_EMULATED: gl.constexpr):
         """Partition entry of consumer C: its Q buffer (also O's) and rows."""
         _consumer(q_bufs.index(C), q_bufs.index(C), k_bufs, v_bufs, q_bar, 0, q_bar, k_ready, k_empty, v_ready,
                   v_empty, o_desc, L, off_b, off_h, pid_bh, start_m + C * BLOCK_M, N_Q, N_K, num_kv, n_unmasked, 0,
-                  qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, False)
+                  qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, False, EXP2_EMULATED)
 
     @gluon.jit
     def _persistent_consumer(C: gl.constexpr, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty,
                              v_ready, v_empty, o_desc, L, H, BH, GROUP: gl.constexpr, N_Q, N_K, qk_scale,
                              HEAD_DIM: gl.constexpr,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                             NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr):
+                             NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, EXP2_EMULATED: gl.constexpr):
         """Consumer C of a persistent program: work items pid, pid + #programs, ... (`_work_item` order)."""
         TILE_M: gl.constexpr = NUM_CONSUMERS * BLOCK_M
         it0 = 0
@@ -285,7 +337,8 @@ if HAS_GLUON_HOPPER:
                                                                            BLOCK_N, IS_CAUSAL)
             _consumer(q_bufs.index(C), o_bufs.index(C), k_bufs, v_bufs, q_bar, n & 1, q_empty, k_ready, k_empty,
                       v_ready, v_empty, o_desc, L, off_b, off_h, pid_bh, start_m + C * BLOCK_M, N_Q, N_K, num_kv,
-                      n_unmasked, it0, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, True)
+                      n_unmasked, it0, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, True,
+                      EXP2_EMULATED)
             it0 += num_kv
             n += 1
         tma.store_wait(0)
@@ -314,7 +367,8 @@ if HAS_GLUON_HOPPER:
     def _gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, L, H, N_Q, N_K, qk_scale, GROUP: gl.constexpr,
                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                               IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                               IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                               EXP2_EMULATED: gl.constexpr):
         """Grid (cdiv(N_Q, NUM_CONSUMERS * BLOCK_M) * B * H,): program -> (query tile, batch*head), heavy first."""
         TILE_M: gl.constexpr = NUM_CONSUMERS * BLOCK_M
         # 1. Work item: this program's (`_work_item`, heaviest first).
@@ -331,7 +385,7 @@ if HAS_GLUON_HOPPER:
             gl.warp_specialize([
                 (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
-                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED)),
                 (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
                            off_b, off_h, start_m, num_kv, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
             ], [1], [LOADER_REGS])
@@ -339,10 +393,10 @@ if HAS_GLUON_HOPPER:
             gl.warp_specialize([
                 (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
-                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED)),
                 (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
-                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED)),
                 (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
                            off_b, off_h, start_m, num_kv, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
             ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -351,13 +405,13 @@ if HAS_GLUON_HOPPER:
             gl.warp_specialize([
                 (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
-                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED)),
                 (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
-                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED)),
                 (_consumer_partition, (2, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
-                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED)),
                 (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
                            off_b, off_h, start_m, num_kv, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
@@ -369,7 +423,7 @@ if HAS_GLUON_HOPPER:
                                           BLOCK_N: gl.constexpr,
                                           NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                                           IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                          LOADER_REGS: gl.constexpr):
+                                          LOADER_REGS: gl.constexpr, EXP2_EMULATED: gl.constexpr):
         """Grid (at most one program per SM,): program p takes work items p, p + #programs, ... of the
         `_work_item` order (the heaviest first); its K/V ring runs on from one item to the next, and the next
         item's Q loads under the last P V and epilogue of the current one (O has buffers of its own)."""
@@ -382,10 +436,10 @@ if HAS_GLUON_HOPPER:
         gl.warp_specialize([
             (_persistent_consumer, (0, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty, v_ready,
                                     v_empty, o_desc, L, H, BH, GROUP, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                    NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL)),
+                                    NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, EXP2_EMULATED)),
             (_persistent_consumer, (1, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty, v_ready,
                                     v_empty, o_desc, L, H, BH, GROUP, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                    NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL)),
+                                    NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, EXP2_EMULATED)),
             (_persistent_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty,
                                   v_ready, v_empty, H, BH, GROUP, N_Q, N_K, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES,
                                   IS_CAUSAL)),
@@ -423,8 +477,14 @@ class GluonConfig:
     head_group: int = 0
     """Heads whose work items run together (`_work_item`; a compile-time constant): 0 for all B * H, heaviest first
     across them; fewer keeps the programs in flight on fewer heads' K/V, more of them in L2 at long sequences."""
+    exp2_emulated: int = 0
+    """One in this many (2, 4 or 8) of the softmax's exp2s computed by a polynomial on the FMA pipe instead of the
+    MUFU unit (`exp2_mixed_asm`, FlashAttention-4's split); 0: none. At d 64 a consumer iteration keeps the MUFU unit
+    about as busy as the tensor cores (results/flash_hopper_notes.md, section 13)."""
 
     def __post_init__(self):
+        if type(self.exp2_emulated) is not int or self.exp2_emulated not in (0, 2, 4, 8):
+            raise ValueError(f"exp2_emulated ({self.exp2_emulated!r}) must be 0, 2, 4 or 8")
         if not isinstance(self.persistent, bool):
             raise ValueError(f"persistent ({self.persistent!r}) must be a bool")
         if isinstance(self.head_group, bool) or not isinstance(self.head_group, int) or self.head_group < 0:
@@ -442,7 +502,8 @@ class GluonConfig:
     @property
     def name(self) -> str:
         return (f"{self.num_consumers}x{self.block_m}x{self.block_n}/s{self.num_stages}"
-                + ("/p" if self.persistent else "") + (f"/g{self.head_group}" if self.head_group else ""))
+                + ("/p" if self.persistent else "") + (f"/g{self.head_group}" if self.head_group else "")
+                + (f"/e{self.exp2_emulated}" if self.exp2_emulated else ""))
 
     def registers(self) -> tuple[int, int]:
         return register_split(self.num_consumers)
@@ -462,11 +523,20 @@ DEFAULT_CONFIGS = {64: GluonConfig(block_m=64, block_n=128, num_stages=3, num_co
 """Per head dim: FA3's hdim-128 shape (two 64-row consumer groups, 128-key tiles)."""
 
 
+EXP2_EMULATED = {64: 8}
+"""Head dim -> `GluonConfig.exp2_emulated` where the tuned file does not set it. At d 64 each consumer iteration
+issues as much MUFU work as tensor-core work (results/flash_hopper_notes.md, section 13); one exp2 in 8 on the FMA
+pipe moves it below (section 15)."""
+
+
 def default_config(head_dim: int, dtype: torch.dtype) -> GluonConfig:
     """The tuned file's forward config for this head dim and dtype (`sweeps/flash_tiles.py --variants gluon`),
-    else DEFAULT_CONFIGS'."""
-    fields = gluon_tuned_fields("fwd", head_dim, dtype)
-    return GluonConfig(**fields) if fields else DEFAULT_CONFIGS[head_dim]
+    else DEFAULT_CONFIGS'; its `exp2_emulated` from EXP2_EMULATED unless the file sets it."""
+    fields = dict(gluon_tuned_fields("fwd", head_dim, dtype) or {})
+    config = GluonConfig(**fields) if fields else DEFAULT_CONFIGS[head_dim]
+    if "exp2_emulated" not in fields and head_dim in EXP2_EMULATED:
+        config = dataclasses.replace(config, exp2_emulated=EXP2_EMULATED[head_dim])
+    return config
 
 
 SHORT_SEQUENCE = {128: (2048, {"persistent": True, "head_group": 4})}
@@ -680,7 +750,7 @@ def launch_args(q, k, v, out, lse, is_causal: bool, config: GluonConfig):
     meta = dict(GROUP=config.head_group, HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                 NUM_STAGES=config.num_stages,
                 NUM_CONSUMERS=config.num_consumers, IS_CAUSAL=is_causal, CONSUMER_REGS=consumer_regs,
-                LOADER_REGS=LOADER_REGS,
+                LOADER_REGS=LOADER_REGS, EXP2_EMULATED=config.exp2_emulated,
                 num_warps=4, maxnreg=maxnreg)
     return grid, args, meta
 

@@ -153,6 +153,31 @@ def test_tuned_forward_configs_compile_for_sm90_without_spills(head_dim):
         assert spilled <= allowed, (config.name, log)
 
 
+def test_exp2_emulated_rules_and_default(monkeypatch):
+    """`exp2_emulated` takes 0, 2, 4 or 8 and names itself; `default_config` takes EXP2_EMULATED's where the tuned
+    file's entry does not set it, the entry's where it does; the PTX splits each pack of n scores into n - 1 MUFU
+    exp2s and one emulated."""
+    for bad in (1, 3, 16, True, 4.0):
+        with pytest.raises(ValueError, match=rf"exp2_emulated \({bad!r}\) must be 0, 2, 4 or 8"):
+            fg.GluonConfig(exp2_emulated=bad)
+    assert fg.GluonConfig(persistent=True, head_group=8, exp2_emulated=8).name == "2x64x128/s2/p/g8/e8"
+    assert fg.GluonConfig(exp2_emulated=4).shared_bytes(64) == fg.GluonConfig().shared_bytes(64)
+    entry = {"block_m": 64, "block_n": 128, "num_stages": 3, "num_consumers": 2}
+    monkeypatch.setattr(fg, "gluon_tuned_fields", lambda kind, head_dim, dtype: dict(entry))
+    assert fg.default_config(64, torch.bfloat16) == fg.GluonConfig(**entry, exp2_emulated=fg.EXP2_EMULATED[64])
+    assert fg.default_config(128, torch.bfloat16).exp2_emulated == fg.EXP2_EMULATED.get(128, 0)
+    entry["exp2_emulated"] = 0
+    assert fg.default_config(64, torch.bfloat16) == fg.GluonConfig(**entry)
+    monkeypatch.setattr(fg, "gluon_tuned_fields", lambda kind, head_dim, dtype: None)
+    assert fg.default_config(64, torch.bfloat16) == dataclasses.replace(fg.DEFAULT_CONFIGS[64],
+                                                                        exp2_emulated=fg.EXP2_EMULATED[64])
+    for n in (2, 4, 8):
+        asm = fg.exp2_mixed_asm(n)
+        assert asm.count("ex2.approx") == n - 1 and f"add.s32 ${n - 1}," in asm and f"${2 * n - 1}, 0fC2FC0000" in asm
+    with pytest.raises(ValueError, match="every"):
+        fg.exp2_mixed_asm(1)
+
+
 def _self_attention_config(shape):
     return fg.problem_config(_cpu(shape), _cpu(shape))
 
@@ -488,6 +513,56 @@ def test_persistent_forward_and_head_groups_match_the_one_item_programs(q_shape,
         got = fg.gluon_attention_fwd(q, k, v, causal, config=config)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), config.name
     assert (want[0].float() - ref_out).abs().max().item() <= (2e-2 if dtype == torch.bfloat16 else 4e-3)
+
+
+if fg.HAS_GLUON_HOPPER:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    @gluon.jit
+    def _exp2_probe(x_ptr, y_ptr, EXP2_EMULATED: gl.constexpr, N: gl.constexpr):
+        layout: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])
+        offs = gl.arange(0, N, layout=layout)
+        gl.store(y_ptr + offs, fg._exp2(gl.load(x_ptr + offs), EXP2_EMULATED))
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("every", [0, 2, 4, 8])
+def test_exp2_emulated_matches_exp2(every):
+    """`_exp2` on x <= 0 (the softmax's range, -inf for masked scores): within 7.5e-5 of exp2 relative (the
+    polynomial's bound; MUFU's ex2 is closer) down to 2^-120, within 2^-125 absolute below; exp2(-inf) = 0 from
+    the MUFU unit, at most 2^-125 emulated; with emulation exactly one in `every` values differs from MUFU's."""
+    n = 4096
+    x = torch.linspace(-140.0, 0.0, n, device="cuda")
+    x[::97] = float("-inf")
+    y = torch.empty_like(x)
+    _exp2_probe[(1,)](x, y, every, n, num_warps=4)
+    ref = torch.exp2(x.double())
+    big = ref >= 2.0**-120
+    assert ((y.double()[big] / ref[big] - 1).abs().max().item() <= 7.5e-5)
+    assert ((y.double()[~big] - ref[~big]).abs().max().item() <= 2.0**-125)
+    native = torch.empty_like(x)
+    _exp2_probe[(1,)](x, native, 0, n, num_warps=4)
+    differs = (y != native).float().mean().item()
+    assert differs == 0 if every == 0 else 0 < differs <= 1 / every
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
+@pytest.mark.parametrize("every", [2, 8])
+@pytest.mark.parametrize("q_shape, n_k, causal", [((2, 2, 777, 64), 777, True), ((1, 2, 513, 128), 1029, False)])
+def test_exp2_emulated_forward_matches_fp32_attention(q_shape, n_k, causal, every, dtype, tol):
+    """The forward with one exp2 in `every` emulated, against fp32 attention (O and L), as the MUFU-only one is."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k_shape = q_shape[:2] + (n_k, q_shape[-1])
+    q, k, v = (torch.randn(s, generator=gen, device="cuda").to(dtype) for s in (q_shape, k_shape, k_shape))
+    config = dataclasses.replace(fg.DEFAULT_CONFIGS[q_shape[-1]], exp2_emulated=every)
+    out, lse = fg.gluon_attention_fwd(q, k, v, causal, config=config)
+    ref_out, ref_lse = _reference(q, k, v, causal)
+    assert (out.float() - ref_out).abs().max().item() <= tol
+    assert (lse - ref_lse).abs().max().item() <= tol
 
 
 @pytest.mark.gpu
