@@ -102,23 +102,28 @@ if HAS_GLUON_HOPPER:
     _EXP2_ASM_2: gl.constexpr = gl.constexpr(exp2_mixed_asm(2))
     _EXP2_ASM_4: gl.constexpr = gl.constexpr(exp2_mixed_asm(4))
     _EXP2_ASM_8: gl.constexpr = gl.constexpr(exp2_mixed_asm(8))
+    _EXP2_ASM_16: gl.constexpr = gl.constexpr(exp2_mixed_asm(16))
+    _EXP2_REGS_2: gl.constexpr = gl.constexpr(",".join(["=r"] * 2 + ["r"] * 2))
+    _EXP2_REGS_4: gl.constexpr = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 4))
+    _EXP2_REGS_8: gl.constexpr = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 8))
+    _EXP2_REGS_16: gl.constexpr = gl.constexpr(",".join(["=r"] * 16 + ["r"] * 16))
 
     @gluon.jit
     def _exp2(x, EXP2_EMULATED: gl.constexpr):
-        """exp2(x) for x <= 0: all on the MUFU unit (EXP2_EMULATED 0), or one in EXP2_EMULATED (2, 4 or 8) of them
-        emulated on the FMA pipe (`exp2_mixed_asm`)."""
+        """exp2(x) for x <= 0: all on the MUFU unit (EXP2_EMULATED 0), or one in EXP2_EMULATED (2, 4, 8 or 16) of
+        them emulated on the FMA pipe (`exp2_mixed_asm`)."""
         if EXP2_EMULATED == 0:
             return gl.exp2(x)
         elif EXP2_EMULATED == 2:
-            return gl.inline_asm_elementwise(_EXP2_ASM_2, "=r,=r,r,r", [x], dtype=gl.float32, is_pure=True,
-                                             pack=2)
+            return gl.inline_asm_elementwise(_EXP2_ASM_2, _EXP2_REGS_2, [x], dtype=gl.float32, is_pure=True, pack=2)
         elif EXP2_EMULATED == 4:
-            return gl.inline_asm_elementwise(_EXP2_ASM_4, "=r,=r,=r,=r,r,r,r,r", [x], dtype=gl.float32,
-                                             is_pure=True, pack=4)
+            return gl.inline_asm_elementwise(_EXP2_ASM_4, _EXP2_REGS_4, [x], dtype=gl.float32, is_pure=True, pack=4)
+        elif EXP2_EMULATED == 8:
+            return gl.inline_asm_elementwise(_EXP2_ASM_8, _EXP2_REGS_8, [x], dtype=gl.float32, is_pure=True, pack=8)
         else:
-            gl.static_assert(EXP2_EMULATED == 8, "EXP2_EMULATED must be 0, 2, 4 or 8")
-            return gl.inline_asm_elementwise(_EXP2_ASM_8, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r", [x],
-                                             dtype=gl.float32, is_pure=True, pack=8)
+            gl.static_assert(EXP2_EMULATED == 16, "EXP2_EMULATED must be 0, 2, 4, 8 or 16")
+            return gl.inline_asm_elementwise(_EXP2_ASM_16, _EXP2_REGS_16, [x], dtype=gl.float32, is_pure=True,
+                                             pack=16)
 
 
     @gluon.jit
@@ -478,13 +483,13 @@ class GluonConfig:
     """Heads whose work items run together (`_work_item`; a compile-time constant): 0 for all B * H, heaviest first
     across them; fewer keeps the programs in flight on fewer heads' K/V, more of them in L2 at long sequences."""
     exp2_emulated: int = 0
-    """One in this many (2, 4 or 8) of the softmax's exp2s computed by a polynomial on the FMA pipe instead of the
+    """One in this many (2, 4, 8 or 16) of the softmax's exp2s computed by a polynomial on the FMA pipe instead of the
     MUFU unit (`exp2_mixed_asm`, FlashAttention-4's split); 0: none. At d 64 a consumer iteration keeps the MUFU unit
     about as busy as the tensor cores (results/flash_hopper_notes.md, section 13)."""
 
     def __post_init__(self):
-        if type(self.exp2_emulated) is not int or self.exp2_emulated not in (0, 2, 4, 8):
-            raise ValueError(f"exp2_emulated ({self.exp2_emulated!r}) must be 0, 2, 4 or 8")
+        if type(self.exp2_emulated) is not int or self.exp2_emulated not in (0, 2, 4, 8, 16):
+            raise ValueError(f"exp2_emulated ({self.exp2_emulated!r}) must be 0, 2, 4, 8 or 16")
         if not isinstance(self.persistent, bool):
             raise ValueError(f"persistent ({self.persistent!r}) must be a bool")
         if isinstance(self.head_group, bool) or not isinstance(self.head_group, int) or self.head_group < 0:

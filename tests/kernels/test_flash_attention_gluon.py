@@ -154,11 +154,11 @@ def test_tuned_forward_configs_compile_for_sm90_without_spills(head_dim):
 
 
 def test_exp2_emulated_rules_and_default(monkeypatch):
-    """`exp2_emulated` takes 0, 2, 4 or 8 and names itself; `default_config` takes EXP2_EMULATED's where the tuned
+    """`exp2_emulated` takes 0, 2, 4, 8 or 16 and names itself; `default_config` takes EXP2_EMULATED's where the tuned
     file's entry does not set it, the entry's where it does; the PTX splits each pack of n scores into n - 1 MUFU
     exp2s and one emulated."""
-    for bad in (1, 3, 16, True, 4.0):
-        with pytest.raises(ValueError, match=rf"exp2_emulated \({bad!r}\) must be 0, 2, 4 or 8"):
+    for bad in (1, 3, 32, True, 4.0):
+        with pytest.raises(ValueError, match=rf"exp2_emulated \({bad!r}\) must be 0, 2, 4, 8 or 16"):
             fg.GluonConfig(exp2_emulated=bad)
     assert fg.GluonConfig(persistent=True, head_group=8, exp2_emulated=8).name == "2x64x128/s2/p/g8/e8"
     assert fg.GluonConfig(exp2_emulated=4).shared_bytes(64) == fg.GluonConfig().shared_bytes(64)
@@ -171,7 +171,7 @@ def test_exp2_emulated_rules_and_default(monkeypatch):
     monkeypatch.setattr(fg, "gluon_tuned_fields", lambda kind, head_dim, dtype: None)
     assert fg.default_config(64, torch.bfloat16) == dataclasses.replace(fg.DEFAULT_CONFIGS[64],
                                                                         exp2_emulated=fg.EXP2_EMULATED[64])
-    for n in (2, 4, 8):
+    for n in (2, 4, 8, 16):
         asm = fg.exp2_mixed_asm(n)
         assert asm.count("ex2.approx") == n - 1 and f"add.s32 ${n - 1}," in asm and f"${2 * n - 1}, 0fC2FC0000" in asm
     with pytest.raises(ValueError, match="every"):
@@ -528,7 +528,7 @@ if fg.HAS_GLUON_HOPPER:
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("every", [0, 2, 4, 8])
+@pytest.mark.parametrize("every", [0, 2, 4, 8, 16])
 def test_exp2_emulated_matches_exp2(every):
     """`_exp2` on x <= 0 (the softmax's range, -inf for masked scores): within 7.5e-5 of exp2 relative (the
     polynomial's bound; MUFU's ex2 is closer) down to 2^-120, within 2^-125 absolute below; exp2(-inf) = 0 from
