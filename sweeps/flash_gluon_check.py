@@ -66,8 +66,9 @@ CONFIGS = {
 }
 """Per head dim, the default first; `head_group` on the default and the persistent grid (3 and 6 beside what a cap
 by the whole L2 cache took, d 128: 3 at 32768, 7 at 16384 on the H200); three consumer groups of 64 query rows
-(FlashAttention-3's 192-row tile), at d 128 on 64-key tiles (the tile sweep's winner at 16384); one in 2, 4, 8 or 16
-exp2s emulated on the FMA pipe (`exp2_emulated`, `/e<n>`; 16 too at d 64) on the tuned d-64 config and the launched d-128 ones."""
+(FlashAttention-3's 192-row tile), at d 128 on 64-key tiles (the tile sweep's winner at 16384); one exp2 in n
+emulated on the FMA pipe (`exp2_emulated`, `/e<n>`): n 2, 4, 8, 16 on the tuned d-64 config, 4 and 8 on the
+launched d-128 ones."""
 CHECK_SHAPES = [((1, 3, 1000, 128), 1000, True), ((1, 3, 1000, 128), 1000, False), ((2, 2, 777, 64), 777, True),
                 ((2, 2, 777, 64), 777, False), ((1, 2, 513, 128), 1029, False), ((1, 2, 513, 64), 1029, False)]
 """(q shape, n_k, causal)."""
