@@ -74,8 +74,8 @@ error refined toward minimax (Lawson), at most 7.5e-5 of 2^f in fp32, against bf
 def exp2_mixed_asm(every: int) -> str:
     """PTX for `every` consecutive fp32 scores x <= 0 (inline asm, `pack=every`): exp2 of the first every - 1 on the
     MUFU unit (`ex2.approx`), of the last by FlashAttention-4's emulation on the FMA and integer pipes: x clamped to
-    -126, split as n + f with n = round(x) (the 1.5 * 2^23 shifter, no conversion instruction: conversions share the
-    MUFU's pipe), 2^f by `EXP2_POLY`, and 2^n added to the result's exponent bits (n << 23; exact, as the result
+    -126, split as n + f with n = round(x) (the 1.5 * 2^23 shifter, no conversion instruction: ncu's XU pipe runs
+    int-float conversions beside the MUFU's exp2), 2^f by `EXP2_POLY`, and 2^n added to the result's exponent bits (n << 23; exact, as the result
     stays normal). A masked score (-inf) comes out 2^-126 times about 1 instead of 0: below every 16-bit output's
     resolution next to the row's largest term, exp2(0) = 1."""
     if every < 2:
