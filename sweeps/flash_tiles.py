@@ -91,7 +91,7 @@ VARIANTS = {"portable": ("portable", False, False), "tma": ("tma", False, False)
             "gluon_persistent": ("gluon", False, True)}
 REGISTER_CAPS = {"tma_r128": 128}
 # The Gluon kernels (sm_90, Triton 3.6; variant `gluon`): the forward's knobs (`GluonConfig`: query rows per
-# consumer group x keys per tile, ring depth, consumer groups) and the one-pass backward's (`GluonBwdConfig`: 64
+# consumer group x keys per tile, ring depth, consumer groups, emulated exp2s) and the one-pass backward's (`GluonBwdConfig`: 64
 # query rows x 64 keys per group, ring depth), on shapes of head dim 64 or 128 in bf16 / fp16.
 GLUON_KERNELS = {"fwd": "fwd", "dkdvq": "bwd"}
 """Sweep kernel -> the tuned file's `gluon` kind."""
@@ -100,11 +100,15 @@ GLUON_STAGES = {"fwd": (2, 3), "dkdvq": (1, 2, 3)}
 GLUON_CONSUMERS = (1, 2, 3)
 GLUON_GROUPS = {"fwd": (0, 8), "dkdvq": (0, 4, 8)}
 """`head_group` (GluonConfig / GluonBwdConfig): heads whose work items run together, 0 for all."""
+GLUON_EXP2 = (0, 8)
+"""The forward's `GluonConfig.exp2_emulated`: none, or one exp2 in 8 on the FMA pipe (the fastest share at d 64,
+results/flash_hopper_notes.md, section 15). Rows of runs before the axis existed ran none."""
 GLUON_DQ = {"whole": (True, False), "halves": (False, False), "whole_dk_late": (True, True)}
 """The one-pass backward's dQ axis -> its (`GluonBwdConfig.dq_whole`, `dk_late`): each query tile's dQ whole by one
 group, in head-dim halves by both, or whole with dK's wgmma after the dS^T store. Rows record the two fields; rows of
 runs before an axis value existed measured the halves (before dq_whole) or dK before the store (before dk_late)."""
 GLUON_KEYS = ["block_m", "block_n", "num_stages", "num_consumers", "persistent", "head_group"]
+GLUON_FWD_KEYS = GLUON_KEYS + ["exp2_emulated"]
 GLUON_BWD_KEYS = GLUON_KEYS + ["dq_whole", "dk_late", "rows_tma"]
 """The one-pass backward's fields in rows and tuned entries; `rows_tma` (L and D through the ring) is not swept:
 rows record the default they ran, False in rows of runs before it existed."""
@@ -190,7 +194,8 @@ def param_spaces(quick: bool, shapes: tuple[str, ...], variants: tuple[str, ...]
                     spaces[f"{kernel}/{variant}"] = {
                         "kernel": kernel, "variant": variant, "tile": {"grid_search": list(GLUON_TILES[kernel])},
                         "num_warps": 4, "num_stages": {"grid_search": list(GLUON_STAGES[kernel])},
-                        **({"num_consumers": {"grid_search": consumers}} if kernel == "fwd" else {}),
+                        **({"num_consumers": {"grid_search": consumers},
+                            "exp2_emulated": {"grid_search": list(GLUON_EXP2)}} if kernel == "fwd" else {}),
                         "head_group": {"grid_search": list(GLUON_GROUPS[kernel])},
                         **({"dq": {"grid_search": list(GLUON_DQ)}} if kernel == "dkdvq" else {}),
                         **({"paired_rounds": paired_rounds} if paired_rounds else {}),
@@ -311,7 +316,8 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
     if kernel == "fwd":
         cfg = gluon_fwd.GluonConfig(block_m=block_m, block_n=block_n, num_stages=config["num_stages"],
                                     num_consumers=config["num_consumers"], persistent=persistent,
-                                    head_group=config.get("head_group", 0))
+                                    head_group=config.get("head_group", 0),
+                                    exp2_emulated=config.get("exp2_emulated", 0))
         run = lambda: gluon_fwd.gluon_attention_fwd(q, k, v, causal, config=cfg)[0]  # noqa: E731
         want = flash_attention_fwd(q, k, v, causal, config=base_fwd, path="portable")[0]
     else:
@@ -353,7 +359,8 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
     flops *= MATMULS[kernel] / 2
     return {"block_m": block_m, "block_n": block_n, "num_consumers": config.get("num_consumers", 2), "path": "gluon",
             "warp_specialize": True, "persistent": persistent, "head_group": cfg.head_group, "maxnreg": 0, **shape,
-            **({"dq_whole": cfg.dq_whole, "dk_late": cfg.dk_late, "rows_tma": cfg.rows_tma} if kernel != "fwd" else {}),
+            **({"dq_whole": cfg.dq_whole, "dk_late": cfg.dk_late, "rows_tma": cfg.rows_tma} if kernel != "fwd"
+               else {"exp2_emulated": cfg.exp2_emulated}),
             "time_median_s": ms / 1e3,
             "tflops": flops / (ms * 1e-3) / 1e12, "max_abs_err": err, **paired}
 
@@ -410,7 +417,8 @@ def precompile(configs: list[dict], workers: int) -> None:
     # groups and the dQ axis are compile-time constants), and sequence lengths that are multiples of 16 (Triton keys
     # its cache on divisibility by 16, not the value).
     unique = list({(c["kernel"], c.get("variant"), c["tile"], c["num_warps"], c["num_stages"],
-                    c.get("num_consumers"), c.get("head_group"), c.get("dq"), c["shape"].split("/", 1)[1]): c
+                    c.get("num_consumers"), c.get("head_group"), c.get("dq"), c.get("exp2_emulated"),
+                    c["shape"].split("/", 1)[1]): c
                    for c in configs}.values())
     start = time.monotonic()
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -506,7 +514,7 @@ def best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict[str, 
 
 def gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict[str, list[dict]]:
     """The tuned file's `gluon` part from the `gluon` rows: per kind (GLUON_KERNELS) the winners as
-    `best_configs` picks them, over GLUON_KEYS; a shape counts as swept with min(min_configs, the configs of the
+    `best_configs` picks them, over GLUON_FWD_KEYS / GLUON_BWD_KEYS; a shape counts as swept with min(min_configs, the configs of the
     kind's grid that fit) measured configs: a config whose build ran out of shared memory or registers at a head
     dim and dtype (an `OutOfResources` error row) never runs there, so it is not missing from the sweep (the
     one-pass backward's 3-slot ring does not fit at d 128, 6 of its 9 configs do). Where every row of a head dim and
@@ -527,7 +535,10 @@ def gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict
             sel["persistent"] = False
         sel["persistent"] = sel["persistent"].fillna(False)
         sel["head_group"] = (sel["head_group"] if "head_group" in sel else pd.Series(0, index=sel.index)).fillna(0)
-        keys = GLUON_KEYS if kernel == "fwd" else GLUON_BWD_KEYS
+        keys = GLUON_FWD_KEYS if kernel == "fwd" else GLUON_BWD_KEYS
+        if kernel == "fwd":  # rows before the axis ran no emulated exp2s
+            sel["exp2_emulated"] = (sel["exp2_emulated"] if "exp2_emulated" in sel
+                                    else pd.Series(0, index=sel.index)).fillna(0)
         # (the dQ axis of the runs the rows come from: none, dq_whole's two values, or GLUON_DQ's three)
         dq_axis = 1 if kernel == "fwd" else 1 + sum(c in sel and sel[c].notna().any() for c in ("dq_whole", "dk_late"))
         if kernel != "fwd":  # rows before dq_whole measured the head-dim halves, rows before dk_late dK before
@@ -538,14 +549,14 @@ def gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict
         sel["median_ms"] = 1e3 * sel["time_median_s"]
         sel["log_ms"] = sel["median_ms"].map(math.log)
         grid = len(GLUON_TILES[kernel]) * len(GLUON_STAGES[kernel])
-        grid *= len(GLUON_CONSUMERS) if kernel == "fwd" else dq_axis
+        grid *= len(GLUON_CONSUMERS) * len(GLUON_EXP2) if kernel == "fwd" else dq_axis
         grid *= len(GLUON_GROUPS[kernel])
         failed = errors[errors["kernel"] == kernel]
         entries = []
         for (head_dim, dtype), part in sel.groupby(["head_dim", "dtype"]):
             unfit = failed[(failed["head_dim"] == head_dim) & (failed["dtype"] == dtype)]
             unfit = unfit.drop_duplicates([c for c in ("variant", "tile", "num_stages", "num_consumers", "head_group",
-                                                       "dq_whole", "dq") if c in unfit])
+                                                       "dq_whole", "dq", "exp2_emulated") if c in unfit])
             paired = (PAIRED_KEY in part and part[PAIRED_KEY].notna().all()
                       and part.groupby("shape")["reference"].nunique().max() == 1)
             if paired:
@@ -684,7 +695,7 @@ def markdown(df: pd.DataFrame) -> str:
     ok = ok.assign(median_ms=1e3 * ok["time_median_s"])  # the table shows milliseconds
     best = ok.sort_values("median_ms").groupby(["shape", "kernel"], as_index=False).head(3)
     best = best.sort_values(["shape", "kernel", "median_ms"])
-    gluon_knobs = [c for c in ("num_consumers", "head_group", "dq_whole", "dk_late", "rows_tma")
+    gluon_knobs = [c for c in ("num_consumers", "head_group", "exp2_emulated", "dq_whole", "dk_late", "rows_tma")
                    if c in best and best[c].notna().any()]
     cols = ["shape", "kernel", *(["variant"] if "variant" in best else []), "tile", "num_warps", "num_stages",
             *gluon_knobs, "median_ms", "tflops"]  # the Gluon kernels' own knobs (blank on tl rows)

@@ -6,6 +6,8 @@ paths on tiny grids, and the table logic runs on hand-made rows whose answers ar
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import sys
 import time
@@ -149,7 +151,9 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     spaces = flash_tiles.param_spaces(False, (a, b, "4096/32/bfloat16/causal", "4096/64/float32/causal"), ("gluon",))
     assert set(spaces) == {"fwd/gluon", "dkdvq/gluon"}
     fwd, bwd = (flash_tiles.grid_configs(spaces[k]) for k in ("fwd/gluon", "dkdvq/gluon"))
-    assert len(fwd) == 18 * 2 * 2 and len(bwd) == 3 * 3 * 3 * 2 and {c["shape"] for c in fwd + bwd} == {a, b}
+    assert len(fwd) == 18 * 2 * 2 * 2 and len(bwd) == 3 * 3 * 3 * 2 and {c["shape"] for c in fwd + bwd} == {a, b}
+    assert {c["exp2_emulated"] for c in fwd} == set(flash_tiles.GLUON_EXP2) and all("exp2_emulated" not in c
+                                                                                   for c in bwd)
     assert {c["dq"] for c in bwd} == {"whole", "halves", "whole_dk_late"} and all("dq" not in c for c in fwd)
     for c in bwd:  # every grid point is a valid config
         dq_whole, dk_late = flash_tiles.GLUON_DQ[c["dq"]]
@@ -158,7 +162,7 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     for c in fwd:  # every grid point is a valid config
         m, n = map(int, c["tile"].split("x"))
         gluon_fwd.GluonConfig(block_m=m, block_n=n, num_stages=c["num_stages"], num_consumers=c["num_consumers"],
-                              head_group=c["head_group"])
+                              head_group=c["head_group"], exp2_emulated=c["exp2_emulated"])
     assert {c["head_group"] for c in fwd} == {0, 8} and {c["head_group"] for c in bwd} == {0, 4, 8}
 
     def row(kernel, tile, stages, consumers, shape, ms):
@@ -173,7 +177,7 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     df = pd.DataFrame(rows).assign(device_name="H200", torch_version="2.11", triton_version="3.6")
     gluon = flash_tiles.gluon_best_configs(df, min_configs=8)
     assert gluon["fwd"][0] == dict(block_m=64, block_n=128, num_stages=2, num_consumers=1, persistent=False,
-                                   head_group=0, head_dim=128, dtype="bfloat16", shapes=[a, b],
+                                   head_group=0, exp2_emulated=0, head_dim=128, dtype="bfloat16", shapes=[a, b],
                                    geomean_ms=gluon["fwd"][0]["geomean_ms"])
     assert {k: gluon["bwd"][0][k] for k in ("block_m", "num_stages", "head_group", "shapes", "dq_whole",
                                             "dk_late", "rows_tma")} == dict(
@@ -211,7 +215,7 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     spaces = flash_tiles.param_spaces(False, (a,), ("gluon_persistent",))
     assert set(spaces) == {"fwd/gluon_persistent", "dkdvq/gluon_persistent"}
     grid = flash_tiles.grid_configs(spaces["fwd/gluon_persistent"])
-    assert len(grid) == 6 * 2 and {c["num_consumers"] for c in grid} == {2}
+    assert len(grid) == 6 * 2 * 2 and {c["num_consumers"] for c in grid} == {2}
     assert len(flash_tiles.grid_configs(spaces["dkdvq/gluon_persistent"])) == 3 * 3 * 3
     fast = dict(row("fwd", "64x128", 2, 2, a, 0.2), variant="gluon_persistent", persistent=True)
     df_p = pd.concat([df, pd.DataFrame([fast, dict(fast, shape=b)])], ignore_index=True)
@@ -248,7 +252,8 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     assert one_pass.GluonBwdConfig(**{k: r_winner[k] for k in tuning.GLUON_FIELDS["bwd"]}).rows_tma
     # Rows of a run that swept dq_whole alone: its grid (18 configs a shape) caps the count asked for.
     assert flash_tiles.gluon_best_configs(df_w, min_configs=27)["bwd"][0]["dq_whole"] is True
-    assert gluon_fwd.default_config(64, torch.bfloat16) == gluon_fwd.DEFAULT_CONFIGS[64]  # not swept: the default
+    assert gluon_fwd.default_config(64, torch.bfloat16) == dataclasses.replace(  # not swept: the default
+        gluon_fwd.DEFAULT_CONFIGS[64], exp2_emulated=gluon_fwd.EXP2_EMULATED[64])
     assert one_pass.default_config(128, torch.float16) == one_pass.DEFAULT_BWD_CONFIGS[128]
     # Bad input, before any work: no shape the Gluon kernels take; a tuned entry with a field no config has.
     with pytest.raises(ValueError, match="variant gluon runs shapes of head dim 64 or 128"):
