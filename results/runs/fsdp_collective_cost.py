@@ -6,8 +6,8 @@ all-gathers and fp32 reduce-scatters; beside them the casts around them: the fp3
 slots by one `_foreach_copy_` or by `parallel.fsdp._cast_runs`' strided copies (the layouts of a group of one and
 of two ranks), and the bf16 gradients into the fp32 reduce-scatter input by one `_foreach_copy_` or a `copy_` per
 weight. 32 calls of each in a row (one per block) timed from the first call to the last call's return, 30 times after 3 warm-up passes (the waits and a synchronisation come after, untimed); the flight
-recorder off, as the `alone` phase runs. One row per case in OUT (Parquet: `case`, `calls`, `min_us`,
-`median_us`, `per_call_us`), printed too; an existing OUT is refused:
+recorder off, as the `alone` phase runs. One row per case in OUT (Parquet: `case`, `calls`, `min_s`, `median_s`,
+`per_call_s`, seconds for all 32 calls but the last), printed in microseconds too; an existing OUT is refused:
 
     PYTHONPATH=$PWD python3 results/runs/fsdp_collective_cost.py /tmp/fsdp_collective_cost.parquet
 """
@@ -105,8 +105,8 @@ def main() -> None:
     for name, fn in cases.items():
         t = timed(fn, 30)
         med = statistics.median(t)
-        rows.append({"case": name, "calls": UNITS, "min_us": min(t), "median_us": med, "per_call_us": med / UNITS,
-                     **provenance(dev)})
+        rows.append({"case": name, "calls": UNITS, "min_s": min(t) / 1e6, "median_s": med / 1e6,
+                     "per_call_s": med / UNITS / 1e6, **provenance(dev)})
         print(f"{name:44s} {UNITS} calls: min {min(t):8.1f} us, median {med:8.1f} us, per call {med / UNITS:6.1f} us",
               flush=True)
     write_parquet(pd.DataFrame(rows), out_path)
