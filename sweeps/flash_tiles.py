@@ -91,8 +91,8 @@ VARIANTS = {"portable": ("portable", False, False), "tma": ("tma", False, False)
             "gluon_persistent": ("gluon", False, True)}
 REGISTER_CAPS = {"tma_r128": 128}
 # The Gluon kernels (sm_90, Triton 3.6; variant `gluon`): the forward's knobs (`GluonConfig`: query rows per
-# consumer group x keys per tile, ring depth, consumer groups, emulated exp2s) and the one-pass backward's (`GluonBwdConfig`: 64
-# query rows x 64 keys per group, ring depth), on shapes of head dim 64 or 128 in bf16 / fp16.
+# consumer group x keys per tile, ring depth, consumer groups, emulated exp2s) and the one-pass backward's
+# (`GluonBwdConfig`: 64 query rows x 64 keys per group, ring depth), on shapes of head dim 64 or 128 in bf16 / fp16.
 GLUON_KERNELS = {"fwd": "fwd", "dkdvq": "bwd"}
 """Sweep kernel -> the tuned file's `gluon` kind."""
 GLUON_TILES = {"fwd": ("64x128", "64x64", "128x64"), "dkdvq": ("64x64",)}
@@ -513,15 +513,14 @@ def best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict[str, 
 
 
 def gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict[str, list[dict]]:
-    """The tuned file's `gluon` part from the `gluon` rows: per kind (GLUON_KERNELS) the winners as
-    `best_configs` picks them, over GLUON_FWD_KEYS / GLUON_BWD_KEYS; a shape counts as swept with min(min_configs, the configs of the
-    kind's grid that fit) measured configs: a config whose build ran out of shared memory or registers at a head
-    dim and dtype (an `OutOfResources` error row) never runs there, so it is not missing from the sweep (the
-    one-pass backward's 3-slot ring does not fit at d 128, 6 of its 9 configs do). Where every row of a head dim and
-    dtype was paired against one reference per shape (--paired-rounds, PAIRED_KEY), the winners are those with the
-    highest (geometric-mean) ratio against it; the entries then also carry it (`geomean_vs_reference`,
-    `vs_reference`). The forward's sweep-wide winner is ranked over the shapes beyond SHORT_SEQUENCE's length
-    (`_tuned_entry_shapes`)."""
+    """The tuned file's `gluon` part from the `gluon` rows: per kind (GLUON_KERNELS) the winners as `best_configs` picks
+    them, over GLUON_FWD_KEYS / GLUON_BWD_KEYS; a shape counts as swept with min(min_configs, the configs of the kind's
+    grid that fit) measured configs: a config whose build ran out of shared memory or registers at a head dim and dtype
+    (an `OutOfResources` error row) never runs there, so it is not missing from the sweep (the one-pass backward's
+    3-slot ring does not fit at d 128, 6 of its 9 configs do). Where every row of a head dim and dtype was paired
+    against one reference per shape (--paired-rounds, PAIRED_KEY), the winners are those with the highest
+    (geometric-mean) ratio against it; the entries then also carry it (`geomean_vs_reference`, `vs_reference`). The
+    forward's sweep-wide winner is ranked over the shapes beyond SHORT_SEQUENCE's length (`_tuned_entry_shapes`)."""
     ok = df[(df["status"] == "ok") & (df.get("path", pd.Series(index=df.index, dtype=object)) == "gluon")].copy()
     errors = df[(df["status"] == "error") & df.get("variant", pd.Series(index=df.index, dtype=object)).isin(
         GLUON_VARIANTS) & df.get("error", pd.Series("", index=df.index)).fillna("").str.startswith("OutOfResources")]

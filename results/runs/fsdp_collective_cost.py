@@ -1,13 +1,14 @@
-"""Issue 19: host microseconds per FSDP collective on an NCCL group of one (one GPU), per xl block: the coalesced
-group of one collective per weight that `parallel/fsdp.py` issues, against one flat collective over the block's
-weights back to back (what a flat-parameter layout, as FSDP1's, would issue: no copy-out, the output is the
-weights). The seven xl block weights (q, k, v, o: 2560 x 2560; w1, w3: 10240 x 2560; w2: 2560 x 10240), bf16
-all-gathers and fp32 reduce-scatters; beside them the casts around them: the fp32 shards into the bf16 gather
-slots by one `_foreach_copy_` or by `parallel.fsdp._cast_runs`' strided copies (the layouts of a group of one and
-of two ranks), and the bf16 gradients into the fp32 reduce-scatter input by one `_foreach_copy_` or a `copy_` per
-weight. 32 calls of each in a row (one per block) timed from the first call to the last call's return, 30 times after 3 warm-up passes (the waits and a synchronisation come after, untimed); the flight
-recorder off, as the `alone` phase runs. One row per case in OUT (Parquet: `case`, `calls`, `min_s`, `median_s`,
-`per_call_s`, seconds for all 32 calls but the last), printed in microseconds too; an existing OUT is refused:
+"""Issue 19: host microseconds per FSDP collective on an NCCL group of one (one GPU), per xl block: the coalesced group
+of one collective per weight that `parallel/fsdp.py` issues, against one flat collective over the block's weights
+back to back (what a flat-parameter layout, as FSDP1's, would issue: no copy-out, the output is the weights). The
+seven xl block weights (q, k, v, o: 2560 x 2560; w1, w3: 10240 x 2560; w2: 2560 x 10240), bf16 all-gathers and fp32
+reduce-scatters; beside them the casts around them: the fp32 shards into the bf16 gather slots by one
+`_foreach_copy_` or by `parallel.fsdp._cast_runs`' strided copies (the layouts of a group of one and of two ranks),
+and the bf16 gradients into the fp32 reduce-scatter input by one `_foreach_copy_` or a `copy_` per weight. 32 calls
+of each in a row (one per block) timed from the first call to the last call's return, 30 times after 3 warm-up passes
+(the waits and a synchronisation come after, untimed); the flight recorder off, as the `alone` phase runs. One row
+per case in OUT (Parquet: `case`, `calls`, `min_s` and `median_s` of the 32 calls, `per_call_s` the median over 32),
+printed in microseconds too; an existing OUT is refused:
 
     PYTHONPATH=$PWD python3 results/runs/fsdp_collective_cost.py /tmp/fsdp_collective_cost.parquet
 """
