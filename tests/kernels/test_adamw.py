@@ -5,6 +5,8 @@ groups with their own lr and weight decay, parameters whose grad is None on some
 fp32: bitwise equal once the reference's sqrt is an IEEE one (ATen's vectorised CPU sqrt is not correctly
 rounded; the kernel's is, as CUDA's is), and within a few ulps of the update without that. fp16: mostly bitwise
 (the vectorised bulk); ATen's scalar tail loop (numel mod 32) rounds in another order: at most 2 ulps apart.
+Bitwise needs `tl.fma` rounded once, as on a GPU; the interpreters of Triton 3.6-3.8 compute a * b + c with two
+roundings (`INTERPRETER_FMA_FUSED`), and there the fp32 results are checked to within 2 ulps instead.
 """
 
 from __future__ import annotations
@@ -14,8 +16,37 @@ import pytest
 import torch
 
 import kernels.adamw as fa
+from kernels.flash_attention_tuning import INTERPRET
 from raysys.model import AdamW
 from tests.kernels.interp import on_interpreter
+
+
+def _interpreter_fma_fused() -> bool:
+    """Whether `tl.fma` rounds once here: (1 + 2^-23)(1 - 2^-23) - 1 is -2^-46 fused and 0 with two roundings."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(a_ptr, b_ptr, c_ptr, out_ptr):
+        tl.store(out_ptr, tl.fma(tl.load(a_ptr), tl.load(b_ptr), tl.load(c_ptr)))
+
+    a, b, c = torch.tensor([1 + 2**-23]), torch.tensor([1 - 2**-23]), torch.tensor([-1.0])
+    out = torch.empty(1)
+    probe[(1,)](a, b, c, out)
+    return out.item() == -(2.0**-46)
+
+
+INTERPRETER_FMA_FUSED = _interpreter_fma_fused() if INTERPRET else True
+
+
+def _assert_fp32_match(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """Bitwise where the interpreter's fma is fused, else within 2 ulps of the tensor's largest element (a product
+    rounded twice can be off by an ulp of the terms, not of a result they cancel to; see the module docstring)."""
+    if INTERPRETER_FMA_FUSED:
+        assert torch.equal(a, b), f"{what}: {(a - b).abs().max().item()}"
+    elif b.numel():
+        worst, scale = (a - b).abs().max().item(), b.abs().max().item()
+        assert worst <= 2**-22 * scale, f"{what}: {worst} > 2 ulps of {scale}"
 
 SHAPES = [(1,), (7,), (1025,), (33, 17), ()]
 GROUPS = [dict(), dict(lr=3e-2, weight_decay=0.1, betas=(0.8, 0.99), eps=1e-6)]
@@ -74,11 +105,12 @@ def test_fp32_bitwise_equal_to_reference_with_ieee_sqrt(monkeypatch):
     _run(fused, ref, opt, opt_ref, steps=5, dtype=dtype, monkeypatch=monkeypatch)
     assert not opt.state[fused[1]] and not opt_ref.state[ref[1]], "a param without grad must get no state"
     for i, (a, b) in enumerate(zip(fused, ref)):
-        assert torch.equal(a, b), f"param {i} {tuple(a.shape)}: {(a - b).abs().max().item()}"
+        _assert_fp32_match(a, b, f"param {i} {tuple(a.shape)}")
     for i, (s, r) in enumerate(zip(_states(opt, fused), _states(opt_ref, ref))):
         assert s.keys() == r.keys() and s.get("t") == r.get("t"), (i, s.keys(), r.keys())
         if s:
-            assert torch.equal(s["m"], r["m"]) and torch.equal(s["v"], r["v"]), f"param {i} state"
+            _assert_fp32_match(s["m"], r["m"], f"param {i} m")
+            _assert_fp32_match(s["v"], r["v"], f"param {i} v")
             assert s["m"].dtype == s["v"].dtype == dtype
     assert opt.state[fused[0]]["t"] == 4 and opt.state[fused[2]]["t"] == 6  # per-parameter step counts
 
@@ -92,7 +124,8 @@ def test_fp32_within_ulps_of_reference_with_its_own_sqrt():
         torch.testing.assert_close(a, b, rtol=2**-22, atol=3e-2 * 2**-21)
     for s, r in zip(_states(opt, fused), _states(opt_ref, ref)):
         if s:
-            assert torch.equal(s["m"], r["m"]) and torch.equal(s["v"], r["v"])
+            _assert_fp32_match(s["m"], r["m"], "m")
+            _assert_fp32_match(s["v"], r["v"], "v")
 
 
 @on_interpreter
@@ -133,8 +166,8 @@ def test_state_dict_round_trip_with_the_reference(monkeypatch):
     p_fused = [p for g in opt2.param_groups for p in g["params"]]
     p_ref = [p for g in ref2.param_groups for p in g["params"]]
     _run(p_fused, p_ref, opt2, ref2, steps=2, dtype=torch.float32, monkeypatch=monkeypatch, seed=7)
-    for a, b in zip(p_fused, p_ref):
-        assert torch.equal(a, b)
+    for i, (a, b) in enumerate(zip(p_fused, p_ref)):
+        _assert_fp32_match(a, b, f"param {i}")
     assert opt2.state[p_fused[2]]["t"] == ref2.state[p_ref[2]]["t"] == 6
 
 

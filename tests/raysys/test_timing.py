@@ -71,7 +71,8 @@ class _DriftingStep(_SleepStep):
 def test_paired_steps_alternate_blocks_and_cancel_drift(monkeypatch):
     clock = _Clock()  # the timer reads virtual time: the drift below is the only one
     monkeypatch.setattr("raysys.timing.time", types.SimpleNamespace(perf_counter=clock, process_time=time.process_time,
-                                                                    thread_time=time.thread_time))
+                                                                    thread_time=time.thread_time,
+                                                                    clock_gettime=time.clock_gettime))
     log = []
     slow, fast = _DriftingStep("slow", 0.004, log, clock), _DriftingStep("fast", 0.002, log, clock)
     out = paired_steps(slow, fast, rounds=4, block=2)
@@ -228,7 +229,9 @@ def test_issue_cpu_time_counts_the_autograd_threads():
     finally:
         step.requests.put(None)
         step.thread.join()
-    assert timed["host_cpu_threads"] == 2, timed
+    # This thread and the fake autograd one; torch may have started idle autograd device threads of its own in this
+    # process (2.14 does, for devices it does not use here), which add threads but no CPU time.
+    assert timed["host_cpu_threads"] >= 2, timed
     assert 0.0035 < timed["host_cpu_step_median_s"] < 0.02, timed
 
 
