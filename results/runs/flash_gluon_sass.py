@@ -3,7 +3,8 @@
 Run from the repository root with Triton 3.6 (Gluon's Hopper API) and TRITON_INTERPRET unset or 0, no GPU needed:
 `PYTHONPATH=$PWD python3 results/runs/flash_gluon_sass.py OUT_DIR [--overwrite]` (an existing
 OUT_DIR/flash_gluon_sass.parquet is refused without `--overwrite`, before any work). For each head dim's tuned forward
-config (`kernels.flash_attention_gluon.default_config`, bf16, causal), the kernel is compiled for sm_90 and its
+config (`kernels.flash_attention_gluon.default_config`, bf16, causal; at d 64 also with each other share of
+emulated exp2s, `exp2_emulated`), the kernel is compiled for sm_90 and its
 SASS disassembled (Triton's bundled cuobjdump); the steady-state loop is, of the innermost loops with HGMMA in their
 body, the one with the most MUFU (the consumer's iteration j: S(j), P(j-1) V(j-1), softmax(j); its body also
 holds the diagonal tile's masking, which only diagonal iterations run). One row per (config, opcode): how many
@@ -11,6 +12,7 @@ instructions of that opcode the loop body holds, per consumer thread and iterati
 """
 
 import collections
+import dataclasses
 import re
 import subprocess
 import sys
@@ -25,6 +27,8 @@ from raysys.results import make_row, write_parquet
 import kernels.flash_attention_gluon as fg
 
 SWEEP = "flash_gluon_sass"
+EXP2_SHARES = (0, 2, 4, 8, 16)
+"""`GluonConfig.exp2_emulated` values built beside the tuned d-64 config's."""
 
 
 def sass_of(config: fg.GluonConfig, head_dim: int) -> str:
@@ -68,8 +72,10 @@ def main(out_dir: str, overwrite: bool) -> None:
     if not fg.HAS_GLUON_HOPPER:
         sys.exit("flash_gluon_sass.py: needs Triton's Gluon Hopper API (Triton 3.6)")
     rows = []
-    for head_dim in fg.HEAD_DIMS:
-        config = fg.default_config(head_dim, torch.bfloat16)
+    configs = [(head_dim, fg.default_config(head_dim, torch.bfloat16)) for head_dim in fg.HEAD_DIMS]
+    tuned64 = configs[0][1]  # and the tuned d-64 config with every share of emulated exp2s (section 15)
+    configs += [(64, dataclasses.replace(tuned64, exp2_emulated=e)) for e in EXP2_SHARES if e != tuned64.exp2_emulated]
+    for head_dim, config in configs:
         counts = loop_counts(sass_of(config, head_dim))
         print(f"d {head_dim} {config.name}: {sum(counts.values())} instructions; "
               + ", ".join(f"{op} {n}" for op, n in counts.most_common(12)))
