@@ -95,43 +95,6 @@ def exp2_mixed_asm(every: int) -> str:
             + f"add.s32 {out}, p, e;\n}}")
 
 
-RESCALE_THRESHOLD = 8.0
-"""`GluonConfig.lazy_rescale`: a warp keeps its rows' running max while none grew by more than this (base-2 units),
-so its P~ terms stay below 2^8 (FlashAttention-4's threshold, log2 256)."""
-
-
-def warp_grew_asm(threshold: float = RESCALE_THRESHOLD) -> str:
-    """PTX for a thread's two row-max increases (base 2; `pack=2`, the rows r and r + 8 of a 64-row NVMMA tile):
-    1 in both outputs if any row of the warp grew by more than `threshold` (`vote.sync.any`), else 0. The result is
-    warp-uniform, so the branch of `lazy_rescale_asm` is too."""
-    bits = f"0f{torch.tensor(threshold, dtype=torch.float32).view(torch.int32).item() & 0xFFFFFFFF:08X}"
-    return ("{\n.reg .pred a, b, q;\n"
-            f"setp.gt.f32 a, $2, {bits};\n"
-            f"setp.gt.f32 b, $3, {bits};\n"
-            "or.pred a, a, b;\n"
-            "vote.sync.any.pred q, a, 0xffffffff;\n"
-            "selp.u32 $0, 1, 0, q;\n"
-            "selp.u32 $1, 1, 0, q;\n}")
-
-
-def lazy_rescale_asm(pack: int) -> str:
-    """PTX for `pack` accumulator elements O *= alpha, skipped by a warp-uniform branch when the warp kept its max
-    (its flag, `warp_grew_asm`, is 0): the outputs are tied to O's registers (constraints "0".."pack-1"), so the
-    skipped path costs no move. Operands: outputs $0.., O $pack.., alpha $2pack.., flag $3pack.. (one flag read)."""
-    muls = "".join(f"mul.f32 ${i}, ${pack + i}, ${2 * pack + i};\n" for i in range(pack))
-    return ("{\n.reg .pred p;\n"
-            f"setp.eq.s32 p, ${3 * pack}, 0;\n"
-            "@p bra.uni LAZY_RESCALE_SKIP;\n" + muls + "LAZY_RESCALE_SKIP:\n}")
-
-
-def lazy_rescale_constraints(pack: int) -> str:
-    return ",".join(["=r"] * pack + [str(i) for i in range(pack)] + ["r"] * (2 * pack))
-
-
-LAZY_RESCALE_PACK = 32
-"""Accumulator elements per branch of `lazy_rescale_asm` (a d-64 tile's 32 per thread; d 128 takes two)."""
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Kernel
 # ----------------------------------------------------------------------------------------------------------
@@ -144,10 +107,6 @@ if HAS_GLUON_HOPPER:
     _EXP2_REGS_4: gl.constexpr = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 4))
     _EXP2_REGS_8: gl.constexpr = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 8))
     _EXP2_REGS_16: gl.constexpr = gl.constexpr(",".join(["=r"] * 16 + ["r"] * 16))
-    _GREW_ASM: gl.constexpr = gl.constexpr(warp_grew_asm())
-    _RESCALE_ASM: gl.constexpr = gl.constexpr(lazy_rescale_asm(LAZY_RESCALE_PACK))
-    _RESCALE_REGS: gl.constexpr = gl.constexpr(lazy_rescale_constraints(LAZY_RESCALE_PACK))
-    _RESCALE_PACK: gl.constexpr = gl.constexpr(LAZY_RESCALE_PACK)
 
     @gluon.jit
     def _exp2(x, EXP2_EMULATED: gl.constexpr):
@@ -250,12 +209,8 @@ if HAS_GLUON_HOPPER:
 
     @gluon.jit
     def _softmax_tile(s, m_i, j, n_unmasked, rows, N_K, qk_scale, s_layout: gl.constexpr,
-                      IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, EXP2_EMULATED: gl.constexpr,
-                      LAZY_RESCALE: gl.constexpr):
-        """Scores S(j) (raw Q K^T, fp32) -> (P~ in base 2 units, new row max, alpha = exp2(m_old - m_new), the warp's
-        rescale flag). LAZY_RESCALE: a warp whose rows' maxima all grew by at most RESCALE_THRESHOLD keeps them (its
-        alpha is exactly 1 and its flag 0, so `_rescale` skips O); otherwise, and always without it, every row takes
-        its new max (flag 1; without LAZY_RESCALE a placeholder)."""
+                      IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, EXP2_EMULATED: gl.constexpr):
+        """Scores S(j) (raw Q K^T, fp32) -> (P~ in base 2 units, new row max, alpha = exp2(m_old - m_new))."""
         if j >= n_unmasked:  # the diagonal and key-tail tiles only (a uniform branch)
             cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             keep = gl.expand_dims(cols < N_K, 0)
@@ -263,33 +218,17 @@ if HAS_GLUON_HOPPER:
                 keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1))
             s = gl.where(keep, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        grew = m_i  # stands in for the flag without LAZY_RESCALE (unused)
-        if LAZY_RESCALE:
-            grew = gl.inline_asm_elementwise(_GREW_ASM, "=r,=r,r,r", [m_new - m_i], dtype=gl.int32, is_pure=True,
-                                             pack=2)
-            m_new = gl.where(grew != 0, m_new, m_i)
         # One FMA + exp2 per score: scale and max subtraction folded (base-2 units).
         p = _exp2(s * qk_scale - gl.expand_dims(m_new, 1), EXP2_EMULATED)
         alpha = gl.exp2(m_i - m_new)
-        return p, m_new, alpha, grew
-
-    @gluon.jit
-    def _rescale(acc, alpha, grew, row_o: gl.constexpr, LAZY_RESCALE: gl.constexpr):
-        """O *= alpha row by row; with LAZY_RESCALE only in the warps whose flag `grew` is set (a uniform branch
-        around the multiplies: the issue slots of a d-64 tile's 32 per thread and iteration, when no row grew)."""
-        alpha = gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        if LAZY_RESCALE:
-            return gl.inline_asm_elementwise(_RESCALE_ASM, _RESCALE_REGS,
-                                             [acc, alpha, gl.expand_dims(gl.convert_layout(grew, row_o), 1)],
-                                             dtype=gl.float32, is_pure=True, pack=_RESCALE_PACK)
-        return acc * alpha
+        return p, m_new, alpha
 
     @gluon.jit
     def _consumer(q_smem, o_smem, k_bufs, v_bufs, q_bar, q_phase, q_empty, k_ready, k_empty, v_ready, v_empty,
                   o_desc, L, off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, it0, qk_scale,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
-                  EXP2_EMULATED: gl.constexpr, LAZY_RESCALE: gl.constexpr):
+                  EXP2_EMULATED: gl.constexpr):
         """One warp group's BLOCK_M query rows [start_m, start_m + BLOCK_M): Algorithm 1 of FA3 (pipelined). The
         ring slots continue from `it0` (the key tiles of the program's earlier work items) and Q's barrier is in
         phase `q_phase`. O goes out through `o_smem`: Q's own buffer in a one-item program; in a PERSISTENT one a
@@ -319,8 +258,8 @@ if HAS_GLUON_HOPPER:
         s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(first), count=1)
-        p32, m_i, alpha, _ = _softmax_tile(s, m_i, 0, n_unmasked, rows, N_K, qk_scale, s_layout, IS_CAUSAL,
-                                           BLOCK_N, EXP2_EMULATED, False)
+        p32, m_i, alpha = _softmax_tile(s, m_i, 0, n_unmasked, rows, N_K, qk_scale, s_layout, IS_CAUSAL, BLOCK_N,
+                                        EXP2_EMULATED)
         l_i = gl.sum(p32, 1)
         p = gl.convert_layout(p32.to(dtype), p_layout)
 
@@ -338,8 +277,8 @@ if HAS_GLUON_HOPPER:
             acc = warpgroup_mma(p, v, acc, is_async=True)
             # wgmma groups retire in order: one outstanding left means S(j) is done, P V may still run.
             s = warpgroup_mma_wait(1, deps=(s,))
-            p32, m_i, alpha, grew = _softmax_tile(s, m_i, j, n_unmasked, rows, N_K, qk_scale, s_layout, IS_CAUSAL,
-                                                  BLOCK_N, EXP2_EMULATED, LAZY_RESCALE)
+            p32, m_i, alpha = _softmax_tile(s, m_i, j, n_unmasked, rows, N_K, qk_scale, s_layout, IS_CAUSAL,
+                                            BLOCK_N, EXP2_EMULATED)
             l_i = l_i * alpha + gl.sum(p32, 1)
             # K(j) is released here, under a branch the compiler cannot fold, so that the wait below starts a
             # new basic block: within one block ptxas hoists a wgmma wait above the exp2s.
@@ -350,7 +289,7 @@ if HAS_GLUON_HOPPER:
             acc, p32 = warpgroup_mma_wait(0, deps=(acc, p32))
             mbarrier.arrive(v_empty.index(prev), count=1)
             p = gl.convert_layout(p32.to(dtype), p_layout)
-            acc = _rescale(acc, alpha, grew, row_o, LAZY_RESCALE)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         if PERSISTENT:  # every S has retired: Q's buffer may take the next item's Q
             mbarrier.arrive(q_empty, count=1)
 
@@ -381,20 +320,18 @@ if HAS_GLUON_HOPPER:
     def _consumer_partition(C: gl.constexpr, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
                             o_desc, L, off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                            NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, EXP2_EMULATED: gl.constexpr,
-                            LAZY_RESCALE: gl.constexpr):
+                            NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, EXP2_EMULATED: gl.constexpr):
         """Partition entry of consumer C: its Q buffer (also O's) and rows."""
         _consumer(q_bufs.index(C), q_bufs.index(C), k_bufs, v_bufs, q_bar, 0, q_bar, k_ready, k_empty, v_ready,
                   v_empty, o_desc, L, off_b, off_h, pid_bh, start_m + C * BLOCK_M, N_Q, N_K, num_kv, n_unmasked, 0,
-                  qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, False, EXP2_EMULATED, LAZY_RESCALE)
+                  qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, False, EXP2_EMULATED)
 
     @gluon.jit
     def _persistent_consumer(C: gl.constexpr, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty,
                              v_ready, v_empty, o_desc, L, H, BH, GROUP: gl.constexpr, N_Q, N_K, qk_scale,
                              HEAD_DIM: gl.constexpr,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                             NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, EXP2_EMULATED: gl.constexpr,
-                             LAZY_RESCALE: gl.constexpr):
+                             NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, EXP2_EMULATED: gl.constexpr):
         """Consumer C of a persistent program: work items pid, pid + #programs, ... (`_work_item` order)."""
         TILE_M: gl.constexpr = NUM_CONSUMERS * BLOCK_M
         it0 = 0
@@ -405,7 +342,7 @@ if HAS_GLUON_HOPPER:
             _consumer(q_bufs.index(C), o_bufs.index(C), k_bufs, v_bufs, q_bar, n & 1, q_empty, k_ready, k_empty,
                       v_ready, v_empty, o_desc, L, off_b, off_h, pid_bh, start_m + C * BLOCK_M, N_Q, N_K, num_kv,
                       n_unmasked, it0, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, True,
-                      EXP2_EMULATED, LAZY_RESCALE)
+                      EXP2_EMULATED)
             it0 += num_kv
             n += 1
         tma.store_wait(0)
@@ -435,7 +372,7 @@ if HAS_GLUON_HOPPER:
                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                                IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                               EXP2_EMULATED: gl.constexpr, LAZY_RESCALE: gl.constexpr):
+                               EXP2_EMULATED: gl.constexpr):
         """Grid (cdiv(N_Q, NUM_CONSUMERS * BLOCK_M) * B * H,): program -> (query tile, batch*head), heavy first."""
         TILE_M: gl.constexpr = NUM_CONSUMERS * BLOCK_M
         # 1. Work item: this program's (`_work_item`, heaviest first).
@@ -452,8 +389,7 @@ if HAS_GLUON_HOPPER:
             gl.warp_specialize([
                 (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
-                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED,
-                                       LAZY_RESCALE)),
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED)),
                 (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
                            off_b, off_h, start_m, num_kv, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
             ], [1], [LOADER_REGS])
@@ -461,12 +397,10 @@ if HAS_GLUON_HOPPER:
             gl.warp_specialize([
                 (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
-                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED,
-                                       LAZY_RESCALE)),
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED)),
                 (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
-                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED,
-                                       LAZY_RESCALE)),
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED)),
                 (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
                            off_b, off_h, start_m, num_kv, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
             ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -475,16 +409,13 @@ if HAS_GLUON_HOPPER:
             gl.warp_specialize([
                 (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
-                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED,
-                                       LAZY_RESCALE)),
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED)),
                 (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
-                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED,
-                                       LAZY_RESCALE)),
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED)),
                 (_consumer_partition, (2, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
-                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED,
-                                       LAZY_RESCALE)),
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED)),
                 (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
                            off_b, off_h, start_m, num_kv, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
@@ -496,8 +427,7 @@ if HAS_GLUON_HOPPER:
                                           BLOCK_N: gl.constexpr,
                                           NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                                           IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                          LOADER_REGS: gl.constexpr, EXP2_EMULATED: gl.constexpr,
-                                          LAZY_RESCALE: gl.constexpr):
+                                          LOADER_REGS: gl.constexpr, EXP2_EMULATED: gl.constexpr):
         """Grid (at most one program per SM,): program p takes work items p, p + #programs, ... of the
         `_work_item` order (the heaviest first); its K/V ring runs on from one item to the next, and the next
         item's Q loads under the last P V and epilogue of the current one (O has buffers of its own)."""
@@ -510,10 +440,10 @@ if HAS_GLUON_HOPPER:
         gl.warp_specialize([
             (_persistent_consumer, (0, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty, v_ready,
                                     v_empty, o_desc, L, H, BH, GROUP, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                    NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, EXP2_EMULATED, LAZY_RESCALE)),
+                                    NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, EXP2_EMULATED)),
             (_persistent_consumer, (1, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty, v_ready,
                                     v_empty, o_desc, L, H, BH, GROUP, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                    NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, EXP2_EMULATED, LAZY_RESCALE)),
+                                    NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, EXP2_EMULATED)),
             (_persistent_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty,
                                   v_ready, v_empty, H, BH, GROUP, N_Q, N_K, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES,
                                   IS_CAUSAL)),
@@ -555,10 +485,6 @@ class GluonConfig:
     """One in this many (2, 4, 8 or 16) of the softmax's exp2s computed by a polynomial on the FMA pipe instead of the
     MUFU unit (`exp2_mixed_asm`, FlashAttention-4's split); 0: none. At d 64 a consumer iteration keeps the MUFU unit
     about as busy as the tensor cores (results/flash_hopper_notes.md, section 13)."""
-    lazy_rescale: bool = False
-    """FlashAttention-4's conditional rescaling: a warp rescales O (and moves its rows' maxima) only when a row's max
-    grew by more than RESCALE_THRESHOLD (base 2), else keeps the stale maxima (P~ terms then stay below 2^8); the
-    multiplies of O it skips are issue slots of every iteration. 64-row consumer tiles only (`warp_grew_asm`)."""
 
     def __post_init__(self):
         if type(self.exp2_emulated) is not int or self.exp2_emulated not in (0, 2, 4, 8, 16):
@@ -569,10 +495,6 @@ class GluonConfig:
             raise ValueError(f"head_group ({self.head_group!r}) must be an int >= 0 (0: all heads)")
         if self.persistent and self.num_consumers != 2:
             raise ValueError(f"persistent needs num_consumers 2, not {self.num_consumers}")
-        if not isinstance(self.lazy_rescale, bool):
-            raise ValueError(f"lazy_rescale ({self.lazy_rescale!r}) must be a bool")
-        if self.lazy_rescale and self.block_m != 64:
-            raise ValueError(f"lazy_rescale needs block_m 64, not {self.block_m}")
         if self.block_m not in (64, 128):
             raise ValueError(f"block_m ({self.block_m}) must be 64 or 128")
         if self.block_n not in (32, 64, 128):
@@ -585,7 +507,7 @@ class GluonConfig:
     def name(self) -> str:
         return (f"{self.num_consumers}x{self.block_m}x{self.block_n}/s{self.num_stages}"
                 + ("/p" if self.persistent else "") + (f"/g{self.head_group}" if self.head_group else "")
-                + (f"/e{self.exp2_emulated}" if self.exp2_emulated else "") + ("/lz" if self.lazy_rescale else ""))
+                + (f"/e{self.exp2_emulated}" if self.exp2_emulated else ""))
 
     def registers(self) -> tuple[int, int]:
         return register_split(self.num_consumers)
@@ -832,7 +754,7 @@ def launch_args(q, k, v, out, lse, is_causal: bool, config: GluonConfig):
     meta = dict(GROUP=config.head_group, HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                 NUM_STAGES=config.num_stages,
                 NUM_CONSUMERS=config.num_consumers, IS_CAUSAL=is_causal, CONSUMER_REGS=consumer_regs,
-                LOADER_REGS=LOADER_REGS, EXP2_EMULATED=config.exp2_emulated, LAZY_RESCALE=config.lazy_rescale,
+                LOADER_REGS=LOADER_REGS, EXP2_EMULATED=config.exp2_emulated,
                 num_warps=4, maxnreg=maxnreg)
     return grid, args, meta
 

@@ -58,25 +58,6 @@ def test_config_rules():
             fg.GluonConfig(head_group=bad)
     assert fg.GluonConfig(persistent=True, head_group=8).name == "2x64x128/s2/p/g8"
     assert fg.GluonConfig(head_group=8).shared_bytes(128) == fg.GluonConfig().shared_bytes(128)
-    assert fg.GluonConfig(exp2_emulated=8, lazy_rescale=True).name == "2x64x128/s2/e8/lz"
-    for bad in (1, "yes"):
-        with pytest.raises(ValueError, match=rf"lazy_rescale \({bad!r}\) must be a bool"):
-            fg.GluonConfig(lazy_rescale=bad)
-    with pytest.raises(ValueError, match="lazy_rescale needs block_m 64, not 128"):
-        fg.GluonConfig(block_m=128, block_n=64, lazy_rescale=True)
-
-
-def test_lazy_rescale_asm_ties_the_outputs_to_o_and_branches_uniformly():
-    """The rescale's PTX multiplies each O element by its alpha behind one warp-uniform branch on the flag, its
-    outputs tied to O's registers (a skipped warp keeps O as it is, with no move); the flag's PTX votes over the
-    warp on both of a thread's rows against the threshold."""
-    asm, constraints = fg.lazy_rescale_asm(4), fg.lazy_rescale_constraints(4)
-    assert constraints == "=r,=r,=r,=r,0,1,2,3,r,r,r,r,r,r,r,r"
-    assert re.findall(r"mul\.f32 \$(\d+), \$(\d+), \$(\d+);", asm) == [
-        (str(i), str(4 + i), str(8 + i)) for i in range(4)]
-    assert "setp.eq.s32 p, $12, 0;" in asm and asm.index("@p bra.uni") < asm.index("mul.f32")
-    grew = fg.warp_grew_asm(8.0)
-    assert grew.count("0f41000000") == 2 and "vote.sync.any.pred" in grew  # 8.0 in fp32 bits
 
 
 def test_flops_count_causal_half():
@@ -137,19 +118,13 @@ def _compile_sm90(config: fg.GluonConfig, head_dim: int, dtype: torch.dtype, cau
 
 @pytest.mark.slow
 @needs_gluon_api
-@pytest.mark.parametrize("head_dim, persistent, head_group, lazy", [
-    (64, False, 0, False), (128, False, 0, False), (128, True, 0, False), (128, False, 8, False), (64, True, 8, True),
-    (128, False, 0, True)])
-def test_compiles_for_sm90(head_dim, persistent, head_group, lazy):
-    config = dataclasses.replace(fg.DEFAULT_CONFIGS[head_dim], persistent=persistent, head_group=head_group,
-                                 lazy_rescale=lazy)
+@pytest.mark.parametrize("head_dim, persistent, head_group", [(64, False, 0), (128, False, 0), (128, True, 0),
+                                                              (128, False, 8)])
+def test_compiles_for_sm90(head_dim, persistent, head_group):
+    config = dataclasses.replace(fg.DEFAULT_CONFIGS[head_dim], persistent=persistent, head_group=head_group)
     compiled = _compile_sm90(config, head_dim, torch.bfloat16, True)
     ptx, sass_bytes = compiled.asm["ptx"], compiled.asm["cubin"]
     assert sass_bytes and compiled.metadata.shared >= config.shared_bytes(head_dim)
-    # lazy_rescale: in each consumer's code a warp vote per iteration, and O's rescale (64 x d / 128 threads: d / 2
-    # elements per thread, LAZY_RESCALE_PACK a branch) behind uniform branches.
-    assert ptx.count("vote.sync.any.pred") == lazy * config.num_consumers
-    assert ptx.count("bra.uni LAZY_RESCALE_SKIP") == lazy * config.num_consumers * head_dim // 2 // fg.LAZY_RESCALE_PACK
     # Async wgmma (S and P V in flight together, then a wait that leaves one outstanding) and the
     # consumer/producer register split.
     assert "wgmma.wait_group.sync.aligned 1;" in ptx
@@ -588,32 +563,6 @@ def test_exp2_emulated_forward_matches_fp32_attention(q_shape, n_k, causal, ever
     ref_out, ref_lse = _reference(q, k, v, causal)
     assert (out.float() - ref_out).abs().max().item() <= tol
     assert (lse - ref_lse).abs().max().item() <= tol
-
-
-@pytest.mark.gpu
-@needs_sm90
-@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
-@pytest.mark.parametrize("growth", [0.0, 2.0, 20.0])
-@pytest.mark.parametrize("q_shape, n_k, causal, persistent", [
-    ((2, 2, 777, 64), 777, True, True), ((1, 2, 513, 64), 1029, False, False), ((1, 3, 1000, 128), 1000, True, False),
-    ((1, 2, 1029, 128), 513, True, True)])
-def test_lazy_rescale_forward_matches_fp32_attention(q_shape, n_k, causal, persistent, growth, dtype, tol):
-    """With `lazy_rescale`, O and L against fp32 attention where the scores rise along the keys by `growth` (base 2)
-    per 128 keys: none (random scores: after the first tiles no warp rescales), 2 (a warp keeps its stale maxima
-    for a few tiles, then rescales) and 20 (every tile rescales). A warp that skipped a rescale it needed, or moved
-    its maxima without rescaling O, is off by a factor of 2^8 or more on its rows."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    d = q_shape[-1]
-    k_shape = q_shape[:2] + (n_k, d)
-    q, k, v = (torch.randn(s, generator=gen, device="cuda") for s in (q_shape, k_shape, k_shape))
-    q[..., 0] = 4.0
-    k[..., 0] = torch.arange(n_k, device="cuda") * (growth / 128 * math.sqrt(d) / (fg.LOG2E * 4.0))
-    q, k, v = (t.to(dtype) for t in (q, k, v))
-    config = dataclasses.replace(fg.DEFAULT_CONFIGS[d], persistent=persistent, lazy_rescale=True)
-    out, lse = fg.gluon_attention_fwd(q, k, v, causal, config=config)
-    ref_out, ref_lse = _reference(q, k, v, causal)
-    assert (out.float() - ref_out).abs().max().item() <= tol
-    assert (lse - ref_lse).abs().max().item() <= tol * max(1.0, ref_lse.abs().max().item() / 8)
 
 
 @pytest.mark.gpu
