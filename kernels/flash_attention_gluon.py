@@ -284,7 +284,7 @@ if HAS_GLUON_HOPPER:
             acc = warpgroup_mma(p, v, acc, is_async=True)
             if ROWSUM_MMA:
                 # the row sums of P(j-1) on the tensor cores: P(j-1) @ ones (ROWSUM_N columns, all equal)
-                l_acc = warpgroup_mma(gl.convert_layout(p, pl_layout), ones_smem.permute((1, 0)), l_acc, is_async=True)
+                l_acc = warpgroup_mma(gl.convert_layout(p, pl_layout), ones_smem, l_acc, is_async=True)
                 s = warpgroup_mma_wait(2, deps=(s,))
             else:
                 # wgmma groups retire in order: one outstanding left means S(j) is done, P V may still run.
@@ -317,7 +317,7 @@ if HAS_GLUON_HOPPER:
         v = v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM])
         acc = warpgroup_mma(p, v, acc, is_async=True)
         if ROWSUM_MMA:
-            l_acc = warpgroup_mma(gl.convert_layout(p, pl_layout), ones_smem.permute((1, 0)), l_acc, is_async=True)
+            l_acc = warpgroup_mma(gl.convert_layout(p, pl_layout), ones_smem, l_acc, is_async=True)
             acc, l_acc = warpgroup_mma_wait(0, deps=(acc, l_acc))
             l_i = gl.convert_layout(gl.max(l_acc, 1), row_s)
         else:
@@ -339,19 +339,19 @@ if HAS_GLUON_HOPPER:
             tma.store_wait(0)
 
     @gluon.jit
-    def _consumer_partition(C: gl.constexpr, q_bufs, ones_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+    def _consumer_partition(C: gl.constexpr, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
                             o_desc, L, off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, EXP2_EMULATED: gl.constexpr,
                             ROWSUM_MMA: gl.constexpr):
         """Partition entry of consumer C: its Q buffer (also O's) and rows."""
-        ones = _ones_tile(ones_bufs, C, BLOCK_N, ROWSUM_MMA)
+        ones = _ones_tile(q_bufs, BLOCK_N, ROWSUM_MMA)
         _consumer(q_bufs.index(C), q_bufs.index(C), ones, k_bufs, v_bufs, q_bar, 0, q_bar, k_ready, k_empty, v_ready,
                   v_empty, o_desc, L, off_b, off_h, pid_bh, start_m + C * BLOCK_M, N_Q, N_K, num_kv, n_unmasked, 0,
                   qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, False, EXP2_EMULATED, ROWSUM_MMA)
 
     @gluon.jit
-    def _persistent_consumer(C: gl.constexpr, q_bufs, o_bufs, ones_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty,
+    def _persistent_consumer(C: gl.constexpr, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty,
                              v_ready, v_empty, o_desc, L, H, BH, GROUP: gl.constexpr, N_Q, N_K, qk_scale,
                              HEAD_DIM: gl.constexpr,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
@@ -359,7 +359,7 @@ if HAS_GLUON_HOPPER:
                              ROWSUM_MMA: gl.constexpr):
         """Consumer C of a persistent program: work items pid, pid + #programs, ... (`_work_item` order)."""
         TILE_M: gl.constexpr = NUM_CONSUMERS * BLOCK_M
-        ones = _ones_tile(ones_bufs, C, BLOCK_N, ROWSUM_MMA)
+        ones = _ones_tile(q_bufs, BLOCK_N, ROWSUM_MMA)
         it0 = 0
         n = 0
         for t in range(gl.program_id(0), gl.cdiv(N_Q, TILE_M) * BH, gl.num_programs(0)):
@@ -374,21 +374,23 @@ if HAS_GLUON_HOPPER:
         tma.store_wait(0)
 
     @gluon.jit
-    def _ones_tile(ones_bufs, C: gl.constexpr, BLOCK_N: gl.constexpr, ROWSUM_MMA: gl.constexpr):
-        """Consumer C's [ROWSUM_N, BLOCK_N] tile of ones in shared memory (K-major, as K's: the B operand of its row
-        sums, permuted), written by
+    def _ones_tile(q_bufs, BLOCK_N: gl.constexpr, ROWSUM_MMA: gl.constexpr):
+        """A consumer's [BLOCK_N, ROWSUM_N] tile of ones in shared memory (the B operand of its row sums), written by
         its own warps before their first wgmma reads it; without ROWSUM_MMA a stand-in (unused)."""
-        ones = ones_bufs.index(C)
         if ROWSUM_MMA:
-            fill: gl.constexpr = gl.BlockedLayout([1, 8], [ROWSUM_N, 32 // ROWSUM_N], [1, 4], [1, 0])
-            ones.store(gl.full([ROWSUM_N, BLOCK_N], 1.0, ones_bufs.dtype, layout=fill))
+            dtype: gl.constexpr = q_bufs.dtype
+            layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROWSUM_N], dtype)
+            ones = gl.allocate_shared_memory(dtype, [BLOCK_N, ROWSUM_N], layout)
+            fill: gl.constexpr = gl.BlockedLayout([1, ROWSUM_N], [32, 1], [4, 1], [1, 0])
+            ones.store(gl.full([BLOCK_N, ROWSUM_N], 1.0, dtype, layout=fill))
             fence_async_shared()
             gl.thread_barrier()
-        return ones
+            return ones
+        else:
+            return q_bufs.index(0)
 
     @gluon.jit
-    def _fwd_shared(q_desc, k_desc, v_desc, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                    BLOCK_N: gl.constexpr, ROWSUM_MMA: gl.constexpr):
+    def _fwd_shared(q_desc, k_desc, v_desc, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
         """Shared memory of a forward program: Q (one tile per consumer), the K/V ring and their barriers."""
         dtype: gl.constexpr = q_desc.dtype
         q_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
@@ -405,12 +407,7 @@ if HAS_GLUON_HOPPER:
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)
             mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
-        if ROWSUM_MMA:  # each consumer's tile of ones (`_ones_tile`)
-            ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWSUM_N, BLOCK_N], dtype)
-            ones_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, ROWSUM_N, BLOCK_N], ones_layout)
-        else:
-            ones_bufs = q_bufs
-        return q_bufs, ones_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty
+        return q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty
 
     @gluon.jit
     def _gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, L, H, N_Q, N_K, qk_scale, GROUP: gl.constexpr,
@@ -425,14 +422,14 @@ if HAS_GLUON_HOPPER:
         pid_bh, off_b, off_h, start_m, num_kv, n_unmasked = _work_item(gl.program_id(0), num_bh, H, GROUP, N_Q,
                                                                        N_K, TILE_M, BLOCK_N, IS_CAUSAL)
         # 2. Shared memory: Q (one tile per consumer, reused for O), the K/V ring, barriers.
-        q_bufs, ones_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty = _fwd_shared(
-            q_desc, k_desc, v_desc, NUM_STAGES, NUM_CONSUMERS, BLOCK_N, ROWSUM_MMA)
+        q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty = _fwd_shared(q_desc, k_desc, v_desc,
+                                                                                        NUM_STAGES, NUM_CONSUMERS)
 
         # 3. Partitions: consumer 0 is the default (num_warps = 4); the others and the loader are workers. The
         #    argument tuples are written inline: a tuple assigned to a variable turns its constexprs into values.
         if NUM_CONSUMERS == 1:
             gl.warp_specialize([
-                (_consumer_partition, (0, q_bufs, ones_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
+                (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
                                        HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED,
                                        ROWSUM_MMA)),
@@ -441,11 +438,11 @@ if HAS_GLUON_HOPPER:
             ], [1], [LOADER_REGS])
         elif NUM_CONSUMERS == 2:
             gl.warp_specialize([
-                (_consumer_partition, (0, q_bufs, ones_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
+                (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
                                        HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED,
                                        ROWSUM_MMA)),
-                (_consumer_partition, (1, q_bufs, ones_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
+                (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
                                        HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED,
                                        ROWSUM_MMA)),
@@ -455,15 +452,15 @@ if HAS_GLUON_HOPPER:
         else:
             gl.static_assert(NUM_CONSUMERS == 3, "NUM_CONSUMERS must be 1, 2 or 3")
             gl.warp_specialize([
-                (_consumer_partition, (0, q_bufs, ones_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
+                (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
                                        HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED,
                                        ROWSUM_MMA)),
-                (_consumer_partition, (1, q_bufs, ones_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
+                (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
                                        HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED,
                                        ROWSUM_MMA)),
-                (_consumer_partition, (2, q_bufs, ones_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
+                (_consumer_partition, (2, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
                                        HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED,
                                        ROWSUM_MMA)),
@@ -484,16 +481,16 @@ if HAS_GLUON_HOPPER:
         `_work_item` order (the heaviest first); its K/V ring runs on from one item to the next, and the next
         item's Q loads under the last P V and epilogue of the current one (O has buffers of its own)."""
         gl.static_assert(NUM_CONSUMERS == 2, "the persistent forward has two consumer groups")
-        q_bufs, ones_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty = _fwd_shared(
-            q_desc, k_desc, v_desc, NUM_STAGES, NUM_CONSUMERS, BLOCK_N, ROWSUM_MMA)
+        q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty = _fwd_shared(q_desc, k_desc, v_desc,
+                                                                                        NUM_STAGES, NUM_CONSUMERS)
         o_bufs = gl.allocate_shared_memory(o_desc.dtype, [NUM_CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_empty, count=NUM_CONSUMERS)
         gl.warp_specialize([
-            (_persistent_consumer, (0, q_bufs, o_bufs, ones_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty, v_ready,
+            (_persistent_consumer, (0, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty, v_ready,
                                     v_empty, o_desc, L, H, BH, GROUP, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
                                     NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, EXP2_EMULATED, ROWSUM_MMA)),
-            (_persistent_consumer, (1, q_bufs, o_bufs, ones_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty, v_ready,
+            (_persistent_consumer, (1, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty, v_ready,
                                     v_empty, o_desc, L, H, BH, GROUP, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
                                     NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, EXP2_EMULATED, ROWSUM_MMA)),
             (_persistent_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty,
