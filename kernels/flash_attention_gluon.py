@@ -125,8 +125,6 @@ if HAS_GLUON_HOPPER:
             return gl.inline_asm_elementwise(_EXP2_ASM_16, _EXP2_REGS_16, [x], dtype=gl.float32, is_pure=True,
                                              pack=16)
 
-    ROWSUM_N: gl.constexpr = gl.constexpr(8)
-
     @gluon.jit
     def _load_q(q_desc, q_bufs, q_bar, off_b, off_h, start_m, NUM_CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr):
         """The consumers' Q tiles, behind one barrier."""
@@ -226,11 +224,11 @@ if HAS_GLUON_HOPPER:
         return p, m_new, alpha
 
     @gluon.jit
-    def _consumer(q_smem, o_smem, ones_smem, k_bufs, v_bufs, q_bar, q_phase, q_empty, k_ready, k_empty, v_ready,
-                  v_empty, o_desc, L, off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, it0, qk_scale,
+    def _consumer(q_smem, o_smem, k_bufs, v_bufs, q_bar, q_phase, q_empty, k_ready, k_empty, v_ready, v_empty,
+                  o_desc, L, off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, it0, qk_scale,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
-                  EXP2_EMULATED: gl.constexpr, ROWSUM_MMA: gl.constexpr):
+                  EXP2_EMULATED: gl.constexpr):
         """One warp group's BLOCK_M query rows [start_m, start_m + BLOCK_M): Algorithm 1 of FA3 (pipelined). The
         ring slots continue from `it0` (the key tiles of the program's earlier work items) and Q's barrier is in
         phase `q_phase`. O goes out through `o_smem`: Q's own buffer in a one-item program; in a PERSISTENT one a
@@ -244,9 +242,6 @@ if HAS_GLUON_HOPPER:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, ROWSUM_N, 16])
-        pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=2)
 
         q = q_smem.reshape([BLOCK_M, HEAD_DIM])
         rows = start_m + gl.arange(0, BLOCK_M, layout=row_s)
@@ -254,7 +249,6 @@ if HAS_GLUON_HOPPER:
         l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
         s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-        l_acc = gl.zeros([BLOCK_M, ROWSUM_N], gl.float32, layout=l_layout)
 
         # 1. Tile 0: S(0), softmax(0); no P V in flight yet.
         mbarrier.wait(q_bar, q_phase)
@@ -266,8 +260,7 @@ if HAS_GLUON_HOPPER:
         mbarrier.arrive(k_empty.index(first), count=1)
         p32, m_i, alpha = _softmax_tile(s, m_i, 0, n_unmasked, rows, N_K, qk_scale, s_layout, IS_CAUSAL, BLOCK_N,
                                         EXP2_EMULATED)
-        if not ROWSUM_MMA:
-            l_i = gl.sum(p32, 1)
+        l_i = gl.sum(p32, 1)
         p = gl.convert_layout(p32.to(dtype), p_layout)
 
         # 2. Steady state, iteration j: S(j) and P(j-1) V(j-1) go to the tensor cores back to back; softmax(j)
@@ -282,28 +275,18 @@ if HAS_GLUON_HOPPER:
             mbarrier.wait(v_ready.index(prev), ((it - 1) // NUM_STAGES) & 1)
             v = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
             acc = warpgroup_mma(p, v, acc, is_async=True)
-            if ROWSUM_MMA:
-                # the row sums of P(j-1) on the tensor cores: P(j-1) @ ones (ROWSUM_N columns, all equal)
-                l_acc = warpgroup_mma(gl.convert_layout(p, pl_layout), ones_smem, l_acc, is_async=True)
-                s = warpgroup_mma_wait(2, deps=(s,))
-            else:
-                # wgmma groups retire in order: one outstanding left means S(j) is done, P V may still run.
-                s = warpgroup_mma_wait(1, deps=(s,))
+            # wgmma groups retire in order: one outstanding left means S(j) is done, P V may still run.
+            s = warpgroup_mma_wait(1, deps=(s,))
             p32, m_i, alpha = _softmax_tile(s, m_i, j, n_unmasked, rows, N_K, qk_scale, s_layout, IS_CAUSAL,
                                             BLOCK_N, EXP2_EMULATED)
-            if not ROWSUM_MMA:
-                l_i = l_i * alpha + gl.sum(p32, 1)
+            l_i = l_i * alpha + gl.sum(p32, 1)
             # K(j) is released here, under a branch the compiler cannot fold, so that the wait below starts a
             # new basic block: within one block ptxas hoists a wgmma wait above the exp2s.
             if N_K > 0:
                 mbarrier.arrive(k_empty.index(stage), count=1)
             # P(j) goes into the registers P(j-1) V(j-1) still reads (the loop carries P): pack it only after
             # that wgmma retires; p32 passes through the wait so that the packing cannot move above it.
-            if ROWSUM_MMA:
-                acc, l_acc, p32 = warpgroup_mma_wait(0, deps=(acc, l_acc, p32))
-                l_acc = l_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, l_layout)), 1)
-            else:
-                acc, p32 = warpgroup_mma_wait(0, deps=(acc, p32))
+            acc, p32 = warpgroup_mma_wait(0, deps=(acc, p32))
             mbarrier.arrive(v_empty.index(prev), count=1)
             p = gl.convert_layout(p32.to(dtype), p_layout)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -316,12 +299,7 @@ if HAS_GLUON_HOPPER:
         mbarrier.wait(v_ready.index(last), (last_it // NUM_STAGES) & 1)
         v = v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM])
         acc = warpgroup_mma(p, v, acc, is_async=True)
-        if ROWSUM_MMA:
-            l_acc = warpgroup_mma(gl.convert_layout(p, pl_layout), ones_smem, l_acc, is_async=True)
-            acc, l_acc = warpgroup_mma_wait(0, deps=(acc, l_acc))
-            l_i = gl.convert_layout(gl.max(l_acc, 1), row_s)
-        else:
-            acc = warpgroup_mma_wait(0, deps=(acc,))
+        acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(last), count=1)
 
         # 4. Epilogue: O = acc / l through `o_smem` and a TMA store (rows past N_Q dropped); L = ln(l) + m ln 2
@@ -342,52 +320,32 @@ if HAS_GLUON_HOPPER:
     def _consumer_partition(C: gl.constexpr, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
                             o_desc, L, off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                            NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, EXP2_EMULATED: gl.constexpr,
-                            ROWSUM_MMA: gl.constexpr):
+                            NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, EXP2_EMULATED: gl.constexpr):
         """Partition entry of consumer C: its Q buffer (also O's) and rows."""
-        ones = _ones_tile(q_bufs, BLOCK_N, ROWSUM_MMA)
-        _consumer(q_bufs.index(C), q_bufs.index(C), ones, k_bufs, v_bufs, q_bar, 0, q_bar, k_ready, k_empty, v_ready,
+        _consumer(q_bufs.index(C), q_bufs.index(C), k_bufs, v_bufs, q_bar, 0, q_bar, k_ready, k_empty, v_ready,
                   v_empty, o_desc, L, off_b, off_h, pid_bh, start_m + C * BLOCK_M, N_Q, N_K, num_kv, n_unmasked, 0,
-                  qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, False, EXP2_EMULATED, ROWSUM_MMA)
+                  qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, False, EXP2_EMULATED)
 
     @gluon.jit
     def _persistent_consumer(C: gl.constexpr, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty,
                              v_ready, v_empty, o_desc, L, H, BH, GROUP: gl.constexpr, N_Q, N_K, qk_scale,
                              HEAD_DIM: gl.constexpr,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                             NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, EXP2_EMULATED: gl.constexpr,
-                             ROWSUM_MMA: gl.constexpr):
+                             NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, EXP2_EMULATED: gl.constexpr):
         """Consumer C of a persistent program: work items pid, pid + #programs, ... (`_work_item` order)."""
         TILE_M: gl.constexpr = NUM_CONSUMERS * BLOCK_M
-        ones = _ones_tile(q_bufs, BLOCK_N, ROWSUM_MMA)
         it0 = 0
         n = 0
         for t in range(gl.program_id(0), gl.cdiv(N_Q, TILE_M) * BH, gl.num_programs(0)):
             pid_bh, off_b, off_h, start_m, num_kv, n_unmasked = _work_item(t, BH, H, GROUP, N_Q, N_K, TILE_M,
                                                                            BLOCK_N, IS_CAUSAL)
-            _consumer(q_bufs.index(C), o_bufs.index(C), ones, k_bufs, v_bufs, q_bar, n & 1, q_empty, k_ready, k_empty,
+            _consumer(q_bufs.index(C), o_bufs.index(C), k_bufs, v_bufs, q_bar, n & 1, q_empty, k_ready, k_empty,
                       v_ready, v_empty, o_desc, L, off_b, off_h, pid_bh, start_m + C * BLOCK_M, N_Q, N_K, num_kv,
                       n_unmasked, it0, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, True,
-                      EXP2_EMULATED, ROWSUM_MMA)
+                      EXP2_EMULATED)
             it0 += num_kv
             n += 1
         tma.store_wait(0)
-
-    @gluon.jit
-    def _ones_tile(q_bufs, BLOCK_N: gl.constexpr, ROWSUM_MMA: gl.constexpr):
-        """A consumer's [BLOCK_N, ROWSUM_N] tile of ones in shared memory (the B operand of its row sums), written by
-        its own warps before their first wgmma reads it; without ROWSUM_MMA a stand-in (unused)."""
-        if ROWSUM_MMA:
-            dtype: gl.constexpr = q_bufs.dtype
-            layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROWSUM_N], dtype)
-            ones = gl.allocate_shared_memory(dtype, [BLOCK_N, ROWSUM_N], layout)
-            fill: gl.constexpr = gl.BlockedLayout([1, ROWSUM_N], [32, 1], [4, 1], [1, 0])
-            ones.store(gl.full([BLOCK_N, ROWSUM_N], 1.0, dtype, layout=fill))
-            fence_async_shared()
-            gl.thread_barrier()
-            return ones
-        else:
-            return q_bufs.index(0)
 
     @gluon.jit
     def _fwd_shared(q_desc, k_desc, v_desc, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
@@ -414,7 +372,7 @@ if HAS_GLUON_HOPPER:
                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                                IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                               EXP2_EMULATED: gl.constexpr, ROWSUM_MMA: gl.constexpr):
+                               EXP2_EMULATED: gl.constexpr):
         """Grid (cdiv(N_Q, NUM_CONSUMERS * BLOCK_M) * B * H,): program -> (query tile, batch*head), heavy first."""
         TILE_M: gl.constexpr = NUM_CONSUMERS * BLOCK_M
         # 1. Work item: this program's (`_work_item`, heaviest first).
@@ -431,8 +389,7 @@ if HAS_GLUON_HOPPER:
             gl.warp_specialize([
                 (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
-                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED,
-                                       ROWSUM_MMA)),
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED)),
                 (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
                            off_b, off_h, start_m, num_kv, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
             ], [1], [LOADER_REGS])
@@ -440,12 +397,10 @@ if HAS_GLUON_HOPPER:
             gl.warp_specialize([
                 (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
-                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED,
-                                       ROWSUM_MMA)),
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED)),
                 (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
-                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED,
-                                       ROWSUM_MMA)),
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED)),
                 (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
                            off_b, off_h, start_m, num_kv, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
             ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -454,16 +409,13 @@ if HAS_GLUON_HOPPER:
             gl.warp_specialize([
                 (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
-                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED,
-                                       ROWSUM_MMA)),
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED)),
                 (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
-                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED,
-                                       ROWSUM_MMA)),
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED)),
                 (_consumer_partition, (2, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
-                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED,
-                                       ROWSUM_MMA)),
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED)),
                 (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
                            off_b, off_h, start_m, num_kv, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
@@ -475,8 +427,7 @@ if HAS_GLUON_HOPPER:
                                           BLOCK_N: gl.constexpr,
                                           NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                                           IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                          LOADER_REGS: gl.constexpr, EXP2_EMULATED: gl.constexpr,
-                                          ROWSUM_MMA: gl.constexpr):
+                                          LOADER_REGS: gl.constexpr, EXP2_EMULATED: gl.constexpr):
         """Grid (at most one program per SM,): program p takes work items p, p + #programs, ... of the
         `_work_item` order (the heaviest first); its K/V ring runs on from one item to the next, and the next
         item's Q loads under the last P V and epilogue of the current one (O has buffers of its own)."""
@@ -489,10 +440,10 @@ if HAS_GLUON_HOPPER:
         gl.warp_specialize([
             (_persistent_consumer, (0, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty, v_ready,
                                     v_empty, o_desc, L, H, BH, GROUP, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                    NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, EXP2_EMULATED, ROWSUM_MMA)),
+                                    NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, EXP2_EMULATED)),
             (_persistent_consumer, (1, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty, v_ready,
                                     v_empty, o_desc, L, H, BH, GROUP, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                    NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, EXP2_EMULATED, ROWSUM_MMA)),
+                                    NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, EXP2_EMULATED)),
             (_persistent_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty,
                                   v_ready, v_empty, H, BH, GROUP, N_Q, N_K, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES,
                                   IS_CAUSAL)),
@@ -530,9 +481,6 @@ class GluonConfig:
     head_group: int = 0
     """Heads whose work items run together (`_work_item`; a compile-time constant): 0 for all B * H, heaviest first
     across them; fewer keeps the programs in flight on fewer heads' K/V, more of them in L2 at long sequences."""
-    rowsum_mma: bool = False
-    """The softmax's row sums (l) on the tensor cores, as P @ ones (a wgmma of 8 columns beside P V), instead of a
-    sum of each score tile on the FMA pipe."""
     exp2_emulated: int = 0
     """One in this many (2, 4, 8 or 16) of the softmax's exp2s computed by a polynomial on the FMA pipe instead of the
     MUFU unit (`exp2_mixed_asm`, FlashAttention-4's split); 0: none. At d 64 a consumer iteration keeps the MUFU unit
@@ -559,16 +507,15 @@ class GluonConfig:
     def name(self) -> str:
         return (f"{self.num_consumers}x{self.block_m}x{self.block_n}/s{self.num_stages}"
                 + ("/p" if self.persistent else "") + (f"/g{self.head_group}" if self.head_group else "")
-                + (f"/e{self.exp2_emulated}" if self.exp2_emulated else "") + ("/rs" if self.rowsum_mma else ""))
+                + (f"/e{self.exp2_emulated}" if self.exp2_emulated else ""))
 
     def registers(self) -> tuple[int, int]:
         return register_split(self.num_consumers)
 
     def shared_bytes(self, head_dim: int, elem: int = 2) -> int:
-        """Q (and O's own buffers when persistent), the K/V ring (and the consumers' tiles of ones)."""
+        """Q (and O's own buffers when persistent) and the K/V ring."""
         q_tiles = self.num_consumers * self.block_m * (2 if self.persistent else 1)
-        ones = self.num_consumers * self.block_n * 8 if self.rowsum_mma else 0  # each consumer's P @ ones operand
-        return elem * (head_dim * (q_tiles + 2 * self.num_stages * self.block_n) + ones)
+        return elem * head_dim * (q_tiles + 2 * self.num_stages * self.block_n)
 
     @property
     def kernel(self):
@@ -807,7 +754,7 @@ def launch_args(q, k, v, out, lse, is_causal: bool, config: GluonConfig):
     meta = dict(GROUP=config.head_group, HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                 NUM_STAGES=config.num_stages,
                 NUM_CONSUMERS=config.num_consumers, IS_CAUSAL=is_causal, CONSUMER_REGS=consumer_regs,
-                LOADER_REGS=LOADER_REGS, EXP2_EMULATED=config.exp2_emulated, ROWSUM_MMA=config.rowsum_mma,
+                LOADER_REGS=LOADER_REGS, EXP2_EMULATED=config.exp2_emulated,
                 num_warps=4, maxnreg=maxnreg)
     return grid, args, meta
 
