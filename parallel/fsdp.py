@@ -54,7 +54,7 @@ from torch.distributed.distributed_c10d import (AllgatherOptions, AllreduceCoale
 from parallel.carveout import SMCarveout
 from parallel.ddp import broadcast_module_state, mean_reduction
 from parallel.hooks import WeakHook, remove_handles
-from parallel.mixed_precision import (cast_inputs, cast_inputs_hook, cast_params, has_other_floating_params,
+from parallel.mixed_precision import (cast_inputs, cast_inputs_by_class, cast_params, has_other_floating_params,
                                       is_embedding, is_sharded_module)
 
 __all__ = ["FSDP", "FSDP_KINDS", "CommStats", "is_sharded_module", "make_fsdp"]
@@ -490,10 +490,11 @@ class FSDP(nn.Module):
                     handles.append(w.module.register_forward_pre_hook(WeakHook(self._owner, FSDP._cast_pre)))
                     handles.append(w.module.register_forward_hook(WeakHook(self._owner, FSDP._cast_post)))
                 elif compute_dtype is not None:
-                    # Only inputs to cast: a hook holding nothing but the dtype. Traced into a compiled block, it
-                    # costs Dynamo a few guards per module, where the wrapper's hook cost a dozen (its weak
-                    # reference, the wrapper, its attributes), checked at every call of the block.
-                    handles.append(w.module.register_forward_pre_hook(partial(cast_inputs_hook, compute_dtype)))
+                    # Only inputs to cast: by the module's class, not a hook. Traced into a compiled block, a hook
+                    # costs Dynamo guards on the hook dict and the hook (a dozen per module when it held the
+                    # wrapper, a few with the dtype alone), checked at every call of the block; the class is a
+                    # type it guards on anyway.
+                    handles.append(cast_inputs_by_class(w.module, compute_dtype))
         # Runs remove_hooks' work when the wrapper is collected (or when remove_hooks() calls it).
         self._remove_handles = weakref.finalize(self, remove_handles, handles)
         self._pre_backward_hooks = [WeakHook(self._owner, FSDP._pre_backward, unit.index) for unit in self._units]

@@ -18,8 +18,8 @@ from torch import nn
 
 from parallel.hooks import WeakHook, remove_handles
 
-__all__ = ["CastForCompute", "cast_inputs", "cast_inputs_hook", "cast_params", "has_other_floating_params",
-           "is_embedding", "is_sharded_module"]
+__all__ = ["CastForCompute", "cast_inputs", "cast_inputs_by_class", "cast_params", "casting_class",
+           "has_other_floating_params", "is_embedding", "is_sharded_module"]
 
 
 def is_sharded_module(module: nn.Module) -> bool:
@@ -52,9 +52,46 @@ def cast_inputs(args: tuple, dtype: torch.dtype) -> tuple | None:
     return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
 
 
-def cast_inputs_hook(dtype: torch.dtype, module: nn.Module, args: tuple) -> tuple | None:
-    """A forward pre-hook casting the module's floating inputs to `dtype` (`partial(cast_inputs_hook, dtype)`)."""
-    return cast_inputs(args, dtype)
+_CASTING_CLASSES: dict[tuple[type, torch.dtype], type] = {}
+
+
+def casting_class(cls: type, dtype: torch.dtype) -> type:
+    """The subclass of module class `cls` whose forward casts its floating positional inputs to `dtype` first (one
+    per class and dtype, same name): what `cast_inputs_by_class` swaps in. A forward pre-hook would do the same,
+    but traced into a compiled block it makes Dynamo guard on the hook dict and the hook at every call; the class
+    is a type Dynamo already guards on (as FSDP2's `fully_shard` swaps in its own classes)."""
+    key = (cls, dtype)
+    sub = _CASTING_CLASSES.get(key)
+    if sub is None:
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            return cls.forward(self, *(cast_inputs(args, dtype) or args), **kwargs)
+
+        sub = type(cls.__name__, (cls,), {"forward": forward, "__qualname__": cls.__qualname__,
+                                          "__module__": cls.__module__, "compute_dtype": dtype})
+        _CASTING_CLASSES[key] = sub
+    return sub
+
+
+class _ClassSwap:
+    """The handle of `cast_inputs_by_class`: `remove()` puts the module's own class back (idempotent)."""
+
+    __slots__ = ("module", "cls", "swapped")
+
+    def __init__(self, module: nn.Module, cls: type, swapped: type):
+        self.module, self.cls, self.swapped = weakref.ref(module), cls, swapped
+
+    def remove(self) -> None:
+        module = self.module()
+        if module is not None and type(module) is self.swapped:
+            module.__class__ = self.cls
+
+
+def cast_inputs_by_class(module: nn.Module, dtype: torch.dtype) -> _ClassSwap:
+    """Make `module` cast its floating positional inputs to `dtype` before its forward, by swapping in
+    `casting_class(type(module), dtype)`; the returned handle's `remove()` undoes it, as a hook handle's does."""
+    cls = type(module)
+    module.__class__ = casting_class(cls, dtype)
+    return _ClassSwap(module, cls, module.__class__)
 
 
 def has_other_floating_params(module: nn.Module) -> bool:
