@@ -11,8 +11,9 @@ Per unit and step: one all-gather (coalesced over its weights, in place) before 
 its full weights freed after forward and gathered again for backward, one unit ahead; one coalesced reduce-scatter
 of its fp32 gradients once the last has arrived (`flat_collectives=True`: one flat all-gather, copied out, and one
 reduce-scatter of a rank-major buffer per unit, one NCCL operation each instead of one per weight). With
-`compute_dtype` (e.g. bf16) shards are cast before the all-gather and Linear / Embedding compute in that dtype;
-gradients are cast back to fp32 for the reduction. On gloo (CPU tests) one reduce-scatter of a rank-major copy per
+`compute_dtype` (e.g. bf16) shards are cast before the all-gather and Linear / Embedding compute in that dtype
+(their inputs cast by a class swapped in, `cast_inputs_by_class`, or with a bias by forward hooks); gradients are
+cast back to fp32 for the reduction. On gloo (CPU tests) one reduce-scatter of a rank-major copy per
 unit, and one collective in flight at a time.
 
 Invariant: after `finish_gradient_synchronization()` every shard's `.grad` (fp32, shard shape) holds its rows of the
@@ -28,7 +29,8 @@ reduce-scatter and all-reduce issued, over no peer): what a one-GPU measurement 
 Requirements (as torch's FSDP): every rank runs the same units in the same order, each at most once per forward; no
 weight tying between sharded modules; no activation recomputation of sharded modules; one dtype per unit;
 optimizers update the shards in place. Lifetime: hooks hold the wrapper weakly (parallel/hooks.py), so a dropped
-wrapper is freed at once; its modules keep their shards (`gather_full_params()` first for the full weights).
+wrapper is freed at once, its hooks removed and swapped classes put back; its modules keep their shards
+(`gather_full_params()` first for the full weights).
 
     fsdp = make_fsdp("fsdp", model, compute_dtype=torch.bfloat16, units=(TransformerBlock,))
     loss_fn(fsdp(x), y).backward(); fsdp.finish_gradient_synchronization(); optimizer.step()

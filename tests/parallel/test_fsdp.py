@@ -299,8 +299,24 @@ def _check_lifetime(rank: int, world_size: int) -> dict:
         forward_error = ""
     except RuntimeError as exc:
         forward_error = str(exc)
+    # With a compute dtype, bias-free modules cast their inputs by a class swapped in (cast_inputs_by_class): their
+    # own classes come back with remove_hooks() and when the wrapper is dropped.
+    classes = lambda m: [type(mod).__qualname__ + ("*" if hasattr(type(mod), "compute_dtype") else "")  # noqa: E731
+                         for mod in m.modules()]
+    plain = classes(ToyModel())
+    swapped, restored = [], []
+    for drop in (False, True):
+        model = ToyModel()
+        cast = FSDP(model, compute_dtype=torch.bfloat16)
+        swapped.append(classes(model))
+        if drop:
+            del cast
+        else:
+            cast.remove_hooks()
+        restored.append(classes(model) == plain)
     return dict(hooks_while_wrapped=hooks_while_wrapped, wrapper_freed=wrapper_freed, hooks_left=hooks_left,
-                model_freed=model_freed, hooks_after_remove=_hook_count(fsdp._units), forward_error=forward_error)
+                model_freed=model_freed, hooks_after_remove=_hook_count(fsdp._units), forward_error=forward_error,
+                swapped=swapped, classes_restored=restored)
 
 
 def _check_in_place_gather(rank: int, world_size: int) -> dict:
@@ -472,6 +488,8 @@ def test_wrapper_and_model_are_freed_with_their_hooks(per_rank):
         assert r["wrapper_freed"] and r["hooks_left"] == 0, f"the dropped wrapper is still alive: {r}"
         assert r["model_freed"], f"the model outlived its last reference: {r}"
         assert r["hooks_after_remove"] == 0 and "remove_hooks" in r["forward_error"], r
+        assert all(sum(name.endswith("*") for name in names) >= 2 for names in r["swapped"]), r["swapped"]
+        assert r["classes_restored"] == [True, True], r
 
 
 WORLD_OF_ONE = [("fsdp", None, None), ("fsdp", (TransformerBlock,), None), ("fsdp", (TransformerBlock,), torch.bfloat16),
