@@ -10,8 +10,9 @@
 #   bash sweeps/gpu_run.sh paired    # 2 GPUs: bf16 DDP and FSDP, every variant also against single in
 #                                    #   alternating blocks (--paired-rounds), into $RESULTS/paired          (~8 min)
 #   bash sweeps/gpu_run.sh compiled  # 2 GPUs: the same with compiled blocks (--compile), into $RESULTS/compiled (~8 min)
-#   bash sweeps/gpu_run.sh alone     # 1 GPU: the wrappers' whole machinery on a group of one (bf16 DDP eager and
-#                                    #   compiled, FSDP compiled, --collectives-alone, paired vs single)   (~4 min)
+#   bash sweeps/gpu_run.sh alone     # 1 GPU: Dynamo's guards per compiled block (single, FSDP), then the wrappers'
+#                                    #   whole machinery on a group of one (bf16 DDP eager and compiled, FSDP
+#                                    #   compiled, --collectives-alone, paired vs single)                  (~6 min)
 #   bash sweeps/gpu_run.sh ckpt      # checkpointing trials (Ray Tune, one GPU per trial)                  (~4 min)
 #   bash sweeps/gpu_run.sh flash     # Ray Tune tile sweep (one GPU per trial), the FlashAttention grid    (~9.5 min)
 #   bash sweeps/gpu_run.sh gluon     # 1 GPU: Gluon GPU tests, the paired hopper study, host time per call   (~7 min)
@@ -146,6 +147,10 @@ case $phase in
     # keeps N entries), ROUNDS paired rounds (default 10; even 20 did not resolve 2% on the lent hosts)
     w1=(--device cuda --world-sizes 1 --launcher mp --dtypes bf16 --collectives-alone --paired-rounds "${ROUNDS:-10}"
         --warmup 2 --steps 4 --profile "" --nccl-trace-buffer "${TRACE:-0}")
+    # Dynamo's cache lookup per call of a compiled block and its guards, single against FSDP (once per results folder)
+    mkdir -p "$RESULTS/alone"
+    guards="$RESULTS/alone/dynamo_guard_check_fsdp_cuda.parquet"
+    [ -e "$guards" ] || study guard_check 180 python3 results/runs/dynamo_guard_check_fsdp.py --device cuda --out "$guards"
     study ddp_alone 200 python3 sweeps/ddp.py "${w1[@]}" --out "$RESULTS/alone" --resume --max-steps 4 \
       --no-single-rerun --variants single,overlapped,bucketed:1000,torch
     study ddp_alone_compiled 200 python3 sweeps/ddp.py "${w1[@]}" --out "$RESULTS/alone" --resume --max-steps 4 \
