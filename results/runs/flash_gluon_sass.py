@@ -1,8 +1,10 @@
 """Instruction counts of the Gluon forward's steady-state loop in its sm_90 SASS (issue 16), built on a CPU host.
 
 Run from the repository root with Triton 3.6 (Gluon's Hopper API) and TRITON_INTERPRET unset or 0, no GPU needed:
-`PYTHONPATH=$PWD python3 results/runs/flash_gluon_sass.py OUT_DIR [--overwrite]` (an existing
-OUT_DIR/flash_gluon_sass.parquet is refused without `--overwrite`, before any work). For each head dim's tuned forward
+`PYTHONPATH=$PWD python3 results/runs/flash_gluon_sass.py OUT_DIR [--overwrite] [--with JSON ...]` (an existing
+OUT_DIR/flash_gluon_sass.parquet is refused without `--overwrite`, before any work; `--with '{"field": value}'` also
+builds each head dim's tuned config with those GluonConfig fields: another commit's knobs, with PYTHONPATH and the
+working directory on a checkout of that commit). For each head dim's tuned forward
 config (`kernels.flash_attention_gluon.default_config`, bf16, causal; at d 64 also with each other share of
 emulated exp2s, `exp2_emulated`), the kernel is compiled for sm_90 and its
 SASS disassembled (Triton's bundled cuobjdump); the steady-state loop is, of the innermost loops with HGMMA in their
@@ -11,8 +13,10 @@ holds the diagonal tile's masking, which only diagonal iterations run). One row 
 instructions of that opcode the loop body holds, per consumer thread and iteration.
 """
 
+import argparse
 import collections
 import dataclasses
+import json
 import re
 import subprocess
 import sys
@@ -65,16 +69,38 @@ def loop_counts(sass: str) -> collections.Counter:
     return best
 
 
-def main(out_dir: str, overwrite: bool) -> None:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The arguments, checked before any build (one line and exit 2 on a bad one)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out_dir")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier flash_gluon_sass.parquet")
+    p.add_argument("--with", dest="variants", action="append", default=[], metavar="JSON",
+                   help='also build each head dim\'s tuned config with these GluonConfig fields, e.g. '
+                        '\'{"lazy_rescale": true}\' (repeatable; fields of the checkout whose kernels are imported)')
+    args = p.parse_args(argv)
+    fields = {f.name for f in dataclasses.fields(fg.GluonConfig)}
+    for text in args.variants:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            p.error(f"--with {text!r} is not JSON: {exc}")
+        if not isinstance(value, dict) or not set(value) <= fields:
+            p.error(f"--with {text!r} must be a JSON object of GluonConfig fields ({', '.join(sorted(fields))})")
+    return args
+
+
+def main(out_dir: str, overwrite: bool, variants: list[dict] = ()) -> None:
     path = Path(out_dir) / f"{SWEEP}.parquet"
     if path.exists() and not overwrite:
         sys.exit(f"flash_gluon_sass.py: {path} exists (an earlier run); pass --overwrite to replace it")
     if not fg.HAS_GLUON_HOPPER:
         sys.exit("flash_gluon_sass.py: needs Triton's Gluon Hopper API (Triton 3.6)")
     rows = []
-    configs = [(head_dim, fg.default_config(head_dim, torch.bfloat16)) for head_dim in fg.HEAD_DIMS]
-    tuned64 = configs[0][1]  # and the tuned d-64 config with every share of emulated exp2s (section 15)
+    tuned = [(head_dim, fg.default_config(head_dim, torch.bfloat16)) for head_dim in fg.HEAD_DIMS]
+    configs = list(tuned)
+    tuned64 = tuned[0][1]  # and the tuned d-64 config with every share of emulated exp2s (section 15)
     configs += [(64, dataclasses.replace(tuned64, exp2_emulated=e)) for e in EXP2_SHARES if e != tuned64.exp2_emulated]
+    configs += [(head_dim, dataclasses.replace(config, **fields)) for fields in variants for head_dim, config in tuned]
     for head_dim, config in configs:
         counts = loop_counts(sass_of(config, head_dim))
         print(f"d {head_dim} {config.name}: {sum(counts.values())} instructions; "
@@ -85,7 +111,5 @@ def main(out_dir: str, overwrite: bool) -> None:
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--overwrite"]
-    if len(args) != 1:
-        sys.exit("usage: flash_gluon_sass.py OUT_DIR [--overwrite]")
-    main(args[0], "--overwrite" in sys.argv[1:])
+    args = parse_args(sys.argv[1:])
+    main(args.out_dir, args.overwrite, [json.loads(text) for text in args.variants])
