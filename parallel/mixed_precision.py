@@ -89,6 +89,10 @@ class _ClassSwap:
 def cast_inputs_by_class(module: nn.Module, dtype: torch.dtype) -> _ClassSwap:
     """Make `module` cast its floating positional inputs to `dtype` before its forward, by swapping in
     `casting_class(type(module), dtype)`; the returned handle's `remove()` undoes it, as a hook handle's does."""
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype ({dtype!r}) must be a floating-point torch.dtype")
     cls = type(module)
     module.__class__ = casting_class(cls, dtype)
     return _ClassSwap(module, cls, module.__class__)

@@ -680,3 +680,7 @@ def test_cast_inputs_by_class_casts_and_its_handle_puts_the_class_back():
     handle.remove()
     emb_handle.remove()
     assert type(lin) is torch.nn.Linear and type(emb) is torch.nn.Embedding
+    with pytest.raises(ValueError, match=r"dtype \(torch.int32\) must be a floating-point torch.dtype"):
+        cast_inputs_by_class(lin, torch.int32)
+    with pytest.raises(ValueError, match="module must be a torch.nn.Module, got Tensor"):
+        cast_inputs_by_class(torch.ones(1), torch.float16)
