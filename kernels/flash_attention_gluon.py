@@ -224,11 +224,18 @@ if HAS_GLUON_HOPPER:
         return p, m_new, alpha
 
     @gluon.jit
+    def _rescale_in_place(acc, alpha):
+        """acc * alpha as inline asm with side effects: LLVM keeps it where the program has it, between the S wgmma
+        issued before it and the P V one after (pure multiplies move to the end of the loop's previous iteration)."""
+        return gl.inline_asm_elementwise("mul.f32 $0, $1, $2;", "=r,r,r", [acc, alpha], dtype=gl.float32,
+                                         is_pure=False, pack=1)
+
+    @gluon.jit
     def _consumer(q_smem, o_smem, k_bufs, v_bufs, q_bar, q_phase, q_empty, k_ready, k_empty, v_ready, v_empty,
                   o_desc, L, off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, it0, qk_scale,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
-                  EXP2_EMULATED: gl.constexpr):
+                  EXP2_EMULATED: gl.constexpr, RESCALE_UNDER_S: gl.constexpr):
         """One warp group's BLOCK_M query rows [start_m, start_m + BLOCK_M): Algorithm 1 of FA3 (pipelined). The
         ring slots continue from `it0` (the key tiles of the program's earlier work items) and Q's barrier is in
         phase `q_phase`. O goes out through `o_smem`: Q's own buffer in a one-item program; in a PERSISTENT one a
@@ -272,6 +279,8 @@ if HAS_GLUON_HOPPER:
             mbarrier.wait(k_ready.index(stage), (it // NUM_STAGES) & 1)
             k = k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM])
             s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
+            if RESCALE_UNDER_S:  # O's rescale for P(j-1) V(j-1), while S(j) runs on the tensor cores (FA3's order)
+                acc = _rescale_in_place(acc, gl.expand_dims(gl.convert_layout(alpha, row_o), 1))
             mbarrier.wait(v_ready.index(prev), ((it - 1) // NUM_STAGES) & 1)
             v = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
             acc = warpgroup_mma(p, v, acc, is_async=True)
@@ -289,7 +298,8 @@ if HAS_GLUON_HOPPER:
             acc, p32 = warpgroup_mma_wait(0, deps=(acc, p32))
             mbarrier.arrive(v_empty.index(prev), count=1)
             p = gl.convert_layout(p32.to(dtype), p_layout)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            if not RESCALE_UNDER_S:
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         if PERSISTENT:  # every S has retired: Q's buffer may take the next item's Q
             mbarrier.arrive(q_empty, count=1)
 
@@ -298,6 +308,8 @@ if HAS_GLUON_HOPPER:
         last = last_it % NUM_STAGES
         mbarrier.wait(v_ready.index(last), (last_it // NUM_STAGES) & 1)
         v = v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM])
+        if RESCALE_UNDER_S:  # alpha of the last tile (of tile 0, 0 against an O of zeros, when it is the only one)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         acc = warpgroup_mma(p, v, acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(last), count=1)
@@ -320,18 +332,20 @@ if HAS_GLUON_HOPPER:
     def _consumer_partition(C: gl.constexpr, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
                             o_desc, L, off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                            NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, EXP2_EMULATED: gl.constexpr):
+                            NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, EXP2_EMULATED: gl.constexpr,
+                            RESCALE_UNDER_S: gl.constexpr):
         """Partition entry of consumer C: its Q buffer (also O's) and rows."""
         _consumer(q_bufs.index(C), q_bufs.index(C), k_bufs, v_bufs, q_bar, 0, q_bar, k_ready, k_empty, v_ready,
                   v_empty, o_desc, L, off_b, off_h, pid_bh, start_m + C * BLOCK_M, N_Q, N_K, num_kv, n_unmasked, 0,
-                  qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, False, EXP2_EMULATED)
+                  qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, False, EXP2_EMULATED, RESCALE_UNDER_S)
 
     @gluon.jit
     def _persistent_consumer(C: gl.constexpr, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty,
                              v_ready, v_empty, o_desc, L, H, BH, GROUP: gl.constexpr, N_Q, N_K, qk_scale,
                              HEAD_DIM: gl.constexpr,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                             NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, EXP2_EMULATED: gl.constexpr):
+                             NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, EXP2_EMULATED: gl.constexpr,
+                             RESCALE_UNDER_S: gl.constexpr):
         """Consumer C of a persistent program: work items pid, pid + #programs, ... (`_work_item` order)."""
         TILE_M: gl.constexpr = NUM_CONSUMERS * BLOCK_M
         it0 = 0
@@ -342,7 +356,7 @@ if HAS_GLUON_HOPPER:
             _consumer(q_bufs.index(C), o_bufs.index(C), k_bufs, v_bufs, q_bar, n & 1, q_empty, k_ready, k_empty,
                       v_ready, v_empty, o_desc, L, off_b, off_h, pid_bh, start_m + C * BLOCK_M, N_Q, N_K, num_kv,
                       n_unmasked, it0, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, True,
-                      EXP2_EMULATED)
+                      EXP2_EMULATED, RESCALE_UNDER_S)
             it0 += num_kv
             n += 1
         tma.store_wait(0)
@@ -372,7 +386,7 @@ if HAS_GLUON_HOPPER:
                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                                IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                               EXP2_EMULATED: gl.constexpr):
+                               EXP2_EMULATED: gl.constexpr, RESCALE_UNDER_S: gl.constexpr):
         """Grid (cdiv(N_Q, NUM_CONSUMERS * BLOCK_M) * B * H,): program -> (query tile, batch*head), heavy first."""
         TILE_M: gl.constexpr = NUM_CONSUMERS * BLOCK_M
         # 1. Work item: this program's (`_work_item`, heaviest first).
@@ -389,7 +403,7 @@ if HAS_GLUON_HOPPER:
             gl.warp_specialize([
                 (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
-                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED)),
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED, RESCALE_UNDER_S)),
                 (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
                            off_b, off_h, start_m, num_kv, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
             ], [1], [LOADER_REGS])
@@ -397,10 +411,10 @@ if HAS_GLUON_HOPPER:
             gl.warp_specialize([
                 (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
-                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED)),
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED, RESCALE_UNDER_S)),
                 (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
-                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED)),
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED, RESCALE_UNDER_S)),
                 (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
                            off_b, off_h, start_m, num_kv, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
             ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -409,13 +423,13 @@ if HAS_GLUON_HOPPER:
             gl.warp_specialize([
                 (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
-                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED)),
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED, RESCALE_UNDER_S)),
                 (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
-                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED)),
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED, RESCALE_UNDER_S)),
                 (_consumer_partition, (2, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
                                        off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
-                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED)),
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED, RESCALE_UNDER_S)),
                 (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
                            off_b, off_h, start_m, num_kv, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
@@ -427,7 +441,8 @@ if HAS_GLUON_HOPPER:
                                           BLOCK_N: gl.constexpr,
                                           NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                                           IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                          LOADER_REGS: gl.constexpr, EXP2_EMULATED: gl.constexpr):
+                                          LOADER_REGS: gl.constexpr, EXP2_EMULATED: gl.constexpr,
+                                          RESCALE_UNDER_S: gl.constexpr):
         """Grid (at most one program per SM,): program p takes work items p, p + #programs, ... of the
         `_work_item` order (the heaviest first); its K/V ring runs on from one item to the next, and the next
         item's Q loads under the last P V and epilogue of the current one (O has buffers of its own)."""
@@ -440,10 +455,10 @@ if HAS_GLUON_HOPPER:
         gl.warp_specialize([
             (_persistent_consumer, (0, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty, v_ready,
                                     v_empty, o_desc, L, H, BH, GROUP, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                    NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, EXP2_EMULATED)),
+                                    NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, EXP2_EMULATED, RESCALE_UNDER_S)),
             (_persistent_consumer, (1, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty, v_ready,
                                     v_empty, o_desc, L, H, BH, GROUP, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                    NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, EXP2_EMULATED)),
+                                    NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, EXP2_EMULATED, RESCALE_UNDER_S)),
             (_persistent_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty,
                                   v_ready, v_empty, H, BH, GROUP, N_Q, N_K, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES,
                                   IS_CAUSAL)),
@@ -486,7 +501,13 @@ class GluonConfig:
     MUFU unit (`exp2_mixed_asm`, FlashAttention-4's split); 0: none. At d 64 a consumer iteration keeps the MUFU unit
     about as busy as the tensor cores (results/flash_hopper_notes.md, section 13)."""
 
+    rescale_under_s: bool = False
+    """O's rescale by alpha(j-1) issued after S(j), so that it runs while S(j) is on the tensor cores, and before
+    P(j-1) V(j-1) (FlashAttention-3's order); False: at the end of iteration j-1, before S(j) is issued."""
+
     def __post_init__(self):
+        if not isinstance(self.rescale_under_s, bool):
+            raise ValueError(f"rescale_under_s ({self.rescale_under_s!r}) must be a bool")
         if type(self.exp2_emulated) is not int or self.exp2_emulated not in (0, 2, 4, 8, 16):
             raise ValueError(f"exp2_emulated ({self.exp2_emulated!r}) must be 0, 2, 4, 8 or 16")
         if not isinstance(self.persistent, bool):
@@ -507,7 +528,7 @@ class GluonConfig:
     def name(self) -> str:
         return (f"{self.num_consumers}x{self.block_m}x{self.block_n}/s{self.num_stages}"
                 + ("/p" if self.persistent else "") + (f"/g{self.head_group}" if self.head_group else "")
-                + (f"/e{self.exp2_emulated}" if self.exp2_emulated else ""))
+                + (f"/e{self.exp2_emulated}" if self.exp2_emulated else "") + ("/ru" if self.rescale_under_s else ""))
 
     def registers(self) -> tuple[int, int]:
         return register_split(self.num_consumers)
@@ -754,7 +775,7 @@ def launch_args(q, k, v, out, lse, is_causal: bool, config: GluonConfig):
     meta = dict(GROUP=config.head_group, HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                 NUM_STAGES=config.num_stages,
                 NUM_CONSUMERS=config.num_consumers, IS_CAUSAL=is_causal, CONSUMER_REGS=consumer_regs,
-                LOADER_REGS=LOADER_REGS, EXP2_EMULATED=config.exp2_emulated,
+                LOADER_REGS=LOADER_REGS, EXP2_EMULATED=config.exp2_emulated, RESCALE_UNDER_S=config.rescale_under_s,
                 num_warps=4, maxnreg=maxnreg)
     return grid, args, meta
 

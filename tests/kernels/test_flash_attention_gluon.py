@@ -161,6 +161,9 @@ def test_exp2_emulated_rules_and_default(monkeypatch):
         with pytest.raises(ValueError, match=rf"exp2_emulated \({bad!r}\) must be 0, 2, 4, 8 or 16"):
             fg.GluonConfig(exp2_emulated=bad)
     assert fg.GluonConfig(persistent=True, head_group=8, exp2_emulated=8).name == "2x64x128/s2/p/g8/e8"
+    assert fg.GluonConfig(exp2_emulated=8, rescale_under_s=True).name == "2x64x128/s2/e8/ru"
+    with pytest.raises(ValueError, match=r"rescale_under_s \(1\) must be a bool"):
+        fg.GluonConfig(rescale_under_s=1)
     assert fg.GluonConfig(exp2_emulated=4).shared_bytes(64) == fg.GluonConfig().shared_bytes(64)
     entry = {"block_m": 64, "block_n": 128, "num_stages": 3, "num_consumers": 2}
     monkeypatch.setattr(fg, "gluon_tuned_fields", lambda kind, head_dim, dtype: dict(entry))
@@ -563,6 +566,32 @@ def test_exp2_emulated_forward_matches_fp32_attention(q_shape, n_k, causal, ever
     ref_out, ref_lse = _reference(q, k, v, causal)
     assert (out.float() - ref_out).abs().max().item() <= tol
     assert (lse - ref_lse).abs().max().item() <= tol
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("q_shape, n_k, causal, drift", [
+    ((2, 2, 777, 64), 777, True, 0.0), ((1, 2, 513, 128), 1029, False, 0.0), ((1, 3, 1000, 128), 1000, True, 3.0),
+    ((1, 2, 200, 64), 100, False, 3.0)])
+def test_rescale_under_s_matches_fp32_attention(q_shape, n_k, causal, drift, persistent, dtype, tol):
+    """O's rescale issued under S(j) (`rescale_under_s`) against fp32 attention, O and L: random scores, and scores
+    rising by `drift` per key (every tile raises every row's max, so every rescale matters); n_k 100 is one key tile
+    (only the last P V's rescale, by tile 0's alpha)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k_shape = q_shape[:2] + (n_k, q_shape[-1])
+    q, k, v = (torch.randn(s, generator=gen, device="cuda") for s in (q_shape, k_shape, k_shape))
+    if drift:
+        q = q.abs() + 1.0
+        k = k.abs() * 0.1 + drift * torch.arange(n_k, device="cuda")[:, None] / n_k
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    config = dataclasses.replace(fg.DEFAULT_CONFIGS[q_shape[-1]], rescale_under_s=True, persistent=persistent)
+    out, lse = fg.gluon_attention_fwd(q, k, v, causal, config=config)
+    ref_out, ref_lse = _reference(q, k, v, causal)
+    scale = max(1.0, ref_lse.abs().max().item() / 8)
+    assert (out.float() - ref_out).abs().max().item() <= tol
+    assert (lse - ref_lse).abs().max().item() <= tol * scale
 
 
 @pytest.mark.gpu
