@@ -167,13 +167,16 @@ def test_exp2_emulated_rules_and_default(monkeypatch):
     assert fg.GluonConfig(exp2_emulated=4).shared_bytes(64) == fg.GluonConfig().shared_bytes(64)
     entry = {"block_m": 64, "block_n": 128, "num_stages": 3, "num_consumers": 2}
     monkeypatch.setattr(fg, "gluon_tuned_fields", lambda kind, head_dim, dtype: dict(entry))
-    assert fg.default_config(64, torch.bfloat16) == fg.GluonConfig(**entry, exp2_emulated=fg.EXP2_EMULATED[64])
+    assert fg.default_config(64, torch.bfloat16) == fg.GluonConfig(**entry, exp2_emulated=fg.EXP2_EMULATED[64],
+                                                                   rescale_under_s=fg.RESCALE_UNDER_S[64])
     assert fg.default_config(128, torch.bfloat16).exp2_emulated == fg.EXP2_EMULATED.get(128, 0)
+    assert fg.default_config(128, torch.bfloat16).rescale_under_s == fg.RESCALE_UNDER_S.get(128, False)
     entry["exp2_emulated"] = 0
+    entry["rescale_under_s"] = False
     assert fg.default_config(64, torch.bfloat16) == fg.GluonConfig(**entry)
     monkeypatch.setattr(fg, "gluon_tuned_fields", lambda kind, head_dim, dtype: None)
-    assert fg.default_config(64, torch.bfloat16) == dataclasses.replace(fg.DEFAULT_CONFIGS[64],
-                                                                        exp2_emulated=fg.EXP2_EMULATED[64])
+    assert fg.default_config(64, torch.bfloat16) == dataclasses.replace(
+        fg.DEFAULT_CONFIGS[64], exp2_emulated=fg.EXP2_EMULATED[64], rescale_under_s=fg.RESCALE_UNDER_S[64])
     for n in (2, 4, 8, 16):
         asm = fg.exp2_mixed_asm(n)
         assert asm.count("ex2.approx") == n - 1 and f"add.s32 ${n - 1}," in asm and f"${2 * n - 1}, 0fC2FC0000" in asm
