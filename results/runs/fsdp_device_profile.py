@@ -7,6 +7,8 @@ in OUT (Parquet: `variant`, `kernel` (its name, cut to 160 characters), `calls_p
 then the kernels whose time differs most between the variants. An existing OUT is refused before any work:
 
     PYTHONPATH=$PWD python3 results/runs/fsdp_device_profile.py /tmp/fsdp_device_profile.parquet [single,fsdp]
+
+The 6421fc2 run built its trials with this code inline; they are `fsdp_host_profile.xl_step`'s since.
 """
 import collections
 import os
@@ -23,8 +25,8 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from raysys.device import synchronize  # noqa: E402
 from raysys.results import provenance, write_parquet  # noqa: E402
-from raysys.train_step import TrainStep  # noqa: E402
-from sweeps.fsdp import AUTOCAST_VARIANTS, FSDPTrial, build  # noqa: E402
+from results.runs.fsdp_host_profile import xl_step  # noqa: E402  (the same trial, built and warmed up)
+from sweeps.fsdp import FSDPTrial  # noqa: E402
 
 STEPS = 3
 NAME_CHARS = 160
@@ -59,14 +61,7 @@ def main() -> None:
     dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29562", rank=0, world_size=1, device_id=device)
     rows, per_variant = [], {}
     for variant in variants:
-        trial = FSDPTrial(size="xl", context_length=512, batch_per_rank=4, dtype="bf16", variant=variant,
-                          profile=False, warmup=2, steps=4, compile=True, collectives_alone=True)
-        model, optimizer = build(trial, device, dist.group.WORLD)
-        dtype = trial.dtype if variant in AUTOCAST_VARIANTS else "fp32"
-        step = TrainStep(model, optimizer, trial.batch(device, 0), dtype, device)
-        for _ in range(3):
-            step()
-        synchronize(device)
+        model, optimizer, step = xl_step(variant, device)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(STEPS):
                 step()

@@ -39,6 +39,20 @@ from sweeps.fsdp import AUTOCAST_VARIANTS, FSDPTrial, build  # noqa: E402
 VARIANTS = sys.argv[1].split(",") if len(sys.argv) > 1 else ["single", "single_cast", "fsdp"]
 
 
+def xl_step(variant: str, device: torch.device) -> tuple:
+    """(model, optimizer, step) of the `fsdp_alone_compiled` study's trial of `variant` on the default group, after
+    3 warm-up steps (compiled and allocated)."""
+    trial = FSDPTrial(size="xl", context_length=512, batch_per_rank=4, dtype="bf16", variant=variant,
+                      profile=False, warmup=2, steps=4, compile=True, collectives_alone=True)
+    model, optimizer = build(trial, device, dist.group.WORLD)
+    dtype = trial.dtype if variant in AUTOCAST_VARIANTS else "fp32"
+    step = TrainStep(model, optimizer, trial.batch(device, 0), dtype, device)
+    for _ in range(3):
+        step()
+    synchronize(device)
+    return model, optimizer, step
+
+
 def host_phases(step: TrainStep, n: int) -> list[float]:
     rows = []
     for _ in range(n):
@@ -59,14 +73,7 @@ def main() -> None:
     dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29561", rank=0, world_size=1, device_id=device)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device)}, group of one, collectives_alone")
     for variant in VARIANTS:
-        trial = FSDPTrial(size="xl", context_length=512, batch_per_rank=4, dtype="bf16", variant=variant,
-                          profile=False, warmup=2, steps=4, compile=True, collectives_alone=True)
-        model, optimizer = build(trial, device, dist.group.WORLD)
-        dtype = trial.dtype if variant in AUTOCAST_VARIANTS else "fp32"
-        step = TrainStep(model, optimizer, trial.batch(device, 0), dtype, device)
-        for _ in range(3):
-            step()
-        synchronize(device)
+        model, optimizer, step = xl_step(variant, device)
         phases = host_phases(step, 6)
         print(f"\n=== {variant}: host ms per phase (forward, backward, finish, optimizer): "
               + ", ".join(f"{p:.1f}" for p in phases) + f"; total {sum(phases):.1f}")
