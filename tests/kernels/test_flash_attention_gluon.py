@@ -172,8 +172,7 @@ def test_exp2_emulated_rules_and_default(monkeypatch):
     assert fg.default_config(128, torch.bfloat16).exp2_emulated == fg.EXP2_EMULATED.get(128, 0)
     assert fg.default_config(128, torch.bfloat16).rescale_under_s == fg.RESCALE_UNDER_S.get(128, False)
     entry["exp2_emulated"] = 0
-    entry["rescale_under_s"] = False
-    assert fg.default_config(64, torch.bfloat16) == fg.GluonConfig(**entry)
+    assert fg.default_config(64, torch.bfloat16) == fg.GluonConfig(**entry, rescale_under_s=fg.RESCALE_UNDER_S[64])
     monkeypatch.setattr(fg, "gluon_tuned_fields", lambda kind, head_dim, dtype: None)
     assert fg.default_config(64, torch.bfloat16) == dataclasses.replace(
         fg.DEFAULT_CONFIGS[64], exp2_emulated=fg.EXP2_EMULATED[64], rescale_under_s=fg.RESCALE_UNDER_S[64])

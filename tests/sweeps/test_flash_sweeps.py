@@ -253,7 +253,8 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     # Rows of a run that swept dq_whole alone: its grid (18 configs a shape) caps the count asked for.
     assert flash_tiles.gluon_best_configs(df_w, min_configs=27)["bwd"][0]["dq_whole"] is True
     assert gluon_fwd.default_config(64, torch.bfloat16) == dataclasses.replace(  # not swept: the default
-        gluon_fwd.DEFAULT_CONFIGS[64], exp2_emulated=gluon_fwd.EXP2_EMULATED[64])
+        gluon_fwd.DEFAULT_CONFIGS[64], exp2_emulated=gluon_fwd.EXP2_EMULATED[64],
+        rescale_under_s=gluon_fwd.RESCALE_UNDER_S[64])
     assert one_pass.default_config(128, torch.float16) == one_pass.DEFAULT_BWD_CONFIGS[128]
     # Bad input, before any work: no shape the Gluon kernels take; a tuned entry with a field no config has.
     with pytest.raises(ValueError, match="variant gluon runs shapes of head dim 64 or 128"):
