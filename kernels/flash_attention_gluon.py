@@ -555,10 +555,9 @@ pipe moves it below (section 15)."""
 
 
 RESCALE_UNDER_S = {64: True}
-"""Head dim -> `GluonConfig.rescale_under_s` of `default_config`. Paired against the launched
-configs (8 rounds, results/runs/flash_gluon_fwd_ru_75221a4.parquet): 1.013 and 1.007 at d 64 (8x16x4096x64,
-16x16x2048x64), 0.98-1.0 at d 128, where O's 64 multiplies per thread delay S's issue (flash_hopper_notes.md,
-section 17)."""
+"""Head dim -> `GluonConfig.rescale_under_s` of `default_config`. Paired against the launched configs, it was faster
+at d 64 and slower at d 128, where O's multiplies per thread are twice as many and delay S's issue
+(results/runs/flash_gluon_fwd_ru_75221a4.parquet; results/flash_hopper_notes.md, section 17)."""
 
 
 def default_config(head_dim: int, dtype: torch.dtype) -> GluonConfig:
