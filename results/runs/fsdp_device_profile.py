@@ -25,8 +25,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from raysys.device import synchronize  # noqa: E402
 from raysys.results import provenance, write_parquet  # noqa: E402
-from results.runs.fsdp_host_profile import xl_step  # noqa: E402  (the same trial, built and warmed up)
-from sweeps.fsdp import FSDPTrial  # noqa: E402
+from results.runs.fsdp_host_profile import group_of_one, xl_step  # noqa: E402  (the same group and trial)
 
 STEPS = 3
 NAME_CHARS = 160
@@ -51,14 +50,7 @@ def main() -> None:
     if out_path.exists():
         raise SystemExit(f"fsdp_device_profile.py: {out_path} exists; give a new path")
     variants = sys.argv[2].split(",") if len(sys.argv) > 2 else ["single", "fsdp"]
-    unknown = [v for v in variants if v not in FSDPTrial.VARIANTS]
-    if unknown:
-        raise SystemExit(f"fsdp_device_profile.py: variants {unknown} are not among {list(FSDPTrial.VARIANTS)}")
-    if not torch.cuda.is_available():
-        raise SystemExit("fsdp_device_profile.py: needs a CUDA GPU (an NCCL group of one); this machine has none")
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29562", rank=0, world_size=1, device_id=device)
+    device = group_of_one("fsdp_device_profile.py", variants, 29562)
     rows, per_variant = [], {}
     for variant in variants:
         model, optimizer, step = xl_step(variant, device)

@@ -62,15 +62,22 @@ def host_phases(step: TrainStep, n: int) -> list[float]:
     return [statistics.median(r[i] for r in rows) for i in range(len(rows[0]))]
 
 
-def main() -> None:
-    unknown = [v for v in VARIANTS if v not in FSDPTrial.VARIANTS]
+def group_of_one(script: str, variants: list[str], port: int) -> torch.device:
+    """Check `variants` and the GPU (SystemExit naming `script` and the rule), then start an NCCL group of one on GPU 0
+    at `port`; returns the device."""
+    unknown = [v for v in variants if v not in FSDPTrial.VARIANTS]
     if unknown:
-        raise SystemExit(f"fsdp_host_profile.py: variants {unknown} are not among {list(FSDPTrial.VARIANTS)}")
+        raise SystemExit(f"{script}: variants {unknown} are not among {list(FSDPTrial.VARIANTS)}")
     if not torch.cuda.is_available():
-        raise SystemExit("fsdp_host_profile.py: needs a CUDA GPU (an NCCL group of one); this machine has none")
+        raise SystemExit(f"{script}: needs a CUDA GPU (an NCCL group of one); this machine has none")
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29561", rank=0, world_size=1, device_id=device)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, device_id=device)
+    return device
+
+
+def main() -> None:
+    device = group_of_one("fsdp_host_profile.py", VARIANTS, 29561)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device)}, group of one, collectives_alone")
     for variant in VARIANTS:
         model, optimizer, step = xl_step(variant, device)
