@@ -8,7 +8,8 @@ then the kernels whose time differs most between the variants. An existing OUT i
 
     PYTHONPATH=$PWD python3 results/runs/fsdp_device_profile.py /tmp/fsdp_device_profile.parquet [single,fsdp]
 
-The 6421fc2 run built its trials with this code inline; they are `fsdp_host_profile.xl_step`'s since (66ff994), its NCCL group `group_of_one`'s since d99fcdf.
+The 6421fc2 run built its trials with this code inline; they are `fsdp_host_profile.xl_step`'s since 66ff994, and
+its NCCL group is `group_of_one`'s since d99fcdf.
 """
 import collections
 import os
