@@ -7,6 +7,7 @@ rank 0's parameters and buffers at construction, and averages the gradients of t
 | `NaiveDDP`      | after backward, in `finish_gradient_synchronization()`: one blocking all-reduce per parameter   |
 | `FlatDDP`       | after backward: one all-reduce of all gradients copied into one flat tensor (per dtype)         |
 | `OverlappedDDP` | during backward: one async all-reduce per parameter, issued as soon as its gradient is ready    |
+|                 | (those a compiled region's backward produces at once: one coalesced call)                      |
 | `BucketedDDP`   | during backward: one async coalesced all-reduce per bucket of <= `bucket_size_mb` (filled in     |
 |                 | reverse parameter order), issued once all its gradients are ready, reducing them where they lie |
 | `TorchDDP`      | `torch.nn.parallel.DistributedDataParallel` behind the same interface (the baseline)            |
@@ -52,7 +53,7 @@ from parallel.carveout import SMCarveout
 from parallel.hooks import remove_handles
 
 __all__ = ["NaiveDDP", "FlatDDP", "OverlappedDDP", "BucketedDDP", "TorchDDP", "DDP_KINDS", "make_ddp", "assign_buckets",
-           "broadcast_module_state", "mean_reduction"]
+           "broadcast_module_state", "mean_reduction", "compiled_regions", "ready_together"]
 
 
 def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
@@ -396,15 +397,72 @@ class _OverlappedDataParallel(_DataParallel):
         self.carveout.exit()
 
 
+def _compiled(module: nn.Module) -> bool:
+    """Whether `module` runs compiled: `torch.compile(module)`, `module.compile()`, or its `forward` replaced by
+    `torch.compile(module.forward)` (raysys.train_step.compile_blocks)."""
+    return (getattr(module, "_compiled_call_impl", None) is not None
+            or hasattr(getattr(module, "forward", None), "_torchdynamo_orig_callable"))
+
+
+def compiled_regions(module: nn.Module) -> list[nn.Module]:
+    """The outermost modules in `module` (itself included) that run compiled (`_compiled`), in module order."""
+    regions: list[tuple[str, nn.Module]] = []
+    for name, m in module.named_modules():
+        if any(name == r or name.startswith(r + ".") or r == "" for r, _ in regions):
+            continue
+        if _compiled(m):
+            regions.append((name, m))
+    return [m for _, m in regions]
+
+
+def ready_together(module: nn.Module, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """`params` in reverse order, split where gradients become ready at different moments: one parameter per group,
+    except the parameters of one compiled region (`compiled_regions`). Its backward is one autograd node that
+    returns all of their gradients at once, and autograd accumulates them before it runs any other node
+    (AccumulateGrad is always first in its queue), so their hooks fire back to back. A parameter registered outside
+    its region too (tied) may get gradient from elsewhere later: it stays alone. Groups also split on dtype/device."""
+    owner: dict[int, int | None] = {}
+    regions = compiled_regions(module)
+    inside = {id(m) for r in regions for m in r.modules()}
+    for i, region in enumerate(regions):
+        for p in region.parameters():
+            owner[id(p)] = i if id(p) not in owner else None  # in two regions: alone
+    for m in module.modules():
+        if id(m) not in inside:
+            for p in m.parameters(recurse=False):
+                owner[id(p)] = None
+    groups: list[list[nn.Parameter]] = []
+    for p in reversed(params):
+        region = owner.get(id(p))
+        last = groups[-1] if groups else None
+        if (region is None or last is None or owner.get(id(last[0])) != region
+                or (p.dtype, p.device) != (last[0].dtype, last[0].device)):
+            groups.append([p])
+        else:
+            last.append(p)
+    return groups
+
+
 class OverlappedDDP(_OverlappedDataParallel):
     """An async all-reduce of each parameter's gradient, in place, issued as soon as backward produces it
-    (in reverse parameter order; see the ordering note in the module docstring)."""
+    (in reverse parameter order; see the ordering note in the module docstring).
+
+    `group_compiled=True` (default): the gradients that backward produces at the same moment, those of one compiled
+    region (`ready_together`; e.g. a block compiled by `compile_blocks`), are issued together once the last of them
+    is accumulated, by one coalesced call (on NCCL one grouped launch, still an all-reduce per parameter). Nothing
+    waits longer than it would one call at a time, and the host pays one collective call per region instead of one
+    per parameter (the per-call host cost of NCCL collectives: results/runs/README.md). In eager code every
+    gradient has its own moment and its own call either way. `False`: one call per parameter always."""
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None, *,
-                 sm_carveout: int | None = None, collectives_alone: bool = False):
+                 group_compiled: bool = True, sm_carveout: int | None = None, collectives_alone: bool = False):
+        if not isinstance(group_compiled, bool):
+            raise ValueError(f"group_compiled ({group_compiled!r}) must be a bool")
         params = [p for p in module.parameters() if p.requires_grad]
-        super().__init__(module, [[p] for p in reversed(params)], grad_as_bucket_view=True,
-                         process_group=process_group, sm_carveout=sm_carveout, collectives_alone=collectives_alone)
+        groups = ready_together(module, params) if group_compiled else [[p] for p in reversed(params)]
+        super().__init__(module, groups, grad_as_bucket_view=True, process_group=process_group,
+                         sm_carveout=sm_carveout, collectives_alone=collectives_alone)
+        self.group_compiled = group_compiled
 
 
 class BucketedDDP(_OverlappedDataParallel):

@@ -3,7 +3,8 @@ torch's DDP and a step with no communication, in one run; one row per dtype x va
 
 Variants (`--variants`): `single` (each rank trains its own replica, no communication: the reference, run first
 and again last in each dtype as `single (rerun)`, which bounds the drift of the run), `naive`, `flat`,
-`overlapped`, `bucketed:MB`, `bucketed_copy:MB` (copy-in/out buffers instead of gradient views), `torch`
+`overlapped`, `overlapped_each` (one call per parameter also where a compiled block's gradients are ready at
+once), `bucketed:MB`, `bucketed_copy:MB` (copy-in/out buffers instead of gradient views), `torch`
 (DistributedDataParallel). A suffix `@N` (`overlapped@8`) caps that variant's NCCL communicator at N CTAs;
 `@N+carve` also keeps cuBLAS off N SMs while its all-reduces overlap backward (parallel/carveout.py). `label`
 names a variant uniquely. Every rank runs the same `--batch-per-rank` batch, `single` included, so a row's step
@@ -63,7 +64,7 @@ from sweeps.common import (GANG_DTYPES, NOT_ON_CPU, VariantTrial, adamw_kwargs, 
 SWEEP = "ddp"
 COMPILED = "ddp_compiled"   # the same study with compiled blocks (--compile): its own file, tables and baselines
 KINDS = ("single", "naive", "flat", "overlapped", "bucketed", "torch")  # a trial's variant (bucketed_copy: no views)
-SPECS = ("single", "naive", "flat", "overlapped", "bucketed", "bucketed_copy", "torch")  # --variants names
+SPECS = ("single", "naive", "flat", "overlapped", "overlapped_each", "bucketed", "bucketed_copy", "torch")  # --variants
 DEFAULT_VARIANTS = ("single,naive,flat,overlapped,bucketed:1,bucketed:10,bucketed:100,bucketed:1000,bucketed_copy:100,"
                     "torch")
 # bf16 autocast on the CPU is emulated (slow, and says nothing about GPUs): the CPU run is fp32 only.
@@ -86,6 +87,9 @@ class DDPTrial(VariantTrial):
     """Bucket size of bucketed and torch variants, MiB."""
     bucket_view: bool | None = None
     """Bucketed: gradients are views of the buckets (else copied in and out)."""
+    group_compiled: bool | None = None
+    """Overlapped: False for one call per parameter also in compiled blocks (`OverlappedDDP(group_compiled=False)`,
+    the `overlapped_each` variant); None: the wrapper's default."""
     nccl_max_ctas: int | None = None
     """CTAs per collective of the variant's NCCL communicator (None: NCCL's choice)."""
     sm_carveout: int | None = None
@@ -97,6 +101,10 @@ class DDPTrial(VariantTrial):
         super().__post_init__()
         if self.max_steps < self.steps:
             raise ValueError(f"max_steps ({self.max_steps}) must be >= steps ({self.steps})")
+        if self.group_compiled is not None and (not isinstance(self.group_compiled, bool)
+                                                or self.variant != "overlapped"):
+            raise ValueError(f"group_compiled ({self.group_compiled!r}) must be None, or a bool for an overlapped "
+                             f"variant (not {self.variant})")
         if self.nccl_max_ctas is not None and (not isinstance(self.nccl_max_ctas, int) or self.nccl_max_ctas < 1):
             raise ValueError(f"nccl_max_ctas ({self.nccl_max_ctas!r}) must be an int >= 1 (or None for NCCL's choice)")
 
@@ -104,6 +112,8 @@ class DDPTrial(VariantTrial):
         out = super().config()
         if self.sm_carveout is None and " CTAs" not in self.label:
             del out["sm_carveout"]  # rows of variants without a cap of their own never had the column: ids stay
+        if self.group_compiled is None:
+            del out["group_compiled"]  # likewise: only `overlapped_each` rows have the column
         return out
 
 
@@ -142,6 +152,9 @@ def parse_variant(spec: str) -> dict:
         raise ValueError(f"variant {spec!r}: bucket size must be a positive number of MiB")
     if name in ("single", "naive", "flat", "overlapped"):
         return {"variant": name, "bucket_size_mb": None, "bucket_view": None, "label": name}
+    if name == "overlapped_each":
+        return {"variant": "overlapped", "bucket_size_mb": None, "bucket_view": None, "group_compiled": False,
+                "label": "overlapped (each)"}
     if name == "torch":
         return {"variant": "torch", "bucket_size_mb": mb, "bucket_view": None, "label": f"torch DDP {mb:g}MB"}
     view = name == "bucketed"
@@ -203,7 +216,8 @@ def wrap(trial: DDPTrial, model: nn.Module, process_group) -> nn.Module:
         # The model's only buffers are constant RoPE tables: like ours, don't re-broadcast them every forward.
         return make_ddp("torch", model, bucket_size_mb=trial.bucket_size_mb, process_group=process_group,
                         broadcast_buffers=False)
-    return make_ddp(trial.variant, model, process_group=process_group, **carve, **alone)
+    grouped = {"group_compiled": trial.group_compiled} if trial.group_compiled is not None else {}
+    return make_ddp(trial.variant, model, process_group=process_group, **carve, **alone, **grouped)
 
 
 def unwrapped_model(ctx, trial: DDPTrial) -> nn.Module:

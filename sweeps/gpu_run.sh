@@ -153,8 +153,8 @@ case $phase in
     [ -e "$guards" ] || study guard_check 180 python3 results/runs/dynamo_guard_check_fsdp.py --device cuda --out "$guards"
     study ddp_alone 200 python3 sweeps/ddp.py "${w1[@]}" --out "$RESULTS/alone" --resume --max-steps 4 \
       --no-single-rerun --variants single,overlapped,bucketed:1000,torch
-    study ddp_alone_compiled 200 python3 sweeps/ddp.py "${w1[@]}" --out "$RESULTS/alone" --resume --max-steps 4 \
-      --no-single-rerun --variants single,overlapped,bucketed:1000,torch --compile
+    study ddp_alone_compiled 250 python3 sweeps/ddp.py "${w1[@]}" --out "$RESULTS/alone" --resume --max-steps 4 \
+      --no-single-rerun --variants single,overlapped,overlapped_each,bucketed:1000,torch --compile
     study fsdp_alone_compiled 260 python3 sweeps/fsdp.py "${w1[@]}" --out "$RESULTS/alone" --resume \
       --variants single,fsdp,fsdp2 --compile
     ;;

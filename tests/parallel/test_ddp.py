@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.ddp import BucketedDDP, assign_buckets, make_ddp
+from parallel.ddp import BucketedDDP, OverlappedDDP, assign_buckets, compiled_regions, make_ddp, ready_together
 from raysys.config import ModelConfig
 from raysys.model import TransformerLM, cross_entropy
 from raysys.timing import dynamo_graphs
@@ -192,6 +192,7 @@ def _train_variants(rank: int, world_size: int, model_name: str, variants: list,
         results[_name(kind, kwargs)] = dict(
             init_diff=init_diff, step_diffs=step_diffs, step_calls=step_calls, num_trainable=len(trainable),
             num_buckets=getattr(ddp, "num_buckets", None), grads_kept=grads_kept,
+            bucket_sizes=[len(b.params) for b in ddp.buckets] if hasattr(ddp, "buckets") else None,
             copy_buffers=sum(b.buffer is not None for b in ddp.buckets) if isinstance(ddp, BucketedDDP) else None,
             multi_param_buckets=sum(len(b.params) > 1 for b in ddp.buckets) if isinstance(ddp, BucketedDDP) else None)
     return results
@@ -204,7 +205,7 @@ def _grad_storages(ddp: nn.Module) -> list[int | None]:
 
 
 def _expected_calls(kind: str, result: dict) -> int:
-    return {"naive": result["num_trainable"], "flat": 1, "overlapped": result["num_trainable"],
+    return {"naive": result["num_trainable"], "flat": 1, "overlapped": result["num_buckets"],
             "bucketed": result["num_buckets"]}[kind]
 
 
@@ -374,11 +375,78 @@ def _train_compiled(rank: int, world_size: int, variants: list, num_steps: int) 
 
 
 def test_variants_match_single_process_training_with_compiled_blocks():
-    """Gradient hooks fire after each compiled block's backward; the reductions and their count are unchanged."""
-    variants = [("overlapped", {}), ("bucketed", {"bucket_size_mb": 0.1}), ("bucketed", {"bucket_size_mb": 1000.0})]
+    """Gradient hooks fire after each compiled block's backward; the reductions are unchanged. `overlapped` issues a
+    block's gradients, ready at once, in one call (one per other parameter); with group_compiled=False one each."""
+    variants = [("overlapped", {}), ("overlapped", {"group_compiled": False}), ("bucketed", {"bucket_size_mb": 0.1}),
+                ("bucketed", {"bucket_size_mb": 1000.0})]
     results = run_ranks(_train_compiled, WORLD_SIZE, variants, 2)
     _check([r for r, _ in results], variants, 2)
     assert all(graphs > 0 for _, graphs in results), results   # the blocks did run compiled
+    model = _build("transformer-compiled")
+    per_block = len(list(model.layers[0].parameters()))
+    outside = sum(1 for n, _ in model.named_parameters() if not n.startswith("layers."))
+    for r, _ in results:
+        grouped, each = r["overlapped"], r["overlapped,group_compiled=False"]
+        assert each["bucket_sizes"] == [1] * each["num_trainable"], each["bucket_sizes"]
+        # Reverse order: the final norm and the LM head alone, each block's parameters together, the embedding alone.
+        assert sorted(grouped["bucket_sizes"]) == [1] * outside + [per_block] * len(model.layers), grouped
+        assert grouped["num_buckets"] == outside + len(model.layers), grouped
+
+
+def _model_with_tied_and_compiled_parts() -> nn.Module:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), nn.Linear(4, 4),
+                          nn.Linear(4, 4))
+    model[1].forward = torch.compile(model[1].forward, backend="eager")
+    model[3].compile(backend="eager")
+    return model
+
+
+def test_ready_together_groups_each_compiled_region_and_keeps_shared_parameters_alone():
+    model = _model_with_tied_and_compiled_parts()
+    assert compiled_regions(model) == [model[1], model[3]]
+    params = list(model.parameters())
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = [[names[id(p)] for p in g] for g in ready_together(model, params)]
+    assert groups == [["3.bias", "3.weight"], ["2.bias"], ["2.weight"], ["1.1.bias", "1.1.weight", "1.0.bias",
+                                                                        "1.0.weight"], ["0.bias"], ["0.weight"]]
+    model[0].weight = model[1][0].weight      # tied: also registered outside the region, so it stays alone
+    params = list(model.parameters())
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = [[names[id(p)] for p in g] for g in ready_together(model, params)]
+    assert ["0.weight"] in groups and ["1.1.bias", "1.1.weight", "1.0.bias"] in groups, groups
+    assert compiled_regions(torch.compile(model, backend="eager"))[0] is not None
+    with pytest.raises(ValueError, match="group_compiled"):
+        OverlappedDDP(model, group_compiled=1)
+
+
+def test_a_compiled_blocks_gradients_are_accumulated_back_to_back():
+    """What `ready_together` relies on: between the first and the last post-accumulate-grad hook of a compiled
+    block's parameters, autograd runs no other node (every node's pre-hook records that it started)."""
+    torch.manual_seed(0)
+    model = _build("transformer-compiled")
+    block_of = {id(p): i for i, block in enumerate(model.layers) for p in block.parameters()}
+    events: list = []
+    handles = [p.register_post_accumulate_grad_hook(lambda p: events.append(("param", block_of.get(id(p)))))
+               for p in model.parameters()]
+    x, y = _batch("transformer", 0)
+    loss = _loss("transformer", model, x, y)
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ != "AccumulateGrad":
+            handles.append(node.register_prehook(lambda grads, name=type(node).__name__: events.append(("node", name))))
+        stack.extend(n for n, _ in node.next_functions)
+    loss.backward()
+    for h in handles:
+        h.remove()
+    assert any(name == "CompiledFunctionBackward" for kind, name in events if kind == "node"), events
+    for i in range(len(model.layers)):
+        at = [j for j, e in enumerate(events) if e == ("param", i)]
+        assert len(at) == len(list(model.layers[i].parameters())), (i, events)
+        assert at == list(range(at[0], at[-1] + 1)), f"block {i}: another node ran between its hooks: {events}"
 
 
 def _no_sync_accumulation(rank: int, world_size: int, kind: str) -> dict:

@@ -48,6 +48,8 @@ def test_parse_variant():
                       "sm_carveout": None, "label": "bucketed 100MB @8 CTAs"}
     carved = ddp_sweep.parse_variant("overlapped@8+carve")
     assert (carved["nccl_max_ctas"], carved["sm_carveout"], carved["label"]) == (8, 8, "overlapped @8 CTAs + carve-out")
+    each = ddp_sweep.parse_variant("overlapped_each")
+    assert (each["variant"], each["group_compiled"], each["label"]) == ("overlapped", False, "overlapped (each)")
     for bad, match in (("ring", "not one of"), ("naive:10", "only bucketed"), ("bucketed:x", "not a number"),
                        ("bucketed:0", "positive"), ("overlapped@0", "int >= 1"), ("overlapped@x", "int >= 1"),
                        ("single@8", "does not communicate"), ("bucketed:100@8+fast", "only suffix"),
@@ -72,6 +74,13 @@ def test_trials_grid_and_validation():
     assert [(t["label"], t["nccl_max_ctas"]) for t in capped] == [
         ("single", 16), ("overlapped", 16), ("overlapped @8 CTAs", 8)]
     assert len({trial_id(t) for t in capped}) == 3
+    # `overlapped_each` is its own trial, with a column only it has (the other rows' ids stay).
+    pair = ddp_sweep.ddp_trials(dtypes=["fp32"], variants=["overlapped", "overlapped_each"], profile=[], **TINY)
+    assert ["group_compiled" in t for t in pair] == [False, True] and pair[1]["group_compiled"] is False
+    for bad in (dict(variant="bucketed", bucket_size_mb=1.0, bucket_view=True), dict(variant="overlapped", group=1)):
+        kwargs = {**pair[1].config(), "group_compiled": bad.pop("group", False), **bad}
+        with pytest.raises(ValueError, match="group_compiled"):
+            ddp_sweep.DDPTrial(**kwargs)
     # No rerun without other variants, or when asked not to.
     assert len(ddp_sweep.ddp_trials(dtypes=["fp32"], variants=["single"], profile=[], **TINY)) == 1
     assert len(ddp_sweep.ddp_trials(dtypes=["fp32"], variants=["single", "flat"], profile=[], rerun_single=False,
