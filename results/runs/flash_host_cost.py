@@ -1,13 +1,14 @@
 """Host time per call of the FlashAttention entry points (issue 16), one H200.
 
 Run on the GPU host from the repository root: `PYTHONPATH=$PWD python3 results/runs/flash_host_cost.py OUT_DIR
-[--profile] [--shape B,H,N,d] [--overwrite]` (an existing OUT_DIR/flash_host_cost.parquet is refused without
+[--profile] [--pieces] [--shape B,H,N,d] [--overwrite]` (an existing OUT_DIR/flash_host_cost.parquet is refused without
 `--overwrite`, before any work). For each entry point, 200 calls at 4x32x2048x128 bf16 causal (or `--shape`):
 `host_s` is the time to issue one (seconds per call), `wall_s` the time until the GPU finished them, per call;
 host close to wall means host-bound calls. `kernel_s` is the GPU time of the call's kernels (the CUDA kernels the
 profiler saw over 20 calls, summed, per call): wall above kernel is time the GPU waited. SDPA's cuDNN backend is
 the baseline. `--profile` prints, per case, the functions with the most own and cumulative time over the calls
-(cProfile). Rows go to OUT_DIR/flash_host_cost.parquet (the results convention).
+(cProfile). `--pieces` adds rows `piece: ...`: the host time of each step of the gluon forward alone. Rows go to
+OUT_DIR/flash_host_cost.parquet (the results convention).
 The e7dd8cb run: `flash_host_cost_e7dd8cb.parquet` (its printed output, `flash_host_cost_e7dd8cb.txt`, converted).
 """
 
@@ -69,6 +70,58 @@ def profile(name: str, fn, n: int = 50) -> None:
         print(f"--- {name}: by {key}, {n} calls\n" + "\n".join(text.getvalue().splitlines()[6:]))
 
 
+def pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, label: str) -> list[dict]:
+    """Host time of each step of the `op` case's forward, alone (`--pieces`; rows `piece: ...`): what the gluon
+    forward pays before and around its launch."""
+    from kernels.flash_attention_pytorch import check_attention_inputs
+
+    config = g.problem_config(q, k)
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    grid, args, meta = g.launch_args(q, k, v, out, lse, True, config)
+    qg = q.clone().requires_grad_()
+
+    class Nothing(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, is_causal, path, bwd):
+            ctx.save_for_backward(q, k, v, q, q[..., 0])
+            ctx.is_causal = is_causal
+            return q.view_as(q)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None, None, None, None, None
+
+    def device_ctx():
+        with torch.cuda.device(q.device):
+            pass
+
+    steps = [("check_attention_inputs", lambda: check_attention_inputs(q, k, v, True), 2000),
+             ("_eager", lambda: fa._eager(q), 2000),
+             ("path and bwd env", lambda: (fa._requested_path(None), fa._requested_bwd(None)), 2000),
+             ("resolve_path", lambda: fa.resolve_path(None, q, k, v, forward=True), 2000),
+             ("problem_config", lambda: g.problem_config(q, k), 2000),
+             ("empty out, lse", lambda: (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+                                         torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)), 2000),
+             ("launch_args", lambda: g.launch_args(q, k, v, out, lse, True, config), 2000),
+             ("cuda.device context", device_ctx, 2000),
+             ("autograd.Function, no kernel", lambda: Nothing.apply(qg, k, v, True, None, None), 2000),
+             ("launch, args built", lambda: g.launch(config.kernel, grid, args, meta), 200)]
+    rows = []
+    for name, fn, n in steps:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        host_us = (time.perf_counter() - start) / n * 1e6
+        torch.cuda.synchronize()
+        print(f"piece: {name}", "host us/call %.2f" % host_us)
+        rows.append(make_row("flash_host_cost", dict(case=f"piece: {name}", shape=label, calls=n),
+                             dict(host_s=host_us * 1e-6)))
+    return rows
+
+
 def main() -> None:
     shape = (4, 32, 2048, 128)
     if "--shape" in sys.argv:
@@ -121,9 +174,11 @@ def main() -> None:
         print(name, "host us/call %.1f  wall us/call %.1f  kernels us/call %.1f" % (host_us, wall_us, gpu_us))
         rows.append(make_row("flash_host_cost", dict(case=name, shape=label, calls=200),
                              dict(host_s=host_us * 1e-6, wall_s=wall_us * 1e-6, kernel_s=gpu_us * 1e-6)))
+    if "--pieces" in sys.argv:
+        rows += pieces(q, k, v, label)
     if "--profile" in sys.argv:
         for name, fn in cases:
-            if name in ("op", "op gluon", "fwd+bwd auto", "fwd+bwd gluon"):
+            if name in ("direct", "fwd_api", "op", "op gluon", "fwd+bwd auto", "fwd+bwd gluon"):
                 profile(name, fn)
     print("wrote", write_parquet(pd.DataFrame(rows), out))
 
