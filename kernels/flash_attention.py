@@ -242,7 +242,8 @@ def _work(q: torch.Tensor, k: torch.Tensor) -> int:
     return q.numel() * k.shape[-2]
 
 
-def gluon_bwd_chosen(path: str | None, bwd: str | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def gluon_bwd_chosen(path: str | None, bwd: str | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     gluon_reason: str | None = None) -> bool:
     """Whether a backward of dQ and dK/dV on (B[, H], N, d) `q, k, v` runs the Gluon one-pass kernel: `path` gluon,
     or auto at a head dim of GLUON_BWD_AUTO_MIN_WORK from its bound on, where the Gluon
     kernels run; and `bwd` one_pass, or auto outside `torch.use_deterministic_algorithms` (its dQ additions have no
@@ -255,17 +256,19 @@ def gluon_bwd_chosen(path: str | None, bwd: str | None, q: torch.Tensor, k: torc
         return False
     if requested == "auto" and _work(q, k) < GLUON_BWD_AUTO_MIN_WORK.get(q.shape[-1], math.inf):
         return False
-    return not gluon_unsupported(q, k, v)
+    return not (gluon_unsupported(q, k, v) if gluon_reason is None else gluon_reason)
 
 
-def resolve_path(requested: str | None, *tensors: torch.Tensor, forward: bool = False) -> str:
+def resolve_path(requested: str | None, *tensors: torch.Tensor, forward: bool = False,
+                 gluon_reason: str | None = None) -> str:
     """The path of a call on (q, k, v, ...) `tensors`: `portable` or `tma`, or `gluon` for a `forward` (for the
-    backward, `gluon_bwd_chosen` decides first); `requested` None reads RAYSYS_FLASH_PATH (default auto)."""
+    backward, `gluon_bwd_chosen` decides first); `requested` None reads RAYSYS_FLASH_PATH (default auto).
+    `gluon_reason`: `gluon_unsupported(q, k, v)` when the caller has it already (`_validated`)."""
     requested = _requested_path(requested)
     if requested not in ("auto", GLUON) + PATHS:
         raise ValueError(f"flash path {requested!r} must be one of auto, {', '.join(PATHS + (GLUON,))}")
     if requested in ("auto", GLUON) and forward:
-        reason = gluon_unsupported(*tensors[:3])
+        reason = gluon_unsupported(*tensors[:3]) if gluon_reason is None else gluon_reason
         if not reason and (requested == GLUON or _work(*tensors[:2]) >= GLUON_AUTO_MIN_WORK[tensors[0].shape[-1]]):
             return GLUON
         if requested == GLUON:
@@ -288,6 +291,31 @@ def resolve_path(requested: str | None, *tensors: torch.Tensor, forward: bool = 
 # Every buffer the kernels write is allocated here, uninitialised; the tests swap in a NaN-filled allocator with
 # guard elements to prove each element is written exactly within bounds.
 _empty = torch.empty
+
+
+_VALIDATED: dict[tuple, str] = {}
+"""The geometry of an eager call's tensors (`_validated`) -> `gluon_unsupported`'s answer, for calls whose checks
+passed."""
+
+
+def _validated(check, is_causal, *tensors: torch.Tensor) -> str:
+    """Run `check()` (which raises on bad input) and return `gluon_unsupported(q, k, v)` of `tensors` (q, k, v, ...),
+    once per geometry: both read only the tensors' shapes, strides, dtypes, devices and pointer alignment, and
+    is_causal, so a later eager call of the same geometry skips them (host time on every call: tens of
+    microseconds, results/runs/flash_host_cost.py --pieces). Anything else (not plain tensors, a non-bool
+    is_causal, tracing) is checked every time."""
+    if type(is_causal) is not bool or not all(type(t) in _PLAIN for t in tensors) or not _eager(tensors[0]):
+        check()
+        return gluon_unsupported(*tensors[:3])
+    key = (is_causal, *[(t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15) for t in tensors])
+    reason = _VALIDATED.get(key)
+    if reason is None:
+        check()
+        reason = gluon_unsupported(*tensors[:3])
+        if len(_VALIDATED) >= 4096:
+            _VALIDATED.clear()
+        _VALIDATED[key] = reason
+    return reason
 
 
 def _check_device(q: torch.Tensor) -> None:
@@ -328,11 +356,10 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_ca
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the forward kernel: (O like q, L fp32 of shape q.shape[:-1]). `config` (a tl launch config) skips
     autotuning; `path` (auto, portable, tma, gluon; None reads RAYSYS_FLASH_PATH) picks the kernel variant."""
-    check_attention_inputs(q, k, v, is_causal)
-    _check_device(q)
+    reason = _validated(lambda: (check_attention_inputs(q, k, v, is_causal), _check_device(q)), is_causal, q, k, v)
     if config is not None and _requested_path(path) == GLUON:
         raise ValueError("a FlashConfig is a launch config of the tl kernels, not of the gluon path")
-    path = resolve_path(path, q, k, v, forward=config is None)  # a launch config is the tl kernels'
+    path = resolve_path(path, q, k, v, forward=config is None, gluon_reason=reason)  # a config is a tl one
     q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
     if path == GLUON:
         out, lse = gluon_attn_fwd_op(q4, k4, v4, is_causal) if _traced(q4) else _gluon_fwd(q4, k4, v4, is_causal,
@@ -361,18 +388,22 @@ def flash_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     `bwd` (auto, two_pass, one_pass; None reads RAYSYS_FLASH_BWD): one_pass runs the `dkdvq` kernel (with
     `dkdv_config`) when both dQ and dK/dV are wanted, its dQ summed in fp32 by the TMA unit (tma path) or by
     atomics (portable path), so the order of the additions, hence the last bits of dQ, can vary run to run."""
-    check_attention_inputs(q, k, v, is_causal)
-    if out.shape != q.shape or grad_out.shape != q.shape:
-        raise ValueError(f"out {tuple(out.shape)} and grad_out {tuple(grad_out.shape)} must have q's shape "
-                         f"{tuple(q.shape)}")
-    if lse.shape != q.shape[:-1] or lse.dtype != torch.float32:
-        raise ValueError(f"lse must be float32 of shape {tuple(q.shape[:-1])}, got {lse.dtype} {tuple(lse.shape)}")
-    _check_device(q)
+    def check() -> None:
+        check_attention_inputs(q, k, v, is_causal)
+        if out.shape != q.shape or grad_out.shape != q.shape:
+            raise ValueError(f"out {tuple(out.shape)} and grad_out {tuple(grad_out.shape)} must have q's shape "
+                             f"{tuple(q.shape)}")
+        if lse.shape != q.shape[:-1] or lse.dtype != torch.float32:
+            raise ValueError(f"lse must be float32 of shape {tuple(q.shape[:-1])}, got {lse.dtype} "
+                             f"{tuple(lse.shape)}")
+        _check_device(q)
+
+    reason = _validated(check, is_causal, q, k, v, out, lse, grad_out)
     resolve_bwd(bwd, "portable")  # a bad request raises here, whichever kernels would run
-    if compute_dq and compute_dkdv and gluon_bwd_chosen(path, bwd, q, k, v):
+    if compute_dq and compute_dkdv and gluon_bwd_chosen(path, bwd, q, k, v, reason):
         LAST_PATH["bwd"] = "one_pass"
         args = (*(_as_4d(t) for t in (q, k, v, out)), lse.reshape(_as_4d(q).shape[:-1]),
-                _as_4d(grad_out.to(q.dtype)), is_causal)
+                _as_4d(grad_out if grad_out.dtype == q.dtype else grad_out.to(q.dtype)), is_causal)
         dq, dk, dv = gluon_attn_bwd_op(*args) if _traced(q) else _gluon_bwd(*args, checked=True)
         return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
     path = resolve_path(path, q, k, v)

@@ -716,15 +716,30 @@ _COMPILED: dict = {}
 """(kernel, device, argument keys, keyword arguments) -> the compiled kernel its first launch returned."""
 
 
-def launch(kernel, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
+def _current_device() -> int:
+    """The current CUDA device's index (`torch.cuda.current_device()` less its Python: host time per launch)."""
+    return torch._C._cuda_getDevice()
+
+
+def _raw_stream(device: int) -> int:
+    """The current stream of CUDA device `device` as the driver's handle (what Inductor's launchers pass)."""
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
+def launch(kernel, grid: tuple[int, ...], args: tuple, meta: dict, key: tuple | None = None) -> None:
     """`kernel[grid](*args, **meta)` on the current device and stream, for a kernel whose parameters after `args`
     are all named in `meta` (with Triton's options, num_warps, maxnreg). The first launch of a specialisation goes
     through Triton's JIT dispatch and keeps the compiled kernel it returns; later ones with the same keys
     (`_arg_key`) launch it directly (`CompiledKernel.run`, as Inductor's launchers do), without the dispatch's
     per-call argument binding, specialisation and cache lookup: host time on every call, which small attention
-    calls are bound by (results/flash_hopper_notes.md, section 12)."""
-    device = torch.cuda.current_device()
-    key = (kernel, device, tuple(_arg_key(a) for a in args), tuple(meta.items()))
+    calls are bound by (results/flash_hopper_notes.md, sections 8 and 18). `key`: the caller's own key, which must
+    determine every `_arg_key` of `args` and `meta` (the launchers' problem keys: shapes, strides, dtypes, config),
+    so that the arguments need not be keyed one by one."""
+    device = _current_device()
+    if key is None:
+        key = (kernel, device, tuple(_arg_key(a) for a in args), tuple(meta.items()))
+    else:
+        key = (kernel, device, key)
     compiled = _COMPILED.get(key)
     if compiled is None:
         if len(_COMPILED) >= _CACHE_MAX:
@@ -732,7 +747,7 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
         _COMPILED[key] = kernel[grid](*args, **meta)
         return
     bound = (*args, *(meta[p.name] for p in kernel.params[len(args):]))
-    stream = torch.cuda.current_stream(device).cuda_stream
+    stream = _raw_stream(device)
     grid = (*grid, 1, 1)
     hooks = triton.knobs.runtime
     compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
@@ -811,9 +826,30 @@ def launch_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: boo
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous: a valid TMA target
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     grid, args, meta = launch_args(q, k, v, out, lse, is_causal, config)
-    with torch.cuda.device(q.device):
-        launch(config.kernel, grid, args, meta)
+    # What every argument's key reads (out and lse are new, contiguous and aligned; q, k, v aligned: checked).
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, is_causal, config)
+    with on_device(q.device):
+        launch(config.kernel, grid, args, meta, key)
     return out, lse
+
+
+class on_device:
+    """`torch.cuda.device(device)` for a launch, entered only when `device` is not the current one already (the
+    common case, which then costs one lookup instead of two device switches)."""
+
+    __slots__ = ("device", "switch")
+
+    def __init__(self, device: torch.device):
+        self.device, self.switch = device, None
+
+    def __enter__(self):
+        if self.device.index is not None and self.device.index != _current_device():
+            self.switch = torch.cuda.device(self.device)
+            self.switch.__enter__()
+
+    def __exit__(self, *exc):
+        if self.switch is not None:
+            self.switch.__exit__(*exc)
 
 
 

@@ -773,8 +773,8 @@ def test_launch_dispatches_once_per_specialisation(monkeypatch):
                 return Compiled()
             return jit
 
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: type("S", (), {"cuda_stream": 7})())
+    monkeypatch.setattr(fg, "_current_device", lambda: 0)
+    monkeypatch.setattr(fg, "_raw_stream", lambda device: 7)
     monkeypatch.setattr(fg, "_COMPILED", {})
     kernel, x = Kernel(), torch.zeros(64)
     meta = dict(BLOCK=64, CAUSAL=True, num_warps=4)
@@ -794,6 +794,12 @@ def test_launch_dispatches_once_per_specialisation(monkeypatch):
     monkeypatch.setattr(fg, "_CACHE_MAX", len(fg._COMPILED))  # full: a new specialisation starts it afresh
     fg.launch(kernel, (3,), (x, 102, 0.5), meta)
     assert calls[-1][0] == "jit" and len(fg._COMPILED) == 1
+    # The caller's key stands for the arguments' keys: the same key runs the compiled kernel whatever the values.
+    monkeypatch.setattr(fg, "_CACHE_MAX", 4096)
+    fg.launch(kernel, (3,), (x, 100, 0.5), meta, ("problem", 1))
+    fg.launch(kernel, (4,), (x, 103, 0.5), meta, ("problem", 1))
+    fg.launch(kernel, (3,), (x, 100, 0.5), meta, ("problem", 2))
+    assert [c[0] for c in calls[-3:]] == ["jit", "run", "jit"] and calls[-2][1][:3] == (4, 1, 1)
 
 
 @needs_gluon_api

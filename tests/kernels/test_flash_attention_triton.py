@@ -471,6 +471,33 @@ def test_invalid_inputs_raise_before_any_launch(shapes, causal, match, monkeypat
         fa.flash_attention(q, k, v, causal)
 
 
+@on_interpreter
+def test_checks_run_once_per_geometry_and_bad_input_still_raises(monkeypatch):
+    """An eager call of a geometry already checked (shapes, strides, dtypes, devices, alignment, is_causal) skips
+    the checks; any other runs them, so bad input raises whatever came before."""
+    calls = []
+    real = fa.check_attention_inputs
+    monkeypatch.setattr(fa, "check_attention_inputs", lambda *a: (calls.append(a[-1]), real(*a))[1])
+    monkeypatch.setattr(fa, "_VALIDATED", {})
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(1, 2, 16, 16) for _ in range(4))
+    out, lse = fa.flash_attention_fwd(q, k, v, True)
+    fa.flash_attention_fwd(q.clone(), k.clone(), v.clone(), True)           # the same geometry
+    assert calls == [True]
+    fa.flash_attention_fwd(q, k, v, False)                                  # another is_causal
+    fa.flash_attention_fwd(q[:, :, 1:], k[:, :, 1:], v[:, :, 1:], False)    # another shape and alignment
+    assert calls == [True, False, False]
+    grads = fa.flash_attention_bwd(q, k, v, out, lse, do, True)
+    assert [torch.equal(a, b) for a, b in zip(grads, fa.flash_attention_bwd(q, k, v, out, lse, do, True))] == [True] * 3
+    assert calls == [True, False, False, True]
+    for args, match in (((q, k, v, 1), "is_causal must be a bool"), ((q, k.half(), v, True), "share one dtype"),
+                        ((q, k[:, :, :8], v[:, :, :8], True), "n_queries == n_keys")):
+        with pytest.raises(ValueError, match=match):
+            fa.flash_attention_fwd(*args)
+    with pytest.raises(ValueError, match="lse must be float32"):
+        fa.flash_attention_bwd(q, k, v, out, lse[..., :8], do, True)
+
+
 def test_backward_launcher_validates_lse_and_grad_shapes():
     q = torch.zeros(1, 16, 16)
     with pytest.raises(ValueError, match="lse must be float32 of shape \\(1, 16\\)"):
