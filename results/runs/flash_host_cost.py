@@ -1,14 +1,14 @@
 """Host time per call of the FlashAttention entry points (issue 16), one H200.
 
 Run on the GPU host from the repository root: `PYTHONPATH=$PWD python3 results/runs/flash_host_cost.py OUT_DIR
-[--profile] [--pieces] [--shape B,H,N,d] [--overwrite]` (an existing OUT_DIR/flash_host_cost.parquet is refused without
-`--overwrite`, before any work). For each entry point, 200 calls at 4x32x2048x128 bf16 causal (or `--shape`):
+[--profile] [--pieces] [--cases A,B] [--shape B,H,N,d] [--overwrite]` (an existing OUT_DIR/flash_host_cost.parquet
+is refused without `--overwrite`, before any work). For each entry point, 200 calls at 4x32x2048x128 bf16 causal (or `--shape`):
 `host_s` is the time to issue one (seconds per call), `wall_s` the time until the GPU finished them, per call;
 host close to wall means host-bound calls. `kernel_s` is the GPU time of the call's kernels (the CUDA kernels the
 profiler saw over 20 calls, summed, per call): wall above kernel is time the GPU waited. SDPA's cuDNN backend is
 the baseline. `--profile` prints, per case, the functions with the most own and cumulative time over the calls
-(cProfile). `--pieces` adds rows `piece: ...`: the host time of each step of the gluon forward alone. Rows go to
-OUT_DIR/flash_host_cost.parquet (the results convention).
+(cProfile). `--pieces` adds rows `piece: ...`: the host time of each step of the gluon forward alone. `--cases`
+times only the cases named (comma-separated). Rows go to OUT_DIR/flash_host_cost.parquet (the results convention).
 The e7dd8cb run: `flash_host_cost_e7dd8cb.parquet` (its printed output, `flash_host_cost_e7dd8cb.txt`, converted).
 """
 
@@ -122,6 +122,10 @@ def pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, label: str) -> lis
     return rows
 
 
+CASES = ("direct", "fwd_api", "op", "op gluon", "desc x4", "unsupported", "tl", "sdpa cudnn", "fwd+bwd auto",
+         "fwd+bwd gluon", "fwd+bwd tma", "fwd+bwd sdpa cudnn")
+
+
 def main() -> None:
     shape = (4, 32, 2048, 128)
     if "--shape" in sys.argv:
@@ -131,7 +135,14 @@ def main() -> None:
             raise SystemExit(f"--shape {text!r} must be four positive integers B,H,N,d")
         shape = tuple(map(int, parts))
     label = "x".join(map(str, shape))
-    args = [a for i, a in enumerate(sys.argv[1:], 1) if not a.startswith("--") and sys.argv[i - 1] != "--shape"]
+    wanted = CASES
+    if "--cases" in sys.argv:  # a subset, by name
+        at = sys.argv.index("--cases") + 1
+        wanted = tuple(sys.argv[at].split(",")) if at < len(sys.argv) else ()
+        if not wanted or any(w not in CASES for w in wanted):
+            raise SystemExit(f"--cases {','.join(wanted)!r}: each must be one of {', '.join(CASES)}")
+    args = [a for i, a in enumerate(sys.argv[1:], 1)
+            if not a.startswith("--") and sys.argv[i - 1] not in ("--shape", "--cases")]
     out = Path(args[0] if args else ".") / "flash_host_cost.parquet"
     if out.exists() and "--overwrite" not in sys.argv:
         raise SystemExit(f"flash_host_cost.py: {out} already exists; pass --overwrite to replace it, or another "
@@ -168,6 +179,8 @@ def main() -> None:
              ("fwd+bwd tma", fwd_bwd("tma")),                               # the tl kernels, two-pass backward
              ("fwd+bwd sdpa cudnn", sdpa_fwd_bwd)]
     rows = []
+    assert tuple(name for name, _ in cases) == CASES
+    cases = [(name, fn) for name, fn in cases if name in wanted]
     for name, fn in cases:
         host_us, wall_us = host_and_wall(fn)
         gpu_us = kernel_s(fn) * 1e6
