@@ -61,7 +61,7 @@ from kernels.flash_attention_kernels import (
     _flash_bwd_preprocess_kernel,
     _flash_fwd_kernel,
 )
-from kernels.flash_attention_pytorch import MASK_VALUE, autocast_inputs, check_attention_inputs
+from kernels.flash_attention_pytorch import MASK_VALUE, autocast_inputs, check_attention_inputs, check_backward_inputs
 from kernels.flash_attention_tuning import (
     AUTOTUNE_KEY,
     INTERPRET,
@@ -390,12 +390,7 @@ def flash_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     atomics (portable path), so the order of the additions, hence the last bits of dQ, can vary run to run."""
     def check() -> None:
         check_attention_inputs(q, k, v, is_causal)
-        if out.shape != q.shape or grad_out.shape != q.shape:
-            raise ValueError(f"out {tuple(out.shape)} and grad_out {tuple(grad_out.shape)} must have q's shape "
-                             f"{tuple(q.shape)}")
-        if lse.shape != q.shape[:-1] or lse.dtype != torch.float32:
-            raise ValueError(f"lse must be float32 of shape {tuple(q.shape[:-1])}, got {lse.dtype} "
-                             f"{tuple(lse.shape)}")
+        check_backward_inputs(q, out, lse, grad_out)
         _check_device(q)
 
     reason = _validated(check, is_causal, q, k, v, out, lse, grad_out)

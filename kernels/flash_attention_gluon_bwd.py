@@ -45,6 +45,7 @@ from kernels.flash_attention_gluon import (
     register_split,
     unsupported_reason,
 )
+from kernels.flash_attention_pytorch import check_backward_inputs
 
 if TYPE_CHECKING:
     from kernels.flash_attention_gluon_bwd_onepass import GluonBwdConfig
@@ -461,12 +462,7 @@ def gluon_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
                         else one_pass.problem_config(q))
     if not isinstance(config, GluonBwd2Config if mode == "two_pass" else one_pass.GluonBwdConfig):
         raise ValueError(f"gluon_attention_bwd: config {config!r} does not fit mode {mode!r}")
-    if out.shape != q.shape or grad_out.shape != q.shape:
-        raise ValueError(f"gluon_attention_bwd: out {tuple(out.shape)} and grad_out {tuple(grad_out.shape)} must "
-                         f"have q's shape {tuple(q.shape)}")
-    if lse.shape != q.shape[:-1] or lse.dtype != torch.float32:
-        raise ValueError(f"gluon_attention_bwd: lse must be float32 of shape {tuple(q.shape[:-1])}, "
-                         f"got {lse.dtype} {tuple(lse.shape)}")
+    check_backward_inputs(q, out, lse, grad_out, where="gluon_attention_bwd: ")
     return launch_bwd(q, k, v, out, lse, grad_out, is_causal, config)
 
 

@@ -75,6 +75,18 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is
         raise ValueError(f"causal attention needs n_queries == n_keys, got {q.shape[-2]} and {k.shape[-2]}")
 
 
+def check_backward_inputs(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
+                          where: str = "") -> None:
+    """Raise `ValueError` unless O and dO have q's shape and L is fp32 of q's shape less d (a backward's inputs beside
+    q, k, v); `where` prefixes the message (the caller's name)."""
+    if out.shape != q.shape or grad_out.shape != q.shape:
+        raise ValueError(f"{where}out {tuple(out.shape)} and grad_out {tuple(grad_out.shape)} must have q's shape "
+                         f"{tuple(q.shape)}")
+    if lse.shape != q.shape[:-1] or lse.dtype != torch.float32:
+        raise ValueError(f"{where}lse must be float32 of shape {tuple(q.shape[:-1])}, got {lse.dtype} "
+                         f"{tuple(lse.shape)}")
+
+
 def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 

@@ -30,8 +30,9 @@ import kernels.flash_attention as fa
 import kernels.flash_attention_gluon as g
 
 
-def host_and_wall(fn, n: int = 200) -> tuple[float, float]:
-    for _ in range(5):
+def host_and_wall(fn, n: int = 200, warmup: int = 5) -> tuple[float, float]:
+    """(host, wall) microseconds per call of `fn` over `n` calls after `warmup` ones."""
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -108,14 +109,7 @@ def pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, label: str) -> lis
              ("launch, args built", lambda: g.launch(config.kernel, grid, args, meta), 200)]
     rows = []
     for name, fn, n in steps:
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        host_us = (time.perf_counter() - start) / n * 1e6
-        torch.cuda.synchronize()
+        host_us = host_and_wall(fn, n, warmup=20)[0]
         print(f"piece: {name}", "host us/call %.2f" % host_us)
         rows.append(make_row("flash_host_cost", dict(case=f"piece: {name}", shape=label, calls=n),
                              dict(host_s=host_us * 1e-6)))
