@@ -299,6 +299,20 @@ def test_bwd_refuses_cpu_and_bad_lse():
         fgb.gluon_attention_bwd(q, q, q, q, torch.zeros(1, 2, 64), q, True)
 
 
+@pytest.mark.gpu
+@needs_sm90
+def test_bwd_refuses_mismatched_out_lse_and_grad_on_the_gpu():
+    """Inputs the kernels accept but whose O, L or dO do not fit q: a one-line error, before any launch."""
+    q = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16, device="cuda")
+    lse = torch.zeros(1, 2, 64, device="cuda")
+    for args, match in (((q, q, q, q, lse[..., :32], q), "gluon_attention_bwd: lse must be float32 of shape"),
+                        ((q, q, q, q, lse.half(), q), "gluon_attention_bwd: lse must be float32"),
+                        ((q, q, q, q[:, :, :32], lse, q), "gluon_attention_bwd: out .* must have q's shape"),
+                        ((q, q, q, q, lse, q[:, :1]), "gluon_attention_bwd: out .* and grad_out .* must have")):
+        with pytest.raises(ValueError, match=match):
+            fgb.gluon_attention_bwd(*args, True)
+
+
 def _compile_sm90_bwd(config: fgo.GluonBwdConfig, head_dim: int, dtype: torch.dtype, causal: bool):
     q = _cpu((1, 3, 1000, head_dim), dtype)
     k = _cpu((1, 3, 777, head_dim), dtype)
