@@ -477,10 +477,10 @@ def launch_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
     batch, heads, n_q, head_dim = q.shape
     grad_out = _tma_ready(grad_out if grad_out.dtype == q.dtype else grad_out.to(q.dtype))
     lse = lse.contiguous()
-    # What every launch's argument keys read (the new buffers are contiguous and aligned; the inputs aligned:
-    # checked, and dO made so); the preprocess kernels' tensors are keyed by alignment alone.
+    # What every launch's argument keys read (the new buffers are contiguous and aligned; q, k, v aligned: checked;
+    # dO made so; L's pointer, which the two-pass kernels read, by its alignment, as O's for the preprocess).
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), grad_out.stride(), q.dtype,
-           out.dtype, is_causal, config)
+           out.dtype, is_causal, config, lse.data_ptr() & 15, out.data_ptr() & 15)
     with on_device(q.device):
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # contiguous: valid TMA targets
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -489,8 +489,7 @@ def launch_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
             delta = torch.empty_like(lse)
             launch(_flash_bwd_preprocess_kernel, (triton.cdiv(n_q, 64), batch * heads),
                    (out, grad_out, delta, *out.stride(), *grad_out.stride(), heads, n_q),
-                   dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=64, num_warps=4),
-                   key + (out.data_ptr() & 15,))
+                   dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=64, num_warps=4), key)
             dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             (grid, args, meta), (dq_grid, dq_args, dq_meta) = bwd2_launch_args(q, k, v, grad_out, dq, dk, dv, lse,
                                                                                delta, is_causal, config)
@@ -505,8 +504,7 @@ def launch_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
         dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         launch(_onepass_bwd_preprocess_kernel, (n_pad // config.block_m, batch * heads),
                (out, grad_out, lse, dq_acc, delta_pad, lse_pad, *out.stride(), *grad_out.stride(), heads, n_q, n_pad),
-               dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=config.block_m, num_warps=4),
-               key + (out.data_ptr() & 15, lse.data_ptr() & 15))
+               dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=config.block_m, num_warps=4), key)
         grid, args, meta = one_pass.bwd_launch_args(q, k, v, grad_out, dk, dv, lse_pad, delta_pad, dq_acc, is_causal,
                                                     config)
         launch(config.kernel, grid, args, meta, key)

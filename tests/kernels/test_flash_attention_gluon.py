@@ -313,6 +313,37 @@ def test_bwd_refuses_mismatched_out_lse_and_grad_on_the_gpu():
             fgb.gluon_attention_bwd(*args, True)
 
 
+@needs_gluon_api
+def test_launch_keys_cover_what_the_arguments_specialise_on(monkeypatch):
+    """The launchers' problem keys (`launch(..., key)`) stand for every argument's specialisation: equal for fresh
+    tensors of one geometry, different for another stride, is_causal, config, or an L / O pointer off 16 bytes."""
+    keys = []
+    record = lambda kernel, grid, args, meta, key=None: keys.append((kernel, key))  # noqa: E731
+    monkeypatch.setattr(fg, "launch", record)
+    monkeypatch.setattr(fgb, "launch", record)
+
+    def misaligned(shape):  # contiguous, 4 bytes past a 16-byte boundary
+        return torch.zeros(math.prod(shape) + 1)[1:].view(shape)
+
+    q, lse = _cpu((1, 2, 64, 128)), torch.zeros(1, 2, 64)
+    two_pass, one_pass = fgb.DEFAULT_BWD2_CONFIGS[128], fgo.default_config(128, torch.bfloat16)
+    calls = [(q, q, lse, True, two_pass), (q.clone(), q.clone(), lse.clone(), True, two_pass),
+             (q, q, misaligned((1, 2, 64)), True, two_pass), (q, q, lse, False, two_pass),
+             (q, q, lse, True, one_pass), (q, q.transpose(1, 2).contiguous().transpose(1, 2), lse, True, two_pass)]
+    per_call = []
+    for k, out, lse_t, causal, config in calls:
+        keys.clear()
+        fgb.launch_bwd(q, k, k, out, lse_t, q, causal, config)
+        per_call.append(list(keys))
+    assert per_call[0] == per_call[1]
+    assert all(per_call[0] != other for other in per_call[2:]), per_call
+    keys.clear()
+    fg.launch_fwd(q, q, q, True, fg.default_config(128, torch.bfloat16))
+    fg.launch_fwd(q.clone(), q.clone(), q.clone(), True, fg.default_config(128, torch.bfloat16))
+    fg.launch_fwd(q, q, q, False, fg.default_config(128, torch.bfloat16))
+    assert keys[0] == keys[1] != keys[2]
+
+
 def _compile_sm90_bwd(config: fgo.GluonBwdConfig, head_dim: int, dtype: torch.dtype, causal: bool):
     q = _cpu((1, 3, 1000, head_dim), dtype)
     k = _cpu((1, 3, 777, head_dim), dtype)
