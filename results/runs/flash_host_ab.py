@@ -9,8 +9,8 @@ Each round runs `flash_host_cost.py --cases CASES` twice, in fresh processes: fi
 the checkout's on PYTHONPATH (`old`), then with the checkout's own (`new`). The lent hosts' speed moves by up to 2x
 between processes (results/flash_hopper_notes.md, section 18), so `unsupported` and `desc x4` (code the two trees
 share) and SDPA's cuDNN calls are in CASES as controls. Writes OUT_DIR/{side}_{round}.txt (the printed lines) and
-OUT_DIR/flash_host_ab.parquet: one row per case, side and round (`flash_host_cost`'s columns), with `kernels_sha`
-the commit of the side's kernels (new: RAYSYS_GIT_SHA, else the checkout's HEAD).
+OUT_DIR/flash_host_ab.parquet: `flash_host_cost`'s rows of every run, with its side, round and `kernels_sha`, the
+commit of the side's kernels (new: RAYSYS_GIT_SHA, else the checkout's HEAD).
 
     python3 results/runs/flash_host_ab.py logs DIR OUT.parquet NEW_COMMIT OLD_COMMIT
 
@@ -27,6 +27,8 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+
+from raysys.results import PROVENANCE_COLUMNS, make_row
 
 CASES = "op,fwd+bwd auto,unsupported,desc x4,sdpa cudnn,fwd+bwd sdpa cudnn"
 LINE = re.compile(r"^(?P<case>\S.*?) host us/call (?P<host>[\d.]+)\s+wall us/call (?P<wall>[\d.]+)\s+"
@@ -45,13 +47,22 @@ def parse(text: str) -> list[dict]:
     return rows
 
 
+UNKNOWN = {name: "unknown" for name in PROVENANCE_COLUMNS}
+"""What printed lines do not say: the run's id, host, time, versions and device."""
+
+
 def from_logs(folder: Path, new_sha: str, old_sha: str) -> pd.DataFrame:
+    """Rows in the results convention from the printed lines alone (the default shape and calls of
+    `flash_host_cost.py`); the provenance they do not carry is `unknown`, `git_sha` the harness's commit."""
     rows = []
     for path in sorted(folder.iterdir()):
         m = NAME.match(path.name)
         if m:
             sha = new_sha if m["side"] == "new" else old_sha
-            rows += [dict(side=m["side"], round=int(m["round"]), kernels_sha=sha, **r) for r in parse(path.read_text())]
+            for r in parse(path.read_text()):
+                config = dict(case=r.pop("case"), shape="4x32x2048x128", calls=200, side=m["side"],
+                              round=int(m["round"]), kernels_sha=sha)
+                rows.append(make_row("flash_host_cost", config, r, **{**UNKNOWN, "git_sha": new_sha}))
     if not rows:
         raise SystemExit(f"flash_host_ab.py: no {{old,new}}_N.txt with flash_host_cost lines in {folder}")
     return pd.DataFrame(rows)
@@ -60,6 +71,9 @@ def from_logs(folder: Path, new_sha: str, old_sha: str) -> pd.DataFrame:
 def run(old_tree: Path, out: Path, old_sha: str, rounds: int) -> pd.DataFrame:
     here = Path(__file__).resolve().parents[2]
     base = os.environ.get("PYTHONPATH", "")
+    new_sha = os.environ.get("RAYSYS_GIT_SHA") or subprocess.run(
+        ["git", "rev-parse", "--short=12", "HEAD"], cwd=here, capture_output=True, text=True).stdout.strip()
+    frames = []
     for r in range(1, rounds + 1):
         for side in ("old", "new"):
             path = os.pathsep.join(([str(old_tree.resolve())] if side == "old" else []) + [str(here), base])
@@ -68,9 +82,13 @@ def run(old_tree: Path, out: Path, old_sha: str, rounds: int) -> pd.DataFrame:
                                   text=True, env=dict(os.environ, PYTHONPATH=path), timeout=300)
             (out / f"{side}_{r}.txt").write_text(proc.stdout + proc.stderr)
             print(side, r, "rc", proc.returncode, *(f"{x['case']}={x['host_s'] * 1e6:.1f}" for x in parse(proc.stdout)))
-    new_sha = os.environ.get("RAYSYS_GIT_SHA") or subprocess.run(
-        ["git", "rev-parse", "--short=12", "HEAD"], cwd=here, capture_output=True, text=True).stdout.strip()
-    return from_logs(out, new_sha, old_sha)
+            if proc.returncode == 0:  # its own rows, with their provenance, and which side and round they were
+                rows = pd.read_parquet(out / f"{side}_{r}" / "flash_host_cost.parquet")
+                frames.append(rows.assign(side=side, round=r, kernels_sha=new_sha if side == "new" else old_sha))
+    if not frames:
+        raise SystemExit("flash_host_ab.py: no run of flash_host_cost.py succeeded (their printed lines are in "
+                         f"{out})")
+    return pd.concat(frames, ignore_index=True)
 
 
 def main() -> None:
