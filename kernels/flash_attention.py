@@ -301,9 +301,9 @@ passed."""
 def _validated(check, is_causal, *tensors: torch.Tensor) -> str:
     """Run `check()` (which raises on bad input) and return `gluon_unsupported(q, k, v)` of `tensors` (q, k, v, ...),
     once per geometry: both read only the tensors' shapes, strides, dtypes, devices and pointer alignment, and
-    is_causal, so a later eager call of the same geometry skips them (host time on every call: tens of
-    microseconds, results/runs/flash_host_cost.py --pieces). Anything else (not plain tensors, a non-bool
-    is_causal, tracing) is checked every time."""
+    is_causal, so a later eager call of the same geometry skips them (host time on every call:
+    results/runs/flash_host_cost.py --pieces). Anything else (not plain tensors, a non-bool is_causal, tracing) is
+    checked every time."""
     if type(is_causal) is not bool or not all(type(t) in _PLAIN for t in tensors) or not _eager(tensors[0]):
         check()
         return gluon_unsupported(*tensors[:3])
