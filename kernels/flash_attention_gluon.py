@@ -41,6 +41,7 @@ import triton
 from torch._subclasses.fake_tensor import is_fake
 from torch._subclasses.functional_tensor import FunctionalTensor
 
+from kernels.device import current_device, device_of, raw_stream
 from kernels.flash_attention_tuning import gluon_tuned_fields
 
 try:  # Gluon's Hopper dialect; the API below is Triton 3.6's.
@@ -716,16 +717,6 @@ _COMPILED: dict = {}
 """(kernel, device, argument keys, keyword arguments) -> the compiled kernel its first launch returned."""
 
 
-def _current_device() -> int:
-    """The current CUDA device's index (`torch.cuda.current_device()` less its Python: host time per launch)."""
-    return torch._C._cuda_getDevice()
-
-
-def _raw_stream(device: int) -> int:
-    """The current stream of CUDA device `device` as the driver's handle (what Inductor's launchers pass)."""
-    return torch._C._cuda_getCurrentRawStream(device)
-
-
 def launch(kernel, grid: tuple[int, ...], args: tuple, meta: dict, key: tuple | None = None) -> None:
     """`kernel[grid](*args, **meta)` on the current device and stream, for a kernel whose parameters after `args`
     are all named in `meta` (with Triton's options, num_warps, maxnreg). The first launch of a specialisation goes
@@ -735,7 +726,7 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, meta: dict, key: tuple | 
     calls are bound by (results/flash_hopper_notes.md, sections 8 and 18). `key`: the caller's own key, which must
     determine every `_arg_key` of `args` and `meta` (the launchers' problem keys: shapes, strides, dtypes, config),
     so that the arguments need not be keyed one by one."""
-    device = _current_device()
+    device = current_device()
     if key is None:
         key = (kernel, device, tuple(_arg_key(a) for a in args), tuple(meta.items()))
     else:
@@ -747,7 +738,7 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, meta: dict, key: tuple | 
         _COMPILED[key] = kernel[grid](*args, **meta)
         return
     bound = (*args, *(meta[p.name] for p in kernel.params[len(args):]))
-    stream = _raw_stream(device)
+    stream = raw_stream(device)
     grid = (*grid, 1, 1)
     hooks = triton.knobs.runtime
     compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
@@ -828,29 +819,9 @@ def launch_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: boo
     grid, args, meta = launch_args(q, k, v, out, lse, is_causal, config)
     # What every argument's key reads (out and lse are new, contiguous and aligned; q, k, v aligned: checked).
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, is_causal, config)
-    with on_device(q.device):
+    with device_of(q):
         launch(config.kernel, grid, args, meta, key)
     return out, lse
-
-
-class on_device:
-    """`torch.cuda.device(device)` for a launch, entered only when `device` is not the current one already (the
-    common case, which then costs one lookup instead of two device switches)."""
-
-    __slots__ = ("device", "switch")
-
-    def __init__(self, device: torch.device):
-        self.device, self.switch = device, None
-
-    def __enter__(self):
-        if self.device.index is not None and self.device.index != _current_device():
-            self.switch = torch.cuda.device(self.device)
-            self.switch.__enter__()
-
-    def __exit__(self, *exc):
-        if self.switch is not None:
-            self.switch.__exit__(*exc)
-
 
 
 def gluon_attention_flops(batch: int, heads: int, n_q: int, n_k: int, head_dim: int, is_causal: bool) -> float:

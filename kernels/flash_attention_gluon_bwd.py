@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 
+from kernels.device import device_of
 from kernels.flash_attention_gluon import (
     HAS_GLUON_HOPPER,
     LOADER_REGS,
@@ -41,7 +42,6 @@ from kernels.flash_attention_gluon import (
     _descriptor,
     gluon_attention_fwd,
     launch,
-    on_device,
     register_split,
     unsupported_reason,
 )
@@ -481,7 +481,7 @@ def launch_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
     # dO made so; L's pointer, which the two-pass kernels read, by its alignment, as O's for the preprocess).
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), grad_out.stride(), q.dtype,
            out.dtype, is_causal, config, lse.data_ptr() & 15, out.data_ptr() & 15)
-    with on_device(q.device):
+    with device_of(q):
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # contiguous: valid TMA targets
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
         if isinstance(config, GluonBwd2Config):

@@ -21,6 +21,7 @@ import triton
 import kernels.flash_attention_gluon as fg
 import kernels.flash_attention_gluon_bwd as fgb
 import kernels.flash_attention_gluon_bwd_onepass as fgo
+from kernels.flash_attention_tuning import INTERPRET
 
 GLUON_API = "3.6."
 """The Triton release whose Gluon API the kernel uses (the GPU host's); others skip the compile test."""
@@ -818,8 +819,8 @@ def test_launch_dispatches_once_per_specialisation(monkeypatch):
                 return Compiled()
             return jit
 
-    monkeypatch.setattr(fg, "_current_device", lambda: 0)
-    monkeypatch.setattr(fg, "_raw_stream", lambda device: 7)
+    monkeypatch.setattr(fg, "current_device", lambda: 0)
+    monkeypatch.setattr(fg, "raw_stream", lambda device: 7)
     monkeypatch.setattr(fg, "_COMPILED", {})
     kernel, x = Kernel(), torch.zeros(64)
     meta = dict(BLOCK=64, CAUSAL=True, num_warps=4)
