@@ -97,7 +97,10 @@ def test_unsupported_reasons_name_the_rule(monkeypatch):
 
 def _compile_for_sm90(kernel, args: tuple, meta: dict):
     """Compile a Gluon kernel for sm_90 without a GPU, from its launcher's own arguments (mangled into a
-    signature) and keyword arguments."""
+    signature) and keyword arguments. Not under Triton's interpreter: it replaces the language's own jit helpers
+    (`gl.max`'s combine), so a build fails, or passes only from Triton's disk cache of an earlier build."""
+    if INTERPRET:
+        pytest.skip("builds for sm_90 need TRITON_INTERPRET=0 (the test conftest sets 1 on a machine without a GPU)")
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
