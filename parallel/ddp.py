@@ -408,7 +408,7 @@ def compiled_regions(module: nn.Module) -> list[nn.Module]:
     """The outermost modules in `module` (itself included) that run compiled (`_compiled`), in module order."""
     regions: list[tuple[str, nn.Module]] = []
     for name, m in module.named_modules():
-        if any(name == r or name.startswith(r + ".") or r == "" for r, _ in regions):
+        if any(r == "" or name.startswith(r + ".") for r, _ in regions):  # inside a region already
             continue
         if _compiled(m):
             regions.append((name, m))
