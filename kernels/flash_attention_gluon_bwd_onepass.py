@@ -57,14 +57,13 @@ if HAS_GLUON_HOPPER:
                       ds_ready, empty, rows_bufs, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h, pid_bh,
                       tile_n, m_start, num_m, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                      IS_CAUSAL: gl.constexpr, DK_LATE: gl.constexpr, ROWS_TMA: gl.constexpr,
-                      PIPELINE: gl.constexpr):
+                      IS_CAUSAL: gl.constexpr, DK_LATE: gl.constexpr, ROWS_TMA: gl.constexpr):
         """Partition entry of consumer C in a one-item program: `_bwd_consumer_item` from ring use 0 (its `kv_empty`
         is never arrived on when not PERSISTENT: `kv_bar` fills the slot)."""
         _bwd_consumer_item(C, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, 0, q_ready, do_ready,
                            ds_ready, empty, kv_bar, rows_bufs, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h,
                            pid_bh, tile_n, m_start, num_m, 0, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                           NUM_STAGES, IS_CAUSAL, False, DK_LATE, ROWS_TMA, PIPELINE)
+                           NUM_STAGES, IS_CAUSAL, False, DK_LATE, ROWS_TMA)
 
     @gluon.jit
     def _dq_product(ds_tile, k0, k1, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DQ_N: gl.constexpr):
@@ -86,131 +85,12 @@ if HAS_GLUON_HOPPER:
         _tma_reduce_add(dq_desc, [off_b, off_h, start_m, col], dq_smem)
 
     @gluon.jit
-    def _issue_s(k, q_bufs, q_ready, use, s_layout: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-        """Once ring use `use`'s Q (with its L and D rows) landed: S^T = K Q^T issued, in flight."""
-        stage = use % NUM_STAGES
-        mbarrier.wait(q_ready.index(stage), (use // NUM_STAGES) & 1)
-        q = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
-        s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
-        return warpgroup_mma(k, q.permute((1, 0)), s, use_acc=False, is_async=True)
-
-    @gluon.jit
-    def _pipelined_tile(C: gl.constexpr, s, dk, dv, use, start_m, k, v, k0, k1, keys, start_n, q_bufs, do_bufs,
-                        rows_bufs, ds_bufs, dq_bufs, q_ready, do_ready, ds_ready, empty, dq_desc, off_b, off_h, N_K,
-                        qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, MINE: gl.constexpr,
-                        NEXT: gl.constexpr):
-        """One query tile of `GluonBwdConfig.pipeline` from its S^T, already computed (`s`): dP^T issued, P^T under
-        it, dV's wgmma, dS^T, dK's wgmma, the dS^T store; NEXT: the next tile's S^T issued, MINE: the tile's dQ (both
-        groups' dS^T) too; one wait for all of them. -> (dK, dV, the next tile's S^T).
-        Straight-line code: an async accumulator cannot cross a runtime branch, so whose tile's dQ it is and whether
-        a next tile follows are compile-time constants."""
-        dtype: gl.constexpr = k.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_M, 16])
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, HEAD_DIM, 16])
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-        stage = use % NUM_STAGES
-        q = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
-        do = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
-        mbarrier.wait(do_ready.index(stage), (use // NUM_STAGES) & 1)
-        dp = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
-        dp = warpgroup_mma(v, do.permute((1, 0)), dp, use_acc=False, is_async=True)
-        cols = start_m + gl.arange(0, BLOCK_M, layout=col_s)
-        l2 = rows_bufs.index(stage).load(col_s) * 1.4426950408889634
-        p = gl.exp2(s * qk_scale - gl.expand_dims(l2, 0))
-        if (IS_CAUSAL and start_m < start_n + BLOCK_N) or start_n + BLOCK_N > N_K:
-            keep = gl.expand_dims(keys < N_K, 1)
-            if IS_CAUSAL:  # top-left: query i sees keys j <= i
-                keep = keep & (gl.expand_dims(keys, 1) <= gl.expand_dims(cols, 0))
-            p = gl.where(keep, p, 0.0)
-        p16 = p.to(dtype)
-        dv = warpgroup_mma(gl.convert_layout(p16, a_layout), do, dv, is_async=True)
-        delta = rows_bufs.index(NUM_STAGES + stage).load(col_s) * sm_scale
-        dp = warpgroup_mma_wait(1, deps=(dp,))
-        ds16 = (p16.to(gl.float32) * (dp * sm_scale - gl.expand_dims(delta, 0))).to(dtype)
-        dk = warpgroup_mma(gl.convert_layout(ds16, a_layout), q, dk, is_async=True)
-        dv = warpgroup_mma_wait(1, deps=(dv,))  # frees P^T's registers before the next S^T and dQ are live
-        ds_tile = ds_bufs.index(stage)
-        ds_tile.slice(C * BLOCK_N, BLOCK_N, dim=0).store(ds16)
-        fence_async_shared()
-        mbarrier.arrive(ds_ready.index(stage), count=1)
-        if NEXT:  # the tensor cores take the next tile's S^T while this group waits for the other's dS^T
-            s = _issue_s(k, q_bufs, q_ready, use + 1, s_layout, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES)
-        if MINE:
-            mbarrier.wait(ds_ready.index(stage), (use // NUM_STAGES) & 1)
-            dq = _dq_product(ds_tile, k0, k1, BLOCK_M, BLOCK_N, HEAD_DIM)
-            if NEXT:
-                dk, s, dq = warpgroup_mma_wait(0, deps=(dk, s, dq))
-            else:
-                dk, dq = warpgroup_mma_wait(0, deps=(dk, dq))
-            mbarrier.arrive(empty.index(stage), count=1)
-            _dq_to_global(dq, dq_bufs.index(C), dq_desc, off_b, off_h, start_m, 0, BLOCK_M, HEAD_DIM)
-        else:
-            if NEXT:
-                dk, s = warpgroup_mma_wait(0, deps=(dk, s))
-            else:
-                dk = warpgroup_mma_wait(0, deps=(dk,))
-            mbarrier.arrive(empty.index(stage), count=1)
-        return dk, dv, s
-
-    @gluon.jit
-    def _pipelined_tiles(C: gl.constexpr, dk, dv, it0, m_start, num_m, k, v, k0, k1, keys, start_n, q_bufs,
-                         do_bufs, rows_bufs, ds_bufs, dq_bufs, q_ready, do_ready, ds_ready, empty, dq_desc, off_b,
-                         off_h, N_K, qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                         BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
-        """`GluonBwdConfig.pipeline`'s loop over a work item's num_m query tiles (ring uses it0, it0 + 1, ...): the
-        first tile's S^T and dP^T before it, each tile issuing the next one's (`_pipelined_tile`). Two tiles per
-        iteration, group 0 taking the first one's dQ and group 1 the second's, and the last one or two peeled, so
-        that each tile's branches are compile-time. Nothing is in flight across an iteration: S^T and dP^T cross it
-        as registers."""
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_M, 16])
-        s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
-        if num_m > 0:
-            s = _issue_s(k, q_bufs, q_ready, it0, s_layout, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES)
-            s = warpgroup_mma_wait(0, deps=(s,))
-        for pair in range((num_m - 1) // 2):
-            for j in gl.static_range(2):
-                it = 2 * pair + j
-                dk, dv, s = _pipelined_tile(C, s, dk, dv, it0 + it, (m_start + it) * BLOCK_M, k, v, k0, k1,
-                                                keys, start_n, q_bufs, do_bufs, rows_bufs, ds_bufs, dq_bufs, q_ready,
-                                                do_ready, ds_ready, empty, dq_desc, off_b, off_h, N_K, qk_scale,
-                                                sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, C == j,
-                                                True)
-        if num_m > 0:
-            if num_m % 2 == 0:  # two left: group 0 takes the first one's dQ, group 1 the last one's
-                it = num_m - 2
-                dk, dv, s = _pipelined_tile(C, s, dk, dv, it0 + it, (m_start + it) * BLOCK_M, k, v, k0, k1,
-                                                keys, start_n, q_bufs, do_bufs, rows_bufs, ds_bufs, dq_bufs, q_ready,
-                                                do_ready, ds_ready, empty, dq_desc, off_b, off_h, N_K, qk_scale,
-                                                sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, C == 0,
-                                                True)
-                it = num_m - 1
-                dk, dv, s = _pipelined_tile(C, s, dk, dv, it0 + it, (m_start + it) * BLOCK_M, k, v, k0, k1,
-                                                keys, start_n, q_bufs, do_bufs, rows_bufs, ds_bufs, dq_bufs, q_ready,
-                                                do_ready, ds_ready, empty, dq_desc, off_b, off_h, N_K, qk_scale,
-                                                sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, C == 1,
-                                                False)
-            else:  # one left, group 0's
-                it = num_m - 1
-                dk, dv, s = _pipelined_tile(C, s, dk, dv, it0 + it, (m_start + it) * BLOCK_M, k, v, k0, k1,
-                                                keys, start_n, q_bufs, do_bufs, rows_bufs, ds_bufs, dq_bufs, q_ready,
-                                                do_ready, ds_ready, empty, dq_desc, off_b, off_h, N_K, qk_scale,
-                                                sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, C == 0,
-                                                False)
-        return dk, dv
-
-    @gluon.jit
     def _bwd_consumer_item(C: gl.constexpr, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, kv_phase,
                            q_ready, do_ready, ds_ready, empty, kv_empty, rows_bufs, dk_desc, dv_desc, dq_desc, L,
                            Delta, off_b, off_h, pid_bh, tile_n, m_start, num_m, it0, N_Q, N_K, qk_scale, sm_scale,
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
-                           DK_LATE: gl.constexpr, ROWS_TMA: gl.constexpr, PIPELINE: gl.constexpr):
+                           DK_LATE: gl.constexpr, ROWS_TMA: gl.constexpr):
         """Consumer C of one work item's 2 * BLOCK_N keys: its BLOCK_N keys' dK, dV (the two-pass `_dkdv_consumer`,
         S^T and dP^T with the keys as wgmma rows), and columns [C * HEAD_DIM / 2, ...) of the program's share of dQ(i)
         = dS(i) K over all 2 * BLOCK_N keys: both groups' dS^T meet in shared memory (barrier `ds_ready`), so each
@@ -251,91 +131,84 @@ if HAS_GLUON_HOPPER:
             mbarrier.wait(kv_bar, kv_phase)
         else:
             mbarrier.wait(kv_bar, 0)
-        if PIPELINE:
-            dk, dv = _pipelined_tiles(C, dk, dv, it0, m_start, num_m, k, v, k0_half, k1_half, keys, start_n, q_bufs,
-                                      do_bufs, rows_bufs, ds_bufs, dq_bufs, q_ready, do_ready, ds_ready, empty,
-                                      dq_desc, off_b, off_h, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                      NUM_STAGES, IS_CAUSAL)
-        else:
-            for it in range(num_m):
-                if PERSISTENT:
-                    use = it0 + it
-                else:
-                    use = it
-                stage = use % NUM_STAGES
-                phase = (use // NUM_STAGES) & 1
-                start_m = (m_start + it) * BLOCK_M
-                cols = start_m + gl.arange(0, BLOCK_M, layout=col_s)
-                # Rows past N_Q: Q and dO read as 0 (TMA), L and D are 0, so P = 1 and dS = 0 there. A causal query tile
-                # wholly above this group's keys (the first of the second group) is computed, masked to P = dS = 0:
-                # both groups take part in every tile's dQ.
-                if ROWS_TMA:
-                    mbarrier.wait(q_ready.index(stage), phase)
-                    l2 = rows_bufs.index(stage).load(col_s) * 1.4426950408889634
-                    mbarrier.wait(do_ready.index(stage), phase)
-                else:
-                    l2 = gl.load(lse_base + cols) * 1.4426950408889634
-                    mbarrier.wait(q_ready.index(stage), phase)
-                    mbarrier.wait(do_ready.index(stage), phase)
-                q = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
-                do = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
-                # 1. S^T and dP^T in flight together; P^T under dP^T, masked.
-                p, dp = _sdp_transposed(k, v, q, do, l2, keys, cols, start_m, start_n, N_K, qk_scale, s_layout, BLOCK_N,
-                                        BLOCK_M, IS_CAUSAL)
-                # 2. dV += P^T dO under dS^T = P^T (dP^T - D) / sqrt(d) (FA2 eqs. 16-17, the scale folded in).
-                p16 = p.to(dtype)
-                dv = warpgroup_mma(gl.convert_layout(p16, a_layout), do, dv, is_async=True)
-                if ROWS_TMA:
-                    delta = rows_bufs.index(NUM_STAGES + stage).load(col_s) * sm_scale
-                else:
-                    delta = gl.load(delta_base + cols) * sm_scale
-                dp = warpgroup_mma_wait(1, deps=(dp,))
-                ds16 = (p16.to(gl.float32) * (dp * sm_scale - gl.expand_dims(delta, 0))).to(dtype)
-                # 3. dK += dS^T Q from registers (DK_LATE: after the dS^T store, in each branch below); dS^T to this
-                #    group's rows of the slot's shared tile.
-                if DQ_WHOLE and DK_LATE:
-                    dv = warpgroup_mma_wait(0, deps=(dv,))
+        for it in range(num_m):
+            if PERSISTENT:
+                use = it0 + it
+            else:
+                use = it
+            stage = use % NUM_STAGES
+            phase = (use // NUM_STAGES) & 1
+            start_m = (m_start + it) * BLOCK_M
+            cols = start_m + gl.arange(0, BLOCK_M, layout=col_s)
+            # Rows past N_Q: Q and dO read as 0 (TMA), L and D are 0, so P = 1 and dS = 0 there. A causal query tile
+            # wholly above this group's keys (the first of the second group) is computed, masked to P = dS = 0:
+            # both groups take part in every tile's dQ.
+            if ROWS_TMA:
+                mbarrier.wait(q_ready.index(stage), phase)
+                l2 = rows_bufs.index(stage).load(col_s) * 1.4426950408889634
+                mbarrier.wait(do_ready.index(stage), phase)
+            else:
+                l2 = gl.load(lse_base + cols) * 1.4426950408889634
+                mbarrier.wait(q_ready.index(stage), phase)
+                mbarrier.wait(do_ready.index(stage), phase)
+            q = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
+            do = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
+            # 1. S^T and dP^T in flight together; P^T under dP^T, masked.
+            p, dp = _sdp_transposed(k, v, q, do, l2, keys, cols, start_m, start_n, N_K, qk_scale, s_layout, BLOCK_N,
+                                    BLOCK_M, IS_CAUSAL)
+            # 2. dV += P^T dO under dS^T = P^T (dP^T - D) / sqrt(d) (FA2 eqs. 16-17, the scale folded in).
+            p16 = p.to(dtype)
+            dv = warpgroup_mma(gl.convert_layout(p16, a_layout), do, dv, is_async=True)
+            if ROWS_TMA:
+                delta = rows_bufs.index(NUM_STAGES + stage).load(col_s) * sm_scale
+            else:
+                delta = gl.load(delta_base + cols) * sm_scale
+            dp = warpgroup_mma_wait(1, deps=(dp,))
+            ds16 = (p16.to(gl.float32) * (dp * sm_scale - gl.expand_dims(delta, 0))).to(dtype)
+            # 3. dK += dS^T Q from registers (DK_LATE: after the dS^T store, in each branch below); dS^T to this
+            #    group's rows of the slot's shared tile.
+            if DQ_WHOLE and DK_LATE:
+                dv = warpgroup_mma_wait(0, deps=(dv,))
+            else:
+                dk = warpgroup_mma(gl.convert_layout(ds16, a_layout), q, dk, is_async=True)
+                dv = warpgroup_mma_wait(1, deps=(dv,))  # frees P^T's registers before dQ's accumulator is live
+            ds_tile = ds_bufs.index(stage)
+            ds_tile.slice(C * BLOCK_N, BLOCK_N, dim=0).store(ds16)
+            fence_async_shared()
+            mbarrier.arrive(ds_ready.index(stage), count=1)
+            if DQ_WHOLE and DK_LATE:
+                # dK issued in each branch: it runs under the wait for the other group's dS^T and beside dQ.
+                if use % 2 == C:
+                    dk = warpgroup_mma(gl.convert_layout(ds16, a_layout), q, dk, is_async=True)
+                    mbarrier.wait(ds_ready.index(stage), phase)
+                    dk, dq = warpgroup_mma_wait(0, deps=(dk, _dq_product(ds_tile, k0_half, k1_half, BLOCK_M,
+                                                                         BLOCK_N, DQ_N)))
+                    mbarrier.arrive(empty.index(stage), count=1)
+                    _dq_to_global(dq, dq_bufs.index(C), dq_desc, off_b, off_h, start_m, 0, BLOCK_M, DQ_N)
                 else:
                     dk = warpgroup_mma(gl.convert_layout(ds16, a_layout), q, dk, is_async=True)
-                    dv = warpgroup_mma_wait(1, deps=(dv,))  # frees P^T's registers before dQ's accumulator is live
-                ds_tile = ds_bufs.index(stage)
-                ds_tile.slice(C * BLOCK_N, BLOCK_N, dim=0).store(ds16)
-                fence_async_shared()
-                mbarrier.arrive(ds_ready.index(stage), count=1)
-                if DQ_WHOLE and DK_LATE:
-                    # dK issued in each branch: it runs under the wait for the other group's dS^T and beside dQ.
-                    if use % 2 == C:
-                        dk = warpgroup_mma(gl.convert_layout(ds16, a_layout), q, dk, is_async=True)
-                        mbarrier.wait(ds_ready.index(stage), phase)
-                        dk, dq = warpgroup_mma_wait(0, deps=(dk, _dq_product(ds_tile, k0_half, k1_half, BLOCK_M,
-                                                                             BLOCK_N, DQ_N)))
-                        mbarrier.arrive(empty.index(stage), count=1)
-                        _dq_to_global(dq, dq_bufs.index(C), dq_desc, off_b, off_h, start_m, 0, BLOCK_M, DQ_N)
-                    else:
-                        dk = warpgroup_mma(gl.convert_layout(ds16, a_layout), q, dk, is_async=True)
-                        dk = warpgroup_mma_wait(0, deps=(dk,))
-                        mbarrier.arrive(empty.index(stage), count=1)
-                elif DQ_WHOLE:
-                    # The groups take alternate tiles' dQ: dK completes here (an async accumulator cannot cross the
-                    # branch), under the dS^T store and the other group's arrival.
                     dk = warpgroup_mma_wait(0, deps=(dk,))
-                    if use % 2 == C:
-                        mbarrier.wait(ds_ready.index(stage), phase)
-                        dq = warpgroup_mma_wait(0, deps=(_dq_product(ds_tile, k0_half, k1_half, BLOCK_M, BLOCK_N,
-                                                                     DQ_N),))
-                        mbarrier.arrive(empty.index(stage), count=1)
-                        _dq_to_global(dq, dq_bufs.index(C), dq_desc, off_b, off_h, start_m, 0, BLOCK_M, DQ_N)
-                    else:
-                        mbarrier.arrive(empty.index(stage), count=1)
-                else:
-                    # 4. Once both halves landed: dQ(i)[:, this half] share = dS(i) K over the program's keys.
-                    mbarrier.wait(ds_ready.index(stage), phase)
-                    dk, dq = warpgroup_mma_wait(0, deps=(dk, _dq_product(ds_tile, k0_half, k1_half, BLOCK_M, BLOCK_N,
-                                                                         DQ_N)))
-                    # Q(i), dO(i) and the dS slot are no longer read by this group (the loader refills the slot, and
-                    # the other group rewrites its dS rows, only after both groups arrive).
                     mbarrier.arrive(empty.index(stage), count=1)
-                    _dq_to_global(dq, dq_bufs.index(C), dq_desc, off_b, off_h, start_m, C * DQ_N, BLOCK_M, DQ_N)
+            elif DQ_WHOLE:
+                # The groups take alternate tiles' dQ: dK completes here (an async accumulator cannot cross the
+                # branch), under the dS^T store and the other group's arrival.
+                dk = warpgroup_mma_wait(0, deps=(dk,))
+                if use % 2 == C:
+                    mbarrier.wait(ds_ready.index(stage), phase)
+                    dq = warpgroup_mma_wait(0, deps=(_dq_product(ds_tile, k0_half, k1_half, BLOCK_M, BLOCK_N, DQ_N),))
+                    mbarrier.arrive(empty.index(stage), count=1)
+                    _dq_to_global(dq, dq_bufs.index(C), dq_desc, off_b, off_h, start_m, 0, BLOCK_M, DQ_N)
+                else:
+                    mbarrier.arrive(empty.index(stage), count=1)
+            else:
+                # 4. Once both halves landed: dQ(i)[:, this half] share = dS(i) K over the program's keys.
+                mbarrier.wait(ds_ready.index(stage), phase)
+                dk, dq = warpgroup_mma_wait(0, deps=(dk, _dq_product(ds_tile, k0_half, k1_half, BLOCK_M, BLOCK_N,
+                                                                     DQ_N)))
+                # Q(i), dO(i) and the dS slot are no longer read by this group (the loader refills the slot, and
+                # the other group rewrites its dS rows, only after both groups arrive).
+                mbarrier.arrive(empty.index(stage), count=1)
+                _dq_to_global(dq, dq_bufs.index(C), dq_desc, off_b, off_h, start_m, C * DQ_N, BLOCK_M, DQ_N)
 
         # 6. Epilogue: dK (already scaled) and dV through the K and V buffers, once the other group's last dQ
         #    product has read K (the last slot's `empty` phase completes when both groups arrived); rows past N_K
@@ -386,8 +259,7 @@ if HAS_GLUON_HOPPER:
                                  do_ready, ds_ready, empty, kv_empty, rows_bufs, dk_desc, dv_desc, dq_desc, L, Delta,
                                  H, BH, GROUP: gl.constexpr, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM: gl.constexpr,
                                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                                 IS_CAUSAL: gl.constexpr, DK_LATE: gl.constexpr, ROWS_TMA: gl.constexpr,
-                                 PIPELINE: gl.constexpr):
+                                 IS_CAUSAL: gl.constexpr, DK_LATE: gl.constexpr, ROWS_TMA: gl.constexpr):
         """Consumer C of a persistent program: work items pid, pid + #programs, ... (`_bwd_item` order)."""
         num_t = gl.cdiv(N_K, 2 * BLOCK_N)
         it0 = 0
@@ -398,8 +270,7 @@ if HAS_GLUON_HOPPER:
             _bwd_consumer_item(C, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, n & 1, q_ready,
                                do_ready, ds_ready, empty, kv_empty, rows_bufs, dk_desc, dv_desc, dq_desc, L, Delta,
                                off_b, off_h, pid_bh, tile_n, m_start, num_m, it0, N_Q, N_K, qk_scale, sm_scale,
-                               HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, True, DK_LATE, ROWS_TMA,
-                               PIPELINE)
+                               HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, True, DK_LATE, ROWS_TMA)
             it0 += num_m
             n += 1
 
@@ -488,7 +359,7 @@ if HAS_GLUON_HOPPER:
                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, GROUP: gl.constexpr,
                                CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, DK_LATE: gl.constexpr,
-                               ROWS_TMA: gl.constexpr, PIPELINE: gl.constexpr):
+                               ROWS_TMA: gl.constexpr):
         """Grid (cdiv(N_K, 2 * BLOCK_N) * B * H,): program -> (key tile, batch*head), heavy first; two consumer
         warp groups of BLOCK_N keys and a loader warp."""
         TILE_N: gl.constexpr = 2 * BLOCK_N
@@ -507,11 +378,11 @@ if HAS_GLUON_HOPPER:
             (_bwd_consumer, (0, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready,
                              ds_ready, empty, rows_bufs, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h, pid_bh,
                              tile_n, m_start, num_m, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                             NUM_STAGES, IS_CAUSAL, DK_LATE, ROWS_TMA, PIPELINE)),
+                             NUM_STAGES, IS_CAUSAL, DK_LATE, ROWS_TMA)),
             (_bwd_consumer, (1, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready,
                              ds_ready, empty, rows_bufs, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h, pid_bh,
                              tile_n, m_start, num_m, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                             NUM_STAGES, IS_CAUSAL, DK_LATE, ROWS_TMA, PIPELINE)),
+                             NUM_STAGES, IS_CAUSAL, DK_LATE, ROWS_TMA)),
             (_one_pass_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, rows_bufs, kv_bar,
                                 q_ready, do_ready, empty, L, Delta, off_b, off_h, pid_bh, tile_n, m_start, num_m, N_Q,
                                 BLOCK_M, BLOCK_N, NUM_STAGES, ROWS_TMA)),
@@ -523,7 +394,7 @@ if HAS_GLUON_HOPPER:
                                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                           NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, GROUP: gl.constexpr,
                                           CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                                          DK_LATE: gl.constexpr, ROWS_TMA: gl.constexpr, PIPELINE: gl.constexpr):
+                                          DK_LATE: gl.constexpr, ROWS_TMA: gl.constexpr):
         """Grid (min(#work items, #SMs),): each program walks the work items p, p + #programs, ... of the one-item
         kernel (`_bwd_item`, heavy first). The Q/dO ring runs on across items (the next item's first tiles load
         under this one's dK/dV epilogue); K and V are reloaded once both groups released them (`kv_empty`: one
@@ -536,11 +407,11 @@ if HAS_GLUON_HOPPER:
             (_bwd_persistent_consumer, (0, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, q_ready,
                                         do_ready, ds_ready, empty, kv_empty, rows_bufs, dk_desc, dv_desc, dq_desc, L,
                                         Delta, H, BH, GROUP, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                        NUM_STAGES, IS_CAUSAL, DK_LATE, ROWS_TMA, PIPELINE)),
+                                        NUM_STAGES, IS_CAUSAL, DK_LATE, ROWS_TMA)),
             (_bwd_persistent_consumer, (1, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, q_ready,
                                         do_ready, ds_ready, empty, kv_empty, rows_bufs, dk_desc, dv_desc, dq_desc, L,
                                         Delta, H, BH, GROUP, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                        NUM_STAGES, IS_CAUSAL, DK_LATE, ROWS_TMA, PIPELINE)),
+                                        NUM_STAGES, IS_CAUSAL, DK_LATE, ROWS_TMA)),
             (_bwd_persistent_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, rows_bufs,
                                       kv_bar, q_ready, do_ready, empty, kv_empty, L, Delta, H, BH, GROUP, N_Q, N_K,
                                       BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, ROWS_TMA)),
@@ -573,12 +444,6 @@ class GluonBwdConfig:
     producer brings LSE and dPsum), and read by the consumers from shared memory; else each consumer loads them
     from global memory. The sm_90 build spills far less causal at d 128 with it, and it was faster at every d-128
     shape, level at d 64, in the check that set the default (results/flash_hopper_notes.md, section 12)."""
-    pipeline: bool = False
-    """Each query tile issues the next one's S^T and dP^T wgmmas after its dS^T store, so that they run on the
-    tensor cores while the group waits for the other's dS^T and beside this tile's dV, dK and dQ; one wgmma wait
-    per tile (`_pipelined_tiles`). S^T and dP^T cross the iteration as registers, so a group holds them beside dK,
-    dV and a dQ accumulator: head dims up to 64 (at 128 they would not fit a group's registers). Needs `dq_whole`
-    and `rows_tma`; `dk_late` does not apply (dK's wgmma goes right after dS^T)."""
     persistent: bool = False
     """One program per SM walking the work items (`_gluon_attn_bwd_persistent_kernel`), as cuDNN's backward runs
     (results/flash_hopper_notes.md, section 9): no program start per key tile, the next item's Q/dO under this
@@ -599,16 +464,11 @@ class GluonBwdConfig:
             raise ValueError(f"rows_tma ({self.rows_tma!r}) must be a bool")
         if not isinstance(self.dk_late, bool) or (self.dk_late and not self.dq_whole):
             raise ValueError(f"dk_late ({self.dk_late!r}) must be a bool, and True only with dq_whole")
-        if not isinstance(self.pipeline, bool) or (self.pipeline and not (self.dq_whole and self.rows_tma
-                                                                          and not self.dk_late)):
-            raise ValueError(f"pipeline ({self.pipeline!r}) must be a bool, and True only with dq_whole and "
-                             f"rows_tma, without dk_late")
 
     @property
     def name(self) -> str:
         return (f"bwd2x{BWD_BLOCK_N}xq{self.block_m}/s{self.num_stages}" + ("/dqw" if self.dq_whole else "")
                 + ("/dkl" if self.dk_late else "") + ("/rt" if self.rows_tma else "")
-                + ("/pl" if self.pipeline else "")
                 + ("/p" if self.persistent else "")
                 + (f"/g{self.head_group}" if self.head_group else ""))
 
@@ -628,9 +488,6 @@ class GluonBwdConfig:
                 + 4 * self.block_m * head_dim * (2 if self.dq_whole else 1)
                 + (4 * 2 * self.num_stages * self.block_m if self.rows_tma else 0))
 
-
-PIPELINE_MAX_HEAD_DIM = 64
-"""The largest head dim `GluonBwdConfig.pipeline` builds for."""
 
 DEFAULT_BWD_CONFIGS = {64: GluonBwdConfig(block_m=64, num_stages=2), 128: GluonBwdConfig(block_m=64, num_stages=2)}
 
@@ -678,9 +535,6 @@ def bwd_launch_args(q, k, v, grad_out, dk, dv, lse, delta, dq_acc, is_causal: bo
     `_onepass_bwd_preprocess_kernel` writes all three."""
     batch, heads, n_q, head_dim = q.shape
     n_k = k.shape[2]
-    if config.pipeline and head_dim > PIPELINE_MAX_HEAD_DIM:
-        raise ValueError(f"pipeline (True) needs head_dim <= {PIPELINE_MAX_HEAD_DIM}, not {head_dim} (the next "
-                         f"tile's S^T and dP^T beside dK, dV and dQ would not fit a group's registers)")
     maxnreg, consumer_regs = config.registers()
     num_items = triton.cdiv(n_k, 2 * BWD_BLOCK_N) * batch * heads
     dq_block = [1, 1, config.block_m, head_dim if config.dq_whole else head_dim // 2]
@@ -697,7 +551,7 @@ def bwd_launch_args(q, k, v, grad_out, dk, dv, lse, delta, dq_acc, is_causal: bo
     args += (n_q, n_k, LOG2E / math.sqrt(head_dim), 1.0 / math.sqrt(head_dim))
     meta = dict(HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=BWD_BLOCK_N, NUM_STAGES=config.num_stages,
                 IS_CAUSAL=is_causal, GROUP=config.head_group, CONSUMER_REGS=consumer_regs, LOADER_REGS=LOADER_REGS,
-                DK_LATE=config.dk_late, ROWS_TMA=config.rows_tma, PIPELINE=config.pipeline,
+                DK_LATE=config.dk_late, ROWS_TMA=config.rows_tma,
                 num_warps=4,
                 maxnreg=maxnreg)
     return grid, args, meta

@@ -263,25 +263,6 @@ def test_bwd_config_rules():
     persistent = fgo.GluonBwdConfig(persistent=True, head_group=4)
     assert persistent.name == "bwd2x64xq64/s2/dqw/rt/p/g4" and persistent.kernel is not config.kernel
     assert halves.name == "bwd2x64xq64/s2/rt"
-    assert fgo.GluonBwdConfig(pipeline=True, head_group=4).name == "bwd2x64xq64/s2/dqw/rt/pl/g4"
-    for bad in (dict(pipeline=1), dict(pipeline=True, dq_whole=False), dict(pipeline=True, rows_tma=False),
-                dict(pipeline=True, dk_late=True)):
-        with pytest.raises(ValueError, match="pipeline"):
-            fgo.GluonBwdConfig(**bad)
-
-
-def test_pipelined_backward_refuses_head_dims_over_64():
-    """`pipeline` keeps the next tile's S^T beside dK, dV and dQ in a group's registers: d 64 only (what the one-pass
-    kernel runs is 64 or 128); the rule is checked before any launch, on the CPU too."""
-    q = _cpu((1, 2, 300, 128))
-    lse = torch.zeros(1, 2, 320)
-    with pytest.raises(ValueError, match=r"pipeline \(True\) needs head_dim <= 64, not 128"):
-        fgo.bwd_launch_args(q, q, q, q, q, q, lse, lse, torch.zeros(q.shape), True,
-                            fgo.GluonBwdConfig(pipeline=True))
-    q = _cpu((1, 2, 300, 64))
-    grid, _, meta = fgo.bwd_launch_args(q, q, q, q, q, q, lse, lse, torch.zeros(q.shape), True,
-                                        fgo.GluonBwdConfig(pipeline=True))
-    assert meta["PIPELINE"] is True and grid == (triton.cdiv(300, 2 * fgo.BWD_BLOCK_N) * 2,)
 
 
 def test_head_group_fits_the_l2_cache(monkeypatch):
@@ -382,12 +363,10 @@ def _compile_sm90_bwd(config: fgo.GluonBwdConfig, head_dim: int, dtype: torch.dt
     (128, False, torch.float16, False, True), (64, True, torch.bfloat16, True, True),
     (128, True, torch.bfloat16, True, True), (128, True, torch.bfloat16, False, False),
     (128, True, torch.bfloat16, False, "dk_late"), (128, True, torch.bfloat16, True, "dk_late"),
-    (128, True, torch.bfloat16, False, "rows_global"), (64, True, torch.bfloat16, True, "rows_global"),
-    (64, True, torch.bfloat16, False, "pipeline"), (64, False, torch.float16, True, "pipeline")])
+    (128, True, torch.bfloat16, False, "rows_global"), (64, True, torch.bfloat16, True, "rows_global")])
 def test_bwd_compiles_for_sm90(head_dim, causal, dtype, persistent, dq_whole):
     config = dataclasses.replace(fgo.DEFAULT_BWD_CONFIGS[head_dim], persistent=persistent, dq_whole=bool(dq_whole),
-                                 dk_late=dq_whole == "dk_late", rows_tma=dq_whole != "rows_global",
-                                 pipeline=dq_whole == "pipeline")
+                                 dk_late=dq_whole == "dk_late", rows_tma=dq_whole != "rows_global")
     compiled = _compile_sm90_bwd(config, head_dim, dtype, causal)
     ptx = compiled.asm["ptx"]
     assert compiled.asm["cubin"] and compiled.metadata.shared >= config.shared_bytes(head_dim)
@@ -395,8 +374,6 @@ def test_bwd_compiles_for_sm90(head_dim, causal, dtype, persistent, dq_whole):
     # reductions (no per-thread atomics), and the consumer/producer register split.
     assert "wgmma.wait_group.sync.aligned 1;" in ptx
     assert "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in ptx
-    if config.pipeline:  # nothing in flight across the loop: no wgmma serialisation
-        assert "C7512" not in _ptxas_log(ptx)
     assert "atom.global" not in ptx and "red.global" not in ptx
     assert f"setmaxnreg.inc.sync.aligned.u32 \t{config.registers()[1]};" in ptx
     assert f"setmaxnreg.dec.sync.aligned.u32 \t{fg.LOADER_REGS};" in ptx
@@ -766,41 +743,6 @@ def test_persistent_one_pass_backward_matches_the_one_item_programs(q_shape, n_k
         for name, g, ref in zip("qkv", got, (qf.grad, kf.grad, vf.grad)):
             tol = 3e-2 if dtype == torch.bfloat16 else 6e-3  # as test_bwd_matches_fp32_autograd's
             assert ((g.float() - ref).abs().max() / ref.abs().max()).item() <= tol, (config.name, name)
-
-
-@pytest.mark.gpu
-@needs_sm90
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("q_shape, n_k, causal", [
-    ((2, 2, 777, 64), 777, True), ((2, 2, 777, 64), 777, False), ((1, 3, 1029, 64), 513, True),
-    ((1, 2, 513, 64), 1029, True), ((1, 2, 513, 64), 1029, False), ((2, 3, 64, 64), 64, True),
-    ((1, 2, 130, 64), 200, False), ((3, 2, 200, 64), 200, True)])
-@pytest.mark.parametrize("num_stages, persistent", [(2, False), (3, False), (2, True)])
-def test_pipelined_backward_matches_the_unpipelined(q_shape, n_k, causal, dtype, num_stages, persistent,
-                                                    monkeypatch):
-    """`pipeline` (the next tile's S^T issued under this one's dQ, two tiles per iteration, the last one or two
-    peeled) against the same config without it: dK and dV bitwise (same tiles, same order of additions), dQ within
-    rounding (fp32 sums by the TMA unit in no fixed order), all three against fp32 autograd. The shapes give work
-    items of 0 (n_k > n_q causal), 1, 2, odd and even numbers of query tiles; the persistent grid of 16 programs
-    runs several items per program, so the ring runs on across items."""
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    k_shape = q_shape[:2] + (n_k, q_shape[-1])
-    q, k, v = (torch.randn(s, generator=gen, device="cuda").to(dtype) for s in (q_shape, k_shape, k_shape))
-    do = torch.randn(q_shape, generator=gen, device="cuda").to(dtype)
-    qf, kf, vf = (t.float().requires_grad_() for t in (q, k, v))
-    _reference(qf, kf, vf, causal)[0].backward(do.float())
-    out, lse = fg.gluon_attention_fwd(q, k, v, causal)
-    monkeypatch.setattr(fgo, "num_sms", lambda device: 16)
-    base = fgo.GluonBwdConfig(num_stages=num_stages, persistent=persistent, head_group=2 if persistent else 0)
-    want = fgb.gluon_attention_bwd(q, k, v, out, lse, do, causal, config=base, mode="one_pass")
-    config = dataclasses.replace(base, pipeline=True)
-    got = fgb.gluon_attention_bwd(q, k, v, out, lse, do, causal, config=config, mode="one_pass")
-    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2]), config.name
-    rounding = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
-    assert ((got[0].float() - want[0].float()).abs().max() / want[0].float().abs().max()).item() <= rounding
-    tol = 3e-2 if dtype == torch.bfloat16 else 6e-3  # as test_bwd_matches_fp32_autograd's
-    for name, g, ref in zip("qkv", got, (qf.grad, kf.grad, vf.grad)):
-        assert ((g.float() - ref).abs().max() / ref.abs().max()).item() <= tol, (config.name, name)
 
 
 @pytest.mark.gpu
