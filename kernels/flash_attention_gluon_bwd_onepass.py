@@ -76,10 +76,17 @@ if HAS_GLUON_HOPPER:
         return warpgroup_mma(ds_tile.slice(BLOCK_N, BLOCK_N, dim=0).permute((1, 0)), k1, dq, is_async=True)
 
     @gluon.jit
-    def _dq_to_global(dq, dq_smem, dq_desc, off_b, off_h, start_m, col, BLOCK_M: gl.constexpr, DQ_N: gl.constexpr):
-        """5. Summed in fp32 in global memory at (start_m, col) by the TMA unit (order not fixed), from this group's
-        shared tile once the previous tile's reduction has finished reading it."""
-        tma.store_wait(0)
+    def _dq_to_global(dq, dq_bufs, C: gl.constexpr, k, dq_desc, off_b, off_h, start_m, col, BLOCK_M: gl.constexpr,
+                      DQ_N: gl.constexpr):
+        """5. Summed in fp32 in global memory at (start_m, col) by the TMA unit (order not fixed), from the k-th dQ
+        tile of group C (`dq_bufs`: each group's `GluonBwdConfig.dq_buffers` tiles, used in turn) once the reduction
+        that last read that tile has finished reading it."""
+        DQ_BUFS: gl.constexpr = dq_bufs.shape[0] // 2
+        if DQ_BUFS == 1:
+            dq_smem = dq_bufs.index(C)
+        else:
+            dq_smem = dq_bufs.index(C * DQ_BUFS + k % DQ_BUFS)
+        tma.store_wait(DQ_BUFS - 1)
         dq_smem.reshape([BLOCK_M, DQ_N]).store(dq)
         fence_async_shared()
         _tma_reduce_add(dq_desc, [off_b, off_h, start_m, col], dq_smem)
@@ -184,7 +191,7 @@ if HAS_GLUON_HOPPER:
                     dk, dq = warpgroup_mma_wait(0, deps=(dk, _dq_product(ds_tile, k0_half, k1_half, BLOCK_M,
                                                                          BLOCK_N, DQ_N)))
                     mbarrier.arrive(empty.index(stage), count=1)
-                    _dq_to_global(dq, dq_bufs.index(C), dq_desc, off_b, off_h, start_m, 0, BLOCK_M, DQ_N)
+                    _dq_to_global(dq, dq_bufs, C, use // 2, dq_desc, off_b, off_h, start_m, 0, BLOCK_M, DQ_N)
                 else:
                     dk = warpgroup_mma(gl.convert_layout(ds16, a_layout), q, dk, is_async=True)
                     dk = warpgroup_mma_wait(0, deps=(dk,))
@@ -197,7 +204,7 @@ if HAS_GLUON_HOPPER:
                     mbarrier.wait(ds_ready.index(stage), phase)
                     dq = warpgroup_mma_wait(0, deps=(_dq_product(ds_tile, k0_half, k1_half, BLOCK_M, BLOCK_N, DQ_N),))
                     mbarrier.arrive(empty.index(stage), count=1)
-                    _dq_to_global(dq, dq_bufs.index(C), dq_desc, off_b, off_h, start_m, 0, BLOCK_M, DQ_N)
+                    _dq_to_global(dq, dq_bufs, C, use // 2, dq_desc, off_b, off_h, start_m, 0, BLOCK_M, DQ_N)
                 else:
                     mbarrier.arrive(empty.index(stage), count=1)
             else:
@@ -208,7 +215,7 @@ if HAS_GLUON_HOPPER:
                 # Q(i), dO(i) and the dS slot are no longer read by this group (the loader refills the slot, and
                 # the other group rewrites its dS rows, only after both groups arrive).
                 mbarrier.arrive(empty.index(stage), count=1)
-                _dq_to_global(dq, dq_bufs.index(C), dq_desc, off_b, off_h, start_m, C * DQ_N, BLOCK_M, DQ_N)
+                _dq_to_global(dq, dq_bufs, C, use, dq_desc, off_b, off_h, start_m, C * DQ_N, BLOCK_M, DQ_N)
 
         # 6. Epilogue: dK (already scaled) and dV through the K and V buffers, once the other group's last dQ
         #    product has read K (the last slot's `empty` phase completes when both groups arrived); rows past N_K
@@ -335,15 +342,15 @@ if HAS_GLUON_HOPPER:
 
     @gluon.jit
     def _one_pass_shared(q_desc, k_desc, v_desc, do_desc, dq_desc, L, NUM_STAGES: gl.constexpr, TILE_N: gl.constexpr,
-                         BLOCK_M: gl.constexpr, ROWS_TMA: gl.constexpr):
+                         BLOCK_M: gl.constexpr, ROWS_TMA: gl.constexpr, DQ_BUFFERS: gl.constexpr):
         """Each group's K, V (reused for dK, dV); the Q/dO ring; per slot a dS^T tile of both groups' keys; each
-        group's fp32 dQ tile; barriers (`_key_stationary_shared`'s, and `ds_ready`: one arrival per group);
+        group's DQ_BUFFERS fp32 dQ tiles; barriers (`_key_stationary_shared`'s, and `ds_ready`: one arrival per group);
         ROWS_TMA: per slot the L row, then per slot the D row (`rows_bufs`, fp32), else a placeholder."""
         k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty = _key_stationary_shared(
             q_desc, k_desc, v_desc, do_desc, NUM_STAGES)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [NUM_STAGES, TILE_N, BLOCK_M], ds_layout)
-        dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+        dq_bufs = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFFERS] + dq_desc.block_type.shape, dq_desc.layout)
         ds_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(ds_ready.index(i), count=2)
@@ -359,7 +366,7 @@ if HAS_GLUON_HOPPER:
                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, GROUP: gl.constexpr,
                                CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, DK_LATE: gl.constexpr,
-                               ROWS_TMA: gl.constexpr):
+                               ROWS_TMA: gl.constexpr, DQ_BUFFERS: gl.constexpr):
         """Grid (cdiv(N_K, 2 * BLOCK_N) * B * H,): program -> (key tile, batch*head), heavy first; two consumer
         warp groups of BLOCK_N keys and a loader warp."""
         TILE_N: gl.constexpr = 2 * BLOCK_N
@@ -371,7 +378,8 @@ if HAS_GLUON_HOPPER:
 
         # 3. Shared memory (`_one_pass_shared`).
         k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, ds_bufs, dq_bufs, ds_ready, rows_bufs = \
-            _one_pass_shared(q_desc, k_desc, v_desc, do_desc, dq_desc, L, NUM_STAGES, TILE_N, BLOCK_M, ROWS_TMA)
+            _one_pass_shared(q_desc, k_desc, v_desc, do_desc, dq_desc, L, NUM_STAGES, TILE_N, BLOCK_M, ROWS_TMA,
+                             DQ_BUFFERS)
 
         # 4. Partitions (argument tuples inline, as in the forward).
         gl.warp_specialize([
@@ -394,13 +402,14 @@ if HAS_GLUON_HOPPER:
                                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                           NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, GROUP: gl.constexpr,
                                           CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                                          DK_LATE: gl.constexpr, ROWS_TMA: gl.constexpr):
+                                          DK_LATE: gl.constexpr, ROWS_TMA: gl.constexpr, DQ_BUFFERS: gl.constexpr):
         """Grid (min(#work items, #SMs),): each program walks the work items p, p + #programs, ... of the one-item
         kernel (`_bwd_item`, heavy first). The Q/dO ring runs on across items (the next item's first tiles load
         under this one's dK/dV epilogue); K and V are reloaded once both groups released them (`kv_empty`: one
         arrival per group, after its dK and dV stores left the buffers)."""
         k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, ds_bufs, dq_bufs, ds_ready, rows_bufs = \
-            _one_pass_shared(q_desc, k_desc, v_desc, do_desc, dq_desc, L, NUM_STAGES, 2 * BLOCK_N, BLOCK_M, ROWS_TMA)
+            _one_pass_shared(q_desc, k_desc, v_desc, do_desc, dq_desc, L, NUM_STAGES, 2 * BLOCK_N, BLOCK_M,
+                             ROWS_TMA, DQ_BUFFERS)
         kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_empty, count=2)
         gl.warp_specialize([
@@ -444,6 +453,10 @@ class GluonBwdConfig:
     producer brings LSE and dPsum), and read by the consumers from shared memory; else each consumer loads them
     from global memory. The sm_90 build spills far less causal at d 128 with it, and it was faster at every d-128
     shape, level at d 64, in the check that set the default (results/flash_hopper_notes.md, section 12)."""
+    dq_buffers: int = 1
+    """Shared fp32 dQ tiles per group, used in turn: with 2, a group writes a tile's dQ while the TMA unit may still
+    be reading its previous one into global memory (`tma.store_wait(1)`); with 1 it waits for that reduction first.
+    The dQ reductions are 5% (d 64) to 7% (d 128) of the backward (`results/runs/flash_bwd_ablation.py`)."""
     persistent: bool = False
     """One program per SM walking the work items (`_gluon_attn_bwd_persistent_kernel`), as cuDNN's backward runs
     (results/flash_hopper_notes.md, section 9): no program start per key tile, the next item's Q/dO under this
@@ -462,6 +475,8 @@ class GluonBwdConfig:
             raise ValueError(f"dq_whole ({self.dq_whole!r}) must be a bool")
         if not isinstance(self.rows_tma, bool):
             raise ValueError(f"rows_tma ({self.rows_tma!r}) must be a bool")
+        if type(self.dq_buffers) is not int or self.dq_buffers not in (1, 2):
+            raise ValueError(f"dq_buffers ({self.dq_buffers!r}) must be 1 or 2")
         if not isinstance(self.dk_late, bool) or (self.dk_late and not self.dq_whole):
             raise ValueError(f"dk_late ({self.dk_late!r}) must be a bool, and True only with dq_whole")
 
@@ -469,7 +484,7 @@ class GluonBwdConfig:
     def name(self) -> str:
         return (f"bwd2x{BWD_BLOCK_N}xq{self.block_m}/s{self.num_stages}" + ("/dqw" if self.dq_whole else "")
                 + ("/dkl" if self.dk_late else "") + ("/rt" if self.rows_tma else "")
-                + ("/p" if self.persistent else "")
+                + (f"/q{self.dq_buffers}" if self.dq_buffers != 1 else "") + ("/p" if self.persistent else "")
                 + (f"/g{self.head_group}" if self.head_group else ""))
 
     @property
@@ -481,11 +496,11 @@ class GluonBwdConfig:
 
     def shared_bytes(self, head_dim: int, elem: int = 2) -> int:
         """K, V of both groups, the Q/dO ring, a dS^T tile of both groups' keys per ring slot (and each group's
-        fp32 dQ tile: half of the head dim, or all of it with `dq_whole`; with `rows_tma` the L and D rows per
-        slot)."""
+        `dq_buffers` fp32 dQ tiles: half of the head dim, or all of it with `dq_whole`; with `rows_tma` the L and D
+        rows per slot)."""
         return (elem * (head_dim * (4 * BWD_BLOCK_N + 2 * self.num_stages * self.block_m)
                         + self.num_stages * 2 * BWD_BLOCK_N * self.block_m)
-                + 4 * self.block_m * head_dim * (2 if self.dq_whole else 1)
+                + 4 * self.block_m * head_dim * (2 if self.dq_whole else 1) * self.dq_buffers
                 + (4 * 2 * self.num_stages * self.block_m if self.rows_tma else 0))
 
 
@@ -551,7 +566,7 @@ def bwd_launch_args(q, k, v, grad_out, dk, dv, lse, delta, dq_acc, is_causal: bo
     args += (n_q, n_k, LOG2E / math.sqrt(head_dim), 1.0 / math.sqrt(head_dim))
     meta = dict(HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=BWD_BLOCK_N, NUM_STAGES=config.num_stages,
                 IS_CAUSAL=is_causal, GROUP=config.head_group, CONSUMER_REGS=consumer_regs, LOADER_REGS=LOADER_REGS,
-                DK_LATE=config.dk_late, ROWS_TMA=config.rows_tma,
+                DK_LATE=config.dk_late, ROWS_TMA=config.rows_tma, DQ_BUFFERS=config.dq_buffers,
                 num_warps=4,
                 maxnreg=maxnreg)
     return grid, args, meta

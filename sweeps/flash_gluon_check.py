@@ -88,7 +88,10 @@ BWD_CONFIGS = {
          fgo.GluonBwdConfig(num_stages=3, head_group=8, persistent=True),
          *(fgo.GluonBwdConfig(num_stages=3, head_group=g, dq_whole=False) for g in (4, 8)),
          fgo.GluonBwdConfig(num_stages=3, head_group=4, dk_late=True),
-         *(fgo.GluonBwdConfig(num_stages=3, head_group=4, rows_tma=False, dk_late=late) for late in (False, True))],
+         *(fgo.GluonBwdConfig(num_stages=3, head_group=4, rows_tma=False, dk_late=late) for late in (False, True)),
+         *(fgo.GluonBwdConfig(num_stages=s, head_group=g, dk_late=True, dq_buffers=2) for s in (2, 3) for g in (4, 8)),
+         fgo.GluonBwdConfig(head_group=4, dq_buffers=2), fgo.GluonBwdConfig(head_group=4, dq_whole=False,
+                                                                            dq_buffers=2)],
     128: [fgb.DEFAULT_BWD2_CONFIGS[128], fgb.GluonBwd2Config(dkdv_block_m=64, dkdv_stages=2, dq_block_n=128),
           fgo.DEFAULT_BWD_CONFIGS[128], *(fgo.GluonBwdConfig(head_group=g) for g in (1, 2, 4, 8)),
           *(fgo.GluonBwdConfig(head_group=g, dk_late=True) for g in (1, 2)),
@@ -96,13 +99,16 @@ BWD_CONFIGS = {
           fgo.GluonBwdConfig(head_group=2, persistent=True),
           fgo.GluonBwdConfig(persistent=True), fgo.GluonBwdConfig(head_group=4, persistent=True),
           fgo.GluonBwdConfig(head_group=4, dq_whole=False), fgo.GluonBwdConfig(head_group=4, dq_whole=False,
-                                                                                persistent=True)],
+                                                                                persistent=True),
+          *(fgo.GluonBwdConfig(head_group=g, dq_whole=False, dq_buffers=2) for g in (1, 2, 4))],
 }
 """Per head dim: the two-pass default, one other two-pass config (the other tile of each kernel), the one-pass
 default (dQ summed by TMA reductions; a `GluonBwdConfig` runs mode="one_pass"), also with head groups, on the
 persistent grid (`persistent`), and with dQ in head-dim halves per group (`dq_whole=False`, the kernel before
 ebe812e); `dk_late`: dK's wgmma after the dS^T store, in both branches; `rows_tma=False` (name without `/rt`): L and
-D loaded by the consumers from global memory, the kernel before 665867249860."""
+D loaded by the consumers from global memory, the kernel before 665867249860; `dq_buffers=2` (`/q2`): two dQ tiles
+per group, a tile written while the TMA unit may still read the previous one (at d 128 with the halves: two whole
+tiles per group do not fit shared memory)."""
 GRAD_TOL = {torch.bfloat16: 3e-2, torch.float16: 6e-3}
 """Max |g - g_ref| / max |g_ref| per gradient: P, dS and the gradients are rounded to the input dtype (relative
 2^-9 bf16, 2^-12 fp16) and summed over ~1000 terms with random signs; a wrong row or tail shows up as O(1)."""

@@ -263,6 +263,12 @@ def test_bwd_config_rules():
     persistent = fgo.GluonBwdConfig(persistent=True, head_group=4)
     assert persistent.name == "bwd2x64xq64/s2/dqw/rt/p/g4" and persistent.kernel is not config.kernel
     assert halves.name == "bwd2x64xq64/s2/rt"
+    for bad in (0, 3, True, 2.0):
+        with pytest.raises(ValueError, match="dq_buffers"):
+            fgo.GluonBwdConfig(dq_buffers=bad)
+    double = fgo.GluonBwdConfig(dq_buffers=2, head_group=4)
+    assert double.name == "bwd2x64xq64/s2/dqw/rt/q2/g4"
+    assert double.shared_bytes(64) == config.shared_bytes(64) + 2 * 64 * 64 * 4  # a second tile per group
 
 
 def test_head_group_fits_the_l2_cache(monkeypatch):
@@ -363,10 +369,13 @@ def _compile_sm90_bwd(config: fgo.GluonBwdConfig, head_dim: int, dtype: torch.dt
     (128, False, torch.float16, False, True), (64, True, torch.bfloat16, True, True),
     (128, True, torch.bfloat16, True, True), (128, True, torch.bfloat16, False, False),
     (128, True, torch.bfloat16, False, "dk_late"), (128, True, torch.bfloat16, True, "dk_late"),
-    (128, True, torch.bfloat16, False, "rows_global"), (64, True, torch.bfloat16, True, "rows_global")])
+    (128, True, torch.bfloat16, False, "rows_global"), (64, True, torch.bfloat16, True, "rows_global"),
+    (64, True, torch.bfloat16, False, "dq_buffers"), (128, False, torch.float16, True, "halves_dq_buffers")])
 def test_bwd_compiles_for_sm90(head_dim, causal, dtype, persistent, dq_whole):
-    config = dataclasses.replace(fgo.DEFAULT_BWD_CONFIGS[head_dim], persistent=persistent, dq_whole=bool(dq_whole),
-                                 dk_late=dq_whole == "dk_late", rows_tma=dq_whole != "rows_global")
+    config = dataclasses.replace(fgo.DEFAULT_BWD_CONFIGS[head_dim], persistent=persistent,
+                                 dq_whole=bool(dq_whole) and dq_whole != "halves_dq_buffers",
+                                 dk_late=dq_whole == "dk_late", rows_tma=dq_whole != "rows_global",
+                                 dq_buffers=2 if str(dq_whole).endswith("dq_buffers") else 1)
     compiled = _compile_sm90_bwd(config, head_dim, dtype, causal)
     ptx = compiled.asm["ptx"]
     assert compiled.asm["cubin"] and compiled.metadata.shared >= config.shared_bytes(head_dim)
@@ -374,6 +383,8 @@ def test_bwd_compiles_for_sm90(head_dim, causal, dtype, persistent, dq_whole):
     # reductions (no per-thread atomics), and the consumer/producer register split.
     assert "wgmma.wait_group.sync.aligned 1;" in ptx
     assert "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in ptx
+    # A dQ tile is rewritten once the TMA unit has read it: the last reduction, or with two tiles the one before.
+    assert ("cp.async.bulk.wait_group.read \t1;" in ptx) == (config.dq_buffers == 2)
     assert "atom.global" not in ptx and "red.global" not in ptx
     assert f"setmaxnreg.inc.sync.aligned.u32 \t{config.registers()[1]};" in ptx
     assert f"setmaxnreg.dec.sync.aligned.u32 \t{fg.LOADER_REGS};" in ptx
@@ -676,11 +687,12 @@ def test_matches_fp32_attention(q_shape, n_k, causal, dtype, tol):
     ((1, 2, 513, 128), 1029, False), ((1, 2, 1029, 64), 513, True), ((1, 2, 513, 128), 1029, True)])
 @pytest.mark.parametrize("mode, alt", [("two_pass", False), ("two_pass", True), ("one_pass", False),
                                        ("one_pass", "halves"), ("one_pass", "dk_late"),
-                                       ("one_pass", "rows_global")])
+                                       ("one_pass", "rows_global"), ("one_pass", "dq_buffers")])
 def test_bwd_matches_fp32_autograd(q_shape, n_k, causal, dtype, tol, mode, alt):
     """Both backwards against fp32 autograd: the two-pass with its default and alternative configs, the one-pass
-    with the config `auto` picks, with dQ in head-dim halves per group, with dK's wgmma after the dS^T store, and
-    with L and D loaded from global memory (`rows_tma=False`)."""
+    with the config `auto` picks, with dQ in head-dim halves per group, with dK's wgmma after the dS^T store, with
+    L and D loaded from global memory (`rows_tma=False`), and with two dQ tiles per group (`dq_buffers`; at d 128
+    with the halves, which leave shared memory for them)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     k_shape = q_shape[:2] + (n_k, q_shape[-1])
     q, k, v = (torch.randn(s, generator=gen, device="cuda").to(dtype) for s in (q_shape, k_shape, k_shape))
@@ -689,8 +701,10 @@ def test_bwd_matches_fp32_autograd(q_shape, n_k, causal, dtype, tol, mode, alt):
     _reference(qf, kf, vf, causal)[0].backward(do.float())
     out, lse = fg.gluon_attention_fwd(q, k, v, causal)
     if mode == "one_pass" and alt:
-        config = dataclasses.replace(fgo.DEFAULT_BWD_CONFIGS[q_shape[-1]], dq_whole=alt != "halves",
-                                     dk_late=alt == "dk_late", rows_tma=alt != "rows_global")
+        config = dataclasses.replace(fgo.DEFAULT_BWD_CONFIGS[q_shape[-1]],
+                                     dq_whole=not (alt == "halves" or (alt == "dq_buffers" and q_shape[-1] == 128)),
+                                     dk_late=alt == "dk_late", rows_tma=alt != "rows_global",
+                                     dq_buffers=2 if alt == "dq_buffers" else 1)
     else:
         config = ALT_BWD2_CONFIGS[q_shape[-1]] if alt else None
     grads = fgb.gluon_attention_bwd(q, k, v, out, lse, do, causal, config=config, mode=mode)
@@ -713,15 +727,15 @@ def test_bwd_matches_fp32_autograd(q_shape, n_k, causal, dtype, tol, mode, alt):
 @pytest.mark.parametrize("q_shape, n_k, causal", [
     ((4, 3, 1000, 128), 1000, True), ((3, 4, 777, 64), 777, True), ((2, 7, 513, 128), 1029, False),
     ((3, 3, 1029, 64), 513, True), ((2, 6, 1029, 128), 513, False)])
-@pytest.mark.parametrize("knobs", [{}, {"dk_late": True}, {"rows_tma": False}])
+@pytest.mark.parametrize("knobs", [{}, {"dk_late": True}, {"rows_tma": False}, {"dq_buffers": 2}])
 def test_persistent_one_pass_backward_matches_the_one_item_programs(q_shape, n_k, causal, dtype, knobs,
                                                                     monkeypatch):
     """The persistent one-pass backward on a grid of 16 programs (several work items each, so the Q/dO ring, K/V's
     barriers and the dQ tiles run on across items), also with its items taken 5 heads at a time: dK and dV bitwise
     the one-item programs' (same tiles, same order of additions), dQ (fp32 sums by the TMA unit, in no fixed
     order) within rounding of theirs, and all three against fp32 autograd. n_k < n_q causal gives items with no
-    query tile (dK = dV = 0). Also with `dk_late` (dK's wgmma after the dS^T store) and without `rows_tma` (L and D
-    from global memory), on both sides."""
+    query tile (dK = dV = 0). Also with `dk_late` (dK's wgmma after the dS^T store), without `rows_tma` (L and D
+    from global memory) and with two dQ tiles per group (`dq_buffers`), on both sides."""
     gen = torch.Generator(device="cuda").manual_seed(2)
     k_shape = q_shape[:2] + (n_k, q_shape[-1])
     q, k, v = (torch.randn(s, generator=gen, device="cuda").to(dtype) for s in (q_shape, k_shape, k_shape))
@@ -729,6 +743,8 @@ def test_persistent_one_pass_backward_matches_the_one_item_programs(q_shape, n_k
     qf, kf, vf = (t.float().requires_grad_() for t in (q, k, v))
     _reference(qf, kf, vf, causal)[0].backward(do.float())
     out, lse = fg.gluon_attention_fwd(q, k, v, causal)
+    if knobs.get("dq_buffers") == 2 and q_shape[-1] == 128:
+        knobs = dict(knobs, dq_whole=False)  # two whole d-128 dQ tiles per group do not fit shared memory
     base = fgo.GluonBwdConfig(num_stages=3 if q_shape[-1] == 64 else 2, **knobs)
     monkeypatch.setattr(fgo, "num_sms", lambda device: 16)
     items = triton.cdiv(n_k, 2 * fgo.BWD_BLOCK_N) * q_shape[0] * q_shape[1]
