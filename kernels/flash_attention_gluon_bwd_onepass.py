@@ -506,15 +506,24 @@ class GluonBwdConfig:
 
 DEFAULT_BWD_CONFIGS = {64: GluonBwdConfig(block_m=64, num_stages=2), 128: GluonBwdConfig(block_m=64, num_stages=2)}
 
+DQ_BUFFERS = {64: 2}
+"""Head dim -> `GluonBwdConfig.dq_buffers` of `default_config` unless the tuned file sets it. Paired against the
+launched config at 8x16x4096x64, two dQ tiles per group were faster with every ring depth, head group and `dk_late`
+setting tried (results/runs/flash_gluon_bwd_q2_82b07c1724f8.parquet; results/flash_hopper_notes.md, section 19); at
+d 128 two whole tiles per group do not fit shared memory, and two half tiles per group were slower than the whole
+one. The tile sweep has no axis for it yet."""
+
 
 def default_config(head_dim: int, dtype, n_q: int | None = None, heads: int | None = None,
                    l2_bytes: int | None = None) -> GluonBwdConfig:
     """The tuned file's one-pass config for this head dim and dtype (`sweeps/flash_tiles.py --variants gluon`),
-    else DEFAULT_BWD_CONFIGS'; given the problem's query length `n_q`, its B * H `heads` and the device's L2 bytes,
-    its `head_group` capped by `l2_head_group` (a head's Q and dO rows and its fp32 dQ, n_q * d * (2 * elem + 4)
-    bytes)."""
-    fields = gluon_tuned_fields("bwd", head_dim, dtype)
+    else DEFAULT_BWD_CONFIGS', with its `dq_buffers` from DQ_BUFFERS unless the file sets it; given the problem's
+    query length `n_q`, its B * H `heads` and the device's L2 bytes, its `head_group` capped by `l2_head_group` (a
+    head's Q and dO rows and its fp32 dQ, n_q * d * (2 * elem + 4) bytes)."""
+    fields = gluon_tuned_fields("bwd", head_dim, dtype) or {}
     config = GluonBwdConfig(**fields) if fields else DEFAULT_BWD_CONFIGS[head_dim]
+    if "dq_buffers" not in fields and head_dim in DQ_BUFFERS:
+        config = dataclasses.replace(config, dq_buffers=DQ_BUFFERS[head_dim])
     if n_q is None:
         return config
     elem = dtype.itemsize

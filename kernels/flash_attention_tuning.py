@@ -234,7 +234,8 @@ backward (`GluonBwdConfig`)."""
 
 GLUON_FIELDS = {"fwd": {"block_m", "block_n", "num_stages", "num_consumers", "persistent", "head_group",
                         "exp2_emulated"},
-                "bwd": {"block_m", "num_stages", "head_group", "persistent", "dq_whole", "dk_late", "rows_tma"}}
+                "bwd": {"block_m", "num_stages", "head_group", "persistent", "dq_whole", "dk_late", "rows_tma",
+                        "dq_buffers"}}
 """The config fields of each Gluon kind (`GluonConfig`, `GluonBwdConfig`) a tuned entry may hold."""
 GLUON_MEASURED = {"head_dim", "dtype", "shapes", "geomean_ms", "geomean_vs_reference", "shape", "median_ms", "tflops",
                   "vs_reference"}

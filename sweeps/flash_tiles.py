@@ -109,9 +109,10 @@ group, in head-dim halves by both, or whole with dK's wgmma after the dS^T store
 runs before an axis value existed measured the halves (before dq_whole) or dK before the store (before dk_late)."""
 GLUON_KEYS = ["block_m", "block_n", "num_stages", "num_consumers", "persistent", "head_group"]
 GLUON_FWD_KEYS = GLUON_KEYS + ["exp2_emulated"]
-GLUON_BWD_KEYS = GLUON_KEYS + ["dq_whole", "dk_late", "rows_tma"]
-"""The one-pass backward's fields in rows and tuned entries; `rows_tma` (L and D through the ring) is not swept:
-rows record the default they ran, False in rows of runs before it existed."""
+GLUON_BWD_KEYS = GLUON_KEYS + ["dq_whole", "dk_late", "rows_tma", "dq_buffers"]
+"""The one-pass backward's fields in rows and tuned entries; `rows_tma` (L and D through the ring) and `dq_buffers`
+(dQ tiles per group) are not swept: rows record the default they ran (`dq_buffers`: `DQ_BUFFERS` of the head dim),
+False and 1 in rows of runs before they existed."""
 GLUON_VARIANTS = ("gluon", "gluon_persistent")
 """`gluon_persistent`: the persistent grids (one program per SM) of the forward (`GluonConfig.persistent`, two
 consumer groups) and of the one-pass backward (`GluonBwdConfig.persistent`), over the same tiles, ring depths and
@@ -326,7 +327,8 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
                              f"not {config['tile']}")
         dq_whole, dk_late = GLUON_DQ[config.get("dq", "halves")]
         cfg = one_pass.GluonBwdConfig(block_m=block_m, num_stages=config["num_stages"], persistent=persistent,
-                                      head_group=config.get("head_group", 0), dq_whole=dq_whole, dk_late=dk_late)
+                                      head_group=config.get("head_group", 0), dq_whole=dq_whole, dk_late=dk_late,
+                                      dq_buffers=one_pass.DQ_BUFFERS.get(head_dim, 1))
         out, lse = gluon_fwd.gluon_attention_fwd(q, k, v, causal)
         run = lambda: gluon_bwd.gluon_attention_bwd(q, k, v, out, lse, do, causal, config=cfg,  # noqa: E731
                                                     mode="one_pass")[0]
@@ -359,7 +361,8 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
     flops *= MATMULS[kernel] / 2
     return {"block_m": block_m, "block_n": block_n, "num_consumers": config.get("num_consumers", 2), "path": "gluon",
             "warp_specialize": True, "persistent": persistent, "head_group": cfg.head_group, "maxnreg": 0, **shape,
-            **({"dq_whole": cfg.dq_whole, "dk_late": cfg.dk_late, "rows_tma": cfg.rows_tma} if kernel != "fwd"
+            **({"dq_whole": cfg.dq_whole, "dk_late": cfg.dk_late, "rows_tma": cfg.rows_tma,
+                "dq_buffers": cfg.dq_buffers} if kernel != "fwd"
                else {"exp2_emulated": cfg.exp2_emulated}),
             "time_median_s": ms / 1e3,
             "tflops": flops / (ms * 1e-3) / 1e12, "max_abs_err": err, **paired}
@@ -543,6 +546,7 @@ def gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict
         if kernel != "fwd":  # rows before dq_whole measured the head-dim halves, rows before dk_late dK before
             for c in ("dq_whole", "dk_late", "rows_tma"):
                 sel[c] = (sel[c] if c in sel else pd.Series(False, index=sel.index)).astype("boolean").fillna(False)
+            sel["dq_buffers"] = (sel["dq_buffers"] if "dq_buffers" in sel else pd.Series(1, index=sel.index)).fillna(1)
         for col in keys:
             sel[col] = sel[col].astype(int)
         sel["median_ms"] = 1e3 * sel["time_median_s"]
@@ -694,7 +698,8 @@ def markdown(df: pd.DataFrame) -> str:
     ok = ok.assign(median_ms=1e3 * ok["time_median_s"])  # the table shows milliseconds
     best = ok.sort_values("median_ms").groupby(["shape", "kernel"], as_index=False).head(3)
     best = best.sort_values(["shape", "kernel", "median_ms"])
-    gluon_knobs = [c for c in ("num_consumers", "head_group", "exp2_emulated", "dq_whole", "dk_late", "rows_tma")
+    gluon_knobs = [c for c in ("num_consumers", "head_group", "exp2_emulated", "dq_whole", "dk_late", "rows_tma",
+                               "dq_buffers")
                    if c in best and best[c].notna().any()]
     cols = ["shape", "kernel", *(["variant"] if "variant" in best else []), "tile", "num_warps", "num_stages",
             *gluon_knobs, "median_ms", "tflops"]  # the Gluon kernels' own knobs (blank on tl rows)

@@ -303,6 +303,19 @@ def test_head_group_fits_the_l2_cache(monkeypatch):
     fgo._problem_config.cache_clear()
 
 
+def test_bwd_dq_buffers_default_per_head_dim(monkeypatch):
+    """`default_config` takes DQ_BUFFERS' dQ tiles per group at d 64 unless the tuned entry sets them, and keeps one
+    at d 128, where two whole tiles per group would not fit shared memory."""
+    monkeypatch.setattr(fgo, "gluon_tuned_fields", lambda kind, head_dim, dtype: dict(head_group=4, dk_late=True))
+    assert fgo.default_config(64, torch.bfloat16) == fgo.GluonBwdConfig(head_group=4, dk_late=True, dq_buffers=2)
+    assert fgo.default_config(128, torch.bfloat16) == fgo.GluonBwdConfig(head_group=4, dk_late=True)
+    assert fgo.default_config(128, torch.bfloat16).shared_bytes(128) + 2 * 64 * 128 * 4 > 227 * 1024
+    monkeypatch.setattr(fgo, "gluon_tuned_fields", lambda kind, head_dim, dtype: dict(head_group=4, dq_buffers=1))
+    assert fgo.default_config(64, torch.bfloat16).dq_buffers == 1  # the file's value wins
+    monkeypatch.setattr(fgo, "gluon_tuned_fields", lambda kind, head_dim, dtype: None)
+    assert fgo.default_config(64, torch.float16) == dataclasses.replace(fgo.DEFAULT_BWD_CONFIGS[64], dq_buffers=2)
+
+
 def test_bwd_refuses_cpu_and_bad_lse():
     q = _cpu((1, 2, 64, 128))
     with pytest.raises(ValueError, match="gluon_attention_bwd"):

@@ -250,6 +250,11 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     r_winner = flash_tiles.gluon_best_configs(df_r, min_configs=27)["bwd"][0]
     assert r_winner["rows_tma"] is True and r_winner["dk_late"] is True
     assert one_pass.GluonBwdConfig(**{k: r_winner[k] for k in tuning.GLUON_FIELDS["bwd"]}).rows_tma
+    # dq_buffers is not swept either: the winners carry what the rows record, 1 in rows before it existed.
+    assert r_winner["dq_buffers"] == 1
+    q_winner = flash_tiles.gluon_best_configs(df_r.assign(dq_buffers=2), min_configs=27)["bwd"][0]
+    assert q_winner["dq_buffers"] == 2
+    assert one_pass.GluonBwdConfig(**{k: q_winner[k] for k in tuning.GLUON_FIELDS["bwd"]}).dq_buffers == 2
     # Rows of a run that swept dq_whole alone: its grid (18 configs a shape) caps the count asked for.
     assert flash_tiles.gluon_best_configs(df_w, min_configs=27)["bwd"][0]["dq_whole"] is True
     assert gluon_fwd.default_config(64, torch.bfloat16) == dataclasses.replace(  # not swept: the default
