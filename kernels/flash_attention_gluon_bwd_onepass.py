@@ -456,7 +456,7 @@ class GluonBwdConfig:
     dq_buffers: int = 1
     """Shared fp32 dQ tiles per group, used in turn: with 2, a group writes a tile's dQ while the TMA unit may still
     be reading its previous one into global memory (`tma.store_wait(1)`); with 1 it waits for that reduction first.
-    The dQ reductions are 5% (d 64) to 7% (d 128) of the backward (`results/runs/flash_bwd_ablation.py`)."""
+    What the dQ reductions cost: `results/runs/flash_bwd_ablation.py` (results/flash_hopper_notes.md, section 19)."""
     persistent: bool = False
     """One program per SM walking the work items (`_gluon_attn_bwd_persistent_kernel`), as cuDNN's backward runs
     (results/flash_hopper_notes.md, section 9): no program start per key tile, the next item's Q/dO under this
