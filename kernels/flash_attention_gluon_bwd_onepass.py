@@ -475,8 +475,8 @@ class GluonBwdConfig:
             raise ValueError(f"dq_whole ({self.dq_whole!r}) must be a bool")
         if not isinstance(self.rows_tma, bool):
             raise ValueError(f"rows_tma ({self.rows_tma!r}) must be a bool")
-        if type(self.dq_buffers) is not int or self.dq_buffers not in (1, 2, 3):
-            raise ValueError(f"dq_buffers ({self.dq_buffers!r}) must be 1, 2 or 3")
+        if type(self.dq_buffers) is not int or self.dq_buffers not in (1, 2):
+            raise ValueError(f"dq_buffers ({self.dq_buffers!r}) must be 1 or 2")
         if not isinstance(self.dk_late, bool) or (self.dk_late and not self.dq_whole):
             raise ValueError(f"dk_late ({self.dk_late!r}) must be a bool, and True only with dq_whole")
 
