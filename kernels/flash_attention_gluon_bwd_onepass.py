@@ -30,7 +30,7 @@ from kernels.flash_attention_gluon import (HAS_GLUON_HOPPER, LOADER_REGS, LOG2E,
                                           l2_head_group, num_sms, register_split, shared_layout, tensor_descriptor)
 from kernels.flash_attention_gluon_bwd import (BWD_BLOCK_N, _key_stationary_shared, _load_kv_tiles, _load_q_do_tile,
                                               _sdp_transposed)
-from kernels.flash_attention_tuning import gluon_tuned_fields
+from kernels.flash_attention_tuning import SharedMemoryExceeded, gluon_tuned_fields, shared_memory_limit
 
 
 if HAS_GLUON_HOPPER:  # the forward's imports of Triton 3.6's Gluon API
@@ -559,6 +559,11 @@ def bwd_launch_args(q, k, v, grad_out, dk, dv, lse, delta, dq_acc, is_causal: bo
     `_onepass_bwd_preprocess_kernel` writes all three."""
     batch, heads, n_q, head_dim = q.shape
     n_k = k.shape[2]
+    need, limit = config.shared_bytes(head_dim, q.element_size()), shared_memory_limit(q.device)
+    if need > limit:
+        raise SharedMemoryExceeded(f"{config.name} needs {need} bytes of shared memory at head_dim {head_dim}, more "
+                                   f"than the {limit} a block may use on {q.device} (fewer dq_buffers or "
+                                   f"num_stages, or dq_whole=False)")
     maxnreg, consumer_regs = config.registers()
     num_items = triton.cdiv(n_k, 2 * BWD_BLOCK_N) * batch * heads
     dq_block = [1, 1, config.block_m, head_dim if config.dq_whole else head_dim // 2]

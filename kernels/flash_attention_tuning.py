@@ -334,7 +334,13 @@ def autotune_enabled() -> bool:
     return os.environ.get("RAYSYS_FLASH_AUTOTUNE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _shared_memory_limit(device: torch.device) -> int:
+class SharedMemoryExceeded(ValueError):
+    """A kernel config whose shared memory a block of the device cannot hold: raised before the build, where Triton
+    would raise `OutOfResources` at the launch (the tile sweeps count both as configs that do not fit)."""
+
+
+def shared_memory_limit(device: torch.device) -> int:
+    """Bytes of shared memory one block may use on `device` (opt-in maximum); no limit for a CPU device."""
     if device.type != "cuda":
         return 1 << 30
     props = torch.cuda.get_device_properties(device)
@@ -368,7 +374,7 @@ def config_fits(kernel: str, cfg: FlashConfig, block_d: int, dtype: torch.dtype,
     # Warp specialisation (see _TMA_CONFIGS): 16-bit wgmma loops of 4-warp programs, not the dQ loops.
     if cfg.warp_specialize and (elem == 4 or kernel in ("dq", "dkdvq") or cfg.num_warps != 4):
         return False
-    if _estimated_shared_bytes(kernel, cfg, block_d, elem) > 0.9 * _shared_memory_limit(device):
+    if _estimated_shared_bytes(kernel, cfg, block_d, elem) > 0.9 * shared_memory_limit(device):
         return False
     if elem == 4 and cfg.block_m * cfg.block_n > 64 * 32:  # see _GPU_CONFIGS_FP32
         return False

@@ -113,6 +113,9 @@ GLUON_BWD_KEYS = GLUON_KEYS + ["dq_whole", "dk_late", "rows_tma", "dq_buffers"]
 """The one-pass backward's fields in rows and tuned entries; `rows_tma` (L and D through the ring) and `dq_buffers`
 (dQ tiles per group) are not swept: rows record the default they ran (`dq_buffers`: `DQ_BUFFERS` of the head dim),
 False and 1 in rows of runs before they existed."""
+UNFIT_ERRORS = ("OutOfResources", "SharedMemoryExceeded")
+"""How the `error` of a trial whose config does not fit the device begins: Triton's build or launch, or the launcher's
+own check before it (`kernels.flash_attention_tuning.SharedMemoryExceeded`)."""
 GLUON_VARIANTS = ("gluon", "gluon_persistent")
 """`gluon_persistent`: the persistent grids (one program per SM) of the forward (`GluonConfig.persistent`, two
 consumer groups) and of the one-pass backward (`GluonBwdConfig.persistent`), over the same tiles, ring depths and
@@ -519,14 +522,14 @@ def gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict
     """The tuned file's `gluon` part from the `gluon` rows: per kind (GLUON_KERNELS) the winners as `best_configs` picks
     them, over GLUON_FWD_KEYS / GLUON_BWD_KEYS; a shape counts as swept with min(min_configs, the configs of the kind's
     grid that fit) measured configs: a config whose build ran out of shared memory or registers at a head dim and dtype
-    (an `OutOfResources` error row) never runs there, so it is not missing from the sweep (the one-pass backward's
-    3-slot ring does not fit at d 128, 6 of its 9 configs do). Where every row of a head dim and dtype was paired
-    against one reference per shape (--paired-rounds, PAIRED_KEY), the winners are those with the highest
-    (geometric-mean) ratio against it; the entries then also carry it (`geomean_vs_reference`, `vs_reference`). The
+    (an error row beginning with one of UNFIT_ERRORS) never runs there, so it is not missing from the sweep (the
+    one-pass backward's 3-slot ring does not fit at d 128, 6 of its 9 configs do). Where every row of a head dim and
+    dtype was paired against one reference per shape (--paired-rounds, PAIRED_KEY), the winners are those with the
+    highest (geometric-mean) ratio against it; the entries then also carry it (`geomean_vs_reference`, `vs_reference`). The
     forward's sweep-wide winner is ranked over the shapes beyond SHORT_SEQUENCE's length (`_tuned_entry_shapes`)."""
     ok = df[(df["status"] == "ok") & (df.get("path", pd.Series(index=df.index, dtype=object)) == "gluon")].copy()
     errors = df[(df["status"] == "error") & df.get("variant", pd.Series(index=df.index, dtype=object)).isin(
-        GLUON_VARIANTS) & df.get("error", pd.Series("", index=df.index)).fillna("").str.startswith("OutOfResources")]
+        GLUON_VARIANTS) & df.get("error", pd.Series("", index=df.index)).fillna("").str.startswith(UNFIT_ERRORS)]
     errors = errors.assign(**{key: [parse_shape(sh)[key] for sh in errors["shape"]] for key in ("head_dim", "dtype")})
     out: dict[str, list[dict]] = {}
     for kernel, kind in GLUON_KERNELS.items():

@@ -303,6 +303,27 @@ def test_head_group_fits_the_l2_cache(monkeypatch):
     fgo._problem_config.cache_clear()
 
 
+def test_bwd_refuses_a_config_the_device_cannot_hold(monkeypatch):
+    """A one-pass config whose shared memory exceeds what a block may use (two whole d-128 dQ tiles per group, a
+    3-slot ring at d 128) is refused before any build, naming the config and the sizes; the same configs at d 64,
+    and the launched ones at d 128, pass."""
+    monkeypatch.setattr(fgo, "shared_memory_limit", lambda device: 232448)  # an H100 / H200 block's opt-in maximum
+    lse = torch.zeros(1, 2, 320)
+    for head_dim, config, fits in ((128, fgo.GluonBwdConfig(dq_buffers=2), False),
+                                   (128, fgo.GluonBwdConfig(num_stages=3), False),
+                                   (128, fgo.GluonBwdConfig(dq_whole=False, dq_buffers=2), True),
+                                   (128, fgo.DEFAULT_BWD_CONFIGS[128], True),
+                                   (64, fgo.GluonBwdConfig(num_stages=3, dq_buffers=2), True)):
+        q = _cpu((1, 2, 300, head_dim))
+        args = (q, q, q, q, q, q, lse, lse, torch.zeros(q.shape), True, config)
+        if fits:
+            fgo.bwd_launch_args(*args)
+        else:
+            with pytest.raises(ValueError, match=rf"{re.escape(config.name)} needs \d+ bytes of shared memory at "
+                                                 rf"head_dim {head_dim}, more than the 232448"):
+                fgo.bwd_launch_args(*args)
+
+
 def test_bwd_dq_buffers_default_per_head_dim(monkeypatch):
     """`default_config` takes DQ_BUFFERS' dQ tiles per group at d 64 unless the tuned entry sets them, and keeps one
     at d 128, where two whole tiles per group would not fit shared memory."""

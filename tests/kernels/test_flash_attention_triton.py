@@ -529,7 +529,7 @@ def test_tile_divisibility_rules():
 def test_pruning_predicate(monkeypatch):
     """Shared memory and register budgets as on an H100/H200 (227 KiB opt-in shared memory per block)."""
     monkeypatch.setattr(ft, "INTERPRET", False)
-    monkeypatch.setattr(ft, "_shared_memory_limit", lambda device: 232448)
+    monkeypatch.setattr(ft, "shared_memory_limit", lambda device: 232448)
     cpu, bf16, fp32 = torch.device("cpu"), torch.bfloat16, torch.float32
     assert ft.config_fits("fwd", ft.FlashConfig(128, 64, 8, 3), 128, bf16, cpu)
     assert not ft.config_fits("fwd", ft.FlashConfig(128, 64, 4, 3), 128, bf16, cpu)   # accumulators spill
@@ -546,7 +546,7 @@ def test_pruning_predicate(monkeypatch):
 
 def test_autotune_off_takes_tuned_config_for_matching_head_dim(monkeypatch):
     monkeypatch.setattr(ft, "INTERPRET", False)
-    monkeypatch.setattr(ft, "_shared_memory_limit", lambda device: 232448)
+    monkeypatch.setattr(ft, "shared_memory_limit", lambda device: 232448)
     monkeypatch.setattr(ft, "_TUNED", {"fwd": [dict(block_m=64, block_n=64, num_warps=4, num_stages=2,
                                                     head_dim=64, dtype="bfloat16")]})
     monkeypatch.setenv("RAYSYS_FLASH_AUTOTUNE", "0")

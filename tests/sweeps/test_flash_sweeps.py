@@ -288,6 +288,10 @@ def test_gluon_winner_counts_configs_that_do_not_fit_as_swept():
     bwd = flash_tiles.gluon_best_configs(df, min_configs=8)["bwd"]
     assert [(e["num_stages"], e["head_group"], e.get("shapes", e.get("shape"))) for e in bwd] == [
         (2, 8, [a]), (2, 8, a)]
+    # The launcher's own check before the build counts the same way.
+    refused = "SharedMemoryExceeded: bwd2x64xq64/s3/dqw/rt needs 262400 bytes of shared memory at head_dim 128, ..."
+    df_refused = pd.DataFrame(rows + [row(3, g, error=refused) for g in (0, 4, 8)])
+    assert flash_tiles.gluon_best_configs(df_refused, min_configs=8)["bwd"] == bwd
     crashed = pd.DataFrame(rows + [row(3, g, error="RuntimeError: illegal memory access") for g in (0, 4, 8)])
     assert flash_tiles.gluon_best_configs(crashed, min_configs=8)["bwd"] == []
 
