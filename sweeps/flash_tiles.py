@@ -525,8 +525,9 @@ def gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict
     (an error row beginning with one of UNFIT_ERRORS) never runs there, so it is not missing from the sweep (the
     one-pass backward's 3-slot ring does not fit at d 128, 6 of its 9 configs do). Where every row of a head dim and
     dtype was paired against one reference per shape (--paired-rounds, PAIRED_KEY), the winners are those with the
-    highest (geometric-mean) ratio against it; the entries then also carry it (`geomean_vs_reference`, `vs_reference`). The
-    forward's sweep-wide winner is ranked over the shapes beyond SHORT_SEQUENCE's length (`_tuned_entry_shapes`)."""
+    highest (geometric-mean) ratio against it; the entries then also carry it (`geomean_vs_reference`,
+    `vs_reference`). The forward's sweep-wide winner is ranked over the shapes beyond SHORT_SEQUENCE's length
+    (`_tuned_entry_shapes`)."""
     ok = df[(df["status"] == "ok") & (df.get("path", pd.Series(index=df.index, dtype=object)) == "gluon")].copy()
     errors = df[(df["status"] == "error") & df.get("variant", pd.Series(index=df.index, dtype=object)).isin(
         GLUON_VARIANTS) & df.get("error", pd.Series("", index=df.index)).fillna("").str.startswith(UNFIT_ERRORS)]
