@@ -12,6 +12,11 @@ rounds; each process times the backward the gluon path launches (`fgo.problem_co
 `vs_level0` = level 0's time / this level's in the same round (> 1: the ablated part costs that much).
 
     PYTHONPATH=$PWD python3 results/runs/flash_bwd_ablation.py OUT_DIR [--rounds 3] [--levels 0,1,2,3,4]
+        [--kernels-from b1f88a5]
+
+A patch fits the kernels of the commit it was made at (`results/runs/README.md` names it): `--kernels-from REV` takes
+`kernels/` from that commit (`git archive`), else from this checkout; a patch that does not apply stops the script
+before any work.
 
 `--patch flash_bwd_owner.patch --variable RAYSYS_BWD_OWNER --levels 0,1 --check --name flash_bwd_owner` times another
 build-time choice the same way: which group computes each query tile's dQ (0: the groups alternate, A B A B, the
@@ -100,6 +105,8 @@ def main() -> None:
     parser.add_argument("--variable", default="RAYSYS_BWD_ABLATE", help="the patch's build-time level")
     parser.add_argument("--name", default="flash_bwd_ablation", help="the sweep and file name")
     parser.add_argument("--check", action="store_true", help="also check each level's gradients")
+    parser.add_argument("--kernels-from", default=None, metavar="REV",
+                        help="patch the kernels/ of this commit (default: this checkout's)")
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
@@ -116,13 +123,27 @@ def main() -> None:
     out = Path(args.out_dir) / f"{args.name}.parquet"
     if out.exists():
         parser.exit(2, f"flash_bwd_ablation.py: {out} exists; choose another OUT_DIR\n")
+    import torch
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        parser.exit(2, "flash_bwd_ablation.py: needs an sm_90 GPU (the Gluon kernels), and this host has none\n")
     sys.path.insert(0, str(ROOT))
     import pandas as pd
 
     from raysys.results import make_row, write_parquet
     with tempfile.TemporaryDirectory() as tmp:
-        shutil.copytree(ROOT / "kernels", Path(tmp) / "kernels")
-        subprocess.run(["git", "apply", str(patch)], cwd=tmp, check=True)
+        if args.kernels_from:
+            archive = subprocess.run(["git", "archive", args.kernels_from, "kernels"], cwd=ROOT, capture_output=True)
+            if archive.returncode:
+                parser.exit(2, f"flash_bwd_ablation.py: --kernels-from {args.kernels_from!r} is not a commit of this "
+                               f"repository\n")
+            subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+        else:
+            shutil.copytree(ROOT / "kernels", Path(tmp) / "kernels")
+        applied = subprocess.run(["git", "apply", str(patch)], cwd=tmp, capture_output=True, text=True)
+        if applied.returncode:
+            parser.exit(2, f"flash_bwd_ablation.py: {args.patch} does not apply to the kernels of "
+                           f"{args.kernels_from or 'this checkout'}; pass --kernels-from <the commit it was made "
+                           f"at> (results/runs/README.md)\n")
         env = dict(os.environ, PYTHONPATH=f"{tmp}{os.pathsep}{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                    ABLATION_KERNELS=str(Path(tmp) / "kernels"))
         found = []
