@@ -562,20 +562,20 @@ pipe moves it below (section 15)."""
 
 
 RESCALE_UNDER_S = {64: True}
-"""Head dim -> `GluonConfig.rescale_under_s` of `default_config`. Paired against the launched configs, it was faster
+"""Head dim -> `GluonConfig.rescale_under_s` of `default_config` unless the tuned file sets it. Paired against the launched configs, it was faster
 at d 64 and slower at d 128, where O's multiplies per thread are twice as many and delay S's issue
 (results/runs/flash_gluon_fwd_ru_75221a4.parquet; results/flash_hopper_notes.md, section 17)."""
 
 
 def default_config(head_dim: int, dtype: torch.dtype) -> GluonConfig:
     """The tuned file's forward config for this head dim and dtype (`sweeps/flash_tiles.py --variants gluon`),
-    else DEFAULT_CONFIGS'; its `exp2_emulated` from EXP2_EMULATED unless the file sets it, its `rescale_under_s` from
-    RESCALE_UNDER_S (the tile sweep has no axis for it, so the file holds none)."""
+    else DEFAULT_CONFIGS'; its `exp2_emulated` and `rescale_under_s` from EXP2_EMULATED and RESCALE_UNDER_S unless
+    the file sets them (files written before the sweep's axis for the second hold none)."""
     fields = dict(gluon_tuned_fields("fwd", head_dim, dtype) or {})
     config = GluonConfig(**fields) if fields else DEFAULT_CONFIGS[head_dim]
     if "exp2_emulated" not in fields and head_dim in EXP2_EMULATED:
         config = dataclasses.replace(config, exp2_emulated=EXP2_EMULATED[head_dim])
-    if head_dim in RESCALE_UNDER_S:
+    if "rescale_under_s" not in fields and head_dim in RESCALE_UNDER_S:
         config = dataclasses.replace(config, rescale_under_s=RESCALE_UNDER_S[head_dim])
     return config
 

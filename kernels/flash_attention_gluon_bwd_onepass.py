@@ -511,7 +511,7 @@ DQ_BUFFERS = {64: 2}
 launched config at 8x16x4096x64, two dQ tiles per group were faster with every ring depth, head group and `dk_late`
 setting tried (results/runs/flash_gluon_bwd_q2_82b07c1724f8.parquet; results/flash_hopper_notes.md, section 19); at
 d 128 two whole tiles per group do not fit shared memory, and two half tiles per group were slower than the whole
-one. The tile sweep has no axis for it yet."""
+one. The tile sweep's `dq_buffers` axis (`sweeps/flash_tiles.py`) measures both where they fit."""
 
 
 def default_config(head_dim: int, dtype, n_q: int | None = None, heads: int | None = None,

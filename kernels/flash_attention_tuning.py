@@ -233,7 +233,7 @@ backward (`GluonBwdConfig`)."""
 
 
 GLUON_FIELDS = {"fwd": {"block_m", "block_n", "num_stages", "num_consumers", "persistent", "head_group",
-                        "exp2_emulated"},
+                        "exp2_emulated", "rescale_under_s"},
                 "bwd": {"block_m", "num_stages", "head_group", "persistent", "dq_whole", "dk_late", "rows_tma",
                         "dq_buffers"}}
 """The config fields of each Gluon kind (`GluonConfig`, `GluonBwdConfig`) a tuned entry may hold."""

@@ -103,16 +103,26 @@ GLUON_GROUPS = {"fwd": (0, 8), "dkdvq": (0, 4, 8)}
 GLUON_EXP2 = (0, 8)
 """The forward's `GluonConfig.exp2_emulated`: none, or one exp2 in 8 on the FMA pipe (the fastest share at d 64,
 results/flash_hopper_notes.md, section 15). Rows of runs before the axis existed ran none."""
+GLUON_RESCALE = (False, True)
+"""The forward's `GluonConfig.rescale_under_s`: O's rescale after the next S is issued (FlashAttention-3's order) or
+at the end of the iteration (results/flash_hopper_notes.md, section 17). Rows of runs before the axis ran False."""
 GLUON_DQ = {"whole": (True, False), "halves": (False, False), "whole_dk_late": (True, True)}
 """The one-pass backward's dQ axis -> its (`GluonBwdConfig.dq_whole`, `dk_late`): each query tile's dQ whole by one
 group, in head-dim halves by both, or whole with dK's wgmma after the dS^T store. Rows record the two fields; rows of
 runs before an axis value existed measured the halves (before dq_whole) or dK before the store (before dk_late)."""
+GLUON_DQ_BUFFERS = (1, 2)
+"""The one-pass backward's `GluonBwdConfig.dq_buffers`: shared dQ tiles per group (results/flash_hopper_notes.md,
+section 19). Two whole tiles per group do not fit at d 128: those trials are refused before the build
+(`SharedMemoryExceeded`) and count as configs that do not fit. Rows of runs before the axis record the default they
+ran (`DQ_BUFFERS` of the head dim; 1 before the field existed)."""
 GLUON_KEYS = ["block_m", "block_n", "num_stages", "num_consumers", "persistent", "head_group"]
-GLUON_FWD_KEYS = GLUON_KEYS + ["exp2_emulated"]
+GLUON_FWD_KEYS = GLUON_KEYS + ["exp2_emulated", "rescale_under_s"]
 GLUON_BWD_KEYS = GLUON_KEYS + ["dq_whole", "dk_late", "rows_tma", "dq_buffers"]
-"""The one-pass backward's fields in rows and tuned entries; `rows_tma` (L and D through the ring) and `dq_buffers`
-(dQ tiles per group) are not swept: rows record the default they ran (`dq_buffers`: `DQ_BUFFERS` of the head dim),
-False and 1 in rows of runs before they existed."""
+"""The one-pass backward's fields in rows and tuned entries; `rows_tma` (L and D through the ring) is not swept: rows
+record the default they ran, False in rows of runs before it existed."""
+SWEPT_SINCE = {"fwd": "rescale_under_s", "dkdvq": "dq_buffers"}
+"""The axis each Gluon kernel's grid gained last: how many of its values the rows of a head dim and dtype hold (with
+the trials that did not fit) multiplies that grid's size, since the rows of earlier runs hold one value."""
 UNFIT_ERRORS = ("OutOfResources", "SharedMemoryExceeded")
 """How the `error` of a trial whose config does not fit the device begins: Triton's build or launch, or the launcher's
 own check before it (`kernels.flash_attention_tuning.SharedMemoryExceeded`)."""
@@ -199,9 +209,11 @@ def param_spaces(quick: bool, shapes: tuple[str, ...], variants: tuple[str, ...]
                         "kernel": kernel, "variant": variant, "tile": {"grid_search": list(GLUON_TILES[kernel])},
                         "num_warps": 4, "num_stages": {"grid_search": list(GLUON_STAGES[kernel])},
                         **({"num_consumers": {"grid_search": consumers},
-                            "exp2_emulated": {"grid_search": list(GLUON_EXP2)}} if kernel == "fwd" else {}),
+                            "exp2_emulated": {"grid_search": list(GLUON_EXP2)},
+                            "rescale_under_s": {"grid_search": list(GLUON_RESCALE)}} if kernel == "fwd" else {}),
                         "head_group": {"grid_search": list(GLUON_GROUPS[kernel])},
-                        **({"dq": {"grid_search": list(GLUON_DQ)}} if kernel == "dkdvq" else {}),
+                        **({"dq": {"grid_search": list(GLUON_DQ)},
+                            "dq_buffers": {"grid_search": list(GLUON_DQ_BUFFERS)}} if kernel == "dkdvq" else {}),
                         **({"paired_rounds": paired_rounds} if paired_rounds else {}),
                         "shape": {"grid_search": gluon_shapes}}
                 continue
@@ -321,7 +333,8 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
         cfg = gluon_fwd.GluonConfig(block_m=block_m, block_n=block_n, num_stages=config["num_stages"],
                                     num_consumers=config["num_consumers"], persistent=persistent,
                                     head_group=config.get("head_group", 0),
-                                    exp2_emulated=config.get("exp2_emulated", 0))
+                                    exp2_emulated=config.get("exp2_emulated", 0),
+                                    rescale_under_s=config.get("rescale_under_s", False))
         run = lambda: gluon_fwd.gluon_attention_fwd(q, k, v, causal, config=cfg)[0]  # noqa: E731
         want = flash_attention_fwd(q, k, v, causal, config=base_fwd, path="portable")[0]
     else:
@@ -331,7 +344,7 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
         dq_whole, dk_late = GLUON_DQ[config.get("dq", "halves")]
         cfg = one_pass.GluonBwdConfig(block_m=block_m, num_stages=config["num_stages"], persistent=persistent,
                                       head_group=config.get("head_group", 0), dq_whole=dq_whole, dk_late=dk_late,
-                                      dq_buffers=one_pass.DQ_BUFFERS.get(head_dim, 1))
+                                      dq_buffers=config.get("dq_buffers", one_pass.DQ_BUFFERS.get(head_dim, 1)))
         out, lse = gluon_fwd.gluon_attention_fwd(q, k, v, causal)
         run = lambda: gluon_bwd.gluon_attention_bwd(q, k, v, out, lse, do, causal, config=cfg,  # noqa: E731
                                                     mode="one_pass")[0]
@@ -366,7 +379,7 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
             "warp_specialize": True, "persistent": persistent, "head_group": cfg.head_group, "maxnreg": 0, **shape,
             **({"dq_whole": cfg.dq_whole, "dk_late": cfg.dk_late, "rows_tma": cfg.rows_tma,
                 "dq_buffers": cfg.dq_buffers} if kernel != "fwd"
-               else {"exp2_emulated": cfg.exp2_emulated}),
+               else {"exp2_emulated": cfg.exp2_emulated, "rescale_under_s": cfg.rescale_under_s}),
             "time_median_s": ms / 1e3,
             "tflops": flops / (ms * 1e-3) / 1e12, "max_abs_err": err, **paired}
 
@@ -424,6 +437,7 @@ def precompile(configs: list[dict], workers: int) -> None:
     # its cache on divisibility by 16, not the value).
     unique = list({(c["kernel"], c.get("variant"), c["tile"], c["num_warps"], c["num_stages"],
                     c.get("num_consumers"), c.get("head_group"), c.get("dq"), c.get("exp2_emulated"),
+                    c.get("rescale_under_s"), c.get("dq_buffers"),
                     c["shape"].split("/", 1)[1]): c
                    for c in configs}.values())
     start = time.monotonic()
@@ -542,9 +556,11 @@ def gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict
         sel["persistent"] = sel["persistent"].fillna(False)
         sel["head_group"] = (sel["head_group"] if "head_group" in sel else pd.Series(0, index=sel.index)).fillna(0)
         keys = GLUON_FWD_KEYS if kernel == "fwd" else GLUON_BWD_KEYS
-        if kernel == "fwd":  # rows before the axis ran no emulated exp2s
+        if kernel == "fwd":  # rows before the axes ran no emulated exp2s and O's rescale at the iteration's end
             sel["exp2_emulated"] = (sel["exp2_emulated"] if "exp2_emulated" in sel
                                     else pd.Series(0, index=sel.index)).fillna(0)
+            sel["rescale_under_s"] = (sel["rescale_under_s"] if "rescale_under_s" in sel
+                                      else pd.Series(False, index=sel.index)).astype("boolean").fillna(False)
         # (the dQ axis of the runs the rows come from: none, dq_whole's two values, or GLUON_DQ's three)
         dq_axis = 1 if kernel == "fwd" else 1 + sum(c in sel and sel[c].notna().any() for c in ("dq_whole", "dk_late"))
         if kernel != "fwd":  # rows before dq_whole measured the head-dim halves, rows before dk_late dK before
@@ -563,13 +579,17 @@ def gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict
         for (head_dim, dtype), part in sel.groupby(["head_dim", "dtype"]):
             unfit = failed[(failed["head_dim"] == head_dim) & (failed["dtype"] == dtype)]
             unfit = unfit.drop_duplicates([c for c in ("variant", "tile", "num_stages", "num_consumers", "head_group",
-                                                       "dq_whole", "dq", "exp2_emulated") if c in unfit])
+                                                       "dq_whole", "dq", "exp2_emulated", "rescale_under_s",
+                                                       "dq_buffers") if c in unfit])
+            newest = SWEPT_SINCE[kernel]  # its values in these rows: 1 in a run before the axis
+            values = pd.concat([part[newest], unfit[newest] if newest in unfit else pd.Series(dtype=object)])
+            swept = grid * max(1, values.dropna().nunique())
             paired = (PAIRED_KEY in part and part[PAIRED_KEY].notna().all()
                       and part.groupby("shape")["reference"].nunique().max() == 1)
             if paired:
                 part = part.assign(log_rel=-part[PAIRED_KEY].map(math.log))
             ranked = _tuned_entry_shapes(part, kernel, int(head_dim))
-            entries += _best_entries(part, keys, {}, min(min_configs, grid - len(unfit)), paired, ranked)
+            entries += _best_entries(part, keys, {}, min(min_configs, swept - len(unfit)), paired, ranked)
         if kernel != "fwd":  # GluonBwdConfig has no block_n (BWD_BLOCK_N) or consumer count (two)
             entries = [{k: v for k, v in e.items() if k not in ("block_n", "num_consumers")} for e in entries]
         out[kind] = entries
@@ -598,8 +618,8 @@ def _best_entries(sel: pd.DataFrame, keys: list[str], tags: dict, min_configs: i
 
     def config_of(values) -> dict:
         values = values if isinstance(values, tuple) else tuple(values)
-        config = {k: (bool(v) if k in ("warp_specialize", "persistent", "dq_whole", "dk_late", "rows_tma") else int(v))
-                  for k, v in zip(keys, values)}
+        flags = ("warp_specialize", "persistent", "dq_whole", "dk_late", "rows_tma", "rescale_under_s")
+        config = {k: (bool(v) if k in flags else int(v)) for k, v in zip(keys, values)}
         if "maxnreg" in config:
             config["maxnreg"] = config["maxnreg"] or None  # 0: no register cap
         return config
@@ -702,8 +722,8 @@ def markdown(df: pd.DataFrame) -> str:
     ok = ok.assign(median_ms=1e3 * ok["time_median_s"])  # the table shows milliseconds
     best = ok.sort_values("median_ms").groupby(["shape", "kernel"], as_index=False).head(3)
     best = best.sort_values(["shape", "kernel", "median_ms"])
-    gluon_knobs = [c for c in ("num_consumers", "head_group", "exp2_emulated", "dq_whole", "dk_late", "rows_tma",
-                               "dq_buffers")
+    gluon_knobs = [c for c in ("num_consumers", "head_group", "exp2_emulated", "rescale_under_s", "dq_whole", "dk_late",
+                               "rows_tma", "dq_buffers")
                    if c in best and best[c].notna().any()]
     cols = ["shape", "kernel", *(["variant"] if "variant" in best else []), "tile", "num_warps", "num_stages",
             *gluon_knobs, "median_ms", "tflops"]  # the Gluon kernels' own knobs (blank on tl rows)

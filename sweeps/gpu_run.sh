@@ -189,8 +189,9 @@ case $phase in
     # checked against the tl kernels and timed (the local launcher: 8 processes compile the grid first), into
     # $RESULTS/flash_tiles.parquet and the tuned file beside it (its `gluon` part; install it by copying it to kernels/);
     # VARIANTS=gluon,gluon_persistent adds the persistent grids of the forward and the one-pass backward (~3 min more);
-    # the backward's dQ axis (halves, whole, whole with `dk_late`) triples its grid, the forward's emulated exp2s
-    # (none, one in 8) double its: a phase cut off by its timeout
+    # the backward's dQ axis (halves, whole, whole with `dk_late`) triples its grid and its dQ tiles per group (1, 2)
+    # double it, the forward's emulated exp2s (none, one in 8) and its rescale order (`rescale_under_s`) double its
+    # twice: a phase cut off by its timeout
     # continues when run again (--resume); each trial also pairs its config against the launcher's in PAIRED
     # alternating rounds (default 4; 0: off), and the winners go by those ratios
     study flash_tiles_gluon 420 python3 sweeps/flash_tiles.py --launcher local --variants "${VARIANTS:-gluon}" --kernels fwd,dkdvq \

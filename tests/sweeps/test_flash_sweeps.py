@@ -151,18 +151,22 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     spaces = flash_tiles.param_spaces(False, (a, b, "4096/32/bfloat16/causal", "4096/64/float32/causal"), ("gluon",))
     assert set(spaces) == {"fwd/gluon", "dkdvq/gluon"}
     fwd, bwd = (flash_tiles.grid_configs(spaces[k]) for k in ("fwd/gluon", "dkdvq/gluon"))
-    assert len(fwd) == 18 * 2 * 2 * 2 and len(bwd) == 3 * 3 * 3 * 2 and {c["shape"] for c in fwd + bwd} == {a, b}
+    assert len(fwd) == 18 * 2 * 2 * 2 * 2 and len(bwd) == 3 * 3 * 3 * 2 * 2
+    assert {c["shape"] for c in fwd + bwd} == {a, b}
     assert {c["exp2_emulated"] for c in fwd} == set(flash_tiles.GLUON_EXP2) and all("exp2_emulated" not in c
                                                                                    for c in bwd)
+    assert {c["rescale_under_s"] for c in fwd} == {False, True} and all("rescale_under_s" not in c for c in bwd)
+    assert {c["dq_buffers"] for c in bwd} == {1, 2} and all("dq_buffers" not in c for c in fwd)
     assert {c["dq"] for c in bwd} == {"whole", "halves", "whole_dk_late"} and all("dq" not in c for c in fwd)
     for c in bwd:  # every grid point is a valid config
         dq_whole, dk_late = flash_tiles.GLUON_DQ[c["dq"]]
         one_pass.GluonBwdConfig(num_stages=c["num_stages"], head_group=c["head_group"], dq_whole=dq_whole,
-                                dk_late=dk_late)
+                                dk_late=dk_late, dq_buffers=c["dq_buffers"])
     for c in fwd:  # every grid point is a valid config
         m, n = map(int, c["tile"].split("x"))
         gluon_fwd.GluonConfig(block_m=m, block_n=n, num_stages=c["num_stages"], num_consumers=c["num_consumers"],
-                              head_group=c["head_group"], exp2_emulated=c["exp2_emulated"])
+                              head_group=c["head_group"], exp2_emulated=c["exp2_emulated"],
+                              rescale_under_s=c["rescale_under_s"])
     assert {c["head_group"] for c in fwd} == {0, 8} and {c["head_group"] for c in bwd} == {0, 4, 8}
 
     def row(kernel, tile, stages, consumers, shape, ms):
@@ -177,7 +181,8 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     df = pd.DataFrame(rows).assign(device_name="H200", torch_version="2.11", triton_version="3.6")
     gluon = flash_tiles.gluon_best_configs(df, min_configs=8)
     assert gluon["fwd"][0] == dict(block_m=64, block_n=128, num_stages=2, num_consumers=1, persistent=False,
-                                   head_group=0, exp2_emulated=0, head_dim=128, dtype="bfloat16", shapes=[a, b],
+                                   head_group=0, exp2_emulated=0, rescale_under_s=False, head_dim=128,
+                                   dtype="bfloat16", shapes=[a, b],
                                    geomean_ms=gluon["fwd"][0]["geomean_ms"])
     assert {k: gluon["bwd"][0][k] for k in ("block_m", "num_stages", "head_group", "shapes", "dq_whole",
                                             "dk_late", "rows_tma")} == dict(
@@ -215,8 +220,8 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     spaces = flash_tiles.param_spaces(False, (a,), ("gluon_persistent",))
     assert set(spaces) == {"fwd/gluon_persistent", "dkdvq/gluon_persistent"}
     grid = flash_tiles.grid_configs(spaces["fwd/gluon_persistent"])
-    assert len(grid) == 6 * 2 * 2 and {c["num_consumers"] for c in grid} == {2}
-    assert len(flash_tiles.grid_configs(spaces["dkdvq/gluon_persistent"])) == 3 * 3 * 3
+    assert len(grid) == 6 * 2 * 2 * 2 and {c["num_consumers"] for c in grid} == {2}
+    assert len(flash_tiles.grid_configs(spaces["dkdvq/gluon_persistent"])) == 3 * 3 * 3 * 2
     fast = dict(row("fwd", "64x128", 2, 2, a, 0.2), variant="gluon_persistent", persistent=True)
     df_p = pd.concat([df, pd.DataFrame([fast, dict(fast, shape=b)])], ignore_index=True)
     winner = flash_tiles.gluon_best_configs(df_p, min_configs=8)["fwd"][0]
@@ -250,14 +255,28 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     r_winner = flash_tiles.gluon_best_configs(df_r, min_configs=27)["bwd"][0]
     assert r_winner["rows_tma"] is True and r_winner["dk_late"] is True
     assert one_pass.GluonBwdConfig(**{k: r_winner[k] for k in tuning.GLUON_FIELDS["bwd"]}).rows_tma
-    # dq_buffers is not swept either: the winners carry what the rows record, 1 in rows before it existed.
+    # Rows of runs before the dq_buffers axis: the winners carry what the rows record, 1 before the field existed.
     assert r_winner["dq_buffers"] == 1
     q_winner = flash_tiles.gluon_best_configs(df_r.assign(dq_buffers=2), min_configs=27)["bwd"][0]
     assert q_winner["dq_buffers"] == 2
     assert one_pass.GluonBwdConfig(**{k: q_winner[k] for k in tuning.GLUON_FIELDS["bwd"]}).dq_buffers == 2
     # Rows of a run that swept dq_whole alone: its grid (18 configs a shape) caps the count asked for.
     assert flash_tiles.gluon_best_configs(df_w, min_configs=27)["bwd"][0]["dq_whole"] is True
-    assert gluon_fwd.default_config(64, torch.bfloat16) == dataclasses.replace(  # not swept: the default
+    # The forward's rescale order swept: a winner carries it, and a d-64 entry that says False overrides
+    # RESCALE_UNDER_S's True (the file's measurement wins over the module's default).
+    ru = [dict(row("fwd", "64x128", s, c, sh, 1.0 + 0.1 * c + 0.01 * s - 0.3 * r), rescale_under_s=r)
+          for s in (2, 3) for c in (1, 2) for r in (False, True) for sh in (a, b)]
+    ru_winner = flash_tiles.gluon_best_configs(pd.DataFrame(ru), min_configs=8)["fwd"][0]
+    assert ru_winner["rescale_under_s"] is True and ru_winner["num_consumers"] == 1
+    assert gluon_fwd.GluonConfig(**{k: ru_winner[k] for k in tuning.GLUON_FIELDS["fwd"]}).rescale_under_s
+    d64 = {**gluon["fwd"][0], "head_dim": 64}
+    monkeypatch.setattr(tuning, "_GLUON_TUNED", {"fwd": [d64], "bwd": []})
+    assert gluon_fwd.default_config(64, torch.bfloat16).rescale_under_s is False
+    monkeypatch.setattr(tuning, "_GLUON_TUNED", {"fwd": [{k: v for k, v in d64.items() if k != "rescale_under_s"}],
+                                                 "bwd": []})
+    assert gluon_fwd.default_config(64, torch.bfloat16).rescale_under_s is gluon_fwd.RESCALE_UNDER_S[64]
+    monkeypatch.setattr(tuning, "_GLUON_TUNED", tuning.load_gluon_tuned(path))
+    assert gluon_fwd.default_config(64, torch.bfloat16) == dataclasses.replace(  # no d-64 entry: the defaults
         gluon_fwd.DEFAULT_CONFIGS[64], exp2_emulated=gluon_fwd.EXP2_EMULATED[64],
         rescale_under_s=gluon_fwd.RESCALE_UNDER_S[64])
     assert one_pass.default_config(128, torch.float16) == one_pass.DEFAULT_BWD_CONFIGS[128]
@@ -294,6 +313,37 @@ def test_gluon_winner_counts_configs_that_do_not_fit_as_swept():
     assert flash_tiles.gluon_best_configs(df_refused, min_configs=8)["bwd"] == bwd
     crashed = pd.DataFrame(rows + [row(3, g, error="RuntimeError: illegal memory access") for g in (0, 4, 8)])
     assert flash_tiles.gluon_best_configs(crashed, min_configs=8)["bwd"] == []
+
+
+def test_gluon_dq_buffers_axis_counts_toward_a_swept_shape():
+    """The one-pass backward's `dq_buffers` axis doubles the grid a shape must have run to be swept: a run cut off
+    after 10 of its 18 configs (3 ring depths x 3 head groups x 1 or 2 dQ tiles) makes no sweep-wide winner; where two
+    whole d-128 tiles do not fit (refused before the build), the configs left make the shape swept, each refused
+    config counted once with its `dq_buffers`."""
+    d64, d128 = "8x16/4096/64/bfloat16/causal", "16384/128/bfloat16/causal"
+
+    def row(shape, stages, group, buffers, ms=None, error=""):
+        head_dim = int(shape.split("/")[-3])
+        base = dict(_tile_row("dkdvq", "64x64", 4, stages, shape, ms or 1.0), variant="gluon", num_consumers=2,
+                    head_group=group, dq_buffers=buffers, head_dim=head_dim)
+        if not error:
+            return dict(base, path="gluon")
+        return dict(base, status="error", error=error, block_m=None, block_n=None, head_dim=None, dtype=None,
+                    time_median_s=None, tflops=None, path=None)
+    full = [row(d64, s, g, q, ms=2.0 - 0.1 * s - 0.01 * g - 0.2 * (q == 2)) for s in (1, 2, 3) for g in (0, 4, 8)
+            for q in (1, 2)]
+    winner = flash_tiles.gluon_best_configs(pd.DataFrame(full), min_configs=27)["bwd"][0]
+    assert (winner["dq_buffers"], winner["num_stages"], winner["head_group"], winner["shapes"]) == (2, 3, 8, [d64])
+    cut = flash_tiles.gluon_best_configs(pd.DataFrame(full[:10]), min_configs=27)["bwd"]
+    assert [e for e in cut if "shapes" in e] == []
+    refused = "SharedMemoryExceeded: bwd2x64xq64/s2/dqw/rt/q2 needs 245760 bytes of shared memory at head_dim 128"
+    oor = "OutOfResources: out of resource: shared memory, Required: 262400, Hardware limit: 232448."
+    rows = [row(d128, s, g, 1, ms=2.0 - 0.1 * s - 0.01 * g) for s in (1, 2) for g in (0, 4, 8)]
+    rows += [row(d128, 3, g, 1, error=oor) for g in (0, 4, 8)]
+    rows += [row(d128, s, g, 2, error=refused) for s in (1, 2, 3) for g in (0, 4, 8)]
+    entries = flash_tiles.gluon_best_configs(pd.DataFrame(rows), min_configs=27)["bwd"]
+    assert [(e["num_stages"], e["head_group"], e["dq_buffers"], e["shapes"]) for e in entries if "shapes" in e] == [
+        (2, 8, 1, [d128])]
 
 
 def test_best_configs_ignore_a_partly_swept_shape():
