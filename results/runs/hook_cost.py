@@ -7,7 +7,10 @@ call to its return, then a synchronisation, untimed), median of 30 after 5 warm-
 - `register_post_accumulate_grad_hook` (what the DDP and FSDP wrappers use), a hook that returns at once;
 - `register_hook` on the tensor (runs before accumulation);
 - a post hook on each leaf's AccumulateGrad node;
-- `torch.autograd.graph.register_multi_grad_hook` over all leaves (one call, per-tensor hooks inside).
+- `torch.autograd.graph.register_multi_grad_hook` over all leaves (one call, per-tensor hooks inside);
+- on a GPU, `post_accumulate+allreduce`: the post-accumulate hook issues an async all-reduce of its gradient on an
+  NCCL group of one (`ProcessGroup.allreduce`, the call `OverlappedDDP` makes), the works waited for after the
+  backward, inside the timing: what a per-parameter collective costs from the autograd thread in a light backward.
 
 `us/hook` is the case minus `none`, over 291. Cases alternate (5 rounds) so that drift spreads over all of them.
 
@@ -40,6 +43,16 @@ def case(kind: str, device: torch.device):
         keep = nodes + [n.register_hook(noop) for n in nodes]
     elif kind == "multi_grad":
         keep = [torch.autograd.graph.register_multi_grad_hook(params, noop)]
+    works: list = []
+    if kind == "post_accumulate+allreduce":
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import AllreduceOptions
+
+        opts = AllreduceOptions()
+        opts.asyncOp = True
+        group = dist.group.WORLD
+        keep = [p.register_post_accumulate_grad_hook(lambda p: works.append(group.allreduce([p.grad], opts)))
+                for p in params]
 
     def run() -> float:
         for p in params:
@@ -49,6 +62,9 @@ def case(kind: str, device: torch.device):
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         loss.backward()
+        for work in works:
+            work.wait()
+        works.clear()
         t1 = time.perf_counter()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -67,19 +83,30 @@ def main(devices: list[str]) -> None:
         if name not in ("cpu", "cuda"):
             raise SystemExit(f"hook_cost.py: device {name!r} is not cpu or cuda")
         device = torch.device(name)
-        runs = {k: case(k, device) for k in kinds}
+        names = kinds
+        if name == "cuda":
+            import os
+
+            import torch.distributed as dist
+
+            os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")  # the flight recorder off, as the `alone` phase runs
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29571", rank=0, world_size=1,
+                                    device_id=device)
+            names = kinds + ("post_accumulate+allreduce",)
+        runs = {k: case(k, device) for k in names}
         for run in runs.values():
             for _ in range(5):
                 run()
-        times = {k: [] for k in kinds}
+        times = {k: [] for k in names}
         for _ in range(ROUNDS):
             for k, run in runs.items():
                 times[k].extend(run() for _ in range(REPS))
         base = statistics.median(times["none"])
         print(f"\n{name}" + (f" ({torch.cuda.get_device_name(device)})" if name == "cuda" else ""))
-        for k in kinds:
+        for k in names:
             med = statistics.median(times[k])
-            print(f"  {k:<18} backward {med:9.1f} us   +{med - base:8.1f} us   {(med - base) / N:6.2f} us/hook")
+            print(f"  {k:<26} backward {med:9.1f} us   +{med - base:8.1f} us   {(med - base) / N:6.2f} us/hook")
 
 
 if __name__ == "__main__":
