@@ -82,7 +82,7 @@ def main(devices: list[str]) -> None:
             raise SystemExit("hook_cost.py: cuda asked for, and this machine has no CUDA GPU")
         if name not in ("cpu", "cuda"):
             raise SystemExit(f"hook_cost.py: device {name!r} is not cpu or cuda")
-        device = torch.device(name)
+        device = torch.device(name, 0) if name == "cuda" else torch.device(name)
         names = kinds
         if name == "cuda":
             import os
