@@ -562,9 +562,9 @@ pipe moves it below (section 15)."""
 
 
 RESCALE_UNDER_S = {64: True}
-"""Head dim -> `GluonConfig.rescale_under_s` of `default_config` unless the tuned file sets it. Paired against the launched configs, it was faster
-at d 64 and slower at d 128, where O's multiplies per thread are twice as many and delay S's issue
-(results/runs/flash_gluon_fwd_ru_75221a4.parquet; results/flash_hopper_notes.md, section 17)."""
+"""Head dim -> `GluonConfig.rescale_under_s` of `default_config` unless the tuned file sets it. Paired against the
+launched configs, it was faster at d 64 and slower at d 128, where O's multiplies per thread are twice as many and
+delay S's issue (results/runs/flash_gluon_fwd_ru_75221a4.parquet; results/flash_hopper_notes.md, section 17)."""
 
 
 def default_config(head_dim: int, dtype: torch.dtype) -> GluonConfig:
