@@ -583,13 +583,18 @@ def gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict
                                                        "dq_buffers") if c in unfit])
             newest = SWEPT_SINCE[kernel]  # its values in these rows: 1 in a run before the axis
             values = pd.concat([part[newest], unfit[newest] if newest in unfit else pd.Series(dtype=object)])
-            swept = grid * max(1, values.dropna().nunique())
+            axis = values.dropna().nunique()
+            swept = grid * max(1, axis)
             paired = (PAIRED_KEY in part and part[PAIRED_KEY].notna().all()
                       and part.groupby("shape")["reference"].nunique().max() == 1)
             if paired:
                 part = part.assign(log_rel=-part[PAIRED_KEY].map(math.log))
             ranked = _tuned_entry_shapes(part, kernel, int(head_dim))
-            entries += _best_entries(part, keys, {}, min(min_configs, swept - len(unfit)), paired, ranked)
+            found = _best_entries(part, keys, {}, min(min_configs, swept - len(unfit)), paired, ranked)
+            if kernel == "fwd" and axis < 2:  # rows before the axis ran False where `auto` may run True
+                # (RESCALE_UNDER_S): an entry states the order only where its rows measured both
+                found = [{k: v for k, v in e.items() if k != "rescale_under_s"} for e in found]
+            entries += found
         if kernel != "fwd":  # GluonBwdConfig has no block_n (BWD_BLOCK_N) or consumer count (two)
             entries = [{k: v for k, v in e.items() if k not in ("block_n", "num_consumers")} for e in entries]
         out[kind] = entries
