@@ -76,12 +76,13 @@ def case(kind: str, device: torch.device):
 
 def main(devices: list[str]) -> None:
     kinds = ("none", "post_accumulate", "tensor_pre", "node_post", "multi_grad")
-    print(f"torch {torch.__version__}; {N} leaves of {NUMEL} fp32; backward host us, median of {REPS * ROUNDS}")
-    for name in devices:
-        if name == "cuda" and not torch.cuda.is_available():
-            raise SystemExit("hook_cost.py: cuda asked for, and this machine has no CUDA GPU")
+    for name in devices:  # every device checked before any is timed
         if name not in ("cpu", "cuda"):
             raise SystemExit(f"hook_cost.py: device {name!r} is not cpu or cuda")
+        if name == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("hook_cost.py: cuda asked for, and this machine has no CUDA GPU")
+    print(f"torch {torch.__version__}; {N} leaves of {NUMEL} fp32; backward host us, median of {REPS * ROUNDS}")
+    for name in devices:
         device = torch.device(name, 0) if name == "cuda" else torch.device(name)
         names = kinds
         if name == "cuda":
