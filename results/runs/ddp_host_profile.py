@@ -87,7 +87,6 @@ def unsynced(step: TrainStep):
     def run():
         with step.model.no_sync():
             return step()
-    run.device = step.device
     return run
 
 
