@@ -1,14 +1,16 @@
 """Host time per call of the FlashAttention entry points (issue 16), one H200.
 
 Run on the GPU host from the repository root: `PYTHONPATH=$PWD python3 results/runs/flash_host_cost.py OUT_DIR
-[--profile] [--pieces] [--cases A,B] [--shape B,H,N,d] [--overwrite]` (an existing OUT_DIR/flash_host_cost.parquet
-is refused without `--overwrite`, before any work). For each entry point, 200 calls at 4x32x2048x128 bf16 causal (or `--shape`):
-`host_s` is the time to issue one (seconds per call), `wall_s` the time until the GPU finished them, per call;
-host close to wall means host-bound calls. `kernel_s` is the GPU time of the call's kernels (the CUDA kernels the
-profiler saw over 20 calls, summed, per call): wall above kernel is time the GPU waited. SDPA's cuDNN backend is
-the baseline. `--profile` prints, per case, the functions with the most own and cumulative time over the calls
-(cProfile). `--pieces` adds rows `piece: ...`: the host time of each step of the gluon forward alone. `--cases`
-times only the cases named (comma-separated). Rows go to OUT_DIR/flash_host_cost.parquet (the results convention).
+[--profile] [--pieces] [--by-kernel] [--cases A,B] [--shape B,H,N,d] [--overwrite]` (an existing
+OUT_DIR/flash_host_cost.parquet is refused without `--overwrite`, before any work). For each entry point, 200 calls
+at 4x32x2048x128 bf16 causal (or `--shape`): `host_s` is the time to issue one (seconds per call), `wall_s` the time
+until the GPU finished them, per call; host close to wall means host-bound calls. `kernel_s` is the GPU time of the
+call's kernels (the CUDA kernels the profiler saw over 20 calls, summed, per call): wall above kernel is time the
+GPU waited. SDPA's cuDNN backend is the baseline. `--profile` prints, per case, the functions with the most own and
+cumulative time over the calls (cProfile). `--pieces` adds rows `piece: ...`: the host time of each step of the
+gluon forward alone. `--by-kernel` adds rows `kernel of <case>`: each CUDA kernel of a case (memsets and copies
+included), its launches and seconds per call. `--cases` times only the cases named (comma-separated). Rows go to
+OUT_DIR/flash_host_cost.parquet (the results convention).
 The e7dd8cb run: `flash_host_cost_e7dd8cb.parquet` (its printed output, `flash_host_cost_e7dd8cb.txt`, converted).
 """
 
@@ -56,6 +58,22 @@ def kernel_s(fn, n: int = 20) -> float:
         torch.cuda.synchronize()
     return sum(e.device_time_total for e in prof.key_averages()
                if e.device_type == torch.autograd.DeviceType.CUDA) / n * 1e-6
+
+
+def by_kernel(fn, n: int = 20) -> list[tuple[str, float, float]]:
+    """(kernel name, launches per call, seconds per call) of every CUDA kernel (and memset or copy) the profiler saw
+    over `n` calls of `fn`, the longest first (`--by-kernel`)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    found = [(e.key, e.count / n, e.device_time_total / n * 1e-6) for e in prof.key_averages()
+             if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
+    return sorted(found, key=lambda x: -x[2])
 
 
 def profile(name: str, fn, n: int = 50) -> None:
@@ -181,6 +199,13 @@ def main() -> None:
         print(name, "host us/call %.1f  wall us/call %.1f  kernels us/call %.1f" % (host_us, wall_us, gpu_us))
         rows.append(make_row("flash_host_cost", dict(case=name, shape=label, calls=200),
                              dict(host_s=host_us * 1e-6, wall_s=wall_us * 1e-6, kernel_s=gpu_us * 1e-6)))
+    if "--by-kernel" in sys.argv:
+        for name, fn in cases:
+            for kernel, launches, seconds in by_kernel(fn):
+                print(f"  {name}: {seconds * 1e6:9.1f} us/call  {launches:4.1f} launches/call  {kernel[:110]}")
+                rows.append(make_row("flash_host_cost", dict(case=f"kernel of {name}", shape=label, calls=20,
+                                                             kernel=kernel),
+                                     dict(kernel_s=seconds, launches=launches)))
     if "--pieces" in sys.argv:
         rows += pieces(q, k, v, label)
     if "--profile" in sys.argv:
