@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import math
 
 import torch
@@ -189,16 +190,36 @@ if HAS_GLUON_HOPPER:
         return pid_bh, pid_bh // H, pid_bh % H, start_m, gl.cdiv(kv_end, BLOCK_N), n_unmasked
 
     @gluon.jit
+    def _item_range(SCHEDULE, num_items, BALANCED: gl.constexpr):
+        """(first, stop, step) of a persistent program's loop over its work items: with BALANCED, its slice of
+        `work_schedule`'s table (SCHEDULE: the offsets of the programs' item lists, then the lists); else items
+        program_id, program_id + #programs, ... (round robin)."""
+        if BALANCED:
+            return gl.load(SCHEDULE + gl.program_id(0)), gl.load(SCHEDULE + gl.program_id(0) + 1), 1
+        else:
+            return gl.program_id(0), num_items, gl.num_programs(0)
+
+    @gluon.jit
+    def _item_at(i, SCHEDULE, BALANCED: gl.constexpr):
+        """The work item at step i of `_item_range`'s loop."""
+        if BALANCED:
+            return gl.load(SCHEDULE + gl.num_programs(0) + 1 + i)
+        else:
+            return i
+
+    @gluon.jit
     def _persistent_loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty,
-                           v_ready, v_empty, H, BH, GROUP: gl.constexpr, N_Q, N_K, NUM_CONSUMERS: gl.constexpr,
-                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                           IS_CAUSAL: gl.constexpr):
+                           v_ready, v_empty, H, BH, SCHEDULE, GROUP: gl.constexpr, N_Q, N_K,
+                           NUM_CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, BALANCED: gl.constexpr):
         """Producer warp of a persistent program: per work item, its Q tiles once the consumers released the
         previous ones (`q_empty`, after their last S), then its K/V through the ring, which runs on across items."""
         TILE_M: gl.constexpr = NUM_CONSUMERS * BLOCK_M
         it0 = 0
         n = 0
-        for t in range(gl.program_id(0), gl.cdiv(N_Q, TILE_M) * BH, gl.num_programs(0)):
+        first, stop, step = _item_range(SCHEDULE, gl.cdiv(N_Q, TILE_M) * BH, BALANCED)
+        for i in range(first, stop, step):
+            t = _item_at(i, SCHEDULE, BALANCED)
             pid_bh, off_b, off_h, start_m, num_kv, n_unmasked = _work_item(t, BH, H, GROUP, N_Q, N_K, TILE_M,
                                                                            BLOCK_N, IS_CAUSAL)
             mbarrier.wait(q_empty, (n & 1) ^ 1)
@@ -342,16 +363,18 @@ if HAS_GLUON_HOPPER:
 
     @gluon.jit
     def _persistent_consumer(C: gl.constexpr, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty,
-                             v_ready, v_empty, o_desc, L, H, BH, GROUP: gl.constexpr, N_Q, N_K, qk_scale,
+                             v_ready, v_empty, o_desc, L, H, BH, SCHEDULE, GROUP: gl.constexpr, N_Q, N_K, qk_scale,
                              HEAD_DIM: gl.constexpr,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                              NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, EXP2_EMULATED: gl.constexpr,
-                             RESCALE_UNDER_S: gl.constexpr):
-        """Consumer C of a persistent program: work items pid, pid + #programs, ... (`_work_item` order)."""
+                             RESCALE_UNDER_S: gl.constexpr, BALANCED: gl.constexpr):
+        """Consumer C of a persistent program: its work items (`_item_range`) in `_work_item` numbering."""
         TILE_M: gl.constexpr = NUM_CONSUMERS * BLOCK_M
         it0 = 0
         n = 0
-        for t in range(gl.program_id(0), gl.cdiv(N_Q, TILE_M) * BH, gl.num_programs(0)):
+        first, stop, step = _item_range(SCHEDULE, gl.cdiv(N_Q, TILE_M) * BH, BALANCED)
+        for i in range(first, stop, step):
+            t = _item_at(i, SCHEDULE, BALANCED)
             pid_bh, off_b, off_h, start_m, num_kv, n_unmasked = _work_item(t, BH, H, GROUP, N_Q, N_K, TILE_M,
                                                                            BLOCK_N, IS_CAUSAL)
             _consumer(q_bufs.index(C), o_bufs.index(C), k_bufs, v_bufs, q_bar, n & 1, q_empty, k_ready, k_empty,
@@ -443,16 +466,17 @@ if HAS_GLUON_HOPPER:
 
 
     @gluon.jit
-    def _gluon_attn_fwd_persistent_kernel(q_desc, k_desc, v_desc, o_desc, L, H, BH, N_Q, N_K, qk_scale,
+    def _gluon_attn_fwd_persistent_kernel(q_desc, k_desc, v_desc, o_desc, L, H, BH, N_Q, N_K, qk_scale, SCHEDULE,
                                           GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                                           BLOCK_N: gl.constexpr,
                                           NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                                           IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                           LOADER_REGS: gl.constexpr, EXP2_EMULATED: gl.constexpr,
-                                          RESCALE_UNDER_S: gl.constexpr):
+                                          RESCALE_UNDER_S: gl.constexpr, BALANCED: gl.constexpr):
         """Grid (at most one program per SM,): program p takes work items p, p + #programs, ... of the
-        `_work_item` order (the heaviest first); its K/V ring runs on from one item to the next, and the next
-        item's Q loads under the last P V and epilogue of the current one (O has buffers of its own)."""
+        `_work_item` order (the heaviest first), or with BALANCED its list in SCHEDULE (`work_schedule`); its K/V
+        ring runs on from one item to the next, and the next item's Q loads under the last P V and epilogue of the
+        current one (O has buffers of its own)."""
         gl.static_assert(NUM_CONSUMERS == 2, "the persistent forward has two consumer groups")
         q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty = _fwd_shared(q_desc, k_desc, v_desc,
                                                                                         NUM_STAGES, NUM_CONSUMERS)
@@ -461,14 +485,16 @@ if HAS_GLUON_HOPPER:
         mbarrier.init(q_empty, count=NUM_CONSUMERS)
         gl.warp_specialize([
             (_persistent_consumer, (0, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty, v_ready,
-                                    v_empty, o_desc, L, H, BH, GROUP, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                    NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, EXP2_EMULATED, RESCALE_UNDER_S)),
+                                    v_empty, o_desc, L, H, BH, SCHEDULE, GROUP, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_M,
+                                    BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, EXP2_EMULATED, RESCALE_UNDER_S,
+                                    BALANCED)),
             (_persistent_consumer, (1, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty, v_ready,
-                                    v_empty, o_desc, L, H, BH, GROUP, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                    NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, EXP2_EMULATED, RESCALE_UNDER_S)),
+                                    v_empty, o_desc, L, H, BH, SCHEDULE, GROUP, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_M,
+                                    BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, EXP2_EMULATED, RESCALE_UNDER_S,
+                                    BALANCED)),
             (_persistent_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty,
-                                  v_ready, v_empty, H, BH, GROUP, N_Q, N_K, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                  IS_CAUSAL)),
+                                  v_ready, v_empty, H, BH, SCHEDULE, GROUP, N_Q, N_K, NUM_CONSUMERS, BLOCK_M, BLOCK_N,
+                                  NUM_STAGES, IS_CAUSAL, BALANCED)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -512,9 +538,19 @@ class GluonConfig:
     """O's rescale by alpha(j-1) issued after S(j), so that it runs while S(j) is on the tensor cores, and before
     P(j-1) V(j-1) (FlashAttention-3's order); False: at the end of iteration j-1, before S(j) is issued."""
 
+    balanced: bool = False
+    """Persistent grid only: each program takes the work items `work_schedule` deals it (a table built on the host
+    once per problem shape, each item to the program that the cost model has least loaded so far) instead of items
+    p, p + #programs, ... Causal items differ in length, and round robin can leave some programs several items'
+    work behind the rest."""
+
     def __post_init__(self):
         if not isinstance(self.rescale_under_s, bool):
             raise ValueError(f"rescale_under_s ({self.rescale_under_s!r}) must be a bool")
+        if not isinstance(self.balanced, bool):
+            raise ValueError(f"balanced ({self.balanced!r}) must be a bool")
+        if self.balanced and not self.persistent:
+            raise ValueError("balanced needs persistent: it deals the work items of a persistent grid")
         if type(self.exp2_emulated) is not int or self.exp2_emulated not in (0, 2, 4, 8, 16):
             raise ValueError(f"exp2_emulated ({self.exp2_emulated!r}) must be 0, 2, 4, 8 or 16")
         if not isinstance(self.persistent, bool):
@@ -535,7 +571,8 @@ class GluonConfig:
     def name(self) -> str:
         return (f"{self.num_consumers}x{self.block_m}x{self.block_n}/s{self.num_stages}"
                 + ("/p" if self.persistent else "") + (f"/g{self.head_group}" if self.head_group else "")
-                + (f"/e{self.exp2_emulated}" if self.exp2_emulated else "") + ("/ru" if self.rescale_under_s else ""))
+                + (f"/e{self.exp2_emulated}" if self.exp2_emulated else "") + ("/ru" if self.rescale_under_s else "")
+                + ("/b" if self.balanced else ""))
 
     def registers(self) -> tuple[int, int]:
         return register_split(self.num_consumers)
@@ -779,6 +816,69 @@ def _descriptor(t: torch.Tensor, block_rows: int) -> "TensorDescriptor":
     return tensor_descriptor(t, block, shared_layout(tuple(block), t.dtype))
 
 
+ITEM_COST = 1
+"""`work_schedule`'s cost model: a work item costs its key tiles plus ITEM_COST more for its start and epilogue (Q's
+wait, O's store): an assumption, not a measurement."""
+
+
+def work_weights(bh: int, n_q: int, n_k: int, tile_m: int, block_n: int, group: int, is_causal: bool) -> list[int]:
+    """Key tiles of each work item of the forward, in `_work_item`'s numbering (the kernel's rules, on the host)."""
+    num_m = triton.cdiv(n_q, tile_m)
+    weights = []
+    for t in range(num_m * bh):
+        if group == 0:
+            start_m = (num_m - 1 - t // bh) * tile_m
+        else:
+            r = t % (num_m * group)
+            start_m = (num_m - 1 - r // min(bh - t // (num_m * group) * group, group)) * tile_m
+        kv_end = min(start_m + tile_m, n_k) if is_causal else n_k
+        weights.append(triton.cdiv(kv_end, block_n))
+    return weights
+
+
+def _deal(order, weights: list[int], programs: int) -> tuple[list[list[int]], float]:
+    """Items in `order`, each to the program with the least modelled work so far (ties: the lower program); the
+    lists and the largest program's work."""
+    heap = [(0, p) for p in range(programs)]
+    lists: list[list[int]] = [[] for _ in range(programs)]
+    for t in order:
+        load, p = heapq.heappop(heap)
+        lists[p].append(t)
+        heapq.heappush(heap, (load + weights[t] + ITEM_COST, p))
+    return lists, max(load for load, _ in heap)
+
+
+def work_schedule(weights: list[int], programs: int) -> list[list[int]]:
+    """Each program's work items, in the order it runs them, for a persistent grid of `programs`: the best by the
+    cost model (ITEM_COST) of round robin (the unbalanced grid's order), items dealt in their numbering to the least
+    loaded program, and the same over windows of 2 * programs items, each window heaviest first. The numbering
+    keeps the programs running at once on the same few heads (`_work_item`'s head groups), and the last two keep
+    to it, within a window at most."""
+    n = len(weights)
+    robin = [list(range(p, n, programs)) for p in range(programs)]
+    best = (max(sum(weights[t] + ITEM_COST for t in items) for items in robin), robin)
+    window = 2 * programs
+    windowed = [t for lo in range(0, n, window)
+                for t in sorted(range(lo, min(n, lo + window)), key=lambda t: -weights[t])]
+    for order in (range(n), windowed):
+        lists, span = _deal(order, weights, programs)
+        if span < best[0]:
+            best = (span, lists)
+    return best[1]
+
+
+@functools.lru_cache(maxsize=64)
+def schedule_table(bh: int, n_q: int, n_k: int, tile_m: int, block_n: int, group: int, is_causal: bool,
+                   programs: int, device: torch.device) -> torch.Tensor:
+    """`work_schedule` as the kernel reads it (int32 on `device`): programs + 1 offsets into the lists that follow,
+    then every program's list, one after the other."""
+    lists = work_schedule(work_weights(bh, n_q, n_k, tile_m, block_n, group, is_causal), programs)
+    offsets = [0]
+    for items in lists:
+        offsets.append(offsets[-1] + len(items))
+    return torch.tensor(offsets + [t for items in lists for t in items], dtype=torch.int32, device=device)
+
+
 def launch_args(q, k, v, out, lse, is_causal: bool, config: GluonConfig):
     """(grid, positional args, keyword args) of one launch: shared by the launcher and the CPU compile check."""
     batch, heads, n_q, head_dim = q.shape
@@ -789,7 +889,11 @@ def launch_args(q, k, v, out, lse, is_causal: bool, config: GluonConfig):
                    _descriptor(out, config.block_m), lse, heads)
     if config.persistent:
         grid = (min(num_items, num_sms(q.device)),)
-        args = (*descriptors, batch * heads, n_q, n_k, LOG2E / math.sqrt(head_dim))
+        schedule = None
+        if config.balanced:
+            schedule = schedule_table(batch * heads, n_q, n_k, config.num_consumers * config.block_m,
+                                      config.block_n, config.head_group, is_causal, grid[0], q.device)
+        args = (*descriptors, batch * heads, n_q, n_k, LOG2E / math.sqrt(head_dim), schedule)
     else:
         grid = (num_items,)
         args = (*descriptors, n_q, n_k, LOG2E / math.sqrt(head_dim))
@@ -798,6 +902,8 @@ def launch_args(q, k, v, out, lse, is_causal: bool, config: GluonConfig):
                 NUM_CONSUMERS=config.num_consumers, IS_CAUSAL=is_causal, CONSUMER_REGS=consumer_regs,
                 LOADER_REGS=LOADER_REGS, EXP2_EMULATED=config.exp2_emulated, RESCALE_UNDER_S=config.rescale_under_s,
                 num_warps=4, maxnreg=maxnreg)
+    if config.persistent:
+        meta["BALANCED"] = config.balanced
     return grid, args, meta
 
 
