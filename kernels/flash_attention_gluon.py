@@ -19,9 +19,10 @@ One program owns NUM_CONSUMERS * BLOCK_M query rows of one (batch, head) and run
   waits for it and rescales O. Across consumers, the warp scheduler runs one group's softmax under another's
   matrix products (no explicit ping-pong barrier).
 P stays in registers (wgmma A operand). Work items are numbered heaviest causal tile first (`_work_item`). With
-`GluonConfig.persistent` one program per SM walks items p, p + #programs, ...: the K/V ring runs on from item to
-item, O has buffers of its own and Q's is released after the last S, so the next item's loads overlap this one's
-last P V and epilogue, the per-item start and drain that short sequences pay (two consumer groups). ptxas hoists a
+`GluonConfig.persistent` one program per SM walks the items a host-built table deals it (`work_schedule`: each
+item to the program least loaded so far, where round robin leaves some programs behind): the K/V ring runs on from
+item to item, O has buffers of its own and Q's is released after the last S, so the next item's loads overlap this
+one's last P V and epilogue, the per-item start and drain that short sequences pay (two consumer groups). ptxas hoists a
 wgmma wait above independent ALU work of its basic block, so the wait for P V sits behind a branch the compiler
 cannot fold (the K release); the SASS then reads HGMMA(S) HGMMA(PV) DEPBAR<=1 EX2... DEPBAR<=0.
 
@@ -473,10 +474,10 @@ if HAS_GLUON_HOPPER:
                                           IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                           LOADER_REGS: gl.constexpr, EXP2_EMULATED: gl.constexpr,
                                           RESCALE_UNDER_S: gl.constexpr, BALANCED: gl.constexpr):
-        """Grid (at most one program per SM,): program p takes work items p, p + #programs, ... of the
-        `_work_item` order (the heaviest first), or with BALANCED its list in SCHEDULE (`work_schedule`); its K/V
-        ring runs on from one item to the next, and the next item's Q loads under the last P V and epilogue of the
-        current one (O has buffers of its own)."""
+        """Grid (at most one program per SM,): program p takes its list of work items in SCHEDULE
+        (`work_schedule`; `_work_item` numbering, the heaviest first in each head group) with BALANCED, else items
+        p, p + #programs, ...; its K/V ring runs on from one item to the next, and the next item's Q loads under the
+        last P V and epilogue of the current one (O has buffers of its own)."""
         gl.static_assert(NUM_CONSUMERS == 2, "the persistent forward has two consumer groups")
         q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty = _fwd_shared(q_desc, k_desc, v_desc,
                                                                                         NUM_STAGES, NUM_CONSUMERS)
@@ -525,7 +526,8 @@ class GluonConfig:
     """Consumer warp groups (1-3), each on its own block_m query rows."""
     persistent: bool = False
     """One program per SM walking the work items (`_gluon_attn_fwd_persistent_kernel`; two consumer groups):
-    the next item's loads overlap the current one's tail, which short sequences pay per item."""
+    the next item's loads overlap the current one's tail, which short sequences pay per item. Each program runs the
+    items `work_schedule` deals it."""
     head_group: int = 0
     """Heads whose work items run together (`_work_item`; a compile-time constant): 0 for all B * H, heaviest first
     across them; fewer keeps the programs in flight on fewer heads' K/V, more of them in L2 at long sequences."""
@@ -538,19 +540,18 @@ class GluonConfig:
     """O's rescale by alpha(j-1) issued after S(j), so that it runs while S(j) is on the tensor cores, and before
     P(j-1) V(j-1) (FlashAttention-3's order); False: at the end of iteration j-1, before S(j) is issued."""
 
-    balanced: bool = False
-    """Persistent grid only: each program takes the work items `work_schedule` deals it (a table built on the host
-    once per problem shape, each item to the program that the cost model has least loaded so far) instead of items
-    p, p + #programs, ... Causal items differ in length, and round robin can leave some programs several items'
-    work behind the rest."""
+    round_robin: bool = False
+    """Persistent grid only: program p takes work items p, p + #programs, ... instead of its list in `work_schedule`'s
+    table (kept to compare the two: causal items differ in length, and round robin left the busiest program 3% above
+    the mean work at the d-64 forward's launch; results/flash_hopper_notes.md, section 21)."""
 
     def __post_init__(self):
         if not isinstance(self.rescale_under_s, bool):
             raise ValueError(f"rescale_under_s ({self.rescale_under_s!r}) must be a bool")
-        if not isinstance(self.balanced, bool):
-            raise ValueError(f"balanced ({self.balanced!r}) must be a bool")
-        if self.balanced and not self.persistent:
-            raise ValueError("balanced needs persistent: it deals the work items of a persistent grid")
+        if not isinstance(self.round_robin, bool):
+            raise ValueError(f"round_robin ({self.round_robin!r}) must be a bool")
+        if self.round_robin and not self.persistent:
+            raise ValueError("round_robin needs persistent: it orders the work items of a persistent grid")
         if type(self.exp2_emulated) is not int or self.exp2_emulated not in (0, 2, 4, 8, 16):
             raise ValueError(f"exp2_emulated ({self.exp2_emulated!r}) must be 0, 2, 4, 8 or 16")
         if not isinstance(self.persistent, bool):
@@ -572,7 +573,7 @@ class GluonConfig:
         return (f"{self.num_consumers}x{self.block_m}x{self.block_n}/s{self.num_stages}"
                 + ("/p" if self.persistent else "") + (f"/g{self.head_group}" if self.head_group else "")
                 + (f"/e{self.exp2_emulated}" if self.exp2_emulated else "") + ("/ru" if self.rescale_under_s else "")
-                + ("/b" if self.balanced else ""))
+                + ("/rr" if self.round_robin else ""))
 
     def registers(self) -> tuple[int, int]:
         return register_split(self.num_consumers)
@@ -850,7 +851,7 @@ def _deal(order, weights: list[int], programs: int) -> tuple[list[list[int]], fl
 
 def work_schedule(weights: list[int], programs: int) -> list[list[int]]:
     """Each program's work items, in the order it runs them, for a persistent grid of `programs`: the best by the
-    cost model (ITEM_COST) of round robin (the unbalanced grid's order), items dealt in their numbering to the least
+    cost model (ITEM_COST) of round robin (`GluonConfig.round_robin`'s order), items dealt in their numbering to the least
     loaded program, and the same over windows of 2 * programs items, each window heaviest first. The numbering
     keeps the programs running at once on the same few heads (`_work_item`'s head groups), and the last two keep
     to it, within a window at most."""
@@ -890,7 +891,7 @@ def launch_args(q, k, v, out, lse, is_causal: bool, config: GluonConfig):
     if config.persistent:
         grid = (min(num_items, num_sms(q.device)),)
         schedule = None
-        if config.balanced:
+        if not config.round_robin:
             schedule = schedule_table(batch * heads, n_q, n_k, config.num_consumers * config.block_m,
                                       config.block_n, config.head_group, is_causal, grid[0], q.device)
         args = (*descriptors, batch * heads, n_q, n_k, LOG2E / math.sqrt(head_dim), schedule)
@@ -903,7 +904,7 @@ def launch_args(q, k, v, out, lse, is_causal: bool, config: GluonConfig):
                 LOADER_REGS=LOADER_REGS, EXP2_EMULATED=config.exp2_emulated, RESCALE_UNDER_S=config.rescale_under_s,
                 num_warps=4, maxnreg=maxnreg)
     if config.persistent:
-        meta["BALANCED"] = config.balanced
+        meta["BALANCED"] = not config.round_robin
     return grid, args, meta
 
 

@@ -53,7 +53,7 @@ CONFIGS = {
          *(fg.GluonConfig(block_m=64, block_n=128, num_stages=3, num_consumers=2, persistent=True, head_group=8,
                           exp2_emulated=e, rescale_under_s=True) for e in (0, 8)),
          fg.GluonConfig(block_m=64, block_n=128, num_stages=3, num_consumers=2, persistent=True, head_group=8,
-                        exp2_emulated=8, rescale_under_s=True, balanced=True)],
+                        exp2_emulated=8, rescale_under_s=True, round_robin=True)],
     128: [fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2),
           fg.GluonConfig(block_m=64, block_n=64, num_stages=3, num_consumers=2),
           fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=1),
@@ -71,16 +71,18 @@ CONFIGS = {
             for g in (0, 1, 8)),
           fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2, persistent=True, head_group=4,
                          rescale_under_s=True),
-          *(fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2, persistent=True, head_group=g,
-                           balanced=True) for g in (1, 4))],
+          fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2, persistent=True, head_group=4,
+                         round_robin=True),
+          *(fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2, persistent=True, head_group=g)
+            for g in (1, 2))],
 }
 """Per head dim, the default first; `head_group` on the default and the persistent grid (3 and 6 beside what a cap
 by the whole L2 cache took, d 128: 3 at 32768, 7 at 16384 on the H200); three consumer groups of 64 query rows
 (FlashAttention-3's 192-row tile), at d 128 on 64-key tiles (the tile sweep's winner at 16384); one exp2 in n
 emulated on the FMA pipe (`exp2_emulated`, `/e<n>`): n 2, 4, 8, 16 on the tuned d-64 config, 4 and 8 on the
 launched d-128 ones; O's rescale issued under S(j) (`rescale_under_s`, `/ru`, FlashAttention-3's order) on the
-launched ones; the launched persistent configs with `work_schedule`'s lists (`balanced`, `/b`), and at d 128 the
-persistent grid one head at a time (`/p/g1/b`: the long sequences' head group)."""
+launched ones; the launched persistent configs in round robin (`/rr`, as before `work_schedule`), and at d 128 the
+persistent grid one and two heads at a time (the long sequences' head groups)."""
 CHECK_SHAPES = [((1, 3, 1000, 128), 1000, True), ((1, 3, 1000, 128), 1000, False), ((2, 2, 777, 64), 777, True),
                 ((2, 2, 777, 64), 777, False), ((1, 2, 513, 128), 1029, False), ((1, 2, 513, 64), 1029, False)]
 """(q shape, n_k, causal)."""

@@ -59,11 +59,11 @@ def test_config_rules():
             fg.GluonConfig(head_group=bad)
     assert fg.GluonConfig(persistent=True, head_group=8).name == "2x64x128/s2/p/g8"
     assert fg.GluonConfig(head_group=8).shared_bytes(128) == fg.GluonConfig().shared_bytes(128)
-    assert fg.GluonConfig(persistent=True, balanced=True).name == "2x64x128/s2/p/b"
-    with pytest.raises(ValueError, match="balanced needs persistent"):
-        fg.GluonConfig(balanced=True)
-    with pytest.raises(ValueError, match=r"balanced \(1\) must be a bool"):
-        fg.GluonConfig(persistent=True, balanced=1)
+    assert fg.GluonConfig(persistent=True, round_robin=True).name == "2x64x128/s2/p/rr"
+    with pytest.raises(ValueError, match="round_robin needs persistent"):
+        fg.GluonConfig(round_robin=True)
+    with pytest.raises(ValueError, match=r"round_robin \(1\) must be a bool"):
+        fg.GluonConfig(persistent=True, round_robin=1)
 
 
 def _work_items(bh, n_q, n_k, tile_m, block_n, is_causal):
@@ -184,11 +184,11 @@ def _compile_sm90(config: fg.GluonConfig, head_dim: int, dtype: torch.dtype, cau
 
 @pytest.mark.slow
 @needs_gluon_api
-@pytest.mark.parametrize("head_dim, persistent, head_group, balanced", [
+@pytest.mark.parametrize("head_dim, persistent, head_group, round_robin", [
     (64, False, 0, False), (128, False, 0, False), (128, True, 0, False), (128, False, 8, False), (64, True, 8, True)])
-def test_compiles_for_sm90(head_dim, persistent, head_group, balanced):
+def test_compiles_for_sm90(head_dim, persistent, head_group, round_robin):
     config = dataclasses.replace(fg.DEFAULT_CONFIGS[head_dim], persistent=persistent, head_group=head_group,
-                                 balanced=balanced)
+                                 round_robin=round_robin)
     compiled = _compile_sm90(config, head_dim, torch.bfloat16, True)
     ptx, sass_bytes = compiled.asm["ptx"], compiled.asm["cubin"]
     assert sass_bytes and compiled.metadata.shared >= config.shared_bytes(head_dim)
@@ -658,7 +658,7 @@ def _reference(q, k, v, causal):
 def test_persistent_forward_and_head_groups_match_the_one_item_programs(q_shape, n_k, causal, dtype, monkeypatch):
     """The persistent forward on a grid of 16 programs (several work items each, so the ring and Q's barrier run on
     across items), and both forwards with their items taken 5 heads at a time (a smaller last group), the persistent
-    one also with `work_schedule`'s lists (`balanced`): bitwise the one-item programs' O and L in `_work_item`'s
+    one with `work_schedule`'s lists and in round robin: bitwise the one-item programs' O and L in `_work_item`'s
     default order (same tiles, same order of additions)."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     k_shape = q_shape[:2] + (n_k, q_shape[-1])
@@ -673,8 +673,8 @@ def test_persistent_forward_and_head_groups_match_the_one_item_programs(q_shape,
     ref_out, _ = _reference(q, k, v, causal)
     for config in (dataclasses.replace(base, persistent=True), dataclasses.replace(base, head_group=5),
                    dataclasses.replace(base, persistent=True, head_group=5),
-                   dataclasses.replace(base, persistent=True, balanced=True),
-                   dataclasses.replace(base, persistent=True, head_group=5, balanced=True)):
+                   dataclasses.replace(base, persistent=True, round_robin=True),
+                   dataclasses.replace(base, persistent=True, head_group=5, round_robin=True)):
         got = fg.gluon_attention_fwd(q, k, v, causal, config=config)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), config.name
     assert (want[0].float() - ref_out).abs().max().item() <= (2e-2 if dtype == torch.bfloat16 else 4e-3)
