@@ -618,18 +618,18 @@ def default_config(head_dim: int, dtype: torch.dtype) -> GluonConfig:
     return config
 
 
-SHORT_SEQUENCE = {128: (2048, {"persistent": True, "head_group": 4})}
-"""Head dim -> (n_q up to which, the fields that replace the tuned config's). Short sequences make short work
-items, whose start and drain a persistent program hides behind the next item's loads; timed against the tuned
-config in alternating rounds at n_q 1024 to 8192, the persistent grid in groups of 4 heads was faster up to 2048 and
-slower from 4096 (results/runs/flash_gluon_fwd_short_f10ffad.parquet; results/flash_hopper_notes.md, section 13).
-The tuned file gives one config per head dim (`sweeps/flash_tiles.py` writes per-shape winners too, but at lengths
-too far apart to place this crossover)."""
+PERSISTENT_GRID = {128: (32768, {"persistent": True, "head_group": 4})}
+"""Head dim -> (n_q up to which, the fields that replace the tuned config's). A persistent program hides an item's
+start and drain behind the next item's loads, and with `work_schedule`'s lists its programs end together; paired
+against the tuned config (one-item programs; head groups capped by `l2_head_group`, the persistent grid's too), it
+was faster at every length measured, 2048 to 32768 (results/flash_hopper_notes.md, section 21). In round robin it
+had been faster up to 2048 only (section 13). The tuned file gives one config per head dim, from sweeps whose
+persistent trials ran round robin."""
 
 
 def problem_config(q: torch.Tensor, k: torch.Tensor) -> GluonConfig:
     """The forward config for q (B, H, N_Q, d) and k (B, H, N_K, d) when none is given: `default_config`, with
-    SHORT_SEQUENCE's fields up to its length when the tuned config has two consumer groups (what the persistent grid
+    PERSISTENT_GRID's fields up to its length when the tuned config has two consumer groups (what the persistent grid
     takes), and its head group fit to the L2 cache of q's device (`l2_head_group`: every query tile of a head reads
     that head's K and V again, 2 * N_K * d elements); one lookup per problem shape."""
     batch, heads, n_q, head_dim = q.shape
@@ -640,7 +640,7 @@ def problem_config(q: torch.Tensor, k: torch.Tensor) -> GluonConfig:
 def _problem_config(head_dim: int, dtype: torch.dtype, n_q: int, n_k: int, heads: int,
                     device: torch.device) -> GluonConfig:
     config = default_config(head_dim, dtype)
-    n_max, fields = SHORT_SEQUENCE.get(head_dim, (0, {}))
+    n_max, fields = PERSISTENT_GRID.get(head_dim, (0, {}))
     if n_q <= n_max and config.num_consumers == 2:
         config = dataclasses.replace(config, **fields)
     head_bytes = 2 * n_k * head_dim * dtype.itemsize

@@ -540,7 +540,7 @@ def gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict
     one-pass backward's 3-slot ring does not fit at d 128, 6 of its 9 configs do). Where every row of a head dim and
     dtype was paired against one reference per shape (--paired-rounds, PAIRED_KEY), the winners are those with the
     highest (geometric-mean) ratio against it; the entries then also carry it (`geomean_vs_reference`,
-    `vs_reference`). The forward's sweep-wide winner is ranked over the shapes beyond SHORT_SEQUENCE's length
+    `vs_reference`). The forward's sweep-wide winner is ranked over the shapes beyond PERSISTENT_GRID's length
     (`_tuned_entry_shapes`)."""
     ok = df[(df["status"] == "ok") & (df.get("path", pd.Series(index=df.index, dtype=object)) == "gluon")].copy()
     errors = df[(df["status"] == "error") & df.get("variant", pd.Series(index=df.index, dtype=object)).isin(
@@ -603,13 +603,13 @@ def gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict
 
 def _tuned_entry_shapes(part: pd.DataFrame, kernel: str, head_dim: int) -> set[str] | None:
     """The shapes of `part` (one head dim and dtype) that rank the tuned forward entry: none up to the length where
-    the launcher takes `SHORT_SEQUENCE`'s grid instead (its ratios there say nothing of the tuned config's use),
+    the launcher takes `PERSISTENT_GRID`'s grid instead (its ratios there say nothing of the tuned config's use),
     unless that would leave none. None: every shape ranks (the backward)."""
     if kernel != "fwd":
         return None
-    from kernels.flash_attention_gluon import SHORT_SEQUENCE
+    from kernels.flash_attention_gluon import PERSISTENT_GRID
 
-    n_max = SHORT_SEQUENCE.get(head_dim, (0, {}))[0]
+    n_max = PERSISTENT_GRID.get(head_dim, (0, {}))[0]
     long = {shape for shape in part["shape"].unique() if parse_shape(shape)["seq"] > n_max}
     return long or None
 

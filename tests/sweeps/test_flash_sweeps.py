@@ -625,14 +625,14 @@ def test_gluon_winners_by_paired_ratio_where_every_row_has_one(tmp_path, monkeyp
         flash_tiles.main(["--launcher", "local", "--quick", "--paired-rounds", "4", "--out", str(tmp_path)])
 
 
-def test_gluon_forward_entry_ranked_beyond_the_short_sequence_grid():
-    """The tuned forward entry (d 128) is ranked over the shapes longer than SHORT_SEQUENCE's: up to it the launcher
-    runs the persistent grid instead, so the ratios there say nothing of the entry's use; each shape keeps its own
-    winner; d 64 (no SHORT_SEQUENCE) ranks over all; a sweep of short shapes only still gets an entry."""
+def test_gluon_forward_entry_ranked_beyond_the_persistent_grid_length():
+    """The tuned forward entry (d 128) is ranked over the shapes longer than PERSISTENT_GRID's: up to it the launcher
+    runs that grid instead, so the ratios there say nothing of the entry's use; each shape keeps its own
+    winner; d 64 (no PERSISTENT_GRID) ranks over all; a sweep of short shapes only still gets an entry."""
     import kernels.flash_attention_gluon as gluon_fwd
 
-    n_max = gluon_fwd.SHORT_SEQUENCE[128][0]
-    long, short = "16384/128/bfloat16/causal", f"4x32/{n_max}/128/bfloat16/causal"
+    n_max = gluon_fwd.PERSISTENT_GRID[128][0]
+    long, short = f"{2 * n_max}/128/bfloat16/causal", f"4x32/{n_max}/128/bfloat16/causal"
 
     def row(group, shape, ratio):
         return dict(_tile_row("fwd", "64x128", 4, 2, shape, 1.0), variant="gluon", path="gluon", num_consumers=2,
@@ -651,5 +651,5 @@ def test_gluon_forward_entry_ranked_beyond_the_short_sequence_grid():
     d64 = {long: "8x16/4096/64/bfloat16/causal", short: f"8x16/{n_max}/64/bfloat16/causal"}
     df64 = frame([row(g, d64[sh], r) for (g, sh), r in ratios.items()])
     entry64 = flash_tiles.gluon_best_configs(df64, min_configs=3)["fwd"][0]
-    assert 64 not in gluon_fwd.SHORT_SEQUENCE
+    assert 64 not in gluon_fwd.PERSISTENT_GRID
     assert (entry64["head_group"], entry64["shapes"]) == (8, sorted(d64.values()))
