@@ -129,7 +129,8 @@ own check before it (`kernels.flash_attention_tuning.SharedMemoryExceeded`)."""
 GLUON_VARIANTS = ("gluon", "gluon_persistent")
 """`gluon_persistent`: the persistent grids (one program per SM) of the forward (`GluonConfig.persistent`, two
 consumer groups) and of the one-pass backward (`GluonBwdConfig.persistent`), over the same tiles, ring depths and
-head groups."""
+head groups. The forward's programs take the work items `work_schedule` deals them; rows of runs before 59642b6 ran
+them in round robin (results/flash_hopper_notes.md, section 21)."""
 QUICK_PER_VARIANT = 4  # --quick: the first built-in candidates of each variant
 PAIRED_KEY = "paired_speedup_kernel_vs_reference"
 """With --paired-rounds, a gluon trial's median over alternating rounds of (the reference's time / its config's
