@@ -46,23 +46,9 @@ def host_and_wall(fn, n: int = 200, warmup: int = 5) -> tuple[float, float]:
     return (issued - start) / n * 1e6, (done - start) / n * 1e6
 
 
-def kernel_s(fn, n: int = 20) -> float:
-    """Seconds of CUDA kernel time per call of `fn` (every kernel the profiler recorded over `n` calls)."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-
-    fn()
-    torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.device_time_total for e in prof.key_averages()
-               if e.device_type == torch.autograd.DeviceType.CUDA) / n * 1e-6
-
-
 def by_kernel(fn, n: int = 20) -> list[tuple[str, float, float]]:
-    """(kernel name, launches per call, seconds per call) of every CUDA kernel (and memset or copy) the profiler saw
-    over `n` calls of `fn`, the longest first (`--by-kernel`)."""
+    """(kernel name, launches per call, seconds per call) of every CUDA kernel (memsets and copies included) the
+    profiler saw over `n` calls of `fn`, the longest first (`--by-kernel`; their sum is `kernel_s`)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     fn()
@@ -74,6 +60,11 @@ def by_kernel(fn, n: int = 20) -> list[tuple[str, float, float]]:
     found = [(e.key, e.count / n, e.device_time_total / n * 1e-6) for e in prof.key_averages()
              if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
     return sorted(found, key=lambda x: -x[2])
+
+
+def kernel_s(fn, n: int = 20) -> float:
+    """Seconds of CUDA kernel time per call of `fn` (every kernel the profiler recorded over `n` calls)."""
+    return sum(seconds for _, _, seconds in by_kernel(fn, n))
 
 
 def profile(name: str, fn, n: int = 50) -> None:
