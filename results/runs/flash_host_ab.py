@@ -28,27 +28,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from raysys.results import PROVENANCE_COLUMNS, make_row
+from flash_host_cost import UNKNOWN, parse  # this folder: the script whose printed lines these are
+from raysys.results import make_row
 
 CASES = "op,fwd+bwd auto,unsupported,desc x4,sdpa cudnn,fwd+bwd sdpa cudnn"
-LINE = re.compile(r"^(?P<case>\S.*?) host us/call (?P<host>[\d.]+)\s+wall us/call (?P<wall>[\d.]+)\s+"
-                  r"kernels us/call (?P<kernel>[\d.]+)$")
 NAME = re.compile(r"^(?:ab_)?(?P<side>old|new)_(?P<round>\d+)\.txt$")
-
-
-def parse(text: str) -> list[dict]:
-    """The `flash_host_cost.py` lines of one run: case, host_s, wall_s, kernel_s."""
-    rows = []
-    for line in text.splitlines():
-        m = LINE.match(line.strip())
-        if m:
-            rows.append(dict(case=m["case"], host_s=float(m["host"]) * 1e-6, wall_s=float(m["wall"]) * 1e-6,
-                             kernel_s=float(m["kernel"]) * 1e-6))
-    return rows
-
-
-UNKNOWN = {name: "unknown" for name in PROVENANCE_COLUMNS}
-"""What printed lines do not say: the run's id, host, time, versions and device."""
 
 
 def from_logs(folder: Path, new_sha: str, old_sha: str) -> pd.DataFrame:

@@ -11,12 +11,20 @@ cumulative time over the calls (cProfile). `--pieces` adds rows `piece: ...`: th
 gluon forward alone. `--by-kernel` adds rows `kernel of <case>`: each CUDA kernel of a case (memsets and copies
 included), its launches and seconds per call. `--cases` times only the cases named (comma-separated). Rows go to
 OUT_DIR/flash_host_cost.parquet (the results convention).
+
+    python3 results/runs/flash_host_cost.py logs TXT OUT.parquet COMMIT
+
+builds the same rows from a call's printed lines alone (one block per shape, each ending with its `wrote
+.../<B,H,N,d>/flash_host_cost.parquet` line), for a call whose Parquet files did not come back from the GPU host;
+what the lines do not say (host, time, versions) is `unknown`, `git_sha` is COMMIT, `device_name` the nvidia-smi
+line's, and kernel names are cut where the printout cut them (110 characters).
 The e7dd8cb run: `flash_host_cost_e7dd8cb.parquet` (its printed output, `flash_host_cost_e7dd8cb.txt`, converted).
 """
 
 import cProfile
 import io
 import pstats
+import re
 import sys
 import time
 from pathlib import Path
@@ -26,10 +34,62 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from raysys.results import make_row, write_parquet
+from raysys.results import PROVENANCE_COLUMNS, make_row, write_parquet
 
 import kernels.flash_attention as fa
 import kernels.flash_attention_gluon as g
+
+
+LINE = re.compile(r"^(?P<case>\S.*?) host us/call (?P<host>[\d.]+)\s+wall us/call (?P<wall>[\d.]+)\s+"
+                  r"kernels us/call (?P<kernel>[\d.]+)$")
+"""A case's printed line (`main`)."""
+KERNEL_LINE = re.compile(r"^(?P<case>[^:]+):\s+(?P<us>[\d.]+) us/call\s+(?P<launches>[\d.]+) launches/call\s+"
+                         r"(?P<kernel>.+)$")
+"""A kernel's printed line (`--by-kernel`)."""
+WROTE = re.compile(r"^wrote \S*?(?P<shape>\d+,\d+,\d+,\d+)/flash_host_cost\.parquet$")
+DEVICE = re.compile(r"^(?P<name>NVIDIA [^,]+), \d+ MHz")
+UNKNOWN = {name: "unknown" for name in PROVENANCE_COLUMNS}
+"""What printed lines do not say: the run's id, host, time, versions and device."""
+
+
+def parse(text: str) -> list[dict]:
+    """The case lines of one run's printed output: case, host_s, wall_s, kernel_s."""
+    rows = []
+    for line in text.splitlines():
+        m = LINE.match(line.strip())
+        if m:
+            rows.append(dict(case=m["case"], host_s=float(m["host"]) * 1e-6, wall_s=float(m["wall"]) * 1e-6,
+                             kernel_s=float(m["kernel"]) * 1e-6))
+    return rows
+
+
+def from_logs(text: str, sha: str) -> pd.DataFrame:
+    """`main`'s rows (the case lines and the `--by-kernel` lines) from the printed output of one or more runs, each
+    run's block ending with its `wrote` line, which names the shape."""
+    device = next((m["name"] for line in text.splitlines() if (m := DEVICE.match(line))), "unknown")
+    rows, block = [], []
+    for line in text.splitlines():
+        if m := WROTE.match(line.strip()):
+            label = m["shape"].replace(",", "x")
+            for line in block:
+                if case := LINE.match(line.strip()):
+                    config = dict(case=case["case"], shape=label, calls=200)
+                    metrics = dict(host_s=float(case["host"]) * 1e-6, wall_s=float(case["wall"]) * 1e-6,
+                                   kernel_s=float(case["kernel"]) * 1e-6)
+                elif kernel := KERNEL_LINE.match(line.strip()):
+                    config = dict(case=f"kernel of {kernel['case']}", shape=label, calls=20, kernel=kernel["kernel"])
+                    metrics = dict(kernel_s=float(kernel["us"]) * 1e-6, launches=float(kernel["launches"]))
+                else:
+                    continue
+                rows.append(make_row("flash_host_cost", config, metrics,
+                                     **{**UNKNOWN, "git_sha": sha, "device_name": device}))
+            block = []
+        else:
+            block.append(line)
+    if not rows:
+        raise SystemExit("flash_host_cost.py logs: no block of case lines ending with a `wrote .../B,H,N,d/"
+                         "flash_host_cost.parquet` line")
+    return pd.DataFrame(rows)
 
 
 def host_and_wall(fn, n: int = 200, warmup: int = 5) -> tuple[float, float]:
@@ -130,6 +190,14 @@ CASES = ("direct", "fwd_api", "op", "op gluon", "desc x4", "unsupported", "tl", 
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["logs"]:
+        if len(sys.argv) != 5:
+            raise SystemExit("usage: flash_host_cost.py logs TXT OUT.parquet COMMIT")
+        source, target = Path(sys.argv[2]), Path(sys.argv[3])
+        if target.exists():
+            raise SystemExit(f"flash_host_cost.py: {target} already exists")
+        print("wrote", write_parquet(from_logs(source.read_text(), sys.argv[4]), target))
+        return
     shape = (4, 32, 2048, 128)
     if "--shape" in sys.argv:
         at = sys.argv.index("--shape") + 1
