@@ -22,9 +22,9 @@ P stays in registers (wgmma A operand). Work items are numbered heaviest causal 
 `GluonConfig.persistent` one program per SM walks the items a host-built table deals it (`work_schedule`: each
 item to the program least loaded so far, where round robin leaves some programs behind): the K/V ring runs on from
 item to item, O has buffers of its own and Q's is released after the last S, so the next item's loads overlap this
-one's last P V and epilogue, the per-item start and drain that short sequences pay (two consumer groups). ptxas hoists a
-wgmma wait above independent ALU work of its basic block, so the wait for P V sits behind a branch the compiler
-cannot fold (the K release); the SASS then reads HGMMA(S) HGMMA(PV) DEPBAR<=1 EX2... DEPBAR<=0.
+one's last P V and epilogue, the per-item start and drain that short sequences pay (two consumer groups). ptxas
+hoists a wgmma wait above independent ALU work of its basic block, so the wait for P V sits behind a branch the
+compiler cannot fold (the K release); the SASS then reads HGMMA(S) HGMMA(PV) DEPBAR<=1 EX2... DEPBAR<=0.
 
 Usage: `out, lse = gluon_attention_fwd(q, k, v, is_causal)` when `supported(q, k, v)`; knobs in `GluonConfig`.
 `kernels.flash_attention` calls it for its `gluon` path; the Gluon backward is `kernels/flash_attention_gluon_bwd.py`
@@ -698,6 +698,8 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str
             return f"{name} has shape {tuple(t.shape)}; needs 4-D (B, H, N, D)"
         if t.shape[-1] not in HEAD_DIMS:
             return f"{name} has head dim {t.shape[-1]}; needs one of {HEAD_DIMS}"
+        if 0 in t.shape:
+            return f"{name} has shape {tuple(t.shape)}; needs at least one row of at least one head"
         # The 4-D descriptors encode every stride (length-1 dimensions' too) and the start; a tracing stand-in
         # (torch.compile's fake tensors) has no pointer, its storage offset stands for it.
         elem = t.element_size()
@@ -837,7 +839,7 @@ def work_weights(bh: int, n_q: int, n_k: int, tile_m: int, block_n: int, group: 
     return weights
 
 
-def _deal(order, weights: list[int], programs: int) -> tuple[list[list[int]], float]:
+def _deal(order, weights: list[int], programs: int) -> tuple[list[list[int]], int]:
     """Items in `order`, each to the program with the least modelled work so far (ties: the lower program); the
     lists and the largest program's work."""
     heap = [(0, p) for p in range(programs)]
@@ -851,10 +853,12 @@ def _deal(order, weights: list[int], programs: int) -> tuple[list[list[int]], fl
 
 def work_schedule(weights: list[int], programs: int) -> list[list[int]]:
     """Each program's work items, in the order it runs them, for a persistent grid of `programs`: the best by the
-    cost model (ITEM_COST) of round robin (`GluonConfig.round_robin`'s order), items dealt in their numbering to the least
-    loaded program, and the same over windows of 2 * programs items, each window heaviest first. The numbering
-    keeps the programs running at once on the same few heads (`_work_item`'s head groups), and the last two keep
-    to it, within a window at most."""
+    cost model (ITEM_COST) of round robin (`GluonConfig.round_robin`'s order), items dealt in their numbering to
+    the least loaded program, and the same over windows of 2 * programs items, each window heaviest first. The
+    numbering keeps the programs running at once on the same few heads (`_work_item`'s head groups), and the last
+    two keep to it, within a window at most."""
+    if programs < 1:
+        raise ValueError(f"programs ({programs}) must be >= 1")
     n = len(weights)
     robin = [list(range(p, n, programs)) for p in range(programs)]
     best = (max(sum(weights[t] + ITEM_COST for t in items) for items in robin), robin)

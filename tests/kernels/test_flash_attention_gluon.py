@@ -123,6 +123,11 @@ def test_work_schedule_deals_every_item_once_and_evens_the_programs():
         assert _makespan(lists, weights) <= _makespan(robin, weights)
 
 
+def test_work_schedule_needs_a_program():
+    with pytest.raises(ValueError, match=r"programs \(0\) must be >= 1"):
+        fg.work_schedule([1, 2], 0)
+
+
 def test_schedule_table_is_the_offsets_then_the_lists():
     table = fg.schedule_table(6, 1000, 1000, 128, 128, 4, True, 5, torch.device("cpu")).tolist()
     lists = fg.work_schedule(fg.work_weights(6, 1000, 1000, 128, 128, 4, True), 5)
@@ -161,6 +166,9 @@ def test_unsupported_reasons_name_the_rule(monkeypatch):
     assert "strides" in fg.unsupported_reason(strided, strided, strided)
     odd = _cpu((1, 2, 64, 130))[..., :128]  # row stride 130 elements: 260 bytes, not 16-byte aligned
     assert "strides" in fg.unsupported_reason(odd, odd, odd)
+    empty = _cpu((1, 2, 0, 128))
+    assert "(1, 2, 0, 128); needs at least one row" in fg.unsupported_reason(empty, good, good)
+    assert "k has shape (0, 2, 64, 128)" in fg.unsupported_reason(good, *[_cpu((0, 2, 64, 128))] * 2)
     monkeypatch.setattr(fg, "capability", lambda device: (8, 0))
     assert "sm_90" in fg.unsupported_reason(good, good, good)
 
