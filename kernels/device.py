@@ -37,3 +37,17 @@ class device_of:
         if self.switch is not None:
             self.switch.__exit__(*exc)
             self.switch = None
+
+
+def empty_like_layout(t: torch.Tensor, dtype: torch.dtype | None = None, empty=torch.empty) -> torch.Tensor:
+    """An uninitialised dense tensor of `t`'s shape whose leading dimensions lie in memory in `t`'s order (outermost
+    first by stride; ties, such as length-1 dimensions, keep their order) and whose last dimension is contiguous:
+    attention's O and gradients come out in their inputs' layout, so the model's (B, S, H, D) projections feed a view
+    of them, not a copy. `empty(shape, dtype=, device=)` allocates (the kernel tests swap in a poisoned allocator);
+    tracing stand-ins get the same strides."""
+    order = sorted(range(t.dim() - 1), key=lambda i: -t.stride(i)) + [t.dim() - 1]
+    buffer = empty([t.shape[i] for i in order], dtype=dtype or t.dtype, device=t.device)
+    inverse = [0] * t.dim()
+    for position, dim in enumerate(order):
+        inverse[dim] = position
+    return buffer.permute(inverse)

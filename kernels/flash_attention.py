@@ -44,6 +44,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import warnings
 
 import torch
 import triton
@@ -54,7 +55,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 import kernels.flash_attention_gluon as gluon_fwd
 import kernels.flash_attention_gluon_bwd as gluon_bwd
 import kernels.flash_attention_gluon_bwd_onepass as gluon_bwd_onepass
-from kernels.device import device_of
+from kernels.device import device_of, empty_like_layout
 from kernels.flash_attention_kernels import (
     _flash_bwd_dkdv_kernel,
     _flash_bwd_dq_kernel,
@@ -357,17 +358,18 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_ca
     """Run the forward kernel: (O like q, L fp32 of shape q.shape[:-1]). `config` (a tl launch config) skips
     autotuning; `path` (auto, portable, tma, gluon; None reads RAYSYS_FLASH_PATH) picks the kernel variant."""
     reason = _validated(lambda: (check_attention_inputs(q, k, v, is_causal), _check_device(q)), is_causal, q, k, v)
-    if config is not None and _requested_path(path) == GLUON:
+    requested = _requested_path(path)
+    if config is not None and requested == GLUON:
         raise ValueError("a FlashConfig is a launch config of the tl kernels, not of the gluon path")
-    path = resolve_path(path, q, k, v, forward=config is None, gluon_reason=reason)  # a config is a tl one
+    path = resolve_path(requested, q, k, v, forward=config is None, gluon_reason=reason)  # a config is a tl one
     q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
     if path == GLUON:
-        out, lse = gluon_attn_fwd_op(q4, k4, v4, is_causal) if _traced(q4) else _gluon_fwd(q4, k4, v4, is_causal,
-                                                                                             checked=True)
+        out, lse = (gluon_attn_fwd_op(q4, k4, v4, is_causal) if _traced(q4) else
+                    _gluon_fwd(q4, k4, v4, is_causal, checked=True, strict=requested == GLUON))
         return out.view(q.shape), lse.view(q.shape[:-1])
     heads, n_q = q4.shape[1], q4.shape[2]
     n_k = k4.shape[2]
-    out = _empty(q.shape, dtype=q.dtype, device=q.device)
+    out = empty_like_layout(q, empty=_empty)
     lse = _empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     o4 = _as_4d(out)
     args = (q4, k4, v4, o4, lse, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4), heads,
@@ -399,7 +401,8 @@ def flash_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
         LAST_PATH["bwd"] = "one_pass"
         args = (*(_as_4d(t) for t in (q, k, v, out)), lse.reshape(_as_4d(q).shape[:-1]),
                 _as_4d(grad_out if grad_out.dtype == q.dtype else grad_out.to(q.dtype)), is_causal)
-        dq, dk, dv = gluon_attn_bwd_op(*args) if _traced(q) else _gluon_bwd(*args, checked=True)
+        dq, dk, dv = (gluon_attn_bwd_op(*args) if _traced(q) else
+                      _gluon_bwd(*args, checked=True, strict=_requested_path(path) == GLUON))
         return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
     path = resolve_path(path, q, k, v)
     one_pass = compute_dq and compute_dkdv and resolve_bwd(bwd, path) == "one_pass"
@@ -423,8 +426,8 @@ def flash_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
             o4, do4, delta, *_strides(o4), *_strides(do4), heads, n_q,
             HEAD_DIM=head_dim, BLOCK_D=meta["BLOCK_D"], BLOCK_M=pre_block, num_warps=4 if not INTERPRET else 1)
         if compute_dkdv:
-            dk = _empty(k.shape, dtype=k.dtype, device=k.device)
-            dv = _empty(v.shape, dtype=v.dtype, device=v.device)
+            dk = empty_like_layout(k, empty=_empty)
+            dv = empty_like_layout(v, empty=_empty)
             dk4, dv4 = _as_4d(dk), _as_4d(dv)
             # one_pass: dQ accumulates in fp32 rows padded to BLOCK_D (16-byte aligned for the TMA unit)
             dq_acc = (torch.zeros((batch * heads, n_q, meta["BLOCK_D"]), dtype=torch.float32, device=q.device)
@@ -436,10 +439,10 @@ def flash_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
             _launch("dkdvq" if one_pass else "dkdv", lambda bm, bn: triton.cdiv(n_k, bn), args,
                     dict(meta, DQ_ATOMIC=dq_atomic), n_q, n_k, dkdv_config, path)
         if one_pass:
-            dq = _empty(q.shape, dtype=q.dtype, device=q.device)
+            dq = empty_like_layout(q, empty=_empty)
             _as_4d(dq).copy_(dq_acc.view(batch, heads, n_q, -1)[..., :head_dim])
         elif compute_dq:
-            dq = _empty(q.shape, dtype=q.dtype, device=q.device)
+            dq = empty_like_layout(q, empty=_empty)
             dq4 = _as_4d(dq)
             args = (q4, k4, v4, do4, lse, delta, dq4, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4),
                     *_strides(dq4), heads, batch * heads, n_q, n_k, scale, scale * LOG2E, bucket)
@@ -468,14 +471,16 @@ def _bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
             v.new_empty(0) if dv is None else dv)
 
 
-# The fakes allocate like the launchers: contiguous, whatever the inputs' strides.
+# The fakes allocate like the launchers: O and the gradients in their inputs' layout (`empty_like_layout`), L
+# contiguous.
 def _fwd_fake(q, k, v, is_causal, path, bwd):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return empty_like_layout(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 def _bwd_fake(q, k, v, out, lse, grad_out, is_causal, compute_dq, compute_dkdv, path, bwd):
-    return (q.new_empty(q.shape if compute_dq else 0), k.new_empty(k.shape if compute_dkdv else 0),
-            v.new_empty(v.shape if compute_dkdv else 0))
+    return (empty_like_layout(q) if compute_dq else q.new_empty(0),
+            empty_like_layout(k) if compute_dkdv else k.new_empty(0),
+            empty_like_layout(v) if compute_dkdv else v.new_empty(0))
 
 
 def _define_op(name: str, impl, fake):
@@ -486,24 +491,65 @@ def _define_op(name: str, impl, fake):
     return torch.library.triton_op(f"raysys::{name}", impl, mutates_args=())
 
 
-def _gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, checked: bool = False
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gluon forward of 4-D inputs; `checked`: `gluon_unsupported` accepted them already (its host time once)."""
+_GLUON_BROKEN: dict[tuple, str] = {}
+"""(kernel, config, head dim, dtype, is_causal, device) -> why that Gluon kernel does not build here (its build probe,
+`kernels.flash_attention_gluon.build`): calls that would run it take the tl kernels instead."""
+
+
+def _gluon_broken(kernel: str, config, q: torch.Tensor, is_causal: bool, exc: Exception | None = None) -> str | None:
+    """Why the Gluon `kernel` (fwd | bwd) with `config` does not build for q's head dim, dtype and device (None: it
+    builds, or was never tried); with `exc` (its build probe's `BuildFailed`), record it and warn once."""
+    key = (kernel, config, q.shape[-1], q.dtype, is_causal, q.device)
+    if exc is not None and key not in _GLUON_BROKEN:
+        _GLUON_BROKEN[key] = str(exc)
+        warnings.warn(f"raysys: the Gluon attention {kernel} ({getattr(config, 'name', config)}, d {q.shape[-1]}, "
+                      f"{str(q.dtype).removeprefix('torch.')}) cannot run here ({exc}); the tl kernels run instead",
+                      RuntimeWarning, stacklevel=3)
+    return _GLUON_BROKEN.get(key)
+
+
+def _tl_path(*tensors: torch.Tensor) -> str:
+    """The tl kernels' `auto` path for these tensors (what runs when a Gluon kernel cannot)."""
+    return resolve_path("auto", *tensors)
+
+
+def _gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, checked: bool = False,
+               strict: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gluon forward of 4-D inputs; `checked`: `gluon_unsupported` accepted them already (its host time once).
+    Where the kernel does not build, the tl forward runs (with one warning), or with `strict` (the gluon path asked
+    for by name) a ValueError says why."""
     config = gluon_fwd.problem_config(q, k)
-    LAST_PATH["fwd"], LAST_CONFIG["fwd"] = GLUON, config
-    return (gluon_fwd.launch_fwd if checked else gluon_fwd.gluon_attention_fwd)(q, k, v, is_causal, config)
+    broken = _gluon_broken("fwd", config, q, is_causal)
+    if broken is None:
+        try:
+            LAST_PATH["fwd"], LAST_CONFIG["fwd"] = GLUON, config
+            return (gluon_fwd.launch_fwd if checked else gluon_fwd.gluon_attention_fwd)(q, k, v, is_causal, config)
+        except gluon_fwd.BuildFailed as exc:
+            broken = _gluon_broken("fwd", config, q, is_causal, exc)
+    if strict:
+        raise ValueError(f"the gluon path cannot run here: {broken}")
+    return flash_attention_fwd(q, k, v, is_causal, path=_tl_path(q, k, v))
 
 
 def _gluon_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-               grad_out: torch.Tensor, is_causal: bool, checked: bool = False
+               grad_out: torch.Tensor, is_causal: bool, checked: bool = False, strict: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) of 4-D inputs by the Gluon one-pass backward; `checked`: as `_gluon_fwd`'s (and the shapes of
-    out, lse and grad_out too)."""
+    out, lse and grad_out too). Where the kernel does not build, the tl two-pass backward runs (one warning), or with
+    `strict` a ValueError says why."""
     config = gluon_bwd_onepass.problem_config(q)
-    LAST_PATH["dkdvq"], LAST_CONFIG["dkdvq"] = GLUON, config
-    if checked:
-        return gluon_bwd.launch_bwd(q, k, v, out, lse, grad_out, is_causal, config)
-    return gluon_bwd.gluon_attention_bwd(q, k, v, out, lse, grad_out, is_causal, config, mode="one_pass")
+    broken = _gluon_broken("bwd", config, q, is_causal)
+    if broken is None:
+        try:
+            LAST_PATH["dkdvq"], LAST_CONFIG["dkdvq"] = GLUON, config
+            if checked:
+                return gluon_bwd.launch_bwd(q, k, v, out, lse, grad_out, is_causal, config)
+            return gluon_bwd.gluon_attention_bwd(q, k, v, out, lse, grad_out, is_causal, config, mode="one_pass")
+        except gluon_fwd.BuildFailed as exc:
+            broken = _gluon_broken("bwd", config, q, is_causal, exc)
+    if strict:
+        raise ValueError(f"the gluon path cannot run here: {broken}")
+    return flash_attention_bwd(q, k, v, out, lse, grad_out, is_causal, path=_tl_path(q, k, v), bwd="two_pass")
 
 
 # The Gluon kernels are opaque ops while traced (Inductor calls them; it cannot trace Gluon launches as it does tl
@@ -516,7 +562,7 @@ def gluon_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_caus
 
 @gluon_attn_fwd_op.register_fake
 def _gluon_fwd_fake(q, k, v, is_causal):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return empty_like_layout(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("raysys::gluon_attn_bwd", mutates_args=())
@@ -527,7 +573,7 @@ def gluon_attn_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
 
 @gluon_attn_bwd_op.register_fake
 def _gluon_bwd_fake(q, k, v, out, lse, grad_out, is_causal):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
 
 
 flash_attn_fwd_op = _define_op("flash_attn_fwd", _fwd_impl, _fwd_fake)

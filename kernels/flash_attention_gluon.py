@@ -43,24 +43,14 @@ import triton
 from torch._subclasses.fake_tensor import is_fake
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-from kernels.device import current_device, device_of, raw_stream
+from kernels.device import current_device, device_of, empty_like_layout, raw_stream
 from kernels.flash_attention_tuning import gluon_tuned_fields
 
-try:  # Gluon's Hopper dialect; the API below is Triton 3.6's.
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from kernels.gluon_compat import HAS_GLUON_HOPPER
 
-    HAS_GLUON_HOPPER = True
-except ImportError:  # pragma: no cover - older Triton
-    HAS_GLUON_HOPPER = False
+if HAS_GLUON_HOPPER:
+    from kernels.gluon_compat import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, tma, tma_load,
+                                      tma_store, warpgroup_mma, warpgroup_mma_wait)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -133,7 +123,7 @@ if HAS_GLUON_HOPPER:
         """The consumers' Q tiles, behind one barrier."""
         mbarrier.expect(q_bar, NUM_CONSUMERS * q_desc.block_type.nbytes)
         for c in gl.static_range(NUM_CONSUMERS):
-            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m + c * BLOCK_M, 0], q_bar, q_bufs.index(c))
+            tma_load(q_desc, [off_b, off_h, start_m + c * BLOCK_M, 0], q_bar, q_bufs.index(c))
 
     @gluon.jit
     def _load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, off_b, off_h, num_kv, it0,
@@ -147,11 +137,11 @@ if HAS_GLUON_HOPPER:
             phase = (it // NUM_STAGES) & 1
             mbarrier.wait(k_empty.index(stage), phase ^ 1)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [off_b, off_h, j * BLOCK_N, 0], k_ready.index(stage),
+            tma_load(k_desc, [off_b, off_h, j * BLOCK_N, 0], k_ready.index(stage),
                                             k_bufs.index(stage))
             mbarrier.wait(v_empty.index(stage), phase ^ 1)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [off_b, off_h, j * BLOCK_N, 0], v_ready.index(stage),
+            tma_load(v_desc, [off_b, off_h, j * BLOCK_N, 0], v_ready.index(stage),
                                             v_bufs.index(stage))
 
     @gluon.jit
@@ -345,7 +335,7 @@ if HAS_GLUON_HOPPER:
             tma.store_wait(0)
         o_smem.reshape([BLOCK_M, HEAD_DIM]).store(acc.to(dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [off_b, off_h, start_m, 0], o_smem)
+        tma_store(o_desc, [off_b, off_h, start_m, 0], o_smem)
         lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
         gl.store(L + pid_bh.to(gl.int64) * N_Q + rows, lse, mask=rows < N_Q)
         if not PERSISTENT:
@@ -754,18 +744,45 @@ _CACHE_MAX = 4096
 """Entries at which `launch`'s and `tensor_descriptor`'s caches start afresh (a run over many sequence lengths adds
 one per length, kernel and descriptor)."""
 _COMPILED: dict = {}
-"""(kernel, device, argument keys, keyword arguments) -> the compiled kernel its first launch returned."""
+"""(kernel, device, argument keys, keyword arguments) -> the compiled kernel its build probe returned."""
+_FAILED: dict = {}
+"""The same keys -> why the build probe failed (a specialisation that does not build is not built again)."""
+
+
+class BuildFailed(RuntimeError):
+    """A kernel that does not build (compile, or load on the device) for these arguments on the installed Triton: the
+    dispatch's cue to run the tl kernels instead (`kernels.flash_attention`)."""
+
+
+def _first_line(exc: BaseException) -> str:
+    """The innermost cause's first line (a CompilationError's own text is the source around the failing call)."""
+    while (exc.__cause__ or exc.__context__) is not None:
+        exc = exc.__cause__ or exc.__context__
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0].strip() if lines else ''}"[:300]
+
+
+def build(kernel, grid: tuple[int, ...], args: tuple, meta: dict):
+    """The build probe of one specialisation: compile `kernel` for these arguments and load it on the current device,
+    launching nothing (Triton's `warmup`). Any failure is a `BuildFailed` naming the kernel, the Triton and the
+    error's first line."""
+    try:
+        compiled = kernel.warmup(*args, grid=grid, **meta)
+        compiled._init_handles()  # loading checks the shared memory and registers the device has
+    except Exception as exc:  # noqa: BLE001 - whatever stops the build, the kernel cannot run here
+        name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", str(kernel))
+        raise BuildFailed(f"{name} does not build on Triton {triton.__version__}: {_first_line(exc)}") from exc
+    return compiled
 
 
 def launch(kernel, grid: tuple[int, ...], args: tuple, meta: dict, key: tuple | None = None) -> None:
     """`kernel[grid](*args, **meta)` on the current device and stream, for a kernel whose parameters after `args`
-    are all named in `meta` (with Triton's options, num_warps, maxnreg). The first launch of a specialisation goes
-    through Triton's JIT dispatch and keeps the compiled kernel it returns; later ones with the same keys
-    (`_arg_key`) launch it directly (`CompiledKernel.run`, as Inductor's launchers do), without the dispatch's
-    per-call argument binding, specialisation and cache lookup: host time on every call, which small attention
-    calls are bound by (results/flash_hopper_notes.md, sections 8 and 18). `key`: the caller's own key, which must
-    determine every `_arg_key` of `args` and `meta` (the launchers' problem keys: shapes, strides, dtypes, config),
-    so that the arguments need not be keyed one by one."""
+    are all named in `meta` (with Triton's options, num_warps, maxnreg). The first launch of a specialisation builds
+    it (`build`: `BuildFailed` if it cannot, then and on every later call with these keys) and keeps the compiled
+    kernel; every launch runs it directly (`CompiledKernel.run`, as Inductor's launchers do), without Triton's
+    per-call argument binding, specialisation and cache lookup: host time on every call, which small attention calls
+    are bound by. `key`: the caller's own key, which must determine every `_arg_key` of `args` and `meta` (the
+    launchers' problem keys: shapes, strides, dtypes, config), so that the arguments need not be keyed one by one."""
     device = current_device()
     if key is None:
         key = (kernel, device, tuple(_arg_key(a) for a in args), tuple(meta.items()))
@@ -773,10 +790,16 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, meta: dict, key: tuple | 
         key = (kernel, device, key)
     compiled = _COMPILED.get(key)
     if compiled is None:
+        if key in _FAILED:
+            raise BuildFailed(_FAILED[key])
+        try:
+            compiled = build(kernel, grid, args, meta)
+        except BuildFailed as exc:
+            _FAILED[key] = str(exc)
+            raise
         if len(_COMPILED) >= _CACHE_MAX:
             _COMPILED.clear()
-        _COMPILED[key] = kernel[grid](*args, **meta)
-        return
+        _COMPILED[key] = compiled
     bound = (*args, *(meta[p.name] for p in kernel.params[len(args):]))
     stream = raw_stream(device)
     grid = (*grid, 1, 1)
@@ -925,10 +948,11 @@ def launch_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: boo
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """`gluon_attention_fwd` on inputs `unsupported_reason` accepted: for callers that checked them already (the
     check costs host time on every call)."""
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous: a valid TMA target
+    out = empty_like_layout(q)  # q's layout (unit stride on D, 16-byte strides: a valid TMA target)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     grid, args, meta = launch_args(q, k, v, out, lse, is_causal, config)
-    # What every argument's key reads (out and lse are new, contiguous and aligned; q, k, v aligned: checked).
+    # What every argument's key reads (out and lse are new and aligned, out in q's layout, lse contiguous; q, k, v
+    # aligned: checked).
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, is_causal, config)
     with device_of(q):
         launch(config.kernel, grid, args, meta, key)

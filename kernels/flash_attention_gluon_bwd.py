@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 
-from kernels.device import device_of
+from kernels.device import device_of, empty_like_layout
 from kernels.flash_attention_gluon import (
     HAS_GLUON_HOPPER,
     LOADER_REGS,
@@ -50,9 +50,10 @@ from kernels.flash_attention_pytorch import check_backward_inputs
 if TYPE_CHECKING:
     from kernels.flash_attention_gluon_bwd_onepass import GluonBwdConfig
 
-if HAS_GLUON_HOPPER:  # the forward's imports of Triton 3.6's Gluon API
-    from kernels.flash_attention_gluon import (_fwd_shared, _work_item, fence_async_shared, gl, gluon, mbarrier, tma,
-                                               warpgroup_mma, warpgroup_mma_wait)
+if HAS_GLUON_HOPPER:
+    from kernels.flash_attention_gluon import _fwd_shared, _work_item
+    from kernels.gluon_compat import (fence_async_shared, gl, gluon, mbarrier, tma, tma_load, tma_store,
+                                      warpgroup_mma, warpgroup_mma_wait)
 
 # ----------------------------------------------------------------------------------------------------------
 # The loader of the key-tile-stationary kernels (two-pass dK/dV, one-pass): K, V once, Q/dO tiles streamed
@@ -65,8 +66,8 @@ if HAS_GLUON_HOPPER:
         """Each consumer's K and V rows [start_n + c * BLOCK_N, ...) into its buffers, all on `kv_bar`."""
         mbarrier.expect(kv_bar, NUM_CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
         for c in gl.static_range(NUM_CONSUMERS):
-            tma.async_copy_global_to_shared(k_desc, [off_b, off_h, start_n + c * BLOCK_N, 0], kv_bar, k_bufs.index(c))
-            tma.async_copy_global_to_shared(v_desc, [off_b, off_h, start_n + c * BLOCK_N, 0], kv_bar, v_bufs.index(c))
+            tma_load(k_desc, [off_b, off_h, start_n + c * BLOCK_N, 0], kv_bar, k_bufs.index(c))
+            tma_load(v_desc, [off_b, off_h, start_n + c * BLOCK_N, 0], kv_bar, v_bufs.index(c))
 
     @gluon.jit
     def _load_q_do_tile(q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, empty, off_b, off_h, row, it,
@@ -78,9 +79,9 @@ if HAS_GLUON_HOPPER:
         stage = it % NUM_STAGES
         mbarrier.wait(empty.index(stage), ((it // NUM_STAGES) & 1) ^ 1)
         mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [off_b, off_h, row, 0], q_ready.index(stage), q_bufs.index(stage))
+        tma_load(q_desc, [off_b, off_h, row, 0], q_ready.index(stage), q_bufs.index(stage))
         mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [off_b, off_h, row, 0], do_ready.index(stage), do_bufs.index(stage))
+        tma_load(do_desc, [off_b, off_h, row, 0], do_ready.index(stage), do_bufs.index(stage))
 
     @gluon.jit
     def _bwd_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, q_ready, do_ready,
@@ -197,8 +198,8 @@ if HAS_GLUON_HOPPER:
         k.store(dk.to(dtype))
         v.store(dv.to(dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(dk_desc, [off_b, off_h, start_n, 0], k_smem)
-        tma.async_copy_shared_to_global(dv_desc, [off_b, off_h, start_n, 0], v_smem)
+        tma_store(dk_desc, [off_b, off_h, start_n, 0], k_smem)
+        tma_store(dv_desc, [off_b, off_h, start_n, 0], v_smem)
         tma.store_wait(0)
 
     @gluon.jit
@@ -246,19 +247,19 @@ if HAS_GLUON_HOPPER:
         """Producer warp: each consumer's Q and dO rows once, then K(j), V(j) into ring slot j % NUM_STAGES."""
         mbarrier.expect(q_bar, NUM_CONSUMERS * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
         for c in gl.static_range(NUM_CONSUMERS):
-            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m + c * BLOCK_M, 0], q_bar, q_bufs.index(c))
-            tma.async_copy_global_to_shared(do_desc, [off_b, off_h, start_m + c * BLOCK_M, 0], q_bar,
+            tma_load(q_desc, [off_b, off_h, start_m + c * BLOCK_M, 0], q_bar, q_bufs.index(c))
+            tma_load(do_desc, [off_b, off_h, start_m + c * BLOCK_M, 0], q_bar,
                                             do_bufs.index(c))
         for j in range(num_kv):
             stage = j % NUM_STAGES
             phase = ((j // NUM_STAGES) & 1) ^ 1  # empty barriers start "phase 1 complete"
             mbarrier.wait(k_empty.index(stage), phase)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [off_b, off_h, j * BLOCK_N, 0], k_ready.index(stage),
+            tma_load(k_desc, [off_b, off_h, j * BLOCK_N, 0], k_ready.index(stage),
                                             k_bufs.index(stage))
             mbarrier.wait(v_empty.index(stage), phase)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [off_b, off_h, j * BLOCK_N, 0], v_ready.index(stage),
+            tma_load(v_desc, [off_b, off_h, j * BLOCK_N, 0], v_ready.index(stage),
                                             v_bufs.index(stage))
 
     @gluon.jit
@@ -329,7 +330,7 @@ if HAS_GLUON_HOPPER:
         #    owns these rows and sums its key tiles in a fixed order.
         q.store((dq * sm_scale).to(dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(dq_desc, [off_b, off_h, start_m, 0], q_smem)
+        tma_store(dq_desc, [off_b, off_h, start_m, 0], q_smem)
         tma.store_wait(0)
 
     @gluon.jit
@@ -482,15 +483,14 @@ def launch_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), grad_out.stride(), q.dtype,
            out.dtype, is_causal, config, lse.data_ptr() & 15, out.data_ptr() & 15)
     with device_of(q):
-        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # contiguous: valid TMA targets
-        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        dk, dv = empty_like_layout(k), empty_like_layout(v)  # the inputs' layouts: valid TMA targets
         if isinstance(config, GluonBwd2Config):
             # D = rowsum(dO * O), fp32 (B, H, N_Q) like L (FA2 Algorithm 2, line 2).
             delta = torch.empty_like(lse)
             launch(_flash_bwd_preprocess_kernel, (triton.cdiv(n_q, 64), batch * heads),
                    (out, grad_out, delta, *out.stride(), *grad_out.stride(), heads, n_q),
                    dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=64, num_warps=4), key)
-            dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            dq = empty_like_layout(q)
             (grid, args, meta), (dq_grid, dq_args, dq_meta) = bwd2_launch_args(q, k, v, grad_out, dq, dk, dv, lse,
                                                                                delta, is_causal, config)
             launch(_gluon_attn_bwd_dkdv_kernel, grid, args, meta, key)
@@ -508,7 +508,9 @@ def launch_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
         grid, args, meta = one_pass.bwd_launch_args(q, k, v, grad_out, dk, dv, lse_pad, delta_pad, dq_acc, is_causal,
                                                     config)
         launch(config.kernel, grid, args, meta, key)
-    return dq_acc.to(q.dtype), dk, dv
+        dq = empty_like_layout(q)
+        dq.copy_(dq_acc)
+    return dq, dk, dv
 
 
 class GluonAttentionFunction(torch.autograd.Function):

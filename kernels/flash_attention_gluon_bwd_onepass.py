@@ -33,21 +33,9 @@ from kernels.flash_attention_gluon_bwd import (BWD_BLOCK_N, _key_stationary_shar
 from kernels.flash_attention_tuning import SharedMemoryExceeded, gluon_tuned_fields, shared_memory_limit
 
 
-if HAS_GLUON_HOPPER:  # the forward's imports of Triton 3.6's Gluon API
-    from kernels.flash_attention_gluon import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, tma,
-                                               warpgroup_mma, warpgroup_mma_wait)
-
-    from triton._C.libtriton import ir as _ir
-    from triton.experimental.gluon.language._core import builtin as _builtin
-
-    @_builtin
-    def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-        """global[coord: coord + block] += src (a shared tile) by the TMA unit: `cp.reduce.async.bulk.tensor` add,
-        completed like a TMA store (`tma.store_wait`). Triton 3.6's Gluon builder has the op (tl's descriptor
-        `atomic_add` lowers to it) but its Hopper `tma` module does not wrap it."""
-        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
-                                                  src.handle)
+if HAS_GLUON_HOPPER:
+    from kernels.gluon_compat import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, tma, tma_load,
+                                      tma_reduce_add, tma_store, warpgroup_mma, warpgroup_mma_wait)
 
 
 if HAS_GLUON_HOPPER:
@@ -89,7 +77,7 @@ if HAS_GLUON_HOPPER:
         tma.store_wait(DQ_BUFS - 1)
         dq_smem.reshape([BLOCK_M, DQ_N]).store(dq)
         fence_async_shared()
-        _tma_reduce_add(dq_desc, [off_b, off_h, start_m, col], dq_smem)
+        tma_reduce_add(dq_desc, [off_b, off_h, start_m, col], dq_smem)
 
     @gluon.jit
     def _bwd_consumer_item(C: gl.constexpr, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, kv_phase,
@@ -229,8 +217,8 @@ if HAS_GLUON_HOPPER:
         k.store(dk.to(dtype))
         v.store(dv.to(dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(dk_desc, [off_b, off_h, start_n, 0], k_bufs.index(C))
-        tma.async_copy_shared_to_global(dv_desc, [off_b, off_h, start_n, 0], v_bufs.index(C))
+        tma_store(dk_desc, [off_b, off_h, start_n, 0], k_bufs.index(C))
+        tma_store(dv_desc, [off_b, off_h, start_n, 0], v_bufs.index(C))
         tma.store_wait(0)  # (and the last dQ reduction)
         if PERSISTENT:  # dK and dV have left this group's K and V buffers: the next item's K and V may land there
             mbarrier.arrive(kv_empty, count=1)
@@ -318,12 +306,12 @@ if HAS_GLUON_HOPPER:
             flat = pid_bh * (gl.cdiv(N_Q, block_m) * block_m) + row
             mbarrier.wait(empty.index(stage), ((it // NUM_STAGES) & 1) ^ 1)
             mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + L.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, row, 0], q_ready.index(stage), q_bufs.index(stage))
-            tma.async_copy_global_to_shared(L, [flat], q_ready.index(stage), rows_bufs.index(stage))
+            tma_load(q_desc, [off_b, off_h, row, 0], q_ready.index(stage), q_bufs.index(stage))
+            tma_load(L, [flat], q_ready.index(stage), rows_bufs.index(stage))
             mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes + Delta.block_type.nbytes)
-            tma.async_copy_global_to_shared(do_desc, [off_b, off_h, row, 0], do_ready.index(stage),
+            tma_load(do_desc, [off_b, off_h, row, 0], do_ready.index(stage),
                                             do_bufs.index(stage))
-            tma.async_copy_global_to_shared(Delta, [flat], do_ready.index(stage), rows_bufs.index(NUM_STAGES + stage))
+            tma_load(Delta, [flat], do_ready.index(stage), rows_bufs.index(NUM_STAGES + stage))
         else:
             _load_q_do_tile(q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, empty, off_b, off_h, row, it,
                             NUM_STAGES)

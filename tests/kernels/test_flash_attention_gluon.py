@@ -22,12 +22,12 @@ import kernels.flash_attention_gluon as fg
 import kernels.flash_attention_gluon_bwd as fgb
 import kernels.flash_attention_gluon_bwd_onepass as fgo
 from kernels.flash_attention_tuning import INTERPRET
+from tests.kernels.gluon_builds import extra_tritons, sm90_build
 
-GLUON_API = "3.6."
-"""The Triton release whose Gluon API the kernel uses (the GPU host's); others skip the compile test."""
-needs_gluon_api = pytest.mark.skipif(
-    not triton.__version__.startswith(GLUON_API),
-    reason=f"the kernels are written against Triton {GLUON_API}x's Gluon API, this is {triton.__version__}")
+needs_gluon = pytest.mark.skipif(not fg.HAS_GLUON_HOPPER, reason=f"Triton {triton.__version__} has no Gluon Hopper API")
+TRITONS = [None, *extra_tritons()]
+"""The Tritons the sm_90 compile tests build under: the installed one (None) and RAYSYS_EXTRA_TRITONS' releases."""
+over_tritons = pytest.mark.parametrize("release", TRITONS, ids=lambda r: f"triton-{r or triton.__version__}")
 needs_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
                                 or not fg.HAS_GLUON_HOPPER, reason="needs an sm_90 GPU and Gluon's Hopper API")
 
@@ -173,56 +173,38 @@ def test_unsupported_reasons_name_the_rule(monkeypatch):
     assert "sm_90" in fg.unsupported_reason(good, good, good)
 
 
-def _compile_for_sm90(kernel, args: tuple, meta: dict):
-    """Compile a Gluon kernel for sm_90 without a GPU, from its launcher's own arguments (mangled into a
-    signature) and keyword arguments. Not under Triton's interpreter: it replaces the language's own jit helpers
-    (`gl.max`'s combine), so a build fails, or passes only from Triton's disk cache of an earlier build."""
-    if INTERPRET:
-        pytest.skip("builds for sm_90 need TRITON_INTERPRET=0 (the test conftest sets 1 on a machine without a GPU)")
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
-    meta = dict(meta)
-    options = {name: meta.pop(name) for name in ("num_warps", "maxnreg")}
-    signature = {p.name: mangle_type(a) for p, a in zip(kernel.params, args)}
-    signature.update({name: "constexpr" for name in meta})
-    source = GluonASTSource(fn=kernel, signature=signature, constexprs=dict(meta))
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-
-
-def _compile_sm90(config: fg.GluonConfig, head_dim: int, dtype: torch.dtype, causal: bool):
-    q = _cpu((1, 3, 1000, head_dim), dtype)
-    k = _cpu((1, 3, 777, head_dim), dtype)
-    _, args, meta = fg.launch_args(q, k, k, torch.zeros_like(q), torch.zeros(1, 3, 1000), causal, config)
-    return _compile_for_sm90(config.kernel, args, meta)
+def _compile_sm90(config: fg.GluonConfig, head_dim: int, dtype: torch.dtype, causal: bool, release=None):
+    """The forward's kernel for `config`, built for sm_90 (`tests/kernels/gluon_builds.py`)."""
+    return sm90_build("fwd", config, head_dim, dtype, causal, triton=release)[0]
 
 
 @pytest.mark.slow
-@needs_gluon_api
+@needs_gluon
+@over_tritons
 @pytest.mark.parametrize("head_dim, persistent, head_group, round_robin", [
     (64, False, 0, False), (128, False, 0, False), (128, True, 0, True), (128, False, 8, False), (64, True, 8, False),
     (64, True, 8, True)])
-def test_compiles_for_sm90(head_dim, persistent, head_group, round_robin):
+def test_compiles_for_sm90(head_dim, persistent, head_group, round_robin, release):
     """Builds for sm_90 without spills (the d-128 persistent grid reading its schedule spills a few bytes: the
     launched configs' test below bounds them)."""
     config = dataclasses.replace(fg.DEFAULT_CONFIGS[head_dim], persistent=persistent, head_group=head_group,
                                  round_robin=round_robin)
-    compiled = _compile_sm90(config, head_dim, torch.bfloat16, True)
-    ptx, sass_bytes = compiled.asm["ptx"], compiled.asm["cubin"]
-    assert sass_bytes and compiled.metadata.shared >= config.shared_bytes(head_dim)
+    compiled = _compile_sm90(config, head_dim, torch.bfloat16, True, release)
+    ptx, sass_bytes = compiled.ptx, compiled.cubin
+    assert sass_bytes and compiled.shared >= config.shared_bytes(head_dim)
     # Async wgmma (S and P V in flight together, then a wait that leaves one outstanding) and the
     # consumer/producer register split.
     assert "wgmma.wait_group.sync.aligned 1;" in ptx
     assert f"setmaxnreg.inc.sync.aligned.u32 \t{config.registers()[1]};" in ptx
     assert f"setmaxnreg.dec.sync.aligned.u32 \t{fg.LOADER_REGS};" in ptx
-    assert "0 bytes spill stores" in _ptxas_log(ptx)
+    assert "0 bytes spill stores" in compiled.ptxas_log
 
 
 @pytest.mark.slow
-@needs_gluon_api
+@needs_gluon
+@over_tritons
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_tuned_forward_configs_compile_for_sm90_without_spills(head_dim):
+def test_tuned_forward_configs_compile_for_sm90_without_spills(head_dim, release):
     """The configs the gluon forward launches by default (the tuned file's sweep-wide winner, else the built-in one,
     and up to its length PERSISTENT_GRID's) build for sm_90 within shared memory and without spills; at d 128 the
     persistent grid spills a few bytes (its timings include them), no more; so do the head groups
@@ -233,9 +215,9 @@ def test_tuned_forward_configs_compile_for_sm90_without_spills(head_dim):
     capped = {dataclasses.replace(c, head_group=fg.l2_head_group(c.head_group, 4 * n * head_dim, 32, 60 * 2**20))
               for c in launched for n in (8192, 16384, 32768)}
     for config in {tuned, _self_attention_config((4, 32, 2048, head_dim)), *launched, *capped}:
-        compiled = _compile_sm90(config, head_dim, torch.bfloat16, True)
-        assert compiled.metadata.shared >= config.shared_bytes(head_dim)
-        log = _ptxas_log(compiled.asm["ptx"])
+        compiled = _compile_sm90(config, head_dim, torch.bfloat16, True, release)
+        assert compiled.shared >= config.shared_bytes(head_dim)
+        log = compiled.ptxas_log
         spilled = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
         allowed = 32 if head_dim == 128 and config.persistent else 0
         assert spilled <= allowed, (config.name, log)
@@ -444,7 +426,7 @@ def test_bwd_refuses_mismatched_out_lse_and_grad_on_the_gpu():
             fgb.gluon_attention_bwd(*args, True)
 
 
-@needs_gluon_api
+@needs_gluon
 def test_launch_keys_cover_what_the_arguments_specialise_on(monkeypatch):
     """The launchers' problem keys (`launch(..., key)`) stand for every argument's specialisation: equal for fresh
     tensors of one geometry, different for another stride, is_causal, config, or an L / O pointer off 16 bytes."""
@@ -475,16 +457,13 @@ def test_launch_keys_cover_what_the_arguments_specialise_on(monkeypatch):
     assert keys[0] == keys[1] != keys[2]
 
 
-def _compile_sm90_bwd(config: fgo.GluonBwdConfig, head_dim: int, dtype: torch.dtype, causal: bool):
-    q = _cpu((1, 3, 1000, head_dim), dtype)
-    k = _cpu((1, 3, 777, head_dim), dtype)
-    lse = torch.zeros(1, 3, 1000)
-    _, args, meta = fgo.bwd_launch_args(q, k, k, q, k, k, lse, lse, torch.zeros(q.shape), causal, config)
-    return _compile_for_sm90(config.kernel, args, meta)
+def _compile_sm90_bwd(config: fgo.GluonBwdConfig, head_dim: int, dtype: torch.dtype, causal: bool, release=None):
+    return sm90_build("bwd", config, head_dim, dtype, causal, triton=release)[0]
 
 
 @pytest.mark.slow
-@needs_gluon_api
+@needs_gluon
+@over_tritons
 @pytest.mark.parametrize("head_dim, causal, dtype, persistent, dq_whole", [
     (64, True, torch.bfloat16, False, True), (128, True, torch.bfloat16, False, True),
     (128, False, torch.float16, False, True), (64, True, torch.bfloat16, True, True),
@@ -492,14 +471,14 @@ def _compile_sm90_bwd(config: fgo.GluonBwdConfig, head_dim: int, dtype: torch.dt
     (128, True, torch.bfloat16, False, "dk_late"), (128, True, torch.bfloat16, True, "dk_late"),
     (128, True, torch.bfloat16, False, "rows_global"), (64, True, torch.bfloat16, True, "rows_global"),
     (64, True, torch.bfloat16, False, "dq_buffers"), (128, False, torch.float16, True, "halves_dq_buffers")])
-def test_bwd_compiles_for_sm90(head_dim, causal, dtype, persistent, dq_whole):
+def test_bwd_compiles_for_sm90(head_dim, causal, dtype, persistent, dq_whole, release):
     config = dataclasses.replace(fgo.DEFAULT_BWD_CONFIGS[head_dim], persistent=persistent,
                                  dq_whole=bool(dq_whole) and dq_whole != "halves_dq_buffers",
                                  dk_late=dq_whole == "dk_late", rows_tma=dq_whole != "rows_global",
                                  dq_buffers=2 if str(dq_whole).endswith("dq_buffers") else 1)
-    compiled = _compile_sm90_bwd(config, head_dim, dtype, causal)
-    ptx = compiled.asm["ptx"]
-    assert compiled.asm["cubin"] and compiled.metadata.shared >= config.shared_bytes(head_dim)
+    compiled = _compile_sm90_bwd(config, head_dim, dtype, causal, release)
+    ptx = compiled.ptx
+    assert compiled.cubin and compiled.shared >= config.shared_bytes(head_dim)
     # S^T and dP^T in flight together (a wait that leaves one outstanding), dQ summed by the TMA unit's bulk
     # reductions (no per-thread atomics), and the consumer/producer register split.
     assert "wgmma.wait_group.sync.aligned 1;" in ptx
@@ -513,7 +492,7 @@ def test_bwd_compiles_for_sm90(head_dim, causal, dtype, persistent, dq_whole):
     assert ("cp.async.bulk.tensor.1d" in ptx) == config.rows_tma
     assert ("ld.global" in ptx) != config.rows_tma
     if persistent and head_dim == 64:  # (at d 128 the loop over work items costs the causal consumers more spills)
-        assert "0 bytes spill stores" in _ptxas_log(ptx)
+        assert "0 bytes spill stores" in compiled.ptxas_log
 
 
 ALT_BWD2_CONFIGS = {64: fgb.GluonBwd2Config(dkdv_block_m=32, dkdv_stages=3, dq_block_n=64),
@@ -597,65 +576,41 @@ def test_gluon_bwd_rule_follows_determinism_and_support(gluon_runs_anywhere, mon
     assert not fa.gluon_bwd_chosen("gluon", "one_pass", q, q, q)
 
 
-def _compile_sm90_bwd2(config: fgb.GluonBwd2Config, head_dim: int, dtype: torch.dtype, causal: bool):
-    """(dK/dV kernel, dQ kernel), compiled for sm_90 from the launcher's own arguments."""
-    q = _cpu((1, 3, 1000, head_dim), dtype)
-    k = _cpu((1, 3, 777, head_dim), dtype)
-    lse = torch.zeros(1, 3, 1000)
-    dkdv, dq = fgb.bwd2_launch_args(q, k, k, q, q, k, k, lse, lse, causal, config)
-    return (_compile_for_sm90(fgb._gluon_attn_bwd_dkdv_kernel, *dkdv[1:]),
-            _compile_for_sm90(fgb._gluon_attn_bwd_dq_kernel, *dq[1:]))
-
-
-def _ptxas_log(ptx: str) -> str:
-    """Triton's bundled ptxas -v on a kernel's PTX: register, spill and C75xx performance notes."""
-    import subprocess
-    import tempfile
-
-    from triton.backends.nvidia.compiler import get_ptxas
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(f"{tmp}/k.ptx", "w") as f:
-            f.write(ptx)
-        done = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
-                              capture_output=True, text=True, check=True)
-    return done.stdout + done.stderr
+def _compile_sm90_bwd2(config: fgb.GluonBwd2Config, head_dim: int, dtype: torch.dtype, causal: bool, release=None):
+    """(dK/dV kernel, dQ kernel), built for sm_90 from the launcher's own arguments."""
+    return tuple(sm90_build("bwd2", config, head_dim, dtype, causal, triton=release))
 
 
 @pytest.mark.slow
-@needs_gluon_api
+@needs_gluon
+@over_tritons
 @pytest.mark.parametrize("head_dim, causal, dtype", [(64, True, torch.bfloat16), (128, True, torch.bfloat16),
                                                      (128, False, torch.float16)])
-def test_bwd2_compiles_for_sm90_without_spills(head_dim, causal, dtype):
+def test_bwd2_compiles_for_sm90_without_spills(head_dim, causal, dtype, release):
     config = fgb.DEFAULT_BWD2_CONFIGS[head_dim]
-    for compiled, shared in zip(_compile_sm90_bwd2(config, head_dim, dtype, causal), config.shared_bytes(head_dim)):
-        ptx = compiled.asm["ptx"]
-        assert compiled.asm["cubin"] and compiled.metadata.shared >= shared
+    for compiled, shared in zip(_compile_sm90_bwd2(config, head_dim, dtype, causal, release),
+                                config.shared_bytes(head_dim)):
+        ptx = compiled.ptx
+        assert compiled.cubin and compiled.shared >= shared
         # Two products in flight (S and dP), no atomics (dQ deterministic), the consumer/producer register split.
         assert "wgmma.wait_group.sync.aligned 1;" in ptx
         assert "atom.global" not in ptx and "red.global" not in ptx
         assert f"setmaxnreg.inc.sync.aligned.u32 \t{config.registers()[1]};" in ptx
         assert f"setmaxnreg.dec.sync.aligned.u32 \t{fg.LOADER_REGS};" in ptx
         # No spills, and no wgmma serialisation (C7512: what an accumulator carried in flight across the loop gives).
-        log = _ptxas_log(ptx)
+        log = compiled.ptxas_log
         assert " 0 bytes spill stores, 0 bytes spill loads" in log and "C7512" not in log, log
 
 
 @pytest.mark.slow
-@needs_gluon_api
-def test_bwd2_dq_exp2s_run_under_dp():
+@needs_gluon
+@over_tritons
+def test_bwd2_dq_exp2s_run_under_dp_sm90(release):
     """SASS of the dQ loop: the dP wait (DEPBAR <= 0) comes after the exp2s of P, which follow the S wait."""
     import re
-    import subprocess
-    import tempfile
 
-    from triton.backends.nvidia.compiler import get_ptxas
-    _, dq = _compile_sm90_bwd2(fgb.DEFAULT_BWD2_CONFIGS[128], 128, torch.bfloat16, True)
-    cuobjdump = get_ptxas(90).path.replace("ptxas", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(dq.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    ops = re.findall(r"(HGMMA|WARPGROUP\.DEPBAR\.LE gsb0, 0x[01]|MUFU\.EX2)", sass)
+    _, dq = _compile_sm90_bwd2(fgb.DEFAULT_BWD2_CONFIGS[128], 128, torch.bfloat16, True, release)
+    ops = re.findall(r"(HGMMA|WARPGROUP\.DEPBAR\.LE gsb0, 0x[01]|MUFU\.EX2)", dq.sass)
     first = ops.index("WARPGROUP.DEPBAR.LE gsb0, 0x1")
     assert ops[first - 1] == "HGMMA" and ops[first + 1] == "MUFU.EX2"
     assert ops.index("WARPGROUP.DEPBAR.LE gsb0, 0x0", first) > first + 8
@@ -938,14 +893,17 @@ def test_onepass_preprocess_pads_rows_and_zeroes_dq(n_q, head_dim, dtype):
     assert torch.equal(dq_acc, torch.zeros_like(dq_acc))
 
 
-def test_launch_dispatches_once_per_specialisation(monkeypatch):
-    """`launch`: the first call of a specialisation goes through the JIT (kernel[grid]), later ones straight to the
-    compiled kernel with every parameter in order (constexprs from the keyword arguments, not the options) and
-    the grid padded to 3-D; a new int value, a misaligned tensor or other keywords dispatch through the JIT again."""
+def test_launch_builds_once_per_specialisation(monkeypatch):
+    """`launch`: the first call of a specialisation builds it (Triton's warmup, then loading it), every call runs the
+    compiled kernel with every parameter in order (constexprs from the keyword arguments, not the options) and the
+    grid padded to 3-D; a new int value, a misaligned tensor or other keywords build again."""
     calls = []
 
     class Compiled:
         function, packed_metadata = "fn", "meta"
+
+        def _init_handles(self):
+            calls.append(("load",))
 
         def launch_metadata(self, grid, stream, *args):
             return ("md", grid)
@@ -956,11 +914,9 @@ def test_launch_dispatches_once_per_specialisation(monkeypatch):
     class Kernel:
         params = [type("P", (), {"name": n})() for n in ("x", "n", "scale", "BLOCK", "CAUSAL")]
 
-        def __getitem__(self, grid):
-            def jit(*args, **meta):
-                calls.append(("jit", grid, args, meta))
-                return Compiled()
-            return jit
+        def warmup(self, *args, grid, **meta):
+            calls.append(("build", grid, args, meta))
+            return Compiled()
 
     monkeypatch.setattr(fg, "current_device", lambda: 0)
     monkeypatch.setattr(fg, "raw_stream", lambda device: 7)
@@ -969,29 +925,62 @@ def test_launch_dispatches_once_per_specialisation(monkeypatch):
     meta = dict(BLOCK=64, CAUSAL=True, num_warps=4)
     fg.launch(kernel, (3,), (x, 100, 0.5), meta)
     fg.launch(kernel, (5, 2), (x, 100, 0.25), meta)
-    assert [c[0] for c in calls] == ["jit", "run"]
+    assert [c[0] for c in calls] == ["build", "load", "run", "run"]
     assert calls[0][1:] == ((3,), (x, 100, 0.5), meta)
     hooks = triton.knobs.runtime
-    assert calls[1][1] == (5, 2, 1, 7, "fn", "meta", ("md", (5, 2, 1)), hooks.launch_enter_hook,
+    assert calls[2][1][:3] == (3, 1, 1)
+    assert calls[3][1] == (5, 2, 1, 7, "fn", "meta", ("md", (5, 2, 1)), hooks.launch_enter_hook,
                            hooks.launch_exit_hook, x, 100, 0.25, 64, True)
+    built = lambda: sum(c[0] == "build" for c in calls)  # noqa: E731
     fg.launch(kernel, (3,), (x, 101, 0.5), meta)             # another int value
     fg.launch(kernel, (3,), (x[1:], 100, 0.5), meta)         # 4 bytes off 16-byte alignment
     fg.launch(kernel, (3,), (x, 100, 0.5), dict(meta, num_warps=8))
-    assert [c[0] for c in calls] == ["jit", "run", "jit", "jit", "jit"]
+    assert built() == 4
     fg.launch(kernel, (3,), (x.clone(), 100, 0.5), meta)     # another aligned tensor: the compiled kernel
-    assert calls[-1][0] == "run"
+    assert built() == 4 and calls[-1][0] == "run"
     monkeypatch.setattr(fg, "_CACHE_MAX", len(fg._COMPILED))  # full: a new specialisation starts it afresh
     fg.launch(kernel, (3,), (x, 102, 0.5), meta)
-    assert calls[-1][0] == "jit" and len(fg._COMPILED) == 1
+    assert built() == 5 and len(fg._COMPILED) == 1
     # The caller's key stands for the arguments' keys: the same key runs the compiled kernel whatever the values.
     monkeypatch.setattr(fg, "_CACHE_MAX", 4096)
     fg.launch(kernel, (3,), (x, 100, 0.5), meta, ("problem", 1))
     fg.launch(kernel, (4,), (x, 103, 0.5), meta, ("problem", 1))
     fg.launch(kernel, (3,), (x, 100, 0.5), meta, ("problem", 2))
-    assert [c[0] for c in calls[-3:]] == ["jit", "run", "jit"] and calls[-2][1][:3] == (4, 1, 1)
+    runs = [c for c in calls if c[0] == "run"]
+    assert built() == 7 and runs[-2][1][:3] == (4, 1, 1)
 
 
-@needs_gluon_api
+def test_launch_probe_names_a_build_failure_once(monkeypatch):
+    """A specialisation whose build fails (compile or load) is a `BuildFailed` naming the kernel, the Triton and the
+    innermost error's first line, at its first call and, without building again, at every later one; nothing runs."""
+    tries = []
+
+    def gluon_error():
+        try:
+            raise RuntimeError("async_copy_shared_to_global has been removed; call async_store instead")
+        except RuntimeError as inner:
+            raise triton.CompilationError("    tma.async_copy_shared_to_global(o_desc, ...)\n    ^", None) from inner
+
+    class Kernel:
+        __name__ = "_gluon_attn_fwd_kernel"
+        params = []
+
+        def warmup(self, *args, grid, **meta):
+            tries.append(grid)
+            gluon_error()
+
+    monkeypatch.setattr(fg, "current_device", lambda: 0)
+    monkeypatch.setattr(fg, "_COMPILED", {})
+    monkeypatch.setattr(fg, "_FAILED", {})
+    kernel = Kernel()
+    for _ in range(2):
+        with pytest.raises(fg.BuildFailed, match=r"_gluon_attn_fwd_kernel does not build on Triton .*: RuntimeError: "
+                                                 r"async_copy_shared_to_global has been removed"):
+            fg.launch(kernel, (3,), (), {}, ("problem", 1))
+    assert tries == [(3,)]
+
+
+@needs_gluon
 def test_tensor_descriptor_checks_once_per_layout_and_always_the_base(monkeypatch):
     """`tensor_descriptor`: the first descriptor of a (shape, strides, dtype, block, layout) is Triton's own, checked;
     later ones carry the same fields over their own base (no field shared with another's base); a misaligned base
@@ -1012,3 +1001,159 @@ def test_tensor_descriptor_checks_once_per_layout_and_always_the_base(monkeypatc
                              [1, 1, 64, 128], fg.shared_layout((1, 1, 64, 128), torch.bfloat16))
     strided = _cpu((2, 200, 3, 128)).transpose(1, 2)
     assert tuple(fg._descriptor(strided, 64).strides) == strided.stride() and len(checked) == 3
+
+
+@needs_gluon
+def test_gluon_outputs_come_out_in_the_inputs_layout(monkeypatch):
+    """The Gluon launchers allocate O like q and dQ, dK, dV like q, k, v (the model's (B, S, H, D) projections viewed
+    as (B, H, S, D)): merging O's heads and the projections' backward read views, not copies. L stays contiguous."""
+    monkeypatch.setattr(fg, "launch", lambda *args, **kwargs: None)
+    monkeypatch.setattr(fgb, "launch", lambda *args, **kwargs: None)
+    q, k = _cpu((1, 200, 2, 128)).transpose(1, 2), _cpu((1, 150, 2, 128)).transpose(1, 2)
+    for config in (fg.default_config(128, torch.bfloat16), dataclasses.replace(fg.DEFAULT_CONFIGS[128], persistent=True)):
+        out, lse = fg.launch_fwd(q, k, k, True, config)
+        assert out.stride() == q.stride() and lse.is_contiguous() and lse.shape == q.shape[:-1]
+    for config in (fgb.DEFAULT_BWD2_CONFIGS[128], fgo.default_config(128, torch.bfloat16)):
+        dq, dk, dv = fgb.launch_bwd(q, k, k, out, lse, q, True, config)
+        assert (dq.stride(), dk.stride(), dv.stride()) == (q.stride(), k.stride(), k.stride())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Seeded fuzz of the dispatch's gluon path against fp64 attention, per head
+# ----------------------------------------------------------------------------------------------------------
+FUZZ_EDGES = [  # (B, H, n_q, n_k, d, dtype, causal, layout): the shapes an earlier fuzz found wrong, and the edges
+    (2, 1, 1, 1, 128, torch.float16, True, "bhnd"), (2, 4, 1, 1, 64, torch.bfloat16, True, "bshd"),
+    (3, 4, 4097, 1, 64, torch.bfloat16, False, "bhnd"), (2, 4, 1, 1, 64, torch.float16, True, "bhnd"),
+    (1, 1, 1, 1, 64, torch.bfloat16, False, "bshd"), (1, 3, 1, 300, 128, torch.bfloat16, False, "bhnd"),
+    (1, 2, 300, 1, 128, torch.float16, False, "bshd"), (1, 1, 17, 17, 64, torch.bfloat16, True, "bhnd"),
+    (1, 2, 127, 127, 128, torch.bfloat16, True, "bshd"), (1, 2, 129, 129, 64, torch.float16, True, "bhnd"),
+    (2, 3, 300, 300, 128, torch.bfloat16, False, "bshd"), (1, 2, 4097, 4097, 64, torch.bfloat16, True, "bshd"),
+    (1, 2, 1000, 777, 128, torch.bfloat16, False, "bhnd"), (1, 2, 777, 1000, 64, torch.float16, False, "bshd"),
+    (1, 1, 2, 2, 128, torch.bfloat16, True, "bhnd"), (1, 1, 65, 65, 128, torch.float16, True, "bshd"),
+]
+
+
+def _fuzz_cases(count: int = 18, seed: int = 2026) -> list[tuple]:
+    """FUZZ_EDGES and `count` seeded draws: 1-3 sequences of 1-5 heads, lengths log-uniform in [1, 3000]."""
+    import random
+
+    rng = random.Random(seed)
+    cases = list(FUZZ_EDGES)
+    for _ in range(count):
+        n_q = int(round(math.exp(rng.uniform(0, math.log(3000)))))
+        causal = rng.random() < 0.5
+        n_k = n_q if causal else int(round(math.exp(rng.uniform(0, math.log(3000)))))
+        cases.append((rng.randint(1, 3), rng.randint(1, 5), n_q, n_k, rng.choice([64, 128]),
+                      rng.choice([torch.bfloat16, torch.float16]), causal, rng.choice(["bhnd", "bshd"])))
+    return cases
+
+
+FUZZ_AUTO = [  # above `auto`'s thresholds (GLUON_AUTO_MIN_WORK / GLUON_BWD_AUTO_MIN_WORK): what the model meets
+    (2, 4, 8197, 8197, 128, torch.bfloat16, True, "bshd"), (1, 2, 16385, 16385, 128, torch.bfloat16, True, "bshd"),
+    (1, 8, 16385, 16385, 64, torch.bfloat16, True, "bhnd"),
+]
+
+
+def _fuzz_inputs(case, gen):
+    batch, heads, n_q, n_k, d, dtype, causal, layout = case
+
+    def make(n):
+        if layout == "bshd":  # the model's projections, viewed as (B, H, N, d)
+            return torch.randn(batch, n, heads, d, generator=gen, device=gen.device).to(dtype).transpose(1, 2)
+        return torch.randn(batch, heads, n, d, generator=gen, device=gen.device).to(dtype)
+
+    return make(n_q), make(n_k), make(n_k), make(n_q)
+
+
+def _fuzz_head(q, k, v, do, causal):
+    """fp64 attention of one head: O, dQ, dK, dV and, for each, its first-order error scale (the same sums over
+    absolute values: what rounding of every term can move it by, which cancellation can make far larger than the
+    value itself, e.g. dQ = dK = 0 exactly when there is one key)."""
+    q, k, v, do = (t.double() for t in (q, k, v, do))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = q @ k.T * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    p = torch.softmax(s, -1)
+    o = p @ v
+    dp = do @ v.T
+    ds = p * (dp - (do * o).sum(-1, keepdim=True))
+    ds_scale = p * (do.abs() @ v.abs().T + (do * o).abs().sum(-1, keepdim=True))
+    values = {"o": o, "dq": ds @ k * scale, "dk": ds.T @ q * scale, "dv": p.T @ do}
+    scales = {"o": p @ v.abs(), "dq": ds_scale @ k.abs() * scale, "dk": ds_scale.T @ q.abs() * scale,
+              "dv": p.T @ do.abs()}
+    return values, scales
+
+
+def _fuzz_check(case, path: str, gen, corrupt=None) -> dict[str, float]:
+    """Run `flash_attention` on the case through autograd; per tensor, ||got - fp64|| / max(||fp64||, eps * ||scale||)
+    over all heads (a relative error, floored where cancellation leaves the value far below its error scale).
+    `corrupt(got)` may alter the results first (the CPU test of the check itself)."""
+    from kernels import flash_attention as fa
+
+    batch, heads, n_q, n_k, d, dtype, causal, layout = case
+    q, k, v, do = _fuzz_inputs(case, gen)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = fa.flash_attention(*leaves, causal, path=path)
+    out.backward(do)
+    got = {"o": out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+    if corrupt is not None:
+        corrupt(got)
+    assert all(g.stride() == t.stride() for g, t in zip(got.values(), (q, q, k, v)))
+    sums = {name: [0.0, 0.0, 0.0] for name in got}  # ||err||^2, ||ref||^2, ||scale||^2
+    for b in range(batch):
+        for h in range(heads):
+            values, scales = _fuzz_head(q[b, h], k[b, h], v[b, h], do[b, h], causal)
+            for name, ref in values.items():
+                assert torch.isfinite(got[name][b, h]).all(), (case, name)
+                sums[name][0] += (got[name][b, h].double() - ref).square().sum().item()
+                sums[name][1] += ref.square().sum().item()
+                sums[name][2] += scales[name].square().sum().item()
+    eps = torch.finfo(dtype).eps
+    return {name: math.sqrt(err) / max(math.sqrt(ref), eps * math.sqrt(scale))
+            for name, (err, ref, scale) in sums.items()}
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("case", _fuzz_cases(), ids=lambda c: "x".join(map(str, c[:5])) + f"-{str(c[5])[6:]}"
+                         f"-{'causal' if c[6] else 'full'}-{c[7]}")
+def test_gluon_path_fuzz_matches_fp64_attention(case):
+    """Forced `path="gluon"` (its forward and one-pass backward), n_q = 1, n_k = 1, one head, one sequence, lengths that
+    are no multiple of any tile, both layouts: O, dQ, dK, dV within bf16's / fp16's tolerance of fp64 attention per
+    head (`_fuzz_check`), outputs in the inputs' layouts."""
+    errors = _fuzz_check(case, "gluon", torch.Generator(device="cuda").manual_seed(hash(case[:5]) % 2**31))
+    tol = 2e-2 if case[5] == torch.bfloat16 else 4e-3
+    assert max(errors.values()) <= tol, (case, errors)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("case", FUZZ_AUTO, ids=lambda c: "x".join(map(str, c[:5])))
+def test_auto_path_fuzz_matches_fp64_attention(case):
+    """`auto` above its Gluon thresholds (what the leaderboard's model runs): the same check."""
+    from kernels import flash_attention as fa
+
+    errors = _fuzz_check(case, "auto", torch.Generator(device="cuda").manual_seed(7))
+    assert fa.last_paths() == "gluon, one_pass" and max(errors.values()) <= 2e-2, (case, errors, fa.last_paths())
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the tl kernels on the CPU need the interpreter")
+def test_fuzz_check_passes_the_tl_kernels_and_fails_a_wrong_gradient():
+    """The fuzz's check itself, on the tl kernels under the interpreter (fp16): the one-key shapes (dQ = dK = 0 in
+    exact arithmetic, so a plain relative error divides rounding noise by about zero) and an odd causal shape pass;
+    a gradient 2% off, or one entry's dQ wrong, fails."""
+    cases = [(2, 1, 1, 1, 128, torch.float16, True, "bhnd"), (3, 2, 97, 1, 64, torch.float16, False, "bshd"),
+             (1, 2, 67, 67, 64, torch.float16, True, "bshd")]
+    gen = torch.Generator().manual_seed(0)
+    for case in cases:
+        assert max(_fuzz_check(case, "portable", gen).values()) <= 4e-3, case
+
+    def scaled(got):
+        got["dk"].mul_(1.02)
+
+    def one_entry(got):
+        got["dq"][0, 0, 5, 3] += 0.5 * got["dq"].abs().max()
+
+    assert _fuzz_check(cases[2], "portable", gen, scaled)["dk"] > 4e-3
+    assert _fuzz_check(cases[2], "portable", gen, one_entry)["dq"] > 4e-3

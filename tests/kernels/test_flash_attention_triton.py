@@ -583,3 +583,80 @@ def test_load_tuned_configs(tmp_path):
     path.write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         ft.load_tuned_configs(path)
+
+
+@on_interpreter
+@pytest.mark.parametrize("path", ["portable", "tma"])
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_outputs_and_gradients_come_out_in_the_inputs_layout(path, one_pass):
+    """O and dQ, dK, dV lie in memory like q, k, v (the model's (B, S, H, D) projections viewed as (B, H, S, D)), so
+    merging O's heads and handing the gradients to the projections are views, not copies; eager and traced calls
+    (the custom ops' fakes) agree, and the values are the contiguous call's."""
+    q, k, v, do = (t.transpose(1, 2) for t in _inputs((1, 37, 3, 16), (1, 37, 3, 16), torch.float32, seed=7))
+    assert not q.is_contiguous()
+    bwd = "one_pass" if one_pass else "two_pass"
+    out, lse = fa.flash_attention_fwd(q, k, v, True, path=path)
+    dq, dk, dv = fa.flash_attention_bwd(q, k, v, out, lse, do, True, path=path, bwd=bwd)
+    for result, like in ((out, q), (dq, q), (dk, k), (dv, v)):
+        assert result.stride() == like.stride()
+    assert out.transpose(1, 2).flatten(-2).data_ptr() == out.data_ptr()  # the merged heads: a view
+    want = fa.flash_attention_fwd(*(t.contiguous() for t in (q, k, v)), True, path=path)[0]
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.library.opcheck(fa.flash_attn_fwd_op, (q, k, v, True, path, bwd), test_utils=("test_faketensor",))
+    torch.library.opcheck(fa.flash_attn_bwd_op, (q, k, v, out, lse, do, True, True, True, path, bwd),
+                          test_utils=("test_faketensor",))
+
+
+@on_interpreter
+def test_a_gluon_kernel_that_does_not_build_falls_back_to_the_tl_kernels(monkeypatch):
+    """Where the auto-chosen Gluon forward or backward does not build (its build probe's `BuildFailed`), the call runs
+    the tl kernels with one warning per kernel and config, never tries that build again, and the kernel paths say
+    what ran; the gluon path asked for by name is refused in one line instead."""
+    import kernels.flash_attention_gluon as fg
+
+    tries = []
+
+    def broken(*args, **kwargs):
+        tries.append(len(args))
+        raise fg.BuildFailed("_gluon_attn_fwd_kernel does not build on Triton 9.9: RuntimeError: renamed")
+
+    monkeypatch.setattr(fa, "gluon_unsupported", lambda q, k, v: "")
+    monkeypatch.setattr(fa, "GLUON_AUTO_MIN_WORK", {16: 0})
+    monkeypatch.setattr(fa, "GLUON_BWD_AUTO_MIN_WORK", {16: 0})
+    monkeypatch.setattr(fa, "_GLUON_BROKEN", {})
+    monkeypatch.setattr(fg, "problem_config", lambda q, k: fg.DEFAULT_CONFIGS[64])
+    monkeypatch.setattr(fa.gluon_bwd_onepass, "problem_config", lambda q: "bwd-config")
+    monkeypatch.setattr(fg, "launch_fwd", broken)
+    monkeypatch.setattr(fa.gluon_bwd, "launch_bwd", broken)
+    monkeypatch.delenv(fa.PATH_ENV, raising=False)
+    monkeypatch.delenv(fa.BWD_ENV, raising=False)
+    q, k, v, do = _inputs((1, 2, 33, 16), (1, 2, 33, 16), torch.float16, seed=3)
+    want_out, _, want_dq, want_dk, want_dv = _reference(q, k, v, do, True)
+    for call in range(2):
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        with pytest.warns(RuntimeWarning) if call == 0 else _no_warning() as record:
+            out = fa.flash_attention(qg, kg, vg, True)
+            out.backward(do)
+        if call == 0:
+            messages = [str(w.message) for w in record]
+            assert len(messages) == 2 and all("\n" not in m and "the tl kernels run instead" in m for m in messages)
+            assert "attention fwd" in messages[0] and "attention bwd" in messages[1]
+        for got, want in ((out, want_out), (qg.grad, want_dq), (kg.grad, want_dk), (vg.grad, want_dv)):
+            torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+        assert fa.last_paths() == "portable, two_pass"
+    assert len(tries) == 2  # one build probe each of the forward and the backward, in the first call only
+    with pytest.raises(ValueError, match=r"^the gluon path cannot run here: .*does not build on Triton 9.9"):
+        fa.flash_attention(q, k, v, True, path="gluon")
+
+
+def _no_warning():
+    import warnings
+    from contextlib import contextmanager
+
+    @contextmanager
+    def guard():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            yield
+
+    return guard()
