@@ -18,9 +18,7 @@ import collections
 import dataclasses
 import json
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pandas as pd
@@ -36,15 +34,9 @@ EXP2_SHARES = (0, 2, 4, 8, 16)
 
 
 def sass_of(config: fg.GluonConfig, head_dim: int) -> str:
-    from triton.backends.nvidia.compiler import get_ptxas
+    from tests.kernels.gluon_builds import sm90_build
 
-    from tests.kernels.test_flash_attention_gluon import _compile_sm90
-    compiled = _compile_sm90(config, head_dim, torch.bfloat16, True)
-    cuobjdump = get_ptxas(90).path.replace("ptxas", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        return subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    return sm90_build("fwd", config, head_dim, torch.bfloat16, True)[0].sass
 
 
 def loop_counts(sass: str) -> collections.Counter:
