@@ -104,7 +104,32 @@ def last_paths() -> str:
     `gluon fwd / portable bwd, two_pass` when the two halves took different ones."""
     mode = LAST_PATH.get("bwd", "?")
     fwd, bwd = LAST_PATH.get("fwd", "?"), LAST_PATH.get("dkdvq" if mode == "one_pass" else "dkdv", "?")
+    return _paths_text(fwd, bwd, mode)
+
+
+def _paths_text(fwd: str, bwd: str, mode: str) -> str:
     return f"{fwd if fwd == bwd else f'{fwd} fwd / {bwd} bwd'}, {mode}"
+
+
+def planned_paths(batch: int, heads: int, n_q: int, n_k: int, head_dim: int, dtype: torch.dtype,
+                  device: torch.device | str, is_causal: bool = True) -> str:
+    """What `flash_attention` runs (as `last_paths` writes it) for a call of this shape on `device` with the inputs in
+    the model's layout ((B, S, H, D) projections viewed as (B, H, S, D)): the dispatch's own rules applied to fake
+    tensors (no memory), a Gluon kernel whose build failed here excepted. What the memory model plans for."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty((batch, n_q, heads, head_dim), dtype=dtype, device=device).transpose(1, 2)
+        k = torch.empty((batch, n_k, heads, head_dim), dtype=dtype, device=device).transpose(1, 2)
+    reason = gluon_unsupported(q, k, k)
+    fwd = resolve_path(None, q, k, k, forward=True, gluon_reason=reason)
+    if fwd == GLUON and _gluon_broken("fwd", gluon_fwd.problem_config(q, k), q, is_causal) is not None:
+        fwd = _tl_path(q, k, k)
+    if gluon_bwd_chosen(None, None, q, k, k, reason) and _gluon_broken(
+            "bwd", gluon_bwd_onepass.problem_config(q), q, is_causal) is None:
+        return _paths_text(fwd, GLUON, "one_pass")
+    path = resolve_path(None, q, k, k)
+    return _paths_text(fwd, path, resolve_bwd(None, path))
 
 
 def best_configs() -> dict[str, dict[tuple, FlashConfig]]:

@@ -84,7 +84,7 @@ class Plan:
                 "seq_len": w.S, "precision": w.precision, "param_dtype": w.param_dtype, "loss": w.loss,
                 "compiled": w.compiled, "lean": w.lean, "optimizer": w.optimizer,
                 "optimizer_in_backward": w.optimizer_in_backward,
-                "shards": w.shards, "attention": c.attention,
+                "shards": w.shards, "attention": c.attention, "attention_kernels": w.attention_kernels,
                 "policy": self.spec, "layers": list(self.layers), "fits": self.fits,
                 "predicted_peak_bytes": self.predicted_peak_bytes, "usable_bytes": self.usable_bytes,
                 "overhead": self.overhead, "recompute_flops": self.recompute_flops, "step_flops": self.step_flops,
@@ -189,11 +189,12 @@ def advise(config: ModelConfig, batch_size: int, gpu_memory_bytes: int, dtype: s
            pcie_gbps: float = 25.0, margin: float = 0.05, kinds: tuple[str, ...] = KINDS,
            host_memory_bytes: int | None = None, param_dtype: str = "fp32", loss: str = "materialized",
            compiled: bool = False, optimizer: str = "reference", shards: int = 1,
-           device_type: str = "cuda", optimizer_in_backward: bool = False, lean: bool = False) -> Plan:
+           device_type: str = "cuda", optimizer_in_backward: bool = False, lean: bool = False,
+           attention_kernels: str = "") -> Plan:
     """The per-layer plan with the least predicted overhead whose predicted peak fits
     `(gpu_memory_bytes - CUDA context) * (1 - margin)` (and whose offloaded bytes fit `host_memory_bytes`).
-    `param_dtype`, `loss`, `compiled`, `lean`, `optimizer`, `shards`, `device_type`, `optimizer_in_backward`: see
-    `raysys.recompute_model.Workload`."""
+    `param_dtype`, `loss`, `compiled`, `lean`, `optimizer`, `shards`, `device_type`, `optimizer_in_backward`,
+    `attention_kernels`: see `raysys.recompute_model.Workload`."""
     if attention is not None:
         config = config.replace(attention=attention)
     if gpu_memory_bytes <= CONTEXT_RESERVE_BYTES:
@@ -212,8 +213,7 @@ def advise(config: ModelConfig, batch_size: int, gpu_memory_bytes: int, dtype: s
         raise ValueError(f"pcie_gbps ({pcie_gbps}) and tflops ({tflops}) must be positive")
     w = Workload(config=config, batch_size=batch_size, seq_len=seq_len, precision=dtype, device_type=device_type,
                  param_dtype=param_dtype, loss=loss, compiled=compiled, lean=lean, optimizer=optimizer,
-                 shards=shards,
-                 optimizer_in_backward=optimizer_in_backward)
+                 shards=shards, optimizer_in_backward=optimizer_in_backward, attention_kernels=attention_kernels)
     cost = _Cost(tflops or DEFAULT_TFLOPS[dtype], pcie_gbps)
     usable = int((gpu_memory_bytes - CONTEXT_RESERVE_BYTES) * (1 - margin))
     n = config.num_layers

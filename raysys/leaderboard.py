@@ -38,8 +38,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -318,6 +320,40 @@ def device_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+ALLOC_CONF = "expandable_segments:True"
+"""The CUDA caching allocator's setting for the step. Its plan fills the device to within the advisor's margin; with
+fixed-size segments, the large blocks a checkpointed branch frees get split by smaller tensors, and the step runs out
+of memory with much of the device reserved but unallocated. Expandable segments grow in place instead."""
+ALLOC_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+"""The environment variables through which a process configures the allocator itself (then the step leaves it)."""
+_log = logging.getLogger("raysys")
+
+
+def allocator_settings(device: torch.device) -> str:
+    """The caching allocator's settings the step runs under on `device`: the process's own (`ALLOC_ENV`, also when
+    empty), else `ALLOC_CONF`, applied to what is allocated from the first call on (the segments that hold the model
+    already stay as they are) with one logged line. '' off CUDA."""
+    if device.type != "cuda":
+        return ""
+    for name in ALLOC_ENV:
+        if name in os.environ:
+            return os.environ[name]
+    if not _ALLOCATOR_SET:
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        with warnings.catch_warnings():  # torch >= 2.13 deprecates the cuda-specific name for the one above
+            warnings.simplefilter("ignore", FutureWarning)
+            (setter or torch.cuda.memory._set_allocator_settings)(ALLOC_CONF)
+        torch.cuda.empty_cache()  # the fixed segments' cached free blocks go back to the device
+        _ALLOCATOR_SET.append(ALLOC_CONF)
+        _log.warning("raysys: the CUDA caching allocator now uses %s for the leaderboard step (no PYTORCH_ALLOC_CONF "
+                     "set; set it to choose otherwise)", ALLOC_CONF)
+    return ALLOC_CONF
+
+
+_ALLOCATOR_SET: list[str] = []
+"""What `allocator_settings` applied in this process (once)."""
+
+
 HOST_MEMORY_SHARE = 0.5
 """Share of the host's physical memory offloaded activations may pin (the rest is the host's), split evenly
 between the host's GPUs (one process each, as the data-parallel step runs)."""
@@ -343,11 +379,11 @@ def host_link_gbps(device: torch.device, nbytes: int = 256 * 2**20) -> float:
 
 def plan_step(model_config: ModelConfig, batch_size: int, seq_len: int, config: StepConfig, *, dtype: str,
               device_type: str, gpu_memory: int, shards: int = 1, link_gbps: float | None = None,
-              host_memory: int | None = None):
+              host_memory: int | None = None, attention_kernels: str = ""):
     """The advisor's per-layer recompute plan for this step: pure `dtype` weights (or fp32 masters sharded over
-    `shards` ranks), the step's loss, optimizer, attention and compiled pieces, `gpu_memory` device bytes.
-    Offloaded blocks are considered on CUDA when the host link's speed (`link_gbps`) is given, with at most
-    `host_memory` bytes of them on the host."""
+    `shards` ranks), the step's loss, optimizer, attention (and for flash_triton the `attention_kernels` its dispatch
+    runs) and compiled pieces, `gpu_memory` device bytes. Offloaded blocks are considered on CUDA when the host
+    link's speed (`link_gbps`) is given, with at most `host_memory` bytes of them on the host."""
     from raysys.advisor import advise
 
     kinds = config.recompute_kinds
@@ -358,7 +394,8 @@ def plan_step(model_config: ModelConfig, batch_size: int, seq_len: int, config: 
                   param_dtype=param_dtype, loss="fused" if config.loss == "fused" else "materialized",
                   compiled=config.compile, optimizer=config.optimizer, shards=shards, device_type=device_type,
                   kinds=kinds, optimizer_in_backward=config.optimizer_in_backward, lean=config.lean,
-                  **({"pcie_gbps": link_gbps} if link_gbps else {}), host_memory_bytes=host_memory)
+                  **({"pcie_gbps": link_gbps} if link_gbps else {}), host_memory_bytes=host_memory,
+                  attention_kernels=attention_kernels)
 
 
 def plan_on_device(model_config: ModelConfig, batch_size: int, seq_len: int, config: StepConfig, *, dtype: str,
@@ -373,7 +410,21 @@ def plan_on_device(model_config: ModelConfig, batch_size: int, seq_len: int, con
         host = int(HOST_MEMORY_SHARE * physical / max(1, torch.cuda.device_count()))
     return plan_step(model_config, batch_size, seq_len, config, dtype=dtype, device_type=device.type,
                      gpu_memory=config.gpu_memory or device_memory_bytes(device), shards=shards, link_gbps=link,
-                     host_memory=host)
+                     host_memory=host, attention_kernels=planned_attention_kernels(model_config, batch_size, seq_len,
+                                                                                   config.attention, dtype, device))
+
+
+def planned_attention_kernels(model_config: ModelConfig, batch_size: int, seq_len: int, attention: str, dtype: str,
+                              device: torch.device) -> str:
+    """For flash_triton, the kernels its dispatch will run at the step's shape on `device`
+    (`kernels.flash_attention.planned_paths`); '' for another backend."""
+    if attention != "flash_triton":
+        return ""
+    from kernels.flash_attention import planned_paths
+
+    torch_dtype = {name: t for t, name in DTYPE_NAMES.items()}[dtype]
+    return planned_paths(batch_size, model_config.num_heads, seq_len, seq_len, model_config.d_head, torch_dtype,
+                         device)
 
 
 class OptimizerInBackward:
@@ -472,6 +523,7 @@ class LeaderboardStep:
         self.model, self.config, self.sync = model, config, sync
         self.device = next(model.parameters()).device
         self.dtype = model_dtype_name(model)
+        self.allocator = allocator_settings(self.device)
         model.set_attention(config.attention)
         self.plan = None
         if config.recompute == "advisor":
@@ -526,7 +578,9 @@ class LeaderboardStep:
                 "compiled": ",".join(sorted({type(m).__name__ for m in self.compiled.modules}))
                 if self.compiled else "", "lean": self.lean is not None, "param_dtype": self.dtype,
                 "predicted_peak_bytes": plan.predicted_peak_bytes if plan is not None else float("nan"),
-                "plan_fits": plan.fits if plan is not None else None}
+                "plan_fits": plan.fits if plan is not None else None,
+                "planned_attention_kernels": plan.workload.attention_kernels if plan is not None else "",
+                "alloc_conf": self.allocator}
 
     def _attention_kernels(self) -> str:
         """For `flash_triton`, the kernel paths its last forward and backward took (`gluon fwd / tma bwd, two_pass`:

@@ -17,6 +17,7 @@ MFU against a matmul peak measured in the same run, the first step's and the col
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -26,7 +27,8 @@ import torch
 
 from raysys.config import ModelConfig
 from raysys.device import check_fits
-from raysys.leaderboard import (DTYPE_NAMES, TODAY, LeaderboardStep, StepConfig, model_dtype_name)
+from raysys.leaderboard import (ALLOC_CONF, ALLOC_ENV, DTYPE_NAMES, TODAY, LeaderboardStep, StepConfig,
+                                model_dtype_name)
 from raysys.model import AdamW, TransformerLM, cross_entropy
 
 # ------------------------------------------------------------------------------------------------------------
@@ -53,14 +55,18 @@ ATTENTION_CANDIDATES = ("flash_triton", "cudnn")
 
 
 def ablation(batch_size: int = 1, *, batch2: bool = True, attention: str = "flash_triton") -> list[Variant]:
-    """The fast step first (it meets the empty compile caches: its first step is the cold start), then today's
-    composition and today's with each optimisation added alone, then the fast step at twice the batch. `best`
-    runs `attention`; `best-ffn` and `best-offload` are the fast step whose advisor may not choose ffn (offloaded)
-    blocks, `best-lean` the fast step with compiled pieces instead of lean blocks (`today+lean` adds both to today's,
-    a no-op under its full checkpointing); `today+advisor_plan` lets the advisor mix none and full blocks,
-    `today+ffn_recompute` none, ffn and full (today's composition does not fit with ffn alone: eager SwiGLU keeps five (B, S, d_ff) tensors)."""
+    """The fast step first (it meets the empty compile caches: its first step is the cold start), then the fast step
+    with each attention candidate (`best/<name>`; the session drops the one `best` runs), today's composition and
+    today's with each optimisation added alone, then the fast step at twice the batch. `best` runs `attention`;
+    `best-ffn` and `best-offload` are the fast step whose advisor may not choose ffn (offloaded) blocks, `best-lean`
+    the fast step with compiled pieces instead of lean blocks (`today+lean` adds both to today's, a no-op under its
+    full checkpointing); `today+advisor_plan` lets the advisor mix none and full blocks, `today+ffn_recompute` none,
+    ffn and full (today's composition does not fit with ffn alone: eager SwiGLU keeps five (B, S, d_ff) tensors)."""
     best = StepConfig(attention=attention)
-    variants = [Variant(name="best", step=best, batch_size=batch_size), Variant(name="today", step=TODAY, batch_size=batch_size)]
+    variants = [Variant(name="best", step=best, batch_size=batch_size),
+                *(Variant(name=f"best/{name}", step=best.replace(attention=name), batch_size=batch_size)
+                  for name in ATTENTION_CANDIDATES),
+                Variant(name="today", step=TODAY, batch_size=batch_size)]
     for name, change in (("fused_loss", dict(loss="fused")), ("fused_adamw", dict(optimizer="fused")),
                          ("compile", dict(compile=True, lean=False)), ("lean", dict(compile=True, lean=True)),
                          ("cudnn", dict(attention="cudnn")),
@@ -68,9 +74,10 @@ def ablation(batch_size: int = 1, *, batch2: bool = True, attention: str = "flas
                          ("ffn_recompute", dict(recompute="advisor", recompute_kinds=("none", "ffn", "full")))):
         variants.append(Variant(name=f"today+{name}", step=TODAY.replace(**change), batch_size=batch_size))
     without = lambda kind: best.replace(recompute_kinds=tuple(k for k in best.recompute_kinds if k != kind))
-    variants[1:1] = [Variant(name="best-ffn", step=without("ffn"), batch_size=batch_size),
-                     Variant(name="best-offload", step=without("offload"), batch_size=batch_size),
-                     Variant(name="best-lean", step=best.replace(lean=False), batch_size=batch_size)]
+    after = 1 + len(ATTENTION_CANDIDATES)
+    variants[after:after] = [Variant(name="best-ffn", step=without("ffn"), batch_size=batch_size),
+                             Variant(name="best-offload", step=without("offload"), batch_size=batch_size),
+                             Variant(name="best-lean", step=best.replace(lean=False), batch_size=batch_size)]
     if batch2:
         variants.append(Variant(name="best", step=best, batch_size=2 * batch_size))
     return variants
@@ -78,7 +85,8 @@ def ablation(batch_size: int = 1, *, batch2: bool = True, attention: str = "flas
 
 def attention_ms(name: str, config: ModelConfig, batch_size: int, seq_len: int, device: torch.device,
                  dtype: torch.dtype, *, rep_ms: float = 300, warmup_ms: float = 100) -> float:
-    """Median ms of one causal forward + backward of attention backend `name` at the step's (B, H, S, D) shape
+    """Median ms of one causal forward + backward of attention backend `name` at the step's (B, H, S, D) shape, the
+    inputs in the layout the lean blocks give it (the (B, S, H, D) projections viewed as (B, H, S, D))
     (`triton.testing.do_bench`, CUDA)."""
     import triton.testing
 
@@ -86,9 +94,9 @@ def attention_ms(name: str, config: ModelConfig, batch_size: int, seq_len: int, 
 
     fn = get_attention(name)
     g = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(batch_size, config.num_heads, seq_len, config.d_head, device=device, dtype=dtype,
-                           generator=g).requires_grad_() for _ in range(3))
-    grad_out = torch.randn_like(q)
+    q, k, v, grad_out = (torch.randn(batch_size, seq_len, config.num_heads, config.d_head, device=device, dtype=dtype,
+                                     generator=g).transpose(1, 2) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
     run = lambda: fn(q, k, v, True).backward(grad_out)
     return triton.testing.do_bench(run, warmup=warmup_ms, rep=rep_ms, grad_to_none=[q, k, v], return_mode="median")
 
@@ -235,20 +243,15 @@ def _now() -> float:
 _IMPORTED = _now()
 
 
-ALLOC_CONF = "expandable_segments:True"
-"""The CUDA caching allocator's setting for the step (`--alloc-conf`). With fixed segments the ffn plan's step ran
-out of memory far below its predicted peak, most of the device reserved but unallocated
-(results/runs/leaderboard_fixed_segments_d3b8b5d.parquet): each checkpointed branch frees three (B, S, d_ff)
-blocks that smaller tensors then split. Expandable segments grow in place instead."""
-
-
 def set_allocator_config(conf: str) -> str:
-    """`PYTORCH_CUDA_ALLOC_CONF` for this process (a value the user already set wins); ValueError once CUDA is
-    initialised, since the caching allocator has read its setting by then. Returns the setting in force."""
+    """`PYTORCH_CUDA_ALLOC_CONF` for this process before CUDA starts, so that every segment follows it (a value the
+    user already set wins; '' keeps torch's default, and `LeaderboardStep` then leaves the allocator alone too);
+    ValueError once CUDA is initialised. Returns the setting in force."""
     if torch.cuda.is_initialized() and os.environ.get("PYTORCH_CUDA_ALLOC_CONF") != conf:
         raise ValueError(f"alloc conf {conf!r} must be set before CUDA is initialised in this process")
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", conf)
-    return os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    if not any(name in os.environ for name in ALLOC_ENV):
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
+    return next(os.environ[name] for name in ALLOC_ENV if name in os.environ)
 
 
 def fresh_compile_caches() -> dict[str, str]:
@@ -306,7 +309,7 @@ def run_variant(model: TransformerLM, variant: Variant, *, seq_len: int, timer: 
         path = step.describe()
         predicted = path.pop("predicted_peak_bytes")
         if step.plan is None:  # a fixed policy: the model's prediction for it all the same
-            predicted = predicted_peak(model, variant, seq_len, step.checkpointing.regions)
+            predicted = predicted_peak(model, variant, seq_len, step.checkpointing.regions, path["attention_kernels"])
         return {**path, "first_loss": float(loss), "step_median_s": step_s, "step_low_s": timing["min_ms"] / 1e3,
                 "step_high_s": timing["max_ms"] / 1e3, "timed_steps": timing["timed_steps"],
                 "tokens_per_s": tokens / step_s, "model_flops": flops, "model_tflops": flops / step_s / 1e12,
@@ -323,16 +326,17 @@ def run_variant(model: TransformerLM, variant: Variant, *, seq_len: int, timer: 
         release_cached_memory(device)
 
 
-def predicted_peak(model: TransformerLM, variant: Variant, seq_len: int, regions) -> int:
-    """`raysys.recompute_model.predict_peak` for `variant` applied to `model` with the policy's `regions`."""
+def predicted_peak(model: TransformerLM, variant: Variant, seq_len: int, regions, attention_kernels: str = "") -> int:
+    """`raysys.recompute_model.predict_peak` for `variant` applied to `model` with the policy's `regions` (and for
+    flash_triton the `attention_kernels` that ran)."""
     from raysys.recompute_model import Workload, predict_peak
 
     dtype = model_dtype_name(model)
     s = variant.step
     w = Workload(config=model.config.replace(attention=s.attention), batch_size=variant.batch_size, seq_len=seq_len,
                  precision=dtype, param_dtype=dtype, loss=s.loss, compiled=s.compile, lean=s.lean,
-                 optimizer=s.optimizer,
-                 device_type=next(model.parameters()).device.type)
+                 optimizer=s.optimizer, device_type=next(model.parameters()).device.type,
+                 attention_kernels=attention_kernels if s.attention == "flash_triton" else "")
     return predict_peak(w, regions).peak_bytes
 
 
@@ -414,10 +418,17 @@ def compare_with_reference(config: ModelConfig, device: torch.device, dtype: tor
 # ------------------------------------------------------------------------------------------------------------
 # `python -m raysys leaderboard`.
 
-def build_leaderboard_parser(parser=None):
-    """The flags of `python -m raysys leaderboard` (and of `sweeps/leaderboard.py`'s ablation)."""
-    import argparse
+class NameList(argparse.Action):
+    """A list flag that takes a comma list, as every study's list flags do (`--variants best,today`), or separate
+    words (`--variants best today`); the value is the list of names."""
 
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, [name for value in values for name in value.split(",") if name])
+
+
+def build_leaderboard_parser(parser=None):
+    """The flags of `python -m raysys leaderboard` (and of `sweeps/leaderboard.py`'s ablation): the names and
+    meanings of the other studies' flags where they share one (`--dtypes`, comma lists)."""
     from raysys.config import SIZES
 
     p = parser or argparse.ArgumentParser(prog="raysys leaderboard", description=__doc__.split("\n\n")[0])
@@ -426,21 +437,22 @@ def build_leaderboard_parser(parser=None):
     p.add_argument("--vocab-size", type=int, default=None, help="vocabulary override")
     p.add_argument("--batch-size", type=int, default=1, help="sequences per step on this device (the per-rank batch)")
     p.add_argument("--no-batch2", action="store_true", help="skip the fast step at twice the batch")
-    p.add_argument("--variants", nargs="+", default=None,
-                   help="variant names to run (default all: best, best-ffn, best-offload, best-lean, today, "
-                        "today+fused_loss, "
-                        "today+fused_adamw, today+compile, today+lean, today+cudnn, today+advisor_plan, "
-                        "today+ffn_recompute)")
+    p.add_argument("--variants", nargs="+", action=NameList, default=None, metavar="A,B,..",
+                   help="variant names to run, a comma list (default all: best, best-ffn, best-offload, best-lean, "
+                        "today, today+fused_loss, today+fused_adamw, today+compile, today+lean, today+cudnn, "
+                        "today+advisor_plan, today+ffn_recompute)")
     p.add_argument("--best-attention", default="auto", choices=("auto",) + ATTENTION_CANDIDATES,
                    help="attention of the fast step: auto times each candidate's forward + backward at the step's "
                         "shape first and takes the faster (CUDA; the CPU runs sdpa)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="bf16", choices=sorted(set(DTYPE_NAMES.values())),
-                   help="parameter (and compute) dtype; the course's harness builds the model in bf16")
+    p.add_argument("--dtypes", dest="dtype", default="bf16", metavar="DTYPE",
+                   help=f"parameter (and compute) dtype, one of {sorted(set(DTYPE_NAMES.values()))} (one per run; the "
+                        "course's harness builds the model in bf16)")
+    p.add_argument("--dtype", dest="dtype", help=argparse.SUPPRESS)
     p.add_argument("--timer", default=None, choices=TIMERS,
                    help="do_bench: the course's harness (CUDA); events: warm-up steps then the median of --steps "
                         "(default: do_bench on CUDA, events on the CPU)")
-    p.add_argument("--do-bench-only", nargs="+", default=None,
+    p.add_argument("--do-bench-only", nargs="+", action=NameList, default=None, metavar="A,B,..",
                    help="with --timer do_bench: only these variants (NAME, or NAME:bBATCH for one batch size) by "
                         "do_bench, the others by the events timer")
     p.add_argument("--rep-ms", type=float, default=COURSE_REP_MS, help="do_bench rep (the course: 30000)")
@@ -483,6 +495,9 @@ def check_options(args) -> torch.device:
     if args.warmup_steps < 0 or args.rep_ms <= 0 or args.warmup_ms < 0:
         raise ValueError(f"--warmup-steps ({args.warmup_steps}) and --warmup-ms ({args.warmup_ms}) must be >= 0, "
                          f"--rep-ms ({args.rep_ms}) > 0")
+    dtypes = sorted(set(DTYPE_NAMES.values()))
+    if args.dtype not in dtypes:
+        raise ValueError(f"--dtypes {args.dtype!r} must be one of {dtypes} (the leaderboard runs one dtype per run)")
     if args.device not in ("auto", "cpu", "cuda") and not args.device.startswith("cuda:"):
         raise ValueError(f"--device {args.device!r} must be auto, cpu, cuda or cuda:N")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -539,7 +554,7 @@ def start_session(args) -> Session:
     device, config, variants = check_args(args)
     if args.out is None:
         raise ValueError("--out is required (a results directory)")
-    if device.type == "cuda" and args.alloc_conf:
+    if device.type == "cuda":
         set_allocator_config(args.alloc_conf)
     if not args.warm_cache:
         fresh_compile_caches()
@@ -551,16 +566,38 @@ def start_session(args) -> Session:
     if args.best_attention == "auto":
         session.attention, session.attention_ms = pick_attention(config, args.batch_size, config.context_length,
                                                                  device, dtype)
-        print(f"attention forward + backward (ms): {session.attention_ms}; best runs {session.attention}", flush=True)
     else:
         session.attention = args.best_attention
-    session.variants = [dataclasses.replace(v, step=for_device(v.step.replace(attention=session.attention), device,
-                                                               args.compile_backend))
-                        if v.name.startswith("best") else v for v in variants]
+    session.variants = session_variants(variants, session.attention, device, args.compile_backend)
+    runs = for_device(StepConfig(attention=session.attention), device).attention  # what the rows will say
+    if args.best_attention == "auto":
+        timed = f"attention forward + backward (ms): {session.attention_ms}; " if session.attention_ms else ""
+        print(f"{timed}best runs {runs}" + (f" (standing in for {session.attention} on the {device.type})"
+                                            if runs != session.attention
+                                            else ""), flush=True)
     t0 = _now()
     session.model = build_model(config, device, dtype, args.seed)
     session.build_s = _now() - t0
     return session
+
+
+def session_variants(variants: list[Variant], attention: str, device: torch.device,
+                     compile_backend: str | None = None) -> list[Variant]:
+    """`variants` as the session runs them: `best` and its ablations with `attention`, `best/<name>` with its own
+    (dropped where the device runs the same one as `best`: on the CPU every candidate is its stand-in), each as it
+    runs on `device` (`for_device`)."""
+    runs = for_device(StepConfig(attention=attention), device).attention
+    out = []
+    for v in variants:
+        if v.name.startswith("best/"):
+            if for_device(v.step, device).attention != runs:
+                out.append(dataclasses.replace(v, step=for_device(v.step, device, compile_backend)))
+        elif v.name.startswith("best"):
+            out.append(dataclasses.replace(v, step=for_device(v.step.replace(attention=attention), device,
+                                                              compile_backend)))
+        else:
+            out.append(v)
+    return out
 
 
 def run_check(args, session: Session) -> dict:
@@ -606,7 +643,7 @@ def variant_row(args, session: Session, variant: Variant, sweep: str = SWEEP, **
                               seed=args.seed, cold=session.cold)
         metrics.update(matmul_tflops=session.matmul_tflops, mfu=metrics["model_tflops"] / session.matmul_tflops,
                        build_s=session.build_s, cold_caches=session.cold,
-                       alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") if session.device.type == "cuda" else "",
+
                        **{f"attention_{name}_s": session.attention_ms.get(name, float("nan")) / 1e3
                           for name in ATTENTION_CANDIDATES})
         row = make_row(sweep, row_config, metrics, device=session.device)

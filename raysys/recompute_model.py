@@ -49,11 +49,14 @@ import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from parallel.checkpointing import FUSED_ATTENTION_BACKENDS, Region
 from raysys.config import ModelConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LOSSES = ("materialized", "fused")
 OPTIMIZERS = ("reference", "foreach", "fused")
 GiB = 1024**3
@@ -102,6 +105,10 @@ class Workload:
     shards: int = 1
     """Ranks the fp32 weights, gradients and AdamW state are sharded over (FSDP, `parallel/fsdp.py`, computing in
     `precision` without autocast); 1: every rank holds the whole state."""
+    attention_kernels: str = ""
+    """flash_triton: the kernels its dispatch runs for this step's shape, as `kernels.flash_attention.planned_paths`
+    (and `last_paths`) write them (`gluon, one_pass`, `tma, two_pass`, ...); their backward's workspace differs
+    (`attention_backward_bytes`). '' for the tl two-pass backward, and for every other backend."""
 
     def __post_init__(self):
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
@@ -394,14 +401,41 @@ def block_backward_excess(w: Workload, kind: str) -> int:
     ffn = 2 * e * BSf + d * f * (gb + grad_cast)
     if w.lean and kind == "none":  # the recomputed gated product, ln2's output and one more (B, S, d_ff) gradient
         ffn += 2 * e * BSf + e * B * S * d  # (Inductor's CPU backward of a tiny model measures within 1%)
-    if w.fused:
-        return ffn
     parts = _block_saved(w)
     ffn_and_ln2 = parts["ffn"] + (parts["norms"] // 2)
+    if w.fused:  # the attention's backward runs once the FFN branch's residuals are freed
+        return max(ffn, attention_backward_bytes(w) - ffn_and_ln2 + (3 * d * f + d * d) * gb)
     attn = 4 * w.e_softmax * BHSS - ffn_and_ln2 + (3 * d * f + d * d) * gb
     if kind == "selective":
         attn += attention_core_saved(w)  # the core is rematerialised when backward reaches it
     return max(ffn, attn)
+
+
+def attention_backward_bytes(w: Workload) -> int:
+    """What a fused attention's backward holds while its kernels run, besides the block's residuals: O's gradient
+    (its input), dQ, dK and dV (its outputs, each like its input) and the kernels' own workspace:
+    - flash_triton, by `Workload.attention_kernels` (`kernels.flash_attention.last_paths`' text): the Gluon one-pass
+      backward an fp32 dQ accumulator of q's size and L and D padded to whole query tiles of its config in fp32;
+      the tl one-pass backward D in fp32 and an fp32 dQ accumulator with rows padded to a power of two >= 16; the tl
+      two-pass backward D in fp32;
+    - cudnn on CUDA (FlashAttention-2's algorithm): an fp32 dQ accumulator and the fp32 row sums of dO * O;
+    - sdpa on CUDA (FlashAttention-2's kernels): the same; on the CPU, and flash_pytorch, D in fp32."""
+    c, B, S, e = w.config, w.batch_size, w.S, w.e
+    BHS, BSd = B * c.num_heads * S, B * S * c.d_model
+    tensors = 4 * e * BSd  # dO in, dQ, dK, dV out
+    backend, kernels = c.attention, w.attention_kernels
+    if backend == "flash_triton":
+        if "gluon bwd" in kernels or (kernels.startswith("gluon,") and kernels.endswith("one_pass")):
+            from kernels.flash_attention_gluon_bwd_onepass import default_config
+
+            block_m = default_config(c.d_head, TORCH_DTYPES[w.precision]).block_m
+            return tensors + 4 * BSd + 2 * 4 * B * c.num_heads * (-(-S // block_m) * block_m)
+        if kernels.endswith("one_pass"):
+            return tensors + 4 * BHS + 4 * BHS * max(16, 1 << (c.d_head - 1).bit_length())
+        return tensors + 4 * BHS
+    if backend in ("cudnn", "sdpa") and w.device_type == "cuda":
+        return tensors + 4 * BSd + 4 * BHS
+    return tensors + 4 * BHS
 
 
 def _grad_bytes(w: Workload) -> int:

@@ -200,23 +200,23 @@ case $phase in
     ;;
   leaderboard)  # issue 15 on one GPU: --check, then the ablation (the fast step at batch 1 by the course's do_bench,
     # shortened; the other rows by CUDA events after their first step), into $RESULTS/leaderboard (~8.5 min)
-    study leaderboard 560 python3 sweeps/leaderboard.py --size leaderboard --device cuda --study ablation --no-ray \
+    study leaderboard 560 python3 sweeps/leaderboard.py --size leaderboard --device cuda --studies ablation --no-ray \
       --timer do_bench --do-bench-only best:b1 --rep-ms 1 --warmup-ms 1 --steps 2 --warmup-steps 0 --check \
       --out "$RESULTS/leaderboard" --resume
     ;;
   lbtune)  # issue 15: the advisor's plan of the fast step and its neighbours, then a profile of one fast step (~8 min)
     # The events timer (first step, one warm-up, median of 3), as the ablation's rows other than best:b1: the
     # course's do_bench defaults (10 s warm-up, 30 s of repeats) would spend about a minute on each of the five plans.
-    study leaderboard_tune 330 python3 sweeps/leaderboard.py --size leaderboard --device cuda --study neighbours \
+    study leaderboard_tune 330 python3 sweeps/leaderboard.py --size leaderboard --device cuda --studies neighbours \
       --no-ray --best-attention cudnn --timer events --warmup-steps 1 --steps 3 --out "$RESULTS/leaderboard" --resume
     study leaderboard_profile 150 env OUT="$RESULTS/leaderboard" LABEL=fast python3 results/runs/leaderboard_profile.py
     ;;
   lb2)  # issue 17 on two GPUs: the 2-GPU step (batch 1 per rank, 2 in all) through the Ray gang by the course's
     # harness (its call counts agreed across the ranks) with one profiled step, then this commit's one-GPU step at
     # batch 1 by the same harness, in a process of its own (a driver that held the 8B model would crowd rank 0) (~8 min)
-    study leaderboard_ddp 300 python3 sweeps/leaderboard.py --size leaderboard --device cuda --study ddp \
-      --world-size 2 --launcher ray --timer do_bench --rep-ms 20000 --warmup-ms 5000 --out "$RESULTS/leaderboard" --resume
-    study leaderboard_one 200 python3 sweeps/leaderboard.py --size leaderboard --device cuda --study ablation \
+    study leaderboard_ddp 300 python3 sweeps/leaderboard.py --size leaderboard --device cuda --studies ddp \
+      --world-sizes 2 --launcher ray --timer do_bench --rep-ms 20000 --warmup-ms 5000 --out "$RESULTS/leaderboard" --resume
+    study leaderboard_one 200 python3 sweeps/leaderboard.py --size leaderboard --device cuda --studies ablation \
       --variants best --no-batch2 --timer do_bench --rep-ms 20000 --warmup-ms 5000 --out "$RESULTS/leaderboard" --resume
     ;;
   tests)

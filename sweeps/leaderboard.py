@@ -16,10 +16,10 @@
               report sets the step against the one-GPU fast step of the same commit (`leaderboard.parquet`).
               `<out>/leaderboard_ddp.parquet` (`bash sweeps/gpu_run.sh lb2` on a 2-GPU host: both, one call).
 
-    python sweeps/leaderboard.py --size leaderboard --device cuda --study ablation neighbours --no-ray \\
-        --timer do_bench --do-bench-only best today --rep-ms 1 --warmup-ms 1 --steps 2 --out "$PWD/results"
-    python sweeps/leaderboard.py --study ddp --world-size 2 --device cuda --size leaderboard --out "$PWD/results"
-    python sweeps/leaderboard.py --size tiny --device cpu --study ablation neighbours ddp --no-ray --out /tmp/lb
+    python sweeps/leaderboard.py --size leaderboard --device cuda --studies ablation,neighbours --no-ray \\
+        --timer do_bench --do-bench-only best,today --rep-ms 1 --warmup-ms 1 --steps 2 --out "$PWD/results"
+    python sweeps/leaderboard.py --studies ddp --world-sizes 2 --device cuda --size leaderboard --out "$PWD/results"
+    python sweeps/leaderboard.py --size tiny --device cpu --studies ablation,neighbours,ddp --no-ray --out /tmp/lb
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from parallel.checkpointing import parse_policy  # noqa: E402
 from raysys.config import ModelConfig  # noqa: E402
 from raysys.device import check_fits  # noqa: E402
 from raysys.leaderboard import LeaderboardStep, StepConfig, plan_on_device  # noqa: E402
-from raysys.leaderboard_bench import (COURSE_REP_MS, COURSE_WARMUP_MS, DTYPE_NAMES, SWEEP, Session,  # noqa: E402
-                                      Variant, build_leaderboard_parser, build_model, check_options, do_bench_agreed,
+from raysys.leaderboard_bench import (COURSE_REP_MS, COURSE_WARMUP_MS, DTYPE_NAMES, SWEEP, NameList,  # noqa: E402
+                                      Session, Variant, build_leaderboard_parser, build_model, check_options, do_bench_agreed,
                                       for_device, make_batch, release_cached_memory, run_ablation, run_check,
                                       run_variants, start_session, variant_row)
 from raysys.results import ROW_COLUMNS, read_results  # noqa: E402
@@ -314,6 +314,12 @@ TARGET_STEP_S, MILESTONE_STEP_S, TARGET_SPEEDUP, COLD_LIMIT_S = 4.5, 5.5, 1.6, 6
 empty caches under 10 minutes."""
 
 
+def _attention_text(row) -> str:
+    """`flash_triton (gluon, one_pass)`: the backend and, where recorded, the kernels that ran."""
+    kernels = getattr(row, "attention_kernels", "")
+    return f"{row.attention} ({kernels})" if isinstance(kernels, str) and kernels else str(row.attention)
+
+
 def ablation_markdown(df: pd.DataFrame) -> str:
     """The ablation table per run, and the targets: the fast step's time (course harness where measured) against
     4.5 s / 5.5 s and against today's composition of the same run, its peak against the prediction, the cold start."""
@@ -363,6 +369,11 @@ def ablation_markdown(df: pd.DataFrame) -> str:
                                  f"{r.step_median_s:.3f} s vs without {what} ({o.policy}, peak "
                                  f"{o.peak_bytes / 2**30:.1f} GiB) {o.step_median_s:.3f} s: "
                                  f"{o.step_median_s - r.step_median_s:.3f} s saved by {what}")
+            for other in ok[(ok.run_id == r.run_id) & (ok.variant.str.startswith("best/"))
+                            & (ok.batch_size == r.batch_size)].itertuples():
+                lines.append(f"- same run {r.run_id}: the fast step with {_attention_text(r)} {r.step_median_s:.3f} s "
+                             f"vs with {_attention_text(other)} {other.step_median_s:.3f} s: "
+                             f"{r.step_median_s / other.step_median_s:.3f}x ({r.timer} and {other.timer})")
             times = {c.removeprefix("attention_").removesuffix("_s"): getattr(r, c) for c in ok.columns
                      if c.startswith("attention_") and c.endswith("_s") and getattr(r, c) == getattr(r, c)}
             if times:
@@ -407,9 +418,11 @@ def repredict(rows: pd.DataFrame) -> pd.Series:
         mc = ModelConfig.from_name(r.size, context_length=int(r.seq_len), vocab_size=int(r.vocab_size),
                                    attention=r.attention)
         lean = getattr(r, "lean", False)  # rows from before lean blocks: no column, or NaN beside newer rows
+        kernels = getattr(r, "attention_kernels", "")  # (rows from before the column: the tl two-pass backward)
         w = Workload(config=mc, batch_size=int(r.batch_size), precision=r.dtype, param_dtype=r.dtype, loss=r.loss,
                      compiled=bool(r.compile), lean=bool(pd.notna(lean) and lean), optimizer=r.optimizer,
-                     device_type=r.device)
+                     device_type=r.device,
+                     attention_kernels=kernels if r.attention == "flash_triton" and isinstance(kernels, str) else "")
         out.append(predict_peak(w, parse_policy(r.policy, mc.num_layers).regions(mc.num_layers)).peak_bytes)
     return pd.Series(out, index=rows.index, dtype=float)
 
@@ -421,7 +434,7 @@ DDP_TARGET_STEP_S, DDP_TARGET_RATIO = 4.6, 1.02
 def ddp_markdown(df: pd.DataFrame, ablation: pd.DataFrame | None = None) -> str:
     """The data-parallel rows, and for each the one-GPU fast step at its per-rank batch measured by the same
     commit (the ablation's latest `best` row of that commit and batch): the ratio, and the exposed communication."""
-    lines = ["## Leaderboard step, data parallel (`--study ddp`)", ""]
+    lines = ["## Leaderboard step, data parallel (`--studies ddp`)", ""]
     if df.empty:
         return "\n".join(lines + ["no rows"])
     cols = [c for c in ("world_size", "batch_size", "timer", "status", "step_median_s", "timed_steps",
@@ -488,11 +501,14 @@ def _overrides(args) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = build_leaderboard_parser(argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                                          formatter_class=argparse.RawTextHelpFormatter))
-    p.add_argument("--study", nargs="+", default=["ablation"], choices=STUDIES, help="which studies, in order")
+    p.add_argument("--studies", dest="study", nargs="+", action=NameList, default=["ablation"], metavar="A,B,..",
+                   help=f"which studies, in order, a comma list of {', '.join(STUDIES)}")
+    p.add_argument("--study", dest="study", nargs="+", action=NameList, help=argparse.SUPPRESS)
     p.add_argument("--no-ray", action="store_true", help="neighbours: loop in this process instead of Ray Tune")
     p.add_argument("--offsets", type=int, nargs="+", default=[-2, -1, 0, 1, 2],
                    help="neighbours: moves of the plan's number of fully checkpointed blocks (0: the plan)")
-    p.add_argument("--world-size", type=int, default=2, help="ddp: ranks")
+    p.add_argument("--world-sizes", dest="world_size", default="2", metavar="N", help="ddp: ranks (one value)")
+    p.add_argument("--world-size", dest="world_size", help=argparse.SUPPRESS)
     p.add_argument("--launcher", default="ray", choices=("ray", "mp"), help="ddp: Ray actors or plain processes")
     p.add_argument("--report-only", action="store_true", help="only rewrite the .md reports of the files in --out")
     return p
@@ -502,8 +518,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.out is None:
         raise ValueError("--out is required (a results directory)")
+    unknown = [name for name in args.study if name not in STUDIES]
+    if unknown or not args.study:
+        raise ValueError(f"--studies {','.join(args.study)!r} must name studies among {', '.join(STUDIES)}")
+    try:
+        args.world_size = int(args.world_size)
+    except ValueError:
+        raise ValueError(f"--world-sizes {args.world_size!r} must be one integer (the ddp study's ranks)") from None
     if args.world_size < 1:
-        raise ValueError(f"--world-size ({args.world_size}) must be >= 1")
+        raise ValueError(f"--world-sizes ({args.world_size}) must be >= 1")
     if 0 not in args.offsets:
         raise ValueError(f"--offsets {args.offsets} must contain 0 (the advisor's plan itself)")
     if args.context_length is not None and args.context_length < 1:

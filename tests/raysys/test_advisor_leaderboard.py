@@ -1,7 +1,10 @@
 """The advisor's leaderboard terms: pure bf16 state, the fused loss, compiled pieces, the optimizer's transient and
-FSDP shards, against hand-computed byte counts and against what the CPU measures on a tiny model."""
+FSDP shards, against hand-computed byte counts and against what the CPU measures on a tiny model; each attention
+path's backward against what its kernels allocate."""
 
+import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -13,9 +16,9 @@ from raysys.config import ModelConfig
 from raysys.leaderboard import compile_pieces, lean_blocks
 from raysys.memory import SavedTensorAccount, saved_bytes_per_block
 from raysys.model import AdamW, TransformerLM
-from raysys.recompute_model import (GiB, Workload, block_saved, cpu_allocation_trace, fused_loss_transient,
-                                    head_saved, optimizer_transient, predict_peak, saved_per_block, sharding_transient,
-                                    static_bytes)
+from raysys.recompute_model import (GiB, Workload, attention_backward_bytes, block_saved, cpu_allocation_trace,
+                                    fused_loss_transient, head_saved, optimizer_transient, predict_peak,
+                                    saved_per_block, sharding_transient, static_bytes)
 
 # Allocations measured on the CPU, the same on every host (see the fixture).
 pytestmark = pytest.mark.usefixtures("host_independent_gemm")
@@ -297,3 +300,54 @@ def test_offload_time_model_counts_the_link_across_blocks():
     assert _offload_seconds(w, many, cost) == pytest.approx((30 * 1.5 - 34) * fwd_s)
     late = ("none",) * 28 + ("offload",) * 6  # the copies start later: only 6 forwards to hide 9
     assert _offload_seconds(w, late, cost) == pytest.approx(3 * fwd_s)
+
+
+# ---------------------------------------------------------------------------------------------------- attention
+def _attention_workload(batch, heads, seq, head_dim, dtype, kernels, attention="flash_triton"):
+    cfg = ModelConfig(vocab_size=16, context_length=seq, d_model=heads * head_dim, num_layers=1, num_heads=heads,
+                      d_ff=16, attention=attention)
+    return Workload(config=cfg, batch_size=batch, precision=dtype, param_dtype=dtype, device_type="cpu",
+                    attention_kernels=kernels)
+
+
+def _model_layout(batch, heads, seq, head_dim, dtype, seed=0):
+    """q, k, v, dO as the model's (B, S, H, D) projections viewed as (B, H, S, D)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, seq, heads, head_dim, generator=g).to(dtype).transpose(1, 2) for _ in range(4)]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the tl kernels on the CPU need the interpreter")
+@pytest.mark.parametrize("bwd", ["two_pass", "one_pass"])
+def test_attention_backward_bytes_are_what_the_tl_kernels_allocate(bwd):
+    """`attention_backward_bytes` of the tl kernels' backward, two-pass and one-pass, exactly: what the backward call
+    allocates (D, the one-pass fp32 dQ accumulator, dQ, dK, dV) measured by the CPU allocator, plus dO, its input."""
+    import kernels.flash_attention as fa
+
+    batch, heads, seq, head_dim = 2, 3, 77, 32
+    q, k, v, do = _model_layout(batch, heads, seq, head_dim, torch.float32)
+    out, lse = fa.flash_attention_fwd(q, k, v, True, path="portable")
+    measured = max(cpu_allocation_trace(lambda: fa.flash_attention_bwd(q, k, v, out, lse, do, True, path="portable",
+                                                                         bwd=bwd)))
+    w = _attention_workload(batch, heads, seq, head_dim, "fp32", fa.last_paths())
+    assert fa.last_paths() == f"portable, {bwd}"
+    assert attention_backward_bytes(w) == measured + do.numel() * 4
+
+
+@pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 128), (torch.float16, 64)])
+def test_attention_backward_bytes_are_what_the_gluon_backward_allocates(dtype, head_dim, monkeypatch):
+    """The Gluon one-pass backward's `attention_backward_bytes` exactly: what its launcher allocates (dK, dV, L and
+    D padded to whole query tiles, the fp32 dQ accumulator, dQ) with its kernels not launched (the CPU), plus dO."""
+    import kernels.flash_attention as fa
+    import kernels.flash_attention_gluon_bwd as fgb
+
+    if not fa.gluon_fwd.HAS_GLUON_HOPPER:
+        pytest.skip("this Triton has no Gluon Hopper API")
+    monkeypatch.setattr(fgb, "launch", lambda *args, **kwargs: None)
+    batch, heads, seq = 2, 3, 200
+    q, k, v, do = _model_layout(batch, heads, seq, head_dim, dtype)
+    out, lse = torch.empty_like(q), torch.zeros(batch, heads, seq)
+    measured = max(cpu_allocation_trace(lambda: fa._gluon_bwd(q, k, v, out, lse, do, True, checked=True)))
+    w = _attention_workload(batch, heads, seq, head_dim, "bf16" if dtype == torch.bfloat16 else "fp16",
+                            "gluon, one_pass")
+    assert attention_backward_bytes(w) == measured + do.numel() * do.element_size()
+    assert attention_backward_bytes(w) > attention_backward_bytes(dataclasses.replace(w, attention_kernels="tma, two_pass"))

@@ -13,6 +13,7 @@ import torch
 from kernels.adamw import ForeachAdamW
 from kernels.fused_linear_ce import ChunkedLinearCrossEntropy
 from raysys.config import ModelConfig
+from raysys.advisor import CONTEXT_RESERVE_BYTES
 from raysys.leaderboard import (TODAY, LeaderboardStep, StepConfig, compile_pieces, make_optimizer, plan_step,
                                 reference_step, train_step)
 from raysys.model import AdamW, RMSNorm, SwiGLU, TransformerLM, cross_entropy, linear_cross_entropy
@@ -183,9 +184,12 @@ def test_default_step_applies_the_advisor_plan():
     base = StepConfig(attention="sdpa", loss_impl="torch", optimizer="foreach", compile=False)
     none = plan_step(cfg, 4, 64, base, dtype="fp32", device_type="cpu", gpu_memory=2**34)
     assert set(none.layers) == {"none"}
-    # memory for about half of the activations: the plan mixes full and none, and the step applies exactly it
-    memory = int((none.predicted_peak_bytes - (none.predicted_peak_bytes - 2**19) // 4 + 2**29 // 1) / 0.95)
+    # usable memory (the advisor's: (memory - the CUDA context's reserve) x 0.95) for three quarters of the step's
+    # peak above 2^19 bytes: the plan mixes recomputed and kept blocks, and the step applies exactly it
+    usable = none.predicted_peak_bytes - (none.predicted_peak_bytes - 2**19) // 4
+    memory = int(usable / 0.95) + CONTEXT_RESERVE_BYTES
     tight = plan_step(cfg, 4, 64, base.replace(gpu_memory=memory), dtype="fp32", device_type="cpu", gpu_memory=memory)
+    assert tight.fits and "none" in tight.layers and len(set(tight.layers)) > 1, tight.layers
     step = LeaderboardStep(model, base.replace(gpu_memory=memory), batch_size=4)
     assert step.plan.layers == tight.layers and step.policy_spec == tight.spec
     assert [r.kind for r in step.checkpointing.regions] == [r.kind for r in tight.policy.regions(4)]
@@ -330,3 +334,51 @@ def test_rows_name_the_flash_kernels_that_ran(monkeypatch):
     rows = pd.DataFrame({"attention": ["flash_triton", "cudnn"], "attention_kernels": ["tma, two_pass", ""]})
     assert list(_attention_label(rows)) == ["flash_triton (tma, two_pass)", "cudnn"]
     assert list(_attention_label(rows.drop(columns="attention_kernels"))) == ["flash_triton", "cudnn"]
+
+
+def test_the_step_turns_on_expandable_segments_unless_the_process_chose(monkeypatch, caplog):
+    """On CUDA the step sets the caching allocator's expandable segments itself (once per process, one logged line)
+    when neither PYTORCH_ALLOC_CONF nor PYTORCH_CUDA_ALLOC_CONF is set; a setting of the process's own, an empty one
+    included, is left alone; off CUDA nothing happens."""
+    import raysys.leaderboard as lb
+
+    applied = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", applied.append, raising=False)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: applied.append("empty_cache"))
+    monkeypatch.setattr(lb, "_ALLOCATOR_SET", [])
+    for name in lb.ALLOC_ENV:
+        monkeypatch.delenv(name, raising=False)
+    cuda = torch.device("cuda")
+    assert lb.allocator_settings(torch.device("cpu")) == "" and applied == []
+    with caplog.at_level("WARNING", logger="raysys"):
+        assert lb.allocator_settings(cuda) == lb.ALLOC_CONF == "expandable_segments:True"
+        assert lb.allocator_settings(cuda) == lb.ALLOC_CONF
+    assert applied == [lb.ALLOC_CONF, "empty_cache"]  # once per process
+    assert len(caplog.records) == 1 and "expandable_segments:True" in caplog.records[0].getMessage()
+    monkeypatch.setattr(lb, "_ALLOCATOR_SET", [])
+    for value in ("", "backend:native"):
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", value)
+        assert lb.allocator_settings(cuda) == value and applied == [lb.ALLOC_CONF, "empty_cache"]
+
+
+def test_planned_attention_kernels_follow_the_dispatch(monkeypatch):
+    """`planned_paths` applies the dispatch's rules to fake tensors of the step's shape: the tl kernels where the Gluon
+    ones cannot run, the Gluon forward and one-pass backward where they can and the call is large enough, the tl
+    backward once the Gluon backward failed to build; the plan takes them (`planned_attention_kernels`)."""
+    import kernels.flash_attention as fa
+    from raysys.leaderboard import planned_attention_kernels
+
+    monkeypatch.delenv(fa.PATH_ENV, raising=False)
+    monkeypatch.delenv(fa.BWD_ENV, raising=False)
+    cfg = ModelConfig.from_name("leaderboard")
+    cpu = torch.device("cpu")
+    assert planned_attention_kernels(cfg, 1, 32768, "cudnn", "bf16", cpu) == ""
+    assert fa.planned_paths(1, 32, 32768, 32768, 128, torch.float32, cpu) == "portable, two_pass"
+    monkeypatch.setattr(fa, "gluon_unsupported", lambda q, k, v: "")
+    monkeypatch.setattr(fa, "_GLUON_BROKEN", {})
+    assert planned_attention_kernels(cfg, 1, 32768, "flash_triton", "bf16", cpu) == "gluon, one_pass"
+    assert fa.planned_paths(1, 32, 1024, 1024, 128, torch.bfloat16, cpu) == "portable, two_pass"  # below auto's bound
+    q = torch.empty(1, 32, 32768, 128, dtype=torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="Gluon attention bwd"):
+        fa._gluon_broken("bwd", fa.gluon_bwd_onepass.problem_config(q), q, True, RuntimeError("no build"))
+    assert fa.planned_paths(1, 32, 32768, 32768, 128, torch.bfloat16, cpu) == "gluon fwd / portable bwd, two_pass"

@@ -51,8 +51,9 @@ def test_an_oom_is_a_row_and_the_ablation_goes_on(tmp_path, monkeypatch):
 
 def test_ablation_variants_and_the_measured_attention_choice(monkeypatch):
     assert [v.name for v in bench.ablation()] == [
-        "best", "best-ffn", "best-offload", "best-lean", "today", "today+fused_loss", "today+fused_adamw", "today+compile", "today+lean",
-        "today+cudnn", "today+advisor_plan", "today+ffn_recompute", "best"]
+        "best", "best/flash_triton", "best/cudnn", "best-ffn", "best-offload", "best-lean", "today", "today+fused_loss",
+        "today+fused_adamw", "today+compile", "today+lean", "today+cudnn", "today+advisor_plan", "today+ffn_recompute",
+        "best"]
     v = {v.name: v.step for v in bench.ablation(attention="cudnn", batch2=False)}
     assert v["best"].attention == v["best-ffn"].attention == "cudnn"
     assert v["best-ffn"] == v["best"].replace(recompute_kinds=("none", "full", "offload"))
@@ -63,6 +64,13 @@ def test_ablation_variants_and_the_measured_attention_choice(monkeypatch):
     assert v["today+cudnn"] == bench.TODAY.replace(attention="cudnn")
     assert "ffn" in v["today+ffn_recompute"].recompute_kinds and "ffn" not in v["today+advisor_plan"].recompute_kinds
     assert bench.for_device(v["best"], torch.device("cpu")).attention == "sdpa"  # the CPU's stand-in
+    # the session: `best` with the chosen attention, `best/<the other>` beside it; on the CPU no `best/` at all
+    chosen = bench.session_variants(bench.ablation(batch2=False), "cudnn", torch.device("cuda"))
+    assert [(c.name, c.step.attention) for c in chosen[:2]] == [("best", "cudnn"), ("best/flash_triton", "flash_triton")]
+    assert not any(c.name == "best/cudnn" for c in chosen) and chosen[2].name == "best-ffn"
+    assert chosen[2].step.attention == "cudnn"
+    assert not any(c.name.startswith("best/") for c in bench.session_variants(bench.ablation(), "flash_triton",
+                                                                              torch.device("cpu")))
     # the faster candidate wins; one that cannot run counts as infinitely slow
     cfg, cuda = bench.ModelConfig.from_name("tiny"), torch.device("cuda")
     times = {"flash_triton": 5.0, "cudnn": 3.0}
@@ -264,3 +272,32 @@ def test_variants_release_pinned_host_memory(monkeypatch):
     assert calls == ["device", "host"]
     bench.release_cached_memory(torch.device("cpu"))
     assert calls == ["device", "host"]
+
+
+def test_flags_mean_what_they_mean_in_every_study(tmp_path, capsys, monkeypatch):
+    """`--studies`, `--dtypes`, `--world-sizes` and comma lists as in the other studies (the older spellings and
+    space-separated names still work); a second dtype or world size, or an unknown study, is one line."""
+    parser = sweep.build_parser()
+    args = parser.parse_args(["--out", "x", "--studies", "ablation,neighbours", "--dtypes", "fp32", "--world-sizes",
+                              "4", "--variants", "best,today", "--do-bench-only", "best", "today:b1"])
+    assert (args.study, args.dtype, args.world_size, args.variants, args.do_bench_only) == (
+        ["ablation", "neighbours"], "fp32", "4", ["best", "today"], ["best", "today:b1"])
+    old = parser.parse_args(["--out", "x", "--study", "ablation", "ddp", "--dtype", "bf16", "--world-size", "2",
+                             "--variants", "best", "today"])
+    assert (old.study, old.dtype, old.world_size, old.variants) == (["ablation", "ddp"], "bf16", "2", ["best", "today"])
+    for argv, message in ((["--dtypes", "fp32,bf16"], r"--dtypes 'fp32,bf16' must be one of"),
+                          (["--world-sizes", "1,2", "--studies", "ddp"], r"--world-sizes '1,2' must be one integer"),
+                          (["--studies", "ablation,fastest"], r"--studies 'ablation,fastest' must name studies")):
+        with pytest.raises(ValueError, match=message):
+            sweep.main(["--size", "tiny", "--device", "cpu", "--out", str(tmp_path), *argv])
+    assert raysys_main(["leaderboard", "--size", "tiny", "--dtypes", "fp32,bf16", "--out", str(tmp_path)]) == 2
+    assert "--dtypes 'fp32,bf16'" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_cpu_run_says_what_the_fast_step_runs(tmp_path, capsys, monkeypatch):
+    """On the CPU the fast step's attention is the CPU's stand-in, and the run says so (every row says sdpa)."""
+    monkeypatch.setattr(bench, "run_ablation", lambda args, session: None)
+    bench.run_leaderboard(bench.build_leaderboard_parser().parse_args(
+        ["--size", "tiny", "--device", "cpu", "--dtypes", "fp32", "--out", str(tmp_path)]))
+    assert "best runs sdpa (standing in for flash_triton on the cpu)" in capsys.readouterr().out
