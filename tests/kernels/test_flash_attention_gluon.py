@@ -21,7 +21,6 @@ import triton
 import kernels.flash_attention_gluon as fg
 import kernels.flash_attention_gluon_bwd as fgb
 import kernels.flash_attention_gluon_bwd_onepass as fgo
-from kernels.flash_attention_tuning import INTERPRET
 from tests.kernels.gluon_builds import extra_tritons, sm90_build
 
 needs_gluon = pytest.mark.skipif(not fg.HAS_GLUON_HOPPER, reason=f"Triton {triton.__version__} has no Gluon Hopper API")

@@ -51,6 +51,7 @@ def test_attention_backward_allocates_what_the_model_says(attention):
         kernels = last_paths()
     w = Workload(config=LB.replace(attention=attention), batch_size=B, precision="bf16", param_dtype="bf16",
                  attention_kernels=kernels)
+    print(f"\n{attention} ({kernels}): backward allocated {measured} B + dO; model {attention_backward_bytes(w)} B")
     assert measured + do.numel() * 2 == pytest.approx(attention_backward_bytes(w), rel=0.02), (kernels, measured)
 
 
@@ -81,6 +82,9 @@ def test_default_step_runs_its_plan_at_the_leaderboard_shape(model, attention):
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         info = step.describe()
+        print(f"\n{attention}: plan {step.policy_spec}, predicted {step.plan.predicted_peak_bytes / 2**30:.2f} GiB, "
+              f"measured {peak / 2**30:.2f} GiB, usable {step.plan.usable_bytes / 2**30:.2f} GiB, reserved "
+              f"{torch.cuda.max_memory_reserved() / 2**30:.2f} GiB; {info}")
         assert torch.isfinite(loss) and step.plan.fits
         assert info["alloc_conf"] == "expandable_segments:True"
         assert any(segment.get("is_expandable") for segment in torch.cuda.memory_snapshot())
