@@ -391,7 +391,7 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_ca
     if path == GLUON:
         out, lse = (gluon_attn_fwd_op(q4, k4, v4, is_causal) if _traced(q4) else
                     _gluon_fwd(q4, k4, v4, is_causal, checked=True, strict=requested == GLUON))
-        return out.view(q.shape), lse.view(q.shape[:-1])
+        return (out, lse) if q.dim() == 4 else (out.view(q.shape), lse.view(q.shape[:-1]))
     heads, n_q = q4.shape[1], q4.shape[2]
     n_k = k4.shape[2]
     out = empty_like_layout(q, empty=_empty)
@@ -428,7 +428,7 @@ def flash_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
                 _as_4d(grad_out if grad_out.dtype == q.dtype else grad_out.to(q.dtype)), is_causal)
         dq, dk, dv = (gluon_attn_bwd_op(*args) if _traced(q) else
                       _gluon_bwd(*args, checked=True, strict=_requested_path(path) == GLUON))
-        return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+        return (dq, dk, dv) if q.dim() == 4 else (dq.view(q.shape), dk.view(k.shape), dv.view(v.shape))
     path = resolve_path(path, q, k, v)
     one_pass = compute_dq and compute_dkdv and resolve_bwd(bwd, path) == "one_pass"
     LAST_PATH["bwd"] = "one_pass" if one_pass else "two_pass"

@@ -599,6 +599,12 @@ def test_outputs_and_gradients_come_out_in_the_inputs_layout(path, one_pass):
     dq, dk, dv = fa.flash_attention_bwd(q, k, v, out, lse, do, True, path=path, bwd=bwd)
     for result, like in ((out, q), (dq, q), (dk, k), (dv, v)):
         assert result.stride() == like.stride()
+    # one sequence, one head: the lengths-1 dimensions' strides address nothing, the others are still q's
+    q1, k1, v1, do1 = (t[:1, :1].clone().transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, do))
+    out1, lse1 = fa.flash_attention_fwd(q1, k1, v1, True, path=path)
+    grads = fa.flash_attention_bwd(q1, k1, v1, out1, lse1, do1, True, path=path, bwd=bwd)
+    for result in (out1, *grads):
+        assert result.shape == q1.shape and result.stride()[2:] == q1.stride()[2:]
     assert out.transpose(1, 2).flatten(-2).data_ptr() == out.data_ptr()  # the merged heads: a view
     want = fa.flash_attention_fwd(*(t.contiguous() for t in (q, k, v)), True, path=path)[0]
     torch.testing.assert_close(out, want, rtol=0, atol=0)
