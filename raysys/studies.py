@@ -39,9 +39,13 @@ def resolve_out_dir(out: str | os.PathLike | None = None, sweep: str | None = No
 
 
 def interrupted_message(sweep: str, done: int, total: int | None, path: Path | None) -> str:
-    """What a sweep stopped by Ctrl-C or SIGTERM prints (one line) before its interrupt propagates."""
-    where = f"; its rows are in {path}" if path is not None else ""
+    """What a sweep stopped by Ctrl-C or SIGTERM prints (one line) before its interrupt propagates. It names `path`
+    only if that file exists (a run stopped before its first row wrote none)."""
+    path = path if path is not None and Path(path).is_file() else None
     of = f" of {total}" if total is not None else ""
+    if done == 0 and path is None:
+        return f"{sweep}: interrupted before any{of} trials finished; no rows were written"
+    where = f"; its rows are in {path}" if path is not None else ""
     return f"{sweep}: interrupted after {done}{of} trials{where}; rerun with --resume to continue"
 
 

@@ -81,3 +81,48 @@ def test_ctrl_c_says_how_far_the_sweep_got_and_keeps_its_rows(tmp_path, capsys):
     with pytest.raises(ValueError, match="metric 'status' would overwrite the row's own 'status' column"):
         run_sweep("hostile", [{"x": 1}], _hostile_metric, 1, tmp_path, device="cpu", launcher="mp", show=False)
     assert not (tmp_path / "hostile.parquet").exists()
+
+
+_CTRL_C_AT_GANG_START = """
+import os, signal, sys, threading, time
+from raysys.cli import run_script
+from raysys.cluster import run_sweep
+from tests.raysys.test_cluster_inputs import _trial
+
+
+def ctrl_c_while_the_ranks_start():
+    children = f"/proc/{os.getpid()}/task/{os.getpid()}/children"
+    while len(open(children).read().split()) < 3:  # the resource tracker and both ranks
+        time.sleep(0.01)
+    time.sleep(0.5)  # the ranks are importing torch
+    os.killpg(0, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground process group
+
+
+def main(argv):
+    threading.Thread(target=ctrl_c_while_the_ranks_start, daemon=True).start()
+    run_sweep("toy", [{"x": 1}], _trial, 2, sys.argv[1], device="cpu", launcher="mp", show=False)
+
+
+if __name__ == "__main__":
+    sys.exit(run_script(main))
+"""
+
+
+@pytest.mark.multiproc
+def test_ctrl_c_while_the_ranks_start_is_one_line_naming_no_missing_file(tmp_path):
+    """Issue 48: Ctrl-C during the mp gang's start printed every rank's KeyboardInterrupt traceback and a line
+    naming a .parquet that was never written. The ranks ignore SIGINT (the driver stops them), and the one line
+    says that no row was written."""
+    import subprocess
+    import sys
+
+    from tests.subprocess_utils import REPO, repo_env
+
+    script = tmp_path / "driver.py"
+    script.write_text(_CTRL_C_AT_GANG_START)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "out")], cwd=REPO, env=repo_env(),
+                          capture_output=True, text=True, timeout=120, start_new_session=True)
+    assert done.returncode == 130, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr, done.stderr[-3000:]
+    assert "toy: interrupted before any of 1 trials finished; no rows were written" in done.stderr.splitlines()
+    assert "toy.parquet" not in done.stderr and not (tmp_path / "out" / "toy.parquet").exists()
