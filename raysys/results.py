@@ -431,7 +431,7 @@ class ResultWriter:
         lock = None if holder is not None else FileLock(self.path)
         try:
             if holder is None:
-                remove_stale_tmp(self.path, all_stale=True)  # we hold the lock: no live writer owns one
+                remove_stale_tmp(self.path)  # dead writers' temp files of this file, nothing else
             self._open_existing(dict(expect or {}))
         except BaseException:
             if lock is not None:

@@ -189,12 +189,43 @@ def test_sigkill_during_writes_leaves_a_readable_file_and_no_stale_temp(tmp_path
         df = read_results(tmp_path / "demo.parquet")  # readable: the old file or the new one, never half of one
         assert set(range(last + 1)) <= set(df["i"]) and len(df) >= seen
         seen = len(df)
-    dead = tmp_path / f".demo.parquet.{2**22 + 1}-{files._HOST}.0badf00d.tmp"  # above pid_max: surely dead
+    dead = files._tmp_name(tmp_path / "demo.parquet", pid=2**22 + 1)  # above pid_max: surely dead
     dead.write_bytes(b"half a file")
     stale = list(tmp_path.glob(".demo.parquet.*.tmp"))
     with ResultWriter(tmp_path, "demo", resume=True) as w:  # the next writer removes the dead ones' temp files
         assert len(w.rows) == seen
     assert not list(tmp_path.glob(".demo.parquet.*.tmp")), stale
+
+
+def test_cleanup_removes_only_temp_files_of_dead_writers_named_by_this_module(tmp_path):
+    """Issue 48: the cleanup deleted any `.<sweep>.parquet.*.tmp`, a user's too. Now only a name this module made
+    (its check matches), on this host, whose pid is gone."""
+    path = tmp_path / "demo.parquet"
+    dead = files._tmp_name(path, pid=2**22 + 1)
+    kept = [tmp_path / ".demo.parquet.backup.tmp",                             # a user's file
+            tmp_path / f".demo.parquet.{2**22 + 1}-{files._HOST}.0badf00d.tmp",  # looks like an old writer's
+            files._tmp_name(path),                                             # a live writer's (this process)
+            Path(str(dead).replace(dead.name[-8 - 4:-4], "0" * 8)),           # our shape, a forged check
+            files._tmp_name(tmp_path / "other.parquet", pid=2**22 + 1)]        # another file's
+    for p in [dead, *kept]:
+        p.write_bytes(b"x")
+    with ResultWriter(tmp_path, "demo"):
+        pass
+    assert not dead.exists() and all(p.exists() for p in kept), sorted(p.name for p in tmp_path.iterdir())
+
+
+def test_a_lock_file_that_is_a_symbolic_link_is_refused_and_its_target_untouched(tmp_path):
+    """Issue 48: a `.<sweep>.parquet.lock` that was a symlink got its target overwritten with the lock text."""
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\n")
+    (tmp_path / ".demo.parquet.lock").symlink_to(target)
+    with pytest.raises(ResultsError, match=r"lock file .*\.demo\.parquet\.lock is a symbolic link; remove it"):
+        ResultWriter(tmp_path, "demo")
+    assert target.read_text() == "keep me\n" and not (tmp_path / "demo.parquet").exists()
+    (tmp_path / ".demo.parquet.lock").unlink()
+    (tmp_path / ".demo.parquet.lock").mkdir()
+    with pytest.raises(ResultsError, match="cannot open lock file .*Is a directory"):
+        ResultWriter(tmp_path, "demo")
 
 
 # ---------------------------------------------------------------------------------------------------- full disk
