@@ -12,7 +12,9 @@
 `run_sweep` keeps one gang (Ray actors, or plain processes with `launcher="mp"`) for consecutive trials. A
 trial that raises (OOM included), loses a rank (`RayActorError`) or exceeds `trial_timeout_s`
 (`GetTimeoutError`) becomes a row with status `oom|error|timeout` and its error text; the gang is torn down
-and a fresh one built for the next trial. A gang the cluster can never hold makes `skipped` rows. Every
+and a fresh one built for the next trial. A gang the cluster cannot hold makes `skipped` rows (`not run: ...`,
+which `resume=True` runs again, like failed trials); a Ray node lost during the sweep is said in one line and
+named in the rows it cost. Every
 trial's row is written at once (atomically, `raysys.results.ResultWriter`), so an interrupted sweep leaves a
 complete file and `resume=True` skips the trials already in it; without `out_dir` the rows go to a fresh run
 directory (`raysys.results.default_out_dir`). Trial configs are checked before Ray starts: no key may overwrite
@@ -46,7 +48,8 @@ from raysys.mp_gang import ProcessGang, check_local_placement, local_device
 from raysys.rank import PlacementInfeasible, RankContext
 from raysys.signals import interrupt_on_sigterm
 from raysys.telemetry import SweepProgress
-from raysys.results import ResultWriter, check_row_keys, check_sweep_name, error_row, make_row, trial_id
+from raysys.results import (NOT_RUN, ResultWriter, check_row_keys, check_sweep_name, error_row, make_row,
+                            trial_id)
 from raysys.studies import (interrupted_message, read_sweep, resolve_out_dir, summary_table, sweep_parser,
                             writer_options)
 
@@ -159,6 +162,7 @@ def _run_sweep(sweep: str, trials: list[dict], trial_fn: Callable[..., Any], wor
 
     rows: list[dict] = []
     gang, infeasible = None, ""
+    nodes = NodeWatch(sweep) if launcher == "ray" else None
     bar = tqdm(total=len(configs), desc=f"{sweep} [{launcher} x{world_size} {resolved}]", unit="trial")
     progress = SweepProgress(sweep, len(configs))  # the dashboard's view of it (raysys.telemetry)
     try:
@@ -182,10 +186,13 @@ def _run_sweep(sweep: str, trials: list[dict], trial_fn: Callable[..., Any], wor
                                              timeout_s=trial_timeout_s)
                         extra["device_name"] = gang.ranks[0].get("device_name", "")
                         metrics = dict(reduce(trial, per_rank))
-                    except PlacementInfeasible as exc:
-                        infeasible = str(exc)
+                    except PlacementInfeasible as exc:  # this cluster cannot hold it: --resume tries again
+                        lost = nodes.check(i, len(configs)) if nodes is not None else ""
+                        infeasible = f"{NOT_RUN} {exc}{lost}"
                         row = make_row(sweep, config, status="skipped", error=infeasible, **extra)
                     except Exception as exc:  # the trial's failure is a result; the sweep goes on
+                        if nodes is not None and (lost := nodes.check(i, len(configs))):
+                            exc.add_note(lost.strip("; "))
                         row = error_row(sweep, config, exc, **extra)
                         if gang is not None and gang.broken:
                             gang.shutdown()
@@ -211,6 +218,30 @@ def _run_sweep(sweep: str, trials: list[dict], trial_fn: Callable[..., Any], wor
     if show and not df.empty:
         print(summary_table(df))
     return df
+
+
+class NodeWatch:
+    """The Ray nodes alive when a sweep started, checked after a trial fails: a node lost since is said once, in
+    one line on stderr, and named in the failed trial's row (whose trials `--resume` runs again)."""
+
+    def __init__(self, sweep: str):
+        self.sweep = sweep
+        self.known = {n.node_id: n for n in cluster_nodes()}
+        self.reported: set[str] = set()
+
+    def check(self, index: int, total: int) -> str:
+        """'; Ray node <id> (<address>) was lost' for the nodes gone since the start (or ''), said on stderr the
+        first time."""
+        alive = {n.node_id for n in cluster_nodes()}
+        lost = [n for node_id, n in self.known.items() if node_id not in alive]
+        if not lost:
+            return ""
+        names = ", ".join(f"{n.node_id[:12]} ({n.address})" for n in lost)
+        if new := [n for n in lost if n.node_id not in self.reported]:
+            self.reported |= {n.node_id for n in new}
+            tqdm.write(f"{self.sweep}: lost Ray node {names} by trial {index + 1} of {total}; the trials it failed "
+                       f"or skipped are rows that --resume runs again", file=sys.stderr)  # above the progress bar
+        return f"; Ray node{'s' * (len(lost) > 1)} {names} lost during the sweep"
 
 
 # ---------------------------------------------------------------------------------------------------- Ray Tune

@@ -126,3 +126,64 @@ def test_ctrl_c_while_the_ranks_start_is_one_line_naming_no_missing_file(tmp_pat
     assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr, done.stderr[-3000:]
     assert "toy: interrupted before any of 1 trials finished; no rows were written" in done.stderr.splitlines()
     assert "toy.parquet" not in done.stderr and not (tmp_path / "out" / "toy.parquet").exists()
+
+
+def test_a_lost_node_is_said_once_and_resume_runs_the_trials_it_cost(tmp_path, monkeypatch, capsys):
+    """Issue 48: a raylet killed during trial 2 of 4 left trial 3 `error` and trial 4 `skipped` (the cluster too
+    small now), and `--resume` never ran the skipped one. On a stand-in two-node cluster (no Ray started): the lost
+    node is said once and named in the failed row; the skipped rows are `not run:`; resume runs 2, 3 and 4 again."""
+    import raysys.cluster as cluster
+    from raysys.gang import NodeInfo, check_placement
+    from raysys.rank import BaseGang
+
+    nodes = [NodeInfo("a" * 56, "10.0.0.1", 2.0, 0.0), NodeInfo("b" * 56, "10.0.0.2", 2.0, 0.0)]
+    state = {"alive": list(nodes), "ran": [], "dies": True}
+
+    class TwoNodeGang(BaseGang):  # one rank per node; node b dies during the first trial with x == 2
+        def __init__(self, world_size, *, device, name, timeout_s, env, strategy, **_):
+            super().__init__(world_size, device=device, name=name, timeout_s=timeout_s, env=env)
+            self.strategy, self.up = strategy, False
+
+        running = property(lambda self: self.up)
+
+        def _resolve_device(self):
+            return "cpu"
+
+        def _check_placement(self):
+            check_placement(self.world_size, device="cpu", strategy=self.strategy, cpus_per_rank=1,
+                            nodes=state["alive"])
+
+        def _start(self):
+            self.up, self.ranks = True, [{"rank": r, "device_name": "cpu"} for r in range(self.world_size)]
+
+        def _submit(self, fn, args, kwargs, label):
+            return args[0]
+
+        def _collect(self, config, label, timeout_s):
+            state["ran"].append(config["x"])
+            if config["x"] == 2 and state["dies"]:
+                state["alive"], state["dies"] = nodes[:1], False
+                raise RuntimeError("ActorDiedError: the actor died unexpectedly before finishing this task")
+            return [{"x2": 2 * config["x"]}] * self.world_size
+
+        def shutdown(self):
+            self.up = False
+
+    monkeypatch.setattr(cluster, "init_ray", lambda *a, **k: {})
+    monkeypatch.setattr(cluster, "gang_device", lambda device: "cpu")
+    monkeypatch.setattr(cluster, "cluster_nodes", lambda: list(state["alive"]))
+    monkeypatch.setattr(cluster, "Gang", TwoNodeGang)
+    trials = [{"x": x} for x in (1, 2, 3, 4)]
+    df = run_sweep("toy", trials, _trial, 2, tmp_path, device="cpu", strategy="STRICT_SPREAD", show=False)
+    assert list(df["status"]) == ["ok", "error", "skipped", "skipped"] and state["ran"] == [1, 2]
+    said = [line for line in capsys.readouterr().err.splitlines() if "lost Ray node" in line]
+    assert said == [f"toy: lost Ray node {'b' * 12} (10.0.0.2) by trial 2 of 4; the trials it failed or skipped are "
+                    "rows that --resume runs again"]
+    assert df["error"][1].startswith("RuntimeError: ActorDiedError") and "(10.0.0.2) lost" in df["error"][1]
+    assert df["error"][2].startswith("not run: asked for 2 ranks") and "1 node(s)" in df["error"][2]
+
+    state["alive"] = list(nodes)  # the node is back (or the cluster repaired)
+    again = run_sweep("toy", trials, _trial, 2, tmp_path, device="cpu", strategy="STRICT_SPREAD", resume=True,
+                      show=False)
+    assert state["ran"] == [1, 2, 2, 3, 4] and list(again["status"]) == ["ok"] * 4
+    assert list(read_results(tmp_path / "toy.parquet")["status"]) == ["ok"] * 4
