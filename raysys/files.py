@@ -62,7 +62,8 @@ def _tmp_name(path: Path, pid: int | None = None) -> Path:
 
 def _tmp_owner(path: Path, tmp: Path) -> int | None:
     """The pid of the writer on this host that made `tmp` as a temp file of `path`, or None if `tmp` is not one."""
-    m = re.fullmatch(rf"\.{re.escape(path.name)}\.raysys-(\d{{1,10}})-{_HOST}-([0-9a-f]{{8}})([0-9a-f]{{8}})\.tmp", tmp.name)
+    pattern = rf"\.{re.escape(path.name)}\.raysys-(\d{{1,10}})-{_HOST}-([0-9a-f]{{8}})([0-9a-f]{{8}})\.tmp"
+    m = re.fullmatch(pattern, tmp.name)
     if m is None or _token(path.name, int(m[1]), m[2]) != m[2] + m[3]:
         return None
     return int(m[1])

@@ -16,9 +16,9 @@ unless `allow_mixed=True`, rows without provenance or of another commit, device 
 full provenance. The writer holds an exclusive lock on the file while it lives (a second run writing it fails at
 once) and rewrites it atomically after every `write` (`raysys.files`): readers see the old or the new file, a
 full disk leaves the old one and says so, files are 0644 under the usual umask, and temp files of dead writers
-are removed (only theirs). A reader of a file a live sweep is writing must open it once: `read_results` reads its bytes in one go,
-whereas `pd.read_parquet(path)` opens the path again for the data after its footer, and a replace in between
-mixes two files' bytes (pyarrow then raises "Couldn't deserialize thrift"). Committed results (`results/`) are
+are removed (only theirs). A reader of a file a live sweep is writing must open it once: `read_results` reads
+its bytes in one go, whereas `pd.read_parquet(path)` opens the path again for the data after its footer, and a
+replace in between mixes two files' bytes (pyarrow then raises "Couldn't deserialize thrift"). Committed results (`results/`) are
 written only when named with `--out`; a fresh run directory a run left empty (it failed before its first row) is
 removed when it ends (`discard_empty_run_dirs`).
 Analysis is `read_results(path)` (or `pd.read_parquet(path)` on a finished file); `read_results(dir)` skips an
