@@ -53,9 +53,9 @@ from raysys.results import (NOT_RUN, ResultWriter, check_row_keys, check_sweep_n
 from raysys.studies import (interrupted_message, read_sweep, resolve_out_dir, summary_table, sweep_parser,
                             writer_options)
 
-__all__ = ["Gang", "PlacementInfeasible", "ProcessGang", "RankContext", "check_gang", "cluster_info", "cluster_nodes",
-           "init_ray", "interrupt_on_sigterm", "interrupted_message", "read_sweep", "resolve_out_dir", "run_sweep",
-           "sweep_parser", "tune_run", "writer_options"]
+__all__ = ["Gang", "PlacementInfeasible", "ProcessGang", "RankContext", "check_gang", "cluster_info",
+           "cluster_nodes", "gang_columns", "init_ray", "interrupt_on_sigterm", "interrupted_message", "read_sweep",
+           "resolve_out_dir", "run_sweep", "sweep_parser", "tune_run", "writer_options"]
 
 LAUNCHERS = ("ray", "mp")
 _METRIC_SKIP = {"trial_id", "config", "date", "timestamp", "time_this_iter_s", "time_total_s", "pid", "hostname",
@@ -86,6 +86,12 @@ def check_gang(world_size: int, *, device: str, launcher: str = "ray", strategy:
         resolved = local_device(device)
         check_local_placement(world_size, resolved)
     return resolved
+
+
+def gang_columns(world_size: int, launcher: str, device: str, gpu_visibility: str = "shared") -> dict[str, Any]:
+    """The configuration columns `run_sweep` adds to every trial of a gang (`device` resolved: cuda or cpu)."""
+    visibility = (gpu_visibility if launcher == "ray" else "shared") if device == "cuda" else "none"
+    return {"world_size": world_size, "launcher": launcher, "device": device, "gpu_visibility": visibility}
 
 
 def run_sweep(sweep: str, trials: Sequence[Mapping[str, Any]], trial_fn: Callable[..., Any], world_size: int,
@@ -152,8 +158,7 @@ def _run_sweep(sweep: str, trials: list[dict], trial_fn: Callable[..., Any], wor
         resolved = local_device(device)
         make_gang = functools.partial(ProcessGang, world_size, device=resolved, name=sweep, timeout_s=timeout_s,
                                       env=env)
-    visibility = (gpu_visibility if launcher == "ray" else "shared") if resolved == "cuda" else "none"
-    fixed = {"world_size": world_size, "launcher": launcher, "device": resolved, "gpu_visibility": visibility}
+    fixed = gang_columns(world_size, launcher, resolved, gpu_visibility)
     for t in trials:
         for key in ("device", "gpu_visibility"):
             if key in t and t[key] != fixed[key]:

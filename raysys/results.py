@@ -101,13 +101,17 @@ def _version(module: str) -> str:
         return "absent"
 
 
-def _nvidia_gpu_name() -> str | None:
-    """The first NVIDIA GPU's model from the driver's /proc files: no CUDA context needed."""
+def nvidia_gpu_models() -> list[str]:
+    """This machine's NVIDIA GPU models, by bus id, from the driver's /proc files: no CUDA context needed."""
+    models = []
     for info in sorted(Path("/proc/driver/nvidia/gpus").glob("*/information")):
-        for line in info.read_text().splitlines():
-            if line.startswith("Model:"):
-                return line.split(":", 1)[1].strip()
-    return None
+        models += [line.split(":", 1)[1].strip() for line in info.read_text().splitlines() if line.startswith("Model:")]
+    return models
+
+
+def _nvidia_gpu_name() -> str | None:
+    """The first NVIDIA GPU's model (`nvidia_gpu_models`)."""
+    return next(iter(nvidia_gpu_models()), None)
 
 
 def device_name(device: Any = None) -> str:

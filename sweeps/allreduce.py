@@ -393,10 +393,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         for world_size in world_sizes:
             check_gang(world_size, device=args.device, launcher="mp")
     out = output_dir(args, name)
-    with open_writer(out, name, args) as writer:
+    settings = {"warmup": args.warmup, **({"iters": args.iters} if args.iters is not None else {})}
+    with open_writer(out, name, args, expect=settings) as writer:  # a file to resume: these settings (before Ray)
         start_ray(args)
         device = gang_device(args.device)
         defaults = DEFAULTS[device]
+        writer.check_resume({"iters": args.iters or defaults["iters"]})
         sizes = explicit_sizes or [parse_size(s) for s in parse_list(defaults["sizes"], "sizes")]
         world_sizes = world_sizes or parse_ints(defaults["world_sizes"], "world-sizes", 2)
         max_node_cpus = max(n.num_cpus for n in cluster_nodes())

@@ -279,6 +279,12 @@ class GangTrial(Mapping):
     seed: int = 0
     """Seed of the weights and of each rank's batch."""
 
+    KEY: ClassVar[tuple[str, ...]] = ("dtype",)
+    """The config columns that name a trial within a run: a resumed row with these values must be that very trial."""
+    PER_TRIAL: ClassVar[tuple[str, ...]] = ("dtype",)
+    """The config columns that may differ between the trials of one run; every other one is a setting of the run,
+    which the rows of a resumed file must share (`check_resumed`)."""
+
     def __post_init__(self) -> None:
         self.model_config()
         check_int("batch_per_rank", self.batch_per_rank, 1)
@@ -326,6 +332,8 @@ class VariantTrial(GangTrial):
     """A trial of one variant of a study that compares variants (a subclass names them in `VARIANTS`)."""
 
     VARIANTS: ClassVar[tuple[str, ...]] = ()
+    KEY = ("dtype", "variant")
+    PER_TRIAL = ("dtype", "variant", "profile")
     variant: str
     """What runs: one of the class's VARIANTS."""
     profile: bool = False
@@ -407,14 +415,43 @@ def start_ray(args: argparse.Namespace) -> None:
     init_ray(getattr(args, "address", None), dashboard=getattr(args, "dashboard", False))
 
 
+def _remote(args: argparse.Namespace) -> bool:
+    """Whether the gang's ranks may run on other machines: Ray, at an address named by --address or RAY_ADDRESS."""
+    address = getattr(args, "address", None) or os.environ.get("RAY_ADDRESS")
+    return args.launcher == "ray" and bool(address) and address != "local"
+
+
 def local_gang_device(args: argparse.Namespace) -> tuple[str, bool]:
     """The device a gang will use as far as it is known without Ray, and whether that is certain: the named one,
     or this machine's (a Ray cluster named by --address or RAY_ADDRESS may have GPUs this machine lacks). The grid
     is checked with it before Ray starts; checks that depend on the device wait for the certain one."""
     from raysys.mp_gang import local_device
 
-    remote = getattr(args, "address", None) or os.environ.get("RAY_ADDRESS")
-    return local_device(args.device), args.launcher == "mp" or args.device != "auto" or not remote
+    return local_device(args.device), args.device != "auto" or not _remote(args)
+
+
+def ranks_device_name(args: argparse.Namespace, device: str) -> str | None:
+    """What the `ok` rows of a gang on `device` will name as their device (`raysys.rank.device_description`):
+    `cpu`, or the GPU model of this machine when the ranks run here and its GPUs are all one model; else None."""
+    from raysys.results import nvidia_gpu_models
+
+    if _remote(args):
+        return None
+    models = set(nvidia_gpu_models())
+    return "cpu" if device == "cpu" else models.pop() if len(models) == 1 else None
+
+
+def check_resumed(writer: ResultWriter, trials: Sequence[GangTrial], gang: Mapping[str, Any],
+                  device_name: str | None = None) -> None:
+    """Refuse to continue a file whose rows ran another configuration than `trials` on a gang of `gang`'s columns
+    (world size and launcher, and with the device known `raysys.cluster.gang_columns`), unless --allow-mixed: every
+    setting of the run (the trial class's columns outside `PER_TRIAL`, and the gang's), and with the device known
+    each trial by its `KEY` and the device's name (`ResultWriter.check_resume`)."""
+    cls = type(trials[0])
+    configs = [{**t, **gang} for t in trials]
+    settings = {k: v for k, v in configs[0].items()
+                if k not in cls.PER_TRIAL and all(k in c and c[k] == v for c in configs)}
+    writer.check_resume(settings, trials=configs if "device" in gang else (), key=cls.KEY, device_name=device_name)
 
 
 def gang_device(args: argparse.Namespace, world_size: int) -> str:
@@ -430,21 +467,25 @@ def gang_device(args: argparse.Namespace, world_size: int) -> str:
 def run_gang_study(args: argparse.Namespace, sweep: str, grid: Callable[..., list],
                    trial_fn: Callable[[Path], Callable], reduce: Callable) -> tuple[pd.DataFrame, Path]:
     """A study on one gang: every flag checked (`grid(args, device, world_size, check_device)` builds and checks
-    the trials) and the result file opened before Ray starts, then the device resolved and the trials run
+    the trials) and the result file opened before Ray starts (a file to resume compared with this run's
+    configuration, `check_resumed`), then the device resolved (and the file compared again) and the trials run
     (`trial_fn(out)` is the function every rank runs), one row each. Returns the rows and the results directory."""
-    from raysys.cluster import check_gang, run_sweep
+    from raysys.cluster import check_gang, gang_columns, run_sweep
 
     world_size = one_world_size(args)
     check_timeout("--timeout-s", args.timeout_s)
     local, certain = local_gang_device(args)
     if args.launcher == "mp":
         check_gang(world_size, device=local, launcher="mp")  # this machine's GPUs, CPUs and memory
-    first = grid(args, local, world_size, check_device=certain)[0]
+    trials = grid(args, local, world_size, check_device=certain)
     out = output_dir(args, sweep)
-    expect = {"size": first.size, "context_length": first.context_length, "batch_per_rank": first.batch_per_rank}
-    with open_writer(out, sweep, args, expect=expect) as writer:
+    with open_writer(out, sweep, args) as writer:
+        gang = (gang_columns(world_size, args.launcher, local) if certain
+                else {"world_size": world_size, "launcher": args.launcher})
+        check_resumed(writer, trials, gang, ranks_device_name(args, local) if certain else None)  # before Ray
         device = gang_device(args, world_size)
         trials = grid(args, device, world_size)
+        check_resumed(writer, trials, gang_columns(world_size, args.launcher, device))
         env = trials[0].rank_env()  # the flags set it for the whole grid: one gang serves every trial
         return run_sweep(sweep, trials, trial_fn(out), world_size, device=device, launcher=args.launcher,
                          timeout_s=args.timeout_s, reduce=reduce, env=env, writer=writer, show=False), out

@@ -81,6 +81,9 @@ class DDPTrial(VariantTrial):
     in one dtype."""
 
     VARIANTS = KINDS
+    KEY = ("dtype", "label")
+    PER_TRIAL = (*VariantTrial.PER_TRIAL, "label", "bucket_size_mb", "bucket_view", "group_compiled", "nccl_max_ctas",
+                 "sm_carveout")
     label: str
     """Unique name of the variant in the run (`bucketed 100MB @8 CTAs`, `single (rerun)`)."""
     bucket_size_mb: float | None = None
