@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 
 from raysys.gang import Gang, check_placement, cluster_info, cluster_nodes, gang_device, init_ray
 from raysys.mp_gang import ProcessGang, check_local_placement, local_device
-from raysys.rank import PlacementInfeasible, RankContext
+from raysys.rank import PlacementInfeasible, RankContext, check_seconds
 from raysys.signals import interrupt_on_sigterm
 from raysys.telemetry import SweepProgress
 from raysys.results import (NOT_RUN, ResultWriter, check_row_keys, check_sweep_name, error_row, make_row,
@@ -120,6 +120,9 @@ def run_sweep(sweep: str, trials: Sequence[Mapping[str, Any]], trial_fn: Callabl
         raise ValueError(f"launcher {launcher!r} must be one of {LAUNCHERS}")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size ({world_size!r}) must be an int >= 1")
+    check_seconds("timeout_s", timeout_s)
+    if trial_timeout_s is not None:
+        check_seconds("trial_timeout_s", trial_timeout_s)
     check_sweep_name(sweep)
     trials = list(trials)  # each trial reaches trial_fn and reduce as given (a dict, or a frozen trial mapping)
     for t in trials:

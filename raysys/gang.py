@@ -38,8 +38,8 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raysys.device import resolve_device
-from raysys.rank import (DEVICES, RANK_ENV, BaseGang, PlacementInfeasible, RankContext, RankSpec, destroy_rank,
-                         device_description, free_port, init_rank, max_cpu_ranks)
+from raysys.rank import (DEVICES, RANK_ENV, BaseGang, PlacementInfeasible, RankContext, RankSpec, check_seconds,
+                         destroy_rank, device_description, free_port, init_rank, max_cpu_ranks)
 from raysys.telemetry import RankMonitor
 
 log = logging.getLogger(__name__)
@@ -249,8 +249,7 @@ class Gang(BaseGang):
             raise ValueError(f"strategy {strategy!r} must be one of {STRATEGIES}")
         if gpu_visibility not in GPU_VISIBILITY:
             raise ValueError(f"gpu_visibility {gpu_visibility!r} must be one of {GPU_VISIBILITY}")
-        if placement_timeout_s <= 0:
-            raise ValueError(f"placement_timeout_s ({placement_timeout_s}) must be > 0")
+        check_seconds("placement_timeout_s", placement_timeout_s)
         if cpus_per_rank <= 0:
             raise ValueError(f"cpus_per_rank ({cpus_per_rank}) must be > 0")
         self.strategy, self.gpu_visibility = strategy, gpu_visibility

@@ -31,8 +31,8 @@ import torch
 import torch.multiprocessing as mp
 
 from raysys.device import resolve_device
-from raysys.rank import (DEVICES, BaseGang, PlacementInfeasible, RankSpec, check_local_cpu_ranks, destroy_rank,
-                         device_description, die_with_parent, free_port, init_rank)
+from raysys.rank import (DEVICES, BaseGang, PlacementInfeasible, RankSpec, check_local_cpu_ranks, check_seconds,
+                         destroy_rank, device_description, die_with_parent, free_port, init_rank)
 
 
 def local_device(device: str) -> str:
@@ -122,8 +122,7 @@ class ProcessGang(BaseGang):
     def __init__(self, world_size: int, *, device: str = "auto", name: str = "gang", timeout_s: float = 600.0,
                  start_timeout_s: float = 120.0, env: Mapping[str, str] | None = None):
         super().__init__(world_size, device=device, name=name, timeout_s=timeout_s, env=env)
-        if start_timeout_s <= 0:
-            raise ValueError(f"start_timeout_s ({start_timeout_s}) must be > 0")
+        check_seconds("start_timeout_s", start_timeout_s)
         self.start_timeout_s = start_timeout_s
         self._procs: list = []
         self._conns: list = []

@@ -42,6 +42,7 @@ from parallel.collectives import OPS, aggregate, benchmark_collective  # noqa: E
 from raysys.cluster import check_gang, cluster_nodes, run_sweep  # noqa: E402
 from raysys.gang import gang_device  # noqa: E402
 from raysys.rank import check_rank_env  # noqa: E402
+from raysys.timing import MAX_STEPS  # noqa: E402
 from sweeps.common import (NOT_ON_CPU, check_int, check_timeout, list_flag, main_entry, on_cpu,  # noqa: E402
                            open_writer, output_dir, parse_ints, parse_list, print_written, pyplot, read_rows,
                            save_figure, start_ray, study_parser, write_markdown)
@@ -379,9 +380,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     ops = parse_list(args.ops, "ops", OPS)
     launchers = parse_list(args.launchers, "launchers", ("ray", "mp"))
     visibilities = parse_list(args.visibility, "visibility", ("shared", "isolated"))
-    check_int("--warmup", args.warmup, 0)
+    check_int("--warmup", args.warmup, 0, MAX_STEPS)
     if args.iters is not None:
-        check_int("--iters", args.iters, 1)
+        check_int("--iters", args.iters, 1, MAX_STEPS)
     check_timeout("--timeout-s", args.timeout_s)
     variants = [parse_nccl_env(text) for text in (args.nccl_env or ["default"])]
     labels = [nccl_env_label(env) for env in variants]

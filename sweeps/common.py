@@ -47,6 +47,7 @@ from raysys.files import write_text  # noqa: E402
 from raysys.memory import TrialScope  # noqa: E402
 from raysys.model import TransformerLM  # noqa: E402
 from raysys.profiling import profile_steps  # noqa: E402
+from raysys.timing import MAX_STEPS  # noqa: E402
 from raysys.results import ResultWriter, check_sweep_name  # noqa: E402
 from raysys.train_step import compile_blocks  # noqa: E402
 
@@ -150,7 +151,8 @@ def grid_values(args: argparse.Namespace, defaults: dict[str, dict], device: str
                if args.context_length is None else check_int("--context-length", args.context_length, 1))
     return dict(size=size, context_length=context,
                 batch_per_rank=check_int("--batch-per-rank", pick("batch_per_rank"), 1),
-                warmup=check_int("--warmup", pick("warmup"), 0), steps=check_int("--steps", pick("steps"), 2))
+                warmup=check_int("--warmup", pick("warmup"), 0, MAX_STEPS),
+                steps=check_int("--steps", pick("steps"), 2, MAX_STEPS))
 
 
 def one_world_size(args: argparse.Namespace) -> int:
@@ -183,18 +185,22 @@ def parse_ints(text: str, what: str, minimum: int) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------------- checks
-def check_int(name: str, value: Any, minimum: int) -> int:
-    """`value` if it is an int >= minimum, else a ValueError naming `name` (a flag or a field)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} ({value!r}) must be an integer >= {minimum}")
+def check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
+    """`value` if it is an int in [minimum, maximum], else a ValueError naming `name` (a flag or a field) and the
+    range."""
+    if (not isinstance(value, int) or isinstance(value, bool) or value < minimum
+            or maximum is not None and value > maximum):
+        rule = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} ({value!r}) must be an integer {rule}")
     return value
 
 
 def check_timeout(name: str, value: float) -> float:
-    """A finite number of seconds > 0 (nan, inf, 0 and negative timeouts would make every trial an error row)."""
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} ({value!r}) must be a finite number of seconds > 0")
-    return float(value)
+    """A finite number of seconds in (0, a week] (`raysys.rank.MAX_TIMEOUT_S`): nan, inf, 0, negative or huge
+    timeouts would make every trial an error row."""
+    from raysys.rank import check_seconds
+
+    return check_seconds(name, value)
 
 
 def model_config(size: str, context_length: int, **overrides) -> ModelConfig:
@@ -223,8 +229,7 @@ def add_variant_flags(p: argparse.ArgumentParser, compiled_sweep: str, compile_n
 
 def check_variant_flags(args: argparse.Namespace, world_size: int) -> None:
     """What `add_variant_flags` added, checked before any rank starts."""
-    if args.paired_rounds < 0:
-        raise ValueError(f"--paired-rounds ({args.paired_rounds}) must be >= 0")
+    check_int("--paired-rounds", args.paired_rounds, 0, MAX_STEPS)
     if args.collectives_alone and world_size != 1:
         raise ValueError(f"--collectives-alone needs --world-sizes 1 (got {world_size}): a larger group always "
                          "communicates")
@@ -250,8 +255,7 @@ def paired_summary(row: Mapping) -> str:
 
 def check_timing_options(warmup: int, compile: bool, paired_rounds: int) -> None:
     """--compile and --paired-rounds, as the DDP and FSDP studies take them."""
-    if not isinstance(paired_rounds, int) or paired_rounds < 0:
-        raise ValueError(f"paired_rounds ({paired_rounds!r}) must be an int >= 0 (0: no paired timing)")
+    check_int("paired_rounds", paired_rounds, 0, MAX_STEPS)
     if compile and warmup < 1:
         raise ValueError(f"warmup ({warmup}) must be >= 1 with compiled blocks: the first step compiles them")
 
@@ -288,8 +292,8 @@ class GangTrial(Mapping):
     def __post_init__(self) -> None:
         self.model_config()
         check_int("batch_per_rank", self.batch_per_rank, 1)
-        check_int("warmup", self.warmup, 0)
-        check_int("steps", self.steps, 2)
+        check_int("warmup", self.warmup, 0, MAX_STEPS)
+        check_int("steps", self.steps, 2, MAX_STEPS)
         check_int("seed", self.seed, 0)
         if self.dtype not in GANG_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} not in {GANG_DTYPES}")

@@ -33,6 +33,16 @@ def test_hostile_trial_configs_are_refused_before_anything_runs(tmp_path, config
     assert not list(tmp_path.iterdir()) and not multiprocessing.active_children()
 
 
+def test_timeouts_out_of_bounds_are_refused_before_anything_runs(tmp_path):
+    """Issue 48: `timeout_s=1e15` passed and every trial became an OverflowError row."""
+    for kwargs, match in (({"timeout_s": 1e15},
+                           r"timeout_s \(1000000000000000\.0\) must be a finite number of seconds in \(0, 604800\]"),
+                          ({"trial_timeout_s": float("nan")}, r"trial_timeout_s \(nan\)")):
+        with pytest.raises(ValueError, match=match):
+            run_sweep("toy", [{"x": 1}], _trial, 1, tmp_path, device="cpu", launcher="mp", **kwargs)
+    assert not list(tmp_path.iterdir()) and not multiprocessing.active_children()
+
+
 def test_bad_sweep_names_are_refused(tmp_path):
     for name in ("x" * 300, "../etc", ""):
         with pytest.raises(ValueError, match="sweep name"):

@@ -74,7 +74,10 @@ def test_shared_arguments_are_checked_alike_before_anything_starts(make):
     for args, kwargs, match in [((0,), {}, r"world_size \(0\) must be an int >= 1"),
                                 ((2.0,), {}, r"world_size \(2.0\) must be an int >= 1"),
                                 ((2,), {"device": "cuda:0"}, "device 'cuda:0' must be one of"),
-                                ((2,), {"timeout_s": 0}, r"timeout_s \(0\) must be > 0"),
+                                ((2,), {"timeout_s": 0}, r"timeout_s \(0\) must be a finite number of seconds"),
+                                ((2,), {"timeout_s": 1e15},
+                                 r"timeout_s \(1000000000000000\.0\) must be a finite number of seconds in "
+                                 r"\(0, 604800\]"),
                                 ((2,), {"env": {"NCCL_NVLS_ENABLE": "1"}}, "multicast must stay off")]:
         with pytest.raises(ValueError, match=match):
             make(*args, **kwargs)

@@ -42,7 +42,7 @@ def _study(name: str):
 
 
 BAD = [
-    ("ddp", ["--steps", "0"], r"--steps \(0\) must be an integer >= 2"),
+    ("ddp", ["--steps", "0"], r"--steps \(0\) must be an integer in \[2, 100000\]"),
     ("ddp", ["--variants", "single,bogus"], "variant 'bogus'"),
     ("ddp", ["--dtypes", "fp8"], r"--dtypes: \['fp8'\]"),
     ("ddp", ["--size", "huge"], "--size 'huge' is not one of"),
@@ -56,6 +56,20 @@ BAD = [
     ("ddp", ["--world-sizes", "2,4"], "one world size per run"),
     ("ddp", ["--launcher", "mp", "--world-size", "100000"], "asked for 100000 CPU ranks on this machine"),
     ("ddp", ["--max-steps", "3"], r"--max-steps \(3\) must be >= --steps"),
+    # issue 48: upper bounds, stated
+    ("ddp", ["--timeout-s", "1e15"], r"--timeout-s \(1000000000000000\.0\) must be a finite number of seconds "
+                                     r"in \(0, 604800\]"),
+    ("ddp", ["--steps", "1000000000000"], r"--steps \(1000000000000\) must be an integer in \[2, 100000\]"),
+    ("ddp", ["--warmup", "100001"], r"--warmup \(100001\) must be an integer in \[0, 100000\]"),
+    ("ddp", ["--max-steps", "100001"], r"--max-steps \(100001\) must be an integer in \[10, 100000\]"),
+    ("ddp", ["--paired-rounds", "100001"], r"--paired-rounds \(100001\) must be an integer in \[0, 100000\]"),
+    ("fsdp", ["--timeout-s", "1e15"], r"--timeout-s \(1000000000000000\.0\)"),
+    ("sharded_optimizer", ["--steps", "100001"], r"--steps \(100001\) must be an integer in \[2, 100000\]"),
+    ("allreduce", ["--timeout-s", "1e15"], r"--timeout-s \(1000000000000000\.0\) must be a finite number"),
+    ("allreduce", ["--iters", "100001"], r"--iters \(100001\) must be an integer in \[1, 100000\]"),
+    ("attention", ["--steps", "100001"], r"--steps \(100001\) must be an integer in \[1, 100000\]"),
+    ("checkpointing", ["--warmup", "100001"], r"--warmup \(100001\) must be an integer in \[0, 100000\]"),
+    ("flash_bench", ["--time-budget-s", "1e15"], r"--time-budget-s \(1000000000000000\.0\)"),
     ("fsdp", ["--steps", "0"], r"--steps \(0\)"),
     ("fsdp", ["--variants", "zero3"], r"--variants: \['zero3'\]"),
     ("fsdp", ["--dtypes", "fp8"], "fp8"),
