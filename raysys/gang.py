@@ -40,6 +40,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raysys.device import resolve_device
 from raysys.rank import (DEVICES, RANK_ENV, BaseGang, PlacementInfeasible, RankContext, RankSpec, check_seconds,
                          destroy_rank, device_description, free_port, init_rank, max_cpu_ranks)
+from raysys.signals import keep_sigterm_interrupt
 from raysys.telemetry import RankMonitor
 
 log = logging.getLogger(__name__)
@@ -71,11 +72,14 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, num_gpu
         if any(v is not None for v in (num_cpus, num_gpus, object_store_memory)):
             log.warning("connecting to the Ray cluster at %s: num_cpus/num_gpus/object_store_memory are ignored",
                         address)
-        context = ray.init(address=address, logging_level=logging.WARNING)
+        with keep_sigterm_interrupt():
+            context = ray.init(address=address, logging_level=logging.WARNING)
     else:
-        context = ray.init(address="local", num_cpus=os.cpu_count() if num_cpus is None else num_cpus,
-                           num_gpus=num_gpus, object_store_memory=object_store_memory or _default_object_store_bytes(),
-                           include_dashboard=dashboard, logging_level=logging.WARNING)
+        with keep_sigterm_interrupt():  # SIGTERM while Ray starts: the run's one line, not a silent exit 15
+            context = ray.init(address="local", num_cpus=os.cpu_count() if num_cpus is None else num_cpus,
+                               num_gpus=num_gpus,
+                               object_store_memory=object_store_memory or _default_object_store_bytes(),
+                               include_dashboard=dashboard, logging_level=logging.WARNING)
     _DASHBOARD["url"] = context.dashboard_url or ""
     info = cluster_info()
     if info["dashboard_url"]:

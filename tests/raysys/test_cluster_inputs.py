@@ -197,3 +197,34 @@ def test_a_lost_node_is_said_once_and_resume_runs_the_trials_it_cost(tmp_path, m
                       show=False)
     assert state["ran"] == [1, 2, 2, 3, 4] and list(again["status"]) == ["ok"] * 4
     assert list(read_results(tmp_path / "toy.parquet")["status"]) == ["ok"] * 4
+
+
+def test_sigterm_while_ray_starts_is_an_interrupt_and_the_handler_is_ours_again(monkeypatch):
+    """Issue 48: SIGTERM during Ray's start exited 15 without a word, because `ray.init` first sets a SIGTERM
+    handler of its own, `sys.exit(signum)` (ray._private.worker.init). Under `interrupt_on_sigterm` (every script's
+    entry point) it is a KeyboardInterrupt there too, and after a start our handler is back."""
+    import signal
+    import sys
+    import time
+
+    import ray
+    import raysys.gang as gang
+    from raysys.signals import interrupt_on_sigterm
+
+    def ray_init(**kwargs):  # what Ray does first, then the signal arrives while it starts
+        ray._private.utils.set_sigterm_handler(lambda signum, frame: sys.exit(signum))
+        if kwargs["num_cpus"] == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)  # the handler runs before this returns
+        return type("Context", (), {"dashboard_url": ""})()
+
+    monkeypatch.setattr(gang.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(gang.ray, "init", ray_init)
+    monkeypatch.setattr(gang, "cluster_info", lambda: {"dashboard_url": ""})
+    with interrupt_on_sigterm():
+        ours = signal.getsignal(signal.SIGTERM)
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            gang.init_ray("local", num_cpus=1)
+        assert signal.getsignal(signal.SIGTERM) is ours
+        gang.init_ray("local", num_cpus=2)  # a start that went through: a later SIGTERM is still an interrupt
+        assert signal.getsignal(signal.SIGTERM) is ours
