@@ -18,9 +18,10 @@ once) and rewrites it atomically after every `write` (`raysys.files`): readers s
 full disk leaves the old one and says so, files are 0644 under the usual umask, and temp files of dead writers
 are removed (only theirs). A reader of a file a live sweep is writing must open it once: `read_results` reads
 its bytes in one go, whereas `pd.read_parquet(path)` opens the path again for the data after its footer, and a
-replace in between mixes two files' bytes (pyarrow then raises "Couldn't deserialize thrift"). Committed results (`results/`) are
-written only when named with `--out`; a fresh run directory a run left empty (it failed before its first row) is
-removed when it ends (`discard_empty_run_dirs`).
+replace in between mixes two files' bytes (pyarrow then raises "Couldn't deserialize thrift"). Committed results
+(`results/`) are written only when named with `--out`; a directory a run created (a fresh run directory, or an
+`--out` that did not exist) and left empty (it failed before its first row) is removed when it ends
+(`discard_empty_run_dirs`).
 Analysis is `read_results(path)` (or `pd.read_parquet(path)` on a finished file); `read_results(dir)` skips an
 unreadable file with one line on stderr.
 
@@ -318,16 +319,17 @@ def default_out_dir(sweep: str) -> Path:
     raise ResultsError(f"{root}: could not create a fresh run directory for {sweep!r}")
 
 
-_FRESH_DIRS: list[Path] = []  # run directories this process created, removed again while they hold nothing
+_FRESH_DIRS: list[Path] = []  # directories this process created, removed again while they hold nothing
 
 
 @atexit.register
 def discard_empty_run_dirs() -> list[Path]:
-    """Remove the fresh run directories this process created that are still empty (a check that failed after the
-    directory was made, Ray refusing the gang, Ctrl-C before the first row): a failed run leaves no trace.
+    """Remove the directories this process created for results that are still empty (a fresh run directory, or a
+    `--out` that did not exist, when a check failed after it was made, Ray refused the gang, or Ctrl-C came before
+    the first row): a failed run leaves no trace. A directory that existed before is never removed.
     `raysys.cli.run_script` calls it when a script ends, and it runs at exit. Returns the directories removed."""
     removed = []
-    for path in list(_FRESH_DIRS):
+    for path in sorted(_FRESH_DIRS, key=lambda p: len(p.parts), reverse=True):  # a directory before its parent
         try:
             path.rmdir()  # only ever removes an empty directory
         except FileNotFoundError:
@@ -340,15 +342,18 @@ def discard_empty_run_dirs() -> list[Path]:
 
 
 def prepare_out_dir(out: str | os.PathLike) -> Path:
-    """The absolute results directory `out`, created if missing; `ResultsError` (a one-line ValueError) if it is
-    a file, cannot be created or is not writable."""
+    """The absolute results directory `out`, created if missing (and then removed again at the end if the run
+    leaves it empty, `discard_empty_run_dirs`); `ResultsError` (a one-line ValueError) if it is a file, cannot be
+    created or is not writable."""
     path = Path(out).expanduser().resolve()
     if path.exists() and not path.is_dir():
         raise ResultsError(f"results directory {path} is a file, not a directory")
+    missing = [p for p in (path, *path.parents) if not p.exists()]
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ResultsError(f"cannot create results directory {path}: {exc.strerror or exc}") from None
+    _FRESH_DIRS.extend(p for p in missing if p not in _FRESH_DIRS)
     if not os.access(path, os.W_OK | os.X_OK):
         raise ResultsError(f"results directory {path} is not writable")
     return path

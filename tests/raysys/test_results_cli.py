@@ -102,3 +102,14 @@ def test_bench_steps_and_warmup_are_bounded_before_any_work(tmp_path, capsys):
         err = capsys.readouterr().err
         assert match in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "b").exists()
+
+
+def test_bench_failing_after_its_out_was_made_leaves_no_empty_directory(tmp_path, capsys):
+    """Issue 49: `bench --attention cudnn` on a CPU fails once the run directory exists and left it empty; an --out
+    this run created goes again, one that existed stays."""
+    argv = ["bench", "--size", "tiny", "--attention", "cudnn", "--device", "cpu", "--warmup", "0", "--steps", "1"]
+    assert cli.main([*argv, "--out", str(tmp_path / "new" / "b")]) == 2
+    assert "attention 'cudnn' needs CUDA tensors" in capsys.readouterr().err
+    (tmp_path / "mine").mkdir()
+    assert cli.main([*argv, "--out", str(tmp_path / "mine")]) == 2
+    assert not (tmp_path / "new").exists() and list((tmp_path / "mine").iterdir()) == []

@@ -279,7 +279,13 @@ def test_a_run_refused_after_its_run_directory_was_made_leaves_none(tmp_path, mo
     monkeypatch.setattr(common, "gang_device", refuse)
     assert common.main_entry(ddp.main, ["--device", "cpu", "--world-size", "2", "--launcher", "ray"]) == 2
     assert "asked for 2 ranks" in capsys.readouterr().err
-    assert list((tmp_path / "runs").iterdir()) == []
+    assert not (tmp_path / "runs").exists()  # nor the runs root this run made for it
+    # issue 49: an --out that this run created goes too (`ddp.py --world-sizes 4 --out D`); one that existed stays
+    argv = ["--device", "cpu", "--world-size", "2", "--launcher", "ray", "--out"]
+    assert common.main_entry(ddp.main, [*argv, str(tmp_path / "new" / "out")]) == 2
+    (tmp_path / "mine").mkdir()
+    assert common.main_entry(ddp.main, [*argv, str(tmp_path / "mine")]) == 2
+    assert not (tmp_path / "new").exists() and list((tmp_path / "mine").iterdir()) == []
 
 
 def test_leaderboard_context_length_is_bounded_before_any_model(tmp_path, capsys, no_ray):
