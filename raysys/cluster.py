@@ -43,15 +43,15 @@ import pandas as pd
 import ray
 from tqdm.auto import tqdm
 
-from raysys.gang import Gang, check_placement, cluster_info, cluster_nodes, gang_device, init_ray
+from raysys.gang import Gang, check_placement, cluster_info, cluster_nodes, gang_device, gcs_lost, init_ray
 from raysys.mp_gang import ProcessGang, check_local_placement, local_device
 from raysys.rank import PlacementInfeasible, RankContext, check_seconds
 from raysys.signals import interrupt_on_sigterm
 from raysys.telemetry import SweepProgress
 from raysys.results import (NOT_RUN, ResultWriter, check_row_keys, check_sweep_name, error_row, make_row,
                             trial_id)
-from raysys.studies import (interrupted_message, read_sweep, resolve_out_dir, summary_table, sweep_parser,
-                            writer_options)
+from raysys.studies import (ClusterLost, interrupted_message, read_sweep, resolve_out_dir, summary_table,
+                            sweep_parser, writer_options)
 
 __all__ = ["Gang", "PlacementInfeasible", "ProcessGang", "RankContext", "check_gang", "cluster_info",
            "cluster_nodes", "gang_columns", "init_ray", "interrupt_on_sigterm", "interrupted_message", "read_sweep",
@@ -214,8 +214,11 @@ def _run_sweep(sweep: str, trials: list[dict], trial_fn: Callable[..., Any], wor
                 bar.update()
     except KeyboardInterrupt as exc:
         bar.close()
-        message = interrupted_message(sweep, len(rows), len(configs), writer.path)
+        lost = gcs_lost() if launcher == "ray" else ""
+        message = interrupted_message(sweep, len(rows), len(configs), writer.path, lost)
         print(message, file=sys.stderr, flush=True)
+        if lost:  # not the user's interrupt: the cluster's end (raysys.gang.GcsWatch)
+            raise ClusterLost(message) from None
         exc.add_note(message)  # the script's entry point (raysys.cli.run_script) then adds nothing
         raise
     finally:
@@ -239,7 +242,9 @@ class NodeWatch:
 
     def check(self, index: int, total: int) -> str:
         """'; Ray node <id> (<address>) was lost' for the nodes gone since the start (or ''), said on stderr the
-        first time."""
+        first time. Without a GCS (the head is lost, `gcs_lost`) it asks nothing: the answer would never come."""
+        if gcs_lost():
+            return ""
         alive = {n.node_id for n in cluster_nodes()}
         lost = [n for node_id, n in self.known.items() if node_id not in alive]
         if not lost:
@@ -431,8 +436,12 @@ def _tune_run(trainable: Callable[[dict], Any], param_space: Mapping[str, Any], 
                     results = tuner.fit()
             except KeyboardInterrupt as exc:
                 bar.close()
-                message = interrupted_message(sweep, len(rows), len(todo) if todo is not None else None, writer.path)
+                lost = gcs_lost()
+                message = interrupted_message(sweep, len(rows), len(todo) if todo is not None else None, writer.path,
+                                              lost)
                 print(message, file=sys.stderr, flush=True)
+                if lost:
+                    raise ClusterLost(message) from None
                 exc.add_note(message)
                 ray.shutdown()  # this driver's Tune trials die with it
                 raise

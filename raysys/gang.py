@@ -21,6 +21,7 @@ peers), and marks the gang `broken`.
 
 from __future__ import annotations
 
+import _thread
 import functools
 import importlib.util
 import itertools
@@ -28,6 +29,7 @@ import logging
 import math
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -81,10 +83,76 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, num_gpu
                                object_store_memory=object_store_memory or _default_object_store_bytes(),
                                include_dashboard=dashboard, logging_level=logging.WARNING)
     _DASHBOARD["url"] = context.dashboard_url or ""
+    GcsWatch.watch(ray.get_runtime_context().gcs_address, embedded=not address or address == "local")
     info = cluster_info()
     if info["dashboard_url"]:
         print(f"Ray dashboard: http://{info['dashboard_url']}", flush=True)
     return info
+
+
+class GcsWatch(threading.Thread):
+    """Notices the loss of the Ray cluster's head (its GCS) while it is still time to say so.
+
+    Ray's driver ends its process with Ray's own message 60 s after it loses the GCS, and every call that needs the
+    GCS meanwhile (removing a placement group, listing nodes) waits for that end. This daemon thread connects to
+    the GCS's port every `period_s`; once it has refused for `grace_s` (5 s for the embedded Ray this process
+    started, which nothing restarts; 40 s for a named cluster, whose GCS may come back within Ray's 60 s), `lost`
+    says why and `on_lost` runs: by default a KeyboardInterrupt in the main thread, as Ctrl-C, which a sweep turns
+    into its one line (`raysys.studies.ClusterLost`). Blocking waits only; no GCS call of its own.
+    """
+
+    current: "GcsWatch | None" = None
+
+    def __init__(self, address: str, *, grace_s: float, period_s: float = 1.0,
+                 on_lost: Callable[[], None] = _thread.interrupt_main):
+        super().__init__(name="raysys-gcs-watch", daemon=True)
+        host, _, port = address.rpartition(":")
+        self.address, self.target = address, (host.strip("[]"), int(port))
+        self.grace_s, self.period_s, self.on_lost = grace_s, period_s, on_lost
+        self.lost = ""
+        self._stopping = threading.Event()
+
+    @classmethod
+    def watch(cls, address: str, embedded: bool) -> "GcsWatch":
+        """Watch the GCS at `address` (one watch per process: a new address replaces the old watch)."""
+        if cls.current is not None and cls.current.address == address and cls.current.is_alive():
+            return cls.current
+        if cls.current is not None:
+            cls.current.stop()
+        cls.current = cls(address, grace_s=5.0 if embedded else 40.0)
+        cls.current.start()
+        return cls.current
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def _answers(self) -> bool:
+        try:
+            socket.create_connection(self.target, timeout=min(2.0, self.period_s * 2)).close()
+            return True
+        except OSError:
+            return False
+
+    def run(self) -> None:
+        refused_since = None
+        while not self._stopping.wait(self.period_s):
+            if self._answers():
+                refused_since = None
+                continue
+            now = time.monotonic()
+            refused_since = refused_since if refused_since is not None else now
+            if now - refused_since >= self.grace_s:
+                if not ray.is_initialized():  # ray.shutdown() stopped it: nothing was lost
+                    return
+                self.lost = f"the GCS at {self.address} stopped answering {self.grace_s:g} s ago"
+                self.on_lost()
+                return
+
+
+def gcs_lost() -> str:
+    """Why the Ray cluster this process uses is lost (`GcsWatch`), or ''."""
+    watch = GcsWatch.current
+    return watch.lost if watch is not None else ""
 
 
 def _default_object_store_bytes() -> int:
@@ -339,9 +407,9 @@ class Gang(BaseGang):
             for actor in self.actors:
                 ray.kill(actor, no_restart=True)
             self.actors = []
-            if self._pg is not None:
+            if self._pg is not None and not gcs_lost():  # without a GCS this call waits for Ray to end the process
                 remove_placement_group(self._pg)
-                self._pg = None
+            self._pg = None
 
     # -- running
     def _submit(self, fn: Callable[..., Any], args: tuple, kwargs: dict, label: str) -> list:

@@ -221,6 +221,8 @@ def test_sigterm_while_ray_starts_is_an_interrupt_and_the_handler_is_ours_again(
     monkeypatch.setattr(gang.ray, "is_initialized", lambda: False)
     monkeypatch.setattr(gang.ray, "init", ray_init)
     monkeypatch.setattr(gang, "cluster_info", lambda: {"dashboard_url": ""})
+    monkeypatch.setattr(gang.GcsWatch, "watch", lambda address, embedded: None)
+    monkeypatch.setattr(gang.ray, "get_runtime_context", lambda: type("Runtime", (), {"gcs_address": "x:1"})())
     with interrupt_on_sigterm():
         ours = signal.getsignal(signal.SIGTERM)
         with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
@@ -228,3 +230,105 @@ def test_sigterm_while_ray_starts_is_an_interrupt_and_the_handler_is_ours_again(
         assert signal.getsignal(signal.SIGTERM) is ours
         gang.init_ray("local", num_cpus=2)  # a start that went through: a later SIGTERM is still an interrupt
         assert signal.getsignal(signal.SIGTERM) is ours
+
+
+def test_the_watch_notices_a_gcs_that_stops_answering(monkeypatch):
+    """Issue 48: after the GCS died the driver exited 1 after 61 s with Ray's message only. `GcsWatch` probes the
+    GCS's port: quiet while it answers, and once it has refused for the grace period it says why and calls
+    `on_lost` (by default a KeyboardInterrupt in the main thread)."""
+    import socket
+    import threading
+
+    import raysys.gang as gang
+
+    server = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{server.getsockname()[1]}"
+    lost = threading.Event()
+    monkeypatch.setattr(gang.ray, "is_initialized", lambda: True)
+    watch = gang.GcsWatch(address, grace_s=0.2, period_s=0.02, on_lost=lost.set)
+    watch.start()
+    assert not lost.wait(0.4) and watch.lost == ""  # 20 probes answered: nothing said
+    server.close()
+    assert lost.wait(60), "the watch did not notice the closed port"
+    assert watch.lost == f"the GCS at {address} stopped answering 0.2 s ago"
+    watch.join(timeout=10)
+    assert not watch.is_alive()
+
+
+def test_a_lost_cluster_ends_the_sweep_with_one_line_and_exit_code_1(tmp_path, monkeypatch, capsys):
+    """What a sweep does when `GcsWatch` interrupts it: one line that says the cluster was lost, where the rows are
+    and to resume, exit code 1; no call that would wait for Ray's end (listing nodes, removing the placement
+    group)."""
+    import raysys.cluster as cluster
+    from raysys.cli import run_script
+    from raysys.gang import NodeInfo
+    from raysys.rank import BaseGang
+
+    state = {"lost": "", "node_calls": 0, "shutdowns": 0}
+
+    class HeadDies(BaseGang):  # the GCS dies during the second trial
+        def __init__(self, world_size, *, device, name, timeout_s, env, **_):
+            super().__init__(world_size, device=device, name=name, timeout_s=timeout_s, env=env)
+            self.up = False
+
+        running = property(lambda self: self.up)
+
+        def _resolve_device(self):
+            return "cpu"
+
+        def _check_placement(self):
+            pass
+
+        def _start(self):
+            self.up, self.ranks = True, [{"rank": 0, "device_name": "cpu"}]
+
+        def _submit(self, fn, args, kwargs, label):
+            return args[0]
+
+        def _collect(self, config, label, timeout_s):
+            if config["x"] == 2:
+                state["lost"] = "the GCS at 10.0.0.1:6379 stopped answering 5 s ago"
+                raise KeyboardInterrupt  # what GcsWatch's on_lost does to the main thread
+            return [{"x2": 2 * config["x"]}]
+
+        def shutdown(self):
+            state["shutdowns"] += 1
+            self.up = False
+
+    def nodes():
+        state["node_calls"] += 1
+        return [NodeInfo("a" * 56, "10.0.0.1", 2.0, 0.0)]
+
+    monkeypatch.setattr(cluster, "init_ray", lambda *a, **k: {})
+    monkeypatch.setattr(cluster, "gang_device", lambda device: "cpu")
+    monkeypatch.setattr(cluster, "cluster_nodes", nodes)
+    monkeypatch.setattr(cluster, "gcs_lost", lambda: state["lost"])
+    monkeypatch.setattr(cluster, "Gang", HeadDies)
+
+    def main(argv):
+        run_sweep("toy", [{"x": x} for x in (1, 2, 3)], _trial, 1, tmp_path, device="cpu", show=False)
+
+    assert run_script(main) == 1
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("toy:")]
+    assert said == [f"toy: lost its Ray cluster (the GCS at 10.0.0.1:6379 stopped answering 5 s ago) after 1 of 3 "
+                    f"trials; its rows are in {tmp_path / 'toy.parquet'}; rerun with --resume once the cluster is back"]
+    assert state["node_calls"] == 1 and state["shutdowns"] == 1  # nodes listed at the start only
+    assert list(read_results(tmp_path / "toy.parquet")["x"]) == [1]
+
+
+def test_a_gang_whose_cluster_is_lost_shuts_down_without_waiting_on_the_gcs(monkeypatch):
+    """Removing a placement group needs the GCS: without one the call waits until Ray ends the process (60 s). The
+    actors are killed (no GCS needed); the placement group is left to the cluster that lost it."""
+    import raysys.gang as gang
+
+    calls = []
+    monkeypatch.setattr(gang.ray, "kill", lambda actor, no_restart: calls.append(("kill", actor)))
+    monkeypatch.setattr(gang, "remove_placement_group", lambda pg: calls.append(("remove", pg)))
+    for lost, expected in (("the GCS at x:1 stopped answering 5 s ago", [("kill", "a0")]),
+                           ("", [("kill", "a0"), ("remove", "pg")])):
+        monkeypatch.setattr(gang, "gcs_lost", lambda: lost)
+        g = gang.Gang(1, device="cpu")
+        g.actors, g._pg, g.broken = ["a0"], "pg", True
+        calls.clear()
+        g.shutdown()
+        assert calls == expected and g._pg is None and g.actors == []
