@@ -15,7 +15,8 @@ import pandas as pd
 
 from raysys.results import resolve_out
 
-__all__ = ["ClusterLost", "interrupted_message", "read_sweep", "resolve_out_dir", "summary_table", "sweep_parser", "writer_options"]
+__all__ = ["ClusterLost", "interrupted_message", "read_sweep", "resolve_out_dir", "summary_table", "sweep_parser",
+           "writer_options"]
 
 
 def resolve_out_dir(out: str | os.PathLike | None = None, sweep: str | None = None) -> Path:
