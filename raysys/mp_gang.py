@@ -83,6 +83,7 @@ def _ranks_ignore_sigint():
 
 
 def _serve(spec: RankSpec, conn) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's, however this process was started
     die_with_parent()
     try:
         ctx = init_rank(spec)
