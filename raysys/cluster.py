@@ -241,8 +241,8 @@ class NodeWatch:
         self.reported: set[str] = set()
 
     def check(self, index: int, total: int) -> str:
-        """'; Ray node <id> (<address>) was lost' for the nodes gone since the start (or ''), said on stderr the
-        first time. Without a GCS (the head is lost, `gcs_lost`) it asks nothing: the answer would never come."""
+        """'; Ray node <id> (<address>) lost during the sweep' for the nodes gone since the start (or ''), said on
+        stderr the first time. Without a GCS (the head is lost, `gcs_lost`) it asks nothing: no answer would come."""
         if gcs_lost():
             return ""
         alive = {n.node_id for n in cluster_nodes()}

@@ -16,7 +16,8 @@ Invariants: ranks are ordered by node (the driver's node first), then GPU/bundle
 removed and the actors killed when the gang ends, whatever happened; a rank that raises, dies or outlives the
 timeout makes `Gang.run` raise at once instead of waiting for the others (the error of the first failing rank,
 annotated with its rank; a dead rank's `RayActorError` wins over the collective errors it causes in its
-peers), and marks the gang `broken`.
+peers), and marks the gang `broken`. A lost head (GCS) is noticed within seconds (`GcsWatch`), not when Ray ends
+the driver 60 s later.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ class GcsWatch(threading.Thread):
     the GCS's port every `period_s`; once it has refused for `grace_s` (5 s for the embedded Ray this process
     started, which nothing restarts; 40 s for a named cluster, whose GCS may come back within Ray's 60 s), `lost`
     says why and `on_lost` runs: by default a KeyboardInterrupt in the main thread, as Ctrl-C, which a sweep turns
-    into its one line (`raysys.studies.ClusterLost`). Blocking waits only; no GCS call of its own.
+    into its one line (`raysys.studies.ClusterLost`). It sleeps between probes and makes no Ray call; it stops
+    quietly when `ray.shutdown()` ended the cluster on purpose.
     """
 
     current: "GcsWatch | None" = None
