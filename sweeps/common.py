@@ -5,8 +5,9 @@
   per flag across studies; older spellings stay as hidden aliases (`alias`, `list_flag`); --help shows every
   default (`HelpFormatter`); `add_model_flags` / `grid_values` for the model grid of the gang studies.
 - Checks that run before Ray starts or any trial runs, each a one-line ValueError naming the value and the rule:
-  `check_int`, `check_timeout`, `parse_list`, `model_config`, `check_fits` (a CPU run bounded by the machine's
-  memory), `one_world_size`; `run_gang_study` checks a gang study's whole grid, its results directory and file
+  `check_int` and `check_timeout` (both with upper bounds they state), `parse_list`, `model_config`, `check_fits`
+  (a CPU run bounded by the machine's memory), `one_world_size`; `run_gang_study` checks a gang study's whole
+  grid, its results directory and file (a file to resume against this run's configuration, `check_resumed`)
   before it starts Ray.
 - Training pieces of the gang studies: `GangTrial` (the frozen base of DDPTrial, ShardedTrial, FSDPTrial: the
   trial is its row's configuration, with `.model_config()` and `.batch()`), `build_model`, `adamw_kwargs`,
@@ -47,8 +48,8 @@ from raysys.files import write_text  # noqa: E402
 from raysys.memory import TrialScope  # noqa: E402
 from raysys.model import TransformerLM  # noqa: E402
 from raysys.profiling import profile_steps  # noqa: E402
-from raysys.timing import MAX_STEPS  # noqa: E402
 from raysys.results import ResultWriter, check_sweep_name  # noqa: E402
+from raysys.timing import MAX_STEPS  # noqa: E402
 from raysys.train_step import compile_blocks  # noqa: E402
 
 GANG_DTYPES = ("fp32", "bf16")
