@@ -1,5 +1,6 @@
-"""run_sweep's input is checked before any work, resource-sized input is bounded by the machine, and Ctrl-C
-says how far the sweep got. Plain processes (`launcher="mp"`) only: no Ray is started here."""
+"""run_sweep's input is checked before any work, resource-sized input is bounded by the machine, Ctrl-C and
+SIGTERM say how far the sweep got, and a lost Ray node or head is said in one line. Plain processes
+(`launcher="mp"`), and stand-ins for Ray's calls: no Ray is started here."""
 
 from __future__ import annotations
 
