@@ -26,7 +26,7 @@ from raysys.config import SIZES, ModelConfig
 from raysys.device import DTYPES, autocast, free_memory, resolve_device
 from raysys.model import AdamW, TransformerLM, attention_backends, cross_entropy, nvtx_range
 from raysys.results import PROVENANCE_COLUMNS, make_row, status_of
-from raysys.timing import PhaseTimer, tflops
+from raysys.timing import MAX_STEPS, PhaseTimer, tflops
 
 MODES = ("forward", "forward-backward", "train-step")
 
@@ -71,10 +71,10 @@ class BenchConfig:
             raise ValueError(f"mode {self.mode!r} is not one of {MODES}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
-        if self.warmup < 0:
-            raise ValueError(f"warmup ({self.warmup}) must be >= 0")
-        if self.steps < 1:
-            raise ValueError(f"steps ({self.steps}) must be >= 1")
+        if not 0 <= self.warmup <= MAX_STEPS:
+            raise ValueError(f"warmup ({self.warmup}) must be in [0, {MAX_STEPS}]")
+        if not 1 <= self.steps <= MAX_STEPS:
+            raise ValueError(f"steps ({self.steps}) must be in [1, {MAX_STEPS}]")
         if self.batch_size < 1:
             raise ValueError(f"batch_size ({self.batch_size}) must be >= 1")
         if self.attention not in attention_backends():

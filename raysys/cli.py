@@ -16,6 +16,7 @@ from raysys.config import SIZES
 from raysys.device import check_fits, resolve_device
 from raysys.results import DiskFull, ResultWriter, discard_empty_run_dirs, resolve_out, trial_id
 from raysys.signals import interrupt_on_sigterm
+from raysys.studies import ClusterLost
 
 
 def _add_bench(sub) -> None:
@@ -211,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(exc, "__notes__", None):  # run_sweep / tune_run already said where the rows are
             print(f"raysys {args.command}: interrupted", file=sys.stderr)
         return 130
+    except ClusterLost:  # run_sweep / tune_run said it
+        return 1
     finally:
         discard_empty_run_dirs()  # a run stopped before its first row leaves no empty ./runs/<UTC>-<command>/
 
@@ -249,6 +252,8 @@ def run_script(main_fn, argv: list[str] | None = None) -> int:
         if not getattr(exc, "__notes__", None):  # run_sweep / tune_run already said where the rows are
             print(f"{name}: interrupted", file=sys.stderr)
         return 130
+    except ClusterLost:  # run_sweep / tune_run said it, where the rows are included
+        return 1
     finally:
         discard_empty_run_dirs()  # a run that failed before its first row leaves no empty ./runs/<UTC>-<sweep>/
     return result if isinstance(result, int) else 0

@@ -12,7 +12,9 @@
 `run_sweep` keeps one gang (Ray actors, or plain processes with `launcher="mp"`) for consecutive trials. A
 trial that raises (OOM included), loses a rank (`RayActorError`) or exceeds `trial_timeout_s`
 (`GetTimeoutError`) becomes a row with status `oom|error|timeout` and its error text; the gang is torn down
-and a fresh one built for the next trial. A gang the cluster can never hold makes `skipped` rows. Every
+and a fresh one built for the next trial. A gang the cluster cannot hold makes `skipped` rows (`not run: ...`,
+which `resume=True` runs again, like failed trials); a Ray node lost during the sweep is said in one line and
+named in the rows it cost. Every
 trial's row is written at once (atomically, `raysys.results.ResultWriter`), so an interrupted sweep leaves a
 complete file and `resume=True` skips the trials already in it; without `out_dir` the rows go to a fresh run
 directory (`raysys.results.default_out_dir`). Trial configs are checked before Ray starts: no key may overwrite
@@ -41,18 +43,19 @@ import pandas as pd
 import ray
 from tqdm.auto import tqdm
 
-from raysys.gang import Gang, check_placement, cluster_info, cluster_nodes, gang_device, init_ray
+from raysys.gang import Gang, check_placement, cluster_info, cluster_nodes, gang_device, gcs_lost, init_ray
 from raysys.mp_gang import ProcessGang, check_local_placement, local_device
-from raysys.rank import PlacementInfeasible, RankContext
+from raysys.rank import PlacementInfeasible, RankContext, check_seconds
 from raysys.signals import interrupt_on_sigterm
 from raysys.telemetry import SweepProgress
-from raysys.results import ResultWriter, check_row_keys, check_sweep_name, error_row, make_row, trial_id
-from raysys.studies import (interrupted_message, read_sweep, resolve_out_dir, summary_table, sweep_parser,
-                            writer_options)
+from raysys.results import (NOT_RUN, ResultWriter, check_row_keys, check_sweep_name, error_row, make_row,
+                            trial_id)
+from raysys.studies import (ClusterLost, interrupted_message, read_sweep, resolve_out_dir, summary_table,
+                            sweep_parser, writer_options)
 
-__all__ = ["Gang", "PlacementInfeasible", "ProcessGang", "RankContext", "check_gang", "cluster_info", "cluster_nodes",
-           "init_ray", "interrupt_on_sigterm", "interrupted_message", "read_sweep", "resolve_out_dir", "run_sweep",
-           "sweep_parser", "tune_run", "writer_options"]
+__all__ = ["Gang", "PlacementInfeasible", "ProcessGang", "RankContext", "check_gang", "cluster_info",
+           "cluster_nodes", "gang_columns", "init_ray", "interrupt_on_sigterm", "interrupted_message", "read_sweep",
+           "resolve_out_dir", "run_sweep", "sweep_parser", "tune_run", "writer_options"]
 
 LAUNCHERS = ("ray", "mp")
 _METRIC_SKIP = {"trial_id", "config", "date", "timestamp", "time_this_iter_s", "time_total_s", "pid", "hostname",
@@ -85,6 +88,12 @@ def check_gang(world_size: int, *, device: str, launcher: str = "ray", strategy:
     return resolved
 
 
+def gang_columns(world_size: int, launcher: str, device: str, gpu_visibility: str = "shared") -> dict[str, Any]:
+    """The configuration columns `run_sweep` adds to every trial of a gang (`device` resolved: cuda or cpu)."""
+    visibility = (gpu_visibility if launcher == "ray" else "shared") if device == "cuda" else "none"
+    return {"world_size": world_size, "launcher": launcher, "device": device, "gpu_visibility": visibility}
+
+
 def run_sweep(sweep: str, trials: Sequence[Mapping[str, Any]], trial_fn: Callable[..., Any], world_size: int,
               out_dir: str | os.PathLike | None = None, *, device: str = "auto", resume: bool = False,
               mode: str | None = None, allow_mixed: bool = False,
@@ -111,6 +120,9 @@ def run_sweep(sweep: str, trials: Sequence[Mapping[str, Any]], trial_fn: Callabl
         raise ValueError(f"launcher {launcher!r} must be one of {LAUNCHERS}")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size ({world_size!r}) must be an int >= 1")
+    check_seconds("timeout_s", timeout_s)
+    if trial_timeout_s is not None:
+        check_seconds("trial_timeout_s", trial_timeout_s)
     check_sweep_name(sweep)
     trials = list(trials)  # each trial reaches trial_fn and reduce as given (a dict, or a frozen trial mapping)
     for t in trials:
@@ -149,8 +161,7 @@ def _run_sweep(sweep: str, trials: list[dict], trial_fn: Callable[..., Any], wor
         resolved = local_device(device)
         make_gang = functools.partial(ProcessGang, world_size, device=resolved, name=sweep, timeout_s=timeout_s,
                                       env=env)
-    visibility = (gpu_visibility if launcher == "ray" else "shared") if resolved == "cuda" else "none"
-    fixed = {"world_size": world_size, "launcher": launcher, "device": resolved, "gpu_visibility": visibility}
+    fixed = gang_columns(world_size, launcher, resolved, gpu_visibility)
     for t in trials:
         for key in ("device", "gpu_visibility"):
             if key in t and t[key] != fixed[key]:
@@ -159,6 +170,7 @@ def _run_sweep(sweep: str, trials: list[dict], trial_fn: Callable[..., Any], wor
 
     rows: list[dict] = []
     gang, infeasible = None, ""
+    nodes = NodeWatch(sweep) if launcher == "ray" else None
     bar = tqdm(total=len(configs), desc=f"{sweep} [{launcher} x{world_size} {resolved}]", unit="trial")
     progress = SweepProgress(sweep, len(configs))  # the dashboard's view of it (raysys.telemetry)
     try:
@@ -182,10 +194,13 @@ def _run_sweep(sweep: str, trials: list[dict], trial_fn: Callable[..., Any], wor
                                              timeout_s=trial_timeout_s)
                         extra["device_name"] = gang.ranks[0].get("device_name", "")
                         metrics = dict(reduce(trial, per_rank))
-                    except PlacementInfeasible as exc:
-                        infeasible = str(exc)
+                    except PlacementInfeasible as exc:  # this cluster cannot hold it: --resume tries again
+                        lost = nodes.check(i, len(configs)) if nodes is not None else ""
+                        infeasible = f"{NOT_RUN} {exc}{lost}"
                         row = make_row(sweep, config, status="skipped", error=infeasible, **extra)
                     except Exception as exc:  # the trial's failure is a result; the sweep goes on
+                        if nodes is not None and (lost := nodes.check(i, len(configs))):
+                            exc.add_note(lost.strip("; "))
                         row = error_row(sweep, config, exc, **extra)
                         if gang is not None and gang.broken:
                             gang.shutdown()
@@ -199,8 +214,11 @@ def _run_sweep(sweep: str, trials: list[dict], trial_fn: Callable[..., Any], wor
                 bar.update()
     except KeyboardInterrupt as exc:
         bar.close()
-        message = interrupted_message(sweep, len(rows), len(configs), writer.path)
+        lost = gcs_lost() if launcher == "ray" else ""
+        message = interrupted_message(sweep, len(rows), len(configs), writer.path, lost)
         print(message, file=sys.stderr, flush=True)
+        if lost:  # not the user's interrupt: the cluster's end (raysys.gang.GcsWatch)
+            raise ClusterLost(message) from None
         exc.add_note(message)  # the script's entry point (raysys.cli.run_script) then adds nothing
         raise
     finally:
@@ -211,6 +229,32 @@ def _run_sweep(sweep: str, trials: list[dict], trial_fn: Callable[..., Any], wor
     if show and not df.empty:
         print(summary_table(df))
     return df
+
+
+class NodeWatch:
+    """The Ray nodes alive when a sweep started, checked after a trial fails: a node lost since is said once, in
+    one line on stderr, and named in the failed trial's row (whose trials `--resume` runs again)."""
+
+    def __init__(self, sweep: str):
+        self.sweep = sweep
+        self.known = {n.node_id: n for n in cluster_nodes()}
+        self.reported: set[str] = set()
+
+    def check(self, index: int, total: int) -> str:
+        """'; Ray node <id> (<address>) lost during the sweep' for the nodes gone since the start (or ''), said on
+        stderr the first time. Without a GCS (the head is lost, `gcs_lost`) it asks nothing: no answer would come."""
+        if gcs_lost():
+            return ""
+        alive = {n.node_id for n in cluster_nodes()}
+        lost = [n for node_id, n in self.known.items() if node_id not in alive]
+        if not lost:
+            return ""
+        names = ", ".join(f"{n.node_id[:12]} ({n.address})" for n in lost)
+        if new := [n for n in lost if n.node_id not in self.reported]:
+            self.reported |= {n.node_id for n in new}
+            tqdm.write(f"{self.sweep}: lost Ray node {names} by trial {index + 1} of {total}; the trials it failed "
+                       f"or skipped are rows that --resume runs again", file=sys.stderr)  # above the progress bar
+        return f"; Ray node{'s' * (len(lost) > 1)} {names} lost during the sweep"
 
 
 # ---------------------------------------------------------------------------------------------------- Ray Tune
@@ -392,8 +436,12 @@ def _tune_run(trainable: Callable[[dict], Any], param_space: Mapping[str, Any], 
                     results = tuner.fit()
             except KeyboardInterrupt as exc:
                 bar.close()
-                message = interrupted_message(sweep, len(rows), len(todo) if todo is not None else None, writer.path)
+                lost = gcs_lost()
+                message = interrupted_message(sweep, len(rows), len(todo) if todo is not None else None, writer.path,
+                                              lost)
                 print(message, file=sys.stderr, flush=True)
+                if lost:
+                    raise ClusterLost(message) from None
                 exc.add_note(message)
                 ray.shutdown()  # this driver's Tune trials die with it
                 raise

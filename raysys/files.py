@@ -1,14 +1,16 @@
 """Result files that are never half-written, shared or silently lost.
 
-- `atomic_write(path, data)` writes bytes to `.<name>.<pid>-<host>.<hex>.tmp` beside `path` (created 0666 minus
-  the umask, as `open()` would, not mkstemp's 0600), fsyncs it, renames it over `path` (`os.replace`) and fsyncs
-  the directory. Readers see the old file or the new one; a writer killed at any moment leaves the old file and
-  at most its temp file, which the next writer deletes (`remove_stale_tmp`: its pid is gone). A full disk
+- `atomic_write(path, data)` writes bytes to `.<name>.raysys-<pid>-<host>-<token>.tmp` beside `path` (created
+  0666 minus the umask, as `open()` would, not mkstemp's 0600; never through an existing name), fsyncs it,
+  renames it over `path` (`os.replace`) and fsyncs the directory. Readers see the old file or the new one; a
+  writer killed at any moment leaves the old file and at most its temp file, which the next writer deletes
+  (`remove_stale_tmp`: a name this module made, on this host, whose pid is gone; nothing else). A full disk
   (ENOSPC, EDQUOT, EFBIG) raises `DiskFull`, which says that the previous file is intact.
 - `write_text(path, text)` and `save_figure(fig, path)` do the same for markdown and matplotlib figures.
 - `FileLock(path)` takes an exclusive `flock` on `.<name>.lock` beside `path` without waiting: a second holder
   (another process, another host on a shared file system) gets `FileBusy`, naming the first (pid, host,
-  command). The lock goes with the process (kill -9 included); `release()` removes the lock file.
+  command). The lock file is opened without following a symbolic link (`O_NOFOLLOW`) and must be a plain file.
+  The lock goes with the process (kill -9 included); `release()` removes the lock file.
 
     lock = FileLock(out / "ddp.parquet")        # FileBusy if another run writes it
     atomic_write(out / "ddp.parquet", data)     # DiskFull if the disk is full; ddp.parquet unchanged
@@ -24,6 +26,7 @@ import io
 import os
 import re
 import socket
+import stat
 import sys
 import uuid
 import weakref
@@ -46,36 +49,50 @@ class DiskFull(OSError):
     """The disk (or quota) is full: the file was not replaced; its previous version, if any, is intact."""
 
 
-def _tmp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}-{_HOST}.{uuid.uuid4().hex[:8]}.tmp")
+def _token(name: str, pid: int, nonce: str) -> str:
+    """A temp name's token: a random nonce and a check over (file name, pid, host, nonce). Only a name this module
+    made carries a matching check, so cleanup never takes a user's `.<name>.<something>.tmp` for a writer's."""
+    return nonce + hashlib.sha1(f"{name}\0{pid}\0{_HOST}\0{nonce}".encode()).hexdigest()[:8]
+
+
+def _tmp_name(path: Path, pid: int | None = None) -> Path:
+    pid = os.getpid() if pid is None else pid
+    return path.with_name(f".{path.name}.raysys-{pid}-{_HOST}-{_token(path.name, pid, uuid.uuid4().hex[:8])}.tmp")
+
+
+def _tmp_owner(path: Path, tmp: Path) -> int | None:
+    """The pid of the writer on this host that made `tmp` as a temp file of `path`, or None if `tmp` is not one."""
+    pattern = rf"\.{re.escape(path.name)}\.raysys-(\d{{1,10}})-{_HOST}-([0-9a-f]{{8}})([0-9a-f]{{8}})\.tmp"
+    m = re.fullmatch(pattern, tmp.name)
+    if m is None or _token(path.name, int(m[1]), m[2]) != m[2] + m[3]:
+        return None
+    return int(m[1])
 
 
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # gone, or beyond any pid the OS hands out
         return False
     except PermissionError:  # someone else's live process
         return True
     return True
 
 
-def remove_stale_tmp(path: Path, *, all_stale: bool = False) -> list[Path]:
-    """Delete the temp files of `path` left by writers that died (this host, pid gone), or every one of them
-    when `all_stale` (the caller holds the file's lock, so no live writer can own one). Returns what it removed."""
-    pattern = re.compile(rf"^\.{re.escape(path.name)}\.(?:(\d+)-([0-9a-f]{{6}})\.[0-9a-f]{{8}}|[^.]+)\.tmp$")
+def remove_stale_tmp(path: Path) -> list[Path]:
+    """Delete the temp files of `path` that writers on this host made (their name says so, `_tmp_owner`) and left
+    when they died (their pid is gone). Nothing else is touched: a live writer's temp file, another host's, or any
+    other file whose name merely looks like one. Returns what it removed."""
     removed = []
-    for tmp in path.parent.glob(f".{glob_escape(path.name)}.*.tmp"):
-        m = pattern.match(tmp.name)
-        if m is None:
+    for tmp in path.parent.glob(f".{glob_escape(path.name)}.raysys-*.tmp"):
+        pid = _tmp_owner(path, tmp)
+        if pid is None or _pid_alive(pid) or tmp.is_symlink() or not tmp.is_file():
             continue
-        pid, host = m.group(1), m.group(2)
-        if all_stale or pid is None or (host == _HOST and not _pid_alive(int(pid))):
-            try:
-                tmp.unlink()
-                removed.append(tmp)
-            except FileNotFoundError:
-                pass
+        try:
+            tmp.unlink()
+            removed.append(tmp)
+        except FileNotFoundError:
+            pass
     return removed
 
 
@@ -147,6 +164,22 @@ def _unlock(fd: int, lock_path: str) -> None:
     os.close(fd)
 
 
+def _open_lock_file(lock_path: Path) -> int:
+    """`lock_path` opened for reading and writing, created if missing; never through a symbolic link (whose target
+    the lock text would overwrite) and only a plain file (`ResultsError` in one line otherwise)."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ResultsError(f"lock file {lock_path} is a symbolic link; remove it (a lock file must be a plain "
+                               f"file)") from None
+        raise ResultsError(f"cannot open lock file {lock_path}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ResultsError(f"lock file {lock_path} is not a plain file; remove it")
+    return fd
+
+
 class FileLock:
     """An exclusive, non-blocking `flock` on `.<name>.lock` beside `path`; `FileBusy` if another writer has it."""
 
@@ -154,7 +187,7 @@ class FileLock:
         self.path = Path(path)
         self.lock_path = self.path.with_name(f".{self.path.name}.lock")
         for _ in range(20):
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            fd = _open_lock_file(self.lock_path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

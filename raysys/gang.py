@@ -16,11 +16,13 @@ Invariants: ranks are ordered by node (the driver's node first), then GPU/bundle
 removed and the actors killed when the gang ends, whatever happened; a rank that raises, dies or outlives the
 timeout makes `Gang.run` raise at once instead of waiting for the others (the error of the first failing rank,
 annotated with its rank; a dead rank's `RayActorError` wins over the collective errors it causes in its
-peers), and marks the gang `broken`.
+peers), and marks the gang `broken`. A lost head (GCS) is noticed within seconds (`GcsWatch`), not when Ray ends
+the driver 60 s later.
 """
 
 from __future__ import annotations
 
+import _thread
 import functools
 import importlib.util
 import itertools
@@ -28,6 +30,7 @@ import logging
 import math
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -38,8 +41,9 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raysys.device import resolve_device
-from raysys.rank import (DEVICES, RANK_ENV, BaseGang, PlacementInfeasible, RankContext, RankSpec, destroy_rank,
-                         device_description, free_port, init_rank, max_cpu_ranks)
+from raysys.rank import (DEVICES, RANK_ENV, BaseGang, PlacementInfeasible, RankContext, RankSpec, check_seconds,
+                         destroy_rank, device_description, free_port, init_rank, max_cpu_ranks)
+from raysys.signals import keep_sigterm_interrupt
 from raysys.telemetry import RankMonitor
 
 log = logging.getLogger(__name__)
@@ -71,16 +75,86 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, num_gpu
         if any(v is not None for v in (num_cpus, num_gpus, object_store_memory)):
             log.warning("connecting to the Ray cluster at %s: num_cpus/num_gpus/object_store_memory are ignored",
                         address)
-        context = ray.init(address=address, logging_level=logging.WARNING)
+        with keep_sigterm_interrupt():
+            context = ray.init(address=address, logging_level=logging.WARNING)
     else:
-        context = ray.init(address="local", num_cpus=os.cpu_count() if num_cpus is None else num_cpus,
-                           num_gpus=num_gpus, object_store_memory=object_store_memory or _default_object_store_bytes(),
-                           include_dashboard=dashboard, logging_level=logging.WARNING)
+        with keep_sigterm_interrupt():  # SIGTERM while Ray starts: the run's one line, not a silent exit 15
+            context = ray.init(address="local", num_cpus=os.cpu_count() if num_cpus is None else num_cpus,
+                               num_gpus=num_gpus,
+                               object_store_memory=object_store_memory or _default_object_store_bytes(),
+                               include_dashboard=dashboard, logging_level=logging.WARNING)
     _DASHBOARD["url"] = context.dashboard_url or ""
+    GcsWatch.watch(ray.get_runtime_context().gcs_address, embedded=not address or address == "local")
     info = cluster_info()
     if info["dashboard_url"]:
         print(f"Ray dashboard: http://{info['dashboard_url']}", flush=True)
     return info
+
+
+class GcsWatch(threading.Thread):
+    """Notices the loss of the Ray cluster's head (its GCS) while it is still time to say so.
+
+    Ray's driver ends its process with Ray's own message 60 s after it loses the GCS, and every call that needs the
+    GCS meanwhile (removing a placement group, listing nodes) waits for that end. This daemon thread connects to
+    the GCS's port every `period_s`; once it has refused for `grace_s` (5 s for the embedded Ray this process
+    started, which nothing restarts; 40 s for a named cluster, whose GCS may come back within Ray's 60 s), `lost`
+    says why and `on_lost` runs: by default a KeyboardInterrupt in the main thread, as Ctrl-C, which a sweep turns
+    into its one line (`raysys.studies.ClusterLost`). It sleeps between probes and makes no Ray call; it stops
+    quietly when `ray.shutdown()` ended the cluster on purpose.
+    """
+
+    current: "GcsWatch | None" = None
+
+    def __init__(self, address: str, *, grace_s: float, period_s: float = 1.0,
+                 on_lost: Callable[[], None] = _thread.interrupt_main):
+        super().__init__(name="raysys-gcs-watch", daemon=True)
+        host, _, port = address.rpartition(":")
+        self.address, self.target = address, (host.strip("[]"), int(port))
+        self.grace_s, self.period_s, self.on_lost = grace_s, period_s, on_lost
+        self.lost = ""
+        self._stopping = threading.Event()
+
+    @classmethod
+    def watch(cls, address: str, embedded: bool) -> "GcsWatch":
+        """Watch the GCS at `address` (one watch per process: a new address replaces the old watch)."""
+        if cls.current is not None and cls.current.address == address and cls.current.is_alive():
+            return cls.current
+        if cls.current is not None:
+            cls.current.stop()
+        cls.current = cls(address, grace_s=5.0 if embedded else 40.0)
+        cls.current.start()
+        return cls.current
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def _answers(self) -> bool:
+        try:
+            socket.create_connection(self.target, timeout=min(2.0, self.period_s * 2)).close()
+            return True
+        except OSError:
+            return False
+
+    def run(self) -> None:
+        refused_since = None
+        while not self._stopping.wait(self.period_s):
+            if self._answers():
+                refused_since = None
+                continue
+            now = time.monotonic()
+            refused_since = refused_since if refused_since is not None else now
+            if now - refused_since >= self.grace_s:
+                if not ray.is_initialized():  # ray.shutdown() stopped it: nothing was lost
+                    return
+                self.lost = f"the GCS at {self.address} stopped answering {self.grace_s:g} s ago"
+                self.on_lost()
+                return
+
+
+def gcs_lost() -> str:
+    """Why the Ray cluster this process uses is lost (`GcsWatch`), or ''."""
+    watch = GcsWatch.current
+    return watch.lost if watch is not None else ""
 
 
 def _default_object_store_bytes() -> int:
@@ -249,8 +323,7 @@ class Gang(BaseGang):
             raise ValueError(f"strategy {strategy!r} must be one of {STRATEGIES}")
         if gpu_visibility not in GPU_VISIBILITY:
             raise ValueError(f"gpu_visibility {gpu_visibility!r} must be one of {GPU_VISIBILITY}")
-        if placement_timeout_s <= 0:
-            raise ValueError(f"placement_timeout_s ({placement_timeout_s}) must be > 0")
+        check_seconds("placement_timeout_s", placement_timeout_s)
         if cpus_per_rank <= 0:
             raise ValueError(f"cpus_per_rank ({cpus_per_rank}) must be > 0")
         self.strategy, self.gpu_visibility = strategy, gpu_visibility
@@ -336,9 +409,9 @@ class Gang(BaseGang):
             for actor in self.actors:
                 ray.kill(actor, no_restart=True)
             self.actors = []
-            if self._pg is not None:
+            if self._pg is not None and not gcs_lost():  # without a GCS this call waits for Ray to end the process
                 remove_placement_group(self._pg)
-                self._pg = None
+            self._pg = None
 
     # -- running
     def _submit(self, fn: Callable[..., Any], args: tuple, kwargs: dict, label: str) -> list:

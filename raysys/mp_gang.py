@@ -10,14 +10,19 @@ Each rank is a persistent `spawn`ed process that joins the group once and then s
 the driver sends a pickled `(fn, args, kwargs)`, the rank answers with the pickled result or the exception
 and its traceback. Results and arguments are pickled by value (never as shared-memory handles) so they
 outlive the process that made them. A rank that raises, dies or exceeds the timeout makes `run` raise at
-once and marks the gang `broken`; `shutdown` always leaves no process behind.
+once and marks the gang `broken`: a death within moments (its pipe reads EOF; `RankFailed` names the rank and
+its exit code), the driver asleep in `multiprocessing.connection.wait` meanwhile. Ranks ignore SIGINT (Ctrl-C is
+the driver's to handle); `shutdown` always leaves no process behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.connection as mpc
 import os
 import pickle
+import signal
+import threading
 import time
 import traceback
 from typing import Any, Callable, Mapping
@@ -26,8 +31,8 @@ import torch
 import torch.multiprocessing as mp
 
 from raysys.device import resolve_device
-from raysys.rank import (DEVICES, BaseGang, PlacementInfeasible, RankSpec, check_local_cpu_ranks, destroy_rank,
-                         device_description, die_with_parent, free_port, init_rank)
+from raysys.rank import (DEVICES, BaseGang, PlacementInfeasible, RankSpec, check_local_cpu_ranks, check_seconds,
+                         destroy_rank, device_description, die_with_parent, free_port, init_rank)
 
 
 def local_device(device: str) -> str:
@@ -53,7 +58,32 @@ class RankFailed(RuntimeError):
     """A rank process raised an exception that could not be sent back as itself, or died."""
 
 
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+@contextlib.contextmanager
+def _ranks_ignore_sigint():
+    """Ctrl-C in a terminal reaches the whole process group, ranks included; the driver alone handles it (and stops
+    the ranks). A rank started while SIGINT is ignored keeps ignoring it from its first instruction on (Python
+    installs its KeyboardInterrupt handler only over the default), so no rank prints a traceback of its own. A
+    Ctrl-C in the few milliseconds a rank takes to fork is lost (press it again); off the main thread nothing
+    changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _serve(spec: RankSpec, conn) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's, however this process was started
     die_with_parent()
     try:
         ctx = init_rank(spec)
@@ -93,8 +123,7 @@ class ProcessGang(BaseGang):
     def __init__(self, world_size: int, *, device: str = "auto", name: str = "gang", timeout_s: float = 600.0,
                  start_timeout_s: float = 120.0, env: Mapping[str, str] | None = None):
         super().__init__(world_size, device=device, name=name, timeout_s=timeout_s, env=env)
-        if start_timeout_s <= 0:
-            raise ValueError(f"start_timeout_s ({start_timeout_s}) must be > 0")
+        check_seconds("start_timeout_s", start_timeout_s)
         self.start_timeout_s = start_timeout_s
         self._procs: list = []
         self._conns: list = []
@@ -121,7 +150,8 @@ class ProcessGang(BaseGang):
                             num_threads=threads, env=self.env)
             parent, child = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=_serve, args=(spec, child), name=f"{self.name}.rank{rank}", daemon=True)
-            proc.start()
+            with _ranks_ignore_sigint():
+                proc.start()
             child.close()
             self._procs.append(proc)
             self._conns.append(parent)
@@ -139,48 +169,67 @@ class ProcessGang(BaseGang):
         return self._replies(timeout_s, f"{self.name}:{label}")
 
     def _replies(self, timeout_s: float, what: str) -> list:
-        """One reply per rank; the first error, death or the deadline raises at once."""
+        """One reply per rank; the first error, a death or the deadline raises at once. The driver sleeps in
+        `multiprocessing.connection.wait` on the pending ranks' pipes and process sentinels: a dead rank's pipe
+        reads EOF (and its sentinel fires), which ends the wait with that rank named, not the deadline."""
         deadline = time.monotonic() + timeout_s
         results: dict[int, Any] = {}
         while len(results) < self.world_size:
-            waiting = {c: r for r, c in enumerate(self._conns) if r not in results}
-            sentinels = {self._procs[r].sentinel: r for r in waiting.values()}
+            pending = [r for r in range(self.world_size) if r not in results]
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"{what}: ranks {sorted(waiting.values())} still running after {timeout_s:g} s")
-            ready = mpc.wait(list(waiting) + list(sentinels), timeout=remaining)
-            for obj in ready:
-                if obj in waiting:
-                    rank = waiting[obj]
-                    try:
-                        status, payload = pickle.loads(obj.recv_bytes())
-                    except (EOFError, OSError):
-                        continue  # the sentinel reports the death
-                    if status == "error":
-                        exc, text = payload
-                        err = exc if exc is not None else RankFailed(text.strip().splitlines()[-1])
-                        err.add_note(f"(raised on rank {rank} during {what})\n--- remote traceback ---\n{text}")
-                        raise self._dead_rank(what, err) or err
-                    results[rank] = payload
+                raise TimeoutError(f"{what}: ranks {pending} still running after {timeout_s:g} s")
+            conns = {self._conns[r]: r for r in pending}
+            sentinels = {self._procs[r].sentinel: r for r in pending}
+            ready = mpc.wait([*conns, *sentinels], timeout=remaining)
+            for obj in ready:  # replies first: a rank that answered, then exited, has answered
+                if obj not in conns:
+                    continue
+                rank = conns[obj]
+                try:
+                    status, payload = pickle.loads(obj.recv_bytes())
+                except (EOFError, OSError):  # its end of the pipe closed: the rank is gone
+                    raise self._died(what, rank) from None
+                if status == "error":
+                    exc, text = payload
+                    err = exc if exc is not None else RankFailed(text.strip().splitlines()[-1])
+                    err.add_note(f"(raised on rank {rank} during {what})\n--- remote traceback ---\n{text}")
+                    raise self._dead_rank(what, err) or err
+                results[rank] = payload
             for obj in ready:
                 rank = sentinels.get(obj)
+                # an exited rank whose pipe still holds a reply (or the EOF) is read on the next pass
                 if rank is not None and rank not in results and not self._conns[rank].poll():
                     raise self._died(what, rank)
         return [results[r] for r in range(self.world_size)]
 
     def _died(self, what: str, rank: int) -> RankFailed:
         proc = self._procs[rank]
-        proc.join(timeout=2.0)  # its sentinel fires when its pipes close, a moment before it can be reaped
-        return RankFailed(f"{what}: rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
+        proc.join(timeout=2.0)  # its pipe closes as it exits, a moment before it can be reaped
+        code = proc.exitcode
+        if code is None:
+            how = "closed its pipe to the driver"
+        elif code < 0:
+            how = f"was killed by {_signal_name(-code)} (exit code {code})"
+        else:
+            how = f"exited with code {code}"
+        return RankFailed(f"{what}: rank {rank} (pid {proc.pid}) {how}")
 
     def _dead_rank(self, what: str, err: BaseException, grace_s: float = 1.0) -> RankFailed | None:
-        """A dead rank makes its peers' collectives fail too; report the death, not the echo."""
+        """A dead rank makes its peers' collectives fail too; report the death, not the echo (waiting up to
+        `grace_s` on the other ranks' sentinels for one to exit)."""
         deadline = time.monotonic() + grace_s
-        while True:
-            dead = [r for r, p in enumerate(self._procs) if p.exitcode not in (None, 0)]
-            if dead or time.monotonic() > deadline:
+        dead = [r for r, p in enumerate(self._procs) if p.exitcode not in (None, 0)]
+        alive = {p.sentinel: r for r, p in enumerate(self._procs) if p.exitcode is None}
+        while not dead and alive and (remaining := deadline - time.monotonic()) > 0:
+            exited = mpc.wait(list(alive), timeout=remaining)
+            if not exited:
                 break
-            time.sleep(0.05)
+            for sentinel in exited:
+                rank = alive.pop(sentinel)
+                self._procs[rank].join(timeout=1.0)
+                if self._procs[rank].exitcode not in (None, 0):
+                    dead.append(rank)
         if not dead:
             return None
         death = self._died(what, dead[0])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import datetime as _dt
+import math
 import os
 import re
 import socket
@@ -37,6 +38,18 @@ MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST"
 # A dead or stuck peer must surface as an error after the process-group timeout, not as a hang.
 RANK_ENV = {**MULTICAST_OFF_ENV, "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
 DEVICES = ("auto", "cuda", "cpu")
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""The longest timeout a gang (and its process group) takes, a week: beyond it timers overflow (1e15 s made every
+trial an OverflowError row) and nothing the studies run needs more."""
+
+
+def check_seconds(name: str, value: Any, maximum: float = MAX_TIMEOUT_S) -> float:
+    """`value` as a float if it is a finite number of seconds in (0, maximum], else a one-line ValueError naming
+    `name` (a flag or an argument) and the rule."""
+    if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0
+            or value > maximum):
+        raise ValueError(f"{name} ({value!r}) must be a finite number of seconds in (0, {maximum:g}]")
+    return float(value)
 
 
 class PlacementInfeasible(ValueError):
@@ -82,8 +95,7 @@ class RankSpec:
             raise ValueError(f"device_type {self.device_type!r} must be 'cuda' or 'cpu'")
         if self.device_type == "cuda" and self.device_index is None:
             raise ValueError("a cuda rank needs a device_index")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s ({self.timeout_s}) must be > 0")
+        check_seconds("timeout_s", self.timeout_s)
 
     @property
     def backend(self) -> str:
@@ -140,8 +152,7 @@ class BaseGang(abc.ABC):
             raise ValueError(f"world_size ({world_size!r}) must be an int >= 1")
         if device not in DEVICES:
             raise ValueError(f"device {device!r} must be one of {DEVICES}")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s ({timeout_s}) must be > 0")
+        check_seconds("timeout_s", timeout_s)
         self.env = dict(env or {})
         check_rank_env(self.env)
         self.world_size, self.name, self.timeout_s, self.requested_device = world_size, name, timeout_s, device
@@ -214,6 +225,8 @@ class BaseGang(abc.ABC):
         if self.broken:
             raise RuntimeError(f"gang {self.name!r} is broken by an earlier failure; build a new one")
         label = label or getattr(fn, "__name__", "fn")
+        if timeout_s is not None:
+            check_seconds("timeout_s", timeout_s)
         request = self._submit(fn, tuple(args), dict(kwargs or {}), label)
         try:
             return self._collect(request, label, self.timeout_s if timeout_s is None else timeout_s)

@@ -10,16 +10,18 @@ error text and the provenance of the run (`ROW_COLUMNS`); no config key or metri
         if not writer.done(trial_id(config)):
             writer.write([make_row("ddp", config, metrics)])
 
-`mode="new"` refuses an existing file; `"resume"` keeps its rows and refuses one whose rows come from another
-commit, device or `expect`ed configuration unless `allow_mixed=True`; `"overwrite"` replaces it at the first
-write. The writer holds an exclusive lock on the file while it lives (a second run writing it fails at once)
-and rewrites it atomically after every `write` (`raysys.files`): readers see the old or the new file, a full
-disk leaves the old one and says so, files are 0644 under the usual umask, and temp files of dead writers are
-removed. A reader of a file a live sweep is writing must open it once: `read_results` reads its bytes in one go,
-whereas `pd.read_parquet(path)` opens the path again for the data after its footer, and a replace in between
-mixes two files' bytes (pyarrow then raises "Couldn't deserialize thrift"). Committed results (`results/`) are
-written only when named with `--out`; a fresh run directory a run left empty (it failed before its first row) is
-removed when it ends (`discard_empty_run_dirs`).
+`mode="new"` refuses an existing file; `"resume"` keeps its rows, refuses a file of another schema or sweep and,
+unless `allow_mixed=True`, rows without provenance or of another commit, device or configuration
+(`check_resume`); `"overwrite"` replaces it at the first write. `write` takes only rows with a known status and
+full provenance. The writer holds an exclusive lock on the file while it lives (a second run writing it fails at
+once) and rewrites it atomically after every `write` (`raysys.files`): readers see the old or the new file, a
+full disk leaves the old one and says so, files are 0644 under the usual umask, and temp files of dead writers
+are removed (only theirs). A reader of a file a live sweep is writing must open it once: `read_results` reads
+its bytes in one go, whereas `pd.read_parquet(path)` opens the path again for the data after its footer, and a
+replace in between mixes two files' bytes (pyarrow then raises "Couldn't deserialize thrift"). Committed results
+(`results/`) are written only when named with `--out`; a directory a run created (a fresh run directory, or an
+`--out` that did not exist) and left empty (it failed before its first row) is removed when it ends
+(`discard_empty_run_dirs`).
 Analysis is `read_results(path)` (or `pd.read_parquet(path)` on a finished file); `read_results(dir)` skips an
 unreadable file with one line on stderr.
 
@@ -40,6 +42,8 @@ import functools
 import hashlib
 import io
 import json
+import math
+import numbers
 import os
 import platform
 import re
@@ -49,17 +53,18 @@ import sys
 import uuid
 import weakref
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
+import numpy as np
 import pandas as pd
 
 from raysys.files import DiskFull, FileBusy, FileLock, ResultsError, atomic_write, remove_stale_tmp, save_figure, \
     write_text
 
-__all__ = ["DiskFull", "FileBusy", "MODES", "ROW_COLUMNS", "ResultWriter", "ResultsError", "check_row_keys",
-           "check_sweep_name", "default_out_dir", "discard_empty_run_dirs", "error_row", "make_row", "prepare_out_dir",
-           "provenance", "read_results", "resolve_out", "save_figure", "status_of", "trial_id", "unit_violations",
-           "write_parquet", "write_text"]
+__all__ = ["DiskFull", "FileBusy", "MODES", "NOT_RUN", "ROW_COLUMNS", "ResultWriter", "ResultsError",
+           "check_provenance", "check_row_keys", "check_status", "check_sweep_name", "clip_error", "default_out_dir",
+           "discard_empty_run_dirs", "error_row", "make_row", "prepare_out_dir", "provenance", "read_results",
+           "resolve_out", "save_figure", "status_of", "trial_id", "unit_violations", "write_parquet", "write_text"]
 
 STATUSES = ("ok", "oom", "error", "timeout", "skipped")
 
@@ -97,13 +102,17 @@ def _version(module: str) -> str:
         return "absent"
 
 
-def _nvidia_gpu_name() -> str | None:
-    """The first NVIDIA GPU's model from the driver's /proc files: no CUDA context needed."""
+def nvidia_gpu_models() -> list[str]:
+    """This machine's NVIDIA GPU models, by bus id, from the driver's /proc files: no CUDA context needed."""
+    models = []
     for info in sorted(Path("/proc/driver/nvidia/gpus").glob("*/information")):
-        for line in info.read_text().splitlines():
-            if line.startswith("Model:"):
-                return line.split(":", 1)[1].strip()
-    return None
+        models += [line.split(":", 1)[1].strip() for line in info.read_text().splitlines() if line.startswith("Model:")]
+    return models
+
+
+def _nvidia_gpu_name() -> str | None:
+    """The first NVIDIA GPU's model (`nvidia_gpu_models`)."""
+    return next(iter(nvidia_gpu_models()), None)
 
 
 def device_name(device: Any = None) -> str:
@@ -203,6 +212,22 @@ def check_row_keys(config: Mapping[str, Any], metrics: Mapping[str, Any] | None 
             raise ValueError(f"metric {key!r}={metrics[key]!r} and the extra column {key}={extra[key]!r} collide")
 
 
+ERROR_CHARS = 2000
+"""The longest `error` text a row keeps (a remote traceback can be megabytes)."""
+
+
+def clip_error(text: str, limit: int = ERROR_CHARS) -> str:
+    """`text` if it fits `limit` characters, else its head and its tail around a note of what was cut: the first
+    line (the exception, which tables show) always stays, and so does the end of a traceback."""
+    if len(text) <= limit:
+        return text
+    first, _, _ = text.partition("\n")
+    head = first[:limit // 2]
+    tail_chars = max(0, limit - len(head) - 40)
+    note = f"\n[... {len(text) - len(head) - tail_chars} characters cut ...]\n"
+    return head + note + (text[-tail_chars:] if tail_chars else "")
+
+
 def make_row(sweep: str, config: Mapping[str, Any], metrics: Mapping[str, Any] | None = None, *,
              status: str = "ok", error: str = "", device: Any = None, **extra: Any) -> dict[str, Any]:
     """A result row: sweep, trial id, config columns, metrics, status and provenance (`extra` may override the
@@ -215,7 +240,7 @@ def make_row(sweep: str, config: Mapping[str, Any], metrics: Mapping[str, Any] |
         raise ValueError(f"metric {bad[0]!r} is not in seconds or bytes; columns hold `_s` and `_bytes` (the "
                          f"convention in raysys.results), tables show ms and GiB")
     row: dict[str, Any] = {"sweep": sweep, "trial_id": trial_id(config), **config, **(metrics or {}),
-                           "status": status, "error": error[-2000:]}
+                           "status": status, "error": clip_error(error)}
     row.update(provenance(device))
     row.update(extra)
     return row
@@ -294,16 +319,17 @@ def default_out_dir(sweep: str) -> Path:
     raise ResultsError(f"{root}: could not create a fresh run directory for {sweep!r}")
 
 
-_FRESH_DIRS: list[Path] = []  # run directories this process created, removed again while they hold nothing
+_FRESH_DIRS: list[Path] = []  # directories this process created, removed again while they hold nothing
 
 
 @atexit.register
 def discard_empty_run_dirs() -> list[Path]:
-    """Remove the fresh run directories this process created that are still empty (a check that failed after the
-    directory was made, Ray refusing the gang, Ctrl-C before the first row): a failed run leaves no trace.
+    """Remove the directories this process created for results that are still empty (a fresh run directory, or a
+    `--out` that did not exist, when a check failed after it was made, Ray refused the gang, or Ctrl-C came before
+    the first row): a failed run leaves no trace. A directory that existed before is never removed.
     `raysys.cli.run_script` calls it when a script ends, and it runs at exit. Returns the directories removed."""
     removed = []
-    for path in list(_FRESH_DIRS):
+    for path in sorted(_FRESH_DIRS, key=lambda p: len(p.parts), reverse=True):  # a directory before its parent
         try:
             path.rmdir()  # only ever removes an empty directory
         except FileNotFoundError:
@@ -316,15 +342,18 @@ def discard_empty_run_dirs() -> list[Path]:
 
 
 def prepare_out_dir(out: str | os.PathLike) -> Path:
-    """The absolute results directory `out`, created if missing; `ResultsError` (a one-line ValueError) if it is
-    a file, cannot be created or is not writable."""
+    """The absolute results directory `out`, created if missing (and then removed again at the end if the run
+    leaves it empty, `discard_empty_run_dirs`); `ResultsError` (a one-line ValueError) if it is a file, cannot be
+    created or is not writable."""
     path = Path(out).expanduser().resolve()
     if path.exists() and not path.is_dir():
         raise ResultsError(f"results directory {path} is a file, not a directory")
+    missing = [p for p in (path, *path.parents) if not p.exists()]
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ResultsError(f"cannot create results directory {path}: {exc.strerror or exc}") from None
+    _FRESH_DIRS.extend(p for p in missing if p not in _FRESH_DIRS)
     if not os.access(path, os.W_OK | os.X_OK):
         raise ResultsError(f"results directory {path} is not writable")
     return path
@@ -385,27 +414,69 @@ def read_results(path: str | os.PathLike) -> pd.DataFrame:
 MODES = ("new", "resume", "overwrite")
 _OPEN: dict[Path, "weakref.ref[ResultWriter]"] = {}  # this process's live writer of each file
 _MIX_HINT = "choose another --out, pass --overwrite, or allow mixing (--allow-mixed)"
+NOT_RUN = "not run:"
+"""How the `error` of a `skipped` row starts when the infrastructure, not the trial, kept it from running (a gang
+the cluster could not hold, a lost node, a spent time budget): `--resume` runs such a trial again. Other `skipped`
+rows (a provider that cannot run the shape) are final."""
+_FORMATS = {"run_id": (re.compile(r"[0-9a-f]{12}"), "12 hex digits"),
+            "git_sha": (re.compile(r"[0-9a-f]{12}(-dirty)?|unknown"), "12 hex digits (+ -dirty) or unknown"),
+            "utc": (re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ"), "YYYY-mm-ddTHH:MM:SSZ")}
 
 
 def _values(df: pd.DataFrame, col: str) -> list[str]:
     return sorted(map(str, df[col].dropna().unique())) if col in df else []
 
 
+def _missing(value: Any) -> bool:
+    return value is None or isinstance(value, (float, np.floating)) and math.isnan(value)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Whether two config values are the same once through Parquet (ints may come back as floats, None as NaN)."""
+    if _missing(a) or _missing(b):
+        return _missing(a) and _missing(b)
+    numbers_ = [isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_)) for v in (a, b)]
+    return float(a) == float(b) if all(numbers_) else str(a) == str(b)
+
+
+def check_status(row: Mapping[str, Any]) -> None:
+    """Raise ValueError unless `row`'s status is one of `STATUSES`."""
+    if row.get("status") not in STATUSES:
+        raise ValueError(f"row {row.get('trial_id')!r} has status {row.get('status')!r}; a status is one of "
+                         f"{', '.join(STATUSES)}")
+
+
+def check_provenance(row: Mapping[str, Any]) -> None:
+    """Raise ValueError unless `row` has every provenance column (`PROVENANCE_COLUMNS`) as a non-empty string, the
+    run id, commit and time in their formats (what `make_row` writes)."""
+    for col in PROVENANCE_COLUMNS:
+        value = row.get(col)
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"row {row.get('trial_id')!r} lacks its provenance: {col} is {value!r} (make_row "
+                             f"fills {', '.join(PROVENANCE_COLUMNS)})")
+        if col in _FORMATS and not _FORMATS[col][0].fullmatch(value):
+            raise ValueError(f"row {row.get('trial_id')!r} has {col} {value[:60]!r}; it must be {_FORMATS[col][1]}")
+
+
 class ResultWriter:
     """The rows of one sweep in `<out_dir>/<sweep>.parquet`, rewritten atomically on every `write`.
 
-        writer = ResultWriter(out, "ddp", mode="resume", expect={"size": "xl", "device": "cuda"})
+        writer = ResultWriter(out, "ddp", mode="resume", expect={"steps": 10, "device": "cuda"})
+        writer.check_resume(trials=configs, key=("dtype", "label"))   # before anything runs
 
     `mode`: `new` (default) refuses an existing file; `resume` keeps its rows, and `done(trial_id)` says which
-    trials they cover (`ok`, `oom`, `skipped`; `error`/`timeout` trials are retried); `overwrite` starts empty
-    and replaces the file at the first write (the old file stays if nothing is written). `resume=True` is
-    `mode="resume"`. Resuming refuses (`ResultsError`) a file with rows of another commit (`git_sha`) or with
-    values of `expect`'s columns other than this run's, and `write` refuses an `ok` row measured on a
-    `device_name` the file's `ok` rows do not have; `allow_mixed=True` lifts these checks.
+    trials they cover (`ok`, `oom`, `skipped` but for `NOT_RUN` rows; `error`/`timeout` trials are retried);
+    `overwrite` starts empty and replaces the file at the first write (the old file stays if nothing is written).
+    `resume=True` is `mode="resume"`. Resuming refuses (`ResultsError`, one line) a file of another schema or
+    sweep; unless `allow_mixed=True`, also rows without provenance, of another commit (`git_sha`), or of another
+    configuration than this run's (`check_resume`: `expect`'s columns, the trials, the device).
 
-    While it lives the writer holds an exclusive lock on the file (`raysys.files.FileLock`): a second run fails
-    at once with `FileBusy`. Opening the same file again in this process hands the lock to the new writer; the
-    old one then refuses to write. `close()` (or the `with` block, or the process's end) releases it.
+    `write` takes rows as `make_row` makes them: a known status and full provenance (`check_provenance`), this
+    run's commit (or one the file holds already) and, for an `ok` row, a `device_name` the file's `ok` rows have;
+    `allow_mixed` lifts the last two. While it lives the writer holds an exclusive lock on the file
+    (`raysys.files.FileLock`): a second run fails at once with `FileBusy`. Opening the same file again in this
+    process hands the lock to the new writer; the old one then refuses to write. `close()` (or the `with` block,
+    or the process's end) releases it.
     """
 
     FINAL = ("ok", "oom", "skipped")
@@ -431,8 +502,9 @@ class ResultWriter:
         lock = None if holder is not None else FileLock(self.path)
         try:
             if holder is None:
-                remove_stale_tmp(self.path, all_stale=True)  # we hold the lock: no live writer owns one
-            self._open_existing(dict(expect or {}))
+                remove_stale_tmp(self.path)  # dead writers' temp files of this file, nothing else
+            self._open_existing()
+            self.check_resume(expect)
         except BaseException:
             if lock is not None:
                 lock.release()
@@ -442,7 +514,7 @@ class ResultWriter:
         self._lock = lock
         _OPEN[self.path] = weakref.ref(self)
 
-    def _open_existing(self, expect: dict[str, Any]) -> None:
+    def _open_existing(self) -> None:
         if not self.path.exists():
             return
         if self.mode == "new":
@@ -454,22 +526,73 @@ class ResultWriter:
             old = _read_parquet(self.path)
         except ResultsError as exc:
             raise ResultsError(f"{exc}; --overwrite replaces it") from None
-        if not self.allow_mixed:
+        if len(old):
+            self._check_schema(old)
+        if not self.allow_mixed and len(old):
+            if missing := [c for c in PROVENANCE_COLUMNS if c not in old or old[c].isna().any()]:
+                raise ResultsError(f"{self.path} holds rows without provenance ({', '.join(missing)}); resuming "
+                                   f"would mix rows of unknown origin with this run's ({_MIX_HINT})")
             shas = _values(old, "git_sha")
-            if shas and shas != [here := _git_sha()]:
+            if shas != [here := _git_sha()]:
                 raise ResultsError(f"{self.path} holds rows of commit {', '.join(shas)}, this run is commit {here}; "
                                    f"resuming would mix them ({_MIX_HINT})")
-            for key, value in expect.items():
-                seen = _values(old, key)
-                if seen and seen != [str(value)]:
-                    raise ResultsError(f"{self.path} holds rows with {key} = {', '.join(seen)}, this run has "
-                                       f"{key} = {value}; resuming would mix them ({_MIX_HINT})")
-            if "status" in old:
-                self._devices = set(_values(old[old["status"] == "ok"], "device_name"))
+            self._devices = set(_values(old[old["status"] == "ok"], "device_name"))
         self.rows = old.to_dict("records")
 
+    def _check_schema(self, old: pd.DataFrame) -> None:
+        """A file to continue must be a results file of this sweep: `sweep`, `trial_id` and `status` columns, this
+        sweep's name, known statuses. Nothing makes sense of mixing another one (`--overwrite` replaces it)."""
+        what = ""
+        if missing := [c for c in ("sweep", "trial_id", "status") if c not in old or old[c].isna().any()]:
+            what = f"rows without {', '.join(missing)} (not a raysys results file)"
+        elif sweeps := [v for v in _values(old, "sweep") if v != self.sweep]:
+            what = f"rows of sweep {', '.join(sweeps)}"
+        elif bad := [v for v in _values(old, "status") if v not in STATUSES]:
+            what = f"rows of status {', '.join(bad)} (known: {', '.join(STATUSES)})"
+        if what:
+            raise ResultsError(f"{self.path} holds {what}, not rows of sweep {self.sweep!r}; --overwrite replaces "
+                               f"it, or choose another --out")
+
+    def check_resume(self, expect: Mapping[str, Any] | None = None, *, trials: Iterable[Mapping[str, Any]] = (),
+                     key: Sequence[str] = (), device_name: str | None = None) -> None:
+        """Refuse (`ResultsError`, one line) to continue rows measured under another configuration than this
+        run's, unless `allow_mixed` (nothing to check outside `resume` or without rows). Call it before anything
+        runs, once more when more is known (the device a Ray cluster resolves).
+
+        - `expect`: column -> this run's value (its settings: steps, warm-up, world size, launcher, device, ...);
+          every row must hold that value (a row without the column holds None).
+        - `trials` with `key`: a row whose `key` columns name one of this run's trials must be that very trial
+          (the same trial id); the error names the columns that differ.
+        - `device_name`: what this run's `ok` rows will say they were measured on, where known beforehand.
+        """
+        if self.mode != "resume" or self.allow_mixed or not self.rows:
+            return
+        for col, value in (expect or {}).items():
+            seen = {str(r.get(col)): r.get(col) for r in self.rows if not _equal(r.get(col), value)}
+            if seen:
+                shown = ", ".join(sorted("none" if _missing(v) else str(v) for v in seen.values()))
+                raise ResultsError(f"{self.path} holds rows with {col} = {shown}, this run has {col} = "
+                                   f"{'none' if _missing(value) else value}; resuming would mix them ({_MIX_HINT})")
+        if key:
+            by_key = {tuple(str(t.get(k)) for k in key): t for t in trials}
+            for row in self.rows:
+                trial = by_key.get(tuple(str(row.get(k)) for k in key))
+                if trial is None or row.get("trial_id") == trial_id(trial):
+                    continue
+                named = ", ".join(f"{k} {row.get(k)}" for k in key)
+                differ = [f"{c} = {row.get(c)!r} there, {v!r} here" for c, v in trial.items()
+                          if not _equal(row.get(c), v)] or ["columns this run's trial does not have"]
+                raise ResultsError(f"{self.path} holds the trial {named} with {'; '.join(differ[:3])}; resuming "
+                                   f"would mix them ({_MIX_HINT})")
+        if device_name is not None and self._devices and self._devices != {device_name}:
+            raise ResultsError(f"{self.path} holds rows measured on {', '.join(sorted(self._devices))}, this run "
+                               f"measures on {device_name}; resuming would mix them ({_MIX_HINT})")
+
     def done(self, tid: str) -> bool:
-        return any(r.get("trial_id") == tid and r.get("status") in self.FINAL for r in self.rows)
+        """Whether `--resume` may skip trial `tid`: it has a final row, not one the infrastructure left `NOT_RUN`."""
+        return any(r.get("trial_id") == tid and r.get("status") in self.FINAL
+                   and not (r.get("status") == "skipped" and str(r.get("error", "")).startswith(NOT_RUN))
+                   for r in self.rows)
 
     def write(self, rows: Iterable[Mapping[str, Any]]) -> Path:
         """Add `rows` (replacing earlier rows of the same trial ids) and rewrite the file atomically."""
@@ -477,10 +600,19 @@ class ResultWriter:
             why = "another ResultWriter of this file was opened in this process" if self._superseded else "closed"
             raise ResultsError(f"{self.path}: this writer can no longer write ({why})")
         new = [dict(r) for r in rows]
+        held = {(r.get("trial_id"), r.get("run_id"), r.get("git_sha")) for r in self.rows}
+        shas = {_git_sha(), *(r.get("git_sha") for r in self.rows)}
         for r in new:
             if r.get("sweep") != self.sweep or not r.get("trial_id"):
                 raise ValueError(f"row {str(r)[:120]} is not a row of sweep {self.sweep!r} with a trial_id "
                                  f"(use make_row)")
+            check_status(r)
+            if (r.get("trial_id"), r.get("run_id"), r.get("git_sha")) in held:  # a row of the file, rewritten
+                continue
+            check_provenance(r)
+            if r["git_sha"] not in shas and not self.allow_mixed:
+                raise ResultsError(f"row {r['trial_id']} is of commit {r['git_sha']}, this run is commit "
+                                   f"{_git_sha()}; writing it would mix them ({_MIX_HINT})")
             device = r.get("device_name")
             if (self._devices and not self.allow_mixed and r.get("status") == "ok" and device is not None
                     and str(device) not in self._devices):

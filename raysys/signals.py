@@ -6,7 +6,29 @@ import contextlib
 import signal
 import threading
 
-__all__ = ["interrupt_on_sigterm"]
+__all__ = ["interrupt_on_sigterm", "keep_sigterm_interrupt"]
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"{signal.Signals(signum).name} received")
+
+
+@contextlib.contextmanager
+def keep_sigterm_interrupt():
+    """Around `ray.init`, which sets a SIGTERM handler of its own (`sys.exit(15)`) as it starts: when
+    `interrupt_on_sigterm` was in force, a SIGTERM during the start raises KeyboardInterrupt as it would have (not
+    a silent exit 15), and the handler is ours again afterwards. Elsewhere it changes nothing."""
+    ours = (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is _raise_interrupt)
+    try:
+        yield
+    except SystemExit as exc:
+        if ours and exc.code == signal.SIGTERM:
+            raise KeyboardInterrupt("SIGTERM received") from None
+        raise
+    finally:
+        if ours:
+            signal.signal(signal.SIGTERM, _raise_interrupt)
 
 
 @contextlib.contextmanager
@@ -25,10 +47,7 @@ def interrupt_on_sigterm():
         yield
         return
 
-    def raise_interrupt(signum, frame):
-        raise KeyboardInterrupt(f"{signal.Signals(signum).name} received")
-
-    signal.signal(signal.SIGTERM, raise_interrupt)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         yield
     finally:

@@ -15,7 +15,8 @@ import pandas as pd
 
 from raysys.results import resolve_out
 
-__all__ = ["interrupted_message", "read_sweep", "resolve_out_dir", "summary_table", "sweep_parser", "writer_options"]
+__all__ = ["ClusterLost", "interrupted_message", "read_sweep", "resolve_out_dir", "summary_table", "sweep_parser",
+           "writer_options"]
 
 
 def resolve_out_dir(out: str | os.PathLike | None = None, sweep: str | None = None) -> Path:
@@ -38,11 +39,22 @@ def resolve_out_dir(out: str | os.PathLike | None = None, sweep: str | None = No
     return path
 
 
-def interrupted_message(sweep: str, done: int, total: int | None, path: Path | None) -> str:
-    """What a sweep stopped by Ctrl-C or SIGTERM prints (one line) before its interrupt propagates."""
-    where = f"; its rows are in {path}" if path is not None else ""
+class ClusterLost(RuntimeError):
+    """The Ray cluster a sweep ran on is gone (its head stopped answering); the rows written so far stay."""
+
+
+def interrupted_message(sweep: str, done: int, total: int | None, path: Path | None, lost: str = "") -> str:
+    """What a sweep stopped by Ctrl-C or SIGTERM (or by losing its Ray cluster, `lost` saying why) prints, in one
+    line, before the interrupt propagates. It names `path` only if that file exists (a run stopped before its first
+    row wrote none)."""
+    path = path if path is not None and Path(path).is_file() else None
     of = f" of {total}" if total is not None else ""
-    return f"{sweep}: interrupted after {done}{of} trials{where}; rerun with --resume to continue"
+    what = f"lost its Ray cluster ({lost})" if lost else "interrupted"
+    if done == 0 and path is None:
+        return f"{sweep}: {what} before any{of} trials finished; no rows were written"
+    where = f"; its rows are in {path}" if path is not None else ""
+    again = " once the cluster is back" if lost else " to continue"
+    return f"{sweep}: {what} after {done}{of} trials{where}; rerun with --resume{again}"
 
 
 def writer_options(args: argparse.Namespace) -> dict:

@@ -43,6 +43,9 @@ import torch.distributed as dist
 from raysys.device import synchronize
 
 PHASES = ("forward", "backward", "comm_wait", "optimizer")
+MAX_STEPS = 100_000
+"""The most warm-up or timed steps (or calls, or paired rounds) a trial takes; the checks state it, so a typo
+(`--steps 1000000000000`) is a one-line error, not a run that never ends."""
 DEFAULT_REL_TOL = 0.005
 
 

@@ -42,6 +42,7 @@ from parallel.collectives import OPS, aggregate, benchmark_collective  # noqa: E
 from raysys.cluster import check_gang, cluster_nodes, run_sweep  # noqa: E402
 from raysys.gang import gang_device  # noqa: E402
 from raysys.rank import check_rank_env  # noqa: E402
+from raysys.timing import MAX_STEPS  # noqa: E402
 from sweeps.common import (NOT_ON_CPU, check_int, check_timeout, list_flag, main_entry, on_cpu,  # noqa: E402
                            open_writer, output_dir, parse_ints, parse_list, print_written, pyplot, read_rows,
                            save_figure, start_ray, study_parser, write_markdown)
@@ -379,9 +380,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     ops = parse_list(args.ops, "ops", OPS)
     launchers = parse_list(args.launchers, "launchers", ("ray", "mp"))
     visibilities = parse_list(args.visibility, "visibility", ("shared", "isolated"))
-    check_int("--warmup", args.warmup, 0)
+    check_int("--warmup", args.warmup, 0, MAX_STEPS)
     if args.iters is not None:
-        check_int("--iters", args.iters, 1)
+        check_int("--iters", args.iters, 1, MAX_STEPS)
     check_timeout("--timeout-s", args.timeout_s)
     variants = [parse_nccl_env(text) for text in (args.nccl_env or ["default"])]
     labels = [nccl_env_label(env) for env in variants]
@@ -393,10 +394,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         for world_size in world_sizes:
             check_gang(world_size, device=args.device, launcher="mp")
     out = output_dir(args, name)
-    with open_writer(out, name, args) as writer:
+    settings = {"warmup": args.warmup, **({"iters": args.iters} if args.iters is not None else {})}
+    with open_writer(out, name, args, expect=settings) as writer:  # a file to resume: these settings (before Ray)
         start_ray(args)
         device = gang_device(args.device)
         defaults = DEFAULTS[device]
+        writer.check_resume({"iters": args.iters or defaults["iters"]})
         sizes = explicit_sizes or [parse_size(s) for s in parse_list(defaults["sizes"], "sizes")]
         world_sizes = world_sizes or parse_ints(defaults["world_sizes"], "world-sizes", 2)
         max_node_cpus = max(n.num_cpus for n in cluster_nodes())

@@ -35,7 +35,7 @@ from raysys.device import resolve_device  # noqa: E402
 from raysys.model import naive_attention  # noqa: E402
 from raysys.files import write_text  # noqa: E402
 from raysys.results import make_row, status_of, trial_id  # noqa: E402
-from raysys.timing import PhaseTimer  # noqa: E402
+from raysys.timing import MAX_STEPS, PhaseTimer  # noqa: E402
 from sweeps.common import (PROGRESS, check_int, list_flag, main_entry, open_writer, output_dir,  # noqa: E402
                            parse_list, read_rows, study_parser, write_markdown)
 
@@ -164,8 +164,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         return df
     device = resolve_device(args.device)
     modes = parse_list(args.modes, "modes", ("eager", "compiled"))
-    check_int("--steps", args.steps, 1)
-    check_int("--warmup", args.warmup, 0)
+    check_int("--steps", args.steps, 1, MAX_STEPS)
+    check_int("--warmup", args.warmup, 0, MAX_STEPS)
     if args.memory_fraction is not None and (not 0 < args.memory_fraction <= 1 or device.type != "cuda"):
         raise ValueError(f"--memory-fraction {args.memory_fraction} needs a CUDA device and a value in (0, 1]")
     head_dims, seqs, steps, warmup = HEAD_DIMS, SEQS, args.steps, args.warmup

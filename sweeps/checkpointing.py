@@ -53,7 +53,7 @@ from raysys.recompute_model import (GiB, Workload, cpu_allocation_trace, predict
                                     static_bytes, step_flops)
 from raysys.results import ResultWriter, error_row, make_row, trial_id  # noqa: E402
 from raysys.files import write_text  # noqa: E402
-from raysys.timing import PhaseTimer  # noqa: E402
+from raysys.timing import MAX_STEPS, PhaseTimer  # noqa: E402
 from sweeps.common import (NOT_ON_CPU, PROGRESS, check_int, list_flag, main_entry, on_cpu, open_writer,  # noqa: E402
                            output_dir, parse_ints, parse_list, pyplot, read_rows, save_figure, start_ray, study_parser)
 
@@ -512,8 +512,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         raise ValueError(f"--dtypes {args.dtypes}: the checkpointing study runs one dtype per run")
     dtype = dtypes[0]
     ks = parse_ints(args.ks, "ks", 1) if args.ks else None
-    check_int("--warmup", args.warmup, 0)
-    check_int("--steps", args.steps, 1)
+    check_int("--warmup", args.warmup, 0, MAX_STEPS)
+    check_int("--steps", args.steps, 1, MAX_STEPS)
     grids = {study: grid(study, device, args.quick, dtype, args.warmup, args.steps, ks) for study in studies}
     for trials in grids.values():
         for t in trials:

@@ -5,8 +5,9 @@
   per flag across studies; older spellings stay as hidden aliases (`alias`, `list_flag`); --help shows every
   default (`HelpFormatter`); `add_model_flags` / `grid_values` for the model grid of the gang studies.
 - Checks that run before Ray starts or any trial runs, each a one-line ValueError naming the value and the rule:
-  `check_int`, `check_timeout`, `parse_list`, `model_config`, `check_fits` (a CPU run bounded by the machine's
-  memory), `one_world_size`; `run_gang_study` checks a gang study's whole grid, its results directory and file
+  `check_int` and `check_timeout` (both with upper bounds they state), `parse_list`, `model_config`, `check_fits`
+  (a CPU run bounded by the machine's memory), `one_world_size`; `run_gang_study` checks a gang study's whole
+  grid, its results directory and file (a file to resume against this run's configuration, `check_resumed`)
   before it starts Ray.
 - Training pieces of the gang studies: `GangTrial` (the frozen base of DDPTrial, ShardedTrial, FSDPTrial: the
   trial is its row's configuration, with `.model_config()` and `.batch()`), `build_model`, `adamw_kwargs`,
@@ -48,6 +49,7 @@ from raysys.memory import TrialScope  # noqa: E402
 from raysys.model import TransformerLM  # noqa: E402
 from raysys.profiling import profile_steps  # noqa: E402
 from raysys.results import ResultWriter, check_sweep_name  # noqa: E402
+from raysys.timing import MAX_STEPS  # noqa: E402
 from raysys.train_step import compile_blocks  # noqa: E402
 
 GANG_DTYPES = ("fp32", "bf16")
@@ -150,7 +152,8 @@ def grid_values(args: argparse.Namespace, defaults: dict[str, dict], device: str
                if args.context_length is None else check_int("--context-length", args.context_length, 1))
     return dict(size=size, context_length=context,
                 batch_per_rank=check_int("--batch-per-rank", pick("batch_per_rank"), 1),
-                warmup=check_int("--warmup", pick("warmup"), 0), steps=check_int("--steps", pick("steps"), 2))
+                warmup=check_int("--warmup", pick("warmup"), 0, MAX_STEPS),
+                steps=check_int("--steps", pick("steps"), 2, MAX_STEPS))
 
 
 def one_world_size(args: argparse.Namespace) -> int:
@@ -183,18 +186,22 @@ def parse_ints(text: str, what: str, minimum: int) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------------- checks
-def check_int(name: str, value: Any, minimum: int) -> int:
-    """`value` if it is an int >= minimum, else a ValueError naming `name` (a flag or a field)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} ({value!r}) must be an integer >= {minimum}")
+def check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
+    """`value` if it is an int in [minimum, maximum], else a ValueError naming `name` (a flag or a field) and the
+    range."""
+    if (not isinstance(value, int) or isinstance(value, bool) or value < minimum
+            or maximum is not None and value > maximum):
+        rule = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} ({value!r}) must be an integer {rule}")
     return value
 
 
 def check_timeout(name: str, value: float) -> float:
-    """A finite number of seconds > 0 (nan, inf, 0 and negative timeouts would make every trial an error row)."""
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} ({value!r}) must be a finite number of seconds > 0")
-    return float(value)
+    """A finite number of seconds in (0, a week] (`raysys.rank.MAX_TIMEOUT_S`): nan, inf, 0, negative or huge
+    timeouts would make every trial an error row."""
+    from raysys.rank import check_seconds
+
+    return check_seconds(name, value)
 
 
 def model_config(size: str, context_length: int, **overrides) -> ModelConfig:
@@ -223,8 +230,7 @@ def add_variant_flags(p: argparse.ArgumentParser, compiled_sweep: str, compile_n
 
 def check_variant_flags(args: argparse.Namespace, world_size: int) -> None:
     """What `add_variant_flags` added, checked before any rank starts."""
-    if args.paired_rounds < 0:
-        raise ValueError(f"--paired-rounds ({args.paired_rounds}) must be >= 0")
+    check_int("--paired-rounds", args.paired_rounds, 0, MAX_STEPS)
     if args.collectives_alone and world_size != 1:
         raise ValueError(f"--collectives-alone needs --world-sizes 1 (got {world_size}): a larger group always "
                          "communicates")
@@ -250,8 +256,7 @@ def paired_summary(row: Mapping) -> str:
 
 def check_timing_options(warmup: int, compile: bool, paired_rounds: int) -> None:
     """--compile and --paired-rounds, as the DDP and FSDP studies take them."""
-    if not isinstance(paired_rounds, int) or paired_rounds < 0:
-        raise ValueError(f"paired_rounds ({paired_rounds!r}) must be an int >= 0 (0: no paired timing)")
+    check_int("paired_rounds", paired_rounds, 0, MAX_STEPS)
     if compile and warmup < 1:
         raise ValueError(f"warmup ({warmup}) must be >= 1 with compiled blocks: the first step compiles them")
 
@@ -279,11 +284,17 @@ class GangTrial(Mapping):
     seed: int = 0
     """Seed of the weights and of each rank's batch."""
 
+    KEY: ClassVar[tuple[str, ...]] = ("dtype",)
+    """The config columns that name a trial within a run: a resumed row with these values must be that very trial."""
+    PER_TRIAL: ClassVar[tuple[str, ...]] = ("dtype",)
+    """The config columns that may differ between the trials of one run; every other one is a setting of the run,
+    which the rows of a resumed file must share (`check_resumed`)."""
+
     def __post_init__(self) -> None:
         self.model_config()
         check_int("batch_per_rank", self.batch_per_rank, 1)
-        check_int("warmup", self.warmup, 0)
-        check_int("steps", self.steps, 2)
+        check_int("warmup", self.warmup, 0, MAX_STEPS)
+        check_int("steps", self.steps, 2, MAX_STEPS)
         check_int("seed", self.seed, 0)
         if self.dtype not in GANG_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} not in {GANG_DTYPES}")
@@ -326,6 +337,8 @@ class VariantTrial(GangTrial):
     """A trial of one variant of a study that compares variants (a subclass names them in `VARIANTS`)."""
 
     VARIANTS: ClassVar[tuple[str, ...]] = ()
+    KEY = ("dtype", "variant")
+    PER_TRIAL = ("dtype", "variant", "profile")
     variant: str
     """What runs: one of the class's VARIANTS."""
     profile: bool = False
@@ -407,14 +420,43 @@ def start_ray(args: argparse.Namespace) -> None:
     init_ray(getattr(args, "address", None), dashboard=getattr(args, "dashboard", False))
 
 
+def _remote(args: argparse.Namespace) -> bool:
+    """Whether the gang's ranks may run on other machines: Ray, at an address named by --address or RAY_ADDRESS."""
+    address = getattr(args, "address", None) or os.environ.get("RAY_ADDRESS")
+    return args.launcher == "ray" and bool(address) and address != "local"
+
+
 def local_gang_device(args: argparse.Namespace) -> tuple[str, bool]:
     """The device a gang will use as far as it is known without Ray, and whether that is certain: the named one,
     or this machine's (a Ray cluster named by --address or RAY_ADDRESS may have GPUs this machine lacks). The grid
     is checked with it before Ray starts; checks that depend on the device wait for the certain one."""
     from raysys.mp_gang import local_device
 
-    remote = getattr(args, "address", None) or os.environ.get("RAY_ADDRESS")
-    return local_device(args.device), args.launcher == "mp" or args.device != "auto" or not remote
+    return local_device(args.device), args.device != "auto" or not _remote(args)
+
+
+def ranks_device_name(args: argparse.Namespace, device: str) -> str | None:
+    """What the `ok` rows of a gang on `device` will name as their device (`raysys.rank.device_description`):
+    `cpu`, or the GPU model of this machine when the ranks run here and its GPUs are all one model; else None."""
+    from raysys.results import nvidia_gpu_models
+
+    if _remote(args):
+        return None
+    models = set(nvidia_gpu_models())
+    return "cpu" if device == "cpu" else models.pop() if len(models) == 1 else None
+
+
+def check_resumed(writer: ResultWriter, trials: Sequence[GangTrial], gang: Mapping[str, Any],
+                  device_name: str | None = None) -> None:
+    """Refuse to continue a file whose rows ran another configuration than `trials` on a gang of `gang`'s columns
+    (world size and launcher, and with the device known `raysys.cluster.gang_columns`), unless --allow-mixed: every
+    setting of the run (the trial class's columns outside `PER_TRIAL`, and the gang's), and with the device known
+    each trial by its `KEY` and the device's name (`ResultWriter.check_resume`)."""
+    cls = type(trials[0])
+    configs = [{**t, **gang} for t in trials]
+    settings = {k: v for k, v in configs[0].items()
+                if k not in cls.PER_TRIAL and all(k in c and c[k] == v for c in configs)}
+    writer.check_resume(settings, trials=configs if "device" in gang else (), key=cls.KEY, device_name=device_name)
 
 
 def gang_device(args: argparse.Namespace, world_size: int) -> str:
@@ -430,21 +472,25 @@ def gang_device(args: argparse.Namespace, world_size: int) -> str:
 def run_gang_study(args: argparse.Namespace, sweep: str, grid: Callable[..., list],
                    trial_fn: Callable[[Path], Callable], reduce: Callable) -> tuple[pd.DataFrame, Path]:
     """A study on one gang: every flag checked (`grid(args, device, world_size, check_device)` builds and checks
-    the trials) and the result file opened before Ray starts, then the device resolved and the trials run
+    the trials) and the result file opened before Ray starts (a file to resume compared with this run's
+    configuration, `check_resumed`), then the device resolved (and the file compared again) and the trials run
     (`trial_fn(out)` is the function every rank runs), one row each. Returns the rows and the results directory."""
-    from raysys.cluster import check_gang, run_sweep
+    from raysys.cluster import check_gang, gang_columns, run_sweep
 
     world_size = one_world_size(args)
     check_timeout("--timeout-s", args.timeout_s)
     local, certain = local_gang_device(args)
     if args.launcher == "mp":
         check_gang(world_size, device=local, launcher="mp")  # this machine's GPUs, CPUs and memory
-    first = grid(args, local, world_size, check_device=certain)[0]
+    trials = grid(args, local, world_size, check_device=certain)
     out = output_dir(args, sweep)
-    expect = {"size": first.size, "context_length": first.context_length, "batch_per_rank": first.batch_per_rank}
-    with open_writer(out, sweep, args, expect=expect) as writer:
+    with open_writer(out, sweep, args) as writer:
+        gang = (gang_columns(world_size, args.launcher, local) if certain
+                else {"world_size": world_size, "launcher": args.launcher})
+        check_resumed(writer, trials, gang, ranks_device_name(args, local) if certain else None)  # before Ray
         device = gang_device(args, world_size)
         trials = grid(args, device, world_size)
+        check_resumed(writer, trials, gang_columns(world_size, args.launcher, device))
         env = trials[0].rank_env()  # the flags set it for the whole grid: one gang serves every trial
         return run_sweep(sweep, trials, trial_fn(out), world_size, device=device, launcher=args.launcher,
                          timeout_s=args.timeout_s, reduce=reduce, env=env, writer=writer, show=False), out

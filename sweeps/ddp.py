@@ -53,10 +53,11 @@ from parallel.ddp import make_ddp  # noqa: E402
 from raysys.memory import release  # noqa: E402
 from raysys.profiling import cpu_op_time, kernel_intervals, overlap  # noqa: E402
 from raysys.rank import nccl_group  # noqa: E402
-from raysys.timing import paired_steps, time_steps  # noqa: E402
+from raysys.timing import MAX_STEPS, paired_steps, time_steps  # noqa: E402
 from raysys.train_step import TrainStep  # noqa: E402
 from sweeps.common import (GANG_DTYPES, NOT_ON_CPU, VariantTrial, adamw_kwargs, add_model_flags,  # noqa: E402
-                           add_variant_flags, build_model, check_fits, check_variant_flags, column, gang_study_main,
+                           add_variant_flags, build_model, check_fits, check_int, check_variant_flags, column,
+                           gang_study_main,
                            grid_values, in_trial_scope, list_flag, main_entry, markdown_report, on_cpu, paired_summary,
                            parse_list, profile_one_step, pyplot, save_figure, setup_sentence, step_column,
                            study_parser, write_markdown)
@@ -81,6 +82,9 @@ class DDPTrial(VariantTrial):
     in one dtype."""
 
     VARIANTS = KINDS
+    KEY = ("dtype", "label")
+    PER_TRIAL = (*VariantTrial.PER_TRIAL, "label", "bucket_size_mb", "bucket_view", "group_compiled", "nccl_max_ctas",
+                 "sm_carveout")
     label: str
     """Unique name of the variant in the run (`bucketed 100MB @8 CTAs`, `single (rerun)`)."""
     bucket_size_mb: float | None = None
@@ -472,6 +476,7 @@ def grid(args, device: str, world_size: int, check_device: bool = True) -> list[
     max_steps = args.max_steps if args.max_steps is not None else math.ceil(2.5 * steps)
     if max_steps < steps:
         raise ValueError(f"--max-steps ({max_steps}) must be >= --steps ({steps})")
+    check_int("--max-steps", max_steps, steps, MAX_STEPS)
     if args.nccl_max_ctas is not None and args.nccl_max_ctas < 1:
         raise ValueError(f"--nccl-max-ctas ({args.nccl_max_ctas}) must be >= 1")
     check_variant_flags(args, world_size)

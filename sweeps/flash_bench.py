@@ -56,7 +56,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from raysys.device import DTYPES, resolve_device  # noqa: E402
 from raysys.results import ResultWriter, make_row, status_of, trial_id  # noqa: E402
-from raysys.timing import PAIRED_REP_MS, paired_speedups  # noqa: E402
+from raysys.timing import MAX_STEPS, PAIRED_REP_MS, paired_speedups  # noqa: E402
 from sweeps.common import (PROGRESS, alias, check_int, check_timeout, list_flag, main_entry, open_writer,  # noqa: E402
                            output_dir, parse_ints, parse_list, read_rows, redraw_report, study_parser,
                            write_markdown)
@@ -604,7 +604,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     providers = parse_list(args.providers or ",".join(PROVIDERS + PATH_PROVIDERS), "providers",
                            PROVIDERS + PATH_PROVIDERS)
     budget = check_timeout("--time-budget-s", args.time_budget_s) if args.time_budget_s is not None else math.inf
-    paired_rounds = check_int("--paired-rounds", args.paired_rounds, 0)
+    paired_rounds = check_int("--paired-rounds", args.paired_rounds, 0, MAX_STEPS)
     if paired_rounds in (1, 2):
         raise ValueError(f"--paired-rounds ({paired_rounds}) must be 0 (off) or >= 3 (a median and its confidence)")
     caps = {"pytorch_tiled": check_int("--max-seq-pytorch", args.max_seq_pytorch, 1),

@@ -54,6 +54,7 @@ DEFAULTS = {"cuda": dict(size="xl", context_length=512, dtypes="fp32", batch_per
 class ShardedTrial(GangTrial):
     """One arm (optimizer state sharded or not) in one dtype."""
 
+    KEY = PER_TRIAL = ("dtype", "sharded")
     sharded: bool
     """AdamW wrapped in ShardedOptimizer (each rank keeps the state of ~1/N of the parameters)."""
     ddp_bucket_mb: float = DDP_BUCKET_MB

@@ -43,7 +43,9 @@ def test_cli_bench_writes_parquet_with_expected_columns(tmp_path, capsys):
     (dict(size="gigantic"), "size 'gigantic'"),
     (dict(mode="backward"), "mode 'backward'"),
     (dict(dtype="int8"), "dtype 'int8'"),
-    (dict(steps=0), r"steps \(0\) must be >= 1"),
+    (dict(steps=0), r"steps \(0\) must be in \[1, 100000\]"),
+    (dict(steps=10**12), r"steps \(1000000000000\) must be in \[1, 100000\]"),
+    (dict(warmup=-1), r"warmup \(-1\) must be in \[0, 100000\]"),
     (dict(attention="magic"), "attention 'magic'"),
     (dict(size="small", context_length=0), r"context_length \(0\) must be a positive integer"),
 ])

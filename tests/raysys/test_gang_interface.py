@@ -74,7 +74,10 @@ def test_shared_arguments_are_checked_alike_before_anything_starts(make):
     for args, kwargs, match in [((0,), {}, r"world_size \(0\) must be an int >= 1"),
                                 ((2.0,), {}, r"world_size \(2.0\) must be an int >= 1"),
                                 ((2,), {"device": "cuda:0"}, "device 'cuda:0' must be one of"),
-                                ((2,), {"timeout_s": 0}, r"timeout_s \(0\) must be > 0"),
+                                ((2,), {"timeout_s": 0}, r"timeout_s \(0\) must be a finite number of seconds"),
+                                ((2,), {"timeout_s": 1e15},
+                                 r"timeout_s \(1000000000000000\.0\) must be a finite number of seconds in "
+                                 r"\(0, 604800\]"),
                                 ((2,), {"env": {"NCCL_NVLS_ENABLE": "1"}}, "multicast must stay off")]:
         with pytest.raises(ValueError, match=match):
             make(*args, **kwargs)
@@ -121,10 +124,19 @@ def _fail_on_rank_1(ctx: RankContext) -> int:
     return ctx.rank
 
 
+def _ignores_sigint(pid: int) -> bool:
+    """Whether process `pid` ignores SIGINT (bit SIGINT - 1 of SigIgn in /proc/<pid>/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
+    return bool(mask >> (signal.SIGINT - 1) & 1)
+
+
 @pytest.mark.multiproc
 def test_process_gang_keeps_the_interfaces_rules():
     with ProcessGang(2, device="cpu", name="iface", timeout_s=60) as gang:
         assert (gang.device, gang.backend, len(gang.ranks)) == ("cpu", "gloo", 2)
+        assert all(_ignores_sigint(r["pid"]) for r in gang.ranks)  # Ctrl-C is the driver's (issue 48)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # ... and still reaches it
         out = gang.run(_whoami, "a")
         assert [r["rank"] for r in out] == [0, 1] and {r["backend"] for r in out} == {"gloo"}
         assert [r["pid"] for r in out] == [r["pid"] for r in gang.ranks] and os.getpid() not in [r["pid"] for r in out]
@@ -139,6 +151,63 @@ def test_process_gang_keeps_the_interfaces_rules():
             gang.run(_whoami, "c")
         procs = list(gang._procs)
     assert not gang.running and not any(p.is_alive() for p in procs)
+
+
+def _rank_0_hangs_up_then_exits_3(ctx: RankContext) -> None:
+    """Rank 0 closes its sockets (its pipe to the driver among them), then exits with code 3 a moment later: the
+    order in which a dying rank's pipe and its process sentinel may reach the driver. Rank 1 sleeps."""
+    if ctx.rank == 0:
+        import stat
+
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            try:
+                if stat.S_ISSOCK(os.fstat(fd).st_mode):
+                    os.close(fd)
+            except OSError:
+                pass
+        time.sleep(0.5)
+        os._exit(3)
+    time.sleep(60)
+
+
+@pytest.mark.multiproc
+def test_a_dead_rank_is_named_with_its_exit_code_at_once_not_at_the_deadline(monkeypatch):
+    """Issue 48: a rank that exits while its peer sleeps (no collective fails to echo it) was noticed only at the
+    deadline, the driver spinning on the dead rank's pipe (it reads ready at EOF) meanwhile. Now its EOF ends the
+    wait: the rank and its exit code, after a handful of waits, long before the deadline; the same for a rank
+    killed while the gang starts."""
+    import multiprocessing
+    import threading
+
+    import raysys.mp_gang as mp_gang
+
+    waits = []
+    real_wait = mp_gang.mpc.wait
+
+    def counted_wait(objects, timeout=None):
+        waits.append(timeout)
+        return real_wait(objects, timeout)
+
+    monkeypatch.setattr(mp_gang.mpc, "wait", counted_wait)
+    with ProcessGang(2, device="cpu", name="dies", timeout_s=30) as gang:
+        waits.clear()
+        t0 = time.monotonic()
+        with pytest.raises(mp_gang.RankFailed, match=r"dies:exits: rank 0 \(pid \d+\) exited with code 3$"):
+            gang.call(_rank_0_hangs_up_then_exits_3, label="exits")
+        assert time.monotonic() - t0 < 30 and len(waits) <= 4, waits   # not the deadline, no spinning
+
+    def kill_rank_0_once_spawned():
+        while not (ranks := [p for p in multiprocessing.active_children() if p.name == "starting.rank0"]):
+            time.sleep(0.01)
+        os.kill(ranks[0].pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_rank_0_once_spawned, daemon=True)
+    killer.start()
+    gang = ProcessGang(2, device="cpu", name="starting", timeout_s=30, start_timeout_s=30)
+    with pytest.raises(mp_gang.RankFailed, match=r"process-group init: rank 0 \(pid \d+\) was killed by SIGKILL"):
+        gang.start()
+    killer.join()
+    assert gang.broken and not gang.running and not multiprocessing.active_children()
 
 
 _ORPHAN_DRIVER = """

@@ -54,7 +54,9 @@ def test_new_refuses_an_existing_file_resume_keeps_it_overwrite_replaces_it(tmp_
 def test_resume_refuses_rows_of_another_commit_configuration_or_device(tmp_path):
     here = provenance()["git_sha"]
     old = [dict(r, git_sha="0123456789ab") for r in _rows(2)]
-    ResultWriter(tmp_path, "demo").write(old)
+    with pytest.raises(ResultsError, match=f"of commit 0123456789ab, this run is commit {here}; writing it would mix"):
+        ResultWriter(tmp_path, "demo").write(old)
+    ResultWriter(tmp_path, "demo", mode="overwrite", allow_mixed=True).write(old)
     with pytest.raises(ResultsError, match=f"rows of commit 0123456789ab, this run is commit {here}"):
         ResultWriter(tmp_path, "demo", resume=True)
     assert len(ResultWriter(tmp_path, "demo", resume=True, allow_mixed=True).rows) == 2
@@ -71,6 +73,70 @@ def test_resume_refuses_rows_of_another_commit_configuration_or_device(tmp_path)
     w = ResultWriter(tmp_path, "demo", resume=True, allow_mixed=True)
     w.write([make_row("demo", {"size": "xl", "i": 7}, {"m": 1.0}, device_name="cpu")])
     assert len(read_results(tmp_path / "demo.parquet")) == 5
+
+
+def test_write_takes_only_rows_with_a_known_status_and_provenance(tmp_path):
+    """Issue 48: `write` accepted a hand-made row with status `hacked`, no provenance and a foreign commit."""
+    good = _rows(1)[0]
+    w = ResultWriter(tmp_path, "demo")
+    for change, match in [({"status": "hacked"}, "status 'hacked'; a status is one of ok, oom, error"),
+                          ({"git_sha": None}, "lacks its provenance: git_sha is None"),
+                          ({"run_id": ""}, "lacks its provenance: run_id is ''"),
+                          ({"git_sha": "HEAD~1; rm -rf"}, "git_sha 'HEAD~1; rm -rf'; it must be 12 hex digits"),
+                          ({"run_id": "me"}, "run_id 'me'; it must be 12 hex digits"),
+                          ({"utc": "yesterday"}, "utc 'yesterday'; it must be YYYY-mm-ddTHH:MM:SSZ"),
+                          ({"git_sha": "fedcba987654"}, "is of commit fedcba987654, this run is commit")]:
+        with pytest.raises(ValueError, match=match):
+            w.write([{**good, **change}])
+    hand_made = {k: v for k, v in good.items() if k not in ("torch_version", "host")}
+    with pytest.raises(ValueError, match="lacks its provenance: torch_version is None"):
+        w.write([hand_made])
+    assert not (tmp_path / "demo.parquet").exists() and w.rows == []
+    w.write([good])
+    w.write([dict(good, m=2.0)])  # a row of the file rewritten (same trial, run and commit)
+    assert read_results(tmp_path / "demo.parquet")["m"].tolist() == [2.0]
+
+
+def test_resume_refuses_a_foreign_schema_and_rows_without_provenance(tmp_path):
+    """Issue 48: `--resume` accepted `pd.DataFrame({'foo': [1, 2]})` as demo.parquet and rows without a git_sha."""
+    import pandas as pd
+
+    pd.DataFrame({"foo": [1, 2]}).to_parquet(tmp_path / "demo.parquet")
+    for allow_mixed in (False, True):
+        with pytest.raises(ResultsError, match=r"holds rows without sweep, trial_id, status \(not a raysys results "
+                                               r"file\), not rows of sweep 'demo'; --overwrite replaces it"):
+            ResultWriter(tmp_path, "demo", resume=True, allow_mixed=allow_mixed)
+    pd.DataFrame(_rows(2, sweep="other")).to_parquet(tmp_path / "demo.parquet")
+    with pytest.raises(ResultsError, match="holds rows of sweep other, not rows of sweep 'demo'"):
+        ResultWriter(tmp_path, "demo", resume=True)
+    bare = pd.DataFrame(_rows(2)).drop(columns=["git_sha", "host"])
+    bare.to_parquet(tmp_path / "demo.parquet")
+    with pytest.raises(ResultsError, match=r"holds rows without provenance \(git_sha, host\); resuming would mix"):
+        ResultWriter(tmp_path, "demo", resume=True)
+    assert len(ResultWriter(tmp_path, "demo", resume=True, allow_mixed=True).rows) == 2
+    assert len(read_results(tmp_path / "demo.parquet")) == 2
+
+
+def test_resume_compares_every_setting_and_each_trial_with_the_same_name(tmp_path):
+    """`check_resume`: the run's settings (`expect`, a missing column counting as none), each trial that has the
+    name (`key`) of one of this run's with the same configuration, and the device, all before anything runs."""
+    configs = [{"dtype": "fp32", "label": v, "profile": False, "steps": 2, "launcher": "ray"} for v in ("a", "b")]
+    ResultWriter(tmp_path, "demo").write([make_row("demo", c, {"m": 1.0}, device_name="cpu") for c in configs])
+    for expect, match in [({"steps": 3}, "rows with steps = 2, this run has steps = 3"),
+                          ({"launcher": "mp"}, "rows with launcher = ray, this run has launcher = mp"),
+                          ({"world_size": 1}, "rows with world_size = none, this run has world_size = 1")]:
+        with pytest.raises(ResultsError, match=match):
+            ResultWriter(tmp_path, "demo", resume=True, expect=expect)
+    w = ResultWriter(tmp_path, "demo", resume=True, expect={"steps": 2.0, "launcher": "ray", "world_size": None})
+    w.check_resume(trials=[*configs, dict(configs[0], label="c")], key=("dtype", "label"), device_name="cpu")
+    profiled = [dict(configs[0], profile=True)]
+    with pytest.raises(ResultsError, match="holds the trial dtype fp32, label a with profile = False there, True here"):
+        w.check_resume(trials=profiled, key=("dtype", "label"))
+    with pytest.raises(ResultsError, match="holds rows measured on cpu, this run measures on NVIDIA H100"):
+        w.check_resume(device_name="NVIDIA H100")
+    w.close()
+    mixed = ResultWriter(tmp_path, "demo", resume=True, allow_mixed=True, expect={"steps": 3})
+    mixed.check_resume(trials=profiled, key=("dtype", "label"), device_name="NVIDIA H100")
 
 
 def test_a_corrupt_file_is_refused_by_resume_and_replaced_by_overwrite(tmp_path):
@@ -95,24 +161,28 @@ def test_bad_out_dirs_and_sweep_names_are_one_line_errors(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------- the lock
-# Rows without make_row's provenance: no torch import (fast start), and no git_sha that a commit made by
-# someone else in the meantime would change between two writers.
 _WRITER = textwrap.dedent("""
     import sys, time
-    from raysys.results import ResultWriter
+    from raysys.results import RUN_ID, ResultWriter
     out, n, pad, start = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[5])
     w = ResultWriter(out, "demo", mode="resume")
     print("locked", flush=True)
+    mine = {"run_id": RUN_ID, "git_sha": sys.argv[6], "torch_version": "-", "triton_version": "-",
+            "ray_version": "-", "device_name": "cpu", "host": "h", "utc": "2026-01-01T00:00:00Z"}
     for i in range(start, start + n):
-        w.write([{"sweep": "demo", "trial_id": f"t{i}", "i": i, "status": "ok", "pad": "x" * pad}])
+        w.write([{"sweep": "demo", "trial_id": f"t{i}", "i": i, "status": "ok", "pad": "x" * pad, **mine}])
         print(i, flush=True)
     time.sleep(float(sys.argv[4]))
 """)
 
 
 def _writer(out: Path, n: int, pad: int = 10, linger_s: float = 0.0, start: int = 0) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", _WRITER, str(out), str(n), str(pad), str(linger_s), str(start)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """A writer in another process (rows by hand: no torch import, a fast start) of this test's commit, given to it
+    (RAYSYS_GIT_SHA): a commit made by someone else in the meantime changes neither's."""
+    sha = provenance()["git_sha"]
+    return subprocess.Popen([sys.executable, "-c", _WRITER, str(out), str(n), str(pad), str(linger_s), str(start),
+                             sha], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "RAYSYS_GIT_SHA": sha})
 
 
 def test_a_second_writer_fails_at_once_naming_the_first(tmp_path):
@@ -189,12 +259,43 @@ def test_sigkill_during_writes_leaves_a_readable_file_and_no_stale_temp(tmp_path
         df = read_results(tmp_path / "demo.parquet")  # readable: the old file or the new one, never half of one
         assert set(range(last + 1)) <= set(df["i"]) and len(df) >= seen
         seen = len(df)
-    dead = tmp_path / f".demo.parquet.{2**22 + 1}-{files._HOST}.0badf00d.tmp"  # above pid_max: surely dead
+    dead = files._tmp_name(tmp_path / "demo.parquet", pid=2**22 + 1)  # above pid_max: surely dead
     dead.write_bytes(b"half a file")
     stale = list(tmp_path.glob(".demo.parquet.*.tmp"))
     with ResultWriter(tmp_path, "demo", resume=True) as w:  # the next writer removes the dead ones' temp files
         assert len(w.rows) == seen
     assert not list(tmp_path.glob(".demo.parquet.*.tmp")), stale
+
+
+def test_cleanup_removes_only_temp_files_of_dead_writers_named_by_this_module(tmp_path):
+    """Issue 48: the cleanup deleted any `.<sweep>.parquet.*.tmp`, a user's too. Now only a name this module made
+    (its check matches), on this host, whose pid is gone."""
+    path = tmp_path / "demo.parquet"
+    dead = files._tmp_name(path, pid=2**22 + 1)
+    kept = [tmp_path / ".demo.parquet.backup.tmp",                             # a user's file
+            tmp_path / f".demo.parquet.{2**22 + 1}-{files._HOST}.0badf00d.tmp",  # looks like an old writer's
+            files._tmp_name(path),                                             # a live writer's (this process)
+            Path(str(dead).replace(dead.name[-8 - 4:-4], "0" * 8)),           # our shape, a forged check
+            files._tmp_name(tmp_path / "other.parquet", pid=2**22 + 1)]        # another file's
+    for p in [dead, *kept]:
+        p.write_bytes(b"x")
+    with ResultWriter(tmp_path, "demo"):
+        pass
+    assert not dead.exists() and all(p.exists() for p in kept), sorted(p.name for p in tmp_path.iterdir())
+
+
+def test_a_lock_file_that_is_a_symbolic_link_is_refused_and_its_target_untouched(tmp_path):
+    """Issue 48: a `.<sweep>.parquet.lock` that was a symlink got its target overwritten with the lock text."""
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\n")
+    (tmp_path / ".demo.parquet.lock").symlink_to(target)
+    with pytest.raises(ResultsError, match=r"lock file .*\.demo\.parquet\.lock is a symbolic link; remove it"):
+        ResultWriter(tmp_path, "demo")
+    assert target.read_text() == "keep me\n" and not (tmp_path / "demo.parquet").exists()
+    (tmp_path / ".demo.parquet.lock").unlink()
+    (tmp_path / ".demo.parquet.lock").mkdir()
+    with pytest.raises(ResultsError, match="cannot open lock file .*Is a directory"):
+        ResultWriter(tmp_path, "demo")
 
 
 # ---------------------------------------------------------------------------------------------------- full disk
@@ -312,3 +413,45 @@ def test_the_default_out_is_a_fresh_run_directory_outside_results(tmp_path, monk
     monkeypatch.delenv("RAYSYS_RUNS_DIR")
     assert default_out_dir("ddp").parent == tmp_path / "runs"
     assert "/runs/" in (REPO / ".gitignore").read_text()
+
+
+def test_a_long_error_keeps_its_first_line_and_its_end():
+    """Issue 48: a rank's error with its remote traceback was cut to its last 2000 characters, so tables showed a
+    fragment (`l_impl`) instead of the exception."""
+    from raysys.results import error_row
+
+    text = "RankFailed: dies:exits: rank 0 exited with code 3\n" + "  File x, line 1, in _call_impl\n" * 500
+    row = make_row("demo", {"i": 1}, status="error", error=text + "EOFError: the end")
+    assert row["error"].splitlines()[0] == "RankFailed: dies:exits: rank 0 exited with code 3"
+    assert row["error"].endswith("EOFError: the end") and len(row["error"]) <= 2000
+    assert "characters cut" in row["error"]
+    exc = ValueError("boom " + "y" * 5000)
+    exc.add_note("(raised on rank 1 during ddp:[1/4] label=naive)")
+    cut = error_row("demo", {"i": 2}, exc)["error"]
+    assert cut.startswith("ValueError: boom yyy") and cut.endswith("(raised on rank 1 during ddp:[1/4] label=naive)")
+    assert make_row("demo", {"i": 3}, status="error", error="short\ntext")["error"] == "short\ntext"
+
+
+def test_resume_runs_again_what_the_infrastructure_skipped(tmp_path):
+    """Issue 48: a `skipped` row counted as finished, so a trial a lost node skipped was never run again. A row
+    whose error says `not run:` is retried; a trial that cannot run (`unsupported: ...`) is not."""
+    ResultWriter(tmp_path, "demo").write([
+        make_row("demo", {"i": 0}, status="skipped", error="not run: the cluster has 0 node(s)"),
+        make_row("demo", {"i": 1}, status="skipped", error="unsupported: no bf16 on this device"),
+        make_row("demo", {"i": 2}, status="error", error="x"), make_row("demo", {"i": 3}, {"m": 1.0})])
+    with ResultWriter(tmp_path, "demo", resume=True) as w:
+        assert [w.done(trial_id({"i": i})) for i in range(4)] == [False, True, False, True]
+
+
+def test_the_fault_table_names_tests_that_exist():
+    """docs/faults.md names the test that guards each promise: a renamed or deleted test makes the table lie."""
+    import re
+
+    table = (REPO / "docs" / "faults.md").read_text()
+    named, path = [], None
+    for m in re.finditer(r"`(tests/[\w/]+\.py)?::(\w+)`", table):
+        path = m.group(1) or path
+        named.append((path, m.group(2)))
+    assert len(named) > 30
+    missing = [f"{p}::{t}" for p, t in named if not re.search(rf"^def {t}\(", (REPO / p).read_text(), re.M)]
+    assert not missing, missing

@@ -92,3 +92,24 @@ def test_run_script_turns_interrupts_and_a_full_disk_into_one_line(capsys):
     assert cli.run_script(noted) == 130 and capsys.readouterr().err == ""  # run_sweep printed its own line
     assert cli.run_script(full) == 1
     assert capsys.readouterr().err.endswith("error: no space left writing x.parquet; the previous x.parquet is intact\n")
+
+
+def test_bench_steps_and_warmup_are_bounded_before_any_work(tmp_path, capsys):
+    """Issue 48: `bench --steps 1e12` had no bound (a run that never ends); now one line, nothing made."""
+    for flag, value, match in (("--steps", "1000000000000", "steps (1000000000000) must be in [1, 100000]"),
+                               ("--warmup", "100001", "warmup (100001) must be in [0, 100000]")):
+        assert cli.main(["bench", "--size", "tiny", "--device", "cpu", flag, value, "--out", str(tmp_path / "b")]) == 2
+        err = capsys.readouterr().err
+        assert match in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "b").exists()
+
+
+def test_bench_failing_after_its_out_was_made_leaves_no_empty_directory(tmp_path, capsys):
+    """Issue 49: `bench --attention cudnn` on a CPU fails once the run directory exists and left it empty; an --out
+    this run created goes again, one that existed stays."""
+    argv = ["bench", "--size", "tiny", "--attention", "cudnn", "--device", "cpu", "--warmup", "0", "--steps", "1"]
+    assert cli.main([*argv, "--out", str(tmp_path / "new" / "b")]) == 2
+    assert "attention 'cudnn' needs CUDA tensors" in capsys.readouterr().err
+    (tmp_path / "mine").mkdir()
+    assert cli.main([*argv, "--out", str(tmp_path / "mine")]) == 2
+    assert not (tmp_path / "new").exists() and list((tmp_path / "mine").iterdir()) == []

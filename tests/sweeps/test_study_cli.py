@@ -42,7 +42,7 @@ def _study(name: str):
 
 
 BAD = [
-    ("ddp", ["--steps", "0"], r"--steps \(0\) must be an integer >= 2"),
+    ("ddp", ["--steps", "0"], r"--steps \(0\) must be an integer in \[2, 100000\]"),
     ("ddp", ["--variants", "single,bogus"], "variant 'bogus'"),
     ("ddp", ["--dtypes", "fp8"], r"--dtypes: \['fp8'\]"),
     ("ddp", ["--size", "huge"], "--size 'huge' is not one of"),
@@ -56,6 +56,20 @@ BAD = [
     ("ddp", ["--world-sizes", "2,4"], "one world size per run"),
     ("ddp", ["--launcher", "mp", "--world-size", "100000"], "asked for 100000 CPU ranks on this machine"),
     ("ddp", ["--max-steps", "3"], r"--max-steps \(3\) must be >= --steps"),
+    # issue 48: upper bounds, stated
+    ("ddp", ["--timeout-s", "1e15"], r"--timeout-s \(1000000000000000\.0\) must be a finite number of seconds "
+                                     r"in \(0, 604800\]"),
+    ("ddp", ["--steps", "1000000000000"], r"--steps \(1000000000000\) must be an integer in \[2, 100000\]"),
+    ("ddp", ["--warmup", "100001"], r"--warmup \(100001\) must be an integer in \[0, 100000\]"),
+    ("ddp", ["--max-steps", "100001"], r"--max-steps \(100001\) must be an integer in \[10, 100000\]"),
+    ("ddp", ["--paired-rounds", "100001"], r"--paired-rounds \(100001\) must be an integer in \[0, 100000\]"),
+    ("fsdp", ["--timeout-s", "1e15"], r"--timeout-s \(1000000000000000\.0\)"),
+    ("sharded_optimizer", ["--steps", "100001"], r"--steps \(100001\) must be an integer in \[2, 100000\]"),
+    ("allreduce", ["--timeout-s", "1e15"], r"--timeout-s \(1000000000000000\.0\) must be a finite number"),
+    ("allreduce", ["--iters", "100001"], r"--iters \(100001\) must be an integer in \[1, 100000\]"),
+    ("attention", ["--steps", "100001"], r"--steps \(100001\) must be an integer in \[1, 100000\]"),
+    ("checkpointing", ["--warmup", "100001"], r"--warmup \(100001\) must be an integer in \[0, 100000\]"),
+    ("flash_bench", ["--time-budget-s", "1e15"], r"--time-budget-s \(1000000000000000\.0\)"),
     ("fsdp", ["--steps", "0"], r"--steps \(0\)"),
     ("fsdp", ["--variants", "zero3"], r"--variants: \['zero3'\]"),
     ("fsdp", ["--dtypes", "fp8"], "fp8"),
@@ -265,7 +279,13 @@ def test_a_run_refused_after_its_run_directory_was_made_leaves_none(tmp_path, mo
     monkeypatch.setattr(common, "gang_device", refuse)
     assert common.main_entry(ddp.main, ["--device", "cpu", "--world-size", "2", "--launcher", "ray"]) == 2
     assert "asked for 2 ranks" in capsys.readouterr().err
-    assert list((tmp_path / "runs").iterdir()) == []
+    assert not (tmp_path / "runs").exists()  # nor the runs root this run made for it
+    # issue 49: an --out that this run created goes too (`ddp.py --world-sizes 4 --out D`); one that existed stays
+    argv = ["--device", "cpu", "--world-size", "2", "--launcher", "ray", "--out"]
+    assert common.main_entry(ddp.main, [*argv, str(tmp_path / "new" / "out")]) == 2
+    (tmp_path / "mine").mkdir()
+    assert common.main_entry(ddp.main, [*argv, str(tmp_path / "mine")]) == 2
+    assert not (tmp_path / "new").exists() and list((tmp_path / "mine").iterdir()) == []
 
 
 def test_leaderboard_context_length_is_bounded_before_any_model(tmp_path, capsys, no_ray):
@@ -298,3 +318,84 @@ def test_studies_in_their_own_process_need_no_ray(study):
                           text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "unrecognized arguments: --bogus-flag" in done.stderr and "ray" not in done.stderr.lower()
+
+
+def _planted_ddp_run(out, argv: list[str], **gang) -> list[str]:
+    """`out/ddp.parquet` as a CPU run of `argv` on a Ray gang would have left it (one ok row per trial)."""
+    from raysys.results import ResultWriter, make_row
+    from sweeps import ddp
+
+    args = ddp.build_parser().parse_args(argv)
+    columns = {"world_size": 2, "launcher": "ray", "device": "cpu", "gpu_visibility": "none", **gang}
+    rows = [make_row("ddp", {**t, **columns}, {"step_median_s": 0.1}, backend="gloo",
+                     device_name="cpu" if columns["device"] == "cpu" else "NVIDIA H100 80GB HBM3")
+            for t in ddp.grid(args, "cpu", 2)]
+    with ResultWriter(out, "ddp", mode="overwrite") as w:
+        w.write(rows)
+    return argv
+
+
+FIRST = ["--variants", "single,naive,flat,overlapped", "--no-single-rerun", "--profile", "", "--warmup", "1",
+         "--steps", "2", "--device", "cpu", "--world-sizes", "2"]
+MIXED = [(["--world-sizes", "1"], "rows with world_size = 2, this run has world_size = 1"),
+         (["--launcher", "mp"], "rows with launcher = ray, this run has launcher = mp"),
+         (["--steps", "3"], "rows with steps = 2, this run has steps = 3"),
+         (["--warmup", "0"], "rows with warmup = 1, this run has warmup = 0"),
+         (["--size", "small"], "rows with size = tiny, this run has size = small"),
+         (["--profile", "naive"], "holds the trial dtype fp32, label naive with profile = False there, True here")]
+
+
+@pytest.mark.parametrize("change,match", MIXED, ids=[" ".join(c) for c, _ in MIXED])
+def test_resume_refuses_another_configuration_before_ray_starts(no_ray, tmp_path, change, match):
+    """Issue 48: `ddp.py --resume` with another --world-sizes, --launcher, --steps or --warmup was accepted (4 -> 8
+    rows). Every setting of the run and each trial of the same name is compared, before Ray starts."""
+    from sweeps import ddp
+
+    argv = [*_planted_ddp_run(tmp_path, FIRST), "--out", str(tmp_path), "--resume"]
+    with pytest.raises(ValueError, match=match):
+        ddp.main([*argv, *change])
+    with pytest.raises(RayStarted):  # the same configuration, or --allow-mixed, goes on to start Ray
+        ddp.main([*argv, *change, "--allow-mixed"])
+    with pytest.raises(RayStarted):
+        ddp.main(argv)
+    assert len(pd.read_parquet(tmp_path / "ddp.parquet")) == 4
+
+
+def test_resume_refuses_another_device_a_foreign_file_and_rows_without_provenance_before_ray(no_ray, tmp_path):
+    """Issue 48: another device was refused only after Ray started and a trial ran; a foreign file (`{'foo': [1,
+    2]}`) and rows without a git_sha were accepted."""
+    from sweeps import ddp
+
+    argv = [*_planted_ddp_run(tmp_path, FIRST, device="cuda", gpu_visibility="shared"), "--out", str(tmp_path),
+            "--resume"]
+    with pytest.raises(ValueError, match="rows with device = cuda, this run has device = cpu"):
+        ddp.main(argv)
+    _planted_ddp_run(tmp_path, FIRST)
+    df = pd.read_parquet(tmp_path / "ddp.parquet")
+    df.assign(device_name="NVIDIA H100 80GB HBM3").to_parquet(tmp_path / "ddp.parquet")
+    with pytest.raises(ValueError, match="holds rows measured on NVIDIA H100 80GB HBM3, this run measures on cpu"):
+        ddp.main(argv)
+    df.drop(columns=["git_sha"]).to_parquet(tmp_path / "ddp.parquet")
+    with pytest.raises(ValueError, match=r"holds rows without provenance \(git_sha\)"):
+        ddp.main(argv)
+    pd.DataFrame({"foo": [1, 2]}).to_parquet(tmp_path / "ddp.parquet")
+    for flags in ([], ["--allow-mixed"]):
+        with pytest.raises(ValueError, match="holds rows without sweep, trial_id, status"):
+            ddp.main([*argv, *flags])
+
+
+def test_allreduce_resume_refuses_other_warmup_or_iters_before_ray(no_ray, tmp_path):
+    from raysys.results import ResultWriter, make_row
+    from sweeps import allreduce
+
+    rows = [make_row("allreduce", {**t, "world_size": 2, "launcher": "ray", "device": "cpu", "gpu_visibility": "none"},
+                     {"busbw_GBps": 1.0}) for t in allreduce.trials(["all_reduce"], [1000], 1, 2)]
+    with ResultWriter(tmp_path, "allreduce") as w:
+        w.write(rows)
+    argv = ["--device", "cpu", "--sizes", "1KB", "--ops", "all_reduce", "--out", str(tmp_path), "--resume"]
+    for change, match in ((["--warmup", "3"], "rows with warmup = 1, this run has warmup = 3"),
+                          (["--iters", "5"], "rows with iters = 2, this run has iters = 5")):
+        with pytest.raises(ValueError, match=match):
+            allreduce.main([*argv, "--iters", "2", "--warmup", "1", *change])
+    with pytest.raises(RayStarted):
+        allreduce.main([*argv, "--iters", "2", "--warmup", "1"])
