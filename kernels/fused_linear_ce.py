@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from kernels.device import device_of
-from kernels.flash_attention_tuning import INTERPRET
+from kernels.attention.triton.tuning import INTERPRET
 
 MAX_CHUNK_BYTES = 768 * 2**20
 """Budget of the one (C, V) logits buffer; with the loss rows and cuBLAS workspaces the extra memory of the op stays

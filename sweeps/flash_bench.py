@@ -13,9 +13,9 @@ Studies (`--studies`, default target and grid):
           first checked at odd lengths against fp32 attention (`check_*_err`; `--check-only` stops there, which
           also compiles its kernels), then timed beside SDPA cuDNN and flash. `--write-tuned JSON --report-only`
           puts the fastest tma configs per head dim first in a tuned-config file.
-Providers: `triton` (kernels.flash_attention, autotuned, the auto path; `triton_portable`, `triton_tma` and
+Providers: `triton` (kernels.attention.interface, autotuned, the auto path; `triton_portable`, `triton_tma` and
 their `_1pass` twins pin the path and the backward, and each Triton row's `path` column says which ran),
-`pytorch_tiled` (kernels.flash_attention_pytorch: Python tile loops, compiled backward), `naive` (plain-torch
+`pytorch_tiled` (kernels.attention.reference: Python tile loops, compiled backward), `naive` (plain-torch
 reference in the input dtype), `sdpa_flash` and `sdpa_cudnn` (torch SDPA pinned to one backend).
 
 One row per (study, provider, shape): median latency (`triton.testing.do_bench`) of the forward, the backward
@@ -180,7 +180,7 @@ class _CandidateAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, path, configs):
-        from kernels.flash_attention import flash_attention_fwd
+        from kernels.attention.interface import flash_attention_fwd
 
         out, lse = flash_attention_fwd(q, k, v, causal, config=configs["fwd"], path=path)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -189,7 +189,7 @@ class _CandidateAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        from kernels.flash_attention import flash_attention_bwd
+        from kernels.attention.interface import flash_attention_bwd
 
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = flash_attention_bwd(q, k, v, out, lse, grad_out, ctx.causal, dkdv_config=ctx.configs["dkdv"],
@@ -201,8 +201,8 @@ def candidate_fn(name: str, device: torch.device) -> Callable:
     """Attention with candidate `name`'s path and configs (each checked against its kernel and path)."""
     if device.type != "cuda":
         raise Unsupported("the Triton kernels need a CUDA device (or TRITON_INTERPRET=1, far too slow here)")
-    from kernels.flash_attention import tma_supported
-    from kernels.flash_attention_tuning import FlashConfig
+    from kernels.attention.interface import tma_supported
+    from kernels.attention.triton.tuning import FlashConfig
 
     spec = CANDIDATES[name]
     if spec["path"] == "tma" and not tma_supported(device):
@@ -221,7 +221,7 @@ CHECK_TOLERANCE = {"bf16": 2e-2, "fp16": 5e-3}
 def check_candidate(name: str, device_str: str) -> dict:
     """`check_<dtype>_err`: the largest relative error of O, dQ, dK, dV over the check shapes; raises
     AssertionError past the dtype's tolerance. Also compiles the even-length kernels the timing uses."""
-    from kernels.flash_attention import flash_attention_reference
+    from kernels.attention.interface import flash_attention_reference
 
     device = torch.device(device_str)
     fn = candidate_fn(name, device)
@@ -258,7 +258,7 @@ def provider_fn(name: str, device: torch.device) -> Callable:
     if name in TRITON_PATHS:
         if device.type != "cuda":
             raise Unsupported("the Triton kernels need a CUDA device (or TRITON_INTERPRET=1, far too slow here)")
-        from kernels.flash_attention import flash_attention, gluon_unsupported, tma_supported
+        from kernels.attention.interface import flash_attention, gluon_unsupported, tma_supported
 
         path, bwd = TRITON_PATHS[name]
         if path == "tma" and not tma_supported(device):
@@ -269,11 +269,11 @@ def provider_fn(name: str, device: torch.device) -> Callable:
             raise Unsupported(f"the gluon path: {reason}")
         return functools.partial(flash_attention, path=path, bwd=bwd)
     if name == "pytorch_tiled":
-        from kernels.flash_attention_pytorch import flash_attention_pytorch
+        from kernels.attention.reference import flash_attention_pytorch
 
         return flash_attention_pytorch
     if name == "naive":
-        from kernels.flash_attention import flash_attention_reference
+        from kernels.attention.interface import flash_attention_reference
 
         return flash_attention_reference
     if device.type != "cuda":
@@ -299,7 +299,7 @@ PAIRED_MODES = ("fwd", "fwd_bwd")
 
 
 def _flops(cfg: dict, mode: str) -> float:
-    from kernels.flash_attention import flash_attention_flops
+    from kernels.attention.interface import flash_attention_flops
 
     return flash_attention_flops(cfg["batch"], cfg["heads"], cfg["seq"], cfg["seq"], cfg["head_dim"],
                                  cfg["causal"], mode)
@@ -357,7 +357,7 @@ def run_trial(cfg: dict, device: torch.device, caps: dict, check_only: bool = Fa
             {"fwd": lambda: cudnn(q, k, v, causal), "fwd_bwd": lambda: cudnn(q, k, v, causal).backward(do)},
             paired_rounds, lambda f: bench_s(f, device, warmup_ms=25, rep_ms=PAIRED_REP_MS), "sdpa_cudnn"))
     if cfg["provider"] in TRITON_PATHS:
-        from kernels.flash_attention import LAST_PATH, last_paths
+        from kernels.attention.interface import LAST_PATH, last_paths
 
         metrics["path"] = last_paths()
         metrics["triton_configs"] = triton_picks(LAST_PATH["bwd"])
@@ -366,7 +366,7 @@ def run_trial(cfg: dict, device: torch.device, caps: dict, check_only: bool = Fa
 
 def triton_picks(bwd: str = "two_pass") -> str:
     """The launch configs of the last forward and backward, e.g. `fwd=128x64/w8/s3; dkdv=...; dq=...`."""
-    from kernels.flash_attention import LAST_CONFIG, FlashConfig
+    from kernels.attention.interface import LAST_CONFIG, FlashConfig
 
     kernels = ("fwd", "dkdvq") if bwd == "one_pass" else ("fwd", "dkdv", "dq")
     return "; ".join(f"{k}={c.label() if isinstance(c, FlashConfig) else 'gluon ' + c.name}"
@@ -473,7 +473,7 @@ def markdown(df: pd.DataFrame) -> str:
 def candidate_winners(df: pd.DataFrame) -> dict[str, list[dict]]:
     """Per head dim, the tma fwd config and the (dK/dV, dQ) pair with the lowest geometric-mean forward
     (backward) time over the shapes every compared candidate was measured on, as tuned-file entries."""
-    from kernels.flash_attention_tuning import FlashConfig
+    from kernels.attention.triton.tuning import FlashConfig
 
     out: dict[str, list[dict]] = {"fwd": [], "dkdv": [], "dq": []}
     if "fwd_median_s" not in df:  # nothing was timed
@@ -527,7 +527,7 @@ def write_tuned(df: pd.DataFrame, json_path: Path) -> dict[str, list[dict]]:
     `auto_path` (`auto_path(df)`: the path `auto` takes on sm_90)."""
     import json
 
-    from kernels.flash_attention_tuning import load_tuned_configs
+    from kernels.attention.triton.tuning import load_tuned_configs
     from raysys.files import write_text
 
     winners = candidate_winners(df)

@@ -1,6 +1,6 @@
 """GPU check of the Gluon (Hopper, warp-specialised) FlashAttention forward: correctness, then timing.
 
-For each knob config of `kernels.flash_attention_gluon.GluonConfig` (its own try/except: a config that fails to
+For each knob config of `kernels.attention.gluon.forward.GluonConfig` (its own try/except: a config that fails to
 compile or is wrong prints one line and the script goes on):
 (a) O and L against fp32 SDPA / a torch logsumexp on odd shapes, bf16 and fp16, causal and not, n_q != n_k;
 (b) forward time (triton.testing.do_bench, median) at four causal bf16 shapes beside SDPA pinned to cuDNN and to
@@ -32,9 +32,9 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import kernels.flash_attention_gluon as fg
-import kernels.flash_attention_gluon_bwd as fgb
-import kernels.flash_attention_gluon_bwd_onepass as fgo
+import kernels.attention.gluon.forward as fg
+import kernels.attention.gluon.backward_two_pass as fgb
+import kernels.attention.gluon.backward as fgo
 from raysys.results import make_row, resolve_out, write_parquet
 from raysys.timing import PAIRED_REP_MS, paired_speedups
 
@@ -195,7 +195,7 @@ def _mode(config) -> str:
 
 
 def check_bwd(config: fgo.GluonBwdConfig | fgb.GluonBwd2Config, head_dim: int) -> tuple[bool, list[dict]]:
-    from kernels.flash_attention import flash_attention_bwd
+    from kernels.attention.interface import flash_attention_bwd
     rows, ok = [], True
     for q_shape, n_k, causal, dtype, (q, k, v, do) in _check_cases(head_dim):
         out, lse = fg.gluon_attention_fwd(q, k, v, causal)
@@ -257,7 +257,7 @@ def check_configs(configs: dict[int, list], check_fn, kind: str, rows: list[dict
 
 def _bwd_path() -> str:
     """The path and mode of this process's last `flash_attention_bwd`, e.g. `gluon, one_pass`, `portable, two_pass`."""
-    from kernels.flash_attention import LAST_PATH
+    from kernels.attention.interface import LAST_PATH
 
     mode = LAST_PATH.get("bwd", "?")
     return f"{LAST_PATH.get('dkdvq' if mode == 'one_pass' else 'dkdv', '?')}, {mode}"
@@ -268,7 +268,7 @@ def run_bwd(rows: list[dict], paired_rounds: int = 0) -> None:
     with `paired_rounds`, (d') each one-pass config's backward against the one the gluon path launches
     (`fgo.problem_config`) in alternating rounds."""
     passed = check_configs(BWD_CONFIGS, check_bwd, "check_bwd", rows)
-    from kernels.flash_attention import flash_attention_bwd
+    from kernels.attention.interface import flash_attention_bwd
     for shape in BENCH_SHAPES:
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v, do = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(4))
@@ -407,7 +407,7 @@ def run_fwd(rows: list[dict], passed: dict, paired_rounds: int = 0) -> None:
     run the GPU's speed drifts by more than the configs differ: results/flash_hopper_notes.md, section 13)."""
     passed.update(check_configs(CONFIGS, check, "check", rows))
     # (b) timing: baselines, then every config that passed.
-    from kernels.flash_attention import flash_attention_fwd
+    from kernels.attention.interface import flash_attention_fwd
     for shape in BENCH_SHAPES:
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(3))

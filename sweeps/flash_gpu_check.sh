@@ -12,7 +12,7 @@
 #   4. (RUN_NCU=1) ncu on one launch of each kernel per path (--clock-control none; a few sections);
 #   5. (RUN_COLD=1) first-call cost at 1x32x32768x128: one fwd+bwd on a fresh Triton cache, tuned file or autotuning.
 # Everything it writes lies under $OUT: the tuned file the later steps read is $OUT/flash_attention_tuned.json
-# (RAYSYS_FLASH_TUNED), never the committed kernels/flash_attention_tuned.json (copy it there to install it).
+# (RAYSYS_FLASH_TUNED), never the committed kernels/attention/triton/tuned.json (copy it there to install it).
 # Run from the repository root:   OUT=/tmp/x bash sweeps/flash_gpu_check.sh
 set -u
 OUT=${OUT:-/tmp/flash_gpu_check}
@@ -23,7 +23,7 @@ if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
   exit 2
 fi
 mkdir -p "$OUT"
-cp kernels/flash_attention_tuned.json "$OUT/flash_attention_tuned.json"
+cp kernels/attention/triton/tuned.json "$OUT/flash_attention_tuned.json"
 export RAYSYS_FLASH_TUNED=$OUT/flash_attention_tuned.json
 TILES_SHAPES=${TILES_SHAPES:-16384/128/bf16/causal,2048/128/bf16/causal,4096/64/bf16/causal}
 TILES_VARIANTS=${TILES_VARIANTS:-tma,tma_r128,tma_persistent}
@@ -94,7 +94,7 @@ fi
 XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-8}" || echo "")
 
 rm -f "$OUT/tests.done"
-(timeout "${TEST_TIMEOUT:-200}" $PY -m pytest -m gpu tests/kernels/test_flash_attention_gpu.py -q -p no:cacheprovider \
+(timeout "${TEST_TIMEOUT:-200}" $PY -m pytest -m gpu tests/kernels/attention/test_interface_gpu.py -q -p no:cacheprovider \
    $XDIST ${TEST_K:+-k "$TEST_K"} > "$OUT/gpu_tests.log" 2>&1
  echo "pytest exit code $?" >> "$OUT/gpu_tests.log"; touch "$OUT/tests.done") &
 TESTS=$!
@@ -146,7 +146,7 @@ if [ "${RUN_COLD:-0}" = 1 ]; then
       timeout 120 $PY -c "
 import time, torch
 t = time.perf_counter()
-from kernels.flash_attention import flash_attention
+from kernels.attention.interface import flash_attention
 q, k, v = (torch.randn(1, 32, 32768, 128, device='cuda', dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 flash_attention(q, k, v, True).sum().backward(); torch.cuda.synchronize()
 print(f'first call ($mode, empty Triton cache): {time.perf_counter() - t:.1f} s')" >> "$OUT/cold.log" 2>&1

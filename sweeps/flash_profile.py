@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     import torch
 
-    import kernels.flash_attention as fa
+    import kernels.attention.interface as fa
 
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     if set(paths) - set(fa.PATHS):

@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 import pandas as pd  # noqa: E402
 
-from kernels.flash_attention_tuning import KERNELS, TUNED_CONFIGS_PATH  # noqa: E402
+from kernels.attention.triton.tuning import KERNELS, TUNED_CONFIGS_PATH  # noqa: E402
 from raysys.device import DTYPES, resolve_device  # noqa: E402
 from raysys.results import ResultWriter, error_row, make_row, trial_id  # noqa: E402
 from sweeps.common import (PROGRESS, list_flag, main_entry, open_writer, output_dir, parse_list,  # noqa: E402
@@ -125,7 +125,7 @@ SWEPT_SINCE = {"fwd": "rescale_under_s", "dkdvq": "dq_buffers"}
 the trials that did not fit) multiplies that grid's size, since the rows of earlier runs hold one value."""
 UNFIT_ERRORS = ("OutOfResources", "SharedMemoryExceeded")
 """How the `error` of a trial whose config does not fit the device begins: Triton's build or launch, or the launcher's
-own check before it (`kernels.flash_attention_tuning.SharedMemoryExceeded`)."""
+own check before it (`kernels.attention.triton.tuning.SharedMemoryExceeded`)."""
 GLUON_VARIANTS = ("gluon", "gluon_persistent")
 """`gluon_persistent`: the persistent grids (one program per SM) of the forward (`GluonConfig.persistent`, two
 consumer groups) and of the one-pass backward (`GluonBwdConfig.persistent`), over the same tiles, ring depths and
@@ -189,7 +189,7 @@ def param_spaces(quick: bool, shapes: tuple[str, ...], variants: tuple[str, ...]
     the one the launcher would take, in that many alternating rounds (a key only then: earlier trial ids stay)."""
     import torch
 
-    from kernels.flash_attention_tuning import candidates
+    from kernels.attention.triton.tuning import candidates
 
     unknown = set(variants) - set(VARIANTS)
     if unknown:
@@ -259,8 +259,8 @@ def trial(config: dict, device: str = "cuda") -> dict:
     import torch
     import triton.testing
 
-    from kernels.flash_attention import FlashConfig, flash_attention_bwd, flash_attention_flops, flash_attention_fwd
-    from kernels.flash_attention_tuning import candidates, config_fits
+    from kernels.attention.interface import FlashConfig, flash_attention_bwd, flash_attention_flops, flash_attention_fwd
+    from kernels.attention.triton.tuning import candidates, config_fits
 
     kernel = config["kernel"]
     variant = config.get("variant", "portable")
@@ -317,11 +317,11 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
     checked against the tl kernels' portable path under their first built-in config, then timed."""
     import torch
 
-    import kernels.flash_attention_gluon as gluon_fwd
-    import kernels.flash_attention_gluon_bwd as gluon_bwd
-    import kernels.flash_attention_gluon_bwd_onepass as one_pass
-    from kernels.flash_attention import flash_attention_bwd, flash_attention_flops, flash_attention_fwd
-    from kernels.flash_attention_tuning import candidates
+    import kernels.attention.gluon.forward as gluon_fwd
+    import kernels.attention.gluon.backward_two_pass as gluon_bwd
+    import kernels.attention.gluon.backward as one_pass
+    from kernels.attention.interface import flash_attention_bwd, flash_attention_flops, flash_attention_fwd
+    from kernels.attention.triton.tuning import candidates
 
     kernel, shape = config["kernel"], parse_shape(config["shape"])
     persistent = VARIANTS[config["variant"]][2]
@@ -608,7 +608,7 @@ def _tuned_entry_shapes(part: pd.DataFrame, kernel: str, head_dim: int) -> set[s
     unless that would leave none. None: every shape ranks (the backward)."""
     if kernel != "fwd":
         return None
-    from kernels.flash_attention_gluon import PERSISTENT_GRID
+    from kernels.attention.gluon.forward import PERSISTENT_GRID
 
     n_max = PERSISTENT_GRID.get(head_dim, (0, {}))[0]
     long = {shape for shape in part["shape"].unique() if parse_shape(shape)["seq"] > n_max}
@@ -700,7 +700,7 @@ def write_tuned(df: pd.DataFrame, tuned: dict[str, list[dict]], json_path: Path,
                              if kept_kinds else "")
         extra["gluon"] = {**extra.get("gluon", {}), **gluon}
     if json_path.exists():
-        from kernels.flash_attention_tuning import load_tuned_configs
+        from kernels.attention.triton.tuning import load_tuned_configs
 
         swept = {(k, e["path"]) for k, entries in tuned.items() for e in entries}
         kept = 0

@@ -171,7 +171,7 @@ case $phase in
     # paths and both SDPA backends, auto also paired against cuDNN in alternating rounds, then the host time of a
     # call (~7 min)
     study flash_gluon_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 -k gluon \
-      tests/kernels/test_flash_attention_gpu.py tests/kernels/test_flash_attention_gluon.py
+      tests/kernels/attention/test_interface_gpu.py tests/kernels/attention/gluon/test_gluon.py
     study flash_hopper 260 python3 sweeps/flash_bench.py --studies hopper --time-budget-s 210 --out "$RESULTS" --resume \
       --providers triton,triton_gluon,triton_gluon_1pass,triton_tma,triton_portable,sdpa_cudnn,sdpa_flash \
       --paired-rounds 9

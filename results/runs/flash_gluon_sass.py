@@ -5,7 +5,7 @@ Run from the repository root with Triton 3.6 (Gluon's Hopper API) and TRITON_INT
 OUT_DIR/flash_gluon_sass.parquet is refused without `--overwrite`, before any work; `--with '{"field": value}'` also
 builds each head dim's tuned config with those GluonConfig fields: another commit's knobs, with PYTHONPATH and the
 working directory on a checkout of that commit). For each head dim's tuned forward
-config (`kernels.flash_attention_gluon.default_config`, bf16, causal; at d 64 also with each other share of
+config (`kernels.attention.gluon.forward.default_config`, bf16, causal; at d 64 also with each other share of
 emulated exp2s, `exp2_emulated`), the kernel is compiled for sm_90 and its
 SASS disassembled (Triton's bundled cuobjdump); the steady-state loop is, of the innermost loops with HGMMA in their
 body, the one with the most MUFU (the consumer's iteration j: S(j), P(j-1) V(j-1), softmax(j); its body also
@@ -26,7 +26,7 @@ import torch
 
 from raysys.results import make_row, write_parquet
 
-import kernels.flash_attention_gluon as fg
+import kernels.attention.gluon.forward as fg
 
 SWEEP = "flash_gluon_sass"
 EXP2_SHARES = (0, 2, 4, 8, 16)
@@ -34,7 +34,7 @@ EXP2_SHARES = (0, 2, 4, 8, 16)
 
 
 def sass_of(config: fg.GluonConfig, head_dim: int) -> str:
-    from tests.kernels.gluon_builds import sm90_build
+    from tests.kernels.attention.gluon.sm90_builds import sm90_build
 
     return sm90_build("fwd", config, head_dim, torch.bfloat16, True)[0].sass
 

@@ -36,8 +36,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from raysys.results import PROVENANCE_COLUMNS, make_row, write_parquet
 
-import kernels.flash_attention as fa
-import kernels.flash_attention_gluon as g
+import kernels.attention.interface as fa
+import kernels.attention.gluon.forward as g
 
 
 LINE = re.compile(r"^(?P<case>\S.*?) host us/call (?P<host>[\d.]+)\s+wall us/call (?P<wall>[\d.]+)\s+"
@@ -143,7 +143,7 @@ def profile(name: str, fn, n: int = 50) -> None:
 def pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, label: str) -> list[dict]:
     """Host time of each step of the `op` case's forward, alone (`--pieces`; rows `piece: ...`): what the gluon
     forward pays before and around its launch."""
-    from kernels.flash_attention_pytorch import check_attention_inputs
+    from kernels.attention.reference import check_attention_inputs
 
     config = g.problem_config(q, k)
     out, lse = torch.empty_like(q), torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)

@@ -318,7 +318,7 @@ def test_rows_name_the_flash_kernels_that_ran(monkeypatch):
     forward and backward ran, and the table shows them beside the backend."""
     import pandas as pd
 
-    import kernels.flash_attention as fa
+    import kernels.attention.interface as fa
     from raysys.leaderboard_bench import _attention_label
 
     model = TransformerLM(config(N=2, S=32, d=32, f=64, V=50))
@@ -365,7 +365,7 @@ def test_planned_attention_kernels_follow_the_dispatch(monkeypatch):
     """`planned_paths` applies the dispatch's rules to fake tensors of the step's shape: the tl kernels where the Gluon
     ones cannot run, the Gluon forward and one-pass backward where they can and the call is large enough, the tl
     backward once the Gluon backward failed to build; the plan takes them (`planned_attention_kernels`)."""
-    import kernels.flash_attention as fa
+    import kernels.attention.interface as fa
     from raysys.leaderboard import planned_attention_kernels
 
     monkeypatch.delenv(fa.PATH_ENV, raising=False)

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
-import kernels.flash_attention_tuning as ft
+import kernels.attention.triton.tuning as ft
 from sweeps import flash_bench, flash_tiles
 
 

@@ -61,7 +61,7 @@ def test_flash_bench_paired_rounds_rule(tmp_path, rounds):
 
 
 def test_flash_tiles_grids_hold_only_valid_configs():
-    from kernels.flash_attention_tuning import FlashConfig
+    from kernels.attention.triton.tuning import FlashConfig
 
     spaces = flash_tiles.param_spaces(False, flash_tiles.SHAPES)
     for kernel, space in spaces.items():
@@ -84,7 +84,7 @@ def _tile_row(kernel, tile, warps, stages, shape, ms, status="ok"):
 
 
 def test_best_configs_round_trip_into_the_kernels_loader(tmp_path):
-    from kernels.flash_attention_tuning import load_tuned_configs
+    from kernels.attention.triton.tuning import load_tuned_configs
 
     a, b = "16384/128/bfloat16/causal", "4096/128/bfloat16/causal"
     rows = [_tile_row("fwd", "128x64", 8, 3, a, 2.0), _tile_row("fwd", "128x64", 8, 3, b, 0.6),
@@ -109,7 +109,7 @@ def test_best_configs_round_trip_into_the_kernels_loader(tmp_path):
 def test_flash_tiles_variants_grids_and_tuned_entries_per_path(tmp_path):
     """The tma variants' grids hold only configs their path takes (warp specialisation: 4 warps, no dQ loop), and
     a sweep of one path writes that path's entries, keeping the file's entries of the other."""
-    from kernels.flash_attention_tuning import FlashConfig, load_tuned_configs
+    from kernels.attention.triton.tuning import FlashConfig, load_tuned_configs
 
     shape = "4096/64/bfloat16/causal"
     for quick in (False, True):
@@ -143,9 +143,9 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     """`--variants gluon`: the Gluon forward's and one-pass backward's knobs, only on shapes they take; their winners
     go to the tuned file's `gluon` part (beside the tl entries and `auto_path`, which stay), and the Gluon
     launchers read it."""
-    import kernels.flash_attention_gluon as gluon_fwd
-    import kernels.flash_attention_gluon_bwd_onepass as one_pass
-    from kernels import flash_attention_tuning as tuning
+    import kernels.attention.gluon.forward as gluon_fwd
+    import kernels.attention.gluon.backward as one_pass
+    import kernels.attention.triton.tuning as tuning
 
     a, b = "16384/128/bfloat16/causal", "4096/128/bfloat16/causal"
     spaces = flash_tiles.param_spaces(False, (a, b, "4096/32/bfloat16/causal", "4096/64/float32/causal"), ("gluon",))
@@ -525,7 +525,7 @@ def test_gluon_check_rows_follow_the_results_convention(tmp_path, capsys):
 
 def test_gluon_check_names_the_backward_auto_ran(monkeypatch):
     """The check's `auto_bwd` rows say which kernels `flash_attention_bwd` picked (the Gluon one-pass or the tl ones)."""
-    from kernels import flash_attention as fa
+    import kernels.attention.interface as fa
     from sweeps import flash_gluon_check as check
 
     monkeypatch.setattr(fa, "LAST_PATH", {"fwd": "gluon", "dkdvq": "gluon", "dkdv": "portable", "bwd": "one_pass"})
@@ -555,7 +555,7 @@ def test_gluon_check_pairs_each_config_against_the_launched_one(capsys):
     """`paired_against_default`: one row per config but the launched one, its ratio the launched config's time over
     the config's (median over alternating rounds), kind 'paired' for the forward and 'paired_bwd' for the backward;
     a config whose run fails prints one line and gets no row."""
-    from kernels.flash_attention_gluon_bwd_onepass import GluonBwdConfig
+    from kernels.attention.gluon.backward import GluonBwdConfig
     from sweeps import flash_gluon_check as check
 
     default, faster, slower, broken = (GluonBwdConfig(head_group=g) for g in (3, 1, 8, 2))
@@ -587,8 +587,8 @@ def test_gluon_winners_by_paired_ratio_where_every_row_has_one(tmp_path, monkeyp
     """--paired-rounds: the gluon grids carry the rounds (and nothing else does); winners go by the trials' paired
     ratios against the launcher's config, not by their medians, whose GPU speed drifted between trials; rows of a
     head dim without a ratio each, or paired against two references at one shape, fall back to the medians."""
-    import kernels.flash_attention_gluon as gluon_fwd
-    from kernels import flash_attention_tuning as tuning
+    import kernels.attention.gluon.forward as gluon_fwd
+    import kernels.attention.triton.tuning as tuning
 
     a, b = "16384/128/bfloat16/causal", "4x32/2048/128/bfloat16/causal"
     spaces = flash_tiles.param_spaces(False, (a, b), ("gluon", "tma"), paired_rounds=5)
@@ -629,7 +629,7 @@ def test_gluon_forward_entry_ranked_beyond_the_persistent_grid_length():
     """The tuned forward entry (d 128) is ranked over the shapes longer than PERSISTENT_GRID's: up to it the launcher
     runs that grid instead, so the ratios there say nothing of the entry's use; each shape keeps its own
     winner; d 64 (no PERSISTENT_GRID) ranks over all; a sweep of short shapes only still gets an entry."""
-    import kernels.flash_attention_gluon as gluon_fwd
+    import kernels.attention.gluon.forward as gluon_fwd
 
     n_max = gluon_fwd.PERSISTENT_GRID[128][0]
     long, short = f"{2 * n_max}/128/bfloat16/causal", f"4x32/{n_max}/128/bfloat16/causal"

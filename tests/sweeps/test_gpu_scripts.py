@@ -27,7 +27,7 @@ from tests.subprocess_utils import REPO, repo_env
 def test_refused_without_gpus_before_writing_anything(tmp_path, script, args, gpus, expect):
     if torch.cuda.device_count() >= gpus:
         pytest.skip(f"this machine has the {gpus} GPU(s) {script} needs")
-    tuned = (REPO / "kernels" / "flash_attention_tuned.json").read_bytes()
+    tuned = (REPO / "kernels" / "attention" / "triton" / "tuned.json").read_bytes()
     # The scripts call `python3` (gpu_run.sh) or $PYTHON (flash_gpu_check.sh): this interpreter, which has torch.
     env = repo_env(OUT=str(tmp_path / "out"), RESULTS=str(tmp_path / "results"), MODE="candidates",
                    PYTHON=sys.executable, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
@@ -35,19 +35,19 @@ def test_refused_without_gpus_before_writing_anything(tmp_path, script, args, gp
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith(expect), proc.stderr
     assert not (tmp_path / "out").exists() and not (tmp_path / "results").exists()
-    assert (REPO / "kernels" / "flash_attention_tuned.json").read_bytes() == tuned  # the committed file untouched
+    assert (REPO / "kernels" / "attention" / "triton" / "tuned.json").read_bytes() == tuned  # the committed file untouched
 
 
 def test_a_tuned_file_that_does_not_exist_is_an_error_not_untuned_kernels(tmp_path):
     """`RAYSYS_FLASH_TUNED` with a typo: one ValueError at import naming the path, not the built-in configs."""
-    code = "import kernels.flash_attention_tuning"
+    code = "import kernels.attention.triton.tuning"
     bad = subprocess.run([sys.executable, "-c", code], env=repo_env(RAYSYS_FLASH_TUNED=str(tmp_path / "nope.json")),
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and f"ValueError: RAYSYS_FLASH_TUNED ({tmp_path / 'nope.json'}) names no file" \
         in bad.stderr, bad.stderr
     good = tmp_path / "tuned.json"
-    good.write_bytes((REPO / "kernels" / "flash_attention_tuned.json").read_bytes())
-    ok = subprocess.run([sys.executable, "-c", code + "; print(kernels.flash_attention_tuning.TUNED_CONFIGS_PATH)"],
+    good.write_bytes((REPO / "kernels" / "attention" / "triton" / "tuned.json").read_bytes())
+    ok = subprocess.run([sys.executable, "-c", code + "; print(kernels.attention.triton.tuning.TUNED_CONFIGS_PATH)"],
                         env=repo_env(RAYSYS_FLASH_TUNED=str(good)), capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and ok.stdout.strip() == str(good), ok.stderr
 

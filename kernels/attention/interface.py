@@ -52,18 +52,18 @@ import triton.language as tl
 from torch._subclasses.fake_tensor import is_fake
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-import kernels.flash_attention_gluon as gluon_fwd
-import kernels.flash_attention_gluon_bwd as gluon_bwd
-import kernels.flash_attention_gluon_bwd_onepass as gluon_bwd_onepass
+import kernels.attention.gluon.forward as gluon_fwd
+import kernels.attention.gluon.backward_two_pass as gluon_bwd
+import kernels.attention.gluon.backward as gluon_bwd_onepass
 from kernels.device import device_of, empty_like_layout
-from kernels.flash_attention_kernels import (
+from kernels.attention.triton.kernels import (
     _flash_bwd_dkdv_kernel,
     _flash_bwd_dq_kernel,
     _flash_bwd_preprocess_kernel,
     _flash_fwd_kernel,
 )
-from kernels.flash_attention_pytorch import MASK_VALUE, autocast_inputs, check_attention_inputs, check_backward_inputs
-from kernels.flash_attention_tuning import (
+from kernels.attention.reference import MASK_VALUE, autocast_inputs, check_attention_inputs, check_backward_inputs
+from kernels.attention.triton.tuning import (
     AUTOTUNE_KEY,
     INTERPRET,
     PATHS,
@@ -256,7 +256,7 @@ def tma_layout_ok(*tensors: torch.Tensor) -> bool:
 
 def gluon_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
     """'' when the Gluon forward runs on these (B[, H], N, d) tensors, also torch.compile's fake ones, else the rule
-    broken (`kernels.flash_attention_gluon.unsupported_reason`: an sm_90 GPU, Gluon's Hopper API, bf16 / fp16,
+    broken (`kernels.attention.gluon.forward.unsupported_reason`: an sm_90 GPU, Gluon's Hopper API, bf16 / fp16,
     head dim 64 or 128, TMA-able layouts)."""
     if INTERPRET:
         return "the Triton interpreter (TRITON_INTERPRET=1) runs no Gluon kernel"
@@ -349,7 +349,7 @@ def _check_device(q: torch.Tensor) -> None:
         return
     if not INTERPRET:
         raise ValueError(f"tensors on {q.device} need a CUDA device, or TRITON_INTERPRET=1 set before "
-                         "kernels.flash_attention is imported (CPU interpreter)")
+                         "kernels.attention.interface is imported (CPU interpreter)")
     if q.dtype == torch.bfloat16:
         raise ValueError("dtype torch.bfloat16 is not supported by the Triton CPU interpreter (NumPy has no "
                          "bfloat16); use float16 or float32 under TRITON_INTERPRET=1")
@@ -518,7 +518,7 @@ def _define_op(name: str, impl, fake):
 
 _GLUON_BROKEN: dict[tuple, str] = {}
 """(kernel, config, head dim, dtype, is_causal, device) -> why that Gluon kernel does not build here (its build probe,
-`kernels.flash_attention_gluon.build`): calls that would run it take the tl kernels instead."""
+`kernels.attention.gluon.forward.build`): calls that would run it take the tl kernels instead."""
 
 
 def _gluon_broken(kernel: str, config, q: torch.Tensor, is_causal: bool, exc: Exception | None = None) -> str | None:

@@ -1,7 +1,7 @@
 """FlashAttention forward for Hopper (sm_90) in Gluon: warp-specialised, FlashAttention-3 style.
 
 Computes O = softmax(Q K^T / sqrt(d) + mask) V and L = logsumexp(Q K^T / sqrt(d) + mask) (natural log, fp32, the
-units `kernels.flash_attention.flash_attention_fwd` returns and its backward consumes). Causal is the top-left
+units `kernels.attention.interface.flash_attention_fwd` returns and its backward consumes). Causal is the top-left
 aligned mask of the tl kernels: query i sees keys j <= i (also when n_q != n_k). Masked scores are -inf here
 (every row sees key 0, so no row's max is ever -inf). [J. Shah et al., FlashAttention-3, 2024, sections 3.1-3.2.]
 
@@ -27,7 +27,7 @@ hoists a wgmma wait above independent ALU work of its basic block, so the wait f
 compiler cannot fold (the K release); the SASS then reads HGMMA(S) HGMMA(PV) DEPBAR<=1 EX2... DEPBAR<=0.
 
 Usage: `out, lse = gluon_attention_fwd(q, k, v, is_causal)` when `supported(q, k, v)`; knobs in `GluonConfig`.
-`kernels.flash_attention` calls it for its `gluon` path; the Gluon backward is `kernels/flash_attention_gluon_bwd.py`
+`kernels.attention.interface` calls it for its `gluon` path; the Gluon backward is `kernels/flash_attention_gluon_bwd.py`
 (and `_bwd_onepass.py`).
 """
 
@@ -44,12 +44,12 @@ from torch._subclasses.fake_tensor import is_fake
 from torch._subclasses.functional_tensor import FunctionalTensor
 
 from kernels.device import current_device, device_of, empty_like_layout, raw_stream
-from kernels.flash_attention_tuning import gluon_tuned_fields
+from kernels.attention.triton.tuning import gluon_tuned_fields
 
-from kernels.gluon_compat import HAS_GLUON_HOPPER
+from kernels.attention.gluon.compat import HAS_GLUON_HOPPER
 
 if HAS_GLUON_HOPPER:
-    from kernels.gluon_compat import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, tma, tma_load,
+    from kernels.attention.gluon.compat import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, tma, tma_load,
                                       tma_store, warpgroup_mma, warpgroup_mma_wait)
 
 LOG2E = 1.4426950408889634
@@ -751,7 +751,7 @@ _FAILED: dict = {}
 
 class BuildFailed(RuntimeError):
     """A kernel that does not build (compile, or load on the device) for these arguments on the installed Triton: the
-    dispatch's cue to run the tl kernels instead (`kernels.flash_attention`)."""
+    dispatch's cue to run the tl kernels instead (`kernels.attention.interface`)."""
 
 
 def _first_line(exc: BaseException) -> str:

@@ -18,10 +18,10 @@ import pytest
 import torch
 import triton
 
-import kernels.flash_attention_gluon as fg
-import kernels.flash_attention_gluon_bwd as fgb
-import kernels.flash_attention_gluon_bwd_onepass as fgo
-from tests.kernels.gluon_builds import extra_tritons, sm90_build
+import kernels.attention.gluon.forward as fg
+import kernels.attention.gluon.backward_two_pass as fgb
+import kernels.attention.gluon.backward as fgo
+from tests.kernels.attention.gluon.sm90_builds import extra_tritons, sm90_build
 
 needs_gluon = pytest.mark.skipif(not fg.HAS_GLUON_HOPPER, reason=f"Triton {triton.__version__} has no Gluon Hopper API")
 TRITONS = [None, *extra_tritons()]
@@ -173,7 +173,7 @@ def test_unsupported_reasons_name_the_rule(monkeypatch):
 
 
 def _compile_sm90(config: fg.GluonConfig, head_dim: int, dtype: torch.dtype, causal: bool, release=None):
-    """The forward's kernel for `config`, built for sm_90 (`tests/kernels/gluon_builds.py`)."""
+    """The forward's kernel for `config`, built for sm_90 (`tests/kernels/attention/gluon/sm90_builds.py`)."""
     return sm90_build("fwd", config, head_dim, dtype, causal, triton=release)[0]
 
 
@@ -521,7 +521,7 @@ def test_bwd_refuses_unknown_mode():
 @pytest.fixture
 def gluon_runs_anywhere(monkeypatch):
     """`gluon_bwd_chosen`'s rules on the CPU: the Gluon kernels' own support check answers "runs"."""
-    from kernels import flash_attention as fa
+    import kernels.attention.interface as fa
     monkeypatch.setattr(fa, "gluon_unsupported", lambda q, k, v: "")
     monkeypatch.delenv(fa.PATH_ENV, raising=False)
     monkeypatch.delenv(fa.BWD_ENV, raising=False)
@@ -751,7 +751,7 @@ def test_matches_fp32_attention(q_shape, n_k, causal, dtype, tol):
     assert (out.float() - ref_out).abs().max().item() <= tol
     assert (lse - ref_lse).abs().max().item() <= tol
     # Same units as the tl kernels' L (natural log), so their backward can consume it.
-    from kernels.flash_attention import flash_attention_fwd
+    from kernels.attention.interface import flash_attention_fwd
     if q_shape[2] == n_k or not causal:
         _, tl_lse = flash_attention_fwd(q, k, v, causal)
         assert (lse - tl_lse).abs().max().item() <= tol
@@ -872,7 +872,7 @@ def test_onepass_preprocess_pads_rows_and_zeroes_dq(n_q, head_dim, dtype):
     """The one-pass backward's single preprocess launch: D = rowsum(O * dO) and L as `_padded_rows` pads them (zeros
     past N_Q up to whole 64-row tiles), and the fp32 dQ accumulator zeroed over every element, from a
     non-contiguous O and a garbage-filled dQ buffer."""
-    from kernels.flash_attention_kernels import _onepass_bwd_preprocess_kernel
+    from kernels.attention.triton.kernels import _onepass_bwd_preprocess_kernel
 
     device = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
     gen = torch.Generator(device=device).manual_seed(0)
@@ -1094,7 +1094,7 @@ def _fuzz_check(case, path: str, gen, corrupt=None) -> dict[str, float]:
     """Run `flash_attention` on the case through autograd; per tensor, ||got - fp64|| / max(||fp64||, eps * ||scale||)
     over all heads (a relative error, floored where cancellation leaves the value far below its error scale).
     `corrupt(got)` may alter the results first (the CPU test of the check itself)."""
-    from kernels import flash_attention as fa
+    import kernels.attention.interface as fa
 
     batch, heads, n_q, n_k, d, dtype, causal, layout = case
     q, k, v, do = _fuzz_inputs(case, gen)
@@ -1137,7 +1137,7 @@ def test_gluon_path_fuzz_matches_fp64_attention(case):
 @pytest.mark.parametrize("case", FUZZ_AUTO, ids=lambda c: "x".join(map(str, c[:5])))
 def test_auto_path_fuzz_matches_fp64_attention(case):
     """`auto` above its Gluon thresholds (what the leaderboard's model runs): the same check."""
-    from kernels import flash_attention as fa
+    import kernels.attention.interface as fa
 
     errors = _fuzz_check(case, "auto", torch.Generator(device="cuda").manual_seed(7))
     assert fa.last_paths() == "gluon, one_pass" and max(errors.values()) <= 2e-2, (case, errors, fa.last_paths())

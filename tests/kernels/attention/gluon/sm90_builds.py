@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[4]
 EXTRA_TRITONS_ENV = "RAYSYS_EXTRA_TRITONS"
 
 
@@ -83,7 +83,7 @@ def _tensors(head_dim, dtype):
 
 
 def _fwd(config, head_dim, dtype, causal):
-    import kernels.flash_attention_gluon as fg
+    import kernels.attention.gluon.forward as fg
 
     q, k, lse = _tensors(head_dim, dtype)
     _, args, meta = fg.launch_args(q, k, k, q.clone(), lse, causal, config)
@@ -93,7 +93,7 @@ def _fwd(config, head_dim, dtype, causal):
 def _bwd(config, head_dim, dtype, causal):
     import torch
 
-    import kernels.flash_attention_gluon_bwd_onepass as fgo
+    import kernels.attention.gluon.backward as fgo
 
     q, k, lse = _tensors(head_dim, dtype)
     _, args, meta = fgo.bwd_launch_args(q, k, k, q, k, k, lse, lse, torch.zeros(q.shape), causal, config)
@@ -101,7 +101,7 @@ def _bwd(config, head_dim, dtype, causal):
 
 
 def _bwd2(config, head_dim, dtype, causal):
-    import kernels.flash_attention_gluon_bwd as fgb
+    import kernels.attention.gluon.backward_two_pass as fgb
 
     q, k, lse = _tensors(head_dim, dtype)
     dkdv, dq = fgb.bwd2_launch_args(q, k, k, q, q, k, k, lse, lse, causal, config)
@@ -152,7 +152,7 @@ class _Worker:
     def __init__(self, folder: str | None):
         path = [p for p in (folder, str(REPO), os.environ.get("PYTHONPATH")) if p]
         env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(path)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.kernels.gluon_builds"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.kernels.attention.gluon.sm90_builds"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env, cwd=REPO)
         atexit.register(self.close)
 
@@ -202,6 +202,6 @@ def _serve() -> None:
 
 
 if __name__ == "__main__":  # the worker pickles Built under the module's importable name
-    from tests.kernels.gluon_builds import _serve as serve
+    from tests.kernels.attention.gluon.sm90_builds import _serve as serve
 
     serve()

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels.flash_attention as fa
-import kernels.flash_attention_tuning as ft
+import kernels.attention.interface as fa
+import kernels.attention.triton.tuning as ft
 from tests.kernels.interp import on_interpreter
 
 # (q shape, k shape, causal, dtype). Interpreter tiles: fwd 32x16, dK/dV 16x32, dQ 32x16.
@@ -30,7 +30,7 @@ CASES = [
     ((2, 64, 32), (2, 64, 32), True, torch.float32),     # every tile full: the unmasked fast path
     ((1, 50, 80), (1, 50, 80), True, torch.float16),     # fp16, head dim 80
 ]
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.float16: dict(atol=3e-3, rtol=3e-3)}
 
 
@@ -298,7 +298,7 @@ def test_explicit_configs_match_autotuned_path():
 
 @on_interpreter
 def test_matches_pytorch_tiled_implementation():
-    from kernels.flash_attention_pytorch import flash_forward_pytorch
+    from kernels.attention.reference import flash_forward_pytorch
 
     q, k, v, _ = _inputs((2, 2, 29, 32), (2, 2, 29, 32), torch.float32, seed=3)
     out, lse = fa.flash_attention_fwd(q, k, v, True)
@@ -406,10 +406,10 @@ def test_custom_ops_pass_opcheck(causal, path):
 @on_interpreter
 def test_traced_launches_write_only_their_outputs(monkeypatch, tmp_path):
     """Every kernel launched through `wrap_triton` under torch.compile writes only its outputs as torch's mutation
-    analysis reads it (tests/kernels/ttir_writes.py, in a process of its own). A store address derived from a
+    analysis reads it (tests/kernels/attention/triton/ttir_writes.py, in a process of its own). A store address derived from a
     helper's result that took O and dO once made the analysis take O and dO for written, and AOT autograd then
     failed to partition the gluon path's graph (opcheck's test_aot_dispatch_dynamic on the GPU)."""
-    import kernels.flash_attention_kernels as fk
+    import kernels.attention.triton.kernels as fk
     launches = []
 
     class Recorder:
@@ -431,7 +431,7 @@ def test_traced_launches_write_only_their_outputs(monkeypatch, tmp_path):
         out, lse = fa.flash_attention_fwd(q, k, v, False, path="portable")
         fa.flash_attention_bwd(q, k, v, out, lse, do, False, path="portable", bwd=bwd)
     torch.save(launches, tmp_path / "launches.pt")
-    done = subprocess.run([sys.executable, "-m", "tests.kernels.ttir_writes", str(tmp_path / "launches.pt")],
+    done = subprocess.run([sys.executable, "-m", "tests.kernels.attention.triton.ttir_writes", str(tmp_path / "launches.pt")],
                           env=dict(os.environ, TRITON_INTERPRET="0"), cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -618,7 +618,7 @@ def test_a_gluon_kernel_that_does_not_build_falls_back_to_the_tl_kernels(monkeyp
     """Where the auto-chosen Gluon forward or backward does not build (its build probe's `BuildFailed`), the call runs
     the tl kernels with one warning per kernel and config, never tries that build again, and the kernel paths say
     what ran; the gluon path asked for by name is refused in one line instead."""
-    import kernels.flash_attention_gluon as fg
+    import kernels.attention.gluon.forward as fg
 
     tries = []
 

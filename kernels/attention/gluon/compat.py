@@ -10,7 +10,7 @@ kernels use to whichever the installed Triton has:
 | `tma_reduce_add`  | the builder's `create_async_tma_reduce` (ADD), wrapped here | `tma.async_atomic_add` |
 
 `HAS_GLUON_HOPPER` says whether the imports succeed; whether a kernel builds is a separate question, which the
-launchers answer with a build probe (`kernels.flash_attention_gluon.BuildFailed`).
+launchers answer with a build probe (`kernels.attention.gluon.forward.BuildFailed`).
 """
 
 from __future__ import annotations

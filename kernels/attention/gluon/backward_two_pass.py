@@ -1,10 +1,10 @@
 """FlashAttention backward for Hopper (sm_90) in Gluon, FlashAttention-3 style (section 3.3).
 
 Consumes the forward's O and natural-log L (`kernels/flash_attention_gluon.py`) and returns (dQ, dK, dV) in the
-inputs' dtype, same semantics as `kernels.flash_attention.flash_attention_bwd` (top-left causal mask, scale
+inputs' dtype, same semantics as `kernels.attention.interface.flash_attention_bwd` (top-left causal mask, scale
 1/sqrt(d), any N, n_q != n_k, d 64 or 128, bf16 / fp16). D = rowsum(dO O) comes from the tl preprocess kernel. Every
 kernel runs a 1-warp TMA loader and two consumer warp groups (register split of the forward) and numbers its
-causal work items heaviest first. The gluon path of `kernels.flash_attention` runs the one-pass backward
+causal work items heaviest first. The gluon path of `kernels.attention.interface` runs the one-pass backward
 (`gluon_bwd_chosen` there); the two-pass one is the deterministic alternative, no faster than the tl kernels'
 (results/flash_hopper_notes.md, section 7).
 
@@ -35,7 +35,7 @@ import torch
 import triton
 
 from kernels.device import device_of, empty_like_layout
-from kernels.flash_attention_gluon import (
+from kernels.attention.gluon.forward import (
     HAS_GLUON_HOPPER,
     LOADER_REGS,
     LOG2E,
@@ -45,14 +45,14 @@ from kernels.flash_attention_gluon import (
     register_split,
     unsupported_reason,
 )
-from kernels.flash_attention_pytorch import check_backward_inputs
+from kernels.attention.reference import check_backward_inputs
 
 if TYPE_CHECKING:
-    from kernels.flash_attention_gluon_bwd_onepass import GluonBwdConfig
+    from kernels.attention.gluon.backward import GluonBwdConfig
 
 if HAS_GLUON_HOPPER:
-    from kernels.flash_attention_gluon import _fwd_shared, _work_item
-    from kernels.gluon_compat import (fence_async_shared, gl, gluon, mbarrier, tma, tma_load, tma_store,
+    from kernels.attention.gluon.forward import _fwd_shared, _work_item
+    from kernels.attention.gluon.compat import (fence_async_shared, gl, gluon, mbarrier, tma, tma_load, tma_store,
                                       warpgroup_mma, warpgroup_mma_wait)
 
 # ----------------------------------------------------------------------------------------------------------
@@ -457,7 +457,7 @@ def gluon_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     reason = unsupported_reason(q, k, v)
     if reason:
         raise ValueError(f"gluon_attention_bwd: {reason}")
-    from kernels import flash_attention_gluon_bwd_onepass as one_pass
+    import kernels.attention.gluon.backward as one_pass
 
     config = config or (DEFAULT_BWD2_CONFIGS[q.shape[-1]] if mode == "two_pass"
                         else one_pass.problem_config(q))
@@ -472,8 +472,8 @@ def launch_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`gluon_attention_bwd` on inputs it accepts, its mode the config's: for callers that checked them already
     (the checks cost host time on every call)."""
-    from kernels import flash_attention_gluon_bwd_onepass as one_pass
-    from kernels.flash_attention_kernels import _flash_bwd_preprocess_kernel, _onepass_bwd_preprocess_kernel
+    import kernels.attention.gluon.backward as one_pass
+    from kernels.attention.triton.kernels import _flash_bwd_preprocess_kernel, _onepass_bwd_preprocess_kernel
 
     batch, heads, n_q, head_dim = q.shape
     grad_out = _tma_ready(grad_out if grad_out.dtype == q.dtype else grad_out.to(q.dtype))

@@ -1,7 +1,7 @@
 """What torch's mutation analysis of a `wrap_triton` launch takes a kernel of `kernels/flash_attention_kernels.py`
 to write: what Inductor and AOT autograd then believe the launch mutates.
 
-    python -m tests.kernels.ttir_writes LAUNCHES   # a torch.save'd list of (kernel name, args, kwargs)
+    python -m tests.kernels.attention.triton.ttir_writes LAUNCHES   # a torch.save'd list of (kernel name, args, kwargs)
 
 prints one JSON list per launch, the written argument names, sorted. It runs in a process of its own with
 TRITON_INTERPRET=0, so that the kernels are JIT functions and Triton's language is not the interpreter's (Triton
@@ -37,7 +37,7 @@ def main(path: str) -> None:
     import torch
     import triton
 
-    import kernels.flash_attention_kernels as fk
+    import kernels.attention.triton.kernels as fk
     if not isinstance(fk._flash_fwd_kernel, triton.runtime.jit.JITFunction):
         sys.exit("ttir_writes: run with TRITON_INTERPRET=0 (the kernels were built for the interpreter)")
     triton.runtime.driver.set_active(_Sm90Driver())

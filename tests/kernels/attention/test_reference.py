@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-import kernels.flash_attention_pytorch as fp
-from kernels.flash_attention import flash_attention_flops, flash_attention_reference
-from kernels.flash_attention_pytorch import (
+import kernels.attention.reference as fp
+from kernels.attention.interface import flash_attention_flops, flash_attention_reference
+from kernels.attention.reference import (
     FlashAttentionPytorch,
     check_attention_inputs,
     flash_attention_pytorch,

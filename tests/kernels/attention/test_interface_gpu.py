@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-import kernels.flash_attention as fa
+import kernels.attention.interface as fa
 
 pytestmark = [
     pytest.mark.gpu,

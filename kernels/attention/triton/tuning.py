@@ -47,7 +47,7 @@ INTERPRET = _interpret_mode()
 
 KERNELS = ("fwd", "dkdv", "dq", "dkdvq")
 PATHS = ("portable", "tma")
-COMMITTED_TUNED_PATH = Path(__file__).with_name("flash_attention_tuned.json")
+COMMITTED_TUNED_PATH = Path(__file__).with_name("tuned.json")
 TUNED_CONFIGS_PATH = Path(os.environ.get("RAYSYS_FLASH_TUNED") or COMMITTED_TUNED_PATH)
 """The tuned file the kernels read: `RAYSYS_FLASH_TUNED` when set (at import), else the committed one."""
 if not TUNED_CONFIGS_PATH.is_file() and os.environ.get("RAYSYS_FLASH_TUNED"):  # a typo must not mean "untuned"

@@ -26,15 +26,15 @@ import math
 import torch
 import triton
 
-from kernels.flash_attention_gluon import (HAS_GLUON_HOPPER, LOADER_REGS, LOG2E, _descriptor, l2_cache_bytes,
+from kernels.attention.gluon.forward import (HAS_GLUON_HOPPER, LOADER_REGS, LOG2E, _descriptor, l2_cache_bytes,
                                           l2_head_group, num_sms, register_split, shared_layout, tensor_descriptor)
-from kernels.flash_attention_gluon_bwd import (BWD_BLOCK_N, _key_stationary_shared, _load_kv_tiles, _load_q_do_tile,
+from kernels.attention.gluon.backward_two_pass import (BWD_BLOCK_N, _key_stationary_shared, _load_kv_tiles, _load_q_do_tile,
                                               _sdp_transposed)
-from kernels.flash_attention_tuning import SharedMemoryExceeded, gluon_tuned_fields, shared_memory_limit
+from kernels.attention.triton.tuning import SharedMemoryExceeded, gluon_tuned_fields, shared_memory_limit
 
 
 if HAS_GLUON_HOPPER:
-    from kernels.gluon_compat import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, tma, tma_load,
+    from kernels.attention.gluon.compat import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, tma, tma_load,
                                       tma_reduce_add, tma_store, warpgroup_mma, warpgroup_mma_wait)
 
 
