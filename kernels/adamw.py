@@ -41,8 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.device import device_of
-from kernels.attention.triton.tuning import INTERPRET
+from kernels.device import INTERPRET, device_of
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NUM_SCALARS = 7  # decay, b1, 1-b1, b2, 1-b2, eps, -alpha_t (fp32, per tensor)

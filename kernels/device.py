@@ -1,9 +1,30 @@
-"""Device helpers the kernel launchers share (one home): run a launch on the device its tensors live on, and read
-the current device and stream with little host time (a launch pays it on every call)."""
+"""Device helpers the kernel launchers share (one home): run a launch on the device its tensors live on, read the
+current device and stream with little host time (a launch pays it on every call), and the device properties the
+launchers size their grids and tiles by (each asked once per device).
+
+`INTERPRET` says whether Triton builds the kernels for its CPU interpreter (`TRITON_INTERPRET=1`, read when a kernel
+module is imported): the launchers then take CPU tensors and small configs.
+"""
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
+
+
+def _interpret_mode() -> bool:
+    """Whether `@triton.jit` builds interpreted kernels: Triton decides this at decoration time."""
+    try:
+        from triton import knobs
+
+        return bool(knobs.runtime.interpret)
+    except (ImportError, AttributeError):  # older Triton without knobs
+        return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+INTERPRET = _interpret_mode()
 
 
 def current_device() -> int:
@@ -51,3 +72,32 @@ def empty_like_layout(t: torch.Tensor, dtype: torch.dtype | None = None, empty=t
     for position, dim in enumerate(order):
         inverse[dim] = position
     return buffer.permute(inverse)
+
+
+@functools.lru_cache(maxsize=None)
+def capability(device: torch.device) -> tuple[int, int]:
+    """`torch.cuda.get_device_capability`, asked once per device (it costs microseconds per call)."""
+    return torch.cuda.get_device_capability(device)
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (a persistent grid's size); 4 for another device (the interpreter:
+    a few programs, so that each walks several tiles; the sm_90 build check builds one kernel whatever the grid)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def l2_cache_bytes(device: torch.device) -> int | None:
+    """The L2 cache of a CUDA device in bytes; None for another device."""
+    return torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else None
+
+
+def shared_memory_limit(device: torch.device) -> int:
+    """Bytes of shared memory one block may use on `device` (opt-in maximum); no limit for a CPU device."""
+    if device.type != "cuda":
+        return 1 << 30
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or 49152)

@@ -35,8 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.device import device_of
-from kernels.attention.triton.tuning import INTERPRET
+from kernels.device import INTERPRET, device_of
 
 MAX_CHUNK_BYTES = 768 * 2**20
 """Budget of the one (C, V) logits buffer; with the loss rows and cuBLAS workspaces the extra memory of the op stays

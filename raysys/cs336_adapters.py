@@ -33,12 +33,12 @@ def _load(module: str, name: str, feature: str):
 
 def get_flashattention_autograd_function_pytorch() -> type:
     """FlashAttention-2 in plain PyTorch (tiled forward, compiled backward)."""
-    return _load("kernels.attention.reference", "FlashAttentionPytorch", "PyTorch FlashAttention-2")
+    return _load("kernels.attention", "FlashAttentionPytorch", "PyTorch FlashAttention-2")
 
 
 def get_flashattention_autograd_function_triton() -> type:
     """FlashAttention-2 with Triton forward and backward kernels."""
-    return _load("kernels.attention.interface", "FlashAttentionTriton", "Triton FlashAttention-2")
+    return _load("kernels.attention", "FlashAttentionTriton", "Triton FlashAttention-2")
 
 
 def get_ddp(module: torch.nn.Module) -> torch.nn.Module:

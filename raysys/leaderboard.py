@@ -417,10 +417,10 @@ def plan_on_device(model_config: ModelConfig, batch_size: int, seq_len: int, con
 def planned_attention_kernels(model_config: ModelConfig, batch_size: int, seq_len: int, attention: str, dtype: str,
                               device: torch.device) -> str:
     """For flash_triton, the kernels its dispatch will run at the step's shape on `device`
-    (`kernels.attention.interface.planned_paths`); '' for another backend."""
+    (`kernels.attention.planned_paths`); '' for another backend."""
     if attention != "flash_triton":
         return ""
-    from kernels.attention.interface import planned_paths
+    from kernels.attention import planned_paths
 
     torch_dtype = {name: t for t, name in DTYPE_NAMES.items()}[dtype]
     return planned_paths(batch_size, model_config.num_heads, seq_len, seq_len, model_config.d_head, torch_dtype,
@@ -588,7 +588,7 @@ class LeaderboardStep:
         mix."""
         if self.config.attention != "flash_triton":
             return ""
-        from kernels.attention.interface import last_paths
+        from kernels.attention import last_paths
 
         return last_paths()
 

@@ -54,12 +54,11 @@ def get_attention(name: str) -> AttentionFn:
 def _load_kernel_backends() -> None:
     """Register the flash kernels lazily: importing Triton is slow and optional for the model itself."""
     try:
-        from kernels.attention import interface as flash_attention
-        from kernels.attention import reference as flash_attention_pytorch
+        from kernels.attention import attention_backend, reference
     except ImportError:
         return
-    _ATTENTION.setdefault("flash_triton", flash_attention.attention_backend)
-    _ATTENTION.setdefault("flash_pytorch", flash_attention_pytorch.attention_backend)
+    _ATTENTION.setdefault("flash_triton", attention_backend)
+    _ATTENTION.setdefault("flash_pytorch", reference.attention_backend)
 
 
 @contextlib.contextmanager

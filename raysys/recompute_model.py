@@ -106,7 +106,7 @@ class Workload:
     """Ranks the fp32 weights, gradients and AdamW state are sharded over (FSDP, `parallel/fsdp.py`, computing in
     `precision` without autocast); 1: every rank holds the whole state."""
     attention_kernels: str = ""
-    """flash_triton: the kernels its dispatch runs for this step's shape, as `kernels.attention.interface.planned_paths`
+    """flash_triton: the kernels its dispatch runs for this step's shape, as `kernels.attention.planned_paths`
     (and `last_paths`) write them (`gluon, one_pass`, `tma, two_pass`, ...); their backward's workspace differs
     (`attention_backward_bytes`). '' for the tl two-pass backward, and for every other backend."""
 
@@ -414,7 +414,7 @@ def block_backward_excess(w: Workload, kind: str) -> int:
 def attention_backward_bytes(w: Workload) -> int:
     """What a fused attention's backward holds while its kernels run, besides the block's residuals: O's gradient
     (its input), dQ, dK and dV (its outputs, each like its input) and the kernels' own workspace:
-    - flash_triton, by `Workload.attention_kernels` (`kernels.attention.interface.last_paths`' text): the Gluon one-pass
+    - flash_triton, by `Workload.attention_kernels` (`kernels.attention.last_paths`' text): the Gluon one-pass
       backward an fp32 dQ accumulator of q's size and L and D padded to whole query tiles of its config in fp32;
       the tl one-pass backward D in fp32 and an fp32 dQ accumulator with rows padded to a power of two >= 16; the tl
       two-pass backward D in fp32;
@@ -426,9 +426,9 @@ def attention_backward_bytes(w: Workload) -> int:
     backend, kernels = c.attention, w.attention_kernels
     if backend == "flash_triton":
         if "gluon bwd" in kernels or (kernels.startswith("gluon,") and kernels.endswith("one_pass")):
-            from kernels.attention.gluon.backward import default_config
+            from kernels.attention.dispatch import gluon_bwd_default
 
-            block_m = default_config(c.d_head, TORCH_DTYPES[w.precision]).block_m
+            block_m = gluon_bwd_default(c.d_head, TORCH_DTYPES[w.precision]).block_m
             return tensors + 4 * BSd + 2 * 4 * B * c.num_heads * (-(-S // block_m) * block_m)
         if kernels.endswith("one_pass"):
             return tensors + 4 * BHS + 4 * BHS * max(16, 1 << (c.d_head - 1).bit_length())

@@ -13,7 +13,7 @@ Studies (`--studies`, default target and grid):
           first checked at odd lengths against fp32 attention (`check_*_err`; `--check-only` stops there, which
           also compiles its kernels), then timed beside SDPA cuDNN and flash. `--write-tuned JSON --report-only`
           puts the fastest tma configs per head dim first in a tuned-config file.
-Providers: `triton` (kernels.attention.interface, autotuned, the auto path; `triton_portable`, `triton_tma` and
+Providers: `triton` (kernels.attention.flash_attention, autotuned, the auto path; `triton_portable`, `triton_tma` and
 their `_1pass` twins pin the path and the backward, and each Triton row's `path` column says which ran),
 `pytorch_tiled` (kernels.attention.reference: Python tile loops, compiled backward), `naive` (plain-torch
 reference in the input dtype), `sdpa_flash` and `sdpa_cudnn` (torch SDPA pinned to one backend).
@@ -85,7 +85,8 @@ _BASE = {"tma": {128: {"fwd": "128x64/w8/s3", "dkdv": "64x128/w8/s3", "dq": "128
                  64: {"fwd": "64x64/w4/s3", "dkdv": "32x128/w8/s3", "dq": "128x64/w8/s3"}},
          "portable": {128: {"fwd": "128x64/w8/s3", "dkdv": "64x128/w8/s3", "dq": "128x32/w8/s3"},
                       64: {"fwd": "128x128/w4/s3", "dkdv": "32x64/w4/s4", "dq": "128x32/w8/s4"}}}
-"""Each path's configs in kernels/flash_attention_tuned.json at the start of issue 16's candidates study."""
+"""Each path's configs in the tuned file (then kernels/flash_attention_tuned.json) at the start of issue 16's
+candidates study."""
 _LEVERS = {
     128: {"fwd_128x64_s2_r128": {"fwd": "128x64/w8/s2/r128"}, "fwd_128x128_s2": {"fwd": "128x128/w8/s2"},
           "fwd_128x128_s2_lazy": {"fwd": "128x128/w8/s2/lazy"}, "fwd_64x64_w4": {"fwd": "64x64/w4/s3"},
@@ -180,7 +181,7 @@ class _CandidateAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, path, configs):
-        from kernels.attention.interface import flash_attention_fwd
+        from kernels.attention import flash_attention_fwd
 
         out, lse = flash_attention_fwd(q, k, v, causal, config=configs["fwd"], path=path)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -189,7 +190,7 @@ class _CandidateAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        from kernels.attention.interface import flash_attention_bwd
+        from kernels.attention import flash_attention_bwd
 
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = flash_attention_bwd(q, k, v, out, lse, grad_out, ctx.causal, dkdv_config=ctx.configs["dkdv"],
@@ -201,7 +202,7 @@ def candidate_fn(name: str, device: torch.device) -> Callable:
     """Attention with candidate `name`'s path and configs (each checked against its kernel and path)."""
     if device.type != "cuda":
         raise Unsupported("the Triton kernels need a CUDA device (or TRITON_INTERPRET=1, far too slow here)")
-    from kernels.attention.interface import tma_supported
+    from kernels.attention.dispatch import tma_supported
     from kernels.attention.triton.tuning import FlashConfig
 
     spec = CANDIDATES[name]
@@ -221,7 +222,7 @@ CHECK_TOLERANCE = {"bf16": 2e-2, "fp16": 5e-3}
 def check_candidate(name: str, device_str: str) -> dict:
     """`check_<dtype>_err`: the largest relative error of O, dQ, dK, dV over the check shapes; raises
     AssertionError past the dtype's tolerance. Also compiles the even-length kernels the timing uses."""
-    from kernels.attention.interface import flash_attention_reference
+    from kernels.attention import flash_attention_reference
 
     device = torch.device(device_str)
     fn = candidate_fn(name, device)
@@ -258,14 +259,15 @@ def provider_fn(name: str, device: torch.device) -> Callable:
     if name in TRITON_PATHS:
         if device.type != "cuda":
             raise Unsupported("the Triton kernels need a CUDA device (or TRITON_INTERPRET=1, far too slow here)")
-        from kernels.attention.interface import flash_attention, gluon_unsupported, tma_supported
+        from kernels.attention import flash_attention
+        from kernels.attention.dispatch import gluon_unsupported_reason, tma_supported
 
         path, bwd = TRITON_PATHS[name]
         if path == "tma" and not tma_supported(device):
             raise Unsupported(f"the tma path needs an sm_90 GPU and Triton >= 3.4, not "
                               f"{torch.cuda.get_device_name(device)}")
         probe = torch.empty(1, 1, 16, 64, dtype=torch.bfloat16, device=device)
-        if path == "gluon" and (reason := gluon_unsupported(probe, probe, probe)):
+        if path == "gluon" and (reason := gluon_unsupported_reason(probe, probe, probe)):
             raise Unsupported(f"the gluon path: {reason}")
         return functools.partial(flash_attention, path=path, bwd=bwd)
     if name == "pytorch_tiled":
@@ -273,7 +275,7 @@ def provider_fn(name: str, device: torch.device) -> Callable:
 
         return flash_attention_pytorch
     if name == "naive":
-        from kernels.attention.interface import flash_attention_reference
+        from kernels.attention import flash_attention_reference
 
         return flash_attention_reference
     if device.type != "cuda":
@@ -299,7 +301,7 @@ PAIRED_MODES = ("fwd", "fwd_bwd")
 
 
 def _flops(cfg: dict, mode: str) -> float:
-    from kernels.attention.interface import flash_attention_flops
+    from kernels.attention import flash_attention_flops
 
     return flash_attention_flops(cfg["batch"], cfg["heads"], cfg["seq"], cfg["seq"], cfg["head_dim"],
                                  cfg["causal"], mode)
@@ -357,7 +359,7 @@ def run_trial(cfg: dict, device: torch.device, caps: dict, check_only: bool = Fa
             {"fwd": lambda: cudnn(q, k, v, causal), "fwd_bwd": lambda: cudnn(q, k, v, causal).backward(do)},
             paired_rounds, lambda f: bench_s(f, device, warmup_ms=25, rep_ms=PAIRED_REP_MS), "sdpa_cudnn"))
     if cfg["provider"] in TRITON_PATHS:
-        from kernels.attention.interface import LAST_PATH, last_paths
+        from kernels.attention.dispatch import LAST_PATH, last_paths
 
         metrics["path"] = last_paths()
         metrics["triton_configs"] = triton_picks(LAST_PATH["bwd"])
@@ -366,7 +368,8 @@ def run_trial(cfg: dict, device: torch.device, caps: dict, check_only: bool = Fa
 
 def triton_picks(bwd: str = "two_pass") -> str:
     """The launch configs of the last forward and backward, e.g. `fwd=128x64/w8/s3; dkdv=...; dq=...`."""
-    from kernels.attention.interface import LAST_CONFIG, FlashConfig
+    from kernels.attention.dispatch import LAST_CONFIG
+    from kernels.attention.triton.tuning import FlashConfig
 
     kernels = ("fwd", "dkdvq") if bwd == "one_pass" else ("fwd", "dkdv", "dq")
     return "; ".join(f"{k}={c.label() if isinstance(c, FlashConfig) else 'gluon ' + c.name}"

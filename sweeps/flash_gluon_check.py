@@ -32,9 +32,13 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import kernels.attention.gluon.forward as fg
-import kernels.attention.gluon.backward_two_pass as fgb
 import kernels.attention.gluon.backward as fgo
+import kernels.attention.gluon.backward_two_pass as fgb
+import kernels.attention.gluon.forward as fg
+from kernels.attention import flash_attention_bwd, flash_attention_flops, flash_attention_fwd
+from kernels.attention.checks import GLUON_HEAD_DIMS
+from kernels.attention.dispatch import DEFAULT_BWD_CONFIGS, LAST_PATH, gluon_bwd_config, gluon_fwd_config
+from kernels.attention.gluon.compat import HAS_GLUON_HOPPER
 from raysys.results import make_row, resolve_out, write_parquet
 from raysys.timing import PAIRED_REP_MS, paired_speedups
 
@@ -91,7 +95,7 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 """Max |O - O_ref| allowed (inputs ~N(0, 1), outputs |O| < ~1); L gets the same."""
 BWD_CONFIGS = {
     64: [fgb.DEFAULT_BWD2_CONFIGS[64], fgb.GluonBwd2Config(dkdv_block_m=32, dkdv_stages=3, dq_block_n=64),
-         fgo.DEFAULT_BWD_CONFIGS[64], *(fgo.GluonBwdConfig(num_stages=3, head_group=g) for g in (4, 8, 16)),
+         DEFAULT_BWD_CONFIGS[64], *(fgo.GluonBwdConfig(num_stages=3, head_group=g) for g in (4, 8, 16)),
          fgo.GluonBwdConfig(num_stages=3, head_group=8, persistent=True),
          *(fgo.GluonBwdConfig(num_stages=3, head_group=g, dq_whole=False) for g in (4, 8)),
          fgo.GluonBwdConfig(num_stages=3, head_group=4, dk_late=True),
@@ -100,7 +104,7 @@ BWD_CONFIGS = {
          fgo.GluonBwdConfig(head_group=4, dq_buffers=2), fgo.GluonBwdConfig(head_group=4, dq_whole=False,
                                                                             dq_buffers=2)],
     128: [fgb.DEFAULT_BWD2_CONFIGS[128], fgb.GluonBwd2Config(dkdv_block_m=64, dkdv_stages=2, dq_block_n=128),
-          fgo.DEFAULT_BWD_CONFIGS[128], *(fgo.GluonBwdConfig(head_group=g) for g in (1, 2, 4, 8)),
+          DEFAULT_BWD_CONFIGS[128], *(fgo.GluonBwdConfig(head_group=g) for g in (1, 2, 4, 8)),
           *(fgo.GluonBwdConfig(head_group=g, dk_late=True) for g in (1, 2)),
           *(fgo.GluonBwdConfig(head_group=g, rows_tma=False, dk_late=late) for g in (2, 8) for late in (False, True)),
           fgo.GluonBwdConfig(head_group=2, persistent=True),
@@ -170,9 +174,14 @@ def check(config: fg.GluonConfig, head_dim: int) -> tuple[bool, list[dict]]:
     return ok, rows
 
 
+def _causal_flops(batch: int, heads: int, n: int, d: int) -> float:
+    """Forward FLOPs of causal attention as this study counts them: half of the unmasked 4 B H N^2 d."""
+    return flash_attention_flops(batch, heads, n, n, d, False) / 2
+
+
 def bench(fn, shape, provider: str, config: str = "") -> dict:
     batch, heads, n, d = shape
-    flops = fg.gluon_attention_flops(batch, heads, n, n, d, True)
+    flops = _causal_flops(batch, heads, n, d)
     ms = triton.testing.do_bench(fn, warmup=10, rep=50)
     return _row(dict(kind="time", provider=provider, config=config, shape=f"{batch}x{heads}x{n}x{d}", head_dim=d,
                      causal=True, dtype="torch.bfloat16"), dict(median_s=ms / 1e3, tflops=flops / ms * 1e-9))
@@ -194,15 +203,20 @@ def _mode(config) -> str:
     return "two_pass" if isinstance(config, fgb.GluonBwd2Config) else "one_pass"
 
 
+def _gluon_bwd(q, k, v, out, lse, do, causal, config):
+    """(dQ, dK, dV) by the Gluon backward `config` configures: two-pass or one-pass."""
+    run = fgb.gluon_attention_bwd2 if _mode(config) == "two_pass" else fgo.gluon_attention_bwd
+    return run(q, k, v, out, lse, do, causal, config)
+
+
 def check_bwd(config: fgo.GluonBwdConfig | fgb.GluonBwd2Config, head_dim: int) -> tuple[bool, list[dict]]:
-    from kernels.attention.interface import flash_attention_bwd
     rows, ok = [], True
     for q_shape, n_k, causal, dtype, (q, k, v, do) in _check_cases(head_dim):
-        out, lse = fg.gluon_attention_fwd(q, k, v, causal)
-        grads = fgb.gluon_attention_bwd(q, k, v, out, lse, do, causal, config=config, mode=_mode(config))
+        out, lse = fg.gluon_attention_fwd(q, k, v, causal, gluon_fwd_config(q, k))
+        grads = _gluon_bwd(q, k, v, out, lse, do, causal, config)
         # The two-pass backward has no atomics: a second run must be bitwise equal.
-        same = _mode(config) == "one_pass" or all(torch.equal(a, b) for a, b in zip(grads, fgb.gluon_attention_bwd(
-            q, k, v, out, lse, do, causal, config=config, mode="two_pass")))
+        same = _mode(config) == "one_pass" or all(torch.equal(a, b) for a, b in zip(grads, _gluon_bwd(
+            q, k, v, out, lse, do, causal, config)))
         torch.cuda.synchronize()
         refs = _grad_reference(q, k, v, do, causal)
         errs = [_rel_err(g, r) for g, r in zip(grads, refs)]
@@ -227,7 +241,7 @@ def check_bwd(config: fgo.GluonBwdConfig | fgb.GluonBwd2Config, head_dim: int) -
 def bench_fwd_bwd(fn, shape, provider: str, config: str = "", grad_to_none=None, kind: str = "time_fwd_bwd") -> dict:
     """Forward+backward (kind time_fwd_bwd, 3.5x the forward's FLOPs) or backward-only (time_bwd, 2.5x) time."""
     batch, heads, n, d = shape
-    flops = (3.5 if kind == "time_fwd_bwd" else 2.5) * fg.gluon_attention_flops(batch, heads, n, n, d, True)
+    flops = (3.5 if kind == "time_fwd_bwd" else 2.5) * _causal_flops(batch, heads, n, d)
     ms = triton.testing.do_bench(fn, warmup=5, rep=40, grad_to_none=grad_to_none)
     return _row(dict(kind=kind, provider=provider, config=config, shape=f"{batch}x{heads}x{n}x{d}",
                      head_dim=d, causal=True, dtype="torch.bfloat16"),
@@ -257,8 +271,6 @@ def check_configs(configs: dict[int, list], check_fn, kind: str, rows: list[dict
 
 def _bwd_path() -> str:
     """The path and mode of this process's last `flash_attention_bwd`, e.g. `gluon, one_pass`, `portable, two_pass`."""
-    from kernels.attention.interface import LAST_PATH
-
     mode = LAST_PATH.get("bwd", "?")
     return f"{LAST_PATH.get('dkdvq' if mode == 'one_pass' else 'dkdv', '?')}, {mode}"
 
@@ -266,9 +278,8 @@ def _bwd_path() -> str:
 def run_bwd(rows: list[dict], paired_rounds: int = 0) -> None:
     """(c) backward correctness per config, then (d) forward+backward and backward-only timing of those passed;
     with `paired_rounds`, (d') each one-pass config's backward against the one the gluon path launches
-    (`fgo.problem_config`) in alternating rounds."""
+    (`gluon_bwd_config`) in alternating rounds."""
     passed = check_configs(BWD_CONFIGS, check_bwd, "check_bwd", rows)
-    from kernels.attention.interface import flash_attention_bwd
     for shape in BENCH_SHAPES:
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v, do = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(4))
@@ -290,11 +301,11 @@ def run_bwd(rows: list[dict], paired_rounds: int = 0) -> None:
         # The backward `flash_attention_bwd` picks (auto: the one-pass Gluon kernel where `gluon_bwd_chosen` takes
         # it, else the tl kernels); its row's `path` says which ran.
         def gluon_auto():
-            out, lse = fg.gluon_attention_fwd(q, k, v, True)
+            out, lse = fg.gluon_attention_fwd(q, k, v, True, gluon_fwd_config(q, k))
             return flash_attention_bwd(q, k, v, out, lse, do, True)
         out = lse = None
         try:
-            out, lse = fg.gluon_attention_fwd(q, k, v, True)
+            out, lse = fg.gluon_attention_fwd(q, k, v, True, gluon_fwd_config(q, k))
             rows.append(dict(bench_fwd_bwd(gluon_auto, shape, "gluon_fwd+auto_bwd"), path=_bwd_path()))
             rows.append(dict(bench_fwd_bwd(lambda: flash_attention_bwd(q, k, v, out, lse, do, True), shape,
                                            "auto_bwd", kind="time_bwd"), path=_bwd_path()))
@@ -304,20 +315,19 @@ def run_bwd(rows: list[dict], paired_rounds: int = 0) -> None:
             provider = "gluon" if _mode(config) == "one_pass" else "gluon_2pass"
 
             def gluon(c=config):
-                out, lse = fg.gluon_attention_fwd(q, k, v, True)
-                return fgb.gluon_attention_bwd(q, k, v, out, lse, do, True, config=c, mode=_mode(c))
+                out, lse = fg.gluon_attention_fwd(q, k, v, True, gluon_fwd_config(q, k))
+                return _gluon_bwd(q, k, v, out, lse, do, True, c)
             try:
                 rows.append(bench_fwd_bwd(gluon, shape, provider, config.name))
-                rows.append(bench_fwd_bwd(lambda c=config: fgb.gluon_attention_bwd(
-                    q, k, v, out, lse, do, True, config=c, mode=_mode(c)), shape, provider, config.name,
-                    kind="time_bwd"))
+                rows.append(bench_fwd_bwd(lambda c=config: _gluon_bwd(q, k, v, out, lse, do, True, c), shape,
+                                          provider, config.name, kind="time_bwd"))
             except Exception as e:
                 print(f"time {provider} {config.name} fwd+bwd {shape}: ERROR {_short(e, 2)}", flush=True)
         if paired_rounds and out is not None:
             one_pass = [c for c in passed[shape[-1]] if _mode(c) == "one_pass"]
             rows.extend(paired_against_default(
-                shape, one_pass, fgo.problem_config(q),
-                lambda c: fgb.gluon_attention_bwd(q, k, v, out, lse, do, True, config=c, mode="one_pass"),
+                shape, one_pass, gluon_bwd_config(q),
+                lambda c: fgo.gluon_attention_bwd(q, k, v, out, lse, do, True, c),
                 paired_rounds, mode="bwd"))
         q = k = v = do = out = lse = None
         torch.cuda.empty_cache()
@@ -330,7 +340,7 @@ def _no_gluon_gpu() -> str:
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) != (9, 0):
         return f"this machine's GPU is {torch.cuda.get_device_name()} (sm_{major}{minor})"
-    if not fg.HAS_GLUON_HOPPER:
+    if not HAS_GLUON_HOPPER:
         return f"Triton {triton.__version__} has none"
     return ""
 
@@ -396,8 +406,8 @@ def parse_shape(text: str) -> tuple[int, int, int, int]:
     if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
         raise ValueError(f"shape {text!r} must be BxHxNxD with positive ints, e.g. 4x32x2048x128")
     shape = tuple(int(p) for p in parts)
-    if shape[-1] not in fg.HEAD_DIMS:
-        raise ValueError(f"shape {text!r} has head dim {shape[-1]}; must be one of {fg.HEAD_DIMS}")
+    if shape[-1] not in GLUON_HEAD_DIMS:
+        raise ValueError(f"shape {text!r} has head dim {shape[-1]}; must be one of {GLUON_HEAD_DIMS}")
     return shape
 
 
@@ -407,7 +417,6 @@ def run_fwd(rows: list[dict], passed: dict, paired_rounds: int = 0) -> None:
     run the GPU's speed drifts by more than the configs differ: results/flash_hopper_notes.md, section 13)."""
     passed.update(check_configs(CONFIGS, check, "check", rows))
     # (b) timing: baselines, then every config that passed.
-    from kernels.attention.interface import flash_attention_fwd
     for shape in BENCH_SHAPES:
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -432,7 +441,7 @@ def run_fwd(rows: list[dict], passed: dict, paired_rounds: int = 0) -> None:
                 print(f"time gluon {config.name} {shape}: ERROR {_short(e, 2)}", flush=True)
         if paired_rounds:
             rows.extend(paired_against_default(
-                shape, passed[shape[-1]], fg.problem_config(q, k),
+                shape, passed[shape[-1]], gluon_fwd_config(q, k),
                 lambda c: fg.gluon_attention_fwd(q, k, v, True, config=c), paired_rounds))
         q = k = v = None  # free the inputs before the next shape
         torch.cuda.empty_cache()
@@ -441,7 +450,7 @@ def run_fwd(rows: list[dict], passed: dict, paired_rounds: int = 0) -> None:
 def paired_against_default(shape, configs: list, default, run, rounds: int, mode: str = "fwd",
                            bench=None) -> list[dict]:
     """Rows of kind 'paired' (`mode` fwd) or 'paired_bwd' (bwd): each config but `default` (what the gluon path
-    launches at this shape: `fg.problem_config` / `fgo.problem_config`) against it, `run(config)` timed in `rounds`
+    launches at this shape: `gluon_fwd_config` / `gluon_bwd_config`) against it, `run(config)` timed in `rounds`
     alternating rounds (`raysys.timing.paired_speedups`; `bench` None: do_bench for PAIRED_REP_MS):
     `paired_speedup_<mode>_vs_default` = default time / config time, > 1 where the config is faster. A config that
     fails prints one line and gets no row."""

@@ -146,7 +146,7 @@ if [ "${RUN_COLD:-0}" = 1 ]; then
       timeout 120 $PY -c "
 import time, torch
 t = time.perf_counter()
-from kernels.attention.interface import flash_attention
+from kernels.attention import flash_attention
 q, k, v = (torch.randn(1, 32, 32768, 128, device='cuda', dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 flash_attention(q, k, v, True).sum().backward(); torch.cuda.synchronize()
 print(f'first call ($mode, empty Triton cache): {time.perf_counter() - t:.1f} s')" >> "$OUT/cold.log" 2>&1

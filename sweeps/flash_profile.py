@@ -44,16 +44,19 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     import torch
 
-    import kernels.attention.interface as fa
+    import kernels.attention.triton.launch as tl_launch
+    from kernels.attention import flash_attention_bwd, flash_attention_fwd
+    from kernels.attention.dispatch import BWD_MODES, PATHS
+    from kernels.attention.triton.tuning import FlashConfig
 
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
-    if set(paths) - set(fa.PATHS):
-        raise ValueError(f"--paths {args.paths!r} must name some of {fa.PATHS}")
-    if args.bwd not in fa.BWD_MODES:
-        raise ValueError(f"--bwd {args.bwd!r} must be one of {fa.BWD_MODES}")
+    if set(paths) - set(PATHS):
+        raise ValueError(f"--paths {args.paths!r} must name some of {PATHS}")
+    if args.bwd not in BWD_MODES:
+        raise ValueError(f"--bwd {args.bwd!r} must be one of {BWD_MODES}")
     if not torch.cuda.is_available():
         raise ValueError("flash_profile needs a CUDA GPU")
-    pinned = {k: fa.FlashConfig.from_label(getattr(args, f"{k}_config")) if getattr(args, f"{k}_config") else None
+    pinned = {k: FlashConfig.from_label(getattr(args, f"{k}_config")) if getattr(args, f"{k}_config") else None
               for k in ("fwd", "dkdv", "dq")}
     b, h, n, d = map(int, parts)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -62,12 +65,12 @@ def main(argv: list[str] | None = None) -> None:
     for path in paths:
         for call in range(args.warmup + 1):
             start = time.perf_counter()
-            out, lse = fa.flash_attention_fwd(q, k, v, True, config=pinned["fwd"], path=path)
-            fa.flash_attention_bwd(q, k, v, out, lse, do, True, dkdv_config=pinned["dkdv"], dq_config=pinned["dq"],
-                                   path=path, bwd=args.bwd)
+            out, lse = flash_attention_fwd(q, k, v, True, config=pinned["fwd"], path=path)
+            flash_attention_bwd(q, k, v, out, lse, do, True, dkdv_config=pinned["dkdv"], dq_config=pinned["dq"],
+                                path=path, bwd=args.bwd)
             torch.cuda.synchronize()
             if call == 0:
-                tuning = sum(getattr(t, "bench_time", 0.0) for t in fa._TUNED.values())
+                tuning = sum(getattr(t, "bench_time", 0.0) for t in tl_launch._TUNED.values())
                 print(f"{path} {args.bwd} {args.shape}: first call {time.perf_counter() - start:.1f} s (autotuning "
                       f"{'on' if args.autotune else 'off'}: {tuning:.1f} s of benchmarking so far)", flush=True)
     print(f"{args.warmup} warm-up call(s) then one more per path, 4 launches each (3 with one_pass)", flush=True)

@@ -15,7 +15,7 @@ Afterwards the best config of each (kernel, head dim, dtype) - lowest geometric-
 shapes; with `--paired-rounds N` (gluon variants) highest geometric-mean ratio against the config the launcher
 takes, which each trial also times in N alternating rounds (`PAIRED_KEY`) - and each shape's winner are
 written to `<out>/flash_attention_tuned.json` (atomically; `--json` elsewhere), per path, with the device and
-versions they were measured on; `--json kernels/flash_attention_tuned.json` installs them where the kernels read
+versions they were measured on; `--json kernels/attention/triton/tuned.json` installs them where the kernels read
 them, `RAYSYS_FLASH_TUNED=<file>` tries a file without installing it. The kernels' autotuner benchmarks
 only those for a call whose (path, head dim, dtype) has entries and, with `RAYSYS_FLASH_AUTOTUNE=0`, uses the
 first. Writes `<out>/flash_tiles.parquet`. `--compile-workers N` (local launcher) compiles every trial's
@@ -54,7 +54,8 @@ sys.path.insert(0, str(ROOT))
 
 import pandas as pd  # noqa: E402
 
-from kernels.attention.triton.tuning import KERNELS, TUNED_CONFIGS_PATH  # noqa: E402
+from kernels.attention.dispatch import TUNED_CONFIGS_PATH  # noqa: E402
+from kernels.attention.triton.tuning import KERNELS  # noqa: E402
 from raysys.device import DTYPES, resolve_device  # noqa: E402
 from raysys.results import ResultWriter, error_row, make_row, trial_id  # noqa: E402
 from sweeps.common import (PROGRESS, list_flag, main_entry, open_writer, output_dir, parse_list,  # noqa: E402
@@ -82,7 +83,7 @@ STAGES = (1, 2, 3, 4)
 # Matmuls per kernel, in units of the forward's 2 * pairs * d (fwd: S, PV; dK/dV: S, dV, dP, dK; dQ: S, dP, dQ;
 # the one-pass dK/dV/dQ: S, dV, dP, dK, dQ).
 MATMULS = {"fwd": 2, "dkdv": 4, "dq": 3, "dkdvq": 5}
-# Kernel variants: path, warp specialisation, persistent grid (kernels/flash_attention_tuning.py), and the
+# Kernel variants: path, warp specialisation, persistent grid (kernels/attention/triton/tuning.py), and the
 # register cap of REGISTER_CAPS (Triton's maxnreg: 128 lets two 8-warp programs share an SM). A trial without a
 # `variant` key is `portable` (the rows of earlier runs).
 VARIANTS = {"portable": ("portable", False, False), "tma": ("tma", False, False), "tma_ws": ("tma", True, False),
@@ -125,7 +126,7 @@ SWEPT_SINCE = {"fwd": "rescale_under_s", "dkdvq": "dq_buffers"}
 the trials that did not fit) multiplies that grid's size, since the rows of earlier runs hold one value."""
 UNFIT_ERRORS = ("OutOfResources", "SharedMemoryExceeded")
 """How the `error` of a trial whose config does not fit the device begins: Triton's build or launch, or the launcher's
-own check before it (`kernels.attention.triton.tuning.SharedMemoryExceeded`)."""
+own check before it (`kernels.attention.gluon.runtime.SharedMemoryExceeded`)."""
 GLUON_VARIANTS = ("gluon", "gluon_persistent")
 """`gluon_persistent`: the persistent grids (one program per SM) of the forward (`GluonConfig.persistent`, two
 consumer groups) and of the one-pass backward (`GluonBwdConfig.persistent`), over the same tiles, ring depths and
@@ -259,8 +260,8 @@ def trial(config: dict, device: str = "cuda") -> dict:
     import torch
     import triton.testing
 
-    from kernels.attention.interface import FlashConfig, flash_attention_bwd, flash_attention_flops, flash_attention_fwd
-    from kernels.attention.triton.tuning import candidates, config_fits
+    from kernels.attention import flash_attention_bwd, flash_attention_flops, flash_attention_fwd
+    from kernels.attention.triton.tuning import FlashConfig, candidates, config_fits
 
     kernel = config["kernel"]
     variant = config.get("variant", "portable")
@@ -317,10 +318,10 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
     checked against the tl kernels' portable path under their first built-in config, then timed."""
     import torch
 
-    import kernels.attention.gluon.forward as gluon_fwd
-    import kernels.attention.gluon.backward_two_pass as gluon_bwd
     import kernels.attention.gluon.backward as one_pass
-    from kernels.attention.interface import flash_attention_bwd, flash_attention_flops, flash_attention_fwd
+    import kernels.attention.gluon.forward as gluon_fwd
+    from kernels.attention import flash_attention_bwd, flash_attention_flops, flash_attention_fwd
+    from kernels.attention.dispatch import DQ_BUFFERS, gluon_bwd_config, gluon_fwd_config
     from kernels.attention.triton.tuning import candidates
 
     kernel, shape = config["kernel"], parse_shape(config["shape"])
@@ -345,10 +346,9 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
         dq_whole, dk_late = GLUON_DQ[config.get("dq", "halves")]
         cfg = one_pass.GluonBwdConfig(block_m=block_m, num_stages=config["num_stages"], persistent=persistent,
                                       head_group=config.get("head_group", 0), dq_whole=dq_whole, dk_late=dk_late,
-                                      dq_buffers=config.get("dq_buffers", one_pass.DQ_BUFFERS.get(head_dim, 1)))
-        out, lse = gluon_fwd.gluon_attention_fwd(q, k, v, causal)
-        run = lambda: gluon_bwd.gluon_attention_bwd(q, k, v, out, lse, do, causal, config=cfg,  # noqa: E731
-                                                    mode="one_pass")[0]
+                                      dq_buffers=config.get("dq_buffers", DQ_BUFFERS.get(head_dim, 1)))
+        out, lse = gluon_fwd.gluon_attention_fwd(q, k, v, causal, gluon_fwd_config(q, k))
+        run = lambda: one_pass.gluon_attention_bwd(q, k, v, out, lse, do, causal, cfg)[0]  # noqa: E731
         want = flash_attention_bwd(q, k, v, out, lse, do, causal, path="portable", bwd="two_pass",
                                    dkdv_config=candidates("dkdv", dtype, head_dim)[0],
                                    dq_config=candidates("dq", dtype, head_dim)[0])[0]
@@ -365,12 +365,11 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
         from raysys.timing import paired_speedups
 
         if kernel == "fwd":
-            ref = gluon_fwd.problem_config(q, k)
+            ref = gluon_fwd_config(q, k)
             ref_run = lambda: gluon_fwd.gluon_attention_fwd(q, k, v, causal, config=ref)[0]  # noqa: E731
         else:
-            ref = one_pass.problem_config(q)
-            ref_run = lambda: gluon_bwd.gluon_attention_bwd(q, k, v, out, lse, do, causal,  # noqa: E731
-                                                            config=ref, mode="one_pass")[0]
+            ref = gluon_bwd_config(q)
+            ref_run = lambda: one_pass.gluon_attention_bwd(q, k, v, out, lse, do, causal, ref)[0]  # noqa: E731
         paired = {**paired_speedups({"kernel": run}, {"kernel": ref_run}, int(config["paired_rounds"]),
                                     lambda fn: median_ms(fn, torch.device("cuda")), "reference"),
                   "reference": ref.name}
@@ -608,7 +607,7 @@ def _tuned_entry_shapes(part: pd.DataFrame, kernel: str, head_dim: int) -> set[s
     unless that would leave none. None: every shape ranks (the backward)."""
     if kernel != "fwd":
         return None
-    from kernels.attention.gluon.forward import PERSISTENT_GRID
+    from kernels.attention.dispatch import PERSISTENT_GRID
 
     n_max = PERSISTENT_GRID.get(head_dim, (0, {}))[0]
     long = {shape for shape in part["shape"].unique() if parse_shape(shape)["seq"] > n_max}
@@ -734,7 +733,7 @@ def markdown(df: pd.DataFrame) -> str:
     cols = ["shape", "kernel", *(["variant"] if "variant" in best else []), "tile", "num_warps", "num_stages",
             *gluon_knobs, "median_ms", "tflops"]  # the Gluon kernels' own knobs (blank on tl rows)
     return (f"{len(df)} launch configurations timed ({failed or 'none'} failed); the three fastest per kernel and "
-            "shape (these feed `kernels/flash_attention_tuned.json`, which the autotuner tries first).\n\n"
+            "shape (these feed `kernels/attention/triton/tuned.json`, which the autotuner tries first).\n\n"
             + best[cols].to_markdown(index=False, floatfmt=".3g") + "\n")
 
 
@@ -752,7 +751,7 @@ def build_parser():
                                                 f"{','.join(SHAPES)}; --quick: {','.join(QUICK_SHAPES)})")
     list_flag(p, "--kernels", default=",".join(KERNELS), help=f"comma list of {','.join(KERNELS)}")
     p.add_argument("--json", default=None, help="where to write the tuned configs (default: "
-                   "<out>/flash_attention_tuned.json; kernels/flash_attention_tuned.json installs them)")
+                   "<out>/flash_attention_tuned.json; kernels/attention/triton/tuned.json installs them)")
     p.add_argument("--no-json", action="store_true", help="do not write the tuned-config file")
     p.add_argument("--max-trials", type=int, default=None, help="run at most this many trials, all kernels "
                                                                 "(default: no limit)")

@@ -1,90 +1,26 @@
-"""FlashAttention-2 in plain PyTorch: the tiled forward of Algorithm 1 and the backward of eqs. 13-19.
+"""Attention in plain PyTorch: the test oracle, and the course's tiled FlashAttention-2 (`FlashAttentionPytorch`).
 
-This is the debugging twin of the Triton kernel in `kernels/flash_attention.py` (handout 4.2.2 (a) and
-`flash_backward`): same online softmax, same log-sum-exp, same masking rule, no Triton.
-
-Computed: O = softmax(Q K^T / sqrt(d) + mask) V and L = logsumexp(Q K^T / sqrt(d) + mask) row by row, where
-the causal mask adds -1e6 to the score of key j for query i when j > i.
-
-Shapes: (batch, seq, d) or (batch, heads, seq, d); M = n_queries, N = n_keys, d = head dim (16..128).
-
-Forward (Algorithm 1): for each query tile of `q_tile` rows, walk the key tiles of `k_tile` rows keeping the
-running row max m, the running denominator l and the unnormalised output in float32 (float64 for float64
-input), then O = O~ / l and L = m + log(l). Causal: key tiles that lie entirely above the diagonal are skipped,
-and only the tiles that cross the diagonal compare indices. The autograd context keeps Q, K, V, O and L
-(exactly one extra tensor, of shape (batch, M) or (batch, heads, M)); never P.
-
-Backward (eqs. 13-19): D = rowsum(O * dO); S = Q K^T / sqrt(d); P = exp(S - L); dV = P^T dO;
-dP = dO V^T; dS = P * (dP - D); dQ = dS K / sqrt(d); dK = dS^T Q / sqrt(d). This recomputation materialises
-one (M, N) score matrix per (batch, head), like the handout asks; it runs through `torch.compile`, which
-fuses the element-wise work between the matmuls. `RAYSYS_FLASH_COMPILE` picks the policy: `auto` (default)
-compiles on CUDA and runs eagerly on CPU, where Inductor needs a C++ compiler and a cold compile costs ~40 s on
-a 2-core machine, far more than the backward it speeds up; `1` compiles on every device; `0` never compiles.
-When compilation fails the same function runs eagerly from then on and a `RuntimeWarning` says why; the
-numbers do not change.
+`flash_attention_reference(q, k, v, is_causal, return_lse)`: O = softmax(Q K^T / sqrt(d) + mask) V (and L =
+logsumexp, natural log) in q's dtype, masked scores replaced by MASK_VALUE (-1e6) as in the course's reference;
+the tests run it in fp64. `FlashAttentionPytorch` (handout 4.2.2 (a)) is the same algorithm as the Triton kernels in
+Python tiles: Algorithm 1 forward (running max, denominator and output in fp32, fp64 for fp64 input; causal key tiles
+above the diagonal skipped), saving Q, K, V, O and L, never P; backward by recomputation (eqs. 13-19), compiled
+where `dispatch.reference_compiles` says. Shapes (B, N, d) or (B, H, N, d), head dim 16..128.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import warnings
 
 import torch
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
+from kernels.attention.checks import SUPPORTED_DTYPES, check_attention_inputs
+from kernels.attention.dispatch import reference_compiles
+
 MASK_VALUE = -1.0e6  # added to masked scores (handout 4.2.2 (c)); exp(-1e6 - m) is exactly 0 in fp32
 DEFAULT_TILE = 64
 MIN_TILE = 16
-
-
-def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                           dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES) -> None:
-    """Raise `ValueError` naming the offending value and the rule it breaks; shared by both implementations."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not isinstance(is_causal, bool):
-        raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
-    if q.dim() not in (3, 4):
-        raise ValueError(f"q must be 3-D (batch, seq, d) or 4-D (batch, heads, seq, d), got shape {tuple(q.shape)}")
-    if k.dim() != q.dim() or v.dim() != q.dim():
-        raise ValueError(f"q, k, v must have the same rank, got shapes {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[:-2] != k.shape[:-2]:
-        raise ValueError(f"q and k must agree on the leading (batch[, heads]) dims, got {tuple(q.shape)} and "
-                         f"{tuple(k.shape)}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
-    d = q.shape[-1]
-    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
-        raise ValueError(f"head dim {d} must lie in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
-    if q.shape[-2] < 1 or k.shape[-2] < 1 or q.numel() == 0:
-        raise ValueError(f"q and k need at least one row each and non-empty batch dims, got shapes "
-                         f"{tuple(q.shape)} and {tuple(k.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.dtype not in dtypes:
-        raise ValueError(f"dtype {q.dtype} is not supported; use one of {[str(t) for t in dtypes]}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if is_causal and q.shape[-2] != k.shape[-2]:
-        raise ValueError(f"causal attention needs n_queries == n_keys, got {q.shape[-2]} and {k.shape[-2]}")
-
-
-def check_backward_inputs(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
-                          where: str = "") -> None:
-    """Raise `ValueError` unless O and dO have q's shape and L is fp32 of q's shape less d (a backward's inputs beside
-    q, k, v); `where` prefixes the message (the caller's name)."""
-    if out.shape != q.shape or grad_out.shape != q.shape:
-        raise ValueError(f"{where}out {tuple(out.shape)} and grad_out {tuple(grad_out.shape)} must have q's shape "
-                         f"{tuple(q.shape)}")
-    if lse.shape != q.shape[:-1] or lse.dtype != torch.float32:
-        raise ValueError(f"{where}lse must be float32 of shape {tuple(q.shape[:-1])}, got {lse.dtype} "
-                         f"{tuple(lse.shape)}")
 
 
 def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -153,19 +89,11 @@ _compiled_backward = None
 _compile_disabled_reason: str | None = None
 
 
-def _compile_enabled(device: torch.device) -> bool:
-    policy = os.environ.get("RAYSYS_FLASH_COMPILE", "auto").strip().lower()
-    if policy == "auto":
-        return device.type == "cuda"
-    if policy in ("1", "0"):
-        return policy == "1"
-    raise ValueError(f"RAYSYS_FLASH_COMPILE={policy!r} must be one of auto, 1, 0")
-
-
 def flash_backward_pytorch(q, k, v, o, do, lse, is_causal: bool):
-    """`flash_backward_reference` through `torch.compile` (see the module docstring for the policy)."""
+    """`flash_backward_reference` through `torch.compile` where `dispatch.reference_compiles` says so (on CUDA by
+    default); if compiling fails, eagerly from then on, with one RuntimeWarning saying why (the values are the same)."""
     global _compiled_backward, _compile_disabled_reason
-    if _compile_enabled(q.device) and _compile_disabled_reason is None:
+    if reference_compiles(q.device) and _compile_disabled_reason is None:
         if _compiled_backward is None:
             _compiled_backward = torch.compile(flash_backward_reference, dynamic=True)
         try:
@@ -221,3 +149,20 @@ def autocast_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 def attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> torch.Tensor:
     """Model backend `flash_pytorch`: (batch, heads, seq, d_head) in and out; follows autocast like SDPA."""
     return FlashAttentionPytorch.apply(*autocast_inputs(q, k, v), is_causal)
+
+
+def flash_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
+                              return_lse: bool = False):
+    """Plain-torch attention (eqs. 4-6 and 12) in q's dtype: the test oracle (in fp64) and the naive baseline.
+
+    Masked scores are replaced by -1e6, as in the course's reference, so L matches the kernels' L.
+    Returns O, or (O, L) with `return_lse=True`.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = q @ k.transpose(-2, -1) * scale
+    if is_causal:
+        rows = torch.arange(q.shape[-2], device=q.device)[:, None]
+        cols = torch.arange(k.shape[-2], device=q.device)[None, :]
+        scores = scores.masked_fill(cols > rows, MASK_VALUE)
+    out = torch.softmax(scores, dim=-1) @ v
+    return (out, torch.logsumexp(scores, dim=-1)) if return_lse else out

@@ -46,8 +46,8 @@ def check_error() -> float:
     fp32 attention on odd shapes, causal, of both head dims."""
     import torch
 
-    import kernels.attention.gluon.forward as fg
-    import kernels.attention.gluon.backward_two_pass as fgb
+    import kernels.flash_attention_gluon as fg
+    import kernels.flash_attention_gluon_bwd as fgb
     worst = 0.0
     for q_shape, n_k in (((2, 3, 777, 64), 777), ((1, 3, 1000, 128), 1000), ((1, 2, 1029, 64), 513)):
         gen = torch.Generator(device="cuda").manual_seed(0)
@@ -72,9 +72,9 @@ def child(level: int, check: bool) -> None:
     import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    import kernels.attention.gluon.forward as fg
-    import kernels.attention.gluon.backward_two_pass as fgb
-    import kernels.attention.gluon.backward as fgo
+    import kernels.flash_attention_gluon as fg
+    import kernels.flash_attention_gluon_bwd as fgb
+    import kernels.flash_attention_gluon_bwd_onepass as fgo
     assert fgo.__file__.startswith(os.environ["ABLATION_KERNELS"]), fgo.__file__
     err = check_error() if check else None
     for shape in SHAPES:

@@ -5,7 +5,7 @@ Run from the repository root with Triton 3.6 (Gluon's Hopper API) and TRITON_INT
 OUT_DIR/flash_gluon_sass.parquet is refused without `--overwrite`, before any work; `--with '{"field": value}'` also
 builds each head dim's tuned config with those GluonConfig fields: another commit's knobs, with PYTHONPATH and the
 working directory on a checkout of that commit). For each head dim's tuned forward
-config (`kernels.attention.gluon.forward.default_config`, bf16, causal; at d 64 also with each other share of
+config (`kernels.attention.dispatch.gluon_fwd_default`, bf16, causal; at d 64 also with each other share of
 emulated exp2s, `exp2_emulated`), the kernel is compiled for sm_90 and its
 SASS disassembled (Triton's bundled cuobjdump); the steady-state loop is, of the innermost loops with HGMMA in their
 body, the one with the most MUFU (the consumer's iteration j: S(j), P(j-1) V(j-1), softmax(j); its body also
@@ -27,6 +27,9 @@ import torch
 from raysys.results import make_row, write_parquet
 
 import kernels.attention.gluon.forward as fg
+from kernels.attention.checks import GLUON_HEAD_DIMS
+from kernels.attention.dispatch import gluon_fwd_default
+from kernels.attention.gluon.compat import HAS_GLUON_HOPPER
 
 SWEEP = "flash_gluon_sass"
 EXP2_SHARES = (0, 2, 4, 8, 16)
@@ -85,10 +88,10 @@ def main(out_dir: str, overwrite: bool, variants: list[dict] = ()) -> None:
     path = Path(out_dir) / f"{SWEEP}.parquet"
     if path.exists() and not overwrite:
         sys.exit(f"flash_gluon_sass.py: {path} exists (an earlier run); pass --overwrite to replace it")
-    if not fg.HAS_GLUON_HOPPER:
+    if not HAS_GLUON_HOPPER:
         sys.exit("flash_gluon_sass.py: needs Triton's Gluon Hopper API (Triton 3.6)")
     rows = []
-    tuned = [(head_dim, fg.default_config(head_dim, torch.bfloat16)) for head_dim in fg.HEAD_DIMS]
+    tuned = [(head_dim, gluon_fwd_default(head_dim, torch.bfloat16)) for head_dim in GLUON_HEAD_DIMS]
     configs = list(tuned)
     tuned64 = tuned[0][1]  # and the tuned d-64 config with every share of emulated exp2s (section 15)
     configs += [(64, dataclasses.replace(tuned64, exp2_emulated=e)) for e in EXP2_SHARES if e != tuned64.exp2_emulated]

@@ -36,8 +36,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from raysys.results import PROVENANCE_COLUMNS, make_row, write_parquet
 
-import kernels.attention.interface as fa
+import kernels.attention.dispatch as dispatch
 import kernels.attention.gluon.forward as g
+import kernels.attention.gluon.runtime as runtime
+import kernels.attention.interface as fa
 
 
 LINE = re.compile(r"^(?P<case>\S.*?) host us/call (?P<host>[\d.]+)\s+wall us/call (?P<wall>[\d.]+)\s+"
@@ -143,9 +145,9 @@ def profile(name: str, fn, n: int = 50) -> None:
 def pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, label: str) -> list[dict]:
     """Host time of each step of the `op` case's forward, alone (`--pieces`; rows `piece: ...`): what the gluon
     forward pays before and around its launch."""
-    from kernels.attention.reference import check_attention_inputs
+    from kernels.attention.checks import check_attention_inputs
 
-    config = g.problem_config(q, k)
+    config = dispatch.gluon_fwd_config(q, k)
     out, lse = torch.empty_like(q), torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     grid, args, meta = g.launch_args(q, k, v, out, lse, True, config)
     qg = q.clone().requires_grad_()
@@ -167,15 +169,15 @@ def pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, label: str) -> lis
 
     steps = [("check_attention_inputs", lambda: check_attention_inputs(q, k, v, True), 2000),
              ("_eager", lambda: fa._eager(q), 2000),
-             ("path and bwd env", lambda: (fa._requested_path(None), fa._requested_bwd(None)), 2000),
-             ("resolve_path", lambda: fa.resolve_path(None, q, k, v, forward=True), 2000),
-             ("problem_config", lambda: g.problem_config(q, k), 2000),
+             ("path and bwd env", lambda: (dispatch.requested_path(None), dispatch.requested_bwd(None)), 2000),
+             ("resolve_path", lambda: dispatch.resolve_path(None, q, k, v, forward=True), 2000),
+             ("problem_config", lambda: dispatch.gluon_fwd_config(q, k), 2000),
              ("empty out, lse", lambda: (torch.empty(q.shape, dtype=q.dtype, device=q.device),
                                          torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)), 2000),
              ("launch_args", lambda: g.launch_args(q, k, v, out, lse, True, config), 2000),
              ("cuda.device context", device_ctx, 2000),
              ("autograd.Function, no kernel", lambda: Nothing.apply(qg, k, v, True, None, None), 2000),
-             ("launch, args built", lambda: g.launch(config.kernel, grid, args, meta), 200)]
+             ("launch, args built", lambda: runtime.launch(config.kernel, grid, args, meta), 200)]
     rows = []
     for name, fn, n in steps:
         host_us = host_and_wall(fn, n, warmup=20)[0]
@@ -237,12 +239,13 @@ def main() -> None:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             F.scaled_dot_product_attention(qg, kg, vg, is_causal=True).backward(do)
 
-    cases = [("direct", lambda: g.gluon_attention_fwd(q, k, v, True)),      # the Gluon launcher alone
+    cases = [("direct", lambda: g.gluon_attention_fwd(q, k, v, True,                # the Gluon launcher alone
+                                                      dispatch.gluon_fwd_config(q, k))),
              ("fwd_api", lambda: fa.flash_attention_fwd(q, k, v, True)),    # + path choice (auto)
              ("op", lambda: fa.flash_attention(q, k, v, True)),             # + the custom op and autograd
              ("op gluon", lambda: fa.flash_attention(q, k, v, True, path="gluon")),
-             ("desc x4", lambda: [g._descriptor(t, 64) for t in (q, k, v, q)]),
-             ("unsupported", lambda: fa.gluon_unsupported(q, k, v)),
+             ("desc x4", lambda: [runtime.descriptor(t, 64) for t in (q, k, v, q)]),
+             ("unsupported", lambda: dispatch.gluon_unsupported_reason(q, k, v)),
              ("tl", lambda: fa.flash_attention_fwd(q, k, v, True, path="tma")),
              ("sdpa cudnn", sdpa_fwd),
              ("fwd+bwd auto", fwd_bwd(None)),

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernels.attention.interface import flash_attention
+from kernels.attention import flash_attention
 
 
 def main() -> None:

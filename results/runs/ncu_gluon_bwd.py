@@ -5,7 +5,7 @@ Run on the GPU host from the repository root, under ncu (the second launch is th
 python3 results/runs/ncu_gluon_bwd.py`; results/runs/README.md lists the sections of the committed run.
 """
 
-import torch, kernels.attention.interface as fa
+import torch, kernels.attention as fa
 g = torch.Generator(device="cuda").manual_seed(0)
 q, k, v, do = (torch.randn(1, 16, 16384, 128, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(4))
 q, k, v = (t.requires_grad_() for t in (q, k, v))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.attention.triton.tuning import INTERPRET
+from kernels.device import INTERPRET
 
 interpret = pytest.mark.skipif(not INTERPRET, reason="the kernels were built for the GPU in this process; run with "
                                                      "TRITON_INTERPRET=1 to use the interpreter")

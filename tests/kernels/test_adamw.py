@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kernels.adamw as fa
-from kernels.attention.triton.tuning import INTERPRET
+from kernels.device import INTERPRET
 from raysys.model import AdamW
 from tests.kernels.interp import on_interpreter
 

@@ -321,7 +321,7 @@ def _model_layout(batch, heads, seq, head_dim, dtype, seed=0):
 def test_attention_backward_bytes_are_what_the_tl_kernels_allocate(bwd):
     """`attention_backward_bytes` of the tl kernels' backward, two-pass and one-pass, exactly: what the backward call
     allocates (D, the one-pass fp32 dQ accumulator, dQ, dK, dV) measured by the CPU allocator, plus dO, its input."""
-    import kernels.attention.interface as fa
+    import kernels.attention as fa
 
     batch, heads, seq, head_dim = 2, 3, 77, 32
     q, k, v, do = _model_layout(batch, heads, seq, head_dim, torch.float32)
@@ -337,12 +337,13 @@ def test_attention_backward_bytes_are_what_the_tl_kernels_allocate(bwd):
 def test_attention_backward_bytes_are_what_the_gluon_backward_allocates(dtype, head_dim, monkeypatch):
     """The Gluon one-pass backward's `attention_backward_bytes` exactly: what its launcher allocates (dK, dV, L and
     D padded to whole query tiles, the fp32 dQ accumulator, dQ) with its kernels not launched (the CPU), plus dO."""
+    import kernels.attention.gluon.backward as gluon_bwd
     import kernels.attention.interface as fa
-    import kernels.attention.gluon.backward_two_pass as fgb
+    from kernels.attention.gluon.compat import HAS_GLUON_HOPPER
 
-    if not fa.gluon_fwd.HAS_GLUON_HOPPER:
+    if not HAS_GLUON_HOPPER:
         pytest.skip("this Triton has no Gluon Hopper API")
-    monkeypatch.setattr(fgb, "launch", lambda *args, **kwargs: None)
+    monkeypatch.setattr(gluon_bwd, "launch", lambda *args, **kwargs: None)
     batch, heads, seq = 2, 3, 200
     q, k, v, do = _model_layout(batch, heads, seq, head_dim, dtype)
     out, lse = torch.empty_like(q), torch.zeros(batch, heads, seq)

@@ -318,17 +318,17 @@ def test_rows_name_the_flash_kernels_that_ran(monkeypatch):
     forward and backward ran, and the table shows them beside the backend."""
     import pandas as pd
 
-    import kernels.attention.interface as fa
+    from kernels.attention import dispatch
     from raysys.leaderboard_bench import _attention_label
 
     model = TransformerLM(config(N=2, S=32, d=32, f=64, V=50))
     step = LeaderboardStep(model, StepConfig(attention="flash_triton", loss_impl="torch", optimizer="foreach",
                                              compile=False, recompute="none"), batch_size=1)
-    monkeypatch.setitem(fa.LAST_PATH, "fwd", "gluon")
-    monkeypatch.setitem(fa.LAST_PATH, "dkdv", "tma")
-    monkeypatch.setitem(fa.LAST_PATH, "bwd", "two_pass")
+    monkeypatch.setitem(dispatch.LAST_PATH, "fwd", "gluon")
+    monkeypatch.setitem(dispatch.LAST_PATH, "dkdv", "tma")
+    monkeypatch.setitem(dispatch.LAST_PATH, "bwd", "two_pass")
     assert step.describe()["attention_kernels"] == "gluon fwd / tma bwd, two_pass"
-    monkeypatch.setitem(fa.LAST_PATH, "fwd", "tma")
+    monkeypatch.setitem(dispatch.LAST_PATH, "fwd", "tma")
     assert step.describe()["attention_kernels"] == "tma, two_pass"
     step.close()
     rows = pd.DataFrame({"attention": ["flash_triton", "cudnn"], "attention_kernels": ["tma, two_pass", ""]})
@@ -365,20 +365,20 @@ def test_planned_attention_kernels_follow_the_dispatch(monkeypatch):
     """`planned_paths` applies the dispatch's rules to fake tensors of the step's shape: the tl kernels where the Gluon
     ones cannot run, the Gluon forward and one-pass backward where they can and the call is large enough, the tl
     backward once the Gluon backward failed to build; the plan takes them (`planned_attention_kernels`)."""
-    import kernels.attention.interface as fa
+    from kernels.attention import dispatch
     from raysys.leaderboard import planned_attention_kernels
 
-    monkeypatch.delenv(fa.PATH_ENV, raising=False)
-    monkeypatch.delenv(fa.BWD_ENV, raising=False)
+    monkeypatch.delenv(dispatch.PATH_ENV, raising=False)
+    monkeypatch.delenv(dispatch.BWD_ENV, raising=False)
     cfg = ModelConfig.from_name("leaderboard")
     cpu = torch.device("cpu")
     assert planned_attention_kernels(cfg, 1, 32768, "cudnn", "bf16", cpu) == ""
-    assert fa.planned_paths(1, 32, 32768, 32768, 128, torch.float32, cpu) == "portable, two_pass"
-    monkeypatch.setattr(fa, "gluon_unsupported", lambda q, k, v: "")
-    monkeypatch.setattr(fa, "_GLUON_BROKEN", {})
+    assert dispatch.planned_paths(1, 32, 32768, 32768, 128, torch.float32, cpu) == "portable, two_pass"
+    monkeypatch.setattr(dispatch, "gluon_unsupported_reason", lambda q, k, v: "")
+    monkeypatch.setattr(dispatch, "_GLUON_BROKEN", {})
     assert planned_attention_kernels(cfg, 1, 32768, "flash_triton", "bf16", cpu) == "gluon, one_pass"
-    assert fa.planned_paths(1, 32, 1024, 1024, 128, torch.bfloat16, cpu) == "portable, two_pass"  # below auto's bound
+    assert dispatch.planned_paths(1, 32, 1024, 1024, 128, torch.bfloat16, cpu) == "portable, two_pass"  # below auto's bound
     q = torch.empty(1, 32, 32768, 128, dtype=torch.bfloat16)
     with pytest.warns(RuntimeWarning, match="Gluon attention bwd"):
-        fa._gluon_broken("bwd", fa.gluon_bwd_onepass.problem_config(q), q, True, RuntimeError("no build"))
-    assert fa.planned_paths(1, 32, 32768, 32768, 128, torch.bfloat16, cpu) == "gluon fwd / portable bwd, two_pass"
+        dispatch.gluon_broken("bwd", dispatch.gluon_bwd_config(q), q, True, RuntimeError("no build"))
+    assert dispatch.planned_paths(1, 32, 32768, 32768, 128, torch.bfloat16, cpu) == "gluon fwd / portable bwd, two_pass"

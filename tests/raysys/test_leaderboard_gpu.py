@@ -46,7 +46,7 @@ def test_attention_backward_allocates_what_the_model_says(attention):
         del grads
     kernels = ""
     if attention == "flash_triton":
-        from kernels.attention.interface import last_paths
+        from kernels.attention import last_paths
 
         kernels = last_paths()
     w = Workload(config=LB.replace(attention=attention), batch_size=B, precision="bf16", param_dtype="bf16",

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import kernels.attention.triton.tuning as ft
+from kernels.attention import dispatch
 from sweeps import flash_bench, flash_tiles
 
 
@@ -64,7 +65,7 @@ def test_fastest_tma_configs_go_first_in_the_tuned_file(tmp_path):
     assert ft._entry_config(dkdv128).label() == "32x64/w4/s3"  # the dK/dV half of the fastest pair
     assert all(e["path"] == "tma" for entries in winners.values() for e in entries)  # never the portable base
     path = tmp_path / "tuned.json"
-    shutil.copy(ft.TUNED_CONFIGS_PATH, path)
+    shutil.copy(dispatch.TUNED_CONFIGS_PATH, path)
     before = json.loads(path.read_text())
     flash_bench.write_tuned(df, path)
     after = ft.load_tuned_configs(path)
@@ -73,7 +74,7 @@ def test_fastest_tma_configs_go_first_in_the_tuned_file(tmp_path):
         assert after[kernel][len(winners[kernel]):] == before.get(kernel, [])
     assert after["dkdvq"] == before["dkdvq"]
     assert "candidates study" in json.loads(path.read_text())["note"]
-    assert ft.tuned_auto_path(path) == "tma"  # the fast tma levers beat the portable baseline on every shape
+    assert dispatch.tuned_auto_path(path) == "tma"  # the fast tma levers beat the portable baseline on every shape
     slow_tma = df.assign(fwd_median_s=df.fwd_median_s.where(~df.path.str.startswith("tma") | (df.seq != 2048), 9.0))
     assert flash_bench.auto_path(slow_tma) == "portable"  # one shape where no tma candidate keeps up
 

@@ -143,9 +143,9 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     """`--variants gluon`: the Gluon forward's and one-pass backward's knobs, only on shapes they take; their winners
     go to the tuned file's `gluon` part (beside the tl entries and `auto_path`, which stay), and the Gluon
     launchers read it."""
-    import kernels.attention.gluon.forward as gluon_fwd
     import kernels.attention.gluon.backward as one_pass
-    import kernels.attention.triton.tuning as tuning
+    import kernels.attention.gluon.forward as gluon_fwd
+    from kernels.attention import dispatch
 
     a, b = "16384/128/bfloat16/causal", "4096/128/bfloat16/causal"
     spaces = flash_tiles.param_spaces(False, (a, b, "4096/32/bfloat16/causal", "4096/64/float32/causal"), ("gluon",))
@@ -210,10 +210,10 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     after_gluon = json.loads(path.read_text())
     assert after_gluon["note"] == after_tl["note"] and after_gluon["fwd"] == after_tl["fwd"]
     assert "bwd kept from the previous file" in after_gluon["gluon_note"]
-    monkeypatch.setattr(tuning, "_GLUON_TUNED", tuning.load_gluon_tuned(path))
-    assert gluon_fwd.default_config(128, torch.bfloat16) == gluon_fwd.GluonConfig(
+    monkeypatch.setattr(dispatch, "_GLUON_TUNED", dispatch.load_gluon_tuned(path))
+    assert dispatch.gluon_fwd_default(128, torch.bfloat16) == gluon_fwd.GluonConfig(
         block_m=64, block_n=128, num_stages=2, num_consumers=1)
-    assert one_pass.default_config(128, torch.bfloat16) == one_pass.GluonBwdConfig(
+    assert dispatch.gluon_bwd_default(128, torch.bfloat16) == one_pass.GluonBwdConfig(
         block_m=64, num_stages=3, head_group=8, dq_whole=False, rows_tma=False)
     # The persistent forward: its own variant (fwd only, two consumer groups); a winner carries `persistent`.
     spaces = flash_tiles.param_spaces(False, (a,), ("gluon_persistent",))
@@ -225,13 +225,13 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     df_p = pd.concat([df, pd.DataFrame([fast, dict(fast, shape=b)])], ignore_index=True)
     winner = flash_tiles.gluon_best_configs(df_p, min_configs=8)["fwd"][0]
     assert winner["persistent"] is True and winner["num_consumers"] == 2
-    assert gluon_fwd.GluonConfig(**{k: winner[k] for k in tuning.GLUON_FIELDS["fwd"] if k in winner}).persistent
+    assert gluon_fwd.GluonConfig(**{k: winner[k] for k in dispatch.GLUON_FIELDS["fwd"] if k in winner}).persistent
     # The persistent one-pass backward: a winner carries `persistent`, which its config takes.
     fast_bwd = dict(row("dkdvq", "64x64", 2, 2, a, 0.3), head_group=4, variant="gluon_persistent", persistent=True)
     df_b = pd.concat([df, pd.DataFrame([fast_bwd, dict(fast_bwd, shape=b)])], ignore_index=True)
     bwd_winner = flash_tiles.gluon_best_configs(df_b, min_configs=8)["bwd"][0]
     assert bwd_winner["persistent"] is True and bwd_winner["head_group"] == 4
-    assert one_pass.GluonBwdConfig(**{k: bwd_winner[k] for k in tuning.GLUON_FIELDS["bwd"]}).persistent
+    assert one_pass.GluonBwdConfig(**{k: bwd_winner[k] for k in dispatch.GLUON_FIELDS["bwd"]}).persistent
     # dq_whole swept: the grid doubles, and a winner carries it.
     whole = [dict(row("dkdvq", "64x64", s, 2, sh, 1.5 - 0.1 * s - 0.01 * g), head_group=g, dq_whole=w)
              for s in (1, 2, 3) for g in (0, 4, 8) for w in (True, False) for sh in (a, b)]
@@ -239,7 +239,7 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     df_w.loc[(df_w["kernel"] == "dkdvq") & (df_w["dq_whole"] == True), "time_median_s"] -= 0.2e-3  # noqa: E712
     w_winner = flash_tiles.gluon_best_configs(df_w, min_configs=8)["bwd"][0]
     assert w_winner["dq_whole"] is True and w_winner["num_stages"] == 3
-    assert one_pass.GluonBwdConfig(**{k: w_winner[k] for k in tuning.GLUON_FIELDS["bwd"]}).dq_whole
+    assert one_pass.GluonBwdConfig(**{k: w_winner[k] for k in dispatch.GLUON_FIELDS["bwd"]}).dq_whole
     # The three-valued dQ axis (dk_late swept, 27 configs a shape): a winner carries dk_late, which its config takes.
     modes = flash_tiles.GLUON_DQ.values()
     late = [dict(row("dkdvq", "64x64", s, 2, sh, 1.5 - 0.1 * s - 0.01 * g - 0.3 * dkl), head_group=g, dq_whole=w,
@@ -247,18 +247,18 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     df_l = pd.concat([df[df["kernel"] == "fwd"], pd.DataFrame(late)], ignore_index=True)
     l_winner = flash_tiles.gluon_best_configs(df_l, min_configs=27)["bwd"][0]
     assert l_winner["dk_late"] is True and l_winner["dq_whole"] is True and l_winner["shapes"] == [a, b]
-    assert one_pass.GluonBwdConfig(**{k: l_winner[k] for k in tuning.GLUON_FIELDS["bwd"]}).dk_late
+    assert one_pass.GluonBwdConfig(**{k: l_winner[k] for k in dispatch.GLUON_FIELDS["bwd"]}).dk_late
     assert l_winner["rows_tma"] is False  # rows of runs before rows_tma: L and D from global memory
     # rows_tma is not swept: the winners carry the value the rows record (the default a run ran).
     df_r = df_l.assign(rows_tma=df_l["kernel"] == "dkdvq")
     r_winner = flash_tiles.gluon_best_configs(df_r, min_configs=27)["bwd"][0]
     assert r_winner["rows_tma"] is True and r_winner["dk_late"] is True
-    assert one_pass.GluonBwdConfig(**{k: r_winner[k] for k in tuning.GLUON_FIELDS["bwd"]}).rows_tma
+    assert one_pass.GluonBwdConfig(**{k: r_winner[k] for k in dispatch.GLUON_FIELDS["bwd"]}).rows_tma
     # Rows of runs before the dq_buffers axis: the winners carry what the rows record, 1 before the field existed.
     assert r_winner["dq_buffers"] == 1
     q_winner = flash_tiles.gluon_best_configs(df_r.assign(dq_buffers=2), min_configs=27)["bwd"][0]
     assert q_winner["dq_buffers"] == 2
-    assert one_pass.GluonBwdConfig(**{k: q_winner[k] for k in tuning.GLUON_FIELDS["bwd"]}).dq_buffers == 2
+    assert one_pass.GluonBwdConfig(**{k: q_winner[k] for k in dispatch.GLUON_FIELDS["bwd"]}).dq_buffers == 2
     # Rows of a run that swept dq_whole alone: its grid (18 configs a shape) caps the count asked for.
     assert flash_tiles.gluon_best_configs(df_w, min_configs=27)["bwd"][0]["dq_whole"] is True
     # The forward's rescale order swept: a winner carries it, and a d-64 entry that says False overrides
@@ -267,27 +267,28 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
           for s in (2, 3) for c in (1, 2) for r in (False, True) for sh in (a, b)]
     ru_winner = flash_tiles.gluon_best_configs(pd.DataFrame(ru), min_configs=8)["fwd"][0]
     assert ru_winner["rescale_under_s"] is True and ru_winner["num_consumers"] == 1
-    assert gluon_fwd.GluonConfig(**{k: ru_winner[k] for k in tuning.GLUON_FIELDS["fwd"]}).rescale_under_s
+    fields = {k: ru_winner[k] for k in dispatch.GLUON_FIELDS["fwd"] if k in ru_winner}
+    assert gluon_fwd.GluonConfig(**fields).rescale_under_s
     # Rows of runs before the axis ran False where `auto` runs True: their entries leave the order to the default.
     assert "rescale_under_s" not in gluon["fwd"][0]
     d64 = {**gluon["fwd"][0], "head_dim": 64, "rescale_under_s": False}
-    monkeypatch.setattr(tuning, "_GLUON_TUNED", {"fwd": [d64], "bwd": []})
-    assert gluon_fwd.default_config(64, torch.bfloat16).rescale_under_s is False
-    monkeypatch.setattr(tuning, "_GLUON_TUNED", {"fwd": [{k: v for k, v in d64.items() if k != "rescale_under_s"}],
+    monkeypatch.setattr(dispatch, "_GLUON_TUNED", {"fwd": [d64], "bwd": []})
+    assert dispatch.gluon_fwd_default(64, torch.bfloat16).rescale_under_s is False
+    monkeypatch.setattr(dispatch, "_GLUON_TUNED", {"fwd": [{k: v for k, v in d64.items() if k != "rescale_under_s"}],
                                                  "bwd": []})
-    assert gluon_fwd.default_config(64, torch.bfloat16).rescale_under_s is gluon_fwd.RESCALE_UNDER_S[64]
-    monkeypatch.setattr(tuning, "_GLUON_TUNED", tuning.load_gluon_tuned(path))
-    assert gluon_fwd.default_config(64, torch.bfloat16) == dataclasses.replace(  # no d-64 entry: the defaults
-        gluon_fwd.DEFAULT_CONFIGS[64], exp2_emulated=gluon_fwd.EXP2_EMULATED[64],
-        rescale_under_s=gluon_fwd.RESCALE_UNDER_S[64])
-    assert one_pass.default_config(128, torch.float16) == one_pass.DEFAULT_BWD_CONFIGS[128]
+    assert dispatch.gluon_fwd_default(64, torch.bfloat16).rescale_under_s is dispatch.RESCALE_UNDER_S[64]
+    monkeypatch.setattr(dispatch, "_GLUON_TUNED", dispatch.load_gluon_tuned(path))
+    assert dispatch.gluon_fwd_default(64, torch.bfloat16) == dataclasses.replace(  # no d-64 entry: the defaults
+        dispatch.DEFAULT_FWD_CONFIGS[64], exp2_emulated=dispatch.EXP2_EMULATED[64],
+        rescale_under_s=dispatch.RESCALE_UNDER_S[64])
+    assert dispatch.gluon_bwd_default(128, torch.float16) == dispatch.DEFAULT_BWD_CONFIGS[128]
     # Bad input, before any work: no shape the Gluon kernels take; a tuned entry with a field no config has.
     with pytest.raises(ValueError, match="variant gluon runs shapes of head dim 64 or 128"):
         flash_tiles.param_spaces(False, ("4096/32/bfloat16/causal",), ("tma", "gluon"))
     data["gluon"]["fwd"][0]["num_warps"] = 8
     flash_tiles.write_json(data, path)
     with pytest.raises(ValueError, match=r"gluon fwd entry .* fields \['num_warps'\]"):
-        tuning.load_gluon_tuned(path)
+        dispatch.load_gluon_tuned(path)
 
 
 def test_gluon_winner_counts_configs_that_do_not_fit_as_swept():
@@ -525,12 +526,11 @@ def test_gluon_check_rows_follow_the_results_convention(tmp_path, capsys):
 
 def test_gluon_check_names_the_backward_auto_ran(monkeypatch):
     """The check's `auto_bwd` rows say which kernels `flash_attention_bwd` picked (the Gluon one-pass or the tl ones)."""
-    import kernels.attention.interface as fa
     from sweeps import flash_gluon_check as check
 
-    monkeypatch.setattr(fa, "LAST_PATH", {"fwd": "gluon", "dkdvq": "gluon", "dkdv": "portable", "bwd": "one_pass"})
+    monkeypatch.setattr(check, "LAST_PATH", {"fwd": "gluon", "dkdvq": "gluon", "dkdv": "portable", "bwd": "one_pass"})
     assert check._bwd_path() == "gluon, one_pass"
-    monkeypatch.setattr(fa, "LAST_PATH", {"dkdvq": "gluon", "dkdv": "portable", "bwd": "two_pass"})
+    monkeypatch.setattr(check, "LAST_PATH", {"dkdvq": "gluon", "dkdv": "portable", "bwd": "two_pass"})
     assert check._bwd_path() == "portable, two_pass"
 
 
@@ -549,6 +549,15 @@ def test_gluon_check_refuses_bad_flags_before_any_work(argv, message, monkeypatc
         check.main()
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_flops_count_causal_half():
+    """The Gluon study's TFLOP/s count a causal mask as half of the unmasked 4 B H N^2 d (its rows' convention; the
+    kernels' `flash_attention_flops` counts the n (n + 1) / 2 pairs)."""
+    from sweeps import flash_gluon_check as check
+
+    assert check._causal_flops(1, 32, 32768, 128) == 2 * 32 * 32768**2 * 128
+    assert check._causal_flops(2, 2, 10, 64) == 4 * 2 * 2 * 10 * 10 * 64 / 2
 
 
 def test_gluon_check_pairs_each_config_against_the_launched_one(capsys):
@@ -588,7 +597,7 @@ def test_gluon_winners_by_paired_ratio_where_every_row_has_one(tmp_path, monkeyp
     ratios against the launcher's config, not by their medians, whose GPU speed drifted between trials; rows of a
     head dim without a ratio each, or paired against two references at one shape, fall back to the medians."""
     import kernels.attention.gluon.forward as gluon_fwd
-    import kernels.attention.triton.tuning as tuning
+    from kernels.attention import dispatch
 
     a, b = "16384/128/bfloat16/causal", "4x32/2048/128/bfloat16/causal"
     spaces = flash_tiles.param_spaces(False, (a, b), ("gluon", "tma"), paired_rounds=5)
@@ -617,8 +626,8 @@ def test_gluon_winners_by_paired_ratio_where_every_row_has_one(tmp_path, monkeyp
     # The tuned file takes the paired entries; the launcher reads only their config fields.
     path = tmp_path / "tuned.json"
     flash_tiles.write_tuned(df, {}, path, flash_tiles.gluon_best_configs(df, min_configs=4))
-    monkeypatch.setattr(tuning, "_GLUON_TUNED", tuning.load_gluon_tuned(path))
-    assert gluon_fwd.default_config(128, torch.bfloat16) == gluon_fwd.GluonConfig(head_group=4)
+    monkeypatch.setattr(dispatch, "_GLUON_TUNED", dispatch.load_gluon_tuned(path))
+    assert dispatch.gluon_fwd_default(128, torch.bfloat16) == gluon_fwd.GluonConfig(head_group=4)
     with pytest.raises(ValueError, match=r"--paired-rounds \(2\) must be 0 \(off\) or >= 3"):
         flash_tiles.main(["--launcher", "local", "--variants", "gluon", "--paired-rounds", "2", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="pairs the gluon variants' trials only"):
@@ -629,9 +638,9 @@ def test_gluon_forward_entry_ranked_beyond_the_persistent_grid_length():
     """The tuned forward entry (d 128) is ranked over the shapes longer than PERSISTENT_GRID's: up to it the launcher
     runs that grid instead, so the ratios there say nothing of the entry's use; each shape keeps its own
     winner; d 64 (no PERSISTENT_GRID) ranks over all; a sweep of short shapes only still gets an entry."""
-    import kernels.attention.gluon.forward as gluon_fwd
+    from kernels.attention.dispatch import PERSISTENT_GRID
 
-    n_max = gluon_fwd.PERSISTENT_GRID[128][0]
+    n_max = PERSISTENT_GRID[128][0]
     long, short = f"{2 * n_max}/128/bfloat16/causal", f"4x32/{n_max}/128/bfloat16/causal"
 
     def row(group, shape, ratio):
@@ -651,5 +660,5 @@ def test_gluon_forward_entry_ranked_beyond_the_persistent_grid_length():
     d64 = {long: "8x16/4096/64/bfloat16/causal", short: f"8x16/{n_max}/64/bfloat16/causal"}
     df64 = frame([row(g, d64[sh], r) for (g, sh), r in ratios.items()])
     entry64 = flash_tiles.gluon_best_configs(df64, min_configs=3)["fwd"][0]
-    assert 64 not in gluon_fwd.PERSISTENT_GRID
+    assert 64 not in PERSISTENT_GRID
     assert (entry64["head_group"], entry64["shapes"]) == (8, sorted(d64.values()))

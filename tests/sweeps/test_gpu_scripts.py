@@ -40,14 +40,14 @@ def test_refused_without_gpus_before_writing_anything(tmp_path, script, args, gp
 
 def test_a_tuned_file_that_does_not_exist_is_an_error_not_untuned_kernels(tmp_path):
     """`RAYSYS_FLASH_TUNED` with a typo: one ValueError at import naming the path, not the built-in configs."""
-    code = "import kernels.attention.triton.tuning"
+    code = "import kernels.attention.dispatch"
     bad = subprocess.run([sys.executable, "-c", code], env=repo_env(RAYSYS_FLASH_TUNED=str(tmp_path / "nope.json")),
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and f"ValueError: RAYSYS_FLASH_TUNED ({tmp_path / 'nope.json'}) names no file" \
         in bad.stderr, bad.stderr
     good = tmp_path / "tuned.json"
     good.write_bytes((REPO / "kernels" / "attention" / "triton" / "tuned.json").read_bytes())
-    ok = subprocess.run([sys.executable, "-c", code + "; print(kernels.attention.triton.tuning.TUNED_CONFIGS_PATH)"],
+    ok = subprocess.run([sys.executable, "-c", code + "; print(kernels.attention.dispatch.TUNED_CONFIGS_PATH)"],
                         env=repo_env(RAYSYS_FLASH_TUNED=str(good)), capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and ok.stdout.strip() == str(good), ok.stderr
 

@@ -1,43 +1,130 @@
-"""The one-pass Gluon backward (sm_90): one program per 128 keys, two consumer warp groups of 64 keys each and a
-TMA loader warp streaming Q(i), dO(i). Each group keeps its keys' dK, dV in registers (as the two-pass dK/dV
-kernel: S^T and dP^T in flight together, P^T and dS^T register operands), writes dS^T to a shared tile of both
-groups' keys, and computes half of the head dim of this program's share of dQ(i) = dS(i) K over all 128 keys; the
-TMA unit adds it into an fp32 dQ (`cp.reduce.async.bulk.tensor`, which Triton 3.6's builder has and Gluon's Hopper
-`tma` module does not wrap). 5 matmuls per tile pair instead of the two-pass's 7; the additions' order is not
-fixed, so dQ's last bits can vary run to run.
+"""FlashAttention backward for Hopper (sm_90) in Gluon, one pass: dK, dV and dQ from one key-stationary loop.
 
-Why this shape (results/flash_hopper_notes.md, section 7): each dQ element is reduced once per program, not once
-per group, and by the TMA unit, not by per-thread atomics, which cost 22 ms of 63 at the leaderboard shape.
+Consumes the forward's O and natural-log L and returns (dQ, dK, dV) in the inputs' dtype, the tl backward's semantics
+(top-left causal mask, scale 1/sqrt(d), any N, n_q != n_k, d 64 or 128, bf16 / fp16). One program takes 2 *
+BWD_BLOCK_N keys: two consumer warp groups keep their keys' dK, dV in fp32 registers while a loader warp streams Q(i),
+dO(i) (and L, D rows) through an mbarrier ring; S^T and dP^T run in flight together, P^T and dS^T are register
+operands, and both groups' dS^T meet in a shared tile from which each program's share of dQ(i) = dS(i) K is summed
+into an fp32 dQ by the TMA unit (`cp.reduce.async.bulk.tensor`): 5 matmuls per tile pair, dQ's last bits can vary run
+to run. `GluonBwdConfig.persistent` walks the same work items on one program per SM.
 
-`GluonBwdConfig(persistent=True)` runs the same work items on one program per SM
-(`_gluon_attn_bwd_persistent_kernel`), as cuDNN's backward does: the Q/dO ring runs on across items, K and V are
-reloaded once both groups' dK and dV left their buffers. Not taken by `auto` until a measurement puts it in the
-tuned file.
+The key-stationary pieces here (`load_kv_tiles`, `load_q_do_tile`, `key_stationary_shared`, `sdp_transposed`) are
+the dK/dV loop's first half, shared with the deterministic two-pass kernels (`backward_two_pass.py`).
 
-Usage: `gluon_attention_bwd(..., mode="one_pass")` of `kernels/flash_attention_gluon_bwd.py` launches it.
+Usage: `dq, dk, dv = gluon_attention_bwd(q, k, v, out, lse, grad_out, is_causal, config)` (checked) or `launch_bwd`;
+`dispatch.gluon_bwd_config(q)` is the config the gluon path launches.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import torch
 import triton
 
-from kernels.attention.gluon.forward import (HAS_GLUON_HOPPER, LOADER_REGS, LOG2E, _descriptor, l2_cache_bytes,
-                                          l2_head_group, num_sms, register_split, shared_layout, tensor_descriptor)
-from kernels.attention.gluon.backward_two_pass import (BWD_BLOCK_N, _key_stationary_shared, _load_kv_tiles, _load_q_do_tile,
-                                              _sdp_transposed)
-from kernels.attention.triton.tuning import SharedMemoryExceeded, gluon_tuned_fields, shared_memory_limit
-
+from kernels.attention.checks import check_backward_inputs, unsupported_reason
+from kernels.attention.gluon.compat import HAS_GLUON_HOPPER
+from kernels.attention.gluon.runtime import (
+    LOADER_REGS,
+    SharedMemoryExceeded,
+    descriptor,
+    launch,
+    register_split,
+    shared_layout,
+    tensor_descriptor,
+)
+from kernels.attention.triton.kernels import LOG2E, _onepass_bwd_preprocess_kernel
+from kernels.device import device_of, empty_like_layout, num_sms, shared_memory_limit
 
 if HAS_GLUON_HOPPER:
-    from kernels.attention.gluon.compat import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, tma, tma_load,
-                                      tma_reduce_add, tma_store, warpgroup_mma, warpgroup_mma_wait)
+    from kernels.attention.gluon.compat import (
+        TensorDescriptor,
+        fence_async_shared,
+        gl,
+        gluon,
+        mbarrier,
+        tma,
+        tma_load,
+        tma_reduce_add,
+        tma_store,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
 
 
+# ----------------------------------------------------------------------------------------------------------
+# The key-stationary pieces both backwards share: K, V once, Q/dO tiles streamed; S^T, dP^T, P^T
+# ----------------------------------------------------------------------------------------------------------
+if HAS_GLUON_HOPPER:
+
+    @gluon.jit
+    def load_kv_tiles(k_desc, v_desc, k_bufs, v_bufs, kv_bar, off_b, off_h, start_n,
+                      NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Each consumer's K and V rows [start_n + c * BLOCK_N, ...) into its buffers, all on `kv_bar`."""
+        mbarrier.expect(kv_bar, NUM_CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+        for c in gl.static_range(NUM_CONSUMERS):
+            tma_load(k_desc, [off_b, off_h, start_n + c * BLOCK_N, 0], kv_bar, k_bufs.index(c))
+            tma_load(v_desc, [off_b, off_h, start_n + c * BLOCK_N, 0], kv_bar, v_bufs.index(c))
+
+    @gluon.jit
+    def load_q_do_tile(q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, empty, off_b, off_h, row, it,
+                       NUM_STAGES: gl.constexpr):
+        """Q and dO rows [row, row + BLOCK_M) into ring slot it % NUM_STAGES, once the consumers freed it: one
+        `empty` barrier per slot (one arrival per consumer) frees Q and dO together; it starts "phase 1 complete",
+        so the first pass through the ring does not wait. `it` counts the program's ring uses (across work items in
+        a persistent program)."""
+        stage = it % NUM_STAGES
+        mbarrier.wait(empty.index(stage), ((it // NUM_STAGES) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+        tma_load(q_desc, [off_b, off_h, row, 0], q_ready.index(stage), q_bufs.index(stage))
+        mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
+        tma_load(do_desc, [off_b, off_h, row, 0], do_ready.index(stage), do_bufs.index(stage))
+
+    @gluon.jit
+    def key_stationary_shared(q_desc, k_desc, v_desc, do_desc, NUM_STAGES: gl.constexpr):
+        """Shared memory of a program over 2 groups' keys (the dK/dV kernel's, the one-pass kernel's): both groups'
+        K and V, the Q/dO ring, and the barriers `_bwd_loader` and the consumers use: `kv_bar` (K, V landed),
+        `q_ready` / `do_ready` per slot (one TMA arrival) and `empty` per slot (one arrival per group)."""
+        dtype: gl.constexpr = q_desc.dtype
+        k_bufs = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+        q_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
+        do_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(do_ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        return k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty
+
+    @gluon.jit
+    def sdp_transposed(k, v, q, do, l2, keys, cols, start_m, start_n, N_K, qk_scale, s_layout: gl.constexpr,
+                       BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """S^T = K Q^T and dP^T = V dO^T issued together (keys as wgmma rows), then P^T = exp(S^T / sqrt(d) - L)
+        under dP^T, diagonal and tail tiles masked: (P^T fp32, dP^T still in flight). The dK/dV loops' shared
+        first half (the one-pass one here, the two-pass one in backward_two_pass.py)."""
+        s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+        s = warpgroup_mma(k, q.permute((1, 0)), s, use_acc=False, is_async=True)
+        dp = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+        dp = warpgroup_mma(v, do.permute((1, 0)), dp, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s,))
+        p = gl.exp2(s * qk_scale - gl.expand_dims(l2, 0))
+        if (IS_CAUSAL and start_m < start_n + BLOCK_N) or start_n + BLOCK_N > N_K:
+            keep = gl.expand_dims(keys < N_K, 1)
+            if IS_CAUSAL:  # top-left: query i sees keys j <= i
+                keep = keep & (gl.expand_dims(keys, 1) <= gl.expand_dims(cols, 0))
+            p = gl.where(keep, p, 0.0)
+        return p, dp
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The one-pass kernels
+# ----------------------------------------------------------------------------------------------------------
 if HAS_GLUON_HOPPER:
 
     @gluon.jit
@@ -149,8 +236,8 @@ if HAS_GLUON_HOPPER:
             q = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
             do = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
             # 1. S^T and dP^T in flight together; P^T under dP^T, masked.
-            p, dp = _sdp_transposed(k, v, q, do, l2, keys, cols, start_m, start_n, N_K, qk_scale, s_layout, BLOCK_N,
-                                    BLOCK_M, IS_CAUSAL)
+            p, dp = sdp_transposed(k, v, q, do, l2, keys, cols, start_m, start_n, N_K, qk_scale, s_layout, BLOCK_N,
+                                   BLOCK_M, IS_CAUSAL)
             # 2. dV += P^T dO under dS^T = P^T (dP^T - D) / sqrt(d) (FA2 eqs. 16-17, the scale folded in).
             p16 = p.to(dtype)
             dv = warpgroup_mma(gl.convert_layout(p16, a_layout), do, dv, is_async=True)
@@ -229,7 +316,7 @@ if HAS_GLUON_HOPPER:
         """Work item t -> (pid_bh, off_b, off_h, tile_n, m_start, num_m): causal key tiles numbered by increasing
         key-tile index (the first see the most queries), across all BH heads or, GROUP > 0, GROUP heads at a time
         (the last group may be smaller), so the programs in flight share fewer heads' Q, dO and dQ in L2 (as the
-        forward's `_work_item`); query tiles [m_start, m_start + num_m): causal ones from the first query that sees
+        forward's `work_item`); query tiles [m_start, m_start + num_m): causal ones from the first query that sees
         key tile_n (none when tile_n >= N_Q: dK = dV = 0 are still written)."""
         if GROUP == 0:
             pid_bh = t % BH
@@ -288,7 +375,7 @@ if HAS_GLUON_HOPPER:
                 _load_query_tile(q_desc, do_desc, q_bufs, do_bufs, rows_bufs, q_ready, do_ready, empty, L, Delta,
                                  off_b, off_h, pid_bh, N_Q, (m_start + it) * BLOCK_M, it0 + it, NUM_STAGES, ROWS_TMA)
             mbarrier.wait(kv_empty, (n & 1) ^ 1)  # starts "phase 1 complete": the first item does not wait
-            _load_kv_tiles(k_desc, v_desc, k_bufs, v_bufs, kv_bar, off_b, off_h, tile_n, 2, BLOCK_N)
+            load_kv_tiles(k_desc, v_desc, k_bufs, v_bufs, kv_bar, off_b, off_h, tile_n, 2, BLOCK_N)
             for it in range(ahead, num_m):
                 _load_query_tile(q_desc, do_desc, q_bufs, do_bufs, rows_bufs, q_ready, do_ready, empty, L, Delta,
                                  off_b, off_h, pid_bh, N_Q, (m_start + it) * BLOCK_M, it0 + it, NUM_STAGES, ROWS_TMA)
@@ -298,7 +385,7 @@ if HAS_GLUON_HOPPER:
     @gluon.jit
     def _load_query_tile(q_desc, do_desc, q_bufs, do_bufs, rows_bufs, q_ready, do_ready, empty, L, Delta, off_b, off_h,
                          pid_bh, N_Q, row, it, NUM_STAGES: gl.constexpr, ROWS_TMA: gl.constexpr):
-        """Query rows [row, row + BLOCK_M) into ring slot it % NUM_STAGES (`_load_q_do_tile`); ROWS_TMA: their L
+        """Query rows [row, row + BLOCK_M) into ring slot it % NUM_STAGES (`load_q_do_tile`); ROWS_TMA: their L
         and D rows too (descriptors over the flat zero-padded rows), on Q's and dO's barriers."""
         if ROWS_TMA:
             stage = it % NUM_STAGES
@@ -313,8 +400,8 @@ if HAS_GLUON_HOPPER:
                                             do_bufs.index(stage))
             tma_load(Delta, [flat], do_ready.index(stage), rows_bufs.index(NUM_STAGES + stage))
         else:
-            _load_q_do_tile(q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, empty, off_b, off_h, row, it,
-                            NUM_STAGES)
+            load_q_do_tile(q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, empty, off_b, off_h, row, it,
+                           NUM_STAGES)
 
     @gluon.jit
     def _one_pass_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, rows_bufs, kv_bar, q_ready,
@@ -323,7 +410,7 @@ if HAS_GLUON_HOPPER:
                          ROWS_TMA: gl.constexpr):
         """Producer warp of a one-item program: both groups' K and V once, then the query tiles
         (`_load_query_tile`)."""
-        _load_kv_tiles(k_desc, v_desc, k_bufs, v_bufs, kv_bar, off_b, off_h, tile_n, 2, BLOCK_N)
+        load_kv_tiles(k_desc, v_desc, k_bufs, v_bufs, kv_bar, off_b, off_h, tile_n, 2, BLOCK_N)
         for it in range(num_m):
             _load_query_tile(q_desc, do_desc, q_bufs, do_bufs, rows_bufs, q_ready, do_ready, empty, L, Delta, off_b,
                              off_h, pid_bh, N_Q, (m_start + it) * BLOCK_M, it, NUM_STAGES, ROWS_TMA)
@@ -332,9 +419,9 @@ if HAS_GLUON_HOPPER:
     def _one_pass_shared(q_desc, k_desc, v_desc, do_desc, dq_desc, L, NUM_STAGES: gl.constexpr, TILE_N: gl.constexpr,
                          BLOCK_M: gl.constexpr, ROWS_TMA: gl.constexpr, DQ_BUFFERS: gl.constexpr):
         """Each group's K, V (reused for dK, dV); the Q/dO ring; per slot a dS^T tile of both groups' keys; each
-        group's DQ_BUFFERS fp32 dQ tiles; barriers (`_key_stationary_shared`'s, and `ds_ready`: one arrival per group);
+        group's DQ_BUFFERS fp32 dQ tiles; barriers (`key_stationary_shared`'s, and `ds_ready`: one arrival per group);
         ROWS_TMA: per slot the L row, then per slot the D row (`rows_bufs`, fp32), else a placeholder."""
-        k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty = _key_stationary_shared(
+        k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty = key_stationary_shared(
             q_desc, k_desc, v_desc, do_desc, NUM_STAGES)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [NUM_STAGES, TILE_N, BLOCK_M], ds_layout)
@@ -415,6 +502,10 @@ if HAS_GLUON_HOPPER:
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
+BWD_BLOCK_N = 64
+"""Keys per consumer warp group: the M of one wgmma, so dK and dV take 2 * 64 * d / 128 fp32 registers a thread."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GluonBwdConfig:
     """Launch knobs of `_gluon_attn_bwd_kernel` (one program = two consumer groups of BWD_BLOCK_N keys each)."""
@@ -431,24 +522,20 @@ class GluonBwdConfig:
     """Each query tile's dQ computed whole (every head-dim column, over both groups' keys) by one group, the groups
     taking alternate tiles: wgmmas as wide as the head dim (64x128 at d 128, as cuDNN's backward issues), a dQ
     accumulator live every other tile, twice the shared dQ tile; else each group computes half of the head dim's
-    columns of every tile. It was faster at the long d-128 shapes and at d 64, level at 4x32x2048x128, in the check
-    that set the default (results/flash_hopper_notes.md, section 10)."""
+    columns of every tile."""
     dk_late: bool = False
     """With `dq_whole`: each tile's dK wgmma issued after the dS^T store, in both branches, so that it runs under the
     wait for the other group's dS^T and beside dQ's wgmmas (else before the store, completed before the branch)."""
     rows_tma: bool = True
     """Each query tile's L and D rows brought into its ring slot by the loader's TMA unit, with Q and dO (as FA3's
     producer brings LSE and dPsum), and read by the consumers from shared memory; else each consumer loads them
-    from global memory. The sm_90 build spills far less causal at d 128 with it, and it was faster at every d-128
-    shape, level at d 64, in the check that set the default (results/flash_hopper_notes.md, section 12)."""
+    from global memory."""
     dq_buffers: int = 1
     """Shared fp32 dQ tiles per group, used in turn: with 2, a group writes a tile's dQ while the TMA unit may still
-    be reading its previous one into global memory (`tma.store_wait(1)`); with 1 it waits for that reduction first.
-    What the dQ reductions cost: `results/runs/flash_bwd_ablation.py` (results/flash_hopper_notes.md, section 19)."""
+    be reading its previous one into global memory (`tma.store_wait(1)`); with 1 it waits for that reduction first."""
     persistent: bool = False
-    """One program per SM walking the work items (`_gluon_attn_bwd_persistent_kernel`), as cuDNN's backward runs
-    (results/flash_hopper_notes.md, section 9): no program start per key tile, the next item's Q/dO under this
-    one's epilogue."""
+    """One program per SM walking the work items (`_gluon_attn_bwd_persistent_kernel`), as cuDNN's backward runs: no
+    program start per key tile, the next item's Q/dO under this one's epilogue."""
 
     def __post_init__(self):
         if self.block_m != 64:
@@ -492,44 +579,12 @@ class GluonBwdConfig:
                 + (4 * 2 * self.num_stages * self.block_m if self.rows_tma else 0))
 
 
-DEFAULT_BWD_CONFIGS = {64: GluonBwdConfig(block_m=64, num_stages=2), 128: GluonBwdConfig(block_m=64, num_stages=2)}
-
-DQ_BUFFERS = {64: 2}
-"""Head dim -> `GluonBwdConfig.dq_buffers` of `default_config` unless the tuned file sets it. Paired against the
-launched config at 8x16x4096x64, two dQ tiles per group were faster with every ring depth, head group and `dk_late`
-setting tried (results/runs/flash_gluon_bwd_q2_82b07c1724f8.parquet; results/flash_hopper_notes.md, section 19); at
-d 128 two whole tiles per group do not fit shared memory, and two half tiles per group were slower than the whole
-one. The tile sweep's `dq_buffers` axis (`sweeps/flash_tiles.py`) measures both where they fit."""
-
-
-def default_config(head_dim: int, dtype, n_q: int | None = None, heads: int | None = None,
-                   l2_bytes: int | None = None) -> GluonBwdConfig:
-    """The tuned file's one-pass config for this head dim and dtype (`sweeps/flash_tiles.py --variants gluon`),
-    else DEFAULT_BWD_CONFIGS', with its `dq_buffers` from DQ_BUFFERS unless the file sets it; given the problem's
-    query length `n_q`, its B * H `heads` and the device's L2 bytes, its `head_group` capped by `l2_head_group` (a
-    head's Q and dO rows and its fp32 dQ, n_q * d * (2 * elem + 4) bytes)."""
-    fields = gluon_tuned_fields("bwd", head_dim, dtype) or {}
-    config = GluonBwdConfig(**fields) if fields else DEFAULT_BWD_CONFIGS[head_dim]
-    if "dq_buffers" not in fields and head_dim in DQ_BUFFERS:
-        config = dataclasses.replace(config, dq_buffers=DQ_BUFFERS[head_dim])
-    if n_q is None:
-        return config
-    elem = dtype.itemsize
-    group = l2_head_group(config.head_group, n_q * head_dim * (2 * elem + 4), heads, l2_bytes)
-    return config if group == config.head_group else dataclasses.replace(config, head_group=group)
-
-
-def problem_config(q: torch.Tensor) -> GluonBwdConfig:
-    """The one-pass config for q (B, H, N_Q, d) when none is given: `default_config` with its head group fit to the
-    L2 cache of q's device (`l2_head_group`); one lookup per problem shape."""
-    batch, heads, n_q, head_dim = q.shape
-    return _problem_config(head_dim, q.dtype, n_q, batch * heads, q.device)
-
-
-@functools.lru_cache(maxsize=64)
-def _problem_config(head_dim: int, dtype: torch.dtype, n_q: int, heads: int,
-                    device: torch.device) -> GluonBwdConfig:
-    return default_config(head_dim, dtype, n_q, heads, l2_cache_bytes(device))
+def tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """t itself when a TMA descriptor can read it (unit stride on D, 16-byte strides and pointer), else a copy."""
+    elem = t.element_size()
+    if t.stride(-1) == 1 and not any((s * elem) % 16 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0:
+        return t
+    return t.contiguous()
 
 
 def _rows_descriptor(t: torch.Tensor, block_m: int) -> "TensorDescriptor":
@@ -557,8 +612,8 @@ def bwd_launch_args(q, k, v, grad_out, dk, dv, lse, delta, dq_acc, is_causal: bo
     dq_block = [1, 1, config.block_m, head_dim if config.dq_whole else head_dim // 2]
     dq_desc = tensor_descriptor(dq_acc, dq_block, shared_layout(tuple(dq_block), torch.float32))
     rows = tuple(_rows_descriptor(t, config.block_m) for t in (lse, delta)) if config.rows_tma else (lse, delta)
-    args = (_descriptor(q, config.block_m), _descriptor(k, BWD_BLOCK_N), _descriptor(v, BWD_BLOCK_N),
-            _descriptor(grad_out, config.block_m), _descriptor(dk, BWD_BLOCK_N), _descriptor(dv, BWD_BLOCK_N),
+    args = (descriptor(q, config.block_m), descriptor(k, BWD_BLOCK_N), descriptor(v, BWD_BLOCK_N),
+            descriptor(grad_out, config.block_m), descriptor(dk, BWD_BLOCK_N), descriptor(dv, BWD_BLOCK_N),
             dq_desc, *rows, heads)
     if config.persistent:
         grid = (min(num_items, num_sms(q.device)),)
@@ -572,3 +627,60 @@ def bwd_launch_args(q, k, v, grad_out, dk, dv, lse, delta, dq_acc, is_causal: bo
                 num_warps=4,
                 maxnreg=maxnreg)
     return grid, args, meta
+
+
+def check_bwd_inputs(where: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor, grad_out: torch.Tensor, config, kind: type) -> None:
+    """Raise a ValueError prefixed by `where` unless a Gluon backward runs on these inputs with `config` (a `kind`)."""
+    reason = unsupported_reason(q, k, v)
+    if reason:
+        raise ValueError(f"{where}: {reason}")
+    if not isinstance(config, kind):
+        raise ValueError(f"{where}: config {config!r} is not a {kind.__name__}")
+    check_backward_inputs(q, out, lse, grad_out, where=f"{where}: ")
+
+
+def bwd_launch_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                      grad_out: torch.Tensor, is_causal: bool, config) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """(dO in q's dtype and TMA-readable, L contiguous, the launches' problem key) of a Gluon backward."""
+    grad_out = tma_ready(grad_out if grad_out.dtype == q.dtype else grad_out.to(q.dtype))
+    lse = lse.contiguous()
+    # What every launch's argument keys read (the new buffers are contiguous and aligned; q, k, v aligned: checked;
+    # dO made so; L's pointer, which the two-pass kernels read, by its alignment, as O's for the preprocess).
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), grad_out.stride(), q.dtype,
+           out.dtype, is_causal, config, lse.data_ptr() & 15, out.data_ptr() & 15)
+    return grad_out, lse, key
+
+
+def gluon_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                        grad_out: torch.Tensor, is_causal: bool, config: GluonBwdConfig
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV) in the inputs' dtype from O and the natural-log L of the forward, inputs checked. dK, dV are
+    written once per key; dQ is summed in fp32 by the TMA unit, its last bits can vary run to run."""
+    check_bwd_inputs("gluon_attention_bwd", q, k, v, out, lse, grad_out, config, GluonBwdConfig)
+    return launch_bwd(q, k, v, out, lse, grad_out, is_causal, config)
+
+
+def launch_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+               grad_out: torch.Tensor, is_causal: bool, config: GluonBwdConfig
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`gluon_attention_bwd` on inputs it accepts: for callers that checked them already (the checks cost host time
+    on every call)."""
+    batch, heads, n_q, head_dim = q.shape
+    grad_out, lse, key = bwd_launch_inputs(q, k, v, out, lse, grad_out, is_causal, config)
+    with device_of(q):
+        dk, dv = empty_like_layout(k), empty_like_layout(v)  # the inputs' layouts: valid TMA targets
+        # D and L zero-padded to whole query tiles (as `bwd_launch_args` takes them) and the fp32 dQ accumulator
+        # zeroed, in one launch.
+        n_pad = triton.cdiv(n_q, config.block_m) * config.block_m
+        lse_pad, delta_pad = (torch.empty((batch, heads, n_pad), dtype=torch.float32, device=q.device)
+                              for _ in range(2))
+        dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        launch(_onepass_bwd_preprocess_kernel, (n_pad // config.block_m, batch * heads),
+               (out, grad_out, lse, dq_acc, delta_pad, lse_pad, *out.stride(), *grad_out.stride(), heads, n_q, n_pad),
+               dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=config.block_m, num_warps=4), key)
+        grid, args, meta = bwd_launch_args(q, k, v, grad_out, dk, dv, lse_pad, delta_pad, dq_acc, is_causal, config)
+        launch(config.kernel, grid, args, meta, key)
+        dq = empty_like_layout(q)
+        dq.copy_(dq_acc)
+    return dq, dk, dv

@@ -10,12 +10,10 @@ kernels use to whichever the installed Triton has:
 | `tma_reduce_add`  | the builder's `create_async_tma_reduce` (ADD), wrapped here | `tma.async_atomic_add` |
 
 `HAS_GLUON_HOPPER` says whether the imports succeed; whether a kernel builds is a separate question, which the
-launchers answer with a build probe (`kernels.attention.gluon.forward.BuildFailed`).
+launchers answer with a build probe (`runtime.BuildFailed`).
 """
 
 from __future__ import annotations
-
-import triton
 
 try:
     from triton.experimental import gluon
@@ -32,8 +30,6 @@ try:
     HAS_GLUON_HOPPER = True
 except ImportError:  # pragma: no cover - a Triton without Gluon
     HAS_GLUON_HOPPER = False
-
-TRITON_VERSION = tuple(int(part) for part in triton.__version__.split("+")[0].split(".")[:2])
 
 if HAS_GLUON_HOPPER:
     tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
@@ -54,5 +50,5 @@ if HAS_GLUON_HOPPER:
             _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
                                                       src.handle)
 
-__all__ = ["HAS_GLUON_HOPPER", "TRITON_VERSION", "TensorDescriptor", "fence_async_shared", "gl", "gluon", "mbarrier",
+__all__ = ["HAS_GLUON_HOPPER", "TensorDescriptor", "fence_async_shared", "gl", "gluon", "mbarrier",
            "tma", "tma_load", "tma_reduce_add", "tma_store", "warpgroup_mma", "warpgroup_mma_wait"]

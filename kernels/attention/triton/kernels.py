@@ -1,17 +1,23 @@
-"""The Triton kernels of FlashAttention-2 (`kernels/flash_attention.py` launches them; its docstring has the
-algorithm, the two paths and the shape legend).
+"""The Triton (tl) kernels of FlashAttention-2: forward (Algorithm 1) and backward (Algorithm 2).
 
-`_flash_fwd_kernel` (grid (cdiv(M, BLOCK_M), B*H), or one program per SM when PERSISTENT), the backward's
-`_flash_bwd_preprocess_kernel` (D = rowsum(O * dO)), `_flash_bwd_dkdv_kernel` (one key tile per program; with
-DQ_ATOMIC it also adds dS K into an fp32 dQ) and `_flash_bwd_dq_kernel` (one query tile per program). Each main
-kernel walks its work items through `_tile_ids` (heaviest causal tiles first) and one `_*_tile` function;
-USE_TMA switches every Q/K/V/O/dO/dK/dV/dQ tile access from masked pointer loads to tensor descriptors.
+Shape legend: B batch, H heads, M n_queries, N n_keys, D head dim in [16, 128], BLOCK_D = next power of two >= D.
+`_flash_fwd_kernel` (grid (cdiv(M, BLOCK_M), B*H), or one program per SM when PERSISTENT) keeps a query tile on chip
+and walks the key tiles once (fp32 running max, denominator and output; scores in base-2 units), writing O and the
+natural-log L. The backward: `_flash_bwd_preprocess_kernel` (D = rowsum(O * dO)), `_flash_bwd_dkdv_kernel` (one key
+tile per program; with DQ_ATOMIC it also adds dS K into an fp32 dQ), `_flash_bwd_dq_kernel` (one query tile per
+program), and `_onepass_bwd_preprocess_kernel` (D and L padded, dQ zeroed, for the Gluon one-pass backward). Each
+main kernel walks its work items through `_tile_ids` (heaviest causal tiles first); causal key tiles above the
+diagonal are skipped and only the diagonal ones build a mask (-1e6, as the course's reference). USE_TMA switches every
+tile access from masked pointer loads to tensor descriptors. `triton/launch.py` launches them.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+LOG2E = 1.4426950408889634
+"""log2(e): the launchers scale scores by it so that the kernels work in base-2 units (one FMA + exp2 a score)."""
 
 
 @triton.jit

@@ -1,26 +1,16 @@
-"""Launch configurations of the FlashAttention-2 Triton kernels: candidates, pruning predicate, tuned file.
+"""Launch configs of the tl kernels: candidates per path and dtype, the pruning predicate, the tuned file's tl part.
 
-Four kernels are tuned separately: `fwd` (query tile resident, key tiles streamed), `dkdv` (key tile
-resident, query tiles streamed), `dq` (query tile resident, key tiles streamed) and `dkdvq` (the dK/dV kernel
-that also adds each tile's dS K into an fp32 dQ, the one-pass backward). A config is
-(block_m query rows, block_n key rows, num_warps, num_stages), two knobs of the `tma` path: `warp_specialize`
-(Triton splits the unmasked tile loop into producer / consumer warp groups) and `persistent` (one program per SM
-walks the tiles, heaviest first), and three of both: `maxnreg` (register cap), `lazy_rescale` (fwd) and `unroll`
-(`FlashConfig.label()` writes them all, `from_label` reads them back). The causal split into unmasked and diagonal
-tiles needs whole tiles on the diagonal: block_m % block_n == 0 for fwd and dq, block_n % block_m == 0 for dkdv(q).
+Four kernels are tuned separately: `fwd`, `dkdv`, `dq` and `dkdvq` (the dK/dV kernel that also adds each tile's dS K
+into an fp32 dQ: the one-pass backward). A `FlashConfig` is (block_m query rows, block_n key rows, num_warps,
+num_stages) and knobs: `warp_specialize` and `persistent` (tma path), `maxnreg`, `lazy_rescale` (fwd) and `unroll`;
+`label()` writes it, `from_label` reads it back. The causal split needs whole tiles on the diagonal: block_m % block_n
+== 0 for fwd and dq, block_n % block_m == 0 for dkdv(q).
 
-Paths: `portable` (pointer loads; every GPU and the interpreter) and `tma` (tensor descriptors, sm_90+); each
-has its own candidate family. The pruning predicate `config_fits` drops configs whose operand tiles overflow
-shared memory or whose fp32 accumulators would spill registers (thresholds measured on sm_90 builds). The
-Ray Tune sweep `sweeps/flash_tiles.py` writes its best configs per (kernel, path, head dim, dtype) to
-`flash_attention_tuned.json` beside this file, with the device and versions they were measured on. When the
-file has entries for a call's (kernel, path, head dim, dtype), the autotuner benchmarks only those (so the
-first call's tuning cost is bounded by the file); otherwise the built-in family. The file's `auto_path` says
-which path `auto` takes on sm_90 (`tuned_auto_path`). `RAYSYS_FLASH_TUNED=<file>` makes the kernels read another
-tuned file instead (what a tuning run wrote, tried before it is installed). `RAYSYS_FLASH_AUTOTUNE=0` takes the
-first valid config without benchmarking. Under `TRITON_INTERPRET=1` each kernel has one small config.
+The autotuner of a kernel benchmarks `valid_configs`: the tuned file's entries for the call's (kernel, path, head dim,
+dtype) where it has some (`sweeps/flash_tiles.py` writes them), else the built-in candidates of the path and dtype
+family that `config_fits` keeps (tile divisibility, shared memory, a register budget); with autotuning off
+(`dispatch.autotune_enabled`) the first of them runs. Under the interpreter each kernel has one small config.
 """
-
 from __future__ import annotations
 
 import json
@@ -31,30 +21,15 @@ from pathlib import Path
 import torch
 import triton
 
-
-def _interpret_mode() -> bool:
-    """Whether `@triton.jit` below builds interpreted kernels: Triton decides this at decoration time."""
-    try:
-        from triton import knobs
-
-        return bool(knobs.runtime.interpret)
-    except (ImportError, AttributeError):  # older Triton without knobs
-        return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
-
-
-INTERPRET = _interpret_mode()
-
+from kernels.attention.dispatch import (
+    PATHS,
+    TUNED_CONFIGS_PATH,
+    autotune_enabled,
+    dtype_name,
+)
+from kernels.device import INTERPRET, shared_memory_limit
 
 KERNELS = ("fwd", "dkdv", "dq", "dkdvq")
-PATHS = ("portable", "tma")
-COMMITTED_TUNED_PATH = Path(__file__).with_name("tuned.json")
-TUNED_CONFIGS_PATH = Path(os.environ.get("RAYSYS_FLASH_TUNED") or COMMITTED_TUNED_PATH)
-"""The tuned file the kernels read: `RAYSYS_FLASH_TUNED` when set (at import), else the committed one."""
-if not TUNED_CONFIGS_PATH.is_file() and os.environ.get("RAYSYS_FLASH_TUNED"):  # a typo must not mean "untuned"
-    raise ValueError(f"RAYSYS_FLASH_TUNED ({TUNED_CONFIGS_PATH}) names no file; unset it to read the committed "
-                     f"{COMMITTED_TUNED_PATH.name}")
-
-
 @dataclass(frozen=True)
 class FlashConfig:
     """Launch parameters of one FlashAttention kernel (block_m: query rows per tile, block_n: key rows)."""
@@ -160,11 +135,10 @@ class FlashConfig:
                    getattr(config, "maxnreg", None), bool(kw.get("LAZY_RESCALE", False)), int(kw.get("UNROLL", 1)))
 
 
-# Candidates per path and dtype family, in order of preference (with autotuning off the first valid one wins).
-# 16-bit inputs, portable path, ordered by the H200 sweep (bf16, d 128, seq 16384, causal;
-# results/flash_tiles.parquet): 128-row query tiles with 8 warps (two warp groups) feed wgmma; 3 stages hide
-# the K/V loads; the dK/dV pass wants tall key tiles and short query tiles (and dQ the reverse), its registers
-# holding two fp32 accumulators.
+# Candidates per path and dtype family, in order of preference (with autotuning off the first valid one wins;
+# docs/attention.md says how each order was measured). 16-bit inputs, portable path: 128-row query tiles with 8
+# warps (two warp groups) feed wgmma; 3 stages hide the K/V loads; the dK/dV pass wants tall key tiles and short
+# query tiles (and dQ the reverse), its registers holding two fp32 accumulators.
 _GPU_CONFIGS = {
     "fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 2),
             (128, 32, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3), (32, 32, 4, 2)],
@@ -176,12 +150,9 @@ _GPU_CONFIGS = {
               (16, 32, 4, 2)],
 }
 # 16-bit inputs, tma path (sm_90+): the portable winners, larger key tiles (the TMA unit moves them without
-# registers) and the persistent grid, ordered by the H200 sweep (results/runs/flash_tiles_hopper_*.parquet).
-# The last ones cap registers at 128 so that two 8-warp programs share an SM (sm_90 builds: 127 registers, no
-# spill, for the d 128 forward; results/flash_hopper_notes.md), not yet timed on the H200.
-# Warp specialisation is a knob but no candidate: Triton 3.6 on sm_90 turns a 4-warp program into a producer
-# warp group issuing the TMA loads and two consumer warp groups (12 warps), leaves 8-warp programs alone, fails
-# to compile the dQ loops, and the fwd and dK/dV kernels it built gave wrong results on the H200.
+# registers) and the persistent grid; the last ones cap registers at 128 so that two 8-warp programs share an SM.
+# Warp specialisation is a knob but no candidate: Triton 3.6 on sm_90 fails to compile the dQ loops with it, and
+# the fwd and dK/dV kernels it built gave wrong results.
 _TMA_CONFIGS = {
     "fwd": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 4), (128, 64, 8, 3, False, True),
             (64, 32, 4, 2), (128, 64, 8, 2, False, False, 128)],
@@ -227,75 +198,17 @@ def load_tuned_configs(path: str | os.PathLike = TUNED_CONFIGS_PATH) -> dict[str
     return out
 
 
-GLUON_KINDS = ("fwd", "bwd")
-"""The Gluon kernels the tuned file's `gluon` part holds configs of: the forward (`GluonConfig`) and the one-pass
-backward (`GluonBwdConfig`)."""
-
-
-GLUON_FIELDS = {"fwd": {"block_m", "block_n", "num_stages", "num_consumers", "persistent", "head_group",
-                        "exp2_emulated", "rescale_under_s"},
-                "bwd": {"block_m", "num_stages", "head_group", "persistent", "dq_whole", "dk_late", "rows_tma",
-                        "dq_buffers"}}
-"""The config fields of each Gluon kind (`GluonConfig`, `GluonBwdConfig`) a tuned entry may hold."""
-GLUON_MEASURED = {"head_dim", "dtype", "shapes", "geomean_ms", "geomean_vs_reference", "shape", "median_ms", "tflops",
-                  "vs_reference"}
-"""The other fields of a tuned Gluon entry: what it was measured on and how it did (`sweeps/flash_tiles.py`)."""
-
-
-def load_gluon_tuned(path: str | os.PathLike = TUNED_CONFIGS_PATH) -> dict[str, list[dict]]:
-    """The tuned file's `gluon` part, {kind: entries} (each the config's fields, `head_dim`, `dtype`, and `shapes`
-    for a winner over the swept shapes or `shape` for one shape's), or {} without a file or part. The kernel
-    modules build and so check the configs."""
-    path = Path(path)
-    if not path.exists():
-        return {}
-    part = json.loads(path.read_text()).get("gluon", {})
-    if not isinstance(part, dict) or set(part) - set(GLUON_KINDS):
-        raise ValueError(f"{path}: 'gluon' must map some of {GLUON_KINDS} to lists of config objects")
-    for kind, entries in part.items():
-        for entry in entries:
-            unknown = set(entry) - GLUON_FIELDS[kind] - GLUON_MEASURED if isinstance(entry, dict) else None
-            if unknown is None or unknown:
-                raise ValueError(f"{path}: gluon {kind} entry {entry!r} has fields {sorted(unknown or [])} that are "
-                                 f"not among {sorted(GLUON_FIELDS[kind])} and the measurement's")
-    return {kind: list(part.get(kind, [])) for kind in GLUON_KINDS}
-
-
-def gluon_tuned_fields(kind: str, head_dim: int, dtype: torch.dtype) -> dict | None:
-    """The config fields the tuned file's sweep-wide winner for this Gluon `kind`, head dim and dtype has, or None
-    (then the kernel module's default)."""
-    for entry in _GLUON_TUNED.get(kind, []):
-        if "shapes" in entry and entry.get("head_dim") == head_dim and entry.get("dtype") == _dtype_name(dtype):
-            return {k: v for k, v in entry.items() if k in GLUON_FIELDS[kind]}
-    return None
-
-
 def _entry_config(entry: dict) -> FlashConfig:
     return FlashConfig(entry["block_m"], entry["block_n"], entry["num_warps"], entry["num_stages"],
                        bool(entry.get("warp_specialize", False)), bool(entry.get("persistent", False)),
                        entry.get("maxnreg"), bool(entry.get("lazy_rescale", False)), int(entry.get("unroll", 1)))
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 _TUNED = {} if INTERPRET else load_tuned_configs()
-_GLUON_TUNED = {} if INTERPRET else load_gluon_tuned()
-
-
-def tuned_auto_path(path: str | os.PathLike = TUNED_CONFIGS_PATH) -> str:
-    """The path `auto` takes on an sm_90 GPU: the tuned file's `auto_path` (`tma` or `portable`, set from the
-    measurement that wrote it, on the device the file names), else `portable`."""
-    path = Path(path)
-    value = json.loads(path.read_text()).get("auto_path", "portable") if path.exists() else "portable"
-    if value not in PATHS:
-        raise ValueError(f"{path}: auto_path {value!r} must be one of {PATHS}")
-    return value
 
 
 def _tuned_entries(kernel: str, dtype: torch.dtype, path: str) -> list[dict]:
-    return [e for e in _TUNED.get(kernel, []) if e.get("dtype", _dtype_name(dtype)) == _dtype_name(dtype)
+    return [e for e in _TUNED.get(kernel, []) if e.get("dtype", dtype_name(dtype)) == dtype_name(dtype)
             and e.get("path", "portable") == path]
 
 
@@ -330,23 +243,6 @@ def config_list(kernel: str) -> list[FlashConfig]:
                               for c in candidates(kernel, dtype, path=path)))
 
 
-def autotune_enabled() -> bool:
-    return os.environ.get("RAYSYS_FLASH_AUTOTUNE", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-class SharedMemoryExceeded(ValueError):
-    """A kernel config whose shared memory a block of the device cannot hold: raised before the build, where Triton
-    would raise `OutOfResources` at the launch (the tile sweeps count both as configs that do not fit)."""
-
-
-def shared_memory_limit(device: torch.device) -> int:
-    """Bytes of shared memory one block may use on `device` (opt-in maximum); no limit for a CPU device."""
-    if device.type != "cuda":
-        return 1 << 30
-    props = torch.cuda.get_device_properties(device)
-    return int(getattr(props, "shared_memory_per_block_optin", 0) or 49152)
-
-
 def _estimated_shared_bytes(kernel: str, cfg: FlashConfig, block_d: int, elem: int) -> int:
     """Operand tiles Triton stages through shared memory: the resident tile(s) plus `num_stages` streamed ones."""
     if kernel == "fwd":  # Q resident; K, V streamed
@@ -379,8 +275,8 @@ def config_fits(kernel: str, cfg: FlashConfig, block_d: int, dtype: torch.dtype,
     if elem == 4 and cfg.block_m * cfg.block_n > 64 * 32:  # see _GPU_CONFIGS_FP32
         return False
     # Register budget: fp32 accumulators (O, or dK and dV, or dQ) plus the score tile, per thread. Past ~160
-    # values a thread the sm_90 builds spill heavily and run 2-3x slower (H200 sweep, results/flash_tiles.parquet).
-    # A warp-specialised program's two consumer warp groups hold the accumulators.
+    # values a thread the sm_90 builds spill heavily and run 2-3x slower. A warp-specialised program's two
+    # consumer warp groups hold the accumulators.
     rows = cfg.block_n if kernel in ("dkdv", "dkdvq") else cfg.block_m
     accumulators = (1 if kernel in ("fwd", "dq") else 2) * rows * block_d + cfg.block_m * cfg.block_n
     if kernel == "dkdvq":  # the dS K tile

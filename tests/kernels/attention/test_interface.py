@@ -1,4 +1,4 @@
-"""The Triton FlashAttention-2 kernels under the CPU interpreter (TRITON_INTERPRET=1), plus launcher logic.
+"""`flash_attention` and the tl kernels under the CPU interpreter (TRITON_INTERPRET=1), plus launcher logic.
 
 Small fp32 / fp16 shapes (the interpreter is slow and has no bf16): forward O and L, and dQ, dK, dV with a
 random upstream gradient, against fp64 `flash_attention_reference`; lengths that are not tile multiples,
@@ -19,7 +19,10 @@ import pytest
 import torch
 
 import kernels.attention.interface as fa
+import kernels.attention.triton.launch as tl_launch
 import kernels.attention.triton.tuning as ft
+from kernels.attention import dispatch
+from kernels.attention.reference import flash_attention_reference
 from tests.kernels.interp import on_interpreter
 
 # (q shape, k shape, causal, dtype). Interpreter tiles: fwd 32x16, dK/dV 16x32, dQ 32x16.
@@ -45,13 +48,13 @@ def _inputs(q_shape, k_shape, dtype, seed=0):
 
 def _reference(q, k, v, do, causal):
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out, lse = fa.flash_attention_reference(q64, k64, v64, causal, return_lse=True)
+    out, lse = flash_attention_reference(q64, k64, v64, causal, return_lse=True)
     out.backward(do.double())
     return out.detach(), lse.detach(), q64.grad, k64.grad, v64.grad
 
 
 class PoisonedAllocator:
-    """Stands in for `fa._empty`: NaN-filled buffers with NaN guard elements after each one."""
+    """Stands in for `tl_launch._empty`: NaN-filled buffers with NaN guard elements after each one."""
 
     GUARD = 64 * 128  # more than one tile of rows: an unmasked tail-tile store lands here, not on the heap
 
@@ -65,7 +68,7 @@ class PoisonedAllocator:
         return flat[:numel].view(shape)
 
     def check(self):
-        assert self.buffers, "the launcher allocated nothing through fa._empty"
+        assert self.buffers, "the launcher allocated nothing through tl_launch._empty"
         for flat, numel in self.buffers:
             assert not torch.isnan(flat[:numel]).any(), "an output element was never written"
             assert torch.isnan(flat[numel:]).all(), "a kernel wrote past the end of its output"
@@ -74,7 +77,7 @@ class PoisonedAllocator:
 @pytest.fixture
 def poisoned(monkeypatch):
     alloc = PoisonedAllocator()
-    monkeypatch.setattr(fa, "_empty", alloc)
+    monkeypatch.setattr(tl_launch, "_empty", alloc)
     return alloc
 
 
@@ -96,7 +99,6 @@ def test_forward_and_backward_match_fp64_reference(q_shape, k_shape, causal, dty
     for name, got, want in (("dq", q.grad, dq), ("dk", k.grad, dk), ("dv", v.grad, dv)):
         assert got.dtype == dtype
         torch.testing.assert_close(got.double(), want, **tol, msg=lambda m, n=name: f"{n}: {m}")
-
 
 
 # The tma path's kernels (tensor descriptors; persistent grid; warp specialisation, a no-op here) under the
@@ -122,7 +124,7 @@ def test_tma_path_matches_fp64_reference(q_shape, k_shape, causal, dtype, config
     out, lse = fa.flash_attention_fwd(q, k, v, causal, config=fwd_cfg, path="tma")
     dq, dk, dv = fa.flash_attention_bwd(q, k, v, out, lse, do, causal, dkdv_config=dkdv_cfg, dq_config=dq_cfg,
                                         path="tma")
-    assert [fa.LAST_PATH[k] for k in ("fwd", "dkdv", "dq", "bwd")] == ["tma", "tma", "tma", "two_pass"]
+    assert [dispatch.LAST_PATH[k] for k in ("fwd", "dkdv", "dq", "bwd")] == ["tma", "tma", "tma", "two_pass"]
     poisoned.check()
     tol = TOL[dtype]
     for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv),
@@ -140,7 +142,7 @@ def test_one_pass_backward_matches_fp64_reference(q_shape, k_shape, causal, dtyp
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out = fa.flash_attention(q, k, v, causal, path=path, bwd="one_pass")
     out.backward(do)
-    assert (fa.LAST_PATH["dkdvq"], fa.LAST_PATH["bwd"]) == (path, "one_pass")
+    assert (dispatch.LAST_PATH["dkdvq"], dispatch.LAST_PATH["bwd"]) == (path, "one_pass")
     poisoned.check()
     tol = TOL[dtype]
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad),
@@ -159,106 +161,17 @@ def test_lazy_rescale_forward_matches_fp64_reference(q_shape, k_shape, causal, d
     out, lse = fa.flash_attention_fwd(q, k, v, causal, config=ft.FlashConfig(32, 16, 1, 1, lazy_rescale=True),
                                       path="portable")
     poisoned.check()
-    ref_out, ref_lse = fa.flash_attention_reference(q.double(), k.double(), v.double(), causal, return_lse=True)
+    ref_out, ref_lse = flash_attention_reference(q.double(), k.double(), v.double(), causal, return_lse=True)
     torch.testing.assert_close(out.double(), ref_out, **TOL[dtype])
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=1e-5)
-
-
-def test_config_labels_and_knob_validation():
-    for label in ("128x64/w8/s3", "128x64/w8/s2/r128", "64x64/w4/s3/lazy/u2", "128x32/w8/s3/persistent/r168"):
-        assert ft.FlashConfig.from_label(label).label() == label
-    cfg = ft.FlashConfig.from_label("128x64/w8/s2/r128/lazy")
-    assert (cfg.maxnreg, cfg.lazy_rescale, cfg.unroll) == (128, True, 1)
-    assert cfg.launch_meta("fwd")["LAZY_RESCALE"] and "LAZY_RESCALE" not in cfg.launch_meta("dq")
-    assert cfg.to_triton("fwd").maxnreg == 128 and ft.FlashConfig.from_triton(cfg.to_triton("fwd")) == cfg
-    with pytest.raises(ValueError, match="config label '128x64/w8/q3' must look like"):
-        ft.FlashConfig.from_label("128x64/w8/q3")
-    with pytest.raises(ValueError, match=r"maxnreg \(100\) must be None or a multiple of 8"):
-        ft.FlashConfig(128, 64, maxnreg=100)
-    with pytest.raises(ValueError, match=r"unroll \(3\) must be 1, 2 or 4"):
-        ft.FlashConfig(128, 64, unroll=3)
-    with pytest.raises(ValueError, match="dkdv: lazy_rescale exists in the forward kernel only"):
-        ft.FlashConfig(32, 128, lazy_rescale=True).check("dkdv")
 
 
 def test_one_pass_autotuner_zeroes_the_dq_accumulator():
     """Autotuning times the one-pass kernel on the real dQ accumulator; its autotuner must zero DQ between runs
     (the interpreter cannot time kernels, so the GPU test test_one_pass_dq_survives_autotuning runs it)."""
-    assert fa._TUNED["dkdvq"].reset_to_zero == ["DQ"]
-    assert all(not fa._TUNED[k].reset_to_zero for k in ("fwd", "dkdv", "dq"))
+    assert tl_launch._TUNED["dkdvq"].reset_to_zero == ["DQ"]
+    assert all(not tl_launch._TUNED[k].reset_to_zero for k in ("fwd", "dkdv", "dq"))
 
-def test_backward_mode_choice(monkeypatch):
-    assert fa.resolve_bwd(None, "portable") == fa.AUTO_BWD["portable"]
-    monkeypatch.setenv(fa.BWD_ENV, "one_pass")
-    assert fa.resolve_bwd(None, "tma") == "one_pass"
-    assert fa.resolve_bwd("two_pass", "tma") == "two_pass"
-    with pytest.raises(ValueError, match="flash backward 'atomic' must be one of auto, two_pass, one_pass"):
-        fa.resolve_bwd("atomic", "tma")
-
-def test_path_choice(monkeypatch):
-    q = torch.zeros(1, 2, 32, 16)
-    assert fa.resolve_path(None, q, q, q) == "portable"  # CPU: auto never picks tma
-    monkeypatch.setenv(fa.PATH_ENV, "tma")
-    if fa.INTERPRET:
-        assert fa.resolve_path(None, q, q, q) == "tma"
-    assert fa.resolve_path("portable", q, q, q) == "portable"
-    monkeypatch.setenv(fa.PATH_ENV, "fast")
-    with pytest.raises(ValueError, match="flash path 'fast' must be one of auto, portable, tma, gluon"):
-        fa.resolve_path(None, q, q, q)
-    with pytest.raises(ValueError, match="the tma path needs"):
-        fa.resolve_path("tma", q, q, torch.zeros(1, 2, 32, 20, dtype=torch.float16))  # rows of 40 bytes
-
-
-def test_gluon_path_choice(monkeypatch):
-    """The gluon forward where it runs (auto, or asked for), the tl kernels elsewhere and for every backward; asked
-    for where it cannot run, one line naming the rule."""
-    q = torch.zeros(1, 2, 32, 64, dtype=torch.float16)
-    assert fa.resolve_path("auto", q, q, q, forward=True) == "portable"  # CPU / interpreter
-    with pytest.raises(ValueError, match="the gluon path cannot run here: .*(interpreter|Gluon|sm_90)"):
-        fa.resolve_path("gluon", q, q, q, forward=True)
-    with pytest.raises(ValueError, match="the gluon path cannot run here"):
-        fa.flash_attention(q, q, q, path="gluon")
-    assert fa.resolve_path("gluon", q, q, q) == "portable"  # a backward gluon_bwd_chosen declines: the tl auto path
-    # The rules past the device, on tensors that pretend to sit on an sm_90 GPU.
-    monkeypatch.setattr(fa, "INTERPRET", False)
-    monkeypatch.setattr(fa.gluon_fwd, "HAS_GLUON_HOPPER", True)
-    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
-    monkeypatch.setattr(fa.gluon_fwd, "capability", lambda device: (9, 0))
-    assert fa.gluon_unsupported(q, q, q) == ""
-    assert fa.resolve_path("gluon", q, q, q, forward=True) == "gluon"
-    assert fa.resolve_path("auto", q, q, q, forward=True) != "gluon"  # too small to hide its launch
-    monkeypatch.setattr(fa, "GLUON_AUTO_MIN_WORK", {64: q.numel() * 32})
-    assert fa.resolve_path("auto", q, q, q, forward=True) == "gluon"
-    assert fa.resolve_path("auto", q, q, q) != "gluon"
-    for t, rule in ((q.float(), "bfloat16 or float16"), (torch.zeros(1, 2, 32, 80, dtype=torch.float16), "head dim"),
-                    (torch.zeros(1, 2, 32, 128, dtype=torch.float16)[..., ::2], "stride"),
-                    (torch.zeros(4096, dtype=torch.float16).as_strided((1, 1, 32, 64), (3, 3, 64, 1)), "stride")):
-        assert rule in fa.gluon_unsupported(t, t, t)
-        assert fa.resolve_path("auto", t, t, t, forward=True) != "gluon"
-    monkeypatch.setattr(fa.gluon_fwd, "capability", lambda device: (8, 0))
-    assert "sm_90" in fa.gluon_unsupported(q, q, q)
-    with pytest.raises(ValueError, match="FlashConfig is a launch config of the tl kernels"):
-        fa.flash_attention_fwd(q, q, q, config=fa.FlashConfig(64, 32, 4, 2), path="gluon")
-
-
-def test_tma_layout_rule():
-    x = torch.zeros(2, 3, 40, 24)
-    assert fa.tma_layout_ok(x, x.transpose(1, 2).contiguous().transpose(1, 2))  # the model's (B, S, H, D) view
-    assert fa.tma_layout_ok(x[..., :20])  # 96-byte rows, 80 bytes used
-    assert not fa.tma_layout_ok(torch.zeros(2, 3, 40, 20, dtype=torch.float16))  # 40-byte rows
-    assert not fa.tma_layout_ok(x.transpose(-1, -2))  # d not contiguous
-    assert not fa.tma_layout_ok(x.half()[..., 1:21])  # start 2 bytes off
-    assert not fa.tma_layout_ok(torch.zeros(1, 16, 1).expand(3, 16, 16))  # stride 0 along d
-    assert fa.tma_layout_ok(torch.zeros(1, 1, 16).expand(3, 16, 16).contiguous())
-    assert fa.tma_layout_ok(torch.zeros(8, 16)[None].expand(4, 8, 16))  # stride 0 on the batch: one matrix
-
-
-def test_portable_path_refuses_tma_knobs():
-    with pytest.raises(ValueError, match="exist on the tma path only"):
-        ft.FlashConfig(128, 64, 8, 3, warp_specialize=True).check("fwd", "portable")
-    assert ft.FlashConfig(128, 64, 8, 3, persistent=True).check("fwd", "tma").label() == "128x64/w8/s3/persistent"
-    with pytest.raises(ValueError, match="persistent"):
-        ft.FlashConfig(64, 64, persistent=1)
 
 @on_interpreter
 def test_strided_inputs_and_broadcast_upstream_gradient():
@@ -305,7 +218,6 @@ def test_matches_pytorch_tiled_implementation():
     want_out, want_lse = flash_forward_pytorch(q, k, v, True)
     torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
-
 
 
 @on_interpreter
@@ -368,8 +280,8 @@ def test_autotuned_config_is_launched_directly_once_chosen(monkeypatch):
     """The autotuner runs once per key (kernel, dtype, sequence bucket, head dim, causal, precision, path); later
     calls launch its choice directly, with the same result."""
     monkeypatch.setenv("RAYSYS_FLASH_AUTOTUNE", "1")
-    monkeypatch.setattr(fa, "_CHOSEN", {})
-    tuner, asked = fa._TUNED["fwd"], []
+    monkeypatch.setattr(tl_launch, "_CHOSEN", {})
+    tuner, asked = tl_launch._TUNED["fwd"], []
 
     class Counting:
         best_config = property(lambda self: tuner.best_config)
@@ -378,15 +290,15 @@ def test_autotuned_config_is_launched_directly_once_chosen(monkeypatch):
             asked.append(grid)
             return tuner[grid]
 
-    monkeypatch.setitem(fa._TUNED, "fwd", Counting())
+    monkeypatch.setitem(tl_launch._TUNED, "fwd", Counting())
     q, k, v, _ = _inputs((1, 2, 37, 16), (1, 2, 37, 16), torch.float32, seed=6)
     first = fa.flash_attention_fwd(q, k, v, True, path="portable")
     second = fa.flash_attention_fwd(q, k, v, True, path="portable")
     assert len(asked) == 1 and all(torch.equal(a, b) for a, b in zip(first, second))
-    assert list(fa._CHOSEN.values()) == [fa.LAST_CONFIG["fwd"]]
+    assert list(tl_launch._CHOSEN.values()) == [dispatch.LAST_CONFIG["fwd"]]
     fa.flash_attention_fwd(q, k, v, False, path="portable")  # another key: tuned again
     fa.flash_attention_fwd(q[..., :30, :], k, v, False, path="portable")  # same bucket (64): not
-    assert len(asked) == 2 and len(fa._CHOSEN) == 2
+    assert len(asked) == 2 and len(tl_launch._CHOSEN) == 2
 
 
 @on_interpreter
@@ -398,7 +310,7 @@ def test_custom_ops_pass_opcheck(causal, path):
                                                  path, "one_pass"))
     out, lse = fa.flash_attention_fwd(q.detach(), k.detach(), v.detach(), causal, path=path)
     for flags in ((True, True), (False, True), (True, False)):
-        for bwd in fa.BWD_MODES:
+        for bwd in dispatch.BWD_MODES:
             torch.library.opcheck(fa.flash_attn_bwd_op, (q.detach(), k.detach(), v.detach(), out, lse, do, causal,
                                                          *flags, path, bwd))
 
@@ -406,9 +318,9 @@ def test_custom_ops_pass_opcheck(causal, path):
 @on_interpreter
 def test_traced_launches_write_only_their_outputs(monkeypatch, tmp_path):
     """Every kernel launched through `wrap_triton` under torch.compile writes only its outputs as torch's mutation
-    analysis reads it (tests/kernels/attention/triton/ttir_writes.py, in a process of its own). A store address derived from a
-    helper's result that took O and dO once made the analysis take O and dO for written, and AOT autograd then
-    failed to partition the gluon path's graph (opcheck's test_aot_dispatch_dynamic on the GPU)."""
+    analysis reads it (tests/kernels/attention/triton/ttir_writes.py, in a process of its own). A store address
+    derived from a helper's result that took O and dO once made the analysis take O and dO for written, and AOT
+    autograd then failed to partition the gluon path's graph (opcheck's test_aot_dispatch_dynamic on the GPU)."""
     import kernels.attention.triton.kernels as fk
     launches = []
 
@@ -423,15 +335,16 @@ def test_traced_launches_write_only_their_outputs(monkeypatch, tmp_path):
             return run
 
     monkeypatch.setenv("RAYSYS_FLASH_AUTOTUNE", "0")  # as traced: the plain kernels with the first valid config
-    for name, kernel in list(fa._KERNELS.items()):
-        monkeypatch.setitem(fa._KERNELS, name, Recorder(kernel))
-    monkeypatch.setattr(fa, "_flash_bwd_preprocess_kernel", Recorder(fk._flash_bwd_preprocess_kernel))
+    for name, kernel in list(tl_launch._KERNELS.items()):
+        monkeypatch.setitem(tl_launch._KERNELS, name, Recorder(kernel))
+    monkeypatch.setattr(tl_launch, "_flash_bwd_preprocess_kernel", Recorder(fk._flash_bwd_preprocess_kernel))
     q, k, v, do = _inputs((1, 2, 19, 16), (1, 2, 23, 16), torch.float32, seed=5)
-    for bwd in fa.BWD_MODES:
+    for bwd in dispatch.BWD_MODES:
         out, lse = fa.flash_attention_fwd(q, k, v, False, path="portable")
         fa.flash_attention_bwd(q, k, v, out, lse, do, False, path="portable", bwd=bwd)
     torch.save(launches, tmp_path / "launches.pt")
-    done = subprocess.run([sys.executable, "-m", "tests.kernels.attention.triton.ttir_writes", str(tmp_path / "launches.pt")],
+    done = subprocess.run([sys.executable, "-m", "tests.kernels.attention.triton.ttir_writes",
+                           str(tmp_path / "launches.pt")],
                           env=dict(os.environ, TRITON_INTERPRET="0"), cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -465,7 +378,7 @@ def test_cpu_tensors_without_interpreter_raise(monkeypatch):
     (((1, 16, 16), (1, 20, 16), (1, 20, 16)), True, "n_queries == n_keys"),
 ])
 def test_invalid_inputs_raise_before_any_launch(shapes, causal, match, monkeypatch):
-    monkeypatch.setattr(fa, "_empty", lambda *a, **k: pytest.fail("allocated before validating"))
+    monkeypatch.setattr(tl_launch, "_empty", lambda *a, **k: pytest.fail("allocated before validating"))
     q, k, v = (torch.zeros(s) for s in shapes)
     with pytest.raises(ValueError, match=match):
         fa.flash_attention(q, k, v, causal)
@@ -506,85 +419,6 @@ def test_backward_launcher_validates_lse_and_grad_shapes():
         fa.flash_attention_bwd(q, q, q, q, torch.zeros(1, 16), torch.zeros(1, 8, 16))
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(block_m=24, block_n=16), "block_m \\(24\\) must be a power of two >= 16"),
-    (dict(block_m=64, block_n=8), "block_n \\(8\\)"),
-    (dict(block_m=64, block_n=16, num_warps=3), "num_warps"),
-    (dict(block_m=64, block_n=16, num_stages=0), "num_stages"),
-])
-def test_flash_config_validation(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        ft.FlashConfig(**kwargs)
-
-
-def test_tile_divisibility_rules():
-    ft.FlashConfig(128, 64).check("fwd").check("dq")
-    ft.FlashConfig(32, 128).check("dkdv")
-    with pytest.raises(ValueError, match="dkdv: block_n \\(64\\) must be a multiple of block_m \\(128\\)"):
-        ft.FlashConfig(128, 64).check("dkdv")
-    with pytest.raises(ValueError, match="kernel 'bwd'"):
-        ft.FlashConfig(128, 64).check("bwd")
-
-
-def test_pruning_predicate(monkeypatch):
-    """Shared memory and register budgets as on an H100/H200 (227 KiB opt-in shared memory per block)."""
-    monkeypatch.setattr(ft, "INTERPRET", False)
-    monkeypatch.setattr(ft, "shared_memory_limit", lambda device: 232448)
-    cpu, bf16, fp32 = torch.device("cpu"), torch.bfloat16, torch.float32
-    assert ft.config_fits("fwd", ft.FlashConfig(128, 64, 8, 3), 128, bf16, cpu)
-    assert not ft.config_fits("fwd", ft.FlashConfig(128, 64, 4, 3), 128, bf16, cpu)   # accumulators spill
-    assert not ft.config_fits("fwd", ft.FlashConfig(128, 128, 8, 4), 128, bf16, cpu)  # 256 KiB of tiles
-    assert not ft.config_fits("fwd", ft.FlashConfig(64, 128, 4, 2), 64, bf16, cpu)    # divisibility
-    assert ft.config_fits("dkdv", ft.FlashConfig(64, 128, 8, 3), 128, bf16, cpu)
-    assert not ft.config_fits("dkdv", ft.FlashConfig(64, 128, 4, 3), 128, bf16, cpu)  # dK, dV accumulators
-    assert not ft.config_fits("fwd", ft.FlashConfig(128, 64, 8, 3), 128, fp32, cpu)   # fp32 keeps tiles small
-    for kernel in ft.KERNELS:  # every head dim and dtype keeps at least one candidate
-        for block_d in (16, 32, 64, 128):
-            for dtype in (torch.float16, bf16, fp32):
-                assert any(ft.config_fits(kernel, c, block_d, dtype, cpu) for c in ft.config_list(kernel))
-
-
-def test_autotune_off_takes_tuned_config_for_matching_head_dim(monkeypatch):
-    monkeypatch.setattr(ft, "INTERPRET", False)
-    monkeypatch.setattr(ft, "shared_memory_limit", lambda device: 232448)
-    monkeypatch.setattr(ft, "_TUNED", {"fwd": [dict(block_m=64, block_n=64, num_warps=4, num_stages=2,
-                                                    head_dim=64, dtype="bfloat16")]})
-    monkeypatch.setenv("RAYSYS_FLASH_AUTOTUNE", "0")
-    prune = ft.make_pruner("fwd")
-    configs = [c.to_triton("fwd") for c in (ft.FlashConfig(128, 64, 8, 3), ft.FlashConfig(64, 64, 4, 2))]
-    q = torch.zeros(1, dtype=torch.bfloat16)
-    (picked,) = prune(configs, {"Q": q}, BLOCK_D=64, HEAD_DIM=64)
-    assert ft.FlashConfig.from_triton(picked) == ft.FlashConfig(64, 64, 4, 2)
-    (picked,) = prune(configs, {"Q": q}, BLOCK_D=128, HEAD_DIM=128)  # no tuned entry: first valid
-    assert ft.FlashConfig.from_triton(picked) == ft.FlashConfig(128, 64, 8, 3)
-    monkeypatch.setenv("RAYSYS_FLASH_AUTOTUNE", "1")  # autotuning benchmarks the tuned file's configs only
-    assert [ft.FlashConfig.from_triton(c) for c in prune(configs, {"Q": q}, BLOCK_D=64, HEAD_DIM=64)] == [
-        ft.FlashConfig(64, 64, 4, 2)]
-    assert len(prune(configs, {"Q": q}, BLOCK_D=128, HEAD_DIM=128)) == 2  # no tuned entry: every valid one
-    # The tma path has its own entries: the portable one above is not used there.
-    (picked,) = prune(configs, {"Q": q}, BLOCK_D=64, HEAD_DIM=64, USE_TMA=True)
-    assert ft.FlashConfig.from_triton(picked) == ft.FlashConfig(128, 64, 8, 3)
-
-
-def test_load_tuned_configs(tmp_path):
-    path = tmp_path / "tuned.json"
-    assert ft.load_tuned_configs(path) == {}
-    entry = dict(block_m=128, block_n=64, num_warps=8, num_stages=3, head_dim=128, dtype="bfloat16")
-    path.write_text(json.dumps({"fwd": [entry]}))
-    assert ft.load_tuned_configs(path) == {"fwd": [entry], "dkdv": [], "dq": [], "dkdvq": []}
-    path.write_text(json.dumps({"dkdv": [entry]}))  # block_n 64 < block_m 128 breaks the dK/dV rule
-    with pytest.raises(ValueError, match="dkdv"):
-        ft.load_tuned_configs(path)
-    path.write_text(json.dumps({"fwd": [dict(entry, warp_specialize=True)]}))  # a tma knob on the portable path
-    with pytest.raises(ValueError, match="tma path only"):
-        ft.load_tuned_configs(path)
-    path.write_text(json.dumps({"fwd": [dict(entry, warp_specialize=True, path="tma")], "device": ["H200"]}))
-    assert ft.load_tuned_configs(path)["fwd"][0]["path"] == "tma"
-    path.write_text("{not json")
-    with pytest.raises(ValueError, match="not valid JSON"):
-        ft.load_tuned_configs(path)
-
-
 @on_interpreter
 @pytest.mark.parametrize("path", ["portable", "tma"])
 @pytest.mark.parametrize("one_pass", [False, True])
@@ -618,24 +452,24 @@ def test_a_gluon_kernel_that_does_not_build_falls_back_to_the_tl_kernels(monkeyp
     """Where the auto-chosen Gluon forward or backward does not build (its build probe's `BuildFailed`), the call runs
     the tl kernels with one warning per kernel and config, never tries that build again, and the kernel paths say
     what ran; the gluon path asked for by name is refused in one line instead."""
-    import kernels.attention.gluon.forward as fg
+    from kernels.attention.gluon.runtime import BuildFailed
 
     tries = []
 
     def broken(*args, **kwargs):
         tries.append(len(args))
-        raise fg.BuildFailed("_gluon_attn_fwd_kernel does not build on Triton 9.9: RuntimeError: renamed")
+        raise BuildFailed("_gluon_attn_fwd_kernel does not build on Triton 9.9: RuntimeError: renamed")
 
-    monkeypatch.setattr(fa, "gluon_unsupported", lambda q, k, v: "")
-    monkeypatch.setattr(fa, "GLUON_AUTO_MIN_WORK", {16: 0})
-    monkeypatch.setattr(fa, "GLUON_BWD_AUTO_MIN_WORK", {16: 0})
-    monkeypatch.setattr(fa, "_GLUON_BROKEN", {})
-    monkeypatch.setattr(fg, "problem_config", lambda q, k: fg.DEFAULT_CONFIGS[64])
-    monkeypatch.setattr(fa.gluon_bwd_onepass, "problem_config", lambda q: "bwd-config")
-    monkeypatch.setattr(fg, "launch_fwd", broken)
+    monkeypatch.setattr(fa, "gluon_unsupported_reason", lambda q, k, v: "")
+    monkeypatch.setattr(dispatch, "GLUON_AUTO_MIN_WORK", {16: 0})
+    monkeypatch.setattr(dispatch, "GLUON_BWD_AUTO_MIN_WORK", {16: 0})
+    monkeypatch.setattr(dispatch, "_GLUON_BROKEN", {})
+    monkeypatch.setattr(fa, "gluon_fwd_config", lambda q, k: dispatch.DEFAULT_FWD_CONFIGS[64])
+    monkeypatch.setattr(fa, "gluon_bwd_config", lambda q: "bwd-config")
+    monkeypatch.setattr(fa.gluon_fwd, "launch_fwd", broken)
     monkeypatch.setattr(fa.gluon_bwd, "launch_bwd", broken)
-    monkeypatch.delenv(fa.PATH_ENV, raising=False)
-    monkeypatch.delenv(fa.BWD_ENV, raising=False)
+    monkeypatch.delenv(dispatch.PATH_ENV, raising=False)
+    monkeypatch.delenv(dispatch.BWD_ENV, raising=False)
     q, k, v, do = _inputs((1, 2, 33, 16), (1, 2, 33, 16), torch.float16, seed=3)
     want_out, _, want_dq, want_dk, want_dv = _reference(q, k, v, do, True)
     for call in range(2):
@@ -649,7 +483,7 @@ def test_a_gluon_kernel_that_does_not_build_falls_back_to_the_tl_kernels(monkeyp
             assert "attention fwd" in messages[0] and "attention bwd" in messages[1]
         for got, want in ((out, want_out), (qg.grad, want_dq), (kg.grad, want_dk), (vg.grad, want_dv)):
             torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
-        assert fa.last_paths() == "portable, two_pass"
+        assert dispatch.last_paths() == "portable, two_pass"
     assert len(tries) == 2  # one build probe each of the forward and the backward, in the first call only
     with pytest.raises(ValueError, match=r"^the gluon path cannot run here: .*does not build on Triton 9.9"):
         fa.flash_attention(q, k, v, True, path="gluon")

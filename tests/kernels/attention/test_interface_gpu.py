@@ -15,6 +15,9 @@ import pytest
 import torch
 
 import kernels.attention.interface as fa
+from kernels.attention import dispatch
+from kernels.attention.reference import flash_attention_reference
+from kernels.attention.triton.tuning import FlashConfig
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,7 +26,8 @@ pytestmark = [
 
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)
 # Every path this GPU runs: the tma path on sm_90 (tensor descriptors), the portable one everywhere.
-PATHS = ("portable", "tma") if torch.cuda.is_available() and fa.tma_supported(torch.device("cuda")) else ("portable",)
+PATHS = (("portable", "tma") if torch.cuda.is_available() and dispatch.tma_supported(torch.device("cuda"))
+         else ("portable",))
 
 
 @pytest.fixture(autouse=True)
@@ -62,7 +66,7 @@ def _rel_err(got, want):
 
 def _reference(q, k, v, do, causal):
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out, lse = fa.flash_attention_reference(q64, k64, v64, causal, return_lse=True)
+    out, lse = flash_attention_reference(q64, k64, v64, causal, return_lse=True)
     out.backward(do.double())
     return out.detach(), lse.detach(), q64.grad, k64.grad, v64.grad
 
@@ -73,7 +77,7 @@ def _reference(q, k, v, do, causal):
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_matches_fp64_reference(head_dim, dtype, causal, path):
     _check_against_fp64(head_dim, dtype, causal, path, "two_pass")
-    assert [fa.LAST_PATH[k] for k in ("fwd", "dkdv", "dq", "bwd")] == [path] * 3 + ["two_pass"]
+    assert [dispatch.LAST_PATH[k] for k in ("fwd", "dkdv", "dq", "bwd")] == [path] * 3 + ["two_pass"]
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -83,7 +87,7 @@ def test_matches_fp64_reference(head_dim, dtype, causal, path):
 def test_one_pass_backward_matches_fp64_reference(head_dim, dtype, causal, path):
     """dQ summed in fp32 by the dK/dV kernel (the TMA unit's reduce on the tma path, atomics on the other)."""
     _check_against_fp64(head_dim, dtype, causal, path, "one_pass")
-    assert [fa.LAST_PATH[k] for k in ("fwd", "dkdvq", "bwd")] == [path, path, "one_pass"]
+    assert [dispatch.LAST_PATH[k] for k in ("fwd", "dkdvq", "bwd")] == [path, path, "one_pass"]
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -102,7 +106,7 @@ def _naive(q, k, v, causal):
     """Plain attention in the inputs' dtype: the course's reference (its -1e6 mask overflows fp16, where SDPA's
     math backend, with -inf, stands in)."""
     if q.dtype != torch.float16:
-        return fa.flash_attention_reference(q, k, v, causal)
+        return flash_attention_reference(q, k, v, causal)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel(SDPBackend.MATH):
@@ -161,7 +165,7 @@ def test_tensors_on_second_device():
 def test_explicit_config_equals_autotuned_choice():
     q, k, v, _ = _inputs((1, 2, 512, 64), (1, 2, 512, 64), torch.bfloat16, seed=4)
     out, lse = fa.flash_attention_fwd(q, k, v, True)
-    cfg = fa.FlashConfig(64, 32, 4, 2)
+    cfg = FlashConfig(64, 32, 4, 2)
     out2, lse2 = fa.flash_attention_fwd(q, k, v, True, config=cfg)
     assert _rel_err(out2, out.double()) < 1e-2 and (lse2 - lse).abs().max() < 1e-3
 
@@ -196,7 +200,7 @@ def test_inductor_compiled_model_launches_the_kernels_and_matches_eager(dtype, p
     from raysys.config import ModelConfig
     from raysys.model import TransformerLM, cross_entropy
 
-    monkeypatch.setenv(fa.PATH_ENV, path)
+    monkeypatch.setenv(dispatch.PATH_ENV, path)
     torch._dynamo.reset()
     cfg = ModelConfig.from_name("tiny", context_length=200, attention="flash_triton")
     torch.manual_seed(0)
@@ -225,7 +229,7 @@ def test_triton_ops_pass_opcheck(path):
     torch.library.opcheck(fa.flash_attn_fwd_op, (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), True,
                                                  path, "two_pass"))
     out, lse = fa.flash_attention_fwd(q.detach(), k.detach(), v.detach(), True, path=path)
-    for bwd in fa.BWD_MODES:
+    for bwd in dispatch.BWD_MODES:
         torch.library.opcheck(fa.flash_attn_bwd_op, (q.detach(), k.detach(), v.detach(), out, lse, do, True, True,
                                                      True, path, bwd))
 
@@ -237,7 +241,7 @@ def _gluon_runs() -> bool:
     if not torch.cuda.is_available() or fa.INTERPRET:
         return False
     x = torch.zeros(1, 1, 16, 64, dtype=torch.bfloat16, device="cuda")
-    return not fa.gluon_unsupported(x, x, x)
+    return not dispatch.gluon_unsupported_reason(x, x, x)
 
 
 needs_gluon = pytest.mark.skipif(not _gluon_runs(), reason="needs an sm_90 GPU and Triton's Gluon Hopper API")
@@ -250,7 +254,8 @@ needs_gluon = pytest.mark.skipif(not _gluon_runs(), reason="needs an sm_90 GPU a
 def test_gluon_forward_matches_fp64_reference(head_dim, dtype, causal):
     """O, L and every gradient (3-D and 4-D input, odd lengths, n_q != n_k) as the tl paths are held to."""
     _check_against_fp64(head_dim, dtype, causal, "gluon", "two_pass")
-    assert fa.LAST_PATH["fwd"] == "gluon" and fa.LAST_PATH["dkdv"] in PATHS and fa.LAST_PATH["dq"] in PATHS
+    last = dispatch.LAST_PATH
+    assert last["fwd"] == "gluon" and last["dkdv"] in PATHS and last["dq"] in PATHS
 
 
 @needs_gluon
@@ -261,7 +266,8 @@ def test_gluon_backward_matches_fp64_reference(head_dim, dtype, causal):
     """The gluon path's own backward (one-pass, dQ by TMA reductions): every gradient, 3-D and 4-D input, odd
     lengths, n_q != n_k, as the tl paths are held to."""
     _check_against_fp64(head_dim, dtype, causal, "gluon", "auto")
-    assert fa.LAST_PATH["fwd"] == "gluon" and fa.LAST_PATH["dkdvq"] == "gluon" and fa.last_paths() == "gluon, one_pass"
+    last = dispatch.LAST_PATH
+    assert last["fwd"] == "gluon" and last["dkdvq"] == "gluon" and dispatch.last_paths() == "gluon, one_pass"
 
 
 @needs_gluon
@@ -270,7 +276,7 @@ def test_gluon_backward_yields_to_deterministic_algorithms():
     torch.use_deterministic_algorithms(True)
     try:
         first = _run(lambda *a: fa.flash_attention(*a, path="gluon"), q, k, v, do, True)
-        assert fa.last_paths().endswith("two_pass") and "gluon fwd" in fa.last_paths()
+        assert dispatch.last_paths().endswith("two_pass") and "gluon fwd" in dispatch.last_paths()
         again = _run(lambda *a: fa.flash_attention(*a, path="gluon"), q, k, v, do, True)
     finally:
         torch.use_deterministic_algorithms(False)
@@ -282,14 +288,14 @@ def test_gluon_backward_yields_to_deterministic_algorithms():
 def test_auto_takes_gluon_forward_where_it_runs():
     q, k, v, _ = _inputs((1, 2, 300, 128), (1, 2, 300, 128), torch.bfloat16, seed=6)
     fa.flash_attention_fwd(q, k, v, True)
-    assert fa.LAST_PATH["fwd"] in PATHS  # too small to hide the gluon launch
+    assert dispatch.LAST_PATH["fwd"] in PATHS  # too small to hide the gluon launch
     q, k, v, do = _inputs((1, 16, 16384, 128), (1, 16, 16384, 128), torch.bfloat16, seed=6)
     out, lse = fa.flash_attention_fwd(q, k, v, True)
-    assert fa.LAST_PATH["fwd"] == "gluon"
+    assert dispatch.LAST_PATH["fwd"] == "gluon"
     fa.flash_attention_bwd(q, k, v, out, lse, do, True)  # d 128 at this size: the Gluon backward too
-    assert fa.last_paths() == "gluon, one_pass"
+    assert dispatch.last_paths() == "gluon, one_pass"
     fa.flash_attention_fwd(q.float(), k.float(), v.float(), True)  # fp32: the tl kernels
-    assert fa.LAST_PATH["fwd"] in PATHS
+    assert dispatch.LAST_PATH["fwd"] in PATHS
 
 
 @needs_gluon

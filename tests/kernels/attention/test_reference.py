@@ -1,4 +1,4 @@
-"""CPU tests of the tiled PyTorch FlashAttention-2, the plain-torch reference and the FLOP count.
+"""CPU tests of the tiled PyTorch FlashAttention-2 and the plain-torch reference (`kernels/attention/reference.py`).
 
 The oracle is `flash_attention_reference` in fp64 (eqs. 4-6 and 12); the PyTorch implementation runs in fp32
 (or fp64 for gradcheck) and must match it to fp32 round-off, forward (O and L) and backward (dQ, dK, dV
@@ -15,11 +15,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import kernels.attention.reference as fp
-from kernels.attention.interface import flash_attention_flops, flash_attention_reference
+from kernels.attention import flash_attention_flops
+from kernels.attention.checks import check_attention_inputs
+from kernels.attention.dispatch import reference_compiles
 from kernels.attention.reference import (
     FlashAttentionPytorch,
-    check_attention_inputs,
     flash_attention_pytorch,
+    flash_attention_reference,
 )
 
 # (q shape, k shape, causal): odd lengths, partial tiles, n_q != n_k, heads, the course's shape.
@@ -126,12 +128,12 @@ def test_model_backend_follows_autocast_like_sdpa():
 def test_compile_policy_env(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.delenv("RAYSYS_FLASH_COMPILE", raising=False)
-    assert not fp._compile_enabled(cpu) and fp._compile_enabled(cuda)
+    assert not reference_compiles(cpu) and reference_compiles(cuda)
     monkeypatch.setenv("RAYSYS_FLASH_COMPILE", "1")
-    assert fp._compile_enabled(cpu)
+    assert reference_compiles(cpu)
     monkeypatch.setenv("RAYSYS_FLASH_COMPILE", "maybe")
     with pytest.raises(ValueError, match="RAYSYS_FLASH_COMPILE"):
-        fp._compile_enabled(cpu)
+        reference_compiles(cpu)
 
 
 def test_failed_compile_falls_back_to_eager_with_one_warning(monkeypatch):
@@ -171,23 +173,6 @@ def test_compiled_backward_matches_eager_on_cpu(monkeypatch):
     eager = fp.flash_backward_reference(q, k, v, out, do, lse, True)
     for got, want in zip(compiled, eager):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-
-
-def test_flops_formula_and_modes():
-    assert flash_attention_flops(2, 3, 100, 70, 32, False) == 4 * 2 * 3 * 100 * 70 * 32
-    assert flash_attention_flops(1, 1, 8, 8, 16, True) == 4 * (8 * 9 // 2) * 16
-    fwd = flash_attention_flops(1, 2, 64, 64, 16, True)
-    assert flash_attention_flops(1, 2, 64, 64, 16, True, "bwd") == 2.5 * fwd
-    assert flash_attention_flops(1, 2, 64, 64, 16, True, "fwd_bwd") == 3.5 * fwd
-    with pytest.raises(ValueError, match="mode"):
-        flash_attention_flops(1, 1, 8, 8, 16, True, "backward")
-
-
-def test_flops_match_counted_reference_matmuls():
-    q, k, v, _ = _inputs((2, 30, 16), (2, 20, 16))
-    with FlopCounterMode(display=False) as counter:
-        flash_attention_reference(q, k, v, False)
-    assert counter.get_total_flops() == flash_attention_flops(2, 1, 30, 20, 16, False)
 
 
 def _t(*shape, dtype=torch.float32):

@@ -152,8 +152,8 @@ class _Worker:
     def __init__(self, folder: str | None):
         path = [p for p in (folder, str(REPO), os.environ.get("PYTHONPATH")) if p]
         env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(path)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.kernels.attention.gluon.sm90_builds"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env, cwd=REPO)
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.kernels.attention.gluon.sm90_builds"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=REPO)
         atexit.register(self.close)
 
     def build(self, recipe: str, args: tuple) -> list[Built]:

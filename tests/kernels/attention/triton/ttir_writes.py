@@ -1,4 +1,4 @@
-"""What torch's mutation analysis of a `wrap_triton` launch takes a kernel of `kernels/flash_attention_kernels.py`
+"""What torch's mutation analysis of a `wrap_triton` launch takes a kernel of `kernels/attention/triton/kernels.py`
 to write: what Inductor and AOT autograd then believe the launch mutates.
 
     python -m tests.kernels.attention.triton.ttir_writes LAUNCHES   # a torch.save'd list of (kernel name, args, kwargs)
