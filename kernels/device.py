@@ -27,6 +27,19 @@ def _interpret_mode() -> bool:
 INTERPRET = _interpret_mode()
 
 
+def check_runs_here(t: torch.Tensor, module: str) -> None:
+    """Raise ValueError unless `module`'s kernels run on `t`: a CUDA tensor, or (TRITON_INTERPRET=1 set before the
+    import) a CPU tensor of a dtype the interpreter has (no bf16)."""
+    if t.device.type == "cuda":
+        return
+    if not INTERPRET:
+        raise ValueError(f"tensors on {t.device} need a CUDA device, or TRITON_INTERPRET=1 set before {module} is "
+                         "imported (CPU interpreter)")
+    if t.dtype == torch.bfloat16:
+        raise ValueError("dtype torch.bfloat16 is not supported by the Triton CPU interpreter (NumPy has no "
+                         "bfloat16); use float16 or float32 under TRITON_INTERPRET=1")
+
+
 def current_device() -> int:
     """The current CUDA device's index (`torch.cuda.current_device()` less its Python)."""
     return torch._C._cuda_getDevice()

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.device import INTERPRET, device_of
+from kernels.device import INTERPRET, check_runs_here, device_of
 
 MAX_CHUNK_BYTES = 768 * 2**20
 """Budget of the one (C, V) logits buffer; with the loss rows and cuBLAS workspaces the extra memory of the op stays
@@ -136,13 +136,8 @@ def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
     if not (hidden.device == weight.device == targets.device):
         raise ValueError(f"hidden ({hidden.device}), weight ({weight.device}) and targets ({targets.device}) must be "
                          "on one device")
+    check_runs_here(hidden, "kernels.fused_linear_ce")
     if hidden.device.type != "cuda":
-        if not INTERPRET:
-            raise ValueError(f"tensors on {hidden.device} need a CUDA device, or TRITON_INTERPRET=1 set before "
-                             "kernels.fused_linear_ce is imported (CPU interpreter)")
-        if hidden.dtype == torch.bfloat16:
-            raise ValueError("dtype torch.bfloat16 is not supported by the Triton CPU interpreter (NumPy has no "
-                             "bfloat16); use float16 or float32 under TRITON_INTERPRET=1")
         if check_values:
             bad = (targets < 0) | (targets >= weight.shape[0])
             if bool(bad.any()):

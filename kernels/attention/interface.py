@@ -44,7 +44,7 @@ from kernels.attention.dispatch import (
 from kernels.attention.gluon.runtime import BuildFailed
 from kernels.attention.reference import autocast_inputs
 from kernels.attention.triton.tuning import FlashConfig
-from kernels.device import INTERPRET, empty_like_layout
+from kernels.device import INTERPRET, check_runs_here, empty_like_layout
 
 _VALIDATED: dict[tuple, str] = {}
 """The geometry of an eager call's tensors (`_validated`) -> `gluon_unsupported_reason`'s answer, for calls whose
@@ -70,17 +70,6 @@ def _validated(check, is_causal, *tensors: torch.Tensor) -> str:
     return reason
 
 
-def _check_device(q: torch.Tensor) -> None:
-    if q.device.type == "cuda":
-        return
-    if not INTERPRET:
-        raise ValueError(f"tensors on {q.device} need a CUDA device, or TRITON_INTERPRET=1 set before "
-                         "kernels.attention.interface is imported (CPU interpreter)")
-    if q.dtype == torch.bfloat16:
-        raise ValueError("dtype torch.bfloat16 is not supported by the Triton CPU interpreter (NumPy has no "
-                         "bfloat16); use float16 or float32 under TRITON_INTERPRET=1")
-
-
 def _eager(q: torch.Tensor) -> bool:
     """Whether a call on `q` runs the launchers straight from Python rather than through the custom ops: a real
     tensor (not torch.compile's or export's stand-in, not on the meta device) outside tracing and functorch
@@ -97,7 +86,11 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_ca
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the forward kernel: (O like q, L fp32 of shape q.shape[:-1]). `config` (a tl launch config) skips
     autotuning; `path` (auto, portable, tma, gluon; None reads RAYSYS_FLASH_PATH) picks the kernel variant."""
-    reason = _validated(lambda: (check_attention_inputs(q, k, v, is_causal), _check_device(q)), is_causal, q, k, v)
+    def check() -> None:
+        check_attention_inputs(q, k, v, is_causal)
+        check_runs_here(q, "kernels.attention")
+
+    reason = _validated(check, is_causal, q, k, v)
     requested = requested_path(path)
     if config is not None and requested == GLUON:
         raise ValueError("a FlashConfig is a launch config of the tl kernels, not of the gluon path")
@@ -123,7 +116,7 @@ def flash_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     def check() -> None:
         check_attention_inputs(q, k, v, is_causal)
         check_backward_inputs(q, out, lse, grad_out)
-        _check_device(q)
+        check_runs_here(q, "kernels.attention")
 
     reason = _validated(check, is_causal, q, k, v, out, lse, grad_out)
     resolve_bwd(bwd, "portable")  # a bad request raises here, whichever kernels would run

@@ -21,6 +21,7 @@ import torch
 import kernels.attention.interface as fa
 import kernels.attention.triton.launch as tl_launch
 import kernels.attention.triton.tuning as ft
+from kernels import device
 from kernels.attention import dispatch
 from kernels.attention.reference import flash_attention_reference
 from tests.kernels.interp import on_interpreter
@@ -366,7 +367,7 @@ def test_traced_launches_write_only_their_outputs(monkeypatch, tmp_path):
 
 
 def test_cpu_tensors_without_interpreter_raise(monkeypatch):
-    monkeypatch.setattr(fa, "INTERPRET", False)
+    monkeypatch.setattr(device, "INTERPRET", False)
     q = torch.zeros(1, 16, 16)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         fa.flash_attention(q, q, q)
