@@ -15,7 +15,24 @@ import pandas as pd
 
 from raysys.results import resolve_out
 
-__all__ = ["interrupted_message", "read_sweep", "resolve_out_dir", "summary_table", "sweep_parser", "writer_options"]
+__all__ = ["JoinList", "interrupted_message", "read_sweep", "resolve_out_dir", "split_list", "summary_table",
+           "sweep_parser", "writer_options"]
+
+
+class JoinList(argparse.Action):
+    """A list flag's action: one comma list or several words, `--dtypes fp32,bf16` = `--dtypes fp32 bf16` ->
+    'fp32,bf16' (every list flag of the studies and of `python -m raysys bench` takes both; `split_list` reads it)."""
+
+    def __init__(self, option_strings, dest, nargs="+", **kwargs):
+        super().__init__(option_strings, dest, nargs=nargs, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, ",".join(values))
+
+
+def split_list(text: str) -> list[str]:
+    """'a, b,c' -> ['a', 'b', 'c'] (a `JoinList` flag's value)."""
+    return [t.strip() for t in text.split(",") if t.strip()]
 
 
 def resolve_out_dir(out: str | os.PathLike | None = None, sweep: str | None = None) -> Path:

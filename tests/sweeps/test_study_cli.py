@@ -298,3 +298,20 @@ def test_studies_in_their_own_process_need_no_ray(study):
                           text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "unrecognized arguments: --bogus-flag" in done.stderr and "ray" not in done.stderr.lower()
+
+
+def test_every_list_flag_takes_words_or_one_comma_list():
+    """One meaning per list flag everywhere (`--variants a b` as the leaderboard took it, `--variants a,b` as the
+    other studies did): both forms, on the new spellings and the old ones, and --help shows one form."""
+    from sweeps import checkpointing, ddp, flash_tiles, fsdp
+
+    for module, flag, values in ((ddp, "--variants", ["naive", "bucketed:10"]), (ddp, "--dtypes", ["fp32", "bf16"]),
+                                 (fsdp, "--variants", ["fsdp", "ddp"]), (flash_tiles, "--variants", ["portable", "tma"]),
+                                 (checkpointing, "--studies", ["segments", "offload"]), (ddp, "--world-sizes", ["2"])):
+        parser = module.build_parser()
+        dest = flag.lstrip("-").replace("-", "_")
+        joined = ",".join(values)
+        assert getattr(parser.parse_args([flag, *values]), dest) == getattr(parser.parse_args([flag, joined]), dest) \
+            == joined, (module.__name__, flag)
+        assert f"{flag} A,B,.." in parser.format_help() and f"{flag} A,B,.. [" not in parser.format_help()
+    assert ddp.build_parser().parse_args(["--dtype", "fp32,bf16"]).dtypes == "fp32,bf16"   # an old spelling
