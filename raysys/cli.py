@@ -16,23 +16,30 @@ from raysys.config import SIZES
 from raysys.device import check_fits, resolve_device
 from raysys.results import DiskFull, ResultWriter, discard_empty_run_dirs, resolve_out, trial_id
 from raysys.signals import interrupt_on_sigterm
+from raysys.studies import JoinList, split_list
 
 
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="end-to-end benchmark of the model (forward / backward / optimizer times)")
-    p.add_argument("--size", nargs="+", default=["small"], choices=sorted(SIZES), help="named model size(s)")
-    p.add_argument("--context-length", nargs="+", type=int, default=[None], help="sequence length(s); default the size's")
+    # List flags take several words or one comma list, as the studies' do (`raysys.studies.JoinList`).
+    p.add_argument("--size", action=JoinList, default="small", metavar="SIZE",
+                   help=f"named model size(s), several or a comma list, of {', '.join(SIZES)} (default: small)")
+    p.add_argument("--context-length", action=JoinList, default=None, metavar="N",
+                   help="sequence length(s) (default: the size's)")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per step")
     p.add_argument("--vocab-size", type=int, default=None, help="vocabulary override")
-    p.add_argument("--mode", nargs="+", default=["train-step"], choices=MODES, help="what one step runs")
-    p.add_argument("--dtype", nargs="+", default=["fp32"], choices=sorted(DTYPES), help="fp32 or autocast bf16/fp16")
+    p.add_argument("--mode", action=JoinList, default="train-step", metavar="MODE",
+                   help=f"what one step runs, of {', '.join(MODES)} (default: train-step)")
+    p.add_argument("--dtype", action=JoinList, default="fp32", metavar="DTYPE",
+                   help=f"of {', '.join(DTYPES)}: fp32, or autocast mixed precision (default: fp32)")
     p.add_argument("--compile", action="store_true", help="torch.compile every Transformer block")
     p.add_argument("--attention", default="naive", help="attention backend (naive, sdpa, annotated, flash_triton, ...)")
     p.add_argument("--device", default="auto", help="auto | cuda | cuda:N | cpu")
     p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--profile", action="store_true", help="torch.profiler kernel summary per phase + Chrome trace")
-    p.add_argument("--memory-profile", action="store_true", help="peak memory, CUDA snapshot and timeline picture")
+    p.add_argument("--memory-profile", action="store_true", help="peak memory, CUDA snapshot and timeline picture "
+                                                                  "(CUDA only)")
     p.add_argument("--out", default=None, help="directory for bench.parquet (+ traces/, snapshots/); default: a "
                                                "fresh ./runs/<UTC time>-bench/")
     mode = p.add_mutually_exclusive_group()
@@ -42,14 +49,38 @@ def _add_bench(sub) -> None:
     p.add_argument("--allow-mixed", action="store_true", help="with --resume: keep rows of another commit or device")
 
 
+def _int(flag: str, text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{flag} {text!r} must be an integer") from None
+
+
+def _label(cfg: BenchConfig) -> str:
+    """What tells one configuration of a bench run from the others, for its progress bar."""
+    ctx = cfg.model_config().context_length
+    return f"{cfg.size} ctx {ctx} {cfg.mode} {cfg.dtype}" + (" compiled" if cfg.compile else "")
+
+
+def bench_configs(args: argparse.Namespace) -> list[BenchConfig]:
+    """Every combination of the list flags (--size, --context-length, --mode, --dtype), each checked."""
+    contexts = [None] if args.context_length is None else [_int("--context-length", c)
+                                                           for c in split_list(args.context_length)]
+    return [BenchConfig(size=s, context_length=c, batch_size=args.batch_size, vocab_size=args.vocab_size, mode=m,
+                        dtype=d, compile=args.compile, attention=args.attention, device=args.device,
+                        warmup=args.warmup, steps=args.steps, profile=args.profile, memory_profile=args.memory_profile)
+            for s, c, m, d in itertools.product(split_list(args.size), contexts, split_list(args.mode),
+                                                split_list(args.dtype))]
+
+
 def _bench(args) -> int:
-    configs = [BenchConfig(size=s, context_length=c, batch_size=args.batch_size, vocab_size=args.vocab_size, mode=m,
-                           dtype=d, compile=args.compile, attention=args.attention, device=args.device,
-                           warmup=args.warmup, steps=args.steps, profile=args.profile,
-                           memory_profile=args.memory_profile)
-               for s, c, m, d in itertools.product(args.size, args.context_length, args.mode, args.dtype)]
+    from tqdm.auto import tqdm
+
+    from raysys.bench import check_device, num_steps
+
+    configs = bench_configs(args)
     for cfg in configs:  # before any model is built: a CPU run is bounded by this machine's memory
-        check_fits(cfg.model_config(), cfg.batch_size, 1, resolve_device(cfg.device).type)
+        check_fits(cfg.model_config(), cfg.batch_size, 1, check_device(cfg).type)
     out = resolve_out(args.out, "bench")
     mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
     rows = []
@@ -57,19 +88,27 @@ def _bench(args) -> int:
         rows_writer = stack.enter_context(ResultWriter(out, "bench", mode=mode, allow_mixed=args.allow_mixed))
         kernels_writer = (stack.enter_context(ResultWriter(out, "bench_kernels", mode=mode, allow_mixed=True))
                           if args.profile else None)
-        for cfg in configs:
+        # One bar over the configurations, one over the current configuration's steps (its phase and estimate).
+        runs = stack.enter_context(tqdm(total=len(configs), desc="bench", unit="config", position=0))
+        for i, cfg in enumerate(configs, 1):
             if rows_writer.done(trial_id(row_config(cfg))):
+                runs.set_postfix_str("resumed")
+                runs.update()
                 continue
-            row, kernels = run_benchmark(cfg, out)
+            with tqdm(total=num_steps(cfg), desc=f"[{i}/{len(configs)}] {_label(cfg)}", unit="step", position=1,
+                      leave=False) as steps:
+                row, kernels = run_benchmark(cfg, out, progress=steps)
             rows.append(row)
             rows_writer.write([row])
+            runs.set_postfix_str(row["status"])
+            runs.update()
             if kernels is not None and not kernels.empty:
                 kernels_writer.rows = [r for r in kernels_writer.rows if r.get("trial_id") != row["trial_id"]]
                 kernels_writer.rows += kernels.to_dict("records")
                 kernels_writer.write([])
                 from raysys.profiling import format_top
-                print(format_top(kernels[["phase", "kernel", "calls_per_step", "total_s", "call_mean_s",
-                                          "share_of_phase", "share_of_step", "is_matmul"]]))
+                tqdm.write(format_top(kernels[["phase", "kernel", "calls_per_step", "total_s", "call_mean_s",
+                                               "share_of_phase", "share_of_step", "is_matmul"]]))
     _print_bench(rows)
     print(f"\nwrote {rows_writer.path}")
     return 0
