@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import os
 import sys
 from pathlib import Path
 
@@ -133,26 +134,48 @@ def _print_bench(rows: list[dict]) -> None:
 def _add_report(sub) -> None:
     p = sub.add_parser("report", help="markdown tables from a results directory or Parquet file")
     p.add_argument("path", help="results directory or a <sweep>.parquet file")
-    p.add_argument("--only", nargs="+", help="sweep names to include")
-    p.add_argument("--markdown", help="also write the tables to this file")
+    p.add_argument("--only", action=JoinList, default=None, metavar="SWEEP",
+                   help="sweep names (file stems) to include, several or a comma list")
+    p.add_argument("--markdown", help="also write the tables to this file (atomically; its directory must exist)")
     p.add_argument("--plots", help="also draw PNG plots of the sweeps that have one into this directory")
 
 
+def _markdown_path(text: str) -> Path:
+    """`--markdown`'s file, checked before anything is printed: its directory exists and can be written."""
+    path = Path(text)
+    if path.is_dir():
+        raise ValueError(f"--markdown {path} is a directory; it takes a file")
+    parent = path.parent
+    if not parent.is_dir():
+        raise ValueError(f"--markdown {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--markdown {path}: directory {parent} is not writable")
+    return path
+
+
 def _report(args) -> int:
-    from raysys.report import report
+    """Exit 0 when every file was reported (and drawn), 1 when one could not be read or drawn, 2 on bad input."""
+    from raysys.files import write_text
+    from raysys.report import HEADER, check_plots_dir, plots, sections, sweep_files
 
-    text = report(args.path, args.only)
-    print(text)
-    if args.markdown:
-        from raysys.report import HEADER
-
-        Path(args.markdown).write_text(HEADER + "\n" + text)
+    only = split_list(args.only) if args.only is not None else None
+    sweep_files(args.path, only)  # every input checked before anything is printed or written
+    markdown = _markdown_path(args.markdown) if args.markdown else None
     if args.plots:
-        from raysys.report import plots
-
-        for path in plots(args.path, args.plots):
+        check_plots_dir(args.plots)
+    text, unreadable = sections(args.path, only)
+    print(text)
+    if markdown is not None:
+        try:
+            write_text(markdown, HEADER + "\n" + text)  # a full disk (DiskFull) keeps the previous file
+        except PermissionError as exc:
+            raise ValueError(f"cannot write --markdown {markdown}: {exc.strerror}") from None
+    failed = []
+    if args.plots:
+        made, failed = plots(args.path, args.plots, only)
+        for path in made:
             print(f"wrote {path}")
-    return 0
+    return 1 if unreadable or failed else 0
 
 
 def _add_advise(sub) -> None:
