@@ -10,8 +10,8 @@ copy). It then follows the job's logs and exits 0 if it succeeded. With token au
 
 A head whose dashboard agent could not bind its HTTP port (52365 unless `--dashboard-agent-listen-port` moves
 it) runs without a job agent: every submission then fails after ~10 s with HTTP 500 "No available agent to
-submit job". `submit` says so and how to fix it; `doctor` checks, before `ray start --head`, which of the ports a
-head binds are taken on this machine.
+submit job". `submit` says so and how to fix it; `doctor` checks, before `ray start --head`, which of the ports the
+README's head command (`HEAD_COMMAND`: the agent on any free port) binds are taken on this machine.
 
     python -m raysys doctor                                  # before `ray start --head`
     python -m raysys submit -- python sweeps/ddp.py --device cpu
@@ -34,15 +34,29 @@ from pathlib import Path
 from raysys.results import check_sweep_name, git_sha_of
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
-# What `ray start --head` binds by default (Ray 2.60), with the flag that moves each.
+# What `ray start --head` binds by default (Ray 2.60), with the flag that moves each (Ray picks the metrics export
+# port at random: 8080 is the one the README's head command passes).
 HEAD_PORTS = {
     "gcs": (6379, "--port"),
     "dashboard": (8265, "--dashboard-port"),
     "dashboard agent HTTP (the job agent)": (52365, "--dashboard-agent-listen-port"),
     "Ray client server": (10001, "--ray-client-server-port"),
-    "metrics export (the README's head command)": (8080, "--metrics-export-port"),
+    "metrics export": (8080, "--metrics-export-port"),
 }
+AGENT_FLAG = "--dashboard-agent-listen-port"
 NO_AGENT = "No available agent to submit job"
+HEAD_COMMAND = ("ray start --head --dashboard-host 127.0.0.1 --dashboard-port 8265 --dashboard-agent-listen-port 0 "
+                "--metrics-export-port 8080")
+"""The head command of the README's cluster recipe, whose ports `doctor` checks by default (the tests hold the README
+to it)."""
+
+
+def head_command_ports(command: str = HEAD_COMMAND) -> dict[str, int]:
+    """The port of each `HEAD_PORTS` flag that `command` binds: its value there, else Ray's default (0: any free
+    port, nothing to check)."""
+    words = shlex.split(command)
+    given = {w: int(words[i + 1]) for i, w in enumerate(words[:-1]) if w in {f for _, f in HEAD_PORTS.values()}}
+    return {flag: given.get(flag, default) for default, flag in HEAD_PORTS.values()}
 
 
 def _address(address: str | None) -> str:
@@ -162,26 +176,35 @@ def run_submit(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------------- doctor
 def build_doctor_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    recipe = head_command_ports()
     for what, (port, flag) in HEAD_PORTS.items():
-        p.add_argument(flag, type=int, default=port, dest=flag.lstrip("-").replace("-", "_"),
-                       help=f"{what} port the head will use (default {port})")
+        default = recipe[flag]
+        said = "any free port" if default == 0 else str(default)
+        p.add_argument(flag, type=int, default=default, dest=flag.lstrip("-").replace("-", "_"),
+                       help=f"{what} port the head will use (default: {said}, as the README's head command"
+                            + (f"; Ray's own default is {port})" if default != port else ")"))
     return p
 
 
 def run_doctor(args: argparse.Namespace) -> int:
-    """Exit 0 when every port `ray start --head` would bind is free here, else 1 with a line per taken port."""
+    """Exit 0 when every port the head command will bind is free here (by default the README's `HEAD_COMMAND`; 0 is
+    any free port), else 1 with a line per taken port."""
     problems = []
+    ports = {flag: getattr(args, flag.lstrip("-").replace("-", "_")) for _, flag in HEAD_PORTS.values()}
     for what, (default, flag) in HEAD_PORTS.items():
-        port = getattr(args, flag.lstrip("-").replace("-", "_"))
+        port = ports[flag]
         if port and port_in_use(port):
             effect = (" (the head would run without a job agent: `ray job submit` and `raysys submit` would answer "
-                      f"HTTP 500 '{NO_AGENT}')" if flag == "--dashboard-agent-listen-port" else "")
+                      f"HTTP 500 '{NO_AGENT}')" if flag == AGENT_FLAG else "")
             problems.append(f"port {port} ({what}) is in use on this machine{effect}; pass `ray start --head "
-                            f"{flag} <free port>`" + (" (0: any free port)" if flag == "--dashboard-agent-listen-port"
-                                                      else ""))
+                            f"{flag} <free port>`" + (" (0: any free port)" if flag == AGENT_FLAG else ""))
     for line in problems:
         print(f"raysys doctor: {line}")
     if not problems:
         print("raysys doctor: the ports `ray start --head` binds are free: "
-              + ", ".join(f"{getattr(args, f.lstrip('-').replace('-', '_'))} ({w})" for w, (_, f) in HEAD_PORTS.items()))
+              + ", ".join(f"{ports[f] or 'any free port'} ({w})" for w, (_, f) in HEAD_PORTS.items()))
+        ray_default = HEAD_PORTS["dashboard agent HTTP (the job agent)"][0]
+        if ports[AGENT_FLAG] == 0 and port_in_use(ray_default):
+            print(f"raysys doctor: note: {ray_default}, Ray's default dashboard agent port, is in use here: keep "
+                  f"`{AGENT_FLAG} 0` on the head and on every node you add")
     return 1 if problems else 0

@@ -105,3 +105,44 @@ def test_rank_monitor_samples_memory_and_cpu_utilisation():
     SweepProgress("toy", 3).update(1, 0)  # without Ray: nothing to record, nothing raised
     with pytest.raises(ValueError, match="interval_s"):
         RankMonitor("toy", 0, "cpu", interval_s=0)
+
+
+def _readme_commands() -> list[str]:
+    """The README's shell lines: continuations joined, comments and extra blanks dropped."""
+    text = (REPO / "README.md").read_text()
+    blocks = text.split("```bash\n")[1:]
+    lines = []
+    for block in (b.split("```", 1)[0] for b in blocks):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" #", 1)[0].strip()
+            if line:
+                lines.append(" ".join(line.split()))
+    return lines
+
+
+def test_doctor_checks_the_ports_of_the_readme_head_command(monkeypatch, capsys):
+    """The README's cluster recipe runs `doctor` before its head command, which passes `--dashboard-agent-listen-port
+    0`: doctor failed over Ray's default 52365 there, a port that command never binds."""
+    from raysys import submit
+
+    commands = _readme_commands()
+    recipe = commands.index("python -m raysys doctor")
+    assert commands[recipe + 1] == submit.HEAD_COMMAND   # the next step is the command doctor checks for
+    ports = submit.head_command_ports()
+    assert ports == {"--port": 6379, "--dashboard-port": 8265, "--dashboard-agent-listen-port": 0,
+                     "--ray-client-server-port": 10001, "--metrics-export-port": 8080}
+    taken = {52365}
+    monkeypatch.setattr(submit, "port_in_use", lambda port, host="": port in taken)
+    assert cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("raysys doctor: the ports `ray start --head` binds are free: 6379 (gcs), 8265 "
+                             "(dashboard), any free port (dashboard agent HTTP (the job agent))")
+    assert out[1] == ("raysys doctor: note: 52365, Ray's default dashboard agent port, is in use here: keep "
+                      "`--dashboard-agent-listen-port 0` on the head and on every node you add")
+    taken = {8265}   # a port the README's head does bind
+    assert cli.main(["doctor"]) == 1
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("raysys doctor: port 8265 (dashboard) is in use on this machine")
+    taken = {52365}  # Ray's default agent port, named explicitly
+    assert cli.main(["doctor", "--dashboard-agent-listen-port", "52365"]) == 1
+    assert "No available agent to submit job" in capsys.readouterr().out
