@@ -146,3 +146,45 @@ def test_doctor_checks_the_ports_of_the_readme_head_command(monkeypatch, capsys)
     taken = {52365}  # Ray's default agent port, named explicitly
     assert cli.main(["doctor", "--dashboard-agent-listen-port", "52365"]) == 1
     assert "No available agent to submit job" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("runtime_env, out, warns", [
+    ({"env_vars": {}}, None, False),                                          # `ray job submit -- python ...`
+    ({"working_dir": "gcs://_ray_pkg_0123abcd.zip", "env_vars": {}}, None, True),  # ... --working-dir .
+    ({"working_dir": "gcs://_ray_pkg_0123abcd.zip"}, "{abs}", False),         # ... --out "$PWD/runs/x"
+])
+def test_the_temporary_directory_warning_only_where_ray_uploaded_one(tmp_path, monkeypatch, runtime_env, out, warns):
+    """A plain `ray job submit -- python sweeps/ddp.py` runs where the head started and keeps its ./runs/: it warned
+    that results went to the job's temporary working directory; only a job with an uploaded working dir does."""
+    import json
+    import warnings
+
+    from raysys.studies import resolve_out_dir
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RAYSYS_RUNS_DIR", raising=False)
+    monkeypatch.delenv("RAYSYS_RESULTS_DIR", raising=False)
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": runtime_env, "metadata": {}}))
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-kept"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path = resolve_out_dir(out and str(elsewhere), "ddp")
+    said = [str(w.message) for w in caught if "temporary working directory" in str(w.message)]
+    assert bool(said) == warns, said
+    assert path.is_dir() and (path.is_relative_to(tmp_path) or path == elsewhere)
+
+
+def test_task_names_put_what_differs_between_trials_first():
+    """Four bucketed DDP trials all read `variant=bucketed,profile=False,compile=` in the dashboard (the first 120
+    characters of each config); each name now starts with what tells it from the others."""
+    from raysys.cluster import trial_labels
+    from sweeps import ddp
+
+    args = ddp.build_parser().parse_args(["--variants", "bucketed:1,bucketed:10,bucketed:100,bucketed:1000",
+                                          "--device", "cpu"])
+    trials = ddp.grid(args, "cpu", 2)
+    labels = trial_labels(trials)
+    assert len(set(labels)) == 4 and all(len(label) <= 120 for label in labels)
+    assert labels[0].startswith("label=bucketed 1MB,bucket_size_mb=1.0,size=tiny,")
+    assert trial_labels([{"a": 1, "b": 2}, {"a": 1, "b": 3}]) == ["b=2,a=1", "b=3,a=1"]
+    assert trial_labels([{"a": 1}]) == ["a=1"] and trial_labels([{}]) == ["trial"]
