@@ -6,6 +6,7 @@ re-exports them beside the Ray machinery."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import warnings
@@ -41,18 +42,33 @@ def resolve_out_dir(out: str | os.PathLike | None = None, sweep: str | None = No
     `out` if given (a relative path resolves against the current directory), else `$RAYSYS_RESULTS_DIR`, else a
     fresh run directory `./runs/<UTC time>-<sweep>/` (`$RAYSYS_RUNS_DIR` instead of `./runs`; `sweep` defaults to
     the script's name): the committed `results/` is written only when named. Under `ray job submit` the driver
-    runs in a temporary copy of the working directory: `python -m raysys submit` sets `RAYSYS_RUNS_DIR` to the
-    submitter's `./runs`; a plain `ray job submit` without an absolute `--out` gets a warning.
+    runs in a temporary copy of the working directory when it uploads one (`--working-dir`): `python -m raysys
+    submit` sets `RAYSYS_RUNS_DIR` to the submitter's `./runs`; a `ray job submit --working-dir` without an absolute
+    `--out` gets a warning (a plain `ray job submit` runs where the head started, and its results stay).
     """
     if sweep is None:
         stem = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else ""
         sweep = stem if stem and stem[0].isalnum() and all(c.isalnum() or c in "_.-" for c in stem) else "run"
     path = resolve_out(out, sweep)
-    if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ and path.is_relative_to(Path.cwd()):
+    if job_runs_in_a_temporary_copy() and path.is_relative_to(Path.cwd()):
         warnings.warn(f"results go to {path}, inside this Ray job's temporary working directory; submit with "
                       f"`python -m raysys submit` or pass an absolute --out (e.g. --out \"$PWD/runs/x\" at submit "
                       f"time) to keep them", stacklevel=2)
     return path
+
+
+def job_runs_in_a_temporary_copy() -> bool:
+    """Whether this process is a Ray job's driver running in the copy of a working directory that Ray uploaded (and
+    deletes with the job's runtime env): the job's runtime env names a `working_dir`. Ray passes the job's config to
+    its driver in `RAY_JOB_CONFIG_JSON_ENV_VAR`."""
+    text = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if text is None:
+        return False
+    try:
+        runtime_env = json.loads(text).get("runtime_env") or {}
+    except (ValueError, AttributeError):  # not Ray's JSON: judge by where the driver runs
+        return "runtime_resources" in Path.cwd().parts
+    return bool(runtime_env.get("working_dir"))
 
 
 def interrupted_message(sweep: str, done: int, total: int | None, path: Path | None) -> str:
