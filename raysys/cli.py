@@ -229,6 +229,19 @@ def _doctor(args) -> int:
     return run_doctor(args)
 
 
+def _add_metrics(sub) -> None:
+    from raysys.submit import build_metrics_parser
+
+    build_metrics_parser(sub.add_parser("metrics", help="after `ray start --head`: do the Prometheus and Grafana of the "
+                                                        "dashboard's Metrics tab answer? (else how to start them)"))
+
+
+def _metrics(args) -> int:
+    from raysys.submit import run_metrics
+
+    return run_metrics(args)
+
+
 def _add_plan(sub) -> None:
     from parallel.planner import build_plan_parser
 
@@ -251,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     _add_submit(sub)
     _add_doctor(sub)
+    _add_metrics(sub)
     _add_leaderboard(sub)
     return parser
 
@@ -260,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with interrupt_on_sigterm():  # `timeout`, a scheduler: the rows written stay, the writer's lock goes
             code = {"bench": _bench, "report": _report, "advise": _advise, "plan": _plan, "submit": _submit,
-                    "doctor": _doctor, "leaderboard": _leaderboard}[args.command](args)
+                    "doctor": _doctor, "metrics": _metrics, "leaderboard": _leaderboard}[args.command](args)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at interpreter exit
         return code
     except (ValueError, DiskFull) as exc:

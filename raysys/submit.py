@@ -1,4 +1,5 @@
-"""The cluster path: `python -m raysys submit` (a named job that knows its commit) and `python -m raysys doctor`.
+"""The cluster path: `python -m raysys submit` (a named job that knows its commit), `python -m raysys doctor` (before
+the head starts) and `python -m raysys metrics` (Prometheus and Grafana for the dashboard's Metrics tab).
 
 `submit` wraps Ray's `JobSubmissionClient` (what `ray job submit` uses): it uploads the working directory,
 names the job (`--name`, default the script's stem; the submission id is `<name>-<UTC time>-<hex>`, which the
@@ -13,8 +14,13 @@ it) runs without a job agent: every submission then fails after ~10 s with HTTP 
 submit job". `submit` says so and how to fix it; `doctor` checks, before `ray start --head`, which of the ports the
 README's head command (`HEAD_COMMAND`: the agent on any free port) binds are taken on this machine.
 
+`metrics` asks the Prometheus and Grafana the head's dashboard reads (`RAY_PROMETHEUS_HOST`, `RAY_GRAFANA_HOST`,
+default localhost:9090 and :3000) what the dashboard asks them, and prints, for one that does not answer, the command
+that starts it with the config files the head wrote (`<temp dir>/session_latest/metrics/`).
+
     python -m raysys doctor                                  # before `ray start --head`
     python -m raysys submit -- python sweeps/ddp.py --device cpu
+    python -m raysys metrics                                 # after it: is the Metrics tab served?
 """
 
 from __future__ import annotations
@@ -23,11 +29,14 @@ import argparse
 import asyncio
 import datetime as _dt
 import getpass
+import json
 import os
 import re
 import shlex
 import socket
 import sys
+import urllib.error
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -208,3 +217,67 @@ def run_doctor(args: argparse.Namespace) -> int:
             print(f"raysys doctor: note: {ray_default}, Ray's default dashboard agent port, is in use here: keep "
                   f"`{AGENT_FLAG} 0` on the head and on every node you add")
     return 1 if problems else 0
+
+
+# ---------------------------------------------------------------------------------------------------- metrics
+PROMETHEUS = ("RAY_PROMETHEUS_HOST", "http://localhost:9090")  # what the dashboard reads (Ray 2.60's defaults)
+GRAFANA = ("RAY_GRAFANA_HOST", "http://localhost:3000")
+PROMETHEUS_START = "(cd /tmp && ray metrics launch-prometheus)"
+"""Ray's own launcher: downloads Prometheus into the current directory (hence /tmp), starts it in the background
+with `/tmp/ray/session_latest/metrics/prometheus/prometheus.yml`, which finds every node's metrics port."""
+
+
+def build_metrics_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--temp-dir", default="/tmp/ray", help="the head's `ray start --temp-dir` (default: /tmp/ray)")
+    p.add_argument("--timeout-s", type=float, default=3.0, help="seconds to wait for each answer (default: 3)")
+    return p
+
+
+def _get_json(url: str, timeout_s: float) -> dict | None:
+    """The JSON `url` answers with 200, else None (nothing listening, another status, not JSON)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            body = json.loads(resp.read().decode() or "null")
+    except (OSError, ValueError):  # URLError and HTTPError are OSErrors; a bad body is a ValueError
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def metrics_status(temp_dir: str | os.PathLike = "/tmp/ray", timeout_s: float = 3.0) -> list[tuple[str, str, bool,
+                                                                                                    str]]:
+    """(service, host, answers, how to start it) for Prometheus and Grafana, each asked what the dashboard asks:
+    Prometheus a query (`vector(1)`), Grafana its health (database ok). A ValueError when this machine has no Ray
+    head session (no `<temp_dir>/session_latest/metrics/`, which the head writes the configs to)."""
+    if not timeout_s > 0:
+        raise ValueError(f"--timeout-s ({timeout_s!r}) must be > 0")
+    metrics = Path(temp_dir) / "session_latest" / "metrics"
+    if not metrics.is_dir():
+        raise ValueError(f"no Ray head on this machine: {metrics} does not exist (start one with `{HEAD_COMMAND}`, "
+                         f"or pass the head's --temp-dir)")
+    prometheus = os.environ.get(*PROMETHEUS).rstrip("/")
+    grafana = os.environ.get(*GRAFANA).rstrip("/")
+    config = metrics / "prometheus" / "prometheus.yml"
+    start_prometheus = (PROMETHEUS_START if Path(temp_dir) == Path("/tmp/ray")
+                        else f"prometheus --config.file {config} --web.enable-lifecycle")
+    start_grafana = (f"grafana server --config {metrics / 'grafana' / 'grafana.ini'} --homepath <Grafana's "
+                     f"install directory, e.g. /usr/share/grafana> web")
+    answer = _get_json(f"{prometheus}/api/v1/query?query=vector(1)", timeout_s)
+    prometheus_up = answer is not None and answer.get("status") == "success"
+    health = _get_json(f"{grafana}/api/health", timeout_s)
+    grafana_up = health is not None and health.get("database") == "ok"
+    return [("Prometheus", prometheus, prometheus_up, start_prometheus), ("Grafana", grafana, grafana_up, start_grafana)]
+
+
+def run_metrics(args: argparse.Namespace) -> int:
+    """Exit 0 when Prometheus and Grafana both answer as the dashboard needs, else 1 with the command that starts the
+    missing one."""
+    status = metrics_status(args.temp_dir, args.timeout_s)
+    for service, host, up, start in status:
+        if up:
+            print(f"raysys metrics: {service} answers at {host}")
+        else:
+            print(f"raysys metrics: {service} does not answer at {host}; on the head, start it: {start}")
+    if all(up for _, _, up, _ in status):
+        print("raysys metrics: the dashboard's Metrics tab has its panels (ray_raysys_* while a study runs)")
+        return 0
+    return 1

@@ -188,3 +188,72 @@ def test_task_names_put_what_differs_between_trials_first():
     assert labels[0].startswith("label=bucketed 1MB,bucket_size_mb=1.0,size=tiny,")
     assert trial_labels([{"a": 1, "b": 2}, {"a": 1, "b": 3}]) == ["b=2,a=1", "b=3,a=1"]
     assert trial_labels([{"a": 1}]) == ["a=1"] and trial_labels([{}]) == ["trial"]
+
+
+class _Answers:
+    """A local HTTP server answering GET paths with fixed JSON (Prometheus' query API, Grafana's health)."""
+
+    def __init__(self, answers: dict[str, dict]):
+        import http.server
+        import json
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                body = answers.get(self.path)
+                self.send_response(200 if body is not None else 404)
+                self.end_headers()
+                self.wfile.write(json.dumps(body).encode() if body is not None else b"")
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_metrics_says_whether_prometheus_and_grafana_answer_and_how_to_start_them(tmp_path, monkeypatch, capsys):
+    """The Metrics tab needs Prometheus and Grafana, which the README did not say how to start: `raysys metrics` asks
+    both what the dashboard asks and prints the command for the one that does not answer."""
+    temp = tmp_path / "ray"
+    assert cli.main(["metrics", "--temp-dir", str(temp)]) == 2
+    assert f"no Ray head on this machine: {temp}/session_latest/metrics does not exist" in capsys.readouterr().err
+    (temp / "session_latest" / "metrics" / "grafana").mkdir(parents=True)
+    prometheus = _Answers({"/api/v1/query?query=vector(1)": {"status": "success", "data": {}}})
+    grafana = _Answers({"/api/health": {"database": "ok", "version": "11"}})
+    try:
+        monkeypatch.setenv("RAY_PROMETHEUS_HOST", prometheus.url)
+        monkeypatch.setenv("RAY_GRAFANA_HOST", grafana.url + "/")
+        assert cli.main(["metrics", "--temp-dir", str(temp)]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert out == [f"raysys metrics: Prometheus answers at {prometheus.url}",
+                       f"raysys metrics: Grafana answers at {grafana.url}",
+                       "raysys metrics: the dashboard's Metrics tab has its panels (ray_raysys_* while a study runs)"]
+    finally:
+        grafana.close()
+    monkeypatch.setenv("RAY_GRAFANA_HOST", f"http://127.0.0.1:{_free_port()}")   # nothing listens
+    try:
+        assert cli.main(["metrics", "--temp-dir", str(temp), "--timeout-s", "1"]) == 1
+        _, line = capsys.readouterr().out.splitlines()
+        assert line.startswith("raysys metrics: Grafana does not answer at http://127.0.0.1:")
+        assert f"start it: grafana server --config {temp}/session_latest/metrics/grafana/grafana.ini --homepath" in line
+    finally:
+        prometheus.close()
+    bad = _Answers({"/api/v1/query?query=vector(1)": {"status": "error"}})   # up, but its query engine is not
+    try:
+        monkeypatch.setenv("RAY_PROMETHEUS_HOST", bad.url)
+        assert cli.main(["metrics", "--temp-dir", str(temp), "--timeout-s", "1"]) == 1
+        first = capsys.readouterr().out.splitlines()[0]
+        assert first == (f"raysys metrics: Prometheus does not answer at {bad.url}; on the head, start it: prometheus "
+                         f"--config.file {temp}/session_latest/metrics/prometheus/prometheus.yml --web.enable-lifecycle")
+    finally:
+        bad.close()
+    from raysys.submit import PROMETHEUS_START
+
+    assert PROMETHEUS_START == "(cd /tmp && ray metrics launch-prometheus)" and PROMETHEUS_START in _readme_commands()
