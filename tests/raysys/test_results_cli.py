@@ -3,6 +3,7 @@ directory by default; --resume / --overwrite for an existing file; an impossible
 
 from __future__ import annotations
 
+import os
 import resource
 import subprocess
 import sys
@@ -92,3 +93,44 @@ def test_run_script_turns_interrupts_and_a_full_disk_into_one_line(capsys):
     assert cli.run_script(noted) == 130 and capsys.readouterr().err == ""  # run_sweep printed its own line
     assert cli.run_script(full) == 1
     assert capsys.readouterr().err.endswith("error: no space left writing x.parquet; the previous x.parquet is intact\n")
+
+
+_EDITABLE_INSTALL = """
+import runpy, sys
+from importlib.machinery import PathFinder
+from importlib.util import spec_from_file_location
+
+ROOT = {root!r}
+MAPPING = {{name: ROOT + "/" + name for name in ("raysys", "kernels", "parallel", "sweeps")}}
+
+
+class EditableFinder:
+    # What `pip install -e .` appends to sys.meta_path (setuptools' _EditableFinder), after the path finder:
+    # top-level names mapped to this checkout's folders, their children looked up there.
+    @classmethod
+    def find_spec(cls, fullname, path=None, target=None):
+        if fullname in MAPPING:
+            return spec_from_file_location(fullname, MAPPING[fullname] + "/__init__.py",
+                                           submodule_search_locations=[MAPPING[fullname]])
+        parent = fullname.rpartition(".")[0]
+        return PathFinder.find_spec(fullname, [MAPPING[parent]]) if parent in MAPPING else None
+
+
+sys.meta_path = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
+sys.meta_path.append(EditableFinder)
+sys.argv = ["raysys", *{argv!r}]
+runpy.run_module("raysys", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_python_m_raysys_from_the_parent_of_a_clone_named_raysys(tmp_path):
+    """`python -m raysys` beside a clone named `raysys` (after `git clone ... raysys && pip install -e raysys`):
+    Python takes the clone for a namespace package found before the editable install, and `raysys.results` was the
+    clone's results/ folder (ImportError); the console script worked."""
+    (tmp_path / "raysys").symlink_to(REPO, target_is_directory=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = _EDITABLE_INSTALL.format(root=str(REPO), argv=["report", str(tmp_path / "none.parquet")])
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr == f"raysys report: error: results file {tmp_path / 'none.parquet'} does not exist\n"
