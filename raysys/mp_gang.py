@@ -6,7 +6,9 @@ bootstrap (`raysys.rank.init_rank`, which also sets the gang's `env` in every ra
 launched both ways in one run and the difference is what Ray costs. Rank r uses `cuda:r` of the GPUs this process sees (all ranks see all of them,
 like Ray's `shared` visibility).
 
-Each rank is a persistent `spawn`ed process that joins the group once and then serves calls over a pipe:
+Each rank is a persistent process (forked from a forkserver that imported torch once, `raysys.rank.
+rank_process_context`, with the driver's environment; `spawn`ed where there is no forkserver) that joins the group
+once and then serves calls over a pipe:
 the driver sends a pickled `(fn, args, kwargs)`, the rank answers with the pickled result or the exception
 and its traceback. Results and arguments are pickled by value (never as shared-memory handles) so they
 outlive the process that made them. A rank that raises, dies or exceeds the timeout makes `run` raise at
@@ -23,11 +25,11 @@ import traceback
 from typing import Any, Callable, Mapping
 
 import torch
-import torch.multiprocessing as mp
 
 from raysys.device import resolve_device
-from raysys.rank import (DEVICES, BaseGang, PlacementInfeasible, RankSpec, check_local_cpu_ranks, destroy_rank,
-                         device_description, die_with_parent, free_port, init_rank)
+from raysys.rank import (DEVICES, BaseGang, PlacementInfeasible, RankSpec, adopt_environ, check_local_cpu_ranks,
+                         destroy_rank, device_description, die_with_parent, free_port, init_rank,
+                         rank_process_context)
 
 
 def local_device(device: str) -> str:
@@ -53,8 +55,9 @@ class RankFailed(RuntimeError):
     """A rank process raised an exception that could not be sent back as itself, or died."""
 
 
-def _serve(spec: RankSpec, conn) -> None:
+def _serve(spec: RankSpec, conn, environ: dict[str, str]) -> None:
     die_with_parent()
+    adopt_environ(environ)
     try:
         ctx = init_rank(spec)
         conn.send_bytes(pickle.dumps(("ok", device_description(ctx))))
@@ -110,7 +113,7 @@ class ProcessGang(BaseGang):
         check_local_placement(self.world_size, self.device)
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = rank_process_context()
         port = free_port()
         threads = max(1, (os.cpu_count() or 1) // self.world_size)
         for rank in range(self.world_size):
@@ -120,7 +123,8 @@ class ProcessGang(BaseGang):
                             device_index=rank if self.device == "cuda" else None, timeout_s=self.timeout_s,
                             num_threads=threads, env=self.env)
             parent, child = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=_serve, args=(spec, child), name=f"{self.name}.rank{rank}", daemon=True)
+            proc = ctx.Process(target=_serve, args=(spec, child, dict(os.environ)), name=f"{self.name}.rank{rank}",
+                               daemon=True)
             proc.start()
             child.close()
             self._procs.append(proc)

@@ -141,10 +141,30 @@ def test_process_gang_keeps_the_interfaces_rules():
     assert not gang.running and not any(p.is_alive() for p in procs)
 
 
+def _environ(ctx: RankContext, *names: str) -> dict:
+    return {name: os.environ.get(name) for name in names}
+
+
+@pytest.mark.multiproc
+def test_process_gang_ranks_see_the_drivers_environment_as_it_is_when_they_start(monkeypatch):
+    """Ranks are forked from a forkserver that imported torch once (its environment is the driver's when it started);
+    each rank still sees the driver's environment of the moment its gang starts, as a spawned rank would."""
+    monkeypatch.setenv("RAYSYS_TEST_SEEN", "first")
+    monkeypatch.setenv("RAYSYS_TEST_GONE", "set")
+    with ProcessGang(2, device="cpu", name="env", timeout_s=60) as gang:
+        assert gang.run(_environ, "RAYSYS_TEST_SEEN", "RAYSYS_TEST_GONE") == [
+            {"RAYSYS_TEST_SEEN": "first", "RAYSYS_TEST_GONE": "set"}] * 2
+    monkeypatch.setenv("RAYSYS_TEST_SEEN", "second")   # the forkserver, if any, is running since the first gang
+    monkeypatch.delenv("RAYSYS_TEST_GONE")
+    with ProcessGang(2, device="cpu", name="env", timeout_s=60, env={"NCCL_DEBUG": "WARN"}) as gang:
+        seen = gang.run(_environ, "RAYSYS_TEST_SEEN", "RAYSYS_TEST_GONE", "NCCL_DEBUG", "NCCL_NVLS_ENABLE", "RANK")
+    assert seen == [{"RAYSYS_TEST_SEEN": "second", "RAYSYS_TEST_GONE": None, "NCCL_DEBUG": "WARN",
+                     "NCCL_NVLS_ENABLE": "0", "RANK": str(r)} for r in range(2)]
+
+
 _ORPHAN_DRIVER = """
 import os, signal, time
-import torch.multiprocessing as mp
-from raysys.rank import die_with_parent
+from raysys.rank import die_with_parent, rank_process_context
 
 
 def child():
@@ -153,7 +173,7 @@ def child():
 
 
 if __name__ == "__main__":
-    proc = mp.get_context("spawn").Process(target=child, daemon=True)
+    proc = rank_process_context().Process(target=child, daemon=True)  # as ProcessGang and the test harness start ranks
     proc.start()
     print(proc.pid, flush=True)
     time.sleep(3)  # the child has called die_with_parent by now
