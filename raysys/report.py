@@ -94,9 +94,9 @@ def section(path: Path) -> str:
     return f"## {path.stem}\n\n" + (f"_{prov}_\n\n" if prov else "") + f"{body}\n"
 
 
-def sweep_files(path: str | os.PathLike, only: list[str] | None = None) -> list[Path]:
-    """The `<sweep>.parquet` files a report covers: `path` itself, or those in the directory `path`, each sweep of
-    `only` (file stems) among them; a ValueError naming what is missing."""
+def sweep_files(path: str | os.PathLike, only: list[str] | None = None, *, missing_ok: bool = False) -> list[Path]:
+    """The `<sweep>.parquet` files a report covers: `path` itself, or those in the directory `path`, of the sweeps
+    `only` names (file stems); a ValueError naming what is missing (with `missing_ok`, only when none is there)."""
     path = Path(path)
     if not path.exists():
         what = "results file" if path.suffix == ".parquet" else "results directory"
@@ -106,18 +106,20 @@ def sweep_files(path: str | os.PathLike, only: list[str] | None = None) -> list[
         raise ValueError(f"no .parquet files in {path}")
     if only:
         stems = [f.stem for f in files]
-        if missing := [name for name in only if name not in stems]:
+        missing = [name for name in only if name not in stems]
+        if missing and (not missing_ok or len(missing) == len(set(only))):
             raise ValueError(f"--only {' '.join(missing)}: {path} has no {', '.join(f'{m}.parquet' for m in missing)}"
                              f" (its sweeps: {', '.join(stems)})")
         files = [f for f in files if f.stem in only]
     return files
 
 
-def sections(path: str | os.PathLike, only: list[str] | None = None) -> tuple[str, list[str]]:
+def sections(path: str | os.PathLike, only: list[str] | None = None, *, missing_ok: bool = False
+             ) -> tuple[str, list[str]]:
     """The markdown of every sweep file `sweep_files` finds, and one line per file that could not be read (its
     section is that line; the others still report)."""
     parts, unreadable = [], []
-    for f in sweep_files(path, only):
+    for f in sweep_files(path, only, missing_ok=missing_ok):
         try:
             parts.append(section(f))
         except ResultsError as exc:
@@ -126,9 +128,9 @@ def sections(path: str | os.PathLike, only: list[str] | None = None) -> tuple[st
     return "\n".join(parts), unreadable
 
 
-def report(results_dir: str | os.PathLike, only: list[str] | None = None) -> str:
+def report(results_dir: str | os.PathLike, only: list[str] | None = None, *, missing_ok: bool = False) -> str:
     """`sections`' markdown."""
-    return sections(results_dir, only)[0]
+    return sections(results_dir, only, missing_ok=missing_ok)[0]
 
 
 # ---------------------------------------------------------------------------------------------------- plots

@@ -105,3 +105,15 @@ def test_plots_of_a_results_directory_are_drawn_beside_one_line_per_failure(resu
     assert [line for line in err.splitlines() if "ddp_compiled" in line] == [
         line for line in err.splitlines() if line.startswith("raysys report: no plot of ddp_compiled.parquet: ")]
     assert len(err.splitlines()) == 1, err
+
+
+def test_the_library_report_may_take_the_sweeps_that_are_there(results):
+    """`sweeps/flash_summary.py` prints the FlashAttention studies of a directory that holds either or both."""
+    from raysys.report import report
+
+    text = report(results, only=["ddp", "nosuch"], missing_ok=True)
+    assert "## ddp" in text and "## bench" not in text
+    with pytest.raises(ValueError, match="has no nosuch.parquet"):
+        report(results, only=["nosuch"], missing_ok=True)
+    with pytest.raises(ValueError, match="has no nosuch.parquet"):
+        report(results, only=["ddp", "nosuch"])
