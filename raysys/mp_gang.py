@@ -91,7 +91,8 @@ def _error_payload(exc: BaseException) -> bytes:
 
 class ProcessGang(BaseGang):
     """`world_size` local rank processes joined in one process group; `BaseGang`'s interface, as `raysys.gang.Gang`.
-    `start_timeout_s` bounds the wait for every rank to join."""
+    `start_timeout_s` bounds the wait for every rank to join. Each rank takes the machine's CPUs divided among the
+    ranks as torch threads, at most as many as the driver's `torch.get_num_threads()`."""
 
     def __init__(self, world_size: int, *, device: str = "auto", name: str = "gang", timeout_s: float = 600.0,
                  start_timeout_s: float = 120.0, env: Mapping[str, str] | None = None):
@@ -115,7 +116,9 @@ class ProcessGang(BaseGang):
     def _start(self) -> None:
         ctx = rank_process_context()
         port = free_port()
-        threads = max(1, (os.cpu_count() or 1) // self.world_size)
+        # The machine's CPUs shared by the ranks, and no more threads than the driver uses itself (a driver pinned
+        # to one thread, as under pytest-xdist, must not have its ranks' OpenMP threads spin against each other).
+        threads = max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // self.world_size))
         for rank in range(self.world_size):
             spec = RankSpec(rank=rank, world_size=self.world_size, local_rank=rank,
                             local_world_size=self.world_size, node_rank=0, master_addr="127.0.0.1",

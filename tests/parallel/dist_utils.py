@@ -108,7 +108,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
                          f"{torch.cuda.device_count()} visible")
     ctx = rank_process_context()
     results = ctx.Queue()
-    num_threads = max(1, (os.cpu_count() or 1) // world_size)
+    num_threads = max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // world_size))  # as ProcessGang
     with tempfile.TemporaryDirectory(prefix="dist_utils_") as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_worker,
