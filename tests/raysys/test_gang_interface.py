@@ -162,6 +162,30 @@ def test_process_gang_ranks_see_the_drivers_environment_as_it_is_when_they_start
                      "NCCL_NVLS_ENABLE": "0", "RANK": str(r)} for r in range(2)]
 
 
+def _threads(ctx: RankContext) -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+@pytest.mark.multiproc
+def test_process_gang_ranks_take_no_more_threads_than_the_driver():
+    """A rank took the machine's CPUs / ranks as threads: 2 under a one-thread pytest worker on 2 cores, whose OpenMP
+    threads then spun against the other worker's (tiny steps of ~1 s instead of ~7 ms)."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with ProcessGang(1, device="cpu", name="threads", timeout_s=60) as gang:
+            assert gang.run(_threads) == [1]
+        torch.set_num_threads(2)
+        with ProcessGang(1, device="cpu", name="threads", timeout_s=60) as gang:
+            assert gang.run(_threads) == [min(2, os.cpu_count() or 1)]
+    finally:
+        torch.set_num_threads(before)
+
+
 _ORPHAN_DRIVER = """
 import os, signal, time
 from raysys.rank import die_with_parent, rank_process_context
