@@ -278,9 +278,10 @@ def check_local_cpu_ranks(world_size: int) -> None:
                                   f"{CPU_RANKS_PER_CORE} per CPU), {RANK_PROCESS_BYTES // 2**20} MiB each)")
 
 
-PRELOAD = ("torch", "torch.distributed")
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
 """What the forkserver imports once, so that each rank process it forks starts with it (a few CPU seconds per rank
-that a spawned process spends importing torch). Only installed packages: the server imports them with its own
+that a spawned process spends importing torch, and its compiler stack, which every optimizer and
+`raysys.memory.TrialScope` import). Only installed packages: the server imports them with its own
 sys.path (Python 3.11's forkserver does not take the driver's), which may find another checkout of this one."""
 
 
