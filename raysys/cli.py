@@ -14,7 +14,7 @@ from pathlib import Path
 
 from raysys.bench import DTYPES, MODES, BenchConfig, row_config, run_benchmark
 from raysys.config import SIZES
-from raysys.device import check_fits, resolve_device
+from raysys.device import check_fits
 from raysys.results import DiskFull, ResultWriter, discard_empty_run_dirs, resolve_out, trial_id
 from raysys.signals import interrupt_on_sigterm
 from raysys.studies import JoinList, split_list
@@ -232,8 +232,8 @@ def _doctor(args) -> int:
 def _add_metrics(sub) -> None:
     from raysys.submit import build_metrics_parser
 
-    build_metrics_parser(sub.add_parser("metrics", help="after `ray start --head`: do the Prometheus and Grafana of the "
-                                                        "dashboard's Metrics tab answer? (else how to start them)"))
+    build_metrics_parser(sub.add_parser("metrics", help="after `ray start --head`: do the Prometheus and Grafana of "
+                                                        "the dashboard's Metrics tab answer? (else how to start them)"))
 
 
 def _metrics(args) -> int:

@@ -243,8 +243,8 @@ def _get_json(url: str, timeout_s: float) -> dict | None:
     return body if isinstance(body, dict) else None
 
 
-def metrics_status(temp_dir: str | os.PathLike = "/tmp/ray", timeout_s: float = 3.0) -> list[tuple[str, str, bool,
-                                                                                                    str]]:
+def metrics_status(temp_dir: str | os.PathLike = "/tmp/ray", timeout_s: float = 3.0
+                   ) -> list[tuple[str, str, bool, str]]:
     """(service, host, answers, how to start it) for Prometheus and Grafana, each asked what the dashboard asks:
     Prometheus a query (`vector(1)`), Grafana its health (database ok). A ValueError when this machine has no Ray
     head session (no `<temp_dir>/session_latest/metrics/`, which the head writes the configs to)."""
@@ -265,7 +265,8 @@ def metrics_status(temp_dir: str | os.PathLike = "/tmp/ray", timeout_s: float = 
     prometheus_up = answer is not None and answer.get("status") == "success"
     health = _get_json(f"{grafana}/api/health", timeout_s)
     grafana_up = health is not None and health.get("database") == "ok"
-    return [("Prometheus", prometheus, prometheus_up, start_prometheus), ("Grafana", grafana, grafana_up, start_grafana)]
+    return [("Prometheus", prometheus, prometheus_up, start_prometheus),
+            ("Grafana", grafana, grafana_up, start_grafana)]
 
 
 def run_metrics(args: argparse.Namespace) -> int:

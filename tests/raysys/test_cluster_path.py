@@ -250,8 +250,9 @@ def test_metrics_says_whether_prometheus_and_grafana_answer_and_how_to_start_the
         monkeypatch.setenv("RAY_PROMETHEUS_HOST", bad.url)
         assert cli.main(["metrics", "--temp-dir", str(temp), "--timeout-s", "1"]) == 1
         first = capsys.readouterr().out.splitlines()[0]
+        config = temp / "session_latest" / "metrics" / "prometheus" / "prometheus.yml"
         assert first == (f"raysys metrics: Prometheus does not answer at {bad.url}; on the head, start it: prometheus "
-                         f"--config.file {temp}/session_latest/metrics/prometheus/prometheus.yml --web.enable-lifecycle")
+                         f"--config.file {config} --web.enable-lifecycle")
     finally:
         bad.close()
     from raysys.submit import PROMETHEUS_START

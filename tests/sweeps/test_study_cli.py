@@ -306,7 +306,8 @@ def test_every_list_flag_takes_words_or_one_comma_list():
     from sweeps import checkpointing, ddp, flash_tiles, fsdp
 
     for module, flag, values in ((ddp, "--variants", ["naive", "bucketed:10"]), (ddp, "--dtypes", ["fp32", "bf16"]),
-                                 (fsdp, "--variants", ["fsdp", "ddp"]), (flash_tiles, "--variants", ["portable", "tma"]),
+                                 (fsdp, "--variants", ["fsdp", "ddp"]),
+                                 (flash_tiles, "--variants", ["portable", "tma"]),
                                  (checkpointing, "--studies", ["segments", "offload"]), (ddp, "--world-sizes", ["2"])):
         parser = module.build_parser()
         dest = flag.lstrip("-").replace("-", "_")
