@@ -1,6 +1,7 @@
-"""`python -m raysys <command>`: bench, report (and the planner / advisor subcommands).
+"""`python -m raysys <command>`: bench, report, advise, plan, submit, doctor, metrics, leaderboard.
 
-Defaults run on a laptop CPU: `python -m raysys bench --size tiny` finishes in seconds.
+Defaults run on a laptop CPU: `python -m raysys bench --size tiny` finishes in seconds. Each command imports what it
+needs when it runs, so `doctor`, `submit`, `metrics` and `report` start without torch or the kernels.
 """
 
 from __future__ import annotations
@@ -12,16 +13,15 @@ import os
 import sys
 from pathlib import Path
 
-from raysys.bench import DTYPES, MODES, BenchConfig, row_config, run_benchmark
 from raysys.config import SIZES
-from raysys.device import check_fits
 from raysys.results import DiskFull, ResultWriter, discard_empty_run_dirs, resolve_out, trial_id
 from raysys.signals import interrupt_on_sigterm
 from raysys.studies import JoinList, split_list
 
 
-def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="end-to-end benchmark of the model (forward / backward / optimizer times)")
+def _add_bench(p: argparse.ArgumentParser) -> None:
+    from raysys.bench import DTYPES, MODES
+
     # List flags take several words or one comma list, as the studies' do (`raysys.studies.JoinList`).
     p.add_argument("--size", action=JoinList, default="small", metavar="SIZE",
                    help=f"named model size(s), several or a comma list, of {', '.join(SIZES)} (default: small)")
@@ -65,6 +65,8 @@ def _label(cfg: BenchConfig) -> str:
 
 def bench_configs(args: argparse.Namespace) -> list[BenchConfig]:
     """Every combination of the list flags (--size, --context-length, --mode, --dtype), each checked."""
+    from raysys.bench import BenchConfig
+
     contexts = [None] if args.context_length is None else [_int("--context-length", c)
                                                            for c in split_list(args.context_length)]
     return [BenchConfig(size=s, context_length=c, batch_size=args.batch_size, vocab_size=args.vocab_size, mode=m,
@@ -77,7 +79,8 @@ def bench_configs(args: argparse.Namespace) -> list[BenchConfig]:
 def _bench(args) -> int:
     from tqdm.auto import tqdm
 
-    from raysys.bench import check_device, num_steps
+    from raysys.bench import check_device, num_steps, row_config, run_benchmark
+    from raysys.device import check_fits
 
     configs = bench_configs(args)
     for cfg in configs:  # before any model is built: a CPU run is bounded by this machine's memory
@@ -131,8 +134,7 @@ def _print_bench(rows: list[dict]) -> None:
     print(df[[c for c in cols if c in df]].to_markdown(index=False, floatfmt=".3g"))
 
 
-def _add_report(sub) -> None:
-    p = sub.add_parser("report", help="markdown tables from a results directory or Parquet file")
+def _add_report(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="results directory or a <sweep>.parquet file")
     p.add_argument("--only", action=JoinList, default=None, metavar="SWEEP",
                    help="sweep names (file stems) to include, several or a comma list")
@@ -178,10 +180,10 @@ def _report(args) -> int:
     return 1 if unreadable or failed else 0
 
 
-def _add_advise(sub) -> None:
+def _add_advise(p: argparse.ArgumentParser) -> None:
     from raysys.advisor import build_advise_parser
 
-    build_advise_parser(sub.add_parser("advise", help="per-layer activation-checkpointing plan that fits a GPU"))
+    build_advise_parser(p)
 
 
 def _advise(args) -> int:
@@ -190,11 +192,10 @@ def _advise(args) -> int:
     return run_advise(args)  # 0: a plan fits, 1: nothing fits
 
 
-def _add_leaderboard(sub) -> None:
+def _add_leaderboard(p: argparse.ArgumentParser) -> None:
     from raysys.leaderboard_bench import build_leaderboard_parser
 
-    build_leaderboard_parser(sub.add_parser("leaderboard", help="the leaderboard training step: ablation from "
-                                                                "today's composition to the fastest (handout 9)"))
+    build_leaderboard_parser(p)
 
 
 def _leaderboard(args) -> int:
@@ -204,11 +205,10 @@ def _leaderboard(args) -> int:
     return 0 if (df["status"] == "ok").any() else 1
 
 
-def _add_submit(sub) -> None:
+def _add_submit(p: argparse.ArgumentParser) -> None:
     from raysys.submit import build_submit_parser
 
-    build_submit_parser(sub.add_parser("submit", help="submit a sweep to a Ray cluster as a named job that carries "
-                                                      "its commit, and follow its logs"))
+    build_submit_parser(p)
 
 
 def _submit(args) -> int:
@@ -217,10 +217,10 @@ def _submit(args) -> int:
     return run_submit(args)
 
 
-def _add_doctor(sub) -> None:
+def _add_doctor(p: argparse.ArgumentParser) -> None:
     from raysys.submit import build_doctor_parser
 
-    build_doctor_parser(sub.add_parser("doctor", help="before `ray start --head`: are the ports it binds free here?"))
+    build_doctor_parser(p)
 
 
 def _doctor(args) -> int:
@@ -229,11 +229,10 @@ def _doctor(args) -> int:
     return run_doctor(args)
 
 
-def _add_metrics(sub) -> None:
+def _add_metrics(p: argparse.ArgumentParser) -> None:
     from raysys.submit import build_metrics_parser
 
-    build_metrics_parser(sub.add_parser("metrics", help="after `ray start --head`: do the Prometheus and Grafana of "
-                                                        "the dashboard's Metrics tab answer? (else how to start them)"))
+    build_metrics_parser(p)
 
 
 def _metrics(args) -> int:
@@ -242,11 +241,10 @@ def _metrics(args) -> int:
     return run_metrics(args)
 
 
-def _add_plan(sub) -> None:
+def _add_plan(p: argparse.ArgumentParser) -> None:
     from parallel.planner import build_plan_parser
 
-    build_plan_parser(sub.add_parser("plan", help="parallelism planner: DP / FSDP / TP / FSDP+TP limits (handout 8)"),
-                      sizes=SIZES)
+    build_plan_parser(p, sizes=SIZES)
 
 
 def _plan(args) -> int:
@@ -255,26 +253,40 @@ def _plan(args) -> int:
     return run_plan(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+COMMANDS = {  # name: (help, add its arguments, run it)
+    "bench": ("end-to-end benchmark of the model (forward / backward / optimizer times)", _add_bench, _bench),
+    "report": ("markdown tables from a results directory or Parquet file", _add_report, _report),
+    "advise": ("per-layer activation-checkpointing plan that fits a GPU", _add_advise, _advise),
+    "plan": ("parallelism planner: DP / FSDP / TP / FSDP+TP limits (handout 8)", _add_plan, _plan),
+    "submit": ("submit a sweep to a Ray cluster as a named job that carries its commit, and follow its logs",
+               _add_submit, _submit),
+    "doctor": ("before `ray start --head`: are the ports it binds free here?", _add_doctor, _doctor),
+    "metrics": ("after `ray start --head`: do the Prometheus and Grafana of the dashboard's Metrics tab answer? "
+                "(else how to start them)", _add_metrics, _metrics),
+    "leaderboard": ("the leaderboard training step: ablation from today's composition to the fastest (handout 9)",
+                    _add_leaderboard, _leaderboard),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser: every command, each with its arguments, or with `command` only that one's (the others'
+    modules, torch and the kernels among them, stay unimported)."""
     parser = argparse.ArgumentParser(prog="raysys", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_bench(sub)
-    _add_report(sub)
-    _add_advise(sub)
-    _add_plan(sub)
-    _add_submit(sub)
-    _add_doctor(sub)
-    _add_metrics(sub)
-    _add_leaderboard(sub)
+    for name, (text, add, _) in COMMANDS.items():
+        p = sub.add_parser(name, help=text)
+        if command in (None, name):
+            add(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
     try:
         with interrupt_on_sigterm():  # `timeout`, a scheduler: the rows written stay, the writer's lock goes
-            code = {"bench": _bench, "report": _report, "advise": _advise, "plan": _plan, "submit": _submit,
-                    "doctor": _doctor, "metrics": _metrics, "leaderboard": _leaderboard}[args.command](args)
+            code = COMMANDS[args.command][2](args)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at interpreter exit
         return code
     except (ValueError, DiskFull) as exc:

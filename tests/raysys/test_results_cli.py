@@ -134,3 +134,19 @@ def test_python_m_raysys_from_the_parent_of_a_clone_named_raysys(tmp_path):
                           timeout=300)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert done.stderr == f"raysys report: error: results file {tmp_path / 'none.parquet'} does not exist\n"
+
+
+def test_the_cluster_and_report_commands_start_without_torch(tmp_path):
+    """`python -m raysys doctor`, the first step of the cluster recipe, imported torch, Triton and the kernels to
+    build every command's parser (20 s on a busy 2-core host): a command now imports what it runs."""
+    code = f"""
+import sys
+from raysys import cli
+codes = [cli.main(argv) for argv in (["doctor", "--port", "0"], ["metrics", "--temp-dir", {str(tmp_path)!r}],
+                                     ["report", {str(tmp_path / "none")!r}], ["submit"])]
+print(codes, sorted(m for m in ("torch", "triton", "kernels") if m in sys.modules))
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] in ("[0, 2, 2, 2] []", "[1, 2, 2, 2] []"), done.stdout
+    assert "raysys submit: error: no command to run" in done.stderr
