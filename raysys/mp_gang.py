@@ -6,9 +6,9 @@ bootstrap (`raysys.rank.init_rank`, which also sets the gang's `env` in every ra
 launched both ways in one run and the difference is what Ray costs. Rank r uses `cuda:r` of the GPUs this process sees (all ranks see all of them,
 like Ray's `shared` visibility).
 
-Each rank is a persistent process (forked from a forkserver that imported torch once, `raysys.rank.
-rank_process_context`, with the driver's environment; `spawn`ed where there is no forkserver) that joins the group
-once and then serves calls over a pipe:
+Each rank is a persistent process (a CPU rank forked from a forkserver that imported torch once, `raysys.rank.
+rank_process_context`, with the driver's environment; a CUDA rank `spawn`ed) that joins the group once and then serves
+calls over a pipe:
 the driver sends a pickled `(fn, args, kwargs)`, the rank answers with the pickled result or the exception
 and its traceback. Results and arguments are pickled by value (never as shared-memory handles) so they
 outlive the process that made them. A rank that raises, dies or exceeds the timeout makes `run` raise at
@@ -114,7 +114,7 @@ class ProcessGang(BaseGang):
         check_local_placement(self.world_size, self.device)
 
     def _start(self) -> None:
-        ctx = rank_process_context()
+        ctx = rank_process_context(self.device)
         port = free_port()
         # The machine's CPUs shared by the ranks, and no more threads than the driver uses itself (a driver pinned
         # to one thread, as under pytest-xdist, must not have its ranks' OpenMP threads spin against each other).

@@ -285,16 +285,18 @@ that a spawned process spends importing torch, and its compiler stack, which eve
 sys.path (Python 3.11's forkserver does not take the driver's), which may find another checkout of this one."""
 
 
-def rank_process_context():
-    """The multiprocessing context that starts local rank processes: `forkserver` with `PRELOAD` imported in the
-    server (a process of its own, started the first time, with no threads: forking it is as safe as spawning), else
-    `spawn`. A forked rank calls `adopt_environ` with the driver's `os.environ` of that moment, since the server's
-    environment is the driver's when the server started."""
+def rank_process_context(device_type: str = "cpu"):
+    """The multiprocessing context that starts local rank processes of `device_type`: for CPU ranks `forkserver`,
+    with `PRELOAD` imported in the server (a process of its own, started the first time, that does nothing but
+    import them and fork), where the platform has one; else, and for CUDA ranks, `spawn` (a CUDA rank's process must
+    not descend from one whose CUDA driver may have been initialised, and its GPU work dwarfs the import). A forked
+    rank calls `adopt_environ` with the driver's `os.environ` of that moment, since the server's environment is the
+    driver's when the server started."""
     import multiprocessing as std_mp
 
     import torch.multiprocessing as mp
 
-    if "forkserver" not in std_mp.get_all_start_methods():
+    if device_type == "cuda" or "forkserver" not in std_mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
