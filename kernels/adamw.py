@@ -25,6 +25,8 @@ order; the tests bound that too.
 
 Parameters the kernel cannot take run the reference's own torch ops (`_reference_update`): a CPU tensor without
 `TRITON_INTERPRET=1`, a non-contiguous tensor, a dtype other than fp32/bf16/fp16, a grad of another dtype.
+`FusedAdamW.label` says which ran (`FusedAdamW`: the kernel for every parameter; `FusedAdamW[reference]`, e.g. on a
+CPU without the interpreter; `FusedAdamW[kernel+reference]`), and `optimizer_label` names any optimizer so.
 The launch is the custom op `raysys::fused_adamw_` (mutating params, m, v), so a compiled step keeps it whole.
 
 `ForeachAdamW` is the same update through torch's `_foreach_` ops (no Triton launch), for the CPU.
@@ -309,7 +311,28 @@ class _AdamWBase(torch.optim.Optimizer):
 
 
 class FusedAdamW(_AdamWBase):
-    """AdamW with `raysys.model.AdamW`'s semantics, defaults and state (`t`, `m`, `v`), one launch per device/dtype."""
+    """AdamW with `raysys.model.AdamW`'s semantics, defaults and state (`t`, `m`, `v`), one launch per device/dtype.
+    `paths` is what updated the parameters in the last step ({'kernel', 'reference'}; before the first step, what
+    will for parameters whose gradient matches them); `label` names it for a result row."""
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self._ran: set[str] | None = None
+
+    @property
+    def paths(self) -> set[str]:
+        if self._ran is not None:
+            return set(self._ran)
+        return {"kernel" if kernel_can_take(p, p) else "reference"
+                for group in self.param_groups for p in group["params"] if p.requires_grad}
+
+    @property
+    def label(self) -> str:
+        """`FusedAdamW` when the kernel updates every parameter, else `FusedAdamW[reference]` or
+        `FusedAdamW[kernel+reference]`: what ran, not only what was asked for."""
+        paths = self.paths
+        return "FusedAdamW" if paths <= {"kernel"} else f"FusedAdamW[{'+'.join(sorted(paths))}]"
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
@@ -318,6 +341,7 @@ class FusedAdamW(_AdamWBase):
             with torch.enable_grad():
                 loss = closure()
         launches: dict[tuple, tuple[list, list, list, list, list]] = {}
+        ran: set[str] = set()
         for group in self.param_groups:
             lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
@@ -332,12 +356,29 @@ class FusedAdamW(_AdamWBase):
                     lists = launches.setdefault((p.device, p.dtype), ([], [], [], [], []))
                     for lst, x in zip(lists, (p, g, m, v, step_scalars(lr, betas, eps, wd, t, p.dtype, p.device))):
                         lst.append(x)
+                    ran.add("kernel")
                 else:
                     _reference_update(p, g, m, v, t, lr, betas[0], betas[1], eps, wd)
+                    ran.add("reference")
                 state["t"] = t + 1
         for ps, gs, ms, vs, scalars in launches.values():
             _fused_adamw_op(ps, gs, ms, vs, torch.tensor(scalars, dtype=torch.float64).to(torch.float32))
+        if ran:  # a step without gradients changes nothing, nor what the last one ran
+            self._ran = ran
         return loss
+
+
+def optimizer_label(*optimizers: torch.optim.Optimizer) -> str:
+    """What a row's `optimizer_class` says: the class name, for `FusedAdamW` with what updated the parameters (its
+    `label`). Several optimizers (one per parameter, as an optimizer stepped in backward holds them) give one label
+    when they share a class."""
+    names = {type(o).__name__ for o in optimizers}
+    if len(names) != 1:
+        raise ValueError(f"optimizer_label takes optimizers of one class, got {sorted(names)}")
+    if not isinstance(optimizers[0], FusedAdamW):
+        return names.pop()
+    paths = set().union(*(o.paths for o in optimizers))
+    return "FusedAdamW" if paths <= {"kernel"} else f"FusedAdamW[{'+'.join(sorted(paths))}]"
 
 
 class ForeachAdamW(_AdamWBase):

@@ -10,6 +10,9 @@ Phases per mode: `forward` runs the forward pass and loss under `torch.no_grad()
 
     row, kernels = run_benchmark(BenchConfig(size="small", dtype="bf16", steps=10), out_dir="runs/demo")
     row["forward_mean_s"], row["step_mean_s"], row["peak_memory_bytes"]   # `python -m raysys bench` writes rows
+
+`progress` (a tqdm bar of `num_steps(cfg)` steps, which `python -m raysys bench` draws per configuration) is told
+the phase (`build`, `warm-up`, `timed`, `profile`, `memory`) and advanced after every step.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ class BenchConfig:
     profile: bool = False
     """Run torch.profiler over the timed steps and summarise kernels per phase."""
     memory_profile: bool = False
-    """Record a CUDA memory snapshot over one step and render its timeline."""
+    """Peak memory of a forward and of a full step, a CUDA memory snapshot of one step and its timeline (CUDA only)."""
     seed: int = 0
     """Seed for weights and data."""
 
@@ -139,34 +142,65 @@ class _Run:
                 timer.time("optimizer", self.optimizer.step)
 
 
+def check_device(cfg: BenchConfig) -> torch.device:
+    """The device `cfg` runs on; a ValueError when it cannot run `cfg` at all (no CUDA for `cuda`; a memory profile
+    off CUDA, where there is no allocator to read a peak or a snapshot from)."""
+    device = resolve_device(cfg.device)
+    if cfg.memory_profile and device.type != "cuda":
+        raise ValueError(f"--memory-profile needs a CUDA device (peak memory and the allocator snapshot come from "
+                         f"CUDA's caching allocator); --device {cfg.device} runs on {device.type} here")
+    return device
+
+
 def row_config(cfg: BenchConfig) -> dict:
     """The configuration columns of `cfg`'s row, which its trial id hashes: the fields, the model's context length
     and vocabulary, and the resolved device type (so `--resume` can skip it before running)."""
     return {**cfg.as_dict(), "device": resolve_device(cfg.device).type}
 
 
-def run_benchmark(cfg: BenchConfig, out_dir: str | Path | None = None) -> tuple[dict, pd.DataFrame | None]:
-    """Run one benchmark; return (result row, kernel table or None). Artifacts (traces, snapshots) go to out_dir."""
-    device = resolve_device(cfg.device)
+def num_steps(cfg: BenchConfig) -> int:
+    """Steps one run of `cfg` takes: warm-up, timed, and the memory profile's one step and one forward."""
+    return cfg.warmup + cfg.steps + (2 if cfg.memory_profile else 0)
+
+
+class _NoProgress:
+    def set_postfix_str(self, text: str) -> None:
+        pass
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+
+def run_benchmark(cfg: BenchConfig, out_dir: str | Path | None = None, progress=None
+                  ) -> tuple[dict, pd.DataFrame | None]:
+    """Run one benchmark; return (result row, kernel table or None). Artifacts (traces, snapshots) go to out_dir.
+    `progress` (a tqdm bar of `num_steps(cfg)`) is told each phase and advanced after each step."""
+    progress = progress if progress is not None else _NoProgress()
+    device = check_device(cfg)
     config = row_config(cfg)
     mc = cfg.model_config()
     run = None
     try:
         memory.reset_peak(device)
+        progress.set_postfix_str("build" + (" + compile" if cfg.compile else ""))
         run = _Run(cfg, device)
         metrics: dict = {"num_params": sum(p.numel() for p in run.model.parameters()),
                          "memory_after_init_bytes": memory.allocated_bytes(device)}
         timer = PhaseTimer(device, recording=False)
+        progress.set_postfix_str("warm-up")
         for _ in range(cfg.warmup):
             run.step(timer)
+            progress.update()
         timer.recording = True
         memory.reset_peak(device)
         kernels = None
+        progress.set_postfix_str("profile" if cfg.profile else "timed")
         if cfg.profile:
             prof = profiling.make_profiler(device)
             with prof:
                 for _ in range(cfg.steps):
                     run.step(timer)
+                    progress.update()
             kernels = profiling.kernel_table(prof, device, cfg.steps)
             metrics.update(profiling.matmul_share(kernels))
             if out_dir is not None:
@@ -175,13 +209,15 @@ def run_benchmark(cfg: BenchConfig, out_dir: str | Path | None = None) -> tuple[
         else:
             for _ in range(cfg.steps):
                 run.step(timer)
+                progress.update()
         metrics["peak_memory_bytes"] = memory.peak_bytes(device)
         metrics.update(timer.summary())
         flops_per_step = mc.forward_flops(cfg.batch_size) * {"forward": 1, "forward-backward": 3, "train-step": 3}[cfg.mode]
         metrics["tflops_per_s"] = tflops(flops_per_step, metrics["step_mean_s"])
         metrics["tokens_per_s"] = cfg.batch_size * mc.context_length / metrics["step_mean_s"]
         if cfg.memory_profile:
-            metrics.update(_memory_profile(run, out_dir))
+            progress.set_postfix_str("memory")
+            metrics.update(_memory_profile(run, out_dir, progress))
         row = make_row("bench", config, metrics, device=device)
         if kernels is not None:
             kernels = kernels.assign(sweep="bench_kernels", trial_id=row["trial_id"], size=cfg.size,
@@ -202,17 +238,19 @@ def _stem(cfg: BenchConfig) -> str:
     return f"{cfg.size}_ctx{ctx}_{cfg.dtype}_{cfg.mode}{'_compiled' if cfg.compile else ''}"
 
 
-def _memory_profile(run: _Run, out_dir: str | Path | None) -> dict:
+def _memory_profile(run: _Run, out_dir: str | Path | None, progress) -> dict:
     """Peak memory of a forward-only pass and of a full step, plus a snapshot of one full step on CUDA."""
     device, out = run.device, {}
     timer = PhaseTimer(device, recording=False)
     memory.reset_peak(device)
     with torch.no_grad():
         run.forward_loss()
+    progress.update()
     out["peak_forward_only_bytes"] = memory.peak_bytes(device)
     memory.reset_peak(device)
     with memory.record_memory_history(device):
         run.step(timer)
+        progress.update()
         out["peak_full_step_bytes"] = memory.peak_bytes(device)
         if out_dir is not None and device.type == "cuda":
             snap = memory.dump_snapshot(device, Path(out_dir) / "snapshots" / f"{_stem(run.cfg)}.pickle")

@@ -68,8 +68,13 @@ def _default_reduce(config: Mapping[str, Any], per_rank: list) -> dict:
     return dict(per_rank[0]) if isinstance(per_rank[0], Mapping) else {"result": per_rank[0]}
 
 
-def _label(config: Mapping[str, Any]) -> str:
-    return ",".join(f"{k}={v}" for k, v in config.items())[:120] or "trial"
+def trial_labels(trials: Sequence[Mapping[str, Any]], max_chars: int = 120) -> list[str]:
+    """Each trial's name in the dashboard (`<sweep>.rank<r>:[i/n] <label>`): its `key=value` pairs, those that
+    differ between the trials first, cut at `max_chars` (so the cut falls on what every trial shares)."""
+    keys = list(dict.fromkeys(k for t in trials for k in t))
+    varying = [k for k in keys if len({repr(t.get(k)) for t in trials}) > 1]
+    order = varying + [k for k in keys if k not in varying]
+    return [",".join(f"{k}={t[k]}" for k in order if k in t)[:max_chars] or "trial" for t in trials]
 
 
 def check_gang(world_size: int, *, device: str, launcher: str = "ray", strategy: str = "STRICT_PACK",
@@ -169,6 +174,7 @@ def _run_sweep(sweep: str, trials: list[dict], trial_fn: Callable[..., Any], wor
     configs = [{**t, **fixed} for t in trials]
 
     rows: list[dict] = []
+    labels = trial_labels(trials)
     gang, infeasible = None, ""
     nodes = NodeWatch(sweep) if launcher == "ray" else None
     bar = tqdm(total=len(configs), desc=f"{sweep} [{launcher} x{world_size} {resolved}]", unit="trial")
@@ -190,7 +196,7 @@ def _run_sweep(sweep: str, trials: list[dict], trial_fn: Callable[..., Any], wor
                     try:
                         if gang is None:
                             gang = make_gang().start()
-                        per_rank = gang.call(trial_fn, (trial,), label=f"[{i + 1}/{len(configs)}] {_label(trial)}",
+                        per_rank = gang.call(trial_fn, (trial,), label=f"[{i + 1}/{len(configs)}] {labels[i]}",
                                              timeout_s=trial_timeout_s)
                         extra["device_name"] = gang.ranks[0].get("device_name", "")
                         metrics = dict(reduce(trial, per_rank))

@@ -8,7 +8,10 @@ costs its bytes once) and parameters are excluded (they live anyway).
 Between trials that run one after another in one process (a gang's rank), `TrialScope` records the allocated
 CUDA memory and the live `nn.Parameter`s before a trial and after its objects are released: `*_after -
 *_before` is what the trial leaked into the next one. On the CPU the byte counts are NaN (no allocator
-statistics); the parameter counts still tell.
+statistics); the parameter counts still tell. The first `TrialScope` of a process moves every object alive then
+(modules, torch's compiler stack) out of the garbage collector's sight (`gc.freeze`), so that each trial's
+collections and parameter counts scan what trials made, not the imports' ~300k objects (a second and more per trial
+on a busy CPU); `live_parameters` counts the parameters made since.
 
     with SavedTensorAccount(model).track() as account:     # saved-for-backward bytes per module, read
         loss = forward_loss()                              # while the graph is alive (before backward)
@@ -240,8 +243,32 @@ def unique_storage_bytes(tensors, seen: set[int]) -> int:
     return total
 
 
+_FROZEN_IN: int | None = None  # the pid whose objects were frozen (a forked child inherits the frozen generation)
+
+
+def freeze_process_objects() -> None:
+    """Once per process: collect garbage, import what the first optimizer would (torch's compiler stack, ~130k
+    objects), then freeze every object alive (`gc.freeze`): later collections and `live_parameters` skip them.
+    Frozen objects are still freed when no reference is left; only cycles among them are not collected."""
+    global _FROZEN_IN
+    import os
+
+    if _FROZEN_IN == os.getpid():
+        return
+    import torch._dynamo  # noqa: F401  (every torch optimizer imports it in its constructor)
+
+    gc.collect()
+    gc.freeze()
+    if _FROZEN_IN is None:  # give them back at exit: the interpreter's last collections free what extensions hold
+        import atexit
+
+        atexit.register(gc.unfreeze)
+    _FROZEN_IN = os.getpid()
+
+
 def live_parameters() -> int:
-    """`nn.Parameter` objects alive in this process (a model a finished trial leaked shows up here)."""
+    """`nn.Parameter` objects alive in this process and made since `freeze_process_objects` (a model a finished
+    trial leaked shows up here)."""
     # issubclass(type(...)), not isinstance: Parameter's metaclass makes isinstance probe attributes of every
     # object (slow, and it trips deprecation warnings of objects like torch.distributed.reduce_op).
     return sum(1 for obj in gc.get_objects() if issubclass(type(obj), nn.Parameter))
@@ -278,6 +305,7 @@ class TrialScope:
         self.metrics[f"live_parameters_{when}"] = live_parameters()
 
     def __enter__(self) -> "TrialScope":
+        freeze_process_objects()
         self._record("before")
         return self
 

@@ -6,7 +6,9 @@ bootstrap (`raysys.rank.init_rank`, which also sets the gang's `env` in every ra
 launched both ways in one run and the difference is what Ray costs. Rank r uses `cuda:r` of the GPUs this process sees (all ranks see all of them,
 like Ray's `shared` visibility).
 
-Each rank is a persistent `spawn`ed process that joins the group once and then serves calls over a pipe:
+Each rank is a persistent process (a CPU rank forked from a forkserver that imported torch once, `raysys.rank.
+rank_process_context`, with the driver's environment; a CUDA rank `spawn`ed) that joins the group once and then serves
+calls over a pipe:
 the driver sends a pickled `(fn, args, kwargs)`, the rank answers with the pickled result or the exception
 and its traceback. Results and arguments are pickled by value (never as shared-memory handles) so they
 outlive the process that made them. A rank that raises, dies or exceeds the timeout makes `run` raise at
@@ -28,11 +30,11 @@ import traceback
 from typing import Any, Callable, Mapping
 
 import torch
-import torch.multiprocessing as mp
 
 from raysys.device import resolve_device
-from raysys.rank import (DEVICES, BaseGang, PlacementInfeasible, RankSpec, check_local_cpu_ranks, check_seconds,
-                         destroy_rank, device_description, die_with_parent, free_port, init_rank)
+from raysys.rank import (DEVICES, BaseGang, PlacementInfeasible, RankSpec, adopt_environ, check_local_cpu_ranks,
+                         check_seconds, destroy_rank, device_description, die_with_parent, free_port, init_rank,
+                         rank_process_context)
 
 
 def local_device(device: str) -> str:
@@ -82,9 +84,10 @@ def _ranks_ignore_sigint():
         signal.signal(signal.SIGINT, previous)
 
 
-def _serve(spec: RankSpec, conn) -> None:
+def _serve(spec: RankSpec, conn, environ: dict[str, str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's, however this process was started
     die_with_parent()
+    adopt_environ(environ)
     try:
         ctx = init_rank(spec)
         conn.send_bytes(pickle.dumps(("ok", device_description(ctx))))
@@ -118,7 +121,8 @@ def _error_payload(exc: BaseException) -> bytes:
 
 class ProcessGang(BaseGang):
     """`world_size` local rank processes joined in one process group; `BaseGang`'s interface, as `raysys.gang.Gang`.
-    `start_timeout_s` bounds the wait for every rank to join."""
+    `start_timeout_s` bounds the wait for every rank to join. Each rank takes the machine's CPUs divided among the
+    ranks as torch threads, at most as many as the driver's `torch.get_num_threads()`."""
 
     def __init__(self, world_size: int, *, device: str = "auto", name: str = "gang", timeout_s: float = 600.0,
                  start_timeout_s: float = 120.0, env: Mapping[str, str] | None = None):
@@ -139,9 +143,11 @@ class ProcessGang(BaseGang):
         check_local_placement(self.world_size, self.device)
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = rank_process_context(self.device)
         port = free_port()
-        threads = max(1, (os.cpu_count() or 1) // self.world_size)
+        # The machine's CPUs shared by the ranks, and no more threads than the driver uses itself (a driver pinned
+        # to one thread, as under pytest-xdist, must not have its ranks' OpenMP threads spin against each other).
+        threads = max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // self.world_size))
         for rank in range(self.world_size):
             spec = RankSpec(rank=rank, world_size=self.world_size, local_rank=rank,
                             local_world_size=self.world_size, node_rank=0, master_addr="127.0.0.1",
@@ -149,7 +155,8 @@ class ProcessGang(BaseGang):
                             device_index=rank if self.device == "cuda" else None, timeout_s=self.timeout_s,
                             num_threads=threads, env=self.env)
             parent, child = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=_serve, args=(spec, child), name=f"{self.name}.rank{rank}", daemon=True)
+            proc = ctx.Process(target=_serve, args=(spec, child, dict(os.environ)), name=f"{self.name}.rank{rank}",
+                               daemon=True)
             with _ranks_ignore_sigint():
                 proc.start()
             child.close()

@@ -291,10 +291,42 @@ def check_local_cpu_ranks(world_size: int) -> None:
                                   f"{CPU_RANKS_PER_CORE} per CPU), {RANK_PROCESS_BYTES // 2**20} MiB each)")
 
 
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
+"""What the forkserver imports once, so that each rank process it forks starts with it (a few CPU seconds per rank
+that a spawned process spends importing torch, and its compiler stack, which every optimizer and
+`raysys.memory.TrialScope` import). Only installed packages: the server imports them with its own
+sys.path (Python 3.11's forkserver does not take the driver's), which may find another checkout of this one."""
+
+
+def rank_process_context(device_type: str = "cpu"):
+    """The multiprocessing context that starts local rank processes of `device_type`: for CPU ranks `forkserver`,
+    with `PRELOAD` imported in the server (a process of its own, started the first time, that does nothing but
+    import them and fork), where the platform has one; else, and for CUDA ranks, `spawn` (a CUDA rank's process must
+    not descend from one whose CUDA driver may have been initialised, and its GPU work dwarfs the import). A forked
+    rank calls `adopt_environ` with the driver's `os.environ` of that moment, since the server's environment is the
+    driver's when the server started."""
+    import multiprocessing as std_mp
+
+    import torch.multiprocessing as mp
+
+    if device_type == "cuda" or "forkserver" not in std_mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
+def adopt_environ(environ: Mapping[str, str]) -> None:
+    """Make this process's environment `environ` (the driver's, as a spawned process would have inherited it)."""
+    for key in set(os.environ) - set(environ):
+        del os.environ[key]
+    os.environ.update(environ)
+
+
 def die_with_parent() -> None:
     """Linux: have the kernel kill this process when the one that started it dies, however it dies (SIGKILL
-    included, which runs no cleanup): a spawned rank blocked in a collective would otherwise wait out the
-    collective's timeout as an orphan. Elsewhere nothing (the driver's own cleanup still stops the ranks)."""
+    included, which runs no cleanup): a rank blocked in a collective would otherwise wait out the collective's
+    timeout as an orphan. Elsewhere nothing (the driver's own cleanup still stops the ranks)."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -304,6 +336,13 @@ def die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() == 1:  # the parent died before the call: nobody is left to notice
         os._exit(1)
+    # Forked by a forkserver (`rank_process_context`), the parent is the server, which exits once no process holds
+    # the write end of its "alive" pipe: the driver, and every process it forked, this one included. Let go of it, so
+    # that the server, hence this process, ends with the driver.
+    forkserver = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
+    if forkserver is not None and forkserver._forkserver_pid is None and forkserver._forkserver_alive_fd is not None:
+        os.close(forkserver._forkserver_alive_fd)
+        forkserver._forkserver_alive_fd = None
 
 
 def free_port() -> int:

@@ -2,8 +2,9 @@
 
 `python -m raysys report DIR` prints one section per `<sweep>.parquet` in DIR: the `<sweep>.md` the study wrote
 beside it (each study in `sweeps/` draws its own tables), else a generic table of the configuration and metric
-columns that vary; provenance (device, versions, commits, time) once per file. A file that cannot be read is one
-line and the others still report. `--plots OUT` draws the plots the studies declare (`sweeps.PLOTS`: file stem ->
+columns that vary (a one-row file: every column, one per line); provenance (device, versions, commits, time) once
+per file. A file that cannot be read is one line and the others still report (`sections` returns those lines; the
+CLI then exits 1). `--plots OUT` draws the plots the studies declare (`sweeps.PLOTS`: file stem ->
 the function of its study that draws it), imported only then, laid out in OUT as each study's `--report-only --out
 OUT` lays them out (so `--plots results` redraws the committed ones in place); a plot that cannot be drawn is one
 line.
@@ -12,6 +13,7 @@ line.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -43,15 +45,30 @@ def varying_columns(df: pd.DataFrame) -> list[str]:
     return keep
 
 
-def generic_table(df: pd.DataFrame, max_rows: int = 200) -> str:
-    cols = varying_columns(df)
-    view = df[cols].head(max_rows)
-    for col in view.columns:  # the data's seconds and bytes (raysys.results' convention) shown as ms and GiB
-        if col.endswith("_bytes"):
+def _shown_units(view: pd.DataFrame) -> pd.DataFrame:
+    """The data's seconds and bytes (raysys.results' convention) as ms and GiB, renamed so."""
+    for col in view.columns:
+        if col.endswith("_bytes") and pd.api.types.is_numeric_dtype(view[col]):
             view = view.assign(**{col: view[col] / 2**30}).rename(columns={col: col[: -len("_bytes")] + "_GiB"})
         elif col.endswith("_s") and not col.endswith("_per_s") and pd.api.types.is_numeric_dtype(view[col]):
             view = view.assign(**{col: view[col] * 1e3}).rename(columns={col: col[: -len("_s")] + "_ms"})
+    return view
+
+
+def generic_table(df: pd.DataFrame, max_rows: int = 200) -> str:
+    """The columns that vary between rows; a one-row file (a single `bench` run), where nothing varies: each of its
+    configuration and metric columns that holds a value, one per line."""
+    if len(df) == 1:
+        cols = [c for c in df.columns if c not in PROVENANCE and not c.endswith(("_path", "_png"))
+                and pd.notna(df[c].iloc[0]) and str(df[c].iloc[0]) != ""]
+        row = _shown_units(df[cols]).iloc[0]
+        return pd.DataFrame({"column": row.index, "value": [_cell(v) for v in row]}).to_markdown(index=False)
+    view = _shown_units(df[varying_columns(df)].head(max_rows))
     return view.to_markdown(index=False, floatfmt=".4g")
+
+
+def _cell(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def provenance_line(df: pd.DataFrame) -> str:
@@ -77,24 +94,43 @@ def section(path: Path) -> str:
     return f"## {path.stem}\n\n" + (f"_{prov}_\n\n" if prov else "") + f"{body}\n"
 
 
-def _section_or_line(path: Path) -> str:
-    """`section(path)`, or one line naming the file when it cannot be read (the other files still report)."""
-    try:
-        return section(path)
-    except ResultsError as exc:
-        return f"## {path.stem}\n\n_skipped: {exc}_\n"
-
-
-def report(results_dir: str | Path, only: list[str] | None = None) -> str:
-    results_dir = Path(results_dir)
-    if not results_dir.exists():
-        raise ValueError(f"results directory {results_dir} does not exist")
-    files = sorted(results_dir.glob("*.parquet")) if results_dir.is_dir() else [results_dir]
-    if only:
-        files = [f for f in files if f.stem in only]
+def sweep_files(path: str | os.PathLike, only: list[str] | None = None, *, missing_ok: bool = False) -> list[Path]:
+    """The `<sweep>.parquet` files a report covers: `path` itself, or those in the directory `path`, of the sweeps
+    `only` names (file stems); a ValueError naming what is missing (with `missing_ok`, only when none is there)."""
+    path = Path(path)
+    if not path.exists():
+        what = "results file" if path.suffix == ".parquet" else "results directory"
+        raise ValueError(f"{what} {path} does not exist")
+    files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
     if not files:
-        raise ValueError(f"no .parquet files in {results_dir}")
-    return "\n".join(_section_or_line(f) for f in files)
+        raise ValueError(f"no .parquet files in {path}")
+    if only:
+        stems = [f.stem for f in files]
+        missing = [name for name in only if name not in stems]
+        if missing and (not missing_ok or len(missing) == len(set(only))):
+            raise ValueError(f"--only {' '.join(missing)}: {path} has no {', '.join(f'{m}.parquet' for m in missing)}"
+                             f" (its sweeps: {', '.join(stems)})")
+        files = [f for f in files if f.stem in only]
+    return files
+
+
+def sections(path: str | os.PathLike, only: list[str] | None = None, *, missing_ok: bool = False
+             ) -> tuple[str, list[str]]:
+    """The markdown of every sweep file `sweep_files` finds, and one line per file that could not be read (its
+    section is that line; the others still report)."""
+    parts, unreadable = [], []
+    for f in sweep_files(path, only, missing_ok=missing_ok):
+        try:
+            parts.append(section(f))
+        except ResultsError as exc:
+            parts.append(f"## {f.stem}\n\n_skipped: {exc}_\n")
+            unreadable.append(str(exc))
+    return "\n".join(parts), unreadable
+
+
+def report(results_dir: str | os.PathLike, only: list[str] | None = None, *, missing_ok: bool = False) -> str:
+    """`sections`' markdown."""
+    return sections(results_dir, only, missing_ok=missing_ok)[0]
 
 
 # ---------------------------------------------------------------------------------------------------- plots
@@ -113,19 +149,30 @@ def _plotter(stem: str) -> Callable[[pd.DataFrame, Path], list[Path]] | None:
     return lambda df, out_dir: [p for p in [fn(df, out_dir / f"{stem}.png")] if p is not None]
 
 
-def plots(results_dir: str | Path, out_dir: str | Path) -> list[Path]:
-    """Draw the plot of every sweep file in `results_dir` whose study has one; a file that cannot be read or drawn
-    is one line on stderr, and the others are still drawn."""
+def check_plots_dir(out_dir: str | os.PathLike) -> Path:
+    """`--plots`' directory, made if missing; a ValueError when it is a file or cannot be made."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    made = []
-    results_dir = Path(results_dir)
-    for path in sorted(results_dir.glob("*.parquet")) if results_dir.is_dir() else [results_dir]:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--plots {out_dir} is a file; it takes a directory")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--plots: cannot create directory {out_dir}: {exc.strerror}") from None
+    return out_dir
+
+
+def plots(results_dir: str | os.PathLike, out_dir: str | os.PathLike, only: list[str] | None = None
+          ) -> tuple[list[Path], list[str]]:
+    """Draw the plot of every sweep file in `results_dir` (of `only`) whose study has one: the files drawn, and one
+    line per file that could not be read or drawn (printed on stderr; the others are still drawn)."""
+    out_dir = check_plots_dir(out_dir)
+    made, failed = [], []
+    for path in sweep_files(results_dir, only):
         try:
             if (draw := _plotter(path.stem)) is not None:
                 made += draw(read_results(path), out_dir)
         except Exception as exc:  # one study's plot must not cost the others theirs
             text = str(exc).splitlines()[0][:200] if str(exc) else ""
-            print(f"raysys report: no plot of {path.name}: {type(exc).__name__}" + (f": {text}" if text else ""),
-                  file=sys.stderr)
-    return made
+            failed.append(f"no plot of {path.name}: {type(exc).__name__}" + (f": {text}" if text else ""))
+            print(f"raysys report: {failed[-1]}", file=sys.stderr)
+    return made, failed

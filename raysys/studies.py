@@ -6,6 +6,7 @@ re-exports them beside the Ray machinery."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import warnings
@@ -15,8 +16,24 @@ import pandas as pd
 
 from raysys.results import resolve_out
 
-__all__ = ["ClusterLost", "interrupted_message", "read_sweep", "resolve_out_dir", "summary_table", "sweep_parser",
-           "writer_options"]
+__all__ = ["ClusterLost", "JoinList", "interrupted_message", "read_sweep", "resolve_out_dir", "split_list",
+           "summary_table", "sweep_parser", "writer_options"]
+
+
+class JoinList(argparse.Action):
+    """A list flag's action: one comma list or several words, `--dtypes fp32,bf16` = `--dtypes fp32 bf16` ->
+    'fp32,bf16' (every list flag of the studies and of `python -m raysys bench` takes both; `split_list` reads it)."""
+
+    def __init__(self, option_strings, dest, nargs="+", **kwargs):
+        super().__init__(option_strings, dest, nargs=nargs, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, ",".join(values))
+
+
+def split_list(text: str) -> list[str]:
+    """'a, b,c' -> ['a', 'b', 'c'] (a `JoinList` flag's value)."""
+    return [t.strip() for t in text.split(",") if t.strip()]
 
 
 def resolve_out_dir(out: str | os.PathLike | None = None, sweep: str | None = None) -> Path:
@@ -25,14 +42,15 @@ def resolve_out_dir(out: str | os.PathLike | None = None, sweep: str | None = No
     `out` if given (a relative path resolves against the current directory), else `$RAYSYS_RESULTS_DIR`, else a
     fresh run directory `./runs/<UTC time>-<sweep>/` (`$RAYSYS_RUNS_DIR` instead of `./runs`; `sweep` defaults to
     the script's name): the committed `results/` is written only when named. Under `ray job submit` the driver
-    runs in a temporary copy of the working directory: `python -m raysys submit` sets `RAYSYS_RUNS_DIR` to the
-    submitter's `./runs`; a plain `ray job submit` without an absolute `--out` gets a warning.
+    runs in a temporary copy of the working directory when it uploads one (`--working-dir`): `python -m raysys
+    submit` sets `RAYSYS_RUNS_DIR` to the submitter's `./runs`; a `ray job submit --working-dir` without an absolute
+    `--out` gets a warning (a plain `ray job submit` runs where the head started, and its results stay).
     """
     if sweep is None:
         stem = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else ""
         sweep = stem if stem and stem[0].isalnum() and all(c.isalnum() or c in "_.-" for c in stem) else "run"
     path = resolve_out(out, sweep)
-    if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ and path.is_relative_to(Path.cwd()):
+    if job_runs_in_a_temporary_copy() and path.is_relative_to(Path.cwd()):
         warnings.warn(f"results go to {path}, inside this Ray job's temporary working directory; submit with "
                       f"`python -m raysys submit` or pass an absolute --out (e.g. --out \"$PWD/runs/x\" at submit "
                       f"time) to keep them", stacklevel=2)
@@ -41,6 +59,20 @@ def resolve_out_dir(out: str | os.PathLike | None = None, sweep: str | None = No
 
 class ClusterLost(RuntimeError):
     """The Ray cluster a sweep ran on is gone (its head stopped answering); the rows written so far stay."""
+
+
+def job_runs_in_a_temporary_copy() -> bool:
+    """Whether this process is a Ray job's driver running in the copy of a working directory that Ray uploaded (and
+    deletes with the job's runtime env): the job's runtime env names a `working_dir`. Ray passes the job's config to
+    its driver in `RAY_JOB_CONFIG_JSON_ENV_VAR`."""
+    text = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if text is None:
+        return False
+    try:
+        runtime_env = json.loads(text).get("runtime_env") or {}
+    except (ValueError, AttributeError):  # not Ray's JSON: judge by where the driver runs
+        return "runtime_resources" in Path.cwd().parts
+    return bool(runtime_env.get("working_dir"))
 
 
 def interrupted_message(sweep: str, done: int, total: int | None, path: Path | None, lost: str = "") -> str:

@@ -1,4 +1,5 @@
-"""The cluster path: `python -m raysys submit` (a named job that knows its commit) and `python -m raysys doctor`.
+"""The cluster path: `python -m raysys submit` (a named job that knows its commit), `python -m raysys doctor` (before
+the head starts) and `python -m raysys metrics` (Prometheus and Grafana for the dashboard's Metrics tab).
 
 `submit` wraps Ray's `JobSubmissionClient` (what `ray job submit` uses): it uploads the working directory,
 names the job (`--name`, default the script's stem; the submission id is `<name>-<UTC time>-<hex>`, which the
@@ -10,11 +11,16 @@ copy). It then follows the job's logs and exits 0 if it succeeded. With token au
 
 A head whose dashboard agent could not bind its HTTP port (52365 unless `--dashboard-agent-listen-port` moves
 it) runs without a job agent: every submission then fails after ~10 s with HTTP 500 "No available agent to
-submit job". `submit` says so and how to fix it; `doctor` checks, before `ray start --head`, which of the ports a
-head binds are taken on this machine.
+submit job". `submit` says so and how to fix it; `doctor` checks, before `ray start --head`, which of the ports the
+README's head command (`HEAD_COMMAND`: the agent on any free port) binds are taken on this machine.
+
+`metrics` asks the Prometheus and Grafana the head's dashboard reads (`RAY_PROMETHEUS_HOST`, `RAY_GRAFANA_HOST`,
+default localhost:9090 and :3000) what the dashboard asks them, and prints, for one that does not answer, the command
+that starts it with the config files the head wrote (`<temp dir>/session_latest/metrics/`).
 
     python -m raysys doctor                                  # before `ray start --head`
     python -m raysys submit -- python sweeps/ddp.py --device cpu
+    python -m raysys metrics                                 # after it: is the Metrics tab served?
 """
 
 from __future__ import annotations
@@ -23,26 +29,43 @@ import argparse
 import asyncio
 import datetime as _dt
 import getpass
+import json
 import os
 import re
 import shlex
 import socket
 import sys
+import urllib.error
+import urllib.request
 import uuid
 from pathlib import Path
 
 from raysys.results import check_sweep_name, git_sha_of
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
-# What `ray start --head` binds by default (Ray 2.60), with the flag that moves each.
+# What `ray start --head` binds by default (Ray 2.60), with the flag that moves each (Ray picks the metrics export
+# port at random: 8080 is the one the README's head command passes).
 HEAD_PORTS = {
     "gcs": (6379, "--port"),
     "dashboard": (8265, "--dashboard-port"),
     "dashboard agent HTTP (the job agent)": (52365, "--dashboard-agent-listen-port"),
     "Ray client server": (10001, "--ray-client-server-port"),
-    "metrics export (the README's head command)": (8080, "--metrics-export-port"),
+    "metrics export": (8080, "--metrics-export-port"),
 }
+AGENT_FLAG = "--dashboard-agent-listen-port"
 NO_AGENT = "No available agent to submit job"
+HEAD_COMMAND = ("ray start --head --dashboard-host 127.0.0.1 --dashboard-port 8265 --dashboard-agent-listen-port 0 "
+                "--metrics-export-port 8080")
+"""The head command of the README's cluster recipe, whose ports `doctor` checks by default (the tests hold the README
+to it)."""
+
+
+def head_command_ports(command: str = HEAD_COMMAND) -> dict[str, int]:
+    """The port of each `HEAD_PORTS` flag that `command` binds: its value there, else Ray's default (0: any free
+    port, nothing to check)."""
+    words = shlex.split(command)
+    given = {w: int(words[i + 1]) for i, w in enumerate(words[:-1]) if w in {f for _, f in HEAD_PORTS.values()}}
+    return {flag: given.get(flag, default) for default, flag in HEAD_PORTS.values()}
 
 
 def _address(address: str | None) -> str:
@@ -162,26 +185,100 @@ def run_submit(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------------- doctor
 def build_doctor_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    recipe = head_command_ports()
     for what, (port, flag) in HEAD_PORTS.items():
-        p.add_argument(flag, type=int, default=port, dest=flag.lstrip("-").replace("-", "_"),
-                       help=f"{what} port the head will use (default {port})")
+        default = recipe[flag]
+        said = "any free port" if default == 0 else str(default)
+        p.add_argument(flag, type=int, default=default, dest=flag.lstrip("-").replace("-", "_"),
+                       help=f"{what} port the head will use (default: {said}, as the README's head command"
+                            + (f"; Ray's own default is {port})" if default != port else ")"))
     return p
 
 
 def run_doctor(args: argparse.Namespace) -> int:
-    """Exit 0 when every port `ray start --head` would bind is free here, else 1 with a line per taken port."""
+    """Exit 0 when every port the head command will bind is free here (by default the README's `HEAD_COMMAND`; 0 is
+    any free port), else 1 with a line per taken port."""
     problems = []
+    ports = {flag: getattr(args, flag.lstrip("-").replace("-", "_")) for _, flag in HEAD_PORTS.values()}
     for what, (default, flag) in HEAD_PORTS.items():
-        port = getattr(args, flag.lstrip("-").replace("-", "_"))
+        port = ports[flag]
         if port and port_in_use(port):
             effect = (" (the head would run without a job agent: `ray job submit` and `raysys submit` would answer "
-                      f"HTTP 500 '{NO_AGENT}')" if flag == "--dashboard-agent-listen-port" else "")
+                      f"HTTP 500 '{NO_AGENT}')" if flag == AGENT_FLAG else "")
             problems.append(f"port {port} ({what}) is in use on this machine{effect}; pass `ray start --head "
-                            f"{flag} <free port>`" + (" (0: any free port)" if flag == "--dashboard-agent-listen-port"
-                                                      else ""))
+                            f"{flag} <free port>`" + (" (0: any free port)" if flag == AGENT_FLAG else ""))
     for line in problems:
         print(f"raysys doctor: {line}")
     if not problems:
         print("raysys doctor: the ports `ray start --head` binds are free: "
-              + ", ".join(f"{getattr(args, f.lstrip('-').replace('-', '_'))} ({w})" for w, (_, f) in HEAD_PORTS.items()))
+              + ", ".join(f"{ports[f] or 'any free port'} ({w})" for w, (_, f) in HEAD_PORTS.items()))
+        ray_default = HEAD_PORTS["dashboard agent HTTP (the job agent)"][0]
+        if ports[AGENT_FLAG] == 0 and port_in_use(ray_default):
+            print(f"raysys doctor: note: {ray_default}, Ray's default dashboard agent port, is in use here: keep "
+                  f"`{AGENT_FLAG} 0` on the head and on every node you add")
     return 1 if problems else 0
+
+
+# ---------------------------------------------------------------------------------------------------- metrics
+PROMETHEUS = ("RAY_PROMETHEUS_HOST", "http://localhost:9090")  # what the dashboard reads (Ray 2.60's defaults)
+GRAFANA = ("RAY_GRAFANA_HOST", "http://localhost:3000")
+PROMETHEUS_START = "(cd /tmp && ray metrics launch-prometheus)"
+"""Ray's own launcher: downloads Prometheus into the current directory (hence /tmp), starts it in the background
+with `/tmp/ray/session_latest/metrics/prometheus/prometheus.yml`, which finds every node's metrics port."""
+
+
+def build_metrics_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--temp-dir", default="/tmp/ray", help="the head's `ray start --temp-dir` (default: /tmp/ray)")
+    p.add_argument("--timeout-s", type=float, default=3.0, help="seconds to wait for each answer (default: 3)")
+    return p
+
+
+def _get_json(url: str, timeout_s: float) -> dict | None:
+    """The JSON `url` answers with 200, else None (nothing listening, another status, not JSON)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            body = json.loads(resp.read().decode() or "null")
+    except (OSError, ValueError):  # URLError and HTTPError are OSErrors; a bad body is a ValueError
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def metrics_status(temp_dir: str | os.PathLike = "/tmp/ray", timeout_s: float = 3.0
+                   ) -> list[tuple[str, str, bool, str]]:
+    """(service, host, answers, how to start it) for Prometheus and Grafana, each asked what the dashboard asks:
+    Prometheus a query (`vector(1)`), Grafana its health (database ok). A ValueError when this machine has no Ray
+    head session (no `<temp_dir>/session_latest/metrics/`, which the head writes the configs to)."""
+    if not timeout_s > 0:
+        raise ValueError(f"--timeout-s ({timeout_s!r}) must be > 0")
+    metrics = Path(temp_dir) / "session_latest" / "metrics"
+    if not metrics.is_dir():
+        raise ValueError(f"no Ray head on this machine: {metrics} does not exist (start one with `{HEAD_COMMAND}`, "
+                         f"or pass the head's --temp-dir)")
+    prometheus = os.environ.get(*PROMETHEUS).rstrip("/")
+    grafana = os.environ.get(*GRAFANA).rstrip("/")
+    config = metrics / "prometheus" / "prometheus.yml"
+    start_prometheus = (PROMETHEUS_START if Path(temp_dir) == Path("/tmp/ray")
+                        else f"prometheus --config.file {config} --web.enable-lifecycle")
+    start_grafana = (f"grafana server --config {metrics / 'grafana' / 'grafana.ini'} --homepath <Grafana's "
+                     f"install directory, e.g. /usr/share/grafana> web")
+    answer = _get_json(f"{prometheus}/api/v1/query?query=vector(1)", timeout_s)
+    prometheus_up = answer is not None and answer.get("status") == "success"
+    health = _get_json(f"{grafana}/api/health", timeout_s)
+    grafana_up = health is not None and health.get("database") == "ok"
+    return [("Prometheus", prometheus, prometheus_up, start_prometheus),
+            ("Grafana", grafana, grafana_up, start_grafana)]
+
+
+def run_metrics(args: argparse.Namespace) -> int:
+    """Exit 0 when Prometheus and Grafana both answer as the dashboard needs, else 1 with the command that starts the
+    missing one."""
+    status = metrics_status(args.temp_dir, args.timeout_s)
+    for service, host, up, start in status:
+        if up:
+            print(f"raysys metrics: {service} answers at {host}")
+        else:
+            print(f"raysys metrics: {service} does not answer at {host}; on the head, start it: {start}")
+    if all(up for _, _, up, _ in status):
+        print("raysys metrics: the dashboard's Metrics tab has its panels (ray_raysys_* while a study runs)")
+        return 0
+    return 1

@@ -495,8 +495,10 @@ def build_parser():
     list_flag(p, "--ks", default=None, help="segments study: comma list of k (default: 1,2,4,..,N)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per trial")
     p.add_argument("--steps", type=int, default=5, help="timed steps per trial")
-    p.add_argument("--launcher", choices=("auto", "tune", "local"), default="auto",
-                   help="tune: Ray Tune, one GPU per trial; local: in this process; auto: tune on a GPU host")
+    p.add_argument("--launcher", choices=("auto", "ray", "local"), default="auto",
+                   type=lambda v: "ray" if v == "tune" else v,  # `tune`, its old spelling
+                   help="ray: Ray Tune, one GPU per trial (as flash_tiles.py's); local: in this process; auto: ray on "
+                        "a GPU host")
     return p
 
 
@@ -518,10 +520,10 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     for trials in grids.values():
         for t in trials:
             Trial(**t)  # every trial is valid before any GPU time is spent
-    launcher = args.launcher if args.launcher != "auto" else ("tune" if device.type == "cuda" else "local")
+    launcher = args.launcher if args.launcher != "auto" else ("ray" if device.type == "cuda" else "local")
     out = output_dir(args, SWEEP)
     with open_writer(out, SWEEP, args) as writer:
-        if launcher == "tune":
+        if launcher == "ray":
             start_ray(args)
         elif device.type == "cpu":
             torch.set_num_threads(1)  # tiny models: intra-op threads only add synchronisation

@@ -50,6 +50,7 @@ from raysys.model import TransformerLM  # noqa: E402
 from raysys.profiling import profile_steps  # noqa: E402
 from raysys.results import ResultWriter, check_sweep_name  # noqa: E402
 from raysys.timing import MAX_STEPS  # noqa: E402
+from raysys.studies import JoinList  # noqa: E402
 from raysys.train_step import compile_blocks  # noqa: E402
 
 GANG_DTYPES = ("fp32", "bf16")
@@ -60,7 +61,13 @@ NOT_ON_CPU = "not applicable on CPU (a GPU target; these rows ran on gloo ranks 
 
 # ---------------------------------------------------------------------------------------------------- command line
 class HelpFormatter(argparse.RawTextHelpFormatter):
-    """Keeps the layout of the help texts and appends each option's default unless its help already names it."""
+    """Keeps the layout of the help texts and appends each option's default unless its help already names it; a
+    list flag shows as `--flag A,B,..`."""
+
+    def _format_args(self, action: argparse.Action, default_metavar: str) -> str:
+        if isinstance(action, JoinList) and action.metavar:
+            return action.metavar
+        return super()._format_args(action, default_metavar)
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -70,19 +77,12 @@ class HelpFormatter(argparse.RawTextHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-class _JoinList(argparse.Action):
-    """`--flag a,b c` -> 'a,b,c': a list flag takes one comma list or several words."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, ",".join(values))
-
-
 def list_flag(p: argparse.ArgumentParser, name: str, *, default: str | None, help: str, aliases: Sequence[str] = ()):
-    """A comma-list flag (`--dtypes fp32,bf16`) with hidden older spellings, which also take the list as separate
-    words (`--study segments context`, as they did)."""
-    p.add_argument(name, default=default, metavar="A,B,..", help=help)
+    """A list flag: one comma list or several words (`--dtypes fp32,bf16` = `--dtypes fp32 bf16`, stored as
+    'fp32,bf16'; `raysys.studies.JoinList`), with hidden older spellings that take the same."""
+    p.add_argument(name, default=default, metavar="A,B,..", action=JoinList, help=help)
     for old in aliases:
-        alias(p, old, name, nargs="+", action=_JoinList)
+        alias(p, old, name, action=JoinList)
 
 
 def alias(p: argparse.ArgumentParser, old: str, new: str, **kwargs) -> None:

@@ -306,3 +306,52 @@ def test_gpu_inductor_compiled_step_matches_eager():
     same = all(torch.equal(a, b) for a, b in zip(compiled_p, eager_p))
     print(f"GPUCHECK FusedAdamW step under torch.compile (inductor) equals eager: {same}")
     assert same
+
+
+def _model_params(dtype=torch.float32):
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(shape, dtype=dtype)) for shape in ((33, 17), (7,))]
+
+
+def _grads(params):
+    for p in params:
+        p.grad = torch.randn_like(p)
+
+
+def test_label_says_the_reference_ran_on_a_cpu_without_the_interpreter(monkeypatch):
+    """On a CPU without TRITON_INTERPRET=1 every parameter takes the reference's ops: the label says so (it said
+    `FusedAdamW`), before the first step and after it, and the update is the reference's."""
+    monkeypatch.setattr(fa, "INTERPRET", False)
+    params, ref_params = _model_params(), _model_params()
+    opt, ref = fa.FusedAdamW(params, lr=1e-2), AdamW(ref_params, lr=1e-2)
+    assert opt.paths == {"reference"} and opt.label == "FusedAdamW[reference]"
+    for _ in range(2):
+        _grads(params)
+        for p, q in zip(params, ref_params):
+            q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    assert opt.label == fa.optimizer_label(opt) == "FusedAdamW[reference]"
+    assert all(torch.equal(p, q) for p, q in zip(params, ref_params))
+    assert fa.optimizer_label(ref) == "AdamW" and fa.optimizer_label(fa.ForeachAdamW(ref_params)) == "ForeachAdamW"
+
+
+@on_interpreter
+def test_label_names_each_path_that_ran():
+    params = _model_params()
+    opt = fa.FusedAdamW(params)
+    assert opt.label == "FusedAdamW" and opt.paths == {"kernel"}
+    strided = torch.nn.Parameter(torch.randn(17, 33).t())   # not contiguous: the kernel cannot take it
+    mixed = fa.FusedAdamW([*params, strided])
+    assert mixed.label == "FusedAdamW[kernel+reference]"
+    _grads(params)
+    mixed.step()                                             # `strided` has no gradient: only the kernel ran
+    assert mixed.label == "FusedAdamW" and mixed.paths == {"kernel"}
+    strided.grad = torch.randn(17, 33).t()
+    mixed.step()
+    assert mixed.label == "FusedAdamW[kernel+reference]"
+    per_param = [fa.FusedAdamW([p]) for p in (*params, strided)]   # as an optimizer stepped in backward holds them
+    assert fa.optimizer_label(*per_param) == "FusedAdamW[kernel+reference]"
+    assert fa.optimizer_label(*per_param[:2]) == "FusedAdamW"
+    with pytest.raises(ValueError, match="one class"):
+        fa.optimizer_label(opt, AdamW(params))

@@ -9,11 +9,12 @@
 
     results = run_ranks(_check, 2, 3)                 # [rank0's return, rank1's return]
 
-Each rank is a `spawn`ed process (never `fork`: the parent may hold Ray or OpenMP threads) that joins a
-gloo group rendezvousing through a `FileStore` in a fresh temporary directory, so no port is ever chosen
-and parallel test runs cannot collide. `fn(rank, world_size, *args)` runs with the group as the default
-process group (`torch.distributed.group.WORLD`); its return value must be picklable (tensors are fine:
-they are pickled by value, not shared).
+Each gloo rank is a process forked from a forkserver that imported torch once (`raysys.rank.rank_process_context`;
+never forked from the test process itself, which may hold Ray or OpenMP threads; an NCCL rank is spawned), with the
+caller's environment. The ranks rendezvous through a `FileStore` in a fresh temporary directory, so no port is ever
+chosen and parallel test runs cannot collide. `fn(rank, world_size, *args)` runs with the group as the default
+process group (`torch.distributed.group.WORLD`); its return value must be picklable (tensors are fine: they are
+pickled by value, not shared).
 
 An exception on any rank is re-raised in the caller as `RankError` carrying every failing rank's
 traceback; a rank that dies without reporting (os._exit, segfault) is reported with its exit code as soon
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from raysys.rank import die_with_parent
+from raysys.rank import adopt_environ, die_with_parent, rank_process_context
 
 __all__ = ["RankError", "run_ranks"]
 
@@ -50,8 +51,9 @@ def _crash_path(store_path: str, rank: int) -> str:
 
 
 def _worker(rank: int, world_size: int, store_path: str, fn: Callable[..., Any], args: tuple,
-            results: "mp.Queue", num_threads: int, backend: str) -> None:
+            results: "mp.Queue", num_threads: int, backend: str, environ: dict[str, str]) -> None:
     die_with_parent()  # a killed test run (CI timeout, Ctrl-C twice) leaves no rank blocked in a collective
+    adopt_environ(environ)
     torch.set_num_threads(num_threads)
     # A segfault or abort reports nothing through the queue: faulthandler leaves every thread's Python stack here.
     crash_log = open(_crash_path(store_path, rank), "w")
@@ -104,13 +106,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise ValueError(f"backend nccl with {world_size} ranks needs {world_size} GPUs; "
                          f"{torch.cuda.device_count()} visible")
-    ctx = mp.get_context("spawn")
+    ctx = rank_process_context("cuda" if backend == "nccl" else "cpu")
     results = ctx.Queue()
-    num_threads = max(1, (os.cpu_count() or 1) // world_size)
+    num_threads = max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // world_size))  # as ProcessGang
     with tempfile.TemporaryDirectory(prefix="dist_utils_") as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_worker,
-                             args=(rank, world_size, store_path, fn, args, results, num_threads, backend),
+                             args=(rank, world_size, store_path, fn, args, results, num_threads, backend,
+                                   dict(os.environ)),
                              name=f"rank{rank}", daemon=True) for rank in range(world_size)]
         for p in procs:
             p.start()

@@ -22,6 +22,7 @@ from raysys.config import ModelConfig
 from raysys.model import TransformerLM, cross_entropy
 from raysys.timing import dynamo_graphs
 from raysys.train_step import compile_blocks
+from tests.once import once_per_run
 from tests.parallel.dist_utils import run_ranks
 
 pytestmark = pytest.mark.multiproc
@@ -248,8 +249,8 @@ def _toy_checks(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def toy_checks() -> list[dict]:
-    return run_ranks(_toy_checks, WORLD_SIZE)
+def toy_checks(tmp_path_factory) -> list[dict]:
+    return once_per_run(tmp_path_factory, "ddp_toy_checks", lambda: run_ranks(_toy_checks, WORLD_SIZE))
 
 
 @pytest.mark.parametrize("model_name", ["toy", "tied", "branch"])

@@ -27,6 +27,7 @@ from raysys.config import ModelConfig
 from raysys.model import AdamW, Embedding, Linear, RMSNorm, TransformerBlock, TransformerLM, cross_entropy
 from raysys.timing import dynamo_graphs
 from raysys.train_step import compile_blocks
+from tests.once import once_per_run
 from tests.parallel.dist_utils import run_ranks
 
 WORLD = 2
@@ -377,8 +378,9 @@ def _all_checks(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def per_rank() -> list[dict]:
-    return run_ranks(_all_checks, WORLD, timeout_s=900)  # every check in one spawn: minutes on a loaded 2-core host
+def per_rank(tmp_path_factory) -> list[dict]:
+    # every check in one spawn (minutes on a loaded 2-core host), once for all xdist workers
+    return once_per_run(tmp_path_factory, "fsdp_per_rank", lambda: run_ranks(_all_checks, WORLD, timeout_s=900))
 
 
 @pytest.mark.multiproc

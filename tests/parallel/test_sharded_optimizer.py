@@ -17,6 +17,7 @@ from torch import nn
 from parallel.ddp import BucketedDDP
 from parallel.sharded_optimizer import ShardedOptimizer, local_state_bytes
 from raysys.model import AdamW as RaysysAdamW
+from tests.once import once_per_run
 from tests.parallel.dist_utils import run_ranks
 from tests.parallel.test_ddp import TiedModel, ToyModel, _batch
 
@@ -78,8 +79,8 @@ def _all_checks(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def checks() -> list[dict]:
-    return run_ranks(_all_checks, WORLD_SIZE)
+def checks(tmp_path_factory) -> list[dict]:
+    return once_per_run(tmp_path_factory, "sharded_optimizer_checks", lambda: run_ranks(_all_checks, WORLD_SIZE))
 
 
 def test_sharded_matches_unsharded_and_splits_state(checks):

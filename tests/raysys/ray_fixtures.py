@@ -2,7 +2,7 @@
 
 Node "head" has 4 logical CPUs (so 4-rank gloo gangs fit in one node even on a 2-core machine), node
 "worker" has 2 (so SPREAD gangs can land on two nodes). Small object stores, no dashboard, no usage stats,
-no token file written to ~/.ray. Use the `ray_cluster` fixture; it yields `raysys.cluster.cluster_info()`.
+no workers started ahead of demand, no token file written to ~/.ray. Use the `ray_cluster` fixture; it yields `raysys.cluster.cluster_info()`.
 
 The fixture may be registered more than once (a conftest per test directory, or `pytest_plugins`); the
 cluster is started by the first user and shut down when the last one finishes.
@@ -26,8 +26,11 @@ def _start() -> None:
 
     if ray.is_initialized():  # someone else's Ray: use it, leave it running
         return
+    # No idle workers started ahead of demand: the gangs' actors carry a runtime env those would not match, so they
+    # only cost their start and a share of a core while the session lasts.
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": HEAD_CPUS, "num_gpus": 0, "object_store_memory": 100 * 2**20, "include_dashboard": False})
+        "num_cpus": HEAD_CPUS, "num_gpus": 0, "object_store_memory": 100 * 2**20, "include_dashboard": False,
+        "_system_config": {"enable_worker_prestart": False, "prestart_worker_first_driver": False}})
     cluster.add_node(num_cpus=WORKER_CPUS, num_gpus=0, object_store_memory=80 * 2**20)
     ray.init(address=cluster.address, logging_level="WARNING")
     cluster.wait_for_nodes()

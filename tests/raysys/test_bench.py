@@ -1,5 +1,6 @@
 """The benchmark harness, CLI, results I/O, profiling summary and memory accounting on CPU."""
 
+import re
 import signal
 import subprocess
 import sys
@@ -198,3 +199,68 @@ def test_sigterm_mid_run_leaves_no_lock_and_no_empty_run_dir(tmp_path):
     assert proc.returncode == 130, (out, err)
     assert err.strip().splitlines()[-1] == "raysys bench: interrupted", err
     assert not any(tmp_path.glob("runs/*")), sorted(p.name for p in tmp_path.rglob("*"))
+
+
+class _RecordingBar:
+    """What `run_benchmark` tells its progress bar: the phases in order and the steps advanced in each."""
+
+    def __init__(self):
+        self.phases: list[str] = []
+        self.steps: dict[str, int] = {}
+
+    def set_postfix_str(self, text: str) -> None:
+        self.phases.append(text)
+
+    def update(self, n: int = 1) -> None:
+        self.steps[self.phases[-1]] = self.steps.get(self.phases[-1], 0) + n
+
+
+def test_bench_progress_names_each_phase_and_advances_every_step():
+    bar = _RecordingBar()
+    cfg = BenchConfig(**{**TINY, "warmup": 2, "steps": 3})
+    run_benchmark(cfg, progress=bar)
+    assert bar.phases == ["build", "warm-up", "timed"]
+    assert bar.steps == {"warm-up": 2, "timed": 3} and sum(bar.steps.values()) == bench.num_steps(cfg)
+
+
+def test_bench_cli_draws_a_bar_per_configuration_and_one_over_them(tmp_path, capsys):
+    """The README's first example printed nothing for minutes: each configuration now has a bar of its steps, with
+    its phase and an estimate, under a bar over the configurations (on stderr, as the sweeps' bars)."""
+    assert cli.main(["bench", "--size", "tiny", "--context-length", "16,8", "--batch-size", "1", "--warmup", "1",
+                     "--steps", "2", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    for label in (r"\[1/2\] tiny ctx 16 train-step fp32", r"\[2/2\] tiny ctx 8 train-step fp32"):
+        assert re.search(label + r": .*, build\]", err) and re.search(label + r": .*, warm-up\]", err), err
+        # steps done of all, elapsed<estimate left, the rate (step/s, or s/step when slow) and the phase
+        assert re.search(label + r": +\d+%.* [123]/3 \[\d\d:\d\d<\d\d:\d\d, .*(step/s|s/step), timed\]", err), err
+    assert re.search(r"bench: 100%.* 2/2 \[\d\d:\d\d<00:00, .*(config/s|s/config), ok\]", err), err
+
+
+def test_bench_list_flags_take_words_or_a_comma_list():
+    """One meaning per list flag: `--dtype fp32,bf16` = `--dtype fp32 bf16`, as in the studies."""
+    parse = cli.build_parser().parse_args
+    words = cli.bench_configs(parse(["bench", "--size", "tiny", "small", "--context-length", "8", "16", "--mode",
+                                     "forward", "train-step", "--dtype", "fp32", "bf16"]))
+    commas = cli.bench_configs(parse(["bench", "--size", "tiny,small", "--context-length", "8,16", "--mode",
+                                      "forward,train-step", "--dtype", "fp32,bf16"]))
+    assert words == commas and len(words) == 16
+    assert {(c.size, c.context_length, c.mode, c.dtype) for c in words} >= {("small", 16, "train-step", "bf16")}
+    assert cli.bench_configs(parse(["bench"])) == [BenchConfig()]  # defaults: small, its context, train-step, fp32
+    for argv, message in ((["--size", "tiny,huge"], "size 'huge' is not one of"),
+                          (["--context-length", "8,x"], "--context-length 'x' must be an integer"),
+                          (["--dtype", "fp8"], "dtype 'fp8' is not one of")):
+        with pytest.raises(ValueError, match=message):
+            cli.bench_configs(parse(["bench", *argv]))
+
+
+def test_memory_profile_off_cuda_is_refused_before_any_work(tmp_path, capsys):
+    """`bench --memory-profile` on a CPU returned rc 0 with NaN and no snapshot, silently."""
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    assert cli.main(["bench", "--size", "tiny", "--device", "cpu", "--memory-profile", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err == ("raysys bench: error: --memory-profile needs a CUDA device (peak memory and the allocator snapshot "
+                   "come from CUDA's caching allocator); --device cpu runs on cpu here\n")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="--memory-profile needs a CUDA device"):
+        run_benchmark(BenchConfig(**TINY, memory_profile=True))

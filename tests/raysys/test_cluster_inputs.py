@@ -101,9 +101,16 @@ from raysys.cluster import run_sweep
 from tests.raysys.test_cluster_inputs import _trial
 
 
+def descendants(pid):
+    try:
+        children = open(f"/proc/{pid}/task/{pid}/children").read().split()
+    except OSError:
+        return []
+    return [c for child in children for c in [child, *descendants(child)]]
+
+
 def ctrl_c_while_the_ranks_start():
-    children = f"/proc/{os.getpid()}/task/{os.getpid()}/children"
-    while len(open(children).read().split()) < 3:  # the resource tracker and both ranks
+    while len(descendants(os.getpid())) < 4:  # the resource tracker, the forkserver and both ranks
         time.sleep(0.01)
     time.sleep(0.5)  # the ranks are importing torch
     os.killpg(0, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground process group

@@ -210,10 +210,54 @@ def test_a_dead_rank_is_named_with_its_exit_code_at_once_not_at_the_deadline(mon
     assert gang.broken and not gang.running and not multiprocessing.active_children()
 
 
+def _environ(ctx: RankContext, *names: str) -> dict:
+    return {name: os.environ.get(name) for name in names}
+
+
+@pytest.mark.multiproc
+def test_process_gang_ranks_see_the_drivers_environment_as_it_is_when_they_start(monkeypatch):
+    """Ranks are forked from a forkserver that imported torch once (its environment is the driver's when it started);
+    each rank still sees the driver's environment of the moment its gang starts, as a spawned rank would."""
+    monkeypatch.setenv("RAYSYS_TEST_SEEN", "first")
+    monkeypatch.setenv("RAYSYS_TEST_GONE", "set")
+    with ProcessGang(2, device="cpu", name="env", timeout_s=60) as gang:
+        assert gang.run(_environ, "RAYSYS_TEST_SEEN", "RAYSYS_TEST_GONE") == [
+            {"RAYSYS_TEST_SEEN": "first", "RAYSYS_TEST_GONE": "set"}] * 2
+    monkeypatch.setenv("RAYSYS_TEST_SEEN", "second")   # the forkserver, if any, is running since the first gang
+    monkeypatch.delenv("RAYSYS_TEST_GONE")
+    with ProcessGang(2, device="cpu", name="env", timeout_s=60, env={"NCCL_DEBUG": "WARN"}) as gang:
+        seen = gang.run(_environ, "RAYSYS_TEST_SEEN", "RAYSYS_TEST_GONE", "NCCL_DEBUG", "NCCL_NVLS_ENABLE", "RANK")
+    assert seen == [{"RAYSYS_TEST_SEEN": "second", "RAYSYS_TEST_GONE": None, "NCCL_DEBUG": "WARN",
+                     "NCCL_NVLS_ENABLE": "0", "RANK": str(r)} for r in range(2)]
+
+
+def _threads(ctx: RankContext) -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+@pytest.mark.multiproc
+def test_process_gang_ranks_take_no_more_threads_than_the_driver():
+    """A rank took the machine's CPUs / ranks as threads: 2 under a one-thread pytest worker on 2 cores, whose OpenMP
+    threads then spun against the other worker's (tiny steps of ~1 s instead of ~7 ms)."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with ProcessGang(1, device="cpu", name="threads", timeout_s=60) as gang:
+            assert gang.run(_threads) == [1]
+        torch.set_num_threads(2)
+        with ProcessGang(1, device="cpu", name="threads", timeout_s=60) as gang:
+            assert gang.run(_threads) == [min(2, os.cpu_count() or 1)]
+    finally:
+        torch.set_num_threads(before)
+
+
 _ORPHAN_DRIVER = """
 import os, signal, time
-import torch.multiprocessing as mp
-from raysys.rank import die_with_parent
+from raysys.rank import die_with_parent, rank_process_context
 
 
 def child():
@@ -222,7 +266,7 @@ def child():
 
 
 if __name__ == "__main__":
-    proc = mp.get_context("spawn").Process(target=child, daemon=True)
+    proc = rank_process_context().Process(target=child, daemon=True)  # as ProcessGang and the test harness start ranks
     proc.start()
     print(proc.pid, flush=True)
     time.sleep(3)  # the child has called die_with_parent by now

@@ -3,6 +3,7 @@ directory by default; --resume / --overwrite for an existing file; an impossible
 
 from __future__ import annotations
 
+import os
 import resource
 import subprocess
 import sys
@@ -113,3 +114,60 @@ def test_bench_failing_after_its_out_was_made_leaves_no_empty_directory(tmp_path
     (tmp_path / "mine").mkdir()
     assert cli.main([*argv, "--out", str(tmp_path / "mine")]) == 2
     assert not (tmp_path / "new").exists() and list((tmp_path / "mine").iterdir()) == []
+
+
+_EDITABLE_INSTALL = """
+import runpy, sys
+from importlib.machinery import PathFinder
+from importlib.util import spec_from_file_location
+
+ROOT = {root!r}
+MAPPING = {{name: ROOT + "/" + name for name in ("raysys", "kernels", "parallel", "sweeps")}}
+
+
+class EditableFinder:
+    # What `pip install -e .` appends to sys.meta_path (setuptools' _EditableFinder), after the path finder:
+    # top-level names mapped to this checkout's folders, their children looked up there.
+    @classmethod
+    def find_spec(cls, fullname, path=None, target=None):
+        if fullname in MAPPING:
+            return spec_from_file_location(fullname, MAPPING[fullname] + "/__init__.py",
+                                           submodule_search_locations=[MAPPING[fullname]])
+        parent = fullname.rpartition(".")[0]
+        return PathFinder.find_spec(fullname, [MAPPING[parent]]) if parent in MAPPING else None
+
+
+sys.meta_path = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
+sys.meta_path.append(EditableFinder)
+sys.argv = ["raysys", *{argv!r}]
+runpy.run_module("raysys", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_python_m_raysys_from_the_parent_of_a_clone_named_raysys(tmp_path):
+    """`python -m raysys` beside a clone named `raysys` (after `git clone ... raysys && pip install -e raysys`):
+    Python takes the clone for a namespace package found before the editable install, and `raysys.results` was the
+    clone's results/ folder (ImportError); the console script worked."""
+    (tmp_path / "raysys").symlink_to(REPO, target_is_directory=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = _EDITABLE_INSTALL.format(root=str(REPO), argv=["report", str(tmp_path / "none.parquet")])
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr == f"raysys report: error: results file {tmp_path / 'none.parquet'} does not exist\n"
+
+
+def test_the_cluster_and_report_commands_start_without_torch(tmp_path):
+    """`python -m raysys doctor`, the first step of the cluster recipe, imported torch, Triton and the kernels to
+    build every command's parser (20 s on a busy 2-core host): a command now imports what it runs."""
+    code = f"""
+import sys
+from raysys import cli
+codes = [cli.main(argv) for argv in (["doctor", "--port", "0"], ["metrics", "--temp-dir", {str(tmp_path)!r}],
+                                     ["report", {str(tmp_path / "none")!r}], ["submit"])]
+print(codes, sorted(m for m in ("torch", "triton", "kernels") if m in sys.modules))
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] in ("[0, 2, 2, 2] []", "[1, 2, 2, 2] []"), done.stdout
+    assert "raysys submit: error: no command to run" in done.stderr

@@ -326,6 +326,23 @@ def test_script_on_ray(tmp_path, ray_cluster):  # noqa: F811
     assert again["utc"].tolist() == ddp["utc"].tolist()
     for study in (ddp_sweep, sharded_sweep):
         assert len(study.main(["--report-only", "--out", str(tmp_path)])) > 0
+    # The README's pandas snippets work on this file, fp32 only like the quickstart's (they raised KeyError: 'bf16').
+    fastest = _readme_ddp_snippets(tmp_path / "ddp.parquet")
+    assert list(fastest.index.get_level_values("dtype")) == ["fp32"] * 3 and fastest.is_monotonic_increasing
+
+
+def _readme_ddp_snippets(path):
+    """Run the README's snippets that read results/ddp.parquet on `path` instead; the value of the last line."""
+    text = (common.ROOT / "README.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    snippets = [b.replace('"results/ddp.parquet"', repr(str(path))) for b in blocks if "results/ddp.parquet" in b]
+    assert len(snippets) == 2, snippets
+    namespace = {"pd": pd}
+    for snippet in snippets[:-1]:
+        exec(snippet, namespace)
+    *body, last = snippets[-1].strip().splitlines()
+    exec("\n".join(body), namespace)
+    return eval(last.split("#", 1)[0], namespace)
 
 
 @pytest.mark.multiproc

@@ -399,3 +399,35 @@ def test_allreduce_resume_refuses_other_warmup_or_iters_before_ray(no_ray, tmp_p
             allreduce.main([*argv, "--iters", "2", "--warmup", "1", *change])
     with pytest.raises(RayStarted):
         allreduce.main([*argv, "--iters", "2", "--warmup", "1"])
+
+
+def test_every_list_flag_takes_words_or_one_comma_list():
+    """One meaning per list flag everywhere (`--variants a b` as the leaderboard took it, `--variants a,b` as the
+    other studies did): both forms, on the new spellings and the old ones, and --help shows one form."""
+    from sweeps import checkpointing, ddp, flash_tiles, fsdp
+
+    for module, flag, values in ((ddp, "--variants", ["naive", "bucketed:10"]), (ddp, "--dtypes", ["fp32", "bf16"]),
+                                 (fsdp, "--variants", ["fsdp", "ddp"]),
+                                 (flash_tiles, "--variants", ["portable", "tma"]),
+                                 (checkpointing, "--studies", ["segments", "offload"]), (ddp, "--world-sizes", ["2"])):
+        parser = module.build_parser()
+        dest = flag.lstrip("-").replace("-", "_")
+        joined = ",".join(values)
+        assert getattr(parser.parse_args([flag, *values]), dest) == getattr(parser.parse_args([flag, joined]), dest) \
+            == joined, (module.__name__, flag)
+        assert f"{flag} A,B,.." in parser.format_help() and f"{flag} A,B,.. [" not in parser.format_help()
+    assert ddp.build_parser().parse_args(["--dtype", "fp32,bf16"]).dtypes == "fp32,bf16"   # an old spelling
+
+
+def test_launcher_ray_means_ray_in_every_study():
+    """`--launcher ray` runs the trials on Ray in every study that takes --launcher (checkpointing called it `tune`,
+    which still parses); the other values name what runs instead."""
+    from sweeps import checkpointing, ddp, flash_tiles, fsdp, sharded_optimizer
+
+    for module in (checkpointing, ddp, flash_tiles, fsdp, sharded_optimizer):
+        (action,) = [a for a in module.build_parser()._actions if a.dest == "launcher"]
+        assert "ray" in action.choices and set(action.choices) <= {"auto", "ray", "mp", "local"}, module.__name__
+    parse = checkpointing.build_parser().parse_args
+    assert parse(["--launcher", "tune"]).launcher == parse(["--launcher", "ray"]).launcher == "ray"
+    with pytest.raises(SystemExit):
+        parse(["--launcher", "mp"])   # checkpointing's trials are one process each: no gang to launch
