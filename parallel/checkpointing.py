@@ -1,45 +1,17 @@
 """Activation checkpointing policies for a stack of Transformer blocks (handout section 3; Chen et al. 2016,
 Korthikanti et al. 2022).
 
-What is kept for backward, per policy (x_i is the residual stream entering block i):
-- `NoCheckpoint`: every tensor autograd saves (the block's "residuals").
-- `FullCheckpoint(every_k)`: blocks are cut into segments of k; a segment keeps only its input x_i and reruns its
-  forward when backward reaches it: one extra forward of every wrapped block, less each segment's last matmul
-  (torch's non-reentrant checkpoint stops recomputing once the last saved tensor is back). `FullCheckpoint.sqrt(N)`
-  is Chen's k = sqrt(N), which balances N/k checkpoints against k blocks of live residuals.
-- `NestedCheckpoint(leaf_size)`: the blocks are halved recursively, every half inside its own checkpoint, so one
-  input per recursion level is alive: O(log N) activation memory for about log2(N / leaf) extra forwards of
-  each block (an inner range reruns its left half; early stop skips the right one).
-- `SelectiveCheckpoint`: the attention sub-module runs under PyTorch's selective activation checkpointing with
-  a policy that caches the projections' matmul outputs (and fused-attention outputs) and recomputes the rest:
-  the attention core (scores, mask, softmax, P@V) and RoPE. With a fused backend (`sdpa`, `flash_triton`,
-  `flash_pytorch`) the core already keeps only O and the log-sum-exp and recomputes P in its own backward, so
-  the policy leaves such blocks alone rather than recompute the core twice.
-- `FfnCheckpoint`: only the block's feed-forward branch (`block.ffn_branch(h)` = SwiGLU(ln2(h))) runs under a
-  checkpoint: the branch keeps its input h and reruns ln2, w1, w3 and the gating in backward (w2 is not rerun:
-  early stop), freeing the norm's and SwiGLU's saved tensors - the largest part of a block with fused attention
-  - for two of the block's seven projection matmuls.
-- `Offload`: saved tensors leave the device: each storage is copied once to pinned host memory on a side CUDA
-  stream during forward and copied back one block ahead of backward (prefetch). On a CPU-only host they are
-  copied into a separate CPU buffer, so the hook path is exercised by the tests.
-- `PerLayer([...])`: one of the above per block. Consecutive equal `FullCheckpoint(k)` entries are cut into
-  segments of k, consecutive `NestedCheckpoint` entries form one recursive tree.
+Policies, by what a block keeps for backward: `NoCheckpoint` (all autograd saves), `FullCheckpoint(every_k)`
+(segments of k blocks keep their input and rerun; `.sqrt(N)`: k = sqrt(N)), `NestedCheckpoint(leaf_size)` (recursive
+halves, O(log N) memory), `SelectiveCheckpoint` (attention keeps its projections, recomputes the core and RoPE),
+`FfnCheckpoint` (the feed-forward branch reruns), `Offload` (saved tensors to pinned host memory, back one block
+ahead), `PerLayer([...])` (one policy per block).
 
-Invariant: applying any policy changes which tensors live between forward and backward, never a value: the
-loss and every parameter gradient equal the un-checkpointed ones bit for bit in fp32 (the recomputation reruns
-the same kernels on the same inputs; RNG state is restored by `torch.utils.checkpoint`; autocast state too).
-
-How it is applied: `apply_activation_checkpointing(model, policy)` works on any model whose `layers` is a
-sequence of blocks called in order with `(x, *args)` (`TransformerLM` does this), each block having an `attn`
-sub-module with an `attention` backend name (for `SelectiveCheckpoint`) and an `ffn_branch(h)` method (for
-`FfnCheckpoint`). It replaces `forward` (or `ffn_branch`) on the block (or attention) instances - no module is
-wrapped, so parameter names, state dicts, optimizers and
-`model.set_attention` are unaffected. It is reversible: `remove_activation_checkpointing(model)` (or
-`handle.remove()`) restores the original behaviour. Within a segment the first block runs the whole segment
-under one checkpoint and the other blocks pass the segment's output through; calling a block of a k > 1
-segment on its own therefore is not meaningful while the policy is applied. Module hooks of blocks inside a
-segment fire around the model's own calls, not during recomputation (hooks that manage parameters, like
-per-block FSDP, need k = 1). `torch.compile` of checkpointed blocks is not a supported combination.
+Invariant: a policy changes which tensors live between forward and backward, never a value (fp32: bit for bit).
+`apply_activation_checkpointing(model, policy)` patches `forward` / `ffn_branch` of the blocks in `model.layers`
+(wrapping no module); `remove_activation_checkpointing(model)` or `handle.remove()` undoes it. Block hooks do not
+fire during recomputation (per-block FSDP needs k = 1); torch.compile of checkpointed blocks is unsupported.
+See docs/parallel.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """Collective-communication benchmark: all-reduce, all-gather, reduce-scatter and broadcast of float32 data.
 
-What is communicated, for a message of `num_bytes` (nccl-tests conventions, n = group size):
-  * all_reduce      every rank holds `num_bytes`; afterwards every rank holds the elementwise sum.
-  * all_gather      every rank contributes `num_bytes / n`; afterwards every rank holds all `num_bytes`.
-  * reduce_scatter  every rank holds `num_bytes`; afterwards rank i holds the sum of the i-th `1/n` slice.
-  * broadcast       the group's rank 0 sends `num_bytes` to every rank.
-So `num_bytes` is the full tensor on each rank in every op (nccl-tests' "size": all-gather's total output,
-reduce-scatter's total input), and one message size means the same per-rank buffer across ops. It is the
-request rounded down to a multiple of n float32 elements.
-
-Timing: `warmup` untimed calls, then `iters` timed calls each bracketed by CUDA events (GPU) or
-`perf_counter` (CPU, where gloo collectives are synchronous); the ranks start together after a barrier. One
-rank's numbers are its mean/std per call; a trial's time is the max over ranks of the mean (the collective
-is done when its slowest rank is), `aggregate` computes it from the per-rank results.
-
-Bandwidths (GB/s = 1e9 B/s): algbw = num_bytes / time; busbw = algbw * factor, with factor 2(n-1)/n for
-all-reduce, (n-1)/n for all-gather and reduce-scatter, 1 for broadcast, as nccl-tests' `*GetBw` functions
-compute them (all-gather: algbw = per-rank count * n * element size / time, i.e. the total size): the
-per-link traffic of the optimal ring algorithm, so busbw is comparable across ops and world sizes and bounded
-by the link bandwidth.
-
-Invariant (checked by `verify_collective` on the benchmark's own buffers, after timing): with rank r's input
-filled with r + 1, all-reduce gives n(n+1)/2 everywhere, all-gather gives slice j = j + 1, reduce-scatter
-gives n(n+1)/2, broadcast gives 1.
+`num_bytes` is the full tensor on each rank in every op (nccl-tests' "size": all-gather's total output,
+reduce-scatter's total input), rounded down to a multiple of n float32 elements. Timing: `warmup` untimed calls, then
+`iters` calls each timed by CUDA events (GPU) or `perf_counter` (CPU), after a barrier; a trial's time is the max
+over ranks of the mean (`aggregate`). Bandwidths in GB/s (1e9 B/s): algbw = num_bytes / time, busbw = algbw * factor
+(2(n-1)/n all-reduce, (n-1)/n all-gather and reduce-scatter, 1 broadcast), as nccl-tests compute them.
+Invariant (`verify_collective`, on the benchmark's buffers after timing): with rank r's input filled with r + 1,
+all-reduce gives n(n+1)/2 everywhere, all-gather slice j = j + 1, reduce-scatter n(n+1)/2, broadcast 1.
+See docs/parallel.md.
 """
 
 from __future__ import annotations

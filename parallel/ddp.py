@@ -1,34 +1,15 @@
 """Distributed data parallel (DDP): gradient averaging over a process group, from naive to bucketed, side by side.
 
-Every wrapper holds a full replica of `module` on each rank of `process_group` (default: the world), broadcasts
-rank 0's parameters and buffers at construction, and averages the gradients of the ranks' backward passes:
-
-| class           | what is communicated, and when                                                                 |
-| `NaiveDDP`      | after backward, in `finish_gradient_synchronization()`: one blocking all-reduce per parameter   |
-| `FlatDDP`       | after backward: one all-reduce of all gradients copied into one flat tensor (per dtype)         |
-| `OverlappedDDP` | during backward: one async all-reduce per parameter, issued as soon as its gradient is ready    |
-|                 | (those a compiled region's backward produces at once: one coalesced call)                      |
-| `BucketedDDP`   | during backward: one async coalesced all-reduce per bucket of <= `bucket_size_mb` (filled in     |
-|                 | reverse parameter order), issued once all its gradients are ready, reducing them where they lie |
-| `TorchDDP`      | `torch.nn.parallel.DistributedDataParallel` behind the same interface (the baseline)            |
-
-Invariant: after `finish_gradient_synchronization()`, every parameter that required a gradient at construction
-has `.grad` equal to the mean over the group of the ranks' local gradients, zeros standing for a rank that produced
-none; frozen parameters are never sent and a tied one is reduced once. Collectives are matched across ranks by
-issue order, so buckets are launched strictly in bucket order whatever order gradients arrive in, and those still
-unlaunched at finish (a parameter unused on this rank) are launched there with zeros. Mean: NCCL's AVG inside the
-collective; gloo divides by the group size, then sums. A group of one is the identity: hooks and bookkeeping run,
-nothing is copied, divided or communicated, and an unused parameter keeps `.grad` None. `collectives_alone=True`
-runs a group of one through the path of a larger group instead (every collective issued, over no peer): what a
-one-GPU measurement of the machinery's cost needs.
-
-Host cost per step: one post-accumulate-grad hook call per parameter, one collective call per bucket (on the group).
-Gradients stay where autograd put them: nothing is copied, allocated or re-pointed (`grad_as_bucket_view=False`
-is the textbook bucket, copied into a flat buffer and back). `sm_carveout=N`: see parallel/carveout.py.
-
-`no_sync()`: backward passes of forwards inside it accumulate locally; the next synchronised one reduces the sum.
-Lifetime: hooks hold a `_Reducer`, never a parameter or the wrapper, so a dropped wrapper is freed at once.
-
+Each wrapper holds a full replica of `module` on each rank of `process_group` (default: the world), broadcasts rank
+0's parameters and buffers at construction, and averages the ranks' gradients: `NaiveDDP` (a blocking all-reduce
+per parameter after backward), `FlatDDP` (one all-reduce of a flat copy per dtype), `OverlappedDDP` (an async
+all-reduce per parameter as its gradient is ready), `BucketedDDP` (an async coalesced all-reduce per bucket of
+<= `bucket_size_mb`, reverse parameter order), `TorchDDP` (torch's DistributedDataParallel, the baseline).
+Invariant: after `finish_gradient_synchronization()` every parameter that required a gradient has `.grad` equal to the
+mean over the group (zeros standing for a rank that produced none); frozen parameters are never sent, a tied one once.
+Buckets launch in bucket order (collectives match by issue order); a group of one is the identity unless
+`collectives_alone=True`; `no_sync()` accumulates locally. Lifetime: hooks hold a `_Reducer`, never a parameter or
+the wrapper, so a dropped wrapper is freed at once (design and host cost: docs/parallel.md).
     ddp = make_ddp("bucketed", model, bucket_size_mb=100)
     loss_fn(ddp(x), y).backward(); ddp.finish_gradient_synchronization(); optimizer.step()
 """
@@ -385,9 +366,7 @@ class _OverlappedDataParallel(_DataParallel):
                         grads[i] = self._local_grad(self.buckets[b].params[i])
             reducer.launch(b)
         # Every work is waited for, also on NCCL, where the last one alone would order the streams: a work keeps its
-        # tensors alive until it is waited for or torch's watchdog reaps it, so with only the last one waited for the
-        # step's gradients stayed allocated and the caching allocator called cudaMalloc 54-138 times in 4 timed steps
-        # instead of 4 (results/runs/ddp_world1_alone_*_c5c2037.parquet, `cuda_mallocs_timed`).
+        # tensors alive until it is waited for or torch's watchdog reaps it (docs/parallel.md, DDP).
         for work in reducer.works:
             work.wait()
         for grads, bucket in zip(reducer.grads, self.buckets):
@@ -447,14 +426,10 @@ class OverlappedDDP(_OverlappedDataParallel):
     """An async all-reduce of each parameter's gradient, in place, issued as soon as backward produces it
     (in reverse parameter order; see the ordering note in the module docstring).
 
-    `group_compiled=True` (default): the gradients that backward produces at the same moment, those of one compiled
-    region (`ready_together`; e.g. a block compiled by `compile_blocks`), are issued together once the last of them
-    is accumulated, by one coalesced call (on NCCL one grouped launch, still an all-reduce per parameter). Nothing
-    waits longer than it would one call at a time, and the host pays one collective call per region instead of one
-    per parameter (the per-call host cost of NCCL collectives: results/runs/README.md). In eager code every
-    gradient has its own moment and its own call either way. A region Dynamo splits at graph breaks produces its
-    gradients in several nodes, and its call waits for the last of them: correct, but less overlap (prefer
-    `fullgraph=True`, or `False` here). `False`: one call per parameter always."""
+    `group_compiled=True` (default): the gradients of one compiled region (`ready_together`), which backward produces
+    at the same moment, are issued together by one coalesced call once the last is accumulated: one host call per
+    region instead of one per parameter, nothing waiting longer. A region split at graph breaks waits for its last
+    node (correct, less overlap: prefer `fullgraph=True`). `False`: one call per parameter always."""
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None, *,
                  group_compiled: bool = True, sm_carveout: int | None = None, collectives_alone: bool = False):

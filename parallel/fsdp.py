@@ -1,40 +1,17 @@
 """Fully sharded data parallel (FSDP, ZeRO stage 3): just-in-time weight all-gathers with prefetch, compute-dtype
-communication and asynchronous fp32 gradient reduce-scatters (handout section 7).
+communication and asynchronous fp32 gradient reduce-scatters (handout section 7; design in docs/parallel.md).
 
-What is sharded: the `weight` of every Linear / Embedding (torch's, or any class of that name: `raysys.model`,
-`cs336_basics`), zero-padded to N * ceil(rows / N) rows and split along dim 0; rank r keeps its rows as an fp32
-`nn.Parameter` in the module's place, so `fsdp.parameters()` hands the optimizer the shards. Other parameters (norms,
-biases) are replicated and all-reduced once per step. A unit is gathered and reduced as one: every sharded module
-alone by default, or every outermost module of `units=(TransformerBlock,)` (as FSDP2 is applied per block).
-
-Per unit and step: one all-gather (coalesced over its weights, in place) before its forward, issued two units ahead;
-its full weights freed after forward and gathered again for backward, one unit ahead; one coalesced reduce-scatter
-of its fp32 gradients once the last has arrived (`flat_collectives=True`: one flat all-gather, copied out, and one
-reduce-scatter of a rank-major buffer per unit, one NCCL operation each instead of one per weight). With
-`compute_dtype` (e.g. bf16) shards are cast before the all-gather and Linear / Embedding compute in that dtype
-(their inputs cast by a class swapped in, `cast_inputs_by_class`, or with a bias by forward hooks); gradients are
-cast back to fp32 for the reduction. On gloo (CPU tests) one reduce-scatter of a rank-major copy per
-unit, and one collective in flight at a time.
-
-Invariant: after `finish_gradient_synchronization()` every shard's `.grad` (fp32, shard shape) holds its rows of the
-mean over ranks of the local full-weight gradients (zero in padding rows), every replicated `.grad` the mean over
-ranks, identical on all ranks. In fp32 with N = 2 a step equals, bit for bit, one process averaging two per-slice
-gradients as (g0 + g1) / 2. Several backward passes before one finish add up. A group of one is the identity:
-the same hooks run but no collective is issued and nothing is divided; in fp32 the full weights are the shards
-(nothing is copied), with a compute dtype each unit's cast weights live from its forward to its backward (one
-cast per step, as autocast's cache) and its cast gradients land in one flat fp32 buffer the shard grads view.
-`collectives_alone=True` runs a group of one through the path of a larger group instead (every all-gather,
-reduce-scatter and all-reduce issued, over no peer): what a one-GPU measurement of the machinery's cost needs.
-
-Requirements (as torch's FSDP): every rank runs the same units in the same order, each at most once per forward; no
-weight tying between sharded modules; no activation recomputation of sharded modules; one dtype per unit;
-optimizers update the shards in place. Lifetime: hooks hold the wrapper weakly (parallel/hooks.py), so a dropped
-wrapper is freed at once, its hooks removed and swapped classes put back; its modules keep their shards
-(`gather_full_params()` first for the full weights).
-
+Every Linear / Embedding `weight` (by class name) is zero-padded to a multiple of N rows and split along dim 0: rank r
+keeps its rows as an fp32 `nn.Parameter` in the module's place (`fsdp.parameters()` are the shards); other parameters
+are replicated and all-reduced. A unit (each sharded module, or each outermost `units` instance) is all-gathered
+before forward (two units ahead) and backward (one ahead), its gradients reduce-scattered once the last arrives.
+Invariant: after `finish_gradient_synchronization()` every shard's `.grad` (fp32) holds its rows of the mean over ranks
+of the full-weight gradients, every replicated `.grad` the mean; a group of one is the identity unless
+`collectives_alone=True`. Requirements (as torch's FSDP): the same units in the same order on every rank, each at most
+once per forward; no tied or recomputed sharded weights; shards updated in place. Lifetime: hooks hold the wrapper
+weakly (parallel/hooks.py). `gather_full_params()` is a collective: every rank calls it.
     fsdp = make_fsdp("fsdp", model, compute_dtype=torch.bfloat16, units=(TransformerBlock,))
     loss_fn(fsdp(x), y).backward(); fsdp.finish_gradient_synchronization(); optimizer.step()
-    full = fsdp.gather_full_params()  # a collective: every rank calls it
 """
 
 from __future__ import annotations
@@ -161,30 +138,16 @@ class _Unit:
     """The sharded weights gathered together and their communication state. With N ranks and weights w_1..w_k of
     padded shard sizes s_1..s_k (S = sum s_i):
 
-    shard storage   fp32 (S,): this rank's shards back to back; each weight's shard is an `nn.Parameter` viewing its
-                    slice, so the optimizer's in-place updates keep the storage current
-    full storage    compute dtype, N * s_1 | N * s_2 | ...: each weight's padded full tensor (rank-major rows), the
-                    output of its own all-gather; the full weight is a leaf `nn.Parameter` viewing it. Allocated
-                    (`resize_`) just before it is written and released (`resize_(0)`) right after use; autograd keeps
-                    the same full weights, whose version counters the gathers never move (they write through
-                    `padded`, another tensor on the storage)
-    all-gather      in place: a compute-dtype cast writes rank r's shards into rank r's rows of the outputs (one
-                    strided copy per run of same-size weights, `_cast_runs`), and the k all-gathers run there as one
-                    coalesced group; fp32 sends the shard views as they are. Every view involved is built once, here
-    reduce-scatter  fp32, N * s_1 | N * s_2 | ...: each weight's gradient cast into its padded piece (one
-                    `_foreach_copy_`), one reduce-scatter per weight issued as one coalesced group into this rank's
-                    (S,) slot; with N = 1 the output is the input itself (nothing moves)
+    shard storage   fp32 (S,): this rank's shards back to back; each shard is an `nn.Parameter` viewing its slice
+    full storage    compute dtype, N * s_1 | N * s_2 | ...: each weight's padded full tensor (rank-major rows), written
+                    by its all-gather; the full weight is a leaf `nn.Parameter` viewing it, allocated (`resize_`) just
+                    before it is written and released (`resize_(0)`) right after use
+    reduce-scatter  fp32, N * s_1 | N * s_2 | ...: each weight's gradient cast into its padded piece, reduced into this
+                    rank's (S,) slot
 
-    Backends without coalesced collectives (and `flat_collectives=True`) get a flat all-gather into (N, S) and a
-    copy-out, and a `_chunk_cat` into (N, S) and one reduce-scatter. Forward: the pre-hook waits for (or issues)
-    the unit's gather and swaps the full weights in; the post-hook swaps the shards back, frees the full weights
-    and issues the gather of the unit two ahead in the previous forward's order. Backward: a hook on the unit's
-    output gradient issues its gather and the next one backward needs; once all its trainable weights have their
-    gradient, the full weights are freed and the reduce-scatter issued (a frozen unit is freed by a hook on its
-    inputs' gradients instead).
-
-    Holds no reference to its wrapper (see Lifetime in the module docstring): the wrapper passes itself to the
-    methods that communicate or count."""
+    Forward hooks swap the full weights in and the shards back; backward hooks issue gathers and, once every trainable
+    weight has its gradient, free the full weights and issue the reduce-scatter (docs/parallel.md has the order). Holds
+    no reference to its wrapper (module docstring, Lifetime): the wrapper passes itself to the methods that need it."""
 
     def __init__(self, fsdp: "FSDP", index: int, name: str, root: nn.Module, members: list[tuple[str, nn.Module]]):
         n, rank = fsdp.world_size, fsdp.rank
@@ -328,10 +291,8 @@ class _Unit:
 def _cast_runs(storage: torch.UntypedStorage, shard_flat: torch.Tensor, sizes: list[int], n: int, rank: int,
                dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(destination, source) pairs that together cast the shards in `shard_flat` (padded sizes `sizes`, back to
-    back) into rank `rank`'s slots of the full storage (weight after weight, each N * size, rank-major). Weight i's
-    slot starts at N * offset_i + rank * size_i, so consecutive weights of one size have slots N * size apart: a run
-    of k of them is one (k, size) view of each side and one copy kernel (with N = 1 every slot is contiguous: one
-    copy in all). A `_foreach_copy_` over the weights launches a kernel per 320 chunks of 64K elements instead.
+    back) into rank `rank`'s slots of the full storage (weight after weight, each N * size, rank-major). A run of
+    consecutive weights of one size is one (k, size) view of each side and one copy kernel (N = 1: one copy in all).
     Views of the storage, built once: they stay valid across its resizes, as each weight's `padded` does."""
     runs, i = [], 0
     while i < len(sizes):
@@ -391,31 +352,17 @@ class FSDP(nn.Module):
         units: module classes (or class names) whose outermost instances are gathered as one unit, e.g.
             `(TransformerBlock,)`; None (default): every sharded module is its own unit.
         max_inflight_reductions: gradient reduce-scatters allowed in flight before the oldest is waited for;
-            bounds the fp32 full-size gradient buffers alive during backward (1, as FSDP2: a unit's
-            reduce-scatter has the next unit's backward to finish in; on NCCL the wait is stream-ordered).
+            bounds the fp32 full-size gradient buffers alive during backward (default 1, as FSDP2).
         sm_carveout: keep cuBLAS matmuls off this many SMs from each forward until
-            `finish_gradient_synchronization()` (parallel/carveout.py), for a process group whose NCCL
-            collectives are capped at as many CTAs: gathers and reductions then run beside the matmuls, not in
-            their way. None (default): no carve-out.
+            `finish_gradient_synchronization()` (parallel/carveout.py). None (default): no carve-out.
         event_log: if a list, ("all_gather" | "reduce_scatter", unit name, "forward" | "backward") tuples are
-            appended as collectives are issued (for tests of the prefetch rule). A unit of one module is named
-            after its weight (`layers.0.attn.q_proj.weight`), a larger one after its root (`layers.0`).
+            appended as collectives are issued. A unit of one module is named after its weight
+            (`layers.0.attn.q_proj.weight`), a larger one after its root (`layers.0`).
         collectives_alone: on a group of one, issue every collective a larger group does (over no peer) instead of
-            being the identity (see the module docstring); no effect on a larger group.
-        flat_collectives: one flat all-gather per unit (copied out into the weights' pre-built views when it is
-            waited for) and one reduce-scatter over a rank-major buffer (`torch._chunk_cat`), instead of one
-            collective per weight issued as a coalesced group. NCCL enqueues each tensor of a group as its own
-            operation: flat, a unit costs one enqueue each way for one device copy each way (FSDP2's layout). The
-            paths gloo takes anyway; fp32 training is tested bitwise against one process either way. On one H200
-            through a larger group's collectives the copies cost more than the enqueues saved (the `fsdp_flat` row
-            of results/runs/fsdp_world1_alone_compiled_b2d54fe.parquet); on a real group it is not yet measured.
-        flat_reduce_scatter: the reduce-scatter of `flat_collectives` alone (the all-gathers stay one per weight,
-            in place): one `_chunk_cat` kernel casts and lays out the unit's gradients rank-major, where the
-            coalesced path casts each weight with a copy of its own, and one NCCL reduce-scatter takes them all,
-            where the coalesced path enqueues one per weight. The same bytes move either way; the host does one
-            call of each instead of one per weight. On one H200 through a larger group's collectives it cost more
-            host time than the coalesced path (the `fsdp_flat_rs` row of
-            results/runs/fsdp_world1_alone_compiled_28374cb.parquet).
+            being the identity; no effect on a larger group.
+        flat_collectives: one flat all-gather per unit (copied out into the weights' views) and one reduce-scatter
+            over a rank-major buffer (`torch._chunk_cat`), instead of one collective per weight in a coalesced group.
+        flat_reduce_scatter: the reduce-scatter of `flat_collectives` alone (the all-gathers stay one per weight).
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,

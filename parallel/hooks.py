@@ -1,11 +1,9 @@
 """Hooks that hold their wrapper weakly, for wrappers (DDP, FSDP, CastForCompute) that hook the model they wrap.
 
-Why weakly: a parameter's hooks live in a dict held from C++ (the tensor's autograd metadata), out of sight of
-Python's cycle collector, so a hook holding its wrapper would make parameter -> hook -> wrapper -> model ->
-parameter a cycle that is never freed, leaking the model (and its optimizer state) with every dropped wrapper;
-module hooks would make wrapper -> model -> hooks -> wrapper a cycle only the collector frees. A `WeakHook`
-holds the wrapper weakly and names what it acts on by index, so a wrapper nobody references is freed at once by
-reference counting, and `weakref.finalize(wrapper, remove_handles, handles)` removes its hooks with it.
+A parameter's hooks live where Python's cycle collector cannot see them, so a hook holding its wrapper would leak
+the model with every dropped wrapper (docs/parallel.md). A `WeakHook` holds the wrapper weakly and names what it acts
+on by index, so a wrapper nobody references is freed at once, and `weakref.finalize(wrapper, remove_handles,
+handles)` removes its hooks with it.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""FSDP's compute-dtype policy (mixed precision): which modules compute in the low dtype, the casts that put them
-there, and `CastForCompute`, the policy on one process without sharding (the reference FSDP's low-precision
-training is compared with, and the sweep's `single_cast` variant).
+"""FSDP's compute-dtype policy (mixed precision) and `CastForCompute`, the same policy on one process without sharding.
 
-The policy: for each forward of a Linear / Embedding module (torch's, or any class of that name: `raysys.model`,
-`cs336_basics`), its floating parameters and floating inputs are cast to the compute dtype by differentiable
-casts, so gradients reach the fp32 master parameters in fp32; the originals are put back after the forward.
-Other modules (norms) run on what they receive.
+For each forward of a Linear / Embedding module (by class name), its floating parameters and inputs are cast to the
+compute dtype by differentiable casts, so gradients reach the fp32 master parameters in fp32; the originals are put
+back after the forward. Other modules (norms) run on what they receive.
 """
 
 from __future__ import annotations

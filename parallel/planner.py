@@ -1,33 +1,12 @@
 """Parallelism planner: the handout's section 8 (communication accounting of one FFN) as code.
 
-Setting (handout 8.1-8.5). N devices, each sending W bytes/s (egress), computing C FLOP/s; the FFN
-y = (f(x W1) * (x W2)) W3 with x: (B, D), W1, W2: (D, D_FF), W3: (D_FF, D); weights, activations and gradients
-take b bytes per element (b = 2 in the handout). Only matmuls count: (m, k) @ (k, n) costs 2mkn FLOPs.
-
-Ring collectives on a message of S bytes (the full tensor):
-    all-gather       (N-1)/N * S / W          reduce-scatter  (N-1)/N * S / W
-    all-reduce       2(N-1)/N * S / W         (= reduce-scatter + all-gather)
-    alternate all-reduce (each device forwards whole tensors)  (N-1) * S / W
-A device spends 6BDF/N FLOPs on the forward and 12BDF/N on the backward (3 and 6 matmuls of 2BDF/N), F = D_FF.
-
-Per strategy (communication time per pass; times are exact, with ring factors):
-    DP    forward none; backward all-reduce of dW1..dW3 (S = 3bDF)
-    FSDP  forward all-gather of W1..W3 (S = 3bDF); backward all-gather + reduce-scatter (S = 3bDF each)
-    TP    forward all-reduce of y (S = bBD); backward all-reduce of dx (S = bBD)
-    FSDP+TP (N = N_TP * N_FSDP; batch sharded N_FSDP ways, W1/W2 column- and W3 row-parallel N_TP ways)
-          forward: FSDP axis all-gathers the TP shards (S = 3bDF / N_TP over N_FSDP devices), TP axis all-reduces
-          y (S = bBD / N_FSDP over N_TP devices); overlapped axes cost max(FSDP, TP), shared links the sum.
-          backward (derived, not in the handout): FSDP all-gather + reduce-scatter, TP all-reduce of dx.
-A pass is compute-bound while communication time <= compute time (the two overlap).
-
-Largest device counts (exact ring factors; "a <= b" forms, with beta = BW/C, phi = D_FF W / C):
-    DP, FSDP (both passes)   N - 1 <= 2 beta / b                    (b = 2: N_DP <= 1 + BW/C)
-    TP forward / backward    N - 1 <= 3 phi / b,  N - 1 <= 6 phi / b
-    FSDP+TP overlapped       N_FSDP - 1 <= 2 beta / b  and  N_TP - 1 <= 3 phi / b   (independent axes)
-    FSDP+TP shared links     3b F (N_FSDP - 1) + 2b B (N_TP - 1) <= 6 B F W / C     (one linear budget)
-With (N-1)/N ~ 1, as the handout intends for 8.5: overlapped N <= 6 B D_FF W^2 / (b^2 C^2) at
-N_FSDP = 2BW/(bC), N_TP = 3 D_FF W/(bC); shared links N <= 3 B D_FF W^2 / (2 b^2 C^2), each axis half as wide
-(AM-GM on 3bF N_FSDP + 2bB N_TP at fixed N_FSDP N_TP). For b = 2: 3BF W^2/(2C^2) and 3BF W^2/(8C^2).
+Setting (handout 8.1-8.5): N devices, each sending W bytes/s and computing C FLOP/s; the FFN
+y = (f(x W1) * (x W2)) W3 with x: (B, D), W1, W2: (D, D_FF), W3: (D_FF, D), b bytes per element; only matmuls count.
+`ring_*_time` are the ring collectives' times; `dp_cost`, `fsdp_cost`, `tp_cost` and `fsdp_tp_cost` each pass's
+communication against its compute (exact ring factors; a pass is compute-bound while communication <= compute, the
+two overlapping); `max_devices` and `best_fsdp_tp` the largest compute-bound device counts, `fsdp_tp_continuous` the
+closed form; `bandwidth_from_results` reads W from the collectives benchmark. `run_plan` / `plan_main` print the
+tables (`raysys plan`). The formulas and their derivation: docs/parallel.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """Optimizer state sharding: each rank keeps optimizer state for ~1/N of the parameters (handout section 6).
 
-`ShardedOptimizer(params, optimizer_cls, process_group=None, **kwargs)` assigns every parameter to one
-owner rank of `process_group`, greedily largest first onto the rank with the fewest elements so far, and
-builds a local `optimizer_cls(**kwargs)` over the parameters this rank owns. The state of an adaptive
-optimizer (AdamW's two moments: 2x the parameter bytes) is therefore split N ways; parameters and
-gradients stay replicated.
-
-step(): every rank updates the parameters it owns from their gradients (averaged beforehand by DDP, or
-identical on all ranks), then each updated parameter is broadcast from its owner. Broadcasts are issued
-asynchronously and coalesced per owner into flat buckets of at most `bucket_size_mb` MiB (a parameter
-larger than that is broadcast in place, without a copy); only parameters with `requires_grad` are sent.
-
-Invariant: after step() returns, every rank holds identical parameters, equal to what one unsharded
-`optimizer_cls` stepping all parameters with the same gradients would produce.
-
-Communication per step, against ZeRO stage 1 (Rajbhandari et al., P_os): here DDP all-reduces the full
-gradient (2 x params bytes through a ring) and the updated parameters are broadcast (1 x); ZeRO-1
-reduce-scatters the gradients (1 x) and all-gathers the parameters (1 x), and each rank keeps only its
-own gradient shard after the reduce-scatter. Both shard the optimizer state the same way.
-
-Checkpoints: `state_dict()` is a collective that every rank must call; every rank returns the
-consolidated state, tensors on the CPU, in the layout of one unsharded `optimizer_cls` over the same
-parameter groups (save it from rank 0). `load_state_dict()` takes such a dict (or a plain optimizer's) on
-every rank and keeps the part this rank owns, whatever world size it was saved with.
+`ShardedOptimizer(params, optimizer_cls, process_group=None, **kwargs)` assigns every parameter to one owner rank
+(greedily, largest first, onto the rank with the fewest elements so far) and builds a local `optimizer_cls(**kwargs)`
+over the parameters this rank owns; parameters and gradients stay replicated. `step()` updates the owned parameters,
+then broadcasts each from its owner (async, coalesced per owner into buckets of <= `bucket_size_mb` MiB; only
+parameters with `requires_grad`). Invariant: after `step()` every rank holds identical parameters, equal to what one
+unsharded `optimizer_cls` would produce. `state_dict()` is a collective (every rank calls it) returning the
+consolidated state on the CPU in one unsharded optimizer's layout; `load_state_dict()` takes such a dict on every
+rank, whatever world size saved it. Against ZeRO stage 1: docs/parallel.md.
 """
 
 from __future__ import annotations
