@@ -3,33 +3,12 @@
 Per parameter, step t from 1 (state `t`, `m`, `v` as the reference keeps them, in the parameter's dtype):
 p <- p - lr wd p; m <- b1 m + (1 - b1) g; v <- b2 v + (1 - b2) g^2; p <- p - alpha_t m / (sqrt(v) + eps),
 alpha_t = lr sqrt(1 - b2^t) / (1 - b1^t); t <- t + 1. Shape legend: T tensors in a launch, K chunks.
-
-Multi-tensor apply (as Apex and torch's `_fused_adamw_` do it): the T tensors of a group are cut into chunks of
-CHUNK elements; program k of `_adamw_kernel` looks its (tensor, chunk) up in a table (cached per list of sizes),
-reads that tensor's four element offsets (p, g, m, v relative to one base pointer, so that `tl.multiple_of` can
-tell the compiler they are 16-byte aligned and loads stay 16 bytes wide) and its seven fp32 scalars (per tensor,
-since lr, wd and t differ per group and per parameter), and walks the chunk in BLOCK-element steps: full blocks
-unmasked, the tail masked. One pass reads p, g, m, v and writes p, m, v: 14 bytes per bf16 element.
-
-Exactness: the kernel repeats the reference's operations in its order and rounds to the parameter dtype after
-each one, as each in-place torch op does (a no-op in fp32), with IEEE division and square root (`div_rn`,
-`sqrt_rn`), explicit `fma` where ATen's kernels fuse, and no other contraction (`enable_fp_fusion=False`). ATen's
-CPU and CUDA kernels differ in two places: addcmul is fma(value*g, g, v) on the CPU and fma(value, g*g, v) on
-CUDA; addcdiv is p + (value*m)/d on the CPU and fma(value, m/d, p) on CUDA; and the CPU casts an add's alpha to
-a 16-bit parameter's dtype. The kernel follows the kernels of the device it runs on (`ATEN_CUDA`), so fp32
-results are bitwise equal to the reference's on CUDA. On the CPU (interpreter) one source of ulps remains: ATen's
-vectorised CPU sqrt is not correctly rounded (1 ulp off on about a sixth of the elements) while the kernel's is;
-the tests check bitwise equality against the reference with an IEEE sqrt, and a bound without. 16-bit results
-also differ in the last place where ATen's CPU loop computes its scalar tail (numel mod vector width) in another
-order; the tests bound that too.
-
-Parameters the kernel cannot take run the reference's own torch ops (`_reference_update`): a CPU tensor without
-`TRITON_INTERPRET=1`, a non-contiguous tensor, a dtype other than fp32/bf16/fp16, a grad of another dtype.
-`FusedAdamW.label` says which ran (`FusedAdamW`: the kernel for every parameter; `FusedAdamW[reference]`, e.g. on a
-CPU without the interpreter; `FusedAdamW[kernel+reference]`), and `optimizer_label` names any optimizer so.
-The launch is the custom op `raysys::fused_adamw_` (mutating params, m, v), so a compiled step keeps it whole.
-
-`ForeachAdamW` is the same update through torch's `_foreach_` ops (no Triton launch), for the CPU.
+Exactness: the kernel repeats the reference's operations in its order, rounding to the parameter dtype after each
+and fusing where the device's ATen kernels fuse (`ATEN_CUDA`): fp32 results are bitwise the reference's on CUDA.
+Parameters the kernel cannot take (CPU without `TRITON_INTERPRET=1`, non-contiguous, dtype other than fp32 / bf16 /
+fp16, grad of another dtype) run the reference's torch ops; `FusedAdamW.label` / `optimizer_label` say which ran.
+The launch is the custom op `raysys::fused_adamw_`, so a compiled step keeps it whole. `ForeachAdamW` is the same
+update through torch's `_foreach_` ops, for the CPU. Multi-tensor apply and exactness in full: docs/kernels.md.
 
     opt = FusedAdamW(model.parameters(), lr=3e-4, weight_decay=0.1); loss.backward(); opt.step()
 """

@@ -3,27 +3,12 @@
 loss = mean_i [ logsumexp_j(z_ij) - z_i,y_i ] with z = H W^T, the semantics of `raysys.model.cross_entropy(H @ W.T,
 y)` (max-subtracted log-sum-exp, fp32 arithmetic, mean over positions). Shape legend: N tokens (all leading dims
 of `hidden` flattened), D model dim, V vocab, C rows per chunk. hidden (..., D), weight (V, D), targets (...) int64.
-
-The gradients are computed during the forward [Liger-Kernel's fused linear cross-entropy; Wijmans et al., Cut
-Your Losses, 2024]: per chunk of C tokens, (1) z = H_c W^T into one reused (C, V) buffer; (2) `_ce_loss_grad_kernel`
-reads each row twice (online max / sum of exponentials, then softmax - onehot) in fp32, writes the row's loss and
-overwrites the row with d loss_i / d z_i in place; (3) dH_c = dZ W / N; (4) dW (+)= dZ^T H_c / N (cuBLAS alpha/beta,
-no zero fill). Backward only scales dH and dW by the upstream gradient, in place. No tensor of more than C x V
-elements ever exists; C = `chunk_rows(...)` keeps that buffer under `MAX_CHUNK_BYTES`.
-
-Precision: z and dZ are held in the inputs' dtype, as the model's own `lm_head` would return z (so a bf16 model's
-loss sees the same logits), which halves the chunk buffer against fp32 and so halves the number of passes over dW
-for a given memory budget. The loss, the log-sum-exp and the softmax are fp32 in the kernel; the matmuls
-accumulate in fp32 and scale by 1/N through alpha before rounding (no fp16 underflow of p/N). dW accumulates in
-its own dtype across chunks: for bf16 that is one bf16 rounding per chunk (N / C of them), because an fp32 (V, D)
-accumulator alone (2.3 GiB at V 151936, D 4096) would break the 1 GiB budget; fp32 inputs are exact fp32.
-
-On CUDA a target outside [0, V) makes its row's loss NaN (checking on the host would synchronise); on the CPU
-it raises ValueError. `linear_cross_entropy` is the custom op `raysys::linear_cross_entropy` (with a fake
-kernel and autograd), so `torch.compile` of a function calling it traces it as one opaque node. Under
-`TRITON_INTERPRET=1` the kernel runs on CPU tensors (fp32 / fp16; the interpreter has no bf16).
-
-`ChunkedLinearCrossEntropy` is the same computation in plain torch (chunked matmuls, no kernel), for the CPU.
+The gradients are computed during the forward, C tokens at a time (C = `chunk_rows(...)`, keeping the (C, V) buffer
+under `MAX_CHUNK_BYTES`); backward only scales them. z and dZ are in the inputs' dtype, loss and softmax fp32, dW
+accumulates in its own dtype. On CUDA a target outside [0, V) makes its row's loss NaN; on the CPU it raises
+ValueError. `linear_cross_entropy` is the custom op `raysys::linear_cross_entropy` (fake kernel and autograd);
+under `TRITON_INTERPRET=1` it runs on CPU tensors (fp32 / fp16). `ChunkedLinearCrossEntropy` is the same in plain
+torch, for the CPU. The algorithm and its precision choices: docs/kernels.md.
 
     loss = linear_cross_entropy(hidden, lm_head.weight, targets)   # fp32 scalar, differentiable
 """

@@ -10,7 +10,6 @@ to run. `GluonBwdConfig.persistent` walks the same work items on one program per
 
 The key-stationary pieces here (`load_kv_tiles`, `load_q_do_tile`, `key_stationary_shared`, `sdp_transposed`) are
 the dK/dV loop's first half, shared with the deterministic two-pass kernels (`backward_two_pass.py`).
-
 Usage: `dq, dk, dv = gluon_attention_bwd(q, k, v, out, lse, grad_out, is_causal, config)` (checked) or `launch_bwd`;
 `dispatch.gluon_bwd_config(q)` is the config the gluon path launches.
 """
