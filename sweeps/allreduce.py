@@ -2,21 +2,10 @@
 and, in the same run, without Ray (torch.multiprocessing), to show what the Ray layer costs; one row per trial
 in `<out>/allreduce.parquet` (`--sweep-name` for another stem).
 
-Grid: all-reduce, all-gather, reduce-scatter, broadcast x float32 messages x world sizes x NCCL settings, for
-each launch: `ray` with gpu_visibility `shared` (actors of a node see all its gang GPUs: NCCL peer-to-peer),
-`ray` with `isolated` (Ray's default, one visible GPU per actor; CUDA only) and `mp` (one spawned process per
-GPU, no Ray). Defaults: CUDA - 1 MiB to 1 GiB on 2, 4, 6 GPUs (world sizes the cluster cannot hold become
-`skipped` rows); CPU (gloo) - 1 KiB to 1 MiB on 2 and 4 ranks.
-
-Message size as nccl-tests counts it: the full tensor each rank ends with or starts from (all-reduce and
-broadcast the buffer; all-gather the gathered output; reduce-scatter the input), so one size means the same
-per-rank buffer in every op. Each trial: warm-up calls, then `--iters` timed calls (CUDA events on GPU); the
-time is the max over ranks of the per-rank mean; algbw = bytes / time, busbw = algbw x 2(n-1)/n (all-reduce),
-(n-1)/n (all-gather, reduce-scatter), 1 (broadcast). Every trial checks its result values afterwards.
-`--nccl-env KEY=VAL,...` (repeatable) runs the grid once per NCCL setting, each in fresh rank processes (the
-`nccl_env` column); NVLink multicast stays off. The report ends with the GPU targets: 1 GiB all-reduce busbw
->= 350 GB/s, ray / mp busbw >= 0.97 at the largest size; with the GPU grid, the parallelism planner at the
-measured bandwidth.
+Grid: all-reduce, all-gather, reduce-scatter, broadcast x float32 messages x world sizes x NCCL settings
+(`--nccl-env`), per launch: `ray` shared, `ray` isolated (CUDA only) and `mp`. Sizes, timing and bandwidths as
+`parallel.collectives` defines them; every trial checks its result. The report ends with the GPU targets (1 GiB
+all-reduce busbw >= 350 GB/s, ray / mp >= 0.97) and the planner at the measured bandwidth. Grid: docs/studies.md.
 
     python sweeps/allreduce.py --out /tmp/coll                   # embedded Ray; CPU/gloo without a GPU
     python sweeps/allreduce.py --device cuda --world-sizes 2 --launchers mp --sizes 64MiB,1GiB \

@@ -1,17 +1,11 @@
 """PyTorch attention at scale (handout 4.1.1 pytorch_attention and 4.2 torch_compile): time and memory.
 
-Grid: batch 8, no heads, head dim d in {16, 32, 64, 128} x seq in {256, 1024, 4096, 8192, 16384}, fp32,
-causal (the model's `raysys.model.naive_attention`: scores, masked_fill, softmax, P V), eager and
-`torch.compile`d. Per trial: warm-up passes, then `--steps` (100) forward passes and `--steps` backward
-passes, each synchronised (`raysys.timing.PhaseTimer`); the memory allocated just before a backward pass
-starts; and, for eager, the bytes autograd saved for that backward (`raysys.memory.SavedTensorAccount`).
-Every row also carries the analytic accounting: one B x N x N fp32 score matrix is `score_matrix_bytes`;
-the naive forward keeps three of them for backward (the masked scores for the row max, exp(S - max) and P)
-plus the N x N bool mask and Q, K, V (`expected_saved_bytes`, which the measured saved bytes match): O(B N^2),
-quadratic in the sequence length, against O(B N d) for Q, K, V, O.
-An OOM is a row (status `oom`); at the end the smallest configuration that ran out of memory (fewest score
-elements) is accounted for in `<out>/attention_memory.md`. `--memory-fraction` caps the CUDA allocator to
-emulate a smaller GPU. Writes `<out>/attention.parquet` and `<out>/attention.md` (tables and accounting).
+Grid: batch 8, no heads, d in {16, 32, 64, 128} x seq in {256, ..., 16384}, fp32, causal
+(`raysys.model.naive_attention`), eager and compiled. Per trial: `--steps` synchronised forward and backward passes
+after warm-up, the memory allocated before backward and (eager) the bytes autograd saved, beside the analytic
+accounting (`score_matrix_bytes`, `expected_saved_bytes`: O(B N^2)). An OOM is a row; the smallest configuration that
+ran out of memory is accounted for in `<out>/attention_memory.md`. `--memory-fraction` emulates a smaller GPU. Writes
+`<out>/attention.parquet` and `<out>/attention.md`; the accounting in full: docs/studies.md.
 
     python sweeps/attention.py --out "$PWD/results" --overwrite
     python sweeps/attention.py --memory-fraction 0.17 --out /tmp/a     # behave like a 24 GB card

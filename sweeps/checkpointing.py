@@ -1,27 +1,12 @@
 """Activation checkpointing study (handout 3.2, problem gradient_checkpointing; one GPU per trial, Ray Tune).
 
-Studies (`--studies`, default all three), one row per trial in `<out>/checkpointing.parquet`:
-- segments: xl, batch 4, context 2048. Full checkpointing with segments of k blocks (one level of
-            recomputation) for k = 1, 2, 4, ..., N (`--ks` for another list), then the measured best k's
-            untested neighbours; plus no checkpointing, k = sqrt(N), nested and selective checkpointing.
-- context:  selective vs full vs none at contexts 2048, 4096 and 8192 (medium, batch 1: with naive attention
-            the xl model does not fit even one un-checkpointed block's scores at 8192).
-- offload:  none vs full vs offload (medium, batch 1, contexts 1024 and 2048) with the measured pinned
-            host<->device bandwidth, which gives the bandwidth at which offloading breaks even with recomputing.
-Segments and context also run selective recomputation inside a fused kernel (`attention=flash_triton`; `sdpa`
-on the CPU): FlashAttention keeps O and the log-sum-exp and recomputes the attention core in its own backward.
-
-Every trial builds the model, applies the policy (`parallel.checkpointing`), runs `--warmup` untimed and
-`--steps` timed training steps (AdamW) and records: step time (mean / std, synchronised per phase), the
-measured peak memory (`torch.cuda.max_memory_allocated` over the timed steps; on the CPU the allocator trace
-of one step plus the computed weights / AdamW / input bytes), the memory allocated between steps, the advisor
-model's predicted peak (`raysys.recompute_model.predict_peak`) and its relative error, and the forward /
-recompute / backward FLOPs. An OOM is a row with status `oom`. fp32 uses TF32 matmuls on the GPU (fp32
-memory, faster steps). `--quick`, or a host without a GPU, runs tiny models on the CPU through the same code.
-The report (`checkpointing.md`, `plots/checkpointing_*.png`) answers: the best single-level k with its
-neighbours, selective's activation memory and step-time overhead against none (GPU target: >= 4x less at <= 5%),
-the break-even bandwidth of offloading, and how many configurations the model predicts within 10% (GPU target:
->= 6); trials that ran out of memory are listed with the model's predicted peak.
+Studies (`--studies`, default all): `segments` (xl, batch 4, context 2048: full checkpointing in segments of k blocks,
+then the best k's neighbours, beside none, sqrt(N), nested and selective), `context` (selective vs full vs none at
+contexts 2048-8192) and `offload` (none vs full vs offload, with the measured pinned host<->device bandwidth).
+Every trial applies a policy (`parallel.checkpointing`), times `--steps` training steps after `--warmup` and records
+step time, measured and predicted peak memory (`raysys.recompute_model.predict_peak`) and FLOPs, one row in
+`<out>/checkpointing.parquet` (an OOM too). The report (`checkpointing.md`, plots) judges the GPU targets;
+`--quick`, or no GPU, runs tiny models on the CPU. Grids and targets: docs/studies.md.
 
     python sweeps/checkpointing.py --out "$PWD/results" --overwrite     # GPU, Ray Tune, all studies
     python sweeps/checkpointing.py --studies segments --out /tmp/ckpt

@@ -1,22 +1,14 @@
 """What the studies in `sweeps/` share, so that a study imports this module and the libraries, never another study.
 
-- Command line: `study_parser` (the flags every study takes: --device, --out, --resume | --overwrite,
-  --allow-mixed, --report-only; `gang=True` adds --launcher, --address, --dashboard, --timeout-s). One spelling
-  per flag across studies; older spellings stay as hidden aliases (`alias`, `list_flag`); --help shows every
-  default (`HelpFormatter`); `add_model_flags` / `grid_values` for the model grid of the gang studies.
-- Checks that run before Ray starts or any trial runs, each a one-line ValueError naming the value and the rule:
-  `check_int` and `check_timeout` (both with upper bounds they state), `parse_list`, `model_config`, `check_fits`
-  (a CPU run bounded by the machine's memory), `one_world_size`; `run_gang_study` checks a gang study's whole
-  grid, its results directory and file (a file to resume against this run's configuration, `check_resumed`)
-  before it starts Ray.
-- Training pieces of the gang studies: `GangTrial` (the frozen base of DDPTrial, ShardedTrial, FSDPTrial: the
-  trial is its row's configuration, with `.model_config()` and `.batch()`), `build_model`, `adamw_kwargs`,
+- Command line: `study_parser` (the flags every study takes; one spelling per flag, older ones hidden aliases via
+  `alias` / `list_flag`; --help shows every default), `add_model_flags` / `grid_values` for the gang studies' grid.
+- Checks before Ray starts or any trial runs, each a one-line ValueError naming the value and the rule: `check_int`,
+  `check_timeout`, `parse_list`, `model_config`, `check_fits`, `one_world_size`, `check_resumed`; `run_gang_study`
+  checks a gang study's whole grid and results file before it starts Ray.
+- Training pieces: `GangTrial` (the frozen base of the gang studies' trials), `build_model`, `adamw_kwargs`,
   `in_trial_scope`, `profile_one_step`.
-- Output (`raysys.results`): `output_dir` (--out, else a fresh run directory; the committed `results/` only when
-  named), `open_writer` (--resume / --overwrite / --allow-mixed, locked), `main_entry` (bad input is one line and
-  exit 2; Ctrl-C says how many trials finished and how to continue).
-- Report skeleton: `setup_sentence`, `not_measured`, `write_markdown`, `on_cpu` (GPU targets are not judged on
-  rows measured on the CPU), `pyplot` / `save_figure`.
+- Output: `output_dir`, `open_writer`, `main_entry` (bad input: one line and exit 2); report skeleton:
+  `setup_sentence`, `not_measured`, `write_markdown`, `on_cpu`, `pyplot` / `save_figure`.
 """
 
 from __future__ import annotations

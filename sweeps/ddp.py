@@ -1,29 +1,11 @@
 """Data-parallel training on a gang of ranks (handout 5.2-5.3): every DDP variant of `parallel/ddp.py` against
 torch's DDP and a step with no communication, in one run; one row per dtype x variant in `<out>/ddp.parquet`.
 
-Variants (`--variants`): `single` (each rank trains its own replica, no communication: the reference, run first
-and again last in each dtype as `single (rerun)`, which bounds the drift of the run), `naive`, `flat`,
-`overlapped`, `overlapped_each` (one call per parameter also where a compiled block's gradients are ready at
-once), `bucketed:MB`, `bucketed_copy:MB` (copy-in/out buffers instead of gradient views), `torch`
-(DistributedDataParallel). A suffix `@N` (`overlapped@8`) caps that variant's NCCL communicator at N CTAs;
-`@N+carve` also keeps cuBLAS off N SMs while its all-reduces overlap backward (parallel/carveout.py). `label`
-names a variant uniquely. Every rank runs the same `--batch-per-rank` batch, `single` included, so a row's step
-and `single`'s differ by what data parallelism costs.
-
-Timing (`raysys.timing.time_steps`): warm-up steps, then `--steps` to `--max-steps` timed steps with a
-device synchronisation around each; ratios and targets use the median. CUDA events split a step into forward,
-backward, `comm_wait` (communication left exposed after backward) and optimizer; `host_<phase>_median_s` is
-what the Python thread took to issue each phase. Columns are seconds and bytes (`raysys.results`), tables ms
-and GiB; `rank_spread_rel` is the slowest rank's median step over the fastest's, minus 1. `--profile` variants get two profiled steps: `overlap_fraction`
-is the share of NCCL kernel time that runs beside compute kernels (rank 0's trace in `<out>/traces/`).
-`--compile` compiles every TransformerBlock in every variant (rows in `ddp_compiled.parquet`, own baselines);
-`--paired-rounds N` also times each variant against a `single` step in alternating blocks (ABBA) in the same
-process, a ratio a drifting host does not bias (the targets use it when every variant has one).
-`--world-sizes 1 --collectives-alone` times the project's wrappers on a group of one through a larger group's path
-(every collective issued, over no peer) instead of as the identity: their whole host cost on one GPU.
-
-Without GPUs the run uses gloo ranks on the CPU, the `tiny` model at context 64, fp32 only. Optimizer-state
-sharding is its own study, `sweeps/sharded_optimizer.py`.
+Variants: `single` (no communication, the reference), `naive`, `flat`, `overlapped`, `overlapped_each`, `bucketed:MB`,
+`bucketed_copy:MB`, `torch`; a suffix `@N` caps the variant's NCCL communicator at N CTAs (`@N+carve`: cuBLAS kept
+off N SMs too). Every rank runs `--batch-per-rank`; steps are timed after warm-up (medians, split into forward,
+backward, exposed `comm_wait`, optimizer). `--profile`, `--compile` (`ddp_compiled.parquet`), `--paired-rounds N` and
+`--collectives-alone` as their help says; without GPUs gloo ranks on `tiny`, fp32. Columns: docs/studies.md.
 
     python sweeps/ddp.py --out /tmp/ddp                              # embedded Ray; CPU/gloo without a GPU
     ray job submit --working-dir . -- python sweeps/ddp.py --out "$PWD/results" --overwrite

@@ -1,17 +1,10 @@
 """End-to-end model benchmarks of handout section 2 (one GPU): timings, warm-up, kernels, memory, saved bytes.
 
-Studies (`--studies`, default all):
-- timing:  forward / backward / optimizer per Table-1 size at context 512, fp32 and bf16, eager and compiled.
-- warmup:  the same step with 0, 1, 2 and 5 warm-up steps, each in a fresh process (cold start included).
-- kernels: profiler kernel summary for two sizes x three context lengths (train step).
-- memory:  peak memory of xl at contexts 128 and 2048, forward-only and full step, fp32 and bf16, with
-           allocator snapshots and timeline pictures.
-- saved:   bytes saved for backward per xl block, and per module of one block.
-
-Each study writes `<out>/e2e_<study>.parquet` and its table `e2e_<study>.md` (kernels also
-`e2e_kernel_table.parquet`, saved also `e2e_saved_detail.parquet`, each with its `.md`; timing also
-`plots/e2e_timing.png`). `--quick`, or a host without a GPU, shrinks every grid to tiny models (a CPU smoke
-run). `--report-only` redraws the tables and the plot from the Parquet files in `--out`.
+Studies (`--studies`, default all): `timing` (forward / backward / optimizer per Table-1 size, fp32 and bf16, eager
+and compiled), `warmup` (0, 1, 2 and 5 warm-up steps, each in a fresh process), `kernels` (profiler kernel summary),
+`memory` (peak memory of xl with allocator snapshots and timelines) and `saved` (bytes saved for backward per block
+and module). Each writes `<out>/e2e_<study>.parquet` and `e2e_<study>.md`; `--quick`, or no GPU, shrinks every grid to
+tiny models; `--report-only` redraws from the Parquet files. Grids and extra files: docs/studies.md.
 
     python sweeps/end_to_end.py --device cuda --out "$PWD/results" --overwrite
     python sweeps/end_to_end.py --quick --studies timing,saved --out /tmp/e2e

@@ -1,33 +1,11 @@
 """FlashAttention-2 benchmark (handout 4.2.2 flash_benchmarking): raysys kernels against PyTorch baselines.
 
-Studies (`--studies`, default target and grid):
-- grid:   the handout's table: batch 1, causal, one head, seq 128..65536 (powers of two), head dim 16..128
-          (powers of two), bf16 and fp32. Most informative first, so a budget-limited run measures what
-          matters: bf16 before fp16 before fp32, head dim 128, 64, 32, 16, each seq ascending (then provider).
-- target: the shape this kernel exists for: bf16, causal, batch 1, 16 heads, head dim 128, seq 16384.
-- hopper: issue 16's four shapes (bf16, causal; B x H x N x d = 1x16x16384x128, 1x32x32768x128, 8x16x4096x64,
-          4x32x2048x128), the auto dispatch (`triton`) and each Triton path (`triton_tma`, `triton_portable`)
-          against both SDPA backends.
-- candidates: the same shapes, largest first, one row per `CANDIDATES` entry of the shape's head dim (`--candidates`
-          narrows them): launch configs pinned per kernel (`fwd_config`, `dkdv_config`, `dq_config`), each candidate
-          first checked at odd lengths against fp32 attention (`check_*_err`; `--check-only` stops there, which
-          also compiles its kernels), then timed beside SDPA cuDNN and flash. `--write-tuned JSON --report-only`
-          puts the fastest tma configs per head dim first in a tuned-config file.
-Providers: `triton` (kernels.attention.flash_attention, autotuned, the auto path; `triton_portable`, `triton_tma` and
-their `_1pass` twins pin the path and the backward, and each Triton row's `path` column says which ran),
-`pytorch_tiled` (kernels.attention.reference: Python tile loops, compiled backward), `naive` (plain-torch
-reference in the input dtype), `sdpa_flash` and `sdpa_cudnn` (torch SDPA pinned to one backend).
-
-One row per (study, provider, shape): median latency (`triton.testing.do_bench`) of the forward, the backward
-(over a retained graph) and forward+backward, TFLOP/s of each (`flash_attention_flops`), the output's max abs
-error against an fp32 SDPA reference, the peak memory of one forward+backward, and the speedup against
-sdpa_flash, sdpa_cudnn and the faster of the two (`speedup_*_vs_best_sdpa` > 1: raysys is faster); with
-`--paired-rounds N` the auto dispatch is also timed against cuDNN in N alternating rounds (`paired_speedups`: the
-median ratio and its confidence, robust to the GPU's speed drifting over the run). An
-unsupported provider/dtype is a `skipped` row, an OOM an `oom` row. The Python-loop and naive providers are
-capped (`--max-seq-pytorch`, `--max-seq-naive`) and `--time-budget-s` bounds the whole run: trials after it
-become `skipped` rows that say so, and `--resume` runs exactly those (and failed ones) next time. Writes
-`<out>/flash_bench.parquet` after every trial and the tables to `<out>/flash_bench.md`.
+Studies (`--studies`): `grid` (the handout's table), `target` (bf16, causal, 1x16x16384x128), `hopper` (four bf16
+causal shapes: the auto dispatch and each Triton path against both SDPA backends), `candidates` (launch configs
+pinned per kernel, checked, then timed; `--write-tuned JSON --report-only` writes the fastest). Providers: `triton`
+(auto; `triton_<path>[_1pass]` pin one), `pytorch_tiled`, `naive`, `sdpa_flash`, `sdpa_cudnn`. One row per (study,
+provider, shape) in `<out>/flash_bench.parquet`: forward / backward / both (median, TFLOP/s), error against fp32,
+peak memory, speedups against SDPA; tables in `<out>/flash_bench.md`. Columns and grid order: docs/studies.md.
 
     python sweeps/flash_bench.py --out /tmp/fb                                 # target and grid on the GPU
     python sweeps/flash_bench.py --studies grid --time-budget-s 160 --resume --out /tmp/fb   # again: continues
@@ -77,7 +55,7 @@ HOPPER_PROVIDERS = ("triton", "triton_gluon", "triton_gluon_1pass", "triton_tma"
                     "triton_portable", "triton_portable_1pass", "sdpa_cudnn", "sdpa_flash")
 DTYPE_ORDER = ("bf16", "fp16", "fp32")  # grid order: the dtype the kernels are for first
 STUDIES = ("target", "grid", "hopper", "candidates")
-# The candidates study (issue 16): launch configs pinned per kernel, one lever changed at a time from the tuned
+# The candidates study: launch configs pinned per kernel, one lever changed at a time from the tuned
 # tma configs (`base_*`), on the hopper shapes of their head dim. Labels as FlashConfig.label() writes them:
 # /r128 caps registers at 128 (two 8-warp programs per SM where shared memory allows), /lazy skips the output
 # rescale in tiles where no row max grew, /u2 unrolls the tile loop twice.
@@ -85,8 +63,7 @@ _BASE = {"tma": {128: {"fwd": "128x64/w8/s3", "dkdv": "64x128/w8/s3", "dq": "128
                  64: {"fwd": "64x64/w4/s3", "dkdv": "32x128/w8/s3", "dq": "128x64/w8/s3"}},
          "portable": {128: {"fwd": "128x64/w8/s3", "dkdv": "64x128/w8/s3", "dq": "128x32/w8/s3"},
                       64: {"fwd": "128x128/w4/s3", "dkdv": "32x64/w4/s4", "dq": "128x32/w8/s4"}}}
-"""Each path's configs in the tuned file (then kernels/flash_attention_tuned.json) at the start of issue 16's
-candidates study."""
+"""Each path's tl configs from which the candidates study changes one lever at a time (the `base_*` candidates)."""
 _LEVERS = {
     128: {"fwd_128x64_s2_r128": {"fwd": "128x64/w8/s2/r128"}, "fwd_128x128_s2": {"fwd": "128x128/w8/s2"},
           "fwd_128x128_s2_lazy": {"fwd": "128x128/w8/s2/lazy"}, "fwd_64x64_w4": {"fwd": "64x64/w4/s3"},
@@ -295,8 +272,8 @@ def bench_s(fn: Callable[[], object], device: torch.device, warmup_ms: float = 2
 
 
 PAIRED_PROVIDERS = ("triton",)
-"""Providers `--paired-rounds` times against SDPA cuDNN in alternating rounds (the auto dispatch: what issue 16's
-targets judge)."""
+"""Providers `--paired-rounds` times against SDPA cuDNN in alternating rounds (the auto dispatch, which the targets
+judge)."""
 PAIRED_MODES = ("fwd", "fwd_bwd")
 
 

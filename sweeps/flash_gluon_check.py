@@ -1,18 +1,12 @@
 """GPU check of the Gluon (Hopper, warp-specialised) FlashAttention forward: correctness, then timing.
 
-For each knob config of `kernels.attention.gluon.forward.GluonConfig` (its own try/except: a config that fails to
-compile or is wrong prints one line and the script goes on):
-(a) O and L against fp32 SDPA / a torch logsumexp on odd shapes, bf16 and fp16, causal and not, n_q != n_k;
-(b) forward time (triton.testing.do_bench, median) at four causal bf16 shapes beside SDPA pinned to cuDNN and to
-    FLASH_ATTENTION and the project's tl kernel; TFLOP/s count the causal half of 4 B H N^2 d.
-Backward (`--part bwd|all`), per two-pass `GluonBwd2Config` and one-pass `GluonBwdConfig`: (c) dQ, dK, dV against
-fp32 autograd of the reference attention on the same odd shapes (the tl backward's errors printed beside them; the
-two-pass dQ/dK/dV must also be bitwise equal over two runs); (d) forward+backward time (gluon fwd + gluon bwd, gluon
-fwd + tl bwd, SDPA cuDNN), TFLOP/s counting 3.5x the causal-half forward, and backward-only time (cuDNN through
-autograd with the graph retained, tl, two-pass gluon) counting 2.5x.
-`--paired-rounds N`: (b') each forward config, and (d') each one-pass backward config, against the one the gluon
-path launches at that shape in N alternating rounds. Rows go to <out>/flash_gluon.parquet (never over an earlier
-one without `--overwrite`). Run:
+For each knob config of `GluonConfig` (a config that fails to build or is wrong prints one line; the script goes on):
+(a) O and L against fp32 references on odd shapes, bf16 and fp16, causal and not, n_q != n_k; (b) forward time
+(`do_bench`, median) at four causal bf16 shapes beside SDPA cuDNN and flash and the tl kernel. `--part bwd|all` does
+the same for the two-pass `GluonBwd2Config`s and one-pass `GluonBwdConfig`s: (c) dQ, dK, dV against fp32 autograd
+(two-pass bitwise equal over two runs), (d) forward+backward and backward-only time. `--paired-rounds N` times each
+config against the one the gluon path launches in alternating rounds. Rows go to <out>/flash_gluon.parquet (never
+over an earlier one without `--overwrite`); FLOP conventions: docs/studies.md. Run:
 `PYTHONPATH=$PWD python3 sweeps/flash_gluon_check.py --out $OUT [--part all]`.
 """
 
@@ -80,13 +74,10 @@ CONFIGS = {
           *(fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2, persistent=True, head_group=g)
             for g in (1, 2))],
 }
-"""Per head dim, the default first; `head_group` on the default and the persistent grid (3 and 6 beside what a cap
-by the whole L2 cache took, d 128: 3 at 32768, 7 at 16384 on the H200); three consumer groups of 64 query rows
-(FlashAttention-3's 192-row tile), at d 128 on 64-key tiles (the tile sweep's winner at 16384); one exp2 in n
-emulated on the FMA pipe (`exp2_emulated`, `/e<n>`): n 2, 4, 8, 16 on the tuned d-64 config, 4 and 8 on the
-launched d-128 ones; O's rescale issued under S(j) (`rescale_under_s`, `/ru`, FlashAttention-3's order) on the
-launched ones; the launched persistent configs in round robin (`/rr`, as before `work_schedule`), and at d 128 the
-persistent grid one and two heads at a time (the long sequences' head groups)."""
+"""Per head dim, the default first; then `head_group` on the default and the persistent grid, three consumer groups
+of 64 query rows (FlashAttention-3's 192-row tile), one exp2 in n emulated on the FMA pipe (`exp2_emulated`,
+`/e<n>`), O's rescale issued under S(j) (`rescale_under_s`, `/ru`), and the persistent configs in round robin
+(`/rr`). Why each: docs/studies.md."""
 CHECK_SHAPES = [((1, 3, 1000, 128), 1000, True), ((1, 3, 1000, 128), 1000, False), ((2, 2, 777, 64), 777, True),
                 ((2, 2, 777, 64), 777, False), ((1, 2, 513, 128), 1029, False), ((1, 2, 513, 64), 1029, False)]
 """(q shape, n_k, causal)."""
@@ -115,11 +106,10 @@ BWD_CONFIGS = {
 }
 """Per head dim: the two-pass default, one other two-pass config (the other tile of each kernel), the one-pass
 default (dQ summed by TMA reductions; a `GluonBwdConfig` runs mode="one_pass"), also with head groups, on the
-persistent grid (`persistent`), and with dQ in head-dim halves per group (`dq_whole=False`, the kernel before
-ebe812e); `dk_late`: dK's wgmma after the dS^T store, in both branches; `rows_tma=False` (name without `/rt`): L and
-D loaded by the consumers from global memory, the kernel before 665867249860; `dq_buffers=2` (`/q2`): two dQ tiles
-per group, a tile written while the TMA unit may still read the previous one (at d 128 with the halves: two whole
-tiles per group do not fit shared memory)."""
+persistent grid (`persistent`), and with dQ in head-dim halves per group (`dq_whole=False`); `dk_late`: dK's wgmma
+after the dS^T store, in both branches; `rows_tma=False` (name without `/rt`): L and D loaded by the consumers from
+global memory; `dq_buffers=2` (`/q2`): two dQ tiles per group, a tile written while the TMA unit may still read the
+previous one (at d 128 with the halves: two whole tiles per group do not fit shared memory)."""
 GRAD_TOL = {torch.bfloat16: 3e-2, torch.float16: 6e-3}
 """Max |g - g_ref| / max |g_ref| per gradient: P, dS and the gradients are rounded to the input dtype (relative
 2^-9 bf16, 2^-12 fp16) and summed over ~1000 terms with random signs; a wrong row or tail shows up as O(1)."""
@@ -414,7 +404,7 @@ def parse_shape(text: str) -> tuple[int, int, int, int]:
 def run_fwd(rows: list[dict], passed: dict, paired_rounds: int = 0) -> None:
     """(a) forward correctness per config, then (b) forward timing of the configs that passed; with
     `paired_rounds`, (c) each of them against the config the gluon path launches in alternating rounds (within one
-    run the GPU's speed drifts by more than the configs differ: results/flash_hopper_notes.md, section 13)."""
+    run the GPU's speed drifts by more than the configs differ: docs/studies.md)."""
     passed.update(check_configs(CONFIGS, check, "check", rows))
     # (b) timing: baselines, then every config that passed.
     for shape in BENCH_SHAPES:

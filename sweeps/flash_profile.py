@@ -1,11 +1,9 @@
 """Launch each FlashAttention kernel a set number of times per path, for a profiler (`ncu`), and report what
 the first call cost (compilation plus autotuning, in seconds). Nothing else is timed here.
 
-Per path: `--warmup` calls of forward and backward (D, dK/dV, dQ or the one-pass dK/dV/dQ kernel), then one
-more, the one to profile (`ncu --launch-skip` skips the warm-up launches). The first call's wall time and the
-autotuners' benchmarking seconds are printed: with the tuned file in place autotuning times only its entries
-for the call's (path, head dim, dtype), so that file bounds the cost. `--autotune` off (default) takes the
-first valid config, the profiled one being the benchmarked kernel. Needs a CUDA GPU.
+Per path: `--warmup` calls of forward and backward, then one more, the one to profile (`ncu --launch-skip` skips the
+warm-up launches); the first call's wall time and the autotuners' seconds are printed. `--autotune` off (default)
+takes the first valid config. Needs a CUDA GPU.
 
     ncu --clock-control none -k regex:_flash_ --launch-skip 3 --launch-count 3 --section SpeedOfLight \\
         python3 sweeps/flash_profile.py --shape 1x16x16384x128 --paths tma

@@ -1,32 +1,11 @@
 """Ray Tune sweep over the FlashAttention-2 kernels' launch configs: tile sizes, warps, pipeline stages.
 
-Every trial is one kernel (`fwd`, `dkdv`, `dq`, or `dkdvq`: dK/dV with dQ summed in the same pass), one
-variant (`--variants`: the portable path, or the tma path plain, warp-specialised and/or on a persistent grid, or
-`gluon`: the Gluon forward and one-pass backward of sm_90 with their own knobs, written to the tuned file's `gluon`
-part, which their launchers read), one launch config (block_m x block_n, num_warps, num_stages) and one shape (seq,
-head dim, dtype, causal; batch 1 and 16 heads unless the shape says `BxH/`), on one GPU. The trial runs the kernel with that explicit config, checks
-its result against the same kernel under the first built-in config (a config that computes something else fails),
-and times it with `triton.testing.do_bench` (median). Metrics: `time_median_s`, `tflops` (the kernel's matmuls: fwd
-2, dK/dV 4, dQ 3, dK/dV/dQ 5 of the 2*pairs*d each; the backward times include the small D = rowsum(O * dO)
-kernel), `max_abs_err`. A config that does not compile (shared memory, registers) or runs out of memory is a
-row too (`error` / `oom`).
-
-Afterwards the best config of each (kernel, head dim, dtype) - lowest geometric-mean time over the swept
-shapes; with `--paired-rounds N` (gluon variants) highest geometric-mean ratio against the config the launcher
-takes, which each trial also times in N alternating rounds (`PAIRED_KEY`) - and each shape's winner are
-written to `<out>/flash_attention_tuned.json` (atomically; `--json` elsewhere), per path, with the device and
-versions they were measured on; `--json kernels/attention/triton/tuned.json` installs them where the kernels read
-them, `RAYSYS_FLASH_TUNED=<file>` tries a file without installing it. The kernels' autotuner benchmarks
-only those for a call whose (path, head dim, dtype) has entries and, with `RAYSYS_FLASH_AUTOTUNE=0`, uses the
-first. Writes `<out>/flash_tiles.parquet`. `--compile-workers N` (local launcher) compiles every trial's
-kernel in N processes before the timed trials.
-
-Shapes are `[BxH/]seq/head_dim/dtype/{causal,full}` with dtype bf16, fp16, fp32 or the torch names; rows carry the
-torch name (`4096/64/bfloat16/causal`), so both spellings resume the same trials. Each row is written when
-its trial ends; `--max-trials` and `--time-budget-s` end a run cleanly (leave ~30 s of the budget for stopping
-the last trials before an outer `timeout`), and `--resume` runs what is left.
-`--device cpu` runs the kernels under the Triton interpreter (TRITON_INTERPRET=1; small fp32/fp16 shapes).
-The three fastest configs per kernel and shape go to `<out>/flash_tiles.md`.
+A trial is one kernel (`fwd`, `dkdv`, `dq`, `dkdvq`), one variant (`--variants`: portable, tma plain, warp-specialised,
+persistent or register-capped, `gluon` / `gluon_persistent`), one launch config and one shape
+`[BxH/]seq/head_dim/dtype/{causal,full}`: checked against the kernel's first built-in config, timed by `do_bench`, a
+row of `<out>/flash_tiles.parquet` (also when it does not build or fit). The winners go to
+`<out>/flash_attention_tuned.json` (`--json kernels/attention/triton/tuned.json` installs them), the three fastest
+per kernel and shape to `<out>/flash_tiles.md`. Ranking, budgets and resuming: docs/studies.md.
 
     python sweeps/flash_tiles.py --out /tmp/tiles                     # Ray Tune, one GPU per trial
     python sweeps/flash_tiles.py --shapes 4096/64/bf16/causal --time-budget-s 240 --resume --out /tmp/tiles
@@ -102,43 +81,40 @@ GLUON_CONSUMERS = (1, 2, 3)
 GLUON_GROUPS = {"fwd": (0, 8), "dkdvq": (0, 4, 8)}
 """`head_group` (GluonConfig / GluonBwdConfig): heads whose work items run together, 0 for all."""
 GLUON_EXP2 = (0, 8)
-"""The forward's `GluonConfig.exp2_emulated`: none, or one exp2 in 8 on the FMA pipe (the fastest share at d 64,
-results/flash_hopper_notes.md, section 15). Rows of runs before the axis existed ran none."""
+"""The forward's `GluonConfig.exp2_emulated`: none, or one exp2 in 8 on the FMA pipe. Rows without it ran none."""
 GLUON_RESCALE = (False, True)
 """The forward's `GluonConfig.rescale_under_s`: O's rescale after the next S is issued (FlashAttention-3's order) or
-at the end of the iteration (results/flash_hopper_notes.md, section 17). Rows of runs before the axis ran False."""
+at the end of the iteration. Rows without it ran False."""
 GLUON_DQ = {"whole": (True, False), "halves": (False, False), "whole_dk_late": (True, True)}
 """The one-pass backward's dQ axis -> its (`GluonBwdConfig.dq_whole`, `dk_late`): each query tile's dQ whole by one
-group, in head-dim halves by both, or whole with dK's wgmma after the dS^T store. Rows record the two fields; rows of
-runs before an axis value existed measured the halves (before dq_whole) or dK before the store (before dk_late)."""
+group, in head-dim halves by both, or whole with dK's wgmma after the dS^T store. Rows record the two fields; rows
+without `dq_whole` ran the halves, rows without `dk_late` dK before the store."""
 GLUON_DQ_BUFFERS = (1, 2)
-"""The one-pass backward's `GluonBwdConfig.dq_buffers`: shared dQ tiles per group (results/flash_hopper_notes.md,
-section 19). Two whole tiles per group do not fit at d 128: those trials are refused before the build
-(`SharedMemoryExceeded`) and count as configs that do not fit. Rows of runs before the axis record the default they
-ran (`DQ_BUFFERS` of the head dim; 1 before the field existed)."""
+"""The one-pass backward's `GluonBwdConfig.dq_buffers`: shared dQ tiles per group. Two whole tiles per group do not
+fit at d 128: those trials are refused before the build (`SharedMemoryExceeded`) and count as configs that do not
+fit. Rows without the axis record the default they ran (`DQ_BUFFERS` of the head dim; 1 where the field is absent)."""
 GLUON_KEYS = ["block_m", "block_n", "num_stages", "num_consumers", "persistent", "head_group"]
 GLUON_FWD_KEYS = GLUON_KEYS + ["exp2_emulated", "rescale_under_s"]
 GLUON_BWD_KEYS = GLUON_KEYS + ["dq_whole", "dk_late", "rows_tma", "dq_buffers"]
 """The one-pass backward's fields in rows and tuned entries; `rows_tma` (L and D through the ring) is not swept: rows
-record the default they ran, False in rows of runs before it existed."""
+record the default they ran, False where the field is absent."""
 SWEPT_SINCE = {"fwd": "rescale_under_s", "dkdvq": "dq_buffers"}
 """The axis each Gluon kernel's grid gained last: how many of its values the rows of a head dim and dtype hold (with
-the trials that did not fit) multiplies that grid's size, since the rows of earlier runs hold one value."""
+the trials that did not fit) multiplies that grid's size, since rows without the axis hold one value."""
 UNFIT_ERRORS = ("OutOfResources", "SharedMemoryExceeded")
 """How the `error` of a trial whose config does not fit the device begins: Triton's build or launch, or the launcher's
 own check before it (`kernels.attention.gluon.runtime.SharedMemoryExceeded`)."""
 GLUON_VARIANTS = ("gluon", "gluon_persistent")
 """`gluon_persistent`: the persistent grids (one program per SM) of the forward (`GluonConfig.persistent`, two
 consumer groups) and of the one-pass backward (`GluonBwdConfig.persistent`), over the same tiles, ring depths and
-head groups. The forward's programs take the work items `work_schedule` deals them; rows of runs before 59642b6 ran
-them in round robin (results/flash_hopper_notes.md, section 21)."""
+head groups. The forward's programs take the work items `work_schedule` deals them (docs/studies.md: older rows
+dealt them in round robin)."""
 QUICK_PER_VARIANT = 4  # --quick: the first built-in candidates of each variant
 PAIRED_KEY = "paired_speedup_kernel_vs_reference"
 """With --paired-rounds, a gluon trial's median over alternating rounds of (the reference's time / its config's
-time), the reference being the config the launcher takes at that shape (row column `reference`). Within one run the
-GPU's speed drifts by more than the Gluon configs differ (results/flash_hopper_notes.md, section 13), and each
-trial pairs within itself, so the winners are chosen by these ratios where every row of a head dim and dtype has
-one against a single reference per shape."""
+time), the reference being the config the launcher takes at that shape (row column `reference`). The winners are
+chosen by these ratios where every row of a head dim and dtype has one against a single reference per shape
+(docs/studies.md says why)."""
 
 
 def variant_of(cfg, path: str) -> str:

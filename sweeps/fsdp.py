@@ -2,31 +2,16 @@
 all-gather overlap of `parallel.fsdp.FSDP` against DDP, DDP + optimizer-state sharding and torch's FSDP2, in one
 run; one row per dtype x variant in `<out>/fsdp.parquet`. Every rank runs `--batch-per-rank` sequences per step.
 
-Variants: `single` (each rank trains its own replica, no communication; bf16 = autocast), `single_cast` (FSDP's
-compute policy without sharding: weights cast to bf16 per forward, `CastForCompute`), `ddp` (BucketedDDP, 100
-MiB buckets), `ddp_sharded` (+ ShardedOptimizer, ZeRO-1 style), `fsdp` (parallel.fsdp.FSDP with one unit per
-TransformerBlock, as fsdp2), `fsdp_flat` (fsdp with one flat all-gather and reduce-scatter per unit,
-`flat_collectives`), `fsdp_flat_rs` (fsdp with the flat reduce-scatter alone, `flat_reduce_scatter`), `fsdp_hp`
-(fsdp over an NCCL group on a high-priority stream, CUDA only), `fsdp@8`
-(fsdp over an NCCL group capped at 8 CTAs with cuBLAS kept off 8 SMs, CUDA only), `fsdp_layer` (one unit per
-Linear / Embedding, the handout's granularity) and `fsdp2` (torch's fully_shard per block and on the root,
-MixedPrecisionPolicy(bf16, reduce fp32) for bf16). AdamW (torch's, fused on CUDA) everywhere.
-
-Timing as in `sweeps/ddp.py`: warm-up, then `--steps` synchronised steps; ratios and targets use the median.
-Memory: the allocator's peak over warm-up and timed steps (rank 0 and the maximum over ranks) and the bytes of
-parameters, gradients and optimizer state counted tensor by tensor after a step, against what the sharding
-predicts (`expected_state`: fp32 params P_r, grads P_r and AdamW moments 2 P_r per rank, with P_r the rank's
-padded shard). `--profile` variants get two profiled steps: all-gather and reduce-scatter kernel time, the
-part of it with no compute kernel running (`*_exposed_s`) and `stalled_allgathers` (more than 5 us exposed).
-`--compile`, `--paired-rounds N` and `--collectives-alone` as in `sweeps/ddp.py` (rows of compiled blocks in
-`fsdp_compiled.parquet`).
-Targets (bf16, GPU): each per-block FSDP variant's step <= 1.10x single's and its peak memory <= fsdp2's.
-Without GPUs: gloo ranks on the CPU, the `tiny` model at context 64, every variant but the NCCL-only ones.
+Variants: `single`, `single_cast` (FSDP's compute policy, no sharding), `ddp`, `ddp_sharded`, `fsdp` (one unit per
+block), `fsdp_flat`, `fsdp_flat_rs`, `fsdp_hp`, `fsdp@8` (NCCL-only), `fsdp_layer` (one unit per Linear / Embedding)
+and `fsdp2`; AdamW everywhere. Timing as in `sweeps/ddp.py`; memory: the allocator's peak and the state's bytes
+against what sharding predicts; `--profile`: exposed all-gather and reduce-scatter time. Targets (bf16, GPU): each
+per-block FSDP variant's step <= 1.10x single's, its peak memory <= fsdp2's. Without GPUs: gloo ranks, `tiny`.
+Each variant and column: docs/studies.md.
 
     python sweeps/fsdp.py --out /tmp/fsdp                         # embedded Ray; CPU/gloo without a GPU
     ray job submit --working-dir . -- python sweeps/fsdp.py --out "$PWD/results" --overwrite
     python sweeps/fsdp.py --variants single,fsdp,fsdp2 --dtypes bf16 --out /tmp/fsdp
-    python sweeps/fsdp.py --report-only --out results
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
-"""The fused loss and fused AdamW against their baselines: time, memory, memory-traffic floor (issue #15).
+"""The fused loss and fused AdamW against their baselines: time, memory, memory-traffic floor.
 
 One row per (op, impl, shape) in `<out>/fused_ops.parquet`:
-- `linear_cross_entropy`, N tokens x V vocab x D (32768 x 151936 x 4096 bf16 on CUDA): `fused_triton`
-  (kernels/fused_linear_ce.py), `reference` (raysys.model.cross_entropy on materialised logits, eager) and
-  `compiled` (torch.compile of that reference). Forward + backward timed by `triton.testing.do_bench` (median,
-  20/80%), gradients reset each call; the peak of one forward + backward above the inputs (`peak_above_inputs_bytes`)
-  and above inputs + the two gradients every implementation returns (`extra_peak_bytes`, the issue's <= 1 GiB);
-  `time_vs_compiled` (the issue's <= 1.0).
-- `adamw` over the leaderboard model's parameter shapes (8.1B bf16 in its 309 tensors): `fused_triton`
-  (FusedAdamW), `reference` (raysys.model.AdamW, per parameter), `torch_foreach` and `torch_fused`
-  (torch.optim.AdamW: other rounding, timing only). One step timed by `do_bench`; `floor_s` = the bytes a step
-  must move (read p, g, m, v; write p, m, v) over the copy bandwidth measured in this run (a 2 GiB device copy,
-  read + write bytes), and `time_vs_floor` (the issue's <= 1.3 for fused_triton).
-`--device cpu` runs the same rows at a tiny size with the kernels under TRITON_INTERPRET=1 (fp32, wall-clock
-medians, no memory figures): a smoke test of the script, not a measurement. Columns are seconds and bytes
-(`raysys.results`); the printed lines show ms and GiB.
+- `linear_cross_entropy` (N tokens x V vocab x D): `fused_triton` (kernels/fused_linear_ce.py), `reference`
+  (materialised logits, eager) and `compiled`; forward + backward by `do_bench`, the peak above the inputs
+  (`extra_peak_bytes`: target <= 1 GiB) and `time_vs_compiled` (target <= 1.0).
+- `adamw` over the leaderboard model's parameter shapes: `fused_triton` (FusedAdamW), `reference`, `torch_foreach`,
+  `torch_fused`; one step by `do_bench` against `floor_s`, the bytes a step must move over this run's measured copy
+  bandwidth (`time_vs_floor`: target <= 1.3 for fused_triton).
+`--device cpu` runs tiny rows under TRITON_INTERPRET=1: a smoke test, not a measurement. Details: docs/studies.md.
 
     python sweeps/fused_ops.py --device cuda --out results
     python sweeps/fused_ops.py --device cpu --compile-backend aot_eager --out /tmp/fused_ops

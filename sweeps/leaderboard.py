@@ -1,20 +1,12 @@
-"""Leaderboard study (handout section 9): the 8B model's training step at context 32768, three studies.
+"""Leaderboard study (handout 9; docs/studies.md): the 8B model's training step at context 32768, three studies.
 
-- ablation:   `raysys.leaderboard_bench`'s variants (today's composition, each optimisation added alone, the fast
-              step at batch 1 and 2) on one GPU; `<out>/leaderboard.parquet`, plus `--check` (the fast step's loss,
-              gradients and update against the reference path) in `<out>/leaderboard_check.parquet`.
-- neighbours: the advisor's per-layer recompute plan for the fast step and its neighbours (the number of
-              recomputed blocks moved by --offsets at the border of the kept ones), each measured:
-              `<out>/leaderboard_tune.parquet`. With Ray, one Ray Tune trial per plan (`raysys.cluster.tune_run`,
-              one GPU each, a fresh process and model per trial); `--no-ray` loops over them in this process on one model (the GPU host has no Ray).
-- ddp:        the data-parallel step through the Ray gang (`raysys.cluster.run_sweep`, `--launcher mp` without
-              Ray): every rank holds the whole bf16 state, as the memory plan allows (65 GB of state fits one
-              GPU; `parallel/fsdp.py` keeps fp32 shards and recomputes nothing), and runs the fast step on its
-              own sequences; `parallel.ddp.OverlappedDDP` all-reduces each gradient in place as backward makes
-              it. Timed on CUDA by the course's harness with its call counts agreed across the ranks
-              (`do_bench_agreed`), then one step profiled for the NCCL time no other kernel hides (exposed); the
-              report sets the step against the one-GPU fast step of the same commit (`leaderboard.parquet`).
-              `<out>/leaderboard_ddp.parquet` (`bash sweeps/gpu_run.sh lb2` on a 2-GPU host: both, one call).
+- ablation:   `raysys.leaderboard_bench`'s variants on one GPU (`<out>/leaderboard.parquet`), plus `--check` (the fast
+              step's loss, gradients and update against the reference path, `<out>/leaderboard_check.parquet`).
+- neighbours: the advisor's recompute plan for the fast step and its neighbours (`--offsets`), each measured, one Ray
+              Tune trial per plan (`--no-ray`: in this process): `<out>/leaderboard_tune.parquet`.
+- ddp:        the data-parallel step through the Ray gang (`--launcher mp` without Ray), each rank holding the whole
+              bf16 state and all-reducing each gradient as backward makes it (`parallel.ddp.OverlappedDDP`); timed
+              by the course's harness, exposed NCCL time profiled: `<out>/leaderboard_ddp.parquet`.
 
     python sweeps/leaderboard.py --size leaderboard --device cuda --studies ablation,neighbours --no-ray \\
         --timer do_bench --do-bench-only best,today --rep-ms 1 --warmup-ms 1 --steps 2 --out "$PWD/results"

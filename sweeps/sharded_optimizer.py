@@ -2,18 +2,10 @@
 and time per step with and without `parallel.sharded_optimizer.ShardedOptimizer`; one row per dtype x arm in
 `<out>/sharded_optimizer.parquet`.
 
-Both arms train the same model under `BucketedDDP` (100 MiB buckets, gradients as bucket views) with torch's
-AdamW (fused on CUDA); the sharded arm wraps that AdamW in `ShardedOptimizer`, so each rank keeps the two
-moments of only ~1/N of the parameters and broadcasts its updated parameters after the step.
-
-Memory at three points (rank 0; CUDA allocator statistics): right after the model, the DDP wrapper and the
-optimizer are built (`init`); directly before the optimizer step of a steady-state step (`before_step`, after
-backward and gradient synchronisation); directly after it (`after_step`). At each point `peak_*` is the peak
-allocated since the previous point, and the memory allocated at that moment is split into parameters,
-gradients (`.grad` and DDP bucket buffers, each storage once), optimizer state (this rank's) and the rest
-(activations still alive, temporaries, the allocator's rounding). Time per step: warm-up, then timed steps
-as in `sweeps/ddp.py` (the optimizer phase includes the parameter broadcasts). Without GPUs: gloo ranks on
-the CPU, the `tiny` model, fp32 (no allocator statistics there: peak and other are NaN).
+Both arms train the same model under `BucketedDDP` (100 MiB buckets) with torch's AdamW; the sharded arm wraps it in
+`ShardedOptimizer`. Memory (rank 0, CUDA allocator) at `init`, `before_step` and `after_step`: the peak since the
+previous point and what is allocated, split into parameters, gradients, optimizer state and the rest. Time per step
+as in `sweeps/ddp.py`. Without GPUs: gloo ranks, `tiny`, fp32 (peaks NaN). Each column: docs/studies.md.
 
     python sweeps/sharded_optimizer.py --out /tmp/sharded          # embedded Ray; CPU/gloo without a GPU
     python sweeps/sharded_optimizer.py --device cuda --dtypes fp32,bf16 --out "$PWD/results" --overwrite
