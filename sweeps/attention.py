@@ -1,11 +1,10 @@
 """PyTorch attention at scale (handout 4.1.1 pytorch_attention and 4.2 torch_compile): time and memory.
 
 Grid: batch 8, no heads, d in {16, 32, 64, 128} x seq in {256, ..., 16384}, fp32, causal
-(`raysys.model.naive_attention`), eager and compiled. Per trial: `--steps` synchronised forward and backward passes
-after warm-up, the memory allocated before backward and (eager) the bytes autograd saved, beside the analytic
-accounting (`score_matrix_bytes`, `expected_saved_bytes`: O(B N^2)). An OOM is a row; the smallest configuration that
-ran out of memory is accounted for in `<out>/attention_memory.md`. `--memory-fraction` emulates a smaller GPU. Writes
-`<out>/attention.parquet` and `<out>/attention.md`; the accounting in full: docs/studies.md.
+(`raysys.model.naive_attention`), eager and compiled: forward and backward times, the memory before backward and the
+bytes autograd saved, beside the analytic accounting (`expected_saved_bytes`: O(B N^2)). An OOM is a row; the
+smallest that ran out of memory is accounted for in `<out>/attention_memory.md`. `--memory-fraction` emulates a
+smaller GPU. Writes `<out>/attention.parquet` and `<out>/attention.md`; the accounting in full: docs/studies.md.
 
     python sweeps/attention.py --out "$PWD/results" --overwrite
     python sweeps/attention.py --memory-fraction 0.17 --out /tmp/a     # behave like a 24 GB card

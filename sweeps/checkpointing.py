@@ -1,12 +1,11 @@
 """Activation checkpointing study (handout 3.2, problem gradient_checkpointing; one GPU per trial, Ray Tune).
 
-Studies (`--studies`, default all): `segments` (xl, batch 4, context 2048: full checkpointing in segments of k blocks,
-then the best k's neighbours, beside none, sqrt(N), nested and selective), `context` (selective vs full vs none at
-contexts 2048-8192) and `offload` (none vs full vs offload, with the measured pinned host<->device bandwidth).
-Every trial applies a policy (`parallel.checkpointing`), times `--steps` training steps after `--warmup` and records
-step time, measured and predicted peak memory (`raysys.recompute_model.predict_peak`) and FLOPs, one row in
-`<out>/checkpointing.parquet` (an OOM too). The report (`checkpointing.md`, plots) judges the GPU targets;
-`--quick`, or no GPU, runs tiny models on the CPU. Grids and targets: docs/studies.md.
+Studies (`--studies`, default all): `segments` (full checkpointing in segments of k blocks, then the best k's
+neighbours, beside none, sqrt(N), nested and selective), `context` (selective vs full vs none over context) and
+`offload` (none vs full vs offload at the measured host<->device bandwidth). A trial applies a policy
+(`parallel.checkpointing`) and records step time, measured and predicted peak memory and FLOPs: one row in
+`<out>/checkpointing.parquet` (an OOM too); the report (`checkpointing.md`, plots) judges the GPU targets. `--quick`,
+or no GPU, runs tiny models on the CPU. Grids and targets: docs/studies.md.
 
     python sweeps/checkpointing.py --out "$PWD/results" --overwrite     # GPU, Ray Tune, all studies
     python sweeps/checkpointing.py --studies segments --out /tmp/ckpt

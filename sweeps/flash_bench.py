@@ -1,11 +1,10 @@
 """FlashAttention-2 benchmark (handout 4.2.2 flash_benchmarking): raysys kernels against PyTorch baselines.
 
 Studies (`--studies`): `grid` (the handout's table), `target` (bf16, causal, 1x16x16384x128), `hopper` (four bf16
-causal shapes: the auto dispatch and each Triton path against both SDPA backends), `candidates` (launch configs
-pinned per kernel, checked, then timed; `--write-tuned JSON --report-only` writes the fastest). Providers: `triton`
-(auto; `triton_<path>[_1pass]` pin one), `pytorch_tiled`, `naive`, `sdpa_flash`, `sdpa_cudnn`. One row per (study,
-provider, shape) in `<out>/flash_bench.parquet`: forward / backward / both (median, TFLOP/s), error against fp32,
-peak memory, speedups against SDPA; tables in `<out>/flash_bench.md`. Columns and grid order: docs/studies.md.
+causal shapes, each Triton path against both SDPA backends), `candidates` (pinned launch configs, checked then timed).
+Providers: `triton` (auto; `triton_<path>[_1pass]` pin one), `pytorch_tiled`, `naive`, `sdpa_flash`, `sdpa_cudnn`.
+One row per (study, provider, shape) in `<out>/flash_bench.parquet`: forward / backward / both (median, TFLOP/s),
+error against fp32, peak memory, speedups against SDPA; tables in `<out>/flash_bench.md`. Columns: docs/studies.md.
 
     python sweeps/flash_bench.py --out /tmp/fb                                 # target and grid on the GPU
     python sweeps/flash_bench.py --studies grid --time-budget-s 160 --resume --out /tmp/fb   # again: continues

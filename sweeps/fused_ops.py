@@ -1,13 +1,11 @@
 """The fused loss and fused AdamW against their baselines: time, memory, memory-traffic floor.
 
-One row per (op, impl, shape) in `<out>/fused_ops.parquet`:
-- `linear_cross_entropy` (N tokens x V vocab x D): `fused_triton` (kernels/fused_linear_ce.py), `reference`
-  (materialised logits, eager) and `compiled`; forward + backward by `do_bench`, the peak above the inputs
-  (`extra_peak_bytes`: target <= 1 GiB) and `time_vs_compiled` (target <= 1.0).
-- `adamw` over the leaderboard model's parameter shapes: `fused_triton` (FusedAdamW), `reference`, `torch_foreach`,
-  `torch_fused`; one step by `do_bench` against `floor_s`, the bytes a step must move over this run's measured copy
-  bandwidth (`time_vs_floor`: target <= 1.3 for fused_triton).
-`--device cpu` runs tiny rows under TRITON_INTERPRET=1: a smoke test, not a measurement. Details: docs/studies.md.
+One row per (op, impl, shape) in `<out>/fused_ops.parquet`: `linear_cross_entropy` (`fused_triton`, `reference` on
+materialised logits, `compiled`; forward + backward by `do_bench`, `extra_peak_bytes` (target <= 1 GiB) and
+`time_vs_compiled` (target <= 1.0)) and `adamw` over the leaderboard model's parameter shapes (`fused_triton`,
+`reference`, `torch_foreach`, `torch_fused`; one step against `floor_s`, the bytes a step must move over this run's
+copy bandwidth: `time_vs_floor`, target <= 1.3). `--device cpu` runs tiny rows under TRITON_INTERPRET=1: a smoke
+test, not a measurement. Details: docs/studies.md.
 
     python sweeps/fused_ops.py --device cuda --out results
     python sweeps/fused_ops.py --device cpu --compile-backend aot_eager --out /tmp/fused_ops
