@@ -451,7 +451,7 @@ class OverlappedDDP(_OverlappedDataParallel):
     region (`ready_together`; e.g. a block compiled by `compile_blocks`), are issued together once the last of them
     is accumulated, by one coalesced call (on NCCL one grouped launch, still an all-reduce per parameter). Nothing
     waits longer than it would one call at a time, and the host pays one collective call per region instead of one
-    per parameter (the per-call host cost of NCCL collectives: results/runs/README.md). In eager code every
+    per parameter (the per-call host cost of NCCL collectives: docs/runs.md). In eager code every
     gradient has its own moment and its own call either way. A region Dynamo splits at graph breaks produces its
     gradients in several nodes, and its call waits for the last of them: correct, but less overlap (prefer
     `fullgraph=True`, or `False` here). `False`: one call per parameter always."""

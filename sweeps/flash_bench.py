@@ -552,15 +552,14 @@ def write_tuned(df: pd.DataFrame, json_path: Path) -> dict[str, list[dict]]:
     return winners
 
 
-NOTES = "flash_hopper_notes.md"
-"""Hand-written findings beside the Parquet file (profiles, what did not help): the report links it."""
+NOTES = "docs/hopper-notes.md"
+"""Hand-written findings (profiles, what did not help): the report of the repository's `results/` links them."""
 
 
 def write_report(df: pd.DataFrame, out: Path) -> Path:
     body = markdown(df)
-    if (out / NOTES).exists():
-        body += (f"\nWhat bounds each kernel (profiles, builds) and the levers of issue 16: [results/{NOTES}]"
-                 f"(results/{NOTES}).\n")
+    if out.resolve() == (ROOT / "results").resolve() and (ROOT / NOTES).exists():
+        body += f"\nWhat bounds each kernel (profiles, builds) and the levers of issue 16: [{NOTES}]({NOTES}).\n"
     return write_markdown(out, SWEEP, "FlashAttention-2 against PyTorch attention", body)
 
 

@@ -103,16 +103,16 @@ GLUON_GROUPS = {"fwd": (0, 8), "dkdvq": (0, 4, 8)}
 """`head_group` (GluonConfig / GluonBwdConfig): heads whose work items run together, 0 for all."""
 GLUON_EXP2 = (0, 8)
 """The forward's `GluonConfig.exp2_emulated`: none, or one exp2 in 8 on the FMA pipe (the fastest share at d 64,
-results/flash_hopper_notes.md, section 15). Rows of runs before the axis existed ran none."""
+docs/hopper-notes.md, section 15). Rows of runs before the axis existed ran none."""
 GLUON_RESCALE = (False, True)
 """The forward's `GluonConfig.rescale_under_s`: O's rescale after the next S is issued (FlashAttention-3's order) or
-at the end of the iteration (results/flash_hopper_notes.md, section 17). Rows of runs before the axis ran False."""
+at the end of the iteration (docs/hopper-notes.md, section 17). Rows of runs before the axis ran False."""
 GLUON_DQ = {"whole": (True, False), "halves": (False, False), "whole_dk_late": (True, True)}
 """The one-pass backward's dQ axis -> its (`GluonBwdConfig.dq_whole`, `dk_late`): each query tile's dQ whole by one
 group, in head-dim halves by both, or whole with dK's wgmma after the dS^T store. Rows record the two fields; rows of
 runs before an axis value existed measured the halves (before dq_whole) or dK before the store (before dk_late)."""
 GLUON_DQ_BUFFERS = (1, 2)
-"""The one-pass backward's `GluonBwdConfig.dq_buffers`: shared dQ tiles per group (results/flash_hopper_notes.md,
+"""The one-pass backward's `GluonBwdConfig.dq_buffers`: shared dQ tiles per group (docs/hopper-notes.md,
 section 19). Two whole tiles per group do not fit at d 128: those trials are refused before the build
 (`SharedMemoryExceeded`) and count as configs that do not fit. Rows of runs before the axis record the default they
 ran (`DQ_BUFFERS` of the head dim; 1 before the field existed)."""
@@ -131,12 +131,12 @@ GLUON_VARIANTS = ("gluon", "gluon_persistent")
 """`gluon_persistent`: the persistent grids (one program per SM) of the forward (`GluonConfig.persistent`, two
 consumer groups) and of the one-pass backward (`GluonBwdConfig.persistent`), over the same tiles, ring depths and
 head groups. The forward's programs take the work items `work_schedule` deals them; rows of runs before 59642b6 ran
-them in round robin (results/flash_hopper_notes.md, section 21)."""
+them in round robin (docs/hopper-notes.md, section 21)."""
 QUICK_PER_VARIANT = 4  # --quick: the first built-in candidates of each variant
 PAIRED_KEY = "paired_speedup_kernel_vs_reference"
 """With --paired-rounds, a gluon trial's median over alternating rounds of (the reference's time / its config's
 time), the reference being the config the launcher takes at that shape (row column `reference`). Within one run the
-GPU's speed drifts by more than the Gluon configs differ (results/flash_hopper_notes.md, section 13), and each
+GPU's speed drifts by more than the Gluon configs differ (docs/hopper-notes.md, section 13), and each
 trial pairs within itself, so the winners are chosen by these ratios where every row of a head dim and dtype has
 one against a single reference per shape."""
 
