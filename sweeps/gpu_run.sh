@@ -150,7 +150,7 @@ case $phase in
     # Dynamo's cache lookup per call of a compiled block and its guards, single against FSDP (once per results folder)
     mkdir -p "$RESULTS/alone"
     guards="$RESULTS/alone/dynamo_guard_check_fsdp_cuda.parquet"
-    [ -e "$guards" ] || study guard_check 180 python3 results/runs/dynamo_guard_check_fsdp.py --device cuda --out "$guards"
+    [ -e "$guards" ] || study guard_check 180 python3 -m tools.dynamo_guard_check_fsdp --device cuda --out "$guards"
     study ddp_alone 200 python3 sweeps/ddp.py "${w1[@]}" --out "$RESULTS/alone" --resume --max-steps 4 \
       --no-single-rerun --variants single,overlapped,bucketed:1000,torch
     study ddp_alone_compiled 250 python3 sweeps/ddp.py "${w1[@]}" --out "$RESULTS/alone" --resume --max-steps 4 \
@@ -177,7 +177,7 @@ case $phase in
       --paired-rounds 9
     # host time per call at 4x32x2048x128 (the shape a slow host binds), into $RESULTS/flash_host_cost.parquet (redone
     # whole when the phase runs again: --overwrite)
-    study flash_host_cost 90 python3 results/runs/flash_host_cost.py "$RESULTS" --overwrite
+    study flash_host_cost 90 python3 -m tools.flash_host_cost "$RESULTS" --overwrite
     ;;
   gluoncheck)  # issue 16 on one GPU: every Gluon config of flash_gluon_check.py checked on odd shapes and timed
     # (forward and backward; one pass, redone whole when the phase runs again: --overwrite; MATCH=REGEX picks
@@ -209,7 +209,7 @@ case $phase in
     # course's do_bench defaults (10 s warm-up, 30 s of repeats) would spend about a minute on each of the five plans.
     study leaderboard_tune 330 python3 sweeps/leaderboard.py --size leaderboard --device cuda --studies neighbours \
       --no-ray --best-attention cudnn --timer events --warmup-steps 1 --steps 3 --out "$RESULTS/leaderboard" --resume
-    study leaderboard_profile 150 env OUT="$RESULTS/leaderboard" LABEL=fast python3 results/runs/leaderboard_profile.py
+    study leaderboard_profile 150 env OUT="$RESULTS/leaderboard" LABEL=fast python3 -m tools.leaderboard_profile
     ;;
   lb2)  # issue 17 on two GPUs: the 2-GPU step (batch 1 per rank, 2 in all) through the Ray gang by the course's
     # harness (its call counts agreed across the ranks) with one profiled step, then this commit's one-GPU step at

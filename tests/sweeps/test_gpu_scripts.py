@@ -87,13 +87,10 @@ def test_gluon_check_refuses_a_bad_config_match(tmp_path):
 
 
 def test_host_cost_script_never_replaces_an_earlier_file_unasked(tmp_path, monkeypatch):
-    """results/runs/flash_host_cost.py refuses an existing flash_host_cost.parquet in its OUT_DIR before any work
+    """tools/flash_host_cost.py refuses an existing flash_host_cost.parquet in its OUT_DIR before any work
     (one line, the file untouched); with --overwrite it goes on to its GPU check."""
-    import importlib.util
+    import tools.flash_host_cost as script
 
-    spec = importlib.util.spec_from_file_location("flash_host_cost", REPO / "results/runs/flash_host_cost.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     earlier = tmp_path / "flash_host_cost.parquet"
     earlier.write_bytes(b"earlier rows")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -110,11 +107,8 @@ def test_host_cost_rows_from_printed_lines(tmp_path, monkeypatch):
     """`flash_host_cost.py logs` turns a call's printed lines (case lines, `--by-kernel` lines, one block per shape
     ending with its `wrote` line) into the rows the script writes, provenance it cannot know `unknown`; it refuses an
     existing target before reading anything, and a printout without a block."""
-    import importlib.util
+    import tools.flash_host_cost as script
 
-    spec = importlib.util.spec_from_file_location("flash_host_cost", REPO / "results/runs/flash_host_cost.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     text = "\n".join([
         "NVIDIA H200, 345 MHz, 1980 MHz",
         "op host us/call 125.6  wall us/call 1756.7  kernels us/call 1664.2",
