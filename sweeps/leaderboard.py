@@ -14,7 +14,7 @@
               it. Timed on CUDA by the course's harness with its call counts agreed across the ranks
               (`do_bench_agreed`), then one step profiled for the NCCL time no other kernel hides (exposed); the
               report sets the step against the one-GPU fast step of the same commit (`leaderboard.parquet`).
-              `<out>/leaderboard_ddp.parquet` (`bash sweeps/gpu_run.sh lb2` on a 2-GPU host: both, one call).
+              `<out>/leaderboard_ddp.parquet` (`python -m tools.gpu lb2` on a 2-GPU host: both, one call).
 
     python sweeps/leaderboard.py --size leaderboard --device cuda --studies ablation,neighbours --no-ray \\
         --timer do_bench --do-bench-only best,today --rep-ms 1 --warmup-ms 1 --steps 2 --out "$PWD/results"
