@@ -47,19 +47,18 @@ import timeit
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import pandas as pd
+import torch
+import torch.nn.functional as F
 
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from raysys.device import DTYPES, resolve_device  # noqa: E402
-from raysys.results import ResultWriter, make_row, status_of, trial_id  # noqa: E402
-from raysys.timing import MAX_STEPS, PAIRED_REP_MS, paired_speedups  # noqa: E402
-from sweeps.common import (PROGRESS, alias, check_int, check_timeout, list_flag, main_entry, open_writer,  # noqa: E402
+from raysys.device import DTYPES, resolve_device
+from raysys.results import ResultWriter, make_row, status_of, trial_id
+from raysys.timing import MAX_STEPS, PAIRED_REP_MS, paired_speedups
+from sweeps.common import (PROGRESS, alias, check_int, check_timeout, list_flag, main_entry, open_writer,
                            output_dir, parse_ints, parse_list, read_rows, redraw_report, study_parser,
                            write_markdown)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SWEEP = "flash_bench"
 PROVIDERS = ("triton", "pytorch_tiled", "naive", "sdpa_flash", "sdpa_cudnn")
