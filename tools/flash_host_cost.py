@@ -35,13 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from raysys.results import PROVENANCE_COLUMNS, make_row, write_parquet
-
 import kernels.attention.dispatch as dispatch
 import kernels.attention.gluon.forward as g
 import kernels.attention.gluon.runtime as runtime
 import kernels.attention.interface as fa
-
+from raysys.results import PROVENANCE_COLUMNS, make_row, write_parquet
 
 LINE = re.compile(r"^(?P<case>\S.*?) host us/call (?P<host>[\d.]+)\s+wall us/call (?P<wall>[\d.]+)\s+"
                   r"kernels us/call (?P<kernel>[\d.]+)$")
@@ -112,7 +110,8 @@ def host_and_wall(fn, n: int = 200, warmup: int = 5) -> tuple[float, float]:
 def by_kernel(fn, n: int = 20) -> list[tuple[str, float, float]]:
     """(kernel name, launches per call, seconds per call) of every CUDA kernel (memsets and copies included) the
     profiler saw over `n` calls of `fn`, the longest first (`--by-kernel`; their sum is `kernel_s`)."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     fn()
     torch.cuda.synchronize()

@@ -241,8 +241,8 @@ def candidates(ctx: Context) -> None:
     chosen = ("--candidates", ",".join(os.environ["CANDIDATES"].split())) if os.environ.get("CANDIDATES") else ()
     ctx.run(py("bench", int(knob("BENCH_TIMEOUT", "140")), "sweeps/flash_bench.py", "--studies", "candidates",
                "--time-budget-s", knob("BENCH_BUDGET", "115"), *chosen, "--out", "{out}"))
-    ctx.run(py("write_tuned", 120, "sweeps/flash_bench.py", "--studies", "candidates", "--report-only", "--out", "{out}",
-               "--write-tuned", "{out}/flash_attention_tuned.json"))
+    ctx.run(py("write_tuned", 120, "sweeps/flash_bench.py", "--studies", "candidates", "--report-only", "--out",
+               "{out}", "--write-tuned", "{out}/flash_attention_tuned.json"))
     ctx.run(py("hopper_bench", int(knob("HOPPER_TIMEOUT", "140")), "sweeps/flash_bench.py", "--study", "hopper",
                "--time-budget-s", knob("HOPPER_BUDGET", "115"), "--out", "{out}/hopper"))
     if not (ctx.dry or shutil.which("ncu")):
@@ -441,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.list:
         for name, phase in PHASES.items():
-            print(f"{name:<12} {phase.gpus} GPU{'s' if phase.gpus > 1 else ' '}  ~{phase.minutes:g} min  {phase.summary}")
+            gpus = f"{phase.gpus} GPU{'s' if phase.gpus > 1 else ' '}"
+            print(f"{name:<12} {gpus}  ~{phase.minutes:g} min  {phase.summary}")
         return 0
     unknown = [name for name in args.phases if name not in PHASES]
     if unknown:  # refused first, before the GPU check, on any machine

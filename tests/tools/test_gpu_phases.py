@@ -1,4 +1,4 @@
-"""`python -m tools.gpu` on the CPU: the phase table, its refusals (one line, exit 2, nothing written) and the runner."""
+"""`python -m tools.gpu` on the CPU: the phase table, its refusals (one line, exit 2, nothing written), the runner."""
 
 from __future__ import annotations
 
