@@ -147,6 +147,15 @@ def knob(name: str, default: str) -> str:
     return os.environ.get(name) or default
 
 
+def ncu(name: str, seconds: int, sections: tuple[str, ...], *profile_args: str) -> Study:
+    """ncu (its CSV into OUT/<name>.csv) on 3 launches of the tl kernels in sweeps/flash_profile.py, clocks as set."""
+    sections = tuple(a for s in sections for a in ("--section", s))
+    return Study(name, seconds, ("ncu", "--clock-control", "none", "-k", "regex:_flash_(fwd|bwd_dkdv|bwd_dq)_kernel",
+                                 "--launch-skip", "3", "--launch-count", "3", *sections, "--csv", "--page", "details",
+                                 "python", "sweeps/flash_profile.py", *profile_args), log=f"{name}.csv",
+                 stderr_log=f"{name}.log")
+
+
 def flash_env(ctx: Context, candidates: bool) -> None:
     """What the FlashAttention checks share: OUT's own copy of the tuned file (RAYSYS_FLASH_TUNED for every later
     step; the committed kernels/attention/triton/tuned.json is never written) and the versions, in OUT/env.txt."""
@@ -208,12 +217,8 @@ def flashcheck(ctx: Context) -> None:
                "{out}", *providers))
     if knob("RUN_NCU", "0") == "1" and (ctx.dry or shutil.which("ncu")):
         for path in ("portable", "tma"):  # 4 launches a call (fwd, D, dK/dV, dQ); the filter keeps 3; skip the warm-up
-            ctx.run(Study(f"ncu_{path}", int(knob("NCU_TIMEOUT", "60")), (
-                "ncu", "--clock-control", "none", "-k", "regex:_flash_(fwd|bwd_dkdv|bwd_dq)_kernel", "--launch-skip",
-                "3", "--launch-count", "3", "--section", "SpeedOfLight", "--section", "ComputeWorkloadAnalysis",
-                "--section", "WarpStateStats", "--csv", "--page", "details", "python", "sweeps/flash_profile.py",
-                "--shape", knob("NCU_SHAPE", "1x16x16384x128"), "--paths", path), log=f"ncu_{path}.csv",
-                stderr_log=f"ncu_{path}.log"))
+            ctx.run(ncu(f"ncu_{path}", int(knob("NCU_TIMEOUT", "60")), ("SpeedOfLight", "ComputeWorkloadAnalysis",
+                        "WarpStateStats"), "--shape", knob("NCU_SHAPE", "1x16x16384x128"), "--paths", path))
     if knob("RUN_COLD", "0") == "1":
         for mode in ("tuned", "autotune"):
             ctx.run(Study(f"cold_{mode}", 120, ("python", "-m", "tools.gpu_helpers", "first-call", mode),
@@ -253,12 +258,9 @@ def candidates(ctx: Context) -> None:
     print(f"   ncu picks (fwd,dkdv,dq): {' '.join(picks)}", flush=True)
     for i, pick in enumerate(picks):
         fwd, dkdv, dq = (pick.split(",") + ["?", "?"])[:3]
-        ctx.run(Study(f"ncu_{i}", int(knob("NCU_TIMEOUT", "45")), (
-            "ncu", "--clock-control", "none", "-k", "regex:_flash_(fwd|bwd_dkdv|bwd_dq)_kernel", "--launch-skip", "3",
-            "--launch-count", "3", "--section", "SpeedOfLight", "--section", "Occupancy", "--section", "LaunchStats",
-            "--section", "WarpStateStats", "--section", "ComputeWorkloadAnalysis", "--csv", "--page", "details",
-            "python", "sweeps/flash_profile.py", "--shape", shape, "--paths", "tma", "--fwd-config", fwd,
-            "--dkdv-config", dkdv, "--dq-config", dq), log=f"ncu_{i}.csv", stderr_log=f"ncu_{i}.log"))
+        ctx.run(ncu(f"ncu_{i}", int(knob("NCU_TIMEOUT", "45")), ("SpeedOfLight", "Occupancy", "LaunchStats",
+                    "WarpStateStats", "ComputeWorkloadAnalysis"), "--shape", shape, "--paths", "tma", "--fwd-config",
+                    fwd, "--dkdv-config", dkdv, "--dq-config", dq))
 
 
 LEADERBOARD = ("sweeps/leaderboard.py", "--size", "leaderboard", "--device", "cuda")
