@@ -22,17 +22,14 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import pandas as pd
 
-import pandas as pd  # noqa: E402
-
-from parallel.collectives import OPS, aggregate, benchmark_collective  # noqa: E402
-from raysys.cluster import check_gang, cluster_nodes, run_sweep  # noqa: E402
-from raysys.gang import gang_device  # noqa: E402
-from raysys.rank import check_rank_env  # noqa: E402
-from raysys.timing import MAX_STEPS  # noqa: E402
-from sweeps.common import (NOT_ON_CPU, check_int, check_timeout, list_flag, main_entry, on_cpu,  # noqa: E402
+from parallel.collectives import OPS, aggregate, benchmark_collective
+from raysys.cluster import check_gang, cluster_nodes, run_sweep
+from raysys.gang import gang_device
+from raysys.rank import check_rank_env
+from raysys.timing import MAX_STEPS
+from sweeps.common import (NOT_ON_CPU, check_int, check_timeout, list_flag, main_entry, on_cpu,
                            open_writer, output_dir, parse_ints, parse_list, print_written, pyplot, read_rows,
                            save_figure, start_ray, study_parser, write_markdown)
 

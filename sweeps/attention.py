@@ -16,20 +16,17 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import pandas as pd
+import torch
+from torch import nn
 
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from raysys import memory  # noqa: E402
-from raysys.device import resolve_device  # noqa: E402
-from raysys.model import naive_attention  # noqa: E402
-from raysys.files import write_text  # noqa: E402
-from raysys.results import make_row, status_of, trial_id  # noqa: E402
-from raysys.timing import MAX_STEPS, PhaseTimer  # noqa: E402
-from sweeps.common import (PROGRESS, check_int, list_flag, main_entry, open_writer, output_dir,  # noqa: E402
+from raysys import memory
+from raysys.device import resolve_device
+from raysys.model import naive_attention
+from raysys.files import write_text
+from raysys.results import make_row, status_of, trial_id
+from raysys.timing import MAX_STEPS, PhaseTimer
+from sweeps.common import (PROGRESS, check_int, list_flag, main_entry, open_writer, output_dir,
                            parse_list, read_rows, study_parser, write_markdown)
 
 SWEEP = "attention"

@@ -22,23 +22,20 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import pandas as pd
+import torch
 
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
-
-from parallel.checkpointing import apply_activation_checkpointing, parse_policy  # noqa: E402
-from raysys import memory  # noqa: E402
-from raysys.config import SIZES, ModelConfig  # noqa: E402
-from raysys.device import DTYPES, autocast, resolve_device  # noqa: E402
-from raysys.model import AdamW, TransformerLM, cross_entropy, get_attention  # noqa: E402
-from raysys.recompute_model import (GiB, Workload, cpu_allocation_trace, predict_peak, saved_per_block,  # noqa: E402
+from parallel.checkpointing import apply_activation_checkpointing, parse_policy
+from raysys import memory
+from raysys.config import SIZES, ModelConfig
+from raysys.device import DTYPES, autocast, resolve_device
+from raysys.model import AdamW, TransformerLM, cross_entropy, get_attention
+from raysys.recompute_model import (GiB, Workload, cpu_allocation_trace, predict_peak, saved_per_block,
                                     static_bytes, step_flops)
-from raysys.results import ResultWriter, error_row, make_row, trial_id  # noqa: E402
-from raysys.files import write_text  # noqa: E402
-from raysys.timing import MAX_STEPS, PhaseTimer  # noqa: E402
-from sweeps.common import (NOT_ON_CPU, PROGRESS, check_int, list_flag, main_entry, on_cpu, open_writer,  # noqa: E402
+from raysys.results import ResultWriter, error_row, make_row, trial_id
+from raysys.files import write_text
+from raysys.timing import MAX_STEPS, PhaseTimer
+from sweeps.common import (NOT_ON_CPU, PROGRESS, check_int, list_flag, main_entry, on_cpu, open_writer,
                            output_dir, parse_ints, parse_list, pyplot, read_rows, save_figure, start_ray, study_parser)
 
 SWEEP = "checkpointing"

@@ -25,25 +25,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterable, Sequence
 
+import pandas as pd
+import torch
+from torch import nn
+
+from raysys import files
+from raysys.config import SIZES, ModelConfig
+from raysys.device import check_fits  # noqa: F401  (the studies' memory bound, shared with raysys's CLIs)
+from raysys.files import write_text
+from raysys.memory import TrialScope
+from raysys.model import TransformerLM
+from raysys.profiling import profile_steps
+from raysys.results import ResultWriter, check_sweep_name
+from raysys.timing import MAX_STEPS
+from raysys.studies import JoinList
+from raysys.train_step import compile_blocks
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from raysys import files  # noqa: E402
-from raysys.config import SIZES, ModelConfig  # noqa: E402
-from raysys.device import check_fits  # noqa: E402,F401  (the studies' memory bound, shared with raysys's CLIs)
-from raysys.files import write_text  # noqa: E402
-from raysys.memory import TrialScope  # noqa: E402
-from raysys.model import TransformerLM  # noqa: E402
-from raysys.profiling import profile_steps  # noqa: E402
-from raysys.results import ResultWriter, check_sweep_name  # noqa: E402
-from raysys.timing import MAX_STEPS  # noqa: E402
-from raysys.studies import JoinList  # noqa: E402
-from raysys.train_step import compile_blocks  # noqa: E402
 
 GANG_DTYPES = ("fp32", "bf16")
 """Precisions of the gang studies: fp32, or bf16 autocast with fp32 master weights."""

@@ -23,21 +23,18 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import pandas as pd
+import torch
+import torch.distributed as dist
+from torch import nn
 
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-
-from parallel.ddp import make_ddp  # noqa: E402
-from raysys.memory import release  # noqa: E402
-from raysys.profiling import cpu_op_time, kernel_intervals, overlap  # noqa: E402
-from raysys.rank import nccl_group  # noqa: E402
-from raysys.timing import MAX_STEPS, paired_steps, time_steps  # noqa: E402
-from raysys.train_step import TrainStep  # noqa: E402
-from sweeps.common import (GANG_DTYPES, NOT_ON_CPU, VariantTrial, adamw_kwargs, add_model_flags,  # noqa: E402
+from parallel.ddp import make_ddp
+from raysys.memory import release
+from raysys.profiling import cpu_op_time, kernel_intervals, overlap
+from raysys.rank import nccl_group
+from raysys.timing import MAX_STEPS, paired_steps, time_steps
+from raysys.train_step import TrainStep
+from sweeps.common import (GANG_DTYPES, NOT_ON_CPU, VariantTrial, adamw_kwargs, add_model_flags,
                            add_variant_flags, build_model, check_fits, check_int, check_variant_flags, column,
                            gang_study_main,
                            grid_values, in_trial_scope, list_flag, main_entry, markdown_report, on_cpu, paired_summary,

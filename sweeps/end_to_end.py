@@ -19,21 +19,20 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import pandas as pd
+import torch
 
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
-
-from raysys import memory  # noqa: E402
-from raysys.bench import BenchConfig, run_benchmark  # noqa: E402
-from raysys.config import TABLE1_SIZES, ModelConfig  # noqa: E402
-from raysys.device import resolve_device  # noqa: E402
-from raysys.model import TransformerLM, cross_entropy  # noqa: E402
-from raysys.results import (ResultWriter, error_row, make_row, provenance, read_results, trial_id,  # noqa: E402
+from raysys import memory
+from raysys.bench import BenchConfig, run_benchmark
+from raysys.config import TABLE1_SIZES, ModelConfig
+from raysys.device import resolve_device
+from raysys.model import TransformerLM, cross_entropy
+from raysys.results import (ResultWriter, error_row, make_row, provenance, read_results, trial_id,
                             write_parquet)
-from sweeps.common import (PROGRESS, list_flag, main_entry, open_writer, output_dir, parse_list, pyplot,  # noqa: E402
+from sweeps.common import (PROGRESS, list_flag, main_entry, open_writer, output_dir, parse_list, pyplot,
                            save_figure, study_parser, write_markdown)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 STUDIES = ("timing", "warmup", "kernels", "memory", "saved")
 FILES = {"timing": ("e2e_timing",), "warmup": ("e2e_warmup",), "kernels": ("e2e_kernels", "e2e_kernel_table"),

@@ -24,19 +24,18 @@ import timeit
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import pandas as pd
+import torch
+import torch.nn.functional as F
 
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from raysys.device import DTYPES, resolve_device  # noqa: E402
-from raysys.results import ResultWriter, make_row, status_of, trial_id  # noqa: E402
-from raysys.timing import MAX_STEPS, PAIRED_REP_MS, paired_speedups  # noqa: E402
-from sweeps.common import (PROGRESS, alias, check_int, check_timeout, list_flag, main_entry, open_writer,  # noqa: E402
+from raysys.device import DTYPES, resolve_device
+from raysys.results import ResultWriter, make_row, status_of, trial_id
+from raysys.timing import MAX_STEPS, PAIRED_REP_MS, paired_speedups
+from sweeps.common import (PROGRESS, alias, check_int, check_timeout, list_flag, main_entry, open_writer,
                            output_dir, parse_ints, parse_list, read_rows, redraw_report, study_parser,
                            write_markdown)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SWEEP = "flash_bench"
 PROVIDERS = ("triton", "pytorch_tiled", "naive", "sdpa_flash", "sdpa_cudnn")
@@ -528,15 +527,14 @@ def write_tuned(df: pd.DataFrame, json_path: Path) -> dict[str, list[dict]]:
     return winners
 
 
-NOTES = "flash_hopper_notes.md"
-"""Hand-written findings beside the Parquet file (profiles, what did not help): the report links it."""
+NOTES = "docs/hopper-notes.md"
+"""Hand-written findings (profiles, what did not help): the report of the repository's `results/` links them."""
 
 
 def write_report(df: pd.DataFrame, out: Path) -> Path:
     body = markdown(df)
-    if (out / NOTES).exists():
-        body += (f"\nWhat bounds each kernel (profiles, builds) and the levers of issue 16: [results/{NOTES}]"
-                 f"(results/{NOTES}).\n")
+    if out.resolve() == (ROOT / "results").resolve() and (ROOT / NOTES).exists():
+        body += f"\nWhat bounds each kernel (profiles, builds) and the levers of issue 16: [{NOTES}]({NOTES}).\n"
     return write_markdown(out, SWEEP, "FlashAttention-2 against PyTorch attention", body)
 
 

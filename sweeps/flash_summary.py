@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from raysys.report import report  # noqa: E402
+from raysys.report import report
 
 STUDIES = ("flash_tiles", "flash_bench")
 

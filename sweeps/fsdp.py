@@ -23,27 +23,24 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import pandas as pd
+import torch
+import torch.distributed as dist
+from torch import nn
 
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-
-from parallel.ddp import make_ddp  # noqa: E402
-from parallel.fsdp import FSDP, is_sharded_module, make_fsdp  # noqa: E402
-from parallel.mixed_precision import CastForCompute  # noqa: E402
-from parallel.sharded_optimizer import ShardedOptimizer  # noqa: E402
-from raysys.config import ModelConfig  # noqa: E402
-from raysys.device import low_precision, synchronize  # noqa: E402
-from raysys.memory import release, unique_storage_bytes  # noqa: E402
-from raysys.model import TransformerBlock, TransformerLM  # noqa: E402
-from raysys.profiling import device_kernels, is_nccl, kernel_intervals, overlap  # noqa: E402
-from raysys.rank import nccl_group  # noqa: E402
-from raysys.timing import paired_steps, time_steps  # noqa: E402
-from raysys.train_step import TrainStep  # noqa: E402
-from sweeps.common import (GANG_DTYPES, NOT_ON_CPU, VariantTrial, adamw_kwargs, add_model_flags,  # noqa: E402
+from parallel.ddp import make_ddp
+from parallel.fsdp import FSDP, is_sharded_module, make_fsdp
+from parallel.mixed_precision import CastForCompute
+from parallel.sharded_optimizer import ShardedOptimizer
+from raysys.config import ModelConfig
+from raysys.device import low_precision, synchronize
+from raysys.memory import release, unique_storage_bytes
+from raysys.model import TransformerBlock, TransformerLM
+from raysys.profiling import device_kernels, is_nccl, kernel_intervals, overlap
+from raysys.rank import nccl_group
+from raysys.timing import paired_steps, time_steps
+from raysys.train_step import TrainStep
+from sweeps.common import (GANG_DTYPES, NOT_ON_CPU, VariantTrial, adamw_kwargs, add_model_flags,
                            add_variant_flags, build_model, check_fits, check_variant_flags, gang_study_main,
                            grid_values, in_trial_scope, list_flag, main_entry, markdown_report, on_cpu, paired_summary,
                            parse_list, profile_one_step, setup_sentence, step_column, study_parser, write_markdown)

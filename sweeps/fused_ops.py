@@ -15,18 +15,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from raysys.config import ModelConfig  # noqa: E402
-from raysys.device import free_memory, resolve_device, synchronize  # noqa: E402
-from raysys.results import ResultWriter, error_row, make_row, resolve_out  # noqa: E402
+from raysys.config import ModelConfig
+from raysys.device import free_memory, resolve_device, synchronize
+from raysys.results import ResultWriter, error_row, make_row, resolve_out
 
 SWEEP = "fused_ops"
 GiB = 2**30

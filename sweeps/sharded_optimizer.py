@@ -17,19 +17,16 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import pandas as pd
+import torch
 
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
-
-from parallel.ddp import BucketedDDP  # noqa: E402
-from parallel.sharded_optimizer import ShardedOptimizer  # noqa: E402
-from raysys.device import synchronize  # noqa: E402
-from raysys.memory import release, unique_storage_bytes  # noqa: E402
-from raysys.timing import Marks, time_steps  # noqa: E402
-from raysys.train_step import TrainStep  # noqa: E402
-from sweeps.common import (GANG_DTYPES, GangTrial, adamw_kwargs, add_model_flags, build_model,  # noqa: E402
+from parallel.ddp import BucketedDDP
+from parallel.sharded_optimizer import ShardedOptimizer
+from raysys.device import synchronize
+from raysys.memory import release, unique_storage_bytes
+from raysys.timing import Marks, time_steps
+from raysys.train_step import TrainStep
+from sweeps.common import (GANG_DTYPES, GangTrial, adamw_kwargs, add_model_flags, build_model,
                            check_fits, gang_study_main, grid_values, in_trial_scope, list_flag, main_entry,
                            markdown_report, parse_list, pyplot, save_figure, setup_sentence, study_parser,
                            write_markdown)

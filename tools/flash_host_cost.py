@@ -1,6 +1,6 @@
 """Host time per call of the FlashAttention entry points (issue 16), one H200.
 
-Run on the GPU host from the repository root: `PYTHONPATH=$PWD python3 results/runs/flash_host_cost.py OUT_DIR
+Run on the GPU host from the repository root: `python3 -m tools.flash_host_cost OUT_DIR
 [--profile] [--pieces] [--by-kernel] [--cases A,B] [--shape B,H,N,d] [--overwrite]` (an existing
 OUT_DIR/flash_host_cost.parquet is refused without `--overwrite`, before any work). For each entry point, 200 calls
 at 4x32x2048x128 bf16 causal (or `--shape`): `host_s` is the time to issue one (seconds per call), `wall_s` the time
@@ -12,13 +12,14 @@ gluon forward alone. `--by-kernel` adds rows `kernel of <case>`: each CUDA kerne
 included), its launches and seconds per call. `--cases` times only the cases named (comma-separated). Rows go to
 OUT_DIR/flash_host_cost.parquet (the results convention).
 
-    python3 results/runs/flash_host_cost.py logs TXT OUT.parquet COMMIT
+    python3 -m tools.flash_host_cost logs TXT OUT.parquet COMMIT
 
 builds the same rows from a call's printed lines alone (one block per shape, each ending with its `wrote
 .../<B,H,N,d>/flash_host_cost.parquet` line), for a call whose Parquet files did not come back from the GPU host;
 what the lines do not say (host, time, versions) is `unknown`, `git_sha` is COMMIT, `device_name` the nvidia-smi
 line's, and kernel names are cut where the printout cut them (110 characters).
-The e7dd8cb run: `flash_host_cost_e7dd8cb.parquet` (its printed output, `flash_host_cost_e7dd8cb.txt`, converted).
+The e7dd8cb run: `results/runs/flash_host_cost_e7dd8cb.parquet` (its printed output,
+`flash_host_cost_e7dd8cb.txt`, converted).
 """
 
 import cProfile
@@ -34,13 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from raysys.results import PROVENANCE_COLUMNS, make_row, write_parquet
-
 import kernels.attention.dispatch as dispatch
 import kernels.attention.gluon.forward as g
 import kernels.attention.gluon.runtime as runtime
 import kernels.attention.interface as fa
-
+from raysys.results import PROVENANCE_COLUMNS, make_row, write_parquet
 
 LINE = re.compile(r"^(?P<case>\S.*?) host us/call (?P<host>[\d.]+)\s+wall us/call (?P<wall>[\d.]+)\s+"
                   r"kernels us/call (?P<kernel>[\d.]+)$")
@@ -111,7 +110,8 @@ def host_and_wall(fn, n: int = 200, warmup: int = 5) -> tuple[float, float]:
 def by_kernel(fn, n: int = 20) -> list[tuple[str, float, float]]:
     """(kernel name, launches per call, seconds per call) of every CUDA kernel (memsets and copies included) the
     profiler saw over `n` calls of `fn`, the longest first (`--by-kernel`; their sum is `kernel_s`)."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     fn()
     torch.cuda.synchronize()
@@ -163,12 +163,16 @@ def pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, label: str) -> lis
         def backward(ctx, grad):
             return grad, None, None, None, None, None
 
+    def eager_check(q):  # kernels.attention.interface's check per call: a real tensor skips the custom ops
+        return (type(q) in (torch.Tensor, torch.nn.Parameter) and q.device.type != "meta"
+                and not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is None)
+
     def device_ctx():
         with torch.cuda.device(q.device):
             pass
 
     steps = [("check_attention_inputs", lambda: check_attention_inputs(q, k, v, True), 2000),
-             ("_eager", lambda: fa._eager(q), 2000),
+             ("_eager", lambda: eager_check(q), 2000),
              ("path and bwd env", lambda: (dispatch.requested_path(None), dispatch.requested_bwd(None)), 2000),
              ("resolve_path", lambda: dispatch.resolve_path(None, q, k, v, forward=True), 2000),
              ("problem_config", lambda: dispatch.gluon_fwd_config(q, k), 2000),

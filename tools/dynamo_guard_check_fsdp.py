@@ -4,10 +4,13 @@ the mean host time of "TorchDynamo Cache Lookup" over 20 profiled training steps
 each kind Dynamo installed for the block (its guard log). One row per case in OUT (Parquet, `lookup_mean_s`,
 `guards`, `guard_kinds` as JSON, `parallel_from`), printed too; an existing OUT is refused:
 
-    PYTHONPATH=$PWD python3 results/runs/dynamo_guard_check_fsdp.py --out /tmp/guards.parquet
+    python -m tools.dynamo_guard_check_fsdp --out /tmp/guards.parquet
     git archive <commit> parallel | tar -x -C /tmp/before          # another commit's wrappers, same host:
-    PARALLEL_ROOT=/tmp/before PYTHONPATH=$PWD python3 results/runs/dynamo_guard_check_fsdp.py --out /tmp/before.parquet
-    PYTHONPATH=$PWD python3 results/runs/dynamo_guard_check_fsdp.py --device cuda --out ...  # NCCL, inductor
+    PYTHONPATH=/tmp/before:$PWD python tools/dynamo_guard_check_fsdp.py --out /tmp/before.parquet
+    python -m tools.dynamo_guard_check_fsdp --device cuda --out ...  # NCCL, inductor
+
+(Run as a file, the script's folder comes first on sys.path, then PYTHONPATH: the `parallel` of /tmp/before
+wins over the checkout's, and each row's `parallel_from` says which one ran.)
 
 On the H200 a compiled xl block's lookup took 85-89 us under FSDP against 23 us in single
 (`fsdp_host_profile_ab_66bb84e.txt`, `fsdp_host_profile_80b28c5.txt`), far more than on this CPU: the `cuda` run
@@ -22,20 +25,17 @@ import json
 import os
 import sys
 
-if os.environ.get("PARALLEL_ROOT"):
-    sys.path.insert(0, os.environ["PARALLEL_ROOT"])
+import pandas as pd
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
-from parallel.fsdp import FSDP  # noqa: E402
-from raysys.config import ModelConfig  # noqa: E402
-from raysys.model import TransformerBlock, TransformerLM, cross_entropy  # noqa: E402
-from raysys.profiling import dynamo_guard_log, guard_kinds  # noqa: E402
-from raysys.results import provenance, write_parquet  # noqa: E402
-from raysys.train_step import compile_blocks  # noqa: E402
+from parallel.fsdp import FSDP
+from raysys.config import ModelConfig
+from raysys.model import TransformerBlock, TransformerLM, cross_entropy
+from raysys.profiling import dynamo_guard_log, guard_kinds
+from raysys.results import provenance, write_parquet
+from raysys.train_step import compile_blocks
 
 CASES = ("single", "single-autocast", "fsdp-fp32", "fsdp-bf16", "fsdp-bf16-alone", "single", "fsdp-bf16")
 MC = ModelConfig(vocab_size=64, context_length=8, d_model=32, num_layers=4, num_heads=2, d_ff=64, name="t")

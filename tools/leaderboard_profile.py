@@ -9,24 +9,22 @@ or nothing). First the host link, as the step measures it (`host_link_gbps`, 1 G
 `$OUT/leaderboard_profile_<label>.txt` and `.parquet` (one `raysys.results` row per kernel name: calls, total_s,
 the profiled step's step_s and peak_bytes). Run on the GPU host:
 
-    LABEL=lean python results/runs/leaderboard_profile.py
-    LABEL=pieces LEAN=0 python results/runs/leaderboard_profile.py
+    LABEL=lean python -m tools.leaderboard_profile
+    LABEL=pieces LEAN=0 python -m tools.leaderboard_profile
 """
 import os
 import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import pandas as pd
+import torch
+from torch.profiler import ProfilerActivity, profile
 
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
-from raysys.config import ModelConfig  # noqa: E402
-from raysys.leaderboard import LeaderboardStep, StepConfig, host_link_gbps  # noqa: E402
-from raysys.leaderboard_bench import build_model, make_batch  # noqa: E402
-from raysys.results import make_row  # noqa: E402
+from raysys.config import ModelConfig
+from raysys.leaderboard import LeaderboardStep, StepConfig, host_link_gbps
+from raysys.leaderboard_bench import build_model, make_batch
+from raysys.results import make_row
 
 LABEL = os.environ.get("LABEL", "lean")
 OUT = Path(os.environ.get("OUT", "/tmp")) / f"leaderboard_profile_{LABEL}"
