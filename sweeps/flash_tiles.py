@@ -28,16 +28,14 @@ import time
 import timeit
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-import pandas as pd  # noqa: E402
+import pandas as pd
 
-from kernels.attention.dispatch import TUNED_CONFIGS_PATH  # noqa: E402
-from kernels.attention.triton.tuning import KERNELS  # noqa: E402
-from raysys.device import DTYPES, resolve_device  # noqa: E402
-from raysys.results import ResultWriter, error_row, make_row, trial_id  # noqa: E402
-from sweeps.common import (PROGRESS, list_flag, main_entry, open_writer, output_dir, parse_list,  # noqa: E402
+from kernels.attention.dispatch import TUNED_CONFIGS_PATH
+from kernels.attention.triton.tuning import KERNELS
+from raysys.device import DTYPES, resolve_device
+from raysys.results import ResultWriter, error_row, make_row, trial_id
+from sweeps.common import (PROGRESS, list_flag, main_entry, open_writer, output_dir, parse_list,
                            redraw_report, start_ray, study_parser, write_markdown)
 
 SWEEP = "flash_tiles"
@@ -232,7 +230,6 @@ def grid_configs(space: dict) -> list[dict]:
 def trial(config: dict, device: str = "cuda") -> dict:
     """One kernel, one launch config, one shape, on the GPU Ray (or the caller) assigned, or on the CPU under
     the Triton interpreter (`device="cpu"`, TRITON_INTERPRET=1: slow, fp32/fp16 only)."""
-    sys.path.insert(0, str(ROOT))
     import torch
     import triton.testing
 

@@ -22,22 +22,19 @@ import math
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
+import pandas as pd
+import torch
 
-from parallel.checkpointing import parse_policy  # noqa: E402
-from raysys.config import ModelConfig  # noqa: E402
-from raysys.device import check_fits  # noqa: E402
-from raysys.leaderboard import LeaderboardStep, StepConfig, plan_on_device  # noqa: E402
-from raysys.leaderboard_bench import (COURSE_REP_MS, COURSE_WARMUP_MS, DTYPE_NAMES, SWEEP, NameList,  # noqa: E402
+from parallel.checkpointing import parse_policy
+from raysys.config import ModelConfig
+from raysys.device import check_fits
+from raysys.leaderboard import LeaderboardStep, StepConfig, plan_on_device
+from raysys.leaderboard_bench import (COURSE_REP_MS, COURSE_WARMUP_MS, DTYPE_NAMES, SWEEP, NameList,
                                       Session, Variant, build_leaderboard_parser, build_model, check_options, do_bench_agreed,
                                       for_device, make_batch, release_cached_memory, run_ablation, run_check,
                                       run_variants, start_session, variant_row)
-from raysys.results import ROW_COLUMNS, read_results  # noqa: E402
+from raysys.results import ROW_COLUMNS, read_results
 
 STUDIES = ("ablation", "neighbours", "ddp")
 TUNE_SWEEP, DDP_SWEEP = f"{SWEEP}_tune", f"{SWEEP}_ddp"
