@@ -39,10 +39,10 @@ sys.path.insert(0, str(ROOT))
 import pandas as pd  # noqa: E402
 
 from parallel.collectives import OPS, aggregate, benchmark_collective  # noqa: E402
-from raysys.cluster import check_gang, cluster_nodes, run_sweep  # noqa: E402
-from raysys.gang import gang_device  # noqa: E402
-from raysys.rank import check_rank_env  # noqa: E402
-from raysys.timing import MAX_STEPS  # noqa: E402
+from raysys.cluster.sweep import check_gang, cluster_nodes, run_sweep  # noqa: E402
+from raysys.cluster.gang import gang_device  # noqa: E402
+from raysys.cluster.rank import check_rank_env  # noqa: E402
+from raysys.measure.timing import MAX_STEPS  # noqa: E402
 from sweeps.common import (NOT_ON_CPU, check_int, check_timeout, list_flag, main_entry, on_cpu,  # noqa: E402
                            open_writer, output_dir, parse_ints, parse_list, print_written, pyplot, read_rows,
                            save_figure, start_ray, study_parser, write_markdown)
@@ -323,7 +323,7 @@ def planner_tables(path: Path) -> str:
     """`python -m raysys plan --size xl --batch 8192` (handout 8) with W = the best measured all-reduce bus
     bandwidth per world size in the Parquet file at `path`."""
     from parallel.planner import H200_BF16_FLOPS, FFNProblem, bandwidth_from_results, plan_tables
-    from raysys.config import SIZES
+    from raysys.model.config import SIZES
 
     size, parts = SIZES[PLANNER_SIZE], []
     for src in bandwidth_from_results(path):

@@ -1,10 +1,10 @@
 """PyTorch attention at scale (handout 4.1.1 pytorch_attention and 4.2 torch_compile): time and memory.
 
 Grid: batch 8, no heads, head dim d in {16, 32, 64, 128} x seq in {256, 1024, 4096, 8192, 16384}, fp32,
-causal (the model's `raysys.model.naive_attention`: scores, masked_fill, softmax, P V), eager and
+causal (the model's `raysys.model.transformer.naive_attention`: scores, masked_fill, softmax, P V), eager and
 `torch.compile`d. Per trial: warm-up passes, then `--steps` (100) forward passes and `--steps` backward
-passes, each synchronised (`raysys.timing.PhaseTimer`); the memory allocated just before a backward pass
-starts; and, for eager, the bytes autograd saved for that backward (`raysys.memory.SavedTensorAccount`).
+passes, each synchronised (`raysys.measure.timing.PhaseTimer`); the memory allocated just before a backward pass
+starts; and, for eager, the bytes autograd saved for that backward (`raysys.measure.memory.SavedTensorAccount`).
 Every row also carries the analytic accounting: one B x N x N fp32 score matrix is `score_matrix_bytes`;
 the naive forward keeps three of them for backward (the masked scores for the row max, exp(S - max) and P)
 plus the N x N bool mask and Q, K, V (`expected_saved_bytes`, which the measured saved bytes match): O(B N^2),
@@ -30,12 +30,12 @@ import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from raysys import memory  # noqa: E402
-from raysys.device import resolve_device  # noqa: E402
-from raysys.model import naive_attention  # noqa: E402
-from raysys.files import write_text  # noqa: E402
-from raysys.results import make_row, status_of, trial_id  # noqa: E402
-from raysys.timing import MAX_STEPS, PhaseTimer  # noqa: E402
+from raysys.measure import memory  # noqa: E402
+from raysys.measure.device import resolve_device  # noqa: E402
+from raysys.model.transformer import naive_attention  # noqa: E402
+from raysys.results.files import write_text  # noqa: E402
+from raysys.results.records import make_row, status_of, trial_id  # noqa: E402
+from raysys.measure.timing import MAX_STEPS, PhaseTimer  # noqa: E402
 from sweeps.common import (PROGRESS, check_int, list_flag, main_entry, open_writer, output_dir,  # noqa: E402
                            parse_list, read_rows, study_parser, write_markdown)
 

@@ -15,7 +15,7 @@ Every trial builds the model, applies the policy (`parallel.checkpointing`), run
 `--steps` timed training steps (AdamW) and records: step time (mean / std, synchronised per phase), the
 measured peak memory (`torch.cuda.max_memory_allocated` over the timed steps; on the CPU the allocator trace
 of one step plus the computed weights / AdamW / input bytes), the memory allocated between steps, the advisor
-model's predicted peak (`raysys.recompute_model.predict_peak`) and its relative error, and the forward /
+model's predicted peak (`raysys.planning.recompute_model.predict_peak`) and its relative error, and the forward /
 recompute / backward FLOPs. An OOM is a row with status `oom`. fp32 uses TF32 matmuls on the GPU (fp32
 memory, faster steps). `--quick`, or a host without a GPU, runs tiny models on the CPU through the same code.
 The report (`checkpointing.md`, `plots/checkpointing_*.png`) answers: the best single-level k with its
@@ -45,15 +45,15 @@ import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
 from parallel.checkpointing import apply_activation_checkpointing, parse_policy  # noqa: E402
-from raysys import memory  # noqa: E402
-from raysys.config import SIZES, ModelConfig  # noqa: E402
-from raysys.device import DTYPES, autocast, resolve_device  # noqa: E402
-from raysys.model import AdamW, TransformerLM, cross_entropy, get_attention  # noqa: E402
-from raysys.recompute_model import (GiB, Workload, cpu_allocation_trace, predict_peak, saved_per_block,  # noqa: E402
+from raysys.measure import memory  # noqa: E402
+from raysys.model.config import SIZES, ModelConfig  # noqa: E402
+from raysys.measure.device import DTYPES, autocast, resolve_device  # noqa: E402
+from raysys.model.transformer import AdamW, TransformerLM, cross_entropy, get_attention  # noqa: E402
+from raysys.planning.recompute_model import (GiB, Workload, cpu_allocation_trace, predict_peak, saved_per_block,  # noqa: E402
                                     static_bytes, step_flops)
-from raysys.results import ResultWriter, error_row, make_row, trial_id  # noqa: E402
-from raysys.files import write_text  # noqa: E402
-from raysys.timing import MAX_STEPS, PhaseTimer  # noqa: E402
+from raysys.results.records import ResultWriter, error_row, make_row, trial_id  # noqa: E402
+from raysys.results.files import write_text  # noqa: E402
+from raysys.measure.timing import MAX_STEPS, PhaseTimer  # noqa: E402
 from sweeps.common import (NOT_ON_CPU, PROGRESS, check_int, list_flag, main_entry, on_cpu, open_writer,  # noqa: E402
                            output_dir, parse_ints, parse_list, pyplot, read_rows, save_figure, start_ray, study_parser)
 
@@ -101,7 +101,7 @@ class Trial:
         parse_policy(self.policy, self.model_config().num_layers).regions(self.model_config().num_layers)
 
     def workload(self, device_type: str) -> Workload:
-        """What the memory and FLOP model (`raysys.recompute_model`) needs to predict this trial."""
+        """What the memory and FLOP model (`raysys.planning.recompute_model`) needs to predict this trial."""
         return Workload(config=self.model_config(), batch_size=self.batch_size, precision=self.dtype,
                         device_type=device_type)
 
@@ -275,11 +275,11 @@ def run_local(trials: list[dict], writer: ResultWriter) -> None:
 
 
 def run_tune(trials: list[dict], writer: ResultWriter, gpus: float) -> None:
-    """Ray Tune, one trial per GPU: `raysys.cluster.tune_run` turns each trial into a row. Trials of another
+    """Ray Tune, one trial per GPU: `raysys.cluster.sweep.tune_run` turns each trial into a row. Trials of another
     attention backend (or with other fields) form their own Tune grid, run after the first."""
     from ray import tune
 
-    from raysys.cluster import tune_run
+    from raysys.cluster.sweep import tune_run
 
     groups: dict[tuple, list[dict]] = {}
     for t in trials:

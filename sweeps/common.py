@@ -12,7 +12,7 @@
 - Training pieces of the gang studies: `GangTrial` (the frozen base of DDPTrial, ShardedTrial, FSDPTrial: the
   trial is its row's configuration, with `.model_config()` and `.batch()`), `build_model`, `adamw_kwargs`,
   `in_trial_scope`, `profile_one_step`.
-- Output (`raysys.results`): `output_dir` (--out, else a fresh run directory; the committed `results/` only when
+- Output (`raysys.results.records`): `output_dir` (--out, else a fresh run directory; the committed `results/` only when
   named), `open_writer` (--resume / --overwrite / --allow-mixed, locked), `main_entry` (bad input is one line and
   exit 2; Ctrl-C says how many trials finished and how to continue).
 - Report skeleton: `setup_sentence`, `not_measured`, `write_markdown`, `on_cpu` (GPU targets are not judged on
@@ -41,17 +41,17 @@ import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from raysys import files  # noqa: E402
-from raysys.config import SIZES, ModelConfig  # noqa: E402
-from raysys.device import check_fits  # noqa: E402,F401  (the studies' memory bound, shared with raysys's CLIs)
-from raysys.files import write_text  # noqa: E402
-from raysys.memory import TrialScope  # noqa: E402
-from raysys.model import TransformerLM  # noqa: E402
-from raysys.profiling import profile_steps  # noqa: E402
-from raysys.results import ResultWriter, check_sweep_name  # noqa: E402
-from raysys.timing import MAX_STEPS  # noqa: E402
-from raysys.studies import JoinList  # noqa: E402
-from raysys.train_step import compile_blocks  # noqa: E402
+from raysys.results import files  # noqa: E402
+from raysys.model.config import SIZES, ModelConfig  # noqa: E402
+from raysys.measure.device import check_fits  # noqa: E402,F401  (the studies' memory bound, shared with raysys's CLIs)
+from raysys.results.files import write_text  # noqa: E402
+from raysys.measure.memory import TrialScope  # noqa: E402
+from raysys.model.transformer import TransformerLM  # noqa: E402
+from raysys.measure.profiling import profile_steps  # noqa: E402
+from raysys.results.records import ResultWriter, check_sweep_name  # noqa: E402
+from raysys.measure.timing import MAX_STEPS  # noqa: E402
+from raysys.cluster.studies import JoinList  # noqa: E402
+from raysys.training.step import compile_blocks  # noqa: E402
 
 GANG_DTYPES = ("fp32", "bf16")
 """Precisions of the gang studies: fp32, or bf16 autocast with fp32 master weights."""
@@ -79,7 +79,7 @@ class HelpFormatter(argparse.RawTextHelpFormatter):
 
 def list_flag(p: argparse.ArgumentParser, name: str, *, default: str | None, help: str, aliases: Sequence[str] = ()):
     """A list flag: one comma list or several words (`--dtypes fp32,bf16` = `--dtypes fp32 bf16`, stored as
-    'fp32,bf16'; `raysys.studies.JoinList`), with hidden older spellings that take the same."""
+    'fp32,bf16'; `raysys.cluster.studies.JoinList`), with hidden older spellings that take the same."""
     p.add_argument(name, default=default, metavar="A,B,..", action=JoinList, help=help)
     for old in aliases:
         alias(p, old, name, action=JoinList)
@@ -94,10 +94,10 @@ def alias(p: argparse.ArgumentParser, old: str, new: str, **kwargs) -> None:
 def study_parser(doc: str | None, sweep: str, *, device_help: str = "auto: cuda when present",
                  devices: Sequence[str] = ("auto", "cuda", "cpu"), gang: bool = False, ray: bool = False,
                  timeout_s: float | None = None) -> argparse.ArgumentParser:
-    """The flags every study takes (`raysys.studies.sweep_parser`: --device, --out, --resume | --overwrite,
+    """The flags every study takes (`raysys.cluster.studies.sweep_parser`: --device, --out, --resume | --overwrite,
     --allow-mixed, --report-only) with the whole docstring as description; `gang=True` adds --launcher, and with
     `ray=True` --address and --dashboard; `timeout_s` adds --timeout-s with that default."""
-    from raysys.studies import sweep_parser
+    from raysys.cluster.studies import sweep_parser
 
     p = sweep_parser(doc, sweep, device_help=device_help)
     p.description, p.formatter_class = doc, HelpFormatter
@@ -197,9 +197,9 @@ def check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -
 
 
 def check_timeout(name: str, value: float) -> float:
-    """A finite number of seconds in (0, a week] (`raysys.rank.MAX_TIMEOUT_S`): nan, inf, 0, negative or huge
+    """A finite number of seconds in (0, a week] (`raysys.cluster.rank.MAX_TIMEOUT_S`): nan, inf, 0, negative or huge
     timeouts would make every trial an error row."""
-    from raysys.rank import check_seconds
+    from raysys.cluster.rank import check_seconds
 
     return check_seconds(name, value)
 
@@ -239,7 +239,7 @@ def check_variant_flags(args: argparse.Namespace, world_size: int) -> None:
 
 
 def paired_summary(row: Mapping) -> str:
-    """What `raysys.timing.paired_steps` found for a result row, in one clause: the median's rounds, the range over
+    """What `raysys.measure.timing.paired_steps` found for a result row, in one clause: the median's rounds, the range over
     them and its 95% half-width, then the same for the CPU time a step's issue took (`paired_host_cpu_ratio`)."""
     text = (f"paired: median of {int(row['paired_rounds'])} rounds, range {row['paired_ratio_min']:.3f}-"
             f"{row['paired_ratio_max']:.3f}")
@@ -266,11 +266,11 @@ def check_timing_options(warmup: int, compile: bool, paired_rounds: int) -> None
 class GangTrial(Mapping):
     """What every training trial on a gang shares; a study's trial class adds its own fields.
 
-    The trial is its row's configuration: `dict(trial)` (the mapping protocol, which `raysys.cluster.run_sweep`
+    The trial is its row's configuration: `dict(trial)` (the mapping protocol, which `raysys.cluster.sweep.run_sweep`
     uses) gives the config columns, and the trial id hashes them."""
 
     size: str
-    """Named model size (`raysys.config.SIZES`)."""
+    """Named model size (`raysys.model.config.SIZES`)."""
     context_length: int
     """Sequence length of every batch (and the model's RoPE length)."""
     batch_per_rank: int
@@ -389,14 +389,14 @@ def build_model(mc: ModelConfig, device: torch.device, *, seed: int, compile: bo
 
 def in_trial_scope(trial_fn: Callable[..., dict], ctx, *args, **kwargs) -> dict:
     """`trial_fn(ctx, ...)`'s metrics plus the memory and live parameters before and after it
-    (`raysys.memory.TrialScope`: what a trial leaked into the next one on the same rank)."""
+    (`raysys.measure.memory.TrialScope`: what a trial leaked into the next one on the same rank)."""
     with TrialScope(ctx.device) as scope:
         metrics = trial_fn(ctx, *args, **kwargs)
     return {**metrics, **scope.metrics}
 
 
 def profile_one_step(step, trace_path: Path | None, expect_nccl: bool):
-    """Profile one step after one profiler warm-up step (`raysys.profiling.profile_steps`): the profile and the
+    """Profile one step after one profiler warm-up step (`raysys.measure.profiling.profile_steps`): the profile and the
     row's `profile_status` (`ok`, `cpu`: no GPU kernels to measure, or what a broken GPU profile lacked, which
     also warns) and `trace_path` (rank 0's Chrome trace, when asked)."""
     prof = profile_steps(step, step.device, trace_path=trace_path)
@@ -415,7 +415,7 @@ def adamw_kwargs(device: torch.device) -> dict:
 # ---------------------------------------------------------------------------------------------------- devices
 def start_ray(args: argparse.Namespace) -> None:
     """Connect to (or start) Ray as the flags say: `--address`, `--dashboard`."""
-    from raysys.cluster import init_ray
+    from raysys.cluster.sweep import init_ray
 
     init_ray(getattr(args, "address", None), dashboard=getattr(args, "dashboard", False))
 
@@ -430,15 +430,15 @@ def local_gang_device(args: argparse.Namespace) -> tuple[str, bool]:
     """The device a gang will use as far as it is known without Ray, and whether that is certain: the named one,
     or this machine's (a Ray cluster named by --address or RAY_ADDRESS may have GPUs this machine lacks). The grid
     is checked with it before Ray starts; checks that depend on the device wait for the certain one."""
-    from raysys.mp_gang import local_device
+    from raysys.cluster.mp_gang import local_device
 
     return local_device(args.device), args.device != "auto" or not _remote(args)
 
 
 def ranks_device_name(args: argparse.Namespace, device: str) -> str | None:
-    """What the `ok` rows of a gang on `device` will name as their device (`raysys.rank.device_description`):
+    """What the `ok` rows of a gang on `device` will name as their device (`raysys.cluster.rank.device_description`):
     `cpu`, or the GPU model of this machine when the ranks run here and its GPUs are all one model; else None."""
-    from raysys.results import nvidia_gpu_models
+    from raysys.results.records import nvidia_gpu_models
 
     if _remote(args):
         return None
@@ -449,7 +449,7 @@ def ranks_device_name(args: argparse.Namespace, device: str) -> str | None:
 def check_resumed(writer: ResultWriter, trials: Sequence[GangTrial], gang: Mapping[str, Any],
                   device_name: str | None = None) -> None:
     """Refuse to continue a file whose rows ran another configuration than `trials` on a gang of `gang`'s columns
-    (world size and launcher, and with the device known `raysys.cluster.gang_columns`), unless --allow-mixed: every
+    (world size and launcher, and with the device known `raysys.cluster.sweep.gang_columns`), unless --allow-mixed: every
     setting of the run (the trial class's columns outside `PER_TRIAL`, and the gang's), and with the device known
     each trial by its `KEY` and the device's name (`ResultWriter.check_resume`)."""
     cls = type(trials[0])
@@ -462,7 +462,7 @@ def check_resumed(writer: ResultWriter, trials: Sequence[GangTrial], gang: Mappi
 def gang_device(args: argparse.Namespace, world_size: int) -> str:
     """The device the gang of `world_size` ranks will use; a ValueError at once when it could never be placed
     (no GPU, or fewer GPUs or CPUs than ranks), before any rank starts."""
-    from raysys.cluster import check_gang
+    from raysys.cluster.sweep import check_gang
 
     if args.launcher == "ray":
         start_ray(args)
@@ -475,7 +475,7 @@ def run_gang_study(args: argparse.Namespace, sweep: str, grid: Callable[..., lis
     the trials) and the result file opened before Ray starts (a file to resume compared with this run's
     configuration, `check_resumed`), then the device resolved (and the file compared again) and the trials run
     (`trial_fn(out)` is the function every rank runs), one row each. Returns the rows and the results directory."""
-    from raysys.cluster import check_gang, gang_columns, run_sweep
+    from raysys.cluster.sweep import check_gang, gang_columns, run_sweep
 
     world_size = one_world_size(args)
     check_timeout("--timeout-s", args.timeout_s)
@@ -519,10 +519,10 @@ def print_written(out: Path, sweep: str, *paths: Path | None) -> None:
 
 # ---------------------------------------------------------------------------------------------------- output
 def output_dir(args: argparse.Namespace, sweep: str) -> Path:
-    """The absolute results directory of this run (`raysys.studies.resolve_out_dir`): `--out`, made if missing
+    """The absolute results directory of this run (`raysys.cluster.studies.resolve_out_dir`): `--out`, made if missing
     (a one-line error if it is a file or cannot be written), else a fresh run directory. Call it once the flags
     are checked; --resume and --report-only need `--out` (the run to continue or redraw)."""
-    from raysys.studies import resolve_out_dir
+    from raysys.cluster.studies import resolve_out_dir
 
     check_sweep_name(sweep)
     for flag in ("resume", "report_only"):
@@ -535,7 +535,7 @@ def output_dir(args: argparse.Namespace, sweep: str) -> Path:
 def read_rows(args: argparse.Namespace, sweep: str) -> pd.DataFrame:
     """The rows of `<out>/<sweep>.parquet` for --report-only (a one-line error if the file is missing or
     unreadable)."""
-    from raysys.results import read_results
+    from raysys.results.records import read_results
 
     path = output_dir(args, sweep) / f"{sweep}.parquet"
     if not path.is_file():
@@ -594,19 +594,19 @@ class TrackedWriter(ResultWriter):
 
 def open_writer(out: Path, sweep: str, args: argparse.Namespace, expect: Mapping[str, Any] | None = None
                 ) -> ResultWriter:
-    """The result file of `sweep` in `out` as the flags say (`raysys.studies.writer_options`): a new file, or
+    """The result file of `sweep` in `out` as the flags say (`raysys.cluster.studies.writer_options`): a new file, or
     --resume (refusing rows of another commit, device or of `expect`'s values unless --allow-mixed), or
     --overwrite; locked against a second writer. Open it before Ray starts: a refusal costs nothing then."""
-    from raysys.studies import writer_options
+    from raysys.cluster.studies import writer_options
 
     return TrackedWriter(out, sweep, expect=expect, **writer_options(args))
 
 
 def main_entry(main: Callable[[list[str] | None], Any], argv: list[str] | None = None) -> int:
-    """Run a study's `main` (`raysys.cli.run_script`): bad input is one line on stderr and exit code 2; Ctrl-C
+    """Run a study's `main` (`raysys.cluster.studies.run_script`): bad input is one line on stderr and exit code 2; Ctrl-C
     (or SIGTERM) is one line, "interrupted after N of M trials; rerun with --resume", and exit code 130."""
-    from raysys.cli import run_script
-    from raysys.studies import interrupted_message
+    from raysys.cluster.studies import run_script
+    from raysys.cluster.studies import interrupted_message
 
     def guarded(argv: list[str] | None):
         try:
@@ -695,7 +695,7 @@ def pyplot():
 
 
 def save_figure(fig, path: Path, dpi: int = 120, **layout) -> Path:
-    """Lay `fig` out, write it atomically (`raysys.files.save_figure`: a full disk keeps the old picture), close it."""
+    """Lay `fig` out, write it atomically (`raysys.results.files.save_figure`: a full disk keeps the old picture), close it."""
     import matplotlib.pyplot as plt
 
     fig.tight_layout(**layout)

@@ -10,10 +10,10 @@ once), `bucketed:MB`, `bucketed_copy:MB` (copy-in/out buffers instead of gradien
 names a variant uniquely. Every rank runs the same `--batch-per-rank` batch, `single` included, so a row's step
 and `single`'s differ by what data parallelism costs.
 
-Timing (`raysys.timing.time_steps`): warm-up steps, then `--steps` to `--max-steps` timed steps with a
+Timing (`raysys.measure.timing.time_steps`): warm-up steps, then `--steps` to `--max-steps` timed steps with a
 device synchronisation around each; ratios and targets use the median. CUDA events split a step into forward,
 backward, `comm_wait` (communication left exposed after backward) and optimizer; `host_<phase>_median_s` is
-what the Python thread took to issue each phase. Columns are seconds and bytes (`raysys.results`), tables ms
+what the Python thread took to issue each phase. Columns are seconds and bytes (`raysys.results.records`), tables ms
 and GiB; `rank_spread_rel` is the slowest rank's median step over the fastest's, minus 1. `--profile` variants get two profiled steps: `overlap_fraction`
 is the share of NCCL kernel time that runs beside compute kernels (rank 0's trace in `<out>/traces/`).
 `--compile` compiles every TransformerBlock in every variant (rows in `ddp_compiled.parquet`, own baselines);
@@ -50,11 +50,11 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from parallel.ddp import make_ddp  # noqa: E402
-from raysys.memory import release  # noqa: E402
-from raysys.profiling import cpu_op_time, kernel_intervals, overlap  # noqa: E402
-from raysys.rank import nccl_group  # noqa: E402
-from raysys.timing import MAX_STEPS, paired_steps, time_steps  # noqa: E402
-from raysys.train_step import TrainStep  # noqa: E402
+from raysys.measure.memory import release  # noqa: E402
+from raysys.measure.profiling import cpu_op_time, kernel_intervals, overlap  # noqa: E402
+from raysys.cluster.rank import nccl_group  # noqa: E402
+from raysys.measure.timing import MAX_STEPS, paired_steps, time_steps  # noqa: E402
+from raysys.training.step import TrainStep  # noqa: E402
 from sweeps.common import (GANG_DTYPES, NOT_ON_CPU, VariantTrial, adamw_kwargs, add_model_flags,  # noqa: E402
                            add_variant_flags, build_model, check_fits, check_int, check_variant_flags, column,
                            gang_study_main,
@@ -348,7 +348,7 @@ def targets(df: pd.DataFrame) -> list[str]:
 
 
 def health(df: pd.DataFrame) -> pd.DataFrame:
-    """Per trial: how trustworthy its numbers are (see the module docstring of raysys.timing)."""
+    """Per trial: how trustworthy its numbers are (see the module docstring of raysys.measure.timing)."""
     gib = 2**30
     leak = column(df, "memory_allocated_after_bytes") - column(df, "memory_allocated_before_bytes")
     compiled = {}

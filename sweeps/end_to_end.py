@@ -32,12 +32,12 @@ sys.path.insert(0, str(ROOT))
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
-from raysys import memory  # noqa: E402
-from raysys.bench import BenchConfig, run_benchmark  # noqa: E402
-from raysys.config import TABLE1_SIZES, ModelConfig  # noqa: E402
-from raysys.device import resolve_device  # noqa: E402
-from raysys.model import TransformerLM, cross_entropy  # noqa: E402
-from raysys.results import (ResultWriter, error_row, make_row, provenance, read_results, trial_id,  # noqa: E402
+from raysys.measure import memory  # noqa: E402
+from raysys.training.bench import BenchConfig, run_benchmark  # noqa: E402
+from raysys.model.config import TABLE1_SIZES, ModelConfig  # noqa: E402
+from raysys.measure.device import resolve_device  # noqa: E402
+from raysys.model.transformer import TransformerLM, cross_entropy  # noqa: E402
+from raysys.results.records import (ResultWriter, error_row, make_row, provenance, read_results, trial_id,  # noqa: E402
                             write_parquet)
 from sweeps.common import (PROGRESS, list_flag, main_entry, open_writer, output_dir, parse_list, pyplot,  # noqa: E402
                            save_figure, study_parser, write_markdown)

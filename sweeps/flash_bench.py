@@ -54,9 +54,9 @@ import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from raysys.device import DTYPES, resolve_device  # noqa: E402
-from raysys.results import ResultWriter, make_row, status_of, trial_id  # noqa: E402
-from raysys.timing import MAX_STEPS, PAIRED_REP_MS, paired_speedups  # noqa: E402
+from raysys.measure.device import DTYPES, resolve_device  # noqa: E402
+from raysys.results.records import ResultWriter, make_row, status_of, trial_id  # noqa: E402
+from raysys.measure.timing import MAX_STEPS, PAIRED_REP_MS, paired_speedups  # noqa: E402
 from sweeps.common import (PROGRESS, alias, check_int, check_timeout, list_flag, main_entry, open_writer,  # noqa: E402
                            output_dir, parse_ints, parse_list, read_rows, redraw_report, study_parser,
                            write_markdown)
@@ -531,7 +531,7 @@ def write_tuned(df: pd.DataFrame, json_path: Path) -> dict[str, list[dict]]:
     import json
 
     from kernels.attention.triton.tuning import load_tuned_configs
-    from raysys.files import write_text
+    from raysys.results.files import write_text
 
     winners = candidate_winners(df)
     if not any(winners.values()):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from raysys.report import report  # noqa: E402
+from raysys.results.report import report  # noqa: E402
 
 STUDIES = ("flash_tiles", "flash_bench")
 
@@ -28,6 +28,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from raysys.cli import run_script
+    from raysys.cluster.studies import run_script
 
     sys.exit(run_script(main))

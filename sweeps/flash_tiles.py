@@ -56,8 +56,8 @@ import pandas as pd  # noqa: E402
 
 from kernels.attention.dispatch import TUNED_CONFIGS_PATH  # noqa: E402
 from kernels.attention.triton.tuning import KERNELS  # noqa: E402
-from raysys.device import DTYPES, resolve_device  # noqa: E402
-from raysys.results import ResultWriter, error_row, make_row, trial_id  # noqa: E402
+from raysys.measure.device import DTYPES, resolve_device  # noqa: E402
+from raysys.results.records import ResultWriter, error_row, make_row, trial_id  # noqa: E402
 from sweeps.common import (PROGRESS, list_flag, main_entry, open_writer, output_dir, parse_list,  # noqa: E402
                            redraw_report, start_ray, study_parser, write_markdown)
 
@@ -248,7 +248,7 @@ def param_spaces(quick: bool, shapes: tuple[str, ...], variants: tuple[str, ...]
 
 def grid_configs(space: dict) -> list[dict]:
     """The configs a param space expands to (what `--launcher local` runs; Tune's own grid expansion)."""
-    from raysys.cluster import expand_grid
+    from raysys.cluster.sweep import expand_grid
 
     return expand_grid(space)
 
@@ -362,7 +362,7 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
     ms = median_ms(run, torch.device("cuda"))
     paired = {}
     if config.get("paired_rounds"):  # against what the launcher takes at this shape, alternating (PAIRED_KEY)
-        from raysys.timing import paired_speedups
+        from raysys.measure.timing import paired_speedups
 
         if kernel == "fwd":
             ref = gluon_fwd_config(q, k)
@@ -488,7 +488,7 @@ def run_local(spaces: dict[str, dict], writer: ResultWriter, budget: Budget, com
 def run_tune(spaces: dict[str, dict], writer: ResultWriter, budget: Budget, resume: bool,
              device: str = "cuda") -> None:
     """One Ray Tune run per kernel, one GPU (or CPU) per trial; each row is written when its trial ends."""
-    from raysys.cluster import tune_run
+    from raysys.cluster.sweep import tune_run
 
     for space in spaces.values():
         if budget.spent():

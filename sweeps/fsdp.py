@@ -50,14 +50,14 @@ from parallel.ddp import make_ddp  # noqa: E402
 from parallel.fsdp import FSDP, is_sharded_module, make_fsdp  # noqa: E402
 from parallel.mixed_precision import CastForCompute  # noqa: E402
 from parallel.sharded_optimizer import ShardedOptimizer  # noqa: E402
-from raysys.config import ModelConfig  # noqa: E402
-from raysys.device import low_precision, synchronize  # noqa: E402
-from raysys.memory import release, unique_storage_bytes  # noqa: E402
-from raysys.model import TransformerBlock, TransformerLM  # noqa: E402
-from raysys.profiling import device_kernels, is_nccl, kernel_intervals, overlap  # noqa: E402
-from raysys.rank import nccl_group  # noqa: E402
-from raysys.timing import paired_steps, time_steps  # noqa: E402
-from raysys.train_step import TrainStep  # noqa: E402
+from raysys.model.config import ModelConfig  # noqa: E402
+from raysys.measure.device import low_precision, synchronize  # noqa: E402
+from raysys.measure.memory import release, unique_storage_bytes  # noqa: E402
+from raysys.model.transformer import TransformerBlock, TransformerLM  # noqa: E402
+from raysys.measure.profiling import device_kernels, is_nccl, kernel_intervals, overlap  # noqa: E402
+from raysys.cluster.rank import nccl_group  # noqa: E402
+from raysys.measure.timing import paired_steps, time_steps  # noqa: E402
+from raysys.training.step import TrainStep  # noqa: E402
 from sweeps.common import (GANG_DTYPES, NOT_ON_CPU, VariantTrial, adamw_kwargs, add_model_flags,  # noqa: E402
                            add_variant_flags, build_model, check_fits, check_variant_flags, gang_study_main,
                            grid_values, in_trial_scope, list_flag, main_entry, markdown_report, on_cpu, paired_summary,
@@ -168,7 +168,7 @@ def expected_state(mc: ModelConfig, variant: str, world_size: int) -> dict[str, 
 # ---------------------------------------------------------------------------------------------------- overlap
 def nccl_kernels(events) -> tuple[dict[str, list], list]:
     """({all_gather|reduce_scatter|all_reduce|other: [(start, end)]}, compute kernel intervals), microseconds:
-    `raysys.profiling.kernel_intervals`, with the NCCL kernels sorted by the collective they run."""
+    `raysys.measure.profiling.kernel_intervals`, with the NCCL kernels sorted by the collective they run."""
     _, compute = kernel_intervals(events)
     comm: dict[str, list] = {kind: [] for kind in (*COLLECTIVES, "other")}
     for name, start, end in device_kernels(events):

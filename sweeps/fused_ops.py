@@ -2,19 +2,19 @@
 
 One row per (op, impl, shape) in `<out>/fused_ops.parquet`:
 - `linear_cross_entropy`, N tokens x V vocab x D (32768 x 151936 x 4096 bf16 on CUDA): `fused_triton`
-  (kernels/fused_linear_ce.py), `reference` (raysys.model.cross_entropy on materialised logits, eager) and
+  (kernels/fused_linear_ce.py), `reference` (raysys.model.transformer.cross_entropy on materialised logits, eager) and
   `compiled` (torch.compile of that reference). Forward + backward timed by `triton.testing.do_bench` (median,
   20/80%), gradients reset each call; the peak of one forward + backward above the inputs (`peak_above_inputs_bytes`)
   and above inputs + the two gradients every implementation returns (`extra_peak_bytes`, the issue's <= 1 GiB);
   `time_vs_compiled` (the issue's <= 1.0).
 - `adamw` over the leaderboard model's parameter shapes (8.1B bf16 in its 309 tensors): `fused_triton`
-  (FusedAdamW), `reference` (raysys.model.AdamW, per parameter), `torch_foreach` and `torch_fused`
+  (FusedAdamW), `reference` (raysys.model.transformer.AdamW, per parameter), `torch_foreach` and `torch_fused`
   (torch.optim.AdamW: other rounding, timing only). One step timed by `do_bench`; `floor_s` = the bytes a step
   must move (read p, g, m, v; write p, m, v) over the copy bandwidth measured in this run (a 2 GiB device copy,
   read + write bytes), and `time_vs_floor` (the issue's <= 1.3 for fused_triton).
 `--device cpu` runs the same rows at a tiny size with the kernels under TRITON_INTERPRET=1 (fp32, wall-clock
 medians, no memory figures): a smoke test of the script, not a measurement. Columns are seconds and bytes
-(`raysys.results`); the printed lines show ms and GiB.
+(`raysys.results.records`); the printed lines show ms and GiB.
 
     python sweeps/fused_ops.py --device cuda --out results
     python sweeps/fused_ops.py --device cpu --compile-backend aot_eager --out /tmp/fused_ops
@@ -33,9 +33,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from raysys.config import ModelConfig  # noqa: E402
-from raysys.device import free_memory, resolve_device, synchronize  # noqa: E402
-from raysys.results import ResultWriter, error_row, make_row, resolve_out  # noqa: E402
+from raysys.model.config import ModelConfig  # noqa: E402
+from raysys.measure.device import free_memory, resolve_device, synchronize  # noqa: E402
+from raysys.results.records import ResultWriter, error_row, make_row, resolve_out  # noqa: E402
 
 SWEEP = "fused_ops"
 GiB = 2**30
@@ -86,7 +86,7 @@ def peak_above(fn, device: torch.device) -> float:
 
 def loss_rows(device, dtype, args) -> list[dict]:
     from kernels.fused_linear_ce import chunk_rows, linear_cross_entropy
-    from raysys.model import cross_entropy
+    from raysys.model.transformer import cross_entropy
 
     n, v, d = CUDA_LOSS_SHAPE if device.type == "cuda" else CPU_LOSS_SHAPE
     gen = torch.Generator(device).manual_seed(0)
@@ -99,7 +99,7 @@ def loss_rows(device, dtype, args) -> list[dict]:
         return cross_entropy(h @ w.t(), y)
 
     impls = {"fused_triton": (linear_cross_entropy, f"kernels.fused_linear_ce, {chunk_rows(n, v, dtype)}-row chunks"),
-             "reference": (unfused, "raysys.model.cross_entropy on materialised logits, eager"),
+             "reference": (unfused, "raysys.model.transformer.cross_entropy on materialised logits, eager"),
              "compiled": (torch.compile(unfused, backend=args.compile_backend),
                           f"torch.compile({args.compile_backend}) of the reference")}
     rows = []
@@ -140,7 +140,7 @@ def copy_bandwidth(device, args) -> float:
 
 def adamw_rows(device, dtype, args) -> list[dict]:
     from kernels.adamw import FusedAdamW, adamw_bytes
-    from raysys.model import AdamW, TransformerLM
+    from raysys.model.transformer import AdamW, TransformerLM
 
     cfg = ModelConfig.from_name("leaderboard") if device.type == "cuda" else CPU_MODEL
     shapes = [tuple(p.shape) for p in TransformerLM(cfg, device="meta").parameters()]
@@ -151,7 +151,7 @@ def adamw_rows(device, dtype, args) -> list[dict]:
     numel = sum(p.numel() for p in params)
     floor_s = adamw_bytes(numel, params[0].element_size()) / copy_bandwidth(device, args)
     impls = {"fused_triton": (FusedAdamW, "kernels.adamw, one multi-tensor Triton launch"),
-             "reference": (AdamW, "raysys.model.AdamW, per-parameter torch ops"),
+             "reference": (AdamW, "raysys.model.transformer.AdamW, per-parameter torch ops"),
              "torch_foreach": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=True),
                                "torch.optim.AdamW(foreach=True), other rounding"),
              "torch_fused": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, fused=True),

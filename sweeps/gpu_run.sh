@@ -50,7 +50,7 @@ else
 fi
 # Rows name their commit from RAYSYS_GIT_SHA when set, else from git (with "-dirty" for local changes). A host that
 # got a copy of a working tree may hold a stale .git: set RAYSYS_GIT_SHA=<commit> there, 12 digits
-# (`git rev-parse --short=12 HEAD`, as rows write it); a shorter one is expanded by `python -m raysys.migrate`.
+# (`git rev-parse --short=12 HEAD`, as rows write it); a shorter one is expanded by `python -m raysys migrate`.
 
 # GPUs each phase needs; none runs without them (one line, exit 2, before any study starts).
 case $phase in

@@ -1,13 +1,13 @@
 """Leaderboard study (handout section 9): the 8B model's training step at context 32768, three studies.
 
-- ablation:   `raysys.leaderboard_bench`'s variants (today's composition, each optimisation added alone, the fast
+- ablation:   `raysys.training.leaderboard_bench`'s variants (today's composition, each optimisation added alone, the fast
               step at batch 1 and 2) on one GPU; `<out>/leaderboard.parquet`, plus `--check` (the fast step's loss,
               gradients and update against the reference path) in `<out>/leaderboard_check.parquet`.
 - neighbours: the advisor's per-layer recompute plan for the fast step and its neighbours (the number of
               recomputed blocks moved by --offsets at the border of the kept ones), each measured:
-              `<out>/leaderboard_tune.parquet`. With Ray, one Ray Tune trial per plan (`raysys.cluster.tune_run`,
+              `<out>/leaderboard_tune.parquet`. With Ray, one Ray Tune trial per plan (`raysys.cluster.sweep.tune_run`,
               one GPU each, a fresh process and model per trial); `--no-ray` loops over them in this process on one model (the GPU host has no Ray).
-- ddp:        the data-parallel step through the Ray gang (`raysys.cluster.run_sweep`, `--launcher mp` without
+- ddp:        the data-parallel step through the Ray gang (`raysys.cluster.sweep.run_sweep`, `--launcher mp` without
               Ray): every rank holds the whole bf16 state, as the memory plan allows (65 GB of state fits one
               GPU; `parallel/fsdp.py` keeps fp32 shards and recomputes nothing), and runs the fast step on its
               own sequences; `parallel.ddp.OverlappedDDP` all-reduces each gradient in place as backward makes
@@ -38,14 +38,14 @@ import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
 from parallel.checkpointing import parse_policy  # noqa: E402
-from raysys.config import ModelConfig  # noqa: E402
-from raysys.device import check_fits  # noqa: E402
-from raysys.leaderboard import LeaderboardStep, StepConfig, plan_on_device  # noqa: E402
-from raysys.leaderboard_bench import (COURSE_REP_MS, COURSE_WARMUP_MS, DTYPE_NAMES, SWEEP, NameList,  # noqa: E402
+from raysys.model.config import ModelConfig  # noqa: E402
+from raysys.measure.device import check_fits  # noqa: E402
+from raysys.training.leaderboard import LeaderboardStep, StepConfig, plan_on_device  # noqa: E402
+from raysys.training.leaderboard_bench import (COURSE_REP_MS, COURSE_WARMUP_MS, DTYPE_NAMES, SWEEP, NameList,  # noqa: E402
                                       Session, Variant, build_leaderboard_parser, build_model, check_options, do_bench_agreed,
                                       for_device, make_batch, release_cached_memory, run_ablation, run_check,
                                       run_variants, start_session, variant_row)
-from raysys.results import ROW_COLUMNS, read_results  # noqa: E402
+from raysys.results.records import ROW_COLUMNS, read_results  # noqa: E402
 
 STUDIES = ("ablation", "neighbours", "ddp")
 TUNE_SWEEP, DDP_SWEEP = f"{SWEEP}_tune", f"{SWEEP}_ddp"
@@ -57,7 +57,7 @@ def neighbour_specs(plan_layers: tuple[str, ...], offsets: list[int], grow: str 
     plan's own order (recomputed blocks first, or last): the blocks at the border of the kept (none) run change,
     to the kind of their recomputed neighbour (full or ffn; `grow` when the plan recomputes nothing) or to none.
     Offsets past either end are dropped."""
-    from raysys.advisor import policy_for
+    from raysys.planning.advisor import policy_for
 
     layers = list(plan_layers)
     none_last = layers[-1] == "none" or set(layers) == {"none"}
@@ -124,7 +124,7 @@ def run_neighbours_tune(args) -> pd.DataFrame:
     """The plan and its neighbours as Ray Tune trials (one GPU each; one CPU each on a CPU-only cluster)."""
     from ray import tune
 
-    from raysys.cluster import tune_run
+    from raysys.cluster.sweep import tune_run
 
     device = torch.device("cuda" if args.device in ("auto", "cuda") and torch.cuda.is_available() else args.device)
     config = ModelConfig.from_name(args.size, **_overrides(args))
@@ -224,7 +224,7 @@ def _agree_max(ctx, value: float) -> float:
 def exposed_communication(prof) -> dict:
     """From one profiled step: the NCCL kernels' seconds and the seconds of them no other kernel overlaps (NaN
     without GPU kernels to read, as on the CPU: `profile_status` says why)."""
-    from raysys.profiling import kernel_intervals, overlap
+    from raysys.measure.profiling import kernel_intervals, overlap
 
     status = prof.status(expect_nccl=True)
     if status != "ok":
@@ -241,7 +241,7 @@ def ddp_trial(ctx, config: dict) -> dict:
     import time
 
     from parallel.ddp import OverlappedDDP
-    from raysys.profiling import profile_steps
+    from raysys.measure.profiling import profile_steps
 
     t = DDPTrial(**config)
     dtype = {v: k for k, v in DTYPE_NAMES.items()}[t.dtype]
@@ -282,7 +282,7 @@ def ddp_trial(ctx, config: dict) -> dict:
 
 def run_ddp(args) -> pd.DataFrame:
     """The fast step on a gang of --world-size ranks (Ray actors, or processes with --launcher mp)."""
-    from raysys.cluster import run_sweep
+    from raysys.cluster.sweep import run_sweep
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     step = for_device(StepConfig(), torch.device(device), args.compile_backend)
@@ -323,7 +323,7 @@ def _attention_text(row) -> str:
 def ablation_markdown(df: pd.DataFrame) -> str:
     """The ablation table per run, and the targets: the fast step's time (course harness where measured) against
     4.5 s / 5.5 s and against today's composition of the same run, its peak against the prediction, the cold start."""
-    from raysys.leaderboard_bench import summary
+    from raysys.training.leaderboard_bench import summary
 
     lines = ["## Leaderboard step (`sweeps/leaderboard.py`, `python -m raysys leaderboard`)", ""]
     if df.empty:
@@ -409,9 +409,9 @@ def ablation_markdown(df: pd.DataFrame) -> str:
 
 
 def repredict(rows: pd.DataFrame) -> pd.Series:
-    """The peak `raysys.recompute_model` predicts now for each measured row (its policy, composition, batch)."""
+    """The peak `raysys.planning.recompute_model` predicts now for each measured row (its policy, composition, batch)."""
     from parallel.checkpointing import parse_policy
-    from raysys.recompute_model import Workload, predict_peak
+    from raysys.planning.recompute_model import Workload, predict_peak
 
     out = []
     for r in rows.itertuples():
@@ -563,6 +563,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from raysys.cli import run_script
+    from raysys.cluster.studies import run_script
 
     sys.exit(run_script(main))

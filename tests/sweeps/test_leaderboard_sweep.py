@@ -8,10 +8,10 @@ import pandas as pd
 import pytest
 import torch
 
-import raysys.leaderboard_bench as bench
+import raysys.training.leaderboard_bench as bench
 from raysys.cli import main as raysys_main
-from raysys.leaderboard import LeaderboardStep, StepConfig
-from raysys.mp_gang import ProcessGang
+from raysys.training.leaderboard import LeaderboardStep, StepConfig
+from raysys.cluster.mp_gang import ProcessGang
 from sweeps import leaderboard as sweep
 from tests.raysys.ray_fixtures import ray_cluster  # noqa: F401  (the session's one Ray)
 
