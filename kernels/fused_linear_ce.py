@@ -1,6 +1,6 @@
 """Fused LM head + cross-entropy: the mean loss and its gradients without the (tokens x vocab) logits.
 
-loss = mean_i [ logsumexp_j(z_ij) - z_i,y_i ] with z = H W^T, the semantics of `raysys.model.transformer.cross_entropy(H @ W.T,
+loss = mean_i [ logsumexp_j(z_ij) - z_i,y_i ] with z = H W^T, the semantics of `raysys.model.cross_entropy(H @ W.T,
 y)` (max-subtracted log-sum-exp, fp32 arithmetic, mean over positions). Shape legend: N tokens (all leading dims
 of `hidden` flattened), D model dim, V vocab, C rows per chunk. hidden (..., D), weight (V, D), targets (...) int64.
 
@@ -258,7 +258,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
 
 
 def linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Plain torch on materialised logits, `raysys.model.transformer.cross_entropy` semantics: the test oracle (in fp64) and the
+    """Plain torch on materialised logits, `raysys.model.cross_entropy` semantics: the test oracle (in fp64) and the
     unfused baseline. Returns the loss in the inputs' dtype, as the reference does."""
     logits = hidden @ weight.t()
     logits = logits - logits.amax(dim=-1, keepdim=True)
@@ -268,7 +268,7 @@ def linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, t
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Plain-torch fused LM head + cross-entropy (the CPU's path, `raysys.model.transformer.linear_cross_entropy(impl="torch")`):
+    """Plain-torch fused LM head + cross-entropy (the CPU's path, `raysys.model.linear_cross_entropy(impl="torch")`):
     `chunk` tokens at a time, logits upcast to fp32 (fp64 for fp64 inputs; max-subtracted log-sum-exp as in
     `cross_entropy`), the gradients written during forward, the weight's accumulated in its own dtype (one rounding
     per chunk in bf16, exact in fp32), as the kernel above does. Backward scales them by the upstream gradient in

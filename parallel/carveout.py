@@ -3,7 +3,7 @@
 A Hopper GEMM launches about one CTA per SM (132 on an H200) and is sized to fill the GPU in one wave. While an
 NCCL kernel holds some SMs (one CTA per channel), the GEMM's last CTAs may wait for a second wave.
 `torch._C._set_sm_carveout_experimental(n)` makes cuBLAS(Lt) target `num_SMs - n` SMs, so that with NCCL capped
-at n CTAs (`raysys.cluster.rank.nccl_group`) matmuls and collectives fit side by side; torch's async tensor
+at n CTAs (`raysys.rank.nccl_group`) matmuls and collectives fit side by side; torch's async tensor
 parallelism uses the same switch. Whether it pays is empirical: the `fsdp@8` variant of sweeps/fsdp.py and the
 `@N+carve` variants of sweeps/ddp.py measure it next to their uncapped twins in each run (BENCHMARKS.md).
 

@@ -1,7 +1,7 @@
 """Fully sharded data parallel (FSDP, ZeRO stage 3): just-in-time weight all-gathers with prefetch, compute-dtype
 communication and asynchronous fp32 gradient reduce-scatters (handout section 7).
 
-What is sharded: the `weight` of every Linear / Embedding (torch's, or any class of that name: `raysys.model.transformer`,
+What is sharded: the `weight` of every Linear / Embedding (torch's, or any class of that name: `raysys.model`,
 `cs336_basics`), zero-padded to N * ceil(rows / N) rows and split along dim 0; rank r keeps its rows as an fp32
 `nn.Parameter` in the module's place, so `fsdp.parameters()` hands the optimizer the shards. Other parameters (norms,
 biases) are replicated and all-reduced once per step. A unit is gathered and reduced as one: every sharded module

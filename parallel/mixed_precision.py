@@ -2,7 +2,7 @@
 there, and `CastForCompute`, the policy on one process without sharding (the reference FSDP's low-precision
 training is compared with, and the sweep's `single_cast` variant).
 
-The policy: for each forward of a Linear / Embedding module (torch's, or any class of that name: `raysys.model.transformer`,
+The policy: for each forward of a Linear / Embedding module (torch's, or any class of that name: `raysys.model`,
 `cs336_basics`), its floating parameters and floating inputs are cast to the compute dtype by differentiable
 casts, so gradients reach the fp32 master parameters in fp32; the originals are put back after the forward.
 Other modules (norms) run on what they receive.

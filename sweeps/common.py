@@ -10,7 +10,7 @@
   grid, its results directory and file (a file to resume against this run's configuration, `check_resumed`)
   before it starts Ray.
 - Training pieces of the gang studies: `GangTrial` (the frozen base of DDPTrial, ShardedTrial, FSDPTrial: the
-  trial is its row's configuration, with `.model_config()` and `.batch()`), `build_model`, `adamw_kwargs`,
+  trial is its row's configuration, with `.model_config()` and `.batch()`), `adamw_kwargs`,
   `in_trial_scope`, `profile_one_step`.
 - Output (`raysys.results.records`): `output_dir` (--out, else a fresh run directory; the committed `results/` only when
   named), `open_writer` (--resume / --overwrite / --allow-mixed, locked), `main_entry` (bad input is one line and
@@ -39,19 +39,16 @@ if str(ROOT) not in sys.path:
 
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
 
 from raysys.results import files  # noqa: E402
 from raysys.model.config import SIZES, ModelConfig  # noqa: E402
 from raysys.measure.device import check_fits  # noqa: E402,F401  (the studies' memory bound, shared with raysys's CLIs)
 from raysys.results.files import write_text  # noqa: E402
 from raysys.measure.memory import TrialScope  # noqa: E402
-from raysys.model.transformer import TransformerLM  # noqa: E402
 from raysys.measure.profiling import profile_steps  # noqa: E402
 from raysys.results.records import ResultWriter, check_sweep_name  # noqa: E402
 from raysys.measure.timing import MAX_STEPS  # noqa: E402
 from raysys.cluster.studies import JoinList  # noqa: E402
-from raysys.training.step import compile_blocks  # noqa: E402
 
 GANG_DTYPES = ("fp32", "bf16")
 """Precisions of the gang studies: fp32, or bf16 autocast with fp32 master weights."""
@@ -239,8 +236,8 @@ def check_variant_flags(args: argparse.Namespace, world_size: int) -> None:
 
 
 def paired_summary(row: Mapping) -> str:
-    """What `raysys.measure.timing.paired_steps` found for a result row, in one clause: the median's rounds, the range over
-    them and its 95% half-width, then the same for the CPU time a step's issue took (`paired_host_cpu_ratio`)."""
+    """What `raysys.measure.timing.paired_steps` found for a result row, in one clause: the median's rounds, the range
+    over them and its 95% half-width, then the same for the CPU time a step's issue took (`paired_host_cpu_ratio`)."""
     text = (f"paired: median of {int(row['paired_rounds'])} rounds, range {row['paired_ratio_min']:.3f}-"
             f"{row['paired_ratio_max']:.3f}")
     ci_rel = row.get("paired_ratio_ci_rel", math.nan)
@@ -377,16 +374,6 @@ class VariantTrial(GangTrial):
         return {name: str(self.nccl_trace_buffer) for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")}
 
 
-def build_model(mc: ModelConfig, device: torch.device, *, seed: int, compile: bool = False) -> nn.Module:
-    """A fresh `TransformerLM` from `seed`, its blocks compiled under `compile` (before any wrapper, so every
-    variant runs the same blocks and the wrappers' hooks stay eager)."""
-    torch.manual_seed(seed)
-    model = TransformerLM(mc, device=device)
-    if compile:
-        compile_blocks(model)
-    return model
-
-
 def in_trial_scope(trial_fn: Callable[..., dict], ctx, *args, **kwargs) -> dict:
     """`trial_fn(ctx, ...)`'s metrics plus the memory and live parameters before and after it
     (`raysys.measure.memory.TrialScope`: what a trial leaked into the next one on the same rank)."""
@@ -449,8 +436,8 @@ def ranks_device_name(args: argparse.Namespace, device: str) -> str | None:
 def check_resumed(writer: ResultWriter, trials: Sequence[GangTrial], gang: Mapping[str, Any],
                   device_name: str | None = None) -> None:
     """Refuse to continue a file whose rows ran another configuration than `trials` on a gang of `gang`'s columns
-    (world size and launcher, and with the device known `raysys.cluster.sweep.gang_columns`), unless --allow-mixed: every
-    setting of the run (the trial class's columns outside `PER_TRIAL`, and the gang's), and with the device known
+    (world size and launcher, and with the device known `raysys.cluster.sweep.gang_columns`), unless --allow-mixed:
+    every setting of the run (the trial class's columns outside `PER_TRIAL`, and the gang's), and with the device known
     each trial by its `KEY` and the device's name (`ResultWriter.check_resume`)."""
     cls = type(trials[0])
     configs = [{**t, **gang} for t in trials]
@@ -603,8 +590,8 @@ def open_writer(out: Path, sweep: str, args: argparse.Namespace, expect: Mapping
 
 
 def main_entry(main: Callable[[list[str] | None], Any], argv: list[str] | None = None) -> int:
-    """Run a study's `main` (`raysys.cluster.studies.run_script`): bad input is one line on stderr and exit code 2; Ctrl-C
-    (or SIGTERM) is one line, "interrupted after N of M trials; rerun with --resume", and exit code 130."""
+    """Run a study's `main` (`raysys.cluster.studies.run_script`): bad input is one line on stderr and exit code 2;
+    Ctrl-C (or SIGTERM) is one line, "interrupted after N of M trials; rerun with --resume", and exit code 130."""
     from raysys.cluster.studies import run_script
     from raysys.cluster.studies import interrupted_message
 
@@ -695,7 +682,8 @@ def pyplot():
 
 
 def save_figure(fig, path: Path, dpi: int = 120, **layout) -> Path:
-    """Lay `fig` out, write it atomically (`raysys.results.files.save_figure`: a full disk keeps the old picture), close it."""
+    """Lay `fig` out, write it atomically (`raysys.results.files.save_figure`: a full disk keeps the old picture), close
+    it."""
     import matplotlib.pyplot as plt
 
     fig.tight_layout(**layout)

@@ -55,8 +55,9 @@ from raysys.measure.profiling import cpu_op_time, kernel_intervals, overlap  # n
 from raysys.cluster.rank import nccl_group  # noqa: E402
 from raysys.measure.timing import MAX_STEPS, paired_steps, time_steps  # noqa: E402
 from raysys.training.step import TrainStep  # noqa: E402
+from raysys.training.step import build_model  # noqa: E402
 from sweeps.common import (GANG_DTYPES, NOT_ON_CPU, VariantTrial, adamw_kwargs, add_model_flags,  # noqa: E402
-                           add_variant_flags, build_model, check_fits, check_int, check_variant_flags, column,
+                           add_variant_flags, check_fits, check_int, check_variant_flags, column,
                            gang_study_main,
                            grid_values, in_trial_scope, list_flag, main_entry, markdown_report, on_cpu, paired_summary,
                            parse_list, profile_one_step, pyplot, save_figure, setup_sentence, step_column,

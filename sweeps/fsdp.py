@@ -58,8 +58,9 @@ from raysys.measure.profiling import device_kernels, is_nccl, kernel_intervals, 
 from raysys.cluster.rank import nccl_group  # noqa: E402
 from raysys.measure.timing import paired_steps, time_steps  # noqa: E402
 from raysys.training.step import TrainStep  # noqa: E402
+from raysys.training.step import build_model  # noqa: E402
 from sweeps.common import (GANG_DTYPES, NOT_ON_CPU, VariantTrial, adamw_kwargs, add_model_flags,  # noqa: E402
-                           add_variant_flags, build_model, check_fits, check_variant_flags, gang_study_main,
+                           add_variant_flags, check_fits, check_variant_flags, gang_study_main,
                            grid_values, in_trial_scope, list_flag, main_entry, markdown_report, on_cpu, paired_summary,
                            parse_list, profile_one_step, setup_sentence, step_column, study_parser, write_markdown)
 

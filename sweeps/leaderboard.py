@@ -1,7 +1,7 @@
 """Leaderboard study (handout section 9): the 8B model's training step at context 32768, three studies.
 
-- ablation:   `raysys.training.leaderboard_bench`'s variants (today's composition, each optimisation added alone, the fast
-              step at batch 1 and 2) on one GPU; `<out>/leaderboard.parquet`, plus `--check` (the fast step's loss,
+- ablation:   `raysys.training.leaderboard_bench`'s variants (today's composition, each optimisation added alone, the
+              fast step at batch 1 and 2) on one GPU; `<out>/leaderboard.parquet`, plus `--check` (the fast step's loss,
               gradients and update against the reference path) in `<out>/leaderboard_check.parquet`.
 - neighbours: the advisor's per-layer recompute plan for the fast step and its neighbours (the number of
               recomputed blocks moved by --offsets at the border of the kept ones), each measured:
@@ -39,13 +39,16 @@ import torch  # noqa: E402
 
 from parallel.checkpointing import parse_policy  # noqa: E402
 from raysys.model.config import ModelConfig  # noqa: E402
+from raysys.cluster.studies import JoinList, split_list  # noqa: E402
 from raysys.measure.device import check_fits  # noqa: E402
+from raysys.measure.timing import do_bench_agreed  # noqa: E402
 from raysys.training.leaderboard import LeaderboardStep, StepConfig, plan_on_device  # noqa: E402
-from raysys.training.leaderboard_bench import (COURSE_REP_MS, COURSE_WARMUP_MS, DTYPE_NAMES, SWEEP, NameList,  # noqa: E402
-                                      Session, Variant, build_leaderboard_parser, build_model, check_options, do_bench_agreed,
+from raysys.training.leaderboard_bench import (COURSE_REP_MS, COURSE_WARMUP_MS, DTYPE_NAMES, SWEEP,  # noqa: E402
+                                      Session, Variant, build_leaderboard_parser, check_options,
                                       for_device, make_batch, release_cached_memory, run_ablation, run_check,
                                       run_variants, start_session, variant_row)
 from raysys.results.records import ROW_COLUMNS, read_results  # noqa: E402
+from raysys.training.step import build_model  # noqa: E402
 
 STUDIES = ("ablation", "neighbours", "ddp")
 TUNE_SWEEP, DDP_SWEEP = f"{SWEEP}_tune", f"{SWEEP}_ddp"
@@ -106,7 +109,7 @@ def tune_trial(config: dict) -> dict:
     args = parser.parse_args(["--out", "."])
     for key in TUNE_ARGS:
         setattr(args, key, config[key])
-    args.variants, args.no_batch2 = ["best"], True
+    args.variants, args.no_batch2 = "best", True
     session = start_session(args)
     n = session.config.num_layers
     plan_layers = tuple(r.kind for r in parse_policy(config["advisor_policy"], n).regions(n)
@@ -256,7 +259,7 @@ def ddp_trial(ctx, config: dict) -> dict:
         if t.timer == "do_bench":
             timing = do_bench_agreed(lambda: step(x, y), ctx.device, warmup_ms=t.warmup_ms, rep_ms=t.rep_ms,
                                      agree=lambda v: _agree_max(ctx, v))
-            median, timed = timing["median_ms"] * 1e-3, timing["timed_steps"]
+            median, timed = timing["time_median_s"], timing["timed_steps"]
         else:
             times = []
             for _ in range(t.steps):
@@ -409,7 +412,8 @@ def ablation_markdown(df: pd.DataFrame) -> str:
 
 
 def repredict(rows: pd.DataFrame) -> pd.Series:
-    """The peak `raysys.planning.recompute_model` predicts now for each measured row (its policy, composition, batch)."""
+    """The peak `raysys.planning.recompute_model` predicts now for each measured row (its policy, composition,
+    batch)."""
     from parallel.checkpointing import parse_policy
     from raysys.planning.recompute_model import Workload, predict_peak
 
@@ -501,9 +505,9 @@ def _overrides(args) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = build_leaderboard_parser(argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                                          formatter_class=argparse.RawTextHelpFormatter))
-    p.add_argument("--studies", dest="study", nargs="+", action=NameList, default=["ablation"], metavar="A,B,..",
+    p.add_argument("--studies", dest="study", action=JoinList, default="ablation", metavar="A,B,..",
                    help=f"which studies, in order, a comma list of {', '.join(STUDIES)}")
-    p.add_argument("--study", dest="study", nargs="+", action=NameList, help=argparse.SUPPRESS)
+    p.add_argument("--study", dest="study", action=JoinList, help=argparse.SUPPRESS)
     p.add_argument("--no-ray", action="store_true", help="neighbours: loop in this process instead of Ray Tune")
     p.add_argument("--offsets", type=int, nargs="+", default=[-2, -1, 0, 1, 2],
                    help="neighbours: moves of the plan's number of fully checkpointed blocks (0: the plan)")
@@ -518,9 +522,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.out is None:
         raise ValueError("--out is required (a results directory)")
-    unknown = [name for name in args.study if name not in STUDIES]
-    if unknown or not args.study:
-        raise ValueError(f"--studies {','.join(args.study)!r} must name studies among {', '.join(STUDIES)}")
+    studies = split_list(args.study)
+    unknown = [name for name in studies if name not in STUDIES]
+    if unknown or not studies:
+        raise ValueError(f"--studies {args.study!r} must name studies among {', '.join(STUDIES)}")
     try:
         args.world_size = int(args.world_size)
     except ValueError:
@@ -535,13 +540,13 @@ def main(argv: list[str] | None = None) -> int:
         check_options(args)  # the options every study shares (timer, rep / warm-up, device), whichever runs
         cpu = args.device == "cpu" or args.device == "auto" and not torch.cuda.is_available()
         check_fits(ModelConfig.from_name(args.size, **_overrides(args)), args.batch_size,
-                   args.world_size if "ddp" in args.study else 1, "cpu" if cpu else "cuda")
+                   args.world_size if "ddp" in studies else 1, "cpu" if cpu else "cuda")
     if args.report_only:
         for path in write_reports(Path(args.out)):
             print(path.read_text())
         return 0
     session = None
-    for study in args.study:
+    for study in studies:
         if study in ("ablation",) or (study == "neighbours" and args.no_ray):
             session = session or start_session(args)
         print(f"== {study}", flush=True)

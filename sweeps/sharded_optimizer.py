@@ -37,7 +37,8 @@ from raysys.measure.device import synchronize  # noqa: E402
 from raysys.measure.memory import release, unique_storage_bytes  # noqa: E402
 from raysys.measure.timing import Marks, time_steps  # noqa: E402
 from raysys.training.step import TrainStep  # noqa: E402
-from sweeps.common import (GANG_DTYPES, GangTrial, adamw_kwargs, add_model_flags, build_model,  # noqa: E402
+from raysys.training.step import build_model  # noqa: E402
+from sweeps.common import (GANG_DTYPES, GangTrial, adamw_kwargs, add_model_flags,  # noqa: E402
                            check_fits, gang_study_main, grid_values, in_trial_scope, list_flag, main_entry,
                            markdown_report, parse_list, pyplot, save_figure, setup_sentence, study_parser,
                            write_markdown)

@@ -13,10 +13,10 @@ import os
 import sys
 from pathlib import Path
 
-from raysys.model.config import SIZES
-from raysys.results.records import DiskFull, ResultWriter, discard_empty_run_dirs, resolve_out, trial_id
 from raysys.cluster.signals import interrupt_on_sigterm
 from raysys.cluster.studies import ClusterLost, JoinList, silence_stdout, split_list
+from raysys.model.config import SIZES
+from raysys.results.records import DiskFull, ResultWriter, discard_empty_run_dirs, resolve_out, trial_id
 
 
 def _add_bench(p: argparse.ArgumentParser) -> None:
@@ -79,8 +79,8 @@ def bench_configs(args: argparse.Namespace) -> list[BenchConfig]:
 def _bench(args) -> int:
     from tqdm.auto import tqdm
 
-    from raysys.training.bench import check_device, num_steps, row_config, run_benchmark
     from raysys.measure.device import check_fits
+    from raysys.training.bench import check_device, num_steps, row_config, run_benchmark
 
     configs = bench_configs(args)
     for cfg in configs:  # before any model is built: a CPU run is bounded by this machine's memory
@@ -243,7 +243,7 @@ def _leaderboard(args) -> int:
 
 
 def _add_submit(p: argparse.ArgumentParser) -> None:
-    from raysys.cluster.submit import build_submit_parser
+    from raysys.cli.cluster import build_submit_parser
 
     build_submit_parser(p)
 
@@ -255,7 +255,7 @@ def _submit(args) -> int:
 
 
 def _add_doctor(p: argparse.ArgumentParser) -> None:
-    from raysys.cluster.submit import build_doctor_parser
+    from raysys.cli.cluster import build_doctor_parser
 
     build_doctor_parser(p)
 
@@ -267,7 +267,7 @@ def _doctor(args) -> int:
 
 
 def _add_metrics(p: argparse.ArgumentParser) -> None:
-    from raysys.cluster.submit import build_metrics_parser
+    from raysys.cli.cluster import build_metrics_parser
 
     build_metrics_parser(p)
 
@@ -309,7 +309,7 @@ COMMANDS = {  # name: (help, add its arguments, run it)
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The CLI's parser: every command, each with its arguments, or with `command` only that one's (the others'
-    modules, torch and the kernels among them, stay unimported)."""
+    modules, torch and the kernels among them, stay unimported; '' adds none: `raysys --help` lists the commands)."""
     parser = argparse.ArgumentParser(prog="raysys", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (text, add, _) in COMMANDS.items():
@@ -322,7 +322,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
+    args = build_parser(command if command in COMMANDS else "").parse_args(argv)
     try:
         with interrupt_on_sigterm():  # `timeout`, a scheduler: the rows written stay, the writer's lock goes
             code = COMMANDS[args.command][2](args)

@@ -1,23 +1,13 @@
 """The Ray layer: connect to (or start) Ray, reserve a gang of rank actors, run functions on all of them.
 
-A `Gang` is `world_size` Ray actors, one per rank, reserved together with a placement group (`STRICT_PACK`
-by default: one node, so NVLink; `PACK`, `SPREAD`, `STRICT_SPREAD` for multi-node) that join one
-torch.distributed process group. On CUDA every actor owns one GPU; on CPU each gets `cpus_per_rank` CPUs
-and as many torch threads. `env` is set in every rank's process before its process group starts (NCCL
-reads most of its variables once per process, so a different `env` needs a new gang).
-
-GPU visibility (`gpu_visibility`):
-  * `shared` (default, Ray Train's practice): the actors of a node all see the node's gang GPUs in
-    CUDA_VISIBLE_DEVICES, so NCCL can use peer-to-peer (NVLink) copies between them; the rank with local
-    rank k uses the k-th of them, so ranks are ordered by node, then GPU, by construction.
-  * `isolated`: Ray's default, each actor sees only its own GPU (as `cuda:0`).
-
-Invariants: ranks are ordered by node (the driver's node first), then GPU/bundle; the placement group is
-removed and the actors killed when the gang ends, whatever happened; a rank that raises, dies or outlives the
-timeout makes `Gang.run` raise at once instead of waiting for the others (the error of the first failing rank,
-annotated with its rank; a dead rank's `RayActorError` wins over the collective errors it causes in its
-peers), and marks the gang `broken`. A lost head (GCS) is noticed within seconds (`GcsWatch`), not when Ray ends
-the driver 60 s later.
+A `Gang` is `world_size` Ray actors, one per rank, reserved together in a placement group (`STRICT_PACK` by
+default; `PACK`, `SPREAD`, `STRICT_SPREAD` for several nodes) that join one torch.distributed process group. On CUDA
+an actor owns one GPU (`gpu_visibility`: `shared`, every actor of a node sees the gang's GPUs so NCCL can use
+NVLink, or `isolated`); on CPU it gets `cpus_per_rank` CPUs and threads. `env` is set in every rank before its
+process group starts. Invariants: ranks are ordered by node (the driver's first), then GPU; the placement group
+and actors go when the gang ends, whatever happened; a rank that raises, dies or times out makes `Gang.run` raise
+at once (the first failing rank's error, annotated with its rank) and marks the gang `broken`; a lost head (GCS)
+is noticed within seconds (`GcsWatch`).
 """
 
 from __future__ import annotations
@@ -40,11 +30,11 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raysys.measure.device import resolve_device
 from raysys.cluster.rank import (DEVICES, RANK_ENV, BaseGang, PlacementInfeasible, RankContext, RankSpec, check_seconds,
-                         destroy_rank, device_description, free_port, init_rank, max_cpu_ranks)
+                                 destroy_rank, device_description, free_port, init_rank, max_cpu_ranks)
 from raysys.cluster.signals import keep_sigterm_interrupt
 from raysys.cluster.telemetry import RankMonitor
+from raysys.measure.device import resolve_device
 
 log = logging.getLogger(__name__)
 

@@ -1,20 +1,11 @@
 """The same gang without Ray: one `torch.multiprocessing` process per rank on this machine.
 
-`ProcessGang` implements `raysys.cluster.rank.BaseGang`, as `raysys.cluster.gang.Gang` does (`with ... as gang: gang.run(fn,
-*args)`, `broken`, `ranks`), and runs the same trial functions with the same `RankContext` and process-group
-bootstrap (`raysys.cluster.rank.init_rank`, which also sets the gang's `env` in every rank), so a benchmark can be
-launched both ways in one run and the difference is what Ray costs. Rank r uses `cuda:r` of the GPUs this process sees (all ranks see all of them,
-like Ray's `shared` visibility).
-
-Each rank is a persistent process (a CPU rank forked from a forkserver that imported torch once, `raysys.cluster.rank.
-rank_process_context`, with the driver's environment; a CUDA rank `spawn`ed) that joins the group once and then serves
-calls over a pipe:
-the driver sends a pickled `(fn, args, kwargs)`, the rank answers with the pickled result or the exception
-and its traceback. Results and arguments are pickled by value (never as shared-memory handles) so they
-outlive the process that made them. A rank that raises, dies or exceeds the timeout makes `run` raise at
-once and marks the gang `broken`: a death within moments (its pipe reads EOF; `RankFailed` names the rank and
-its exit code), the driver asleep in `multiprocessing.connection.wait` meanwhile. Ranks ignore SIGINT (Ctrl-C is
-the driver's to handle); `shutdown` always leaves no process behind.
+`ProcessGang` implements `raysys.cluster.rank.BaseGang` as `raysys.cluster.gang.Gang` does and runs the same trial
+functions with the same `RankContext` and bootstrap (`init_rank`), so a benchmark runs both ways and the
+difference is what Ray costs. Rank r uses `cuda:r`. Each rank is a persistent process (CPU ranks forked from a
+forkserver that imported torch once; CUDA ranks spawned) that serves pickled `(fn, args, kwargs)` calls over a
+pipe, answering by value. A rank that raises, dies or times out makes `run` raise at once (`RankFailed` names the
+rank and its exit code) and marks the gang `broken`; ranks ignore SIGINT; `shutdown` leaves no process behind.
 """
 
 from __future__ import annotations
@@ -31,10 +22,10 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from raysys.measure.device import resolve_device
 from raysys.cluster.rank import (DEVICES, BaseGang, PlacementInfeasible, RankSpec, adopt_environ, check_local_cpu_ranks,
-                         check_seconds, destroy_rank, device_description, die_with_parent, free_port, init_rank,
-                         rank_process_context)
+                                 check_seconds, destroy_rank, device_description, die_with_parent, free_port, init_rank,
+                                 rank_process_context)
+from raysys.measure.device import resolve_device
 
 
 def local_device(device: str) -> str:
@@ -120,9 +111,9 @@ def _error_payload(exc: BaseException) -> bytes:
 
 
 class ProcessGang(BaseGang):
-    """`world_size` local rank processes joined in one process group; `BaseGang`'s interface, as `raysys.cluster.gang.Gang`.
-    `start_timeout_s` bounds the wait for every rank to join. Each rank takes the machine's CPUs divided among the
-    ranks as torch threads, at most as many as the driver's `torch.get_num_threads()`."""
+    """`world_size` local rank processes joined in one process group; `BaseGang`'s interface, as
+    `raysys.cluster.gang.Gang`. `start_timeout_s` bounds the wait for every rank to join. Each rank takes the machine's
+    CPUs divided among the ranks as torch threads, at most as many as the driver's `torch.get_num_threads()`."""
 
     def __init__(self, world_size: int, *, device: str = "auto", name: str = "gang", timeout_s: float = 600.0,
                  start_timeout_s: float = 120.0, env: Mapping[str, str] | None = None):

@@ -1,19 +1,12 @@
 """One rank of a gang: the process-group bootstrap shared by Ray actors (`raysys.cluster.gang`) and plain processes
 (`raysys.cluster.mp_gang`).
 
-A launcher decides, for every rank, a `RankSpec` (rank, local rank, node rank, rendezvous address, backend,
-which GPUs the process sees and which one it uses); `init_rank(spec)` runs inside the rank's process, sets the
-torchrun-style environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `NODE_RANK`, `MASTER_ADDR`,
-`MASTER_PORT`), selects the device and initialises the default process group (NCCL on CUDA, gloo on CPU) with
-the spec's timeout, and returns the `RankContext` that trial functions receive. A spec's `env` (e.g. NCCL
-tuning variables) is set in the rank's process before the process group, hence NCCL, starts. Inside a trial,
-`nccl_group` builds a further NCCL group with its own communicator options (fewer CTAs, a high-priority stream).
-`BaseGang` is the interface both launchers implement (start, run / call, shutdown, `broken`, `ranks`).
-
-Invariants: CUDA_VISIBLE_DEVICES is set before CUDA is initialised in the process (else it would be ignored);
-NVLink multicast (NVLS / symmetric-memory multicast) stays off, because the GPU hosts this runs on require it;
-NCCL errors are asynchronous-handled (`TORCH_NCCL_ASYNC_ERROR_HANDLING=1`), so a dead peer makes collectives
-fail after the timeout instead of hanging forever.
+A launcher decides each rank's `RankSpec` (ranks, rendezvous address, backend, visible and used GPUs, `env`);
+`init_rank(spec)` runs in the rank's process, sets the torchrun-style environment and `env`, selects the device,
+initialises the default process group (NCCL on CUDA, gloo on CPU) and returns the `RankContext` trials receive.
+`nccl_group` builds a further NCCL group with its own options; `BaseGang` is the interface both launchers
+implement. Invariants: CUDA_VISIBLE_DEVICES is set before CUDA starts; NVLink multicast stays off; NCCL errors are
+handled asynchronously, so a dead peer fails collectives after the timeout instead of hanging.
 """
 
 from __future__ import annotations
@@ -131,8 +124,8 @@ class RankContext:
 
 class BaseGang(abc.ABC):
     """What every gang launcher implements: `world_size` rank processes joined in one process group, each holding
-    a `RankContext` between calls. `raysys.cluster.gang.Gang` (Ray actors) and `raysys.cluster.mp_gang.ProcessGang` (local
-    processes) are the two; a caller (`raysys.cluster.sweep.run_sweep`) needs only this interface:
+    a `RankContext` between calls. `raysys.cluster.gang.Gang` (Ray actors) and `raysys.cluster.mp_gang.ProcessGang`
+    (local processes) are the two; a caller (`raysys.cluster.sweep.run_sweep`) needs only this interface:
 
         with launcher(2, device="cpu", name="demo") as gang:   # start(): resolve the device, place, join
             per_rank = gang.run(fn, 1024)                      # fn(ctx, 1024) on every rank, ordered by rank

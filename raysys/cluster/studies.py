@@ -95,7 +95,9 @@ def interrupted_message(sweep: str, done: int, total: int | None, path: Path | N
 
 def writer_options(args: argparse.Namespace) -> dict:
     """`ResultWriter` keyword arguments (`mode`, `allow_mixed`) from `sweep_parser`'s --resume / --overwrite /
-    --allow-mixed."""
+    --allow-mixed; a ValueError when both --resume and --overwrite are given."""
+    if getattr(args, "resume", False) and getattr(args, "overwrite", False):
+        raise ValueError("--resume and --overwrite contradict each other")
     mode = "resume" if getattr(args, "resume", False) else "overwrite" if getattr(args, "overwrite", False) else "new"
     return {"mode": mode, "allow_mixed": bool(getattr(args, "allow_mixed", False))}
 

@@ -1,31 +1,18 @@
 """The cluster path: `python -m raysys submit` (a named job that knows its commit), `python -m raysys doctor` (before
 the head starts) and `python -m raysys metrics` (Prometheus and Grafana for the dashboard's Metrics tab).
 
-`submit` wraps Ray's `JobSubmissionClient` (what `ray job submit` uses): it uploads the working directory,
-names the job (`--name`, default the script's stem; the submission id is `<name>-<UTC time>-<hex>`, which the
-dashboard's job list shows), attaches metadata (name, commit, command, who submitted it from where) and sets
-in the job's runtime env `RAYSYS_GIT_SHA` (the uploaded copy has no .git, so rows would say `unknown`) and
-`RAYSYS_RUNS_DIR` (the submitter's absolute `./runs`, so default results do not stay in the job's temporary
-copy). It then follows the job's logs and exits 0 if it succeeded. With token authentication
-(`RAY_AUTH_MODE=token`) Ray's client sends the token itself.
-
-A head whose dashboard agent could not bind its HTTP port (52365 unless `--dashboard-agent-listen-port` moves
-it) runs without a job agent: every submission then fails after ~10 s with HTTP 500 "No available agent to
-submit job". `submit` says so and how to fix it; `doctor` checks, before `ray start --head`, which of the ports the
-README's head command (`HEAD_COMMAND`: the agent on any free port) binds are taken on this machine.
-
-`metrics` asks the Prometheus and Grafana the head's dashboard reads (`RAY_PROMETHEUS_HOST`, `RAY_GRAFANA_HOST`,
-default localhost:9090 and :3000) what the dashboard asks them, and prints, for one that does not answer, the command
-that starts it with the config files the head wrote (`<temp dir>/session_latest/metrics/`).
+`submit` wraps Ray's `JobSubmissionClient`: it uploads the working directory, names the job (`<name>-<UTC
+time>-<hex>`), attaches metadata and sets `RAYSYS_GIT_SHA` and `RAYSYS_RUNS_DIR` in the job's env, then follows
+its logs and exits 0 if it succeeded; a head without a job agent is said with its fix. `doctor` checks which ports
+the README's head command (`HEAD_COMMAND`) binds are taken; `metrics` asks the Prometheus and Grafana the dashboard
+reads and prints how to start one that does not answer. docs/raysys.md has the details.
 
     python -m raysys doctor                                  # before `ray start --head`
     python -m raysys submit -- python sweeps/ddp.py --device cpu
-    python -m raysys metrics                                 # after it: is the Metrics tab served?
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime as _dt
 import getpass
@@ -39,8 +26,12 @@ import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from raysys.results.records import check_sweep_name, git_sha_of
+
+if TYPE_CHECKING:
+    import argparse
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 # What `ray start --head` binds by default (Ray 2.60), with the flag that moves each (Ray picks the metrics export
@@ -59,7 +50,6 @@ HEAD_COMMAND = ("ray start --head --dashboard-host 127.0.0.1 --dashboard-port 82
 """The head command of the README's cluster recipe, whose ports `doctor` checks by default (the tests hold the README
 to it)."""
 
-
 def head_command_ports(command: str = HEAD_COMMAND) -> dict[str, int]:
     """The port of each `HEAD_PORTS` flag that `command` binds: its value there, else Ray's default (0: any free
     port, nothing to check)."""
@@ -67,13 +57,11 @@ def head_command_ports(command: str = HEAD_COMMAND) -> dict[str, int]:
     given = {w: int(words[i + 1]) for i, w in enumerate(words[:-1]) if w in {f for _, f in HEAD_PORTS.values()}}
     return {flag: given.get(flag, default) for default, flag in HEAD_PORTS.values()}
 
-
 def _address(address: str | None) -> str:
     chosen = address or os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS") or DEFAULT_ADDRESS
     if "://" not in chosen:  # `RAY_ADDRESS=<ip>:6379` names the GCS, not the dashboard
         chosen = DEFAULT_ADDRESS
     return chosen.rstrip("/")
-
 
 def port_in_use(port: int, host: str = "") -> bool:
     """Whether a TCP listener could not bind `port` on this machine right now."""
@@ -85,7 +73,6 @@ def port_in_use(port: int, host: str = "") -> bool:
             return True
     return False
 
-
 def _agent_hint(address: str) -> str:
     host = address.split("://", 1)[1].split(":")[0]
     local = host in ("127.0.0.1", "localhost", socket.gethostname())
@@ -96,22 +83,7 @@ def _agent_hint(address: str) -> str:
             + ". Restart the head with `ray stop` and `ray start --head --dashboard-agent-listen-port 0 ...` "
               "(any free port); `python -m raysys doctor` lists the head's ports that are taken")
 
-
 # ---------------------------------------------------------------------------------------------------- submit
-def build_submit_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--address", default=None, help=f"dashboard URL (default: $RAY_API_SERVER_ADDRESS, an http "
-                                                   f"$RAY_ADDRESS, else {DEFAULT_ADDRESS})")
-    p.add_argument("--name", default=None, help="job name shown in the dashboard (default: the script's stem)")
-    p.add_argument("--working-dir", default=".", help="directory uploaded as the job's working directory "
-                                                       "(default: .)")
-    p.add_argument("--runs-dir", default="runs", help="where results go when the command names no --out "
-                                                      "(default: ./runs, made absolute; a path on the head node)")
-    p.add_argument("--no-wait", action="store_true", help="return after submitting instead of following the logs")
-    p.add_argument("entrypoint", nargs=argparse.REMAINDER, help="the command after `--`, e.g. -- python "
-                                                                "sweeps/ddp.py --device cpu")
-    return p
-
-
 def job_spec(entrypoint: list[str], *, name: str | None, working_dir: str | os.PathLike,
              runs_dir: str | os.PathLike) -> dict:
     """The `JobSubmissionClient.submit_job` arguments of a raysys job (no network): entrypoint, submission id,
@@ -140,11 +112,9 @@ def job_spec(entrypoint: list[str], *, name: str | None, working_dir: str | os.P
                      "submitted_by": f"{getpass.getuser()}@{socket.gethostname()}", "submitted_from": str(work)},
     }
 
-
 async def _follow(client, submission_id: str) -> None:
     async for lines in client.tail_job_logs(submission_id):
         print(lines, end="", flush=True)
-
 
 def run_submit(args: argparse.Namespace) -> int:
     from ray.job_submission import JobStatus, JobSubmissionClient
@@ -182,19 +152,7 @@ def run_submit(args: argparse.Namespace) -> int:
     print(f"job {submission_id}: {status.value}", flush=True)
     return 0 if status == JobStatus.SUCCEEDED else 1
 
-
 # ---------------------------------------------------------------------------------------------------- doctor
-def build_doctor_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    recipe = head_command_ports()
-    for what, (port, flag) in HEAD_PORTS.items():
-        default = recipe[flag]
-        said = "any free port" if default == 0 else str(default)
-        p.add_argument(flag, type=int, default=default, dest=flag.lstrip("-").replace("-", "_"),
-                       help=f"{what} port the head will use (default: {said}, as the README's head command"
-                            + (f"; Ray's own default is {port})" if default != port else ")"))
-    return p
-
-
 def run_doctor(args: argparse.Namespace) -> int:
     """Exit 0 when every port the head command will bind is free here (by default the README's `HEAD_COMMAND`; 0 is
     any free port), else 1 with a line per taken port."""
@@ -218,20 +176,12 @@ def run_doctor(args: argparse.Namespace) -> int:
                   f"`{AGENT_FLAG} 0` on the head and on every node you add")
     return 1 if problems else 0
 
-
 # ---------------------------------------------------------------------------------------------------- metrics
 PROMETHEUS = ("RAY_PROMETHEUS_HOST", "http://localhost:9090")  # what the dashboard reads (Ray 2.60's defaults)
 GRAFANA = ("RAY_GRAFANA_HOST", "http://localhost:3000")
 PROMETHEUS_START = "(cd /tmp && ray metrics launch-prometheus)"
 """Ray's own launcher: downloads Prometheus into the current directory (hence /tmp), starts it in the background
 with `/tmp/ray/session_latest/metrics/prometheus/prometheus.yml`, which finds every node's metrics port."""
-
-
-def build_metrics_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--temp-dir", default="/tmp/ray", help="the head's `ray start --temp-dir` (default: /tmp/ray)")
-    p.add_argument("--timeout-s", type=float, default=3.0, help="seconds to wait for each answer (default: 3)")
-    return p
-
 
 def _get_json(url: str, timeout_s: float) -> dict | None:
     """The JSON `url` answers with 200, else None (nothing listening, another status, not JSON)."""
@@ -241,7 +191,6 @@ def _get_json(url: str, timeout_s: float) -> dict | None:
     except (OSError, ValueError):  # URLError and HTTPError are OSErrors; a bad body is a ValueError
         return None
     return body if isinstance(body, dict) else None
-
 
 def metrics_status(temp_dir: str | os.PathLike = "/tmp/ray", timeout_s: float = 3.0
                    ) -> list[tuple[str, str, bool, str]]:
@@ -267,7 +216,6 @@ def metrics_status(temp_dir: str | os.PathLike = "/tmp/ray", timeout_s: float = 
     grafana_up = health is not None and health.get("database") == "ok"
     return [("Prometheus", prometheus, prometheus_up, start_prometheus),
             ("Grafana", grafana, grafana_up, start_grafana)]
-
 
 def run_metrics(args: argparse.Namespace) -> int:
     """Exit 0 when Prometheus and Grafana both answer as the dashboard needs, else 1 with the command that starts the

@@ -3,29 +3,15 @@
     from raysys.cluster.sweep import init_ray, Gang, RankContext, run_sweep
 
     def trial(ctx: RankContext, config: dict) -> dict:      # module-level; runs on every rank
-        ...                                                 # warm-up, timing, collectives on ctx.process_group
         return {"step_median_s": 0.12}
 
-    df = run_sweep("ddp", trials=[{"bucket_mb": 1}, {"bucket_mb": 25}], trial_fn=trial, world_size=2,
-                   reduce=lambda config, per_rank: max(per_rank, key=lambda m: m["step_median_s"]))
+    df = run_sweep("ddp", trials=[{"bucket_mb": 1}, {"bucket_mb": 25}], trial_fn=trial, world_size=2)
 
-`run_sweep` keeps one gang (Ray actors, or plain processes with `launcher="mp"`) for consecutive trials. A
-trial that raises (OOM included), loses a rank (`RayActorError`) or exceeds `trial_timeout_s`
-(`GetTimeoutError`) becomes a row with status `oom|error|timeout` and its error text; the gang is torn down
-and a fresh one built for the next trial. A gang the cluster cannot hold makes `skipped` rows (`not run: ...`,
-which `resume=True` runs again, like failed trials); a Ray node lost during the sweep is said in one line and
-named in the rows it cost. Every
-trial's row is written at once (atomically, `raysys.results.records.ResultWriter`), so an interrupted sweep leaves a
-complete file and `resume=True` skips the trials already in it; without `out_dir` the rows go to a fresh run
-directory (`raysys.results.records.default_out_dir`). Trial configs are checked before Ray starts: no key may overwrite
-a row column. SIGTERM (an outer `timeout`, `ray job stop`) stops a sweep like Ctrl-C: the gang is shut down, the
-rows written so far stay, "interrupted after N of M trials; rerun with --resume" is printed, the interrupt
-propagates.
-
-`tune_run` does the same for single-process trials scheduled by Ray Tune (kernel tiles, checkpointing): a
-Tune callback writes each trial's row when the trial completes or errors, and a time budget or an interrupt
-leaves every finished trial on disk.
-Gang mechanics (placement, GPU visibility, process-group bootstrap) live in `raysys.cluster.gang`.
+`run_sweep` keeps one gang (Ray actors, or processes with `launcher="mp"`) for consecutive trials. A trial that
+raises (OOM included), loses a rank or exceeds `trial_timeout_s` is a row (`oom|error|timeout`) and the next trial
+gets a fresh gang; a gang the cluster cannot hold makes `skipped` rows. Every row is written at once, so an
+interrupt (Ctrl-C, SIGTERM) leaves a complete file and `resume=True` runs only what is missing (failed trials too).
+`tune_run` does the same for single-process trials scheduled by Ray Tune. Gang mechanics live in `raysys.cluster.gang`.
 """
 
 from __future__ import annotations
@@ -47,11 +33,11 @@ from raysys.cluster.gang import Gang, check_placement, cluster_info, cluster_nod
 from raysys.cluster.mp_gang import ProcessGang, check_local_placement, local_device
 from raysys.cluster.rank import PlacementInfeasible, RankContext, check_seconds
 from raysys.cluster.signals import interrupt_on_sigterm
+from raysys.cluster.studies import (ClusterLost, interrupted_message, read_sweep, resolve_out_dir, summary_table,
+                                    sweep_parser, writer_options)
 from raysys.cluster.telemetry import SweepProgress
 from raysys.results.records import (NOT_RUN, ResultWriter, check_row_keys, check_sweep_name, error_row, make_row,
-                            trial_id)
-from raysys.cluster.studies import (ClusterLost, interrupted_message, read_sweep, resolve_out_dir, summary_table,
-                            sweep_parser, writer_options)
+                                    trial_id)
 
 __all__ = ["Gang", "PlacementInfeasible", "ProcessGang", "RankContext", "check_gang", "cluster_info",
            "cluster_nodes", "gang_columns", "init_ray", "interrupt_on_sigterm", "interrupted_message", "read_sweep",

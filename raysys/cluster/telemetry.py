@@ -1,20 +1,11 @@
 """A running study in the Ray dashboard: each rank's memory and utilisation, and the study's progress.
 
-Ray's metrics API (`ray.util.metrics.Gauge`) records them; every node's metrics agent exports them in
-Prometheus format at `http://<node>:<metrics_export_port>/metrics` (what the dashboard's Metrics view and its
-Grafana panels read), with Ray's own tags (node, worker, session) next to ours:
-
-    ray_raysys_rank_memory_bytes{sweep, rank, device}         CUDA: bytes this rank's caching allocator holds;
-                                                              CPU: the rank process's resident set (RSS)
-    ray_raysys_rank_utilization_percent{sweep, rank, device}  CUDA: the GPU's utilisation (NVML, else nvidia-smi);
-                                                              CPU: the rank process's CPU time / wall time
-    ray_raysys_sweep_trials{sweep, state}                     state = total | done | failed
-
-A `RankMonitor` samples in a daemon thread of each rank actor (started by `Gang` ranks after they join their
-process group, so the first sample sees the device); `SweepProgress` is set by `run_sweep` in the driver after
-every trial. Without Prometheus the same progress shows in the dashboard's task list and timeline: rank tasks
-are named `<sweep>.rank<r>:[<i>/<n>] <trial config>`. Outside a Ray worker (the `mp` launcher, unit tests) the
-gauges are not created and `sample()` still works.
+Ray's metrics API records three gauges, exported in Prometheus format by every node's metrics agent beside Ray's
+own tags: `ray_raysys_rank_memory_bytes{sweep, rank, device}` (the caching allocator's bytes, or the process RSS
+on CPU), `ray_raysys_rank_utilization_percent{sweep, rank, device}` (GPU utilisation, or CPU time / wall time) and
+`ray_raysys_sweep_trials{sweep, state}` (total | done | failed). A `RankMonitor` samples in a daemon thread of each
+rank actor; `SweepProgress` is set by `run_sweep` after every trial. Rank tasks are named
+`<sweep>.rank<r>:[<i>/<n>] <trial config>`. Outside a Ray worker the gauges are not created and `sample()` works.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Device and precision helpers, defined once for raysys and the sweeps.
 
-A precision is named by a string, the key of `DTYPES`: `fp32` trains in fp32; `bf16` and `fp16` are autocast
-mixed precision (fp32 master weights, matmuls in the low dtype). `DTYPES[name]` is the dtype the compute runs
-in (`torch.float32` for `fp32`); `low_precision(name)` is the dtype to cast to, or None for `fp32` (nothing is
-cast: autocast off, FSDP gathers fp32 weights).
-
-A device is named by `auto | cpu | cuda | cuda:N`; `resolve_device` turns the name into a `torch.device` and
-raises a one-line ValueError for a bad name or a GPU that is not there, before any work starts. The GPU count
-defaults to this machine's (`torch.cuda.device_count()`, which creates no CUDA context); a Ray gang passes the
-cluster's instead (`raysys.cluster.gang.gang_device`).
+A precision is a key of `DTYPES`: `fp32`, or `bf16` / `fp16` autocast mixed precision over fp32 master weights;
+`DTYPES[name]` is the compute dtype and `low_precision(name)` the dtype to cast to (None for `fp32`). A device is
+`auto | cpu | cuda | cuda:N`: `resolve_device` returns a `torch.device` or raises a one-line ValueError before any
+work starts (the GPU count defaults to this machine's; a Ray gang passes the cluster's).
 
     device = resolve_device("auto")
     with autocast(device, "bf16"):

@@ -1,21 +1,12 @@
 """Memory measurement: peak memory, CUDA memory snapshots with offline timelines, saved-tensor accounting.
 
-Saved-tensor accounting answers "how many bytes does backward keep alive, and who saved them": a
-`saved_tensors_hooks` pack hook sees every tensor autograd saves; a module stack kept by forward hooks says
-which module was running. Storages are counted once (the same activation saved by q_proj, k_proj and v_proj
-costs its bytes once) and parameters are excluded (they live anyway).
+`SavedTensorAccount` counts the bytes backward keeps alive per module (a `saved_tensors_hooks` pack hook; each
+storage once, parameters excluded). `TrialScope` records allocated CUDA memory and live `nn.Parameter`s before a
+trial and after it is released, so `*_after - *_before` is what a trial leaked into the next one on the same rank
+(bytes are NaN on the CPU; the first scope freezes the objects alive then out of the collector's sight).
 
-Between trials that run one after another in one process (a gang's rank), `TrialScope` records the allocated
-CUDA memory and the live `nn.Parameter`s before a trial and after its objects are released: `*_after -
-*_before` is what the trial leaked into the next one. On the CPU the byte counts are NaN (no allocator
-statistics); the parameter counts still tell. The first `TrialScope` of a process moves every object alive then
-(modules, torch's compiler stack) out of the garbage collector's sight (`gc.freeze`), so that each trial's
-collections and parameter counts scan what trials made, not the imports' ~300k objects (a second and more per trial
-on a busy CPU); `live_parameters` counts the parameters made since.
-
-    with SavedTensorAccount(model).track() as account:     # saved-for-backward bytes per module, read
-        loss = forward_loss()                              # while the graph is alive (before backward)
-    sizes = account.by_module
+    with SavedTensorAccount(model).track() as account:     # read while the graph is alive (before backward)
+        loss = forward_loss()
     with TrialScope(device) as scope:                      # what a trial leaves behind
         metrics = run_trial()
     metrics.update(scope.metrics)

@@ -1,21 +1,10 @@
 """Compute profiling without nsys: torch.profiler over the timed steps, a kernel summary split by phase.
 
-The benchmark wraps each phase of a step in an NVTX + `record_function` range (`forward`, `backward`,
-`optimizer`), so nsys users see the same phases. Because the benchmark synchronises the device at the end of
-every phase, every kernel of a phase runs inside that phase's host-side interval; kernels are attributed to
-phases by that containment (backward kernels are launched from autograd's thread, so the CPU parent chain
-cannot be used for them).
-
-On a CUDA device the summary lists GPU kernels; on the CPU it lists leaf operators (self time), so the same
-code path is exercised and tested without a GPU.
-
-Communication overlap (the data-parallel sweeps): `profile_steps` records the GPU kernels of whole training
-steps, `kernel_intervals` splits them into NCCL and compute kernel intervals, and `overlap` measures how
-much of the NCCL kernel time runs while some compute kernel runs too. Pitfall it avoids: with
-`schedule(wait=0, warmup=1, active=1)` and the default `repeat=0`, the profiler starts a new cycle after the
-recorded one, and `prof.events()` / `export_chrome_trace()` then see that new, empty cycle (torch's warning
-"Profiler clears events at the end of each cycle"): the schedule here has `repeat=1` and the events and
-the trace are taken in `on_trace_ready`, while the recorded cycle is current.
+Each phase of a benchmark step runs in an NVTX + `record_function` range (`forward`, `backward`, `optimizer`) and
+ends with a device synchronisation, so a kernel belongs to the phase whose host interval contains it. On CUDA the
+summary lists GPU kernels, on the CPU leaf operators (self time). For the data-parallel sweeps `profile_steps`
+records whole steps (its schedule keeps the recorded cycle current when the events are read), `kernel_intervals`
+splits NCCL from compute kernels and `overlap` measures how much NCCL time no compute kernel hides.
 
     prof = profile_steps(step, device, warmup=1, active=1, trace_path="trace.json.gz")
     busy, exposed = overlap(*kernel_intervals(prof.events))   # NCCL time, and the part no compute kernel hides

@@ -1,23 +1,12 @@
 """Timing: training steps timed between device synchronisations, their statistics, and kernel timing.
 
-`time_steps` runs `warmup` untimed steps, then timed steps with a device synchronisation after each (mean, std,
-median, min). Inside a step, `Marks` split it into PHASES: CUDA events give each phase's device time, host clock
-readings the time the Python thread spent issuing it (a phase whose host time is close to its device time is
-host-bound: launch overhead, autocast casts, Python hooks). Noise control:
-  * the cyclic garbage collector is paused over warm-up and timed steps (a full collection in a process that
-    imported torch and Ray stalls a host-bound step); `gc_objects_per_step` counts what the steps left for it;
-  * adaptive length: while the 95% confidence half-width of the median (`median_ci_rel`, from the median
-    absolute deviation) exceeds `rel_tol` of the median, a few more steps are timed, up to `max_steps`; the
-    ranks of a gang agree on the decision (an all-reduce), so their collectives stay matched;
-  * diagnostics: CUDA allocator retries and cudaMalloc calls in the timed steps, CPU time and involuntary
-    context switches per step, torch threads and CPUs (`host_info`), and the graphs Dynamo compiled during
-    warm-up and during the timed steps (which must be none).
-`paired_steps` times a step against a reference in alternating blocks (ABBA), for ratios that a drifting host
-speed does not bias; `paired_speedups` does the same for kernel calls. `PhaseTimer` times named phases of the
-single-process benchmark (`raysys.training.bench`) the same way, and `do_bench` times kernels (`triton.testing.do_bench`:
-CUDA events, median of many repetitions).
-
-A timed step is any callable with a `device` that returns its `Marks` (`raysys.training.step.TrainStep` is one):
+`time_steps(step, warmup, steps, max_steps=...)` runs untimed then timed steps with a synchronisation after each
+(mean, std, median, min, in seconds); `Marks` split a step into PHASES (device time from CUDA events, host time
+from the clock). The garbage collector is paused while timing; the number of timed steps grows while the median's
+95% confidence half-width exceeds `rel_tol` (the ranks of a gang agree); diagnostics (allocator retries, CPU time,
+Dynamo recompiles) come with the row. `paired_steps` / `paired_speedups` time against a reference in ABBA blocks.
+`PhaseTimer` times named phases of `raysys.training.bench`; `do_bench` (Triton's, CUDA events), `do_bench_agreed`
+(the same procedure on every rank of a gang) and `time_calls` (synchronised calls) time a callable.
 
     metrics = time_steps(TrainStep(model, optimizer, (x, y), "bf16", device), warmup=2, steps=10, max_steps=30)
     metrics["step_median_s"], metrics["forward_mean_s"], metrics["host_forward_median_s"]
@@ -371,6 +360,69 @@ def do_bench(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float =
 
     q20, median, q80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
     return {"time_median_s": median / 1e3, "time_p20_s": q20 / 1e3, "time_p80_s": q80 / 1e3}
+
+
+def time_calls(fn: Callable[[], object], device: torch.device, *, warmup: int, steps: int) -> dict[str, float]:
+    """`warmup` untimed calls, then `steps` timed ones, each between device synchronisations (CUDA events on a GPU,
+    the wall clock elsewhere): `time_median_s`, `time_min_s`, `time_max_s` and `timed_steps`."""
+    for _ in range(warmup):
+        fn()
+    times = []  # ms, as CUDA events give them
+    for _ in range(steps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            synchronize(device)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return {"time_median_s": statistics.median(times) / 1e3, "time_min_s": min(times) / 1e3,
+            "time_max_s": max(times) / 1e3, "timed_steps": steps}
+
+
+def do_bench_agreed(fn: Callable[[], object], device: torch.device, *, warmup_ms: float, rep_ms: float,
+                    agree: Callable[[float], float]) -> dict:
+    """`triton.testing.do_bench`'s procedure on every rank of a gang: one call, five calls for an estimate, then
+    warmup_ms / estimate untimed calls and rep_ms / estimate timed ones, the L2 cache cleared (a 256 MB write, as
+    Triton's `clear_cache`) before each, timed one by one. The only rank-dependent number, the estimate, goes
+    through `agree` (the slowest rank's): every rank makes the same calls, so each step's collectives pair up
+    where Triton's own would leave ranks with different counts and a collective waiting forever. CUDA events on
+    a GPU, the wall clock elsewhere (the CPU tests). Returns `time_median_s`, `time_p20_s`, `time_p80_s` (seconds, as
+    `do_bench`) and `timed_steps`."""
+    cuda = device.type == "cuda"
+    cache = torch.empty(int(256e6) if cuda else 2**20, dtype=torch.int8, device=device)  # Triton's 256 MB
+
+    def timed(n: int) -> list[float]:
+        if cuda:
+            pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+            for start, end in pairs:
+                cache.zero_()
+                start.record()
+                fn()
+                end.record()
+            synchronize(device)
+            return [start.elapsed_time(end) for start, end in pairs]
+        out = []
+        for _ in range(n):
+            cache.zero_()
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    fn()
+    synchronize(device)
+    estimate_ms = agree(sum(timed(5)) / 5)
+    for _ in range(max(1, int(warmup_ms / estimate_ms))):
+        fn()
+    times = torch.tensor(timed(max(1, int(rep_ms / estimate_ms))), dtype=torch.float64)
+    q20, median, q80 = torch.quantile(times, torch.tensor([0.2, 0.5, 0.8], dtype=torch.float64)).tolist()
+    return {"time_median_s": median / 1e3, "time_p20_s": q20 / 1e3, "time_p80_s": q80 / 1e3, "timed_steps": len(times)}
 
 
 def tflops(flops: float, seconds: float) -> float:

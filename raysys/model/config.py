@@ -42,7 +42,8 @@ class ModelConfig:
     rope_theta: float = 10_000.0
     """RoPE base frequency."""
     attention: str = "naive"
-    """Attention backend name registered in `raysys.model.transformer` (naive, sdpa, annotated, flash_triton, flash_pytorch)."""
+    """Attention backend name registered in `raysys.model.transformer` (naive, sdpa, annotated, flash_triton,
+    flash_pytorch)."""
     name: str = "custom"
     """Size name this config came from (informational)."""
 

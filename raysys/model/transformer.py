@@ -1,20 +1,12 @@
 """The model under test: the basics pre-norm decoder-only Transformer LM (CS336 assignment 1).
 
-Behaviour, parameter names and initialisation follow the course's reference model (`cs336_basics`) exactly, so state
-dicts move both ways between raysys and the reference `cs336_basics` and fp32 logits agree to ~1e-5.
-
-Attention is pluggable per model instance: every `CausalMultiHeadSelfAttention` calls the backend named by
-`attention` from a registry of functions `fn(q_BHSD, k_BHSD, v_BHSD, is_causal) -> out_BHSD`:
-`naive` (the reference math), `sdpa` (torch's scaled_dot_product_attention, its own backend choice), `cudnn`
-(the same call pinned to cuDNN's fused attention; CUDA only), `annotated` (naive with NVTX / profiler ranges
-around scores, softmax and the output matmul) and, from `kernels/`, `flash_triton` and `flash_pytorch`.
-Shape legend: B batch, H heads, S sequence, D head dim, M d_model.
-
-Training-step API: `model(x)` returns logits; `model.loss(x, y)` returns `cross_entropy(model(x), y)` computed
-by `linear_cross_entropy` (the LM head and the loss fused: no (B, S, vocab) logits), `fused=False` the
-reference path. `AdamW` is the reference optimizer (`kernels.adamw` holds `FusedAdamW` and the multi-tensor
-`ForeachAdamW`, `kernels.fused_linear_ce` the loss's chunked torch counterpart; both names still import from
-here). `TransformerBlock.ffn_branch` is the feed-forward branch that `FfnCheckpoint` reruns.
+Behaviour, parameter names and initialisation follow the course's reference model (`cs336_basics`), so state dicts
+move both ways. Attention is pluggable per instance: `CausalMultiHeadSelfAttention` calls the backend named by
+`attention` from a registry of `fn(q_BHSD, k_BHSD, v_BHSD, is_causal) -> out_BHSD` (`naive`, `sdpa`, `cudnn`,
+`annotated`, and from `kernels/` `flash_triton`, `flash_pytorch`; `attention_backends()` lists them). Shape legend:
+B batch, H heads, S sequence, D head dim, M d_model. `model(x)` returns logits; `model.loss(x, y)` is
+`cross_entropy(model(x), y)` through the fused LM head + loss (`fused=False`: the reference path). `AdamW` is the
+reference optimizer; `TransformerBlock.ffn_branch` is what `FfnCheckpoint` reruns.
 """
 
 from __future__ import annotations
@@ -357,7 +349,8 @@ plain-torch counterpart `ChunkedLinearCrossEntropy` beside it, or `auto` (the ke
 CHUNK_LOGIT_BYTES = 256 * 2**20
 """fp32 logits one chunk of `ChunkedLinearCrossEntropy` holds (its tokens = this / (4 * vocab))."""
 _MOVED = {"ChunkedLinearCrossEntropy": "kernels.fused_linear_ce", "ForeachAdamW": "kernels.adamw"}
-"""Names that live beside their kernels now; `raysys.model.transformer.<name>` still resolves (lazily: Triton imports slowly)."""
+"""Names that live beside their kernels now; `raysys.model.transformer.<name>` still resolves (lazily: Triton imports
+slowly)."""
 
 
 def __getattr__(name: str):

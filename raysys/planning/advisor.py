@@ -1,31 +1,13 @@
 """Activation-checkpointing advisor: the cheapest per-layer recompute plan that fits a memory budget.
 
-For a model size, batch, sequence length, precision and attention backend, every per-layer plan with n_full blocks
-under full checkpointing, n_offload offloaded, n_ffn with only the feed-forward branch checkpointed, n_selective
-under selective checkpointing and the rest kept is scored with `raysys.planning.recompute_model`: predicted peak memory of a
-training step (weights + AdamW state + gradients + activations + transients + workspace) and predicted overhead =
-(recomputed FLOPs / achieved FLOP/s + transfer time not hidden behind compute) / predicted step time. The advisor
-returns the plan with the least overhead whose peak fits the usable memory; ties go to fewer offloaded blocks, then
-to the lower peak. For each n_full and n_offload the cheap kinds are searched along lines where fitting is monotone:
-the fewest ffn (or selective) blocks that fit, and the ffn / selective split with no block kept (with per-block
-costs and savings that add up, the cheapest fitting mix is one of these). Blocks are ordered full, offload, ffn,
-selective, none from the first block on (the blocks whose backward runs last rematerialise when most of the others
-are already freed); the reverse order is scored too and the better one kept. When no per-layer plan fits, nested
-(recursive, O(log N)) checkpointing is tried before reporting that nothing fits.
-
-The workload also names how the state is held and what the step computes: `param_dtype` (fp32 master weights,
-or the model built in bf16 as the course's leaderboard harness does: weights, gradients and AdamW moments in bf16,
-no autocast), `loss` (materialised logits, or the fused LM head + loss that keeps only its gradients), the fused
-attention backends' saved O and log-sum-exp, `compiled` pieces (`raysys.training.leaderboard.compile_pieces`), the
-optimizer's step transient, and `shards` (FSDP over N ranks: a rank holds 1/N of the fp32 state plus the gathered
-units). `raysys.training.leaderboard.LeaderboardStep` asks for the plan of its own composition and applies it.
-
-CLI (mounted as `python -m raysys advise`):
-    python -m raysys advise --size xl --context-length 2048 --batch-size 4 --gpu-memory 80GiB [--dtype bf16]
-        [--attention naive|sdpa|flash_triton] [--param-dtype fp32|bf16] [--loss materialized|fused]
-        [--compiled [--lean]] [--optimizer reference|foreach|fused] [--optimizer-in-backward] [--shards N] [--json]
-    python -m raysys advise --size leaderboard --batch-size 1 --param-dtype bf16 --loss fused --compiled --lean \
-        --optimizer fused --attention flash_triton --gpu-memory 141GB       # the leaderboard step's plan
+`advise(config, batch_size, gpu_memory_bytes, dtype, ...)` scores per-layer plans (how many blocks full, offload,
+ffn, selective or kept) with `raysys.planning.recompute_model`: predicted peak memory and predicted overhead
+(recomputed FLOPs at the achieved FLOP/s plus transfer time not hidden behind compute, over the step time). It
+returns the `Plan` with the least overhead whose peak fits the usable memory (ties: fewer offloaded blocks, then
+the lower peak); when no per-layer plan fits, nested checkpointing is tried before saying nothing fits. The
+workload names how the state is held and what the step computes (`param_dtype`, `loss`, `compiled`, `lean`,
+`optimizer`, `shards`), so `raysys.training.leaderboard.LeaderboardStep` asks for the plan of its own composition.
+`python -m raysys advise` is the command (`raysys.cli.planning`); docs/raysys.md has the search in full.
 """
 
 from __future__ import annotations
@@ -38,7 +20,7 @@ from parallel.checkpointing import (FfnCheckpoint, FullCheckpoint, NestedCheckpo
                                     Policy, SelectiveCheckpoint)
 from raysys.model.config import ModelConfig
 from raysys.planning.recompute_model import (PRECISIONS, GiB, PeakEstimate, Workload, block_flops, fmt_bytes,
-                                     predict_peak, saved_per_block, static_bytes, step_flops)
+                                             predict_peak, saved_per_block, static_bytes, step_flops)
 
 KINDS = ("none", "selective", "ffn", "full", "offload")
 DEFAULT_TFLOPS = {"fp32": 50.0, "bf16": 400.0, "fp16": 400.0}

@@ -1,46 +1,14 @@
 """Cost and memory model of activation checkpointing for `raysys.model.transformer.TransformerLM`.
 
-Computes, for a workload (model config, batch B, sequence S, precision) and a checkpoint policy from
-`parallel.checkpointing`:
-- the bytes each block saves for backward ("residuals"), counted tensor by tensor from the model's code, and
-  what each policy kind keeps of them (none, selective, ffn, full, nested, offload);
-- matmul FLOPs of forward, recomputation and backward (the `FlopCounterMode` convention: 2 per multiply-add,
-  attention counted on the full S x S square);
-- the peak memory of a training step: weights + AdamW state + inputs (+ matmul workspaces on CUDA) plus, at
-  every moment of the step that can be the peak (end of forward, loss backward, each block's backward in
-  reverse order, embedding backward, optimizer step), the gradients allocated so far, the activations still
-  alive (recomputed segments included) and the largest transient of that moment.
-
-Notation: d = d_model, f = d_ff, H heads, Dh = d / H, V vocab; "BSd" is one (B, S, d) activation.
-Precision follows `raysys.training.bench`: `fp32`, or `bf16` / `fp16` autocast with fp32 master weights.
-
-What one block saves (unique storages, parameters excluded), fp32:
-  ln1, ln2 (each): input (fp32 upcast), x * rsqrt, rsqrt (B, S, 1), output      3 BSd + BS
-  rope: cos / sin rows for q and for k (fp32 buffers)                           4 x S x Dh/2
-  SwiGLU: w1 x, sigmoid(w1 x), silu(w1 x), w3 x, their product                  5 B S f
-  naive attention: q, k (after RoPE), a contiguous copy of v, merged heads      4 BSd
-     + causal mask (bool), masked scores, exp, probabilities                    S^2 + 3 B H S^2
-     + row max and row sum                                                      2 B H S
-  fused attention (sdpa / flash): q, k, v, O, merged heads; fp32 log-sum-exp    5 BSd + 4 B H S bytes
-Under autocast, `x @ W.t()` casts its inputs on every call (W.t() is not a leaf, so autocast's weight
-cache does not apply): every projection keeps its own low-precision copy of the normalised input and of
-its weight, and the norms' fp32 outputs are not kept. On CUDA `exp` and `sum` run in fp32 (autocast's fp32
-list), so the softmax keeps an fp32 exp, fp32 row sums and a low-precision copy of P; on the CPU they stay in
-low precision. `tests/raysys/planning/test_advisor_model.py` checks every formula against the bytes
-`saved_tensors_hooks` sees on the CPU (fp32 and CPU autocast); the CUDA-only fp32 softmax terms follow from
-autocast's op lists and are checked by the GPU sweep (`sweeps/checkpointing.py`, predicted vs measured).
-
-Transients (what backward allocates on top of the saved tensors) were measured with the CPU allocator
-trace (`cpu_allocation_trace`) and are modelled by the two largest moments of a block's backward: the FFN
-(the SwiGLU product's gradient and both branches: 2 B S f, plus the w2 gradient) and the softmax (four
-B H S^2 gradients / temporaries, after the FFN's residuals were freed); the loss's backward adds B S V
-(e + 1) bytes (gradient of the logits and amax's mask). The CPU tests hold the whole-step prediction to 5%.
-
-The leaderboard step's terms (`tests/raysys/planning/test_advisor_leaderboard.py`, and results/leaderboard*.parquet on an
-H200): pure low-precision state (`param_dtype` = precision: weights, gradients and AdamW moments in bf16, the
-residual stream in bf16, the norms' fp32 upcasts still kept); compiled pieces (a norm keeps its input and rsqrt,
-SwiGLU w1 x, w3 x and their product); the fused loss (it keeps the hidden states' and the LM-head weight's
-gradients instead of the logits, plus one logits chunk while it runs); the optimizer's transient; FSDP shards.
+For a `Workload` (model config, batch B, sequence S, precision, parameter dtype, loss, compiled pieces, optimizer,
+FSDP shards) and a checkpoint policy from `parallel.checkpointing` it computes: the bytes each block saves for
+backward, counted tensor by tensor from the model's code, and what each policy kind keeps of them
+(`saved_per_block`); matmul FLOPs of forward, recomputation and backward (`FlopCounterMode`'s convention: 2 per
+multiply-add, attention on the full S x S square; `block_flops`, `step_flops`); and the peak memory of a training
+step (`predict_peak`): static state plus, at every moment that can be the peak, the gradients so far, the
+activations alive and that moment's largest transient. Precision follows `raysys.training.bench` (`fp32`, or
+bf16 / fp16 autocast over fp32 masters) or pure low precision (`param_dtype`). Its tests hold every formula to the
+bytes `saved_tensors_hooks` and the CPU allocator see. docs/raysys.md has the per-tensor table and the derivations.
 """
 
 from __future__ import annotations
@@ -89,19 +57,19 @@ class Workload:
     """materialized: `cross_entropy(model(x), y)` keeps the (B, S, V) logits; fused: `model.loss(x, y)`, the LM
     head and the loss in one op that keeps only the gradients of the hidden states and of the LM-head weight."""
     compiled: bool = False
-    """RMSNorm, RoPE and SwiGLU compiled (`raysys.training.leaderboard.compile_pieces`, pure precision only): a norm keeps
-    its input and rsqrt, SwiGLU its input, w1 x, w3 x and their gated product, RoPE its positions and (once for
+    """RMSNorm, RoPE and SwiGLU compiled (`raysys.training.leaderboard.compile_pieces`, pure precision only): a norm
+    keeps its input and rsqrt, SwiGLU its input, w1 x, w3 x and their gated product, RoPE its positions and (once for
     all blocks) its cos / sin buffers: what Inductor's min-cut partitioner saves, checked on the CPU."""
     lean: bool = False
-    """With `compiled`: lean blocks (`raysys.training.leaderboard.lean_blocks`): ln1 and ln2 keep only their inputs (their
-    outputs and rsqrt recomputed in backward), attention keeps q, k, v and O (its heads merged as a view), SwiGLU
+    """With `compiled`: lean blocks (`raysys.training.leaderboard.lean_blocks`): ln1 and ln2 keep only their inputs
+    (their outputs and rsqrt recomputed in backward), attention keeps q, k, v and O (its heads merged as a view), SwiGLU
     keeps w1 x and w3 x (the gated product recomputed). Checked on the CPU like `compiled`."""
     optimizer: str = "reference"
     """AdamW's step transient: reference (sqrt(v) of one parameter), foreach (of up to 1 GiB of them), fused (none)."""
     optimizer_in_backward: bool = False
     """Each parameter stepped and its gradient freed as soon as backward writes it
-    (`raysys.training.leaderboard.OptimizerInBackward`): at most one block's (or the head's, or the embedding's) gradients
-    are alive at a time, and there is no step after backward."""
+    (`raysys.training.leaderboard.OptimizerInBackward`): at most one block's (or the head's, or the embedding's)
+    gradients are alive at a time, and there is no step after backward."""
     shards: int = 1
     """Ranks the fp32 weights, gradients and AdamW state are sharded over (FSDP, `parallel/fsdp.py`, computing in
     `precision` without autocast); 1: every rank holds the whole state."""

@@ -1,17 +1,11 @@
 """Result files that are never half-written, shared or silently lost.
 
-- `atomic_write(path, data)` writes bytes to `.<name>.raysys-<pid>-<host>-<token>.tmp` beside `path` (created
-  0666 minus the umask, as `open()` would, not mkstemp's 0600; never through an existing name), fsyncs it,
-  renames it over `path` (`os.replace`) and fsyncs the directory. Readers see the old file or the new one; a
-  writer killed at any moment leaves the old file and at most its temp file, which the next writer deletes
-  (`remove_stale_tmp`: a name this module made, on this host, whose pid is gone; nothing else). A full disk
-  (ENOSPC, EDQUOT, EFBIG) raises `DiskFull`, which says that the previous file is intact.
-- `write_text(path, text)`, `save_figure(fig, path)` and `write_parquet(df, path)` do the same for markdown,
-  matplotlib figures and Parquet; `trial_id(config)` is the stable id that names a trial's rows in them.
-- `FileLock(path)` takes an exclusive `flock` on `.<name>.lock` beside `path` without waiting: a second holder
-  (another process, another host on a shared file system) gets `FileBusy`, naming the first (pid, host,
-  command). The lock file is opened without following a symbolic link (`O_NOFOLLOW`) and must be a plain file.
-  The lock goes with the process (kill -9 included); `release()` removes the lock file.
+`atomic_write(path, data)` writes a temp file beside `path` (0666 minus the umask), fsyncs it, renames it over
+`path` and fsyncs the directory: readers see the old file or the new one; a killed writer leaves at most its temp
+file, which the next writer removes (`remove_stale_tmp`: only names this module made, on this host, of dead pids);
+a full disk raises `DiskFull` and keeps the old file. `write_text`, `save_figure` and `write_parquet` do the same
+for markdown, figures and Parquet; `trial_id(config)` is the stable id that names a trial's rows. `FileLock(path)`
+takes an exclusive non-waiting `flock` (no symbolic links followed): a second holder gets `FileBusy` naming the first.
 
     lock = FileLock(out / "ddp.parquet")        # FileBusy if another run writes it
     atomic_write(out / "ddp.parquet", data)     # DiskFull if the disk is full; ddp.parquet unchanged

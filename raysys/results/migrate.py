@@ -1,18 +1,11 @@
-"""Bring result files to the one column convention (stated in `raysys.results.records`) without measuring anything again.
+"""Bring result files to the one column convention (stated in `raysys.results.records`) without measuring anything
+again.
 
-Older files time in milliseconds (`step_ms`, `median_ms`), size memory in GiB/MiB (`peak_memory_gib`), call a
-mean `step_ms` next to `step_ms_median`, leave `rank_spread` without its meaning, write 7- or 12-digit commits,
-and the per-kernel / per-tensor tables carry no provenance. `canonical(df, sweep)` renames and converts those
-columns (ms, us -> s; GiB, MiB -> bytes), expands short commits to 12 digits (from this repository's history),
-fills the provenance of `e2e_kernel_table` / `e2e_saved_detail` from the rows of the run they belong to (same
-directory) and `run_id = "unknown"` where a run predates it. It is idempotent: a canonical frame comes back
-unchanged, and `read_results` applies it, so files written by older code read like new ones.
-
-    python -m raysys migrate results/ results/runs/     # rewrite the files that change (atomically), list them
-    python -m raysys migrate --check results/           # only list them; exit 1 if any would change
-
-Configuration columns keep the spelling of the flag that set them (`bucket_size_mb`, `rep_ms`): they are
-inputs, and the trial id hashes them.
+`canonical(df, sweep)` renames and converts older columns (ms, us -> s; GiB, MiB -> bytes; `RENAMES`,
+`SWEEP_RENAMES`), expands short commits to 12 digits, fills the provenance of the e2e per-kernel / per-tensor
+tables from their run's rows and sets `run_id = "unknown"` where a run predates it. Idempotent: a canonical frame
+comes back unchanged (the same object); `read_results` applies it. Configuration columns keep their flag's
+spelling (the trial id hashes them). `python -m raysys migrate [--check] PATHS` rewrites (or lists) the files.
 """
 
 from __future__ import annotations
@@ -76,8 +69,8 @@ UNKNOWN_RUN = "unknown"
 
 @functools.cache
 def full_sha(sha: str) -> str:
-    """`sha` (optionally `-dirty`) as the 12-digit abbreviation `raysys.results.records` writes, when this repository knows
-    the commit; otherwise unchanged."""
+    """`sha` (optionally `-dirty`) as the 12-digit abbreviation `raysys.results.records` writes, when this repository
+    knows the commit; otherwise unchanged."""
     base, dirty = (sha[:-6], "-dirty") if sha.endswith("-dirty") else (sha, "")
     if len(base) == 12 or not (4 <= len(base) <= 40) or any(c not in "0123456789abcdef" for c in base):
         return sha

@@ -1,37 +1,17 @@
 """Result records and Parquet I/O: a run never replaces or mixes results silently.
 
-One tidy record type: one row per trial with explicit metric columns. Every row carries the sweep name, a
-trial id (hash of the trial's config), the config columns, a status (`ok|oom|error|timeout|skipped`), the
-error text and the provenance of the run (`ROW_COLUMNS`); no config key or metric may overwrite one of those
-(`make_row` raises a ValueError naming it). A sweep writes `<out>/<sweep>.parquet` through a `ResultWriter`:
+One row per trial with explicit metric columns; every row carries the sweep, `trial_id` (hash of the config), the
+config columns, a status (`ok|oom|error|timeout|skipped`), the error text and the run's provenance (`ROW_COLUMNS`),
+which no config key or metric may overwrite. A `ResultWriter` (mode `new`, `resume` or `overwrite`) locks
+`<out>/<sweep>.parquet`, takes only rows with a known status and full provenance, and rewrites the file atomically
+after every `write`. `read_results` reads a file in one go (safe while a sweep writes it) and through
+`raysys.results.migrate`. Column convention (`make_row` refuses other units): seconds `_s`, bytes `_bytes`, the
+statistic before the unit (`step_median_s`), rates name theirs (`busbw_GBps`), ratios say what they divide.
 
     out = resolve_out(args.out, "ddp")          # --out if given, else a fresh ./runs/<UTC time>-ddp/
-    with ResultWriter(out, "ddp", mode="new") as writer:     # or "resume" / "overwrite"
+    with ResultWriter(out, "ddp", mode="new") as writer:
         if not writer.done(trial_id(config)):
             writer.write([make_row("ddp", config, metrics)])
-
-`mode="new"` refuses an existing file; `"resume"` keeps its rows, refuses a file of another schema or sweep and,
-unless `allow_mixed=True`, rows without provenance or of another commit, device or configuration
-(`check_resume`); `"overwrite"` replaces it at the first write. `write` takes only rows with a known status and
-full provenance. The writer holds an exclusive lock on the file while it lives (a second run writing it fails at
-once) and rewrites it atomically after every `write` (`raysys.results.files`): readers see the old or the new file, a
-full disk leaves the old one and says so, files are 0644 under the usual umask, and temp files of dead writers
-are removed (only theirs). A reader of a file a live sweep is writing must open it once: `read_results` reads
-its bytes in one go, whereas `pd.read_parquet(path)` opens the path again for the data after its footer, and a
-replace in between mixes two files' bytes (pyarrow then raises "Couldn't deserialize thrift"). Committed results
-(`results/`) are written only when named with `--out`; a directory a run created (a fresh run directory, or an
-`--out` that did not exist) and left empty (it failed before its first row) is removed when it ends
-(`discard_empty_run_dirs`).
-Analysis is `read_results(path)` (or `pd.read_parquet(path)` on a finished file); `read_results(dir)` skips an
-unreadable file with one line on stderr.
-
-Column convention, one for every study (`make_row` refuses a metric named otherwise): measured times are seconds
-(`_s`), memory is bytes (`_bytes`), a statistic comes before the unit (`step_median_s`, `step_mean_s`, `step_std_s`,
-`time_p20_s`); rates name theirs (`tokens_per_s`, `busbw_GBps` = 1e9 B/s, `fwd_tflops` = 1e12 FLOP/s); ratios say
-what they divide (`vs_<ref>`, `_ratio` = a/b, `_rel` = a/b - 1, `_fraction`). Milliseconds and GiB appear only in
-rendered tables. Configuration columns keep the spelling of their flag (`bucket_size_mb`). A row's key within a
-study is its `trial_id` (ddp's `label`, unique per dtype, names it). Commits are 12 hex digits (`-dirty` if tracked
-files differed). `raysys.results.migrate` converts older files; `read_results` reads through it.
 """
 
 from __future__ import annotations
@@ -57,8 +37,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from raysys.results.files import (DiskFull, FileBusy, FileLock, ResultsError, remove_stale_tmp, save_figure,
-                                  trial_id, write_parquet, write_text)
+from raysys.results.files import (DiskFull, FileBusy, FileLock, ResultsError, remove_stale_tmp, save_figure, trial_id,
+                                  write_parquet, write_text)
 from raysys.results.migrate import canonical, full_sha
 
 __all__ = ["DiskFull", "FileBusy", "MODES", "NOT_RUN", "ROW_COLUMNS", "ResultWriter", "ResultsError",
@@ -310,7 +290,8 @@ def discard_empty_run_dirs() -> list[Path]:
     """Remove the directories this process created for results that are still empty (a fresh run directory, or a
     `--out` that did not exist, when a check failed after it was made, Ray refused the gang, or Ctrl-C came before
     the first row): a failed run leaves no trace. A directory that existed before is never removed.
-    `raysys.cluster.studies.run_script` calls it when a script ends, and it runs at exit. Returns the directories removed."""
+    `raysys.cluster.studies.run_script` calls it when a script ends, and it runs at exit. Returns the directories
+    removed."""
     removed = []
     for path in sorted(_FRESH_DIRS, key=lambda p: len(p.parts), reverse=True):  # a directory before its parent
         try:

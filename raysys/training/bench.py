@@ -1,18 +1,12 @@
 """End-to-end benchmark of the model under test (handout 2.1.3-2.1.6).
 
-One `BenchConfig` -> one result row: the mean and std of each phase (forward, backward, optimizer) over the
-timed steps, optionally a profiler kernel summary, peak memory and a memory snapshot. An OOM is a row with
-status `oom`, never a crash.
-
-Phases per mode: `forward` runs the forward pass and loss under `torch.no_grad()` (inference);
-`forward-backward` adds `loss.backward()`; `train-step` adds `zero_grad(set_to_none=True)` and the AdamW step.
-`bf16` / `fp16` are autocast mixed precision with fp32 master weights (`raysys.measure.device.DTYPES`).
+One `BenchConfig` -> one result row: mean and std of each phase (forward, backward, optimizer) over the timed steps,
+optionally a profiler kernel summary, peak memory and a memory snapshot; an OOM is a row, never a crash. Modes:
+`forward` (no grad), `forward-backward`, `train-step` (adds zero_grad and the AdamW step); `bf16` / `fp16` are
+autocast over fp32 master weights. `progress` is told the phase and advanced after every step.
 
     row, kernels = run_benchmark(BenchConfig(size="small", dtype="bf16", steps=10), out_dir="runs/demo")
     row["forward_mean_s"], row["step_mean_s"], row["peak_memory_bytes"]   # `python -m raysys bench` writes rows
-
-`progress` (a tqdm bar of `num_steps(cfg)` steps, which `python -m raysys bench` draws per configuration) is told
-the phase (`build`, `warm-up`, `timed`, `profile`, `memory`) and advanced after every step.
 """
 
 from __future__ import annotations
@@ -25,11 +19,12 @@ import pandas as pd
 import torch
 
 from raysys.measure import memory, profiling
-from raysys.model.config import SIZES, ModelConfig
 from raysys.measure.device import DTYPES, autocast, free_memory, resolve_device
-from raysys.model.transformer import AdamW, TransformerLM, attention_backends, cross_entropy, nvtx_range
-from raysys.results.records import PROVENANCE_COLUMNS, make_row, status_of
 from raysys.measure.timing import MAX_STEPS, PhaseTimer, tflops
+from raysys.model.config import SIZES, ModelConfig
+from raysys.model.transformer import AdamW, attention_backends, cross_entropy, nvtx_range
+from raysys.results.records import PROVENANCE_COLUMNS, make_row, status_of
+from raysys.training.step import build_model
 
 MODES = ("forward", "forward-backward", "train-step")
 
@@ -104,9 +99,8 @@ class _Run:
 
     def __init__(self, cfg: BenchConfig, device: torch.device):
         mc = cfg.model_config()
-        torch.manual_seed(cfg.seed)
         self.cfg, self.device, self.mc = cfg, device, mc
-        self.model = TransformerLM(mc, device=device)
+        self.model = build_model(mc, device, seed=cfg.seed)
         if cfg.compile:
             # A new model size must not count against dynamo's recompile limit of the previous runs' graphs.
             torch._dynamo.reset()

@@ -1,34 +1,12 @@
 """The leaderboard training step (handout section 9): one step of the basics LM composed from the project's parts.
 
 A step is `zero_grad(set_to_none=True)`, the loss, `backward()`, (a data-parallel gradient sync), `optimizer.step()`.
-`StepConfig` chooses each part, and `LeaderboardStep` applies them to a model in one place, in torchtitan's order
-(activation checkpointing, then compile and the lean blocks, then the optimizer):
-- attention backend (`flash_triton` by default, or `cudnn`: O and the log-sum-exp saved, P recomputed in its
-  backward; the benchmark measures both and takes the faster);
-- the loss: `fused` (`TransformerLM.loss`: LM head + cross-entropy in one op, no (B, S, vocab) logits) or
-  `materialized` (the course harness's `cross_entropy(model(x), y)`);
-- the optimizer: `fused` (`kernels.adamw.FusedAdamW`, one launch per dtype), `foreach` (`kernels.adamw.ForeachAdamW`)
-  or `reference` (`raysys.model.transformer.AdamW`, per parameter); all three compute the reference update; with
-  `optimizer_in_backward` each parameter is stepped inside backward as soon as its gradient is final;
-- recomputation: `advisor` (the per-layer plan `raysys.planning.advisor` makes for this exact composition, model, batch and
-  device memory, choosing per block among `recompute_kinds`: none, ffn, full and, on CUDA, offload by default,
-  offload planned over the host link as `host_link_gbps` measures it) or any `parallel.checkpointing.parse_policy`
-  spec;
-- `compile`: RMSNorm, RoPE and SwiGLU (their elementwise work, around the matmuls) compiled with `torch.compile`,
-  each module's `forward` replaced by a compiled one; blocks, attention and the Triton kernels stay eager, so
-  checkpointing wraps compiled pieces (one graph per piece, shared by every layer);
-- `lean` (with `compile`): `lean_blocks` gives the blocks a forward that keeps less for backward at the price of
-  elementwise recomputation only: ln1 and ln2's outputs and SwiGLU's gated product are recomputed in backward
-  (Inductor's partitioner reruns what `torch.utils.checkpoint` marks inside a compiled graph), and RoPE writes q
-  and k in the projections' (B, S, H, D) layout, so attention's output reaches the output projection as a view
-  instead of a merged-heads copy. A block keeps x, q, k, v, O, h, w1 x and w3 x: 2.85 of 4.27 GiB at the
-  leaderboard's shape.
+`StepConfig` chooses each part (attention backend, fused or materialised loss, fused / foreach / reference AdamW,
+optimizer in backward, recompute plan, compiled pieces, lean blocks) and `LeaderboardStep` applies them in one
+place, in torchtitan's order (checkpointing, then compile and lean blocks, then the optimizer). Invariant: loss and
+gradients are the reference step's (`cross_entropy(model(x), y)`, `AdamW.step()`) up to floating-point
+reassociation. `TODAY` is the composition before this module existed; `StepConfig()` is the fast one.
 
-Invariant: the loss and the gradients are those of the reference step (`cross_entropy(model(x), y)`, reference
-`AdamW.step()`), up to floating-point reassociation (fp32: within 1e-5 after several steps; the tests check it).
-`TODAY` is the composition the issue measured before this module existed; `StepConfig()` is the fast one.
-
-    model = TransformerLM(ModelConfig.from_name("leaderboard"), device="cuda", dtype=torch.bfloat16)
     step = LeaderboardStep(model, StepConfig(), batch_size=1, seq_len=32768)
     loss = step(x, y)                                   # one full training step
     step.close()                                        # the model is as it was (the optimizer state stays)
@@ -47,17 +25,16 @@ from typing import Callable
 
 import torch
 from torch import nn
-
 from torch.utils.checkpoint import checkpoint
 
 from parallel.checkpointing import (CheckpointHandle, OffloadForward, apply_activation_checkpointing, class_forward,
                                     parse_policy)
-from raysys.planning.advisor import KINDS
 from raysys.model.config import ModelConfig
 from raysys.model.transformer import (AdamW, RMSNorm, RotaryEmbedding, SwiGLU, TransformerBlock, TransformerLM,
-                          cross_entropy, fused_loss_kernel, get_attention, silu)
+                                      fused_loss_kernel, get_attention, silu)
+from raysys.planning.advisor import KINDS
+from raysys.training.step import LOSSES, gradients
 
-LOSSES = ("fused", "materialized")
 LOSS_IMPLS = ("auto", "triton", "torch")
 OPTIMIZERS = ("fused", "foreach", "reference")
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -78,7 +55,8 @@ class StepConfig:
     loss_impl: str = "auto"
     """Fused loss implementation: triton (`kernels/fused_linear_ce.py`), torch (chunked), auto (triton on CUDA)."""
     optimizer: str = "fused"
-    """fused (`kernels.adamw.FusedAdamW`), foreach (`kernels.adamw.ForeachAdamW`) or reference (`raysys.model.transformer.AdamW`)."""
+    """fused (`kernels.adamw.FusedAdamW`), foreach (`kernels.adamw.ForeachAdamW`) or reference
+    (`raysys.model.transformer.AdamW`)."""
     recompute: str = "advisor"
     """`advisor` (the advisor's per-layer plan for this step) or a `parallel.checkpointing.parse_policy` spec."""
     recompute_kinds: tuple = ("none", "ffn", "full", "offload")
@@ -484,31 +462,6 @@ class OptimizerInBackward:
 # ------------------------------------------------------------------------------------------------------------
 # The step.
 
-def train_step(model: TransformerLM, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, *,
-               loss: str = "fused", loss_impl: str = "auto", sync: Callable[[], None] | None = None) -> torch.Tensor:
-    """zero_grad(set_to_none=True) -> loss -> backward -> `sync()` (a DDP wrapper's gradient average) -> step.
-    Returns the loss (detached)."""
-    value = gradients(model, optimizer, x, y, loss=loss, loss_impl=loss_impl, sync=sync)
-    optimizer.step()
-    return value
-
-
-def gradients(model: TransformerLM, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, *,
-              loss: str = "fused", loss_impl: str = "auto", sync: Callable[[], None] | None = None) -> torch.Tensor:
-    """`train_step` without the optimizer step: afterwards every parameter's `.grad` is set (and synced)."""
-    optimizer.zero_grad(set_to_none=True)
-    if loss == "fused":
-        value = model.loss(x, y, fused=True, impl=loss_impl)
-    elif loss == "materialized":
-        value = cross_entropy(model(x), y)
-    else:
-        raise ValueError(f"loss {loss!r} must be one of {LOSSES}")
-    value.backward()
-    if sync is not None:
-        sync()
-    return value.detach()
-
-
 class LeaderboardStep:
     """`config` applied to `model` (attention backend, checkpoint policy, compiled pieces, optimizer); calling it
     runs one training step on a batch. `close()` removes the policy and the compiled forwards again.
@@ -619,13 +572,3 @@ class LeaderboardStep:
         if self.checkpointing is not None:
             self.checkpointing.remove()
             self.checkpointing = None
-
-
-def reference_step(model: TransformerLM, optimizer: torch.optim.Optimizer, x: torch.Tensor,
-                   y: torch.Tensor) -> torch.Tensor:
-    """The course harness's step: zero_grad, `cross_entropy(model(x), y).sum()`, backward, `optimizer.step()`."""
-    optimizer.zero_grad(set_to_none=True)
-    loss = cross_entropy(model(x), y).sum()
-    loss.backward()
-    optimizer.step()
-    return loss.detach()

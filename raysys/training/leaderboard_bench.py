@@ -1,16 +1,12 @@
 """The leaderboard benchmark (handout section 9): the course's harness over an ablation of the training step.
 
-`ablation()` lists the variants: the fast step (`StepConfig()`, first, so its first step meets the empty compile
-caches; its attention is the faster of flash_triton and cudnn as `pick_attention` measures them at the step's
-shape when the session starts), today's composition (`TODAY`), today's with each optimisation added alone, and
-the fast step at twice the batch. `run_variant` applies one to a model, runs its first step (compilation,
-autotuning, AdamW state) and times it with `triton.testing.do_bench` (the course's `rep` / `warmup`, shortened
-by flag) or CUDA events; the row records step time, peak and predicted peak memory, tokens/s, model TFLOP/s and
-MFU against a matmul peak measured in the same run, the first step's and the cold start's seconds, and which code path ran
-(`LeaderboardStep.describe`). An OOM is a row with status `oom`; the ablation goes on.
+`ablation()` lists the variants: the fast step (`StepConfig()`, first, with the faster attention `pick_attention`
+measures), today's composition (`TODAY`), today's with each optimisation alone, and the fast step at twice the
+batch. `run_variant` applies one, runs its first step and times it (`raysys.measure.timing`: Triton's do_bench
+procedure or synchronised calls); the row has step time, peak and predicted peak memory, tokens/s, TFLOP/s, MFU,
+first-step and cold-start seconds and the code path (`LeaderboardStep.describe`). An OOM is a row.
 
     python -m raysys leaderboard --size tiny --device cpu --out /tmp/lb       # seconds, on a laptop
-    python -m raysys leaderboard --size leaderboard --device cuda --rep-ms 1 --warmup-ms 1 --out results
 
 `compare_with_reference` checks the composed step against the reference path (loss, every gradient, one update).
 """
@@ -25,11 +21,15 @@ from typing import Callable
 
 import torch
 
+from raysys.cluster.studies import JoinList, split_list, writer_options
+from raysys.measure.device import check_fits, synchronize
+from raysys.measure.timing import do_bench, time_calls
 from raysys.model.config import ModelConfig
-from raysys.measure.device import check_fits
-from raysys.training.leaderboard import (ALLOC_CONF, ALLOC_ENV, DTYPE_NAMES, TODAY, LeaderboardStep, StepConfig,
-                                model_dtype_name)
 from raysys.model.transformer import AdamW, TransformerLM, cross_entropy
+from raysys.results.records import ResultWriter
+from raysys.training.leaderboard import (ALLOC_CONF, ALLOC_ENV, DTYPE_NAMES, TODAY, LeaderboardStep, StepConfig,
+                                         model_dtype_name)
+from raysys.training.step import build_model
 
 # ------------------------------------------------------------------------------------------------------------
 # Variants, timing, FLOPs.
@@ -131,95 +131,27 @@ def matmul_peak_tflops(device: torch.device, dtype: torch.dtype, n: int = 8192) 
     a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
     b = torch.randn(n, n, device=device, dtype=dtype, generator=g)
     if device.type == "cuda":
-        import triton.testing
-
-        ms = triton.testing.do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
+        seconds = do_bench(lambda: a @ b, warmup_ms=100, rep_ms=500)["time_median_s"]
     else:
-        ms = _wall_ms(lambda: a @ b, warmup=1, steps=3, device=device)["median_ms"]
-    return 2 * n**3 / (ms * 1e-3) / 1e12
-
-
-def _wall_ms(fn: Callable[[], object], *, warmup: int, steps: int, device: torch.device) -> dict:
-    """`warmup` untimed calls, then `steps` timed ones, each between device synchronisations (CUDA events on a GPU)."""
-    import statistics
-    import time
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(steps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(device)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "timed_steps": steps}
-
-
-def do_bench_agreed(fn: Callable[[], object], device: torch.device, *, warmup_ms: float, rep_ms: float,
-                    agree: Callable[[float], float]) -> dict:
-    """`triton.testing.do_bench`'s procedure on every rank of a gang: one call, five calls for an estimate, then
-    warmup_ms / estimate untimed calls and rep_ms / estimate timed ones, the L2 cache cleared (a 256 MB write, as
-    Triton's `clear_cache`) before each, timed one by one. The only rank-dependent number, the estimate, goes
-    through `agree` (the slowest rank's): every rank makes the same calls, so each step's collectives pair up
-    where Triton's own would leave ranks with different counts and a collective waiting forever. CUDA events on
-    a GPU, the wall clock elsewhere (the CPU tests). Returns `time_step`'s dict (median and 20 / 80% quantiles)."""
-    import time
-
-    cuda = device.type == "cuda"
-    cache = torch.empty(int(256e6) if cuda else 2**20, dtype=torch.int8, device=device)  # Triton's 256 MB
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize(device)
-
-    def timed(n: int) -> list[float]:
-        if cuda:
-            pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-            for start, end in pairs:
-                cache.zero_()
-                start.record()
-                fn()
-                end.record()
-            sync()
-            return [start.elapsed_time(end) for start, end in pairs]
-        out = []
-        for _ in range(n):
-            cache.zero_()
-            t0 = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t0) * 1e3)
-        return out
-
-    fn()
-    sync()
-    estimate_ms = agree(sum(timed(5)) / 5)
-    for _ in range(max(1, int(warmup_ms / estimate_ms))):
-        fn()
-    times = torch.tensor(timed(max(1, int(rep_ms / estimate_ms))), dtype=torch.float64)
-    q20, median, q80 = torch.quantile(times, torch.tensor([0.2, 0.5, 0.8], dtype=torch.float64)).tolist()
-    return {"median_ms": median, "min_ms": q20, "max_ms": q80, "timed_steps": len(times)}
+        seconds = time_calls(lambda: a @ b, device, warmup=1, steps=3)["time_median_s"]
+    return 2 * n**3 / seconds / 1e12
 
 
 def time_step(fn: Callable[[], object], device: torch.device, *, timer: str, rep_ms: float, warmup_ms: float,
               steps: int, warmup_steps: int) -> dict:
     """Time `fn` (one training step, already run once): `do_bench` (the course's harness: median of the timed
-    calls after its own warm-up; needs CUDA) or `events` (`warmup_steps`, then the median of `steps`)."""
+    calls after its own warm-up; needs CUDA) or `events` (`warmup_steps`, then the median of `steps`). Returns
+    `step_median_s`, `step_low_s` / `step_high_s` (do_bench: the 20 / 80% quantiles; events: min / max) and
+    `timed_steps`."""
     if timer == "do_bench":
         if device.type != "cuda":
             raise ValueError("timer 'do_bench' needs a CUDA device (triton.testing.do_bench times with CUDA events)")
-        import triton.testing
-
-        q20, median, q80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
-        return {"median_ms": median, "min_ms": q20, "max_ms": q80, "timed_steps": float("nan")}
-    return _wall_ms(fn, warmup=warmup_steps, steps=steps, device=device)
+        t = do_bench(fn, warmup_ms=warmup_ms, rep_ms=rep_ms)
+        return {"step_median_s": t["time_median_s"], "step_low_s": t["time_p20_s"], "step_high_s": t["time_p80_s"],
+                "timed_steps": float("nan")}
+    t = time_calls(fn, device, warmup=warmup_steps, steps=steps)
+    return {"step_median_s": t["time_median_s"], "step_low_s": t["time_min_s"], "step_high_s": t["time_max_s"],
+            "timed_steps": t["timed_steps"]}
 
 
 def process_age_s() -> float:
@@ -273,12 +205,6 @@ def make_batch(config: ModelConfig, batch_size: int, seq_len: int, device: torch
     return ids[0], ids[1]
 
 
-def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> TransformerLM:
-    """The model initialised directly on `device` in `dtype` (no fp32 copy on the host)."""
-    torch.manual_seed(seed)
-    return TransformerLM(config, device=device, dtype=dtype)
-
-
 def run_variant(model: TransformerLM, variant: Variant, *, seq_len: int, timer: str = "events",
                 rep_ms: float = COURSE_REP_MS, warmup_ms: float = COURSE_WARMUP_MS, steps: int = 3,
                 warmup_steps: int = 1, seed: int = 0, cold: bool = False) -> dict:
@@ -293,14 +219,14 @@ def run_variant(model: TransformerLM, variant: Variant, *, seq_len: int, timer: 
         step = LeaderboardStep(model, variant.step, batch_size=variant.batch_size, seq_len=seq_len)
         x, y = make_batch(mc, variant.batch_size, seq_len, device, seed)
         loss = step(x, y)
-        _sync(device)
+        synchronize(device)
         first_step_s = _now() - t0
         cold_start_s = process_age_s() if cold else float("nan")
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         timing = time_step(lambda: step(x, y), device, timer=timer, rep_ms=rep_ms, warmup_ms=warmup_ms,
                            steps=steps, warmup_steps=warmup_steps)
-        step_s = timing["median_ms"] / 1e3
+        step_s = timing["step_median_s"]
         age_end_s = process_age_s()  # cold: the whole benchmark of this variant from an empty cache
         peak = float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else float("nan")
         reserved = float(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else float("nan")
@@ -310,8 +236,7 @@ def run_variant(model: TransformerLM, variant: Variant, *, seq_len: int, timer: 
         predicted = path.pop("predicted_peak_bytes")
         if step.plan is None:  # a fixed policy: the model's prediction for it all the same
             predicted = predicted_peak(model, variant, seq_len, step.checkpointing.regions, path["attention_kernels"])
-        return {**path, "first_loss": float(loss), "step_median_s": step_s, "step_low_s": timing["min_ms"] / 1e3,
-                "step_high_s": timing["max_ms"] / 1e3, "timed_steps": timing["timed_steps"],
+        return {**path, "first_loss": float(loss), **timing,
                 "tokens_per_s": tokens / step_s, "model_flops": flops, "model_tflops": flops / step_s / 1e12,
                 "peak_bytes": peak, "reserved_peak_bytes": reserved, "predicted_peak_bytes": float(predicted),
                 "predicted_rel_error": (predicted - peak) / peak if peak == peak else float("nan"),
@@ -327,8 +252,8 @@ def run_variant(model: TransformerLM, variant: Variant, *, seq_len: int, timer: 
 
 
 def predicted_peak(model: TransformerLM, variant: Variant, seq_len: int, regions, attention_kernels: str = "") -> int:
-    """`raysys.planning.recompute_model.predict_peak` for `variant` applied to `model` with the policy's `regions` (and for
-    flash_triton the `attention_kernels` that ran)."""
+    """`raysys.planning.recompute_model.predict_peak` for `variant` applied to `model` with the policy's `regions` (and
+    for flash_triton the `attention_kernels` that ran)."""
     from raysys.planning.recompute_model import Workload, predict_peak
 
     dtype = model_dtype_name(model)
@@ -338,11 +263,6 @@ def predicted_peak(model: TransformerLM, variant: Variant, seq_len: int, regions
                  optimizer=s.optimizer, device_type=next(model.parameters()).device.type,
                  attention_kernels=attention_kernels if s.attention == "flash_triton" else "")
     return predict_peak(w, regions).peak_bytes
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def release_cached_memory(device: torch.device) -> None:
@@ -418,14 +338,6 @@ def compare_with_reference(config: ModelConfig, device: torch.device, dtype: tor
 # ------------------------------------------------------------------------------------------------------------
 # `python -m raysys leaderboard`.
 
-class NameList(argparse.Action):
-    """A list flag that takes a comma list, as every study's list flags do (`--variants best,today`), or separate
-    words (`--variants best today`); the value is the list of names."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, [name for value in values for name in value.split(",") if name])
-
-
 def build_leaderboard_parser(parser=None):
     """The flags of `python -m raysys leaderboard` (and of `sweeps/leaderboard.py`'s ablation): the names and
     meanings of the other studies' flags where they share one (`--dtypes`, comma lists)."""
@@ -437,7 +349,7 @@ def build_leaderboard_parser(parser=None):
     p.add_argument("--vocab-size", type=int, default=None, help="vocabulary override")
     p.add_argument("--batch-size", type=int, default=1, help="sequences per step on this device (the per-rank batch)")
     p.add_argument("--no-batch2", action="store_true", help="skip the fast step at twice the batch")
-    p.add_argument("--variants", nargs="+", action=NameList, default=None, metavar="A,B,..",
+    p.add_argument("--variants", action=JoinList, default=None, metavar="A,B,..",
                    help="variant names to run, a comma list (default all: best, best-ffn, best-offload, best-lean, "
                         "today, today+fused_loss, today+fused_adamw, today+compile, today+lean, today+cudnn, "
                         "today+advisor_plan, today+ffn_recompute)")
@@ -452,7 +364,7 @@ def build_leaderboard_parser(parser=None):
     p.add_argument("--timer", default=None, choices=TIMERS,
                    help="do_bench: the course's harness (CUDA); events: warm-up steps then the median of --steps "
                         "(default: do_bench on CUDA, events on the CPU)")
-    p.add_argument("--do-bench-only", nargs="+", action=NameList, default=None, metavar="A,B,..",
+    p.add_argument("--do-bench-only", action=JoinList, default=None, metavar="A,B,..",
                    help="with --timer do_bench: only these variants (NAME, or NAME:bBATCH for one batch size) by "
                         "do_bench, the others by the events timer")
     p.add_argument("--rep-ms", type=float, default=COURSE_REP_MS, help="do_bench rep (the course: 30000)")
@@ -475,15 +387,6 @@ def build_leaderboard_parser(parser=None):
     p.add_argument("--resume", action="store_true", help="keep the rows already in <out>/leaderboard.parquet")
     p.add_argument("--overwrite", action="store_true", help="replace an existing <out>/leaderboard.parquet")
     return p
-
-
-def open_writer(out, sweep: str, *, resume: bool, overwrite: bool):
-    """The sweep's ResultWriter: resume, overwrite, or a new file."""
-    from raysys.results.records import ResultWriter
-
-    if resume and overwrite:
-        raise ValueError("--resume and --overwrite contradict each other")
-    return ResultWriter(out, sweep, mode="resume" if resume else "overwrite" if overwrite else "new")
 
 
 def check_options(args) -> torch.device:
@@ -522,10 +425,11 @@ def check_args(args) -> tuple[torch.device, ModelConfig, list[Variant]]:
                 for v in ablation(args.batch_size, batch2=not args.no_batch2)]
     check_fits(config, max(v.batch_size for v in variants), 1, device.type)  # before any model is built
     if args.variants:
-        unknown = set(args.variants) - {v.name for v in variants}
+        names = split_list(args.variants)
+        unknown = set(names) - {v.name for v in variants}
         if unknown:
             raise ValueError(f"--variants {sorted(unknown)} are not among {sorted({v.name for v in variants})}")
-        variants = [v for v in variants if v.name in args.variants]
+        variants = [v for v in variants if v.name in names]
     return device, config, variants
 
 
@@ -609,7 +513,7 @@ def run_check(args, session: Session) -> dict:
     step = for_device(StepConfig(attention=session.attention), session.device, args.compile_backend)
     check = compare_with_reference(check_config, session.device, session.dtype, step, seed=args.seed)
     print("check against the reference path:", {k: v for k, v in check.items() if isinstance(v, float)}, flush=True)
-    with open_writer(args.out, f"{SWEEP}_check", resume=False, overwrite=True) as writer:
+    with ResultWriter(args.out, f"{SWEEP}_check", mode="overwrite") as writer:
         writer.write([make_row(f"{SWEEP}_check", {"size": args.check_size, "seq_len": args.check_context_length,
                                                   "dtype": args.dtype, "device": session.device.type}, check,
                                device=session.device)])
@@ -618,7 +522,7 @@ def run_check(args, session: Session) -> dict:
 
 def variant_config(args, session: Session, variant: Variant, **extra) -> dict:
     """The configuration columns of `variant`'s row (its trial id hashes them)."""
-    chosen = not args.do_bench_only or {variant.name, f"{variant.name}:b{variant.batch_size}"} & set(args.do_bench_only)
+    chosen = not args.do_bench_only or {variant.name, f"{variant.name}:b{variant.batch_size}"} & set(split_list(args.do_bench_only))
     timer = "do_bench" if args.timer == "do_bench" and chosen else "events"
     c = session.config
     row_config = {"variant": variant.name, "size": c.name, "batch_size": variant.batch_size, "seq_len": c.context_length,
@@ -667,7 +571,7 @@ def run_variants(args, session: Session, sweep: str, items, summarize: Callable[
     from raysys.results.records import trial_id
 
     rows = []
-    with open_writer(args.out, sweep, resume=args.resume, overwrite=args.overwrite) as writer:
+    with ResultWriter(args.out, sweep, **writer_options(args)) as writer:
         for variant, extra, metrics in items:
             if writer.done(trial_id(variant_config(args, session, variant, **extra))):
                 continue

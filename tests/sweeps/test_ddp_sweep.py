@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import DeviceType
 
+import raysys.training.step as step_module
 from raysys.measure.profiling import StepProfile, kernel_intervals, overlap, profile_steps
 from raysys.cluster.rank import RankContext
 from raysys.results.records import trial_id
@@ -233,12 +234,12 @@ def _run_trials(rank: int, world_size: int, configs: list[dict], out_dir: str) -
     ctx = _ctx(rank, world_size)
     models: list[weakref.ref] = []
 
-    class Recorded(common.TransformerLM):
+    class Recorded(step_module.TransformerLM):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             models.append(weakref.ref(self))
 
-    common.TransformerLM = Recorded     # every study builds its models in common.build_model
+    step_module.TransformerLM = Recorded     # every study builds its models in raysys.training.step.build_model
     out, alive = [], []
     for config in configs:
         if "sharded" in config:

@@ -306,7 +306,8 @@ def test_leaderboard_context_length_is_bounded_before_any_model(tmp_path, capsys
 @pytest.mark.parametrize("study", ["flash_bench", "fused_ops", "end_to_end"])
 def test_studies_in_their_own_process_need_no_ray(study):
     """A study whose trials run in its own process imports nothing of Ray on its way to a bad-input exit: the GPU
-    host without Ray runs it as it is (raysys.cluster.studies holds what the studies share; raysys.cluster.sweep the Ray part)."""
+    host without Ray runs it as it is (raysys.cluster.studies holds what the studies share; raysys.cluster.sweep the Ray
+    part)."""
     import subprocess
     import sys
     from pathlib import Path

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from ray.util.placement_group import placement_group_table
 
 from parallel.collectives import Buffers, run_collective
-from raysys.cluster.sweep import Gang, PlacementInfeasible, ProcessGang, run_sweep
 from raysys.cluster.gang import NodeInfo, check_placement
+from raysys.cluster.sweep import Gang, PlacementInfeasible, ProcessGang, run_sweep
 from raysys.results.records import read_results
 
 pytestmark = pytest.mark.ray

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from raysys.cluster.sweep import PlacementInfeasible, ProcessGang, check_gang, interrupted_message, run_sweep
 from raysys.cluster.rank import MIN_CPU_RANKS, max_cpu_ranks
+from raysys.cluster.sweep import PlacementInfeasible, ProcessGang, check_gang, interrupted_message, run_sweep
 from raysys.results.records import read_results
 
 
@@ -216,6 +216,7 @@ def test_sigterm_while_ray_starts_is_an_interrupt_and_the_handler_is_ours_again(
     import time
 
     import ray
+
     import raysys.cluster.gang as gang
     from raysys.cluster.signals import interrupt_on_sigterm
 
@@ -268,9 +269,9 @@ def test_a_lost_cluster_ends_the_sweep_with_one_line_and_exit_code_1(tmp_path, m
     and to resume, exit code 1; no call that would wait for Ray's end (listing nodes, removing the placement
     group)."""
     import raysys.cluster.sweep as cluster
-    from raysys.cluster.studies import run_script
     from raysys.cluster.gang import NodeInfo
     from raysys.cluster.rank import BaseGang
+    from raysys.cluster.studies import run_script
 
     state = {"lost": "", "node_calls": 0, "shutdowns": 0}
 

@@ -12,9 +12,9 @@ import pandas as pd
 import pytest
 
 from raysys import cli
-from raysys.results.records import git_sha_of
 from raysys.cluster.submit import HEAD_PORTS, job_spec, port_in_use
 from raysys.cluster.telemetry import RankMonitor, SweepProgress
+from raysys.results.records import git_sha_of
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -1,5 +1,5 @@
-"""raysys.cluster.rank.BaseGang: the interface Gang (Ray) and ProcessGang (multiprocessing) share, its lifecycle rules on
-an in-process stand-in launcher, and ProcessGang held to them with real rank processes (no Ray started here)."""
+"""raysys.cluster.rank.BaseGang: the interface Gang (Ray) and ProcessGang (multiprocessing) share, its lifecycle rules
+on an in-process stand-in launcher, and ProcessGang held to them with real rank processes (no Ray started here)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""raysys.measure.device: the one home of dtype names, device resolution, autocast, synchronisation and memory release."""
+"""raysys.measure.device: the one home of dtype names, device resolution, autocast, synchronisation and memory
+release."""
 
 import contextlib
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from raysys.training.bench import BenchConfig, run_benchmark
 from raysys.model.config import ModelConfig
 from raysys.model.transformer import TransformerLM
+from raysys.training.bench import BenchConfig, run_benchmark
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,5 @@
-"""raysys.measure.memory between trials: what TrialScope records, on the CPU (parameter counts; no allocator statistics)."""
+"""raysys.measure.memory between trials: what TrialScope records, on the CPU (parameter counts; no allocator
+statistics)."""
 
 import math
 

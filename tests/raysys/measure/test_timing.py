@@ -14,9 +14,9 @@ import types
 import pytest
 import torch
 
+from raysys.measure.timing import PHASES, Marks, median_ci_rel, paired_speedups, paired_steps, time_steps
 from raysys.model.config import ModelConfig
 from raysys.model.transformer import TransformerLM, cross_entropy
-from raysys.measure.timing import PHASES, Marks, median_ci_rel, paired_speedups, paired_steps, time_steps
 from raysys.training.step import TrainStep, compile_blocks
 
 

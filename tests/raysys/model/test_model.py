@@ -7,7 +7,7 @@ import torch
 
 from raysys.model.config import ModelConfig
 from raysys.model.transformer import (AdamW, RMSNorm, RotaryEmbedding, TransformerLM, causal_mask, cross_entropy,
-                          get_attention, naive_attention)
+                                      get_attention, naive_attention)
 
 EXPECTED_KEYS = ["token_embeddings.weight"] + [
     f"layers.{i}.{k}" for i in range(2) for k in (

@@ -7,9 +7,9 @@ import torch
 
 from parallel.checkpointing import apply_activation_checkpointing
 from raysys import cli
-from raysys.planning.advisor import advise, parse_bytes
 from raysys.model.config import ModelConfig
 from raysys.model.transformer import TransformerLM, cross_entropy
+from raysys.planning.advisor import advise, parse_bytes
 from raysys.planning.recompute_model import GiB, Workload, predict_peak
 
 XL = ModelConfig.from_name("xl", context_length=2048)

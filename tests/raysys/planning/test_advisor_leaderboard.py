@@ -12,14 +12,14 @@ import torch
 from kernels.adamw import ForeachAdamW
 from parallel.checkpointing import apply_activation_checkpointing, parse_policy
 from raysys import cli
-from raysys.planning.advisor import advise
-from raysys.model.config import ModelConfig
-from raysys.training.leaderboard import compile_pieces, lean_blocks
 from raysys.measure.memory import SavedTensorAccount, saved_bytes_per_block
+from raysys.model.config import ModelConfig
 from raysys.model.transformer import AdamW, TransformerLM
+from raysys.planning.advisor import advise
 from raysys.planning.recompute_model import (GiB, Workload, attention_backward_bytes, block_saved, cpu_allocation_trace,
-                                    fused_loss_transient, head_saved, optimizer_transient, predict_peak,
-                                    saved_per_block, sharding_transient, static_bytes)
+                                             fused_loss_transient, head_saved, optimizer_transient, predict_peak,
+                                             saved_per_block, sharding_transient, static_bytes)
+from raysys.training.leaderboard import compile_pieces, lean_blocks
 
 # Allocations measured on the CPU, the same on every host (see the fixture).
 pytestmark = pytest.mark.usefixtures("host_independent_gemm")

@@ -10,11 +10,11 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from parallel.checkpointing import apply_activation_checkpointing, parse_policy
-from raysys.model.config import ModelConfig
 from raysys.measure.memory import SavedTensorAccount
+from raysys.model.config import ModelConfig
 from raysys.model.transformer import AdamW, TransformerLM, cross_entropy
 from raysys.planning.recompute_model import (Workload, block_saved, cpu_allocation_trace, head_saved, predict_peak,
-                                    saved_per_block, static_bytes, step_flops)
+                                             saved_per_block, static_bytes, step_flops)
 
 # Allocations measured on the CPU, the same on every host (see the fixture).
 pytestmark = pytest.mark.usefixtures("host_independent_gemm")

@@ -21,8 +21,8 @@ import torch
 
 from raysys import cli
 from raysys.results import files
-from raysys.results.records import (DiskFull, FileBusy, ResultsError, ResultWriter, default_out_dir, make_row, provenance,
-                            read_results, resolve_out, save_figure, status_of, trial_id, write_text)
+from raysys.results.records import (DiskFull, FileBusy, ResultsError, ResultWriter, default_out_dir, make_row,
+                                    provenance, read_results, resolve_out, save_figure, status_of, trial_id, write_text)
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -147,8 +147,8 @@ runpy.run_module("raysys", run_name="__main__", alter_sys=True)
 
 def test_python_m_raysys_from_the_parent_of_a_clone_named_raysys(tmp_path):
     """`python -m raysys` beside a clone named `raysys` (after `git clone ... raysys && pip install -e raysys`):
-    Python takes the clone for a namespace package found before the editable install, and `raysys.results.records` was the
-    clone's results/ folder (ImportError); the console script worked."""
+    Python takes the clone for a namespace package found before the editable install, and `raysys.results.records` was
+    the clone's results/ folder (ImportError); the console script worked."""
     (tmp_path / "raysys").symlink_to(REPO, target_is_directory=True)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     code = _EDITABLE_INSTALL.format(root=str(REPO), argv=["report", str(tmp_path / "none.parquet")])

@@ -12,11 +12,11 @@ import torch
 from raysys import cli
 from raysys.cluster import studies
 from raysys.measure import memory, profiling
-from raysys.training import bench
-from raysys.training.bench import BenchConfig, run_benchmark
 from raysys.model.config import ModelConfig
 from raysys.model.transformer import TransformerLM, cross_entropy
 from raysys.results.records import ResultWriter, error_row, make_row, read_results, status_of, trial_id
+from raysys.training import bench
+from raysys.training.bench import BenchConfig, run_benchmark
 from tests.subprocess_utils import repo_env, signal_when
 
 TINY = dict(size="tiny", context_length=16, batch_size=2, warmup=1, steps=2, device="cpu")

@@ -13,10 +13,10 @@ import torch
 from kernels.adamw import ForeachAdamW
 from kernels.fused_linear_ce import ChunkedLinearCrossEntropy
 from raysys.model.config import ModelConfig
-from raysys.planning.advisor import CONTEXT_RESERVE_BYTES
-from raysys.training.leaderboard import (TODAY, LeaderboardStep, StepConfig, compile_pieces, make_optimizer, plan_step,
-                                reference_step, train_step)
 from raysys.model.transformer import AdamW, RMSNorm, SwiGLU, TransformerLM, cross_entropy, linear_cross_entropy
+from raysys.planning.advisor import CONTEXT_RESERVE_BYTES
+from raysys.training.leaderboard import TODAY, LeaderboardStep, StepConfig, compile_pieces, make_optimizer, plan_step
+from raysys.training.step import train_step
 
 
 def dynamo_graphs() -> int:
@@ -68,7 +68,7 @@ def test_fast_step_matches_reference_fp32(name, step_config):
     opt = AdamW(ref.parameters())
     step = LeaderboardStep(fast, step_config, batch_size=2)
     for x, y in batches(cfg, 3):
-        expected = reference_step(ref, opt, x, y)
+        expected = train_step(ref, opt, x, y, loss="materialized")
         assert step(x, y).item() == pytest.approx(expected.item(), abs=1e-5)
     for (n, p), q in zip(ref.named_parameters(), fast.parameters()):
         assert (p - q).abs().max().item() <= 1e-5, n
@@ -88,7 +88,7 @@ def test_step_is_not_a_noop_when_broken():
     fast = copy.deepcopy(ref)
     opt, wrong = AdamW(ref.parameters()), ForeachAdamW(fast.parameters(), lr=1.1e-3)
     (x, y), = batches(cfg, 1)
-    reference_step(ref, opt, x, y)
+    train_step(ref, opt, x, y, loss="materialized")
     train_step(fast, wrong, x, y, loss="fused", loss_impl="torch")
     assert max((p - q).abs().max().item() for p, q in zip(ref.parameters(), fast.parameters())) > 1e-5
 

@@ -1,7 +1,8 @@
-"""The leaderboard step at its own shape on a GPU (`python -m pytest -m gpu tests/raysys/training/test_leaderboard_gpu.py`):
-each attention backend's backward allocates what the memory model says, and the default step (`StepConfig()` with
-each backend, no allocator setting of the user's) runs its own plan within the plan's memory and within 5% of the
-predicted peak. Needs a GPU with the memory the plan is made for (an H200; an 80 GB card skips)."""
+"""The leaderboard step at its own shape on a GPU (`python -m pytest -m gpu
+tests/raysys/training/test_leaderboard_gpu.py`): each attention backend's backward allocates what the memory model says,
+and the default step (`StepConfig()` with each backend, no allocator setting of the user's) runs its own plan within the
+plan's memory and within 5% of the predicted peak. Needs a GPU with the memory the plan is made for (an H200; an 80 GB
+card skips)."""
 
 import os
 
@@ -9,9 +10,9 @@ import pytest
 import torch
 
 from raysys.model.config import ModelConfig
+from raysys.planning.recompute_model import Workload, attention_backward_bytes
 from raysys.training.leaderboard import ALLOC_ENV, LeaderboardStep, StepConfig
 from raysys.training.leaderboard_bench import build_model, make_batch, release_cached_memory
-from raysys.planning.recompute_model import Workload, attention_backward_bytes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
