@@ -414,10 +414,8 @@ def _grad_bytes(w: Workload) -> int:
 def head_backward_excess(w: Workload) -> int:
     """Cross-entropy backward on top of the head's residuals: the gradient of the logits and amax's
     (logits == max) mask (B S V x (e + 1) bytes in fp32); under autocast also the gradients of the low-precision
-    logits and shifted logits (measured on the CPU: 7 bytes per logit in bf16). With pure low-precision weights
-    on CUDA two more low-precision logit-sized tensors are alive (measured on an H200: the 8B model's step at
-    32768 tokens peaks 2.0 x B S V x 2 bytes above the CPU-derived count, results/leaderboard.parquet).
-    Fused: nothing (the saved gradients are scaled in place)."""
+    logits and shifted logits. With pure low-precision weights on CUDA two more low-precision logit-sized tensors
+    are alive (docs/raysys.md has the measurements). Fused: nothing (the saved gradients are scaled in place)."""
     c = w.config
     if w.loss == "fused":
         return 0

@@ -268,7 +268,7 @@ def predicted_peak(model: TransformerLM, variant: Variant, seq_len: int, regions
 def release_cached_memory(device: torch.device) -> None:
     """Between variants: drop the caching allocators' free blocks, the device's and the pinned host memory's
     (offloaded blocks' copies: a variant that offloads at another size would otherwise pin new memory beside
-    the cached blocks it cannot reuse; on the GPU host a full ablation was killed for host memory that way)."""
+    the cached blocks it cannot reuse)."""
     import gc
 
     gc.collect()
