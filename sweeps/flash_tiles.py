@@ -42,11 +42,9 @@ import json
 import math
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
-import timeit
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,6 +55,7 @@ import pandas as pd  # noqa: E402
 from kernels.attention.dispatch import TUNED_CONFIGS_PATH  # noqa: E402
 from kernels.attention.triton.tuning import KERNELS  # noqa: E402
 from raysys.measure.device import DTYPES, resolve_device  # noqa: E402
+from raysys.measure.timing import median_s  # noqa: E402
 from raysys.results.records import ResultWriter, error_row, make_row, trial_id  # noqa: E402
 from sweeps.common import (PROGRESS, list_flag, main_entry, open_writer, output_dir, parse_list,  # noqa: E402
                            redraw_report, start_ray, study_parser, write_markdown)
@@ -305,7 +304,7 @@ def trial(config: dict, device: str = "cuda") -> dict:
     limit = (1e-4 if dtype == torch.float32 else 2e-2) * float(want.abs().max())
     if not err <= limit:  # NaN fails too
         raise RuntimeError(f"wrong result: max abs difference {err:.3g} from the baseline config > {limit:.3g}")
-    ms = median_ms(lambda: run(cfg), device)
+    ms = median_s(lambda: run(cfg), device) * 1e3
     flops = flash_attention_flops(shape["batch"], shape["heads"], shape["seq"], shape["seq"], shape["head_dim"], causal, "fwd")
     flops *= MATMULS[kernel] / 2
     return {"block_m": block_m, "block_n": block_n, "path": path, "warp_specialize": ws, "persistent": persistent,
@@ -359,7 +358,7 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
     limit = 2e-2 * float(want.float().abs().max())
     if not err <= limit:
         raise RuntimeError(f"wrong result: max abs difference {err:.3g} from the tl kernels > {limit:.3g}")
-    ms = median_ms(run, torch.device("cuda"))
+    ms = median_s(run, torch.device("cuda")) * 1e3
     paired = {}
     if config.get("paired_rounds"):  # against what the launcher takes at this shape, alternating (PAIRED_KEY)
         from raysys.measure.timing import paired_speedups
@@ -371,7 +370,7 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
             ref = gluon_bwd_config(q)
             ref_run = lambda: one_pass.gluon_attention_bwd(q, k, v, out, lse, do, causal, ref)[0]  # noqa: E731
         paired = {**paired_speedups({"kernel": run}, {"kernel": ref_run}, int(config["paired_rounds"]),
-                                    lambda fn: median_ms(fn, torch.device("cuda")), "reference"),
+                                    lambda fn: median_s(fn, torch.device("cuda")) * 1e3, "reference"),
                   "reference": ref.name}
     flops = flash_attention_flops(shape["batch"], shape["heads"], shape["seq"], shape["seq"], head_dim, causal, "fwd")
     flops *= MATMULS[kernel] / 2
@@ -382,16 +381,6 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
                else {"exp2_emulated": cfg.exp2_emulated, "rescale_under_s": cfg.rescale_under_s}),
             "time_median_s": ms / 1e3,
             "tflops": flops / (ms * 1e-3) / 1e12, "max_abs_err": err, **paired}
-
-
-def median_ms(fn, device) -> float:
-    """Median milliseconds of `fn`: `triton.testing.do_bench` on a GPU, the wall clock of 3 calls on the CPU."""
-    if device.type == "cuda":
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-    fn()
-    return statistics.median(timeit.timeit(fn, number=1) for _ in range(3)) * 1e3
 
 
 class Budget:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +34,7 @@ import torch  # noqa: E402
 
 from raysys.model.config import ModelConfig  # noqa: E402
 from raysys.measure.device import free_memory, resolve_device, synchronize  # noqa: E402
+from raysys.measure.timing import kernel_time  # noqa: E402
 from raysys.results.records import ResultWriter, error_row, make_row, resolve_out  # noqa: E402
 
 SWEEP = "fused_ops"
@@ -56,20 +56,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.warmup_ms < 0 or args.rep_ms <= 0:
         p.error(f"--warmup-ms ({args.warmup_ms}) must be >= 0 and --rep-ms ({args.rep_ms}) > 0")
     return args
-
-
-def bench(fn, device: torch.device, warmup_ms: float, rep_ms: float) -> dict[str, float]:
-    """Median and 20/80% quantiles in seconds: `do_bench` on CUDA (which answers in ms), one wall-clock run on the
-    CPU (a smoke test)."""
-    if device.type == "cuda":
-        import triton.testing
-
-        q20, med, q80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
-        return {"time_median_s": med / 1e3, "time_p20_s": q20 / 1e3, "time_p80_s": q80 / 1e3}
-    start = time.perf_counter()
-    fn()
-    seconds = time.perf_counter() - start
-    return {"time_median_s": seconds, "time_p20_s": seconds, "time_p80_s": seconds}
 
 
 def peak_above(fn, device: torch.device) -> float:
@@ -115,7 +101,7 @@ def loss_rows(device, dtype, args) -> list[dict]:
             fwd_bwd()  # compile, autotune, allocator warm-up
             hidden.grad = weight.grad = None
             peak = peak_above(fwd_bwd, device)
-            timing = bench(fwd_bwd, device, args.warmup_ms, args.rep_ms)
+            timing = kernel_time(fwd_bwd, device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
             rows.append(make_row(SWEEP, config, dict(**timing, peak_above_inputs_bytes=peak,
                                                      extra_peak_bytes=peak - grad_bytes, code_path=path),
                                  device=device))
@@ -134,7 +120,7 @@ def copy_bandwidth(device, args) -> float:
     numel = 2 * GiB // 4 if device.type == "cuda" else 2**20
     src = torch.randn(numel, device=device)
     dst = torch.empty_like(src)
-    seconds = bench(lambda: dst.copy_(src), device, args.warmup_ms, args.rep_ms)["time_median_s"]
+    seconds = kernel_time(lambda: dst.copy_(src), device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)["time_median_s"]
     return 2 * numel * 4 / seconds
 
 
@@ -164,7 +150,7 @@ def adamw_rows(device, dtype, args) -> list[dict]:
         try:
             opt = make(params)
             opt.step()  # state allocation and kernel compilation
-            timing = bench(opt.step, device, args.warmup_ms, args.rep_ms)
+            timing = kernel_time(opt.step, device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
             rows.append(make_row(SWEEP, config, dict(**timing, floor_s=floor_s,
                                                      time_vs_floor=timing["time_median_s"] / floor_s, code_path=path),
                                  device=device))

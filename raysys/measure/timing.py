@@ -5,8 +5,9 @@
 from the clock). The garbage collector is paused while timing; the number of timed steps grows while the median's
 95% confidence half-width exceeds `rel_tol` (the ranks of a gang agree); diagnostics (allocator retries, CPU time,
 Dynamo recompiles) come with the row. `paired_steps` / `paired_speedups` time against a reference in ABBA blocks.
-`PhaseTimer` times named phases of `raysys.training.bench`; `do_bench` (Triton's, CUDA events), `do_bench_agreed`
-(the same procedure on every rank of a gang) and `time_calls` (synchronised calls) time a callable.
+`PhaseTimer` times named phases of `raysys.training.bench`. A callable: `do_bench` (Triton's, CUDA events),
+`do_bench_agreed` (its procedure on every rank of a gang), `time_calls` (synchronised calls), and for the kernel
+studies `median_s` / `kernel_time` (do_bench on CUDA, the wall clock elsewhere). Every result is in seconds.
 
     metrics = time_steps(TrainStep(model, optimizer, (x, y), "bf16", device), warmup=2, steps=10, max_steps=30)
     metrics["step_median_s"], metrics["forward_mean_s"], metrics["host_forward_median_s"]
@@ -423,6 +424,30 @@ def do_bench_agreed(fn: Callable[[], object], device: torch.device, *, warmup_ms
     times = torch.tensor(timed(max(1, int(rep_ms / estimate_ms))), dtype=torch.float64)
     q20, median, q80 = torch.quantile(times, torch.tensor([0.2, 0.5, 0.8], dtype=torch.float64)).tolist()
     return {"time_median_s": median / 1e3, "time_p20_s": q20 / 1e3, "time_p80_s": q80 / 1e3, "timed_steps": len(times)}
+
+
+def median_s(fn: Callable[[], object], device: torch.device, *, warmup_ms: float = 25, rep_ms: float = 100,
+             cpu_calls: int = 3) -> float:
+    """Median seconds of `fn`: `triton.testing.do_bench`'s median on CUDA (CUDA events, the L2 flushed between
+    calls), else the wall clock's median of `cpu_calls` calls after one untimed call."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")) / 1e3
+    fn()
+    return statistics.median(timeit.timeit(fn, number=1) for _ in range(cpu_calls))
+
+
+def kernel_time(fn: Callable[[], object], device: torch.device, *, warmup_ms: float = 25, rep_ms: float = 100
+                ) -> dict[str, float]:
+    """`do_bench`'s median and 20/80% quantiles (seconds) on CUDA; elsewhere one wall-clock call (a smoke test)
+    gives all three."""
+    if device.type == "cuda":
+        return do_bench(fn, warmup_ms=warmup_ms, rep_ms=rep_ms)
+    start = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - start
+    return {"time_median_s": seconds, "time_p20_s": seconds, "time_p80_s": seconds}
 
 
 def tflops(flops: float, seconds: float) -> float:

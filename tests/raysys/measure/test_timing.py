@@ -14,7 +14,8 @@ import types
 import pytest
 import torch
 
-from raysys.measure.timing import PHASES, Marks, median_ci_rel, paired_speedups, paired_steps, time_steps
+from raysys.measure.timing import (PHASES, Marks, kernel_time, median_ci_rel, median_s, paired_speedups, paired_steps,
+                                   time_calls, time_steps)
 from raysys.model.config import ModelConfig
 from raysys.model.transformer import TransformerLM, cross_entropy
 from raysys.training.step import TrainStep, compile_blocks
@@ -266,3 +267,21 @@ def test_paired_steps_count_the_allocator_on_a_gpu():
 
     out = paired_steps(Alloc(1 << 20), Alloc(1 << 10), rounds=2, block=2)
     assert out["paired_allocator_retries"] == 0 and out["paired_cuda_mallocs"] >= 0, out
+
+
+def test_the_call_timers_answer_in_seconds_on_the_cpu():
+    """`time_calls`, `median_s` and `kernel_time` on sleeping calls: seconds, and the calls they say they made."""
+    calls = []
+
+    def nap():
+        calls.append(1)
+        time.sleep(0.002)
+
+    cpu = torch.device("cpu")
+    out = time_calls(nap, cpu, warmup=2, steps=3)
+    assert len(calls) == 5 and out["timed_steps"] == 3
+    assert 0.002 <= out["time_min_s"] <= out["time_median_s"] <= out["time_max_s"] < 1
+    calls.clear()
+    assert 0.002 <= median_s(nap, cpu, cpu_calls=3) < 1 and len(calls) == 4  # one untimed call first
+    t = kernel_time(nap, cpu)
+    assert t["time_p20_s"] == t["time_median_s"] == t["time_p80_s"] >= 0.002
