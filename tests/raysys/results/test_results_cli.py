@@ -164,7 +164,6 @@ def test_the_cluster_and_report_commands_start_without_torch(tmp_path):
     code = f"""
 import sys
 from raysys import cli
-from raysys.cluster import studies
 codes = [cli.main(argv) for argv in (["doctor", "--port", "0"], ["metrics", "--temp-dir", {str(tmp_path)!r}],
                                      ["report", {str(tmp_path / "none")!r}], ["submit"])]
 print(codes, sorted(m for m in ("torch", "triton", "kernels") if m in sys.modules))
