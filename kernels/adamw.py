@@ -1,4 +1,5 @@
-"""Fused AdamW: the reference `raysys.model.AdamW` update of every parameter in one launch per (device, dtype).
+"""Fused AdamW: the reference `raysys.model.transformer.AdamW` update of every parameter in one launch per
+(device, dtype).
 
 Per parameter, step t from 1 (state `t`, `m`, `v` as the reference keeps them, in the parameter's dtype):
 p <- p - lr wd p; m <- b1 m + (1 - b1) g; v <- b2 v + (1 - b2) g^2; p <- p - alpha_t m / (sqrt(v) + eps),
@@ -265,7 +266,7 @@ def step_scalars(lr: float, betas: tuple[float, float], eps: float, weight_decay
 # Optimizer
 # ----------------------------------------------------------------------------------------------------------
 class _AdamWBase(torch.optim.Optimizer):
-    """`raysys.model.AdamW`'s hyper-parameters, defaults, input checks and state (`t`, `m`, `v`)."""
+    """`raysys.model.transformer.AdamW`'s hyper-parameters, defaults, input checks and state (`t`, `m`, `v`)."""
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01):
@@ -290,7 +291,8 @@ class _AdamWBase(torch.optim.Optimizer):
 
 
 class FusedAdamW(_AdamWBase):
-    """AdamW with `raysys.model.AdamW`'s semantics, defaults and state (`t`, `m`, `v`), one launch per device/dtype.
+    """AdamW with `raysys.model.transformer.AdamW`'s semantics, defaults and state (`t`, `m`, `v`), one launch per
+    device/dtype.
     `paths` is what updated the parameters in the last step ({'kernel', 'reference'}; before the first step, what
     will for parameters whose gradient matches them); `label` names it for a result row."""
 
@@ -361,10 +363,10 @@ def optimizer_label(*optimizers: torch.optim.Optimizer) -> str:
 
 
 class ForeachAdamW(_AdamWBase):
-    """`raysys.model.AdamW` (same semantics, defaults and state) with torch's multi-tensor `_foreach_` ops: the
-    kernel's plain-torch counterpart (the CPU's fast optimizer). One launch per operation over a chunk of parameters
-    (at most `chunk_bytes` of them, so the sqrt(v) temporaries stay bounded) instead of one per operation per
-    parameter. Parameters with the same step count, device and dtype
+    """`raysys.model.transformer.AdamW` (same semantics, defaults and state) with torch's multi-tensor `_foreach_`
+    ops: the kernel's plain-torch counterpart (the CPU's fast optimizer). One launch per operation over a chunk of
+    parameters (at most `chunk_bytes` of them, so the sqrt(v) temporaries stay bounded) instead of one per operation
+    per parameter. Parameters with the same step count, device and dtype
     are updated together; each element sees exactly the reference's arithmetic."""
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),

@@ -1,8 +1,8 @@
 """Fused LM head + cross-entropy: the mean loss and its gradients without the (tokens x vocab) logits.
 
-loss = mean_i [ logsumexp_j(z_ij) - z_i,y_i ] with z = H W^T, the semantics of `raysys.model.cross_entropy(H @ W.T,
-y)` (max-subtracted log-sum-exp, fp32 arithmetic, mean over positions). Shape legend: N tokens (all leading dims
-of `hidden` flattened), D model dim, V vocab, C rows per chunk. hidden (..., D), weight (V, D), targets (...) int64.
+loss = mean_i [ logsumexp_j(z_ij) - z_i,y_i ] with z = H W^T, the semantics of
+`raysys.model.transformer.cross_entropy(H @ W.T, y)` (max-subtracted log-sum-exp, fp32 arithmetic, mean over
+positions). Shape legend: N tokens (all leading dims of `hidden` flattened), D model dim, V vocab, C rows per chunk. hidden (..., D), weight (V, D), targets (...) int64.
 The gradients are computed during the forward, C tokens at a time (C = `chunk_rows(...)`, keeping the (C, V) buffer
 under `MAX_CHUNK_BYTES`); backward only scales them. z and dZ are in the inputs' dtype, loss and softmax fp32, dW
 accumulates in its own dtype. On CUDA a target outside [0, V) makes its row's loss NaN; on the CPU it raises
@@ -243,8 +243,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
 
 
 def linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Plain torch on materialised logits, `raysys.model.cross_entropy` semantics: the test oracle (in fp64) and the
-    unfused baseline. Returns the loss in the inputs' dtype, as the reference does."""
+    """Plain torch on materialised logits, `raysys.model.transformer.cross_entropy` semantics: the test oracle (in
+    fp64) and the unfused baseline. Returns the loss in the inputs' dtype, as the reference does."""
     logits = hidden @ weight.t()
     logits = logits - logits.amax(dim=-1, keepdim=True)
     log_z = torch.log(torch.exp(logits).sum(dim=-1))
@@ -253,7 +253,8 @@ def linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, t
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Plain-torch fused LM head + cross-entropy (the CPU's path, `raysys.model.linear_cross_entropy(impl="torch")`):
+    """Plain-torch fused LM head + cross-entropy (the CPU's path,
+    `raysys.model.transformer.linear_cross_entropy(impl="torch")`):
     `chunk` tokens at a time, logits upcast to fp32 (fp64 for fp64 inputs; max-subtracted log-sum-exp as in
     `cross_entropy`), the gradients written during forward, the weight's accumulated in its own dtype (one rounding
     per chunk in bf16, exact in fp32), as the kernel above does. Backward scales them by the upstream gradient in

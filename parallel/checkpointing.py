@@ -324,7 +324,7 @@ class _FfnBranchForward:
 class OffloadForward:
     """Forward of a block whose saved tensors go to the host store. `inner` (default: the block's class forward)
     is what runs inside the store's hooks; a faster forward of the same block may take its place
-    (`raysys.leaderboard.lean_blocks` does)."""
+    (`raysys.training.leaderboard.lean_blocks` does)."""
 
     def __init__(self, block: nn.Module, store: "OffloadStore", group: int):
         self.block, self.store, self.group = block, store, group

@@ -378,7 +378,7 @@ class _OverlappedDataParallel(_DataParallel):
 
 def _compiled(module: nn.Module) -> bool:
     """Whether `module` runs compiled: `torch.compile(module)`, `module.compile()`, or its `forward` replaced by
-    `torch.compile(module.forward)` (raysys.train_step.compile_blocks)."""
+    `torch.compile(module.forward)` (raysys.training.step.compile_blocks)."""
     return (getattr(module, "_compiled_call_impl", None) is not None
             or hasattr(getattr(module, "forward", None), "_torchdynamo_orig_callable"))
 

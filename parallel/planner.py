@@ -11,17 +11,15 @@ tables (`raysys plan`). The formulas and their derivation: docs/parallel.md.
 
 from __future__ import annotations
 
-import argparse
-import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable
 
 __all__ = [
     "FFNProblem", "PassCost", "StrategyCost", "ring_all_gather_time", "ring_reduce_scatter_time",
     "ring_all_reduce_time", "alternate_all_reduce_time", "dp_cost", "fsdp_cost", "tp_cost", "fsdp_tp_cost",
     "max_devices", "best_fsdp_tp", "fsdp_tp_continuous", "bandwidth_from_results", "plan_tables",
-    "build_plan_parser", "run_plan", "plan_main", "H200_BF16_FLOPS", "H200_NVLINK_BYTES_PER_S",
+    "H200_BF16_FLOPS", "H200_NVLINK_BYTES_PER_S",
 ]
 
 H200_BF16_FLOPS = 989e12
@@ -307,69 +305,3 @@ def bandwidth_from_results(path: str | Path) -> list[dict]:
         out.append({"world_size": int(ws), "num_bytes": int(row[size_col]), "busbw_GBps": float(row["busbw_GBps"]),
                     "source": f"{path.name}: all_reduce {int(row[size_col]):,} B, {int(ws)} ranks {launch}{device}"})
     return out
-
-
-# ---------------------------------------------------------------------------------------------- CLI
-def build_plan_parser(parser: argparse.ArgumentParser | None = None,
-                      sizes: Mapping[str, Mapping[str, int]] | None = None) -> argparse.ArgumentParser:
-    """Add the `plan` flags to `parser` (a subcommand parser) or to a new one. `sizes` (name -> {d_model, d_ff,
-    ...}, e.g. raysys.config.SIZES, which `parallel/` may not import itself) enables `--size`."""
-    parser = parser or argparse.ArgumentParser(prog="raysys plan", description=__doc__.split("\n\n")[0])
-    if sizes:
-        parser.add_argument("--size", choices=sorted(sizes), default="xl" if "xl" in sizes else None,
-                            help="named model size for D and D_FF (default xl)")
-    parser.set_defaults(_plan_sizes=dict(sizes or {}))
-    parser.add_argument("--d-model", type=int, default=None, help="D (overrides --size)")
-    parser.add_argument("--d-ff", type=int, default=None, help="D_FF (overrides --size)")
-    parser.add_argument("--batch", type=int, default=8192, help="B: tokens in the global batch (default 8192)")
-    parser.add_argument("--flops", type=float, default=H200_BF16_FLOPS,
-                        help="C: FLOP/s per device (default 989e12, H200 dense BF16)")
-    parser.add_argument("--bandwidth", type=float, default=None,
-                        help="W: bytes/s per device; default: all-reduce bus bandwidth from --results, else 450e9 "
-                             "(H200 NVLink per direction)")
-    parser.add_argument("--results", default="results",
-                        help="directory or allreduce.parquet of the collectives benchmark (default results/)")
-    parser.add_argument("--bytes-per-element", type=float, default=2.0, help="b (default 2: fp16/bf16)")
-    parser.add_argument("--devices", default="2,4,8,16,32,64,128", help="device counts for the ratio table")
-    parser.add_argument("--markdown", default=None, help="also write the tables to this file")
-    return parser
-
-
-def run_plan(args: argparse.Namespace) -> int:
-    """Print (and optionally write) the plan tables for the parsed `plan` arguments."""
-    sizes = getattr(args, "_plan_sizes", {})
-    size = sizes.get(getattr(args, "size", None) or "", {})
-    d_model, d_ff = args.d_model or size.get("d_model"), args.d_ff or size.get("d_ff")
-    if d_model is None or d_ff is None:
-        raise ValueError("give --d-model and --d-ff (or --size)")
-    try:
-        devices = [int(d) for d in str(args.devices).split(",") if d.strip()]
-    except ValueError:
-        raise ValueError(f"--devices ({args.devices!r}) must be a comma list of integers") from None
-    if not devices or min(devices) < 1:
-        raise ValueError(f"--devices ({args.devices!r}) must list positive device counts")
-    if args.bandwidth is not None:
-        sources = [{"busbw_GBps": args.bandwidth / 1e9, "source": "--bandwidth"}]
-    else:
-        sources = bandwidth_from_results(args.results) or [
-            {"busbw_GBps": H200_NVLINK_BYTES_PER_S / 1e9, "source": "H200 NVLink spec (no measured all-reduce found)"}]
-    sections = []
-    for src in sources:
-        p = FFNProblem(batch=args.batch, d_model=d_model, d_ff=d_ff, flops=args.flops,
-                       bandwidth=src["busbw_GBps"] * 1e9, bytes_per_element=args.bytes_per_element)
-        sections.append(f"## W from {src['source']}\n\n{plan_tables(p, devices)}")
-    text = "\n".join(sections)
-    print(text)
-    if args.markdown:
-        Path(args.markdown).write_text(text)
-    return 0
-
-
-def plan_main(argv: list[str] | None = None, sizes: Mapping[str, Mapping[str, int]] | None = None) -> int:
-    """`raysys plan ...`: print the tables; exit status 0, or 2 on bad input (the message on stderr)."""
-    args = build_plan_parser(sizes=sizes).parse_args(argv)
-    try:
-        return run_plan(args)
-    except ValueError as exc:
-        print(f"raysys plan: error: {exc}", file=sys.stderr)
-        return 2

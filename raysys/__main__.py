@@ -2,7 +2,7 @@
 
 Run from the parent directory of a clone named `raysys`, Python takes that clone for a namespace package `raysys`
 (the current directory comes first on sys.path, and an editable install's finder only answers after the path has
-been searched), so `raysys.results` would be the clone's `results/` folder. Then this file, found through the
+been searched), so `raysys.results.records` would be the clone's `results/` folder. Then this file, found through the
 install, puts the package's own parent first and imports the package again.
 """
 

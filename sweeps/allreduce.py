@@ -24,11 +24,12 @@ from pathlib import Path
 
 import pandas as pd
 
+
 from parallel.collectives import OPS, aggregate, benchmark_collective
-from raysys.cluster import check_gang, cluster_nodes, run_sweep
-from raysys.gang import gang_device
-from raysys.rank import check_rank_env
-from raysys.timing import MAX_STEPS
+from raysys.cluster.sweep import check_gang, cluster_nodes, run_sweep
+from raysys.cluster.gang import gang_device
+from raysys.cluster.rank import check_rank_env
+from raysys.measure.timing import MAX_STEPS
 from sweeps.common import (NOT_ON_CPU, check_int, check_timeout, list_flag, main_entry, on_cpu,
                            open_writer, output_dir, parse_ints, parse_list, print_written, pyplot, read_rows,
                            save_figure, start_ray, study_parser, write_markdown)
@@ -309,7 +310,7 @@ def planner_tables(path: Path) -> str:
     """`python -m raysys plan --size xl --batch 8192` (handout 8) with W = the best measured all-reduce bus
     bandwidth per world size in the Parquet file at `path`."""
     from parallel.planner import H200_BF16_FLOPS, FFNProblem, bandwidth_from_results, plan_tables
-    from raysys.config import SIZES
+    from raysys.model.config import SIZES
 
     size, parts = SIZES[PLANNER_SIZE], []
     for src in bandwidth_from_results(path):

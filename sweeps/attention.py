@@ -1,7 +1,7 @@
 """PyTorch attention at scale (handout 4.1.1 pytorch_attention and 4.2 torch_compile): time and memory.
 
 Grid: batch 8, no heads, d in {16, 32, 64, 128} x seq in {256, ..., 16384}, fp32, causal
-(`raysys.model.naive_attention`), eager and compiled: forward and backward times, the memory before backward and the
+(`raysys.model.transformer.naive_attention`), eager and compiled: forward and backward times, the memory before backward and the
 bytes autograd saved, beside the analytic accounting (`expected_saved_bytes`: O(B N^2)). An OOM is a row; the
 smallest that ran out of memory is accounted for in `<out>/attention_memory.md`. `--memory-fraction` emulates a
 smaller GPU. Writes `<out>/attention.parquet` and `<out>/attention.md`; the accounting in full: docs/studies.md.
@@ -20,12 +20,13 @@ import pandas as pd
 import torch
 from torch import nn
 
-from raysys import memory
-from raysys.device import resolve_device
-from raysys.model import naive_attention
-from raysys.files import write_text
-from raysys.results import make_row, status_of, trial_id
-from raysys.timing import MAX_STEPS, PhaseTimer
+
+from raysys.measure import memory
+from raysys.measure.device import resolve_device
+from raysys.model.transformer import naive_attention
+from raysys.results.files import write_text
+from raysys.results.records import make_row, status_of, trial_id
+from raysys.measure.timing import MAX_STEPS, PhaseTimer
 from sweeps.common import (PROGRESS, check_int, list_flag, main_entry, open_writer, output_dir,
                            parse_list, read_rows, study_parser, write_markdown)
 

@@ -25,16 +25,17 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+
 from parallel.checkpointing import apply_activation_checkpointing, parse_policy
-from raysys import memory
-from raysys.config import SIZES, ModelConfig
-from raysys.device import DTYPES, autocast, resolve_device
-from raysys.model import AdamW, TransformerLM, cross_entropy, get_attention
-from raysys.recompute_model import (GiB, Workload, cpu_allocation_trace, predict_peak, saved_per_block,
+from raysys.measure import memory
+from raysys.model.config import SIZES, ModelConfig
+from raysys.measure.device import DTYPES, autocast, resolve_device
+from raysys.model.transformer import AdamW, TransformerLM, cross_entropy, get_attention
+from raysys.planning.recompute_model import (GiB, Workload, cpu_allocation_trace, predict_peak, saved_per_block,
                                     static_bytes, step_flops)
-from raysys.results import ResultWriter, error_row, make_row, trial_id
-from raysys.files import write_text
-from raysys.timing import MAX_STEPS, PhaseTimer
+from raysys.results.records import ResultWriter, error_row, make_row, trial_id
+from raysys.results.files import write_text
+from raysys.measure.timing import MAX_STEPS, PhaseTimer
 from sweeps.common import (NOT_ON_CPU, PROGRESS, check_int, list_flag, main_entry, on_cpu, open_writer,
                            output_dir, parse_ints, parse_list, pyplot, read_rows, save_figure, start_ray, study_parser)
 
@@ -82,7 +83,7 @@ class Trial:
         parse_policy(self.policy, self.model_config().num_layers).regions(self.model_config().num_layers)
 
     def workload(self, device_type: str) -> Workload:
-        """What the memory and FLOP model (`raysys.recompute_model`) needs to predict this trial."""
+        """What the memory and FLOP model (`raysys.planning.recompute_model`) needs to predict this trial."""
         return Workload(config=self.model_config(), batch_size=self.batch_size, precision=self.dtype,
                         device_type=device_type)
 
@@ -256,11 +257,11 @@ def run_local(trials: list[dict], writer: ResultWriter) -> None:
 
 
 def run_tune(trials: list[dict], writer: ResultWriter, gpus: float) -> None:
-    """Ray Tune, one trial per GPU: `raysys.cluster.tune_run` turns each trial into a row. Trials of another
+    """Ray Tune, one trial per GPU: `raysys.cluster.sweep.tune_run` turns each trial into a row. Trials of another
     attention backend (or with other fields) form their own Tune grid, run after the first."""
     from ray import tune
 
-    from raysys.cluster import tune_run
+    from raysys.cluster.sweep import tune_run
 
     groups: dict[tuple, list[dict]] = {}
     for t in trials:

@@ -27,19 +27,16 @@ from typing import Any, Callable, ClassVar, Iterable, Sequence
 
 import pandas as pd
 import torch
-from torch import nn
 
-from raysys import files
-from raysys.config import SIZES, ModelConfig
-from raysys.device import check_fits  # noqa: F401  (the studies' memory bound, shared with raysys's CLIs)
-from raysys.files import write_text
-from raysys.memory import TrialScope
-from raysys.model import TransformerLM
-from raysys.profiling import profile_steps
-from raysys.results import ResultWriter, check_sweep_name
-from raysys.timing import MAX_STEPS
-from raysys.studies import JoinList
-from raysys.train_step import compile_blocks
+from raysys.results import files
+from raysys.model.config import SIZES, ModelConfig
+from raysys.measure.device import check_fits  # noqa: F401  (the studies' memory bound, shared with raysys's CLIs)
+from raysys.results.files import write_text
+from raysys.measure.memory import TrialScope
+from raysys.measure.profiling import profile_steps
+from raysys.results.records import ResultWriter, check_sweep_name
+from raysys.measure.timing import MAX_STEPS
+from raysys.cluster.studies import JoinList
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +66,7 @@ class HelpFormatter(argparse.RawTextHelpFormatter):
 
 def list_flag(p: argparse.ArgumentParser, name: str, *, default: str | None, help: str, aliases: Sequence[str] = ()):
     """A list flag: one comma list or several words (`--dtypes fp32,bf16` = `--dtypes fp32 bf16`, stored as
-    'fp32,bf16'; `raysys.studies.JoinList`), with hidden older spellings that take the same."""
+    'fp32,bf16'; `raysys.cluster.studies.JoinList`), with hidden older spellings that take the same."""
     p.add_argument(name, default=default, metavar="A,B,..", action=JoinList, help=help)
     for old in aliases:
         alias(p, old, name, action=JoinList)
@@ -84,10 +81,10 @@ def alias(p: argparse.ArgumentParser, old: str, new: str, **kwargs) -> None:
 def study_parser(doc: str | None, sweep: str, *, device_help: str = "auto: cuda when present",
                  devices: Sequence[str] = ("auto", "cuda", "cpu"), gang: bool = False, ray: bool = False,
                  timeout_s: float | None = None) -> argparse.ArgumentParser:
-    """The flags every study takes (`raysys.studies.sweep_parser`: --device, --out, --resume | --overwrite,
+    """The flags every study takes (`raysys.cluster.studies.sweep_parser`: --device, --out, --resume | --overwrite,
     --allow-mixed, --report-only) with the whole docstring as description; `gang=True` adds --launcher, and with
     `ray=True` --address and --dashboard; `timeout_s` adds --timeout-s with that default."""
-    from raysys.studies import sweep_parser
+    from raysys.cluster.studies import sweep_parser
 
     p = sweep_parser(doc, sweep, device_help=device_help)
     p.description, p.formatter_class = doc, HelpFormatter
@@ -187,9 +184,9 @@ def check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -
 
 
 def check_timeout(name: str, value: float) -> float:
-    """A finite number of seconds in (0, a week] (`raysys.rank.MAX_TIMEOUT_S`): nan, inf, 0, negative or huge
+    """A finite number of seconds in (0, a week] (`raysys.cluster.rank.MAX_TIMEOUT_S`): nan, inf, 0, negative or huge
     timeouts would make every trial an error row."""
-    from raysys.rank import check_seconds
+    from raysys.cluster.rank import check_seconds
 
     return check_seconds(name, value)
 
@@ -229,8 +226,8 @@ def check_variant_flags(args: argparse.Namespace, world_size: int) -> None:
 
 
 def paired_summary(row: Mapping) -> str:
-    """What `raysys.timing.paired_steps` found for a result row, in one clause: the median's rounds, the range over
-    them and its 95% half-width, then the same for the CPU time a step's issue took (`paired_host_cpu_ratio`)."""
+    """What `raysys.measure.timing.paired_steps` found for a result row, in one clause: the median's rounds, the range
+    over them and its 95% half-width, then the same for the CPU time a step's issue took (`paired_host_cpu_ratio`)."""
     text = (f"paired: median of {int(row['paired_rounds'])} rounds, range {row['paired_ratio_min']:.3f}-"
             f"{row['paired_ratio_max']:.3f}")
     ci_rel = row.get("paired_ratio_ci_rel", math.nan)
@@ -256,11 +253,11 @@ def check_timing_options(warmup: int, compile: bool, paired_rounds: int) -> None
 class GangTrial(Mapping):
     """What every training trial on a gang shares; a study's trial class adds its own fields.
 
-    The trial is its row's configuration: `dict(trial)` (the mapping protocol, which `raysys.cluster.run_sweep`
+    The trial is its row's configuration: `dict(trial)` (the mapping protocol, which `raysys.cluster.sweep.run_sweep`
     uses) gives the config columns, and the trial id hashes them."""
 
     size: str
-    """Named model size (`raysys.config.SIZES`)."""
+    """Named model size (`raysys.model.config.SIZES`)."""
     context_length: int
     """Sequence length of every batch (and the model's RoPE length)."""
     batch_per_rank: int
@@ -367,26 +364,16 @@ class VariantTrial(GangTrial):
         return {name: str(self.nccl_trace_buffer) for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")}
 
 
-def build_model(mc: ModelConfig, device: torch.device, *, seed: int, compile: bool = False) -> nn.Module:
-    """A fresh `TransformerLM` from `seed`, its blocks compiled under `compile` (before any wrapper, so every
-    variant runs the same blocks and the wrappers' hooks stay eager)."""
-    torch.manual_seed(seed)
-    model = TransformerLM(mc, device=device)
-    if compile:
-        compile_blocks(model)
-    return model
-
-
 def in_trial_scope(trial_fn: Callable[..., dict], ctx, *args, **kwargs) -> dict:
     """`trial_fn(ctx, ...)`'s metrics plus the memory and live parameters before and after it
-    (`raysys.memory.TrialScope`: what a trial leaked into the next one on the same rank)."""
+    (`raysys.measure.memory.TrialScope`: what a trial leaked into the next one on the same rank)."""
     with TrialScope(ctx.device) as scope:
         metrics = trial_fn(ctx, *args, **kwargs)
     return {**metrics, **scope.metrics}
 
 
 def profile_one_step(step, trace_path: Path | None, expect_nccl: bool):
-    """Profile one step after one profiler warm-up step (`raysys.profiling.profile_steps`): the profile and the
+    """Profile one step after one profiler warm-up step (`raysys.measure.profiling.profile_steps`): the profile and the
     row's `profile_status` (`ok`, `cpu`: no GPU kernels to measure, or what a broken GPU profile lacked, which
     also warns) and `trace_path` (rank 0's Chrome trace, when asked)."""
     prof = profile_steps(step, step.device, trace_path=trace_path)
@@ -405,7 +392,7 @@ def adamw_kwargs(device: torch.device) -> dict:
 # ---------------------------------------------------------------------------------------------------- devices
 def start_ray(args: argparse.Namespace) -> None:
     """Connect to (or start) Ray as the flags say: `--address`, `--dashboard`."""
-    from raysys.cluster import init_ray
+    from raysys.cluster.sweep import init_ray
 
     init_ray(getattr(args, "address", None), dashboard=getattr(args, "dashboard", False))
 
@@ -420,15 +407,15 @@ def local_gang_device(args: argparse.Namespace) -> tuple[str, bool]:
     """The device a gang will use as far as it is known without Ray, and whether that is certain: the named one,
     or this machine's (a Ray cluster named by --address or RAY_ADDRESS may have GPUs this machine lacks). The grid
     is checked with it before Ray starts; checks that depend on the device wait for the certain one."""
-    from raysys.mp_gang import local_device
+    from raysys.cluster.mp_gang import local_device
 
     return local_device(args.device), args.device != "auto" or not _remote(args)
 
 
 def ranks_device_name(args: argparse.Namespace, device: str) -> str | None:
-    """What the `ok` rows of a gang on `device` will name as their device (`raysys.rank.device_description`):
+    """What the `ok` rows of a gang on `device` will name as their device (`raysys.cluster.rank.device_description`):
     `cpu`, or the GPU model of this machine when the ranks run here and its GPUs are all one model; else None."""
-    from raysys.results import nvidia_gpu_models
+    from raysys.results.records import nvidia_gpu_models
 
     if _remote(args):
         return None
@@ -439,8 +426,8 @@ def ranks_device_name(args: argparse.Namespace, device: str) -> str | None:
 def check_resumed(writer: ResultWriter, trials: Sequence[GangTrial], gang: Mapping[str, Any],
                   device_name: str | None = None) -> None:
     """Refuse to continue a file whose rows ran another configuration than `trials` on a gang of `gang`'s columns
-    (world size and launcher, and with the device known `raysys.cluster.gang_columns`), unless --allow-mixed: every
-    setting of the run (the trial class's columns outside `PER_TRIAL`, and the gang's), and with the device known
+    (world size and launcher, and with the device known `raysys.cluster.sweep.gang_columns`), unless --allow-mixed:
+    every setting of the run (the trial class's columns outside `PER_TRIAL`, and the gang's), and with the device known
     each trial by its `KEY` and the device's name (`ResultWriter.check_resume`)."""
     cls = type(trials[0])
     configs = [{**t, **gang} for t in trials]
@@ -452,7 +439,7 @@ def check_resumed(writer: ResultWriter, trials: Sequence[GangTrial], gang: Mappi
 def gang_device(args: argparse.Namespace, world_size: int) -> str:
     """The device the gang of `world_size` ranks will use; a ValueError at once when it could never be placed
     (no GPU, or fewer GPUs or CPUs than ranks), before any rank starts."""
-    from raysys.cluster import check_gang
+    from raysys.cluster.sweep import check_gang
 
     if args.launcher == "ray":
         start_ray(args)
@@ -465,7 +452,7 @@ def run_gang_study(args: argparse.Namespace, sweep: str, grid: Callable[..., lis
     the trials) and the result file opened before Ray starts (a file to resume compared with this run's
     configuration, `check_resumed`), then the device resolved (and the file compared again) and the trials run
     (`trial_fn(out)` is the function every rank runs), one row each. Returns the rows and the results directory."""
-    from raysys.cluster import check_gang, gang_columns, run_sweep
+    from raysys.cluster.sweep import check_gang, gang_columns, run_sweep
 
     world_size = one_world_size(args)
     check_timeout("--timeout-s", args.timeout_s)
@@ -509,10 +496,10 @@ def print_written(out: Path, sweep: str, *paths: Path | None) -> None:
 
 # ---------------------------------------------------------------------------------------------------- output
 def output_dir(args: argparse.Namespace, sweep: str) -> Path:
-    """The absolute results directory of this run (`raysys.studies.resolve_out_dir`): `--out`, made if missing
+    """The absolute results directory of this run (`raysys.cluster.studies.resolve_out_dir`): `--out`, made if missing
     (a one-line error if it is a file or cannot be written), else a fresh run directory. Call it once the flags
     are checked; --resume and --report-only need `--out` (the run to continue or redraw)."""
-    from raysys.studies import resolve_out_dir
+    from raysys.cluster.studies import resolve_out_dir
 
     check_sweep_name(sweep)
     for flag in ("resume", "report_only"):
@@ -525,7 +512,7 @@ def output_dir(args: argparse.Namespace, sweep: str) -> Path:
 def read_rows(args: argparse.Namespace, sweep: str) -> pd.DataFrame:
     """The rows of `<out>/<sweep>.parquet` for --report-only (a one-line error if the file is missing or
     unreadable)."""
-    from raysys.results import read_results
+    from raysys.results.records import read_results
 
     path = output_dir(args, sweep) / f"{sweep}.parquet"
     if not path.is_file():
@@ -584,19 +571,19 @@ class TrackedWriter(ResultWriter):
 
 def open_writer(out: Path, sweep: str, args: argparse.Namespace, expect: Mapping[str, Any] | None = None
                 ) -> ResultWriter:
-    """The result file of `sweep` in `out` as the flags say (`raysys.studies.writer_options`): a new file, or
+    """The result file of `sweep` in `out` as the flags say (`raysys.cluster.studies.writer_options`): a new file, or
     --resume (refusing rows of another commit, device or of `expect`'s values unless --allow-mixed), or
     --overwrite; locked against a second writer. Open it before Ray starts: a refusal costs nothing then."""
-    from raysys.studies import writer_options
+    from raysys.cluster.studies import writer_options
 
     return TrackedWriter(out, sweep, expect=expect, **writer_options(args))
 
 
 def main_entry(main: Callable[[list[str] | None], Any], argv: list[str] | None = None) -> int:
-    """Run a study's `main` (`raysys.cli.run_script`): bad input is one line on stderr and exit code 2; Ctrl-C
-    (or SIGTERM) is one line, "interrupted after N of M trials; rerun with --resume", and exit code 130."""
-    from raysys.cli import run_script
-    from raysys.studies import interrupted_message
+    """Run a study's `main` (`raysys.cluster.studies.run_script`): bad input is one line on stderr and exit code 2;
+    Ctrl-C (or SIGTERM) is one line, "interrupted after N of M trials; rerun with --resume", and exit code 130."""
+    from raysys.cluster.studies import run_script
+    from raysys.cluster.studies import interrupted_message
 
     def guarded(argv: list[str] | None):
         try:
@@ -685,7 +672,8 @@ def pyplot():
 
 
 def save_figure(fig, path: Path, dpi: int = 120, **layout) -> Path:
-    """Lay `fig` out, write it atomically (`raysys.files.save_figure`: a full disk keeps the old picture), close it."""
+    """Lay `fig` out, write it atomically (`raysys.results.files.save_figure`: a full disk keeps the old picture), close
+    it."""
     import matplotlib.pyplot as plt
 
     fig.tight_layout(**layout)

@@ -28,14 +28,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+
 from parallel.ddp import make_ddp
-from raysys.memory import release
-from raysys.profiling import cpu_op_time, kernel_intervals, overlap
-from raysys.rank import nccl_group
-from raysys.timing import MAX_STEPS, paired_steps, time_steps
-from raysys.train_step import TrainStep
+from raysys.measure.memory import release
+from raysys.measure.profiling import cpu_op_time, kernel_intervals, overlap
+from raysys.cluster.rank import nccl_group
+from raysys.measure.timing import MAX_STEPS, paired_steps, time_steps
+from raysys.training.step import TrainStep
+from raysys.training.step import build_model
 from sweeps.common import (GANG_DTYPES, NOT_ON_CPU, VariantTrial, adamw_kwargs, add_model_flags,
-                           add_variant_flags, build_model, check_fits, check_int, check_variant_flags, column,
+                           add_variant_flags, check_fits, check_int, check_variant_flags, column,
                            gang_study_main,
                            grid_values, in_trial_scope, list_flag, main_entry, markdown_report, on_cpu, paired_summary,
                            parse_list, profile_one_step, pyplot, save_figure, setup_sentence, step_column,
@@ -327,7 +329,7 @@ def targets(df: pd.DataFrame) -> list[str]:
 
 
 def health(df: pd.DataFrame) -> pd.DataFrame:
-    """Per trial: how trustworthy its numbers are (see the module docstring of raysys.timing)."""
+    """Per trial: how trustworthy its numbers are (see the module docstring of raysys.measure.timing)."""
     gib = 2**30
     leak = column(df, "memory_allocated_after_bytes") - column(df, "memory_allocated_before_bytes")
     compiled = {}

@@ -22,12 +22,13 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from raysys import memory
-from raysys.bench import BenchConfig, run_benchmark
-from raysys.config import TABLE1_SIZES, ModelConfig
-from raysys.device import resolve_device
-from raysys.model import TransformerLM, cross_entropy
-from raysys.results import (ResultWriter, error_row, make_row, provenance, read_results, trial_id,
+
+from raysys.measure import memory
+from raysys.training.bench import BenchConfig, run_benchmark
+from raysys.model.config import TABLE1_SIZES, ModelConfig
+from raysys.measure.device import resolve_device
+from raysys.model.transformer import TransformerLM, cross_entropy
+from raysys.results.records import (ResultWriter, error_row, make_row, provenance, read_results, trial_id,
                             write_parquet)
 from sweeps.common import (PROGRESS, list_flag, main_entry, open_writer, output_dir, parse_list, pyplot,
                            save_figure, study_parser, write_markdown)

@@ -17,10 +17,8 @@ from __future__ import annotations
 import functools
 import math
 import os
-import statistics
 import sys
 import time
-import timeit
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,9 +26,10 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from raysys.device import DTYPES, resolve_device
-from raysys.results import ResultWriter, make_row, status_of, trial_id
-from raysys.timing import MAX_STEPS, PAIRED_REP_MS, paired_speedups
+
+from raysys.measure.device import DTYPES, resolve_device
+from raysys.results.records import ResultWriter, make_row, status_of, trial_id
+from raysys.measure.timing import MAX_STEPS, PAIRED_REP_MS, median_s, paired_speedups
 from sweeps.common import (PROGRESS, alias, check_int, check_timeout, list_flag, main_entry, open_writer,
                            output_dir, parse_ints, parse_list, read_rows, redraw_report, study_parser,
                            write_markdown)
@@ -258,17 +257,6 @@ def provider_fn(name: str, device: torch.device) -> Callable:
     return _sdpa({"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}[name])
 
 
-def bench_s(fn: Callable[[], object], device: torch.device, warmup_ms: float = 25, rep_ms: float = 100) -> float:
-    """Median seconds: `triton.testing.do_bench` on CUDA (L2 flushed between calls; it answers in ms), else wall
-    clock."""
-    if device.type == "cuda":
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")) / 1e3
-    fn()
-    return statistics.median(timeit.timeit(fn, number=1) for _ in range(3))
-
-
 PAIRED_PROVIDERS = ("triton",)
 """Providers `--paired-rounds` times against SDPA cuDNN in alternating rounds (the auto dispatch, which the targets
 judge)."""
@@ -314,10 +302,10 @@ def run_trial(cfg: dict, device: torch.device, caps: dict, check_only: bool = Fa
     with torch.no_grad():
         metrics["max_abs_err"] = _max_error(out, q, k, v, causal, device)
     fwd = lambda: fn(q, k, v, causal)  # noqa: E731
-    metrics["fwd_median_s"] = bench_s(fwd, device)
-    metrics["bwd_median_s"] = bench_s(functools.partial(out.backward, do, retain_graph=True), device)
+    metrics["fwd_median_s"] = median_s(fwd, device)
+    metrics["bwd_median_s"] = median_s(functools.partial(out.backward, do, retain_graph=True), device)
     out = None  # release the retained graph before the next measurement
-    metrics["fwd_bwd_median_s"] = bench_s(lambda: fn(q, k, v, causal).backward(do), device)
+    metrics["fwd_bwd_median_s"] = median_s(lambda: fn(q, k, v, causal).backward(do), device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -332,7 +320,7 @@ def run_trial(cfg: dict, device: torch.device, caps: dict, check_only: bool = Fa
         metrics.update(paired_speedups(
             {"fwd": fwd, "fwd_bwd": lambda: fn(q, k, v, causal).backward(do)},
             {"fwd": lambda: cudnn(q, k, v, causal), "fwd_bwd": lambda: cudnn(q, k, v, causal).backward(do)},
-            paired_rounds, lambda f: bench_s(f, device, warmup_ms=25, rep_ms=PAIRED_REP_MS), "sdpa_cudnn"))
+            paired_rounds, lambda f: median_s(f, device, warmup_ms=25, rep_ms=PAIRED_REP_MS), "sdpa_cudnn"))
     if cfg["provider"] in TRITON_PATHS:
         from kernels.attention.dispatch import LAST_PATH, last_paths
 
@@ -506,7 +494,7 @@ def write_tuned(df: pd.DataFrame, json_path: Path) -> dict[str, list[dict]]:
     import json
 
     from kernels.attention.triton.tuning import load_tuned_configs
-    from raysys.files import write_text
+    from raysys.results.files import write_text
 
     winners = candidate_winners(df)
     if not any(winners.values()):

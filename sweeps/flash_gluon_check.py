@@ -33,8 +33,8 @@ from kernels.attention import flash_attention_bwd, flash_attention_flops, flash_
 from kernels.attention.checks import GLUON_HEAD_DIMS
 from kernels.attention.dispatch import DEFAULT_BWD_CONFIGS, LAST_PATH, gluon_bwd_config, gluon_fwd_config
 from kernels.attention.gluon.compat import HAS_GLUON_HOPPER
-from raysys.results import make_row, resolve_out, write_parquet
-from raysys.timing import PAIRED_REP_MS, paired_speedups
+from raysys.results.records import make_row, resolve_out, write_parquet
+from raysys.measure.timing import PAIRED_REP_MS, paired_speedups
 
 SWEEP = "flash_gluon"
 
@@ -441,7 +441,7 @@ def paired_against_default(shape, configs: list, default, run, rounds: int, mode
                            bench=None) -> list[dict]:
     """Rows of kind 'paired' (`mode` fwd) or 'paired_bwd' (bwd): each config but `default` (what the gluon path
     launches at this shape: `gluon_fwd_config` / `gluon_bwd_config`) against it, `run(config)` timed in `rounds`
-    alternating rounds (`raysys.timing.paired_speedups`; `bench` None: do_bench for PAIRED_REP_MS):
+    alternating rounds (`raysys.measure.timing.paired_speedups`; `bench` None: do_bench for PAIRED_REP_MS):
     `paired_speedup_<mode>_vs_default` = default time / config time, > 1 where the config is faster. A config that
     fails prints one line and gets no row."""
     bench = bench or (lambda fn: triton.testing.do_bench(fn, warmup=25, rep=PAIRED_REP_MS))
@@ -466,7 +466,7 @@ def paired_against_default(shape, configs: list, default, run, rounds: int, mode
 
 
 def _row(config: dict, metrics: dict, **kw) -> dict:
-    """A result row in the project's convention (raysys.results: provenance, seconds)."""
+    """A result row in the project's convention (raysys.results.records: provenance, seconds)."""
     return make_row(SWEEP, config, metrics, **kw)
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from raysys.report import report
+
+from raysys.results.report import report
 
 STUDIES = ("flash_tiles", "flash_bench")
 
@@ -25,6 +26,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from raysys.cli import run_script
+    from raysys.cluster.studies import run_script
 
     sys.exit(run_script(main))

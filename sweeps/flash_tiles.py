@@ -21,11 +21,9 @@ import json
 import math
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
-import timeit
 from pathlib import Path
 
 
@@ -33,8 +31,9 @@ import pandas as pd
 
 from kernels.attention.dispatch import TUNED_CONFIGS_PATH
 from kernels.attention.triton.tuning import KERNELS
-from raysys.device import DTYPES, resolve_device
-from raysys.results import ResultWriter, error_row, make_row, trial_id
+from raysys.measure.device import DTYPES, resolve_device
+from raysys.measure.timing import median_s
+from raysys.results.records import ResultWriter, error_row, make_row, trial_id
 from sweeps.common import (PROGRESS, list_flag, main_entry, open_writer, output_dir, parse_list,
                            redraw_report, start_ray, study_parser, write_markdown)
 
@@ -222,7 +221,7 @@ def param_spaces(quick: bool, shapes: tuple[str, ...], variants: tuple[str, ...]
 
 def grid_configs(space: dict) -> list[dict]:
     """The configs a param space expands to (what `--launcher local` runs; Tune's own grid expansion)."""
-    from raysys.cluster import expand_grid
+    from raysys.cluster.sweep import expand_grid
 
     return expand_grid(space)
 
@@ -278,7 +277,7 @@ def trial(config: dict, device: str = "cuda") -> dict:
     limit = (1e-4 if dtype == torch.float32 else 2e-2) * float(want.abs().max())
     if not err <= limit:  # NaN fails too
         raise RuntimeError(f"wrong result: max abs difference {err:.3g} from the baseline config > {limit:.3g}")
-    ms = median_ms(lambda: run(cfg), device)
+    ms = median_s(lambda: run(cfg), device) * 1e3
     flops = flash_attention_flops(shape["batch"], shape["heads"], shape["seq"], shape["seq"], shape["head_dim"], causal, "fwd")
     flops *= MATMULS[kernel] / 2
     return {"block_m": block_m, "block_n": block_n, "path": path, "warp_specialize": ws, "persistent": persistent,
@@ -332,10 +331,10 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
     limit = 2e-2 * float(want.float().abs().max())
     if not err <= limit:
         raise RuntimeError(f"wrong result: max abs difference {err:.3g} from the tl kernels > {limit:.3g}")
-    ms = median_ms(run, torch.device("cuda"))
+    ms = median_s(run, torch.device("cuda")) * 1e3
     paired = {}
     if config.get("paired_rounds"):  # against what the launcher takes at this shape, alternating (PAIRED_KEY)
-        from raysys.timing import paired_speedups
+        from raysys.measure.timing import paired_speedups
 
         if kernel == "fwd":
             ref = gluon_fwd_config(q, k)
@@ -344,7 +343,7 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
             ref = gluon_bwd_config(q)
             ref_run = lambda: one_pass.gluon_attention_bwd(q, k, v, out, lse, do, causal, ref)[0]  # noqa: E731
         paired = {**paired_speedups({"kernel": run}, {"kernel": ref_run}, int(config["paired_rounds"]),
-                                    lambda fn: median_ms(fn, torch.device("cuda")), "reference"),
+                                    lambda fn: median_s(fn, torch.device("cuda")) * 1e3, "reference"),
                   "reference": ref.name}
     flops = flash_attention_flops(shape["batch"], shape["heads"], shape["seq"], shape["seq"], head_dim, causal, "fwd")
     flops *= MATMULS[kernel] / 2
@@ -355,16 +354,6 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
                else {"exp2_emulated": cfg.exp2_emulated, "rescale_under_s": cfg.rescale_under_s}),
             "time_median_s": ms / 1e3,
             "tflops": flops / (ms * 1e-3) / 1e12, "max_abs_err": err, **paired}
-
-
-def median_ms(fn, device) -> float:
-    """Median milliseconds of `fn`: `triton.testing.do_bench` on a GPU, the wall clock of 3 calls on the CPU."""
-    if device.type == "cuda":
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-    fn()
-    return statistics.median(timeit.timeit(fn, number=1) for _ in range(3)) * 1e3
 
 
 class Budget:
@@ -461,7 +450,7 @@ def run_local(spaces: dict[str, dict], writer: ResultWriter, budget: Budget, com
 def run_tune(spaces: dict[str, dict], writer: ResultWriter, budget: Budget, resume: bool,
              device: str = "cuda") -> None:
     """One Ray Tune run per kernel, one GPU (or CPU) per trial; each row is written when its trial ends."""
-    from raysys.cluster import tune_run
+    from raysys.cluster.sweep import tune_run
 
     for space in spaces.values():
         if budget.spent():

@@ -28,20 +28,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+
 from parallel.ddp import make_ddp
 from parallel.fsdp import FSDP, is_sharded_module, make_fsdp
 from parallel.mixed_precision import CastForCompute
 from parallel.sharded_optimizer import ShardedOptimizer
-from raysys.config import ModelConfig
-from raysys.device import low_precision, synchronize
-from raysys.memory import release, unique_storage_bytes
-from raysys.model import TransformerBlock, TransformerLM
-from raysys.profiling import device_kernels, is_nccl, kernel_intervals, overlap
-from raysys.rank import nccl_group
-from raysys.timing import paired_steps, time_steps
-from raysys.train_step import TrainStep
+from raysys.model.config import ModelConfig
+from raysys.measure.device import low_precision, synchronize
+from raysys.measure.memory import release, unique_storage_bytes
+from raysys.model.transformer import TransformerBlock, TransformerLM
+from raysys.measure.profiling import device_kernels, is_nccl, kernel_intervals, overlap
+from raysys.cluster.rank import nccl_group
+from raysys.measure.timing import paired_steps, time_steps
+from raysys.training.step import TrainStep
+from raysys.training.step import build_model
 from sweeps.common import (GANG_DTYPES, NOT_ON_CPU, VariantTrial, adamw_kwargs, add_model_flags,
-                           add_variant_flags, build_model, check_fits, check_variant_flags, gang_study_main,
+                           add_variant_flags, check_fits, check_variant_flags, gang_study_main,
                            grid_values, in_trial_scope, list_flag, main_entry, markdown_report, on_cpu, paired_summary,
                            parse_list, profile_one_step, setup_sentence, step_column, study_parser, write_markdown)
 
@@ -150,7 +152,7 @@ def expected_state(mc: ModelConfig, variant: str, world_size: int) -> dict[str, 
 # ---------------------------------------------------------------------------------------------------- overlap
 def nccl_kernels(events) -> tuple[dict[str, list], list]:
     """({all_gather|reduce_scatter|all_reduce|other: [(start, end)]}, compute kernel intervals), microseconds:
-    `raysys.profiling.kernel_intervals`, with the NCCL kernels sorted by the collective they run."""
+    `raysys.measure.profiling.kernel_intervals`, with the NCCL kernels sorted by the collective they run."""
     _, compute = kernel_intervals(events)
     comm: dict[str, list] = {kind: [] for kind in (*COLLECTIVES, "other")}
     for name, start, end in device_kernels(events):

@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from pathlib import Path
 
 import torch
 
-from raysys.config import ModelConfig
-from raysys.device import free_memory, resolve_device, synchronize
-from raysys.results import ResultWriter, error_row, make_row, resolve_out
+
+from raysys.model.config import ModelConfig
+from raysys.measure.device import free_memory, resolve_device, synchronize
+from raysys.measure.timing import kernel_time
+from raysys.results.records import ResultWriter, error_row, make_row, resolve_out
 
 SWEEP = "fused_ops"
 GiB = 2**30
@@ -45,20 +46,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def bench(fn, device: torch.device, warmup_ms: float, rep_ms: float) -> dict[str, float]:
-    """Median and 20/80% quantiles in seconds: `do_bench` on CUDA (which answers in ms), one wall-clock run on the
-    CPU (a smoke test)."""
-    if device.type == "cuda":
-        import triton.testing
-
-        q20, med, q80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
-        return {"time_median_s": med / 1e3, "time_p20_s": q20 / 1e3, "time_p80_s": q80 / 1e3}
-    start = time.perf_counter()
-    fn()
-    seconds = time.perf_counter() - start
-    return {"time_median_s": seconds, "time_p20_s": seconds, "time_p80_s": seconds}
-
-
 def peak_above(fn, device: torch.device) -> float:
     """Bytes `fn` allocates at its peak above what was allocated before it (NaN on the CPU)."""
     if device.type != "cuda":
@@ -73,7 +60,7 @@ def peak_above(fn, device: torch.device) -> float:
 
 def loss_rows(device, dtype, args) -> list[dict]:
     from kernels.fused_linear_ce import chunk_rows, linear_cross_entropy
-    from raysys.model import cross_entropy
+    from raysys.model.transformer import cross_entropy
 
     n, v, d = CUDA_LOSS_SHAPE if device.type == "cuda" else CPU_LOSS_SHAPE
     gen = torch.Generator(device).manual_seed(0)
@@ -86,7 +73,7 @@ def loss_rows(device, dtype, args) -> list[dict]:
         return cross_entropy(h @ w.t(), y)
 
     impls = {"fused_triton": (linear_cross_entropy, f"kernels.fused_linear_ce, {chunk_rows(n, v, dtype)}-row chunks"),
-             "reference": (unfused, "raysys.model.cross_entropy on materialised logits, eager"),
+             "reference": (unfused, "raysys.model.transformer.cross_entropy on materialised logits, eager"),
              "compiled": (torch.compile(unfused, backend=args.compile_backend),
                           f"torch.compile({args.compile_backend}) of the reference")}
     rows = []
@@ -102,7 +89,7 @@ def loss_rows(device, dtype, args) -> list[dict]:
             fwd_bwd()  # compile, autotune, allocator warm-up
             hidden.grad = weight.grad = None
             peak = peak_above(fwd_bwd, device)
-            timing = bench(fwd_bwd, device, args.warmup_ms, args.rep_ms)
+            timing = kernel_time(fwd_bwd, device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
             rows.append(make_row(SWEEP, config, dict(**timing, peak_above_inputs_bytes=peak,
                                                      extra_peak_bytes=peak - grad_bytes, code_path=path),
                                  device=device))
@@ -121,13 +108,13 @@ def copy_bandwidth(device, args) -> float:
     numel = 2 * GiB // 4 if device.type == "cuda" else 2**20
     src = torch.randn(numel, device=device)
     dst = torch.empty_like(src)
-    seconds = bench(lambda: dst.copy_(src), device, args.warmup_ms, args.rep_ms)["time_median_s"]
+    seconds = kernel_time(lambda: dst.copy_(src), device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)["time_median_s"]
     return 2 * numel * 4 / seconds
 
 
 def adamw_rows(device, dtype, args) -> list[dict]:
     from kernels.adamw import FusedAdamW, adamw_bytes
-    from raysys.model import AdamW, TransformerLM
+    from raysys.model.transformer import AdamW, TransformerLM
 
     cfg = ModelConfig.from_name("leaderboard") if device.type == "cuda" else CPU_MODEL
     shapes = [tuple(p.shape) for p in TransformerLM(cfg, device="meta").parameters()]
@@ -138,7 +125,7 @@ def adamw_rows(device, dtype, args) -> list[dict]:
     numel = sum(p.numel() for p in params)
     floor_s = adamw_bytes(numel, params[0].element_size()) / copy_bandwidth(device, args)
     impls = {"fused_triton": (FusedAdamW, "kernels.adamw, one multi-tensor Triton launch"),
-             "reference": (AdamW, "raysys.model.AdamW, per-parameter torch ops"),
+             "reference": (AdamW, "raysys.model.transformer.AdamW, per-parameter torch ops"),
              "torch_foreach": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=True),
                                "torch.optim.AdamW(foreach=True), other rounding"),
              "torch_fused": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, fused=True),
@@ -151,7 +138,7 @@ def adamw_rows(device, dtype, args) -> list[dict]:
         try:
             opt = make(params)
             opt.step()  # state allocation and kernel compilation
-            timing = bench(opt.step, device, args.warmup_ms, args.rep_ms)
+            timing = kernel_time(opt.step, device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
             rows.append(make_row(SWEEP, config, dict(**timing, floor_s=floor_s,
                                                      time_vs_floor=timing["time_median_s"] / floor_s, code_path=path),
                                  device=device))

@@ -1,6 +1,6 @@
 """Leaderboard study (handout 9; docs/studies.md): the 8B model's training step at context 32768, three studies.
 
-- ablation:   `raysys.leaderboard_bench`'s variants on one GPU (`<out>/leaderboard.parquet`), plus `--check` (the fast
+- ablation:   `raysys.training.leaderboard_bench`'s variants on one GPU (`<out>/leaderboard.parquet`), plus `--check` (the fast
               step's loss, gradients and update against the reference path, `<out>/leaderboard_check.parquet`).
 - neighbours: the advisor's recompute plan for the fast step and its neighbours (`--offsets`), each measured, one Ray
               Tune trial per plan (`--no-ray`: in this process): `<out>/leaderboard_tune.parquet`.
@@ -27,14 +27,17 @@ import pandas as pd
 import torch
 
 from parallel.checkpointing import parse_policy
-from raysys.config import ModelConfig
-from raysys.device import check_fits
-from raysys.leaderboard import LeaderboardStep, StepConfig, plan_on_device
-from raysys.leaderboard_bench import (COURSE_REP_MS, COURSE_WARMUP_MS, DTYPE_NAMES, SWEEP, NameList,
-                                      Session, Variant, build_leaderboard_parser, build_model, check_options, do_bench_agreed,
+from raysys.model.config import ModelConfig
+from raysys.cluster.studies import JoinList, split_list
+from raysys.measure.device import check_fits
+from raysys.measure.timing import do_bench_agreed
+from raysys.training.leaderboard import LeaderboardStep, StepConfig, plan_on_device
+from raysys.training.leaderboard_bench import (COURSE_REP_MS, COURSE_WARMUP_MS, DTYPE_NAMES, SWEEP,
+                                      Session, Variant, build_leaderboard_parser, check_options,
                                       for_device, make_batch, release_cached_memory, run_ablation, run_check,
                                       run_variants, start_session, variant_row)
-from raysys.results import ROW_COLUMNS, read_results
+from raysys.results.records import ROW_COLUMNS, read_results
+from raysys.training.step import build_model
 
 STUDIES = ("ablation", "neighbours", "ddp")
 TUNE_SWEEP, DDP_SWEEP = f"{SWEEP}_tune", f"{SWEEP}_ddp"
@@ -46,7 +49,7 @@ def neighbour_specs(plan_layers: tuple[str, ...], offsets: list[int], grow: str 
     plan's own order (recomputed blocks first, or last): the blocks at the border of the kept (none) run change,
     to the kind of their recomputed neighbour (full or ffn; `grow` when the plan recomputes nothing) or to none.
     Offsets past either end are dropped."""
-    from raysys.advisor import policy_for
+    from raysys.planning.advisor import policy_for
 
     layers = list(plan_layers)
     none_last = layers[-1] == "none" or set(layers) == {"none"}
@@ -95,7 +98,7 @@ def tune_trial(config: dict) -> dict:
     args = parser.parse_args(["--out", "."])
     for key in TUNE_ARGS:
         setattr(args, key, config[key])
-    args.variants, args.no_batch2 = ["best"], True
+    args.variants, args.no_batch2 = "best", True
     session = start_session(args)
     n = session.config.num_layers
     plan_layers = tuple(r.kind for r in parse_policy(config["advisor_policy"], n).regions(n)
@@ -113,7 +116,7 @@ def run_neighbours_tune(args) -> pd.DataFrame:
     """The plan and its neighbours as Ray Tune trials (one GPU each; one CPU each on a CPU-only cluster)."""
     from ray import tune
 
-    from raysys.cluster import tune_run
+    from raysys.cluster.sweep import tune_run
 
     device = torch.device("cuda" if args.device in ("auto", "cuda") and torch.cuda.is_available() else args.device)
     config = ModelConfig.from_name(args.size, **_overrides(args))
@@ -213,7 +216,7 @@ def _agree_max(ctx, value: float) -> float:
 def exposed_communication(prof) -> dict:
     """From one profiled step: the NCCL kernels' seconds and the seconds of them no other kernel overlaps (NaN
     without GPU kernels to read, as on the CPU: `profile_status` says why)."""
-    from raysys.profiling import kernel_intervals, overlap
+    from raysys.measure.profiling import kernel_intervals, overlap
 
     status = prof.status(expect_nccl=True)
     if status != "ok":
@@ -230,7 +233,7 @@ def ddp_trial(ctx, config: dict) -> dict:
     import time
 
     from parallel.ddp import OverlappedDDP
-    from raysys.profiling import profile_steps
+    from raysys.measure.profiling import profile_steps
 
     t = DDPTrial(**config)
     dtype = {v: k for k, v in DTYPE_NAMES.items()}[t.dtype]
@@ -245,7 +248,7 @@ def ddp_trial(ctx, config: dict) -> dict:
         if t.timer == "do_bench":
             timing = do_bench_agreed(lambda: step(x, y), ctx.device, warmup_ms=t.warmup_ms, rep_ms=t.rep_ms,
                                      agree=lambda v: _agree_max(ctx, v))
-            median, timed = timing["median_ms"] * 1e-3, timing["timed_steps"]
+            median, timed = timing["time_median_s"], timing["timed_steps"]
         else:
             times = []
             for _ in range(t.steps):
@@ -271,7 +274,7 @@ def ddp_trial(ctx, config: dict) -> dict:
 
 def run_ddp(args) -> pd.DataFrame:
     """The fast step on a gang of --world-size ranks (Ray actors, or processes with --launcher mp)."""
-    from raysys.cluster import run_sweep
+    from raysys.cluster.sweep import run_sweep
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     step = for_device(StepConfig(), torch.device(device), args.compile_backend)
@@ -312,7 +315,7 @@ def _attention_text(row) -> str:
 def ablation_markdown(df: pd.DataFrame) -> str:
     """The ablation table per run, and the targets: the fast step's time (course harness where measured) against
     4.5 s / 5.5 s and against today's composition of the same run, its peak against the prediction, the cold start."""
-    from raysys.leaderboard_bench import summary
+    from raysys.training.leaderboard_bench import summary
 
     lines = ["## Leaderboard step (`sweeps/leaderboard.py`, `python -m raysys leaderboard`)", ""]
     if df.empty:
@@ -398,9 +401,10 @@ def ablation_markdown(df: pd.DataFrame) -> str:
 
 
 def repredict(rows: pd.DataFrame) -> pd.Series:
-    """The peak `raysys.recompute_model` predicts now for each measured row (its policy, composition, batch)."""
+    """The peak `raysys.planning.recompute_model` predicts now for each measured row (its policy, composition,
+    batch)."""
     from parallel.checkpointing import parse_policy
-    from raysys.recompute_model import Workload, predict_peak
+    from raysys.planning.recompute_model import Workload, predict_peak
 
     out = []
     for r in rows.itertuples():
@@ -490,9 +494,9 @@ def _overrides(args) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = build_leaderboard_parser(argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                                          formatter_class=argparse.RawTextHelpFormatter))
-    p.add_argument("--studies", dest="study", nargs="+", action=NameList, default=["ablation"], metavar="A,B,..",
+    p.add_argument("--studies", dest="study", action=JoinList, default="ablation", metavar="A,B,..",
                    help=f"which studies, in order, a comma list of {', '.join(STUDIES)}")
-    p.add_argument("--study", dest="study", nargs="+", action=NameList, help=argparse.SUPPRESS)
+    p.add_argument("--study", dest="study", action=JoinList, help=argparse.SUPPRESS)
     p.add_argument("--no-ray", action="store_true", help="neighbours: loop in this process instead of Ray Tune")
     p.add_argument("--offsets", type=int, nargs="+", default=[-2, -1, 0, 1, 2],
                    help="neighbours: moves of the plan's number of fully checkpointed blocks (0: the plan)")
@@ -507,9 +511,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.out is None:
         raise ValueError("--out is required (a results directory)")
-    unknown = [name for name in args.study if name not in STUDIES]
-    if unknown or not args.study:
-        raise ValueError(f"--studies {','.join(args.study)!r} must name studies among {', '.join(STUDIES)}")
+    studies = split_list(args.study)
+    unknown = [name for name in studies if name not in STUDIES]
+    if unknown or not studies:
+        raise ValueError(f"--studies {args.study!r} must name studies among {', '.join(STUDIES)}")
     try:
         args.world_size = int(args.world_size)
     except ValueError:
@@ -524,13 +529,13 @@ def main(argv: list[str] | None = None) -> int:
         check_options(args)  # the options every study shares (timer, rep / warm-up, device), whichever runs
         cpu = args.device == "cpu" or args.device == "auto" and not torch.cuda.is_available()
         check_fits(ModelConfig.from_name(args.size, **_overrides(args)), args.batch_size,
-                   args.world_size if "ddp" in args.study else 1, "cpu" if cpu else "cuda")
+                   args.world_size if "ddp" in studies else 1, "cpu" if cpu else "cuda")
     if args.report_only:
         for path in write_reports(Path(args.out)):
             print(path.read_text())
         return 0
     session = None
-    for study in args.study:
+    for study in studies:
         if study in ("ablation",) or (study == "neighbours" and args.no_ray):
             session = session or start_session(args)
         print(f"== {study}", flush=True)
@@ -552,6 +557,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from raysys.cli import run_script
+    from raysys.cluster.studies import run_script
 
     sys.exit(run_script(main))

@@ -20,13 +20,15 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+
 from parallel.ddp import BucketedDDP
 from parallel.sharded_optimizer import ShardedOptimizer
-from raysys.device import synchronize
-from raysys.memory import release, unique_storage_bytes
-from raysys.timing import Marks, time_steps
-from raysys.train_step import TrainStep
-from sweeps.common import (GANG_DTYPES, GangTrial, adamw_kwargs, add_model_flags, build_model,
+from raysys.measure.device import synchronize
+from raysys.measure.memory import release, unique_storage_bytes
+from raysys.measure.timing import Marks, time_steps
+from raysys.training.step import TrainStep
+from raysys.training.step import build_model
+from sweeps.common import (GANG_DTYPES, GangTrial, adamw_kwargs, add_model_flags,
                            check_fits, gang_study_main, grid_values, in_trial_scope, list_flag, main_entry,
                            markdown_report, parse_list, pyplot, save_figure, setup_sentence, study_parser,
                            write_markdown)

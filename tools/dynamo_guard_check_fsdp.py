@@ -31,11 +31,11 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from parallel.fsdp import FSDP
-from raysys.config import ModelConfig
-from raysys.model import TransformerBlock, TransformerLM, cross_entropy
-from raysys.profiling import dynamo_guard_log, guard_kinds
-from raysys.results import provenance, write_parquet
-from raysys.train_step import compile_blocks
+from raysys.model.config import ModelConfig
+from raysys.model.transformer import TransformerBlock, TransformerLM, cross_entropy
+from raysys.measure.profiling import dynamo_guard_log, guard_kinds
+from raysys.results.records import provenance, write_parquet
+from raysys.training.step import compile_blocks
 
 CASES = ("single", "single-autocast", "fsdp-fp32", "fsdp-bf16", "fsdp-bf16-alone", "single", "fsdp-bf16")
 MC = ModelConfig(vocab_size=64, context_length=8, d_model=32, num_layers=4, num_heads=2, d_ff=64, name="t")

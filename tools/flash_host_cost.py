@@ -39,7 +39,7 @@ import kernels.attention.dispatch as dispatch
 import kernels.attention.gluon.forward as g
 import kernels.attention.gluon.runtime as runtime
 import kernels.attention.interface as fa
-from raysys.results import PROVENANCE_COLUMNS, make_row, write_parquet
+from raysys.results.records import PROVENANCE_COLUMNS, make_row, write_parquet
 
 LINE = re.compile(r"^(?P<case>\S.*?) host us/call (?P<host>[\d.]+)\s+wall us/call (?P<wall>[\d.]+)\s+"
                   r"kernels us/call (?P<kernel>[\d.]+)$")

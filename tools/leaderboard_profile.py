@@ -1,12 +1,12 @@
 """Issue 15: where the leaderboard step's time goes on one GPU, and how fast the host link is (for offload).
 
-One fast step (`raysys.leaderboard.StepConfig`, cuDNN attention, the advisor's plan unless POLICY is set) of the 8B
+One fast step (`raysys.training.leaderboard.StepConfig`, cuDNN attention, the advisor's plan unless POLICY is set) of the 8B
 model at batch 1 x 32768 in bf16: two warm-up steps (the first compiles), then one step under the CUDA profiler.
 Kernel time is grouped by what ran (cuBLAS / CUTLASS matmuls, cuDNN attention, the project's Triton kernels,
 Inductor's kernels, other) and offload's host link copies, which run on a side stream beside them; `gaps` is the
 step's wall time (CUDA events) minus the kernels' summed time, copies aside (the GPU waiting on the host, a copy
 or nothing). First the host link, as the step measures it (`host_link_gbps`, 1 GiB copies). Writes
-`$OUT/leaderboard_profile_<label>.txt` and `.parquet` (one `raysys.results` row per kernel name: calls, total_s,
+`$OUT/leaderboard_profile_<label>.txt` and `.parquet` (one `raysys.results.records` row per kernel name: calls, total_s,
 the profiled step's step_s and peak_bytes). Run on the GPU host:
 
     LABEL=lean python -m tools.leaderboard_profile
@@ -21,10 +21,10 @@ import pandas as pd
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from raysys.config import ModelConfig
-from raysys.leaderboard import LeaderboardStep, StepConfig, host_link_gbps
-from raysys.leaderboard_bench import build_model, make_batch
-from raysys.results import make_row
+from raysys.model.config import ModelConfig
+from raysys.training.leaderboard import LeaderboardStep, StepConfig, host_link_gbps
+from raysys.training.leaderboard_bench import build_model, make_batch
+from raysys.results.records import make_row
 
 LABEL = os.environ.get("LABEL", "lean")
 OUT = Path(os.environ.get("OUT", "/tmp")) / f"leaderboard_profile_{LABEL}"

@@ -1,4 +1,4 @@
-"""FusedAdamW under the CPU interpreter (TRITON_INTERPRET=1) against the reference `raysys.model.AdamW`.
+"""FusedAdamW under the CPU interpreter (TRITON_INTERPRET=1) against the reference `raysys.model.transformer.AdamW`.
 
 Odd sizes (numel 1, 7, 1025 over 64-element chunks and 16-element blocks, a 2-D and a 0-dim parameter), two
 groups with their own lr and weight decay, parameters whose grad is None on some or all steps, several steps.
@@ -17,7 +17,7 @@ import torch
 
 import kernels.adamw as fa
 from kernels.device import INTERPRET
-from raysys.model import AdamW
+from raysys.model.transformer import AdamW
 from tests.kernels.interp import on_interpreter
 
 
@@ -281,7 +281,7 @@ def test_gpu_equal_to_reference(dtype):
     ulp = torch.finfo(dtype).eps
     worst = max(((a.float() - b.float()).abs() / b.float().abs().clamp_min(torch.finfo(dtype).tiny)).max().item()
                 for a, b in tensors)
-    print(f"GPUCHECK FusedAdamW {dtype} vs raysys.model.AdamW on CUDA: {equal:.6f} of elements bitwise equal, "
+    print(f"GPUCHECK FusedAdamW {dtype} vs raysys.model.transformer.AdamW on CUDA: {equal:.6f} of elements bitwise equal, "
           f"worst relative difference {worst:.3g} ({worst / ulp:.2f} ulp)")
     if dtype == torch.float32:
         assert equal == 1.0

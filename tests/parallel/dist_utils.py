@@ -9,12 +9,12 @@
 
     results = run_ranks(_check, 2, 3)                 # [rank0's return, rank1's return]
 
-Each gloo rank is a process forked from a forkserver that imported torch once (`raysys.rank.rank_process_context`;
-never forked from the test process itself, which may hold Ray or OpenMP threads; an NCCL rank is spawned), with the
-caller's environment. The ranks rendezvous through a `FileStore` in a fresh temporary directory, so no port is ever
-chosen and parallel test runs cannot collide. `fn(rank, world_size, *args)` runs with the group as the default
-process group (`torch.distributed.group.WORLD`); its return value must be picklable (tensors are fine: they are
-pickled by value, not shared).
+Each gloo rank is a process forked from a forkserver that imported torch once
+(`raysys.cluster.rank.rank_process_context`; never forked from the test process itself, which may hold Ray or OpenMP
+threads; an NCCL rank is spawned), with the caller's environment. The ranks rendezvous through a `FileStore` in a fresh
+temporary directory, so no port is ever chosen and parallel test runs cannot collide. `fn(rank, world_size, *args)` runs
+with the group as the default process group (`torch.distributed.group.WORLD`); its return value must be picklable
+(tensors are fine: they are pickled by value, not shared).
 
 An exception on any rank is re-raised in the caller as `RankError` carrying every failing rank's
 traceback; a rank that dies without reporting (os._exit, segfault) is reported with its exit code as soon
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from raysys.rank import adopt_environ, die_with_parent, rank_process_context
+from raysys.cluster.rank import adopt_environ, die_with_parent, rank_process_context
 
 __all__ = ["RankError", "run_ranks"]
 

@@ -12,9 +12,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from parallel.checkpointing import (FfnCheckpoint, FullCheckpoint, NestedCheckpoint, NoCheckpoint, Offload, PerLayer,
                                     SelectiveCheckpoint, apply_activation_checkpointing, parse_policy,
                                     remove_activation_checkpointing)
-from raysys.config import ModelConfig
-from raysys.memory import SavedTensorAccount
-from raysys.model import TransformerLM, cross_entropy
+from raysys.model.config import ModelConfig
+from raysys.measure.memory import SavedTensorAccount
+from raysys.model.transformer import TransformerLM, cross_entropy
 
 B, S = 2, 16
 POLICIES = {

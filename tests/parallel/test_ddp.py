@@ -18,10 +18,10 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.ddp import BucketedDDP, OverlappedDDP, assign_buckets, compiled_regions, make_ddp, ready_together
-from raysys.config import ModelConfig
-from raysys.model import TransformerLM, cross_entropy
-from raysys.timing import dynamo_graphs
-from raysys.train_step import compile_blocks
+from raysys.model.config import ModelConfig
+from raysys.model.transformer import TransformerLM, cross_entropy
+from raysys.measure.timing import dynamo_graphs
+from raysys.training.step import compile_blocks
 from tests.once import once_per_run
 from tests.parallel.dist_utils import run_ranks
 

@@ -23,10 +23,10 @@ from torch import nn
 
 from parallel.fsdp import FSDP, make_fsdp
 from parallel.mixed_precision import CastForCompute
-from raysys.config import ModelConfig
-from raysys.model import AdamW, Embedding, Linear, RMSNorm, TransformerBlock, TransformerLM, cross_entropy
-from raysys.timing import dynamo_graphs
-from raysys.train_step import compile_blocks
+from raysys.model.config import ModelConfig
+from raysys.model.transformer import AdamW, Embedding, Linear, RMSNorm, TransformerBlock, TransformerLM, cross_entropy
+from raysys.measure.timing import dynamo_graphs
+from raysys.training.step import compile_blocks
 from tests.once import once_per_run
 from tests.parallel.dist_utils import run_ranks
 
@@ -631,7 +631,7 @@ def test_cast_for_compute_is_freed_with_its_hooks():
 def _block_guards(rank: int, world_size: int) -> tuple[str, str]:
     """The guards Dynamo installed for a compiled block of an FSDP model (a group of one), as logged: with compute
     dtype bf16, and with none (fp32)."""
-    from raysys.profiling import dynamo_guard_log
+    from raysys.measure.profiling import dynamo_guard_log
 
     logs = []
     for compute_dtype in (torch.bfloat16, None):
@@ -653,7 +653,7 @@ def test_compute_dtype_casts_traced_into_a_compiled_block_add_few_guards():
     fp32 block's; as forward pre-hooks they added a guard set per module (a 4-block model's block: 224 against 149,
     results/runs/dynamo_guard_check_fsdp_e88b4e2.parquet), and holding the wrapper, guards on it too (its weak
     reference, its attributes)."""
-    from raysys.profiling import guard_kinds
+    from raysys.measure.profiling import guard_kinds
 
     [(bf16, fp32)] = run_ranks(_block_guards, 1)
     assert "compute_dtype" in bf16 or "cast_inputs" in bf16, bf16[:2000]  # the casts were traced

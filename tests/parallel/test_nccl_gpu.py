@@ -18,8 +18,8 @@ import torch.distributed as dist
 from parallel.ddp import make_ddp
 from parallel.fsdp import FSDP
 from parallel.sharded_optimizer import ShardedOptimizer
-from raysys.config import ModelConfig
-from raysys.model import AdamW, TransformerBlock, TransformerLM, cross_entropy
+from raysys.model.config import ModelConfig
+from raysys.model.transformer import AdamW, TransformerBlock, TransformerLM, cross_entropy
 from tests.parallel.dist_utils import run_ranks
 from tests.parallel.test_fsdp import _cast_weights
 

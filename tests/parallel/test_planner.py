@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from parallel.planner import (FFNProblem, alternate_all_reduce_time, bandwidth_from_results, best_fsdp_tp, dp_cost,
-                              fsdp_cost, fsdp_tp_continuous, fsdp_tp_cost, max_devices, plan_main,
+                              fsdp_cost, fsdp_tp_continuous, fsdp_tp_cost, max_devices,
                               ring_all_gather_time, ring_all_reduce_time, ring_reduce_scatter_time, tp_cost)
 
 
@@ -125,15 +125,3 @@ def test_bandwidth_from_collectives_results(tmp_path):
     pd.DataFrame(rows).to_parquet(tmp_path / "allreduce.parquet")
     got = {r["world_size"]: (r["num_bytes"], r["busbw_GBps"]) for r in bandwidth_from_results(tmp_path)}
     assert got == {2: (10**9, 380.0), 4: (10**8, 300.0)}
-
-
-def test_plan_main_prints_tables_and_rejects_bad_input(tmp_path, capsys):
-    out = tmp_path / "plan.md"
-    assert plan_main(["--d-model", "64", "--d-ff", "200", "--batch", "600", "--flops", "1e12", "--bandwidth", "1e10",
-                      "--devices", "2,4", "--markdown", str(out), "--results", str(tmp_path)]) == 0
-    text = capsys.readouterr().out
-    assert "| FSDP+TP overlapped | forward |" in text and "N_TP=4, N_FSDP=7" in text
-    assert out.read_text().strip() == text.strip()
-    assert plan_main(["--d-model", "64", "--d-ff", "200", "--devices", "x"]) == 2
-    assert plan_main(["--d-ff", "200"]) == 2  # no D and no --size
-    assert plan_main(["--size", "xl", "--devices", "2"], sizes={"xl": {"d_model": 2560, "d_ff": 10240}}) == 0

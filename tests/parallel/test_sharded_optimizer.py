@@ -16,7 +16,7 @@ from torch import nn
 
 from parallel.ddp import BucketedDDP
 from parallel.sharded_optimizer import ShardedOptimizer, local_state_bytes
-from raysys.model import AdamW as RaysysAdamW
+from raysys.model.transformer import AdamW as RaysysAdamW
 from tests.once import once_per_run
 from tests.parallel.dist_utils import run_ranks
 from tests.parallel.test_ddp import TiedModel, ToyModel, _batch

@@ -1,7 +1,7 @@
-from tests.raysys.ray_fixtures import ray_cluster  # noqa: F401  (the session's one Ray)
-
 import pytest
 import torch
+
+from tests.raysys.ray_fixtures import ray_cluster  # noqa: F401  (the session's one Ray)
 
 
 @pytest.fixture

@@ -2,7 +2,8 @@
 
 Node "head" has 4 logical CPUs (so 4-rank gloo gangs fit in one node even on a 2-core machine), node
 "worker" has 2 (so SPREAD gangs can land on two nodes). Small object stores, no dashboard, no usage stats,
-no workers started ahead of demand, no token file written to ~/.ray. Use the `ray_cluster` fixture; it yields `raysys.cluster.cluster_info()`.
+no workers started ahead of demand, no token file written to ~/.ray. Use the `ray_cluster` fixture; it yields
+`raysys.cluster.sweep.cluster_info()`.
 
 The fixture may be registered more than once (a conftest per test directory, or `pytest_plugins`); the
 cluster is started by the first user and shut down when the last one finishes.
@@ -49,7 +50,7 @@ def _stop() -> None:
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A running two-node Ray cluster (head: 4 CPUs, worker: 2 CPUs), shared by the whole session."""
-    from raysys.cluster import cluster_info
+    from raysys.cluster.sweep import cluster_info
 
     if _STATE["users"] == 0:
         _start()

@@ -96,8 +96,8 @@ def test_target_check_and_nccl_setting_table():
 def test_the_report_puts_the_planner_with_the_measured_bandwidth_under_the_gpu_grid(tmp_path):
     """allreduce.md carries the parallelism planner at the measured bus bandwidth (GPU rows of the grid only), and
     `python -m raysys report` shows it as the study wrote it."""
-    from raysys.report import report
-    from raysys.results import ResultWriter, make_row
+    from raysys.results.report import report
+    from raysys.results.records import ResultWriter, make_row
 
     rows = [make_row("allreduce", {"op": "all_reduce", "world_size": 2, "num_bytes": n, "size_bytes": n,
                                    "size": allreduce.size_label(n), "launcher": "mp", "gpu_visibility": "shared",

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 import torch
 
-from raysys.results import trial_id
+from raysys.results.records import trial_id
 
 from sweeps import checkpointing as sweep
 
@@ -105,11 +105,11 @@ def test_script_writes_parquet_and_report(tmp_path):
 def test_tune_launch_splits_trials_into_grids_per_attention_backend(tmp_path, monkeypatch):
     """The context study varies context x policy for naive attention plus one fused-core trial per context:
     no single two-axis grid, so each backend gets its own Tune run (each a full grid)."""
-    import raysys.cluster
-    from raysys.results import ResultWriter
+    import raysys.cluster.sweep
+    from raysys.results.records import ResultWriter
 
     calls = []
-    monkeypatch.setattr(raysys.cluster, "tune_run", lambda trainable, space, **kw: calls.append(space))
+    monkeypatch.setattr(raysys.cluster.sweep, "tune_run", lambda trainable, space, **kw: calls.append(space))
     trials = sweep.grid("context", torch.device("cpu"), True, "fp32", 2, 5)
     sweep.run_tune(trials, ResultWriter(tmp_path, sweep.SWEEP), gpus=0)
     assert len(calls) == 2

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from raysys.cluster import run_sweep
+from raysys.cluster.sweep import run_sweep
 from sweeps import common
 from sweeps import ddp as ddp_sweep
 

@@ -1,7 +1,7 @@
 """sweeps/ddp.py and sweeps/sharded_optimizer.py on the CPU: grid parsing, the overlap arithmetic and the profile
-checks (raysys.profiling), the trial functions on 2 gloo ranks with a stand-in RankContext (back to back, so a
+checks (raysys.measure.profiling), the trial functions on 2 gloo ranks with a stand-in RankContext (back to back, so a
 trial that leaks its model into the next one fails), and the whole script (plain processes and Ray). The step
-timer is tested in tests/raysys/test_timing.py."""
+timer is tested in tests/raysys/measure/test_timing.py."""
 
 from __future__ import annotations
 
@@ -18,10 +18,11 @@ import torch
 import torch.distributed as dist
 from torch.autograd import DeviceType
 
-from raysys.profiling import StepProfile, kernel_intervals, overlap, profile_steps
-from raysys.rank import RankContext
-from raysys.results import trial_id
-from raysys.timing import PHASES
+import raysys.training.step as step_module
+from raysys.measure.profiling import StepProfile, kernel_intervals, overlap, profile_steps
+from raysys.cluster.rank import RankContext
+from raysys.results.records import trial_id
+from raysys.measure.timing import PHASES
 from sweeps import common
 from sweeps import ddp as ddp_sweep
 from sweeps import sharded_optimizer as sharded_sweep
@@ -233,12 +234,12 @@ def _run_trials(rank: int, world_size: int, configs: list[dict], out_dir: str) -
     ctx = _ctx(rank, world_size)
     models: list[weakref.ref] = []
 
-    class Recorded(common.TransformerLM):
+    class Recorded(step_module.TransformerLM):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             models.append(weakref.ref(self))
 
-    common.TransformerLM = Recorded     # every study builds its models in common.build_model
+    step_module.TransformerLM = Recorded     # every study builds its models in raysys.training.step.build_model
     out, alive = [], []
     for config in configs:
         if "sharded" in config:

@@ -507,8 +507,8 @@ def test_flash_tiles_time_budget_stops_starting_trials(tmp_path, monkeypatch):
 
 def test_gluon_check_rows_follow_the_results_convention(tmp_path, capsys):
     """The Gluon check script's rows: provenance, times in seconds, ratios against cuDNN in the printed table
-    only; the file is readable by `raysys.results.read_results`."""
-    from raysys.results import read_results
+    only; the file is readable by `raysys.results.records.read_results`."""
+    from raysys.results.records import read_results
     from sweeps import flash_gluon_check as check
 
     shape = dict(kind="time", config="", shape="1x2x64x64", head_dim=64, causal=True, dtype="torch.bfloat16")

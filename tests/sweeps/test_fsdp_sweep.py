@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd import DeviceType
 
-from raysys.config import ModelConfig
-from raysys.rank import RankContext
+from raysys.model.config import ModelConfig
+from raysys.cluster.rank import RankContext
 from sweeps import fsdp as fsdp_sweep
 from tests.parallel.dist_utils import run_ranks
 

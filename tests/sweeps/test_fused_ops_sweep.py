@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 import torch
 
-from raysys.results import ResultsError
+from raysys.results.records import ResultsError
 from sweeps import fused_ops
 
 pytestmark = [pytest.mark.interpret, pytest.mark.slow,

@@ -8,10 +8,11 @@ import pandas as pd
 import pytest
 import torch
 
-import raysys.leaderboard_bench as bench
+import raysys.training.leaderboard_bench as bench
+from raysys.measure.timing import do_bench_agreed
 from raysys.cli import main as raysys_main
-from raysys.leaderboard import LeaderboardStep, StepConfig
-from raysys.mp_gang import ProcessGang
+from raysys.training.leaderboard import LeaderboardStep, StepConfig
+from raysys.cluster.mp_gang import ProcessGang
 from sweeps import leaderboard as sweep
 from tests.raysys.ray_fixtures import ray_cluster  # noqa: F401  (the session's one Ray)
 
@@ -205,8 +206,8 @@ def _bench_unequal_ranks(ctx, config: dict) -> dict:
         calls.append(1)
         time.sleep(0.002 * (1 + 4 * ctx.rank))
 
-    timing = bench.do_bench_agreed(fn, torch.device("cpu"), warmup_ms=20, rep_ms=60,
-                                   agree=lambda v: sweep._agree_max(ctx, v))
+    timing = do_bench_agreed(fn, torch.device("cpu"), warmup_ms=20, rep_ms=60,
+                             agree=lambda v: sweep._agree_max(ctx, v))
     return {"calls": len(calls), **timing}
 
 
@@ -219,7 +220,7 @@ def test_do_bench_agreed_makes_the_same_calls_on_every_rank():
     assert fast["calls"] == slow["calls"]
     # 60 ms of repeats at the slow rank's ~10 ms a call (the fast rank's own ~2 ms would give it about 30)
     assert fast["timed_steps"] == slow["timed_steps"] <= 7
-    assert fast["median_ms"] < slow["median_ms"] / 2
+    assert fast["time_median_s"] < slow["time_median_s"] / 2
 
 
 @pytest.mark.multiproc
@@ -281,10 +282,10 @@ def test_flags_mean_what_they_mean_in_every_study(tmp_path, capsys, monkeypatch)
     args = parser.parse_args(["--out", "x", "--studies", "ablation,neighbours", "--dtypes", "fp32", "--world-sizes",
                               "4", "--variants", "best,today", "--do-bench-only", "best", "today:b1"])
     assert (args.study, args.dtype, args.world_size, args.variants, args.do_bench_only) == (
-        ["ablation", "neighbours"], "fp32", "4", ["best", "today"], ["best", "today:b1"])
+        "ablation,neighbours", "fp32", "4", "best,today", "best,today:b1")
     old = parser.parse_args(["--out", "x", "--study", "ablation", "ddp", "--dtype", "bf16", "--world-size", "2",
                              "--variants", "best", "today"])
-    assert (old.study, old.dtype, old.world_size, old.variants) == (["ablation", "ddp"], "bf16", "2", ["best", "today"])
+    assert (old.study, old.dtype, old.world_size, old.variants) == ("ablation,ddp", "bf16", "2", "best,today")
     for argv, message in ((["--dtypes", "fp32,bf16"], r"--dtypes 'fp32,bf16' must be one of"),
                           (["--world-sizes", "1,2", "--studies", "ddp"], r"--world-sizes '1,2' must be one integer"),
                           (["--studies", "ablation,fastest"], r"--studies 'ablation,fastest' must name studies")):

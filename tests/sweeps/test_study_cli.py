@@ -12,7 +12,7 @@ import os
 import pandas as pd
 import pytest
 
-import raysys.cluster
+import raysys.cluster.sweep
 from sweeps import common
 
 STUDIES = ("allreduce", "attention", "checkpointing", "ddp", "end_to_end", "flash_bench", "flash_tiles", "fsdp",
@@ -31,10 +31,10 @@ def no_ray(monkeypatch):
 
     import ray
 
-    for target in (raysys.cluster, ray):
+    for target in (raysys.cluster.sweep, ray):
         monkeypatch.setattr(target, "init" if target is ray else "init_ray", refuse)
-    monkeypatch.setattr(raysys.cluster, "run_sweep", refuse)
-    monkeypatch.setattr(raysys.cluster, "tune_run", refuse)
+    monkeypatch.setattr(raysys.cluster.sweep, "run_sweep", refuse)
+    monkeypatch.setattr(raysys.cluster.sweep, "tune_run", refuse)
 
 
 def _study(name: str):
@@ -256,7 +256,7 @@ def test_dashboard_flag_starts_the_embedded_ray_with_its_dashboard(monkeypatch, 
         seen.update(kwargs, address=address)
         raise RayStarted("stop here")
 
-    monkeypatch.setattr(raysys.cluster, "init_ray", init_ray)
+    monkeypatch.setattr(raysys.cluster.sweep, "init_ray", init_ray)
     from sweeps import ddp, fsdp, sharded_optimizer
 
     for module in (ddp, fsdp, sharded_optimizer):
@@ -306,7 +306,8 @@ def test_leaderboard_context_length_is_bounded_before_any_model(tmp_path, capsys
 @pytest.mark.parametrize("study", ["flash_bench", "fused_ops", "end_to_end"])
 def test_studies_in_their_own_process_need_no_ray(study):
     """A study whose trials run in its own process imports nothing of Ray on its way to a bad-input exit: the GPU
-    host without Ray runs it as it is (raysys.studies holds what the studies share; raysys.cluster the Ray part)."""
+    host without Ray runs it as it is (raysys.cluster.studies holds what the studies share; raysys.cluster.sweep the Ray
+    part)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -322,7 +323,7 @@ def test_studies_in_their_own_process_need_no_ray(study):
 
 def _planted_ddp_run(out, argv: list[str], **gang) -> list[str]:
     """`out/ddp.parquet` as a CPU run of `argv` on a Ray gang would have left it (one ok row per trial)."""
-    from raysys.results import ResultWriter, make_row
+    from raysys.results.records import ResultWriter, make_row
     from sweeps import ddp
 
     args = ddp.build_parser().parse_args(argv)
@@ -385,7 +386,7 @@ def test_resume_refuses_another_device_a_foreign_file_and_rows_without_provenanc
 
 
 def test_allreduce_resume_refuses_other_warmup_or_iters_before_ray(no_ray, tmp_path):
-    from raysys.results import ResultWriter, make_row
+    from raysys.results.records import ResultWriter, make_row
     from sweeps import allreduce
 
     rows = [make_row("allreduce", {**t, "world_size": 2, "launcher": "ray", "device": "cpu", "gpu_visibility": "none"},

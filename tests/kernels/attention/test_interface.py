@@ -225,8 +225,8 @@ def test_matches_pytorch_tiled_implementation():
 def test_compiled_model_matches_eager():
     """torch.compile(model) with attention="flash_triton", one graph (aot_eager: the interpreter's kernels run
     as opaque custom ops), gives the eager logits and every parameter gradient."""
-    from raysys.config import ModelConfig
-    from raysys.model import TransformerLM, cross_entropy
+    from raysys.model.config import ModelConfig
+    from raysys.model.transformer import TransformerLM, cross_entropy
 
     cfg = ModelConfig(vocab_size=64, context_length=24, d_model=32, num_layers=1, num_heads=2, d_ff=64,
                       attention="flash_triton")

@@ -171,8 +171,8 @@ def test_explicit_config_equals_autotuned_choice():
 
 
 def test_model_with_flash_triton_matches_naive_in_bf16():
-    from raysys.config import ModelConfig
-    from raysys.model import TransformerLM, cross_entropy
+    from raysys.model.config import ModelConfig
+    from raysys.model.transformer import TransformerLM, cross_entropy
 
     torch.manual_seed(0)
     cfg = ModelConfig.from_name("tiny", context_length=96)
@@ -197,8 +197,8 @@ def test_inductor_compiled_model_launches_the_kernels_and_matches_eager(dtype, p
     (triton_op, not an opaque call), and logits and every gradient match eager (same launch configs)."""
     from torch._inductor.utils import run_and_get_code
 
-    from raysys.config import ModelConfig
-    from raysys.model import TransformerLM, cross_entropy
+    from raysys.model.config import ModelConfig
+    from raysys.model.transformer import TransformerLM, cross_entropy
 
     monkeypatch.setenv(dispatch.PATH_ENV, path)
     torch._dynamo.reset()

@@ -1,0 +1,581 @@
+"""Cost and memory model of activation checkpointing for `raysys.model.transformer.TransformerLM`.
+
+For a `Workload` (model config, batch B, sequence S, precision, parameter dtype, loss, compiled pieces, optimizer,
+FSDP shards) and a checkpoint policy from `parallel.checkpointing` it computes: the bytes each block saves for
+backward, counted tensor by tensor from the model's code, and what each policy kind keeps of them
+(`saved_per_block`); matmul FLOPs of forward, recomputation and backward (`FlopCounterMode`'s convention: 2 per
+multiply-add, attention on the full S x S square; `block_flops`, `step_flops`); and the peak memory of a training
+step (`predict_peak`): static state plus, at every moment that can be the peak, the gradients so far, the
+activations alive and that moment's largest transient. Precision follows `raysys.training.bench` (`fp32`, or
+bf16 / fp16 autocast over fp32 masters) or pure low precision (`param_dtype`). Its tests hold every formula to the
+bytes `saved_tensors_hooks` and the CPU allocator see. docs/raysys.md has the per-tensor table and the derivations.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from parallel.checkpointing import FUSED_ATTENTION_BACKENDS, Region
+from raysys.model.config import ModelConfig
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+LOSSES = ("materialized", "fused")
+OPTIMIZERS = ("reference", "foreach", "fused")
+GiB = 1024**3
+FOREACH_CHUNK_BYTES = 2**30
+"""Parameters `kernels.adamw.ForeachAdamW` updates per launch (its sqrt(v) temporary)."""
+TORCH_LOSS_CHUNK_BYTES = 256 * 2**20
+"""fp32 logits of one chunk of the plain-torch fused loss (`raysys.model.transformer.CHUNK_LOGIT_BYTES`), the CPU's."""
+KERNEL_LOSS_CHUNK_BYTES = 768 * 2**20
+"""The Triton fused loss's logits buffer (`kernels.fused_linear_ce.MAX_CHUNK_BYTES`), the one CUDA runs."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """One training step to model."""
+
+    config: ModelConfig
+    """The model (its `attention` field names the backend)."""
+    batch_size: int
+    """Sequences per step."""
+    seq_len: int | None = None
+    """Tokens per sequence (default: config.context_length)."""
+    precision: str = "fp32"
+    """fp32, or bf16 / fp16 autocast with fp32 master weights."""
+    device_type: str = "cuda"
+    """cuda or cpu: autocast's op lists differ (softmax in fp32 on CUDA only)."""
+    param_dtype: str = "fp32"
+    """Weights, gradients and AdamW moments: fp32 (master weights; a bf16 / fp16 `precision` is autocast), or
+    `precision` itself (pure low precision, as the course's leaderboard harness builds the model: no casts)."""
+    loss: str = "materialized"
+    """materialized: `cross_entropy(model(x), y)` keeps the (B, S, V) logits; fused: `model.loss(x, y)`, the LM
+    head and the loss in one op that keeps only the gradients of the hidden states and of the LM-head weight."""
+    compiled: bool = False
+    """RMSNorm, RoPE and SwiGLU compiled (`raysys.training.leaderboard.compile_pieces`, pure precision only): a norm
+    keeps its input and rsqrt, SwiGLU its input, w1 x, w3 x and their gated product, RoPE its positions and (once for
+    all blocks) its cos / sin buffers: what Inductor's min-cut partitioner saves, checked on the CPU."""
+    lean: bool = False
+    """With `compiled`: lean blocks (`raysys.training.leaderboard.lean_blocks`): ln1 and ln2 keep only their inputs
+    (their outputs and rsqrt recomputed in backward), attention keeps q, k, v and O (its heads merged as a view), SwiGLU
+    keeps w1 x and w3 x (the gated product recomputed). Checked on the CPU like `compiled`."""
+    optimizer: str = "reference"
+    """AdamW's step transient: reference (sqrt(v) of one parameter), foreach (of up to 1 GiB of them), fused (none)."""
+    optimizer_in_backward: bool = False
+    """Each parameter stepped and its gradient freed as soon as backward writes it
+    (`raysys.training.leaderboard.OptimizerInBackward`): at most one block's (or the head's, or the embedding's)
+    gradients are alive at a time, and there is no step after backward."""
+    shards: int = 1
+    """Ranks the fp32 weights, gradients and AdamW state are sharded over (FSDP, `parallel/fsdp.py`, computing in
+    `precision` without autocast); 1: every rank holds the whole state."""
+    attention_kernels: str = ""
+    """flash_triton: the kernels its dispatch runs for this step's shape, as `kernels.attention.planned_paths`
+    (and `last_paths`) write them (`gluon, one_pass`, `tma, two_pass`, ...); their backward's workspace differs
+    (`attention_backward_bytes`). '' for the tl two-pass backward, and for every other backend."""
+
+    def __post_init__(self):
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"batch_size ({self.batch_size!r}) must be a positive integer")
+        if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
+            raise ValueError(f"seq_len ({self.seq_len!r}) must be a positive integer")
+        if self.seq_len is not None and self.seq_len > self.config.context_length:
+            raise ValueError(f"seq_len ({self.seq_len}) exceeds context_length ({self.config.context_length})")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision {self.precision!r} must be one of {PRECISIONS}")
+        if self.device_type not in ("cuda", "cpu"):
+            raise ValueError(f"device_type {self.device_type!r} must be cuda or cpu")
+        if self.param_dtype not in ("fp32", self.precision):
+            raise ValueError(f"param_dtype {self.param_dtype!r} must be fp32 (master weights) or the precision "
+                             f"{self.precision!r} (pure low precision)")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss {self.loss!r} must be one of {LOSSES}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer {self.optimizer!r} must be one of {OPTIMIZERS}")
+        if not isinstance(self.shards, int) or isinstance(self.shards, bool) or self.shards < 1:
+            raise ValueError(f"shards ({self.shards!r}) must be a positive integer")
+        if self.shards > 1 and self.param_dtype != "fp32":
+            raise ValueError(f"shards ({self.shards}) > 1 needs param_dtype fp32: parallel/fsdp.py keeps fp32 shards")
+        if self.optimizer_in_backward and self.shards > 1:
+            raise ValueError("optimizer_in_backward is modelled for one rank holding the whole state (no FSDP)")
+        if self.lean and not self.compiled:
+            raise ValueError("lean blocks are compiled graphs: lean needs compiled")
+        if self.compiled and self.amp:
+            raise ValueError("compiled pieces are modelled for pure-precision steps (param_dtype == precision), "
+                             "not under autocast")
+
+    @property
+    def S(self) -> int:
+        return self.seq_len or self.config.context_length
+
+    @property
+    def amp(self) -> bool:
+        """Autocast: low-precision compute over fp32 weights on one rank (FSDP casts its weights instead)."""
+        return self.precision != "fp32" and self.param_dtype == "fp32" and self.shards == 1
+
+    @property
+    def pb(self) -> int:
+        """Bytes per element of weights, gradients and AdamW moments."""
+        return ELEMENT_BYTES[self.param_dtype]
+
+    @property
+    def a(self) -> int:
+        """Bytes per element of the residual stream: fp32 under autocast, else the compute dtype."""
+        return 4 if self.amp else self.e
+
+    @property
+    def e(self) -> int:
+        """Bytes per element of matmul outputs."""
+        return ELEMENT_BYTES[self.precision]
+
+    @property
+    def fused(self) -> bool:
+        return self.config.attention in FUSED_ATTENTION_BACKENDS
+
+    @property
+    def e_softmax(self) -> int:
+        """Bytes per element of exp / row sums: fp32 under CUDA autocast, else the activation dtype."""
+        return 4 if self.amp and self.device_type == "cuda" else self.e
+
+    @property
+    def stream_bytes(self) -> int:
+        """One residual-stream activation x_i (fp32 under autocast: embeddings and residual adds are fp32)."""
+        return self.a * self.batch_size * self.S * self.config.d_model
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Saved bytes.
+
+def block_saved(w: Workload) -> dict[str, int]:
+    """Bytes one block saves for backward without checkpointing, by component."""
+    return dict(_block_saved(w))
+
+
+@functools.cache
+def _block_saved(w: Workload) -> dict[str, int]:
+    c, B, S, e = w.config, w.batch_size, w.S, w.e
+    d, f, H, Dh = c.d_model, c.d_ff, c.num_heads, c.d_head
+    BSd, BSf, BHS, BHSS = B * S * d, B * S * f, B * H * S, B * H * S * S
+    norm = _norm_saved(w)
+    if w.amp:  # each consumer keeps its own cast of the norm output; weights are cast per call
+        out = {"norms": 2 * norm + (3 + 2) * e * BSd, "weight_casts": (4 * d * d + 3 * d * f) * e}
+    elif w.lean:  # the input only: the output is recomputed from it in backward
+        out = {"norms": 2 * w.a * BSd, "weight_casts": 0}
+    else:  # the output once (its consumers share it)
+        out = {"norms": 2 * (norm + e * BSd), "weight_casts": 0}
+    # eager: cos / sin rows for q and for k (fp32 buffers); compiled: the int64 positions (the whole buffers,
+    # shared by every block, are counted once in head_saved)
+    out["rope"] = 8 * S if w.compiled else 4 * S * (Dh // 2) * 4
+    if w.fused:  # q, k, v, O, merged heads (a view of O in lean blocks); fp32 log-sum-exp
+        out["attention"] = (4 if w.lean else 5) * e * BSd + 4 * BHS
+    else:
+        out["attention"] = 4 * e * BSd + S * S + 2 * e * BHSS + w.e_softmax * BHSS + (e + w.e_softmax) * BHS
+    out["ffn"] = (2 if w.lean else 3 if w.compiled else 5) * e * BSf
+    return out
+
+
+def _norm_saved(w: Workload) -> int:
+    """What one RMSNorm keeps, its output aside: eager, the fp32 upcast of the input (the input itself in fp32),
+    x * rsqrt and rsqrt; compiled, its input and rsqrt."""
+    BS, BSd = w.batch_size * w.S, w.batch_size * w.S * w.config.d_model
+    return (w.a * BSd if w.compiled else 2 * 4 * BSd) + 4 * BS
+
+
+def attention_core_saved(w: Workload) -> int:
+    """The part of `block_saved` that selective checkpointing drops (0 for fused backends)."""
+    if w.fused:
+        return 0
+    c, B, S, e = w.config, w.batch_size, w.S, w.e
+    BSd, BHS, BHSS = B * S * c.d_model, B * c.num_heads * S, B * c.num_heads * S * S
+    rope = _block_saved(w)["rope"]
+    kept = 4 * e * BSd  # q, k, v and output-projection outputs, cached by the selective policy
+    dropped = 4 * e * BSd + S * S + 2 * e * BHSS + w.e_softmax * BHSS + (e + w.e_softmax) * BHS + rope
+    if w.amp:  # the three casts of ln1's output and the four attention weight casts are recomputed,
+        d = c.d_model  # while ln1's fp32 output is kept as the checkpoint's input
+        dropped += 3 * e * BSd + 4 * d * d * e
+        kept += 4 * BSd
+    return dropped - kept
+
+
+def ffn_branch_saved(w: Workload) -> int:
+    """The part of `block_saved` that ffn checkpointing drops: what ln2 and SwiGLU keep (the norm's saved tensors
+    and output, under autocast its two casts and the three FFN weight casts instead, and SwiGLU's tensors)."""
+    c, e = w.config, w.e
+    BSd = w.batch_size * w.S * c.d_model
+    if w.amp:
+        ln2 = _norm_saved(w) + 2 * e * BSd + 3 * c.d_model * c.d_ff * e
+    elif w.lean:  # the branch's input h, kept by the lean norm
+        ln2 = w.a * BSd
+    else:
+        ln2 = _norm_saved(w) + e * BSd
+    return ln2 + _block_saved(w)["ffn"]
+
+
+@functools.cache
+def saved_per_block(w: Workload, kind: str) -> int:
+    """Bytes a block keeps on the device between its forward and its backward under `kind`.
+
+    `full` / `nested` count one checkpoint (the segment input) per block; `ffn` keeps everything but the
+    feed-forward branch, plus that branch's input h (a residual-stream tensor); `offload` counts 0 (everything
+    above the store's size threshold goes to the host).
+    """
+    none = sum(_block_saved(w).values())
+    if kind == "none":
+        return none
+    if kind == "selective":
+        return none - attention_core_saved(w)
+    if kind == "ffn":
+        return none - ffn_branch_saved(w) + w.stream_bytes
+    if kind in ("full", "nested"):
+        return w.stream_bytes
+    if kind == "offload":
+        return 0
+    raise ValueError(f"kind {kind!r} must be none, selective, ffn, full, nested or offload")
+
+
+def head_saved(w: Workload) -> int:
+    """ln_final, lm_head and the loss. Materialised: the norm's output, logits, shifted logits, exp, row max /
+    sum. Fused: the gradients of the hidden states and of the LM-head weight (computed in forward). Compiled
+    RoPE's cos / sin buffers, shared by every block, are counted here once."""
+    c, B, S, e = w.config, w.batch_size, w.S, w.e
+    BS, BSd, BSV = B * S, B * S * c.d_model, B * S * c.vocab_size
+    rope = 2 * c.context_length * (c.d_head // 2) * 4 if w.compiled else 0
+    if w.loss == "fused":
+        return _norm_saved(w) + rope + w.a * (BSd + c.vocab_size * c.d_model)
+    norm = _norm_saved(w) + (e * BSd + c.vocab_size * c.d_model * e if w.amp else e * BSd)
+    return norm + rope + 2 * e * BSV + w.e_softmax * BSV + (e + w.e_softmax) * BS
+
+
+def _shard(w: Workload, nbytes: int) -> int:
+    """A rank's part of a sharded state of `nbytes` (rounded up)."""
+    return -(-nbytes // w.shards)
+
+
+CUDA_WORKSPACE_BYTES = 64 * 2**20
+"""Allowance for the cuBLAS / cuBLASLt workspaces, which the caching allocator counts as allocated."""
+
+
+def static_bytes(w: Workload) -> dict[str, int]:
+    """Weights and AdamW moments (in `param_dtype`, this rank's shard), the token / target ids and, on CUDA,
+    the matmul libraries' workspaces."""
+    p = w.config.num_params()
+    out = {"weights": _shard(w, w.pb * p), "optimizer": _shard(w, 2 * w.pb * p), "inputs": 2 * 8 * w.batch_size * w.S}
+    if w.device_type == "cuda":
+        out["workspace"] = CUDA_WORKSPACE_BYTES
+    return out
+
+
+def sharding_transient(w: Workload) -> int:
+    """FSDP's full-size buffers on top of the shards (0 unsharded): two neighbouring blocks' gathered weights and
+    the largest unit's (prefetch), and one unit's gradient in the compute dtype plus its fp32 copy for the
+    reduce-scatter. Units are per weight matrix or per block; the embedding / LM head is the largest."""
+    if w.shards == 1:
+        return 0
+    c = w.config
+    block = 4 * c.d_model ** 2 + 3 * c.d_model * c.d_ff
+    largest = max(block, c.vocab_size * c.d_model)
+    return 2 * w.e * block + w.e * largest + (w.e + 4) * largest
+
+
+def optimizer_transient(w: Workload) -> int:
+    """What AdamW's step allocates on top of weights, gradients and moments."""
+    c = w.config
+    largest = _shard(w, w.pb * max(c.vocab_size * c.d_model, c.d_model * c.d_ff))
+    if w.optimizer == "reference":  # sqrt(v) of one parameter
+        return largest
+    if w.optimizer == "foreach":  # sqrt(v) of one chunk (a parameter larger than a chunk is one alone)
+        return max(largest, min(FOREACH_CHUNK_BYTES, _shard(w, w.pb * c.num_params())))
+    return 0
+
+
+def fused_loss_transient(w: Workload) -> int:
+    """The fused loss's forward on top of what it keeps (`linear_cross_entropy`'s `auto` implementation of the
+    device): on CUDA the Triton kernel's one (C, V) logits buffer in the activation dtype (C a multiple of 256)
+    and the per-token losses; on the CPU the plain-torch chunk's fp32 logits next to their exp."""
+    V, N = w.config.vocab_size, w.batch_size * w.S
+    if w.device_type == "cuda":
+        rows = max(1, KERNEL_LOSS_CHUNK_BYTES // (V * w.a))
+        rows = min(rows - rows % 256 if rows >= 256 else rows, N)
+        return rows * V * w.a + 4 * N
+    rows = min(max(1, TORCH_LOSS_CHUNK_BYTES // (4 * V)), N)
+    return 2 * 4 * rows * V
+
+
+# ------------------------------------------------------------------------------------------------------------
+# FLOPs.
+
+def block_flops(w: Workload) -> dict[str, int]:
+    """Forward matmul FLOPs of one block: projections + FFN, the attention core (QK^T and PV), w2 (the matmul a
+    checkpoint's early stop skips) and w1 + w3 (what ffn checkpointing reruns)."""
+    c, B, S = w.config, w.batch_size, w.S
+    tokens, d, f = B * S, c.d_model, c.d_ff
+    return {"linear": 2 * tokens * (4 * d * d + 3 * d * f), "core": 4 * B * S * S * d,
+            "last_matmul": 2 * tokens * d * f, "ffn_recompute": 2 * 2 * tokens * d * f}
+
+
+def step_flops(w: Workload, regions: list[Region]) -> dict[str, int]:
+    """Forward, recompute and backward matmul FLOPs of one step (backward = 2x forward; a fused core's
+    backward recomputes QK^T: 2.5x). Full checkpointing reruns each segment once, except the segment's last
+    matmul (w2): torch's non-reentrant checkpoint stops as soon as the last saved tensor is regenerated; ffn
+    checkpointing reruns w1 and w3 for the same reason."""
+    c = w.config
+    bf = block_flops(w)
+    per_block = bf["linear"] + bf["core"]
+    head = 2 * w.batch_size * w.S * c.d_model * c.vocab_size
+    forward = c.num_layers * per_block + head
+    core_bwd = 5 * bf["core"] // 2 if w.fused else 2 * bf["core"]
+    backward = c.num_layers * (2 * bf["linear"] + core_bwd) + 2 * head
+    recompute = 0
+    for r in regions:
+        n = r.stop - r.start
+        if r.kind == "full":
+            recompute += n * per_block - bf["last_matmul"]
+        elif r.kind == "nested":
+            recompute += _nested_recompute(n, r.policy.leaf_size, per_block, bf["last_matmul"], top=True)
+        elif r.kind == "selective" and not w.fused:
+            recompute += n * bf["core"]
+        elif r.kind == "ffn":
+            recompute += n * bf["ffn_recompute"]
+    return {"forward": forward, "recompute": recompute, "backward": backward,
+            "total": forward + recompute + backward}
+
+
+def _nested_recompute(n: int, leaf: int, block: int, last: int, top: bool = False) -> int:
+    """Recomputed FLOPs of a recursively halved range of n blocks. A leaf (<= `leaf` blocks) reruns its
+    blocks but the last matmul (early stop); an inner range reruns its left half only - recomputation stops
+    as soon as the right half's checkpoint has saved its input. The top range is not itself wrapped."""
+    if n <= leaf:
+        return 0 if top else n * block - last
+    left = n // 2
+    return (0 if top else left * block) + _nested_recompute(left, leaf, block, last) \
+        + _nested_recompute(n - left, leaf, block, last)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Peak memory of a training step.
+
+@functools.cache
+def block_backward_excess(w: Workload, kind: str) -> int:
+    """Largest allocation above the block's own residuals while its backward runs (measured moments)."""
+    c, B, S, e = w.config, w.batch_size, w.S, w.e
+    d, f = c.d_model, c.d_ff
+    BSf, BHSS = B * S * f, B * c.num_heads * S * S
+    grad_cast = 2 if w.amp else 0  # low-precision weight gradient before its fp32 cast
+    gb = _grad_bytes(w)
+    ffn = 2 * e * BSf + d * f * (gb + grad_cast)
+    if w.lean and kind == "none":  # the recomputed gated product, ln2's output and one more (B, S, d_ff) gradient
+        ffn += 2 * e * BSf + e * B * S * d  # (Inductor's CPU backward of a tiny model measures within 1%)
+    parts = _block_saved(w)
+    ffn_and_ln2 = parts["ffn"] + (parts["norms"] // 2)
+    if w.fused:  # the attention's backward runs once the FFN branch's residuals are freed
+        return max(ffn, attention_backward_bytes(w) - ffn_and_ln2 + (3 * d * f + d * d) * gb)
+    attn = 4 * w.e_softmax * BHSS - ffn_and_ln2 + (3 * d * f + d * d) * gb
+    if kind == "selective":
+        attn += attention_core_saved(w)  # the core is rematerialised when backward reaches it
+    return max(ffn, attn)
+
+
+def attention_backward_bytes(w: Workload) -> int:
+    """What a fused attention's backward holds while its kernels run, besides the block's residuals: O's gradient
+    (its input), dQ, dK and dV (its outputs, each like its input) and the kernels' own workspace:
+    - flash_triton, by `Workload.attention_kernels` (`kernels.attention.last_paths`' text): the Gluon one-pass
+      backward an fp32 dQ accumulator of q's size and L and D padded to whole query tiles of its config in fp32;
+      the tl one-pass backward D in fp32 and an fp32 dQ accumulator with rows padded to a power of two >= 16; the tl
+      two-pass backward D in fp32;
+    - cudnn on CUDA (FlashAttention-2's algorithm): an fp32 dQ accumulator and the fp32 row sums of dO * O;
+    - sdpa on CUDA (FlashAttention-2's kernels): the same; on the CPU, and flash_pytorch, D in fp32."""
+    c, B, S, e = w.config, w.batch_size, w.S, w.e
+    BHS, BSd = B * c.num_heads * S, B * S * c.d_model
+    tensors = 4 * e * BSd  # dO in, dQ, dK, dV out
+    backend, kernels = c.attention, w.attention_kernels
+    if backend == "flash_triton":
+        if "gluon bwd" in kernels or (kernels.startswith("gluon,") and kernels.endswith("one_pass")):
+            from kernels.attention.dispatch import gluon_bwd_default
+
+            block_m = gluon_bwd_default(c.d_head, TORCH_DTYPES[w.precision]).block_m
+            return tensors + 4 * BSd + 2 * 4 * B * c.num_heads * (-(-S // block_m) * block_m)
+        if kernels.endswith("one_pass"):
+            return tensors + 4 * BHS + 4 * BHS * max(16, 1 << (c.d_head - 1).bit_length())
+        return tensors + 4 * BHS
+    if backend in ("cudnn", "sdpa") and w.device_type == "cuda":
+        return tensors + 4 * BSd + 4 * BHS
+    return tensors + 4 * BHS
+
+
+def _grad_bytes(w: Workload) -> int:
+    """Bytes per element of a full weight's gradient as backward makes it (the compute dtype under FSDP)."""
+    return w.e if w.shards > 1 else w.pb
+
+
+def head_backward_excess(w: Workload) -> int:
+    """Cross-entropy backward on top of the head's residuals: the gradient of the logits and amax's
+    (logits == max) mask (B S V x (e + 1) bytes in fp32); under autocast also the gradients of the low-precision
+    logits and shifted logits. With pure low-precision weights on CUDA two more low-precision logit-sized tensors
+    are alive (docs/raysys.md has the measurements). Fused: nothing (the saved gradients are scaled in place)."""
+    c = w.config
+    if w.loss == "fused":
+        return 0
+    BSV = w.batch_size * w.S * c.vocab_size
+    pure_cuda = 2 * w.e if w.device_type == "cuda" and not w.amp and w.precision != "fp32" else 0
+    return BSV * (w.e_softmax + 1 + (2 * w.e if w.amp else 0) + pure_cuda)
+
+
+@dataclass
+class PeakEstimate:
+    """Predicted peak of one training step and where it happens."""
+
+    peak_bytes: int
+    where: str
+    static: dict[str, int]
+    activations_end_of_forward: int
+    moments: list[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def activation_peak_bytes(self) -> int:
+        """Peak minus weights, optimizer state and inputs."""
+        return self.peak_bytes - sum(self.static.values())
+
+
+def predict_peak(w: Workload, regions: list[Region]) -> PeakEstimate:
+    """Walk a step: end of forward, loss backward, each block's backward (reverse), optimizer step."""
+    c = w.config
+    if not regions or regions[-1].stop != c.num_layers:
+        raise ValueError(f"regions must cover the model's {c.num_layers} blocks")
+    static = static_bytes(w)
+    base = sum(static.values()) + sharding_transient(w)
+    block_params = _shard(w, w.pb * (4 * c.d_model ** 2 + 3 * c.d_model * c.d_ff + 2 * c.d_model))
+    head_params = _shard(w, w.pb * (c.vocab_size * c.d_model + c.d_model))
+    none = saved_per_block(w, "none")
+
+    retained = [_retained(w, r) for r in regions]  # device bytes each region keeps after forward
+    last_offload = max((i for i, r in enumerate(regions) if r.kind == "offload"), default=None)
+    if last_offload is not None:  # the last offloaded block's storages are still on the device
+        retained[last_offload] += none
+    act_end = sum(retained) + head_saved(w)
+    moments = [("end of forward", base + act_end)]
+    if w.loss == "fused":  # its gradients are being written while the weight's fp32 accumulator exists
+        moments.append(("fused loss forward", base + act_end + fused_loss_transient(w)))
+    grads = head_params
+    moments.append(("loss / lm_head backward", base + act_end + head_backward_excess(w)))
+    if w.optimizer_in_backward:  # the head's gradient is used and freed before the blocks' backward starts;
+        grads, block_params = 0, 0  # a block's own gradients live only inside its backward (its excess covers them)
+
+    prefix = [sum(retained[:i]) for i in range(len(regions))]
+    for i in reversed(range(len(regions))):
+        r = regions[i]
+        below = prefix[i]
+        if r.kind in ("none", "selective"):
+            live = below + saved_per_block(w, r.kind)
+            moments.append((f"block {r.start} backward", base + grads + live + block_backward_excess(w, r.kind)))
+        elif r.kind == "ffn":  # blocks one by one, each with its branch rematerialised: all of a kept block
+            for j in reversed(range(r.start, r.stop)):
+                live = below + (j - r.start) * saved_per_block(w, "ffn") + saved_per_block(w, "none")
+                moments.append((f"block {j} backward (ffn rerun)", base + grads + live +
+                                block_backward_excess(w, "none")))
+                grads += block_params
+            continue
+        elif r.kind == "offload":  # the block fetched back, and the previous offloaded block prefetched
+            prev = r.policy.prefetch and any(q.kind == "offload" for q in regions[:i])
+            live = below + none + (none if prev else 0)
+            moments.append((f"block {r.start} backward", base + grads + live + block_backward_excess(w, "none")))
+            # forward: this block's storages and the previous offloaded block's are both still referenced
+            held = none + (none if any(q.kind == "offload" for q in regions[:i]) else 0)
+            moments.append((f"block {r.start} forward", base + below + held))
+        elif r.kind == "full":
+            excess = block_backward_excess(w, "none")
+            for j in reversed(range(r.start, r.stop)):
+                live = below + (j - r.start + 1) * none  # the recomputed segment, x_start among them
+                moments.append((f"block {j} backward (segment {r.start}-{r.stop - 1})",
+                                base + grads + live + excess))
+                grads += block_params
+            continue
+        elif r.kind == "nested":
+            grads = _nested_moments(w, r, below, base, grads, block_params, moments)
+            continue
+        grads += block_params * (r.stop - r.start)
+    embedding_grad = _shard(w, w.pb * c.vocab_size * c.d_model)
+    moments.append(("embedding backward", base + grads + embedding_grad + w.stream_bytes))
+    if not w.optimizer_in_backward:
+        moments.append(("optimizer step", base + grads + embedding_grad + optimizer_transient(w)))
+    where, peak = max(moments, key=lambda m: m[1])
+    return PeakEstimate(int(peak), where, static, int(act_end), moments)
+
+
+def _retained(w: Workload, r: Region) -> int:
+    n = r.stop - r.start
+    if r.kind == "full":
+        return w.stream_bytes
+    if r.kind == "nested":
+        return w.stream_bytes * (2 if n > r.policy.leaf_size else 0) + (
+            n * saved_per_block(w, "none") if n <= r.policy.leaf_size else 0)
+    return n * saved_per_block(w, r.kind)
+
+
+def _nested_moments(w, r, below, base, grads, block_params, moments) -> int:
+    """Backward of a recursively halved range: one retained input per level, leaves rematerialised."""
+    none, x = saved_per_block(w, "none"), w.stream_bytes
+    excess = block_backward_excess(w, "none")
+    leaf = r.policy.leaf_size
+
+    def walk(lo: int, hi: int, live: int, grads: int) -> int:  # live includes this range's input
+        if hi - lo <= leaf:
+            for j in reversed(range(lo, hi)):
+                level = live - x + (j - lo + 1) * none
+                moments.append((f"block {j} backward (nested)", base + grads + level + excess))
+                grads += block_params
+            return grads
+        mid = (lo + hi) // 2
+        grads = walk(mid, hi, live + x, grads)
+        return walk(lo, mid, live, grads)
+
+    n = r.stop - r.start
+    if n <= leaf:
+        return walk(r.start, r.stop, below + x, grads)
+    mid = r.start + n // 2
+    grads = walk(mid, r.stop, below + 2 * x, grads)
+    return walk(r.start, mid, below + x, grads)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Measuring on the CPU: the allocator trace of the profiler (exact bytes; CUDA has max_memory_allocated).
+
+def cpu_allocation_trace(fn: Callable[[], object]) -> list[int]:
+    """Bytes allocated on the CPU after every allocation / free made while `fn` runs, relative to the start.
+
+    Uses the profiler's allocation events (exact sizes). Storages that existed before are invisible, and so
+    are their frees: a free is counted only when its allocation was seen, so garbage from earlier work that
+    happens to be released inside `fn` does not lower the curve.
+    """
+    import gc
+
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events: list[tuple[int, int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        ev = stack.pop()
+        if ev.tag == _EventType.Allocation and ev.extra_fields.device.type == "cpu":
+            events.append((ev.start_time_ns, ev.extra_fields.ptr, ev.extra_fields.alloc_size))
+        stack.extend(ev.children)
+    events.sort(key=lambda t: t[0])
+    out, live, sizes = [], 0, {}
+    for _, ptr, size in events:
+        if size > 0:
+            sizes[ptr] = size
+        elif sizes.pop(ptr, None) is None:
+            continue
+        live += size
+        out.append(live)
+    return out
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if abs(n) >= 0.1 * GiB else f"{n / 2**20:.1f} MiB"
