@@ -38,6 +38,7 @@ from raysys.training.leaderboard_bench import (COURSE_REP_MS, COURSE_WARMUP_MS, 
                                       run_variants, start_session, variant_row)
 from raysys.results.records import ROW_COLUMNS, read_results
 from raysys.training.step import build_model
+from sweeps.common import output_dir
 
 STUDIES = ("ablation", "neighbours", "ddp")
 TUNE_SWEEP, DDP_SWEEP = f"{SWEEP}_tune", f"{SWEEP}_ddp"
@@ -509,8 +510,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.out is None:
-        raise ValueError("--out is required (a results directory)")
     studies = split_list(args.study)
     unknown = [name for name in studies if name not in STUDIES]
     if unknown or not studies:
@@ -530,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu = args.device == "cpu" or args.device == "auto" and not torch.cuda.is_available()
         check_fits(ModelConfig.from_name(args.size, **_overrides(args)), args.batch_size,
                    args.world_size if "ddp" in studies else 1, "cpu" if cpu else "cuda")
+    args.out = str(output_dir(args, SWEEP))  # --out, else a fresh ./runs/<UTC time>-leaderboard/
     if args.report_only:
         for path in write_reports(Path(args.out)):
             print(path.read_text())

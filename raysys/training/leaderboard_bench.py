@@ -26,7 +26,7 @@ from raysys.measure.device import check_fits, synchronize
 from raysys.measure.timing import do_bench, time_calls
 from raysys.model.config import ModelConfig
 from raysys.model.transformer import AdamW, TransformerLM, cross_entropy
-from raysys.results.records import ResultWriter
+from raysys.results.records import ResultWriter, resolve_out
 from raysys.training.leaderboard import (ALLOC_CONF, ALLOC_ENV, DTYPE_NAMES, TODAY, LeaderboardStep, StepConfig,
                                          model_dtype_name)
 from raysys.training.step import build_model
@@ -383,7 +383,7 @@ def build_leaderboard_parser(parser=None):
     p.add_argument("--check-size", default="small", choices=sorted(SIZES), help="model size of --check")
     p.add_argument("--check-context-length", type=int, default=1024, help="sequence length of --check")
     p.add_argument("--seed", type=int, default=0, help="weights and data")
-    p.add_argument("--out", required=parser is None, default=None, help="results directory")
+    p.add_argument("--out", default=None, help="results directory (default: a fresh ./runs/<UTC time>-leaderboard/)")
     p.add_argument("--resume", action="store_true", help="keep the rows already in <out>/leaderboard.parquet")
     p.add_argument("--overwrite", action="store_true", help="replace an existing <out>/leaderboard.parquet")
     return p
@@ -456,8 +456,7 @@ def start_session(args) -> Session:
     """Check the arguments, empty the compile caches (unless --warm-cache), measure the matmul peak and build the
     model. On the CPU torch runs one thread: tiny models on a shared machine are slower with more."""
     device, config, variants = check_args(args)
-    if args.out is None:
-        raise ValueError("--out is required (a results directory)")
+    args.out = str(resolve_out(args.out, SWEEP))  # --out, else a fresh ./runs/<UTC time>-leaderboard/
     if device.type == "cuda":
         set_allocator_config(args.alloc_conf)
     if not args.warm_cache:

@@ -34,6 +34,17 @@ def test_tiny_cpu_run_writes_leaderboard_parquet(tmp_path, capsys):
     assert "vs today" in capsys.readouterr().out
 
 
+def test_without_out_both_entry_points_write_a_fresh_run_directory(tmp_path, monkeypatch):
+    """README: `--out DIR` (default: a fresh `./runs/<UTC time>-<sweep>/`) in every script that takes it."""
+    monkeypatch.setenv("RAYSYS_RUNS_DIR", str(tmp_path))
+    monkeypatch.delenv("RAYSYS_RESULTS_DIR", raising=False)
+    argv = ["--size", "tiny", "--device", "cpu", "--dtype", "fp32", "--variants", "today", "--no-batch2", "--warm-cache"]
+    assert sweep.main(["--studies", "ablation", *argv]) == 0
+    assert raysys_main(["leaderboard", *argv]) == 0
+    runs = sorted(tmp_path.glob("*-leaderboard*/leaderboard.parquet"))
+    assert len(runs) == 2 and all(len(pd.read_parquet(path)) == 1 for path in runs), runs
+
+
 def test_an_oom_is_a_row_and_the_ablation_goes_on(tmp_path, monkeypatch):
     real = bench.run_variant
 
