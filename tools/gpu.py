@@ -496,4 +496,5 @@ def run_steps(ctx: Context, phase: Phase) -> None:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `--list | head` ends quietly, as a shell tool does
     sys.exit(main())
