@@ -401,3 +401,7 @@ def test_optimizer_labels_say_what_ran_when_the_kernel_cannot(monkeypatch):
     finally:
         in_backward.remove()
     assert OptimizerInBackward(lambda ps: AdamW(ps), []).kind == ""
+    base = StepConfig(attention="sdpa", loss_impl="torch", optimizer="fused", recompute="none", compile=False)
+    for in_backward, said in ((False, "FusedAdamW[reference]"), (True, "FusedAdamW[reference] in backward")):
+        step = LeaderboardStep(TransformerLM(config(N=1)), base.replace(optimizer_in_backward=in_backward), batch_size=1)
+        assert step.describe()["optimizer_class"] == said  # what the row records
