@@ -21,12 +21,12 @@ from typing import Callable
 
 import torch
 
-from raysys.cluster.studies import JoinList, split_list, writer_options
+from raysys.cluster.studies import JoinList, resolve_out_dir, split_list, writer_options
 from raysys.measure.device import check_fits, synchronize
 from raysys.measure.timing import do_bench, time_calls
 from raysys.model.config import ModelConfig
 from raysys.model.transformer import AdamW, TransformerLM, cross_entropy
-from raysys.results.records import ResultWriter, resolve_out
+from raysys.results.records import ResultWriter
 from raysys.training.leaderboard import (ALLOC_CONF, ALLOC_ENV, DTYPE_NAMES, TODAY, LeaderboardStep, StepConfig,
                                          model_dtype_name)
 from raysys.training.step import build_model
@@ -456,7 +456,7 @@ def start_session(args) -> Session:
     """Check the arguments, empty the compile caches (unless --warm-cache), measure the matmul peak and build the
     model. On the CPU torch runs one thread: tiny models on a shared machine are slower with more."""
     device, config, variants = check_args(args)
-    args.out = str(resolve_out(args.out, SWEEP))  # --out, else a fresh ./runs/<UTC time>-leaderboard/
+    args.out = str(resolve_out_dir(args.out, SWEEP))  # --out, else a fresh ./runs/<UTC time>-leaderboard/
     if device.type == "cuda":
         set_allocator_config(args.alloc_conf)
     if not args.warm_cache:
