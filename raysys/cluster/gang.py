@@ -49,12 +49,9 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, num_gpu
              object_store_memory: int | None = None, dashboard: bool = False) -> dict:
     """Connect to the Ray cluster the user names, or start an embedded one of this process's own.
 
-    Address resolution: `address` ("local" forces an embedded Ray), else `RAY_ADDRESS` (set by `ray job submit`
-    in the job's driver), else an embedded Ray with `num_cpus` (default: all cores), `num_gpus` (default:
-    detected) and a modest object store (default: 5% of RAM, clamped to [256 MiB, 2 GiB]; gangs exchange small
-    results, not tensors). Never a cluster found on the machine without being named (Ray's `address="auto"`):
-    that may be another process's embedded Ray or test cluster, or one of several ("multiple active Ray
-    instances"); `--address auto` asks for Ray's own guess explicitly. The sizes only apply to an embedded Ray.
+    Address resolution: `address` ("local" forces an embedded Ray; "auto" is Ray's own guess), else `RAY_ADDRESS`,
+    else an embedded Ray with `num_cpus` (default: all cores), `num_gpus` (default: detected) and a small object
+    store (5% of RAM, clamped to [256 MiB, 2 GiB]). A cluster on the machine that was not named is never joined.
     Returns `cluster_info()`. Idempotent.
     """
     if ray.is_initialized():
@@ -84,13 +81,9 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, num_gpu
 class GcsWatch(threading.Thread):
     """Notices the loss of the Ray cluster's head (its GCS) while it is still time to say so.
 
-    Ray's driver ends its process with Ray's own message 60 s after it loses the GCS, and every call that needs the
-    GCS meanwhile (removing a placement group, listing nodes) waits for that end. This daemon thread connects to
-    the GCS's port every `period_s`; once it has refused for `grace_s` (5 s for the embedded Ray this process
-    started, which nothing restarts; 40 s for a named cluster, whose GCS may come back within Ray's 60 s), `lost`
-    says why and `on_lost` runs: by default a KeyboardInterrupt in the main thread, as Ctrl-C, which a sweep turns
-    into its one line (`raysys.cluster.studies.ClusterLost`). It sleeps between probes and makes no Ray call; it stops
-    quietly when `ray.shutdown()` ended the cluster on purpose.
+    A daemon thread connects to the GCS's port every `period_s`; once it has refused for `grace_s` (shorter for an
+    embedded Ray than for a named cluster, which may come back), `lost` says why and `on_lost` runs (default: a
+    KeyboardInterrupt in the main thread, as Ctrl-C). It makes no Ray call and stops quietly after `ray.shutdown()`.
     """
 
     current: "GcsWatch | None" = None

@@ -285,10 +285,8 @@ def check_local_cpu_ranks(world_size: int) -> None:
 
 
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
-"""What the forkserver imports once, so that each rank process it forks starts with it (a few CPU seconds per rank
-that a spawned process spends importing torch, and its compiler stack, which every optimizer and
-`raysys.measure.memory.TrialScope` import). Only installed packages: the server imports them with its own
-sys.path (Python 3.11's forkserver does not take the driver's), which may find another checkout of this one."""
+"""What the forkserver imports once, so that each rank process it forks starts with it. Only installed packages: the
+server imports them with its own sys.path (Python 3.11's forkserver does not take the driver's)."""
 
 
 def rank_process_context(device_type: str = "cpu"):
@@ -387,11 +385,9 @@ def destroy_rank() -> None:
 
 def nccl_group(world_size: int, max_ctas: int | None = None, *, high_priority: bool = False) -> dist.ProcessGroup:
     """A new NCCL group of ranks 0..world_size-1 whose communicator runs each collective on at most `max_ctas`
-    CTAs (thread blocks, one SM each; None: NCCL's choice): collectives overlapping compute take fewer SMs from
-    it, and run slower. `high_priority`: the group's collectives run on a high-priority CUDA stream, so the GPU
-    schedules their CTAs ahead of queued compute CTAs (torch's FSDP1 gathers on such streams for the same reason:
-    a prefetch stuck behind a long matmul is late for the layer that needs it).
-    Every rank must call this (it is a collective); destroy the group with `dist.destroy_process_group`."""
+    CTAs (one SM each; None: NCCL's choice). `high_priority`: its collectives run on a high-priority CUDA stream,
+    scheduled ahead of queued compute. A collective: every rank calls it; destroy the group with
+    `dist.destroy_process_group`."""
     if max_ctas is not None and (not isinstance(max_ctas, int) or max_ctas < 1):
         raise ValueError(f"max_ctas ({max_ctas!r}) must be None or an int >= 1")
     if not dist.is_initialized() or dist.get_backend() != "nccl":

@@ -269,11 +269,8 @@ def _trial_config(config: Mapping[str, Any] | None) -> dict:
 
 
 def _trial_exception(trial) -> BaseException:
-    """The exception a Tune trial failed with, read from the trial's local error files.
-
-    Tune writes them before it calls `on_trial_error`; `Trial.get_pickled_error()` reads the synced copy in
-    the storage path, which does not exist yet at that moment.
-    """
+    """The exception a Tune trial failed with, read from the trial's local error files (the synced copy that
+    `Trial.get_pickled_error()` reads does not exist yet inside `on_trial_error`)."""
     try:
         pickled, text = trial.pickled_error_file, trial.error_file
     except Exception:  # Tune internals moved: still a row, with what we know
@@ -359,9 +356,8 @@ def tune_run(trainable: Callable[[dict], Any], param_space: Mapping[str, Any], *
     the trials that never started, so `resume=True` runs them next time. `out_dir`, `mode` and `allow_mixed`
     open the writer as in `run_sweep` (or pass `writer`); grid configs naming a row column are refused first.
 
-    `reuse_actors=True` runs the next trial in a finished trial's actor process (Tune's `reuse_actors`): no new
-    process, imports or CUDA context per trial, for many short trials (kernel configs); leave it off when a
-    trial's leftovers (allocator cache, peak counters) could skew the next one's measurements.
+    `reuse_actors=True` runs the next trial in a finished trial's actor process (Tune's `reuse_actors`); the
+    previous trial's leftovers (allocator cache, peak counters) then stay.
 
     SIGTERM (an outer `timeout`, `ray job stop`) and Ctrl-C raise KeyboardInterrupt: the rows written so
     far stay, Ray is shut down (which stops this driver's trials) and the interrupt propagates.

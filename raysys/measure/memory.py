@@ -238,8 +238,8 @@ _FROZEN_IN: int | None = None  # the pid whose objects were frozen (a forked chi
 
 
 def freeze_process_objects() -> None:
-    """Once per process: collect garbage, import what the first optimizer would (torch's compiler stack, ~130k
-    objects), then freeze every object alive (`gc.freeze`): later collections and `live_parameters` skip them.
+    """Once per process: collect garbage, import what the first optimizer would (torch's compiler stack), then
+    freeze every object alive (`gc.freeze`): later collections and `live_parameters` skip them.
     Frozen objects are still freed when no reference is left; only cycles among them are not collected."""
     global _FROZEN_IN
     import os

@@ -247,22 +247,14 @@ def time_steps(step: TimedStep, warmup: int, steps: int, *, max_steps: int | Non
 
 
 def paired_steps(step: TimedStep, reference: TimedStep, rounds: int, block: int = 3) -> dict[str, float]:
-    """Time `step` against `reference` interleaved in this process: `rounds` rounds, each one block of `block`
-    timed steps of each (after one untimed step that re-warms caches after the switch), in ABBA order (`step`
-    first in even rounds, second in odd ones), so that a host whose speed drifts over seconds, as a shared VM's
-    does, slows both alike. Per round, the ratio of the two blocks' median steps; the result is their median.
+    """Time `step` against `reference` interleaved: `rounds` rounds, each one block of `block` timed steps of each
+    (after one untimed re-warming step), in ABBA order, so a drifting host slows both alike.
 
-    Returns `paired_rounds`, `paired_ratio` (median over rounds of step / reference), `paired_ratio_min`,
-    `paired_ratio_max`, `paired_ratio_ci_rel` (the 95% confidence half-width of that median, relative to it:
-    `median_ci_rel`; inf under 3 rounds), `paired_step_median_s` and `paired_reference_median_s` (medians over
-    rounds of the block medians), and `paired_host_cpu_ratio` with its `paired_host_cpu_ratio_ci_rel`: the same
-    for the CPU time spent issuing a step (`host_cpu_step_median_s`, autograd's threads included). Where steps are
-    host-bound that is the machinery's host cost alone, which a host whose threads are descheduled now and then (a
-    shared VM) leaves out of it: a tighter estimate than the steps' wall time. `paired_allocator_retries` /
-    `paired_cuda_mallocs`: the CUDA caching allocator's retries (it freed its cache to satisfy an allocation: a
-    device synchronisation) and cudaMalloc calls over both sides' timed steps (NaN off a GPU), which two large
-    models alive in one process can cost.
-    Every rank of a gang must call this with the same arguments (the steps' collectives stay matched).
+    Returns `paired_rounds`, `paired_ratio` (median over rounds of the blocks' median step / reference),
+    `paired_ratio_min`, `paired_ratio_max`, `paired_ratio_ci_rel` (its relative 95% half-width, `median_ci_rel`;
+    inf under 3 rounds), `paired_step_median_s`, `paired_reference_median_s`, `paired_host_cpu_ratio` and its
+    `_ci_rel` (the same for `host_cpu_step_median_s`), `paired_allocator_retries` / `paired_cuda_mallocs` (over both
+    sides' timed steps; NaN off a GPU). Every rank of a gang calls this with the same arguments.
     """
     if not isinstance(rounds, int) or rounds < 1 or not isinstance(block, int) or block < 2:
         raise ValueError(f"rounds ({rounds!r}) must be an int >= 1 and block ({block!r}) an int >= 2")
@@ -289,18 +281,15 @@ def paired_steps(step: TimedStep, reference: TimedStep, rounds: int, block: int 
 
 
 PAIRED_REP_MS = 200
-"""Milliseconds of calls per side and round when kernels are paired with `paired_speedups` (`do_bench`'s rep): at
-50 a leaderboard-shape attention forward+backward ran about once per round, and that shape's half-widths were the
-widest."""
+"""Milliseconds of calls per side and round when kernels are paired with `paired_speedups` (`do_bench`'s rep)."""
 
 
 def paired_speedups(ours: dict[str, Callable[[], object]], base: dict[str, Callable[[], object]], rounds: int,
                     bench: Callable[[Callable[[], object]], float], base_name: str) -> dict[str, float]:
     """Per mode (the dicts' keys), `rounds` rounds of `bench(ours[mode])` and `bench(base[mode])` back to back, the
     order swapped every round: `paired_speedup_<mode>_vs_<base_name>` is the median of the rounds' base / ours
-    time ratios and `paired_speedup_<mode>_ci_rel` its 95% confidence half-width (relative). A drift of the GPU's
-    speed over the run (clocks, heat) moves both sides of a round alike, so it cancels in the ratio, which timing
-    each side in a block of its own does not. `paired_steps` is the same for training steps."""
+    time ratios and `paired_speedup_<mode>_ci_rel` its 95% confidence half-width (relative): a drift of the GPU's
+    speed cancels in the ratio. `paired_steps` is the same for training steps."""
     out: dict[str, float] = {"paired_rounds": float(rounds)}
     for mode in ours:
         ratios = []
@@ -388,13 +377,10 @@ def time_calls(fn: Callable[[], object], device: torch.device, *, warmup: int, s
 
 def do_bench_agreed(fn: Callable[[], object], device: torch.device, *, warmup_ms: float, rep_ms: float,
                     agree: Callable[[float], float]) -> dict:
-    """`triton.testing.do_bench`'s procedure on every rank of a gang: one call, five calls for an estimate, then
-    warmup_ms / estimate untimed calls and rep_ms / estimate timed ones, the L2 cache cleared (a 256 MB write, as
-    Triton's `clear_cache`) before each, timed one by one. The only rank-dependent number, the estimate, goes
-    through `agree` (the slowest rank's): every rank makes the same calls, so each step's collectives pair up
-    where Triton's own would leave ranks with different counts and a collective waiting forever. CUDA events on
-    a GPU, the wall clock elsewhere (the CPU tests). Returns `time_median_s`, `time_p20_s`, `time_p80_s` (seconds, as
-    `do_bench`) and `timed_steps`."""
+    """`triton.testing.do_bench`'s procedure on every rank of a gang (the L2 cache cleared before each timed call),
+    with the call-count estimate agreed (`agree`: the slowest rank's) so every rank makes the same calls and their
+    collectives pair up. CUDA events on a GPU, the wall clock elsewhere. Returns `time_median_s`, `time_p20_s`,
+    `time_p80_s` (seconds) and `timed_steps`."""
     cuda = device.type == "cuda"
     cache = torch.empty(int(256e6) if cuda else 2**20, dtype=torch.int8, device=device)  # Triton's 256 MB
 

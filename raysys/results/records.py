@@ -94,11 +94,8 @@ def _nvidia_gpu_name() -> str | None:
 
 
 def device_name(device: Any = None) -> str:
-    """Name of `device`, or of the machine's accelerator when none is given.
-
-    Without an explicit device, a process that has not initialised CUDA (a sweep driver whose ranks run
-    elsewhere) does not create a CUDA context just to name the GPU: that would pin ~500 MB on GPU 0.
-    """
+    """Name of `device`, or of the machine's accelerator when none is given (then no CUDA context is created
+    in a process that has not initialised CUDA)."""
     import torch
 
     dev = torch.device(device) if device is not None else None
@@ -287,11 +284,9 @@ _FRESH_DIRS: list[Path] = []  # directories this process created, removed again 
 
 @atexit.register
 def discard_empty_run_dirs() -> list[Path]:
-    """Remove the directories this process created for results that are still empty (a fresh run directory, or a
-    `--out` that did not exist, when a check failed after it was made, Ray refused the gang, or Ctrl-C came before
-    the first row): a failed run leaves no trace. A directory that existed before is never removed.
-    `raysys.cluster.studies.run_script` calls it when a script ends, and it runs at exit. Returns the directories
-    removed."""
+    """Remove the directories this process created for results that are still empty, so a failed run leaves no
+    trace; a directory that existed before is never removed. Runs at exit and when `run_script` ends a script.
+    Returns the directories removed."""
     removed = []
     for path in sorted(_FRESH_DIRS, key=lambda p: len(p.parts), reverse=True):  # a directory before its parent
         try:

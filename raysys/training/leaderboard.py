@@ -159,13 +159,9 @@ class CompiledPieces:
 
 
 def compile_pieces(model: nn.Module, backend: str = "inductor") -> CompiledPieces:
-    """Compile the `forward` of every RMSNorm, RotaryEmbedding and SwiGLU of `model` (fullgraph, static shapes).
-
-    Instances of one class share a code object, so Dynamo compiles each piece once per input shape and grad mode
-    and every layer reuses it; a process that steps models of many shapes needs more than Dynamo's default of 8
-    graphs per code object, so the limit is raised to `RECOMPILE_LIMIT` (fullgraph=True would fail past it).
-    Blocks and attention modules keep their own forward, so activation checkpointing (which replaces block /
-    attention forwards) composes: a checkpointed block reruns the compiled pieces."""
+    """Compile the `forward` of every RMSNorm, RotaryEmbedding and SwiGLU of `model` (fullgraph, static shapes):
+    one graph per class, input shape and grad mode, shared by every layer (Dynamo's recompile limit raised to
+    `RECOMPILE_LIMIT`). Blocks and attention keep their own forward, so activation checkpointing composes."""
     modules = [m for m in model.modules() if isinstance(m, COMPILED_MODULES)]
     for m in modules:
         if "forward" in m.__dict__:
@@ -184,12 +180,9 @@ def _gate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def lean_attention_inputs(attn: nn.Module, ln1: RMSNorm, x: torch.Tensor, positions: torch.Tensor):
-    """q, k, v of `attn(ln1(x))` as contiguous (B, S, H, D) tensors (the caller's transpose to (B, H, S, D) is a
-    view); ln1's output is recomputed in backward (only x is kept for the projections' weight gradients). RoPE is
-    the model's own, its result written in the projections' layout (one fused kernel under Inductor): attention
-    then returns O in that layout too (cuDNN and the Triton kernel allocate O like q), so merging its heads is a
-    view, and the gradients of q, k, v come back in the layout the graph returned (AOTAutograd would otherwise
-    copy each into the traced output's layout)."""
+    """q, k, v of `attn(ln1(x))` (RoPE applied) as contiguous (B, S, H, D) tensors, so the caller's transpose to
+    (B, H, S, D), attention's O in that layout and the merge of its heads are views; ln1's output is recomputed in
+    backward (only x is kept)."""
     n = checkpoint(class_forward, ln1, x, use_reentrant=False)
     rope, heads = attn.positional_encoder, (attn.num_heads, attn.d_head)
     q, k, v = (class_forward(proj, n).unflatten(-1, heads) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
@@ -299,9 +292,8 @@ def device_memory_bytes(device: torch.device) -> int:
 
 
 ALLOC_CONF = "expandable_segments:True"
-"""The CUDA caching allocator's setting for the step. Its plan fills the device to within the advisor's margin; with
-fixed-size segments, the large blocks a checkpointed branch frees get split by smaller tensors, and the step runs out
-of memory with much of the device reserved but unallocated. Expandable segments grow in place instead."""
+"""The CUDA caching allocator's setting for the step (expandable segments: the plan fills the device to within the
+advisor's margin, which fixed-size segments fragment)."""
 ALLOC_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 """The environment variables through which a process configures the allocator itself (then the step leaves it)."""
 _log = logging.getLogger("raysys")
@@ -407,14 +399,10 @@ def planned_attention_kernels(model_config: ModelConfig, batch_size: int, seq_le
 
 class OptimizerInBackward:
     """AdamW fused into backward: one optimizer per parameter (`make([p])`), stepped by a post-accumulate-grad hook
-    as soon as autograd has written that parameter's gradient, which is then freed (torch's "optimizer step in
-    backward" pattern). The same result as `step()` after backward: AdamW updates each parameter from its own
-    gradient and state (no clipping, no cross-parameter term), and the backward never reads a weight again once
-    its gradient is written (the matmul that made it also made its input's gradient; a checkpointed segment is
-    rerun before any of its gradients exist). A weight used twice in one forward still gets one hook call
-    (autograd sums its gradients before accumulating them); a second backward before `zero_grad` (gradient
-    accumulation) would update twice, so that hook raises instead. Looks enough like an optimizer for the step:
-    `zero_grad`, a no-op `step`, `state` (per parameter, through the inner optimizers), `remove()` the hooks."""
+    as soon as autograd has written that parameter's gradient, which is then freed. Invariant: the same result as
+    `step()` after backward (AdamW has no cross-parameter term, and backward never reads a weight once its
+    gradient is written). A second backward before `zero_grad` raises. Optimizer-like: `zero_grad`, a no-op
+    `step`, `state` (per parameter), `remove()` the hooks."""
 
     def __init__(self, make: Callable[[list], torch.optim.Optimizer], params):
         self.optimizers = {p: make([p]) for p in params if p.requires_grad}

@@ -61,7 +61,7 @@ def ablation(batch_size: int = 1, *, batch2: bool = True, attention: str = "flas
     `best-ffn` and `best-offload` are the fast step whose advisor may not choose ffn (offloaded) blocks, `best-lean`
     the fast step with compiled pieces instead of lean blocks (`today+lean` adds both to today's, a no-op under its
     full checkpointing); `today+advisor_plan` lets the advisor mix none and full blocks, `today+ffn_recompute` none,
-    ffn and full (today's composition does not fit with ffn alone: eager SwiGLU keeps five (B, S, d_ff) tensors)."""
+    ffn and full."""
     best = StepConfig(attention=attention)
     variants = [Variant(name="best", step=best, batch_size=batch_size),
                 *(Variant(name=f"best/{name}", step=best.replace(attention=name), batch_size=batch_size)
@@ -266,9 +266,7 @@ def predicted_peak(model: TransformerLM, variant: Variant, seq_len: int, regions
 
 
 def release_cached_memory(device: torch.device) -> None:
-    """Between variants: drop the caching allocators' free blocks, the device's and the pinned host memory's
-    (offloaded blocks' copies: a variant that offloads at another size would otherwise pin new memory beside
-    the cached blocks it cannot reuse)."""
+    """Between variants: drop the caching allocators' free blocks, the device's and the pinned host memory's."""
     import gc
 
     gc.collect()
