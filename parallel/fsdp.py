@@ -451,10 +451,8 @@ class FSDP(nn.Module):
         self._fwd_calls: list[_Unit] = []
         self._last_order: list[_Unit] = []
         self._reduce_scatter_ok = self._probe_reduce_scatter()
-        # Coalesced all-gathers: NCCL has them, gloo in recent torch; else the flat fallback. Coalesced
-        # reduce-scatters: NCCL's are one grouped launch; gloo's are one all-reduce per tensor run concurrently on its
-        # worker threads (and hung in a two-rank test here), so on gloo one flat reduce-scatter over the rank-major
-        # buffer does the same work as a single collective.
+        # Coalesced all-gathers where the backend has them, else the flat fallback; on gloo one flat reduce-scatter
+        # over the rank-major buffer (its coalesced one runs concurrent all-reduces on worker threads).
         self.flat_collectives = flat_collectives
         self._coalesced_gather = not flat_collectives and self._has_coalesced(
             "allgather_into_tensor_coalesced",
@@ -462,10 +460,8 @@ class FSDP(nn.Module):
         self.flat_reduce_scatter = flat_collectives or flat_reduce_scatter
         self._coalesced_reduce_scatter = (not self.flat_reduce_scatter and dist.get_backend(process_group) != "gloo"
                                           and hasattr(self._group, "reduce_scatter_tensor_coalesced"))
-        # gloo: one collective in flight at a time. Its worker threads run concurrent collectives of one group side
-        # by side, and two-rank stress runs of this wrapper crashed inside gloo's issue path (heap corruption, 3 of
-        # 83 runs; none in 100 since) or hung in one of its all-reduces. NCCL orders a group's collectives on one
-        # stream.
+        # gloo: one collective in flight at a time (concurrent collectives of one group are unsafe there; NCCL
+        # orders a group's collectives on one stream).
         self._one_in_flight = dist.get_backend(process_group) == "gloo"
 
     # ------------------------------------------------------------------ forward

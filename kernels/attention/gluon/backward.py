@@ -201,13 +201,12 @@ if HAS_GLUON_HOPPER:
         dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
         dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
         # L and D rows padded with zeros to whole BLOCK_M tiles (`bwd_launch_args`): unmasked loads, which
-        # keep the per-column registers of a mask out of the loop (the causal kernel spilled 100 bytes more).
+        # keep the per-column registers of a mask out of the loop.
         if not ROWS_TMA:
             n_pad = gl.cdiv(N_Q, BLOCK_M) * BLOCK_M
             lse_base = L + pid_bh.to(gl.int64) * n_pad
             delta_base = Delta + pid_bh.to(gl.int64) * n_pad
-        # (A one-item program's ring uses and barrier phases start at 0: constants, so its build is the one the
-        # measurements before the persistent kernel ran.)
+        # A one-item program's ring uses and barrier phases start at 0 (constants).
         if PERSISTENT:
             mbarrier.wait(kv_bar, kv_phase)
         else:

@@ -339,7 +339,7 @@ DQ_BLOCK_M = 64
 """Query rows per consumer warp group of the dQ kernel: one wgmma row block, dQ in 64 * d / 128 fp32 registers."""
 DEFAULT_BWD2_CONFIGS = {64: GluonBwd2Config(dkdv_block_m=64, dkdv_stages=2, dq_block_n=128, dq_stages=2),
                         128: GluonBwd2Config(dkdv_block_m=32, dkdv_stages=3, dq_block_n=64, dq_stages=2)}
-"""Per head dim, tiles that build without spills (d 128: 64-query dK/dV tiles spill 28 bytes outside the loop)."""
+"""Per head dim, tiles that build without register spills."""
 
 
 def bwd2_launch_args(q, k, v, grad_out, dq, dk, dv, lse, delta, is_causal: bool, config: GluonBwd2Config):

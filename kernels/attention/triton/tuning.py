@@ -274,9 +274,8 @@ def config_fits(kernel: str, cfg: FlashConfig, block_d: int, dtype: torch.dtype,
         return False
     if elem == 4 and cfg.block_m * cfg.block_n > 64 * 32:  # see _GPU_CONFIGS_FP32
         return False
-    # Register budget: fp32 accumulators (O, or dK and dV, or dQ) plus the score tile, per thread. Past ~160
-    # values a thread the sm_90 builds spill heavily and run 2-3x slower. A warp-specialised program's two
-    # consumer warp groups hold the accumulators.
+    # Register budget: fp32 accumulators (O, or dK and dV, or dQ) plus the score tile, per thread; past ~160
+    # values a thread the sm_90 builds spill. A warp-specialised program's two consumer warp groups hold them.
     rows = cfg.block_n if kernel in ("dkdv", "dkdvq") else cfg.block_m
     accumulators = (1 if kernel in ("fwd", "dq") else 2) * rows * block_d + cfg.block_m * cfg.block_n
     if kernel == "dkdvq":  # the dS K tile
