@@ -1,4 +1,4 @@
-"""Issue 19: Dynamo's cache lookup per call of a compiled block, with and without FSDP around the model. A tiny
+"""Dynamo's cache lookup per call of a compiled block, with and without FSDP around the model. A tiny
 4-block TransformerLM, blocks compiled with backend="eager" (as `compile_blocks`), on a gloo group of one; per case
 the mean host time of "TorchDynamo Cache Lookup" over 20 profiled training steps (80 calls), and how many guards of
 each kind Dynamo installed for the block (its guard log). One row per case in OUT (Parquet, `lookup_mean_s`,
@@ -9,12 +9,7 @@ each kind Dynamo installed for the block (its guard log). One row per case in OU
     PYTHONPATH=/tmp/before:$PWD python tools/dynamo_guard_check_fsdp.py --out /tmp/before.parquet
     python -m tools.dynamo_guard_check_fsdp --device cuda --out ...  # NCCL, inductor
 
-(Run as a file, the script's folder comes first on sys.path, then PYTHONPATH: the `parallel` of /tmp/before
-wins over the checkout's, and each row's `parallel_from` says which one ran.)
-
-On the H200 a compiled xl block's lookup took 85-89 us under FSDP against 23 us in single
-(`fsdp_host_profile_ab_66bb84e.txt`, `fsdp_host_profile_80b28c5.txt`), far more than on this CPU: the `cuda` run
-is the same comparison on a GPU, to tell which guards make the difference there.
+(Run as a file, the `parallel` of /tmp/before wins over the checkout's; each row's `parallel_from` says which ran.)
 
 Cases: `single` (fp32), `single-autocast` (bf16 autocast, as the sweeps' single), `fsdp-fp32` (no casts),
 `fsdp-bf16` (compute dtype bf16: per-Linear input casts traced into the block; a group of one, the identity) and

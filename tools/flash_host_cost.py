@@ -1,25 +1,20 @@
-"""Host time per call of the FlashAttention entry points (issue 16), one H200.
+"""Host time per call of the FlashAttention entry points, on one GPU.
 
-Run on the GPU host from the repository root: `python3 -m tools.flash_host_cost OUT_DIR
-[--profile] [--pieces] [--by-kernel] [--cases A,B] [--shape B,H,N,d] [--overwrite]` (an existing
-OUT_DIR/flash_host_cost.parquet is refused without `--overwrite`, before any work). For each entry point, 200 calls
-at 4x32x2048x128 bf16 causal (or `--shape`): `host_s` is the time to issue one (seconds per call), `wall_s` the time
-until the GPU finished them, per call; host close to wall means host-bound calls. `kernel_s` is the GPU time of the
-call's kernels (the CUDA kernels the profiler saw over 20 calls, summed, per call): wall above kernel is time the
-GPU waited. SDPA's cuDNN backend is the baseline. `--profile` prints, per case, the functions with the most own and
-cumulative time over the calls (cProfile). `--pieces` adds rows `piece: ...`: the host time of each step of the
-gluon forward alone. `--by-kernel` adds rows `kernel of <case>`: each CUDA kernel of a case (memsets and copies
-included), its launches and seconds per call. `--cases` times only the cases named (comma-separated). Rows go to
-OUT_DIR/flash_host_cost.parquet (the results convention).
+    python3 -m tools.flash_host_cost OUT_DIR [--profile] [--pieces] [--by-kernel] [--cases A,B] [--shape B,H,N,d]
+        [--overwrite]
+
+An existing OUT_DIR/flash_host_cost.parquet is refused without `--overwrite`, before any work. Per entry point (SDPA
+cuDNN the baseline), 200 calls at 4x32x2048x128 bf16 causal (or `--shape`): `host_s` the time to issue one call,
+`wall_s` the time per call until the GPU finished, `kernel_s` the GPU time of the call's kernels (profiled over 20
+calls). `--profile` prints cProfile's top functions per case; `--pieces` adds rows `piece: ...` (each step of the
+gluon forward); `--by-kernel` adds rows `kernel of <case>` (each CUDA kernel, its launches and seconds per call);
+`--cases` times only the cases named.
 
     python3 -m tools.flash_host_cost logs TXT OUT.parquet COMMIT
 
-builds the same rows from a call's printed lines alone (one block per shape, each ending with its `wrote
-.../<B,H,N,d>/flash_host_cost.parquet` line), for a call whose Parquet files did not come back from the GPU host;
-what the lines do not say (host, time, versions) is `unknown`, `git_sha` is COMMIT, `device_name` the nvidia-smi
-line's, and kernel names are cut where the printout cut them (110 characters).
-The e7dd8cb run: `results/runs/flash_host_cost_e7dd8cb.parquet` (its printed output,
-`flash_host_cost_e7dd8cb.txt`, converted).
+builds the same rows from a call's printed lines alone (one block per shape, each ending with its `wrote ...` line);
+what the lines do not say (host, time, versions) is `unknown`, `git_sha` is COMMIT, kernel names are cut where the
+printout cut them.
 """
 
 import cProfile

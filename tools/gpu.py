@@ -8,8 +8,8 @@ Every study runs under its own timeout (SIGTERM, SIGKILL 20 s later) with its lo
 lines printed; most take `--resume`, so running a phase again continues it. Results go to RESULTS (`--results`,
 env RESULTS, default runs/gpu; never straight into the committed results/) and are packed into OUT/results.tgz
 (`--out`, env OUT, default /tmp/raysys-gpu); the FlashAttention checks (`flashcheck`, `candidates`) write into OUT
-and pack their logs into OUT/logs.tgz instead (a lease returns few files). Knobs read from the environment as
-before: ROUNDS, TRACE (alone), MATCH (gluoncheck), VARIANTS, PAIRED (gluontiles), those of `flashcheck` and
+and pack their logs into OUT/logs.tgz instead. Knobs read from the environment: ROUNDS, TRACE (alone), MATCH
+(gluoncheck), VARIANTS, PAIRED (gluontiles), those of `flashcheck` and
 `candidates` (their functions say which), RAYSYS_GIT_SHA (rows name that commit; 12 digits), and WHEELS: a folder
 of .whl files (Ray and what it imports, for a host without them) installed with `pip --target .site` and put on
 the studies' PYTHONPATH. Exit status: 2 for an unknown phase or without the GPUs a phase needs (one line, nothing
@@ -106,7 +106,7 @@ def paired(folder: str, *extra: str) -> tuple[Study, ...]:
 
 
 def alone(ctx: Context) -> None:
-    """Issue 19 on one GPU: every collective a larger group issues, over no peer, against single and torch's wrappers;
+    """One GPU: every collective a larger group issues, over no peer, against single and torch's wrappers;
     the NCCL flight recorder off in every variant (TRACE=N keeps N entries), ROUNDS paired rounds (default 10).
     First Dynamo's guards per compiled block, single against FSDP (once per results folder)."""
     w1 = ("--device", "cuda", "--world-sizes", "1", "--launcher", "mp", "--dtypes", "bf16", "--collectives-alone",
@@ -179,7 +179,7 @@ def first_calls(ctx: Context, jobs: tuple[tuple[str, str], ...], heads: int, sec
 
 
 def flashcheck(ctx: Context) -> None:
-    """Issue 16's one-command check of the tl kernels on one GPU (was sweeps/flash_gpu_check.sh), into OUT:
+    """The one-command check of the tl kernels on one GPU, into OUT:
     1. the gpu-marked flash tests (TEST_K selects with -k; TEST_WORKERS, TEST_TIMEOUT) while step 2 compiles;
     2. RUN_TILES=1 (default): the tile sweep of TILES_VARIANTS on TILES_SHAPES (no Ray; COMPILE_WORKERS processes
        compile first, then it waits for the tests), its best configs merged into OUT's tuned file; RUN_TILES=0: the
@@ -207,8 +207,7 @@ def flashcheck(ctx: Context) -> None:
                    "--out", "{out}", "--json", "{out}/flash_attention_tuned.json"))
     ctx.wait([tests])
     if run_tiles == "0" and not ctx.dry:
-        # Into the shared cache only now, after the tests: a copy that overlapped them once made 7 test workers
-        # segfault loading kernels (in Triton's _init_handles).
+        # Into the shared cache only after the tests: a copy that overlaps them can crash workers loading kernels.
         cache = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
         for own in Path("/tmp").glob("flash_cache_*"):
             shutil.copytree(own, cache, dirs_exist_ok=True)
@@ -229,7 +228,7 @@ def flashcheck(ctx: Context) -> None:
 
 
 def candidates(ctx: Context) -> None:
-    """Issue 16's candidate matrix (sweeps/flash_bench.py CANDIDATES, or the space-separated CANDIDATES): each
+    """The launch-config candidate matrix (sweeps/flash_bench.py CANDIDATES, or the space-separated CANDIDATES): each
     candidate's check in its own process (CHECK_TIMEOUT) beside first calls of the tuned paths, then all of them timed
     against SDPA cuDNN and flash (BENCH_TIMEOUT, BENCH_BUDGET), the fastest tma configs written first into OUT's tuned
     file, the hopper study under it into OUT/hopper (HOPPER_TIMEOUT, HOPPER_BUDGET), and ncu on one launch of each

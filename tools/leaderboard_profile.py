@@ -1,4 +1,4 @@
-"""Issue 15: where the leaderboard step's time goes on one GPU, and how fast the host link is (for offload).
+"""Where the leaderboard step's time goes on one GPU, and how fast the host link is (for offload).
 
 One fast step (`raysys.training.leaderboard.StepConfig`, cuDNN attention, the advisor's plan unless POLICY is set) of the 8B
 model at batch 1 x 32768 in bf16: two warm-up steps (the first compiles), then one step under the CUDA profiler.
