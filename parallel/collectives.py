@@ -56,11 +56,7 @@ class Buffers:
 
 
 def make_buffers(op: str, num_bytes: int, world_size: int, device: torch.device | str) -> Buffers:
-    """Float32 buffers for a `num_bytes` message, rounded down to a multiple of `world_size` elements.
-
-    The data are zeros: collective time does not depend on values, and zeros never overflow however many
-    times the sum is taken.
-    """
+    """Float32 zero buffers for a `num_bytes` message, rounded down to a multiple of `world_size` elements."""
     _check_op(op)
     if num_bytes < _BYTES_PER_ELEMENT * world_size:
         raise ValueError(f"num_bytes ({num_bytes}) must hold at least one float32 per rank ({world_size} ranks)")

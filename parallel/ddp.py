@@ -48,11 +48,8 @@ def _module_device(module: nn.Module) -> torch.device:
 
 @torch.no_grad()
 def broadcast_module_state(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Copy every parameter and buffer of the group's rank 0 into `module` on all ranks (in place).
-
-    First checks that all ranks hold modules of the same structure (tensor counts and total size), which
-    would otherwise make the broadcasts below hang or mix tensors up.
-    """
+    """Copy every parameter and buffer of the group's rank 0 into `module` on all ranks (in place), after checking
+    that all ranks hold modules of the same structure (tensor counts and total size)."""
     tensors = [*module.parameters(), *module.buffers()]
     signature = torch.tensor([len(tensors), sum(t.numel() for t in tensors)], device=_module_device(module))
     gathered = [torch.empty_like(signature) for _ in range(dist.get_world_size(group))]
@@ -193,8 +190,7 @@ class _Bucket:
 def assign_buckets(params: list[nn.Parameter], bucket_size_mb: float) -> list[list[nn.Parameter]]:
     """Split `params` into buckets in reverse order, each of at most `bucket_size_mb` MiB and one dtype/device.
 
-    A parameter larger than the cap gets a bucket of its own; `bucket_size_mb=0` gives one bucket per
-    parameter. Reverse order because backward produces the last layers' gradients first.
+    A parameter larger than the cap gets a bucket of its own; `bucket_size_mb=0` gives one bucket per parameter.
     """
     cap_bytes = bucket_size_mb * 2**20
     buckets: list[list[nn.Parameter]] = []

@@ -54,9 +54,8 @@ _CASTING_CLASSES: dict[tuple[type, torch.dtype], type] = {}
 
 def casting_class(cls: type, dtype: torch.dtype) -> type:
     """The subclass of module class `cls` whose forward casts its floating positional inputs to `dtype` first (one
-    per class and dtype, same name): what `cast_inputs_by_class` swaps in. A forward pre-hook would do the same,
-    but traced into a compiled block it makes Dynamo guard on the hook dict and the hook at every call; the class
-    is a type Dynamo already guards on (as FSDP2's `fully_shard` swaps in its own classes)."""
+    per class and dtype, same name): what `cast_inputs_by_class` swaps in (a type Dynamo already guards on, where
+    a forward pre-hook would add guards to a compiled block)."""
     key = (cls, dtype)
     sub = _CASTING_CLASSES.get(key)
     if sub is None:
