@@ -60,11 +60,8 @@ def _signal_name(signum: int) -> str:
 
 @contextlib.contextmanager
 def _ranks_ignore_sigint():
-    """Ctrl-C in a terminal reaches the whole process group, ranks included; the driver alone handles it (and stops
-    the ranks). A rank started while SIGINT is ignored keeps ignoring it from its first instruction on (Python
-    installs its KeyboardInterrupt handler only over the default), so no rank prints a traceback of its own. A
-    Ctrl-C in the few milliseconds a rank takes to fork is lost (press it again); off the main thread nothing
-    changes."""
+    """Start ranks with SIGINT ignored, so a terminal's Ctrl-C is handled by the driver alone (which stops the
+    ranks); a Ctrl-C while a rank forks is lost. Off the main thread nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -415,7 +415,7 @@ def head_backward_excess(w: Workload) -> int:
     """Cross-entropy backward on top of the head's residuals: the gradient of the logits and amax's
     (logits == max) mask (B S V x (e + 1) bytes in fp32); under autocast also the gradients of the low-precision
     logits and shifted logits. With pure low-precision weights on CUDA two more low-precision logit-sized tensors
-    are alive (docs/raysys.md has the measurements). Fused: nothing (the saved gradients are scaled in place)."""
+    are alive. Fused: nothing (the saved gradients are scaled in place)."""
     c = w.config
     if w.loss == "fused":
         return 0
@@ -544,12 +544,8 @@ def _nested_moments(w, r, below, base, grads, block_params, moments) -> int:
 # Measuring on the CPU: the allocator trace of the profiler (exact bytes; CUDA has max_memory_allocated).
 
 def cpu_allocation_trace(fn: Callable[[], object]) -> list[int]:
-    """Bytes allocated on the CPU after every allocation / free made while `fn` runs, relative to the start.
-
-    Uses the profiler's allocation events (exact sizes). Storages that existed before are invisible, and so
-    are their frees: a free is counted only when its allocation was seen, so garbage from earlier work that
-    happens to be released inside `fn` does not lower the curve.
-    """
+    """Bytes allocated on the CPU after every allocation / free made while `fn` runs, relative to the start (the
+    profiler's allocation events); a free counts only when its allocation was seen inside `fn`."""
     import gc
 
     from torch._C._profiler import _EventType
