@@ -45,10 +45,9 @@ def resolve_out_dir(out: str | os.PathLike | None = None, sweep: str | None = No
 
     `out` if given (a relative path resolves against the current directory), else `$RAYSYS_RESULTS_DIR`, else a
     fresh run directory `./runs/<UTC time>-<sweep>/` (`$RAYSYS_RUNS_DIR` instead of `./runs`; `sweep` defaults to
-    the script's name): the committed `results/` is written only when named. Under `ray job submit` the driver
-    runs in a temporary copy of the working directory when it uploads one (`--working-dir`): `python -m raysys
-    submit` sets `RAYSYS_RUNS_DIR` to the submitter's `./runs`; a `ray job submit --working-dir` without an absolute
-    `--out` gets a warning (a plain `ray job submit` runs where the head started, and its results stay).
+    the script's name): the committed `results/` is written only when named. A Ray job whose driver runs in an
+    uploaded copy of the working directory (`--working-dir`) without an absolute `--out` gets a warning (`python -m
+    raysys submit` sets `RAYSYS_RUNS_DIR` to the submitter's `./runs`).
     """
     if sweep is None:
         stem = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else ""

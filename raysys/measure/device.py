@@ -89,11 +89,9 @@ def machine_memory_bytes() -> int:
 
 
 def check_fits(mc, batch: int, world_size: int, device: str) -> None:
-    """Before any work on the CPU (whose allocations are a machine brought to its knees before they are refused):
-    a one-line ValueError when a model's fp32 state (weights, gradients, AdamW moments: 16 bytes per parameter)
-    and one layer's attention scores (4 * batch * heads * context^2 bytes) on every rank exceed this machine's
-    memory. The rule bounds `--context-length` and `--batch-size` x context. On a GPU a trial that does not fit
-    is an `oom` row instead (the GPUs may not be this machine's)."""
+    """Before any work on the CPU: a one-line ValueError when a model's fp32 state (weights, gradients, AdamW
+    moments: 16 bytes per parameter) and one layer's attention scores (4 * batch * heads * context^2 bytes) on every
+    rank exceed this machine's memory. On a GPU nothing is checked: a trial that does not fit is an `oom` row."""
     if str(device).startswith("cuda"):
         return
     per_rank = 16 * mc.num_params() + 4 * batch * mc.num_heads * mc.context_length ** 2

@@ -90,12 +90,9 @@ def compile_blocks(model: nn.Module, block_type: type[nn.Module] = TransformerBl
     returns how many. Before wrapping the model, so DDP / FSDP see the same modules and parameters, and after any
     `copy.deepcopy` of it (a copy's `forward` would still be the original block's).
 
-    `forward`, not `Module.compile()` (which compiles `_call_impl`, hooks included): the module hooks a wrapper
-    puts on a block (FSDP's and FSDP2's gathers around it, parallel/fsdp.py) stay eager, outside the graph; hooks
-    on modules inside a block (FSDP's compute-dtype casts) are traced into it. The blocks share one code object,
-    so Dynamo compiles once per distinct setting (autocast dtype, grad mode, hooks) and every block reuses it;
-    `time_steps`' warm-up steps absorb the compilation. Gradient hooks on parameters (DDP's) fire after the
-    block's compiled backward, i.e. per block instead of per parameter (torch's DDP hooks alike).
+    `forward` is compiled, not `_call_impl`: hooks a wrapper puts on a block (FSDP's gathers) stay eager, hooks on
+    modules inside it (FSDP's casts) are traced into it. One graph per distinct setting (autocast dtype, grad mode,
+    hooks) serves every block. Gradient hooks on parameters (DDP's) fire after the block's compiled backward.
     """
     blocks = [m for m in model.modules() if isinstance(m, block_type)]
     if not blocks:
