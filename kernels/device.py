@@ -89,7 +89,7 @@ def empty_like_layout(t: torch.Tensor, dtype: torch.dtype | None = None, empty=t
 
 @functools.lru_cache(maxsize=None)
 def capability(device: torch.device) -> tuple[int, int]:
-    """`torch.cuda.get_device_capability`, asked once per device (it costs microseconds per call)."""
+    """`torch.cuda.get_device_capability`, asked once per device."""
     return torch.cuda.get_device_capability(device)
 
 

@@ -53,9 +53,8 @@ checks passed."""
 
 def _validated(check, is_causal, *tensors: torch.Tensor) -> str:
     """Run `check()` (which raises on bad input) and return `gluon_unsupported_reason(q, k, v)` of `tensors` (q, k, v,
-    ...), once per geometry: both read only the tensors' shapes, strides, dtypes, devices and pointer alignment, and
-    is_causal, so a later eager call of the same geometry skips them (host time on every call). Anything else (not
-    plain tensors, a non-bool is_causal, tracing) is checked every time."""
+    ...), once per geometry (shapes, strides, dtypes, devices, pointer alignment, is_causal: all they read). Anything
+    else (not plain tensors, a non-bool is_causal, tracing) is checked every time."""
     if type(is_causal) is not bool or not all(type(t) in _PLAIN for t in tensors) or not _eager(tensors[0]):
         check()
         return gluon_unsupported_reason(*tensors[:3])
@@ -73,7 +72,7 @@ def _validated(check, is_causal, *tensors: torch.Tensor) -> str:
 def _eager(q: torch.Tensor) -> bool:
     """Whether a call on `q` runs the launchers straight from Python rather than through the custom ops: a real
     tensor (not torch.compile's or export's stand-in, not on the meta device) outside tracing and functorch
-    transforms. The ops' dispatch costs host time on every call."""
+    transforms."""
     return (type(q) in _PLAIN and q.device.type != "meta" and not torch.compiler.is_compiling()
             and torch._C._functorch.peek_interpreter_stack() is None)
 

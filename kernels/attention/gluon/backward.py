@@ -662,8 +662,7 @@ def gluon_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
 def launch_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                grad_out: torch.Tensor, is_causal: bool, config: GluonBwdConfig
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`gluon_attention_bwd` on inputs it accepts: for callers that checked them already (the checks cost host time
-    on every call)."""
+    """`gluon_attention_bwd` without the input checks, for callers that checked them already."""
     batch, heads, n_q, head_dim = q.shape
     grad_out, lse, key = bwd_launch_inputs(q, k, v, out, lse, grad_out, is_causal, config)
     with device_of(q):

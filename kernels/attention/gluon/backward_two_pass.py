@@ -237,7 +237,7 @@ if HAS_GLUON_HOPPER:
             s = warpgroup_mma_wait(1, deps=(s,))
             # 3. P = exp(S / sqrt(d) - L) under dP; diagonal and key-tail tiles masked. The mask is a branch the
             #    compiler cannot fold between the exp2s and the dP wait: within one basic block ptxas would hoist the
-            #    wait above the exp2s (the forward's finding); SASS: HGMMA(S) HGMMA(dP) DEPBAR<=1 EX2.. DEPBAR<=0.
+            #    wait above the exp2s.
             p = gl.exp2(s * qk_scale - gl.expand_dims(l2, 1))
             if j >= n_unmasked:
                 cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))

@@ -499,8 +499,7 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_ca
 
 def launch_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config: GluonConfig
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`gluon_attention_fwd` on inputs `unsupported_reason` accepted: for callers that checked them already (the
-    check costs host time on every call)."""
+    """`gluon_attention_fwd` without the input checks, for callers whose inputs `unsupported_reason` accepted."""
     out = empty_like_layout(q)  # q's layout (unit stride on D, 16-byte strides: a valid TMA target)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     grid, args, meta = launch_args(q, k, v, out, lse, is_causal, config)

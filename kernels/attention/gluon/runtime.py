@@ -99,11 +99,10 @@ def build(kernel, grid: tuple[int, ...], args: tuple, meta: dict):
 def launch(kernel, grid: tuple[int, ...], args: tuple, meta: dict, key: tuple | None = None) -> None:
     """`kernel[grid](*args, **meta)` on the current device and stream, for a kernel whose parameters after `args`
     are all named in `meta` (with Triton's options, num_warps, maxnreg). The first launch of a specialisation builds
-    it (`build`: `BuildFailed` if it cannot, then and on every later call with these keys) and keeps the compiled
-    kernel; every launch runs it directly (`CompiledKernel.run`, as Inductor's launchers do), without Triton's
-    per-call argument binding, specialisation and cache lookup: host time on every call, which small attention calls
-    are bound by. `key`: the caller's own key, which must determine every `_arg_key` of `args` and `meta` (the
-    launchers' problem keys: shapes, strides, dtypes, config), so that the arguments need not be keyed one by one."""
+    it (`build`: `BuildFailed` if it cannot, then and on every later call with these keys); every launch runs the
+    compiled kernel directly (`CompiledKernel.run`, as Inductor's launchers do), without Triton's per-call binding
+    and cache lookup. `key`: the caller's own key, which must determine every `_arg_key` of `args` and `meta` (the
+    launchers' problem keys: shapes, strides, dtypes, config)."""
     device = current_device()
     if key is None:
         key = (kernel, device, tuple(_arg_key(a) for a in args), tuple(meta.items()))
@@ -138,8 +137,7 @@ def tensor_descriptor(t: torch.Tensor, block: list[int], layout, shape: list[int
                       strides: list[int] | None = None) -> "TensorDescriptor":
     """`TensorDescriptor(t, shape, strides, block, layout)` (t's own shape and strides when not given). Its
     dataclass checks (strides' alignment, block shape, layout) run on the first descriptor of each (shape, strides,
-    dtype, block, layout); later ones copy its fields and check only the base's 16-byte alignment, which is all that
-    differs: host time on every launch, nine descriptors per backward."""
+    dtype, block, layout); later ones copy its fields and check only the base's 16-byte alignment."""
     shape = tuple(t.shape) if shape is None else tuple(shape)
     strides = tuple(t.stride()) if strides is None else tuple(strides)
     key = (shape, strides, t.dtype, tuple(block), layout)
