@@ -39,7 +39,7 @@ DEFAULTS = {"cuda": {"sizes": "1MiB,8MiB,64MiB,128MiB,512MiB,1GiB", "world_sizes
             "cpu": {"sizes": "1KiB,8KiB,64KiB,1MiB", "world_sizes": "2,4", "iters": 10}}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 _LABELS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3))
-# The issue's targets (2x H200, NVLink): 1 GiB all-reduce bus bandwidth, and what Ray may cost at large messages.
+# The GPU targets (2x H200, NVLink): 1 GiB all-reduce bus bandwidth, and what Ray may cost at large messages.
 TARGET_ALL_REDUCE_BYTES, TARGET_BUSBW_GBPS, TARGET_RAY_OVER_MP = 2**30, 350.0, 0.97
 
 
@@ -150,7 +150,7 @@ def _same_run_ratio(launch: pd.DataFrame, mp: pd.DataFrame) -> tuple[pd.Series |
 
 
 def target_lines(df: pd.DataFrame) -> list[str]:
-    """The issue's targets against the measured rows, one line per (world size, NCCL setting) that has data; GPU
+    """The targets against the measured rows, one line per (world size, NCCL setting) that has data; GPU
     targets, so rows measured on the CPU get no verdict."""
     ok = _measured(df)
     cpu = on_cpu(df)

@@ -46,7 +46,7 @@ TRITON_PATHS = {"triton": (None, None), "triton_portable": ("portable", "two_pas
 PATH_PROVIDERS = tuple(TRITON_PATHS)[1:]
 MODES = ("fwd", "bwd", "fwd_bwd")
 TARGET = dict(batch=1, heads=16, seq=16384, head_dim=128, dtype="bf16", causal=True)
-# Issue 16's shapes (bf16, causal), each Triton path against both SDPA backends in one run.
+# The hopper study's shapes (bf16, causal), each Triton path against both SDPA backends in one run.
 HOPPER_SHAPES = ((1, 16, 16384, 128), (1, 32, 32768, 128), (8, 16, 4096, 64), (4, 32, 2048, 128))
 HOPPER_PROVIDERS = ("triton", "triton_gluon", "triton_gluon_1pass", "triton_tma", "triton_tma_1pass",
                     "triton_portable", "triton_portable_1pass", "sdpa_cudnn", "sdpa_flash")

@@ -403,8 +403,7 @@ def parse_shape(text: str) -> tuple[int, int, int, int]:
 
 def run_fwd(rows: list[dict], passed: dict, paired_rounds: int = 0) -> None:
     """(a) forward correctness per config, then (b) forward timing of the configs that passed; with
-    `paired_rounds`, (c) each of them against the config the gluon path launches in alternating rounds (within one
-    run the GPU's speed drifts by more than the configs differ: docs/studies.md)."""
+    `paired_rounds`, (c) each of them against the config the gluon path launches in alternating rounds."""
     passed.update(check_configs(CONFIGS, check, "check", rows))
     # (b) timing: baselines, then every config that passed.
     for shape in BENCH_SHAPES:

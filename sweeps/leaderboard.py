@@ -303,8 +303,8 @@ def reduce_ddp_ranks(config: dict, per_rank: list[dict]) -> dict:
 
 # ---------------------------------------------------------------------------------------------------- report
 TARGET_STEP_S, MILESTONE_STEP_S, TARGET_SPEEDUP, COLD_LIMIT_S = 4.5, 5.5, 1.6, 600.0
-"""Issue 15's targets: step <= 4.5 s (5.5 s first milestone), 1.6x today's composition, the whole benchmark from
-empty caches under 10 minutes."""
+"""The targets: step <= 4.5 s (5.5 s first milestone), 1.6x today's composition, the whole benchmark from empty
+caches under 10 minutes."""
 
 
 def _attention_text(row) -> str:
@@ -422,7 +422,8 @@ def repredict(rows: pd.DataFrame) -> pd.Series:
 
 
 DDP_TARGET_STEP_S, DDP_TARGET_RATIO = 4.6, 1.02
-"""Issue 17's goals: the 2-GPU step (batch 2) <= 4.6 s, and <= 1.02x the one-GPU per-rank step of the commit."""
+"""The data-parallel targets: the 2-GPU step (batch 2) <= 4.6 s, and <= 1.02x the one-GPU per-rank step of the
+commit."""
 
 
 def ddp_markdown(df: pd.DataFrame, ablation: pd.DataFrame | None = None) -> str:
