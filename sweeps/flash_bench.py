@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 
 from raysys.measure.device import DTYPES, resolve_device
+from raysys.measure.memory import peak_above
 from raysys.results.records import ResultWriter, make_row, status_of, trial_id
 from raysys.measure.timing import MAX_STEPS, PAIRED_REP_MS, median_s, paired_speedups
 from sweeps.common import (PROGRESS, alias, check_int, check_timeout, list_flag, main_entry, open_writer,
@@ -307,12 +308,7 @@ def run_trial(cfg: dict, device: torch.device, caps: dict, check_only: bool = Fa
     out = None  # release the retained graph before the next measurement
     metrics["fwd_bwd_median_s"] = median_s(lambda: fn(q, k, v, causal).backward(do), device)
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        fn(q, k, v, causal).backward(do)
-        torch.cuda.synchronize(device)
-        metrics["peak_mem_fwd_bwd_bytes"] = float(torch.cuda.max_memory_allocated(device) - base)
+        metrics["peak_mem_fwd_bwd_bytes"] = peak_above(lambda: fn(q, k, v, causal).backward(do), device)
     for mode in MODES:
         metrics[f"{mode}_tflops"] = _flops(cfg, mode) / metrics[f"{mode}_median_s"] / 1e12
     if paired_rounds and cfg["provider"] in PAIRED_PROVIDERS and device.type == "cuda":

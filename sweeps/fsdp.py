@@ -35,7 +35,7 @@ from parallel.mixed_precision import CastForCompute
 from parallel.sharded_optimizer import ShardedOptimizer
 from raysys.model.config import ModelConfig
 from raysys.measure.device import low_precision, synchronize
-from raysys.measure.memory import release, unique_storage_bytes
+from raysys.measure.memory import peak_bytes, release, reset_peak, unique_storage_bytes
 from raysys.model.transformer import TransformerBlock, TransformerLM
 from raysys.measure.profiling import device_kernels, is_nccl, kernel_intervals, overlap
 from raysys.cluster.rank import nccl_group
@@ -210,11 +210,9 @@ def _timed_trial(ctx, trial: FSDPTrial, out_dir: str | None, group) -> dict:
     model, optimizer = build(trial, device, group)
     autocast_dtype = trial.dtype if trial.variant in AUTOCAST_VARIANTS else "fp32"
     step = TrainStep(model, optimizer, trial.batch(device, ctx.rank), autocast_dtype, device)
-    if device.type == "cuda":
-        synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak(device)
     metrics = time_steps(step, trial.warmup, trial.steps)
-    metrics["peak_memory_bytes"] = float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else math.nan
+    metrics["peak_memory_bytes"] = peak_bytes(device)
     metrics.update(state_bytes(model, optimizer))
     metrics["state_bytes"] = metrics["params_bytes"] + metrics["grads_bytes"] + metrics["optimizer_state_bytes"]
     metrics.update(expected_state(trial.model_config(), trial.variant, ctx.world_size))

@@ -21,7 +21,8 @@ import torch
 
 
 from raysys.model.config import ModelConfig
-from raysys.measure.device import free_memory, resolve_device, synchronize
+from raysys.measure.device import free_memory, resolve_device
+from raysys.measure.memory import peak_above
 from raysys.measure.timing import kernel_time
 from raysys.results.records import ResultWriter, error_row, make_row, resolve_out
 
@@ -44,18 +45,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.warmup_ms < 0 or args.rep_ms <= 0:
         p.error(f"--warmup-ms ({args.warmup_ms}) must be >= 0 and --rep-ms ({args.rep_ms}) > 0")
     return args
-
-
-def peak_above(fn, device: torch.device) -> float:
-    """Bytes `fn` allocates at its peak above what was allocated before it (NaN on the CPU)."""
-    if device.type != "cuda":
-        return float("nan")
-    synchronize(device)
-    base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    fn()
-    synchronize(device)
-    return float(torch.cuda.max_memory_allocated(device) - base)
 
 
 def loss_rows(device, dtype, args) -> list[dict]:

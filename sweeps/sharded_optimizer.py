@@ -23,8 +23,7 @@ import torch
 
 from parallel.ddp import BucketedDDP
 from parallel.sharded_optimizer import ShardedOptimizer
-from raysys.measure.device import synchronize
-from raysys.measure.memory import release, unique_storage_bytes
+from raysys.measure.memory import peak_bytes, release, reset_peak, unique_storage_bytes
 from raysys.measure.timing import Marks, time_steps
 from raysys.training.step import TrainStep
 from raysys.training.step import build_model
@@ -87,12 +86,10 @@ def memory_breakdown(model: BucketedDDP, optimizer: torch.optim.Optimizer, devic
 
 
 def _peak(device: torch.device) -> float:
-    if device.type != "cuda":
-        return float("nan")
-    synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    return float(peak)
+    """Peak allocated bytes since the last reset (NaN on the CPU), then reset."""
+    peak = peak_bytes(device)
+    reset_peak(device)
+    return peak
 
 
 # ---------------------------------------------------------------------------------------------------- trial
@@ -104,9 +101,7 @@ def sharded_trial(ctx, trial: ShardedTrial) -> dict:
 
 def _sharded_trial(ctx, trial: ShardedTrial) -> dict:
     device = ctx.device
-    if device.type == "cuda":
-        synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak(device)
     model = BucketedDDP(build_model(trial.model_config(), device, seed=trial.seed), trial.ddp_bucket_mb,
                         process_group=ctx.process_group)
     if trial.sharded:

@@ -48,6 +48,16 @@ def peak_bytes(device: torch.device) -> float:
     return float(torch.cuda.max_memory_allocated(device))
 
 
+def peak_above(fn, device: torch.device) -> float:
+    """Bytes `fn` allocates at its peak above what was allocated before it (NaN on the CPU)."""
+    if device.type != "cuda":
+        return float("nan")
+    reset_peak(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    return peak_bytes(device) - base
+
+
 def allocated_bytes(device: torch.device) -> float:
     return float(torch.cuda.memory_allocated(device)) if device.type == "cuda" else float("nan")
 
