@@ -15,7 +15,6 @@ or no GPU, runs tiny models on the CPU. Grids and targets: docs/studies.md.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
 import statistics
 import sys
@@ -29,7 +28,7 @@ import torch
 from parallel.checkpointing import apply_activation_checkpointing, parse_policy
 from raysys.measure import memory
 from raysys.model.config import SIZES, ModelConfig
-from raysys.measure.device import DTYPES, autocast, resolve_device
+from raysys.measure.device import DTYPES, autocast, free_memory, resolve_device
 from raysys.model.transformer import AdamW, TransformerLM, cross_entropy, get_attention
 from raysys.planning.recompute_model import (GiB, Workload, cpu_allocation_trace, predict_peak, saved_per_block,
                                     static_bytes, step_flops)
@@ -109,10 +108,8 @@ def run_trial(config: dict) -> dict:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = t.tf32
         torch.backends.cudnn.allow_tf32 = t.tf32
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    free_memory(device)
+    memory.reset_peak(device)
     torch.manual_seed(t.seed)
     model = TransformerLM(mc, device=device)
     handle = apply_activation_checkpointing(model, parse_policy(t.policy, mc.num_layers))

@@ -22,7 +22,8 @@ from typing import Callable
 import torch
 
 from raysys.cluster.studies import JoinList, resolve_out_dir, split_list, writer_options
-from raysys.measure.device import check_fits, synchronize
+from raysys.measure.device import check_fits, free_memory, synchronize
+from raysys.measure.memory import peak_bytes, reset_peak
 from raysys.measure.timing import do_bench, time_calls
 from raysys.model.config import ModelConfig
 from raysys.model.transformer import AdamW, TransformerLM, cross_entropy
@@ -222,13 +223,12 @@ def run_variant(model: TransformerLM, variant: Variant, *, seq_len: int, timer: 
         synchronize(device)
         first_step_s = _now() - t0
         cold_start_s = process_age_s() if cold else float("nan")
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        reset_peak(device)
         timing = time_step(lambda: step(x, y), device, timer=timer, rep_ms=rep_ms, warmup_ms=warmup_ms,
                            steps=steps, warmup_steps=warmup_steps)
         step_s = timing["step_median_s"]
         age_end_s = process_age_s()  # cold: the whole benchmark of this variant from an empty cache
-        peak = float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else float("nan")
+        peak = peak_bytes(device)
         reserved = float(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else float("nan")
         tokens = variant.batch_size * seq_len
         flops = model_flops(mc, variant.batch_size, seq_len)
@@ -267,11 +267,8 @@ def predicted_peak(model: TransformerLM, variant: Variant, seq_len: int, regions
 
 def release_cached_memory(device: torch.device) -> None:
     """Between variants: drop the caching allocators' free blocks, the device's and the pinned host memory's."""
-    import gc
-
-    gc.collect()
+    free_memory(device)
     if device.type == "cuda":
-        torch.cuda.empty_cache()
         empty_host_cache = (getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
                             or getattr(torch._C, "_host_emptyCache", None))  # the CUDA builds' older name
         if empty_host_cache is not None and torch.cuda.is_initialized():
