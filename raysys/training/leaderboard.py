@@ -112,8 +112,8 @@ def _count_layers(spec: str) -> int:
 
 TODAY = StepConfig(attention="flash_triton", loss="materialized", optimizer="reference", recompute="full",
                    compile=False)
-"""The composition measured before the fast step existed: flash_triton, full checkpointing, materialised logits,
-per-parameter AdamW, nothing compiled."""
+"""The baseline composition: flash_triton, full checkpointing, materialised logits, per-parameter AdamW, nothing
+compiled."""
 
 
 # ------------------------------------------------------------------------------------------------------------
