@@ -343,25 +343,16 @@ def tune_run(trainable: Callable[[dict], Any], param_space: Mapping[str, Any], *
              reuse_actors: bool = False) -> pd.DataFrame:
     """Run `trainable(config)` for every config of `param_space` with Ray Tune; one Parquet row per trial.
 
-    The trainable reports its metrics with `ray.tune.report({...})` (the last report is the row), or returns
-    a dict. `resources` per trial: `{"gpu": 1}` (plus one CPU) or `{"cpu": n}` (default: one CPU). A trial
-    that raises becomes a row with status `oom|error|timeout`. Each row is written when its trial ends, not
-    when the run does.
-
-    A grid (constants and `tune.grid_search`) is expanded here and runs each config once, so `resume=True`
-    can skip the trials already in `<out_dir>/<sweep>.parquet`; `max_trials` runs only the first that many
-    of the remaining configs. Sampled spaces (`tune.choice`, ...) go to Tune as they are, `num_samples`
-    times, and can neither resume nor take `max_trials`. `time_budget_s` stops the run after that many
-    seconds: trials still running are stopped (Tune needs a few seconds for that) and leave no row, like
-    the trials that never started, so `resume=True` runs them next time. `out_dir`, `mode` and `allow_mixed`
-    open the writer as in `run_sweep` (or pass `writer`); grid configs naming a row column are refused first.
-
-    `reuse_actors=True` runs the next trial in a finished trial's actor process (Tune's `reuse_actors`); the
-    previous trial's leftovers (allocator cache, peak counters) then stay.
-
-    SIGTERM (an outer `timeout`, `ray job stop`) and Ctrl-C raise KeyboardInterrupt: the rows written so
-    far stay, Ray is shut down (which stops this driver's trials) and the interrupt propagates.
-    Returns the rows of this call's finished trials.
+    The trainable reports its metrics with `ray.tune.report({...})` (the last report is the row) or returns a dict.
+    `resources` per trial: `{"gpu": 1}` (plus one CPU) or `{"cpu": n}` (default: one CPU). A trial that raises is a
+    row with status `oom|error|timeout`, written when the trial ends. A grid (constants and `tune.grid_search`) is
+    expanded here, so `resume=True` skips the trials already in `<out_dir>/<sweep>.parquet` and `max_trials` runs
+    the first that many of the rest; sampled spaces go to Tune as they are (`num_samples` times, no resume, no
+    `max_trials`). `time_budget_s` stops the run: trials still running leave no row, so `resume=True` runs them next
+    time. `out_dir`, `mode`, `allow_mixed` or `writer` as in `run_sweep`; grid configs naming a row column are
+    refused first. `reuse_actors=True`: Tune's `reuse_actors` (a trial's leftovers stay in the process). SIGTERM and
+    Ctrl-C shut Ray down (stopping the trials) and propagate as KeyboardInterrupt; the rows written stay. Returns
+    this call's rows.
     """
     resources = {"cpu": 1, **{k.lower(): v for k, v in (resources or {}).items()}}
     if not set(resources) <= {"cpu", "gpu"}:

@@ -421,19 +421,14 @@ class ResultWriter:
         writer = ResultWriter(out, "ddp", mode="resume", expect={"steps": 10, "device": "cuda"})
         writer.check_resume(trials=configs, key=("dtype", "label"))   # before anything runs
 
-    `mode`: `new` (default) refuses an existing file; `resume` keeps its rows, and `done(trial_id)` says which
-    trials they cover (`ok`, `oom`, `skipped` but for `NOT_RUN` rows; `error`/`timeout` trials are retried);
-    `overwrite` starts empty and replaces the file at the first write (the old file stays if nothing is written).
-    `resume=True` is `mode="resume"`. Resuming refuses (`ResultsError`, one line) a file of another schema or
-    sweep; unless `allow_mixed=True`, also rows without provenance, of another commit (`git_sha`), or of another
-    configuration than this run's (`check_resume`: `expect`'s columns, the trials, the device).
-
-    `write` takes rows as `make_row` makes them: a known status and full provenance (`check_provenance`), this
-    run's commit (or one the file holds already) and, for an `ok` row, a `device_name` the file's `ok` rows have;
-    `allow_mixed` lifts the last two. While it lives the writer holds an exclusive lock on the file
-    (`raysys.results.files.FileLock`): a second run fails at once with `FileBusy`. Opening the same file again in this
-    process hands the lock to the new writer; the old one then refuses to write. `close()` (or the `with` block,
-    or the process's end) releases it.
+    `mode`: `new` (default) refuses an existing file; `resume` (= `resume=True`) keeps its rows, and `done(trial_id)`
+    says which trials they cover (`ok`, `oom`, `skipped` but for `NOT_RUN` rows); `overwrite` replaces the file at the
+    first write. Resuming refuses (`ResultsError`, one line) a file of another schema or sweep and, unless
+    `allow_mixed=True`, rows without provenance, of another commit, or of another configuration (`check_resume`).
+    `write` takes rows as `make_row` makes them (`check_provenance`), of this run's commit (or one the file holds)
+    and, for `ok` rows, a `device_name` the file's `ok` rows have (`allow_mixed` lifts these two). The writer holds an
+    exclusive lock on the file (`FileLock`: a second run gets `FileBusy`; a second writer in this process takes the
+    lock over and the first refuses to write) until `close()`, the `with` block's end or the process's.
     """
 
     FINAL = ("ok", "oom", "skipped")
