@@ -9,11 +9,9 @@ each kind Dynamo installed for the block (its guard log). One row per case in OU
     PYTHONPATH=/tmp/before:$PWD python tools/dynamo_guard_check_fsdp.py --out /tmp/before.parquet
     python -m tools.dynamo_guard_check_fsdp --device cuda --out ...  # NCCL, inductor
 
-(Run as a file, the `parallel` of /tmp/before wins over the checkout's; each row's `parallel_from` says which ran.)
-
-Cases: `single` (fp32), `single-autocast` (bf16 autocast, as the sweeps' single), `fsdp-fp32` (no casts),
-`fsdp-bf16` (compute dtype bf16: per-Linear input casts traced into the block; a group of one, the identity) and
-`fsdp-bf16-alone` (the same through a larger group's collectives).
+Run as a file, the `parallel` of /tmp/before wins over the checkout's (each row's `parallel_from` says which ran).
+Cases: `single` (fp32), `single-autocast` (bf16 autocast), `fsdp-fp32` (no casts), `fsdp-bf16` (compute dtype bf16,
+a group of one: the identity) and `fsdp-bf16-alone` (the same through a larger group's collectives).
 """
 import argparse
 import json

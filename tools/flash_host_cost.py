@@ -10,11 +10,9 @@ calls). `--profile` prints cProfile's top functions per case; `--pieces` adds ro
 gluon forward); `--by-kernel` adds rows `kernel of <case>` (each CUDA kernel, its launches and seconds per call);
 `--cases` times only the cases named.
 
-    python3 -m tools.flash_host_cost logs TXT OUT.parquet COMMIT
-
-builds the same rows from a call's printed lines alone (one block per shape, each ending with its `wrote ...` line);
-what the lines do not say (host, time, versions) is `unknown`, `git_sha` is COMMIT, kernel names are cut where the
-printout cut them.
+`python3 -m tools.flash_host_cost logs TXT OUT.parquet COMMIT` builds the same rows from a call's printed lines alone
+(one block per shape, each ending with its `wrote ...` line): what the lines do not say (host, time, versions) is
+`unknown`, `git_sha` is COMMIT.
 """
 
 import cProfile
