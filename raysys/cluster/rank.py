@@ -32,8 +32,7 @@ MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST"
 RANK_ENV = {**MULTICAST_OFF_ENV, "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
 DEVICES = ("auto", "cuda", "cpu")
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
-"""The longest timeout a gang (and its process group) takes, a week: beyond it timers overflow (1e15 s made every
-trial an OverflowError row) and nothing the studies run needs more."""
+"""The longest timeout a gang (and its process group) takes, a week (longer ones overflow timers)."""
 
 
 def check_seconds(name: str, value: Any, maximum: float = MAX_TIMEOUT_S) -> float:
@@ -290,12 +289,10 @@ server imports them with its own sys.path (Python 3.11's forkserver does not tak
 
 
 def rank_process_context(device_type: str = "cpu"):
-    """The multiprocessing context that starts local rank processes of `device_type`: for CPU ranks `forkserver`,
-    with `PRELOAD` imported in the server (a process of its own, started the first time, that does nothing but
-    import them and fork), where the platform has one; else, and for CUDA ranks, `spawn` (a CUDA rank's process must
-    not descend from one whose CUDA driver may have been initialised, and its GPU work dwarfs the import). A forked
-    rank calls `adopt_environ` with the driver's `os.environ` of that moment, since the server's environment is the
-    driver's when the server started."""
+    """The multiprocessing context that starts local rank processes of `device_type`: for CPU ranks `forkserver`
+    (with `PRELOAD` imported in the server) where the platform has one; else, and for CUDA ranks, `spawn` (a CUDA
+    rank must not descend from a process whose CUDA driver may be initialised). A forked rank calls `adopt_environ`
+    with the driver's `os.environ` of that moment (the server's is the driver's when the server started)."""
     import multiprocessing as std_mp
 
     import torch.multiprocessing as mp
@@ -316,8 +313,7 @@ def adopt_environ(environ: Mapping[str, str]) -> None:
 
 def die_with_parent() -> None:
     """Linux: have the kernel kill this process when the one that started it dies, however it dies (SIGKILL
-    included, which runs no cleanup): a rank blocked in a collective would otherwise wait out the collective's
-    timeout as an orphan. Elsewhere nothing (the driver's own cleanup still stops the ranks)."""
+    included), so no rank waits out a collective's timeout as an orphan. Elsewhere nothing."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes

@@ -493,7 +493,7 @@ class ResultWriter:
 
     def _check_schema(self, old: pd.DataFrame) -> None:
         """A file to continue must be a results file of this sweep: `sweep`, `trial_id` and `status` columns, this
-        sweep's name, known statuses. Nothing makes sense of mixing another one (`--overwrite` replaces it)."""
+        sweep's name, known statuses."""
         what = ""
         if missing := [c for c in ("sweep", "trial_id", "status") if c not in old or old[c].isna().any()]:
             what = f"rows without {', '.join(missing)} (not a raysys results file)"
