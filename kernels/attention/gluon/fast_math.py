@@ -21,10 +21,9 @@ error refined toward minimax (Lawson), at most 7.5e-5 of 2^f in fp32, against bf
 def exp2_mixed_asm(every: int) -> str:
     """PTX for `every` consecutive fp32 scores x <= 0 (inline asm, `pack=every`): exp2 of the first every - 1 on the
     MUFU unit (`ex2.approx`), of the last by FlashAttention-4's emulation on the FMA and integer pipes: x clamped to
-    -126, split as n + f with n = round(x) (the 1.5 * 2^23 shifter, no conversion instruction: ncu's XU pipe runs
-    int-float conversions beside the MUFU's exp2), 2^f by `EXP2_POLY`, and 2^n added to the result's exponent bits
-    (n << 23; exact, as the result stays normal). A masked score (-inf) comes out 2^-126 times about 1 instead of 0:
-    below every 16-bit output's resolution next to the row's largest term, exp2(0) = 1."""
+    -126, split as n + f with n = round(x) (the 1.5 * 2^23 shifter, no conversion instruction), 2^f by `EXP2_POLY`,
+    and 2^n added to the result's exponent bits (n << 23; exact, as the result stays normal). A masked score (-inf)
+    comes out about 2^-126 instead of 0: below every 16-bit output's resolution next to the row's exp2(0) = 1."""
     if every < 2:
         raise ValueError(f"every ({every}) must be >= 2")
     c0, c1, c2, c3 = (f"0f{c:08X}" for c in EXP2_POLY)

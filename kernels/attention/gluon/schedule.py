@@ -29,7 +29,7 @@ if HAS_GLUON_HOPPER:
         decreasing tile index across the BH heads (heaviest first), or, with GROUP > 0, the heads taken GROUP at a
         time (the last group may be smaller) and so within each group, so the programs running at once share the
         K/V of at most GROUP heads in L2; key tiles [0, num_kv) in all, [n_unmasked, num_kv) needing the causal
-        and/or key-tail mask. (GROUP is a constexpr: a runtime one costs the persistent consumers a spill.)"""
+        and/or key-tail mask. GROUP is a constexpr."""
         num_m = gl.cdiv(N_Q, TILE_M)
         if GROUP == 0:
             pid_bh = t % BH
