@@ -349,7 +349,7 @@ plain-torch counterpart `ChunkedLinearCrossEntropy` beside it, or `auto` (the ke
 CHUNK_LOGIT_BYTES = 256 * 2**20
 """fp32 logits one chunk of `ChunkedLinearCrossEntropy` holds (its tokens = this / (4 * vocab))."""
 _MOVED = {"ChunkedLinearCrossEntropy": "kernels.fused_linear_ce", "ForeachAdamW": "kernels.adamw"}
-"""Names that live beside their kernels now; `raysys.model.transformer.<name>` still resolves (lazily: Triton imports
+"""Names defined beside their kernels that `raysys.model.transformer.<name>` also resolves (lazily: Triton imports
 slowly)."""
 
 
