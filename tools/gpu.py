@@ -134,7 +134,7 @@ def gluoncheck(ctx: Context) -> None:
 def gluontiles(ctx: Context) -> None:
     """The Gluon forward's and one-pass backward's knobs at two d-128 and one d-64 shape, each checked against the tl
     kernels and timed (8 processes compile the grid first) into RESULTS/flash_tiles.parquet and the tuned file
-    beside it; VARIANTS=gluon,gluon_persistent adds the persistent grids (~3 min more); each trial is also paired
+    beside it; VARIANTS=gluon,gluon_persistent adds the persistent grids; each trial is also paired
     against the launcher's config in PAIRED alternating rounds (default 4; 0: off). A phase cut off by its timeout
     continues when run again (--resume)."""
     ctx.run(py("flash_tiles_gluon", 420, "sweeps/flash_tiles.py", "--launcher", "local", "--variants",
