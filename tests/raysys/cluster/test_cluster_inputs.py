@@ -117,6 +117,7 @@ def ctrl_c_while_the_ranks_start():
 
 
 def main(argv):
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, also when pytest runs with it ignored
     threading.Thread(target=ctrl_c_while_the_ranks_start, daemon=True).start()
     run_sweep("toy", [{"x": 1}], _trial, 2, sys.argv[1], device="cpu", launcher="mp", show=False)
 

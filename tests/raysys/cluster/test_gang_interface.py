@@ -131,8 +131,16 @@ def _ignores_sigint(pid: int) -> bool:
     return bool(mask >> (signal.SIGINT - 1) & 1)
 
 
+@pytest.fixture
+def terminal_sigint():
+    """A terminal's Ctrl-C handler in this process, also when pytest was started with SIGINT ignored (`nohup ... &`)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.multiproc
-def test_process_gang_keeps_the_interfaces_rules():
+def test_process_gang_keeps_the_interfaces_rules(terminal_sigint):
     with ProcessGang(2, device="cpu", name="iface", timeout_s=60) as gang:
         assert (gang.device, gang.backend, len(gang.ranks)) == ("cpu", "gloo", 2)
         assert all(_ignores_sigint(r["pid"]) for r in gang.ranks)  # Ctrl-C is the driver's (issue 48)
