@@ -5,7 +5,7 @@ named actors and `[i/n]` tasks; the node's metrics endpoint: per-rank memory / u
 a wrong token is refused. A head whose dashboard agent port is taken cannot take jobs: `submit` says why.
 
 Each head runs as `ray start --head --block` in a subprocess we own, with its own temporary directory and free
-ports, and is stopped by terminating that process (which shuts down exactly the processes it started).
+ports, and is stopped through its own process group (SIGTERM, then SIGKILL after 5 s): exactly what it started.
 `ray stop` is not used here: it stops every Ray on the machine, including the test session's own cluster.
 """
 
