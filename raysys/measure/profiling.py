@@ -18,6 +18,8 @@ import io
 import logging
 import os
 import re
+import sys
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +36,61 @@ _MATMUL = re.compile(r"gemm|nvjet|cutlass|xmma|wgmma|cublas|^aten::(mm|bmm|addmm
 
 def is_matmul(kernel_name: str) -> bool:
     return bool(_MATMUL.search(kernel_name))
+
+
+_USDT = b"USDT:"
+
+
+def _split_usdt(data: bytes) -> tuple[bytes, bytes]:
+    """(what of `data` to write now, what to hold for the next read): every `USDT:` span up to its newline dropped,
+    wherever it starts (a progress bar's line need not end before Kineto writes); a tail that is or may become such
+    a span is held."""
+    out = bytearray()
+    while (start := data.find(_USDT)) >= 0:
+        out += data[:start]
+        end = data.find(b"\n", start)
+        if end < 0:
+            return bytes(out), data[start:]
+        data = data[end + 1:]
+    held = next((k for k in range(len(_USDT) - 1, 0, -1) if data.endswith(_USDT[:k])), 0)
+    return bytes(out) + data[:len(data) - held], data[len(data) - held:]
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
+@contextlib.contextmanager
+def without_kineto_usdt() -> Iterator[None]:
+    """Drop the `USDT:` lines Kineto writes to stderr at every profiler start and stop (its highest log level, above
+    errors, so KINETO_LOG_LEVEL cannot hide them alone). Everything else written to file descriptor 2 meanwhile, by
+    any thread or library, passes through as it is written (a progress bar's carriage returns included)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    read, write = os.pipe()
+    os.dup2(write, 2)
+    os.close(write)
+
+    def pump() -> None:
+        held = b""
+        while chunk := os.read(read, 1 << 16):
+            now, held = _split_usdt(held + chunk)
+            _write_all(saved, now)
+        os.close(read)
+        if not held.startswith(_USDT):
+            _write_all(saved, held)
+
+    thread = threading.Thread(target=pump, name="without-kineto-usdt", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # closes the pipe's write end: the pump reads to its end and stops
+        thread.join(timeout=5)
+        if not thread.is_alive():  # else a child started meanwhile holds the pipe: the pump goes on writing to saved
+            os.close(saved)
 
 
 def make_profiler(device: torch.device) -> torch.profiler.profile:
@@ -257,7 +314,8 @@ def profile_steps(step: Callable[[], object], device: torch.device, *, warmup: i
         # Emitted by some torch versions on every profiler start, whatever the schedule; `repeat=1` makes
         # the recorded cycle the last one, and `ready` reads it before anything could clear it.
         warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
-        with torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=ready) as prof:
+        with without_kineto_usdt(), torch.profiler.profile(activities=activities, schedule=schedule,
+                                                           on_trace_ready=ready) as prof:
             for _ in range(warmup + active):
                 step()
                 if device.type == "cuda":

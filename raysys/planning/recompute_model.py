@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from parallel.checkpointing import FUSED_ATTENTION_BACKENDS, Region
+from raysys.measure.profiling import without_kineto_usdt
 from raysys.model.config import ModelConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -552,7 +553,7 @@ def cpu_allocation_trace(fn: Callable[[], object]) -> list[int]:
     from torch.profiler import ProfilerActivity, profile
 
     gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with without_kineto_usdt(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events: list[tuple[int, int, int]] = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())

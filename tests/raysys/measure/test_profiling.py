@@ -1,10 +1,16 @@
-"""raysys.measure.profiling's Dynamo guard log: what a compiled function guards on, collected and counted by kind."""
+"""raysys.measure.profiling: the Dynamo guard log (what a compiled function guards on, counted by kind) and the
+profiler's stderr (Kineto's `USDT:` lines dropped, everything else kept)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import torch
 
-from raysys.measure.profiling import dynamo_guard_log, guard_kinds
+from raysys.measure.profiling import _split_usdt, dynamo_guard_log, guard_kinds
 
 
 def test_guard_log_of_a_compiled_function_counts_its_guards_by_kind():
@@ -24,3 +30,45 @@ def test_guard_log_of_a_compiled_function_counts_its_guards_by_kind():
     with dynamo_guard_log() as log:  # compiled already: nothing new is logged
         f(torch.ones(3))
     assert guard_kinds(log.getvalue()) == {}
+
+
+def _stderr_of(code: str) -> str:
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[3])
+    assert done.returncode == 0, done.stderr
+    return done.stderr.decode()  # as written: carriage returns kept
+
+
+def test_without_kineto_usdt_drops_only_usdt_lines_and_keeps_the_rest_in_order():
+    err = _stderr_of("""
+        import os, sys, threading
+        from raysys.measure.profiling import without_kineto_usdt
+        print("before", file=sys.stderr)
+        with without_kineto_usdt():
+            os.write(2, b"USDT:2026 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\\nkept 1\\n")
+            print("kept 2", file=sys.stderr)
+            t = threading.Thread(target=lambda: os.write(2, b"kept 3\\nUSDT: profiler_stop\\n"))
+            t.start(); t.join()
+            os.write(2, b"\\rbar 50%USDT:2026 SyncActivityProfilerHandler.cpp:59] profiler_stop\\n\\rbar 100%\\n")
+            os.write(2, b"no newline at the end")
+        print("after", file=sys.stderr)
+    """)
+    assert err == "before\nkept 1\nkept 2\nkept 3\n\rbar 50%\rbar 100%\nno newline at the endafter\n", err
+
+
+def test_split_usdt_holds_only_what_may_be_a_usdt_span():
+    assert _split_usdt(b"a\rbar USDT:x y\nb USDT:z\nc") == (b"a\rbar b c", b"")
+    assert _split_usdt(b"progress US") == (b"progress ", b"US")    # the next read may complete "USDT:"
+    assert _split_usdt(b"progress USDT:2026 profiler_st") == (b"progress ", b"USDT:2026 profiler_st")
+    assert _split_usdt(b"U.S. dollars: USD\n") == (b"U.S. dollars: USD\n", b"")
+
+
+def test_profiling_a_cpu_step_prints_no_usdt_lines():
+    err = _stderr_of("""
+        import os, torch
+        from raysys.measure.profiling import profile_steps
+        x = torch.ones(8, 8)
+        prof = profile_steps(lambda: os.write(2, b"step\\n") and x @ x, torch.device("cpu"))
+        assert prof.events
+    """)
+    assert "USDT" not in err and err.count("step\n") == 2, err
