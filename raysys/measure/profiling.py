@@ -67,7 +67,11 @@ def without_kineto_usdt() -> Iterator[None]:
     errors, so KINETO_LOG_LEVEL cannot hide them alone). Everything else written to file descriptor 2 meanwhile, by
     any thread or library, passes through as it is written (a progress bar's carriage returns included)."""
     sys.stderr.flush()
-    saved = os.dup(2)
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr to filter (a daemon closed it): profile as is
+        yield
+        return
     read, write = os.pipe()
     os.dup2(write, 2)
     os.close(write)

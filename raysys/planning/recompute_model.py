@@ -20,7 +20,6 @@ from typing import Callable
 import torch
 
 from parallel.checkpointing import FUSED_ATTENTION_BACKENDS, Region
-from raysys.measure.profiling import without_kineto_usdt
 from raysys.model.config import ModelConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -551,6 +550,8 @@ def cpu_allocation_trace(fn: Callable[[], object]) -> list[int]:
 
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
+
+    from raysys.measure.profiling import without_kineto_usdt
 
     gc.collect()
     with without_kineto_usdt(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

@@ -72,3 +72,16 @@ def test_profiling_a_cpu_step_prints_no_usdt_lines():
         assert prof.events
     """)
     assert "USDT" not in err and err.count("step\n") == 2, err
+
+
+def test_without_kineto_usdt_with_stderr_closed_profiles_as_is():
+    code = """
+        import os
+        from raysys.measure.profiling import without_kineto_usdt
+        os.close(2)
+        with without_kineto_usdt():
+            print("profiled")
+    """
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[3])
+    assert done.returncode == 0 and done.stdout == "profiled\n", done
