@@ -299,11 +299,13 @@ class FusedAdamW(_AdamWBase):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        self._ran: set[str] | None = None
+        # The paths the last step with gradients took, as a dict that `step` updates in place: torch.compile
+        # traces a dict's mutation but not (torch 2.11) an attribute set on the optimizer.
+        self._ran: dict[str, bool] = {}
 
     @property
     def paths(self) -> set[str]:
-        if self._ran is not None:
+        if self._ran:
             return set(self._ran)
         return {"kernel" if kernel_can_take(p, p) else "reference"
                 for group in self.param_groups for p in group["params"] if p.requires_grad}
@@ -322,7 +324,7 @@ class FusedAdamW(_AdamWBase):
             with torch.enable_grad():
                 loss = closure()
         launches: dict[tuple, tuple[list, list, list, list, list]] = {}
-        ran: set[str] = set()
+        ran: dict[str, bool] = {}
         for group in self.param_groups:
             lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
@@ -337,15 +339,16 @@ class FusedAdamW(_AdamWBase):
                     lists = launches.setdefault((p.device, p.dtype), ([], [], [], [], []))
                     for lst, x in zip(lists, (p, g, m, v, step_scalars(lr, betas, eps, wd, t, p.dtype, p.device))):
                         lst.append(x)
-                    ran.add("kernel")
+                    ran["kernel"] = True
                 else:
                     _reference_update(p, g, m, v, t, lr, betas[0], betas[1], eps, wd)
-                    ran.add("reference")
+                    ran["reference"] = True
                 state["t"] = t + 1
         for ps, gs, ms, vs, scalars in launches.values():
             _fused_adamw_op(ps, gs, ms, vs, torch.tensor(scalars, dtype=torch.float64).to(torch.float32))
         if ran:  # a step without gradients changes nothing, nor what the last one ran
-            self._ran = ran
+            self._ran.clear()
+            self._ran.update(ran)
         return loss
 
 
