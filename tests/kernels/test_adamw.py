@@ -209,6 +209,24 @@ def test_compiled_step_matches_eager():
         assert torch.equal(a, b)
 
 
+@on_interpreter
+def test_compiled_step_records_what_ran():
+    """Under torch.compile the step still records its paths (a dict it mutates: torch 2.11's dynamo refuses an
+    attribute set on the optimizer): a gradient the kernel cannot take (not contiguous) makes the label say
+    `kernel+reference`, where the guess before any step says `kernel`."""
+    params = [torch.nn.Parameter(p) for p in _params(torch.float32)]
+    opt = fa.FusedAdamW(params, lr=1e-2)
+    assert opt.label == "FusedAdamW"
+    step = torch.compile(opt.step, backend="aot_eager")
+    gen = torch.Generator().manual_seed(5)
+    for p in params:
+        p.grad = _grad(p.shape, torch.float32, gen)
+    matrix = params[SHAPES.index((33, 17))]
+    matrix.grad = _grad((17, 33), torch.float32, gen).t()  # its shape, not contiguous
+    step()
+    assert opt.paths == {"kernel", "reference"} and opt.label == "FusedAdamW[kernel+reference]"
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(lr=-1e-3), "lr"),
     (dict(lr="0.1"), "lr"),
