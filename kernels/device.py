@@ -108,6 +108,13 @@ def l2_cache_bytes(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else None
 
 
+@functools.lru_cache(maxsize=None)
+def device_name(device: torch.device) -> str | None:
+    """`torch.cuda.get_device_name` (what result rows and tuned entries record), asked once per device; None for
+    another device."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
 def shared_memory_limit(device: torch.device) -> int:
     """Bytes of shared memory one block may use on `device` (opt-in maximum); no limit for a CPU device."""
     if device.type != "cuda":

@@ -495,7 +495,19 @@ def best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict[str, 
 
 
 def gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict[str, list[dict]]:
-    """The tuned file's `gluon` part from the `gluon` rows: per kind (GLUON_KERNELS) the winners as `best_configs` picks
+    """The tuned file's `gluon` part from the `gluon` rows, card by card: `_gluon_best_configs` of each card's rows,
+    each entry naming its card (`device`, the rows' `device_name`); rows that name no card give entries without."""
+    names = df["device_name"] if "device_name" in df else pd.Series(None, index=df.index, dtype=object)
+    out: dict[str, list[dict]] = {}
+    for name in names.dropna().unique().tolist() + ([None] if names.isna().any() else []):
+        rows = df[names.isna()] if name is None else df[names == name]
+        for kind, entries in _gluon_best_configs(rows, min_configs).items():
+            out.setdefault(kind, []).extend(e if name is None else {**e, "device": name} for e in entries)
+    return out
+
+
+def _gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict[str, list[dict]]:
+    """The `gluon` part from one card's `gluon` rows: per kind (GLUON_KERNELS) the winners as `best_configs` picks
     them, over GLUON_FWD_KEYS / GLUON_BWD_KEYS; a shape counts as swept with min(min_configs, the configs of the kind's
     grid that fit) measured configs: a config whose build ran out of shared memory or registers at a head dim and dtype
     (an error row beginning with one of UNFIT_ERRORS) never runs there, so it is not missing from the sweep (the
@@ -655,11 +667,17 @@ def write_tuned(df: pd.DataFrame, tuned: dict[str, list[dict]], json_path: Path,
     extra = {key: value for key, value in old.items()
              if key not in ("note", "gluon_note", "device", "torch", "triton", *KERNELS)}
     gluon_note = old.get("gluon_note")
-    kept_kinds = sorted(set(extra.get("gluon", {})) - set(gluon or {}))
+    old_gluon = extra.get("gluon", {})
+    kept_kinds = sorted(set(old_gluon) - set(gluon or {}))
     if gluon:
+        # A kind this run swept: its entries replace the previous file's of the cards it ran on (entries that name
+        # no card count as one card); those of other cards stay.
+        other_cards = {kind: [e for e in old_gluon.get(kind, []) if e.get("device") not in
+                              {new.get("device") for new in entries}] for kind, entries in gluon.items()}
+        kept_kinds += sorted(kind for kind, entries in other_cards.items() if entries and kind not in kept_kinds)
         gluon_note = note + (f"; {', '.join(kept_kinds)} kept from the previous file: {old.get('gluon_note', '')}"
                              if kept_kinds else "")
-        extra["gluon"] = {**extra.get("gluon", {}), **gluon}
+        extra["gluon"] = {**old_gluon, **{kind: gluon[kind] + other_cards[kind] for kind in gluon}}
     if json_path.exists():
         from kernels.attention.triton.tuning import load_tuned_configs
 

@@ -4,9 +4,9 @@ A call resolves a path: `portable` or `tma` (the tl kernels; tma on sm_90 where 
 or `gluon` (the Gluon kernels on sm_90, bf16 / fp16, head dim 64 or 128, TMA-able layouts). `auto` takes the gluon
 forward from GLUON_AUTO_MIN_WORK on and the Gluon one-pass backward from GLUON_BWD_AUTO_MIN_WORK on (outside
 `torch.use_deterministic_algorithms`); `RAYSYS_FLASH_PATH` / `path=` and `RAYSYS_FLASH_BWD` / `bwd=` ask for one.
-The Gluon kernels' configs: the tuned file's `gluon` part, else DEFAULT_*_CONFIGS with the per-head-dim knobs below,
-head groups fit to the L2 cache (`l2_head_group`). A Gluon kernel whose build fails here is recorded
-(`gluon_broken`) and its calls run the tl kernels instead.
+The Gluon kernels' configs: the tuned file's `gluon` part (its entry for the running card first), else
+DEFAULT_*_CONFIGS with the per-head-dim knobs below, head groups fit to the L2 cache (`l2_head_group`). A Gluon
+kernel whose build fails here is recorded (`gluon_broken`) and its calls run the tl kernels instead.
 
 Environment (read per call unless noted): RAYSYS_FLASH_PATH, RAYSYS_FLASH_BWD, RAYSYS_FLASH_AUTOTUNE (0: the first
 valid tl config, no benchmarking), RAYSYS_FLASH_TUNED (another tuned file, read at import), RAYSYS_FLASH_COMPILE
@@ -31,7 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from kernels.attention.checks import as_4d, tma_layout_ok, unsupported_reason
 from kernels.attention.gluon.backward import GluonBwdConfig
 from kernels.attention.gluon.forward import GluonConfig
-from kernels.device import INTERPRET, capability, l2_cache_bytes
+from kernels.device import INTERPRET, capability, device_name, l2_cache_bytes
 
 # ----------------------------------------------------------------------------------------------------------
 # Environment and names
@@ -140,9 +140,10 @@ GLUON_KINDS = ("fwd", "bwd")
 GLUON_FIELDS = {kind: frozenset(field.name for field in dataclasses.fields(cls))
                 for kind, cls in (("fwd", GluonConfig), ("bwd", GluonBwdConfig))}
 """The config fields of each Gluon kind a tuned entry may hold (`GluonConfig`'s, `GluonBwdConfig`'s)."""
-GLUON_MEASURED = {"head_dim", "dtype", "shapes", "geomean_ms", "geomean_vs_reference", "shape", "median_ms", "tflops",
-                  "vs_reference"}
-"""The other fields of a tuned Gluon entry: what it was measured on and how it did (`sweeps/flash_tiles.py`)."""
+GLUON_MEASURED = {"head_dim", "dtype", "device", "shapes", "geomean_ms", "geomean_vs_reference", "shape", "median_ms",
+                  "tflops", "vs_reference"}
+"""The other fields of a tuned Gluon entry: what it was measured on (`device`: the card's name, absent in entries
+written before it was recorded) and how it did (`sweeps/flash_tiles.py`)."""
 
 
 def load_gluon_tuned(path: str | os.PathLike = TUNED_CONFIGS_PATH) -> dict[str, list[dict]]:
@@ -167,21 +168,25 @@ def load_gluon_tuned(path: str | os.PathLike = TUNED_CONFIGS_PATH) -> dict[str, 
 _GLUON_TUNED = {} if INTERPRET else load_gluon_tuned()
 
 
-def gluon_tuned_fields(kind: str, head_dim: int, dtype: torch.dtype) -> dict | None:
-    """The config fields of the tuned file's sweep-wide winner for this Gluon `kind`, head dim and dtype, or None."""
-    for entry in _GLUON_TUNED.get(kind, []):
-        if "shapes" in entry and entry.get("head_dim") == head_dim and entry.get("dtype") == dtype_name(dtype):
-            return {k: v for k, v in entry.items() if k in GLUON_FIELDS[kind]}
-    return None
+def gluon_tuned_fields(kind: str, head_dim: int, dtype: torch.dtype, device: str | None = None) -> dict | None:
+    """The config fields of the tuned file's sweep-wide winner for this Gluon `kind`, head dim and dtype, or None:
+    the entry measured on the card named `device` where there is one, else one that names no card, else another
+    card's (a Hopper card's tuning is a better start than none)."""
+    winners = [entry for entry in _GLUON_TUNED.get(kind, [])
+               if "shapes" in entry and entry.get("head_dim") == head_dim and entry.get("dtype") == dtype_name(dtype)]
+    rank = lambda e: 0 if device is not None and e.get("device") == device else 1 if "device" not in e else 2  # noqa: E731
+    entry = min(winners, key=rank, default=None)  # (the first of the best rank)
+    return None if entry is None else {k: v for k, v in entry.items() if k in GLUON_FIELDS[kind]}
 
 
 # ----------------------------------------------------------------------------------------------------------
 # The Gluon kernels' configs
 # ----------------------------------------------------------------------------------------------------------
-def gluon_fwd_default(head_dim: int, dtype: torch.dtype) -> GluonConfig:
-    """The tuned file's forward config for this head dim and dtype, else DEFAULT_FWD_CONFIGS'; its `exp2_emulated`
-    and `rescale_under_s` from EXP2_EMULATED and RESCALE_UNDER_S unless the file sets them."""
-    fields = dict(gluon_tuned_fields("fwd", head_dim, dtype) or {})
+def gluon_fwd_default(head_dim: int, dtype: torch.dtype, device: str | None = None) -> GluonConfig:
+    """The tuned file's forward config for this head dim and dtype (on the card named `device`:
+    `gluon_tuned_fields`), else DEFAULT_FWD_CONFIGS'; its `exp2_emulated` and `rescale_under_s` from EXP2_EMULATED
+    and RESCALE_UNDER_S unless the file sets them."""
+    fields = dict(gluon_tuned_fields("fwd", head_dim, dtype, device) or {})
     config = GluonConfig(**fields) if fields else DEFAULT_FWD_CONFIGS[head_dim]
     if "exp2_emulated" not in fields and head_dim in EXP2_EMULATED:
         config = dataclasses.replace(config, exp2_emulated=EXP2_EMULATED[head_dim])
@@ -202,7 +207,7 @@ def gluon_fwd_config(q: torch.Tensor, k: torch.Tensor) -> GluonConfig:
 @functools.lru_cache(maxsize=64)
 def _gluon_fwd_config(head_dim: int, dtype: torch.dtype, n_q: int, n_k: int, heads: int,
                       device: torch.device) -> GluonConfig:
-    config = gluon_fwd_default(head_dim, dtype)
+    config = gluon_fwd_default(head_dim, dtype, device_name(device))
     n_max, fields = PERSISTENT_GRID.get(head_dim, (0, {}))
     if n_q <= n_max and config.num_consumers == 2:
         config = dataclasses.replace(config, **fields)
@@ -212,12 +217,12 @@ def _gluon_fwd_config(head_dim: int, dtype: torch.dtype, n_q: int, n_k: int, hea
 
 
 def gluon_bwd_default(head_dim: int, dtype: torch.dtype, n_q: int | None = None, heads: int | None = None,
-                      l2_bytes: int | None = None) -> GluonBwdConfig:
-    """The tuned file's one-pass backward config for this head dim and dtype, else DEFAULT_BWD_CONFIGS', with its
-    `dq_buffers` from DQ_BUFFERS unless the file sets it; given the problem's query length `n_q`, its B * H `heads`
-    and the device's L2 bytes, its `head_group` capped by `l2_head_group` (a head's Q and dO rows and its fp32 dQ,
-    n_q * d * (2 * elem + 4) bytes)."""
-    fields = gluon_tuned_fields("bwd", head_dim, dtype) or {}
+                      l2_bytes: int | None = None, device: str | None = None) -> GluonBwdConfig:
+    """The tuned file's one-pass backward config for this head dim and dtype (on the card named `device`:
+    `gluon_tuned_fields`), else DEFAULT_BWD_CONFIGS', with its `dq_buffers` from DQ_BUFFERS unless the file sets it;
+    given the problem's query length `n_q`, its B * H `heads` and the device's L2 bytes, its `head_group` capped by
+    `l2_head_group` (a head's Q and dO rows and its fp32 dQ, n_q * d * (2 * elem + 4) bytes)."""
+    fields = gluon_tuned_fields("bwd", head_dim, dtype, device) or {}
     config = GluonBwdConfig(**fields) if fields else DEFAULT_BWD_CONFIGS[head_dim]
     if "dq_buffers" not in fields and head_dim in DQ_BUFFERS:
         config = dataclasses.replace(config, dq_buffers=DQ_BUFFERS[head_dim])
@@ -238,7 +243,7 @@ def gluon_bwd_config(q: torch.Tensor) -> GluonBwdConfig:
 @functools.lru_cache(maxsize=64)
 def _gluon_bwd_config(head_dim: int, dtype: torch.dtype, n_q: int, heads: int,
                       device: torch.device) -> GluonBwdConfig:
-    return gluon_bwd_default(head_dim, dtype, n_q, heads, l2_cache_bytes(device))
+    return gluon_bwd_default(head_dim, dtype, n_q, heads, l2_cache_bytes(device), device_name(device))
 
 
 def l2_head_group(head_group: int, head_bytes: int, heads: int | None, l2_bytes: int | None) -> int:

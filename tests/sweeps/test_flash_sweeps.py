@@ -139,6 +139,43 @@ def test_flash_tiles_variants_grids_and_tuned_entries_per_path(tmp_path):
     data = json.loads(path.read_text())
     assert data["device"] == ["H200"] and data["triton"] == ["3.6"] and data["note"].endswith("earlier")
 
+def test_gluon_entries_per_card(tmp_path, monkeypatch):
+    """Each card's rows give entries naming it; a run on one card replaces that card's entries in the tuned file and
+    keeps the others'; the launchers take the entry of their card, else one naming none, else another card's."""
+    from kernels.attention import dispatch
+
+    a = "16384/128/bfloat16/causal"
+
+    def rows(card, fastest_stages):
+        return pd.DataFrame([dict(_tile_row("dkdvq", "64x64", 4, s, a, 1.0 - 0.5 * (s == fastest_stages)),
+                                  variant="gluon", path="gluon", num_consumers=2, head_group=4, device_name=card)
+                             for s in (1, 2, 3)]).assign(torch_version="2.11", triton_version="3.6")
+
+    h200, h100 = rows("NVIDIA H200", 3), rows("NVIDIA H100 80GB HBM3", 2)
+    both = flash_tiles.gluon_best_configs(pd.concat([h200, h100]), min_configs=3)
+    assert {(e["device"], e["num_stages"]) for e in both["bwd"] if "shapes" in e} == {
+        ("NVIDIA H200", 3), ("NVIDIA H100 80GB HBM3", 2)}  # each card's rows ranked apart
+    path = tmp_path / "tuned.json"
+    flash_tiles.write_tuned(h200, {}, path, flash_tiles.gluon_best_configs(h200, min_configs=3))
+    flash_tiles.write_tuned(h100, {}, path, flash_tiles.gluon_best_configs(h100, min_configs=3))
+    again = rows("NVIDIA H100 80GB HBM3", 1)  # the H100 swept again: its entries replaced, the H200's kept
+    flash_tiles.write_tuned(again, {}, path, flash_tiles.gluon_best_configs(again, min_configs=3))
+    data = json.loads(path.read_text())
+    assert sorted((e["device"], e["num_stages"]) for e in data["gluon"]["bwd"] if "shapes" in e) == [
+        ("NVIDIA H100 80GB HBM3", 1), ("NVIDIA H200", 3)]
+    assert "bwd kept from the previous file" in data["gluon_note"]
+    tuned = dispatch.load_gluon_tuned(path)
+    winner = next(e for e in tuned["bwd"] if "shapes" in e)
+    tuned["bwd"].append({**winner, "num_stages": 2, "device": "NVIDIA H20"})
+    unnamed = {k: v for k, v in winner.items() if k != "device"}
+    monkeypatch.setattr(dispatch, "_GLUON_TUNED", tuned)
+    stages = lambda card: dispatch.gluon_tuned_fields("bwd", 128, torch.bfloat16, card)["num_stages"]  # noqa: E731
+    assert stages("NVIDIA H200") == 3 and stages("NVIDIA H100 80GB HBM3") == 1 and stages("NVIDIA H20") == 2
+    assert stages("NVIDIA GH200 480GB") in (1, 3) and stages(None) in (1, 3)  # no entry of its own: another card's
+    tuned["bwd"].append({**unnamed, "num_stages": 4})
+    assert stages("NVIDIA GH200 480GB") == 4 and stages("NVIDIA H200") == 3  # one naming no card before another's
+
+
 def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     """`--variants gluon`: the Gluon forward's and one-pass backward's knobs, only on shapes they take; their winners
     go to the tuned file's `gluon` part (beside the tl entries and `auto_path`, which stay), and the Gluon
@@ -171,7 +208,7 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
 
     def row(kernel, tile, stages, consumers, shape, ms):
         return dict(_tile_row(kernel, tile, 4, stages, shape, ms), variant="gluon", path="gluon",
-                    num_consumers=consumers)
+                    num_consumers=consumers, device_name="H200")  # (each card's rows are ranked apart)
     rows = [row("fwd", t, s, c, sh, 1.0 + 0.1 * c + 0.01 * s + (0.5 if t == "128x64" else 0) + (sh == b))
             for t in ("64x128", "128x64") for s in (2, 3) for c in (1, 2) for sh in (a, b)]
     rows[0]["time_median_s"] = 0.5e-3  # 64x128, 2 stages, 1 consumer: fastest on a only
@@ -182,7 +219,7 @@ def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     gluon = flash_tiles.gluon_best_configs(df, min_configs=8)
     assert gluon["fwd"][0] == dict(block_m=64, block_n=128, num_stages=2, num_consumers=1, persistent=False,
                                    head_group=0, exp2_emulated=0, head_dim=128, dtype="bfloat16", shapes=[a, b],
-                                   geomean_ms=gluon["fwd"][0]["geomean_ms"])
+                                   geomean_ms=gluon["fwd"][0]["geomean_ms"], device="H200")
     assert {k: gluon["bwd"][0][k] for k in ("block_m", "num_stages", "head_group", "shapes", "dq_whole",
                                             "dk_late", "rows_tma")} == dict(
         block_m=64, num_stages=3, head_group=8, shapes=[a, b], dq_whole=False, dk_late=False,

@@ -83,7 +83,7 @@ def test_problem_config_takes_the_persistent_grid_up_to_its_length(monkeypatch):
     """`problem_config`: PERSISTENT_GRID's fields over the tuned config up to its length (d 128), the tuned config
     beyond it, at other head dims and when the tuned config has three consumer groups."""
     tuned = {64: fg.GluonConfig(num_stages=3, persistent=True, head_group=8), 128: fg.GluonConfig(head_group=8)}
-    monkeypatch.setattr(dispatch, "gluon_fwd_default", lambda head_dim, dtype: tuned[head_dim])
+    monkeypatch.setattr(dispatch, "gluon_fwd_default", lambda head_dim, dtype, device=None: tuned[head_dim])
     dispatch._gluon_fwd_config.cache_clear()
     n_max, fields = dispatch.PERSISTENT_GRID[128]
     for n in (1, 1000, n_max):
@@ -102,7 +102,7 @@ def test_forward_head_group_fits_the_l2_cache(monkeypatch):
     the queries'; groups that fit and short d-64 problems kept; no cap off CUDA (no cache size)."""
     mib = 2**20
     tuned = fg.GluonConfig(head_group=8)
-    monkeypatch.setattr(dispatch, "gluon_fwd_default", lambda head_dim, dtype: tuned)
+    monkeypatch.setattr(dispatch, "gluon_fwd_default", lambda head_dim, dtype, device=None: tuned)
     dispatch._gluon_fwd_config.cache_clear()
     monkeypatch.setattr(dispatch, "l2_cache_bytes", lambda device: 60 * mib)
     n_max, fields = dispatch.PERSISTENT_GRID[128]
@@ -140,7 +140,7 @@ def test_head_group_fits_the_l2_cache(monkeypatch):
     assert dispatch.l2_head_group(0, 1 * mib, 8, 60 * mib) == 0  # all 8 heads fit (8 MiB)
     assert dispatch.l2_head_group(8, 64 * mib, 4, 60 * mib) == 1  # never below one head
     assert dispatch.l2_head_group(8, 32 * mib, 32, None) == 8  # no cache size known: the tuned group
-    monkeypatch.setattr(dispatch, "gluon_tuned_fields", lambda kind, head_dim, dtype: dict(head_group=4, num_stages=2))
+    monkeypatch.setattr(dispatch, "gluon_tuned_fields", lambda kind, head_dim, dtype, device=None: dict(head_group=4, num_stages=2))
     default = dispatch.gluon_bwd_default
     tuned = default(128, torch.bfloat16)
     assert tuned == fgo.GluonBwdConfig(head_group=4, num_stages=2)
@@ -161,14 +161,14 @@ def test_head_group_fits_the_l2_cache(monkeypatch):
 def test_bwd_dq_buffers_default_per_head_dim(monkeypatch):
     """`default_config` takes DQ_BUFFERS' dQ tiles per group at d 64 unless the tuned entry sets them, and keeps one
     at d 128, where two whole tiles per group would not fit shared memory."""
-    monkeypatch.setattr(dispatch, "gluon_tuned_fields", lambda kind, head_dim, dtype: dict(head_group=4, dk_late=True))
+    monkeypatch.setattr(dispatch, "gluon_tuned_fields", lambda kind, head_dim, dtype, device=None: dict(head_group=4, dk_late=True))
     assert dispatch.gluon_bwd_default(64, torch.bfloat16) == fgo.GluonBwdConfig(head_group=4, dk_late=True,
                                                                                 dq_buffers=2)
     assert dispatch.gluon_bwd_default(128, torch.bfloat16) == fgo.GluonBwdConfig(head_group=4, dk_late=True)
     assert dispatch.gluon_bwd_default(128, torch.bfloat16).shared_bytes(128) + 2 * 64 * 128 * 4 > 227 * 1024
-    monkeypatch.setattr(dispatch, "gluon_tuned_fields", lambda kind, head_dim, dtype: dict(head_group=4, dq_buffers=1))
+    monkeypatch.setattr(dispatch, "gluon_tuned_fields", lambda kind, head_dim, dtype, device=None: dict(head_group=4, dq_buffers=1))
     assert dispatch.gluon_bwd_default(64, torch.bfloat16).dq_buffers == 1  # the file's value wins
-    monkeypatch.setattr(dispatch, "gluon_tuned_fields", lambda kind, head_dim, dtype: None)
+    monkeypatch.setattr(dispatch, "gluon_tuned_fields", lambda kind, head_dim, dtype, device=None: None)
     assert dispatch.gluon_bwd_default(64, torch.float16) == dataclasses.replace(dispatch.DEFAULT_BWD_CONFIGS[64],
                                                                                 dq_buffers=2)
 

@@ -125,14 +125,14 @@ def test_exp2_emulated_rules_and_default(monkeypatch):
     default = dispatch.gluon_fwd_default
     EXP2_EMULATED, RESCALE_UNDER_S = dispatch.EXP2_EMULATED, dispatch.RESCALE_UNDER_S
     entry = {"block_m": 64, "block_n": 128, "num_stages": 3, "num_consumers": 2}
-    monkeypatch.setattr(dispatch, "gluon_tuned_fields", lambda kind, head_dim, dtype: dict(entry))
+    monkeypatch.setattr(dispatch, "gluon_tuned_fields", lambda kind, head_dim, dtype, device=None: dict(entry))
     assert default(64, torch.bfloat16) == fg.GluonConfig(**entry, exp2_emulated=EXP2_EMULATED[64],
                                                          rescale_under_s=RESCALE_UNDER_S[64])
     assert default(128, torch.bfloat16).exp2_emulated == EXP2_EMULATED.get(128, 0)
     assert default(128, torch.bfloat16).rescale_under_s == RESCALE_UNDER_S.get(128, False)
     entry["exp2_emulated"] = 0
     assert default(64, torch.bfloat16) == fg.GluonConfig(**entry, rescale_under_s=RESCALE_UNDER_S[64])
-    monkeypatch.setattr(dispatch, "gluon_tuned_fields", lambda kind, head_dim, dtype: None)
+    monkeypatch.setattr(dispatch, "gluon_tuned_fields", lambda kind, head_dim, dtype, device=None: None)
     assert default(64, torch.bfloat16) == dataclasses.replace(
         dispatch.DEFAULT_FWD_CONFIGS[64], exp2_emulated=EXP2_EMULATED[64], rescale_under_s=RESCALE_UNDER_S[64])
     for n in (2, 4, 8, 16):
