@@ -38,22 +38,31 @@ def is_matmul(kernel_name: str) -> bool:
     return bool(_MATMUL.search(kernel_name))
 
 
-_USDT = b"USDT:"
+_USDT, _ERROR = b"USDT:", b"ERROR:"
+_NO_DEVICE = b"] gpuGetDeviceCount failed"
 
 
-def _split_usdt(data: bytes) -> tuple[bytes, bytes]:
+def _split_noise(data: bytes, no_gpu: bool = False) -> tuple[bytes, bytes]:
     """(what of `data` to write now, what to hold for the next read): every `USDT:` span up to its newline dropped,
-    wherever it starts (a progress bar's line need not end before Kineto writes); a tail that is or may become such
-    a span is held."""
+    wherever it starts (a progress bar's line need not end before Kineto writes), and with `no_gpu` Kineto's
+    `ERROR:... gpuGetDeviceCount failed` line (a CUDA build of torch on a machine without a GPU); any other `ERROR:`
+    line passes whole. A tail that is or may become such a span is held."""
     out = bytearray()
-    while (start := data.find(_USDT)) >= 0:
+    while (start := min((i for i in (data.find(_USDT), data.find(_ERROR)) if i >= 0), default=-1)) >= 0:
         out += data[:start]
         end = data.find(b"\n", start)
         if end < 0:
             return bytes(out), data[start:]
+        if not _is_noise(data[start:end + 1], no_gpu):
+            out += data[start:end + 1]
         data = data[end + 1:]
-    held = next((k for k in range(len(_USDT) - 1, 0, -1) if data.endswith(_USDT[:k])), 0)
+    held = max((k for mark in (_USDT, _ERROR) for k in range(len(mark) - 1, 0, -1) if data.endswith(mark[:k])),
+               default=0)
     return bytes(out) + data[:len(data) - held], data[len(data) - held:]
+
+
+def _is_noise(span: bytes, no_gpu: bool) -> bool:
+    return span.startswith(_USDT) or (no_gpu and span.startswith(_ERROR) and _NO_DEVICE in span)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -62,16 +71,18 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 @contextlib.contextmanager
-def without_kineto_usdt() -> Iterator[None]:
+def without_kineto_noise() -> Iterator[None]:
     """Drop the `USDT:` lines Kineto writes to stderr at every profiler start and stop (its highest log level, above
-    errors, so KINETO_LOG_LEVEL cannot hide them alone). Everything else written to file descriptor 2 meanwhile, by
-    any thread or library, passes through as it is written (a progress bar's carriage returns included)."""
+    errors, so KINETO_LOG_LEVEL cannot hide them alone) and, where torch sees no GPU, the `gpuGetDeviceCount failed`
+    error a CUDA build's Kineto logs once per process. Everything else written to file descriptor 2 meanwhile, by any
+    thread or library, passes through as it is written (a progress bar's carriage returns included)."""
     sys.stderr.flush()
     try:
         saved = os.dup(2)
     except OSError:  # no stderr to filter (a daemon closed it): profile as is
         yield
         return
+    no_gpu = not torch.cuda.is_available()
     read, write = os.pipe()
     os.dup2(write, 2)
     os.close(write)
@@ -79,13 +90,13 @@ def without_kineto_usdt() -> Iterator[None]:
     def pump() -> None:
         held = b""
         while chunk := os.read(read, 1 << 16):
-            now, held = _split_usdt(held + chunk)
+            now, held = _split_noise(held + chunk, no_gpu)
             _write_all(saved, now)
         os.close(read)
-        if not held.startswith(_USDT):
+        if not _is_noise(held, no_gpu):
             _write_all(saved, held)
 
-    thread = threading.Thread(target=pump, name="without-kineto-usdt", daemon=True)
+    thread = threading.Thread(target=pump, name="without-kineto-noise", daemon=True)
     thread.start()
     try:
         yield
@@ -318,7 +329,7 @@ def profile_steps(step: Callable[[], object], device: torch.device, *, warmup: i
         # Emitted by some torch versions on every profiler start, whatever the schedule; `repeat=1` makes
         # the recorded cycle the last one, and `ready` reads it before anything could clear it.
         warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
-        with without_kineto_usdt(), torch.profiler.profile(activities=activities, schedule=schedule,
+        with without_kineto_noise(), torch.profiler.profile(activities=activities, schedule=schedule,
                                                            on_trace_ready=ready) as prof:
             for _ in range(warmup + active):
                 step()

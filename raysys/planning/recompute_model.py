@@ -551,10 +551,10 @@ def cpu_allocation_trace(fn: Callable[[], object]) -> list[int]:
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    from raysys.measure.profiling import without_kineto_usdt
+    from raysys.measure.profiling import without_kineto_noise
 
     gc.collect()
-    with without_kineto_usdt(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with without_kineto_noise(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events: list[tuple[int, int, int]] = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())

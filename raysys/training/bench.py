@@ -191,7 +191,7 @@ def run_benchmark(cfg: BenchConfig, out_dir: str | Path | None = None, progress=
         progress.set_postfix_str("profile" if cfg.profile else "timed")
         if cfg.profile:
             prof = profiling.make_profiler(device)
-            with profiling.without_kineto_usdt(), prof:
+            with profiling.without_kineto_noise(), prof:
                 for _ in range(cfg.steps):
                     run.step(timer)
                     progress.update()

@@ -1,5 +1,5 @@
 """raysys.measure.profiling: the Dynamo guard log (what a compiled function guards on, counted by kind) and the
-profiler's stderr (Kineto's `USDT:` lines dropped, everything else kept)."""
+profiler's stderr (Kineto's `USDT:` lines and, without a GPU, its device-count error dropped; everything else kept)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from raysys.measure.profiling import _split_usdt, dynamo_guard_log, guard_kinds
+from raysys.measure.profiling import _split_noise, dynamo_guard_log, guard_kinds
 
 
 def test_guard_log_of_a_compiled_function_counts_its_guards_by_kind():
@@ -39,12 +39,12 @@ def _stderr_of(code: str) -> str:
     return done.stderr.decode()  # as written: carriage returns kept
 
 
-def test_without_kineto_usdt_drops_only_usdt_lines_and_keeps_the_rest_in_order():
+def test_without_kineto_noise_drops_only_usdt_lines_and_keeps_the_rest_in_order():
     err = _stderr_of("""
         import os, sys, threading
-        from raysys.measure.profiling import without_kineto_usdt
+        from raysys.measure.profiling import without_kineto_noise
         print("before", file=sys.stderr)
-        with without_kineto_usdt():
+        with without_kineto_noise():
             os.write(2, b"USDT:2026 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\\nkept 1\\n")
             print("kept 2", file=sys.stderr)
             t = threading.Thread(target=lambda: os.write(2, b"kept 3\\nUSDT: profiler_stop\\n"))
@@ -56,11 +56,33 @@ def test_without_kineto_usdt_drops_only_usdt_lines_and_keeps_the_rest_in_order()
     assert err == "before\nkept 1\nkept 2\nkept 3\n\rbar 50%\rbar 100%\nno newline at the endafter\n", err
 
 
-def test_split_usdt_holds_only_what_may_be_a_usdt_span():
-    assert _split_usdt(b"a\rbar USDT:x y\nb USDT:z\nc") == (b"a\rbar b c", b"")
-    assert _split_usdt(b"progress US") == (b"progress ", b"US")    # the next read may complete "USDT:"
-    assert _split_usdt(b"progress USDT:2026 profiler_st") == (b"progress ", b"USDT:2026 profiler_st")
-    assert _split_usdt(b"U.S. dollars: USD\n") == (b"U.S. dollars: USD\n", b"")
+def test_split_noise_holds_only_what_may_be_a_kineto_span():
+    assert _split_noise(b"a\rbar USDT:x y\nb USDT:z\nc") == (b"a\rbar b c", b"")
+    assert _split_noise(b"progress US") == (b"progress ", b"US")    # the next read may complete "USDT:"
+    assert _split_noise(b"progress USDT:2026 profiler_st") == (b"progress ", b"USDT:2026 profiler_st")
+    assert _split_noise(b"U.S. dollars: USD\n") == (b"U.S. dollars: USD\n", b"")
+    count = b"ERROR:2026-12-07 15:59:43 13169:13169 DeviceProperties.cpp:56] gpuGetDeviceCount failed with code 35\n"
+    assert _split_noise(b"a" + count + b"b", no_gpu=True) == (b"ab", b"")
+    assert _split_noise(b"a" + count + b"b") == (b"a" + count + b"b", b"")  # with a GPU it is a real error
+    other = b"ERROR:2026 DeviceProperties.cpp:56] something else\n"
+    assert _split_noise(other + b"c", no_gpu=True) == (other + b"c", b"")
+    assert _split_noise(b"x ERROR:2026 gpuGetDev", no_gpu=True) == (b"x ", b"ERROR:2026 gpuGetDev")
+    assert _split_noise(b"x ERR", no_gpu=True) == (b"x ", b"ERR")
+
+
+def test_without_kineto_noise_drops_the_device_count_error_only_without_a_gpu():
+    """A CUDA build of torch on a machine without a GPU: Kineto's `gpuGetDeviceCount failed` line is dropped, another
+    `ERROR:` line (here written in two pieces) passes whole."""
+    err = _stderr_of("""
+        import os, torch
+        from raysys.measure.profiling import without_kineto_noise
+        torch.cuda.is_available = lambda: False
+        with without_kineto_noise():
+            os.write(2, b"ERROR:2026-12-07 15:59:43 1:1 DeviceProperties.cpp:56] gpuGetDeviceCount failed with code 35\\n")
+            os.write(2, b"ERROR:2026 other.cpp:1] a real ")
+            os.write(2, b"error\\nkept\\n")
+    """)
+    assert err == "ERROR:2026 other.cpp:1] a real error\nkept\n", err
 
 
 def test_profiling_a_cpu_step_prints_no_usdt_lines():
@@ -71,15 +93,15 @@ def test_profiling_a_cpu_step_prints_no_usdt_lines():
         prof = profile_steps(lambda: os.write(2, b"step\\n") and x @ x, torch.device("cpu"))
         assert prof.events
     """)
-    assert "USDT" not in err and err.count("step\n") == 2, err
+    assert "USDT" not in err and "gpuGetDeviceCount" not in err and err.count("step\n") == 2, err
 
 
-def test_without_kineto_usdt_with_stderr_closed_profiles_as_is():
+def test_without_kineto_noise_with_stderr_closed_profiles_as_is():
     code = """
         import os
-        from raysys.measure.profiling import without_kineto_usdt
+        from raysys.measure.profiling import without_kineto_noise
         os.close(2)
-        with without_kineto_usdt():
+        with without_kineto_noise():
             print("profiled")
     """
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
