@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import io
 import logging
 import os
@@ -42,11 +43,12 @@ _USDT, _ERROR = b"USDT:", b"ERROR:"
 _NO_DEVICE = b"] gpuGetDeviceCount failed"
 
 
-def _split_noise(data: bytes, no_gpu: bool = False) -> tuple[bytes, bytes]:
+def _split_noise(data: bytes, no_gpu: bool | Callable[[], bool] = False) -> tuple[bytes, bytes]:
     """(what of `data` to write now, what to hold for the next read): every `USDT:` span up to its newline dropped,
     wherever it starts (a progress bar's line need not end before Kineto writes), and with `no_gpu` Kineto's
     `ERROR:... gpuGetDeviceCount failed` line (a CUDA build of torch on a machine without a GPU); any other `ERROR:`
-    line passes whole. A tail that is or may become such a span is held."""
+    line passes whole (`no_gpu` may be a function, asked only when such a line comes). A tail that is or may become
+    such a span is held."""
     out = bytearray()
     while (start := min((i for i in (data.find(_USDT), data.find(_ERROR)) if i >= 0), default=-1)) >= 0:
         out += data[:start]
@@ -61,8 +63,10 @@ def _split_noise(data: bytes, no_gpu: bool = False) -> tuple[bytes, bytes]:
     return bytes(out) + data[:len(data) - held], data[len(data) - held:]
 
 
-def _is_noise(span: bytes, no_gpu: bool) -> bool:
-    return span.startswith(_USDT) or (no_gpu and span.startswith(_ERROR) and _NO_DEVICE in span)
+def _is_noise(span: bytes, no_gpu: bool | Callable[[], bool]) -> bool:
+    if span.startswith(_USDT):
+        return True
+    return span.startswith(_ERROR) and _NO_DEVICE in span and (no_gpu() if callable(no_gpu) else no_gpu)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -82,7 +86,8 @@ def without_kineto_noise() -> Iterator[None]:
     except OSError:  # no stderr to filter (a daemon closed it): profile as is
         yield
         return
-    no_gpu = not torch.cuda.is_available()
+    # Asked only when Kineto could not count the devices (no CUDA call otherwise, so nothing here can poison a fork).
+    no_gpu = functools.cache(lambda: not torch.cuda.is_available())
     read, write = os.pipe()
     os.dup2(write, 2)
     os.close(write)

@@ -68,6 +68,10 @@ def test_split_noise_holds_only_what_may_be_a_kineto_span():
     assert _split_noise(other + b"c", no_gpu=True) == (other + b"c", b"")
     assert _split_noise(b"x ERROR:2026 gpuGetDev", no_gpu=True) == (b"x ", b"ERROR:2026 gpuGetDev")
     assert _split_noise(b"x ERR", no_gpu=True) == (b"x ", b"ERR")
+    asked = []
+    no_gpu = lambda: asked.append(1) or True  # noqa: E731
+    assert _split_noise(b"USDT:a\n" + other + b"b\n", no_gpu) == (other + b"b\n", b"") and not asked  # no CUDA call
+    assert _split_noise(count, no_gpu) == (b"", b"") and asked == [1]
 
 
 def test_without_kineto_noise_drops_the_device_count_error_only_without_a_gpu():
