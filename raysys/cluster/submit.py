@@ -80,10 +80,10 @@ def _agent_hint(address: str) -> str:
     return ("the head's dashboard agent serves no HTTP, so no job can be submitted; usually its port (52365 unless "
             "`ray start --dashboard-agent-listen-port` moved it) was taken when the head started"
             + (" (52365 is in use on this machine now)" if default_taken else "")
-            + ", or the head started moments ago on a busy machine (its job server waits 10 s for the agent; submit "
-              "again in a minute). Restart the head with `ray stop` and `ray start --head "
-              "--dashboard-agent-listen-port 0 ...` (any free port); `python -m raysys doctor` lists the head's ports "
-              "that are taken")
+            + ". Restart the head with `ray stop` and `ray start --head --dashboard-agent-listen-port 0 ...` "
+              "(any free port); `python -m raysys doctor` lists the head's ports that are taken. A head started "
+              "moments ago on a busy machine can answer the same while its agent starts (Ray waits 10 s for it): "
+              "then submit again in a minute")
 
 # ---------------------------------------------------------------------------------------------------- submit
 def job_spec(entrypoint: list[str], *, name: str | None, working_dir: str | os.PathLike,

@@ -43,12 +43,11 @@ _USDT, _ERROR = b"USDT:", b"ERROR:"
 _NO_DEVICE = b"] gpuGetDeviceCount failed"
 
 
-def _split_noise(data: bytes, no_gpu: bool | Callable[[], bool] = False) -> tuple[bytes, bytes]:
+def _split_noise(data: bytes, no_gpu: Callable[[], bool] = lambda: False) -> tuple[bytes, bytes]:
     """(what of `data` to write now, what to hold for the next read): every `USDT:` span up to its newline dropped,
-    wherever it starts (a progress bar's line need not end before Kineto writes), and with `no_gpu` Kineto's
-    `ERROR:... gpuGetDeviceCount failed` line (a CUDA build of torch on a machine without a GPU); any other `ERROR:`
-    line passes whole (`no_gpu` may be a function, asked only when such a line comes). A tail that is or may become
-    such a span is held."""
+    wherever it starts (a progress bar's line need not end before Kineto writes), and where `no_gpu()` (asked only
+    when such a line comes) Kineto's `ERROR:... gpuGetDeviceCount failed` line (a CUDA build of torch on a machine
+    without a GPU); any other `ERROR:` line passes whole. A tail that is or may become such a span is held."""
     out = bytearray()
     while (start := min((i for i in (data.find(_USDT), data.find(_ERROR)) if i >= 0), default=-1)) >= 0:
         out += data[:start]
@@ -63,10 +62,8 @@ def _split_noise(data: bytes, no_gpu: bool | Callable[[], bool] = False) -> tupl
     return bytes(out) + data[:len(data) - held], data[len(data) - held:]
 
 
-def _is_noise(span: bytes, no_gpu: bool | Callable[[], bool]) -> bool:
-    if span.startswith(_USDT):
-        return True
-    return span.startswith(_ERROR) and _NO_DEVICE in span and (no_gpu() if callable(no_gpu) else no_gpu)
+def _is_noise(span: bytes, no_gpu: Callable[[], bool]) -> bool:
+    return span.startswith(_USDT) or (span.startswith(_ERROR) and _NO_DEVICE in span and no_gpu())
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -335,7 +332,7 @@ def profile_steps(step: Callable[[], object], device: torch.device, *, warmup: i
         # the recorded cycle the last one, and `ready` reads it before anything could clear it.
         warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
         with without_kineto_noise(), torch.profiler.profile(activities=activities, schedule=schedule,
-                                                           on_trace_ready=ready) as prof:
+                                                            on_trace_ready=ready) as prof:
             for _ in range(warmup + active):
                 step()
                 if device.type == "cuda":

@@ -62,12 +62,12 @@ def test_split_noise_holds_only_what_may_be_a_kineto_span():
     assert _split_noise(b"progress USDT:2026 profiler_st") == (b"progress ", b"USDT:2026 profiler_st")
     assert _split_noise(b"U.S. dollars: USD\n") == (b"U.S. dollars: USD\n", b"")
     count = b"ERROR:2026-12-07 15:59:43 13169:13169 DeviceProperties.cpp:56] gpuGetDeviceCount failed with code 35\n"
-    assert _split_noise(b"a" + count + b"b", no_gpu=True) == (b"ab", b"")
+    assert _split_noise(b"a" + count + b"b", no_gpu=lambda: True) == (b"ab", b"")
     assert _split_noise(b"a" + count + b"b") == (b"a" + count + b"b", b"")  # with a GPU it is a real error
     other = b"ERROR:2026 DeviceProperties.cpp:56] something else\n"
-    assert _split_noise(other + b"c", no_gpu=True) == (other + b"c", b"")
-    assert _split_noise(b"x ERROR:2026 gpuGetDev", no_gpu=True) == (b"x ", b"ERROR:2026 gpuGetDev")
-    assert _split_noise(b"x ERR", no_gpu=True) == (b"x ", b"ERR")
+    assert _split_noise(other + b"c", no_gpu=lambda: True) == (other + b"c", b"")
+    assert _split_noise(b"x ERROR:2026 gpuGetDev", no_gpu=lambda: True) == (b"x ", b"ERROR:2026 gpuGetDev")
+    assert _split_noise(b"x ERR", no_gpu=lambda: True) == (b"x ", b"ERR")
     asked = []
     no_gpu = lambda: asked.append(1) or True  # noqa: E731
     assert _split_noise(b"USDT:a\n" + other + b"b\n", no_gpu) == (other + b"b\n", b"") and not asked  # no CUDA call
