@@ -112,6 +112,10 @@ PAIRED_KEY = "paired_speedup_kernel_vs_reference"
 time), the reference being the config the launcher takes at that shape (row column `reference`). The winners are
 chosen by these ratios where every row of a head dim and dtype has one against a single reference per shape
 (docs/studies.md says why)."""
+PAIRED_CI_KEY = "paired_speedup_kernel_ci_rel"
+"""The relative half-width of PAIRED_KEY's median (95%). A paired winner goes to the tuned file only where its
+(geometric-mean) ratio beats 1 by more than its rows' mean half-width: a config not surely faster than what the launcher
+takes leaves the card on that."""
 
 
 def variant_of(cfg, path: str) -> str:
@@ -513,8 +517,8 @@ def _gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dic
     (an error row beginning with one of UNFIT_ERRORS) never runs there, so it is not missing from the sweep (the
     one-pass backward's 3-slot ring does not fit at d 128, 6 of its 9 configs do). Where every row of a head dim and
     dtype was paired against one reference per shape (--paired-rounds, PAIRED_KEY), the winners are those with the
-    highest (geometric-mean) ratio against it; the entries then also carry it (`geomean_vs_reference`,
-    `vs_reference`). The forward's sweep-wide winner is ranked over the shapes beyond PERSISTENT_GRID's length
+    highest (geometric-mean) ratio against it, and only where it beats the reference (PAIRED_CI_KEY); the entries
+    then also carry it (`geomean_vs_reference`, `vs_reference`). The forward's sweep-wide winner is ranked over the shapes beyond PERSISTENT_GRID's length
     (`_tuned_entry_shapes`)."""
     ok = df[(df["status"] == "ok") & (df.get("path", pd.Series(index=df.index, dtype=object)) == "gluon")].copy()
     errors = df[(df["status"] == "error") & df.get("variant", pd.Series(index=df.index, dtype=object)).isin(
@@ -603,7 +607,7 @@ def _best_entries(sel: pd.DataFrame, keys: list[str], tags: dict, min_configs: i
             config["maxnreg"] = config["maxnreg"] or None  # 0: no register cap
         return config
 
-    entries = []
+    entries, lost = [], set()
     for (head_dim, dtype), group in sel.groupby(["head_dim", "dtype"]):
         if ranked is not None:
             group = group[group["shape"].isin(ranked)]
@@ -616,11 +620,14 @@ def _best_entries(sel: pd.DataFrame, keys: list[str], tags: dict, min_configs: i
             continue
         means = full.groupby(keys)[score].mean()
         best = means.idxmin()
+        if paired and not _beats_reference(full, keys, best, means[best]):
+            lost.add((head_dim, dtype))
+            continue
         entries.append({**config_of(best), **tags, "head_dim": int(head_dim), "dtype": dtype,
                         "shapes": swept, "geomean_ms": round(math.exp(full.groupby(keys)["log_ms"].mean()[best]), 4),
                         **({"geomean_vs_reference": round(math.exp(-means[best]), 4)} if paired else {})})
     for shape, group in sel.groupby("shape"):
-        if group.groupby(keys).ngroups < min_configs:
+        if group.groupby(keys).ngroups < min_configs or (group["head_dim"].iat[0], group["dtype"].iat[0]) in lost:
             continue
         row = group.loc[group[score].idxmin()]
         entries.append({**config_of(row[k] for k in keys), **tags, "head_dim": int(row["head_dim"]),
@@ -628,6 +635,14 @@ def _best_entries(sel: pd.DataFrame, keys: list[str], tags: dict, min_configs: i
                         "tflops": round(float(row["tflops"]), 1),
                         **({"vs_reference": round(math.exp(-float(row["log_rel"])), 4)} if paired else {})})
     return entries
+
+
+def _beats_reference(full: pd.DataFrame, keys: list[str], best, log_rel: float) -> bool:
+    """Whether the paired winner `best` (its mean `log_rel` over `full`'s shapes) is faster than the reference by
+    more than the mean PAIRED_CI_KEY of its rows (0 where the rows have none)."""
+    rows = full[full[keys].apply(tuple, axis=1) == (best if isinstance(best, tuple) else (best,))]
+    ci = float(rows[PAIRED_CI_KEY].mean()) if PAIRED_CI_KEY in rows and rows[PAIRED_CI_KEY].notna().any() else 0.0
+    return -log_rel > math.log1p(ci)
 
 
 def json_note(df: pd.DataFrame) -> str:
@@ -658,7 +673,8 @@ def write_json(data: dict, path: Path) -> None:
 def write_tuned(df: pd.DataFrame, tuned: dict[str, list[dict]], json_path: Path,
                 gluon: dict[str, list[dict]] | None = None) -> dict[str, list[dict]]:
     """Write `tuned` (best_configs of `df`) and `gluon` (gluon_best_configs) to `json_path`, keeping the file's
-    entries of the (kernel, path) pairs and Gluon kinds this run has none for, and its other keys (`auto_path`).
+    entries of the (kernel, path) pairs this run has none for, its Gluon entries of the (kind, card, head dim, dtype)
+    groups this run has none for, and its other keys (`auto_path`).
     `note` says where the tl entries come from and `gluon_note` where the Gluon ones do: a run that swept only one
     kind of kernel leaves the other's note as it was. Returns the tl part written."""
     note, provenance = json_note(df), json_provenance(df)
@@ -668,12 +684,14 @@ def write_tuned(df: pd.DataFrame, tuned: dict[str, list[dict]], json_path: Path,
              if key not in ("note", "gluon_note", "device", "torch", "triton", *KERNELS)}
     gluon_note = old.get("gluon_note")
     old_gluon = extra.get("gluon", {})
+    gluon = {kind: entries for kind, entries in (gluon or {}).items() if entries}  # (no winner: nothing to say)
     kept_kinds = sorted(set(old_gluon) - set(gluon or {}))
     if gluon:
-        # A kind this run swept: its entries replace the previous file's of the cards it ran on (entries that name
-        # no card count as one card); those of other cards stay.
-        other_cards = {kind: [e for e in old_gluon.get(kind, []) if e.get("device") not in
-                              {new.get("device") for new in entries}] for kind, entries in gluon.items()}
+        # A kind this run swept: its entries replace the previous file's of the same card, head dim and dtype
+        # (entries that name no card count as one card); the others stay.
+        group = lambda e: (e.get("device"), e.get("head_dim"), e.get("dtype"))  # noqa: E731
+        other_cards = {kind: [e for e in old_gluon.get(kind, []) if group(e) not in {group(new) for new in entries}]
+                       for kind, entries in gluon.items()}
         kept_kinds += sorted(kind for kind, entries in other_cards.items() if entries and kind not in kept_kinds)
         gluon_note = note + (f"; {', '.join(kept_kinds)} kept from the previous file: {old.get('gluon_note', '')}"
                              if kept_kinds else "")

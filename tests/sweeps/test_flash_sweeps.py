@@ -176,6 +176,35 @@ def test_gluon_entries_per_card(tmp_path, monkeypatch):
     assert stages("NVIDIA GH200 480GB") == 4 and stages("NVIDIA H200") == 3  # one naming no card before another's
 
 
+def test_a_paired_winner_within_its_half_width_leaves_the_card_on_the_reference(tmp_path):
+    """A paired winner that is not faster than the launcher's config by more than its rows' half-width gives no entry
+    (sweep-wide or per shape) for its head dim and dtype; a re-sweep replaces only the entries of its card, head dim
+    and dtype."""
+    a, b = "16384/128/bfloat16/causal", "8x16/4096/64/bfloat16/causal"
+    h100 = "NVIDIA H100 80GB HBM3"
+
+    def frame(ratios, ci, card=h100):
+        return pd.DataFrame([dict(_tile_row("dkdvq", "64x64", 4, stages, shape, 1.0), variant="gluon", path="gluon",
+                                  num_consumers=2, head_group=4, reference="ref", device_name=card,
+                                  **{flash_tiles.PAIRED_KEY: ratio, flash_tiles.PAIRED_CI_KEY: ci})
+                             for (stages, shape), ratio in ratios.items()]).assign(torch_version="2.11",
+                                                                                 triton_version="3.6")
+
+    ratios = {(1, a): 0.95, (2, a): 0.94, (3, a): 0.9, (1, b): 1.0, (2, b): 1.013, (3, b): 0.99}
+    assert flash_tiles.gluon_best_configs(frame(ratios, 0.033), min_configs=3) == {"bwd": []}
+    bwd = flash_tiles.gluon_best_configs(frame(ratios, 0.005), min_configs=3)["bwd"]
+    assert [(e["head_dim"], e["num_stages"], e.get("shape")) for e in bwd] == [(64, 2, None), (64, 2, b)]
+    path = tmp_path / "tuned.json"
+    h200 = frame({(s, sh): 1.0 + 0.1 * (s == 3) for s in (1, 2, 3) for sh in (a, b)}, 0.01, "NVIDIA H200")
+    flash_tiles.write_tuned(h200, {}, path, flash_tiles.gluon_best_configs(h200, min_configs=3))
+    flash_tiles.write_tuned(h200, {}, path, flash_tiles.gluon_best_configs(frame(ratios, 0.005), min_configs=3))
+    d128 = frame({**ratios, (1, a): 1.2}, 0.005)[lambda df: df["head_dim"] == 128]  # the H100 swept again at d 128
+    flash_tiles.write_tuned(d128, {}, path, flash_tiles.gluon_best_configs(d128, min_configs=3))
+    winners = json.loads(path.read_text())["gluon"]["bwd"]
+    assert sorted((e["device"], e["head_dim"], e["num_stages"]) for e in winners if "shapes" in e) == [
+        (h100, 64, 2), (h100, 128, 1), ("NVIDIA H200", 64, 3), ("NVIDIA H200", 128, 3)]
+
+
 def test_gluon_variant_grids_and_tuned_part(tmp_path, monkeypatch):
     """`--variants gluon`: the Gluon forward's and one-pass backward's knobs, only on shapes they take; their winners
     go to the tuned file's `gluon` part (beside the tl entries and `auto_path`, which stay), and the Gluon
