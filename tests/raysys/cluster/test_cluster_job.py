@@ -5,7 +5,7 @@ named actors and `[i/n]` tasks; the node's metrics endpoint: per-rank memory / u
 a wrong token is refused. A head whose dashboard agent port is taken cannot take jobs: `submit` says why.
 
 Each head runs as `ray start --head --block` in a subprocess we own, with its own temporary directory and free
-ports, and is stopped through its own process group (SIGTERM, then SIGKILL after 5 s): exactly what it started.
+ports, and is stopped through its own process group (SIGTERM, then SIGKILL after 1 s): exactly what it started.
 `ray stop` is not used here: it stops every Ray on the machine, including the test session's own cluster.
 """
 
@@ -51,8 +51,9 @@ def _get(url: str, token: str | None = None, timeout: float = 5) -> str:
 
 
 @contextlib.contextmanager
-def ray_head(token: str, agent_port: int, metrics_port: int | None = None):
-    """`ray start --head --block` with its own temp dir and free ports; yields the dashboard URL."""
+def ray_head(token: str, agent_port: int, metrics_port: int | None = None, num_cpus: int = 2):
+    """`ray start --head --block` with its own temp dir, free ports and `num_cpus` logical CPUs; yields the dashboard
+    URL."""
     env = _ray_env(token)
     env["RAY_metrics_report_interval_ms"] = "1000"  # export gauges every second (default 10 s)
     temp_dir = tempfile.mkdtemp(prefix="rs", dir="/tmp")  # short: Ray's socket paths must stay < 108 bytes
@@ -62,7 +63,7 @@ def ray_head(token: str, agent_port: int, metrics_port: int | None = None):
              "--metrics-export-port": metrics_port or free_port(), "--ray-client-server-port": free_port(),
              "--node-manager-port": free_port(), "--object-manager-port": free_port()}
     head = subprocess.Popen(
-        [RAY, "start", "--head", "--block", "--num-cpus", "2", "--num-gpus", "0", "--object-store-memory",
+        [RAY, "start", "--head", "--block", "--num-cpus", str(num_cpus), "--num-gpus", "0", "--object-store-memory",
          str(100 * 2**20), "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--temp-dir", temp_dir,
          "--disable-usage-stats", *[str(x) for kv in ports.items() for x in kv]],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -78,14 +79,15 @@ def ray_head(token: str, agent_port: int, metrics_port: int | None = None):
             except OSError:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the dashboard at {url} did not come up") from None
-                time.sleep(1.0)
+                time.sleep(0.2)
         yield url
     finally:
         # Our `ray start --block` and what it started, nothing else. Ray's graceful shutdown (its raylet drains) takes
-        # 15-60 s on two cores; nothing here outlives the test, so a short grace and then SIGKILL.
+        # 15-60 s on two cores, so a grace of a few seconds was always spent in full; nothing here outlives the test,
+        # so a short grace and then SIGKILL.
         os.killpg(head.pid, signal.SIGTERM)
         try:
-            head.wait(timeout=5)
+            head.wait(timeout=1)
         except subprocess.TimeoutExpired:
             pass
         with contextlib.suppress(ProcessLookupError):
@@ -119,9 +121,13 @@ def _work_repo(tmp_path: Path) -> tuple[Path, str]:
     return work, sha
 
 
+def _submit_command(url: str, work: Path, runs: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "raysys", "submit", "--address", url, "--working-dir", str(work), "--runs-dir",
+            str(runs), *args]
+
+
 def _submit(url: str, token: str, work: Path, runs: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "raysys", "submit", "--address", url, "--working-dir", str(work),
-                           "--runs-dir", str(runs), *args], cwd=work, env=_ray_env(token), capture_output=True,
+    return subprocess.run(_submit_command(url, work, runs, *args), cwd=work, env=_ray_env(token), capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -135,11 +141,49 @@ def test_readme_recipe_submit_named_job_with_commit_and_dashboard_telemetry(tmp_
     work, sha = _work_repo(tmp_path)
     runs = tmp_path / "runs"
     metrics_port = free_port()
-    with ray_head(token, agent_port=0, metrics_port=metrics_port) as url:  # the README's --dashboard-agent-listen-port 0
-        done = _submit(url, token, work, runs, "--", "python", "sweeps/allreduce.py", "--device", "cpu",
-                       "--world-sizes", "2", "--sizes", "1KB", "--ops", "all_reduce", "--launchers", "ray",
-                       "--iters", "2")
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # 4 logical CPUs: the sweep that `submit` follows and the study whose telemetry is read (2 ranks each) run at the
+    # same time, so the one's waits (job start, trial sleeps, metric exports) overlap the other's.
+    logs = tmp_path / "followed.out"  # a file, not a pipe: nobody reads a pipe while the study is watched
+    with ray_head(token, agent_port=0, metrics_port=metrics_port, num_cpus=4) as url, open(logs, "w") as log:
+        followed = subprocess.Popen(  # the README's --dashboard-agent-listen-port 0
+            _submit_command(url, work, runs, "--", "python", "sweeps/allreduce.py", "--device", "cpu",
+                            "--world-sizes", "2", "--sizes", "1KB", "--ops", "all_reduce", "--launchers", "ray",
+                            "--iters", "2"),
+            cwd=work, env=_ray_env(token), stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            # a study while it runs: named rank actors, tasks named with the trial's place, gauges on the node
+            started = _submit(url, token, work, runs, "--no-wait", "--", "python", "telemetry_demo.py", timeout=120)
+            assert started.returncode == 0, started.stderr[-3000:]
+            seen, deadline = "", time.monotonic() + 150
+            study = r'(?=[^}]*sweep="telemetry_demo")'  # the study's series, not the followed sweep's
+            wanted = [rf'ray_raysys_rank_memory_bytes\{{{study}[^}}]*rank="0"[^}}]*\}} (\S+)',
+                      rf'ray_raysys_rank_memory_bytes\{{{study}[^}}]*rank="1"[^}}]*\}} (\S+)',
+                      rf'ray_raysys_rank_utilization_percent\{{{study}[^}}]*rank="1"[^}}]*\}} (\S+)',
+                      rf'ray_raysys_sweep_trials\{{{study}[^}}]*state="total"[^}}]*\}} (\S+)']
+            while time.monotonic() < deadline:
+                seen = _get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10)  # Prometheus format, no token
+                if all(re.search(w, seen) for w in wanted):
+                    break
+                time.sleep(1)
+            found = [re.search(w, seen) for w in wanted]
+            assert all(found), [w for w, f in zip(wanted, found) if not f]
+            assert 'sweep="telemetry_demo"' in seen and 'device="cpu"' in seen
+            assert float(found[0].group(1)) > 64 * 2**20 and float(found[3].group(1)) == 4
+            actors = [a for a in _state(url, token, "actors") if a.get("class_name") == "RankActor"]
+            assert {a["name"].split("#")[0] for a in actors} >= {"telemetry_demo"}
+            tasks = [t["name"] for t in _state(url, token, "tasks")]
+            assert any(re.match(r"telemetry_demo\.rank[01]:\[\d/4\] i=", name) for name in tasks), tasks[:20]
+
+            refused = subprocess.run([RAY, "job", "list", "--address", url], env=_ray_env("not-the-token"),
+                                     capture_output=True, text=True, timeout=60)
+            assert refused.returncode != 0, refused.stdout
+
+            followed.wait(timeout=300)
+        finally:
+            if followed.poll() is None:
+                followed.kill()
+                followed.wait()
+        assert followed.returncode == 0, logs.read_text()[-6000:]
         (out,) = runs.glob("*-allreduce")  # no --out: the submitter's runs dir, not the job's temporary copy
         df = pd.read_parquet(out / "allreduce.parquet")
         assert list(df["status"]) == ["ok"] and df["busbw_GBps"].iloc[0] > 0
@@ -149,32 +193,6 @@ def test_readme_recipe_submit_named_job_with_commit_and_dashboard_telemetry(tmp_
         (job,) = [j for j in jobs if (j.get("submission_id") or "").startswith("allreduce-")]
         assert job["status"] == "SUCCEEDED" and job["metadata"]["job_name"] == "allreduce"
         assert job["metadata"]["git_sha"] == sha and job["entrypoint"].startswith("python sweeps/allreduce.py")
-
-        # a study while it runs: named rank actors, tasks named with the trial's place, gauges on the node
-        started = _submit(url, token, work, runs, "--no-wait", "--", "python", "telemetry_demo.py", timeout=120)
-        assert started.returncode == 0, started.stderr[-3000:]
-        seen, deadline = "", time.monotonic() + 150
-        wanted = [r'ray_raysys_rank_memory_bytes\{[^}]*rank="0"[^}]*\} (\S+)',
-                  r'ray_raysys_rank_memory_bytes\{[^}]*rank="1"[^}]*\} (\S+)',
-                  r'ray_raysys_rank_utilization_percent\{[^}]*rank="1"[^}]*\} (\S+)',
-                  r'ray_raysys_sweep_trials\{[^}]*state="total"[^}]*\} (\S+)']
-        while time.monotonic() < deadline:
-            seen = _get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10)  # Prometheus format, no token
-            if all(re.search(w, seen) for w in wanted):
-                break
-            time.sleep(2)
-        found = [re.search(w, seen) for w in wanted]
-        assert all(found), [w for w, f in zip(wanted, found) if not f]
-        assert 'sweep="telemetry_demo"' in seen and 'device="cpu"' in seen
-        assert float(found[0].group(1)) > 64 * 2**20 and float(found[3].group(1)) == 4
-        actors = [a for a in _state(url, token, "actors") if a.get("class_name") == "RankActor"]
-        assert {a["name"].split("#")[0] for a in actors} >= {"telemetry_demo"}
-        tasks = [t["name"] for t in _state(url, token, "tasks")]
-        assert any(re.match(r"telemetry_demo\.rank[01]:\[\d/4\] i=", name) for name in tasks), tasks[:20]
-
-        refused = subprocess.run([RAY, "job", "list", "--address", url], env=_ray_env("not-the-token"),
-                                 capture_output=True, text=True, timeout=60)
-        assert refused.returncode != 0, refused.stdout
 
 
 def test_a_taken_dashboard_agent_port_is_explained(tmp_path):
