@@ -264,20 +264,24 @@ def test_process_gang_ranks_take_no_more_threads_than_the_driver():
 
 
 _ORPHAN_DRIVER = """
-import os, signal, time
+import os, signal, sys, time
 from raysys.cluster.rank import die_with_parent, rank_process_context
 
 
-def child():
+def child(ready):
     die_with_parent()
+    ready.set()
     time.sleep(120)
 
 
 if __name__ == "__main__":
-    proc = rank_process_context().Process(target=child, daemon=True)  # as ProcessGang and the test harness start ranks
+    ctx = rank_process_context()
+    ready = ctx.Event()
+    proc = ctx.Process(target=child, args=(ready,), daemon=True)  # as ProcessGang and the test harness start ranks
     proc.start()
     print(proc.pid, flush=True)
-    time.sleep(3)  # the child has called die_with_parent by now
+    if not ready.wait(60):  # the child has called die_with_parent
+        sys.exit("the child did not start")
     os.kill(os.getpid(), signal.SIGKILL)  # no cleanup runs: daemon children would outlive it
 """
 
