@@ -203,13 +203,13 @@ def test_run_sweep_survives_dead_actor_and_hang_then_resumes(ray_cluster, tmp_pa
     # The trials that end by themselves get a generous limit (a loaded 2-core host once took over 20 s for a fresh
     # gang's first all-reduce), the hang a short one of its own, in a second call that resumes the file. The
     # process-group timeout is far longer than anything these sweeps should wait for.
-    group_timeout_s = 300
+    group_timeout_s, hang_timeout_s = 300, 2
     stamps = [pd.Timestamp.now(tz="UTC")]
     first = run_sweep("toy", trials[:3], _toy_trial, 2, tmp_path, device="cpu", trial_timeout_s=120,
                       timeout_s=group_timeout_s)
     stamps.append(pd.Timestamp.now(tz="UTC"))
-    hung = run_sweep("toy", trials[3:], _toy_trial, 2, tmp_path, device="cpu", resume=True, trial_timeout_s=5,
-                     timeout_s=group_timeout_s, show=False)
+    hung = run_sweep("toy", trials[3:], _toy_trial, 2, tmp_path, device="cpu", resume=True,
+                     trial_timeout_s=hang_timeout_s, timeout_s=group_timeout_s, show=False)
     stamps.append(pd.Timestamp.now(tz="UTC"))
     df = pd.concat([first, hung], ignore_index=True)
     assert list(df["status"]) == ["ok", "error", "ok", "timeout"]  # a fresh gang ran trial 2 after the death
@@ -220,10 +220,10 @@ def test_run_sweep_survives_dead_actor_and_hang_then_resumes(ray_cluster, tmp_pa
     for calls_rows in ([stamps[0], *ends[:3], stamps[1]], [stamps[1], ends[3], stamps[2]]):
         gaps = [(b - a).total_seconds() for a, b in zip(calls_rows, calls_rows[1:])]
         assert max(gaps) < group_timeout_s, gaps
-    assert (ends[3] - stamps[1]).total_seconds() >= 5 - 1  # the hang ended at its trial timeout (whole seconds)
+    assert (ends[3] - stamps[1]).total_seconds() >= hang_timeout_s - 1  # the hang ended at its timeout (whole seconds)
     assert list(df.loc[df["status"] == "ok", "total"]) == [3.0, 3.0]
     assert "ActorDied" in df["error"][1] or "RayActorError" in df["error"][1], df["error"][1]
-    assert "still running after 5 s" in df["error"][3]
+    assert f"still running after {hang_timeout_s} s" in df["error"][3]
     on_disk = read_results(tmp_path / "toy.parquet")
     assert list(on_disk["status"]) == list(df["status"])
     assert {"world_size", "launcher", "device", "gpu_visibility", "backend"} <= set(on_disk.columns)
