@@ -19,6 +19,7 @@ written), 1 if a study failed, else 0.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import shlex
 import shutil
@@ -424,6 +425,23 @@ def install_wheels(wheels: str) -> None:
                     ".site", *map(str, sorted(Path(wheels).glob("*.whl")))], stderr=subprocess.DEVNULL)
 
 
+def gpu_driver_present() -> bool:
+    """Whether this host may have a GPU torch counts: the CUDA driver library loads (or a ROCm device node exists).
+    Without either, torch.cuda.device_count() is 0; asking it costs a torch import (seconds to tens of seconds)."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return Path("/dev/kfd").exists()
+
+
+def gpu_count(env: dict[str, str]) -> int:
+    """torch.cuda.device_count() in a child with the studies' environment (0 if that fails)."""
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"], env=env,
+                           capture_output=True, text=True)
+    return int(probe.stdout.strip()) if probe.returncode == 0 and probe.stdout.strip().isdigit() else 0
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0])
     p.add_argument("phases", nargs="*", help=f"phases to run in order: {', '.join(PHASES)}")
@@ -457,12 +475,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# {name}: {phase.gpus} GPU(s), ~{phase.minutes:g} min")
             run_steps(ctx, phase)
         return 0
-    if wheels:
-        install_wheels(wheels)
     need = max(phase.gpus for phase in phases)
-    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"], env=ctx.env,
-                           capture_output=True, text=True)
-    have = int(probe.stdout.strip()) if probe.returncode == 0 and probe.stdout.strip().isdigit() else 0
+    have = 0
+    if gpu_driver_present():  # else refused without a torch import, and before the wheels are installed
+        if wheels:
+            install_wheels(wheels)
+        have = gpu_count(ctx.env)
     if have < need:
         print(f"{PROG} {' '.join(args.phases)}: needs {need} CUDA GPU(s); this machine has {have}", file=sys.stderr)
         return 2

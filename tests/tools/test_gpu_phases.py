@@ -58,6 +58,18 @@ def test_refused_without_the_gpus_a_phase_needs_before_writing_anything(tmp_path
     assert (REPO / "kernels" / "attention" / "triton" / "tuned.json").read_bytes() == tuned
 
 
+def test_with_a_gpu_driver_torch_counts_the_gpus(tmp_path, monkeypatch, capsys):
+    """Where the driver loads, the count is torch's, asked in a child (above, without one, no child asks)."""
+    monkeypatch.setattr(gpu, "gpu_driver_present", lambda: True)
+    have = torch.cuda.device_count()
+    if have >= 2:
+        assert gpu.gpu_count(gpu.study_env(None)) == have
+        return
+    assert gpu.main(["--out", str(tmp_path / "out"), "--results", str(tmp_path / "results"), "lb2"]) == 2
+    assert capsys.readouterr().err == f"tools.gpu lb2: needs 2 CUDA GPU(s); this machine has {have}\n"
+    assert not (tmp_path / "out").exists() and not (tmp_path / "results").exists()
+
+
 def planned(tmp_path, name: str) -> list[gpu.Study]:
     ctx = gpu.Context(tmp_path / "out", tmp_path / "results", gpu.study_env(None), dry=True)
     gpu.run_steps(ctx, gpu.PHASES[name])
