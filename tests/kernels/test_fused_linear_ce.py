@@ -24,9 +24,9 @@ CASES = [
     ((1, 16), 257, torch.float32, None),       # one token
     ((37, 48), 1, torch.float32, None),        # vocab 1: loss and gradients exactly 0
     ((37, 16), 257, torch.float32, 10),        # 4 chunks, the last of 7 rows
-    ((129, 48), 1000, torch.float32, 64),      # 129 = 2 x 64 + 1
+    ((65, 48), 600, torch.float32, 32),        # 65 = 2 x 32 + 1; 600 = 9 x 64 + 24, the interpreter's vocab tile
     ((2, 19, 16), 257, torch.float32, 8),      # 3-D hidden, chunks across the batch boundary
-    ((129, 16), 1000, torch.float16, 50),
+    ((65, 16), 600, torch.float16, 25),
     ((37, 48), 257, torch.float16, None),
 ]
 
@@ -146,7 +146,7 @@ class ShapeRecorder(TorchDispatchMode):
 
 @on_interpreter
 def test_no_tokens_by_vocab_tensor_exists():
-    num_tokens, vocab, dim, chunk = 129, 257, 48, 16
+    num_tokens, vocab, dim, chunk = 65, 257, 48, 16
     hidden, weight, targets = _inputs((num_tokens, dim), vocab, torch.float32)
     hidden.requires_grad_()
     weight.requires_grad_()
