@@ -26,8 +26,6 @@ import pandas as pd
 
 
 from parallel.collectives import OPS, aggregate, benchmark_collective
-from raysys.cluster.sweep import check_gang, cluster_nodes, run_sweep
-from raysys.cluster.gang import gang_device
 from raysys.cluster.rank import check_rank_env
 from raysys.measure.timing import MAX_STEPS
 from sweeps.common import (NOT_ON_CPU, check_int, check_timeout, list_flag, main_entry, on_cpu,
@@ -358,6 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
+    # Here, not at the top: the ranks import this module for `collective_trial` and need no Ray (a second a rank).
+    from raysys.cluster.gang import gang_device
+    from raysys.cluster.sweep import check_gang, cluster_nodes, run_sweep
+
     args = build_parser().parse_args(argv)
     name = args.sweep_name
     if args.report_only:
