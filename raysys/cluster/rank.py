@@ -283,9 +283,10 @@ def check_local_cpu_ranks(world_size: int) -> None:
                                   f"{CPU_RANKS_PER_CORE} per CPU), {RANK_PROCESS_BYTES // 2**20} MiB each)")
 
 
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
-"""What the forkserver imports once, so that each rank process it forks starts with it. Only installed packages: the
-server imports them with its own sys.path (Python 3.11's forkserver does not take the driver's)."""
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "pandas")
+"""What the forkserver imports once, so that each rank process it forks starts with it (pandas: every study's trial
+module imports it, half a second a rank). Only installed packages: the server imports them with its own sys.path
+(Python 3.11's forkserver does not take the driver's)."""
 
 
 def rank_process_context(device_type: str = "cpu"):
