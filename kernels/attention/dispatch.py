@@ -31,6 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from kernels.attention.checks import as_4d, tma_layout_ok, unsupported_reason
 from kernels.attention.gluon.backward import GluonBwdConfig
 from kernels.attention.gluon.forward import GluonConfig
+from kernels.attention.tuned_file import COMMITTED_TUNED_PATH, TUNED_CONFIGS_PATH, TUNED_ENV  # noqa: F401
 from kernels.device import INTERPRET, capability, device_name, l2_cache_bytes
 
 # ----------------------------------------------------------------------------------------------------------
@@ -42,8 +43,6 @@ BWD_ENV = "RAYSYS_FLASH_BWD"
 """auto (default), two_pass or one_pass: the backward `flash_attention` and the custom ops take."""
 AUTOTUNE_ENV = "RAYSYS_FLASH_AUTOTUNE"
 """0 (or false, no, off): the tl kernels take the first valid config without benchmarking; else they autotune."""
-TUNED_ENV = "RAYSYS_FLASH_TUNED"
-"""A tuned file to read instead of the committed one (read at import)."""
 COMPILE_ENV = "RAYSYS_FLASH_COMPILE"
 """auto (default: on CUDA only), 1 or 0: whether the PyTorch reference's backward runs through torch.compile."""
 
@@ -54,12 +53,6 @@ GLUON = "gluon"
 auto path backward."""
 BWD_MODES = ("two_pass", "one_pass")
 
-COMMITTED_TUNED_PATH = Path(__file__).parent / "triton" / "tuned.json"
-TUNED_CONFIGS_PATH = Path(os.environ.get(TUNED_ENV) or COMMITTED_TUNED_PATH)
-"""The tuned file the kernels read: `RAYSYS_FLASH_TUNED` when set (at import), else the committed one."""
-if not TUNED_CONFIGS_PATH.is_file() and os.environ.get(TUNED_ENV):  # a typo must not mean "untuned"
-    raise ValueError(f"{TUNED_ENV} ({TUNED_CONFIGS_PATH}) names no file; unset it to read the committed "
-                     f"{COMMITTED_TUNED_PATH.name}")
 
 
 def requested_path(path: str | None) -> str:
