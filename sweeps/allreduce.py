@@ -358,6 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     # Here, not at the top: the ranks import this module for `collective_trial` and need no Ray (a second a rank).
     from raysys.cluster.gang import gang_device
+    from raysys.cluster.mp_gang import local_device
+    from raysys.cluster.rank import local_cpus
     from raysys.cluster.sweep import check_gang, cluster_nodes, run_sweep
 
     args = build_parser().parse_args(argv)
@@ -385,13 +387,15 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     out = output_dir(args, name)
     settings = {"warmup": args.warmup, **({"iters": args.iters} if args.iters is not None else {})}
     with open_writer(out, name, args, expect=settings) as writer:  # a file to resume: these settings (before Ray)
-        start_ray(args)
-        device = gang_device(args.device)
+        on_ray = "ray" in launchers  # plain-process gangs only: no Ray started, this machine's device and CPUs
+        if on_ray:
+            start_ray(args)
+        device = gang_device(args.device) if on_ray else local_device(args.device)
         defaults = DEFAULTS[device]
         writer.check_resume({"iters": args.iters or defaults["iters"]})
         sizes = explicit_sizes or [parse_size(s) for s in parse_list(defaults["sizes"], "sizes")]
         world_sizes = world_sizes or parse_ints(defaults["world_sizes"], "world-sizes", 2)
-        max_node_cpus = max(n.num_cpus for n in cluster_nodes())
+        max_node_cpus = max(n.num_cpus for n in cluster_nodes()) if on_ray else local_cpus()
         for world_size in world_sizes:
             # gloo ranks mostly wait on sockets: on CPU up to two ranks may share a core (4 ranks on 2 cores).
             cpus_per_rank = 1.0 if device == "cuda" else max(0.5, min(1.0, max_node_cpus / world_size))
