@@ -425,14 +425,19 @@ def install_wheels(wheels: str) -> None:
                     ".site", *map(str, sorted(Path(wheels).glob("*.whl")))], stderr=subprocess.DEVNULL)
 
 
+DRIVER_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd")
+"""Paths of which one exists where a GPU driver runs (NVIDIA's device nodes and proc entry, ROCm's node)."""
+
+
 def gpu_driver_present() -> bool:
-    """Whether this host may have a GPU torch counts: the CUDA driver library loads (or a ROCm device node exists).
-    Without either, torch.cuda.device_count() is 0; asking it costs a torch import (seconds to tens of seconds)."""
+    """Whether this host may have a GPU torch counts: the CUDA driver library loads or a driver's node exists
+    (DRIVER_NODES). Without either, torch.cuda.device_count() is 0; asking it costs a torch import (seconds to tens of
+    seconds)."""
     try:
         ctypes.CDLL("libcuda.so.1")
         return True
     except OSError:
-        return Path("/dev/kfd").exists()
+        return any(Path(node).exists() for node in DRIVER_NODES)
 
 
 def gpu_count(env: dict[str, str]) -> int:

@@ -70,6 +70,18 @@ def test_with_a_gpu_driver_torch_counts_the_gpus(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "out").exists() and not (tmp_path / "results").exists()
 
 
+def test_a_driver_is_its_library_or_one_of_its_nodes(tmp_path, monkeypatch):
+    """Where libcuda does not load (a container may lack it), a driver's device node still counts as a driver."""
+    def no_library(name):
+        raise OSError(f"{name}: cannot open shared object file")
+    monkeypatch.setattr(gpu.ctypes, "CDLL", no_library)
+    node = tmp_path / "nvidiactl"
+    monkeypatch.setattr(gpu, "DRIVER_NODES", (str(tmp_path / "kfd"), str(node)))
+    assert not gpu.gpu_driver_present()
+    node.touch()
+    assert gpu.gpu_driver_present()
+
+
 def planned(tmp_path, name: str) -> list[gpu.Study]:
     ctx = gpu.Context(tmp_path / "out", tmp_path / "results", gpu.study_env(None), dry=True)
     gpu.run_steps(ctx, gpu.PHASES[name])
