@@ -114,8 +114,8 @@ chosen by these ratios where every row of a head dim and dtype has one against a
 (docs/studies.md says why)."""
 PAIRED_CI_KEY = "paired_speedup_kernel_ci_rel"
 """The relative half-width of PAIRED_KEY's median (95%). A paired winner goes to the tuned file only where its
-(geometric-mean) ratio beats 1 by more than its rows' mean half-width: a config not surely faster than what the launcher
-takes leaves the card on that."""
+(geometric-mean) ratio beats 1 by more than its rows' mean half-width: a config not surely faster than what the
+launcher takes leaves the card on that."""
 
 
 def variant_of(cfg, path: str) -> str:
@@ -518,8 +518,8 @@ def _gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dic
     one-pass backward's 3-slot ring does not fit at d 128, 6 of its 9 configs do). Where every row of a head dim and
     dtype was paired against one reference per shape (--paired-rounds, PAIRED_KEY), the winners are those with the
     highest (geometric-mean) ratio against it, and only where it beats the reference (PAIRED_CI_KEY); the entries
-    then also carry it (`geomean_vs_reference`, `vs_reference`). The forward's sweep-wide winner is ranked over the shapes beyond PERSISTENT_GRID's length
-    (`_tuned_entry_shapes`)."""
+    then also carry it (`geomean_vs_reference`, `vs_reference`). The forward's sweep-wide winner is ranked over the
+    shapes beyond PERSISTENT_GRID's length (`_tuned_entry_shapes`)."""
     ok = df[(df["status"] == "ok") & (df.get("path", pd.Series(index=df.index, dtype=object)) == "gluon")].copy()
     errors = df[(df["status"] == "error") & df.get("variant", pd.Series(index=df.index, dtype=object)).isin(
         GLUON_VARIANTS) & df.get("error", pd.Series("", index=df.index)).fillna("").str.startswith(UNFIT_ERRORS)]
@@ -640,9 +640,8 @@ def _best_entries(sel: pd.DataFrame, keys: list[str], tags: dict, min_configs: i
 def _beats_reference(full: pd.DataFrame, keys: list[str], best, log_rel: float) -> bool:
     """Whether the paired winner `best` (its mean `log_rel` over `full`'s shapes) is faster than the reference by
     more than the mean PAIRED_CI_KEY of its rows (0 where the rows have none)."""
-    rows = full[full[keys].apply(tuple, axis=1) == (best if isinstance(best, tuple) else (best,))]
-    ci = float(rows[PAIRED_CI_KEY].mean()) if PAIRED_CI_KEY in rows and rows[PAIRED_CI_KEY].notna().any() else 0.0
-    return -log_rel > math.log1p(ci)
+    ci = full.groupby(keys)[PAIRED_CI_KEY].mean()[best] if PAIRED_CI_KEY in full else float("nan")
+    return -log_rel > math.log1p(0.0 if pd.isna(ci) else float(ci))
 
 
 def json_note(df: pd.DataFrame) -> str:
@@ -685,17 +684,17 @@ def write_tuned(df: pd.DataFrame, tuned: dict[str, list[dict]], json_path: Path,
     gluon_note = old.get("gluon_note")
     old_gluon = extra.get("gluon", {})
     gluon = {kind: entries for kind, entries in (gluon or {}).items() if entries}  # (no winner: nothing to say)
-    kept_kinds = sorted(set(old_gluon) - set(gluon or {}))
+    kept_kinds = sorted(set(old_gluon) - set(gluon))
     if gluon:
         # A kind this run swept: its entries replace the previous file's of the same card, head dim and dtype
         # (entries that name no card count as one card); the others stay.
         group = lambda e: (e.get("device"), e.get("head_dim"), e.get("dtype"))  # noqa: E731
-        other_cards = {kind: [e for e in old_gluon.get(kind, []) if group(e) not in {group(new) for new in entries}]
+        kept_groups = {kind: [e for e in old_gluon.get(kind, []) if group(e) not in set(map(group, entries))]
                        for kind, entries in gluon.items()}
-        kept_kinds += sorted(kind for kind, entries in other_cards.items() if entries and kind not in kept_kinds)
+        kept_kinds += sorted(kind for kind, entries in kept_groups.items() if entries and kind not in kept_kinds)
         gluon_note = note + (f"; {', '.join(kept_kinds)} kept from the previous file: {old.get('gluon_note', '')}"
                              if kept_kinds else "")
-        extra["gluon"] = {**old_gluon, **{kind: gluon[kind] + other_cards[kind] for kind in gluon}}
+        extra["gluon"] = {**old_gluon, **{kind: gluon[kind] + kept_groups[kind] for kind in gluon}}
     if json_path.exists():
         from kernels.attention.triton.tuning import load_tuned_configs
 
