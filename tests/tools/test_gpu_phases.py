@@ -70,6 +70,17 @@ def test_with_a_gpu_driver_torch_counts_the_gpus(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "out").exists() and not (tmp_path / "results").exists()
 
 
+def test_without_a_driver_neither_torch_is_asked_nor_wheels_installed(tmp_path, monkeypatch, capsys):
+    def never(*args):
+        raise AssertionError("asked without a driver")
+    monkeypatch.setattr(gpu, "gpu_driver_present", lambda: False)
+    monkeypatch.setattr(gpu, "gpu_count", never)
+    monkeypatch.setattr(gpu, "install_wheels", never)
+    monkeypatch.setenv("WHEELS", str(tmp_path))
+    assert gpu.main(["--out", str(tmp_path / "out"), "--results", str(tmp_path / "results"), "alone"]) == 2
+    assert capsys.readouterr().err == "tools.gpu alone: needs 1 CUDA GPU(s); this machine has 0\n"
+
+
 def test_a_driver_is_its_library_or_one_of_its_nodes(tmp_path, monkeypatch):
     """Where libcuda does not load (a container may lack it), a driver's device node still counts as a driver."""
     def no_library(name):
