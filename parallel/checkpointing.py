@@ -357,8 +357,8 @@ class OffloadStore:
     def __init__(self, policy: Offload):
         self.policy = policy
         self.stats = OffloadStats()
-        self._groups: dict[int, list[weakref.ref]] = {}  # group -> its host copies (weak: the graph owns them)
-        self._order: list[int] = []
+        self._groups: dict[int, list[weakref.ref]] = {}  # group -> its host copies (weak: the graph owns them),
+        # in the order the groups' forwards first ran
         self._live: dict[int, _HostCopy] | None = None  # storage ptr -> copy, while a group's forward runs
         self._skip: set[int] = set()
         self._previous: list[weakref.ref] = []  # copies of the last finished group, device storage still held
@@ -373,9 +373,7 @@ class OffloadStore:
         self._live = {}
         # Parameters and buffers live anyway; copying them would only cost bandwidth.
         self._skip = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
-        if group not in self._groups:
-            self._order.append(group)
-        self._groups[group] = []
+        self._groups[group] = []  # a dict keeps a re-assigned key in its first place
         self._prefetched.discard(group)
         try:
             with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, group), self._unpack):
@@ -425,9 +423,10 @@ class OffloadStore:
         self.stats.unpacked_tensors += 1
         if self.policy.prefetch and packed.group not in self._prefetched:
             self._prefetched.add(packed.group)
-            pos = self._order.index(packed.group)
+            order = list(self._groups)
+            pos = order.index(packed.group)
             if pos > 0:
-                self._prefetch(self._order[pos - 1])
+                self._prefetch(order[pos - 1])
         copy = packed.copy
         if copy.device.type == "cpu":
             base = copy.host
@@ -488,13 +487,11 @@ class CheckpointHandle:
 
     def describe(self) -> list[str]:
         """One line per block: its mechanism (and segment)."""
-        lines = []
-        for r in self.regions:
-            for i in range(r.start, r.stop):
-                grouped = r.kind in ("full", "nested") and r.stop - r.start > 1
-                seg = f" (segment {r.start}-{r.stop - 1})" if grouped else ""
-                lines.append(f"block {i}: {r.kind}{seg}")
-        return lines
+        def segment(r: Region) -> str:
+            grouped = r.kind in ("full", "nested") and r.stop - r.start > 1
+            return f" (segment {r.start}-{r.stop - 1})" if grouped else ""
+
+        return [f"block {i}: {r.kind}{segment(r)}" for r in self.regions for i in range(r.start, r.stop)]
 
 
 def apply_activation_checkpointing(model: nn.Module, policy: Policy) -> CheckpointHandle:

@@ -210,13 +210,12 @@ def grid(study: str, device: torch.device, quick: bool, dtype: str, warmup: int,
         specs = policies or ["none", "selective", "nested", "sqrt"] + [f"full:{k}" for k in ks]
         fused = [] if policies else [dict(base, policy="selective", attention=fused_core)]
         return [dict(base, policy=s) for s in specs] + fused
+    base = dict(common, **({} if tiny else dict(size="medium", batch_size=1)))
     if study == "context":
         contexts = (32, 64, 128) if tiny else (2048, 4096, 8192)
-        base = dict(common, **({} if tiny else dict(size="medium", batch_size=1)))
         return [dict(base, context_length=c, policy=p) for c in contexts for p in ("none", "selective", "full")] + \
             [dict(base, context_length=c, policy="selective", attention=fused_core) for c in contexts]
     contexts = (64,) if tiny else (1024, 2048)  # 24 blocks x ~1 GiB of pinned host memory at 2048
-    base = dict(common, **({} if tiny else dict(size="medium", batch_size=1)))
     offload = "offload:0" if tiny else "offload"  # tiny tensors are below the default 64 KiB threshold
     return [dict(base, context_length=c, policy=p) for c in contexts for p in ("none", "full", offload)]
 

@@ -221,8 +221,7 @@ def advise(config: ModelConfig, batch_size: int, gpu_memory_bytes: int, dtype: s
         # ties: fewer blocks over the host link (pinned memory, copies sharing the link), then the lower peak
         _, overhead, _, layers, peak, flops = min(fitting, key=lambda c: (round(c[1], 6), c[3].count("offload"),
                                                                           c[2]))
-        reason = _why(w, layers, peak, usable, cost)
-        return _plan(w, layers, True, peak, usable, overhead, flops, reason)
+        return _plan(w, layers, True, peak, usable, overhead, flops, _why(w, layers, peak, usable, cost))
     nested = ("nested",) * n
     overhead, peak, flops = _score(w, nested, cost)
     smallest = min(candidates, key=lambda c: (c[2], c[1]))

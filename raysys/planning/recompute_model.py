@@ -348,7 +348,7 @@ def block_backward_excess(w: Workload, kind: str) -> int:
     d, f = c.d_model, c.d_ff
     BSf, BHSS = B * S * f, B * c.num_heads * S * S
     grad_cast = 2 if w.amp else 0  # low-precision weight gradient before its fp32 cast
-    gb = _grad_bytes(w)
+    gb = w.e if w.shards > 1 else w.pb  # a full weight's gradient as backward makes it (FSDP: the compute dtype)
     ffn = 2 * e * BSf + d * f * (gb + grad_cast)
     if w.lean and kind == "none":  # the recomputed gated product, ln2's output and one more (B, S, d_ff) gradient
         ffn += 2 * e * BSf + e * B * S * d  # (Inductor's CPU backward of a tiny model measures within 1%)
@@ -379,11 +379,6 @@ def attention_backward_bytes(w: Workload) -> int:
     elif c.attention in ("cudnn", "sdpa") and w.device_type == "cuda":  # FlashAttention-2's dQ accumulator
         workspace += 4 * BSd
     return 4 * w.e * BSd + workspace
-
-
-def _grad_bytes(w: Workload) -> int:
-    """Bytes per element of a full weight's gradient as backward makes it (the compute dtype under FSDP)."""
-    return w.e if w.shards > 1 else w.pb
 
 
 def head_backward_excess(w: Workload) -> int:
