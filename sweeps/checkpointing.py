@@ -234,8 +234,7 @@ def neighbours_of_best(df: pd.DataFrame, num_layers: int) -> list[int]:
 def run_local(trials: list[dict], writer: ResultWriter) -> None:
     """Run trials one after another in this process (the CPU fallback)."""
     for config in trials:
-        tid = trial_id(config)
-        if writer.done(tid):
+        if writer.done(trial_id(config)):
             continue
         try:
             row = make_row(SWEEP, config, run_trial(config), device=config["device"])
