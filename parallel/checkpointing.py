@@ -92,7 +92,8 @@ class FullCheckpoint(Policy):
     every_k: int = 1
     """Blocks per segment (the last segment may be shorter)."""
 
-    kind, arg = "full", "every_k"
+    kind = "full"
+    arg = "every_k"
 
     def __post_init__(self):
         _positive_int("every_k", self.every_k)
@@ -114,7 +115,8 @@ class NestedCheckpoint(Policy):
     leaf_size: int = 1
     """Blocks run without a further checkpoint at the bottom of the recursion."""
 
-    kind, arg = "nested", "leaf_size"
+    kind = "nested"
+    arg = "leaf_size"
 
     def __post_init__(self):
         _positive_int("leaf_size", self.leaf_size)
@@ -151,7 +153,8 @@ class Offload(Policy):
     prefetch: bool = True
     """On the first unpack of a block, start copying the previous offloaded block back."""
 
-    kind, arg = "offload", "min_bytes"
+    kind = "offload"
+    arg = "min_bytes"
 
     def __post_init__(self):
         if self.min_bytes < 0:
@@ -357,8 +360,8 @@ class OffloadStore:
     def __init__(self, policy: Offload):
         self.policy = policy
         self.stats = OffloadStats()
-        self._groups: dict[int, list[weakref.ref]] = {}  # group -> its host copies (weak: the graph owns them),
-        # in the order the groups' forwards first ran
+        # group -> its host copies (weak: the graph owns them), in the order the groups' forwards first ran
+        self._groups: dict[int, list[weakref.ref]] = {}
         self._live: dict[int, _HostCopy] | None = None  # storage ptr -> copy, while a group's forward runs
         self._skip: set[int] = set()
         self._previous: list[weakref.ref] = []  # copies of the last finished group, device storage still held

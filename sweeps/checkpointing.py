@@ -368,9 +368,9 @@ def summarize(df: pd.DataFrame) -> str:
             moved = 2 * row.saved_per_block_none_bytes  # out in forward, back in backward
             breakeven = moved / max(recompute_s, 1e-9) / 1e9
             lines.append(f"- offload S={row.context_length}: link {row.h2d_GBps:.1f} GB/s h2d / "
-                         f"{row.d2h_GBps:.1f} GB/s d2h; per block: recompute {1e3 * recompute_s:.1f} ms, offload {1e3 * offload_s:.1f} ms "
-                         f"extra; moving {moved / GiB:.2f} GiB per block breaks even with recomputation at "
-                         f"{breakeven:.0f} GB/s")
+                         f"{row.d2h_GBps:.1f} GB/s d2h; per block: recompute {1e3 * recompute_s:.1f} ms, "
+                         f"offload {1e3 * offload_s:.1f} ms extra; moving {moved / GiB:.2f} GiB per block breaks "
+                         f"even with recomputation at {breakeven:.0f} GB/s")
 
     oom = df[(df.status == "oom") & df.predicted_peak_bytes.notna()] if "predicted_peak_bytes" in df else df.iloc[0:0]
     if not oom.empty:

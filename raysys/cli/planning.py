@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
 from parallel.planner import H200_BF16_FLOPS, H200_NVLINK_BYTES_PER_S, FFNProblem, bandwidth_from_results, plan_tables
 from raysys.model.config import SIZES, ModelConfig
 from raysys.planning.advisor import DEFAULT_TFLOPS, KINDS, advise, parse_bytes
@@ -74,7 +75,8 @@ def run_advise(args: argparse.Namespace) -> int:
 def build_plan_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """Add the `plan` flags to `parser` (a subcommand parser) or to a new one."""
     parser = parser or argparse.ArgumentParser(prog="raysys plan", description="parallelism planner (handout 8)")
-    parser.add_argument("--size", choices=sorted(SIZES), default="xl", help="named model size for D and D_FF (default xl)")
+    parser.add_argument("--size", choices=sorted(SIZES), default="xl",
+                        help="named model size for D and D_FF (default xl)")
     parser.add_argument("--d-model", type=int, default=None, help="D (overrides --size)")
     parser.add_argument("--d-ff", type=int, default=None, help="D_FF (overrides --size)")
     parser.add_argument("--batch", type=int, default=8192, help="B: tokens in the global batch (default 8192)")
