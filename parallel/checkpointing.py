@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import math
 import weakref
 from dataclasses import dataclass
@@ -54,18 +55,27 @@ class Region:
     policy: "Policy"
 
 
+def _positive_int(name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} ({value!r}) must be a positive integer")
+    return value
+
+
 class Policy:
     """Base class. `regions(num_layers)` cuts the blocks into `Region`s, in order, covering every block once."""
 
-    def regions(self, num_layers: int) -> list[Region]:
-        return [Region(self.kind, i, i + 1, self) for i in range(_check_num_layers(num_layers))]
-
     kind = "none"
+    arg: str | None = None
+    """The field that `parse_policy`'s `kind:ARG` sets; `spec` shows it when it differs from its default."""
+
+    def regions(self, num_layers: int) -> list[Region]:
+        return [Region(self.kind, i, i + 1, self) for i in range(_positive_int("num_layers", num_layers))]
 
     @property
     def spec(self) -> str:
         """Canonical string form, parsed back by `parse_policy`."""
-        return self.kind
+        value = getattr(self, self.arg) if self.arg else None
+        return self.kind if value is None or value == getattr(type(self), self.arg) else f"{self.kind}:{value}"
 
 
 @dataclass(frozen=True)
@@ -83,23 +93,19 @@ class FullCheckpoint(Policy):
     """Blocks per segment (the last segment may be shorter)."""
 
     kind = "full"
+    arg = "every_k"
 
     def __post_init__(self):
-        if not isinstance(self.every_k, int) or isinstance(self.every_k, bool) or self.every_k < 1:
-            raise ValueError(f"every_k ({self.every_k!r}) must be a positive integer")
+        _positive_int("every_k", self.every_k)
 
     @classmethod
     def sqrt(cls, num_layers: int) -> "FullCheckpoint":
         """k = round(sqrt(N)): N/k checkpoints + k live blocks is smallest there (Chen et al. 2016)."""
-        return cls(max(1, round(math.sqrt(_check_num_layers(num_layers)))))
+        return cls(max(1, round(math.sqrt(_positive_int("num_layers", num_layers)))))
 
     def regions(self, num_layers: int) -> list[Region]:
-        n = _check_num_layers(num_layers)
+        n = _positive_int("num_layers", num_layers)
         return [Region("full", s, min(s + self.every_k, n), self) for s in range(0, n, self.every_k)]
-
-    @property
-    def spec(self) -> str:
-        return "full" if self.every_k == 1 else f"full:{self.every_k}"
 
 
 @dataclass(frozen=True)
@@ -110,17 +116,13 @@ class NestedCheckpoint(Policy):
     """Blocks run without a further checkpoint at the bottom of the recursion."""
 
     kind = "nested"
+    arg = "leaf_size"
 
     def __post_init__(self):
-        if not isinstance(self.leaf_size, int) or isinstance(self.leaf_size, bool) or self.leaf_size < 1:
-            raise ValueError(f"leaf_size ({self.leaf_size!r}) must be a positive integer")
+        _positive_int("leaf_size", self.leaf_size)
 
     def regions(self, num_layers: int) -> list[Region]:
-        return [Region("nested", 0, _check_num_layers(num_layers), self)]
-
-    @property
-    def spec(self) -> str:
-        return "nested" if self.leaf_size == 1 else f"nested:{self.leaf_size}"
+        return [Region("nested", 0, _positive_int("num_layers", num_layers), self)]
 
 
 @dataclass(frozen=True)
@@ -152,14 +154,11 @@ class Offload(Policy):
     """On the first unpack of a block, start copying the previous offloaded block back."""
 
     kind = "offload"
+    arg = "min_bytes"
 
     def __post_init__(self):
         if self.min_bytes < 0:
             raise ValueError(f"min_bytes ({self.min_bytes}) must be >= 0")
-
-    @property
-    def spec(self) -> str:
-        return "offload" if self.min_bytes == Offload.min_bytes else f"offload:{self.min_bytes}"
 
 
 @dataclass(frozen=True)
@@ -177,7 +176,7 @@ class PerLayer(Policy):
                 raise ValueError(f"PerLayer entry {i} ({p!r}) must be a non-PerLayer Policy")
 
     def regions(self, num_layers: int) -> list[Region]:
-        n = _check_num_layers(num_layers)
+        n = _positive_int("num_layers", num_layers)
         if len(self.layers) != n:
             raise ValueError(f"PerLayer has {len(self.layers)} entries but the model has {n} blocks")
         out, i = [], 0
@@ -194,19 +193,11 @@ class PerLayer(Policy):
 
     @property
     def spec(self) -> str:
-        runs: list[list] = []
-        for p in self.layers:
-            if runs and runs[-1][0] == p:
-                runs[-1][1] += 1
-            else:
-                runs.append([p, 1])
-        return "+".join(f"{p.spec}*{count}" for p, count in runs)
+        return "+".join(f"{p.spec}*{len(list(run))}" for p, run in itertools.groupby(self.layers))
 
 
-def _check_num_layers(num_layers: int) -> int:
-    if not isinstance(num_layers, int) or num_layers < 1:
-        raise ValueError(f"num_layers ({num_layers!r}) must be a positive integer")
-    return num_layers
+_NAMED = {p.kind: p for p in (NoCheckpoint, SelectiveCheckpoint, FfnCheckpoint, Offload, FullCheckpoint,
+                              NestedCheckpoint)}
 
 
 def parse_policy(spec: str, num_layers: int) -> Policy:
@@ -224,19 +215,13 @@ def parse_policy(spec: str, num_layers: int) -> Policy:
     name, _, arg = spec.partition(":")
     if arg and not arg.isdigit():
         raise ValueError(f"policy argument in {spec!r} must be a positive integer")
-    simple = {"none": NoCheckpoint, "selective": SelectiveCheckpoint, "ffn": FfnCheckpoint, "offload": Offload}
-    if name in simple and not arg:
-        return simple[name]()
-    if name == "offload":
-        return Offload(min_bytes=int(arg))
-    if name == "full":
-        return FullCheckpoint(int(arg) if arg else 1)
     if name == "sqrt" and not arg:
         return FullCheckpoint.sqrt(num_layers)
-    if name == "nested":
-        return NestedCheckpoint(int(arg) if arg else 1)
-    raise ValueError(f"unknown checkpoint policy {spec!r}; expected none, selective, ffn, offload[:MIN_BYTES], "
-                     f"full[:K], sqrt, nested[:LEAF] or NAME*COUNT+...")
+    cls = _NAMED.get(name)
+    if cls is None or (arg and cls.arg is None):
+        raise ValueError(f"unknown checkpoint policy {spec!r}; expected none, selective, ffn, offload[:MIN_BYTES], "
+                         f"full[:K], sqrt, nested[:LEAF] or NAME*COUNT+...")
+    return cls(**{cls.arg: int(arg)}) if arg else cls()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -256,7 +241,7 @@ class _SegmentForward:
         self.last_output: weakref.ref | None = None
 
     def _run(self, lo: int, hi: int, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if self.nested_leaf is not None and hi - lo > self.nested_leaf:
+        if self.nested_leaf is not None and hi - lo > self.nested_leaf and torch.is_grad_enabled():
             mid = (lo + hi) // 2
             x = checkpoint(self._run, lo, mid, x, *args, use_reentrant=False, **kwargs)
             return checkpoint(self._run, mid, hi, x, *args, use_reentrant=False, **kwargs)
@@ -265,11 +250,8 @@ class _SegmentForward:
         return x
 
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if not torch.is_grad_enabled():  # nothing is saved without autograd: run the plain blocks
-            out = x
-            for block in self.blocks:
-                out = class_forward(block, out, *args, **kwargs)
-        elif self.nested_leaf is not None:  # the top level itself is not wrapped: its input is x anyway
+        # without autograd nothing is saved: the plain blocks; nested: the top level is not wrapped (its input is x)
+        if self.nested_leaf is not None or not torch.is_grad_enabled():
             out = self._run(0, len(self.blocks), x, *args, **kwargs)
         else:
             out = checkpoint(self._run, 0, len(self.blocks), x, *args, use_reentrant=False, **kwargs)
@@ -295,30 +277,19 @@ def _selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SELECTIVE_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-class _SelectiveAttentionForward:
-    """Forward of an attention module under selective activation checkpointing (projections cached)."""
+class _Checkpointed:
+    """`fn(module, ...)` under its own checkpoint: selective keeps the attention's projections (`_SELECTIVE_SAVE_OPS`),
+    otherwise only the inputs (the ffn branch keeps h)."""
 
-    def __init__(self, attn: nn.Module):
-        self.attn = attn
+    def __init__(self, module: nn.Module, fn, selective: bool = False):
+        self.module, self.fn, self.selective = module, fn, selective
 
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
-            return class_forward(self.attn, *args, **kwargs)
-        context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
-        return checkpoint(class_forward, self.attn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
-
-
-class _FfnBranchForward:
-    """`ffn_branch` of a block under its own checkpoint: only the branch input h is kept for backward."""
-
-    def __init__(self, block: nn.Module):
-        self.block = block
-
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        branch = type(self.block).ffn_branch
-        if not torch.is_grad_enabled():
-            return branch(self.block, h)
-        return checkpoint(branch, self.block, h, use_reentrant=False)
+            return self.fn(self.module, *args, **kwargs)
+        if self.selective:
+            kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+        return checkpoint(self.fn, self.module, *args, use_reentrant=False, **kwargs)
 
 
 class OffloadForward:
@@ -389,8 +360,8 @@ class OffloadStore:
     def __init__(self, policy: Offload):
         self.policy = policy
         self.stats = OffloadStats()
-        self._groups: dict[int, list[weakref.ref]] = {}  # group -> its host copies (weak: the graph owns them)
-        self._order: list[int] = []
+        # group -> its host copies (weak: the graph owns them), in the order the groups' forwards first ran
+        self._groups: dict[int, list[weakref.ref]] = {}
         self._live: dict[int, _HostCopy] | None = None  # storage ptr -> copy, while a group's forward runs
         self._skip: set[int] = set()
         self._previous: list[weakref.ref] = []  # copies of the last finished group, device storage still held
@@ -405,9 +376,7 @@ class OffloadStore:
         self._live = {}
         # Parameters and buffers live anyway; copying them would only cost bandwidth.
         self._skip = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
-        if group not in self._groups:
-            self._order.append(group)
-        self._groups[group] = []
+        self._groups[group] = []  # a dict keeps a re-assigned key in its first place
         self._prefetched.discard(group)
         try:
             with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, group), self._unpack):
@@ -457,9 +426,10 @@ class OffloadStore:
         self.stats.unpacked_tensors += 1
         if self.policy.prefetch and packed.group not in self._prefetched:
             self._prefetched.add(packed.group)
-            pos = self._order.index(packed.group)
+            order = list(self._groups)
+            pos = order.index(packed.group)
             if pos > 0:
-                self._prefetch(self._order[pos - 1])
+                self._prefetch(order[pos - 1])
         copy = packed.copy
         if copy.device.type == "cpu":
             base = copy.host
@@ -520,13 +490,11 @@ class CheckpointHandle:
 
     def describe(self) -> list[str]:
         """One line per block: its mechanism (and segment)."""
-        lines = []
-        for r in self.regions:
-            for i in range(r.start, r.stop):
-                grouped = r.kind in ("full", "nested") and r.stop - r.start > 1
-                seg = f" (segment {r.start}-{r.stop - 1})" if grouped else ""
-                lines.append(f"block {i}: {r.kind}{seg}")
-        return lines
+        def segment(r: Region) -> str:
+            grouped = r.kind in ("full", "nested") and r.stop - r.start > 1
+            return f" (segment {r.start}-{r.stop - 1})" if grouped else ""
+
+        return [f"block {i}: {r.kind}{segment(r)}" for r in self.regions for i in range(r.start, r.stop)]
 
 
 def apply_activation_checkpointing(model: nn.Module, policy: Policy) -> CheckpointHandle:
@@ -558,13 +526,13 @@ def apply_activation_checkpointing(model: nn.Module, policy: Policy) -> Checkpoi
             if attn.attention in r.policy.fused_backends:
                 handle.notes.append(f"block {r.start}: selective is a no-op with the fused {attn.attention!r} backend")
                 continue
-            _install(handle, attn, _SelectiveAttentionForward(attn))
+            _install(handle, attn, _Checkpointed(attn, class_forward, selective=True))
         elif r.kind == "ffn":
             for i in range(r.start, r.stop):
                 if not callable(getattr(blocks[i], "ffn_branch", None)):
                     raise ValueError(f"block {i} ({type(blocks[i]).__name__}) has no `ffn_branch(h)` method to "
                                      "checkpoint")
-                _install(handle, blocks[i], _FfnBranchForward(blocks[i]), attr="ffn_branch")
+                _install(handle, blocks[i], _Checkpointed(blocks[i], type(blocks[i]).ffn_branch), attr="ffn_branch")
         elif r.kind == "offload":
             if r.policy not in stores:
                 stores[r.policy] = OffloadStore(r.policy)

@@ -5,8 +5,8 @@ y = (f(x W1) * (x W2)) W3 with x: (B, D), W1, W2: (D, D_FF), W3: (D_FF, D), b by
 `ring_*_time` are the ring collectives' times; `dp_cost`, `fsdp_cost`, `tp_cost` and `fsdp_tp_cost` each pass's
 communication against its compute (exact ring factors; a pass is compute-bound while communication <= compute, the
 two overlapping); `max_devices` and `best_fsdp_tp` the largest compute-bound device counts, `fsdp_tp_continuous` the
-closed form; `bandwidth_from_results` reads W from the collectives benchmark. `run_plan` / `plan_main` print the
-tables (`raysys plan`). The formulas and their derivation: docs/parallel.md.
+closed form; `bandwidth_from_results` reads W from the collectives benchmark; `plan_tables` renders the tables
+(`python -m raysys plan`, raysys/cli/planning.py). The formulas and their derivation: docs/parallel.md.
 """
 
 from __future__ import annotations
@@ -43,8 +43,7 @@ def ring_all_gather_time(size_bytes: float, n: int, bandwidth: float) -> float:
 
 def ring_reduce_scatter_time(size_bytes: float, n: int, bandwidth: float) -> float:
     """(N-1)/N * S/W: like the all-gather, adding partial sums before forwarding."""
-    _check_collective(size_bytes, n, bandwidth)
-    return (n - 1) / n * size_bytes / bandwidth
+    return ring_all_gather_time(size_bytes, n, bandwidth)
 
 
 def ring_all_reduce_time(size_bytes: float, n: int, bandwidth: float) -> float:
@@ -59,6 +58,12 @@ def alternate_all_reduce_time(size_bytes: float, n: int, bandwidth: float) -> fl
 
 
 # ---------------------------------------------------------------------------------------------- problem
+def _check_n(**counts: int) -> None:
+    for name, n in counts.items():
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"{name} ({n!r}) must be a positive integer")
+
+
 @dataclass(frozen=True, kw_only=True)
 class FFNProblem:
     """One FFN layer on identical devices (handout section 8)."""
@@ -77,10 +82,7 @@ class FFNProblem:
     """b: bytes per weight / activation / gradient element (2 = fp16/bf16)."""
 
     def __post_init__(self) -> None:
-        for name in ("batch", "d_model", "d_ff"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} ({value!r}) must be a positive integer")
+        _check_n(batch=self.batch, d_model=self.d_model, d_ff=self.d_ff)
         for name in ("flops", "bandwidth", "bytes_per_element"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} ({getattr(self, name)!r}) must be positive")
@@ -135,49 +137,42 @@ class StrategyCost:
         return self.n_tp * self.n_fsdp
 
 
-def _check_n(**counts: int) -> None:
-    for name, n in counts.items():
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"{name} ({n!r}) must be a positive integer")
+def _strategy(name: str, p: FFNProblem, n_tp: int, n_fsdp: int, fwd_comm_s: float, bwd_comm_s: float
+              ) -> StrategyCost:
+    """Forward does the 3 matmuls, backward twice as many, both split evenly over the n_tp * n_fsdp devices."""
+    n = n_tp * n_fsdp
+    return StrategyCost(name, n_tp, n_fsdp, PassCost(3 * p.matmul_flops() / n, fwd_comm_s, p.flops),
+                        PassCost(6 * p.matmul_flops() / n, bwd_comm_s, p.flops))
 
 
 def dp_cost(p: FFNProblem, n_dp: int) -> StrategyCost:
     """Batch sharded n_dp ways; backward all-reduces the three weight gradients."""
     _check_n(n_dp=n_dp)
-    fwd = PassCost(3 * p.matmul_flops() / n_dp, 0.0, p.flops)
-    bwd = PassCost(6 * p.matmul_flops() / n_dp, ring_all_reduce_time(p.weight_bytes, n_dp, p.bandwidth), p.flops)
-    return StrategyCost("DP", 1, n_dp, fwd, bwd)
+    return _strategy("DP", p, 1, n_dp, 0.0, ring_all_reduce_time(p.weight_bytes, n_dp, p.bandwidth))
 
 
 def fsdp_cost(p: FFNProblem, n_fsdp: int) -> StrategyCost:
     """DP compute; weights all-gathered in both passes, gradients reduce-scattered in backward."""
     _check_n(n_fsdp=n_fsdp)
     gather = ring_all_gather_time(p.weight_bytes, n_fsdp, p.bandwidth)
-    scatter = ring_reduce_scatter_time(p.weight_bytes, n_fsdp, p.bandwidth)
-    fwd = PassCost(3 * p.matmul_flops() / n_fsdp, gather, p.flops)
-    bwd = PassCost(6 * p.matmul_flops() / n_fsdp, gather + scatter, p.flops)
-    return StrategyCost("FSDP", 1, n_fsdp, fwd, bwd)
+    return _strategy("FSDP", p, 1, n_fsdp, gather, 2 * gather)  # a reduce-scatter takes an all-gather's time
 
 
 def tp_cost(p: FFNProblem, n_tp: int) -> StrategyCost:
     """W1, W2 column- and W3 row-parallel; forward all-reduces y, backward all-reduces dx (both (B, D))."""
     _check_n(n_tp=n_tp)
     reduce = ring_all_reduce_time(p.activation_bytes, n_tp, p.bandwidth)
-    return StrategyCost("TP", n_tp, 1, PassCost(3 * p.matmul_flops() / n_tp, reduce, p.flops),
-                        PassCost(6 * p.matmul_flops() / n_tp, reduce, p.flops))
+    return _strategy("TP", p, n_tp, 1, reduce, reduce)
 
 
 def fsdp_tp_cost(p: FFNProblem, n_tp: int, n_fsdp: int, *, overlap: bool = True) -> StrategyCost:
     """2D: FSDP collectives on TP-sharded weights, TP all-reduces on FSDP-sharded activations (handout 8.5)."""
     _check_n(n_tp=n_tp, n_fsdp=n_fsdp)
-    n = n_tp * n_fsdp
     gather = ring_all_gather_time(p.weight_bytes / n_tp, n_fsdp, p.bandwidth)
-    scatter = ring_reduce_scatter_time(p.weight_bytes / n_tp, n_fsdp, p.bandwidth)
     reduce = ring_all_reduce_time(p.activation_bytes / n_fsdp, n_tp, p.bandwidth)
     combine = max if overlap else (lambda a, b: a + b)
-    return StrategyCost("FSDP+TP" + ("" if overlap else " (shared links)"), n_tp, n_fsdp,
-                        PassCost(3 * p.matmul_flops() / n, combine(gather, reduce), p.flops),
-                        PassCost(6 * p.matmul_flops() / n, combine(gather + scatter, reduce), p.flops))
+    return _strategy("FSDP+TP" + ("" if overlap else " (shared links)"), p, n_tp, n_fsdp, combine(gather, reduce),
+                     combine(2 * gather, reduce))  # backward: the all-gather and a reduce-scatter of equal time
 
 
 # ---------------------------------------------------------------------------------------------- limits

@@ -15,6 +15,7 @@ or no GPU, runs tiny models on the CPU. Grids and targets: docs/studies.md.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import statistics
 import sys
@@ -24,19 +25,19 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-
 from parallel.checkpointing import apply_activation_checkpointing, parse_policy
 from raysys.measure import memory
-from raysys.model.config import SIZES, ModelConfig
 from raysys.measure.device import DTYPES, autocast, free_memory, resolve_device
+from raysys.measure.timing import MAX_STEPS, PhaseTimer
+from raysys.model.config import SIZES, ModelConfig
 from raysys.model.transformer import AdamW, TransformerLM, cross_entropy, get_attention
 from raysys.planning.recompute_model import (GiB, Workload, cpu_allocation_trace, predict_peak, saved_per_block,
-                                    static_bytes, step_flops)
-from raysys.results.records import ResultWriter, error_row, make_row, trial_id
+                                             static_bytes, step_flops)
 from raysys.results.files import write_text
-from raysys.measure.timing import MAX_STEPS, PhaseTimer
+from raysys.results.records import ResultWriter, error_row, make_row, trial_id
 from sweeps.common import (NOT_ON_CPU, PROGRESS, check_int, list_flag, main_entry, on_cpu, open_writer,
-                           output_dir, parse_ints, parse_list, pyplot, read_rows, save_figure, start_ray, study_parser)
+                           output_dir, parse_ints, parse_list, print_written, pyplot, read_rows, save_figure, start_ray,
+                           study_parser)
 
 SWEEP = "checkpointing"
 STUDIES = ("segments", "context", "offload")
@@ -93,12 +94,6 @@ class Trial:
         return ModelConfig.from_name(self.size, **overrides)
 
 
-def segment_k(spec: str, num_layers: int) -> int | None:
-    """k of a single-level full-checkpoint policy (sqrt resolved), else None."""
-    policy = parse_policy(spec, num_layers)
-    return getattr(policy, "every_k", None) if policy.kind == "full" else None
-
-
 # ---------------------------------------------------------------------------------------------------- trial
 def run_trial(config: dict) -> dict:
     """Measure one `Trial` (given as a dict); returns its metrics. Raises on failure (OOM included)."""
@@ -150,7 +145,7 @@ def run_trial(config: dict) -> dict:
     flops = step_flops(w, handle.regions)
     summary = timer.summary()
     metrics = {
-        "num_layers": mc.num_layers, "segment_k": float(segment_k(t.policy, mc.num_layers) or "nan"),
+        "num_layers": mc.num_layers, "segment_k": float(getattr(handle.policy, "every_k", "nan")),  # sqrt resolved
         "policy_kind": handle.policy.kind,
         "step_mean_s": summary["step_mean_s"], "step_std_s": summary["step_std_s"],
         "forward_mean_s": summary["forward_mean_s"], "backward_mean_s": summary["backward_mean_s"],
@@ -166,11 +161,11 @@ def run_trial(config: dict) -> dict:
         "recompute_fraction": flops["recompute"] / (flops["forward"] + flops["backward"]),
         "notes": "; ".join(handle.notes[:1]),
     }
-    if handle.stores and device.type == "cpu":
-        metrics["notes"] = "CPU: the offload store is host memory too, so the measured peak is not a device peak"
     if handle.stores:
-        stats = handle.stores[0].stats
-        metrics.update(offloaded_bytes_per_step=stats.offloaded_bytes / (t.warmup + t.steps + (device.type == "cpu")),
+        if device.type == "cpu":
+            metrics["notes"] = "CPU: the offload store is host memory too, so the measured peak is not a device peak"
+        offloaded = handle.stores[0].stats.offloaded_bytes
+        metrics.update(offloaded_bytes_per_step=offloaded / (t.warmup + t.steps + (device.type == "cpu")),
                        **link_bandwidth(device))
     del model, optimizer, handle
     return metrics
@@ -209,21 +204,18 @@ def grid(study: str, device: torch.device, quick: bool, dtype: str, warmup: int,
     if tiny:
         common.update(size="tiny", num_layers=8 if study == "segments" else 4, batch_size=2, warmup=1, steps=2)
     if study == "segments":
-        base = dict(common, **({} if tiny else dict(size="xl", context_length=2048, batch_size=4)))
-        if tiny:
-            base["context_length"] = 64
+        base = dict(common, **(dict(context_length=64) if tiny else dict(size="xl", context_length=2048, batch_size=4)))
         n = base.get("num_layers") or SIZES[base["size"]]["num_layers"]
         ks = ks or [2**i for i in range(int(math.log2(n)) + 1)] + ([n] if n & (n - 1) else [])
         specs = policies or ["none", "selective", "nested", "sqrt"] + [f"full:{k}" for k in ks]
         fused = [] if policies else [dict(base, policy="selective", attention=fused_core)]
         return [dict(base, policy=s) for s in specs] + fused
+    base = dict(common, **({} if tiny else dict(size="medium", batch_size=1)))
     if study == "context":
         contexts = (32, 64, 128) if tiny else (2048, 4096, 8192)
-        base = dict(common, **({} if tiny else dict(size="medium", batch_size=1)))
         return [dict(base, context_length=c, policy=p) for c in contexts for p in ("none", "selective", "full")] + \
             [dict(base, context_length=c, policy="selective", attention=fused_core) for c in contexts]
     contexts = (64,) if tiny else (1024, 2048)  # 24 blocks x ~1 GiB of pinned host memory at 2048
-    base = dict(common, **({} if tiny else dict(size="medium", batch_size=1)))
     offload = "offload:0" if tiny else "offload"  # tiny tensors are below the default 64 KiB threshold
     return [dict(base, context_length=c, policy=p) for c in contexts for p in ("none", "full", offload)]
 
@@ -242,8 +234,7 @@ def neighbours_of_best(df: pd.DataFrame, num_layers: int) -> list[int]:
 def run_local(trials: list[dict], writer: ResultWriter) -> None:
     """Run trials one after another in this process (the CPU fallback)."""
     for config in trials:
-        tid = trial_id(config)
-        if writer.done(tid):
+        if writer.done(trial_id(config)):
             continue
         try:
             row = make_row(SWEEP, config, run_trial(config), device=config["device"])
@@ -259,29 +250,23 @@ def run_tune(trials: list[dict], writer: ResultWriter, gpus: float) -> None:
     from ray import tune
 
     from raysys.cluster.sweep import tune_run
+    # The trainable goes by reference (module sweeps.checkpointing), not by value from __main__.
+    from sweeps.checkpointing import run_trial as trainable
 
     groups: dict[tuple, list[dict]] = {}
     for t in trials:
         groups.setdefault((tuple(sorted(t)), t.get("attention")), []).append(t)
-    if len(groups) > 1:
-        for group in groups.values():
-            run_tune(group, writer, gpus)
-        return
-    keys = sorted({k for t in trials for k in t})
-    varying = [k for k in keys if len({repr(t.get(k)) for t in trials}) > 1]
-    axes = [len({repr(t[k]) for t in trials}) for k in varying]
-    if len(varying) > 2 or math.prod(axes) != len(trials):
-        raise ValueError(f"trials must form a full grid of at most two axes; they vary in {varying}")
-    space = {k: trials[0][k] for k in keys if k not in varying}
-    space.update({k: tune.grid_search(list(dict.fromkeys(t[k] for t in trials))) for k in varying})
-    resources = {"cpu": 1, "gpu": gpus} if gpus else {"cpu": 1}
-    # The trainable goes by reference (module sweeps.checkpointing), not by value from __main__.
-    from sweeps.checkpointing import run_trial as trainable
-
-    tune_run(trainable, space, sweep=SWEEP, resources=resources, writer=writer, show=False)
-    for row in writer.rows:
-        if any(all(row.get(k) == t[k] for k in t) for t in trials):
-            _log(row)
+    for group in groups.values():
+        values = {k: list(dict.fromkeys(t[k] for t in group)) for k in sorted(group[0])}
+        varying = [k for k, v in values.items() if len(v) > 1]
+        if len(varying) > 2 or math.prod(len(values[k]) for k in varying) != len(group):
+            raise ValueError(f"trials must form a full grid of at most two axes; they vary in {varying}")
+        space = {k: tune.grid_search(v) if k in varying else v[0] for k, v in values.items()}
+        tune_run(trainable, space, sweep=SWEEP, resources={"cpu": 1, "gpu": gpus} if gpus else {"cpu": 1},
+                 writer=writer, show=False)
+        for row in writer.rows:
+            if any(all(row.get(k) == t[k] for k in t) for t in group):
+                _log(row)
 
 
 def _log(row: dict) -> None:
@@ -383,10 +368,9 @@ def summarize(df: pd.DataFrame) -> str:
             moved = 2 * row.saved_per_block_none_bytes  # out in forward, back in backward
             breakeven = moved / max(recompute_s, 1e-9) / 1e9
             lines.append(f"- offload S={row.context_length}: link {row.h2d_GBps:.1f} GB/s h2d / "
-                         f"{row.d2h_GBps:.1f} GB/s "
-                         f"d2h; per block: recompute {1e3 * recompute_s:.1f} ms, offload {1e3 * offload_s:.1f} ms "
-                         f"extra; moving {moved / GiB:.2f} GiB per block breaks even with recomputation at "
-                         f"{breakeven:.0f} GB/s")
+                         f"{row.d2h_GBps:.1f} GB/s d2h; per block: recompute {1e3 * recompute_s:.1f} ms, "
+                         f"offload {1e3 * offload_s:.1f} ms extra; moving {moved / GiB:.2f} GiB per block breaks "
+                         f"even with recomputation at {breakeven:.0f} GB/s")
 
     oom = df[(df.status == "oom") & df.predicted_peak_bytes.notna()] if "predicted_peak_bytes" in df else df.iloc[0:0]
     if not oom.empty:
@@ -411,8 +395,8 @@ def plot(df: pd.DataFrame, out: Path) -> list[Path]:
     seg = _segment_rows(df)
     if not seg.empty:
         ok = seg[seg.status == "ok"]
-        small = seg.predicted_peak_bytes.max() < GiB  # the CPU grid: MiB, not 0.01 GiB
-        unit, mem_scale = ("MiB", 2**20) if small else ("GiB", GiB)
+        unit, mem_scale = ("MiB", 2**20) if seg.predicted_peak_bytes.max() < GiB else ("GiB", GiB)  # CPU grid: MiB
+        first = seg.iloc[0]
         for metric, label, name in (("peak_bytes", f"peak memory ({unit})", "memory"),
                                     ("step_mean_s", "step time (s)", "time")):
             fig, ax = plt.subplots(figsize=(6, 3.6))
@@ -423,10 +407,8 @@ def plot(df: pd.DataFrame, out: Path) -> list[Path]:
                 for r in seg[seg.status == "oom"].itertuples():
                     ax.annotate("OOM", (r.segment_k, r.predicted_peak_bytes * scale), fontsize=8)
             ax.set_xscale("log", base=2)
-            ax.set_xlabel("blocks per checkpointed segment (k)")
-            ax.set_ylabel(label)
-            first = seg.iloc[0]
-            ax.set_title(f"{first['size']}, batch {first.batch_size}, context {first.context_length}")
+            ax.set(xlabel="blocks per checkpointed segment (k)", ylabel=label,
+                   title=f"{first['size']}, batch {first.batch_size}, context {first.context_length}")
             ax.grid(alpha=0.3)
             ax.legend()
             paths.append(save_figure(fig, out / "plots" / f"checkpointing_k_{name}.png"))
@@ -444,8 +426,7 @@ def plot(df: pd.DataFrame, out: Path) -> list[Path]:
             axes[1].plot(okg.context_length, okg.step_mean_s, "o-", color=color, label=policy)
         for ax, label in zip(axes, (f"peak memory ({unit})", "step time (s)")):
             ax.set_xscale("log", base=2)
-            ax.set_xlabel("context length")
-            ax.set_ylabel(label)
+            ax.set(xlabel="context length", ylabel=label)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
         paths.append(save_figure(fig, out / "plots" / "checkpointing_context.png"))
@@ -454,10 +435,9 @@ def plot(df: pd.DataFrame, out: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(6, 3.6))
         table = off.pivot_table(index="context_length", columns="policy", values="step_mean_s")
         table.plot.bar(ax=ax, rot=0)
-        ax.set_xlabel("context length")
-        ax.set_ylabel("step time (s)")
         link = off.h2d_GBps.dropna()
-        ax.set_title("offload vs recompute" + (f" (h2d {link.median():.0f} GB/s)" if len(link) else ""))
+        ax.set(xlabel="context length", ylabel="step time (s)",
+               title="offload vs recompute" + (f" (h2d {link.median():.0f} GB/s)" if len(link) else ""))
         ax.grid(alpha=0.3, axis="y")
         paths.append(save_figure(fig, out / "plots" / "checkpointing_offload.png"))
     return paths
@@ -484,8 +464,7 @@ def build_parser():
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     args = build_parser().parse_args(argv)
     if args.report_only:
-        out = output_dir(args, SWEEP)
-        return report(with_predictions(read_rows(args, SWEEP)), out, out / f"{SWEEP}.parquet")
+        return report(with_predictions(read_rows(args, SWEEP)), output_dir(args, SWEEP))
     device = resolve_device(args.device)
     studies = parse_list(args.studies, "studies", STUDIES)
     dtypes = parse_list(args.dtypes, "dtypes", tuple(DTYPES))
@@ -496,9 +475,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     check_int("--warmup", args.warmup, 0, MAX_STEPS)
     check_int("--steps", args.steps, 1, MAX_STEPS)
     grids = {study: grid(study, device, args.quick, dtype, args.warmup, args.steps, ks) for study in studies}
-    for trials in grids.values():
-        for t in trials:
-            Trial(**t)  # every trial is valid before any GPU time is spent
+    for t in itertools.chain.from_iterable(grids.values()):
+        Trial(**t)  # every trial is valid before any GPU time is spent
     launcher = args.launcher if args.launcher != "auto" else ("ray" if device.type == "cuda" else "local")
     out = output_dir(args, SWEEP)
     with open_writer(out, SWEEP, args) as writer:
@@ -522,16 +500,13 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                     PROGRESS.plan(len(more))
                     run(more)
         df = with_predictions(writer.frame())
-    return report(df, out, writer.path)
+    return report(df, out)
 
 
-def report(df: pd.DataFrame, out: Path, parquet: Path) -> pd.DataFrame:
+def report(df: pd.DataFrame, out: Path) -> pd.DataFrame:
     """Write checkpointing.md and the plots; print the tables and what was written."""
-    text = summarize(df)
-    md = write_text(out / f"{SWEEP}.md", text)
-    paths = plot(df, out) if not df.empty else []
-    print(text)
-    print(f"wrote {parquet}, {md}" + "".join(f", {p}" for p in paths))
+    md = write_text(out / f"{SWEEP}.md", summarize(df))
+    print_written(out, SWEEP, md, *(plot(df, out) if not df.empty else []))
     return df
 
 

@@ -281,7 +281,7 @@ def _metrics(args) -> int:
 def _add_plan(p: argparse.ArgumentParser) -> None:
     from raysys.cli.planning import build_plan_parser
 
-    build_plan_parser(p, sizes=SIZES)
+    build_plan_parser(p)
 
 
 def _plan(args) -> int:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Mapping
 
 from parallel.planner import H200_BF16_FLOPS, H200_NVLINK_BYTES_PER_S, FFNProblem, bandwidth_from_results, plan_tables
 from raysys.model.config import SIZES, ModelConfig
@@ -54,16 +53,13 @@ def build_advise_parser(parser: argparse.ArgumentParser | None = None) -> argpar
 
 
 def run_advise(args: argparse.Namespace) -> int:
-    overrides = {"attention": args.attention}
-    if args.context_length is not None:
-        overrides["context_length"] = args.context_length
-    if args.vocab_size is not None:
-        overrides["vocab_size"] = args.vocab_size
+    overrides = {k: v for k, v in (("context_length", args.context_length), ("vocab_size", args.vocab_size))
+                 if v is not None}
     from raysys.model.transformer import attention_backends
 
     if args.attention not in attention_backends():
         raise ValueError(f"attention {args.attention!r} is not one of {attention_backends()}")
-    config = ModelConfig.from_name(args.size, **overrides)
+    config = ModelConfig.from_name(args.size, attention=args.attention, **overrides)
     host = parse_bytes(args.host_memory) if args.host_memory else None
     dtype = args.dtype or args.param_dtype
     if args.shards < 1:
@@ -76,15 +72,11 @@ def run_advise(args: argparse.Namespace) -> int:
     return 0 if plan.fits else 1
 
 
-def build_plan_parser(parser: argparse.ArgumentParser | None = None,
-                      sizes: Mapping[str, Mapping[str, int]] | None = None) -> argparse.ArgumentParser:
-    """Add the `plan` flags to `parser` (a subcommand parser) or to a new one. `sizes` (name -> {d_model, d_ff,
-    ...}, e.g. raysys.model.config.SIZES, which `parallel/` may not import itself) enables `--size`."""
+def build_plan_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Add the `plan` flags to `parser` (a subcommand parser) or to a new one."""
     parser = parser or argparse.ArgumentParser(prog="raysys plan", description="parallelism planner (handout 8)")
-    if sizes:
-        parser.add_argument("--size", choices=sorted(sizes), default="xl" if "xl" in sizes else None,
-                            help="named model size for D and D_FF (default xl)")
-    parser.set_defaults(_plan_sizes=dict(sizes or {}))
+    parser.add_argument("--size", choices=sorted(SIZES), default="xl",
+                        help="named model size for D and D_FF (default xl)")
     parser.add_argument("--d-model", type=int, default=None, help="D (overrides --size)")
     parser.add_argument("--d-ff", type=int, default=None, help="D_FF (overrides --size)")
     parser.add_argument("--batch", type=int, default=8192, help="B: tokens in the global batch (default 8192)")
@@ -103,8 +95,7 @@ def build_plan_parser(parser: argparse.ArgumentParser | None = None,
 
 def run_plan(args: argparse.Namespace) -> int:
     """Print (and optionally write) the plan tables for the parsed `plan` arguments."""
-    sizes = getattr(args, "_plan_sizes", {})
-    size = sizes.get(getattr(args, "size", None) or "", {})
+    size = SIZES[args.size]
     d_model, d_ff = args.d_model or size.get("d_model"), args.d_ff or size.get("d_ff")
     if d_model is None or d_ff is None:
         raise ValueError("give --d-model and --d-ff (or --size)")

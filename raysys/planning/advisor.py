@@ -1,13 +1,9 @@
 """Activation-checkpointing advisor: the cheapest per-layer recompute plan that fits a memory budget.
 
-`advise(config, batch_size, gpu_memory_bytes, dtype, ...)` scores per-layer plans (how many blocks full, offload,
-ffn, selective or kept) with `raysys.planning.recompute_model`: predicted peak memory and predicted overhead
-(recomputed FLOPs at the achieved FLOP/s plus transfer time not hidden behind compute, over the step time). It
-returns the `Plan` with the least overhead whose peak fits the usable memory (ties: fewer offloaded blocks, then
-the lower peak); when no per-layer plan fits, nested checkpointing is tried before saying nothing fits. The
-workload names how the state is held and what the step computes (`param_dtype`, `loss`, `compiled`, `lean`,
-`optimizer`, `shards`), so `raysys.training.leaderboard.LeaderboardStep` asks for the plan of its own composition.
-`python -m raysys advise` is the command (`raysys.cli.planning`); docs/raysys.md has the search in full.
+`advise(config, batch_size, gpu_memory_bytes, dtype, ...)` scores per-layer plans (blocks full, offload, ffn,
+selective or kept) with `raysys.planning.recompute_model` and returns the `Plan` with the least predicted overhead
+whose predicted peak fits (nested checkpointing when no per-layer plan does). `python -m raysys advise` is the command
+(`raysys.cli.planning`); docs/raysys.md has the search in full.
 """
 
 from __future__ import annotations
@@ -16,8 +12,7 @@ import functools
 import re
 from dataclasses import dataclass
 
-from parallel.checkpointing import (FfnCheckpoint, FullCheckpoint, NestedCheckpoint, NoCheckpoint, Offload, PerLayer,
-                                    Policy, SelectiveCheckpoint)
+from parallel.checkpointing import PerLayer, Policy, parse_policy
 from raysys.model.config import ModelConfig
 from raysys.planning.recompute_model import (PRECISIONS, GiB, PeakEstimate, Workload, block_flops, fmt_bytes,
                                              predict_peak, saved_per_block, static_bytes, step_flops)
@@ -71,12 +66,8 @@ class Plan:
 
     def format(self) -> str:
         w, c = self.workload, self.workload.config
-        runs: list[list] = []
-        for i, kind in enumerate(self.layers):
-            if runs and runs[-1][0] == kind:
-                runs[-1][2] = i
-            else:
-                runs.append([kind, i, i])
+        n = len(self.layers)
+        starts = [i for i in range(n) if i == 0 or self.layers[i] != self.layers[i - 1]]
         state = (f"{w.param_dtype} weights" + (f" sharded over {w.shards} ranks" if w.shards > 1 else "")
                  + (", autocast" if w.amp else ""))
         lines = [f"{c.name} ({c.num_layers} layers, d_model {c.d_model}), batch {w.batch_size} x {w.S} tokens, "
@@ -84,7 +75,7 @@ class Plan:
                  + (" in backward" if w.optimizer_in_backward else "")
                  + (", lean compiled blocks" if w.lean else ", compiled pieces" if w.compiled else ""),
                  "per-layer policy:"]
-        lines += [f"  blocks {lo:>3}-{hi:<3} {kind}" for kind, lo, hi in runs]
+        lines += [f"  blocks {lo:>3}-{hi - 1:<3} {self.layers[lo]}" for lo, hi in zip(starts, starts[1:] + [n])]
         lines += [f"policy spec:     {self.spec}",
                   f"predicted peak:  {fmt_bytes(self.predicted_peak_bytes)} of {fmt_bytes(self.usable_bytes)} usable"
                   f" ({'fits' if self.fits else 'DOES NOT FIT'}; peak at {self.where})",
@@ -110,13 +101,9 @@ def parse_bytes(text: str) -> int:
 
 def policy_for(layers: tuple[str, ...]) -> Policy:
     """Per-block kinds -> policy (a single policy when every block has the same kind)."""
-    if set(layers) == {"nested"}:
-        return NestedCheckpoint()
-    make = {"none": NoCheckpoint, "selective": SelectiveCheckpoint, "ffn": FfnCheckpoint, "full": FullCheckpoint,
-            "offload": Offload}
     if len(set(layers)) == 1:
-        return make[layers[0]]()
-    return PerLayer(tuple(make[k]() for k in layers))
+        return parse_policy(layers[0], len(layers))
+    return PerLayer(tuple(parse_policy(k, 1) for k in layers))
 
 
 @dataclass(frozen=True)
@@ -128,14 +115,6 @@ class _Cost:
         return flops / (self.tflops * 1e12)
 
 
-def _single(kind: str, n: int) -> tuple[str, ...]:
-    return (kind,) * n
-
-
-def _layers(order: tuple[str, ...], counts: dict[str, int]) -> tuple[str, ...]:
-    return tuple(k for k in order for _ in range(counts[k]))
-
-
 @functools.lru_cache(maxsize=None)
 def _score(w: Workload, layers: tuple[str, ...], cost: _Cost) -> tuple[float, PeakEstimate, dict]:
     regions = policy_for(layers).regions(w.config.num_layers)
@@ -143,8 +122,7 @@ def _score(w: Workload, layers: tuple[str, ...], cost: _Cost) -> tuple[float, Pe
     flops = step_flops(w, regions)
     base_s = cost.seconds(flops["forward"] + flops["backward"])
     extra_s = cost.seconds(flops["recompute"])
-    n_off = layers.count("offload")
-    if n_off:
+    if "offload" in layers:
         extra_s += _offload_seconds(w, layers, cost)
     return extra_s / base_s, peak, flops
 
@@ -183,8 +161,6 @@ def advise(config: ModelConfig, batch_size: int, gpu_memory_bytes: int, dtype: s
         raise ValueError(f"margin ({margin}) must lie in [0, 1)")
     if dtype not in PRECISIONS:
         raise ValueError(f"dtype {dtype!r} must be one of {PRECISIONS}")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size ({batch_size!r}) must be a positive integer")
     unknown = set(kinds) - set(KINDS)
     if unknown or "none" not in kinds:
         raise ValueError(f"kinds {kinds} must be a subset of {KINDS} containing 'none'")
@@ -201,14 +177,14 @@ def advise(config: ModelConfig, batch_size: int, gpu_memory_bytes: int, dtype: s
     # Overhead is additive per converted block, so for each (n_full, n_offload) only the fewest selective
     # blocks that fit matter: peak memory falls as blocks turn selective, so bisect on n_selective.
     # Offload is skipped when a full block costs less time than an offloaded one (it saves as much memory).
-    one = {k: _score(w, _single(k, n), cost)[0] / n for k in kinds}
+    one = {k: _score(w, (k,) * n, cost)[0] / n for k in kinds}
     offload_useful = "offload" in kinds and ("full" not in kinds or one["offload"] < one["full"])
     candidates: dict[tuple[str, ...], tuple] = {}
 
     def evaluate(counts: dict[str, int]) -> bool:
         fit = False
         for order in (("full", "offload", "ffn", "selective", "none"), ("none", "selective", "ffn", "offload", "full")):
-            layers = _layers(order, counts)
+            layers = tuple(k for k in order for _ in range(counts[k]))
             if layers not in candidates:
                 overhead, peak, flops = _score(w, layers, cost)
                 candidates[layers] = (peak.peak_bytes <= usable, overhead, peak.peak_bytes, layers, peak, flops)
@@ -245,8 +221,7 @@ def advise(config: ModelConfig, batch_size: int, gpu_memory_bytes: int, dtype: s
         # ties: fewer blocks over the host link (pinned memory, copies sharing the link), then the lower peak
         _, overhead, _, layers, peak, flops = min(fitting, key=lambda c: (round(c[1], 6), c[3].count("offload"),
                                                                           c[2]))
-        reason = _why(w, layers, peak, usable, cost)
-        return _plan(w, layers, True, peak, usable, overhead, flops, reason)
+        return _plan(w, layers, True, peak, usable, overhead, flops, _why(w, layers, peak, usable, cost))
     nested = ("nested",) * n
     overhead, peak, flops = _score(w, nested, cost)
     smallest = min(candidates, key=lambda c: (c[2], c[1]))

@@ -1,14 +1,9 @@
 """Cost and memory model of activation checkpointing for `raysys.model.transformer.TransformerLM`.
 
-For a `Workload` (model config, batch B, sequence S, precision, parameter dtype, loss, compiled pieces, optimizer,
-FSDP shards) and a checkpoint policy from `parallel.checkpointing` it computes: the bytes each block saves for
-backward, counted tensor by tensor from the model's code, and what each policy kind keeps of them
-(`saved_per_block`); matmul FLOPs of forward, recomputation and backward (`FlopCounterMode`'s convention: 2 per
-multiply-add, attention on the full S x S square; `block_flops`, `step_flops`); and the peak memory of a training
-step (`predict_peak`): static state plus, at every moment that can be the peak, the gradients so far, the
-activations alive and that moment's largest transient. Precision follows `raysys.training.bench` (`fp32`, or
-bf16 / fp16 autocast over fp32 masters) or pure low precision (`param_dtype`). Its tests hold every formula to the
-bytes `saved_tensors_hooks` and the CPU allocator see. docs/raysys.md has the per-tensor table and the derivations.
+For a `Workload` and the regions of a `parallel.checkpointing` policy: the bytes each block keeps for backward under
+each policy kind (`saved_per_block`), matmul FLOPs of forward, recomputation and backward (`FlopCounterMode`'s
+convention; `block_flops`, `step_flops`) and the peak memory of a training step (`predict_peak`). docs/raysys.md has
+the per-tensor table and the derivations; the tests hold every formula to the bytes the CPU allocator sees.
 """
 
 from __future__ import annotations
@@ -57,26 +52,20 @@ class Workload:
     """materialized: `cross_entropy(model(x), y)` keeps the (B, S, V) logits; fused: `model.loss(x, y)`, the LM
     head and the loss in one op that keeps only the gradients of the hidden states and of the LM-head weight."""
     compiled: bool = False
-    """RMSNorm, RoPE and SwiGLU compiled (`raysys.training.leaderboard.compile_pieces`, pure precision only): a norm
-    keeps its input and rsqrt, SwiGLU its input, w1 x, w3 x and their gated product, RoPE its positions and (once for
-    all blocks) its cos / sin buffers: what Inductor's min-cut partitioner saves, checked on the CPU."""
+    """RMSNorm, RoPE and SwiGLU compiled (`raysys.training.leaderboard.compile_pieces`; pure precision only)."""
     lean: bool = False
-    """With `compiled`: lean blocks (`raysys.training.leaderboard.lean_blocks`): ln1 and ln2 keep only their inputs
-    (their outputs and rsqrt recomputed in backward), attention keeps q, k, v and O (its heads merged as a view), SwiGLU
-    keeps w1 x and w3 x (the gated product recomputed). Checked on the CPU like `compiled`."""
+    """With `compiled`: lean blocks (`raysys.training.leaderboard.lean_blocks`), which recompute the norms' outputs
+    and SwiGLU's gated product and merge attention's heads as a view."""
     optimizer: str = "reference"
     """AdamW's step transient: reference (sqrt(v) of one parameter), foreach (of up to 1 GiB of them), fused (none)."""
     optimizer_in_backward: bool = False
     """Each parameter stepped and its gradient freed as soon as backward writes it
-    (`raysys.training.leaderboard.OptimizerInBackward`): at most one block's (or the head's, or the embedding's)
-    gradients are alive at a time, and there is no step after backward."""
+    (`raysys.training.leaderboard.OptimizerInBackward`); no step after backward."""
     shards: int = 1
-    """Ranks the fp32 weights, gradients and AdamW state are sharded over (FSDP, `parallel/fsdp.py`, computing in
-    `precision` without autocast); 1: every rank holds the whole state."""
+    """Ranks the fp32 weights, gradients and AdamW state are sharded over (FSDP, `parallel/fsdp.py`); 1: none."""
     attention_kernels: str = ""
-    """flash_triton: the kernels its dispatch runs for this step's shape, as `kernels.attention.planned_paths`
-    (and `last_paths`) write them (`gluon, one_pass`, `tma, two_pass`, ...); their backward's workspace differs
-    (`attention_backward_bytes`). '' for the tl two-pass backward, and for every other backend."""
+    """flash_triton: its dispatch's kernels for this shape, as `kernels.attention.planned_paths` writes them
+    (`gluon, one_pass`, `tma, two_pass`, ...); '' for the tl two-pass backward and every other backend."""
 
     def __post_init__(self):
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
@@ -85,17 +74,13 @@ class Workload:
             raise ValueError(f"seq_len ({self.seq_len!r}) must be a positive integer")
         if self.seq_len is not None and self.seq_len > self.config.context_length:
             raise ValueError(f"seq_len ({self.seq_len}) exceeds context_length ({self.config.context_length})")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision {self.precision!r} must be one of {PRECISIONS}")
-        if self.device_type not in ("cuda", "cpu"):
-            raise ValueError(f"device_type {self.device_type!r} must be cuda or cpu")
+        for name, allowed in (("precision", PRECISIONS), ("device_type", ("cuda", "cpu")), ("loss", LOSSES),
+                              ("optimizer", OPTIMIZERS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} {getattr(self, name)!r} must be one of {allowed}")
         if self.param_dtype not in ("fp32", self.precision):
             raise ValueError(f"param_dtype {self.param_dtype!r} must be fp32 (master weights) or the precision "
                              f"{self.precision!r} (pure low precision)")
-        if self.loss not in LOSSES:
-            raise ValueError(f"loss {self.loss!r} must be one of {LOSSES}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer {self.optimizer!r} must be one of {OPTIMIZERS}")
         if not isinstance(self.shards, int) or isinstance(self.shards, bool) or self.shards < 1:
             raise ValueError(f"shards ({self.shards!r}) must be a positive integer")
         if self.shards > 1 and self.param_dtype != "fp32":
@@ -189,13 +174,11 @@ def attention_core_saved(w: Workload) -> int:
     """The part of `block_saved` that selective checkpointing drops (0 for fused backends)."""
     if w.fused:
         return 0
-    c, B, S, e = w.config, w.batch_size, w.S, w.e
-    BSd, BHS, BHSS = B * S * c.d_model, B * c.num_heads * S, B * c.num_heads * S * S
-    rope = _block_saved(w)["rope"]
+    e, BSd = w.e, w.batch_size * w.S * w.config.d_model
     kept = 4 * e * BSd  # q, k, v and output-projection outputs, cached by the selective policy
-    dropped = 4 * e * BSd + S * S + 2 * e * BHSS + w.e_softmax * BHSS + (e + w.e_softmax) * BHS + rope
+    dropped = _block_saved(w)["attention"] + _block_saved(w)["rope"]
     if w.amp:  # the three casts of ln1's output and the four attention weight casts are recomputed,
-        d = c.d_model  # while ln1's fp32 output is kept as the checkpoint's input
+        d = w.config.d_model  # while ln1's fp32 output is kept as the checkpoint's input
         dropped += 3 * e * BSd + 4 * d * d * e
         kept += 4 * BSd
     return dropped - kept
@@ -365,7 +348,7 @@ def block_backward_excess(w: Workload, kind: str) -> int:
     d, f = c.d_model, c.d_ff
     BSf, BHSS = B * S * f, B * c.num_heads * S * S
     grad_cast = 2 if w.amp else 0  # low-precision weight gradient before its fp32 cast
-    gb = _grad_bytes(w)
+    gb = w.e if w.shards > 1 else w.pb  # a full weight's gradient as backward makes it (FSDP: the compute dtype)
     ffn = 2 * e * BSf + d * f * (gb + grad_cast)
     if w.lean and kind == "none":  # the recomputed gated product, ln2's output and one more (B, S, d_ff) gradient
         ffn += 2 * e * BSf + e * B * S * d  # (Inductor's CPU backward of a tiny model measures within 1%)
@@ -380,35 +363,22 @@ def block_backward_excess(w: Workload, kind: str) -> int:
 
 
 def attention_backward_bytes(w: Workload) -> int:
-    """What a fused attention's backward holds while its kernels run, besides the block's residuals: O's gradient
-    (its input), dQ, dK and dV (its outputs, each like its input) and the kernels' own workspace:
-    - flash_triton, by `Workload.attention_kernels` (`kernels.attention.last_paths`' text): the Gluon one-pass
-      backward an fp32 dQ accumulator of q's size and L and D padded to whole query tiles of its config in fp32;
-      the tl one-pass backward D in fp32 and an fp32 dQ accumulator with rows padded to a power of two >= 16; the tl
-      two-pass backward D in fp32;
-    - cudnn on CUDA (FlashAttention-2's algorithm): an fp32 dQ accumulator and the fp32 row sums of dO * O;
-    - sdpa on CUDA (FlashAttention-2's kernels): the same; on the CPU, and flash_pytorch, D in fp32."""
-    c, B, S, e = w.config, w.batch_size, w.S, w.e
+    """What a fused attention's backward holds while its kernels run, besides the block's residuals: dO, dQ, dK, dV
+    and the kernels' fp32 workspace (for flash_triton by `Workload.attention_kernels`); docs/raysys.md lists it."""
+    c, B, S = w.config, w.batch_size, w.S
     BHS, BSd = B * c.num_heads * S, B * S * c.d_model
-    tensors = 4 * e * BSd  # dO in, dQ, dK, dV out
-    backend, kernels = c.attention, w.attention_kernels
-    if backend == "flash_triton":
-        if "gluon bwd" in kernels or (kernels.startswith("gluon,") and kernels.endswith("one_pass")):
-            from kernels.attention.dispatch import gluon_bwd_default
+    workspace = 4 * BHS  # D = rowsum(dO * O) in fp32 (the tl two-pass backward, sdpa on the CPU, flash_pytorch)
+    kernels, triton = w.attention_kernels, c.attention == "flash_triton"
+    if triton and ("gluon bwd" in kernels or (kernels.startswith("gluon,") and kernels.endswith("one_pass"))):
+        from kernels.attention.dispatch import gluon_bwd_default
 
-            block_m = gluon_bwd_default(c.d_head, TORCH_DTYPES[w.precision]).block_m
-            return tensors + 4 * BSd + 2 * 4 * B * c.num_heads * (-(-S // block_m) * block_m)
-        if kernels.endswith("one_pass"):
-            return tensors + 4 * BHS + 4 * BHS * max(16, 1 << (c.d_head - 1).bit_length())
-        return tensors + 4 * BHS
-    if backend in ("cudnn", "sdpa") and w.device_type == "cuda":
-        return tensors + 4 * BSd + 4 * BHS
-    return tensors + 4 * BHS
-
-
-def _grad_bytes(w: Workload) -> int:
-    """Bytes per element of a full weight's gradient as backward makes it (the compute dtype under FSDP)."""
-    return w.e if w.shards > 1 else w.pb
+        block_m = gluon_bwd_default(c.d_head, TORCH_DTYPES[w.precision]).block_m  # dQ; L and D padded to whole tiles
+        workspace = 4 * BSd + 2 * 4 * B * c.num_heads * (-(-S // block_m) * block_m)
+    elif triton and kernels.endswith("one_pass"):  # dQ with rows padded to a power of 2 >= 16
+        workspace += 4 * BHS * max(16, 1 << (c.d_head - 1).bit_length())
+    elif c.attention in ("cudnn", "sdpa") and w.device_type == "cuda":  # FlashAttention-2's dQ accumulator
+        workspace += 4 * BSd
+    return 4 * w.e * BSd + workspace
 
 
 def head_backward_excess(w: Workload) -> int:
@@ -449,7 +419,7 @@ def predict_peak(w: Workload, regions: list[Region]) -> PeakEstimate:
     base = sum(static.values()) + sharding_transient(w)
     block_params = _shard(w, w.pb * (4 * c.d_model ** 2 + 3 * c.d_model * c.d_ff + 2 * c.d_model))
     head_params = _shard(w, w.pb * (c.vocab_size * c.d_model + c.d_model))
-    none = saved_per_block(w, "none")
+    none, x, excess = saved_per_block(w, "none"), w.stream_bytes, block_backward_excess(w, "none")
 
     retained = [_retained(w, r) for r in regions]  # device bytes each region keeps after forward
     last_offload = max((i for i, r in enumerate(regions) if r.kind == "offload"), default=None)
@@ -464,39 +434,41 @@ def predict_peak(w: Workload, regions: list[Region]) -> PeakEstimate:
     if w.optimizer_in_backward:  # the head's gradient is used and freed before the blocks' backward starts;
         grads, block_params = 0, 0  # a block's own gradients live only inside its backward (its excess covers them)
 
+    def rerun(lo: int, hi: int, below: int, kept: int, label: str) -> None:
+        """Backward of blocks hi-1 .. lo, each rematerialised on top of `below` and what blocks lo .. j-1 keep."""
+        nonlocal grads
+        for j in reversed(range(lo, hi)):
+            moments.append((f"block {j} backward{label}", base + grads + below + (j - lo) * kept + none + excess))
+            grads += block_params
+
+    def nested(lo: int, hi: int, leaf: int, live: int) -> None:
+        """Recursive halves: one retained input per level (`live` includes this range's input), leaves rerun."""
+        if hi - lo <= leaf:
+            return rerun(lo, hi, live - x, none, " (nested)")
+        mid = (lo + hi) // 2
+        nested(mid, hi, leaf, live + x)
+        nested(lo, mid, leaf, live)
+
     prefix = [sum(retained[:i]) for i in range(len(regions))]
     for i in reversed(range(len(regions))):
-        r = regions[i]
-        below = prefix[i]
-        if r.kind in ("none", "selective"):
+        r, below = regions[i], prefix[i]
+        if r.kind == "ffn":  # all of the block, its branch rematerialised, on top of the ffn blocks before it
+            rerun(r.start, r.stop, below, saved_per_block(w, "ffn"), " (ffn rerun)")
+        elif r.kind == "full":  # the recomputed segment, x_start among it
+            rerun(r.start, r.stop, below, none, f" (segment {r.start}-{r.stop - 1})")
+        elif r.kind == "nested":
+            nested(r.start, r.stop, r.policy.leaf_size, below + x)
+        elif r.kind == "offload":  # the block fetched back, and the previous offloaded block prefetched
+            earlier = any(q.kind == "offload" for q in regions[:i])
+            live = below + none + (none if r.policy.prefetch and earlier else 0)
+            moments.append((f"block {r.start} backward", base + grads + live + excess))
+            # forward: this block's storages and the previous offloaded block's are both still referenced
+            moments.append((f"block {r.start} forward", base + below + none + (none if earlier else 0)))
+            grads += block_params * (r.stop - r.start)
+        else:  # none, selective
             live = below + saved_per_block(w, r.kind)
             moments.append((f"block {r.start} backward", base + grads + live + block_backward_excess(w, r.kind)))
-        elif r.kind == "ffn":  # blocks one by one, each with its branch rematerialised: all of a kept block
-            for j in reversed(range(r.start, r.stop)):
-                live = below + (j - r.start) * saved_per_block(w, "ffn") + saved_per_block(w, "none")
-                moments.append((f"block {j} backward (ffn rerun)", base + grads + live +
-                                block_backward_excess(w, "none")))
-                grads += block_params
-            continue
-        elif r.kind == "offload":  # the block fetched back, and the previous offloaded block prefetched
-            prev = r.policy.prefetch and any(q.kind == "offload" for q in regions[:i])
-            live = below + none + (none if prev else 0)
-            moments.append((f"block {r.start} backward", base + grads + live + block_backward_excess(w, "none")))
-            # forward: this block's storages and the previous offloaded block's are both still referenced
-            held = none + (none if any(q.kind == "offload" for q in regions[:i]) else 0)
-            moments.append((f"block {r.start} forward", base + below + held))
-        elif r.kind == "full":
-            excess = block_backward_excess(w, "none")
-            for j in reversed(range(r.start, r.stop)):
-                live = below + (j - r.start + 1) * none  # the recomputed segment, x_start among them
-                moments.append((f"block {j} backward (segment {r.start}-{r.stop - 1})",
-                                base + grads + live + excess))
-                grads += block_params
-            continue
-        elif r.kind == "nested":
-            grads = _nested_moments(w, r, below, base, grads, block_params, moments)
-            continue
-        grads += block_params * (r.stop - r.start)
+            grads += block_params * (r.stop - r.start)
     embedding_grad = _shard(w, w.pb * c.vocab_size * c.d_model)
     moments.append(("embedding backward", base + grads + embedding_grad + w.stream_bytes))
     if not w.optimizer_in_backward:
@@ -509,35 +481,9 @@ def _retained(w: Workload, r: Region) -> int:
     n = r.stop - r.start
     if r.kind == "full":
         return w.stream_bytes
-    if r.kind == "nested":
-        return w.stream_bytes * (2 if n > r.policy.leaf_size else 0) + (
-            n * saved_per_block(w, "none") if n <= r.policy.leaf_size else 0)
+    if r.kind == "nested":  # the top range is not wrapped: a single leaf keeps everything
+        return 2 * w.stream_bytes if n > r.policy.leaf_size else n * saved_per_block(w, "none")
     return n * saved_per_block(w, r.kind)
-
-
-def _nested_moments(w, r, below, base, grads, block_params, moments) -> int:
-    """Backward of a recursively halved range: one retained input per level, leaves rematerialised."""
-    none, x = saved_per_block(w, "none"), w.stream_bytes
-    excess = block_backward_excess(w, "none")
-    leaf = r.policy.leaf_size
-
-    def walk(lo: int, hi: int, live: int, grads: int) -> int:  # live includes this range's input
-        if hi - lo <= leaf:
-            for j in reversed(range(lo, hi)):
-                level = live - x + (j - lo + 1) * none
-                moments.append((f"block {j} backward (nested)", base + grads + level + excess))
-                grads += block_params
-            return grads
-        mid = (lo + hi) // 2
-        grads = walk(mid, hi, live + x, grads)
-        return walk(lo, mid, live, grads)
-
-    n = r.stop - r.start
-    if n <= leaf:
-        return walk(r.start, r.stop, below + x, grads)
-    mid = r.start + n // 2
-    grads = walk(mid, r.stop, below + 2 * x, grads)
-    return walk(r.start, mid, below + x, grads)
 
 
 # ------------------------------------------------------------------------------------------------------------
