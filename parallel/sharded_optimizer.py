@@ -1,13 +1,11 @@
 """Optimizer state sharding: each rank keeps optimizer state for ~1/N of the parameters (handout section 6).
 
 `ShardedOptimizer(params, optimizer_cls, process_group=None, **kwargs)` assigns every parameter to one owner rank
-(greedily, largest first, onto the rank with the fewest elements so far) and builds a local `optimizer_cls(**kwargs)`
-over the parameters this rank owns; parameters and gradients stay replicated. `step()` updates the owned parameters,
-then broadcasts each from its owner (async, coalesced per owner into buckets of <= `bucket_size_mb` MiB; only
-parameters with `requires_grad`). Invariant: after `step()` every rank holds identical parameters, equal to what one
-unsharded `optimizer_cls` would produce. `state_dict()` is a collective (every rank calls it) returning the
-consolidated state on the CPU in one unsharded optimizer's layout; `load_state_dict()` takes such a dict on every
-rank, whatever world size saved it. Against ZeRO stage 1: docs/parallel.md.
+(largest first onto the least-loaded rank) and steps a local `optimizer_cls(**kwargs)` over the ones this rank owns,
+then broadcasts each updated parameter from its owner (async, per owner in buckets of <= `bucket_size_mb` MiB).
+Invariant: after `step()` every rank holds identical parameters, equal to what one unsharded `optimizer_cls` would
+produce. `state_dict()` is a collective returning the consolidated state on the CPU in one unsharded optimizer's
+layout; `load_state_dict()` takes such a dict on every rank, whatever world size saved it (docs/parallel.md).
 """
 
 from __future__ import annotations
@@ -20,11 +18,9 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from parallel.ddp import _global_rank
+
 __all__ = ["ShardedOptimizer", "local_state_bytes"]
-
-
-def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
-    return group_rank if group is None or group is dist.group.WORLD else dist.get_global_rank(group, group_rank)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
