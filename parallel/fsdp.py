@@ -220,7 +220,7 @@ class _Unit:
                                                                          fsdp._all_gather_opts)
             else:
                 self._work = all_gather_single(self.gather_outputs[0], self._send[0], group=fsdp.process_group,
-                                         async_op=True)
+                                               async_op=True)
         else:  # one flat all-gather, copied out at wait; the full storage is allocated then (one buffer in flight)
             self._send = self.shard_flat.to(self.dtype) if cast else self.shard_flat
             self._recv = torch.empty(fsdp.world_size * self.shard_numel, dtype=self.dtype,

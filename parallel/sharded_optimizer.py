@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from parallel.ddp import _global_rank
+from parallel.ddp import _global_rank, assign_buckets
 
 __all__ = ["ShardedOptimizer", "local_state_bytes"]
 
@@ -89,24 +89,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _buckets(self) -> list[tuple[int, list[torch.Tensor]]]:
-        """(owner, params) groups to broadcast, in an order every rank computes identically."""
-        cap_bytes = self.bucket_size_mb * 2**20
-        open_bucket: dict[tuple, list[torch.Tensor]] = {}
-        open_size: dict[tuple, int] = {}
-        buckets: list[tuple[int, list[torch.Tensor]]] = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if not p.requires_grad:
-                    continue
-                key = (self._owner[p], p.dtype, p.device)
-                nbytes = p.numel() * p.element_size()
-                if key not in open_bucket or open_size[key] + nbytes > cap_bytes:
-                    open_bucket[key] = []
-                    open_size[key] = 0
-                    buckets.append((key[0], open_bucket[key]))
-                open_bucket[key].append(p)
-                open_size[key] += nbytes
-        return buckets
+        """(owner, params) groups to broadcast: each owner's trainable parameters in `assign_buckets`, in an order
+        every rank computes identically."""
+        by_owner: dict[int, list[torch.Tensor]] = {}
+        for p in self._all_params():
+            if p.requires_grad:
+                by_owner.setdefault(self._owner[p], []).append(p)
+        return [(owner, bucket) for owner, params in sorted(by_owner.items())
+                for bucket in assign_buckets(params, self.bucket_size_mb)]
 
     @torch.no_grad()
     def _broadcast_parameters(self) -> None:
