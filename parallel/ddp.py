@@ -33,10 +33,12 @@ from parallel.carveout import SMCarveout
 from parallel.hooks import remove_handles
 
 __all__ = ["NaiveDDP", "FlatDDP", "OverlappedDDP", "BucketedDDP", "TorchDDP", "DDP_KINDS", "make_ddp", "assign_buckets",
-           "broadcast_module_state", "mean_reduction", "compiled_regions", "ready_together"]
+           "broadcast_module_state", "mean_reduction", "async_options", "global_rank", "compiled_regions",
+           "ready_together"]
 
 
-def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
+def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    """The global rank of `group`'s rank `group_rank` (what `src=` of a collective takes)."""
     return group_rank if group is None or group is dist.group.WORLD else dist.get_global_rank(group, group_rank)
 
 
@@ -57,7 +59,7 @@ def broadcast_module_state(module: nn.Module, group: dist.ProcessGroup | None = 
         if not torch.equal(theirs, signature):
             raise ValueError(f"module structure differs across ranks: rank {rank} has (num tensors, num elements) "
                              f"= {tuple(theirs.tolist())}, this rank {tuple(signature.tolist())}")
-    src = _global_rank(group, 0)
+    src = global_rank(group, 0)
     for t in tensors:
         dist.broadcast(t.detach(), src=src, group=group)
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from parallel.ddp import _global_rank, assign_buckets
+from parallel.ddp import global_rank, assign_buckets
 
 __all__ = ["ShardedOptimizer", "local_state_bytes"]
 
@@ -102,7 +102,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _broadcast_parameters(self) -> None:
         pending = []
         for owner, params in self._buckets():
-            src = _global_rank(self.process_group, owner)
+            src = global_rank(self.process_group, owner)
             if len(params) == 1:
                 flat = params[0].detach()
             elif owner == self.rank:
@@ -135,7 +135,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         dist.all_gather_object(skeletons, skeleton, group=self.process_group)
         state: dict[int, dict[str, Any]] = {}
         for owner, owned in enumerate(skeletons):
-            src = _global_rank(self.process_group, owner)
+            src = global_rank(self.process_group, owner)
             for i, entries in owned.items():
                 device = params[i].device             # NCCL sends device tensors; gloo CPU ones
                 out = {}

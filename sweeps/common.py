@@ -106,7 +106,8 @@ def add_model_flags(p: argparse.ArgumentParser, defaults: dict[str, dict]) -> No
     for key, kind, what in (("size", str, f"model size, one of {', '.join(SIZES)}"),
                             ("context_length", int, "sequence length"),
                             ("batch_per_rank", int, "sequences per rank per step"),
-                            ("warmup", int, "untimed steps per trial"), ("steps", int, "timed steps per trial, at least")):
+                            ("warmup", int, "untimed steps per trial"),
+                            ("steps", int, "timed steps per trial, at least")):
         p.add_argument(f"--{key.replace('_', '-')}", type=kind, default=None,
                        help=f"{what} (default: {by_device(defaults, key)})")
     list_flag(p, "--world-sizes", default="2", aliases=("--world-size",),
