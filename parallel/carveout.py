@@ -1,10 +1,7 @@
 """SM carve-out: keep cuBLAS matmuls off a few SMs while collectives overlap them.
 
-`torch._C._set_sm_carveout_experimental(n)` makes cuBLAS(Lt) target `num_SMs - n` SMs, so that with NCCL capped at
-n CTAs (`raysys.cluster.rank.nccl_group`) matmuls and collectives fit side by side (torch's async tensor
-parallelism uses the same switch). The setting is process-wide and read when a matmul is issued, so a wrapper sets it when its first
-overlapped collective is issued and restores the previous value once the overlap is over (`SMCarveout`).
-Why and where it is measured: docs/parallel.md.
+`torch._C._set_sm_carveout_experimental(n)` makes cuBLAS(Lt) target `num_SMs - n` SMs (process-wide, read when a
+matmul is issued), so that matmuls fit beside NCCL capped at n CTAs. Why and where it is measured: docs/parallel.md.
 """
 
 from __future__ import annotations

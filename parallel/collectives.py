@@ -23,9 +23,9 @@ import torch.distributed as dist
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 _BYTES_PER_ELEMENT = 4  # float32
 
-# Newer torch names the tensor-in/tensor-out collectives *_single; older ones *_into_tensor / *_tensor.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch 2.13 names the tensor-in/tensor-out collectives *_single (the old names warn on every call).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def bus_factor(op: str, world_size: int) -> float:
@@ -75,9 +75,9 @@ def run_collective(buffers: Buffers, group: dist.ProcessGroup) -> None:
     if op == "all_reduce":
         dist.all_reduce(buffers.input, group=group)
     elif op == "all_gather":
-        _all_gather(buffers.output, buffers.input, group=group)
+        all_gather_single(buffers.output, buffers.input, group=group)
     elif op == "reduce_scatter":
-        _reduce_scatter(buffers.output, buffers.input, group=group)
+        reduce_scatter_single(buffers.output, buffers.input, group=group)
     elif op == "broadcast":
         dist.broadcast(buffers.input, src=dist.get_global_rank(group, 0), group=group)
     else:

@@ -1,15 +1,14 @@
 """Distributed data parallel (DDP): gradient averaging over a process group, from naive to bucketed, side by side.
 
-Each wrapper holds a full replica of `module` on each rank of `process_group` (default: the world), broadcasts rank
-0's parameters and buffers at construction, and averages the ranks' gradients: `NaiveDDP` (a blocking all-reduce
-per parameter after backward), `FlatDDP` (one all-reduce of a flat copy per dtype), `OverlappedDDP` (an async
-all-reduce per parameter as its gradient is ready), `BucketedDDP` (an async coalesced all-reduce per bucket of
-<= `bucket_size_mb`, reverse parameter order), `TorchDDP` (torch's DistributedDataParallel, the baseline).
+Each wrapper replicates `module` on every rank of `process_group` (default: the world), broadcasts rank 0's
+parameters and buffers at construction and averages gradients: `NaiveDDP` (a blocking all-reduce per parameter after
+backward), `FlatDDP` (one all-reduce of a flat copy per dtype), `OverlappedDDP` (an async all-reduce per parameter as
+its gradient is ready), `BucketedDDP` (an async coalesced all-reduce per bucket of <= `bucket_size_mb`, in reverse
+parameter order), `TorchDDP` (torch's DistributedDataParallel, the baseline).
 Invariant: after `finish_gradient_synchronization()` every parameter that required a gradient has `.grad` equal to the
 mean over the group (zeros standing for a rank that produced none); frozen parameters are never sent, a tied one once.
-Buckets launch in bucket order (collectives match by issue order); a group of one is the identity unless
-`collectives_alone=True`; `no_sync()` accumulates locally. Lifetime: hooks hold a `_Reducer`, never a parameter or
-the wrapper, so a dropped wrapper is freed at once (design and host cost: docs/parallel.md).
+Buckets launch in bucket order; a group of one is the identity unless `collectives_alone=True`; `no_sync()`
+accumulates locally. Hooks hold a `_Reducer`, never the wrapper: a dropped wrapper is freed at once (docs/parallel.md).
     ddp = make_ddp("bucketed", model, bucket_size_mb=100)
     loss_fn(ddp(x), y).backward(); ddp.finish_gradient_synchronization(); optimizer.step()
 """
@@ -34,10 +33,12 @@ from parallel.carveout import SMCarveout
 from parallel.hooks import remove_handles
 
 __all__ = ["NaiveDDP", "FlatDDP", "OverlappedDDP", "BucketedDDP", "TorchDDP", "DDP_KINDS", "make_ddp", "assign_buckets",
-           "broadcast_module_state", "mean_reduction", "compiled_regions", "ready_together"]
+           "broadcast_module_state", "mean_reduction", "async_options", "global_rank", "compiled_regions",
+           "ready_together"]
 
 
-def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
+def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    """The global rank of `group`'s rank `group_rank` (what `src=` of a collective takes)."""
     return group_rank if group is None or group is dist.group.WORLD else dist.get_global_rank(group, group_rank)
 
 
@@ -49,7 +50,7 @@ def _module_device(module: nn.Module) -> torch.device:
 @torch.no_grad()
 def broadcast_module_state(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
     """Copy every parameter and buffer of the group's rank 0 into `module` on all ranks (in place), after checking
-    that all ranks hold modules of the same structure (tensor counts and total size)."""
+    that all ranks hold modules of the same structure."""
     tensors = [*module.parameters(), *module.buffers()]
     signature = torch.tensor([len(tensors), sum(t.numel() for t in tensors)], device=_module_device(module))
     gathered = [torch.empty_like(signature) for _ in range(dist.get_world_size(group))]
@@ -58,15 +59,25 @@ def broadcast_module_state(module: nn.Module, group: dist.ProcessGroup | None = 
         if not torch.equal(theirs, signature):
             raise ValueError(f"module structure differs across ranks: rank {rank} has (num tensors, num elements) "
                              f"= {tuple(theirs.tolist())}, this rank {tuple(signature.tolist())}")
-    src = _global_rank(group, 0)
+    src = global_rank(group, 0)
     for t in tensors:
         dist.broadcast(t.detach(), src=src, group=group)
 
 
+def async_options(cls: type, op: dist.ReduceOp | None = None) -> Any:
+    """`cls()` (a c10d options class) that runs asynchronously on the backend's stream, with `reduceOp = op` if
+    given: what `ProcessGroup.allreduce(...)` and friends take."""
+    opts = cls()
+    if op is not None:
+        opts.reduceOp = op
+    if hasattr(opts, "asyncOp"):  # torch >= 2.7: as async_op=True (else a group would run on the current stream)
+        opts.asyncOp = True
+    return opts
+
+
 def mean_reduction(group: dist.ProcessGroup | None) -> tuple[dist.ReduceOp, int]:
-    """(op, divisor): a collective with `op` over tensors each rank divided by `divisor` (1: not at all) averages
-    over `group`. NCCL averages inside the collective (AVG); a group of one only sums (its mean is itself, and NCCL
-    would run AVG as a scaling pass over the tensor); other backends (gloo has no AVG) divide first, then sum."""
+    """(op, divisor): a collective with `op` over tensors each rank divided by `divisor` averages over `group`:
+    AVG on NCCL, SUM alone for a group of one, SUM after dividing elsewhere (gloo has no AVG)."""
     size = dist.get_world_size(group)
     if size == 1:
         return dist.ReduceOp.SUM, 1
@@ -170,9 +181,8 @@ class FlatDDP(_DataParallel):
 
 
 class _Bucket:
-    """Parameters reduced by one collective. `buffer` is None when their gradients are reduced where they lie;
-    the textbook variant (`grad_as_bucket_view=False`, several parameters) copies them into `buffer` (`views[i]`
-    is params[i]'s slot) and back."""
+    """Parameters reduced by one collective; `buffer` (with `views[i]` params[i]'s slot) is the textbook copy-in/out
+    bucket (`grad_as_bucket_view=False`, several parameters), else None: gradients are reduced where they lie."""
 
     __slots__ = ("params", "buffer", "views")
 
@@ -210,27 +220,21 @@ def assign_buckets(params: list[nn.Parameter], bucket_size_mb: float) -> list[li
 class _Reducer:
     """What the gradient hooks update during backward, and the collectives they issue (one per wrapper).
 
-    `grads[b][i]` is the gradient of the i-th parameter of bucket b once backward has accumulated it (None until
-    then), `left[b]` how many of bucket b's are still to come. Holds gradients and the buckets' copy buffers, never
-    a parameter, a module or the wrapper (see Lifetime in the module docstring), so hooks may hold it.
-    """
+    `grads[b][i]`: the gradient of parameter i of bucket b once accumulated (None until then); `left[b]`: how many of
+    bucket b's are still to come. Holds no parameter, module or wrapper, so hooks may hold it."""
 
     def __init__(self, group: dist.ProcessGroup | None, buckets: list[_Bucket], carveout: SMCarveout, identity: bool):
         self.group = group if group is not None else dist.group.WORLD
         self.identity = identity  # a group of one: a launch only advances `next` (module docstring)
         op, self.divisor = mean_reduction(group)
-        self.opts, self.coalesced_opts = AllreduceOptions(), AllreduceCoalescedOptions()
-        for opts in (self.opts, self.coalesced_opts):
-            opts.reduceOp = op
-            if hasattr(opts, "asyncOp"):  # torch >= 2.7: on NCCL's stream, as dist.all_reduce(async_op=True)
-                opts.asyncOp = True
+        self.opts = async_options(AllreduceOptions, op)
+        self.coalesced_opts = async_options(AllreduceCoalescedOptions, op)
         self.sizes = [len(b.params) for b in buckets]
         self.buffers = [b.buffer for b in buckets]
         self.views = [b.views for b in buckets]
         self.carveout = carveout
         self.sync = True            # whether the backward under way is synchronised (no_sync: False)
         self.pending = False        # a synchronised step has started and not been finished
-        self.all_reduces = 0        # collectives issued since construction
         # Per-step state, built once and cleared in place by reset().
         self.grads: list[list[torch.Tensor | None]] = [[None] * n for n in self.sizes]
         self._nones = [[None] * n for n in self.sizes]
@@ -247,8 +251,7 @@ class _Reducer:
         self.pending = False
 
     def grad_ready(self, b: int, i: int, param: torch.Tensor) -> None:
-        """Post-accumulate-grad hook of parameter i of bucket b (bound with `functools.partial`): once per parameter
-        per step on autograd's thread, so it only records the gradient and counts."""
+        """Post-accumulate-grad hook of parameter i of bucket b: records the gradient, launches what is full."""
         if not self.sync:
             return
         grads = self.grads[b]
@@ -285,15 +288,13 @@ class _Reducer:
         else:  # NCCL: one grouped launch of an all-reduce per tensor
             work = self.group.allreduce_coalesced(tensors, self.coalesced_opts)
         self.works.append(work)
-        self.all_reduces += 1
         self.next += 1
 
 
 class _OverlappedDataParallel(_DataParallel):
-    """Hook-driven, in-order, asynchronous bucket reduction shared by `OverlappedDDP` and `BucketedDDP`: each
-    parameter's post-accumulate-grad hook records its gradient in the `_Reducer`, which launches a bucket (and every
-    full one after it, in order) when its last gradient arrives; `finish_gradient_synchronization()` launches what
-    is left and waits."""
+    """Hook-driven, in-order, asynchronous bucket reduction (`OverlappedDDP`, `BucketedDDP`): a bucket (and every full
+    one after it) launches when its last gradient arrives; `finish_gradient_synchronization()` launches the rest and
+    waits."""
 
     def __init__(self, module: nn.Module, buckets: list[list[nn.Parameter]], grad_as_bucket_view: bool,
                  process_group: dist.ProcessGroup | None, sm_carveout: int | None = None,
@@ -310,11 +311,6 @@ class _OverlappedDataParallel(_DataParallel):
                    for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)]
         # Runs remove_hooks' work when the wrapper is collected (or when remove_hooks() calls it).
         self._remove_handles = weakref.finalize(self, remove_handles, handles)
-
-    @property
-    def num_all_reduces(self) -> int:
-        """Collectives issued since construction (tests count them)."""
-        return self._reducer.all_reduces
 
     @property
     def num_buckets(self) -> int:
@@ -361,8 +357,7 @@ class _OverlappedDataParallel(_DataParallel):
                     if grad is None:
                         grads[i] = self._local_grad(self.buckets[b].params[i])
             reducer.launch(b)
-        # Every work is waited for, also on NCCL, where the last one alone would order the streams: a work keeps its
-        # tensors alive until it is waited for or torch's watchdog reaps it (docs/parallel.md, DDP).
+        # Every work is waited for, also on NCCL: a work keeps its tensors alive until waited for (docs/parallel.md).
         for work in reducer.works:
             work.wait()
         for grads, bucket in zip(reducer.grads, self.buckets):
@@ -392,10 +387,9 @@ def compiled_regions(module: nn.Module) -> list[nn.Module]:
 
 def ready_together(module: nn.Module, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
     """`params` in reverse order, split where gradients become ready at different moments: one parameter per group,
-    except the parameters of one compiled region (`compiled_regions`). Its backward is one autograd node that
-    returns all of their gradients at once, and autograd accumulates them before it runs any other node
-    (AccumulateGrad is always first in its queue), so their hooks fire back to back. A parameter registered outside
-    its region too (tied) may get gradient from elsewhere later: it stays alone. Groups also split on dtype/device."""
+    except the parameters of one compiled region (`compiled_regions`), whose backward node returns all their
+    gradients at once (their hooks fire back to back). A parameter also registered outside its region (tied) stays
+    alone; groups also split on dtype/device."""
     owner: dict[int, int | None] = {}
     regions = compiled_regions(module)
     inside = {id(m) for r in regions for m in r.modules()}
@@ -419,13 +413,11 @@ def ready_together(module: nn.Module, params: list[nn.Parameter]) -> list[list[n
 
 
 class OverlappedDDP(_OverlappedDataParallel):
-    """An async all-reduce of each parameter's gradient, in place, issued as soon as backward produces it
-    (in reverse parameter order; see the ordering note in the module docstring).
+    """An async all-reduce of each parameter's gradient, in place, issued as soon as backward produces it.
 
-    `group_compiled=True` (default): the gradients of one compiled region (`ready_together`), which backward produces
-    at the same moment, are issued together by one coalesced call once the last is accumulated: one host call per
-    region instead of one per parameter, nothing waiting longer. A region split at graph breaks waits for its last
-    node (correct, less overlap: prefer `fullgraph=True`). `False`: one call per parameter always."""
+    `group_compiled=True` (default): the gradients of one compiled region (`ready_together`) are issued together by
+    one coalesced call once the last is accumulated (a region split at graph breaks waits for its last node).
+    `False`: one call per parameter always."""
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None, *,
                  group_compiled: bool = True, sm_carveout: int | None = None, collectives_alone: bool = False):
@@ -441,10 +433,8 @@ class OverlappedDDP(_OverlappedDataParallel):
 class BucketedDDP(_OverlappedDataParallel):
     """Gradients grouped into buckets of at most `bucket_size_mb` MiB, one async all-reduce per bucket.
 
-    `grad_as_bucket_view=True` (default): a bucket is its parameters' `.grad` tensors as autograd made them, reduced
-    in place by one coalesced collective (on NCCL a single launch); nothing is copied. `False`: the textbook bucket,
-    a flat buffer per multi-parameter bucket that gradients are copied into before the all-reduce and back after.
-    """
+    `grad_as_bucket_view=True` (default): the bucket's `.grad` tensors, reduced in place by one coalesced collective.
+    `False`: the textbook bucket, a flat buffer gradients are copied into before the all-reduce and back after."""
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, *, grad_as_bucket_view: bool = True,
                  process_group: dist.ProcessGroup | None = None, sm_carveout: int | None = None,

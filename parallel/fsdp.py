@@ -8,8 +8,7 @@ before forward (two units ahead) and backward (one ahead), its gradients reduce-
 Invariant: after `finish_gradient_synchronization()` every shard's `.grad` (fp32) holds its rows of the mean over ranks
 of the full-weight gradients, every replicated `.grad` the mean; a group of one is the identity unless
 `collectives_alone=True`. Requirements (as torch's FSDP): the same units in the same order on every rank, each at most
-once per forward; no tied or recomputed sharded weights; shards updated in place. Lifetime: hooks hold the wrapper
-weakly (parallel/hooks.py). `gather_full_params()` is a collective: every rank calls it.
+once per forward; no tied or recomputed sharded weights; shards updated in place. Hooks hold the wrapper weakly.
     fsdp = make_fsdp("fsdp", model, compute_dtype=torch.bfloat16, units=(TransformerBlock,))
     loss_fn(fsdp(x), y).backward(); fsdp.finish_gradient_synchronization(); optimizer.step()
 """
@@ -31,16 +30,13 @@ from torch.distributed.distributed_c10d import (AllgatherOptions, AllreduceCoale
                                                 ReduceScatterOptions)
 
 from parallel.carveout import SMCarveout
-from parallel.ddp import broadcast_module_state, mean_reduction
+from parallel.collectives import all_gather_single, reduce_scatter_single
+from parallel.ddp import async_options, broadcast_module_state, mean_reduction
 from parallel.hooks import WeakHook, remove_handles
 from parallel.mixed_precision import (cast_inputs, cast_inputs_by_class, cast_params, has_other_floating_params,
                                       is_embedding, is_sharded_module)
 
 __all__ = ["FSDP", "FSDP_KINDS", "CommStats", "is_sharded_module", "make_fsdp"]
-
-# torch 2.13 renames the single-tensor collectives and deprecates the old names (a FutureWarning per call).
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _FREE, _GATHERING, _READY = "free", "gathering", "ready"
 
@@ -135,19 +131,10 @@ class _Weight:
 
 
 class _Unit:
-    """The sharded weights gathered together and their communication state. With N ranks and weights w_1..w_k of
-    padded shard sizes s_1..s_k (S = sum s_i):
-
-    shard storage   fp32 (S,): this rank's shards back to back; each shard is an `nn.Parameter` viewing its slice
-    full storage    compute dtype, N * s_1 | N * s_2 | ...: each weight's padded full tensor (rank-major rows), written
-                    by its all-gather; the full weight is a leaf `nn.Parameter` viewing it, allocated (`resize_`) just
-                    before it is written and released (`resize_(0)`) right after use
-    reduce-scatter  fp32, N * s_1 | N * s_2 | ...: each weight's gradient cast into its padded piece, reduced into this
-                    rank's (S,) slot
-
-    Forward hooks swap the full weights in and the shards back; backward hooks issue gathers and, once every trainable
-    weight has its gradient, free the full weights and issue the reduce-scatter (docs/parallel.md has the order). Holds
-    no reference to its wrapper (module docstring, Lifetime): the wrapper passes itself to the methods that need it."""
+    """The sharded weights gathered together and their communication state: an fp32 shard storage (this rank's
+    padded shards back to back, each shard a view), a compute-dtype full storage (N * s_i per weight, rank-major,
+    each full weight a leaf view) allocated only while gathered, and the fp32 reduce-scatter layout (docs/parallel.md,
+    `_Unit`). Holds no reference to its wrapper: the wrapper passes itself to the methods that need it."""
 
     def __init__(self, fsdp: "FSDP", index: int, name: str, root: nn.Module, members: list[tuple[str, nn.Module]]):
         n, rank = fsdp.world_size, fsdp.rank
@@ -229,15 +216,16 @@ class _Unit:
             else:
                 self._send = self.shard_pieces
             if fsdp._coalesced_gather:
-                self._work = fsdp._all_gather_coalesced(self.gather_outputs, self._send)
+                self._work = fsdp._group.allgather_into_tensor_coalesced(self.gather_outputs, self._send,
+                                                                         fsdp._all_gather_opts)
             else:
-                self._work = _all_gather(self.gather_outputs[0], self._send[0], group=fsdp.process_group,
-                                         async_op=True)
+                self._work = all_gather_single(self.gather_outputs[0], self._send[0], group=fsdp.process_group,
+                                               async_op=True)
         else:  # one flat all-gather, copied out at wait; the full storage is allocated then (one buffer in flight)
             self._send = self.shard_flat.to(self.dtype) if cast else self.shard_flat
             self._recv = torch.empty(fsdp.world_size * self.shard_numel, dtype=self.dtype,
                                      device=self.shard_flat.device)
-            self._work = _all_gather(self._recv, self._send, group=fsdp.process_group, async_op=True)
+            self._work = all_gather_single(self._recv, self._send, group=fsdp.process_group, async_op=True)
         fsdp._count_gathered(self.nbytes)
         self.state = _GATHERING
         fsdp.stats.all_gathers += 1
@@ -345,24 +333,19 @@ class _PendingOp:
 class FSDP(nn.Module):
     """Shard every Linear / Embedding weight of `module` over `process_group`; see the module docstring.
 
-    Args:
+    Args (in full: docs/parallel.md):
         module: the whole model, identical on every rank (rank 0's values are broadcast at construction).
         compute_dtype: dtype of communicated weights and of compute (e.g. torch.bfloat16); None keeps fp32.
         process_group: the data-parallel group (default: the whole world).
-        units: module classes (or class names) whose outermost instances are gathered as one unit, e.g.
-            `(TransformerBlock,)`; None (default): every sharded module is its own unit.
-        max_inflight_reductions: gradient reduce-scatters allowed in flight before the oldest is waited for;
-            bounds the fp32 full-size gradient buffers alive during backward (default 1, as FSDP2).
-        sm_carveout: keep cuBLAS matmuls off this many SMs from each forward until
-            `finish_gradient_synchronization()` (parallel/carveout.py). None (default): no carve-out.
-        event_log: if a list, ("all_gather" | "reduce_scatter", unit name, "forward" | "backward") tuples are
-            appended as collectives are issued. A unit of one module is named after its weight
-            (`layers.0.attn.q_proj.weight`), a larger one after its root (`layers.0`).
-        collectives_alone: on a group of one, issue every collective a larger group does (over no peer) instead of
-            being the identity; no effect on a larger group.
-        flat_collectives: one flat all-gather per unit (copied out into the weights' views) and one reduce-scatter
-            over a rank-major buffer (`torch._chunk_cat`), instead of one collective per weight in a coalesced group.
-        flat_reduce_scatter: the reduce-scatter of `flat_collectives` alone (the all-gathers stay one per weight).
+        units: module classes (or names) whose outermost instances are one unit; None: one unit per sharded module.
+        max_inflight_reductions: reduce-scatters in flight before the oldest is waited for (bounds fp32 buffers).
+        sm_carveout: keep cuBLAS off this many SMs from each forward until finish (parallel/carveout.py).
+        event_log: a list to append ("all_gather" | "reduce_scatter", unit name, "forward" | "backward") to as
+            collectives are issued (a unit of one module is named after its weight, a larger one after its root).
+        collectives_alone: on a group of one, issue every collective a larger group does instead of the identity.
+        flat_collectives: one flat all-gather (copied out) and one rank-major reduce-scatter per unit, instead of
+            one collective per weight in a coalesced group.
+        flat_reduce_scatter: the reduce-scatter of `flat_collectives` alone.
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
@@ -411,14 +394,10 @@ class FSDP(nn.Module):
         # Collectives go to the process group directly, with options built once.
         self._group = process_group if process_group is not None else dist.group.WORLD
         self._mean_op, self._divisor = mean_reduction(process_group)
-        self._all_gather_opts, self._reduce_scatter_opts = AllgatherOptions(), ReduceScatterOptions()
-        self._all_reduce_opts, self._all_reduce_coalesced_opts = AllreduceOptions(), AllreduceCoalescedOptions()
-        for opts in (self._all_gather_opts, self._reduce_scatter_opts, self._all_reduce_opts,
-                     self._all_reduce_coalesced_opts):
-            if hasattr(opts, "asyncOp"):  # torch >= 2.7: without it a group would run on the current stream
-                opts.asyncOp = True
-        for opts in (self._reduce_scatter_opts, self._all_reduce_opts, self._all_reduce_coalesced_opts):
-            opts.reduceOp = self._mean_op
+        self._all_gather_opts = async_options(AllgatherOptions)
+        self._reduce_scatter_opts = async_options(ReduceScatterOptions, self._mean_op)
+        self._all_reduce_opts = async_options(AllreduceOptions, self._mean_op)
+        self._all_reduce_coalesced_opts = async_options(AllreduceCoalescedOptions, self._mean_op)
 
         self._units: list[_Unit] = []
         self._owner = weakref.ref(self)  # what hooks hold (see Lifetime in the module docstring)
@@ -450,13 +429,15 @@ class FSDP(nn.Module):
         self._pending: deque[_PendingOp] = deque()
         self._fwd_calls: list[_Unit] = []
         self._last_order: list[_Unit] = []
-        self._reduce_scatter_ok = self._probe_reduce_scatter()
+        # Without reduce-scatter (some gloo builds): all-reduce + narrow.
+        self._reduce_scatter_ok = self._backend_runs(lambda: reduce_scatter_single(
+            torch.zeros(1), torch.zeros(self.world_size), group=process_group))
         # Coalesced all-gathers where the backend has them, else the flat fallback; on gloo one flat reduce-scatter
         # over the rank-major buffer (its coalesced one runs concurrent all-reduces on worker threads).
         self.flat_collectives = flat_collectives
-        self._coalesced_gather = not flat_collectives and self._has_coalesced(
-            "allgather_into_tensor_coalesced",
-            lambda: self._all_gather_coalesced([torch.zeros(self.world_size)], [torch.zeros(1)]))
+        self._coalesced_gather = (not flat_collectives and hasattr(self._group, "allgather_into_tensor_coalesced")
+                                  and self._backend_runs(lambda: self._group.allgather_into_tensor_coalesced(
+                                      [torch.zeros(self.world_size)], [torch.zeros(1)], self._all_gather_opts).wait()))
         self.flat_reduce_scatter = flat_collectives or flat_reduce_scatter
         self._coalesced_reduce_scatter = (not self.flat_reduce_scatter and dist.get_backend(process_group) != "gloo"
                                           and hasattr(self._group, "reduce_scatter_tensor_coalesced"))
@@ -595,9 +576,10 @@ class FSDP(nn.Module):
         # A group of one reduces in place: this rank's slot of the input is the whole input, and nothing moves.
         out = send if n == 1 else torch.empty(unit.shard_numel, dtype=torch.float32, device=device)
         if coalesced:  # one reduce-scatter per weight, issued as one group: each shard lands in its slot of `out`
-            work = self._reduce_scatter_coalesced(pieces if n == 1 else list(out.split(unit.sizes)), pieces)
+            work = self._group.reduce_scatter_tensor_coalesced(pieces if n == 1 else list(out.split(unit.sizes)),
+                                                               pieces, self._reduce_scatter_opts)
         elif self._reduce_scatter_ok:
-            work = _reduce_scatter(out, send, op=self._mean_op, group=self.process_group, async_op=True)
+            work = reduce_scatter_single(out, send, op=self._mean_op, group=self.process_group, async_op=True)
         else:  # gloo without reduce-scatter: all-reduce the whole gradient, keep this rank's slice
             out = send.narrow(0, self.rank * unit.shard_numel, unit.shard_numel)
             work = dist.all_reduce(send, op=self._mean_op, group=self.process_group, async_op=True)
@@ -620,9 +602,8 @@ class FSDP(nn.Module):
 
     @staticmethod
     def _store_identity(unit: _Unit, grads: list[torch.Tensor | None]) -> None:
-        """A group of one: the local gradients are the mean. fp32 ones (an aliased unit's) are the shard gradients
-        as they are; compute-dtype ones are cast into one flat fp32 buffer (one `_foreach_copy_`) the shards view.
-        Kept as a list (one per weight) until finish; a second backward pass adds into it."""
+        """A group of one: the local gradients are the mean, kept per weight until finish (fp32 ones as they are,
+        compute-dtype ones cast into one flat fp32 buffer); a second backward pass adds into them."""
         if unit.aliased and all(g is not None for g in grads):
             pieces = grads
         else:
@@ -686,10 +667,8 @@ class FSDP(nn.Module):
                 shard.grad = grad if shard.grad is None else shard.grad.add_(grad)
 
     def remove_hooks(self) -> None:
-        """Unregister every hook the wrapper put on the model and drop its gradient state: the wrapper no longer
-        trains (a later forward raises); its modules keep their shards (see Lifetime in the module docstring).
-        Happens by itself when the wrapper is garbage-collected; idempotent. Never waits on a collective (a rank
-        whose peers failed must not block here): an in-flight one keeps its buffers alive until it completes."""
+        """Unregister the wrapper's hooks and drop its gradient state (a later forward raises; the modules keep their
+        shards). Happens when the wrapper is collected; idempotent; never waits on a collective."""
         self._remove_handles()
         self._hooks_removed = True
         self.carveout.exit()
@@ -714,14 +693,9 @@ class FSDP(nn.Module):
                 out[name] = p.detach().clone()
                 continue
             flat = torch.empty(self.world_size * w.shard_numel, dtype=p.dtype, device=p.device)
-            _all_gather(flat, p.detach().reshape(-1), group=self.process_group)
+            all_gather_single(flat, p.detach().reshape(-1), group=self.process_group)
             out[name] = flat[: w.numel].view(w.shape)
         return out
-
-    @property
-    def sharded_layer_names(self) -> list[str]:
-        """Names of the sharded weights, in module order."""
-        return [w.name for unit in self._units for w in unit.weights]
 
     @property
     def unit_names(self) -> list[str]:
@@ -756,36 +730,13 @@ class FSDP(nn.Module):
         if self._event_log is not None:
             self._event_log.append((event, name, phase))
 
-    def _all_gather_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> dist.Work:
-        """all_gather_into_tensor(outputs[i], inputs[i]) for every i as one group of collectives (one NCCL launch),
-        asynchronous: on NCCL's stream, as `async_op=True` collectives."""
-        return self._group.allgather_into_tensor_coalesced(outputs, inputs, self._all_gather_opts)
-
-    def _reduce_scatter_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> dist.Work:
-        """reduce_scatter_tensor(outputs[i], inputs[i]) for every i as one group, asynchronous (as above), with the
-        group's mean reduction (`parallel.ddp.mean_reduction`: AVG on NCCL, else SUM and finish divides)."""
-        return self._group.reduce_scatter_tensor_coalesced(outputs, inputs, self._reduce_scatter_opts)
-
-    def _has_coalesced(self, method: str, probe: Callable[[], dist.Work]) -> bool:
-        """Whether the group's backend runs the coalesced collective `method`: NCCL does; gloo is asked with a
-        tiny `probe()` (a collective: every rank constructs the wrapper, so every rank asks)."""
-        if not hasattr(self.process_group or dist.group.WORLD, method):
-            return False
+    def _backend_runs(self, probe: Callable[[], Any]) -> bool:
+        """Whether the group's backend runs a collective: NCCL does; gloo (some builds lack one) is asked with a
+        tiny blocking `probe()` (a collective: every rank constructs the wrapper, so every rank asks)."""
         if dist.get_backend(self.process_group) != "gloo":
             return True
         try:
-            probe().wait()
-        except (RuntimeError, NotImplementedError):
-            return False
-        return True
-
-    def _probe_reduce_scatter(self) -> bool:
-        """NCCL always has reduce-scatter; some gloo builds do not (then all-reduce + narrow is the fallback)."""
-        if dist.get_backend(self.process_group) != "gloo":
-            return True
-        probe = torch.zeros(self.world_size)
-        try:
-            _reduce_scatter(torch.zeros(1), probe, group=self.process_group)
+            probe()
         except (RuntimeError, NotImplementedError):
             return False
         return True

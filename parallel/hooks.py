@@ -1,9 +1,6 @@
-"""Hooks that hold their wrapper weakly, for wrappers (DDP, FSDP, CastForCompute) that hook the model they wrap.
-
-A parameter's hooks live where Python's cycle collector cannot see them, so a hook holding its wrapper would leak
-the model with every dropped wrapper (docs/parallel.md). A `WeakHook` holds the wrapper weakly and names what it acts
-on by index, so a wrapper nobody references is freed at once, and `weakref.finalize(wrapper, remove_handles,
-handles)` removes its hooks with it.
+"""Hooks that hold their wrapper weakly (a hook holding it would leak the model: docs/parallel.md), for wrappers
+(DDP, FSDP, CastForCompute) that hook the model they wrap; `weakref.finalize(wrapper, remove_handles, handles)`
+removes the hooks when the wrapper is freed.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""FSDP's compute-dtype policy (mixed precision) and `CastForCompute`, the same policy on one process without sharding.
-
-For each forward of a Linear / Embedding module (by class name), its floating parameters and inputs are cast to the
-compute dtype by differentiable casts, so gradients reach the fp32 master parameters in fp32; the originals are put
-back after the forward. Other modules (norms) run on what they receive.
+"""FSDP's compute-dtype policy (mixed precision) and `CastForCompute`, the same policy on one process without sharding:
+for each forward of a Linear / Embedding (by class name) its floating parameters and inputs are cast to the compute
+dtype by differentiable casts (fp32 gradients reach the fp32 masters), the originals put back after it.
 """
 
 from __future__ import annotations
@@ -53,9 +51,8 @@ _CASTING_CLASSES: dict[tuple[type, torch.dtype], type] = {}
 
 
 def casting_class(cls: type, dtype: torch.dtype) -> type:
-    """The subclass of module class `cls` whose forward casts its floating positional inputs to `dtype` first (one
-    per class and dtype, same name): what `cast_inputs_by_class` swaps in (a type Dynamo already guards on, where
-    a forward pre-hook would add guards to a compiled block)."""
+    """The subclass of module class `cls` (one per class and dtype, same name) whose forward casts its floating
+    positional inputs to `dtype` first: a type Dynamo guards on anyway, where a pre-hook adds guards."""
     key = (cls, dtype)
     sub = _CASTING_CLASSES.get(key)
     if sub is None:
@@ -100,10 +97,8 @@ def has_other_floating_params(module: nn.Module) -> bool:
 
 
 class CastForCompute(nn.Module):
-    """FSDP's compute-dtype policy without sharding or communication: the single-process reference of
-    `FSDP(module, compute_dtype)`. For each forward of a Linear / Embedding, its parameters and floating inputs
-    are cast to `compute_dtype` (the casts are differentiable, so fp32 gradients reach the fp32 masters) and the
-    originals are put back after the module's forward. Other modules run on what they receive."""
+    """FSDP's compute-dtype policy (module docstring) without sharding or communication: the single-process
+    reference of `FSDP(module, compute_dtype)`."""
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype):
         super().__init__()

@@ -1,13 +1,11 @@
 """Optimizer state sharding: each rank keeps optimizer state for ~1/N of the parameters (handout section 6).
 
 `ShardedOptimizer(params, optimizer_cls, process_group=None, **kwargs)` assigns every parameter to one owner rank
-(greedily, largest first, onto the rank with the fewest elements so far) and builds a local `optimizer_cls(**kwargs)`
-over the parameters this rank owns; parameters and gradients stay replicated. `step()` updates the owned parameters,
-then broadcasts each from its owner (async, coalesced per owner into buckets of <= `bucket_size_mb` MiB; only
-parameters with `requires_grad`). Invariant: after `step()` every rank holds identical parameters, equal to what one
-unsharded `optimizer_cls` would produce. `state_dict()` is a collective (every rank calls it) returning the
-consolidated state on the CPU in one unsharded optimizer's layout; `load_state_dict()` takes such a dict on every
-rank, whatever world size saved it. Against ZeRO stage 1: docs/parallel.md.
+(largest first onto the least-loaded rank) and steps a local `optimizer_cls(**kwargs)` over the ones this rank owns,
+then broadcasts each updated parameter from its owner (async, per owner in buckets of <= `bucket_size_mb` MiB).
+Invariant: after `step()` every rank holds identical parameters, equal to what one unsharded `optimizer_cls` would
+produce. `state_dict()` is a collective returning the consolidated state on the CPU in one unsharded optimizer's
+layout; `load_state_dict()` takes such a dict on every rank, whatever world size saved it (docs/parallel.md).
 """
 
 from __future__ import annotations
@@ -20,11 +18,9 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from parallel.ddp import global_rank, assign_buckets
+
 __all__ = ["ShardedOptimizer", "local_state_bytes"]
-
-
-def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
-    return group_rank if group is None or group is dist.group.WORLD else dist.get_global_rank(group, group_rank)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -93,30 +89,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _buckets(self) -> list[tuple[int, list[torch.Tensor]]]:
-        """(owner, params) groups to broadcast, in an order every rank computes identically."""
-        cap_bytes = self.bucket_size_mb * 2**20
-        open_bucket: dict[tuple, list[torch.Tensor]] = {}
-        open_size: dict[tuple, int] = {}
-        buckets: list[tuple[int, list[torch.Tensor]]] = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if not p.requires_grad:
-                    continue
-                key = (self._owner[p], p.dtype, p.device)
-                nbytes = p.numel() * p.element_size()
-                if key not in open_bucket or open_size[key] + nbytes > cap_bytes:
-                    open_bucket[key] = []
-                    open_size[key] = 0
-                    buckets.append((key[0], open_bucket[key]))
-                open_bucket[key].append(p)
-                open_size[key] += nbytes
-        return buckets
+        """(owner, params) groups to broadcast: each owner's trainable parameters in `assign_buckets`, in an order
+        every rank computes identically."""
+        by_owner: dict[int, list[torch.Tensor]] = {}
+        for p in self._all_params():
+            if p.requires_grad:
+                by_owner.setdefault(self._owner[p], []).append(p)
+        return [(owner, bucket) for owner, params in sorted(by_owner.items())
+                for bucket in assign_buckets(params, self.bucket_size_mb)]
 
     @torch.no_grad()
     def _broadcast_parameters(self) -> None:
         pending = []
         for owner, params in self._buckets():
-            src = _global_rank(self.process_group, owner)
+            src = global_rank(self.process_group, owner)
             if len(params) == 1:
                 flat = params[0].detach()
             elif owner == self.rank:
@@ -149,7 +135,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         dist.all_gather_object(skeletons, skeleton, group=self.process_group)
         state: dict[int, dict[str, Any]] = {}
         for owner, owned in enumerate(skeletons):
-            src = _global_rank(self.process_group, owner)
+            src = global_rank(self.process_group, owner)
             for i, entries in owned.items():
                 device = params[i].device             # NCCL sends device tensors; gloo CPU ones
                 out = {}

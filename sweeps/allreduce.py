@@ -3,9 +3,8 @@ and, in the same run, without Ray (torch.multiprocessing), to show what the Ray 
 in `<out>/allreduce.parquet` (`--sweep-name` for another stem).
 
 Grid: all-reduce, all-gather, reduce-scatter, broadcast x float32 messages x world sizes x NCCL settings
-(`--nccl-env`), per launch: `ray` shared, `ray` isolated (CUDA only) and `mp`. Sizes, timing and bandwidths as
-`parallel.collectives` defines them; every trial checks its result. The report ends with the GPU targets (1 GiB
-all-reduce busbw >= 350 GB/s, ray / mp >= 0.97) and the planner at the measured bandwidth. Grid: docs/studies.md.
+(`--nccl-env`) x launch (`ray` shared, `ray` isolated (CUDA only), `mp`); sizes, timing and bandwidths as
+`parallel.collectives` defines them. Targets and grid: docs/studies.md.
 
     python sweeps/allreduce.py --out /tmp/coll                   # embedded Ray; CPU/gloo without a GPU
     python sweeps/allreduce.py --device cuda --world-sizes 2 --launchers mp --sizes 64MiB,1GiB \
@@ -23,7 +22,6 @@ import sys
 from pathlib import Path
 
 import pandas as pd
-
 
 from parallel.collectives import OPS, aggregate, benchmark_collective
 from raysys.cluster.rank import check_rank_env

@@ -1,14 +1,7 @@
-"""What the studies in `sweeps/` share, so that a study imports this module and the libraries, never another study.
-
-- Command line: `study_parser` (the flags every study takes; one spelling per flag, older ones hidden aliases via
-  `alias` / `list_flag`; --help shows every default), `add_model_flags` / `grid_values` for the gang studies' grid.
-- Checks before Ray starts or any trial runs, each a one-line ValueError naming the value and the rule: `check_int`,
-  `check_timeout`, `parse_list`, `model_config`, `check_fits`, `one_world_size`, `check_resumed`; `run_gang_study`
-  checks a gang study's whole grid and results file before it starts Ray.
-- Training pieces: `GangTrial` (the frozen base of the gang studies' trials), `build_model`, `adamw_kwargs`,
-  `in_trial_scope`, `profile_one_step`.
-- Output: `output_dir`, `open_writer`, `main_entry` (bad input: one line and exit 2); report skeleton:
-  `setup_sentence`, `not_measured`, `write_markdown`, `on_cpu`, `pyplot` / `save_figure`.
+"""What the studies in `sweeps/` share, so that a study imports this module and the libraries, never another study:
+the command line (`study_parser`, `add_model_flags`), checks that run before Ray starts (each a one-line ValueError
+naming the value and the rule), the gang studies' trials and driver (`GangTrial`, `run_gang_study`), output
+(`output_dir`, `open_writer`, `main_entry`) and the report skeleton. The full list: docs/studies.md.
 """
 
 from __future__ import annotations
@@ -32,7 +25,7 @@ from raysys.results import files
 from raysys.model.config import SIZES, ModelConfig
 from raysys.measure.device import check_fits  # noqa: F401  (the studies' memory bound, shared with raysys's CLIs)
 from raysys.results.files import write_text
-from raysys.measure.memory import TrialScope
+from raysys.measure.memory import TrialScope, unique_storage_bytes
 from raysys.measure.profiling import profile_steps
 from raysys.results.records import ResultWriter, check_sweep_name
 from raysys.measure.timing import MAX_STEPS
@@ -65,8 +58,7 @@ class HelpFormatter(argparse.RawTextHelpFormatter):
 
 
 def list_flag(p: argparse.ArgumentParser, name: str, *, default: str | None, help: str, aliases: Sequence[str] = ()):
-    """A list flag: one comma list or several words (`--dtypes fp32,bf16` = `--dtypes fp32 bf16`, stored as
-    'fp32,bf16'; `raysys.cluster.studies.JoinList`), with hidden older spellings that take the same."""
+    """A list flag: one comma list or several words, stored as 'a,b' (`JoinList`), with hidden older spellings."""
     p.add_argument(name, default=default, metavar="A,B,..", action=JoinList, help=help)
     for old in aliases:
         alias(p, old, name, action=JoinList)
@@ -81,9 +73,8 @@ def alias(p: argparse.ArgumentParser, old: str, new: str, **kwargs) -> None:
 def study_parser(doc: str | None, sweep: str, *, device_help: str = "auto: cuda when present",
                  devices: Sequence[str] = ("auto", "cuda", "cpu"), gang: bool = False, ray: bool = False,
                  timeout_s: float | None = None) -> argparse.ArgumentParser:
-    """The flags every study takes (`raysys.cluster.studies.sweep_parser`: --device, --out, --resume | --overwrite,
-    --allow-mixed, --report-only) with the whole docstring as description; `gang=True` adds --launcher, and with
-    `ray=True` --address and --dashboard; `timeout_s` adds --timeout-s with that default."""
+    """The flags every study takes (`raysys.cluster.studies.sweep_parser`) with `doc` as description; `gang=True` adds
+    --launcher, `gang` or `ray` --address and --dashboard; `timeout_s` adds --timeout-s with that default."""
     from raysys.cluster.studies import sweep_parser
 
     p = sweep_parser(doc, sweep, device_help=device_help)
@@ -110,26 +101,22 @@ def by_device(defaults: dict[str, dict], key: str) -> str:
 
 
 def add_model_flags(p: argparse.ArgumentParser, defaults: dict[str, dict]) -> None:
-    """The grid flags of a gang training study: model, context, batch, ranks, warm-up and timed steps; a flag
-    left out takes the device's default from `defaults` (`{"cuda": {...}, "cpu": {...}}`)."""
-    p.add_argument("--size", default=None, help=f"model size, one of {', '.join(SIZES)} "
-                                                f"(default: {by_device(defaults, 'size')})")
-    p.add_argument("--context-length", type=int, default=None,
-                   help=f"sequence length (default: {by_device(defaults, 'context_length')})")
-    p.add_argument("--batch-per-rank", type=int, default=None,
-                   help=f"sequences per rank per step (default: {by_device(defaults, 'batch_per_rank')})")
+    """The grid flags of a gang training study; one left out takes its device's default from `defaults`
+    (`{"cuda": {...}, "cpu": {...}}`)."""
+    for key, kind, what in (("size", str, f"model size, one of {', '.join(SIZES)}"),
+                            ("context_length", int, "sequence length"),
+                            ("batch_per_rank", int, "sequences per rank per step"),
+                            ("warmup", int, "untimed steps per trial"),
+                            ("steps", int, "timed steps per trial, at least")):
+        p.add_argument(f"--{key.replace('_', '-')}", type=kind, default=None,
+                       help=f"{what} (default: {by_device(defaults, key)})")
     list_flag(p, "--world-sizes", default="2", aliases=("--world-size",),
               help="ranks, one value (1: every wrapper with a group of one, what its machinery costs the host "
                    "with no peer)")
-    p.add_argument("--warmup", type=int, default=None, help=f"untimed steps per trial "
-                                                            f"(default: {by_device(defaults, 'warmup')})")
-    p.add_argument("--steps", type=int, default=None, help=f"timed steps per trial, at least "
-                                                           f"(default: {by_device(defaults, 'steps')})")
 
 
 def grid_values(args: argparse.Namespace, defaults: dict[str, dict], device: str) -> dict[str, Any]:
-    """The model flags with `device`'s defaults filled in where a flag was left out (only then: `--steps 0` is
-    an error, not the default), checked: size, context, batch, warm-up and timed steps."""
+    """The model flags, checked, with `device`'s defaults where a flag was left out (`--steps 0` is an error)."""
     d = defaults[device]
     pick = lambda key: d[key] if getattr(args, key) is None else getattr(args, key)  # noqa: E731
     size = pick("size")
@@ -174,8 +161,7 @@ def parse_ints(text: str, what: str, minimum: int) -> list[int]:
 
 # ---------------------------------------------------------------------------------------------------- checks
 def check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
-    """`value` if it is an int in [minimum, maximum], else a ValueError naming `name` (a flag or a field) and the
-    range."""
+    """`value` if it is an int in [minimum, maximum], else a ValueError naming `name` and the range."""
     if (not isinstance(value, int) or isinstance(value, bool) or value < minimum
             or maximum is not None and value > maximum):
         rule = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
@@ -184,8 +170,7 @@ def check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -
 
 
 def check_timeout(name: str, value: float) -> float:
-    """A finite number of seconds in (0, a week] (`raysys.cluster.rank.MAX_TIMEOUT_S`): nan, inf, 0, negative or huge
-    timeouts would make every trial an error row."""
+    """A finite number of seconds in (0, a week] (`raysys.cluster.rank.check_seconds`)."""
     from raysys.cluster.rank import check_seconds
 
     return check_seconds(name, value)
@@ -200,8 +185,7 @@ def model_config(size: str, context_length: int, **overrides) -> ModelConfig:
 
 
 def add_variant_flags(p: argparse.ArgumentParser, compiled_sweep: str, compile_note: str = "") -> None:
-    """The flags of a study that compares wrappers on one gang (DDP, FSDP): --paired-rounds, --compile,
-    --collectives-alone."""
+    """The flags of a study that compares wrappers on one gang (DDP, FSDP), checked by `check_variant_flags`."""
     p.add_argument("--paired-rounds", type=int, default=0, help="after its timed steps, time each variant against a "
                    "single step in alternating blocks for N rounds (0: off)")
     p.add_argument("--compile", action="store_true", help=f"compile every TransformerBlock (torch.compile) in every "
@@ -215,19 +199,21 @@ def add_variant_flags(p: argparse.ArgumentParser, compiled_sweep: str, compile_n
                    "it off (default: torch's setting, no column)")
 
 
-def check_variant_flags(args: argparse.Namespace, world_size: int) -> None:
-    """What `add_variant_flags` added, checked before any rank starts."""
+def check_variant_flags(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
+    """What `add_variant_flags` added, checked before any rank starts, as the `VariantTrial` fields they set."""
     check_int("--paired-rounds", args.paired_rounds, 0, MAX_STEPS)
     if args.collectives_alone and world_size != 1:
         raise ValueError(f"--collectives-alone needs --world-sizes 1 (got {world_size}): a larger group always "
                          "communicates")
     if args.nccl_trace_buffer is not None and args.nccl_trace_buffer < 0:
         raise ValueError(f"--nccl-trace-buffer ({args.nccl_trace_buffer}) must be >= 0 (0: flight recorder off)")
+    return dict(compile=args.compile, paired_rounds=args.paired_rounds, collectives_alone=args.collectives_alone,
+                nccl_trace_buffer=args.nccl_trace_buffer)
 
 
 def paired_summary(row: Mapping) -> str:
-    """What `raysys.measure.timing.paired_steps` found for a result row, in one clause: the median's rounds, the range
-    over them and its 95% half-width, then the same for the CPU time a step's issue took (`paired_host_cpu_ratio`)."""
+    """What `raysys.measure.timing.paired_steps` found for a result row, in one clause: rounds, range and 95% half-width
+    of the median ratio, then the host CPU time ratio (`paired_host_cpu_ratio`)."""
     text = (f"paired: median of {int(row['paired_rounds'])} rounds, range {row['paired_ratio_min']:.3f}-"
             f"{row['paired_ratio_max']:.3f}")
     ci_rel = row.get("paired_ratio_ci_rel", math.nan)
@@ -241,20 +227,11 @@ def paired_summary(row: Mapping) -> str:
     return text
 
 
-def check_timing_options(warmup: int, compile: bool, paired_rounds: int) -> None:
-    """--compile and --paired-rounds, as the DDP and FSDP studies take them."""
-    check_int("paired_rounds", paired_rounds, 0, MAX_STEPS)
-    if compile and warmup < 1:
-        raise ValueError(f"warmup ({warmup}) must be >= 1 with compiled blocks: the first step compiles them")
-
-
 # ---------------------------------------------------------------------------------------------------- trials
 @dataclass(frozen=True, kw_only=True)
 class GangTrial(Mapping):
-    """What every training trial on a gang shares; a study's trial class adds its own fields.
-
-    The trial is its row's configuration: `dict(trial)` (the mapping protocol, which `raysys.cluster.sweep.run_sweep`
-    uses) gives the config columns, and the trial id hashes them."""
+    """What every training trial on a gang shares; a study's trial class adds its own fields. The trial is its row's
+    configuration: `dict(trial)` gives the config columns (`run_sweep` uses the mapping), the trial id hashes them."""
 
     size: str
     """Named model size (`raysys.model.config.SIZES`)."""
@@ -343,7 +320,9 @@ class VariantTrial(GangTrial):
         super().__post_init__()
         if self.variant not in self.VARIANTS:
             raise ValueError(f"variant {self.variant!r} must be one of {self.VARIANTS}")
-        check_timing_options(self.warmup, self.compile, self.paired_rounds)
+        check_int("paired_rounds", self.paired_rounds, 0, MAX_STEPS)
+        if self.compile and self.warmup < 1:
+            raise ValueError(f"warmup ({self.warmup}) must be >= 1 with compiled blocks: the first step compiles them")
         if self.nccl_trace_buffer is not None:
             check_int("nccl_trace_buffer", self.nccl_trace_buffer, 0)
 
@@ -365,23 +344,35 @@ class VariantTrial(GangTrial):
 
 
 def in_trial_scope(trial_fn: Callable[..., dict], ctx, *args, **kwargs) -> dict:
-    """`trial_fn(ctx, ...)`'s metrics plus the memory and live parameters before and after it
-    (`raysys.measure.memory.TrialScope`: what a trial leaked into the next one on the same rank)."""
+    """`trial_fn(ctx, ...)`'s metrics plus the memory and live parameters before and after it (`TrialScope`)."""
     with TrialScope(ctx.device) as scope:
         metrics = trial_fn(ctx, *args, **kwargs)
     return {**metrics, **scope.metrics}
 
 
 def profile_one_step(step, trace_path: Path | None, expect_nccl: bool):
-    """Profile one step after one profiler warm-up step (`raysys.measure.profiling.profile_steps`): the profile and the
-    row's `profile_status` (`ok`, `cpu`: no GPU kernels to measure, or what a broken GPU profile lacked, which
-    also warns) and `trace_path` (rank 0's Chrome trace, when asked)."""
+    """Profile one step after a warm-up step (`profile_steps`): the profile, and the row's `profile_status` (`ok`,
+    `cpu`, or what a broken GPU profile lacked, with a warning) and `trace_path` (when asked)."""
     prof = profile_steps(step, step.device, trace_path=trace_path)
     status = prof.status(expect_nccl)
     if status not in ("ok", "cpu"):
         warnings.warn(f"profile of a {step.device.type} step is unusable: {status} ({prof.num_cpu_ops} CPU events, "
                       f"{prof.num_kernels} GPU kernels)", stacklevel=2)
     return prof, {"profile_status": status, **({"trace_path": str(prof.trace_path)} if prof.trace_path else {})}
+
+
+def training_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scalars: bool = True
+                         ) -> dict[str, int]:
+    """Bytes of this rank's `params`, `grads` (with DDP bucket buffers) and `optimizer_state` (a ShardedOptimizer's
+    local shard; 0-dim tensors such as AdamW's step only with `scalars`): each storage once, in the first part."""
+    seen: set[int] = set()
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None] + [b.buffer for b in getattr(model, "buckets", [])
+                                                              if b.buffer is not None]
+    inner = getattr(optimizer, "local_optimizer", optimizer)
+    state = (v for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and (scalars or v.dim() > 0))
+    return {"params": unique_storage_bytes(params, seen), "grads": unique_storage_bytes(grads, seen),
+            "optimizer_state": unique_storage_bytes(state, seen)}
 
 
 def adamw_kwargs(device: torch.device) -> dict:
@@ -404,17 +395,16 @@ def _remote(args: argparse.Namespace) -> bool:
 
 
 def local_gang_device(args: argparse.Namespace) -> tuple[str, bool]:
-    """The device a gang will use as far as it is known without Ray, and whether that is certain: the named one,
-    or this machine's (a Ray cluster named by --address or RAY_ADDRESS may have GPUs this machine lacks). The grid
-    is checked with it before Ray starts; checks that depend on the device wait for the certain one."""
+    """The device a gang will use as far as it is known without Ray, and whether that is certain (a Ray cluster
+    named by --address or RAY_ADDRESS may have GPUs this machine lacks)."""
     from raysys.cluster.mp_gang import local_device
 
     return local_device(args.device), args.device != "auto" or not _remote(args)
 
 
 def ranks_device_name(args: argparse.Namespace, device: str) -> str | None:
-    """What the `ok` rows of a gang on `device` will name as their device (`raysys.cluster.rank.device_description`):
-    `cpu`, or the GPU model of this machine when the ranks run here and its GPUs are all one model; else None."""
+    """The `device_name` of a gang's rows on `device`: `cpu`, or this machine's one GPU model when the ranks run
+    here; else None."""
     from raysys.results.records import nvidia_gpu_models
 
     if _remote(args):
@@ -425,10 +415,9 @@ def ranks_device_name(args: argparse.Namespace, device: str) -> str | None:
 
 def check_resumed(writer: ResultWriter, trials: Sequence[GangTrial], gang: Mapping[str, Any],
                   device_name: str | None = None) -> None:
-    """Refuse to continue a file whose rows ran another configuration than `trials` on a gang of `gang`'s columns
-    (world size and launcher, and with the device known `raysys.cluster.sweep.gang_columns`), unless --allow-mixed:
-    every setting of the run (the trial class's columns outside `PER_TRIAL`, and the gang's), and with the device known
-    each trial by its `KEY` and the device's name (`ResultWriter.check_resume`)."""
+    """Refuse (unless --allow-mixed) to continue a file whose rows ran other settings than `trials` on a gang of
+    `gang`'s columns: the columns outside `PER_TRIAL`, and with the device known each trial by its `KEY` and the
+    device's name (`ResultWriter.check_resume`)."""
     cls = type(trials[0])
     configs = [{**t, **gang} for t in trials]
     settings = {k: v for k, v in configs[0].items()
@@ -437,8 +426,7 @@ def check_resumed(writer: ResultWriter, trials: Sequence[GangTrial], gang: Mappi
 
 
 def gang_device(args: argparse.Namespace, world_size: int) -> str:
-    """The device the gang of `world_size` ranks will use; a ValueError at once when it could never be placed
-    (no GPU, or fewer GPUs or CPUs than ranks), before any rank starts."""
+    """The device the gang of `world_size` ranks will use; a ValueError at once when it could never be placed."""
     from raysys.cluster.sweep import check_gang
 
     if args.launcher == "ray":
@@ -448,10 +436,9 @@ def gang_device(args: argparse.Namespace, world_size: int) -> str:
 
 def run_gang_study(args: argparse.Namespace, sweep: str, grid: Callable[..., list],
                    trial_fn: Callable[[Path], Callable], reduce: Callable) -> tuple[pd.DataFrame, Path]:
-    """A study on one gang: every flag checked (`grid(args, device, world_size, check_device)` builds and checks
-    the trials) and the result file opened before Ray starts (a file to resume compared with this run's
-    configuration, `check_resumed`), then the device resolved (and the file compared again) and the trials run
-    (`trial_fn(out)` is the function every rank runs), one row each. Returns the rows and the results directory."""
+    """A study on one gang: the trials (`grid(args, device, world_size, check_device)`) and the result file checked
+    before Ray starts, then the device resolved, checked again, and the trials run (`trial_fn(out)` on every rank),
+    one row each. Returns the rows and the results directory."""
     from raysys.cluster.sweep import check_gang, gang_columns, run_sweep
 
     world_size = one_world_size(args)
@@ -476,8 +463,8 @@ def run_gang_study(args: argparse.Namespace, sweep: str, grid: Callable[..., lis
 def gang_study_main(args: argparse.Namespace, sweep: str, grid: Callable[..., list],
                     trial_fn: Callable[[Path], Callable], reduce: Callable,
                     write_report: Callable[[pd.DataFrame, Path], Iterable[Path | None]]) -> pd.DataFrame:
-    """What a gang study's `main` does once its flags are parsed: with --report-only the rows already in --out,
-    else the trials run (`run_gang_study`); then `write_report(df, out)`, printed."""
+    """A gang study's `main` after parsing: the rows (--report-only: those in --out, else `run_gang_study`), then
+    `write_report(df, out)`, printed."""
     if args.report_only:
         df, out = read_rows(args, sweep), output_dir(args, sweep)
     else:
@@ -496,9 +483,8 @@ def print_written(out: Path, sweep: str, *paths: Path | None) -> None:
 
 # ---------------------------------------------------------------------------------------------------- output
 def output_dir(args: argparse.Namespace, sweep: str) -> Path:
-    """The absolute results directory of this run (`raysys.cluster.studies.resolve_out_dir`): `--out`, made if missing
-    (a one-line error if it is a file or cannot be written), else a fresh run directory. Call it once the flags
-    are checked; --resume and --report-only need `--out` (the run to continue or redraw)."""
+    """The absolute results directory (`resolve_out_dir`): `--out`, made if missing, else a fresh run directory;
+    --resume and --report-only need `--out`."""
     from raysys.cluster.studies import resolve_out_dir
 
     check_sweep_name(sweep)
@@ -510,15 +496,13 @@ def output_dir(args: argparse.Namespace, sweep: str) -> Path:
 
 
 def read_rows(args: argparse.Namespace, sweep: str) -> pd.DataFrame:
-    """The rows of `<out>/<sweep>.parquet` for --report-only (a one-line error if the file is missing or
-    unreadable)."""
+    """The rows of `<out>/<sweep>.parquet` for --report-only (a one-line error if it is missing or unreadable)."""
     from raysys.results.records import read_results
 
     path = output_dir(args, sweep) / f"{sweep}.parquet"
     if not path.is_file():
         raise ValueError(f"--report-only: {path} does not exist")
     return read_results(path)
-
 
 
 def redraw_report(args: argparse.Namespace, sweep: str, write_report) -> pd.DataFrame:
@@ -528,13 +512,13 @@ def redraw_report(args: argparse.Namespace, sweep: str, write_report) -> pd.Data
     return df
 
 
+@dataclass
 class Progress:
     """Trials this run planned and finished (written, or found done by --resume), for the message on Ctrl-C in a
     study that runs its trials itself (`run_sweep` and `tune_run` say it for theirs)."""
 
-    def __init__(self) -> None:
-        self.planned = 0
-        self.finished = 0
+    planned: int = 0
+    finished: int = 0
 
     def plan(self, num_trials: int) -> None:
         self.planned += num_trials
@@ -544,8 +528,7 @@ PROGRESS = Progress()
 
 
 class TrackedWriter(ResultWriter):
-    """A `ResultWriter` that counts finished trials into `PROGRESS`: a `write` that adds rows of a trial not seen
-    yet (one trial may write several rows at once), or a trial `done` found in the file."""
+    """A `ResultWriter` that counts finished trials into `PROGRESS` (rows of a trial not seen yet, or `done`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -571,19 +554,17 @@ class TrackedWriter(ResultWriter):
 
 def open_writer(out: Path, sweep: str, args: argparse.Namespace, expect: Mapping[str, Any] | None = None
                 ) -> ResultWriter:
-    """The result file of `sweep` in `out` as the flags say (`raysys.cluster.studies.writer_options`): a new file, or
-    --resume (refusing rows of another commit, device or of `expect`'s values unless --allow-mixed), or
-    --overwrite; locked against a second writer. Open it before Ray starts: a refusal costs nothing then."""
+    """The result file of `sweep` in `out` as the flags say (`writer_options`): new, --resume (refusing rows of
+    another commit, device or `expect`'s values unless --allow-mixed) or --overwrite; locked. Open it before Ray."""
     from raysys.cluster.studies import writer_options
 
     return TrackedWriter(out, sweep, expect=expect, **writer_options(args))
 
 
 def main_entry(main: Callable[[list[str] | None], Any], argv: list[str] | None = None) -> int:
-    """Run a study's `main` (`raysys.cluster.studies.run_script`): bad input is one line on stderr and exit code 2;
-    Ctrl-C (or SIGTERM) is one line, "interrupted after N of M trials; rerun with --resume", and exit code 130."""
-    from raysys.cluster.studies import run_script
-    from raysys.cluster.studies import interrupted_message
+    """Run a study's `main` (`run_script`): bad input is one line on stderr and exit code 2; Ctrl-C (or SIGTERM)
+    is one line, "interrupted after N of M trials; rerun with --resume", and exit code 130."""
+    from raysys.cluster.studies import interrupted_message, run_script
 
     def guarded(argv: list[str] | None):
         try:
@@ -656,8 +637,7 @@ def markdown_report(df: pd.DataFrame, keys: Sequence[str], intro: Callable[[pd.S
 
 
 def write_markdown(out: Path, sweep: str, title: str, body: str) -> Path:
-    """`<out>/<sweep>.md` (atomically): a `## title (sweep)` heading and the body, what BENCHMARKS.md shows for the
-    sweep (`python -m raysys report`)."""
+    """`<out>/<sweep>.md` (atomically): a `## title (sweep)` heading and the body (BENCHMARKS.md shows it)."""
     return write_text(out / f"{sweep}.md", f"## {title} ({sweep})\n\n{body}")
 
 
@@ -672,8 +652,7 @@ def pyplot():
 
 
 def save_figure(fig, path: Path, dpi: int = 120, **layout) -> Path:
-    """Lay `fig` out, write it atomically (`raysys.results.files.save_figure`: a full disk keeps the old picture), close
-    it."""
+    """Lay `fig` out, write it atomically (`raysys.results.files.save_figure`) and close it."""
     import matplotlib.pyplot as plt
 
     fig.tight_layout(**layout)

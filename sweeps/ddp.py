@@ -3,9 +3,7 @@ torch's DDP and a step with no communication, in one run; one row per dtype x va
 
 Variants: `single` (no communication, the reference), `naive`, `flat`, `overlapped`, `overlapped_each`, `bucketed:MB`,
 `bucketed_copy:MB`, `torch`; a suffix `@N` caps the variant's NCCL communicator at N CTAs (`@N+carve`: cuBLAS kept
-off N SMs too). Every rank runs `--batch-per-rank`; steps are timed after warm-up (medians, split into forward,
-backward, exposed `comm_wait`, optimizer). `--profile`, `--compile` (`ddp_compiled.parquet`), `--paired-rounds N` and
-`--collectives-alone` as their help says; without GPUs gloo ranks on `tiny`, fp32. Columns: docs/studies.md.
+off N SMs too). Without GPUs: gloo ranks on `tiny`, fp32. Timing, flags and columns: docs/studies.md.
 
     python sweeps/ddp.py --out /tmp/ddp                              # embedded Ray; CPU/gloo without a GPU
     ray job submit --working-dir . -- python sweeps/ddp.py --out "$PWD/results" --overwrite
@@ -28,17 +26,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-
 from parallel.ddp import make_ddp
 from raysys.measure.memory import release
 from raysys.measure.profiling import cpu_op_time, kernel_intervals, overlap
 from raysys.cluster.rank import nccl_group
 from raysys.measure.timing import MAX_STEPS, paired_steps, time_steps
-from raysys.training.step import TrainStep
-from raysys.training.step import build_model
+from raysys.training.step import TrainStep, build_model
 from sweeps.common import (GANG_DTYPES, NOT_ON_CPU, VariantTrial, adamw_kwargs, add_model_flags,
-                           add_variant_flags, check_fits, check_int, check_variant_flags, column,
-                           gang_study_main,
+                           add_variant_flags, check_fits, check_int, check_variant_flags, column, gang_study_main,
                            grid_values, in_trial_scope, list_flag, main_entry, markdown_report, on_cpu, paired_summary,
                            parse_list, profile_one_step, pyplot, save_figure, setup_sentence, step_column,
                            study_parser, write_markdown)
@@ -135,25 +130,22 @@ def parse_variant(spec: str) -> dict:
         raise ValueError(f"variant {spec!r}: bucket size {size!r} is not a number of MiB") from None
     if not math.isfinite(mb) or mb <= 0:
         raise ValueError(f"variant {spec!r}: bucket size must be a positive number of MiB")
-    if name in ("single", "naive", "flat", "overlapped"):
-        return {"variant": name, "bucket_size_mb": None, "bucket_view": None, "label": name}
+    base = {"variant": name, "bucket_size_mb": None, "bucket_view": None, "label": name}
     if name == "overlapped_each":
-        return {"variant": "overlapped", "bucket_size_mb": None, "bucket_view": None, "group_compiled": False,
-                "label": "overlapped (each)"}
+        return {**base, "variant": "overlapped", "group_compiled": False, "label": "overlapped (each)"}
     if name == "torch":
-        return {"variant": "torch", "bucket_size_mb": mb, "bucket_view": None, "label": f"torch DDP {mb:g}MB"}
-    view = name == "bucketed"
-    return {"variant": "bucketed", "bucket_size_mb": mb, "bucket_view": view,
-            "label": f"bucketed {mb:g}MB" + ("" if view else " (copy)")}
+        return {**base, "bucket_size_mb": mb, "label": f"torch DDP {mb:g}MB"}
+    if name in ("bucketed", "bucketed_copy"):
+        view = name == "bucketed"
+        return {**base, "variant": "bucketed", "bucket_size_mb": mb, "bucket_view": view,
+                "label": f"bucketed {mb:g}MB" + ("" if view else " (copy)")}
+    return base
 
 
-def ddp_trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: list[str], variants: list[str],
-               profile: list[str], warmup: int, steps: int, max_steps: int | None = None,
-               nccl_max_ctas: int | None = None, rerun_single: bool = True, compile: bool = False,
-               paired_rounds: int = 0, collectives_alone: bool = False, nccl_trace_buffer: int | None = None,
-               seed: int = 0) -> list[DDPTrial]:
-    """One trial per dtype x variant, plus `single (rerun)` last in each dtype when `single` is in the grid
-    with other variants and `rerun_single` (validated here, before any rank starts)."""
+def ddp_trials(*, dtypes: list[str], variants: list[str], profile: list[str], max_steps: int | None = None,
+               nccl_max_ctas: int | None = None, rerun_single: bool = True, **fields) -> list[DDPTrial]:
+    """One trial per dtype x variant (`fields`: the other `DDPTrial` fields), plus `single (rerun)` last in each
+    dtype when `single` is in the grid with other variants and `rerun_single`; validated before any rank starts."""
     bad = [d for d in dtypes if d not in GANG_DTYPES]
     if bad:
         raise ValueError(f"dtypes {bad} not in {GANG_DTYPES}")
@@ -164,12 +156,9 @@ def ddp_trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: l
     profiled = {parse_variant(v)["label"] for v in profile}
     if rerun_single and "single" in labels and len(labels) > 1:
         parsed.append({**parse_variant("single"), "label": RERUN})
-    common = dict(size=size, context_length=context_length, batch_per_rank=batch_per_rank, warmup=warmup,
-                  steps=steps, max_steps=steps if max_steps is None else max_steps, compile=compile,
-                  paired_rounds=paired_rounds, collectives_alone=collectives_alone, nccl_trace_buffer=nccl_trace_buffer,
-                  seed=seed)
-    return [DDPTrial(dtype=dtype, **common, **{"nccl_max_ctas": nccl_max_ctas, **v}, profile=v["label"] in profiled)
-            for dtype in dtypes for v in parsed]
+    max_steps = fields["steps"] if max_steps is None else max_steps
+    return [DDPTrial(dtype=dtype, **fields, max_steps=max_steps, **{"nccl_max_ctas": nccl_max_ctas, **v},
+                     profile=v["label"] in profiled) for dtype in dtypes for v in parsed]
 
 
 # ---------------------------------------------------------------------------------------------------- trial
@@ -460,13 +449,11 @@ def grid(args, device: str, world_size: int, check_device: bool = True) -> list[
     check_int("--max-steps", max_steps, steps, MAX_STEPS)
     if args.nccl_max_ctas is not None and args.nccl_max_ctas < 1:
         raise ValueError(f"--nccl-max-ctas ({args.nccl_max_ctas}) must be >= 1")
-    check_variant_flags(args, world_size)
-    trials = ddp_trials(**values, dtypes=parse_list(args.dtypes or d["dtypes"], "dtypes", GANG_DTYPES),
+    trials = ddp_trials(**values, **check_variant_flags(args, world_size),
+                        dtypes=parse_list(args.dtypes or d["dtypes"], "dtypes", GANG_DTYPES),
                         variants=parse_list(args.variants, "variants"),
                         profile=[v for v in (args.profile or "").split(",") if v.strip()], max_steps=max_steps,
-                        nccl_max_ctas=args.nccl_max_ctas, rerun_single=not args.no_single_rerun, compile=args.compile,
-                        paired_rounds=args.paired_rounds, collectives_alone=args.collectives_alone,
-                        nccl_trace_buffer=args.nccl_trace_buffer)
+                        nccl_max_ctas=args.nccl_max_ctas, rerun_single=not args.no_single_rerun)
     if not check_device:
         return trials
     capped = [t.label for t in trials if " CTAs" in t.label]

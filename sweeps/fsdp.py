@@ -4,10 +4,8 @@ run; one row per dtype x variant in `<out>/fsdp.parquet`. Every rank runs `--bat
 
 Variants: `single`, `single_cast` (FSDP's compute policy, no sharding), `ddp`, `ddp_sharded`, `fsdp` (one unit per
 block), `fsdp_flat`, `fsdp_flat_rs`, `fsdp_hp`, `fsdp@8` (NCCL-only), `fsdp_layer` (one unit per Linear / Embedding)
-and `fsdp2`; AdamW everywhere. Timing as in `sweeps/ddp.py`; memory: the allocator's peak and the state's bytes
-against what sharding predicts; `--profile`: exposed all-gather and reduce-scatter time. Targets (bf16, GPU): each
-per-block FSDP variant's step <= 1.10x single's, its peak memory <= fsdp2's. Without GPUs: gloo ranks, `tiny`.
-Each variant and column: docs/studies.md.
+and `fsdp2`; AdamW everywhere. Targets (bf16, GPU): each per-block FSDP variant's step <= 1.10x single's, its peak
+memory <= fsdp2's. Without GPUs: gloo ranks, `tiny`. Each variant, flag and column: docs/studies.md.
 
     python sweeps/fsdp.py --out /tmp/fsdp                         # embedded Ray; CPU/gloo without a GPU
     ray job submit --working-dir . -- python sweeps/fsdp.py --out "$PWD/results" --overwrite
@@ -28,24 +26,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-
 from parallel.ddp import make_ddp
 from parallel.fsdp import FSDP, is_sharded_module, make_fsdp
 from parallel.mixed_precision import CastForCompute
 from parallel.sharded_optimizer import ShardedOptimizer
 from raysys.model.config import ModelConfig
 from raysys.measure.device import low_precision, synchronize
-from raysys.measure.memory import peak_bytes, release, reset_peak, unique_storage_bytes
+from raysys.measure.memory import peak_bytes, release, reset_peak
 from raysys.model.transformer import TransformerBlock, TransformerLM
 from raysys.measure.profiling import device_kernels, is_nccl, kernel_intervals, overlap
 from raysys.cluster.rank import nccl_group
 from raysys.measure.timing import paired_steps, time_steps
-from raysys.training.step import TrainStep
-from raysys.training.step import build_model
+from raysys.training.step import TrainStep, build_model
 from sweeps.common import (GANG_DTYPES, NOT_ON_CPU, VariantTrial, adamw_kwargs, add_model_flags,
                            add_variant_flags, check_fits, check_variant_flags, gang_study_main,
                            grid_values, in_trial_scope, list_flag, main_entry, markdown_report, on_cpu, paired_summary,
-                           parse_list, profile_one_step, setup_sentence, step_column, study_parser, write_markdown)
+                           parse_list, profile_one_step, setup_sentence, step_column, study_parser,
+                           training_state_bytes, write_markdown)
 
 SWEEP = "fsdp"
 COMPILED = "fsdp_compiled"  # the same study with compiled blocks (--compile): its own file, tables and baselines
@@ -79,19 +76,14 @@ class FSDPTrial(VariantTrial):
                              "which --compile traces into the block's graph; compiled blocks need per-block units")
 
 
-def trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: list[str], variants: list[str],
-           profile: list[str], warmup: int, steps: int, compile: bool = False, paired_rounds: int = 0,
-           collectives_alone: bool = False, nccl_trace_buffer: int | None = None, seed: int = 0) -> list[FSDPTrial]:
-    """One trial per dtype x variant, validated before any rank starts."""
+def trials(*, dtypes: list[str], variants: list[str], profile: list[str], **fields) -> list[FSDPTrial]:
+    """One trial per dtype x variant (`fields`: the other `FSDPTrial` fields), validated before any rank starts."""
     for what, items, allowed in (("dtypes", dtypes, GANG_DTYPES), ("variants", variants, VARIANTS),
                                  ("profile", profile, VARIANTS)):
         bad = [x for x in items if x not in allowed]
         if bad:
             raise ValueError(f"{what} {bad} not in {allowed}")
-    return [FSDPTrial(size=size, context_length=context_length, batch_per_rank=batch_per_rank, dtype=dtype,
-                      variant=variant, profile=variant in profile, warmup=warmup, steps=steps, compile=compile,
-                      paired_rounds=paired_rounds, collectives_alone=collectives_alone,
-                      nccl_trace_buffer=nccl_trace_buffer, seed=seed)
+    return [FSDPTrial(dtype=dtype, variant=variant, profile=variant in profile, **fields)
             for dtype in dtypes for variant in variants]
 
 
@@ -120,18 +112,6 @@ def build(trial: FSDPTrial, device: torch.device, process_group) -> tuple[nn.Mod
 
 
 # ---------------------------------------------------------------------------------------------------- memory
-def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state held by this rank; each storage counted once."""
-    seen: set[int] = set()
-    params = list(model.parameters())
-    inner = optimizer.local_optimizer if isinstance(optimizer, ShardedOptimizer) else optimizer
-    grads = [p.grad for p in params if p.grad is not None] + [b.buffer for b in getattr(model, "buckets", [])
-                                                              if getattr(b, "buffer", None) is not None]
-    return {"params_bytes": unique_storage_bytes(params, seen), "grads_bytes": unique_storage_bytes(grads, seen),
-            "optimizer_state_bytes": unique_storage_bytes((v for s in inner.state.values() for v in s.values()
-                                                           if torch.is_tensor(v) and v.dim() > 0), seen)}
-
-
 def expected_state(mc: ModelConfig, variant: str, world_size: int) -> dict[str, float]:
     """Predicted per-rank bytes of fp32 params, grads and AdamW moments (see the module docstring)."""
     model = TransformerLM(mc, device="meta")
@@ -140,9 +120,8 @@ def expected_state(mc: ModelConfig, variant: str, world_size: int) -> dict[str, 
     params = list(model.parameters())
     total = sum(p.numel() for p in params)
     ours = sum(padded(p) if id(p) in sharded else p.numel() for p in params)
-    per_rank = {"single": total, "single_cast": total, "ddp": total, "ddp_sharded": total, "fsdp": ours,
-                "fsdp_flat": ours, "fsdp_flat_rs": ours, "fsdp_hp": ours, "fsdp@8": ours, "fsdp_layer": ours,
-                "fsdp2": sum(padded(p) for p in params)}[variant]
+    per_rank = (sum(padded(p) for p in params) if variant == "fsdp2" else ours if variant.startswith("fsdp")
+                else total)
     moments = 2 * (total / world_size if variant == "ddp_sharded" else per_rank)
     return {"expected_params_bytes": 4.0 * per_rank, "expected_grads_bytes": 4.0 * per_rank,
             "expected_optimizer_state_bytes": 4.0 * moments,
@@ -213,8 +192,8 @@ def _timed_trial(ctx, trial: FSDPTrial, out_dir: str | None, group) -> dict:
     reset_peak(device)
     metrics = time_steps(step, trial.warmup, trial.steps)
     metrics["peak_memory_bytes"] = peak_bytes(device)
-    metrics.update(state_bytes(model, optimizer))
-    metrics["state_bytes"] = metrics["params_bytes"] + metrics["grads_bytes"] + metrics["optimizer_state_bytes"]
+    state = training_state_bytes(model, optimizer, scalars=False)
+    metrics.update({f"{part}_bytes": nbytes for part, nbytes in state.items()}, state_bytes=sum(state.values()))
     metrics.update(expected_state(trial.model_config(), trial.variant, ctx.world_size))
     if isinstance(model, FSDP):
         model.stats.reset()
@@ -396,12 +375,10 @@ def _variants(text: str | None, device: str, defaults: dict, compiled: bool = Fa
 def grid(args, device: str, world_size: int, check_device: bool = True) -> list[FSDPTrial]:
     """The trials the flags ask for on `device` (its defaults fill the flags left out); every value checked, and
     with `check_device` what `device` cannot run."""
-    check_variant_flags(args, world_size)
-    out = trials(**grid_values(args, DEFAULTS, device), dtypes=parse_list(args.dtypes, "dtypes", GANG_DTYPES),
+    out = trials(**grid_values(args, DEFAULTS, device), **check_variant_flags(args, world_size),
+                 dtypes=parse_list(args.dtypes, "dtypes", GANG_DTYPES),
                  variants=_variants(args.variants, device, DEFAULTS[device], args.compile),
-                 profile=[v.strip() for v in (args.profile or "").split(",") if v.strip()], compile=args.compile,
-                 paired_rounds=args.paired_rounds, collectives_alone=args.collectives_alone,
-                 nccl_trace_buffer=args.nccl_trace_buffer)
+                 profile=[v.strip() for v in (args.profile or "").split(",") if v.strip()])
     if check_device:
         capped = [t.variant for t in out if t.variant in OWN_GROUP]
         if capped and device != "cuda":

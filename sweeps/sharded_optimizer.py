@@ -3,9 +3,8 @@ and time per step with and without `parallel.sharded_optimizer.ShardedOptimizer`
 `<out>/sharded_optimizer.parquet`.
 
 Both arms train the same model under `BucketedDDP` (100 MiB buckets) with torch's AdamW; the sharded arm wraps it in
-`ShardedOptimizer`. Memory (rank 0, CUDA allocator) at `init`, `before_step` and `after_step`: the peak since the
-previous point and what is allocated, split into parameters, gradients, optimizer state and the rest. Time per step
-as in `sweeps/ddp.py`. Without GPUs: gloo ranks, `tiny`, fp32 (peaks NaN). Each column: docs/studies.md.
+`ShardedOptimizer`. Memory (rank 0) at `init`, `before_step` and `after_step`, and time per step. Without GPUs: gloo
+ranks, `tiny`, fp32 (peaks NaN). Each column: docs/studies.md.
 
     python sweeps/sharded_optimizer.py --out /tmp/sharded          # embedded Ray; CPU/gloo without a GPU
     python sweeps/sharded_optimizer.py --device cuda --dtypes fp32,bf16 --out "$PWD/results" --overwrite
@@ -20,17 +19,15 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-
 from parallel.ddp import BucketedDDP
 from parallel.sharded_optimizer import ShardedOptimizer
-from raysys.measure.memory import peak_bytes, release, reset_peak, unique_storage_bytes
+from raysys.measure.memory import peak_bytes, release, reset_peak
 from raysys.measure.timing import Marks, time_steps
-from raysys.training.step import TrainStep
-from raysys.training.step import build_model
+from raysys.training.step import TrainStep, build_model
 from sweeps.common import (GANG_DTYPES, GangTrial, adamw_kwargs, add_model_flags,
                            check_fits, gang_study_main, grid_values, in_trial_scope, list_flag, main_entry,
                            markdown_report, parse_list, pyplot, save_figure, setup_sentence, study_parser,
-                           write_markdown)
+                           training_state_bytes, write_markdown)
 
 SWEEP = "sharded_optimizer"
 POINTS = ("init", "before_step", "after_step")
@@ -57,31 +54,17 @@ class ShardedTrial(GangTrial):
                              "measured")
 
 
-def trials(*, size: str, context_length: int, batch_per_rank: int, dtypes: list[str], warmup: int, steps: int,
-           seed: int = 0) -> list[ShardedTrial]:
-    """Both arms per dtype, unsharded first."""
-    return [ShardedTrial(size=size, context_length=context_length, batch_per_rank=batch_per_rank, dtype=dtype,
-                         sharded=sharded, warmup=warmup, steps=steps, seed=seed)
-            for dtype in dtypes for sharded in (False, True)]
+def trials(*, dtypes: list[str], **fields) -> list[ShardedTrial]:
+    """Both arms per dtype, unsharded first (`fields`: the other `ShardedTrial` fields)."""
+    return [ShardedTrial(dtype=dtype, sharded=sharded, **fields) for dtype in dtypes for sharded in (False, True)]
 
 
 # ---------------------------------------------------------------------------------------------------- memory
 def memory_breakdown(model: BucketedDDP, optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, float]:
     """Bytes allocated now, split into PARTS; every storage is counted once, in the first part that holds it."""
-    seen: set[int] = set()
-    params = list(model.parameters())
-    inner = optimizer.local_optimizer if isinstance(optimizer, ShardedOptimizer) else optimizer
-    out = {
-        "params": unique_storage_bytes(params, seen),
-        "grads": unique_storage_bytes([p.grad for p in params if p.grad is not None]
-                                      + [b.buffer for b in model.buckets if b.buffer is not None], seen),
-        "optimizer_state": unique_storage_bytes((v for s in inner.state.values() for v in s.values()
-                                                 if torch.is_tensor(v)), seen),
-    }
-    if device.type == "cuda":
-        out["other"] = torch.cuda.memory_allocated(device) - sum(out.values())
-    else:
-        out["other"] = float("nan")    # the CPU has no allocator statistics
+    out: dict[str, float] = training_state_bytes(model, optimizer)
+    # The CPU has no allocator statistics.
+    out["other"] = torch.cuda.memory_allocated(device) - sum(out.values()) if device.type == "cuda" else float("nan")
     return out
 
 
@@ -128,7 +111,7 @@ def _sharded_trial(ctx, trial: ShardedTrial) -> dict:
         optimizer.step()
         record("after_step")
         metrics.update(time_steps(step, 0, trial.steps))
-        inner = optimizer.local_optimizer if isinstance(optimizer, ShardedOptimizer) else optimizer
+        inner = optimizer.local_optimizer if trial.sharded else optimizer
         metrics["owned_params"] = sum(len(g["params"]) for g in inner.param_groups)
     finally:
         release(model)

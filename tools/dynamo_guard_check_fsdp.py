@@ -1,17 +1,11 @@
-"""Dynamo's cache lookup per call of a compiled block, with and without FSDP around the model. A tiny
-4-block TransformerLM, blocks compiled with backend="eager" (as `compile_blocks`), on a gloo group of one; per case
-the mean host time of "TorchDynamo Cache Lookup" over 20 profiled training steps (80 calls), and how many guards of
-each kind Dynamo installed for the block (its guard log). One row per case in OUT (Parquet, `lookup_mean_s`,
-`guards`, `guard_kinds` as JSON, `parallel_from`), printed too; an existing OUT is refused:
+"""Dynamo's cache lookup per call of a compiled block, with and without FSDP around the model: a tiny 4-block
+TransformerLM, blocks compiled (eager on CPU, inductor on CUDA), a group of one; per case (`single`, `single-autocast`,
+`fsdp-fp32`, `fsdp-bf16`, `fsdp-bf16-alone`: through a larger group's collectives) the mean host time of "TorchDynamo
+Cache Lookup" over 20 profiled steps and the guards Dynamo installed by kind. One row per case in OUT (Parquet, refused
+if it exists), printed too; `parallel_from` names the `parallel` package that ran (another commit's: docs/runs.md).
 
     python -m tools.dynamo_guard_check_fsdp --out /tmp/guards.parquet
-    git archive <commit> parallel | tar -x -C /tmp/before          # another commit's wrappers, same host:
-    PYTHONPATH=/tmp/before:$PWD python tools/dynamo_guard_check_fsdp.py --out /tmp/before.parquet
     python -m tools.dynamo_guard_check_fsdp --device cuda --out ...  # NCCL, inductor
-
-Run as a file, the `parallel` of /tmp/before wins over the checkout's (each row's `parallel_from` says which ran).
-Cases: `single` (fp32), `single-autocast` (bf16 autocast), `fsdp-fp32` (no casts), `fsdp-bf16` (compute dtype bf16,
-a group of one: the identity) and `fsdp-bf16-alone` (the same through a larger group's collectives).
 """
 import argparse
 import json
