@@ -208,9 +208,7 @@ def main() -> None:
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
 
     def fwd_bwd(path):
-        def run():
-            fa.flash_attention(qg, kg, vg, True, path=path).backward(do)
-        return run
+        return lambda: fa.flash_attention(qg, kg, vg, True, path=path).backward(do)
 
     def sdpa_fwd():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
