@@ -181,7 +181,8 @@ def _check_path(path: str | None, device: torch.device) -> None:
     from kernels.attention.dispatch import tma_supported
 
     if path == "tma" and not tma_supported(device):
-        raise Unsupported(f"the tma path needs an sm_90 GPU and Triton >= 3.4, not {torch.cuda.get_device_name(device)}")
+        raise Unsupported(f"the tma path needs an sm_90 GPU and Triton >= 3.4, not "
+                          f"{torch.cuda.get_device_name(device)}")
 
 
 def candidate_fn(name: str, device: torch.device) -> Callable:
@@ -369,9 +370,8 @@ def add_speedups(df: pd.DataFrame) -> pd.DataFrame:
 
 def summary(df: pd.DataFrame) -> str:
     cols = ["provider", "candidate", "path", "batch", "heads", "seq", "head_dim", "dtype", "status", "fwd_ms",
-            "fwd_tflops",
-            "bwd_ms", "fwd_bwd_ms", "fwd_bwd_tflops", "speedup_fwd_vs_sdpa_cudnn", "speedup_fwd_bwd_vs_sdpa_cudnn",
-            "speedup_fwd_vs_best_sdpa", "speedup_fwd_bwd_vs_best_sdpa", "max_abs_err"]
+            "fwd_tflops", "bwd_ms", "fwd_bwd_ms", "fwd_bwd_tflops", "speedup_fwd_vs_sdpa_cudnn",
+            "speedup_fwd_bwd_vs_sdpa_cudnn", "speedup_fwd_vs_best_sdpa", "speedup_fwd_bwd_vs_best_sdpa", "max_abs_err"]
     shown = with_ms(df)
     view = shown[[c for c in cols if c in shown]]
     return view.to_string(index=False, float_format=lambda x: f"{x:.4g}")

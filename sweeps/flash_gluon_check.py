@@ -79,14 +79,16 @@ BWD_CONFIGS = {
          fgo.GluonBwdConfig(num_stages=3, head_group=4, dk_late=True),
          *(fgo.GluonBwdConfig(num_stages=3, head_group=4, rows_tma=False, dk_late=late) for late in (False, True)),
          *(fgo.GluonBwdConfig(num_stages=s, head_group=g, dk_late=True, dq_buffers=2) for s in (2, 3) for g in (4, 8)),
-         fgo.GluonBwdConfig(head_group=4, dq_buffers=2), fgo.GluonBwdConfig(head_group=4, dq_whole=False, dq_buffers=2)],
+         fgo.GluonBwdConfig(head_group=4, dq_buffers=2),
+         fgo.GluonBwdConfig(head_group=4, dq_whole=False, dq_buffers=2)],
     128: [fgb.DEFAULT_BWD2_CONFIGS[128], fgb.GluonBwd2Config(dkdv_block_m=64, dkdv_stages=2, dq_block_n=128),
           DEFAULT_BWD_CONFIGS[128], *(fgo.GluonBwdConfig(head_group=g) for g in (1, 2, 4, 8)),
           *(fgo.GluonBwdConfig(head_group=g, dk_late=True) for g in (1, 2)),
           *(fgo.GluonBwdConfig(head_group=g, rows_tma=False, dk_late=late) for g in (2, 8) for late in (False, True)),
           fgo.GluonBwdConfig(head_group=2, persistent=True),
           fgo.GluonBwdConfig(persistent=True), fgo.GluonBwdConfig(head_group=4, persistent=True),
-          fgo.GluonBwdConfig(head_group=4, dq_whole=False), fgo.GluonBwdConfig(head_group=4, dq_whole=False, persistent=True),
+          fgo.GluonBwdConfig(head_group=4, dq_whole=False),
+          fgo.GluonBwdConfig(head_group=4, dq_whole=False, persistent=True),
           *(fgo.GluonBwdConfig(head_group=g, dq_whole=False, dq_buffers=2) for g in (1, 2, 4))],
 }
 """Per head dim: the two-pass default and one other two-pass config (`GluonBwd2Config`), then the one-pass default
