@@ -14,6 +14,7 @@ error against fp32, peak memory, speedups against SDPA; tables in `<out>/flash_b
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -173,17 +174,23 @@ class _CandidateAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def candidate_fn(name: str, device: torch.device) -> Callable:
-    """Attention with candidate `name`'s path and configs (each checked against its kernel and path)."""
+def _check_path(path: str | None, device: torch.device) -> None:
+    """Raise Unsupported where the Triton kernels of `path` (None: auto) cannot run on `device`."""
     if device.type != "cuda":
         raise Unsupported("the Triton kernels need a CUDA device (or TRITON_INTERPRET=1, far too slow here)")
     from kernels.attention.dispatch import tma_supported
+
+    if path == "tma" and not tma_supported(device):
+        raise Unsupported(f"the tma path needs an sm_90 GPU and Triton >= 3.4, not "
+                          f"{torch.cuda.get_device_name(device)}")
+
+
+def candidate_fn(name: str, device: torch.device) -> Callable:
+    """Attention with candidate `name`'s path and configs (each checked against its kernel and path)."""
     from kernels.attention.triton.tuning import FlashConfig
 
     spec = CANDIDATES[name]
-    if spec["path"] == "tma" and not tma_supported(device):
-        raise Unsupported("the tma path needs an sm_90 GPU and Triton >= 3.4, not "
-                          f"{torch.cuda.get_device_name(device)}")
+    _check_path(spec["path"], device)
     configs = {k: FlashConfig.from_label(spec[k]).check(k, spec["path"]) for k in ("fwd", "dkdv", "dq")}
     return lambda q, k, v, causal: _CandidateAttention.apply(q, k, v, causal, spec["path"], configs)
 
@@ -232,15 +239,11 @@ def check_candidate(name: str, device_str: str) -> dict:
 
 def provider_fn(name: str, device: torch.device) -> Callable:
     if name in TRITON_PATHS:
-        if device.type != "cuda":
-            raise Unsupported("the Triton kernels need a CUDA device (or TRITON_INTERPRET=1, far too slow here)")
         from kernels.attention import flash_attention
-        from kernels.attention.dispatch import gluon_unsupported_reason, tma_supported
+        from kernels.attention.dispatch import gluon_unsupported_reason
 
         path, bwd = TRITON_PATHS[name]
-        if path == "tma" and not tma_supported(device):
-            raise Unsupported(f"the tma path needs an sm_90 GPU and Triton >= 3.4, not "
-                              f"{torch.cuda.get_device_name(device)}")
+        _check_path(path, device)
         probe = torch.empty(1, 1, 16, 64, dtype=torch.bfloat16, device=device)
         if path == "gluon" and (reason := gluon_unsupported_reason(probe, probe, probe)):
             raise Unsupported(f"the gluon path: {reason}")
@@ -356,25 +359,19 @@ def add_speedups(df: pd.DataFrame) -> pd.DataFrame:
         col = f"{mode}_median_s"
         if col not in df:
             continue
-        base = {}
-        for prov in SDPA_PROVIDERS:
-            sel = ok[ok["provider"] == prov].set_index(keys)[col]
-            base[prov] = sel
-        best = pd.concat(base.values(), axis=1).min(axis=1) if base else None
+        base = {prov: ok[ok["provider"] == prov].set_index(keys)[col] for prov in SDPA_PROVIDERS}
+        base["best_sdpa"] = pd.concat(base.values(), axis=1).min(axis=1)
         index = pd.MultiIndex.from_frame(df[keys])
-        for name, series in (*base.items(), ("best_sdpa", best)):
-            if series is None or series.empty:
-                df[f"speedup_{mode}_vs_{name}"] = math.nan
-                continue
-            df[f"speedup_{mode}_vs_{name}"] = series.reindex(index).to_numpy() / df[col].to_numpy()
+        for name, series in base.items():
+            df[f"speedup_{mode}_vs_{name}"] = (math.nan if series.empty
+                                               else series.reindex(index).to_numpy() / df[col].to_numpy())
     return df
 
 
 def summary(df: pd.DataFrame) -> str:
     cols = ["provider", "candidate", "path", "batch", "heads", "seq", "head_dim", "dtype", "status", "fwd_ms",
-            "fwd_tflops",
-            "bwd_ms", "fwd_bwd_ms", "fwd_bwd_tflops", "speedup_fwd_vs_sdpa_cudnn", "speedup_fwd_bwd_vs_sdpa_cudnn",
-            "speedup_fwd_vs_best_sdpa", "speedup_fwd_bwd_vs_best_sdpa", "max_abs_err"]
+            "fwd_tflops", "bwd_ms", "fwd_bwd_ms", "fwd_bwd_tflops", "speedup_fwd_vs_sdpa_cudnn",
+            "speedup_fwd_bwd_vs_sdpa_cudnn", "speedup_fwd_vs_best_sdpa", "speedup_fwd_bwd_vs_best_sdpa", "max_abs_err"]
     shown = with_ms(df)
     view = shown[[c for c in cols if c in shown]]
     return view.to_string(index=False, float_format=lambda x: f"{x:.4g}")
@@ -451,12 +448,9 @@ def candidate_winners(df: pd.DataFrame) -> dict[str, list[dict]]:
                 continue
             best = geo.idxmin()
             for kernel, label in zip(kernels, best if isinstance(best, tuple) else (best,)):
-                cfg = FlashConfig.from_label(label)
                 out[kernel].append({
-                    "block_m": cfg.block_m, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
-                    "num_stages": cfg.num_stages, "warp_specialize": cfg.warp_specialize,
-                    "persistent": cfg.persistent, "maxnreg": cfg.maxnreg, "lazy_rescale": cfg.lazy_rescale,
-                    "unroll": cfg.unroll, "path": "tma", "head_dim": int(head_dim), "dtype": "bfloat16",
+                    **dataclasses.asdict(FlashConfig.from_label(label)), "path": "tma", "head_dim": int(head_dim),
+                    "dtype": "bfloat16",
                     "shapes": [f"{b}x{h}x{n}x{head_dim}/bfloat16/causal" for b, h, n in shapes],
                     f"geomean_{col.removesuffix('_median_s')}_ms": round(1e3 * float(geo.min()), 4),
                     "source": "sweeps/flash_bench.py candidates"})

@@ -13,6 +13,7 @@ over an earlier one without `--overwrite`); FLOP conventions: docs/studies.md. R
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import re
@@ -37,47 +38,33 @@ from raysys.results.records import make_row, resolve_out, write_parquet
 from raysys.measure.timing import PAIRED_REP_MS, paired_speedups
 
 SWEEP = "flash_gluon"
+_row = functools.partial(make_row, SWEEP)  # a row in the project's convention (provenance, seconds)
 
+_FWD64 = functools.partial(fg.GluonConfig, block_m=64, block_n=128, num_stages=3, num_consumers=2)
+_FWD128 = functools.partial(fg.GluonConfig, block_m=64, block_n=128, num_stages=2, num_consumers=2)
 CONFIGS = {
-    64: [fg.GluonConfig(block_m=64, block_n=128, num_stages=3, num_consumers=2),
-         fg.GluonConfig(block_m=64, block_n=64, num_stages=3, num_consumers=3),
-         fg.GluonConfig(block_m=128, block_n=64, num_stages=3, num_consumers=2),
-         fg.GluonConfig(block_m=128, block_n=64, num_stages=2, num_consumers=2, persistent=True),
-         *(fg.GluonConfig(block_m=128, block_n=64, num_stages=3, num_consumers=2, head_group=g) for g in (4, 8, 16)),
-         *(fg.GluonConfig(block_m=64, block_n=128, num_stages=s, num_consumers=3, head_group=g)
-           for s in (2, 3) for g in (0, 8)),
-         *(fg.GluonConfig(block_m=64, block_n=128, num_stages=3, num_consumers=2, persistent=True, head_group=8,
-                          exp2_emulated=e) for e in (0, 2, 4, 8, 16)),
-         *(fg.GluonConfig(block_m=64, block_n=128, num_stages=3, num_consumers=2, persistent=True, head_group=8,
-                          exp2_emulated=e, rescale_under_s=True) for e in (0, 8)),
-         fg.GluonConfig(block_m=64, block_n=128, num_stages=3, num_consumers=2, persistent=True, head_group=8,
-                        exp2_emulated=8, rescale_under_s=True, round_robin=True)],
-    128: [fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2),
-          fg.GluonConfig(block_m=64, block_n=64, num_stages=3, num_consumers=2),
-          fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=1),
-          fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2, persistent=True),
-          *(fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2, persistent=p, head_group=g)
-            for p in (False, True) for g in (4, 8, 16)),
-          *(fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2, head_group=g)
-            for g in (1, 2, 3, 6)),
-          *(fg.GluonConfig(block_m=64, block_n=64, num_stages=2, num_consumers=3, head_group=g) for g in (2, 8)),
-          *(fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2, head_group=g, exp2_emulated=e)
-            for g in (1, 8) for e in (4, 8)),
-          fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2, persistent=True, head_group=4,
-                         exp2_emulated=8),
-          *(fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2, head_group=g, rescale_under_s=True)
-            for g in (0, 1, 8)),
-          fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2, persistent=True, head_group=4,
-                         rescale_under_s=True),
-          fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2, persistent=True, head_group=4,
-                         round_robin=True),
-          *(fg.GluonConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2, persistent=True, head_group=g)
-            for g in (1, 2))],
+    64: [_FWD64(), _FWD64(block_n=64, num_consumers=3), _FWD64(block_m=128, block_n=64),
+         _FWD64(block_m=128, block_n=64, num_stages=2, persistent=True),
+         *(_FWD64(block_m=128, block_n=64, head_group=g) for g in (4, 8, 16)),
+         *(_FWD64(num_stages=s, num_consumers=3, head_group=g) for s in (2, 3) for g in (0, 8)),
+         *(_FWD64(persistent=True, head_group=8, exp2_emulated=e) for e in (0, 2, 4, 8, 16)),
+         *(_FWD64(persistent=True, head_group=8, exp2_emulated=e, rescale_under_s=True) for e in (0, 8)),
+         _FWD64(persistent=True, head_group=8, exp2_emulated=8, rescale_under_s=True, round_robin=True)],
+    128: [_FWD128(), _FWD128(block_n=64, num_stages=3), _FWD128(num_consumers=1), _FWD128(persistent=True),
+          *(_FWD128(persistent=p, head_group=g) for p in (False, True) for g in (4, 8, 16)),
+          *(_FWD128(head_group=g) for g in (1, 2, 3, 6)),
+          *(_FWD128(block_n=64, num_consumers=3, head_group=g) for g in (2, 8)),
+          *(_FWD128(head_group=g, exp2_emulated=e) for g in (1, 8) for e in (4, 8)),
+          _FWD128(persistent=True, head_group=4, exp2_emulated=8),
+          *(_FWD128(head_group=g, rescale_under_s=True) for g in (0, 1, 8)),
+          _FWD128(persistent=True, head_group=4, rescale_under_s=True),
+          _FWD128(persistent=True, head_group=4, round_robin=True),
+          *(_FWD128(persistent=True, head_group=g) for g in (1, 2))],
 }
-"""Per head dim, the default first; then `head_group` on the default and the persistent grid, three consumer groups
-of 64 query rows (FlashAttention-3's 192-row tile), one exp2 in n emulated on the FMA pipe (`exp2_emulated`,
-`/e<n>`), O's rescale issued under S(j) (`rescale_under_s`, `/ru`), and the persistent configs in round robin
-(`/rr`). Why each: docs/studies.md."""
+"""Per head dim, the default first (`_FWD64`, `_FWD128`: each config names what it changes); then `head_group` on
+the default and the persistent grid, three consumer groups of 64 query rows (FlashAttention-3's 192-row tile), one
+exp2 in n emulated on the FMA pipe (`exp2_emulated`, `/e<n>`), O's rescale issued under S(j) (`rescale_under_s`,
+`/ru`), and the persistent configs in round robin (`/rr`). Why each: docs/studies.md."""
 CHECK_SHAPES = [((1, 3, 1000, 128), 1000, True), ((1, 3, 1000, 128), 1000, False), ((2, 2, 777, 64), 777, True),
                 ((2, 2, 777, 64), 777, False), ((1, 2, 513, 128), 1029, False), ((1, 2, 513, 64), 1029, False)]
 """(q shape, n_k, causal)."""
@@ -92,24 +79,21 @@ BWD_CONFIGS = {
          fgo.GluonBwdConfig(num_stages=3, head_group=4, dk_late=True),
          *(fgo.GluonBwdConfig(num_stages=3, head_group=4, rows_tma=False, dk_late=late) for late in (False, True)),
          *(fgo.GluonBwdConfig(num_stages=s, head_group=g, dk_late=True, dq_buffers=2) for s in (2, 3) for g in (4, 8)),
-         fgo.GluonBwdConfig(head_group=4, dq_buffers=2), fgo.GluonBwdConfig(head_group=4, dq_whole=False,
-                                                                            dq_buffers=2)],
+         fgo.GluonBwdConfig(head_group=4, dq_buffers=2),
+         fgo.GluonBwdConfig(head_group=4, dq_whole=False, dq_buffers=2)],
     128: [fgb.DEFAULT_BWD2_CONFIGS[128], fgb.GluonBwd2Config(dkdv_block_m=64, dkdv_stages=2, dq_block_n=128),
           DEFAULT_BWD_CONFIGS[128], *(fgo.GluonBwdConfig(head_group=g) for g in (1, 2, 4, 8)),
           *(fgo.GluonBwdConfig(head_group=g, dk_late=True) for g in (1, 2)),
           *(fgo.GluonBwdConfig(head_group=g, rows_tma=False, dk_late=late) for g in (2, 8) for late in (False, True)),
           fgo.GluonBwdConfig(head_group=2, persistent=True),
           fgo.GluonBwdConfig(persistent=True), fgo.GluonBwdConfig(head_group=4, persistent=True),
-          fgo.GluonBwdConfig(head_group=4, dq_whole=False), fgo.GluonBwdConfig(head_group=4, dq_whole=False,
-                                                                                persistent=True),
+          fgo.GluonBwdConfig(head_group=4, dq_whole=False),
+          fgo.GluonBwdConfig(head_group=4, dq_whole=False, persistent=True),
           *(fgo.GluonBwdConfig(head_group=g, dq_whole=False, dq_buffers=2) for g in (1, 2, 4))],
 }
-"""Per head dim: the two-pass default, one other two-pass config (the other tile of each kernel), the one-pass
-default (dQ summed by TMA reductions; a `GluonBwdConfig` runs mode="one_pass"), also with head groups, on the
-persistent grid (`persistent`), and with dQ in head-dim halves per group (`dq_whole=False`); `dk_late`: dK's wgmma
-after the dS^T store, in both branches; `rows_tma=False` (name without `/rt`): L and D loaded by the consumers from
-global memory; `dq_buffers=2` (`/q2`): two dQ tiles per group, a tile written while the TMA unit may still read the
-previous one (at d 128 with the halves: two whole tiles per group do not fit shared memory)."""
+"""Per head dim: the two-pass default and one other two-pass config (`GluonBwd2Config`), then the one-pass default
+(a `GluonBwdConfig` runs mode="one_pass") and its knobs: head groups, `persistent`, `dq_whole=False`, `dk_late`,
+`rows_tma=False` (name without `/rt`), `dq_buffers=2` (`/q2`). What each knob does: docs/studies.md."""
 GRAD_TOL = {torch.bfloat16: 3e-2, torch.float16: 6e-3}
 """Max |g - g_ref| / max |g_ref| per gradient: P, dS and the gradients are rounded to the input dtype (relative
 2^-9 bf16, 2^-12 fp16) and summed over ~1000 terms with random signs; a wrong row or tail shows up as O(1)."""
@@ -169,12 +153,18 @@ def _causal_flops(batch: int, heads: int, n: int, d: int) -> float:
     return flash_attention_flops(batch, heads, n, n, d, False) / 2
 
 
-def bench(fn, shape, provider: str, config: str = "") -> dict:
-    batch, heads, n, d = shape
-    flops = _causal_flops(batch, heads, n, d)
-    ms = triton.testing.do_bench(fn, warmup=10, rep=50)
-    return _row(dict(kind="time", provider=provider, config=config, shape=f"{batch}x{heads}x{n}x{d}", head_dim=d,
-                     causal=True, dtype="torch.bfloat16"), dict(median_s=ms / 1e3, tflops=flops / ms * 1e-9))
+BENCH_KINDS = {"time": (1.0, 10, 50), "time_fwd_bwd": (3.5, 5, 40), "time_bwd": (2.5, 5, 40)}
+"""Row kind -> (its FLOPs in causal forwards, do_bench's warm-up ms, its measuring ms)."""
+
+
+def bench(fn, shape, provider: str, config: str = "", kind: str = "time", grad_to_none=None) -> dict:
+    """The row of `fn`'s median time at the causal bf16 `shape` (B, H, N, D): kind `time` (forward), `time_fwd_bwd`
+    (forward+backward) or `time_bwd` (backward only)."""
+    scale, warmup, rep = BENCH_KINDS[kind]
+    ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none)
+    return _row(dict(kind=kind, provider=provider, config=config, shape="x".join(map(str, shape)), head_dim=shape[-1],
+                     causal=True, dtype="torch.bfloat16"),
+                dict(median_s=ms / 1e3, tflops=scale * _causal_flops(*shape) / ms * 1e-9))
 
 
 def _grad_reference(q, k, v, do, causal):
@@ -228,16 +218,6 @@ def check_bwd(config: fgo.GluonBwdConfig | fgb.GluonBwd2Config, head_dim: int) -
     return ok, rows
 
 
-def bench_fwd_bwd(fn, shape, provider: str, config: str = "", grad_to_none=None, kind: str = "time_fwd_bwd") -> dict:
-    """Forward+backward (kind time_fwd_bwd, 3.5x the forward's FLOPs) or backward-only (time_bwd, 2.5x) time."""
-    batch, heads, n, d = shape
-    flops = (3.5 if kind == "time_fwd_bwd" else 2.5) * _causal_flops(batch, heads, n, d)
-    ms = triton.testing.do_bench(fn, warmup=5, rep=40, grad_to_none=grad_to_none)
-    return _row(dict(kind=kind, provider=provider, config=config, shape=f"{batch}x{heads}x{n}x{d}",
-                     head_dim=d, causal=True, dtype="torch.bfloat16"),
-                dict(median_s=ms / 1e3, tflops=flops / ms * 1e-9))
-
-
 def check_configs(configs: dict[int, list], check_fn, kind: str, rows: list[dict]) -> dict[int, list]:
     """Run `check_fn(config, head_dim)` for every config (a failure to compile or launch is one line and an error
     row; the script goes on): the configs that passed, per head dim."""
@@ -279,11 +259,11 @@ def run_bwd(rows: list[dict], paired_rounds: int = 0) -> None:
             def cudnn():
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     F.scaled_dot_product_attention(qg, kg, vg, is_causal=True).backward(do)
-            rows.append(bench_fwd_bwd(cudnn, shape, "sdpa_cudnn", grad_to_none=[qg, kg, vg]))
+            rows.append(bench(cudnn, shape, "sdpa_cudnn", kind="time_fwd_bwd", grad_to_none=[qg, kg, vg]))
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 out_g = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
-            rows.append(bench_fwd_bwd(lambda: out_g.backward(do, retain_graph=True), shape, "sdpa_cudnn",
-                                      grad_to_none=[qg, kg, vg], kind="time_bwd"))
+            rows.append(bench(lambda: out_g.backward(do, retain_graph=True), shape, "sdpa_cudnn", kind="time_bwd",
+                              grad_to_none=[qg, kg, vg]))
             qg = kg = vg = out_g = None
         except Exception as e:
             print(f"time sdpa_cudnn fwd+bwd {shape}: ERROR {_short(e, 2)}", flush=True)
@@ -296,9 +276,9 @@ def run_bwd(rows: list[dict], paired_rounds: int = 0) -> None:
         out = lse = None
         try:
             out, lse = fg.gluon_attention_fwd(q, k, v, True, gluon_fwd_config(q, k))
-            rows.append(dict(bench_fwd_bwd(gluon_auto, shape, "gluon_fwd+auto_bwd"), path=_bwd_path()))
-            rows.append(dict(bench_fwd_bwd(lambda: flash_attention_bwd(q, k, v, out, lse, do, True), shape,
-                                           "auto_bwd", kind="time_bwd"), path=_bwd_path()))
+            rows.append(dict(bench(gluon_auto, shape, "gluon_fwd+auto_bwd", kind="time_fwd_bwd"), path=_bwd_path()))
+            rows.append(dict(bench(lambda: flash_attention_bwd(q, k, v, out, lse, do, True), shape, "auto_bwd",
+                                   kind="time_bwd"), path=_bwd_path()))
         except Exception as e:
             print(f"time gluon_fwd+auto_bwd {shape}: ERROR {_short(e, 2)}", flush=True)
         for config in passed[shape[-1]]:
@@ -308,9 +288,9 @@ def run_bwd(rows: list[dict], paired_rounds: int = 0) -> None:
                 out, lse = fg.gluon_attention_fwd(q, k, v, True, gluon_fwd_config(q, k))
                 return _gluon_bwd(q, k, v, out, lse, do, True, c)
             try:
-                rows.append(bench_fwd_bwd(gluon, shape, provider, config.name))
-                rows.append(bench_fwd_bwd(lambda c=config: _gluon_bwd(q, k, v, out, lse, do, True, c), shape,
-                                          provider, config.name, kind="time_bwd"))
+                rows.append(bench(gluon, shape, provider, config.name, kind="time_fwd_bwd"))
+                rows.append(bench(lambda c=config: _gluon_bwd(q, k, v, out, lse, do, True, c), shape, provider,
+                                  config.name, kind="time_bwd"))
             except Exception as e:
                 print(f"time {provider} {config.name} fwd+bwd {shape}: ERROR {_short(e, 2)}", flush=True)
         if paired_rounds and out is not None:
@@ -382,9 +362,9 @@ def main() -> None:
     out = resolve_out(args.out, SWEEP)
     start = time.time()
     print(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}", flush=True)
-    rows, passed = [], {64: [], 128: []}
+    rows = []
     if args.part in ("fwd", "all"):
-        run_fwd(rows, passed, args.paired_rounds)
+        run_fwd(rows, args.paired_rounds)
     if args.part in ("bwd", "all"):
         run_bwd(rows, args.paired_rounds)
     write(rows, str(out), start)
@@ -401,16 +381,15 @@ def parse_shape(text: str) -> tuple[int, int, int, int]:
     return shape
 
 
-def run_fwd(rows: list[dict], passed: dict, paired_rounds: int = 0) -> None:
+def run_fwd(rows: list[dict], paired_rounds: int = 0) -> None:
     """(a) forward correctness per config, then (b) forward timing of the configs that passed; with
     `paired_rounds`, (c) each of them against the config the gluon path launches in alternating rounds."""
-    passed.update(check_configs(CONFIGS, check, "check", rows))
+    passed = check_configs(CONFIGS, check, "check", rows)
     # (b) timing: baselines, then every config that passed.
     for shape in BENCH_SHAPES:
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        cands = [("sdpa_cudnn", "", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", "", SDPBackend.FLASH_ATTENTION)]
-        for name, cfg, backend in cands:
+        for name, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
             try:
                 def fn(backend=backend):
                     with sdpa_kernel(backend):
@@ -444,7 +423,6 @@ def paired_against_default(shape, configs: list, default, run, rounds: int, mode
     `paired_speedup_<mode>_vs_default` = default time / config time, > 1 where the config is faster. A config that
     fails prints one line and gets no row."""
     bench = bench or (lambda fn: triton.testing.do_bench(fn, warmup=25, rep=PAIRED_REP_MS))
-    batch, heads, n, d = shape
     rows = []
     for config in configs:
         if config == default:
@@ -456,17 +434,12 @@ def paired_against_default(shape, configs: list, default, run, rounds: int, mode
             print(f"paired gluon {mode} {config.name} {shape}: ERROR {_short(e, 2)}", flush=True)
             continue
         rows.append(_row(dict(kind="paired" if mode == "fwd" else f"paired_{mode}", provider="gluon",
-                              config=config.name, default=default.name, shape=f"{batch}x{heads}x{n}x{d}",
-                              head_dim=d, causal=True, dtype="torch.bfloat16"), metrics))
+                              config=config.name, default=default.name, shape="x".join(map(str, shape)),
+                              head_dim=shape[-1], causal=True, dtype="torch.bfloat16"), metrics))
         print(f"paired {mode} {config.name} vs {default.name} {shape}: "
               f"{metrics[f'paired_speedup_{mode}_vs_default']:.3f} (+-{metrics[f'paired_speedup_{mode}_ci_rel']:.1%})",
               flush=True)
     return rows
-
-
-def _row(config: dict, metrics: dict, **kw) -> dict:
-    """A result row in the project's convention (raysys.results.records: provenance, seconds)."""
-    return make_row(SWEEP, config, metrics, **kw)
 
 
 def write(rows: list[dict], out_dir: str, start: float) -> None:

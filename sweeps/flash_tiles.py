@@ -22,10 +22,8 @@ import math
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
-
 
 import pandas as pd
 
@@ -33,6 +31,7 @@ from kernels.attention.dispatch import TUNED_CONFIGS_PATH
 from kernels.attention.triton.tuning import KERNELS
 from raysys.measure.device import DTYPES, resolve_device
 from raysys.measure.timing import median_s
+from raysys.results.files import write_text
 from raysys.results.records import ResultWriter, error_row, make_row, trial_id
 from sweeps.common import (PROGRESS, list_flag, main_entry, open_writer, output_dir, parse_list,
                            redraw_report, start_ray, study_parser, write_markdown)
@@ -61,61 +60,51 @@ STAGES = (1, 2, 3, 4)
 MATMULS = {"fwd": 2, "dkdv": 4, "dq": 3, "dkdvq": 5}
 # Kernel variants: path, warp specialisation, persistent grid (kernels/attention/triton/tuning.py), and the
 # register cap of REGISTER_CAPS (Triton's maxnreg: 128 lets two 8-warp programs share an SM). A trial without a
-# `variant` key is `portable` (the rows of earlier runs).
+# `variant` key is `portable`.
 VARIANTS = {"portable": ("portable", False, False), "tma": ("tma", False, False), "tma_ws": ("tma", True, False),
             "tma_persistent": ("tma", False, True), "tma_ws_persistent": ("tma", True, True),
             "tma_r128": ("tma", False, False), "gluon": ("gluon", False, False),
             "gluon_persistent": ("gluon", False, True)}
 REGISTER_CAPS = {"tma_r128": 128}
-# The Gluon kernels (sm_90, Triton 3.6; variant `gluon`): the forward's knobs (`GluonConfig`: query rows per
-# consumer group x keys per tile, ring depth, consumer groups, emulated exp2s) and the one-pass backward's
-# (`GluonBwdConfig`: 64 query rows x 64 keys per group, ring depth), on shapes of head dim 64 or 128 in bf16 / fp16.
+# The Gluon kernels (sm_90; GLUON_VARIANTS, `gluon_persistent` on their persistent grids): the forward's knobs
+# (`GluonConfig`) and the one-pass backward's (`GluonBwdConfig`), on shapes of head dim 64 or 128 in bf16 / fp16.
+# What each axis is for: docs/studies.md.
+GLUON_VARIANTS = ("gluon", "gluon_persistent")
 GLUON_KERNELS = {"fwd": "fwd", "dkdvq": "bwd"}
 """Sweep kernel -> the tuned file's `gluon` kind."""
 GLUON_TILES = {"fwd": ("64x128", "64x64", "128x64"), "dkdvq": ("64x64",)}
 GLUON_STAGES = {"fwd": (2, 3), "dkdvq": (1, 2, 3)}
 GLUON_CONSUMERS = (1, 2, 3)
 GLUON_GROUPS = {"fwd": (0, 8), "dkdvq": (0, 4, 8)}
-"""`head_group` (GluonConfig / GluonBwdConfig): heads whose work items run together, 0 for all."""
+"""`head_group`: heads whose work items run together, 0 for all."""
 GLUON_EXP2 = (0, 8)
-"""The forward's `GluonConfig.exp2_emulated`: none, or one exp2 in 8 on the FMA pipe. Rows without it ran none."""
+"""`GluonConfig.exp2_emulated`: none, or one exp2 in 8 on the FMA pipe."""
 GLUON_RESCALE = (False, True)
-"""The forward's `GluonConfig.rescale_under_s`: O's rescale after the next S is issued (FlashAttention-3's order) or
-at the end of the iteration. Rows without it ran False."""
+"""`GluonConfig.rescale_under_s`: O's rescale after the next S is issued, or at the end of the iteration."""
 GLUON_DQ = {"whole": (True, False), "halves": (False, False), "whole_dk_late": (True, True)}
-"""The one-pass backward's dQ axis -> its (`GluonBwdConfig.dq_whole`, `dk_late`): each query tile's dQ whole by one
-group, in head-dim halves by both, or whole with dK's wgmma after the dS^T store. Rows record the two fields; rows
-without `dq_whole` ran the halves, rows without `dk_late` dK before the store."""
+"""The one-pass backward's dQ axis -> its (`GluonBwdConfig.dq_whole`, `dk_late`); rows record the two fields."""
 GLUON_DQ_BUFFERS = (1, 2)
-"""The one-pass backward's `GluonBwdConfig.dq_buffers`: shared dQ tiles per group. Two whole tiles per group do not
-fit at d 128: those trials are refused before the build (`SharedMemoryExceeded`) and count as configs that do not
-fit. Rows without the axis record the default they ran (`DQ_BUFFERS` of the head dim; 1 where the field is absent)."""
+"""`GluonBwdConfig.dq_buffers`; two whole tiles per group do not fit at d 128 (`SharedMemoryExceeded`)."""
 GLUON_KEYS = ["block_m", "block_n", "num_stages", "num_consumers", "persistent", "head_group"]
 GLUON_FWD_KEYS = GLUON_KEYS + ["exp2_emulated", "rescale_under_s"]
 GLUON_BWD_KEYS = GLUON_KEYS + ["dq_whole", "dk_late", "rows_tma", "dq_buffers"]
-"""The one-pass backward's fields in rows and tuned entries; `rows_tma` (L and D through the ring) is not swept: rows
-record the default they ran, False where the field is absent."""
+"""The one-pass backward's fields in rows and tuned entries (`rows_tma` is not swept: rows record its default)."""
+ROW_DEFAULTS = {"path": "portable", "warp_specialize": False, "persistent": False, "maxnreg": 0, "head_group": 0,
+                "exp2_emulated": 0, "rescale_under_s": False, "dq_whole": False, "dk_late": False, "rows_tma": False,
+                "dq_buffers": 1}
+"""What a row without the column ran (rows of runs before the axis existed); the bool ones are flags."""
 SWEPT_SINCE = {"fwd": "rescale_under_s", "dkdvq": "dq_buffers"}
-"""The axis each Gluon kernel's grid gained last: how many of its values the rows of a head dim and dtype hold (with
-the trials that did not fit) multiplies that grid's size, since rows without the axis hold one value."""
+"""The axis each Gluon kernel's grid gained last: the number of its values in the rows of a head dim and dtype (with
+the trials that did not fit) multiplies that grid's size (rows without the axis hold one value)."""
 UNFIT_ERRORS = ("OutOfResources", "SharedMemoryExceeded")
 """How the `error` of a trial whose config does not fit the device begins: Triton's build or launch, or the launcher's
 own check before it (`kernels.attention.gluon.runtime.SharedMemoryExceeded`)."""
-GLUON_VARIANTS = ("gluon", "gluon_persistent")
-"""`gluon_persistent`: the persistent grids (one program per SM) of the forward (`GluonConfig.persistent`, two
-consumer groups) and of the one-pass backward (`GluonBwdConfig.persistent`), over the same tiles, ring depths and
-head groups. The forward's programs take the work items `work_schedule` deals them (docs/studies.md: older rows
-dealt them in round robin)."""
 QUICK_PER_VARIANT = 4  # --quick: the first built-in candidates of each variant
 PAIRED_KEY = "paired_speedup_kernel_vs_reference"
-"""With --paired-rounds, a gluon trial's median over alternating rounds of (the reference's time / its config's
-time), the reference being the config the launcher takes at that shape (row column `reference`). The winners are
-chosen by these ratios where every row of a head dim and dtype has one against a single reference per shape
-(docs/studies.md says why)."""
+"""--paired-rounds: a gluon trial's median over alternating rounds of (the reference's time / its config's time),
+the reference being the config the launcher takes at that shape (row column `reference`)."""
 PAIRED_CI_KEY = "paired_speedup_kernel_ci_rel"
-"""The relative half-width of PAIRED_KEY's median (95%). A paired winner goes to the tuned file only where its
-(geometric-mean) ratio beats 1 by more than its rows' mean half-width: a config not surely faster than what the
-launcher takes leaves the card on that."""
+"""The relative 95% half-width of PAIRED_KEY's median."""
 
 
 def variant_of(cfg, path: str) -> str:
@@ -160,11 +149,11 @@ def param_spaces(quick: bool, shapes: tuple[str, ...], variants: tuple[str, ...]
     variant and `kernel/variant` for the others; every combination is a valid config for its kernel.
 
     Full: TILES x WARPS x STAGES per kernel (4 warps only when warp-specialised, which Triton 3.6 applies to
-    4-warp fwd and dK/dV loops); `gluon`: GLUON_TILES x GLUON_STAGES (x GLUON_CONSUMERS for fwd) of fwd and the
-    one-pass `dkdvq`, on the shapes the Gluon kernels take, quick or not. Quick: portable, the built-in
-    candidates' tiles x 4, 8 warps x 2, 3 stages; the tma variants, one grid per built-in candidate (the first
-    QUICK_PER_VARIANT of each), over the shapes. `paired_rounds` > 0: the gluon trials also time their config against
-    the one the launcher would take, in that many alternating rounds (a key only then: earlier trial ids stay)."""
+    4-warp fwd and dK/dV loops); gluon variants: the GLUON_* axes of fwd and the one-pass `dkdvq`, on the shapes
+    the Gluon kernels take, quick or not. Quick: portable, the built-in candidates' tiles x 4, 8 warps x 2, 3
+    stages; the tma variants, one grid per built-in candidate (the first QUICK_PER_VARIANT of each), over the
+    shapes. `paired_rounds` > 0: the gluon trials also time their config against the one the launcher would take,
+    in that many alternating rounds (a key only then: earlier trial ids stay)."""
     import torch
 
     from kernels.attention.triton.tuning import candidates
@@ -172,54 +161,47 @@ def param_spaces(quick: bool, shapes: tuple[str, ...], variants: tuple[str, ...]
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         raise ValueError(f"variants {sorted(unknown)} must be among {list(VARIANTS)}")
+    grid = lambda values: {"grid_search": list(values)}  # noqa: E731
     spaces = {}
     for kernel in KERNELS:
         for variant in variants:
             path, ws, persistent = VARIANTS[variant]
+            key = kernel if variant == "portable" else f"{kernel}/{variant}"
+            head = {"kernel": kernel} if variant == "portable" else {"kernel": kernel, "variant": variant}
             if variant in GLUON_VARIANTS:
                 gluon_shapes = [sh for sh in shapes if parse_shape(sh)["head_dim"] in (64, 128)
                                 and parse_shape(sh)["dtype"] in ("bfloat16", "float16")]
                 if not gluon_shapes:
                     raise ValueError(f"variant {variant} runs shapes of head dim 64 or 128 in bf16 / fp16; none of "
                                      f"{list(shapes)} is one")
-                if kernel in GLUON_KERNELS:
-                    consumers = [2] if persistent else list(GLUON_CONSUMERS)
-                    spaces[f"{kernel}/{variant}"] = {
-                        "kernel": kernel, "variant": variant, "tile": {"grid_search": list(GLUON_TILES[kernel])},
-                        "num_warps": 4, "num_stages": {"grid_search": list(GLUON_STAGES[kernel])},
-                        **({"num_consumers": {"grid_search": consumers},
-                            "exp2_emulated": {"grid_search": list(GLUON_EXP2)},
-                            "rescale_under_s": {"grid_search": list(GLUON_RESCALE)}} if kernel == "fwd" else {}),
-                        "head_group": {"grid_search": list(GLUON_GROUPS[kernel])},
-                        **({"dq": {"grid_search": list(GLUON_DQ)},
-                            "dq_buffers": {"grid_search": list(GLUON_DQ_BUFFERS)}} if kernel == "dkdvq" else {}),
-                        **({"paired_rounds": paired_rounds} if paired_rounds else {}),
-                        "shape": {"grid_search": gluon_shapes}}
+                if kernel in GLUON_KERNELS:  # fwd or dkdvq
+                    spaces[key] = {
+                        **head, "tile": grid(GLUON_TILES[kernel]), "num_warps": 4,
+                        "num_stages": grid(GLUON_STAGES[kernel]),
+                        **({"num_consumers": grid([2] if persistent else GLUON_CONSUMERS),
+                            "exp2_emulated": grid(GLUON_EXP2), "rescale_under_s": grid(GLUON_RESCALE)}
+                           if kernel == "fwd" else {}),
+                        "head_group": grid(GLUON_GROUPS[kernel]),
+                        **({"dq": grid(GLUON_DQ), "dq_buffers": grid(GLUON_DQ_BUFFERS)} if kernel == "dkdvq" else {}),
+                        **({"paired_rounds": paired_rounds} if paired_rounds else {}), "shape": grid(gluon_shapes)}
                 continue
             if ws and kernel in ("dq", "dkdvq"):
                 continue
-            extra = {} if variant == "portable" else {"variant": variant}
-            key = kernel if variant == "portable" else f"{kernel}/{variant}"
             if quick and variant == "portable":  # the built-in 16-bit candidates' tiles
-                cands = candidates(kernel, torch.bfloat16)
-                spaces[key] = {"kernel": kernel, "tile": {"grid_search": sorted({f"{c.block_m}x{c.block_n}"
-                                                                                 for c in cands})},
-                               "num_warps": {"grid_search": [4, 8]}, "num_stages": {"grid_search": [2, 3]},
-                               "shape": {"grid_search": list(shapes)}}
-                continue
-            if quick:
+                tiles = sorted({f"{c.block_m}x{c.block_n}" for c in candidates(kernel, torch.bfloat16)})
+                spaces[key] = {**head, "tile": grid(tiles), "num_warps": grid([4, 8]), "num_stages": grid([2, 3]),
+                               "shape": grid(shapes)}
+            elif quick:
                 cap = REGISTER_CAPS.get(variant)
                 cands = [c for c in candidates(kernel, torch.bfloat16, path=path)
                          if (c.warp_specialize, c.persistent, c.maxnreg) == (ws, persistent, cap)][:QUICK_PER_VARIANT]
                 for c in cands:
-                    spaces[f"{key}/{c.label()}"] = {"kernel": kernel, **extra, "tile": f"{c.block_m}x{c.block_n}",
+                    spaces[f"{key}/{c.label()}"] = {**head, "tile": f"{c.block_m}x{c.block_n}",
                                                     "num_warps": c.num_warps, "num_stages": c.num_stages,
-                                                    "shape": {"grid_search": list(shapes)}}
-                continue
-            warps = (4,) if ws else WARPS
-            spaces[key] = {"kernel": kernel, **extra, "tile": {"grid_search": list(TILES[kernel])},
-                           "num_warps": {"grid_search": list(warps)}, "num_stages": {"grid_search": list(STAGES)},
-                           "shape": {"grid_search": list(shapes)}}
+                                                    "shape": grid(shapes)}
+            else:
+                spaces[key] = {**head, "tile": grid(TILES[kernel]), "num_warps": grid((4,) if ws else WARPS),
+                               "num_stages": grid(STAGES), "shape": grid(shapes)}
     return spaces
 
 
@@ -234,9 +216,9 @@ def trial(config: dict, device: str = "cuda") -> dict:
     """One kernel, one launch config, one shape, on the GPU Ray (or the caller) assigned, or on the CPU under
     the Triton interpreter (`device="cpu"`, TRITON_INTERPRET=1: slow, fp32/fp16 only)."""
     import torch
-    import triton.testing
+    import triton
 
-    from kernels.attention import flash_attention_bwd, flash_attention_flops, flash_attention_fwd
+    from kernels.attention import flash_attention_bwd, flash_attention_fwd
     from kernels.attention.triton.tuning import FlashConfig, candidates, config_fits
 
     kernel = config["kernel"]
@@ -248,12 +230,9 @@ def trial(config: dict, device: str = "cuda") -> dict:
     cfg = FlashConfig(block_m, block_n, config["num_warps"], config["num_stages"], ws, persistent,
                       REGISTER_CAPS.get(variant)).check(kernel, path)
     shape = parse_shape(config["shape"])
-    dtype = getattr(torch, shape["dtype"])
     device = torch.device(device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    dims = (shape["batch"], shape["heads"], config.get("_compile_seq", shape["seq"]), shape["head_dim"])
-    q, k, v, do = (torch.randn(dims, generator=gen, device=device, dtype=dtype) for _ in range(4))
-    causal = shape["causal"]
+    q, k, v, do = _inputs(config, shape, device)
+    dtype, causal = q.dtype, shape["causal"]
     baseline = candidates(kernel, dtype, shape["head_dim"])[0]  # known-good reference config (portable)
     block_d = max(16, triton.next_power_of_2(shape["head_dim"]))
     if not config_fits(kernel, cfg, block_d, dtype, device, path):
@@ -276,17 +255,34 @@ def trial(config: dict, device: str = "cuda") -> dict:
         run(cfg)
         run(baseline, "portable")
         return {}
-    got, want = run(cfg).float(), run(baseline, "portable").float()
-    err = float((got - want).abs().max())
-    limit = (1e-4 if dtype == torch.float32 else 2e-2) * float(want.abs().max())
-    if not err <= limit:  # NaN fails too
-        raise RuntimeError(f"wrong result: max abs difference {err:.3g} from the baseline config > {limit:.3g}")
-    ms = median_s(lambda: run(cfg), device) * 1e3
-    flops = flash_attention_flops(shape["batch"], shape["heads"], shape["seq"], shape["seq"], shape["head_dim"], causal, "fwd")
-    flops *= MATMULS[kernel] / 2
+    metrics = _measure(kernel, shape, lambda: run(cfg), run(cfg), run(baseline, "portable"), device,
+                       1e-4 if dtype == torch.float32 else 2e-2, "the baseline config")
     return {"block_m": block_m, "block_n": block_n, "path": path, "warp_specialize": ws, "persistent": persistent,
-            "maxnreg": cfg.maxnreg or 0, **shape, "time_median_s": ms / 1e3, "tflops": flops / (ms * 1e-3) / 1e12,
-            "max_abs_err": err}
+            "maxnreg": cfg.maxnreg or 0, **shape, **metrics}
+
+
+def _inputs(config: dict, shape: dict, device) -> list:
+    """Seeded q, k, v, dO of the trial's shape (of sequence length `_compile_seq` when it only compiles)."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    dims = (shape["batch"], shape["heads"], config.get("_compile_seq", shape["seq"]), shape["head_dim"])
+    return [torch.randn(dims, generator=gen, device=device, dtype=getattr(torch, shape["dtype"])) for _ in range(4)]
+
+
+def _measure(kernel: str, shape: dict, run, got, want, device, rel_tol: float, baseline: str) -> dict:
+    """`time_median_s`, `tflops` and `max_abs_err` of `run`, whose result `got` must be within `rel_tol` x max|want|
+    of `want` (what `baseline` computes) or the trial fails."""
+    from kernels.attention import flash_attention_flops
+
+    err = float((got.float() - want.float()).abs().max())
+    limit = rel_tol * float(want.float().abs().max())
+    if not err <= limit:  # NaN fails too
+        raise RuntimeError(f"wrong result: max abs difference {err:.3g} from {baseline} > {limit:.3g}")
+    ms = median_s(run, device) * 1e3
+    flops = flash_attention_flops(shape["batch"], shape["heads"], shape["seq"], shape["seq"], shape["head_dim"],
+                                  shape["causal"], "fwd") * MATMULS[kernel] / 2
+    return {"time_median_s": ms / 1e3, "tflops": flops / (ms * 1e-3) / 1e12, "max_abs_err": err}
 
 
 def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
@@ -296,25 +292,23 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
 
     import kernels.attention.gluon.backward as one_pass
     import kernels.attention.gluon.forward as gluon_fwd
-    from kernels.attention import flash_attention_bwd, flash_attention_flops, flash_attention_fwd
+    from kernels.attention import flash_attention_bwd, flash_attention_fwd
     from kernels.attention.dispatch import DQ_BUFFERS, gluon_bwd_config, gluon_fwd_config
     from kernels.attention.triton.tuning import candidates
 
     kernel, shape = config["kernel"], parse_shape(config["shape"])
     persistent = VARIANTS[config["variant"]][2]
-    dtype, causal, head_dim = getattr(torch, shape["dtype"]), shape["causal"], shape["head_dim"]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    dims = (shape["batch"], shape["heads"], config.get("_compile_seq", shape["seq"]), head_dim)
-    q, k, v, do = (torch.randn(dims, generator=gen, device="cuda", dtype=dtype) for _ in range(4))
-    base_fwd = candidates("fwd", dtype, head_dim)[0]
+    causal, head_dim, device = shape["causal"], shape["head_dim"], torch.device("cuda")
+    q, k, v, do = _inputs(config, shape, device)
+    dtype = q.dtype
     if kernel == "fwd":
         cfg = gluon_fwd.GluonConfig(block_m=block_m, block_n=block_n, num_stages=config["num_stages"],
                                     num_consumers=config["num_consumers"], persistent=persistent,
                                     head_group=config.get("head_group", 0),
                                     exp2_emulated=config.get("exp2_emulated", 0),
                                     rescale_under_s=config.get("rescale_under_s", False))
-        run = lambda: gluon_fwd.gluon_attention_fwd(q, k, v, causal, config=cfg)[0]  # noqa: E731
-        want = flash_attention_fwd(q, k, v, causal, config=base_fwd, path="portable")[0]
+        run = lambda c=cfg: gluon_fwd.gluon_attention_fwd(q, k, v, causal, config=c)[0]  # noqa: E731
+        want = flash_attention_fwd(q, k, v, causal, config=candidates("fwd", dtype, head_dim)[0], path="portable")[0]
     else:
         if (block_m, block_n) != (64, one_pass.BWD_BLOCK_N):
             raise ValueError(f"the one-pass Gluon backward's tile is 64x{one_pass.BWD_BLOCK_N}, "
@@ -324,40 +318,27 @@ def gluon_trial(config: dict, block_m: int, block_n: int) -> dict:
                                       head_group=config.get("head_group", 0), dq_whole=dq_whole, dk_late=dk_late,
                                       dq_buffers=config.get("dq_buffers", DQ_BUFFERS.get(head_dim, 1)))
         out, lse = gluon_fwd.gluon_attention_fwd(q, k, v, causal, gluon_fwd_config(q, k))
-        run = lambda: one_pass.gluon_attention_bwd(q, k, v, out, lse, do, causal, cfg)[0]  # noqa: E731
+        run = lambda c=cfg: one_pass.gluon_attention_bwd(q, k, v, out, lse, do, causal, c)[0]  # noqa: E731
         want = flash_attention_bwd(q, k, v, out, lse, do, causal, path="portable", bwd="two_pass",
                                    dkdv_config=candidates("dkdv", dtype, head_dim)[0],
                                    dq_config=candidates("dq", dtype, head_dim)[0])[0]
     got = run()
     if "_compile_seq" in config:
         return {}
-    err = float((got.float() - want.float()).abs().max())
-    limit = 2e-2 * float(want.float().abs().max())
-    if not err <= limit:
-        raise RuntimeError(f"wrong result: max abs difference {err:.3g} from the tl kernels > {limit:.3g}")
-    ms = median_s(run, torch.device("cuda")) * 1e3
-    paired = {}
+    metrics = _measure(kernel, shape, run, got, want, device, 2e-2, "the tl kernels")
     if config.get("paired_rounds"):  # against what the launcher takes at this shape, alternating (PAIRED_KEY)
         from raysys.measure.timing import paired_speedups
 
-        if kernel == "fwd":
-            ref = gluon_fwd_config(q, k)
-            ref_run = lambda: gluon_fwd.gluon_attention_fwd(q, k, v, causal, config=ref)[0]  # noqa: E731
-        else:
-            ref = gluon_bwd_config(q)
-            ref_run = lambda: one_pass.gluon_attention_bwd(q, k, v, out, lse, do, causal, ref)[0]  # noqa: E731
-        paired = {**paired_speedups({"kernel": run}, {"kernel": ref_run}, int(config["paired_rounds"]),
-                                    lambda fn: median_s(fn, torch.device("cuda")) * 1e3, "reference"),
-                  "reference": ref.name}
-    flops = flash_attention_flops(shape["batch"], shape["heads"], shape["seq"], shape["seq"], head_dim, causal, "fwd")
-    flops *= MATMULS[kernel] / 2
+        reference = gluon_fwd_config(q, k) if kernel == "fwd" else gluon_bwd_config(q)
+        metrics.update(paired_speedups({"kernel": run}, {"kernel": lambda: run(reference)},
+                                       int(config["paired_rounds"]), lambda fn: median_s(fn, device) * 1e3,
+                                       "reference"), reference=reference.name)
     return {"block_m": block_m, "block_n": block_n, "num_consumers": config.get("num_consumers", 2), "path": "gluon",
             "warp_specialize": True, "persistent": persistent, "head_group": cfg.head_group, "maxnreg": 0, **shape,
             **({"dq_whole": cfg.dq_whole, "dk_late": cfg.dk_late, "rows_tma": cfg.rows_tma,
                 "dq_buffers": cfg.dq_buffers} if kernel != "fwd"
                else {"exp2_emulated": cfg.exp2_emulated, "rescale_under_s": cfg.rescale_under_s}),
-            "time_median_s": ms / 1e3,
-            "tflops": flops / (ms * 1e-3) / 1e12, "max_abs_err": err, **paired}
+            **metrics}
 
 
 class Budget:
@@ -400,11 +381,8 @@ def precompile(configs: list[dict], workers: int) -> None:
 
     # Specialisation matches the timed launch: the same heads, dtype, head dim, mask, tile flags and Gluon knobs (head
     # groups and the dQ axis are compile-time constants), and sequence lengths that are multiples of 16 (Triton keys
-    # its cache on divisibility by 16, not the value).
-    unique = list({(c["kernel"], c.get("variant"), c["tile"], c["num_warps"], c["num_stages"],
-                    c.get("num_consumers"), c.get("head_group"), c.get("dq"), c.get("exp2_emulated"),
-                    c.get("rescale_under_s"), c.get("dq_buffers"),
-                    c["shape"].split("/", 1)[1]): c
+    # its cache on divisibility by 16, not the value): one trial per config and shape after its first field.
+    unique = list({(tuple((k, str(v)) for k, v in sorted(c.items()) if k != "shape"), c["shape"].split("/", 1)[1]): c
                    for c in configs}.values())
     start = time.monotonic()
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -480,22 +458,25 @@ def best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict[str, 
     ok = df[df["status"] == "ok"].copy()
     if ok.empty:
         return {kernel: [] for kernel in KERNELS}
-    for col, default in (("path", "portable"), ("warp_specialize", False), ("persistent", False), ("maxnreg", 0)):
-        ok[col] = ok[col].fillna(default) if col in ok else default  # rows of runs before the tma path / the cap
-    for col in ("block_m", "block_n", "num_warps", "num_stages", "head_dim", "maxnreg"):
-        ok[col] = ok[col].astype(int)
-    for col in ("warp_specialize", "persistent"):
-        ok[col] = ok[col].astype(bool)
-    ok["median_ms"] = 1e3 * ok["time_median_s"]  # the tuned file's unit
-    ok["log_ms"] = ok["median_ms"].map(math.log)
     keys = ["block_m", "block_n", "num_warps", "num_stages", "warp_specialize", "persistent", "maxnreg"]
+    ok["path"] = _filled(ok, "path")
+    for col in keys + ["head_dim"]:
+        ok[col] = _filled(ok, col).astype(int)
     out: dict[str, list[dict]] = {}
     for kernel in KERNELS:
-        entries = []
+        out[kernel] = []
         for path, sel in ok[(ok["kernel"] == kernel) & (ok["path"] != "gluon")].groupby("path"):
-            entries += _best_entries(sel, keys, {"path": path}, min_configs)
-        out[kernel] = entries
+            out[kernel] += _best_entries(sel, keys, {"path": path}, min_configs)
     return out
+
+
+def _filled(df: pd.DataFrame, col: str) -> pd.Series:
+    """`df[col]`, with ROW_DEFAULTS[col] (if it has one) where a row lacks it or `df` has no such column."""
+    default = ROW_DEFAULTS.get(col)
+    if default is None:
+        return df[col]
+    values = df[col] if col in df else pd.Series(default, index=df.index)
+    return (values.astype("boolean") if isinstance(default, bool) else values).fillna(default)
 
 
 def gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dict[str, list[dict]]:
@@ -514,12 +495,11 @@ def _gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dic
     """The `gluon` part from one card's `gluon` rows: per kind (GLUON_KERNELS) the winners as `best_configs` picks
     them, over GLUON_FWD_KEYS / GLUON_BWD_KEYS; a shape counts as swept with min(min_configs, the configs of the kind's
     grid that fit) measured configs: a config whose build ran out of shared memory or registers at a head dim and dtype
-    (an error row beginning with one of UNFIT_ERRORS) never runs there, so it is not missing from the sweep (the
-    one-pass backward's 3-slot ring does not fit at d 128, 6 of its 9 configs do). Where every row of a head dim and
-    dtype was paired against one reference per shape (--paired-rounds, PAIRED_KEY), the winners are those with the
-    highest (geometric-mean) ratio against it, and only where it beats the reference (PAIRED_CI_KEY); the entries
-    then also carry it (`geomean_vs_reference`, `vs_reference`). The forward's sweep-wide winner is ranked over the
-    shapes beyond PERSISTENT_GRID's length (`_tuned_entry_shapes`)."""
+    (an error row beginning with one of UNFIT_ERRORS) never runs there, so it is not missing from the sweep. Where
+    every row of a head dim and dtype was paired against one reference per shape (PAIRED_KEY), the winners are those
+    with the highest (geometric-mean) ratio against it, and only where it beats the reference (`_beats_reference`);
+    the entries then also carry it (`geomean_vs_reference`, `vs_reference`). The forward's sweep-wide winner is ranked
+    over the shapes beyond PERSISTENT_GRID's length (`_tuned_entry_shapes`)."""
     ok = df[(df["status"] == "ok") & (df.get("path", pd.Series(index=df.index, dtype=object)) == "gluon")].copy()
     errors = df[(df["status"] == "error") & df.get("variant", pd.Series(index=df.index, dtype=object)).isin(
         GLUON_VARIANTS) & df.get("error", pd.Series("", index=df.index)).fillna("").str.startswith(UNFIT_ERRORS)]
@@ -529,26 +509,11 @@ def _gluon_best_configs(df: pd.DataFrame, min_configs: int = MIN_CONFIGS) -> dic
         sel = ok[ok["kernel"] == kernel].copy()
         if sel.empty:
             continue
-        if "persistent" not in sel:  # rows of runs before the persistent forward
-            sel["persistent"] = False
-        sel["persistent"] = sel["persistent"].fillna(False)
-        sel["head_group"] = (sel["head_group"] if "head_group" in sel else pd.Series(0, index=sel.index)).fillna(0)
         keys = GLUON_FWD_KEYS if kernel == "fwd" else GLUON_BWD_KEYS
-        if kernel == "fwd":  # rows before the axes ran no emulated exp2s and O's rescale at the iteration's end
-            sel["exp2_emulated"] = (sel["exp2_emulated"] if "exp2_emulated" in sel
-                                    else pd.Series(0, index=sel.index)).fillna(0)
-            sel["rescale_under_s"] = (sel["rescale_under_s"] if "rescale_under_s" in sel
-                                      else pd.Series(False, index=sel.index)).astype("boolean").fillna(False)
         # (the dQ axis of the runs the rows come from: none, dq_whole's two values, or GLUON_DQ's three)
         dq_axis = 1 if kernel == "fwd" else 1 + sum(c in sel and sel[c].notna().any() for c in ("dq_whole", "dk_late"))
-        if kernel != "fwd":  # rows before dq_whole measured the head-dim halves, rows before dk_late dK before
-            for c in ("dq_whole", "dk_late", "rows_tma"):
-                sel[c] = (sel[c] if c in sel else pd.Series(False, index=sel.index)).astype("boolean").fillna(False)
-            sel["dq_buffers"] = (sel["dq_buffers"] if "dq_buffers" in sel else pd.Series(1, index=sel.index)).fillna(1)
         for col in keys:
-            sel[col] = sel[col].astype(int)
-        sel["median_ms"] = 1e3 * sel["time_median_s"]
-        sel["log_ms"] = sel["median_ms"].map(math.log)
+            sel[col] = _filled(sel, col).astype(int)
         grid = len(GLUON_TILES[kernel]) * len(GLUON_STAGES[kernel])
         grid *= len(GLUON_CONSUMERS) * len(GLUON_EXP2) if kernel == "fwd" else dq_axis
         grid *= len(GLUON_GROUPS[kernel])
@@ -594,15 +559,15 @@ def _tuned_entry_shapes(part: pd.DataFrame, kernel: str, head_dim: int) -> set[s
 
 def _best_entries(sel: pd.DataFrame, keys: list[str], tags: dict, min_configs: int, paired: bool = False,
                   ranked: set[str] | None = None) -> list[dict]:
-    """best_configs for the rows of one (kernel, path); `paired`: ranked by `log_rel` (log of time relative to the
-    paired reference) instead of `log_ms`; `ranked`: the shapes the sweep-wide winner is chosen over (None: all;
-    every shape still gets its own winner)."""
+    """best_configs for the rows of one (kernel, path), their `keys` ints; ranked by the log of `time_median_s` or,
+    `paired`, by `log_rel` (log of time relative to the paired reference); `ranked`: the shapes the sweep-wide winner
+    is chosen over (None: all; every shape still gets its own winner)."""
     score = "log_rel" if paired else "log_ms"
+    sel = sel.assign(median_ms=1e3 * sel["time_median_s"])  # the tuned file's unit
+    sel = sel.assign(log_ms=sel["median_ms"].map(math.log))
 
     def config_of(values) -> dict:
-        values = values if isinstance(values, tuple) else tuple(values)
-        flags = ("warp_specialize", "persistent", "dq_whole", "dk_late", "rows_tma", "rescale_under_s")
-        config = {k: (bool(v) if k in flags else int(v)) for k, v in zip(keys, values)}
+        config = {k: (bool(v) if isinstance(ROW_DEFAULTS.get(k), bool) else int(v)) for k, v in zip(keys, values)}
         if "maxnreg" in config:
             config["maxnreg"] = config["maxnreg"] or None  # 0: no register cap
         return config
@@ -661,12 +626,9 @@ def json_provenance(df: pd.DataFrame) -> dict:
 
 
 def write_json(data: dict, path: Path) -> None:
+    """`data` as indented JSON at `path`, written atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_text(path, json.dumps(data, indent=1) + "\n")
 
 
 def write_tuned(df: pd.DataFrame, tuned: dict[str, list[dict]], json_path: Path,

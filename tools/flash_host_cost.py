@@ -46,17 +46,6 @@ UNKNOWN = {name: "unknown" for name in PROVENANCE_COLUMNS}
 """What printed lines do not say: the run's id, host, time, versions and device."""
 
 
-def parse(text: str) -> list[dict]:
-    """The case lines of one run's printed output: case, host_s, wall_s, kernel_s."""
-    rows = []
-    for line in text.splitlines():
-        m = LINE.match(line.strip())
-        if m:
-            rows.append(dict(case=m["case"], host_s=float(m["host"]) * 1e-6, wall_s=float(m["wall"]) * 1e-6,
-                             kernel_s=float(m["kernel"]) * 1e-6))
-    return rows
-
-
 def from_logs(text: str, sha: str) -> pd.DataFrame:
     """`main`'s rows (the case lines and the `--by-kernel` lines) from the printed output of one or more runs, each
     run's block ending with its `wrote` line, which names the shape."""
@@ -115,11 +104,6 @@ def by_kernel(fn, n: int = 20) -> list[tuple[str, float, float]]:
     found = [(e.key, e.count / n, e.device_time_total / n * 1e-6) for e in prof.key_averages()
              if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
     return sorted(found, key=lambda x: -x[2])
-
-
-def kernel_s(fn, n: int = 20) -> float:
-    """Seconds of CUDA kernel time per call of `fn` (every kernel the profiler recorded over `n` calls)."""
-    return sum(seconds for _, _, seconds in by_kernel(fn, n))
 
 
 def profile(name: str, fn, n: int = 50) -> None:
@@ -224,9 +208,7 @@ def main() -> None:
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
 
     def fwd_bwd(path):
-        def run():
-            fa.flash_attention(qg, kg, vg, True, path=path).backward(do)
-        return run
+        return lambda: fa.flash_attention(qg, kg, vg, True, path=path).backward(do)
 
     def sdpa_fwd():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -254,7 +236,7 @@ def main() -> None:
     cases = [(name, fn) for name, fn in cases if name in wanted]
     for name, fn in cases:
         host_us, wall_us = host_and_wall(fn)
-        gpu_us = kernel_s(fn) * 1e6
+        gpu_us = sum(seconds for _, _, seconds in by_kernel(fn)) * 1e6
         print(name, "host us/call %.1f  wall us/call %.1f  kernels us/call %.1f" % (host_us, wall_us, gpu_us))
         rows.append(make_row("flash_host_cost", dict(case=name, shape=label, calls=200),
                              dict(host_s=host_us * 1e-6, wall_s=wall_us * 1e-6, kernel_s=gpu_us * 1e-6)))
