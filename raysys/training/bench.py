@@ -99,7 +99,7 @@ class _Run:
 
     def __init__(self, cfg: BenchConfig, device: torch.device):
         mc = cfg.model_config()
-        self.cfg, self.device, self.mc = cfg, device, mc
+        self.cfg, self.device = cfg, device
         if cfg.compile:  # a new model size must not count against Dynamo's recompile limit of earlier runs' graphs
             torch._dynamo.reset()
         # compiled per block, as torchtitan does: one graph shared by the blocks, so compile time does not grow with

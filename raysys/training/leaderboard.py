@@ -276,13 +276,6 @@ def model_dtype_name(model: nn.Module) -> str:
     return DTYPE_NAMES[dtype]
 
 
-def device_memory_bytes(device: torch.device) -> int:
-    """Total memory of `device` (the host's physical memory for the CPU)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return machine_memory_bytes()
-
-
 ALLOC_CONF = "expandable_segments:True"
 """The CUDA caching allocator's setting for the step (expandable segments: the plan fills the device to within the
 advisor's margin, which fixed-size segments fragment)."""
@@ -362,15 +355,18 @@ def plan_step(model_config: ModelConfig, batch_size: int, seq_len: int, config: 
 
 def plan_on_device(model_config: ModelConfig, batch_size: int, seq_len: int, config: StepConfig, *, dtype: str,
                    device: torch.device, shards: int = 1):
-    """`plan_step` for `device` as it is: its memory (or `config.gpu_memory`), and on CUDA, when the kinds allow
-    offload, the host link measured (`host_link_gbps`) and this GPU's part of `HOST_MEMORY_SHARE` of the host's
-    memory."""
-    link, host = None, None
+    """`plan_step` for `device` as it is: its memory (the host's for the CPU; or `config.gpu_memory`), and on CUDA,
+    when the kinds allow offload, the host link measured (`host_link_gbps`) and this GPU's part of
+    `HOST_MEMORY_SHARE` of the host's memory."""
+    link, host, memory = None, None, config.gpu_memory
+    if memory is None:
+        memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
+                  else machine_memory_bytes())
     if device.type == "cuda" and "offload" in config.recompute_kinds:
         link = host_link_gbps(device)
         host = int(HOST_MEMORY_SHARE * machine_memory_bytes() / max(1, torch.cuda.device_count()))
     return plan_step(model_config, batch_size, seq_len, config, dtype=dtype, device_type=device.type,
-                     gpu_memory=config.gpu_memory or device_memory_bytes(device), shards=shards, link_gbps=link,
+                     gpu_memory=memory, shards=shards, link_gbps=link,
                      host_memory=host, attention_kernels=planned_attention_kernels(model_config, batch_size, seq_len,
                                                                                    config.attention, dtype, device))
 
@@ -503,9 +499,15 @@ class LeaderboardStep:
         return self.checkpointing.policy.spec if self.checkpointing is not None else "none"
 
     def describe(self) -> dict:
-        """Which code path runs: the columns a benchmark row records."""
-        plan = self.plan
-        return {"attention": self.config.attention, "attention_kernels": self._attention_kernels(),
+        """Which code path runs: the columns a benchmark row records. For `flash_triton`, `attention_kernels` are the
+        paths its last forward and backward took (the auto dispatch depends on the GPU, the Triton and the shape), so
+        rows of one name but other kernels never mix."""
+        kernels, plan = "", self.plan
+        if self.config.attention == "flash_triton":
+            from kernels.attention import last_paths
+
+            kernels = last_paths()
+        return {"attention": self.config.attention, "attention_kernels": kernels,
                 "loss_path": self.loss_impl,
                 "num_ffn": sum(r.stop - r.start for r in self.checkpointing.regions if r.kind == "ffn"),
                 "optimizer_class": (f"{self.optimizer.kind} in backward" if isinstance(self.optimizer,
@@ -520,16 +522,6 @@ class LeaderboardStep:
                 "planned_attention_kernels": plan.workload.attention_kernels if plan is not None else "",
                 "alloc_conf": self.allocator}
 
-    def _attention_kernels(self) -> str:
-        """For `flash_triton`, the kernel paths its last forward and backward took (`gluon fwd / tma bwd, two_pass`:
-        the auto dispatch depends on the GPU, the Triton and the shape), so rows of one name but other kernels never
-        mix."""
-        if self.config.attention != "flash_triton":
-            return ""
-        from kernels.attention import last_paths
-
-        return last_paths()
-
     def reset_optimizer_state(self) -> None:
         """Drop the AdamW state (moments and step counts), as a fresh optimizer would have it."""
         if isinstance(self.optimizer, OptimizerInBackward):
@@ -541,12 +533,7 @@ class LeaderboardStep:
         """Undo what the constructor applied to the model (checkpoint policy, compiled forwards, backward hooks)."""
         if isinstance(self.optimizer, OptimizerInBackward):
             self.optimizer.remove()
-        if self.lean is not None:
-            self.lean.remove()
-            self.lean = None
-        if self.compiled is not None:
-            self.compiled.remove()
-            self.compiled = None
-        if self.checkpointing is not None:
-            self.checkpointing.remove()
-            self.checkpointing = None
+        for part in ("lean", "compiled", "checkpointing"):  # the reverse of the order they were applied in
+            if getattr(self, part) is not None:
+                getattr(self, part).remove()
+                setattr(self, part, None)
