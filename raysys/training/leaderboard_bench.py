@@ -505,14 +505,13 @@ def variant_config(args, session: Session, variant: Variant, **extra) -> dict:
     chosen = not args.do_bench_only or {variant.name, f"{variant.name}:b{variant.batch_size}"} & set(split_list(args.do_bench_only))
     timer = "do_bench" if args.timer == "do_bench" and chosen else "events"
     c = session.config
-    row_config = {"variant": variant.name, "size": c.name, "batch_size": variant.batch_size, "seq_len": c.context_length,
-                  "vocab_size": c.vocab_size, "dtype": args.dtype, "device": session.device.type,
-                  **{k: getattr(variant.step, k) for k in ("attention", "loss", "loss_impl", "optimizer", "recompute",
-                                                           "compile", "lean", "compile_backend")},
-                  "timer": timer, "rep_ms": args.rep_ms if timer == "do_bench" else float("nan"),
-                  "warmup_ms": args.warmup_ms if timer == "do_bench" else float("nan"),
-                  "steps": args.steps if timer == "events" else float("nan"), **extra}
-    return row_config
+    return {"variant": variant.name, "size": c.name, "batch_size": variant.batch_size, "seq_len": c.context_length,
+            "vocab_size": c.vocab_size, "dtype": args.dtype, "device": session.device.type,
+            **{k: getattr(variant.step, k) for k in ("attention", "loss", "loss_impl", "optimizer", "recompute",
+                                                     "compile", "lean", "compile_backend")},
+            "timer": timer, "rep_ms": args.rep_ms if timer == "do_bench" else float("nan"),
+            "warmup_ms": args.warmup_ms if timer == "do_bench" else float("nan"),
+            "steps": args.steps if timer == "events" else float("nan"), **extra}
 
 
 def variant_row(args, session: Session, variant: Variant, sweep: str = SWEEP, **extra) -> dict:
