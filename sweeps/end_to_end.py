@@ -60,7 +60,7 @@ class Study:
 
     def run(self, cfg: BenchConfig, **extra) -> dict | None:
         config = {**cfg.as_dict(), **extra}
-        tid = make_row(self.writer.sweep, config)["trial_id"]
+        tid = trial_id(config)
         if self.writer.done(tid):
             return None
         row, kernels = run_benchmark(cfg, self.out)
@@ -93,7 +93,7 @@ def warmup(g: dict, device: str, out: Path, writers: dict) -> None:
     for size in g["warmup_sizes"]:
         for w in g["warmups"]:
             config = {"size": size, "warmup": w, "context_length": g["ctx"], "steps": g["steps"]}
-            tid = make_row("e2e_warmup", config)["trial_id"]
+            tid = trial_id(config)
             if writer.done(tid):
                 continue
             with tempfile.TemporaryDirectory() as tmp:

@@ -22,20 +22,18 @@ import math
 import sys
 from pathlib import Path
 
-
 import pandas as pd
 import torch
 
 from parallel.checkpointing import parse_policy
-from raysys.model.config import ModelConfig
 from raysys.cluster.studies import JoinList, split_list
-from raysys.measure.device import check_fits
-from raysys.measure.timing import do_bench_agreed
+from raysys.measure.device import DTYPES, check_fits, resolve_device
+from raysys.model.config import ModelConfig
 from raysys.training.leaderboard import LeaderboardStep, StepConfig, plan_on_device
-from raysys.training.leaderboard_bench import (COURSE_REP_MS, COURSE_WARMUP_MS, DTYPE_NAMES, SWEEP,
-                                      Session, Variant, build_leaderboard_parser, check_options,
-                                      for_device, make_batch, release_cached_memory, run_ablation, run_check,
-                                      run_variants, start_session, variant_row)
+from raysys.training.leaderboard_bench import (COURSE_REP_MS, COURSE_WARMUP_MS, SWEEP, Session, Variant,
+                                               attention_text, build_leaderboard_parser, check_options, for_device,
+                                               make_batch, model_config_of, predicted_peak, release_cached_memory, run_ablation,
+                                               run_check, run_variants, start_session, time_step, variant_row)
 from raysys.results.records import ROW_COLUMNS, read_results
 from raysys.training.step import build_model
 from sweeps.common import output_dir
@@ -70,16 +68,15 @@ def neighbour_specs(plan_layers: tuple[str, ...], offsets: list[int], grow: str 
     return out
 
 
-def fast_plan(session: Session, args) -> tuple:
-    """The advisor's plan of the fast step (batch --batch-size) on this device."""
-    step = for_device(StepConfig(attention=session.attention), session.device, args.compile_backend)
-    return plan_on_device(session.config, args.batch_size, session.config.context_length, step, dtype=args.dtype,
-                          device=session.device), step
+def fast_plan(config: ModelConfig, device: torch.device, args, attention: str = "flash_triton") -> tuple:
+    """The advisor's plan of the fast step (batch --batch-size) on `device`, and that step."""
+    step = for_device(StepConfig(attention=attention), device, args.compile_backend)
+    return plan_on_device(config, args.batch_size, config.context_length, step, dtype=args.dtype, device=device), step
 
 
 def run_neighbours_local(args, session: Session) -> pd.DataFrame:
     """The plan and its neighbours on the session's model, one after another (no Ray)."""
-    plan, step = fast_plan(session, args)
+    plan, step = fast_plan(session.config, session.device, args, session.attention)
     items = ((Variant(name=f"plan{off:+d}", step=step.replace(recompute=spec), batch_size=args.batch_size),
               {"offset": off, "advisor_policy": plan.spec, "launcher": "local"},
               {"advisor_predicted_peak_bytes": plan.predicted_peak_bytes})
@@ -119,10 +116,8 @@ def run_neighbours_tune(args) -> pd.DataFrame:
 
     from raysys.cluster.sweep import tune_run
 
-    device = torch.device("cuda" if args.device in ("auto", "cuda") and torch.cuda.is_available() else args.device)
-    config = ModelConfig.from_name(args.size, **_overrides(args))
-    step = for_device(StepConfig(), device, args.compile_backend)
-    plan = plan_on_device(config, args.batch_size, config.context_length, step, dtype=args.dtype, device=device)
+    device = resolve_device(args.device)
+    plan, _ = fast_plan(model_config_of(args), device, args)
     offsets = [off for off, _ in neighbour_specs(plan.layers, args.offsets)]
     space = {**{k: getattr(args, k) for k in TUNE_ARGS}, "launcher": "tune", "advisor_policy": plan.spec,
              "offset": tune.grid_search(offsets)}
@@ -201,8 +196,7 @@ class DDPTrial:
     """Return every parameter after the steps (the tests compare them with one process)."""
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig.from_name(self.size, **{k: v for k, v in (("context_length", self.context_length),
-                                                                        ("vocab_size", self.vocab_size)) if v})
+        return model_config_of(self)
 
 
 def _agree_max(ctx, value: float) -> float:
@@ -230,35 +224,22 @@ def ddp_trial(ctx, config: dict) -> dict:
     """On every rank: the model (same seed everywhere; the wrapper broadcasts rank 0's anyway), OverlappedDDP over
     the gang's group, the fast step on this rank's own sequences, timed by `timer`; with `profile`, one more step
     under the profiler for the communication it leaves exposed."""
-    import statistics
-    import time
-
     from parallel.ddp import OverlappedDDP
     from raysys.measure.profiling import profile_steps
 
     t = DDPTrial(**config)
-    dtype = {v: k for k, v in DTYPE_NAMES.items()}[t.dtype]
     mc = t.model_config()
-    model = build_model(mc, ctx.device, dtype, t.seed)
+    model = build_model(mc, ctx.device, DTYPES[t.dtype], t.seed)
     ddp = OverlappedDDP(model, process_group=ctx.process_group)
     step = LeaderboardStep(model, StepConfig(**dict(t.step)), batch_size=t.batch_size,
                            sync=ddp.finish_gradient_synchronization)
     try:
         x, y = make_batch(mc, t.batch_size, mc.context_length, ctx.device, t.seed, rank=ctx.rank)
         losses = [float(step(x, y))]
-        if t.timer == "do_bench":
-            timing = do_bench_agreed(lambda: step(x, y), ctx.device, warmup_ms=t.warmup_ms, rep_ms=t.rep_ms,
-                                     agree=lambda v: _agree_max(ctx, v))
-            median, timed = timing["time_median_s"], timing["timed_steps"]
-        else:
-            times = []
-            for _ in range(t.steps):
-                ctx.synchronize()
-                t0 = time.perf_counter()
-                losses.append(float(step(x, y)))
-                ctx.synchronize()
-                times.append(time.perf_counter() - t0)
-            median, timed = statistics.median(times), len(times)
+        fn = (lambda: step(x, y)) if t.timer == "do_bench" else (lambda: losses.append(float(step(x, y))))
+        timing = time_step(fn, ctx.device, timer=t.timer, rep_ms=t.rep_ms, warmup_ms=t.warmup_ms, steps=t.steps,
+                           warmup_steps=0, agree=lambda v: _agree_max(ctx, v))
+        median, timed = timing["step_median_s"], timing["timed_steps"]
         peak = float(torch.cuda.max_memory_allocated(ctx.device)) if ctx.device.type == "cuda" else float("nan")
         out = {"step_median_s": median, "timed_steps": timed, "losses": losses, "peak_bytes": peak,
                "tokens_per_s": ctx.world_size * t.batch_size * mc.context_length / median,
@@ -277,15 +258,15 @@ def run_ddp(args) -> pd.DataFrame:
     """The fast step on a gang of --world-size ranks (Ray actors, or processes with --launcher mp)."""
     from raysys.cluster.sweep import run_sweep
 
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    step = for_device(StepConfig(), torch.device(device), args.compile_backend)
-    timer = args.timer or ("do_bench" if device.startswith("cuda") else "events")
+    device = resolve_device(args.device)
+    step = for_device(StepConfig(), device, args.compile_backend)
+    timer = args.timer or ("do_bench" if device.type == "cuda" else "events")
     trial = DDPTrial(size=args.size, context_length=args.context_length, vocab_size=args.vocab_size,
                      batch_size=args.batch_size, dtype=args.dtype, step=tuple(sorted(step.as_dict().items())),
                      steps=args.steps, timer=timer, rep_ms=args.rep_ms, warmup_ms=args.warmup_ms,
-                     profile=device.startswith("cuda"), seed=args.seed)
+                     profile=device.type == "cuda", seed=args.seed)
     cfg = {k: v for k, v in dataclasses.asdict(trial).items() if k != "return_params"}
-    return run_sweep(DDP_SWEEP, [cfg], ddp_trial, args.world_size, args.out, device=device, resume=args.resume,
+    return run_sweep(DDP_SWEEP, [cfg], ddp_trial, args.world_size, args.out, device=str(device), resume=args.resume,
                      reduce=reduce_ddp_ranks, launcher=args.launcher)
 
 
@@ -305,12 +286,6 @@ def reduce_ddp_ranks(config: dict, per_rank: list[dict]) -> dict:
 TARGET_STEP_S, MILESTONE_STEP_S, TARGET_SPEEDUP, COLD_LIMIT_S = 4.5, 5.5, 1.6, 600.0
 """The targets: step <= 4.5 s (5.5 s first milestone), 1.6x today's composition, the whole benchmark from empty
 caches under 10 minutes."""
-
-
-def _attention_text(row) -> str:
-    """`flash_triton (gluon, one_pass)`: the backend and, where recorded, the kernels that ran."""
-    kernels = getattr(row, "attention_kernels", "")
-    return f"{row.attention} ({kernels})" if isinstance(kernels, str) and kernels else str(row.attention)
 
 
 def ablation_markdown(df: pd.DataFrame) -> str:
@@ -364,8 +339,8 @@ def ablation_markdown(df: pd.DataFrame) -> str:
                                  f"{o.step_median_s - r.step_median_s:.3f} s saved by {what}")
             for other in ok[(ok.run_id == r.run_id) & (ok.variant.str.startswith("best/"))
                             & (ok.batch_size == r.batch_size)].itertuples():
-                lines.append(f"- same run {r.run_id}: the fast step with {_attention_text(r)} {r.step_median_s:.3f} s "
-                             f"vs with {_attention_text(other)} {other.step_median_s:.3f} s: "
+                lines.append(f"- same run {r.run_id}: the fast step with {attention_text(r)} {r.step_median_s:.3f} s "
+                             f"vs with {attention_text(other)} {other.step_median_s:.3f} s: "
                              f"{r.step_median_s / other.step_median_s:.3f}x ({r.timer} and {other.timer})")
             times = {c.removeprefix("attention_").removesuffix("_s"): getattr(r, c) for c in ok.columns
                      if c.startswith("attention_") and c.endswith("_s") and getattr(r, c) == getattr(r, c)}
@@ -404,20 +379,16 @@ def ablation_markdown(df: pd.DataFrame) -> str:
 def repredict(rows: pd.DataFrame) -> pd.Series:
     """The peak `raysys.planning.recompute_model` predicts now for each measured row (its policy, composition,
     batch)."""
-    from parallel.checkpointing import parse_policy
-    from raysys.planning.recompute_model import Workload, predict_peak
-
     out = []
     for r in rows.itertuples():
         mc = ModelConfig.from_name(r.size, context_length=int(r.seq_len), vocab_size=int(r.vocab_size),
                                    attention=r.attention)
         lean = getattr(r, "lean", False)  # rows from before lean blocks: no column, or NaN beside newer rows
         kernels = getattr(r, "attention_kernels", "")  # (rows from before the column: the tl two-pass backward)
-        w = Workload(config=mc, batch_size=int(r.batch_size), precision=r.dtype, param_dtype=r.dtype, loss=r.loss,
-                     compiled=bool(r.compile), lean=bool(pd.notna(lean) and lean), optimizer=r.optimizer,
-                     device_type=r.device,
-                     attention_kernels=kernels if r.attention == "flash_triton" and isinstance(kernels, str) else "")
-        out.append(predict_peak(w, parse_policy(r.policy, mc.num_layers).regions(mc.num_layers)).peak_bytes)
+        out.append(predicted_peak(mc, int(r.batch_size), None, r.dtype, loss=r.loss, compiled=bool(r.compile),
+                                  lean=bool(pd.notna(lean) and lean), optimizer=r.optimizer, device_type=r.device,
+                                  regions=parse_policy(r.policy, mc.num_layers).regions(mc.num_layers),
+                                  attention_kernels=kernels if isinstance(kernels, str) else ""))
     return pd.Series(out, index=rows.index, dtype=float)
 
 
@@ -489,10 +460,6 @@ def write_reports(out: Path) -> list[Path]:
 
 
 # ---------------------------------------------------------------------------------------------------- main
-def _overrides(args) -> dict:
-    return {k: v for k, v in (("context_length", args.context_length), ("vocab_size", args.vocab_size)) if v}
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = build_leaderboard_parser(argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                                          formatter_class=argparse.RawTextHelpFormatter))
@@ -528,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:  # a CPU run bounded by this machine's memory, before any model, gang or Tune trial
         check_options(args)  # the options every study shares (timer, rep / warm-up, device), whichever runs
         cpu = args.device == "cpu" or args.device == "auto" and not torch.cuda.is_available()
-        check_fits(ModelConfig.from_name(args.size, **_overrides(args)), args.batch_size,
+        check_fits(model_config_of(args), args.batch_size,
                    args.world_size if "ddp" in studies else 1, "cpu" if cpu else "cuda")
     args.out = str(output_dir(args, SWEEP))  # --out, else a fresh ./runs/<UTC time>-leaderboard/
     if args.report_only:

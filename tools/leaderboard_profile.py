@@ -22,9 +22,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from raysys.model.config import ModelConfig
-from raysys.training.leaderboard import LeaderboardStep, StepConfig, host_link_gbps
-from raysys.training.leaderboard_bench import build_model, make_batch
 from raysys.results.records import make_row
+from raysys.training.leaderboard import ALLOC_CONF, LeaderboardStep, StepConfig, host_link_gbps
+from raysys.training.leaderboard_bench import make_batch, set_allocator_config
+from raysys.training.step import build_model
 
 LABEL = os.environ.get("LABEL", "lean")
 OUT = Path(os.environ.get("OUT", "/tmp")) / f"leaderboard_profile_{LABEL}"
@@ -55,7 +56,7 @@ def main() -> None:
                                  recompute=os.environ.get("POLICY", "advisor"))
     except ValueError as exc:
         sys.exit(f"leaderboard_profile.py: {exc}")
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    set_allocator_config(ALLOC_CONF)  # before CUDA starts, unless the environment chose
     device = torch.device("cuda")
     lines = [f"# leaderboard step profile ({LABEL}): {torch.cuda.get_device_name()}, torch {torch.__version__}"]
     lines.append(f"pinned copies of 1 GiB, the slower direction: {host_link_gbps(device, 2**30):.1f} GB/s")

@@ -99,16 +99,12 @@ class _Run:
 
     def __init__(self, cfg: BenchConfig, device: torch.device):
         mc = cfg.model_config()
-        self.cfg, self.device, self.mc = cfg, device, mc
-        self.model = build_model(mc, device, seed=cfg.seed)
-        if cfg.compile:
-            # A new model size must not count against dynamo's recompile limit of the previous runs' graphs.
+        self.cfg, self.device = cfg, device
+        if cfg.compile:  # a new model size must not count against Dynamo's recompile limit of earlier runs' graphs
             torch._dynamo.reset()
-            # Per block, as torchtitan does: the blocks share one compiled graph, so compile time does not
-            # grow with depth (whole-model compile unrolls every layer).
-            for block in self.model.layers:
-                block.compile()
-        self.step_model = self.model
+        # compiled per block, as torchtitan does: one graph shared by the blocks, so compile time does not grow with
+        # depth
+        self.model = build_model(mc, device, seed=cfg.seed, compile=cfg.compile)
         self.optimizer = AdamW(self.model.parameters()) if cfg.mode == "train-step" else None
         gen = torch.Generator(device=device).manual_seed(cfg.seed)
         shape = (cfg.batch_size, mc.context_length)
@@ -117,7 +113,7 @@ class _Run:
 
     def forward_loss(self) -> torch.Tensor:
         with autocast(self.device, self.cfg.dtype):
-            return cross_entropy(self.step_model(self.x), self.y)
+            return cross_entropy(self.model(self.x), self.y)
 
     def step(self, timer: PhaseTimer) -> None:
         mode = self.cfg.mode
@@ -157,19 +153,14 @@ def num_steps(cfg: BenchConfig) -> int:
     return cfg.warmup + cfg.steps + (2 if cfg.memory_profile else 0)
 
 
-class _NoProgress:
-    def set_postfix_str(self, text: str) -> None:
-        pass
-
-    def update(self, n: int = 1) -> None:
-        pass
-
-
 def run_benchmark(cfg: BenchConfig, out_dir: str | Path | None = None, progress=None
                   ) -> tuple[dict, pd.DataFrame | None]:
     """Run one benchmark; return (result row, kernel table or None). Artifacts (traces, snapshots) go to out_dir.
     `progress` (a tqdm bar of `num_steps(cfg)`) is told each phase and advanced after each step."""
-    progress = progress if progress is not None else _NoProgress()
+    if progress is None:
+        from tqdm.auto import tqdm
+
+        progress = tqdm(disable=True)  # set_postfix_str and update do nothing
     device = check_device(cfg)
     config = row_config(cfg)
     mc = cfg.model_config()
@@ -181,10 +172,14 @@ def run_benchmark(cfg: BenchConfig, out_dir: str | Path | None = None, progress=
         metrics: dict = {"num_params": sum(p.numel() for p in run.model.parameters()),
                          "memory_after_init_bytes": memory.allocated_bytes(device)}
         timer = PhaseTimer(device, recording=False)
+
+        def steps(n: int) -> None:
+            for _ in range(n):
+                run.step(timer)
+                progress.update()
+
         progress.set_postfix_str("warm-up")
-        for _ in range(cfg.warmup):
-            run.step(timer)
-            progress.update()
+        steps(cfg.warmup)
         timer.recording = True
         memory.reset_peak(device)
         kernels = None
@@ -192,18 +187,14 @@ def run_benchmark(cfg: BenchConfig, out_dir: str | Path | None = None, progress=
         if cfg.profile:
             prof = profiling.make_profiler(device)
             with profiling.without_kineto_noise(), prof:
-                for _ in range(cfg.steps):
-                    run.step(timer)
-                    progress.update()
+                steps(cfg.steps)
             kernels = profiling.kernel_table(prof, device, cfg.steps)
             metrics.update(profiling.matmul_share(kernels))
             if out_dir is not None:
                 trace = Path(out_dir) / "traces" / f"{_stem(cfg)}.json"
                 metrics["trace_path"] = str(profiling.export_trace(prof, trace))
         else:
-            for _ in range(cfg.steps):
-                run.step(timer)
-                progress.update()
+            steps(cfg.steps)
         metrics["peak_memory_bytes"] = memory.peak_bytes(device)
         metrics.update(timer.summary())
         flops_per_step = mc.forward_flops(cfg.batch_size) * {"forward": 1, "forward-backward": 3, "train-step": 3}[cfg.mode]

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from parallel.checkpointing import (CheckpointHandle, OffloadForward, apply_activation_checkpointing, class_forward,
                                     parse_policy)
+from raysys.measure.device import DTYPES, machine_memory_bytes
 from raysys.model.config import ModelConfig
 from raysys.model.transformer import (AdamW, RMSNorm, RotaryEmbedding, SwiGLU, TransformerBlock, TransformerLM,
                                       fused_loss_kernel, get_attention, silu)
@@ -37,7 +38,7 @@ from raysys.training.step import LOSSES, gradients
 
 LOSS_IMPLS = ("auto", "triton", "torch")
 OPTIMIZERS = ("fused", "foreach", "reference")
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 COMPILED_MODULES = (RMSNorm, RotaryEmbedding, SwiGLU)
 """Module types `compile_pieces` compiles: their elementwise work fuses; their matmuls stay cuBLAS calls."""
 RECOMPILE_LIMIT = 64
@@ -145,6 +146,14 @@ def resolved_loss_impl(config: StepConfig, device: torch.device) -> str:
     return "triton" if device.type == "cuda" and fused_loss_kernel() is not None else "torch"
 
 
+def _compile(fn, backend: str):
+    """`fn` compiled whole (fullgraph, static shapes), Dynamo allowed `RECOMPILE_LIMIT` graphs per compiled piece."""
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+    return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+
+
 @dataclass
 class CompiledPieces:
     """The modules whose `forward` `compile_pieces` replaced; `remove()` restores them."""
@@ -166,11 +175,8 @@ def compile_pieces(model: nn.Module, backend: str = "inductor") -> CompiledPiece
     for m in modules:
         if "forward" in m.__dict__:
             raise ValueError(f"{type(m).__name__} already has an instance-level forward; refusing to compile over it")
-    import torch._dynamo.config as dynamo_config
-
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
     for m in modules:
-        m.forward = torch.compile(m.forward, backend=backend, fullgraph=True, dynamic=False)
+        m.forward = _compile(m.forward, backend)
     return CompiledPieces(modules, backend)
 
 
@@ -195,16 +201,6 @@ def lean_ffn_branch(ln2: RMSNorm, ffn: SwiGLU, h: torch.Tensor) -> torch.Tensor:
     n = checkpoint(class_forward, ln2, h, use_reentrant=False)
     a, b = class_forward(ffn.w1, n), class_forward(ffn.w3, n)
     return class_forward(ffn.w2, checkpoint(_gate, a, b, use_reentrant=False))
-
-
-class _LeanFfnBranch:
-    """A block's `ffn_branch` through the compiled `lean_ffn_branch`."""
-
-    def __init__(self, block: nn.Module, compiled):
-        self.block, self.compiled = block, compiled
-
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        return self.compiled(self.block.ln2, self.block.ffn, h)
 
 
 class _LeanBlockForward:
@@ -251,11 +247,7 @@ def lean_blocks(model: nn.Module, backend: str = "inductor") -> LeanBlocks:
     forward (its lean savings would not outlive the recomputation) but gets the lean branch, an ffn block keeps its
     checkpointed branch but gets the lean forward, an offloaded block runs the lean forward inside the store's
     hooks (less to copy). Two compiled graphs, shared by every block (the modules are graph inputs)."""
-    import torch._dynamo.config as dynamo_config
-
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
-    attention_inputs = torch.compile(lean_attention_inputs, backend=backend, fullgraph=True, dynamic=False)
-    ffn_branch = torch.compile(lean_ffn_branch, backend=backend, fullgraph=True, dynamic=False)
+    attention_inputs, ffn_branch = _compile(lean_attention_inputs, backend), _compile(lean_ffn_branch, backend)
     blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, TransformerBlock)]
     hooked = [f"{name}.{sub}" for name, block in blocks for sub, m in block.named_modules()
               if sub and (m._forward_pre_hooks or m._forward_hooks)]
@@ -265,7 +257,7 @@ def lean_blocks(model: nn.Module, backend: str = "inductor") -> LeanBlocks:
     patched, offloaded = [], []
     for _, block in blocks:
         if "ffn_branch" not in block.__dict__:
-            block.ffn_branch = _LeanFfnBranch(block, ffn_branch)
+            block.ffn_branch = functools.partial(ffn_branch, block.ln2, block.ffn)
             patched.append((block, "ffn_branch"))
         forward = block.__dict__.get("forward")
         if forward is None:
@@ -282,13 +274,6 @@ def model_dtype_name(model: nn.Module) -> str:
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"parameter dtype {dtype} must be one of {sorted(DTYPE_NAMES.values())}")
     return DTYPE_NAMES[dtype]
-
-
-def device_memory_bytes(device: torch.device) -> int:
-    """Total memory of `device` (the host's physical memory for the CPU)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 ALLOC_CONF = "expandable_segments:True"
@@ -370,16 +355,18 @@ def plan_step(model_config: ModelConfig, batch_size: int, seq_len: int, config: 
 
 def plan_on_device(model_config: ModelConfig, batch_size: int, seq_len: int, config: StepConfig, *, dtype: str,
                    device: torch.device, shards: int = 1):
-    """`plan_step` for `device` as it is: its memory (or `config.gpu_memory`), and on CUDA, when the kinds allow
-    offload, the host link measured (`host_link_gbps`) and this GPU's part of `HOST_MEMORY_SHARE` of the host's
-    memory."""
-    link, host = None, None
+    """`plan_step` for `device` as it is: its memory (the host's for the CPU; or `config.gpu_memory`), and on CUDA,
+    when the kinds allow offload, the host link measured (`host_link_gbps`) and this GPU's part of
+    `HOST_MEMORY_SHARE` of the host's memory."""
+    link, host, memory = None, None, config.gpu_memory
+    if memory is None:
+        memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
+                  else machine_memory_bytes())
     if device.type == "cuda" and "offload" in config.recompute_kinds:
         link = host_link_gbps(device)
-        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        host = int(HOST_MEMORY_SHARE * physical / max(1, torch.cuda.device_count()))
+        host = int(HOST_MEMORY_SHARE * machine_memory_bytes() / max(1, torch.cuda.device_count()))
     return plan_step(model_config, batch_size, seq_len, config, dtype=dtype, device_type=device.type,
-                     gpu_memory=config.gpu_memory or device_memory_bytes(device), shards=shards, link_gbps=link,
+                     gpu_memory=memory, shards=shards, link_gbps=link,
                      host_memory=host, attention_kernels=planned_attention_kernels(model_config, batch_size, seq_len,
                                                                                    config.attention, dtype, device))
 
@@ -392,8 +379,7 @@ def planned_attention_kernels(model_config: ModelConfig, batch_size: int, seq_le
         return ""
     from kernels.attention import planned_paths
 
-    torch_dtype = {name: t for t, name in DTYPE_NAMES.items()}[dtype]
-    return planned_paths(batch_size, model_config.num_heads, seq_len, seq_len, model_config.d_head, torch_dtype,
+    return planned_paths(batch_size, model_config.num_heads, seq_len, seq_len, model_config.d_head, DTYPES[dtype],
                          device)
 
 
@@ -513,9 +499,15 @@ class LeaderboardStep:
         return self.checkpointing.policy.spec if self.checkpointing is not None else "none"
 
     def describe(self) -> dict:
-        """Which code path runs: the columns a benchmark row records."""
-        plan = self.plan
-        return {"attention": self.config.attention, "attention_kernels": self._attention_kernels(),
+        """Which code path runs: the columns a benchmark row records. For `flash_triton`, `attention_kernels` are the
+        paths its last forward and backward took (the auto dispatch depends on the GPU, the Triton and the shape), so
+        rows of one name but other kernels never mix."""
+        kernels, plan = "", self.plan
+        if self.config.attention == "flash_triton":
+            from kernels.attention import last_paths
+
+            kernels = last_paths()
+        return {"attention": self.config.attention, "attention_kernels": kernels,
                 "loss_path": self.loss_impl,
                 "num_ffn": sum(r.stop - r.start for r in self.checkpointing.regions if r.kind == "ffn"),
                 "optimizer_class": (f"{self.optimizer.kind} in backward" if isinstance(self.optimizer,
@@ -530,16 +522,6 @@ class LeaderboardStep:
                 "planned_attention_kernels": plan.workload.attention_kernels if plan is not None else "",
                 "alloc_conf": self.allocator}
 
-    def _attention_kernels(self) -> str:
-        """For `flash_triton`, the kernel paths its last forward and backward took (`gluon fwd / tma bwd, two_pass`:
-        the auto dispatch depends on the GPU, the Triton and the shape), so rows of one name but other kernels never
-        mix."""
-        if self.config.attention != "flash_triton":
-            return ""
-        from kernels.attention import last_paths
-
-        return last_paths()
-
     def reset_optimizer_state(self) -> None:
         """Drop the AdamW state (moments and step counts), as a fresh optimizer would have it."""
         if isinstance(self.optimizer, OptimizerInBackward):
@@ -551,12 +533,7 @@ class LeaderboardStep:
         """Undo what the constructor applied to the model (checkpoint policy, compiled forwards, backward hooks)."""
         if isinstance(self.optimizer, OptimizerInBackward):
             self.optimizer.remove()
-        if self.lean is not None:
-            self.lean.remove()
-            self.lean = None
-        if self.compiled is not None:
-            self.compiled.remove()
-            self.compiled = None
-        if self.checkpointing is not None:
-            self.checkpointing.remove()
-            self.checkpointing = None
+        for part in ("lean", "compiled", "checkpointing"):  # the reverse of the order they were applied in
+            if getattr(self, part) is not None:
+                getattr(self, part).remove()
+                setattr(self, part, None)

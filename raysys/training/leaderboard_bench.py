@@ -16,20 +16,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from raysys.cluster.studies import JoinList, resolve_out_dir, split_list, writer_options
-from raysys.measure.device import check_fits, free_memory, synchronize
+from raysys.measure.device import DTYPES, check_fits, free_memory, resolve_device, synchronize
 from raysys.measure.memory import peak_bytes, reset_peak
-from raysys.measure.timing import do_bench, time_calls
+from raysys.measure.timing import do_bench, do_bench_agreed, time_calls
 from raysys.model.config import ModelConfig
 from raysys.model.transformer import AdamW, TransformerLM, cross_entropy
 from raysys.results.records import ResultWriter
-from raysys.training.leaderboard import (ALLOC_CONF, ALLOC_ENV, DTYPE_NAMES, TODAY, LeaderboardStep, StepConfig,
-                                         model_dtype_name)
+from raysys.training.leaderboard import ALLOC_CONF, ALLOC_ENV, TODAY, LeaderboardStep, StepConfig
 from raysys.training.step import build_model
 
 # ------------------------------------------------------------------------------------------------------------
@@ -64,24 +64,18 @@ def ablation(batch_size: int = 1, *, batch2: bool = True, attention: str = "flas
     full checkpointing); `today+advisor_plan` lets the advisor mix none and full blocks, `today+ffn_recompute` none,
     ffn and full."""
     best = StepConfig(attention=attention)
-    variants = [Variant(name="best", step=best, batch_size=batch_size),
-                *(Variant(name=f"best/{name}", step=best.replace(attention=name), batch_size=batch_size)
-                  for name in ATTENTION_CANDIDATES),
-                Variant(name="today", step=TODAY, batch_size=batch_size)]
-    for name, change in (("fused_loss", dict(loss="fused")), ("fused_adamw", dict(optimizer="fused")),
-                         ("compile", dict(compile=True, lean=False)), ("lean", dict(compile=True, lean=True)),
-                         ("cudnn", dict(attention="cudnn")),
-                         ("advisor_plan", dict(recompute="advisor", recompute_kinds=("none", "full"))),
-                         ("ffn_recompute", dict(recompute="advisor", recompute_kinds=("none", "ffn", "full")))):
-        variants.append(Variant(name=f"today+{name}", step=TODAY.replace(**change), batch_size=batch_size))
     without = lambda kind: best.replace(recompute_kinds=tuple(k for k in best.recompute_kinds if k != kind))
-    after = 1 + len(ATTENTION_CANDIDATES)
-    variants[after:after] = [Variant(name="best-ffn", step=without("ffn"), batch_size=batch_size),
-                             Variant(name="best-offload", step=without("offload"), batch_size=batch_size),
-                             Variant(name="best-lean", step=best.replace(lean=False), batch_size=batch_size)]
-    if batch2:
-        variants.append(Variant(name="best", step=best, batch_size=2 * batch_size))
-    return variants
+    steps = {"best": best, **{f"best/{name}": best.replace(attention=name) for name in ATTENTION_CANDIDATES},
+             "best-ffn": without("ffn"), "best-offload": without("offload"), "best-lean": best.replace(lean=False),
+             "today": TODAY,
+             **{f"today+{name}": TODAY.replace(**change) for name, change in (
+                 ("fused_loss", dict(loss="fused")), ("fused_adamw", dict(optimizer="fused")),
+                 ("compile", dict(compile=True, lean=False)), ("lean", dict(compile=True, lean=True)),
+                 ("cudnn", dict(attention="cudnn")),
+                 ("advisor_plan", dict(recompute="advisor", recompute_kinds=("none", "full"))),
+                 ("ffn_recompute", dict(recompute="advisor", recompute_kinds=("none", "ffn", "full"))))}}
+    variants = [Variant(name=name, step=step, batch_size=batch_size) for name, step in steps.items()]
+    return variants + ([Variant(name="best", step=best, batch_size=2 * batch_size)] if batch2 else [])
 
 
 def attention_ms(name: str, config: ModelConfig, batch_size: int, seq_len: int, device: torch.device,
@@ -139,17 +133,21 @@ def matmul_peak_tflops(device: torch.device, dtype: torch.dtype, n: int = 8192) 
 
 
 def time_step(fn: Callable[[], object], device: torch.device, *, timer: str, rep_ms: float, warmup_ms: float,
-              steps: int, warmup_steps: int) -> dict:
+              steps: int, warmup_steps: int, agree: Callable[[float], float] | None = None) -> dict:
     """Time `fn` (one training step, already run once): `do_bench` (the course's harness: median of the timed
-    calls after its own warm-up; needs CUDA) or `events` (`warmup_steps`, then the median of `steps`). Returns
-    `step_median_s`, `step_low_s` / `step_high_s` (do_bench: the 20 / 80% quantiles; events: min / max) and
-    `timed_steps`."""
+    calls after its own warm-up; needs CUDA, unless `agree` is given: then `do_bench_agreed` on every rank of a gang,
+    `agree` making their call counts the slowest rank's) or `events` (`warmup_steps`, then the median of `steps`,
+    `time_calls`). Returns `step_median_s`, `step_low_s` / `step_high_s` (do_bench: the 20 / 80% quantiles; events:
+    min / max) and `timed_steps`."""
     if timer == "do_bench":
-        if device.type != "cuda":
+        if agree is not None:
+            t = do_bench_agreed(fn, device, warmup_ms=warmup_ms, rep_ms=rep_ms, agree=agree)
+        elif device.type != "cuda":
             raise ValueError("timer 'do_bench' needs a CUDA device (triton.testing.do_bench times with CUDA events)")
-        t = do_bench(fn, warmup_ms=warmup_ms, rep_ms=rep_ms)
+        else:
+            t = {**do_bench(fn, warmup_ms=warmup_ms, rep_ms=rep_ms), "timed_steps": float("nan")}
         return {"step_median_s": t["time_median_s"], "step_low_s": t["time_p20_s"], "step_high_s": t["time_p80_s"],
-                "timed_steps": float("nan")}
+                "timed_steps": t["timed_steps"]}
     t = time_calls(fn, device, warmup=warmup_steps, steps=steps)
     return {"step_median_s": t["time_median_s"], "step_low_s": t["time_min_s"], "step_high_s": t["time_max_s"],
             "timed_steps": t["timed_steps"]}
@@ -162,18 +160,10 @@ def process_age_s() -> float:
         start = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19]) / ticks
         return float(open("/proc/uptime").read().split()[0]) - start
     except (OSError, ValueError, IndexError):
-        import time
-
         return time.perf_counter() - _IMPORTED
 
 
-def _now() -> float:
-    import time
-
-    return time.perf_counter()
-
-
-_IMPORTED = _now()
+_IMPORTED = time.perf_counter()
 
 
 def set_allocator_config(conf: str) -> str:
@@ -216,12 +206,12 @@ def run_variant(model: TransformerLM, variant: Variant, *, seq_len: int, timer: 
     step = None
     try:
         release_cached_memory(device)
-        t0 = _now()
+        t0 = time.perf_counter()
         step = LeaderboardStep(model, variant.step, batch_size=variant.batch_size, seq_len=seq_len)
         x, y = make_batch(mc, variant.batch_size, seq_len, device, seed)
         loss = step(x, y)
         synchronize(device)
-        first_step_s = _now() - t0
+        first_step_s = time.perf_counter() - t0
         cold_start_s = process_age_s() if cold else float("nan")
         reset_peak(device)
         timing = time_step(lambda: step(x, y), device, timer=timer, rep_ms=rep_ms, warmup_ms=warmup_ms,
@@ -235,7 +225,11 @@ def run_variant(model: TransformerLM, variant: Variant, *, seq_len: int, timer: 
         path = step.describe()
         predicted = path.pop("predicted_peak_bytes")
         if step.plan is None:  # a fixed policy: the model's prediction for it all the same
-            predicted = predicted_peak(model, variant, seq_len, step.checkpointing.regions, path["attention_kernels"])
+            s = variant.step
+            predicted = predicted_peak(mc.replace(attention=s.attention), variant.batch_size, seq_len, step.dtype,
+                                       loss=s.loss, compiled=s.compile, lean=s.lean, optimizer=s.optimizer,
+                                       device_type=device.type, regions=step.checkpointing.regions,
+                                       attention_kernels=path["attention_kernels"])
         return {**path, "first_loss": float(loss), **timing,
                 "tokens_per_s": tokens / step_s, "model_flops": flops, "model_tflops": flops / step_s / 1e12,
                 "peak_bytes": peak, "reserved_peak_bytes": reserved, "predicted_peak_bytes": float(predicted),
@@ -251,17 +245,15 @@ def run_variant(model: TransformerLM, variant: Variant, *, seq_len: int, timer: 
         release_cached_memory(device)
 
 
-def predicted_peak(model: TransformerLM, variant: Variant, seq_len: int, regions, attention_kernels: str = "") -> int:
-    """`raysys.planning.recompute_model.predict_peak` for `variant` applied to `model` with the policy's `regions` (and
-    for flash_triton the `attention_kernels` that ran)."""
+def predicted_peak(config: ModelConfig, batch_size: int, seq_len: int, dtype: str, *, loss: str, compiled: bool,
+                   lean: bool, optimizer: str, device_type: str, regions, attention_kernels: str = "") -> int:
+    """`raysys.planning.recompute_model.predict_peak` of a step of `config` (its attention backend, and for
+    flash_triton the `attention_kernels` that ran) in pure `dtype` weights, with the policy's `regions`."""
     from raysys.planning.recompute_model import Workload, predict_peak
 
-    dtype = model_dtype_name(model)
-    s = variant.step
-    w = Workload(config=model.config.replace(attention=s.attention), batch_size=variant.batch_size, seq_len=seq_len,
-                 precision=dtype, param_dtype=dtype, loss=s.loss, compiled=s.compile, lean=s.lean,
-                 optimizer=s.optimizer, device_type=next(model.parameters()).device.type,
-                 attention_kernels=attention_kernels if s.attention == "flash_triton" else "")
+    w = Workload(config=config, batch_size=batch_size, seq_len=seq_len, precision=dtype, param_dtype=dtype, loss=loss,
+                 compiled=compiled, lean=lean, optimizer=optimizer, device_type=device_type,
+                 attention_kernels=attention_kernels if config.attention == "flash_triton" else "")
     return predict_peak(w, regions).peak_bytes
 
 
@@ -353,7 +345,7 @@ def build_leaderboard_parser(parser=None):
                         "shape first and takes the faster (CUDA; the CPU runs sdpa)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtypes", dest="dtype", default="bf16", metavar="DTYPE",
-                   help=f"parameter (and compute) dtype, one of {sorted(set(DTYPE_NAMES.values()))} (one per run; the "
+                   help=f"parameter (and compute) dtype, one of {sorted(DTYPES)} (one per run; the "
                         "course's harness builds the model in bf16)")
     p.add_argument("--dtype", dest="dtype", help=argparse.SUPPRESS)
     p.add_argument("--timer", default=None, choices=TIMERS,
@@ -393,15 +385,10 @@ def check_options(args) -> torch.device:
     if args.warmup_steps < 0 or args.rep_ms <= 0 or args.warmup_ms < 0:
         raise ValueError(f"--warmup-steps ({args.warmup_steps}) and --warmup-ms ({args.warmup_ms}) must be >= 0, "
                          f"--rep-ms ({args.rep_ms}) > 0")
-    dtypes = sorted(set(DTYPE_NAMES.values()))
-    if args.dtype not in dtypes:
-        raise ValueError(f"--dtypes {args.dtype!r} must be one of {dtypes} (the leaderboard runs one dtype per run)")
-    if args.device not in ("auto", "cpu", "cuda") and not args.device.startswith("cuda:"):
-        raise ValueError(f"--device {args.device!r} must be auto, cpu, cuda or cuda:N")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device} requested but this machine has no CUDA GPU")
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    if args.dtype not in DTYPES:
+        raise ValueError(f"--dtypes {args.dtype!r} must be one of {sorted(DTYPES)} (the leaderboard runs one dtype "
+                         "per run)")
+    device = resolve_device(args.device)
     timer = args.timer or ("do_bench" if device.type == "cuda" else "events")
     if timer == "do_bench" and device.type != "cuda":
         raise ValueError("--timer do_bench needs a CUDA device (triton.testing.do_bench times with CUDA events)")
@@ -409,15 +396,18 @@ def check_options(args) -> torch.device:
     return device
 
 
+def model_config_of(args) -> ModelConfig:
+    """The model `args` name: its `size`, with its `context_length` and `vocab_size` where not None."""
+    return ModelConfig.from_name(args.size, **{k: getattr(args, k) for k in ("context_length", "vocab_size")
+                                               if getattr(args, k) is not None})
+
+
 def check_args(args) -> tuple[torch.device, ModelConfig, list[Variant]]:
     """Validate the command line of the ablation (ValueError) before any model is built: `check_options`, then
     that its largest batch fits this machine; returns device, model config, variants."""
     device = check_options(args)
-    overrides = {k: v for k, v in (("context_length", args.context_length), ("vocab_size", args.vocab_size))
-                 if v is not None}
-    config = ModelConfig.from_name(args.size, **overrides)
-    variants = [Variant(name=v.name, step=for_device(v.step, device, args.compile_backend), batch_size=v.batch_size)
-                for v in ablation(args.batch_size, batch2=not args.no_batch2)]
+    config = model_config_of(args)
+    variants = ablation(args.batch_size, batch2=not args.no_batch2)
     check_fits(config, max(v.batch_size for v in variants), 1, device.type)  # before any model is built
     if args.variants:
         names = split_list(args.variants)
@@ -458,7 +448,7 @@ def start_session(args) -> Session:
         fresh_compile_caches()
     if device.type == "cpu":
         torch.set_num_threads(1)
-    dtype = {v: k for k, v in DTYPE_NAMES.items()}[args.dtype]
+    dtype = DTYPES[args.dtype]
     session = Session(device, dtype, config, variants, cold=not args.warm_cache)
     session.matmul_tflops = matmul_peak_tflops(device, dtype, n=8192 if device.type == "cuda" else 512)
     if args.best_attention == "auto":
@@ -473,9 +463,9 @@ def start_session(args) -> Session:
         print(f"{timed}best runs {runs}" + (f" (standing in for {session.attention} on the {device.type})"
                                             if runs != session.attention
                                             else ""), flush=True)
-    t0 = _now()
+    t0 = time.perf_counter()
     session.model = build_model(config, device, dtype, args.seed)
-    session.build_s = _now() - t0
+    session.build_s = time.perf_counter() - t0
     return session
 
 
@@ -487,14 +477,10 @@ def session_variants(variants: list[Variant], attention: str, device: torch.devi
     runs = for_device(StepConfig(attention=attention), device).attention
     out = []
     for v in variants:
-        if v.name.startswith("best/"):
-            if for_device(v.step, device).attention != runs:
-                out.append(dataclasses.replace(v, step=for_device(v.step, device, compile_backend)))
-        elif v.name.startswith("best"):
-            out.append(dataclasses.replace(v, step=for_device(v.step.replace(attention=attention), device,
-                                                              compile_backend)))
-        else:
-            out.append(v)
+        fast = v.name.startswith("best") and not v.name.startswith("best/")
+        step = for_device(v.step.replace(attention=attention) if fast else v.step, device, compile_backend)
+        if not v.name.startswith("best/") or step.attention != runs:
+            out.append(dataclasses.replace(v, step=step))
     return out
 
 
@@ -519,14 +505,13 @@ def variant_config(args, session: Session, variant: Variant, **extra) -> dict:
     chosen = not args.do_bench_only or {variant.name, f"{variant.name}:b{variant.batch_size}"} & set(split_list(args.do_bench_only))
     timer = "do_bench" if args.timer == "do_bench" and chosen else "events"
     c = session.config
-    row_config = {"variant": variant.name, "size": c.name, "batch_size": variant.batch_size, "seq_len": c.context_length,
-                  "vocab_size": c.vocab_size, "dtype": args.dtype, "device": session.device.type,
-                  **{k: getattr(variant.step, k) for k in ("attention", "loss", "loss_impl", "optimizer", "recompute",
-                                                           "compile", "lean", "compile_backend")},
-                  "timer": timer, "rep_ms": args.rep_ms if timer == "do_bench" else float("nan"),
-                  "warmup_ms": args.warmup_ms if timer == "do_bench" else float("nan"),
-                  "steps": args.steps if timer == "events" else float("nan"), **extra}
-    return row_config
+    return {"variant": variant.name, "size": c.name, "batch_size": variant.batch_size, "seq_len": c.context_length,
+            "vocab_size": c.vocab_size, "dtype": args.dtype, "device": session.device.type,
+            **{k: getattr(variant.step, k) for k in ("attention", "loss", "loss_impl", "optimizer", "recompute",
+                                                     "compile", "lean", "compile_backend")},
+            "timer": timer, "rep_ms": args.rep_ms if timer == "do_bench" else float("nan"),
+            "warmup_ms": args.warmup_ms if timer == "do_bench" else float("nan"),
+            "steps": args.steps if timer == "events" else float("nan"), **extra}
 
 
 def variant_row(args, session: Session, variant: Variant, sweep: str = SWEEP, **extra) -> dict:
@@ -607,17 +592,18 @@ def _print_row(row: dict) -> None:
           f"{row['optimizer_class']}", flush=True)
 
 
+def attention_text(row) -> str:
+    """`flash_triton (gluon, one_pass)`: a row's backend and, where recorded, the kernels that ran."""
+    kernels = getattr(row, "attention_kernels", "")
+    return f"{row.attention} ({kernels})" if isinstance(kernels, str) and kernels else str(row.attention)
+
 
 def _attention_label(df: "pd.DataFrame") -> "pd.Series | None":
-    """The attention column of a table: the backend, and for flash_triton the kernels that ran (rows written before
-    the `attention_kernels` column existed show the backend alone)."""
+    """The attention column of a table (`attention_text` of each row)."""
     import pandas as pd
 
-    if "attention" not in df:
-        return None
-    kernels = df["attention_kernels"] if "attention_kernels" in df else pd.Series("", index=df.index)
-    return pd.Series([f"{a} ({k})" if isinstance(k, str) and k else a for a, k in zip(df["attention"], kernels)],
-                     index=df.index)
+    return pd.Series([attention_text(r) for r in df.itertuples()], index=df.index) if "attention" in df else None
+
 
 def summary(df: "pd.DataFrame") -> str:
     """Markdown: the ablation table with the speed-up of every row over today's composition of the same run and

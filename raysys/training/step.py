@@ -33,9 +33,9 @@ def gradients(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tenso
     `materialized` (`cross_entropy(model(x), y)`) or `fused` (`model.loss`: LM head + loss in one op, `loss_impl`),
     under autocast for `dtype` bf16 / fp16. `marks` bound the phases (forward, backward, comm_wait). Returns the
     loss (detached)."""
+    mark = marks.mark if marks is not None else lambda: None
     optimizer.zero_grad(set_to_none=True)
-    if marks is not None:
-        marks.mark()
+    mark()
     with autocast(x.device, dtype):
         if loss == "fused":
             value = model.loss(x, y, fused=True, impl=loss_impl)
@@ -43,15 +43,12 @@ def gradients(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tenso
             value = cross_entropy(model(x), y)
         else:
             raise ValueError(f"loss {loss!r} must be one of {LOSSES}")
-    if marks is not None:
-        marks.mark()
+    mark()
     value.backward()
-    if marks is not None:
-        marks.mark()
+    mark()
     if sync is not None:
         sync()
-    if marks is not None:
-        marks.mark()
+    mark()
     return value.detach()
 
 
