@@ -298,11 +298,9 @@ class TrialScope:
 
     def _record(self, when: str) -> None:
         free_memory(self.device)
-        cuda = self.device.type == "cuda"
-        self.metrics[f"memory_allocated_{when}_bytes"] = (float(torch.cuda.memory_allocated(self.device))
-                                                          if cuda else math.nan)
+        self.metrics[f"memory_allocated_{when}_bytes"] = allocated_bytes(self.device)
         self.metrics[f"memory_reserved_{when}_bytes"] = (float(torch.cuda.memory_reserved(self.device))
-                                                         if cuda else math.nan)
+                                                         if self.device.type == "cuda" else math.nan)
         self.metrics[f"live_parameters_{when}"] = live_parameters()
 
     def __enter__(self) -> "TrialScope":

@@ -30,6 +30,8 @@ import pandas as pd
 import torch
 from torch.autograd import DeviceType
 
+from raysys.measure.device import synchronize
+
 PHASES = ("forward", "backward", "optimizer")
 _MATMUL = re.compile(r"gemm|nvjet|cutlass|xmma|wgmma|cublas|^aten::(mm|bmm|addmm|matmul|baddbmm|linear|_scaled_mm)$",
                      re.IGNORECASE)
@@ -110,11 +112,14 @@ def without_kineto_noise() -> Iterator[None]:
             os.close(saved)
 
 
+def _activities(device: torch.device) -> list:
+    """What torch.profiler records on `device`: CPU operators, and GPU kernels on CUDA."""
+    cuda = [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
+    return [torch.profiler.ProfilerActivity.CPU, *cuda]
+
+
 def make_profiler(device: torch.device) -> torch.profiler.profile:
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(activities=activities, record_shapes=False, with_stack=False)
+    return torch.profiler.profile(activities=_activities(device), record_shapes=False, with_stack=False)
 
 
 def _intervals(events, names) -> list[tuple[str, float, float]]:
@@ -320,23 +325,18 @@ def profile_steps(step: Callable[[], object], device: torch.device, *, warmup: i
     def ready(prof: torch.profiler.profile) -> None:
         recorded["events"] = list(prof.events())
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            prof.export_chrome_trace(str(path))
+            export_trace(prof, path)
 
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
     schedule = torch.profiler.schedule(wait=0, warmup=warmup, active=active, repeat=1)
     with warnings.catch_warnings():
         # Emitted by some torch versions on every profiler start, whatever the schedule; `repeat=1` makes
         # the recorded cycle the last one, and `ready` reads it before anything could clear it.
         warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
-        with without_kineto_noise(), torch.profiler.profile(activities=activities, schedule=schedule,
+        with without_kineto_noise(), torch.profiler.profile(activities=_activities(device), schedule=schedule,
                                                             on_trace_ready=ready) as prof:
             for _ in range(warmup + active):
                 step()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                synchronize(device)
                 prof.step()
     if "events" not in recorded:
         raise RuntimeError(f"the profiler finished without completing its recording cycle ({warmup} warm-up + "

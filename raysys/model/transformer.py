@@ -74,21 +74,23 @@ def causal_mask(n_queries: int, n_keys: int, device: torch.device) -> torch.Tens
     return q >= k
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True) -> torch.Tensor:
-    """softmax(Q K^T / sqrt(d) + mask) V with the softmax written out (max subtraction), as in the reference."""
+def _scores(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> torch.Tensor:
+    """Q K^T / sqrt(d), -inf where a query may not see a key (`is_causal`)."""
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     if is_causal:
         scores = scores.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
-    probs = softmax(scores, dim=-1)
-    return probs @ v
+    return scores
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True) -> torch.Tensor:
+    """softmax(Q K^T / sqrt(d) + mask) V with the softmax written out (max subtraction), as in the reference."""
+    return softmax(_scores(q, k, is_causal), dim=-1) @ v
 
 
 def annotated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True) -> torch.Tensor:
     """`naive_attention` with its three stages in named NVTX / profiler ranges."""
     with nvtx_range("attention scores"):
-        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
-        if is_causal:
-            scores = scores.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
+        scores = _scores(q, k, is_causal)
     with nvtx_range("attention softmax"):
         probs = softmax(scores, dim=-1)
     with nvtx_range("attention final matmul"):
@@ -348,17 +350,6 @@ LOSS_IMPLS = ("auto", "triton", "torch")
 plain-torch counterpart `ChunkedLinearCrossEntropy` beside it, or `auto` (the kernel for CUDA tensors, else torch)."""
 CHUNK_LOGIT_BYTES = 256 * 2**20
 """fp32 logits one chunk of `ChunkedLinearCrossEntropy` holds (its tokens = this / (4 * vocab))."""
-_MOVED = {"ChunkedLinearCrossEntropy": "kernels.fused_linear_ce", "ForeachAdamW": "kernels.adamw"}
-"""Names defined beside their kernels that `raysys.model.transformer.<name>` also resolves (lazily: Triton imports
-slowly)."""
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        import importlib
-
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def fused_loss_kernel() -> Callable | None:

@@ -208,10 +208,6 @@ class FileLock:
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}: {command}\n".encode(), 0)
         self._release = weakref.finalize(self, _unlock, fd, str(self.lock_path))
 
-    @property
-    def held(self) -> bool:
-        return self._release.alive
-
     def release(self) -> None:
         self._release()
 
