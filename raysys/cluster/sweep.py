@@ -290,11 +290,8 @@ def _trial_exception(trial) -> BaseException:
     except Exception:  # Tune internals moved: still a row, with what we know
         pickled = text = None
     if pickled and os.path.exists(pickled):
-        try:
-            with open(pickled, "rb") as f:
-                return ray.cloudpickle.load(f)
-        except Exception:  # unpicklable on this side: fall back to the text
-            pass
+        with contextlib.suppress(Exception), open(pickled, "rb") as f:  # unpicklable here: fall back to the text
+            return ray.cloudpickle.load(f)
     if text and os.path.exists(text):
         return RuntimeError(Path(text).read_text().strip()[-2000:])
     return RuntimeError(f"Tune trial {trial} failed without an error file")

@@ -212,15 +212,9 @@ def saved_bytes_per_block(model: nn.Module, forward_loss) -> tuple[pd.DataFrame,
     account = SavedTensorAccount(model)
     with account.track():
         loss = forward_loss()
-    blocks = [name for name, _ in model.named_children()]
-    rows = []
-    layers = getattr(model, "layers", None)
-    if layers is not None:
-        for i in range(len(layers)):
-            rows.append({"module": f"layers.{i}", "saved_bytes": account.per_prefix(f"layers.{i}")})
-    for name in blocks:
-        if name != "layers":
-            rows.append({"module": name, "saved_bytes": account.per_prefix(name)})
+    names = [f"layers.{i}" for i in range(len(getattr(model, "layers", ())))]
+    names += [name for name, _ in model.named_children() if name != "layers"]
+    rows = [{"module": name, "saved_bytes": account.per_prefix(name)} for name in names]
     rows.append({"module": "<root>", "saved_bytes": account.by_module.get("<root>", 0)})
     detail = account.table()
     detail = detail[detail.module.str.startswith("layers.0.") | (detail.module == "layers.0")]

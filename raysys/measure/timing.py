@@ -158,10 +158,8 @@ class IssueClock:
     def __call__(self) -> float:
         total = time.thread_time()
         for clock in self._clocks:
-            try:
+            with contextlib.suppress(OSError):  # the thread ended: what it spent no longer counts on either side
                 total += time.clock_gettime(clock)
-            except OSError:  # the thread ended: what it spent is no longer counted on either side of a step
-                pass
         return total
 
 

@@ -282,12 +282,11 @@ class TransformerLM(nn.Module):
         super().__init__()
         if config is None:
             config = ModelConfig(**kwargs)
+        elif not isinstance(config, ModelConfig):
+            raise TypeError(f"config must be a ModelConfig, not {type(config).__name__}")
         elif kwargs:
             config = config.replace(**kwargs)
-        elif not isinstance(config, ModelConfig):  # any object with the reference attribute names
-            config = _config_from_object(config)
-        self.config = config
-        c = config
+        self.config = c = config
         self.token_embeddings = Embedding(c.vocab_size, c.d_model, device, dtype)
         rope = RotaryEmbedding(c.context_length, c.d_head, c.rope_theta, device)
         self.layers = nn.ModuleList(
@@ -326,15 +325,6 @@ class TransformerLM(nn.Module):
 
 
 BasicsTransformerLM = TransformerLM
-
-
-def _config_from_object(obj) -> ModelConfig:
-    """Accept config objects that use the leaderboard's names (ctx_len) or the model's."""
-    get = lambda *names, default=None: next((getattr(obj, n) for n in names if hasattr(obj, n)), default)
-    return ModelConfig(vocab_size=get("vocab_size"), context_length=get("context_length", "ctx_len"),
-                       d_model=get("d_model"), num_layers=get("num_layers"), num_heads=get("num_heads"),
-                       d_ff=get("d_ff"), rope_theta=get("rope_theta", default=10_000.0),
-                       attention=get("attention", default="naive"))
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ statistic before the unit (`step_median_s`), rates name theirs (`busbw_GBps`), r
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime as _dt
 import functools
 import io
@@ -52,15 +53,13 @@ STATUSES = ("ok", "oom", "error", "timeout", "skipped")
 def git_sha_of(directory: str | os.PathLike) -> str | None:
     """The commit checked out in the git repository holding `directory` (12 hex digits, `-dirty` when tracked
     files differ from it), or None outside a repository or without git."""
-    try:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
         out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=directory, capture_output=True,
                              text=True, timeout=10)
         if out.returncode == 0:
             dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=directory,
                                    capture_output=True, text=True, timeout=30).stdout.strip()
             return out.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        pass
     return None
 
 
