@@ -110,9 +110,8 @@ def _bench(args) -> int:
                 kernels_writer.rows = [r for r in kernels_writer.rows if r.get("trial_id") != row["trial_id"]]
                 kernels_writer.rows += kernels.to_dict("records")
                 kernels_writer.write([])
-                from raysys.measure.profiling import format_top
-                tqdm.write(format_top(kernels[["phase", "kernel", "calls_per_step", "total_s", "call_mean_s",
-                                               "share_of_phase", "share_of_step", "is_matmul"]]))
+                from raysys.measure.profiling import KERNEL_TABLE_COLUMNS, format_top
+                tqdm.write(format_top(kernels[list(KERNEL_TABLE_COLUMNS)]))
     _print_bench(rows)
     print(f"\nwrote {rows_writer.path}")
     return 0

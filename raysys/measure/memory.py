@@ -174,10 +174,8 @@ class SavedTensorAccount:
         def leave(module, args, output):
             self._stack.pop()  # returns None: a forward hook's return value would replace the output
 
-        handles = []
-        for name, module in self.model.named_modules():
-            handles.append(module.register_forward_pre_hook(enter(name)))
-            handles.append(module.register_forward_hook(leave))
+        handles = [h for name, module in self.model.named_modules()
+                   for h in (module.register_forward_pre_hook(enter(name)), module.register_forward_hook(leave))]
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
                 yield self

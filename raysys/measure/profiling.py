@@ -127,6 +127,10 @@ def _intervals(events, names) -> list[tuple[str, float, float]]:
             if e.name in names and e.device_type == DeviceType.CPU]
 
 
+KERNEL_TABLE_COLUMNS = ("phase", "kernel", "calls_per_step", "total_s", "call_mean_s", "share_of_phase",
+                        "share_of_step", "is_matmul")
+
+
 def kernel_table(prof: torch.profiler.profile, device: torch.device, num_steps: int) -> pd.DataFrame:
     """One row per (phase, kernel): calls per step, total time over the profiled steps (`total_s`) and per call
     (`call_mean_s`), share of the phase's and step's time."""
@@ -141,15 +145,11 @@ def kernel_table(prof: torch.profiler.profile, device: torch.device, num_steps: 
         work = [e for e in events if e.device_type == DeviceType.CPU and e.self_cpu_time_total > 0
                 and e.name not in PHASES and not e.name.startswith(("ProfilerStep", "cuda", "Optimizer."))]
         dur = lambda e: e.self_cpu_time_total
-    rows = []
-    for e in work:
-        start = e.time_range.start
-        phase = next((name for name, s, t in phases if s <= start <= t), "other")
-        rows.append((phase, e.name, dur(e)))
+    rows = [(next((name for name, s, t in phases if s <= e.time_range.start <= t), "other"), e.name, dur(e))
+            for e in work]
     df = pd.DataFrame(rows, columns=["phase", "kernel", "time_us"])
     if df.empty:
-        return pd.DataFrame(columns=["phase", "kernel", "calls_per_step", "total_s", "call_mean_s", "share_of_phase",
-                                     "share_of_step", "is_matmul"])
+        return pd.DataFrame(columns=list(KERNEL_TABLE_COLUMNS))
     agg = df.groupby(["phase", "kernel"], as_index=False).agg(calls=("time_us", "size"), total_us=("time_us", "sum"))
     phase_total = agg.groupby("phase")["total_us"].transform("sum")
     agg["calls_per_step"] = agg["calls"] / max(num_steps, 1)
@@ -159,8 +159,7 @@ def kernel_table(prof: torch.profiler.profile, device: torch.device, num_steps: 
     agg["share_of_step"] = agg["total_us"] / agg["total_us"].sum()
     agg["is_matmul"] = agg["kernel"].map(is_matmul)
     agg = agg.sort_values(["phase", "total_us"], ascending=[True, False]).reset_index(drop=True)
-    return agg[["phase", "kernel", "calls_per_step", "total_s", "call_mean_s", "share_of_phase", "share_of_step",
-                "is_matmul"]]
+    return agg[list(KERNEL_TABLE_COLUMNS)]
 
 
 def matmul_share(table: pd.DataFrame) -> dict[str, float]:
@@ -182,10 +181,10 @@ def export_trace(prof: torch.profiler.profile, path: str | Path) -> Path:
 
 def format_top(table: pd.DataFrame, top: int = 8) -> str:
     """Markdown: the top kernels of each phase (the table's seconds shown as ms per step and us per call)."""
-    parts = []
     if {"total_s", "call_mean_s"} <= set(table.columns):
         table = table.assign(total_ms=1e3 * table["total_s"], call_mean_us=1e6 * table["call_mean_s"]).drop(
             columns=["total_s", "call_mean_s"])
+    parts = []
     for phase, part in table.groupby("phase", sort=False):
         head = part.head(top).assign(kernel=lambda d: d.kernel.str.slice(0, 70))
         parts.append(f"**{phase}**\n\n" + head.drop(columns="phase").to_markdown(index=False, floatfmt=".3g"))

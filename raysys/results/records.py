@@ -81,10 +81,8 @@ def _version(module: str) -> str:
 
 def nvidia_gpu_models() -> list[str]:
     """This machine's NVIDIA GPU models, by bus id, from the driver's /proc files: no CUDA context needed."""
-    models = []
-    for info in sorted(Path("/proc/driver/nvidia/gpus").glob("*/information")):
-        models += [line.split(":", 1)[1].strip() for line in info.read_text().splitlines() if line.startswith("Model:")]
-    return models
+    return [line.split(":", 1)[1].strip() for info in sorted(Path("/proc/driver/nvidia/gpus").glob("*/information"))
+            for line in info.read_text().splitlines() if line.startswith("Model:")]
 
 
 def device_name(device: Any = None) -> str:
