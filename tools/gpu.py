@@ -334,6 +334,7 @@ class Context:
     env: dict[str, str]
     dry: bool = False
     failed: bool = False
+    planned: list[Study] = field(default_factory=list)  # every study run (or printed), in order
 
     def fill(self, text: str) -> str:
         return text.replace("{results}", str(self.results)).replace("{out}", str(self.out))
@@ -343,6 +344,7 @@ class Context:
 
     def run(self, study: Study, quiet: bool = False, done: Path | None = None) -> int:
         """Run `study` under its timeout; print its exit code and last lines (unless `quiet`); touch `done` after."""
+        self.planned.append(study)
         if self.dry:
             env = [f"{k}={self.fill(v)}" for k, v in study.env.items() if k != "TRITON_CACHE_DIR"]
             print(f"{study.name} ({study.seconds}s): {shlex.join(env + self.command(study))}")
