@@ -240,12 +240,12 @@ COMMANDS = {  # name: (help, add its arguments, run it)
     "plan": ("parallelism planner: DP / FSDP / TP / FSDP+TP limits (handout 8)",
              _lazy("raysys.cli.planning", "build_plan_parser", sizes=SIZES), _lazy("raysys.cli.planning", "run_plan")),
     "submit": ("submit a sweep to a Ray cluster as a named job that carries its commit, and follow its logs",
-               _lazy("raysys.cluster.submit", "build_submit_parser"), _lazy("raysys.cluster.submit", "run_submit")),
+               _lazy("raysys.cli.cluster", "build_submit_parser"), _lazy("raysys.cluster.submit", "run_submit")),
     "doctor": ("before `ray start --head`: are the ports it binds free here?",
-               _lazy("raysys.cluster.submit", "build_doctor_parser"), _lazy("raysys.cluster.submit", "run_doctor")),
+               _lazy("raysys.cli.cluster", "build_doctor_parser"), _lazy("raysys.cluster.submit", "run_doctor")),
     "metrics": ("after `ray start --head`: do the Prometheus and Grafana of the dashboard's Metrics tab answer? "
                 "(else how to start them)",
-                _lazy("raysys.cluster.submit", "build_metrics_parser"), _lazy("raysys.cluster.submit", "run_metrics")),
+                _lazy("raysys.cli.cluster", "build_metrics_parser"), _lazy("raysys.cluster.submit", "run_metrics")),
     "leaderboard": ("the leaderboard training step: ablation from today's composition to the fastest (handout 9)",
                     _lazy("raysys.training.leaderboard_bench", "build_leaderboard_parser"), _leaderboard),
 }
