@@ -334,7 +334,7 @@ class Context:
     env: dict[str, str]
     dry: bool = False
     failed: bool = False
-    planned: list[Study] = field(default_factory=list)
+    planned: list[Study] = field(default_factory=list)  # every study run (or printed), in order
 
     def fill(self, text: str) -> str:
         return text.replace("{results}", str(self.results)).replace("{out}", str(self.out))

@@ -13,10 +13,9 @@ import os
 import sys
 from pathlib import Path
 
-from raysys.cluster.signals import interrupt_on_sigterm
-from raysys.cluster.studies import ClusterLost, JoinList, silence_stdout, split_list
+from raysys.cluster.studies import JoinList, run_guarded, split_list, writer_options
 from raysys.model.config import SIZES
-from raysys.results.records import DiskFull, ResultWriter, discard_empty_run_dirs, resolve_out, trial_id
+from raysys.results.records import ResultWriter, resolve_out, trial_id
 
 
 def _add_bench(p: argparse.ArgumentParser) -> None:
@@ -86,11 +85,12 @@ def _bench(args) -> int:
     for cfg in configs:  # before any model is built: a CPU run is bounded by this machine's memory
         check_fits(cfg.model_config(), cfg.batch_size, 1, check_device(cfg).type)
     out = resolve_out(args.out, "bench")
-    mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
+    options = writer_options(args)
     rows = []
     with contextlib.ExitStack() as stack:  # an interrupt or error releases the writers' locks
-        rows_writer = stack.enter_context(ResultWriter(out, "bench", mode=mode, allow_mixed=args.allow_mixed))
-        kernels_writer = (stack.enter_context(ResultWriter(out, "bench_kernels", mode=mode, allow_mixed=True))
+        rows_writer = stack.enter_context(ResultWriter(out, "bench", **options))
+        kernels_writer = (stack.enter_context(ResultWriter(out, "bench_kernels", mode=options["mode"],
+                                                           allow_mixed=True))
                           if args.profile else None)
         # One bar over the configurations, one over the current configuration's steps (its phase and estimate).
         runs = stack.enter_context(tqdm(total=len(configs), desc="bench", unit="config", position=0))
@@ -110,9 +110,8 @@ def _bench(args) -> int:
                 kernels_writer.rows = [r for r in kernels_writer.rows if r.get("trial_id") != row["trial_id"]]
                 kernels_writer.rows += kernels.to_dict("records")
                 kernels_writer.write([])
-                from raysys.measure.profiling import format_top
-                tqdm.write(format_top(kernels[["phase", "kernel", "calls_per_step", "total_s", "call_mean_s",
-                                               "share_of_phase", "share_of_step", "is_matmul"]]))
+                from raysys.measure.profiling import KERNEL_TABLE_COLUMNS, format_top
+                tqdm.write(format_top(kernels[list(KERNEL_TABLE_COLUMNS)]))
     _print_bench(rows)
     print(f"\nwrote {rows_writer.path}")
     return 0
@@ -217,22 +216,11 @@ def _migrate(args) -> int:
     return 1 if args.check and changed else 0
 
 
-def _add_advise(p: argparse.ArgumentParser) -> None:
-    from raysys.cli.planning import build_advise_parser
+def _lazy(module: str, name: str, **kwargs):
+    """`module.name(arg, **kwargs)`, imported only when the command runs (so the other commands' imports wait)."""
+    import importlib
 
-    build_advise_parser(p)
-
-
-def _advise(args) -> int:
-    from raysys.cli.planning import run_advise
-
-    return run_advise(args)  # 0: a plan fits, 1: nothing fits
-
-
-def _add_leaderboard(p: argparse.ArgumentParser) -> None:
-    from raysys.training.leaderboard_bench import build_leaderboard_parser
-
-    build_leaderboard_parser(p)
+    return lambda arg: getattr(importlib.import_module(module), name)(arg, **kwargs)
 
 
 def _leaderboard(args) -> int:
@@ -242,68 +230,24 @@ def _leaderboard(args) -> int:
     return 0 if (df["status"] == "ok").any() else 1
 
 
-def _add_submit(p: argparse.ArgumentParser) -> None:
-    from raysys.cli.cluster import build_submit_parser
-
-    build_submit_parser(p)
-
-
-def _submit(args) -> int:
-    from raysys.cluster.submit import run_submit
-
-    return run_submit(args)
-
-
-def _add_doctor(p: argparse.ArgumentParser) -> None:
-    from raysys.cli.cluster import build_doctor_parser
-
-    build_doctor_parser(p)
-
-
-def _doctor(args) -> int:
-    from raysys.cluster.submit import run_doctor
-
-    return run_doctor(args)
-
-
-def _add_metrics(p: argparse.ArgumentParser) -> None:
-    from raysys.cli.cluster import build_metrics_parser
-
-    build_metrics_parser(p)
-
-
-def _metrics(args) -> int:
-    from raysys.cluster.submit import run_metrics
-
-    return run_metrics(args)
-
-
-def _add_plan(p: argparse.ArgumentParser) -> None:
-    from raysys.cli.planning import build_plan_parser
-
-    build_plan_parser(p)
-
-
-def _plan(args) -> int:
-    from raysys.cli.planning import run_plan
-
-    return run_plan(args)
-
-
 COMMANDS = {  # name: (help, add its arguments, run it)
     "bench": ("end-to-end benchmark of the model (forward / backward / optimizer times)", _add_bench, _bench),
     "report": ("markdown tables from a results directory or Parquet file", _add_report, _report),
     "migrate": ("bring result files to the one column convention (ms -> s, GiB -> bytes, full commits)", _add_migrate,
                 _migrate),
-    "advise": ("per-layer activation-checkpointing plan that fits a GPU", _add_advise, _advise),
-    "plan": ("parallelism planner: DP / FSDP / TP / FSDP+TP limits (handout 8)", _add_plan, _plan),
+    "advise": ("per-layer activation-checkpointing plan that fits a GPU",  # run_advise: 0 a plan fits, 1 none
+               _lazy("raysys.cli.planning", "build_advise_parser"), _lazy("raysys.cli.planning", "run_advise")),
+    "plan": ("parallelism planner: DP / FSDP / TP / FSDP+TP limits (handout 8)",
+             _lazy("raysys.cli.planning", "build_plan_parser"), _lazy("raysys.cli.planning", "run_plan")),
     "submit": ("submit a sweep to a Ray cluster as a named job that carries its commit, and follow its logs",
-               _add_submit, _submit),
-    "doctor": ("before `ray start --head`: are the ports it binds free here?", _add_doctor, _doctor),
+               _lazy("raysys.cli.cluster", "build_submit_parser"), _lazy("raysys.cluster.submit", "run_submit")),
+    "doctor": ("before `ray start --head`: are the ports it binds free here?",
+               _lazy("raysys.cli.cluster", "build_doctor_parser"), _lazy("raysys.cluster.submit", "run_doctor")),
     "metrics": ("after `ray start --head`: do the Prometheus and Grafana of the dashboard's Metrics tab answer? "
-                "(else how to start them)", _add_metrics, _metrics),
+                "(else how to start them)",
+                _lazy("raysys.cli.cluster", "build_metrics_parser"), _lazy("raysys.cluster.submit", "run_metrics")),
     "leaderboard": ("the leaderboard training step: ablation from today's composition to the fastest (handout 9)",
-                    _add_leaderboard, _leaderboard),
+                    _lazy("raysys.training.leaderboard_bench", "build_leaderboard_parser"), _leaderboard),
 }
 
 
@@ -323,25 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command if command in COMMANDS else "").parse_args(argv)
-    try:
-        with interrupt_on_sigterm():  # `timeout`, a scheduler: the rows written stay, the writer's lock goes
-            code = COMMANDS[args.command][2](args)
-        sys.stdout.flush()  # here, where a closed pipe is caught, not at interpreter exit
-        return code
-    except (ValueError, DiskFull) as exc:
-        print(f"raysys {args.command}: error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ValueError) else 1
-    except BrokenPipeError:  # `... | head`: the reader left; stop quietly, as other Unix tools do
-        silence_stdout()
-        return 141  # 128 + SIGPIPE, what a shell reports for a command killed by it
-    except KeyboardInterrupt as exc:
-        if not getattr(exc, "__notes__", None):  # run_sweep / tune_run already said where the rows are
-            print(f"raysys {args.command}: interrupted", file=sys.stderr)
-        return 130
-    except ClusterLost:  # run_sweep / tune_run said it
-        return 1
-    finally:
-        discard_empty_run_dirs()  # a run stopped before its first row leaves no empty ./runs/<UTC>-<command>/
+    return run_guarded(f"raysys {args.command}", lambda: COMMANDS[args.command][2](args))
 
 
 if __name__ == "__main__":

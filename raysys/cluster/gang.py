@@ -34,7 +34,7 @@ from raysys.cluster.rank import (DEVICES, RANK_ENV, BaseGang, PlacementInfeasibl
                                  destroy_rank, device_description, free_port, init_rank, max_cpu_ranks)
 from raysys.cluster.signals import keep_sigterm_interrupt
 from raysys.cluster.telemetry import RankMonitor
-from raysys.measure.device import resolve_device
+from raysys.measure.device import machine_memory_bytes, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -56,22 +56,16 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, num_gpu
     """
     if ray.is_initialized():
         return cluster_info()
-    if address is None:
-        address = os.environ.get("RAY_ADDRESS") or None
-    if address and address != "local":
-        if any(v is not None for v in (num_cpus, num_gpus, object_store_memory)):
-            log.warning("connecting to the Ray cluster at %s: num_cpus/num_gpus/object_store_memory are ignored",
-                        address)
-        with keep_sigterm_interrupt():
-            context = ray.init(address=address, logging_level=logging.WARNING)
-    else:
-        with keep_sigterm_interrupt():  # SIGTERM while Ray starts: the run's one line, not a silent exit 15
-            context = ray.init(address="local", num_cpus=os.cpu_count() if num_cpus is None else num_cpus,
-                               num_gpus=num_gpus,
-                               object_store_memory=object_store_memory or _default_object_store_bytes(),
-                               include_dashboard=dashboard, logging_level=logging.WARNING)
+    address = (os.environ.get("RAY_ADDRESS") if address is None else address) or "local"
+    embedded = address == "local"
+    if not embedded and any(v is not None for v in (num_cpus, num_gpus, object_store_memory)):
+        log.warning("connecting to the Ray cluster at %s: num_cpus/num_gpus/object_store_memory are ignored", address)
+    own = dict(num_cpus=os.cpu_count() if num_cpus is None else num_cpus, num_gpus=num_gpus,
+               object_store_memory=object_store_memory or _default_object_store_bytes(), include_dashboard=dashboard)
+    with keep_sigterm_interrupt():  # SIGTERM while Ray starts: the run's one line, not a silent exit 15
+        context = ray.init(address=address, logging_level=logging.WARNING, **(own if embedded else {}))
     _DASHBOARD["url"] = context.dashboard_url or ""
-    GcsWatch.watch(ray.get_runtime_context().gcs_address, embedded=not address or address == "local")
+    GcsWatch.watch(ray.get_runtime_context().gcs_address, embedded=embedded)
     info = cluster_info()
     if info["dashboard_url"]:
         print(f"Ray dashboard: http://{info['dashboard_url']}", flush=True)
@@ -141,8 +135,7 @@ def gcs_lost() -> str:
 
 
 def _default_object_store_bytes() -> int:
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(min(max(total // 20, 256 * 2**20), 2 * 2**30))
+    return int(min(max((machine_memory_bytes() or 0) // 20, 256 * 2**20), 2 * 2**30))
 
 
 @dataclass(frozen=True)

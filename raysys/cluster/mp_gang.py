@@ -235,10 +235,8 @@ class ProcessGang(BaseGang):
         """Ask healthy ranks to leave the group and exit; kill whatever is still running after 10 s."""
         if not self.broken:
             for conn in self._conns:
-                try:
+                with contextlib.suppress(OSError):  # BrokenPipeError included: that rank is gone
                     conn.send_bytes(b"")
-                except (BrokenPipeError, OSError):
-                    pass
         deadline = time.monotonic() + (10.0 if not self.broken else 0.0)
         for proc in self._procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))

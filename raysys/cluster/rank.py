@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Self
 import torch
 import torch.distributed as dist
 
-from raysys.measure.device import synchronize
+from raysys.measure.device import machine_memory_bytes, synchronize
 
 # The GPU hosts require NVLink multicast off; set in every rank's environment (Ray runtime env and in-process).
 MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -263,18 +263,10 @@ def local_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def local_memory_bytes() -> int | None:
-    """This machine's physical memory, or None where the OS does not say."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def check_local_cpu_ranks(world_size: int) -> None:
     """Raise `PlacementInfeasible` (a ValueError) before anything is spawned when this machine cannot run
     `world_size` CPU rank processes (`max_cpu_ranks` of its CPUs and memory)."""
-    cpus, memory = local_cpus(), local_memory_bytes()
+    cpus, memory = local_cpus(), machine_memory_bytes()
     limit = max_cpu_ranks(cpus, memory)
     if world_size > limit:
         mem = f" and {memory / 2**30:.0f} GiB" if memory else ""

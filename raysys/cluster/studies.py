@@ -12,6 +12,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from typing import Any, Callable
 
 import pandas as pd
 
@@ -19,9 +20,8 @@ from raysys.cluster.signals import interrupt_on_sigterm
 from raysys.results.files import DiskFull
 from raysys.results.records import discard_empty_run_dirs, resolve_out
 
-__all__ = ["ClusterLost", "JoinList", "interrupted_message", "read_sweep", "resolve_out_dir", "run_script",
-           "silence_stdout", "split_list",
-           "summary_table", "sweep_parser", "writer_options"]
+__all__ = ["ClusterLost", "JoinList", "interrupted_message", "read_sweep", "resolve_out_dir", "run_guarded",
+           "run_script", "silence_stdout", "split_list", "summary_table", "sweep_parser", "writer_options"]
 
 
 class JoinList(argparse.Action):
@@ -141,25 +141,28 @@ def summary_table(df: pd.DataFrame) -> str:
 
 
 def run_script(main_fn, argv: list[str] | None = None) -> int:
-    """Entry point of a `sweeps/` script: bad input (ValueError) is one line on stderr and exit code 2, a full
-    disk one line and 1, Ctrl-C / SIGTERM one line ("interrupted after N of M trials; rerun with --resume" from
-    run_sweep and tune_run) and 130, never a traceback."""
-    name = Path(sys.argv[0]).name
+    """Entry point of a `sweeps/` script: `main_fn(argv)` under `run_guarded`, named after the script."""
+    return run_guarded(Path(sys.argv[0]).name, lambda: main_fn(argv))
+
+
+def run_guarded(prog: str, fn: Callable[[], Any]) -> int:
+    """The exit code of `fn()` run as the command `prog` (its int result, else 0), never a traceback: bad input
+    (ValueError) is one line on stderr and 2, a full disk one line and 1, a closed stdout 141, Ctrl-C / SIGTERM
+    one line ("interrupted after N of M trials; rerun with --resume" from run_sweep and tune_run) and 130, a lost
+    Ray cluster 1. A fresh run directory left empty is removed."""
     try:
-        with interrupt_on_sigterm():
-            result = main_fn(argv)
-    except ValueError as exc:
-        print(f"{name}: error: {exc}", file=sys.stderr)
-        return 2
-    except DiskFull as exc:
-        print(f"{name}: error: {exc}", file=sys.stderr)
-        return 1
-    except BrokenPipeError:
+        with interrupt_on_sigterm():  # `timeout`, a scheduler: the rows written stay, the writer's lock goes
+            result = fn()
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at interpreter exit
+    except (ValueError, DiskFull) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ValueError) else 1
+    except BrokenPipeError:  # `... | head`: the reader left; stop quietly, as other Unix tools do
         silence_stdout()
-        return 141
+        return 141  # 128 + SIGPIPE, what a shell reports for a command killed by it
     except KeyboardInterrupt as exc:
         if not getattr(exc, "__notes__", None):  # run_sweep / tune_run already said where the rows are
-            print(f"{name}: interrupted", file=sys.stderr)
+            print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     except ClusterLost:  # run_sweep / tune_run said it, where the rows are included
         return 1

@@ -22,7 +22,6 @@ import re
 import shlex
 import socket
 import sys
-import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path

@@ -69,12 +69,10 @@ def check_gang(world_size: int, *, device: str, launcher: str = "ray", strategy:
     (a ValueError) when the cluster (Ray) or this machine (mp) can never hold that gang. A script with one world
     size calls it before its first trial, to fail at once; `run_sweep` instead records the trials of a world size
     that cannot be placed as skipped rows and goes on with the others."""
+    resolved = _resolve_device(launcher, device)
     if launcher == "ray":
-        init_ray()
-        resolved = gang_device(device)
         check_placement(world_size, device=resolved, strategy=strategy, cpus_per_rank=cpus_per_rank)
     else:
-        resolved = local_device(device)
         check_local_placement(world_size, resolved)
     return resolved
 
@@ -123,33 +121,57 @@ def run_sweep(sweep: str, trials: Sequence[Mapping[str, Any]], trial_fn: Callabl
                 raise ValueError(f"trial config {key}={t[key]!r} contradicts the gang's {key}={value!r}")
     if len({trial_id(t) for t in trials}) != len(trials):
         raise ValueError(f"sweep {sweep!r}: the trials contain duplicate configurations")
-    reduce = reduce or _default_reduce
-    own_writer = writer is None
-    if own_writer:
-        writer = ResultWriter(resolve_out_dir(out_dir, sweep), sweep, mode=mode or ("resume" if resume else "new"),
-                              allow_mixed=allow_mixed)
-    try:
-        return _run_sweep(sweep, trials, trial_fn, world_size, writer, device=device, reduce=reduce,
+    with _open_writer(writer, out_dir, sweep, mode=mode, resume=resume, allow_mixed=allow_mixed) as writer:
+        return _run_sweep(sweep, trials, trial_fn, world_size, writer, device=device, reduce=reduce or _default_reduce,
                           launcher=launcher, strategy=strategy, gpu_visibility=gpu_visibility,
                           cpus_per_rank=cpus_per_rank, timeout_s=timeout_s, trial_timeout_s=trial_timeout_s, env=env,
                           show=show)
-    finally:
-        if own_writer:
-            writer.close()
+
+
+def _open_writer(writer: ResultWriter | None, out_dir, sweep: str, *, mode: str | None, resume: bool,
+                 allow_mixed: bool):
+    """`writer` as it is (its owner closes it), else `<out_dir>/<sweep>.parquet` opened for this call alone."""
+    if writer is not None:
+        return contextlib.nullcontext(writer)
+    return ResultWriter(resolve_out_dir(out_dir, sweep), sweep, mode=mode or ("resume" if resume else "new"),
+                        allow_mixed=allow_mixed)
+
+
+def _resolve_device(launcher: str, device: str) -> str:
+    """The device type (`cuda` or `cpu`) a gang of `launcher` asking for `device` runs on."""
+    if launcher == "ray":
+        init_ray()
+        return gang_device(device)
+    return local_device(device)
+
+
+def _interrupted(exc: KeyboardInterrupt, sweep: str, done: int, total: int | None, path, lost: str) -> None:
+    """Say in one line where the rows are; raise `ClusterLost` when the cluster is `lost` (`gcs_lost`), else note
+    the line on the interrupt (`run_script` then adds nothing), which the caller re-raises."""
+    message = interrupted_message(sweep, done, total, path, lost)
+    print(message, file=sys.stderr, flush=True)
+    if lost:  # not the user's interrupt: the cluster's end (raysys.cluster.gang.GcsWatch)
+        raise ClusterLost(message) from None
+    exc.add_note(message)
+
+
+def _frame(rows: list[dict], show: bool) -> pd.DataFrame:
+    df = pd.DataFrame(rows)
+    if show and not df.empty:
+        print(summary_table(df))
+    return df
 
 
 def _run_sweep(sweep: str, trials: list[dict], trial_fn: Callable[..., Any], world_size: int, writer: ResultWriter, *,
                device: str, reduce: Callable, launcher: str, strategy: str, gpu_visibility: str, cpus_per_rank: float,
                timeout_s: float, trial_timeout_s: float | None, env: Mapping[str, str] | None,
                show: bool) -> pd.DataFrame:
+    resolved = _resolve_device(launcher, device)
     if launcher == "ray":
-        init_ray()
-        resolved = gang_device(device)
         make_gang = functools.partial(Gang, world_size, device=resolved, strategy=strategy, name=sweep,
                                       timeout_s=timeout_s, gpu_visibility=gpu_visibility, cpus_per_rank=cpus_per_rank,
                                       env=env)
     else:
-        resolved = local_device(device)
         make_gang = functools.partial(ProcessGang, world_size, device=resolved, name=sweep, timeout_s=timeout_s,
                                       env=env)
     fixed = gang_columns(world_size, launcher, resolved, gpu_visibility)
@@ -206,21 +228,13 @@ def _run_sweep(sweep: str, trials: list[dict], trial_fn: Callable[..., Any], wor
                 bar.update()
     except KeyboardInterrupt as exc:
         bar.close()
-        lost = gcs_lost() if launcher == "ray" else ""
-        message = interrupted_message(sweep, len(rows), len(configs), writer.path, lost)
-        print(message, file=sys.stderr, flush=True)
-        if lost:  # not the user's interrupt: the cluster's end (raysys.cluster.gang.GcsWatch)
-            raise ClusterLost(message) from None
-        exc.add_note(message)  # the script's entry point (raysys.cluster.studies.run_script) then adds nothing
+        _interrupted(exc, sweep, len(rows), len(configs), writer.path, gcs_lost() if launcher == "ray" else "")
         raise
     finally:
         bar.close()
         if gang is not None:
             gang.shutdown()
-    df = pd.DataFrame(rows)
-    if show and not df.empty:
-        print(summary_table(df))
-    return df
+    return _frame(rows, show)
 
 
 class NodeWatch:
@@ -276,11 +290,8 @@ def _trial_exception(trial) -> BaseException:
     except Exception:  # Tune internals moved: still a row, with what we know
         pickled = text = None
     if pickled and os.path.exists(pickled):
-        try:
-            with open(pickled, "rb") as f:
-                return ray.cloudpickle.load(f)
-        except Exception:  # unpicklable on this side: fall back to the text
-            pass
+        with contextlib.suppress(Exception), open(pickled, "rb") as f:  # unpicklable here: fall back to the text
+            return ray.cloudpickle.load(f)
     if text and os.path.exists(text):
         return RuntimeError(Path(text).read_text().strip()[-2000:])
     return RuntimeError(f"Tune trial {trial} failed without an error file")
@@ -370,13 +381,8 @@ def tune_run(trainable: Callable[[dict], Any], param_space: Mapping[str, Any], *
     check_sweep_name(sweep)
     for config in grid or [{k: v for k, v in param_space.items()}]:
         check_row_keys(config)
-    if writer is not None:
+    with _open_writer(writer, out_dir, sweep, mode=mode, resume=resume, allow_mixed=allow_mixed) as writer:
         return _tune_run(trainable, param_space, grid, sweep=sweep, writer=writer, resources=resources,
-                         num_samples=num_samples, max_concurrent_trials=max_concurrent_trials, max_trials=max_trials,
-                         time_budget_s=time_budget_s, show=show, reuse_actors=reuse_actors)
-    with ResultWriter(resolve_out_dir(out_dir, sweep), sweep, mode=mode or ("resume" if resume else "new"),
-                      allow_mixed=allow_mixed) as own:
-        return _tune_run(trainable, param_space, grid, sweep=sweep, writer=own, resources=resources,
                          num_samples=num_samples, max_concurrent_trials=max_concurrent_trials, max_trials=max_trials,
                          time_budget_s=time_budget_s, show=show, reuse_actors=reuse_actors)
 
@@ -415,13 +421,7 @@ def _tune_run(trainable: Callable[[dict], Any], param_space: Mapping[str, Any], 
                     results = tuner.fit()
             except KeyboardInterrupt as exc:
                 bar.close()
-                lost = gcs_lost()
-                message = interrupted_message(sweep, len(rows), len(todo) if todo is not None else None, writer.path,
-                                              lost)
-                print(message, file=sys.stderr, flush=True)
-                if lost:
-                    raise ClusterLost(message) from None
-                exc.add_note(message)
+                _interrupted(exc, sweep, len(rows), len(todo) if todo is not None else None, writer.path, gcs_lost())
                 ray.shutdown()  # this driver's Tune trials die with it
                 raise
             finally:
@@ -438,7 +438,4 @@ def _tune_run(trainable: Callable[[dict], Any], param_space: Mapping[str, Any], 
             print(f"{sweep}: {len(todo) - len(rows)} of {len(todo)} trials did not finish"
                   + (f" within the time budget ({time_budget_s:g} s)" if time_budget_s else "")
                   + "; rerun with resume to run them", file=sys.stderr, flush=True)
-    df = pd.DataFrame(rows)
-    if show and not df.empty:
-        print(summary_table(df))
-    return df
+    return _frame(rows, show)

@@ -10,6 +10,7 @@ rank actor; `SweepProgress` is set by `run_sweep` after every trial. Rank tasks 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -41,10 +42,8 @@ def _rss_bytes() -> int | None:
 
 def _gpu_utilization(device: torch.device) -> float | None:
     """The utilisation (%) of the GPU `device`: torch's NVML query, else nvidia-smi by the GPU's UUID, else None."""
-    try:
+    with contextlib.suppress(Exception):  # pynvml missing, or NVML unavailable
         return float(torch.cuda.utilization(device))
-    except Exception:  # pynvml missing, or NVML unavailable
-        pass
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return None
@@ -89,19 +88,13 @@ class RankMonitor:
         return {"memory_bytes": None if rss is None else float(rss),
                 "utilization_percent": 100.0 * (cpu - cpu_then) / (now - then) if now > then else None}
 
-    def record(self) -> dict[str, float | None]:
-        values = self.sample()
-        if self._gauges is not None:
-            self._gauges[0].set(values["memory_bytes"])
-            self._gauges[1].set(values["utilization_percent"])
-        return values
-
     def _loop(self) -> None:
         while True:
-            try:
-                self.record()
-            except Exception:  # telemetry must never disturb the rank's work
-                pass
+            with contextlib.suppress(Exception):  # telemetry must never disturb the rank's work
+                values = self.sample()
+                if self._gauges is not None:
+                    self._gauges[0].set(values["memory_bytes"])
+                    self._gauges[1].set(values["utilization_percent"])
             if self._stop.wait(self.interval_s):
                 return
 

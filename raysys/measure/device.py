@@ -83,9 +83,12 @@ def free_memory(device: torch.device | str | None = None) -> None:
         torch.cuda.empty_cache()
 
 
-def machine_memory_bytes() -> int:
-    """This machine's physical memory."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+def machine_memory_bytes() -> int | None:
+    """This machine's physical memory, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def check_fits(mc, batch: int, world_size: int, device: str) -> None:
@@ -96,7 +99,7 @@ def check_fits(mc, batch: int, world_size: int, device: str) -> None:
         return
     per_rank = 16 * mc.num_params() + 4 * batch * mc.num_heads * mc.context_length ** 2
     total = machine_memory_bytes()
-    if world_size * per_rank > total:
+    if total is not None and world_size * per_rank > total:
         raise ValueError(f"size {mc.name} at context {mc.context_length} with {batch} sequences per rank needs at "
                          f"least {per_rank / 2**30:.3g} GiB per rank (fp32 state + one layer's attention scores); "
                          f"{world_size} rank(s) exceed this machine's {total / 2**30:.3g} GiB")

@@ -174,10 +174,8 @@ class SavedTensorAccount:
         def leave(module, args, output):
             self._stack.pop()  # returns None: a forward hook's return value would replace the output
 
-        handles = []
-        for name, module in self.model.named_modules():
-            handles.append(module.register_forward_pre_hook(enter(name)))
-            handles.append(module.register_forward_hook(leave))
+        handles = [h for name, module in self.model.named_modules()
+                   for h in (module.register_forward_pre_hook(enter(name)), module.register_forward_hook(leave))]
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
                 yield self
@@ -212,15 +210,9 @@ def saved_bytes_per_block(model: nn.Module, forward_loss) -> tuple[pd.DataFrame,
     account = SavedTensorAccount(model)
     with account.track():
         loss = forward_loss()
-    blocks = [name for name, _ in model.named_children()]
-    rows = []
-    layers = getattr(model, "layers", None)
-    if layers is not None:
-        for i in range(len(layers)):
-            rows.append({"module": f"layers.{i}", "saved_bytes": account.per_prefix(f"layers.{i}")})
-    for name in blocks:
-        if name != "layers":
-            rows.append({"module": name, "saved_bytes": account.per_prefix(name)})
+    names = [f"layers.{i}" for i in range(len(getattr(model, "layers", ())))]
+    names += [name for name, _ in model.named_children() if name != "layers"]
+    rows = [{"module": name, "saved_bytes": account.per_prefix(name)} for name in names]
     rows.append({"module": "<root>", "saved_bytes": account.by_module.get("<root>", 0)})
     detail = account.table()
     detail = detail[detail.module.str.startswith("layers.0.") | (detail.module == "layers.0")]
@@ -298,11 +290,9 @@ class TrialScope:
 
     def _record(self, when: str) -> None:
         free_memory(self.device)
-        cuda = self.device.type == "cuda"
-        self.metrics[f"memory_allocated_{when}_bytes"] = (float(torch.cuda.memory_allocated(self.device))
-                                                          if cuda else math.nan)
+        self.metrics[f"memory_allocated_{when}_bytes"] = allocated_bytes(self.device)
         self.metrics[f"memory_reserved_{when}_bytes"] = (float(torch.cuda.memory_reserved(self.device))
-                                                         if cuda else math.nan)
+                                                         if self.device.type == "cuda" else math.nan)
         self.metrics[f"live_parameters_{when}"] = live_parameters()
 
     def __enter__(self) -> "TrialScope":

@@ -30,6 +30,8 @@ import pandas as pd
 import torch
 from torch.autograd import DeviceType
 
+from raysys.measure.device import synchronize
+
 PHASES = ("forward", "backward", "optimizer")
 _MATMUL = re.compile(r"gemm|nvjet|cutlass|xmma|wgmma|cublas|^aten::(mm|bmm|addmm|matmul|baddbmm|linear|_scaled_mm)$",
                      re.IGNORECASE)
@@ -110,16 +112,23 @@ def without_kineto_noise() -> Iterator[None]:
             os.close(saved)
 
 
+def _activities(device: torch.device) -> list:
+    """What torch.profiler records on `device`: CPU operators, and GPU kernels on CUDA."""
+    cuda = [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
+    return [torch.profiler.ProfilerActivity.CPU, *cuda]
+
+
 def make_profiler(device: torch.device) -> torch.profiler.profile:
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(activities=activities, record_shapes=False, with_stack=False)
+    return torch.profiler.profile(activities=_activities(device), record_shapes=False, with_stack=False)
 
 
 def _intervals(events, names) -> list[tuple[str, float, float]]:
     return [(e.name, e.time_range.start, e.time_range.end) for e in events
             if e.name in names and e.device_type == DeviceType.CPU]
+
+
+KERNEL_TABLE_COLUMNS = ("phase", "kernel", "calls_per_step", "total_s", "call_mean_s", "share_of_phase",
+                        "share_of_step", "is_matmul")
 
 
 def kernel_table(prof: torch.profiler.profile, device: torch.device, num_steps: int) -> pd.DataFrame:
@@ -136,15 +145,11 @@ def kernel_table(prof: torch.profiler.profile, device: torch.device, num_steps: 
         work = [e for e in events if e.device_type == DeviceType.CPU and e.self_cpu_time_total > 0
                 and e.name not in PHASES and not e.name.startswith(("ProfilerStep", "cuda", "Optimizer."))]
         dur = lambda e: e.self_cpu_time_total
-    rows = []
-    for e in work:
-        start = e.time_range.start
-        phase = next((name for name, s, t in phases if s <= start <= t), "other")
-        rows.append((phase, e.name, dur(e)))
+    rows = [(next((name for name, s, t in phases if s <= e.time_range.start <= t), "other"), e.name, dur(e))
+            for e in work]
     df = pd.DataFrame(rows, columns=["phase", "kernel", "time_us"])
     if df.empty:
-        return pd.DataFrame(columns=["phase", "kernel", "calls_per_step", "total_s", "call_mean_s", "share_of_phase",
-                                     "share_of_step", "is_matmul"])
+        return pd.DataFrame(columns=list(KERNEL_TABLE_COLUMNS))
     agg = df.groupby(["phase", "kernel"], as_index=False).agg(calls=("time_us", "size"), total_us=("time_us", "sum"))
     phase_total = agg.groupby("phase")["total_us"].transform("sum")
     agg["calls_per_step"] = agg["calls"] / max(num_steps, 1)
@@ -154,8 +159,7 @@ def kernel_table(prof: torch.profiler.profile, device: torch.device, num_steps: 
     agg["share_of_step"] = agg["total_us"] / agg["total_us"].sum()
     agg["is_matmul"] = agg["kernel"].map(is_matmul)
     agg = agg.sort_values(["phase", "total_us"], ascending=[True, False]).reset_index(drop=True)
-    return agg[["phase", "kernel", "calls_per_step", "total_s", "call_mean_s", "share_of_phase", "share_of_step",
-                "is_matmul"]]
+    return agg[list(KERNEL_TABLE_COLUMNS)]
 
 
 def matmul_share(table: pd.DataFrame) -> dict[str, float]:
@@ -177,10 +181,10 @@ def export_trace(prof: torch.profiler.profile, path: str | Path) -> Path:
 
 def format_top(table: pd.DataFrame, top: int = 8) -> str:
     """Markdown: the top kernels of each phase (the table's seconds shown as ms per step and us per call)."""
-    parts = []
     if {"total_s", "call_mean_s"} <= set(table.columns):
         table = table.assign(total_ms=1e3 * table["total_s"], call_mean_us=1e6 * table["call_mean_s"]).drop(
             columns=["total_s", "call_mean_s"])
+    parts = []
     for phase, part in table.groupby("phase", sort=False):
         head = part.head(top).assign(kernel=lambda d: d.kernel.str.slice(0, 70))
         parts.append(f"**{phase}**\n\n" + head.drop(columns="phase").to_markdown(index=False, floatfmt=".3g"))
@@ -320,23 +324,18 @@ def profile_steps(step: Callable[[], object], device: torch.device, *, warmup: i
     def ready(prof: torch.profiler.profile) -> None:
         recorded["events"] = list(prof.events())
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            prof.export_chrome_trace(str(path))
+            export_trace(prof, path)
 
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
     schedule = torch.profiler.schedule(wait=0, warmup=warmup, active=active, repeat=1)
     with warnings.catch_warnings():
         # Emitted by some torch versions on every profiler start, whatever the schedule; `repeat=1` makes
         # the recorded cycle the last one, and `ready` reads it before anything could clear it.
         warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
-        with without_kineto_noise(), torch.profiler.profile(activities=activities, schedule=schedule,
+        with without_kineto_noise(), torch.profiler.profile(activities=_activities(device), schedule=schedule,
                                                             on_trace_ready=ready) as prof:
             for _ in range(warmup + active):
                 step()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                synchronize(device)
                 prof.step()
     if "events" not in recorded:
         raise RuntimeError(f"the profiler finished without completing its recording cycle ({warmup} warm-up + "

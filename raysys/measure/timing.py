@@ -158,10 +158,8 @@ class IssueClock:
     def __call__(self) -> float:
         total = time.thread_time()
         for clock in self._clocks:
-            try:
+            with contextlib.suppress(OSError):  # the thread ended: what it spent no longer counts on either side
                 total += time.clock_gettime(clock)
-            except OSError:  # the thread ended: what it spent is no longer counted on either side of a step
-                pass
         return total
 
 
@@ -294,12 +292,10 @@ def paired_speedups(ours: dict[str, Callable[[], object]], base: dict[str, Calla
     for mode in ours:
         ratios = []
         for r in range(rounds):
-            if r % 2 == 0:
-                t_ours = bench(ours[mode])
-                t_base = bench(base[mode])
+            if r % 2 == 0:  # a tuple's items are evaluated left to right: this round's order
+                t_ours, t_base = bench(ours[mode]), bench(base[mode])
             else:
-                t_base = bench(base[mode])
-                t_ours = bench(ours[mode])
+                t_base, t_ours = bench(base[mode]), bench(ours[mode])
             ratios.append(t_base / t_ours)
         out[f"paired_speedup_{mode}_vs_{base_name}"] = statistics.median(ratios)
         out[f"paired_speedup_{mode}_ci_rel"] = median_ci_rel(ratios)

@@ -74,21 +74,23 @@ def causal_mask(n_queries: int, n_keys: int, device: torch.device) -> torch.Tens
     return q >= k
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True) -> torch.Tensor:
-    """softmax(Q K^T / sqrt(d) + mask) V with the softmax written out (max subtraction), as in the reference."""
+def _scores(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> torch.Tensor:
+    """Q K^T / sqrt(d), -inf where a query may not see a key (`is_causal`)."""
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     if is_causal:
         scores = scores.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
-    probs = softmax(scores, dim=-1)
-    return probs @ v
+    return scores
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True) -> torch.Tensor:
+    """softmax(Q K^T / sqrt(d) + mask) V with the softmax written out (max subtraction), as in the reference."""
+    return softmax(_scores(q, k, is_causal), dim=-1) @ v
 
 
 def annotated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True) -> torch.Tensor:
     """`naive_attention` with its three stages in named NVTX / profiler ranges."""
     with nvtx_range("attention scores"):
-        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
-        if is_causal:
-            scores = scores.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
+        scores = _scores(q, k, is_causal)
     with nvtx_range("attention softmax"):
         probs = softmax(scores, dim=-1)
     with nvtx_range("attention final matmul"):
@@ -280,12 +282,11 @@ class TransformerLM(nn.Module):
         super().__init__()
         if config is None:
             config = ModelConfig(**kwargs)
+        elif not isinstance(config, ModelConfig):
+            raise TypeError(f"config must be a ModelConfig, not {type(config).__name__}")
         elif kwargs:
             config = config.replace(**kwargs)
-        elif not isinstance(config, ModelConfig):  # any object with the reference attribute names
-            config = _config_from_object(config)
-        self.config = config
-        c = config
+        self.config = c = config
         self.token_embeddings = Embedding(c.vocab_size, c.d_model, device, dtype)
         rope = RotaryEmbedding(c.context_length, c.d_head, c.rope_theta, device)
         self.layers = nn.ModuleList(
@@ -326,15 +327,6 @@ class TransformerLM(nn.Module):
 BasicsTransformerLM = TransformerLM
 
 
-def _config_from_object(obj) -> ModelConfig:
-    """Accept config objects that use the leaderboard's names (ctx_len) or the model's."""
-    get = lambda *names, default=None: next((getattr(obj, n) for n in names if hasattr(obj, n)), default)
-    return ModelConfig(vocab_size=get("vocab_size"), context_length=get("context_length", "ctx_len"),
-                       d_model=get("d_model"), num_layers=get("num_layers"), num_heads=get("num_heads"),
-                       d_ff=get("d_ff"), rope_theta=get("rope_theta", default=10_000.0),
-                       attention=get("attention", default="naive"))
-
-
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean over all positions of -log_softmax(logits)[target], with max subtraction."""
     logits = logits - logits.amax(dim=-1, keepdim=True)
@@ -348,17 +340,6 @@ LOSS_IMPLS = ("auto", "triton", "torch")
 plain-torch counterpart `ChunkedLinearCrossEntropy` beside it, or `auto` (the kernel for CUDA tensors, else torch)."""
 CHUNK_LOGIT_BYTES = 256 * 2**20
 """fp32 logits one chunk of `ChunkedLinearCrossEntropy` holds (its tokens = this / (4 * vocab))."""
-_MOVED = {"ChunkedLinearCrossEntropy": "kernels.fused_linear_ce", "ForeachAdamW": "kernels.adamw"}
-"""Names defined beside their kernels that `raysys.model.transformer.<name>` also resolves (lazily: Triton imports
-slowly)."""
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        import importlib
-
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def fused_loss_kernel() -> Callable | None:

@@ -14,6 +14,7 @@ takes an exclusive non-waiting `flock` (no symbolic links followed): a second ho
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -87,11 +88,9 @@ def remove_stale_tmp(path: Path) -> list[Path]:
         pid = _tmp_owner(path, tmp)
         if pid is None or _pid_alive(pid) or tmp.is_symlink() or not tmp.is_file():
             continue
-        try:
+        with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
             removed.append(tmp)
-        except FileNotFoundError:
-            pass
     return removed
 
 
@@ -100,16 +99,12 @@ def glob_escape(name: str) -> str:
 
 
 def _fsync_dir(directory: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # not every file system lets a directory be opened or synced
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:  # not every file system lets a directory be opened
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def atomic_write(path: str | os.PathLike, data: bytes) -> Path:
@@ -127,10 +122,8 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> Path:
             os.close(fd)
         os.replace(tmp, path)
     except BaseException as exc:
-        try:
+        with contextlib.suppress(OSError):
             tmp.unlink()
-        except OSError:
-            pass
         if isinstance(exc, OSError) and exc.errno in _NO_SPACE:
             state = (f"the previous {path.name} is intact" if path.exists() else f"{path.name} was not written")
             full = DiskFull(f"no space left writing {path} ({os.strerror(exc.errno)}); {state}")
@@ -156,10 +149,8 @@ def save_figure(fig: Any, path: str | os.PathLike, **savefig_kwargs: Any) -> Pat
 
 
 def _unlock(fd: int, lock_path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(lock_path)  # while still holding it: a waiter that opened this inode re-checks and retries
-    except OSError:
-        pass
     os.close(fd)
 
 
@@ -207,10 +198,6 @@ class FileLock:
         command = " ".join(sys.argv)[:300] or sys.executable
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}: {command}\n".encode(), 0)
         self._release = weakref.finalize(self, _unlock, fd, str(self.lock_path))
-
-    @property
-    def held(self) -> bool:
-        return self._release.alive
 
     def release(self) -> None:
         self._release()

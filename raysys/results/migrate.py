@@ -63,7 +63,9 @@ SWEEP_RENAMES: dict[str, dict[str, tuple[str, float]]] = {
     "ddp": {"rank_spread": ("rank_spread_rel", 1)}, "ddp_compiled": {"rank_spread": ("rank_spread_rel", 1)},
 }
 
-PROVENANCE = ("run_id", "git_sha", "torch_version", "triton_version", "ray_version", "device_name", "host", "utc")
+PROVENANCE_COLUMNS = ("run_id", "git_sha", "torch_version", "triton_version", "ray_version", "device_name", "host",
+                      "utc")
+"""The provenance every row carries (`raysys.results.records.make_row` fills them)."""
 UNKNOWN_RUN = "unknown"
 
 
@@ -133,7 +135,7 @@ def _table_provenance(df: pd.DataFrame, sweep: str, siblings: Path | None) -> pd
                                      "batch_size": int(r.batch_size), "dtype": r.dtype}) for r in out.itertuples()]
         trials = trials.drop_duplicates(keys).drop(columns=["trial_id"]).merge(
             out[keys + ["trial_id"]].drop_duplicates(), on=keys)
-    cols = [c for c in PROVENANCE if c in trials]
+    cols = [c for c in PROVENANCE_COLUMNS if c in trials]
     prov = trials.drop_duplicates("trial_id").set_index("trial_id")[cols]
     for col in cols:
         filled = out["trial_id"].map(prov[col])

@@ -17,6 +17,7 @@ statistic before the unit (`step_median_s`), rates name theirs (`busbw_GBps`), r
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime as _dt
 import functools
 import io
@@ -39,7 +40,7 @@ import pandas as pd
 
 from raysys.results.files import (DiskFull, FileBusy, FileLock, ResultsError, remove_stale_tmp, save_figure, trial_id,
                                   write_parquet, write_text)
-from raysys.results.migrate import canonical, full_sha
+from raysys.results.migrate import PROVENANCE_COLUMNS, canonical, full_sha
 
 __all__ = ["DiskFull", "FileBusy", "MODES", "NOT_RUN", "ROW_COLUMNS", "ResultWriter", "ResultsError",
            "check_provenance", "check_row_keys", "check_status", "check_sweep_name", "clip_error", "default_out_dir",
@@ -52,15 +53,13 @@ STATUSES = ("ok", "oom", "error", "timeout", "skipped")
 def git_sha_of(directory: str | os.PathLike) -> str | None:
     """The commit checked out in the git repository holding `directory` (12 hex digits, `-dirty` when tracked
     files differ from it), or None outside a repository or without git."""
-    try:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
         out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=directory, capture_output=True,
                              text=True, timeout=10)
         if out.returncode == 0:
             dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=directory,
                                    capture_output=True, text=True, timeout=30).stdout.strip()
             return out.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        pass
     return None
 
 
@@ -82,15 +81,8 @@ def _version(module: str) -> str:
 
 def nvidia_gpu_models() -> list[str]:
     """This machine's NVIDIA GPU models, by bus id, from the driver's /proc files: no CUDA context needed."""
-    models = []
-    for info in sorted(Path("/proc/driver/nvidia/gpus").glob("*/information")):
-        models += [line.split(":", 1)[1].strip() for line in info.read_text().splitlines() if line.startswith("Model:")]
-    return models
-
-
-def _nvidia_gpu_name() -> str | None:
-    """The first NVIDIA GPU's model (`nvidia_gpu_models`)."""
-    return next(iter(nvidia_gpu_models()), None)
+    return [line.split(":", 1)[1].strip() for info in sorted(Path("/proc/driver/nvidia/gpus").glob("*/information"))
+            for line in info.read_text().splitlines() if line.startswith("Model:")]
 
 
 def device_name(device: Any = None) -> str:
@@ -101,7 +93,7 @@ def device_name(device: Any = None) -> str:
     dev = torch.device(device) if device is not None else None
     if dev is not None and dev.type == "cuda" or dev is None and torch.cuda.is_initialized():
         return torch.cuda.get_device_name(dev if dev is not None and dev.index is not None else None)
-    if dev is None and (name := _nvidia_gpu_name()):
+    if dev is None and (name := next(iter(nvidia_gpu_models()), None)):
         return name
     return f"cpu ({platform.processor() or platform.machine()})"
 
@@ -109,10 +101,6 @@ def device_name(device: Any = None) -> str:
 RUN_ID = uuid.uuid4().hex[:12]
 """This process's id, in every row it writes: rows with equal `run_id` were measured in one run (one invocation
 of a sweep script), which a comparison "in the same run" can check; resumed trials carry their own run's id."""
-
-
-PROVENANCE_COLUMNS = ("run_id", "git_sha", "torch_version", "triton_version", "ray_version", "device_name", "host",
-                      "utc")
 
 
 def provenance(device: Any = None) -> dict[str, str]:
@@ -160,20 +148,14 @@ def check_row_keys(config: Mapping[str, Any], metrics: Mapping[str, Any] | None 
                    extra: Mapping[str, Any] | None = None) -> None:
     """Raise ValueError naming the first key that would overwrite a row column (`ROW_COLUMNS`), or a config
     column with another value. Sweeps call it on every trial config before running any (`run_sweep` does)."""
-    for key in config:
-        if not isinstance(key, str) or not key:
-            raise ValueError(f"config key {key!r} must be a non-empty str (it names a Parquet column)")
-        if key in ROW_COLUMNS:
-            raise ValueError(f"config key {key!r} would overwrite the row's own {key!r} column; rename it "
-                             f"(reserved: {', '.join(ROW_COLUMNS)})")
-    for what, names in (("metric", metrics or {}), ("extra column", extra or {})):
+    for what, names in (("config key", config), ("metric", metrics or {}), ("extra column", extra or {})):
         for key in names:
             if not isinstance(key, str) or not key:
                 raise ValueError(f"{what} {key!r} must be a non-empty str (it names a Parquet column)")
             if key in ROW_COLUMNS and not (what == "extra column" and key in PROVENANCE_COLUMNS):
                 raise ValueError(f"{what} {key!r} would overwrite the row's own {key!r} column; rename it "
                                  f"(reserved: {', '.join(ROW_COLUMNS)})")
-            if key in config and not _same(names[key], config[key]):
+            if names is not config and key in config and not _same(names[key], config[key]):
                 raise ValueError(f"{what} {key!r}={names[key]!r} would overwrite the trial's config column "
                                  f"{key}={config[key]!r}; rename it")
     for key in set(metrics or {}) & set(extra or {}):
