@@ -90,44 +90,6 @@ def _tma_desc(base, n_rows, stride_row, BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.c
 
 
 @triton.jit
-def _rows_src(base, n_rows, stride_row, BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-              USE_TMA: tl.constexpr):
-    """What a tile loop streams (n_rows, HEAD_DIM) rows through: their tensor descriptor (USE_TMA), else `base`."""
-    if USE_TMA:
-        src = _tma_desc(base, n_rows, stride_row, BLOCK_ROWS, HEAD_DIM, BLOCK_D)
-    else:
-        src = base
-    return src
-
-
-@triton.jit
-def _load_rows(base, start, rows, cols, n_rows, stride_row, stride_col, BLOCK_ROWS: tl.constexpr,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr,
-               USE_TMA: tl.constexpr):
-    """Rows `rows` = [start, start + BLOCK_ROWS) of one (batch, head)'s (n_rows, HEAD_DIM) matrix at `base`, by its
-    tensor descriptor (USE_TMA) or by pointer loads; elements out of range read 0."""
-    if USE_TMA:
-        x = _tma_desc(base, n_rows, stride_row, BLOCK_ROWS, HEAD_DIM, BLOCK_D).load([start, 0])
-    else:
-        x = _load_tile(base + rows[:, None] * stride_row + cols[None, :] * stride_col, rows, cols, n_rows, HEAD_DIM,
-                       MASK_ROWS, not EVEN_D)
-    return x
-
-
-@triton.jit
-def _store_rows(base, x, start, rows, cols, n_rows, stride_row, stride_col, BLOCK_ROWS: tl.constexpr,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr,
-                USE_TMA: tl.constexpr):
-    """`_load_rows`' store: x in `base`'s dtype; elements out of range are dropped."""
-    if USE_TMA:
-        _tma_desc(base, n_rows, stride_row, BLOCK_ROWS, HEAD_DIM, BLOCK_D).store([start, 0],
-                                                                                 x.to(base.dtype.element_ty))
-    else:
-        _store_tile(base + rows[:, None] * stride_row + cols[None, :] * stride_col, x.to(base.dtype.element_ty),
-                    rows, cols, n_rows, HEAD_DIM, MASK_ROWS, not EVEN_D)
-
-
-@triton.jit
 def _flash_fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd, stride_vn, stride_vd,
                      offs_m, offs_d, lo, hi, N_K, qk_scale,
                      HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
@@ -211,10 +173,15 @@ def _flash_fwd_tile(pid_m, pid_bh, Q, K, V, O, L,
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    k_src = _rows_src(k_base, N_K, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
-    v_src = _rows_src(v_base, N_K, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
-    q = _load_rows(q_base, start_m, offs_m, offs_d, N_Q, stride_qm, stride_qd, BLOCK_M, HEAD_DIM, BLOCK_D, not EVEN_M,
-                   EVEN_D, USE_TMA)
+    if USE_TMA:
+        k_src = _tma_desc(k_base, N_K, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D)
+        v_src = _tma_desc(v_base, N_K, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D)
+        q = _tma_desc(q_base, N_Q, stride_qm, BLOCK_M, HEAD_DIM, BLOCK_D).load([start_m, 0])
+    else:
+        k_src = k_base
+        v_src = v_base
+        q = _load_tile(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, offs_m, offs_d,
+                       N_Q, HEAD_DIM, not EVEN_M, not EVEN_D)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -244,8 +211,11 @@ def _flash_fwd_tile(pid_m, pid_bh, Q, K, V, O, L,
     # 3. O = O~ / l (line 15), L = m + log l (line 16; back from base 2 to natural log), write both.
     acc = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
-    _store_rows(o_base, acc, start_m, offs_m, offs_d, N_Q, stride_om, stride_od, BLOCK_M, HEAD_DIM, BLOCK_D,
-                not EVEN_M, EVEN_D, USE_TMA)
+    if USE_TMA:
+        _tma_desc(o_base, N_Q, stride_om, BLOCK_M, HEAD_DIM, BLOCK_D).store([start_m, 0], acc.to(O.dtype.element_ty))
+    else:
+        _store_tile(o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+                    acc.to(O.dtype.element_ty), offs_m, offs_d, N_Q, HEAD_DIM, not EVEN_M, not EVEN_D)
     if EVEN_M:
         tl.store(l_base + offs_m, lse)
     else:
@@ -434,12 +404,18 @@ def _flash_bwd_dkdv_tile(pid_n, pid_bh, Q, K, V, DO, L, Delta, DK, DV, DQ,
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q_src = _rows_src(q_base, N_Q, stride_qm, BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
-    do_src = _rows_src(do_base, N_Q, stride_dom, BLOCK_M, HEAD_DIM, BLOCK_D, USE_TMA)
-    k = _load_rows(k_base, start_n, offs_n, offs_d, N_K, stride_kn, stride_kd, BLOCK_N, HEAD_DIM, BLOCK_D, not EVEN_N,
-                   EVEN_D, USE_TMA)
-    v = _load_rows(v_base, start_n, offs_n, offs_d, N_K, stride_vn, stride_vd, BLOCK_N, HEAD_DIM, BLOCK_D, not EVEN_N,
-                   EVEN_D, USE_TMA)
+    if USE_TMA:
+        q_src = _tma_desc(q_base, N_Q, stride_qm, BLOCK_M, HEAD_DIM, BLOCK_D)
+        do_src = _tma_desc(do_base, N_Q, stride_dom, BLOCK_M, HEAD_DIM, BLOCK_D)
+        k = _tma_desc(k_base, N_K, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D).load([start_n, 0])
+        v = _tma_desc(v_base, N_K, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D).load([start_n, 0])
+    else:
+        q_src = q_base
+        do_src = do_base
+        k = _load_tile(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, offs_n, offs_d, N_K,
+                       HEAD_DIM, not EVEN_N, not EVEN_D)
+        v = _load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, offs_n, offs_d, N_K,
+                       HEAD_DIM, not EVEN_N, not EVEN_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -474,10 +450,14 @@ def _flash_bwd_dkdv_tile(pid_n, pid_bh, Q, K, V, DO, L, Delta, DK, DV, DQ,
 
     # 3. Write dK (with the 1/sqrt(d) of eq. 19) and dV (line 18).
     dk = dk * scale
-    _store_rows(dk_base, dk, start_n, offs_n, offs_d, N_K, stride_dkn, stride_dkd, BLOCK_N, HEAD_DIM, BLOCK_D,
-                not EVEN_N, EVEN_D, USE_TMA)
-    _store_rows(dv_base, dv, start_n, offs_n, offs_d, N_K, stride_dvn, stride_dvd, BLOCK_N, HEAD_DIM, BLOCK_D,
-                not EVEN_N, EVEN_D, USE_TMA)
+    if USE_TMA:
+        _tma_desc(dk_base, N_K, stride_dkn, BLOCK_N, HEAD_DIM, BLOCK_D).store([start_n, 0], dk.to(DK.dtype.element_ty))
+        _tma_desc(dv_base, N_K, stride_dvn, BLOCK_N, HEAD_DIM, BLOCK_D).store([start_n, 0], dv.to(DV.dtype.element_ty))
+    else:
+        _store_tile(dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
+                    offs_n, offs_d, N_K, HEAD_DIM, not EVEN_N, not EVEN_D)
+        _store_tile(dv_base + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
+                    offs_n, offs_d, N_K, HEAD_DIM, not EVEN_N, not EVEN_D)
 
 
 @triton.jit
@@ -577,12 +557,18 @@ def _flash_bwd_dq_tile(pid_m, pid_bh, Q, K, V, DO, L, Delta, DQ,
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    k_src = _rows_src(k_base, N_K, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
-    v_src = _rows_src(v_base, N_K, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D, USE_TMA)
-    q = _load_rows(q_base, start_m, offs_m, offs_d, N_Q, stride_qm, stride_qd, BLOCK_M, HEAD_DIM, BLOCK_D, not EVEN_M,
-                   EVEN_D, USE_TMA)
-    do = _load_rows(do_base, start_m, offs_m, offs_d, N_Q, stride_dom, stride_dod, BLOCK_M, HEAD_DIM, BLOCK_D,
-                    not EVEN_M, EVEN_D, USE_TMA)
+    if USE_TMA:
+        k_src = _tma_desc(k_base, N_K, stride_kn, BLOCK_N, HEAD_DIM, BLOCK_D)
+        v_src = _tma_desc(v_base, N_K, stride_vn, BLOCK_N, HEAD_DIM, BLOCK_D)
+        q = _tma_desc(q_base, N_Q, stride_qm, BLOCK_M, HEAD_DIM, BLOCK_D).load([start_m, 0])
+        do = _tma_desc(do_base, N_Q, stride_dom, BLOCK_M, HEAD_DIM, BLOCK_D).load([start_m, 0])
+    else:
+        k_src = k_base
+        v_src = v_base
+        q = _load_tile(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, offs_m, offs_d, N_Q,
+                       HEAD_DIM, not EVEN_M, not EVEN_D)
+        do = _load_tile(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, offs_m, offs_d, N_Q,
+                        HEAD_DIM, not EVEN_M, not EVEN_D)
     lse2 = _load_rowvec(L + pid_bh.to(tl.int64) * N_Q + offs_m, offs_m, N_Q, float("inf"),
                         not EVEN_M) * 1.4426950408889634
     delta = _load_rowvec(Delta + pid_bh.to(tl.int64) * N_Q + offs_m, offs_m, N_Q, 0.0, not EVEN_M)
@@ -609,8 +595,11 @@ def _flash_bwd_dq_tile(pid_m, pid_bh, Q, K, V, DO, L, Delta, DQ,
 
     # 3. Write dQ with the 1/sqrt(d) of eq. 18 (line 31).
     dq = dq * scale
-    _store_rows(dq_base, dq, start_m, offs_m, offs_d, N_Q, stride_dqm, stride_dqd, BLOCK_M, HEAD_DIM, BLOCK_D,
-                not EVEN_M, EVEN_D, USE_TMA)
+    if USE_TMA:
+        _tma_desc(dq_base, N_Q, stride_dqm, BLOCK_M, HEAD_DIM, BLOCK_D).store([start_m, 0], dq.to(DQ.dtype.element_ty))
+    else:
+        _store_tile(dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
+                    offs_m, offs_d, N_Q, HEAD_DIM, not EVEN_M, not EVEN_D)
 
 
 @triton.jit
