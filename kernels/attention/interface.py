@@ -153,7 +153,7 @@ def _bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
 
 # The fakes allocate like the launchers: O and the gradients in their inputs' layout (`empty_like_layout`), L
 # contiguous.
-def _fwd_fake(q, k, v, is_causal, path, bwd):
+def _fwd_fake(q, k, v, is_causal, path=None, bwd=None):  # also the gluon forward op's
     return empty_like_layout(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
@@ -218,9 +218,7 @@ def gluon_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_caus
     return _gluon_fwd(q, k, v, is_causal)
 
 
-@gluon_attn_fwd_op.register_fake
-def _gluon_fwd_fake(q, k, v, is_causal):
-    return empty_like_layout(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+gluon_attn_fwd_op.register_fake(_fwd_fake)
 
 
 @torch.library.custom_op("raysys::gluon_attn_bwd", mutates_args=())
@@ -246,11 +244,13 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, grad_out, grad_lse):
+def _backward(ctx, grad_out, grad_lse=None, eager: bool = False):
+    """The gradients of (q, k, v, is_causal, path, bwd) from the saved tensors: by `_bwd_impl` when `eager`, else
+    through the backward op."""
     q, k, v, out, lse = ctx.saved_tensors
     need_q, need_k, need_v = ctx.needs_input_grad[:3]
-    dq, dk, dv = flash_attn_bwd_op(q, k, v, out, lse, grad_out, ctx.is_causal, need_q, need_k or need_v, ctx.path,
-                                   ctx.bwd)
+    dq, dk, dv = (_bwd_impl if eager else flash_attn_bwd_op)(q, k, v, out, lse, grad_out, ctx.is_causal, need_q,
+                                                              need_k or need_v, ctx.path, ctx.bwd)
     return dq if need_q else None, dk if need_k else None, dv if need_v else None, None, None, None
 
 
@@ -273,11 +273,7 @@ class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        dq, dk, dv = (_bwd_impl if _eager(q) else flash_attn_bwd_op)(
-            q, k, v, out, lse, grad_out, ctx.is_causal, need_q, need_k or need_v, ctx.path, ctx.bwd)
-        return dq if need_q else None, dk if need_k else None, dv if need_v else None, None, None, None
+        return _backward(ctx, grad_out, eager=_eager(ctx.saved_tensors[0]))
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,

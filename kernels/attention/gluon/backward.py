@@ -127,19 +127,6 @@ if HAS_GLUON_HOPPER:
 if HAS_GLUON_HOPPER:
 
     @gluon.jit
-    def _bwd_consumer(C: gl.constexpr, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready,
-                      ds_ready, empty, rows_bufs, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h, pid_bh,
-                      tile_n, m_start, num_m, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                      IS_CAUSAL: gl.constexpr, DK_LATE: gl.constexpr, ROWS_TMA: gl.constexpr):
-        """Partition entry of consumer C in a one-item program: `_bwd_consumer_item` from ring use 0 (its `kv_empty`
-        is never arrived on when not PERSISTENT: `kv_bar` fills the slot)."""
-        _bwd_consumer_item(C, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, 0, q_ready, do_ready,
-                           ds_ready, empty, kv_bar, rows_bufs, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h,
-                           pid_bh, tile_n, m_start, num_m, 0, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                           NUM_STAGES, IS_CAUSAL, False, DK_LATE, ROWS_TMA)
-
-    @gluon.jit
     def _dq_product(ds_tile, k0, k1, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DQ_N: gl.constexpr):
         """This group's dQ share of a query tile, in flight: dS (both groups' keys, from the slot's shared dS^T
         tile) times the DQ_N head-dim columns `k0`, `k1` of each group's K."""
@@ -454,16 +441,17 @@ if HAS_GLUON_HOPPER:
             _one_pass_shared(q_desc, k_desc, v_desc, do_desc, dq_desc, L, NUM_STAGES, TILE_N, BLOCK_M, ROWS_TMA,
                              DQ_BUFFERS)
 
-        # 4. Partitions (argument tuples inline, as in the forward).
+        # 4. Partitions (argument tuples inline, as in the forward): the consumers from ring use 0 with `kv_bar` in
+        #    phase 0 (their `kv_empty`, never arrived on outside a PERSISTENT program, is `kv_bar`).
         gl.warp_specialize([
-            (_bwd_consumer, (0, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready,
-                             ds_ready, empty, rows_bufs, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h, pid_bh,
-                             tile_n, m_start, num_m, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                             NUM_STAGES, IS_CAUSAL, DK_LATE, ROWS_TMA)),
-            (_bwd_consumer, (1, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready,
-                             ds_ready, empty, rows_bufs, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h, pid_bh,
-                             tile_n, m_start, num_m, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                             NUM_STAGES, IS_CAUSAL, DK_LATE, ROWS_TMA)),
+            (_bwd_consumer_item, (0, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, 0, q_ready, do_ready,
+                                  ds_ready, empty, kv_bar, rows_bufs, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h,
+                                  pid_bh, tile_n, m_start, num_m, 0, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M,
+                                  BLOCK_N, NUM_STAGES, IS_CAUSAL, False, DK_LATE, ROWS_TMA)),
+            (_bwd_consumer_item, (1, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, 0, q_ready, do_ready,
+                                  ds_ready, empty, kv_bar, rows_bufs, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h,
+                                  pid_bh, tile_n, m_start, num_m, 0, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M,
+                                  BLOCK_N, NUM_STAGES, IS_CAUSAL, False, DK_LATE, ROWS_TMA)),
             (_one_pass_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, rows_bufs, kv_bar,
                                 q_ready, do_ready, empty, L, Delta, off_b, off_h, pid_bh, tile_n, m_start, num_m, N_Q,
                                 BLOCK_M, BLOCK_N, NUM_STAGES, ROWS_TMA)),
@@ -542,12 +530,9 @@ class GluonBwdConfig:
             raise ValueError(f"num_stages ({self.num_stages}) must be >= 1")
         if isinstance(self.head_group, bool) or not isinstance(self.head_group, int) or self.head_group < 0:
             raise ValueError(f"head_group ({self.head_group!r}) must be an int >= 0 (0: all heads)")
-        if not isinstance(self.persistent, bool):
-            raise ValueError(f"persistent ({self.persistent!r}) must be a bool")
-        if not isinstance(self.dq_whole, bool):
-            raise ValueError(f"dq_whole ({self.dq_whole!r}) must be a bool")
-        if not isinstance(self.rows_tma, bool):
-            raise ValueError(f"rows_tma ({self.rows_tma!r}) must be a bool")
+        for name in ("persistent", "dq_whole", "rows_tma"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} ({getattr(self, name)!r}) must be a bool")
         if type(self.dq_buffers) is not int or self.dq_buffers not in (1, 2):
             raise ValueError(f"dq_buffers ({self.dq_buffers!r}) must be 1 or 2")
         if not isinstance(self.dk_late, bool) or (self.dk_late and not self.dq_whole):

@@ -76,7 +76,7 @@ if HAS_GLUON_HOPPER:
                        Delta, off_b, off_h, pid_bh, start_n, m_start, num_m, N_Q, N_K, qk_scale, sm_scale,
                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
-        """One warp group's BLOCK_N keys: `_bwd_consumer` without dQ (dS stays in registers); P^T is kept only as
+        """One warp group's BLOCK_N keys: `_bwd_consumer_item` without dQ (dS stays in registers); P^T is kept only as
         the 16-bit dV operand, and dS^T is computed from it (fp32 P^T beside dK, dV, dP^T spills at d 128)."""
         dtype: gl.constexpr = k_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],

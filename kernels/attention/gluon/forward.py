@@ -417,16 +417,13 @@ class GluonConfig:
     table."""
 
     def __post_init__(self):
-        if not isinstance(self.rescale_under_s, bool):
-            raise ValueError(f"rescale_under_s ({self.rescale_under_s!r}) must be a bool")
-        if not isinstance(self.round_robin, bool):
-            raise ValueError(f"round_robin ({self.round_robin!r}) must be a bool")
+        for name in ("rescale_under_s", "round_robin", "persistent"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} ({getattr(self, name)!r}) must be a bool")
         if self.round_robin and not self.persistent:
             raise ValueError("round_robin needs persistent: it orders the work items of a persistent grid")
         if type(self.exp2_emulated) is not int or self.exp2_emulated not in (0, 2, 4, 8, 16):
             raise ValueError(f"exp2_emulated ({self.exp2_emulated!r}) must be 0, 2, 4, 8 or 16")
-        if not isinstance(self.persistent, bool):
-            raise ValueError(f"persistent ({self.persistent!r}) must be a bool")
         if isinstance(self.head_group, bool) or not isinstance(self.head_group, int) or self.head_group < 0:
             raise ValueError(f"head_group ({self.head_group!r}) must be an int >= 0 (0: all heads)")
         if self.persistent and self.num_consumers != 2:

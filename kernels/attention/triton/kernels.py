@@ -190,33 +190,23 @@ def _flash_fwd_tile(pid_m, pid_bh, Q, K, V, O, L,
     if WARP_SPECIALIZE:
         # One loop, masks on every tile where any tile needs one: Triton 3.6's Hopper warp specialisation
         # handles a single loop per kernel (a second loop after it fails to compile).
-        hi = tl.minimum(start_m + BLOCK_M, N_K) if IS_CAUSAL else N_K
-        acc, l_i, m_i = _flash_fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd, stride_vn,
-                                         stride_vd, offs_m, offs_d, 0, hi, N_K, qk_scale, HEAD_DIM, BLOCK_N,
-                                         IS_CAUSAL, not EVEN_N, EVEN_D, INPUT_PRECISION, USE_TMA, True,
-                                         LAZY_RESCALE, UNROLL)
-    elif IS_CAUSAL:
-        # Off-diagonal tiles: every key < start_m, so no comparison (BLOCK_M % BLOCK_N == 0 aligns them).
-        acc, l_i, m_i = _flash_fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd, stride_vn,
-                                         stride_vd, offs_m, offs_d, 0, start_m, N_K, qk_scale, HEAD_DIM,
-                                         BLOCK_N, False, False, EVEN_D, INPUT_PRECISION, USE_TMA, False,
-                                         LAZY_RESCALE, UNROLL)
-        # Diagonal tiles: keys [start_m, start_m + BLOCK_M); the later ones are masked for every row.
-        acc, l_i, m_i = _flash_fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd, stride_vn,
-                                         stride_vd, offs_m, offs_d, start_m, tl.minimum(start_m + BLOCK_M, N_K),
-                                         N_K, qk_scale, HEAD_DIM, BLOCK_N, True, not EVEN_N, EVEN_D,
-                                         INPUT_PRECISION, USE_TMA, False, LAZY_RESCALE, UNROLL)
+        acc, l_i, m_i = _flash_fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd, stride_vn, stride_vd,
+                                         offs_m, offs_d, 0, tl.minimum(start_m + BLOCK_M, N_K) if IS_CAUSAL else N_K,
+                                         N_K, qk_scale, HEAD_DIM, BLOCK_N, IS_CAUSAL, not EVEN_N, EVEN_D,
+                                         INPUT_PRECISION, USE_TMA, True, LAZY_RESCALE, UNROLL)
     else:
-        n_full = (N_K // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _flash_fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd, stride_vn,
-                                         stride_vd, offs_m, offs_d, 0, n_full, N_K, qk_scale, HEAD_DIM,
-                                         BLOCK_N, False, False, EVEN_D, INPUT_PRECISION, USE_TMA, False,
-                                         LAZY_RESCALE, UNROLL)
-        if not EVEN_N:  # the one partial key tile: out-of-range keys are masked like causal ones
+        # Unmasked: causal, the keys < start_m (BLOCK_M % BLOCK_N == 0 aligns them), else the full key tiles. Then
+        # masked: the diagonal tiles (keys [start_m, start_m + BLOCK_M)), else the one partial key tile.
+        mid = start_m if IS_CAUSAL else (N_K // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _flash_fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd, stride_vn, stride_vd,
+                                         offs_m, offs_d, 0, mid, N_K, qk_scale, HEAD_DIM, BLOCK_N, False, False,
+                                         EVEN_D, INPUT_PRECISION, USE_TMA, False, LAZY_RESCALE, UNROLL)
+        if IS_CAUSAL or not EVEN_N:
             acc, l_i, m_i = _flash_fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd, stride_vn,
-                                             stride_vd, offs_m, offs_d, n_full, N_K, N_K, qk_scale, HEAD_DIM,
-                                             BLOCK_N, False, True, EVEN_D, INPUT_PRECISION, USE_TMA, False,
-                                             LAZY_RESCALE, UNROLL)
+                                             stride_vd, offs_m, offs_d, mid,
+                                             tl.minimum(start_m + BLOCK_M, N_K) if IS_CAUSAL else N_K, N_K, qk_scale,
+                                             HEAD_DIM, BLOCK_N, IS_CAUSAL, not EVEN_N, EVEN_D, INPUT_PRECISION,
+                                             USE_TMA, False, LAZY_RESCALE, UNROLL)
 
     # 3. O = O~ / l (line 15), L = m + log l (line 16; back from base 2 to natural log), write both.
     acc = acc / l_i[:, None]
@@ -430,19 +420,23 @@ def _flash_bwd_dkdv_tile(pid_n, pid_bh, Q, K, V, DO, L, Delta, DK, DV, DQ,
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
     # 2. Query loop. Causal: queries before start_n see none of these keys (skipped); the BLOCK_N / BLOCK_M
-    #    diagonal query tiles compare indices; every later query sees all of them.
+    #    diagonal query tiles compare indices; every later query sees all of them. Then the full query tiles
+    #    unmasked, then the partial one.
     m_full = (N_Q // BLOCK_M) * BLOCK_M
     if WARP_SPECIALIZE:  # one loop (see the forward)
         dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, dq_src, scale, stride_dqm,
                                        stride_qm, stride_qd, stride_dom, stride_dod, offs_n, offs_d,
                                        start_n if IS_CAUSAL else 0, N_Q, N_Q, qk_scale, HEAD_DIM, BLOCK_M, IS_CAUSAL,
                                        not EVEN_M, EVEN_D, INPUT_PRECISION, USE_TMA, True, DQ_ATOMIC, UNROLL)
-    elif IS_CAUSAL:
-        dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, dq_src, scale, stride_dqm,
-                                       stride_qm, stride_qd, stride_dom, stride_dod, offs_n, offs_d, start_n,
-                                       tl.minimum(start_n + BLOCK_N, N_Q), N_Q, qk_scale, HEAD_DIM, BLOCK_M,
-                                       True, not EVEN_M, EVEN_D, INPUT_PRECISION, USE_TMA, False, DQ_ATOMIC, UNROLL)
-        lo = start_n + BLOCK_N
+    else:
+        lo = 0
+        if IS_CAUSAL:
+            dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, dq_src, scale,
+                                           stride_dqm, stride_qm, stride_qd, stride_dom, stride_dod, offs_n, offs_d,
+                                           start_n, tl.minimum(start_n + BLOCK_N, N_Q), N_Q, qk_scale, HEAD_DIM,
+                                           BLOCK_M, True, not EVEN_M, EVEN_D, INPUT_PRECISION, USE_TMA, False,
+                                           DQ_ATOMIC, UNROLL)
+            lo = start_n + BLOCK_N
         dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, dq_src, scale, stride_dqm,
                                        stride_qm, stride_qd, stride_dom, stride_dod, offs_n, offs_d, lo, m_full,
                                        N_Q, qk_scale, HEAD_DIM, BLOCK_M, False, False, EVEN_D, INPUT_PRECISION,
@@ -450,18 +444,9 @@ def _flash_bwd_dkdv_tile(pid_n, pid_bh, Q, K, V, DO, L, Delta, DK, DV, DQ,
         if not EVEN_M:
             dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, dq_src, scale,
                                            stride_dqm, stride_qm, stride_qd, stride_dom, stride_dod, offs_n, offs_d,
-                                           tl.maximum(lo, m_full), N_Q, N_Q, qk_scale, HEAD_DIM, BLOCK_M,
-                                           False, True, EVEN_D, INPUT_PRECISION, USE_TMA, False, DQ_ATOMIC, UNROLL)
-    else:
-        dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, dq_src, scale, stride_dqm,
-                                       stride_qm, stride_qd, stride_dom, stride_dod, offs_n, offs_d, 0, m_full, N_Q,
-                                       qk_scale, HEAD_DIM, BLOCK_M, False, False, EVEN_D, INPUT_PRECISION, USE_TMA,
-                                       False, DQ_ATOMIC, UNROLL)
-        if not EVEN_M:
-            dk, dv = _flash_bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, l_base, delta_base, dq_src, scale,
-                                           stride_dqm, stride_qm, stride_qd, stride_dom, stride_dod, offs_n, offs_d,
-                                           m_full, N_Q, N_Q, qk_scale, HEAD_DIM, BLOCK_M, False, True, EVEN_D,
-                                           INPUT_PRECISION, USE_TMA, False, DQ_ATOMIC, UNROLL)
+                                           tl.maximum(lo, m_full) if IS_CAUSAL else m_full, N_Q, N_Q, qk_scale,
+                                           HEAD_DIM, BLOCK_M, False, True, EVEN_D, INPUT_PRECISION, USE_TMA, False,
+                                           DQ_ATOMIC, UNROLL)
 
     # 3. Write dK (with the 1/sqrt(d) of eq. 19) and dV (line 18).
     dk = dk * scale
@@ -589,29 +574,24 @@ def _flash_bwd_dq_tile(pid_m, pid_bh, Q, K, V, DO, L, Delta, DQ,
     delta = _load_rowvec(Delta + pid_bh.to(tl.int64) * N_Q + offs_m, offs_m, N_Q, 0.0, not EVEN_M)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # 2. Key loop: unmasked tiles below the diagonal, then the masked diagonal tiles.
+    # 2. Key loop (as the forward's): unmasked tiles below the diagonal (or the full ones), then the masked diagonal
+    #    tiles (or the partial one).
     if WARP_SPECIALIZE:  # one loop (see the forward)
-        hi = tl.minimum(start_m + BLOCK_M, N_K) if IS_CAUSAL else N_K
-        dq = _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_kd, stride_vn,
-                                 stride_vd, offs_m, offs_d, 0, hi, N_K, qk_scale, HEAD_DIM, BLOCK_N,
-                                 IS_CAUSAL, not EVEN_N, EVEN_D, INPUT_PRECISION, USE_TMA, True, UNROLL)
-    elif IS_CAUSAL:
-        dq = _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_kd, stride_vn,
-                                 stride_vd, offs_m, offs_d, 0, start_m, N_K, qk_scale, HEAD_DIM, BLOCK_N,
-                                 False, False, EVEN_D, INPUT_PRECISION, USE_TMA, False, UNROLL)
-        dq = _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_kd, stride_vn,
-                                 stride_vd, offs_m, offs_d, start_m, tl.minimum(start_m + BLOCK_M, N_K), N_K,
-                                 qk_scale, HEAD_DIM, BLOCK_N, True, not EVEN_N, EVEN_D, INPUT_PRECISION, USE_TMA,
-                                 False, UNROLL)
+        dq = _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_kd, stride_vn, stride_vd,
+                                 offs_m, offs_d, 0, tl.minimum(start_m + BLOCK_M, N_K) if IS_CAUSAL else N_K, N_K,
+                                 qk_scale, HEAD_DIM, BLOCK_N, IS_CAUSAL, not EVEN_N, EVEN_D, INPUT_PRECISION, USE_TMA,
+                                 True, UNROLL)
     else:
-        n_full = (N_K // BLOCK_N) * BLOCK_N
-        dq = _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_kd, stride_vn,
-                                 stride_vd, offs_m, offs_d, 0, n_full, N_K, qk_scale, HEAD_DIM, BLOCK_N,
-                                 False, False, EVEN_D, INPUT_PRECISION, USE_TMA, False, UNROLL)
-        if not EVEN_N:
+        mid = start_m if IS_CAUSAL else (N_K // BLOCK_N) * BLOCK_N
+        dq = _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_kd, stride_vn, stride_vd,
+                                 offs_m, offs_d, 0, mid, N_K, qk_scale, HEAD_DIM, BLOCK_N, False, False, EVEN_D,
+                                 INPUT_PRECISION, USE_TMA, False, UNROLL)
+        if IS_CAUSAL or not EVEN_N:
             dq = _flash_bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_kd, stride_vn,
-                                     stride_vd, offs_m, offs_d, n_full, N_K, N_K, qk_scale, HEAD_DIM, BLOCK_N,
-                                     False, True, EVEN_D, INPUT_PRECISION, USE_TMA, False, UNROLL)
+                                     stride_vd, offs_m, offs_d, mid,
+                                     tl.minimum(start_m + BLOCK_M, N_K) if IS_CAUSAL else N_K, N_K, qk_scale,
+                                     HEAD_DIM, BLOCK_N, IS_CAUSAL, not EVEN_N, EVEN_D, INPUT_PRECISION, USE_TMA,
+                                     False, UNROLL)
 
     # 3. Write dQ with the 1/sqrt(d) of eq. 18 (line 31).
     dq = dq * scale

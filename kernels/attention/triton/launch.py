@@ -103,10 +103,6 @@ def _launch(kernel: str, num_tiles, args: tuple, meta: dict, n_q: int, n_k: int,
         EVEN_N=n_k % config.block_n == 0, num_warps=config.num_warps, num_stages=config.num_stages, **options)
 
 
-def _strides(t: torch.Tensor) -> tuple[int, int, int, int]:
-    return tuple(t.stride())
-
-
 def _input_precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
         return "ieee"
@@ -130,7 +126,7 @@ def launch_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: boo
     out = empty_like_layout(q, empty=_empty)
     lse = _empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     o4 = as_4d(out)
-    args = (q4, k4, v4, o4, lse, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4), heads,
+    args = (q4, k4, v4, o4, lse, *q4.stride(), *k4.stride(), *v4.stride(), *o4.stride(), heads,
             q4.shape[0] * heads, n_q, n_k, LOG2E / math.sqrt(q.shape[-1]), triton.next_power_of_2(max(n_q, n_k)))
     with device_of(q):
         _launch("fwd", lambda bm, bn: triton.cdiv(n_q, bm), args, _launch_meta(q, is_causal), n_q, n_k, config,
@@ -162,7 +158,7 @@ def launch_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
         pre_block = 64
         pre = torch.library.wrap_triton(_flash_bwd_preprocess_kernel) if traced(q) else _flash_bwd_preprocess_kernel
         pre[(triton.cdiv(n_q, pre_block), batch * heads)](
-            o4, do4, delta, *_strides(o4), *_strides(do4), heads, n_q,
+            o4, do4, delta, *o4.stride(), *do4.stride(), heads, n_q,
             HEAD_DIM=head_dim, BLOCK_D=meta["BLOCK_D"], BLOCK_M=pre_block, num_warps=4 if not INTERPRET else 1)
         if compute_dkdv:
             dk = empty_like_layout(k, empty=_empty)
@@ -171,8 +167,8 @@ def launch_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
             # one_pass: dQ accumulates in fp32 rows padded to BLOCK_D (16-byte aligned for the TMA unit)
             dq_acc = (torch.zeros((batch * heads, n_q, meta["BLOCK_D"]), dtype=torch.float32, device=q.device)
                       if one_pass else delta)
-            args = (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc, *_strides(q4), *_strides(k4), *_strides(v4),
-                    *_strides(do4), *_strides(dk4), *_strides(dv4), heads, batch * heads, n_q, n_k, scale,
+            args = (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc, *q4.stride(), *k4.stride(), *v4.stride(),
+                    *do4.stride(), *dk4.stride(), *dv4.stride(), heads, batch * heads, n_q, n_k, scale,
                     scale * LOG2E, bucket)
             dq_atomic = (2 if path == "tma" and not INTERPRET else 1) if one_pass else 0
             _launch("dkdvq" if one_pass else "dkdv", lambda bm, bn: triton.cdiv(n_k, bn), args,
@@ -183,7 +179,7 @@ def launch_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
         elif compute_dq:
             dq = empty_like_layout(q, empty=_empty)
             dq4 = as_4d(dq)
-            args = (q4, k4, v4, do4, lse, delta, dq4, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4),
-                    *_strides(dq4), heads, batch * heads, n_q, n_k, scale, scale * LOG2E, bucket)
+            args = (q4, k4, v4, do4, lse, delta, dq4, *q4.stride(), *k4.stride(), *v4.stride(), *do4.stride(),
+                    *dq4.stride(), heads, batch * heads, n_q, n_k, scale, scale * LOG2E, bucket)
             _launch("dq", lambda bm, bn: triton.cdiv(n_q, bm), args, meta, n_q, n_k, dq_config, path)
     return dq, dk, dv
