@@ -102,8 +102,7 @@ class _Run:
         self.cfg, self.device = cfg, device
         if cfg.compile:  # a new model size must not count against Dynamo's recompile limit of earlier runs' graphs
             torch._dynamo.reset()
-        # compiled per block, as torchtitan does: one graph shared by the blocks, so compile time does not grow with
-        # depth
+        # compiled per block, as torchtitan does: the blocks share one graph, so compile time does not grow with depth
         self.model = build_model(mc, device, seed=cfg.seed, compile=cfg.compile)
         self.optimizer = AdamW(self.model.parameters()) if cfg.mode == "train-step" else None
         gen = torch.Generator(device=device).manual_seed(cfg.seed)
