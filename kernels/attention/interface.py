@@ -244,13 +244,14 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, grad_out, grad_lse=None, eager: bool = False):
-    """The gradients of (q, k, v, is_causal, path, bwd) from the saved tensors: by `_bwd_impl` when `eager`, else
-    through the backward op."""
+def _backward(ctx, grad_out, grad_lse=None, allow_eager: bool = False):
+    """The gradients of (q, k, v, is_causal, path, bwd) from the saved tensors, unpacked once (a non-reentrant
+    checkpoint refuses a second unpack): by `_bwd_impl` when `allow_eager` and `_eager(q)`, else through the
+    backward op."""
     q, k, v, out, lse = ctx.saved_tensors
     need_q, need_k, need_v = ctx.needs_input_grad[:3]
-    dq, dk, dv = (_bwd_impl if eager else flash_attn_bwd_op)(q, k, v, out, lse, grad_out, ctx.is_causal, need_q,
-                                                              need_k or need_v, ctx.path, ctx.bwd)
+    run = _bwd_impl if allow_eager and _eager(q) else flash_attn_bwd_op
+    dq, dk, dv = run(q, k, v, out, lse, grad_out, ctx.is_causal, need_q, need_k or need_v, ctx.path, ctx.bwd)
     return dq if need_q else None, dk if need_k else None, dv if need_v else None, None, None, None
 
 
@@ -273,7 +274,7 @@ class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        return _backward(ctx, grad_out, eager=_eager(ctx.saved_tensors[0]))
+        return _backward(ctx, grad_out, allow_eager=True)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,

@@ -186,6 +186,18 @@ def test_strided_inputs_and_broadcast_upstream_gradient():
 
 
 @on_interpreter
+def test_backward_under_a_non_reentrant_checkpoint_matches_the_reference():
+    """The backward unpacks its saved tensors once: a non-reentrant checkpoint (the leaderboard's ffn and full
+    blocks) refuses a second unpack."""
+    q, k, v, do = _inputs((1, 24, 16), (1, 24, 16), torch.float32, seed=3)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    torch.utils.checkpoint.checkpoint(fa.flash_attention, q, k, v, True, use_reentrant=False).backward(do)
+    _, _, dq, dk, dv = _reference(q, k, v, do, True)
+    for got, want in ((q.grad, dq), (k.grad, dk), (v.grad, dv)):
+        torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-5)
+
+
+@on_interpreter
 def test_only_requested_gradients_are_computed(poisoned):
     q, k, v, do = _inputs((1, 20, 16), (1, 20, 16), torch.float32)
     k.requires_grad_()
