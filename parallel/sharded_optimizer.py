@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from parallel.ddp import global_rank, assign_buckets
+from parallel.ddp import assign_buckets, global_rank
 
 __all__ = ["ShardedOptimizer", "local_state_bytes"]
 
