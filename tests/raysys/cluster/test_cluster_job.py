@@ -82,6 +82,7 @@ def ray_head(token: str, agent_port: int, metrics_port: int | None = None, num_c
                 time.sleep(0.2)
         yield url
     finally:
+        drivers = _stop_jobs(url, token)
         # Our `ray start --block` and what it started, nothing else. Ray's graceful shutdown (its raylet drains) takes
         # 15-60 s on two cores, so a grace of a few seconds was always spent in full; nothing here outlives the test,
         # so a short grace and then SIGKILL.
@@ -94,6 +95,37 @@ def ray_head(token: str, agent_port: int, metrics_port: int | None = None, num_c
             os.killpg(head.pid, signal.SIGKILL)  # the group: a raylet or worker still draining
         head.wait(timeout=30)
         shutil.rmtree(temp_dir, ignore_errors=True)
+    # A job's driver runs in a session of its own, out of the head's process group: one still running when the head
+    # went would spin on its lost GCS connection (most of two cores, for a minute) after the test.
+    alive = [pid for pid in drivers if _alive(pid)]
+    assert not alive, f"job drivers outlived their head: {alive}"
+
+
+def _stop_jobs(url: str, token: str) -> list[int]:
+    """Stop every job of the head that has not ended and wait (at most 60 s) until each has; returns the drivers'
+    pids. Nothing, if the head does not answer."""
+    try:
+        jobs = json.loads(_get(f"{url}/api/jobs/", token))
+        for job in jobs:
+            if job["status"] in ("PENDING", "RUNNING"):
+                request = urllib.request.Request(f"{url}/api/jobs/{job['submission_id']}/stop", method="POST",
+                                                 headers={"Authorization": f"Bearer {token}"})
+                urllib.request.urlopen(request, timeout=10).close()
+    except OSError:  # the head is gone or did not start: nothing of ours to stop
+        return []
+    drivers = [j["driver_info"]["pid"] for j in jobs if (j.get("driver_info") or {}).get("pid")]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(_alive(int(pid)) for pid in drivers):
+        time.sleep(0.2)
+    return [int(pid) for pid in drivers]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has ended
 
 
 def _work_repo(tmp_path: Path) -> tuple[Path, str]:
