@@ -69,4 +69,7 @@ def test_trials_scan_only_what_trials_made():
     kept = []
     with TrialScope(CPU) as scope:
         kept.append(nn.Linear(2, 2))
-    assert _leaked(scope) == 2 and gc.get_freeze_count() == frozen   # frozen once per process
+    assert _leaked(scope) == 2
+    # Frozen once per process: the list made after the first scope is still in the collector's sight. (The frozen
+    # count itself may drop: a frozen object is freed when its last reference goes.)
+    assert any(obj is kept for obj in gc.get_objects()) and gc.get_freeze_count() <= frozen
