@@ -123,9 +123,9 @@ def _stop_jobs(url: str, token: str) -> list[int]:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except (ProcessLookupError, FileNotFoundError):  # gone (also between the two looks)
         return False
-    return not Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has ended
 
 
 def _work_repo(tmp_path: Path) -> tuple[Path, str]:
