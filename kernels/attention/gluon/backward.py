@@ -153,12 +153,13 @@ if HAS_GLUON_HOPPER:
         tma_reduce_add(dq_desc, [off_b, off_h, start_m, col], dq_smem)
 
     @gluon.jit
-    def _bwd_consumer_item(C: gl.constexpr, smem, kv_empty, kv_phase, out_descs, L, Delta, item, it0, N_Q, N_K,
-                           qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    def _bwd_consumer_item(C: gl.constexpr, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, kv_phase,
+                           q_ready, do_ready, ds_ready, empty, kv_empty, rows_bufs, dk_desc, dv_desc, dq_desc, L,
+                           Delta, off_b, off_h, pid_bh, tile_n, m_start, num_m, it0, N_Q, N_K, qk_scale, sm_scale,
+                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
                            DK_LATE: gl.constexpr, ROWS_TMA: gl.constexpr):
-        """Consumer C of work item `item` (`_bwd_item`'s tuple), 2 * BLOCK_N keys, with `smem` (`_one_pass_shared`'s
-        tuple) and `out_descs` (dK's, dV's and dQ's descriptors): its BLOCK_N keys' dK, dV (the two-pass `_dkdv_consumer`,
+        """Consumer C of one work item's 2 * BLOCK_N keys: its BLOCK_N keys' dK, dV (the two-pass `_dkdv_consumer`,
         S^T and dP^T with the keys as wgmma rows), and columns [C * HEAD_DIM / 2, ...) of the program's share of dQ(i)
         = dS(i) K over all 2 * BLOCK_N keys: both groups' dS^T meet in shared memory (barrier `ds_ready`), so each
         dQ element is reduced once per program, by the TMA unit's bulk fp32 reduction. The ring slots continue from
@@ -166,9 +167,6 @@ if HAS_GLUON_HOPPER:
         PERSISTENT program's consumer releases its K and V buffers (`kv_empty`) once its dK and dV left them.
         ROWS_TMA: the query tile's L and D rows come from the ring slot (`rows_bufs`, landed with Q and dO), else
         from global memory (`L`, `Delta`: pointers then)."""
-        k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, ds_bufs, dq_bufs, ds_ready, rows_bufs = smem
-        dk_desc, dv_desc, dq_desc = out_descs
-        pid_bh, off_b, off_h, tile_n, m_start, num_m = item
         dtype: gl.constexpr = k_bufs.dtype
         # dQ tiles as wide as the head dim (`GluonBwdConfig.dq_whole`, the launcher's dQ descriptor): each query
         # tile's dQ whole, by one group, the groups taking alternate tiles; else half of the head dim per group.
@@ -324,30 +322,33 @@ if HAS_GLUON_HOPPER:
         return pid_bh, off_b, off_h, tile_n, m_start, num_m
 
     @gluon.jit
-    def _bwd_persistent_consumer(C: gl.constexpr, smem, kv_empty, out_descs, L, Delta, H, BH, GROUP: gl.constexpr,
-                                 N_Q, N_K, qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                                 DK_LATE: gl.constexpr, ROWS_TMA: gl.constexpr):
+    def _bwd_persistent_consumer(C: gl.constexpr, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, q_ready,
+                                 do_ready, ds_ready, empty, kv_empty, rows_bufs, dk_desc, dv_desc, dq_desc, L, Delta,
+                                 H, BH, GROUP: gl.constexpr, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM: gl.constexpr,
+                                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                                 IS_CAUSAL: gl.constexpr, DK_LATE: gl.constexpr, ROWS_TMA: gl.constexpr):
         """Consumer C of a persistent program: work items pid, pid + #programs, ... (`_bwd_item` order)."""
         num_t = gl.cdiv(N_K, 2 * BLOCK_N)
         it0 = 0
         n = 0
         for t in range(gl.program_id(0), num_t * BH, gl.num_programs(0)):
-            item = _bwd_item(t, num_t, BH, H, GROUP, N_Q, 2 * BLOCK_N, BLOCK_M, IS_CAUSAL)
-            _bwd_consumer_item(C, smem, kv_empty, n & 1, out_descs, L, Delta, item, it0, N_Q, N_K, qk_scale, sm_scale,
+            pid_bh, off_b, off_h, tile_n, m_start, num_m = _bwd_item(t, num_t, BH, H, GROUP, N_Q, 2 * BLOCK_N,
+                                                                     BLOCK_M, IS_CAUSAL)
+            _bwd_consumer_item(C, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, n & 1, q_ready,
+                               do_ready, ds_ready, empty, kv_empty, rows_bufs, dk_desc, dv_desc, dq_desc, L, Delta,
+                               off_b, off_h, pid_bh, tile_n, m_start, num_m, it0, N_Q, N_K, qk_scale, sm_scale,
                                HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, True, DK_LATE, ROWS_TMA)
-            it0 += item[5]  # its query tiles
+            it0 += num_m
             n += 1
 
     @gluon.jit
-    def _bwd_persistent_loader(in_descs, smem, kv_empty, L, Delta, H, BH, GROUP: gl.constexpr, N_Q, N_K,
+    def _bwd_persistent_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, rows_bufs, kv_bar,
+                               q_ready, do_ready, empty, kv_empty, L, Delta, H, BH, GROUP: gl.constexpr, N_Q, N_K,
                                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                                IS_CAUSAL: gl.constexpr, ROWS_TMA: gl.constexpr):
         """Producer warp of a persistent program, per work item: its first Q/dO tiles into the ring as soon as the
         previous item's last ones are released (under that item's dK/dV epilogue), then its K and V once both groups
         released theirs (`kv_empty`), then the rest of its Q/dO tiles."""
-        q_desc, do_desc, k_desc, v_desc = in_descs
-        k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, ds_bufs, dq_bufs, ds_ready, rows_bufs = smem
         num_t = gl.cdiv(N_K, 2 * BLOCK_N)
         it0 = 0
         n = 0
@@ -356,23 +357,21 @@ if HAS_GLUON_HOPPER:
                                                                      BLOCK_M, IS_CAUSAL)
             ahead = gl.minimum(num_m, NUM_STAGES)
             for it in range(ahead):
-                _load_query_tile(in_descs, smem, L, Delta, off_b, off_h, pid_bh, N_Q, (m_start + it) * BLOCK_M,
-                                 it0 + it, NUM_STAGES, ROWS_TMA)
+                _load_query_tile(q_desc, do_desc, q_bufs, do_bufs, rows_bufs, q_ready, do_ready, empty, L, Delta,
+                                 off_b, off_h, pid_bh, N_Q, (m_start + it) * BLOCK_M, it0 + it, NUM_STAGES, ROWS_TMA)
             mbarrier.wait(kv_empty, (n & 1) ^ 1)  # starts "phase 1 complete": the first item does not wait
             load_kv_tiles(k_desc, v_desc, k_bufs, v_bufs, kv_bar, off_b, off_h, tile_n, 2, BLOCK_N)
             for it in range(ahead, num_m):
-                _load_query_tile(in_descs, smem, L, Delta, off_b, off_h, pid_bh, N_Q, (m_start + it) * BLOCK_M,
-                                 it0 + it, NUM_STAGES, ROWS_TMA)
+                _load_query_tile(q_desc, do_desc, q_bufs, do_bufs, rows_bufs, q_ready, do_ready, empty, L, Delta,
+                                 off_b, off_h, pid_bh, N_Q, (m_start + it) * BLOCK_M, it0 + it, NUM_STAGES, ROWS_TMA)
             it0 += num_m
             n += 1
 
     @gluon.jit
-    def _load_query_tile(in_descs, smem, L, Delta, off_b, off_h, pid_bh, N_Q, row, it, NUM_STAGES: gl.constexpr,
-                         ROWS_TMA: gl.constexpr):
+    def _load_query_tile(q_desc, do_desc, q_bufs, do_bufs, rows_bufs, q_ready, do_ready, empty, L, Delta, off_b, off_h,
+                         pid_bh, N_Q, row, it, NUM_STAGES: gl.constexpr, ROWS_TMA: gl.constexpr):
         """Query rows [row, row + BLOCK_M) into ring slot it % NUM_STAGES (`load_q_do_tile`); ROWS_TMA: their L
         and D rows too (descriptors over the flat zero-padded rows), on Q's and dO's barriers."""
-        q_desc, do_desc, k_desc, v_desc = in_descs
-        k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, ds_bufs, dq_bufs, ds_ready, rows_bufs = smem
         if ROWS_TMA:
             stage = it % NUM_STAGES
             block_m: gl.constexpr = q_desc.block_type.shape[2]
@@ -382,32 +381,31 @@ if HAS_GLUON_HOPPER:
             tma_load(q_desc, [off_b, off_h, row, 0], q_ready.index(stage), q_bufs.index(stage))
             tma_load(L, [flat], q_ready.index(stage), rows_bufs.index(stage))
             mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes + Delta.block_type.nbytes)
-            tma_load(do_desc, [off_b, off_h, row, 0], do_ready.index(stage), do_bufs.index(stage))
+            tma_load(do_desc, [off_b, off_h, row, 0], do_ready.index(stage),
+                                            do_bufs.index(stage))
             tma_load(Delta, [flat], do_ready.index(stage), rows_bufs.index(NUM_STAGES + stage))
         else:
             load_q_do_tile(q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, empty, off_b, off_h, row, it,
                            NUM_STAGES)
 
     @gluon.jit
-    def _one_pass_loader(in_descs, smem, L, Delta, item, N_Q, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         NUM_STAGES: gl.constexpr, ROWS_TMA: gl.constexpr):
+    def _one_pass_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, rows_bufs, kv_bar, q_ready,
+                         do_ready, empty, L, Delta, off_b, off_h, pid_bh, tile_n, m_start, num_m, N_Q,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                         ROWS_TMA: gl.constexpr):
         """Producer warp of a one-item program: both groups' K and V once, then the query tiles
         (`_load_query_tile`)."""
-        q_desc, do_desc, k_desc, v_desc = in_descs
-        k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, ds_bufs, dq_bufs, ds_ready, rows_bufs = smem
-        pid_bh, off_b, off_h, tile_n, m_start, num_m = item
         load_kv_tiles(k_desc, v_desc, k_bufs, v_bufs, kv_bar, off_b, off_h, tile_n, 2, BLOCK_N)
         for it in range(num_m):
-            _load_query_tile(in_descs, smem, L, Delta, off_b, off_h, pid_bh, N_Q, (m_start + it) * BLOCK_M, it,
-                             NUM_STAGES, ROWS_TMA)
+            _load_query_tile(q_desc, do_desc, q_bufs, do_bufs, rows_bufs, q_ready, do_ready, empty, L, Delta, off_b,
+                             off_h, pid_bh, N_Q, (m_start + it) * BLOCK_M, it, NUM_STAGES, ROWS_TMA)
 
     @gluon.jit
     def _one_pass_shared(q_desc, k_desc, v_desc, do_desc, dq_desc, L, NUM_STAGES: gl.constexpr, TILE_N: gl.constexpr,
                          BLOCK_M: gl.constexpr, ROWS_TMA: gl.constexpr, DQ_BUFFERS: gl.constexpr):
         """Each group's K, V (reused for dK, dV); the Q/dO ring; per slot a dS^T tile of both groups' keys; each
         group's DQ_BUFFERS fp32 dQ tiles; barriers (`key_stationary_shared`'s, and `ds_ready`: one arrival per group);
-        ROWS_TMA: per slot the L row, then per slot the D row (`rows_bufs`, fp32), else a placeholder. One tuple:
-        (k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, ds_bufs, dq_bufs, ds_ready, rows_bufs)."""
+        ROWS_TMA: per slot the L row, then per slot the D row (`rows_bufs`, fp32), else a placeholder."""
         k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty = key_stationary_shared(
             q_desc, k_desc, v_desc, do_desc, NUM_STAGES)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -420,8 +418,7 @@ if HAS_GLUON_HOPPER:
             rows_bufs = gl.allocate_shared_memory(gl.float32, [2 * NUM_STAGES, BLOCK_M], L.layout)
         else:
             rows_bufs = ds_ready
-        return (k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, ds_bufs, dq_bufs, ds_ready,
-                rows_bufs)
+        return k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, ds_bufs, dq_bufs, ds_ready, rows_bufs
 
     @gluon.jit
     def _gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, L, Delta, H, N_Q,
@@ -436,24 +433,28 @@ if HAS_GLUON_HOPPER:
         # 1.-2. Work item (`_bwd_item`: key tile, heavy first, head groups) and its query tiles.
         num_t = gl.cdiv(N_K, TILE_N)
         num_bh = gl.num_programs(0) // num_t
-        item = _bwd_item(gl.program_id(0), num_t, num_bh, H, GROUP, N_Q, TILE_N, BLOCK_M, IS_CAUSAL)
+        pid_bh, off_b, off_h, tile_n, m_start, num_m = _bwd_item(gl.program_id(0), num_t, num_bh, H, GROUP, N_Q,
+                                                                 TILE_N, BLOCK_M, IS_CAUSAL)
 
         # 3. Shared memory (`_one_pass_shared`).
-        smem = _one_pass_shared(q_desc, k_desc, v_desc, do_desc, dq_desc, L, NUM_STAGES, TILE_N, BLOCK_M, ROWS_TMA,
-                                DQ_BUFFERS)
-        kv_bar = smem[4]
+        k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, ds_bufs, dq_bufs, ds_ready, rows_bufs = \
+            _one_pass_shared(q_desc, k_desc, v_desc, do_desc, dq_desc, L, NUM_STAGES, TILE_N, BLOCK_M, ROWS_TMA,
+                             DQ_BUFFERS)
 
         # 4. Partitions (argument tuples inline, as in the forward): the consumers from ring use 0 with `kv_bar` in
         #    phase 0 (their `kv_empty`, never arrived on outside a PERSISTENT program, is `kv_bar`).
         gl.warp_specialize([
-            (_bwd_consumer_item, (0, smem, kv_bar, 0, (dk_desc, dv_desc, dq_desc), L, Delta, item, 0, N_Q, N_K,
-                                  qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, False, DK_LATE,
-                                  ROWS_TMA)),
-            (_bwd_consumer_item, (1, smem, kv_bar, 0, (dk_desc, dv_desc, dq_desc), L, Delta, item, 0, N_Q, N_K,
-                                  qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, False, DK_LATE,
-                                  ROWS_TMA)),
-            (_one_pass_loader, ((q_desc, do_desc, k_desc, v_desc), smem, L, Delta, item, N_Q, BLOCK_M, BLOCK_N,
-                                NUM_STAGES, ROWS_TMA)),
+            (_bwd_consumer_item, (0, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, 0, q_ready, do_ready,
+                                  ds_ready, empty, kv_bar, rows_bufs, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h,
+                                  pid_bh, tile_n, m_start, num_m, 0, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M,
+                                  BLOCK_N, NUM_STAGES, IS_CAUSAL, False, DK_LATE, ROWS_TMA)),
+            (_bwd_consumer_item, (1, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, 0, q_ready, do_ready,
+                                  ds_ready, empty, kv_bar, rows_bufs, dk_desc, dv_desc, dq_desc, L, Delta, off_b, off_h,
+                                  pid_bh, tile_n, m_start, num_m, 0, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M,
+                                  BLOCK_N, NUM_STAGES, IS_CAUSAL, False, DK_LATE, ROWS_TMA)),
+            (_one_pass_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, rows_bufs, kv_bar,
+                                q_ready, do_ready, empty, L, Delta, off_b, off_h, pid_bh, tile_n, m_start, num_m, N_Q,
+                                BLOCK_M, BLOCK_N, NUM_STAGES, ROWS_TMA)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
     @gluon.jit
@@ -467,19 +468,23 @@ if HAS_GLUON_HOPPER:
         kernel (`_bwd_item`, heavy first). The Q/dO ring runs on across items (the next item's first tiles load
         under this one's dK/dV epilogue); K and V are reloaded once both groups released them (`kv_empty`: one
         arrival per group, after its dK and dV stores left the buffers)."""
-        smem = _one_pass_shared(q_desc, k_desc, v_desc, do_desc, dq_desc, L, NUM_STAGES, 2 * BLOCK_N, BLOCK_M,
-                                ROWS_TMA, DQ_BUFFERS)
+        k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, ds_bufs, dq_bufs, ds_ready, rows_bufs = \
+            _one_pass_shared(q_desc, k_desc, v_desc, do_desc, dq_desc, L, NUM_STAGES, 2 * BLOCK_N, BLOCK_M,
+                             ROWS_TMA, DQ_BUFFERS)
         kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_empty, count=2)
         gl.warp_specialize([
-            (_bwd_persistent_consumer, (0, smem, kv_empty, (dk_desc, dv_desc, dq_desc), L, Delta, H, BH, GROUP, N_Q,
-                                        N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
-                                        DK_LATE, ROWS_TMA)),
-            (_bwd_persistent_consumer, (1, smem, kv_empty, (dk_desc, dv_desc, dq_desc), L, Delta, H, BH, GROUP, N_Q,
-                                        N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
-                                        DK_LATE, ROWS_TMA)),
-            (_bwd_persistent_loader, ((q_desc, do_desc, k_desc, v_desc), smem, kv_empty, L, Delta, H, BH, GROUP, N_Q,
-                                      N_K, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, ROWS_TMA)),
+            (_bwd_persistent_consumer, (0, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, q_ready,
+                                        do_ready, ds_ready, empty, kv_empty, rows_bufs, dk_desc, dv_desc, dq_desc, L,
+                                        Delta, H, BH, GROUP, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                        NUM_STAGES, IS_CAUSAL, DK_LATE, ROWS_TMA)),
+            (_bwd_persistent_consumer, (1, k_bufs, v_bufs, ds_bufs, dq_bufs, q_bufs, do_bufs, kv_bar, q_ready,
+                                        do_ready, ds_ready, empty, kv_empty, rows_bufs, dk_desc, dv_desc, dq_desc, L,
+                                        Delta, H, BH, GROUP, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                        NUM_STAGES, IS_CAUSAL, DK_LATE, ROWS_TMA)),
+            (_bwd_persistent_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, rows_bufs,
+                                      kv_bar, q_ready, do_ready, empty, kv_empty, L, Delta, H, BH, GROUP, N_Q, N_K,
+                                      BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, ROWS_TMA)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 

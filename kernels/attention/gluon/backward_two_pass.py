@@ -53,34 +53,31 @@ if HAS_GLUON_HOPPER:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from kernels.attention.gluon.forward import forward_shared, load_kv_ring
+    from kernels.attention.gluon.forward import forward_shared
     from kernels.attention.gluon.schedule import work_item
 
 
 if HAS_GLUON_HOPPER:
 
     @gluon.jit
-    def _bwd_loader(in_descs, smem, off_b, off_h, start_n, m_start, num_m, NUM_CONSUMERS: gl.constexpr,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    def _bwd_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, q_ready, do_ready,
+                    empty, off_b, off_h, start_n, m_start, num_m,
+                    NUM_CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    NUM_STAGES: gl.constexpr):
         """Producer warp: each consumer's K and V rows once, then Q(i), dO(i) into ring slot i % NUM_STAGES."""
-        q_desc, do_desc, k_desc, v_desc = in_descs
-        k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty = smem
         load_kv_tiles(k_desc, v_desc, k_bufs, v_bufs, kv_bar, off_b, off_h, start_n, NUM_CONSUMERS, BLOCK_N)
         for it in range(num_m):
             load_q_do_tile(q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, empty, off_b, off_h,
                            (m_start + it) * BLOCK_M, it, NUM_STAGES)
 
+
     @gluon.jit
-    def _dkdv_consumer(C: gl.constexpr, smem, dk_desc, dv_desc, L, Delta, off_b, off_h, pid_bh, start_n, m_start,
-                       num_m, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
-        """Consumer C, keys [start_n + C * BLOCK_N, ...) with `smem` (`key_stationary_shared`'s tuple):
-        `_bwd_consumer_item` without dQ (dS stays in registers); P^T is kept only as the 16-bit dV operand, and dS^T
-        is computed from it (fp32 P^T beside dK, dV, dP^T spills at d 128)."""
-        k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty = smem
-        k_smem = k_bufs.index(C)
-        v_smem = v_bufs.index(C)
-        start_n = start_n + C * BLOCK_N
+    def _dkdv_consumer(k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, dk_desc, dv_desc, L,
+                       Delta, off_b, off_h, pid_bh, start_n, m_start, num_m, N_Q, N_K, qk_scale, sm_scale,
+                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """One warp group's BLOCK_N keys: `_bwd_consumer_item` without dQ (dS stays in registers); P^T is kept only as
+        the 16-bit dV operand, and dS^T is computed from it (fp32 P^T beside dK, dV, dP^T spills at d 128)."""
         dtype: gl.constexpr = k_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
@@ -137,6 +134,15 @@ if HAS_GLUON_HOPPER:
         tma.store_wait(0)
 
     @gluon.jit
+    def _dkdv_partition(C: gl.constexpr, k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, dk_desc,
+                        dv_desc, L, Delta, off_b, off_h, pid_bh, start_n, m_start, num_m, N_Q, N_K, qk_scale,
+                        sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        _dkdv_consumer(k_bufs.index(C), v_bufs.index(C), q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, dk_desc,
+                       dv_desc, L, Delta, off_b, off_h, pid_bh, start_n + C * BLOCK_N, m_start, num_m, N_Q, N_K,
+                       qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)
+
+    @gluon.jit
     def _gluon_attn_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, H, N_Q, N_K,
                                     qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                                     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
@@ -151,38 +157,48 @@ if HAS_GLUON_HOPPER:
         else:
             m_start = 0
         num_m = gl.maximum(gl.cdiv(N_Q, BLOCK_M) - m_start, 0)
-        smem = key_stationary_shared(q_desc, k_desc, v_desc, do_desc, NUM_STAGES)
+        k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty = key_stationary_shared(
+            q_desc, k_desc, v_desc, do_desc, NUM_STAGES)
         gl.warp_specialize([
-            (_dkdv_consumer, (0, smem, dk_desc, dv_desc, L, Delta, pid_bh // H, pid_bh % H, pid_bh, start_n, m_start,
-                              num_m, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
-            (_dkdv_consumer, (1, smem, dk_desc, dv_desc, L, Delta, pid_bh // H, pid_bh % H, pid_bh, start_n, m_start,
-                              num_m, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
-            (_bwd_loader, ((q_desc, do_desc, k_desc, v_desc), smem, pid_bh // H, pid_bh % H, start_n, m_start, num_m,
-                           2, BLOCK_M, BLOCK_N, NUM_STAGES)),
+            (_dkdv_partition, (0, k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, dk_desc, dv_desc,
+                               L, Delta, pid_bh // H, pid_bh % H, pid_bh, start_n, m_start, num_m, N_Q, N_K, qk_scale,
+                               sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
+            (_dkdv_partition, (1, k_bufs, v_bufs, q_bufs, do_bufs, kv_bar, q_ready, do_ready, empty, dk_desc, dv_desc,
+                               L, Delta, pid_bh // H, pid_bh % H, pid_bh, start_n, m_start, num_m, N_Q, N_K, qk_scale,
+                               sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
+            (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, kv_bar, q_ready,
+                           do_ready, empty, pid_bh // H, pid_bh % H, start_n, m_start, num_m, 2, BLOCK_M, BLOCK_N,
+                           NUM_STAGES)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
     @gluon.jit
-    def _dq_loader(in_descs, q_bufs, do_bufs, q_bar, ring, off_b, off_h, start_m, num_kv, NUM_CONSUMERS: gl.constexpr,
+    def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty,
+                   v_ready, v_empty, off_b, off_h, start_m, num_kv, NUM_CONSUMERS: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-        """Producer warp: each consumer's Q and dO rows once, then K(j), V(j) through the forward's ring
-        (`load_kv_ring`)."""
-        q_desc, do_desc, k_desc, v_desc = in_descs
+        """Producer warp: each consumer's Q and dO rows once, then K(j), V(j) into ring slot j % NUM_STAGES."""
         mbarrier.expect(q_bar, NUM_CONSUMERS * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
         for c in gl.static_range(NUM_CONSUMERS):
             tma_load(q_desc, [off_b, off_h, start_m + c * BLOCK_M, 0], q_bar, q_bufs.index(c))
-            tma_load(do_desc, [off_b, off_h, start_m + c * BLOCK_M, 0], q_bar, do_bufs.index(c))
-        load_kv_ring(k_desc, v_desc, ring, off_b, off_h, num_kv, 0, BLOCK_N, NUM_STAGES)
+            tma_load(do_desc, [off_b, off_h, start_m + c * BLOCK_M, 0], q_bar,
+                                            do_bufs.index(c))
+        for j in range(num_kv):
+            stage = j % NUM_STAGES
+            phase = ((j // NUM_STAGES) & 1) ^ 1  # empty barriers start "phase 1 complete"
+            mbarrier.wait(k_empty.index(stage), phase)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            tma_load(k_desc, [off_b, off_h, j * BLOCK_N, 0], k_ready.index(stage),
+                                            k_bufs.index(stage))
+            mbarrier.wait(v_empty.index(stage), phase)
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            tma_load(v_desc, [off_b, off_h, j * BLOCK_N, 0], v_ready.index(stage),
+                                            v_bufs.index(stage))
 
     @gluon.jit
-    def _dq_consumer(C: gl.constexpr, q_bufs, do_bufs, ring, q_bar, dq_desc, L, Delta, off_b, off_h, pid_bh, start_m,
-                     num_kv, N_Q, N_K, qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
-        """Consumer C's BLOCK_M query rows [start_m + C * BLOCK_M, ...) against the K/V ring (`forward_shared`'s):
-        FA2 Algorithm 2's dQ loop, dQ in fp32 registers, no atomics."""
-        q_smem = q_bufs.index(C)
-        do_smem = do_bufs.index(C)
-        start_m = start_m + C * BLOCK_M
-        k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty = ring
+    def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, dq_desc, L, Delta,
+                     off_b, off_h, pid_bh, start_m, num_kv, N_Q, N_K, qk_scale, sm_scale,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """One warp group's BLOCK_M query rows: FA2 Algorithm 2's dQ loop, dQ in fp32 registers, no atomics."""
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -249,6 +265,15 @@ if HAS_GLUON_HOPPER:
         tma.store_wait(0)
 
     @gluon.jit
+    def _dq_partition(C: gl.constexpr, q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                      dq_desc, L, Delta, off_b, off_h, pid_bh, start_m, num_kv, N_Q, N_K, qk_scale, sm_scale,
+                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        _dq_consumer(q_bufs.index(C), do_bufs.index(C), k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                     dq_desc, L, Delta, off_b, off_h, pid_bh, start_m + C * BLOCK_M, num_kv, N_Q, N_K, qk_scale,
+                     sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)
+
+    @gluon.jit
     def _gluon_attn_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, L, Delta, H, N_Q, N_K, qk_scale,
                                   sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                   NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -259,15 +284,19 @@ if HAS_GLUON_HOPPER:
         num_bh = gl.num_programs(0) // gl.cdiv(N_Q, 2 * BLOCK_M)
         pid_bh, off_b, off_h, start_m, num_kv, n_unmasked = work_item(gl.program_id(0), num_bh, H, 0, N_Q, N_K,
                                                                       2 * BLOCK_M, BLOCK_N, IS_CAUSAL)
-        q_bufs, q_bar, ring = forward_shared(q_desc, k_desc, v_desc, NUM_STAGES, 2)
+        q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty = forward_shared(q_desc, k_desc, v_desc,
+                                                                                           NUM_STAGES, 2)
         do_bufs = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
         gl.warp_specialize([
-            (_dq_consumer, (0, q_bufs, do_bufs, ring, q_bar, dq_desc, L, Delta, off_b, off_h, pid_bh, start_m, num_kv,
-                            N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
-            (_dq_consumer, (1, q_bufs, do_bufs, ring, q_bar, dq_desc, L, Delta, off_b, off_h, pid_bh, start_m, num_kv,
-                            N_Q, N_K, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
-            (_dq_loader, ((q_desc, do_desc, k_desc, v_desc), q_bufs, do_bufs, q_bar, ring, off_b, off_h, start_m,
-                          num_kv, 2, BLOCK_M, BLOCK_N, NUM_STAGES)),
+            (_dq_partition, (0, q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, dq_desc, L,
+                             Delta, off_b, off_h, pid_bh, start_m, num_kv, N_Q, N_K, qk_scale, sm_scale,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
+            (_dq_partition, (1, q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, dq_desc, L,
+                             Delta, off_b, off_h, pid_bh, start_m, num_kv, N_Q, N_K, qk_scale, sm_scale,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL)),
+            (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty,
+                          v_ready, v_empty, off_b, off_h, start_m, num_kv, 2, BLOCK_M, BLOCK_N,
+                          NUM_STAGES)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 

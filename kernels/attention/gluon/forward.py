@@ -63,37 +63,41 @@ if HAS_GLUON_HOPPER:
             tma_load(q_desc, [off_b, off_h, start_m + c * BLOCK_M, 0], q_bar, q_bufs.index(c))
 
     @gluon.jit
-    def load_kv_ring(k_desc, v_desc, ring, off_b, off_h, num_kv, it0, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    def _load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, off_b, off_h, num_kv, it0,
+                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
         """K(j), V(j) for j < num_kv into ring slot (it0 + j) % NUM_STAGES: `it0` counts the tiles the ring took
         before (earlier work items of a persistent program). Empty barriers start "phase 1 complete", so the first
         pass through the ring does not wait."""
-        k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty = ring
         for j in range(num_kv):
             it = it0 + j
             stage = it % NUM_STAGES
             phase = (it // NUM_STAGES) & 1
             mbarrier.wait(k_empty.index(stage), phase ^ 1)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma_load(k_desc, [off_b, off_h, j * BLOCK_N, 0], k_ready.index(stage), k_bufs.index(stage))
+            tma_load(k_desc, [off_b, off_h, j * BLOCK_N, 0], k_ready.index(stage),
+                                            k_bufs.index(stage))
             mbarrier.wait(v_empty.index(stage), phase ^ 1)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma_load(v_desc, [off_b, off_h, j * BLOCK_N, 0], v_ready.index(stage), v_bufs.index(stage))
+            tma_load(v_desc, [off_b, off_h, j * BLOCK_N, 0], v_ready.index(stage),
+                                            v_bufs.index(stage))
 
     @gluon.jit
-    def _loader(descs, q_bufs, q_bar, ring, off_b, off_h, start_m, num_kv, NUM_CONSUMERS: gl.constexpr,
-                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                off_b, off_h, start_m, num_kv,
+                NUM_CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                NUM_STAGES: gl.constexpr):
         """Producer warp: Q tiles once, then K(j), V(j) into ring slot j % NUM_STAGES."""
-        q_desc, k_desc, v_desc = descs
         _load_q(q_desc, q_bufs, q_bar, off_b, off_h, start_m, NUM_CONSUMERS, BLOCK_M)
-        load_kv_ring(k_desc, v_desc, ring, off_b, off_h, num_kv, 0, BLOCK_N, NUM_STAGES)
+        _load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, off_b, off_h, num_kv, 0,
+                 BLOCK_N, NUM_STAGES)
 
     @gluon.jit
-    def _persistent_loader(descs, q_bufs, q_bar, q_empty, ring, H, BH, SCHEDULE, GROUP: gl.constexpr, N_Q, N_K,
+    def _persistent_loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty,
+                           v_ready, v_empty, H, BH, SCHEDULE, GROUP: gl.constexpr, N_Q, N_K,
                            NUM_CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, BALANCED: gl.constexpr):
         """Producer warp of a persistent program: per work item, its Q tiles once the consumers released the
         previous ones (`q_empty`, after their last S), then its K/V through the ring, which runs on across items."""
-        q_desc, k_desc, v_desc = descs
         TILE_M: gl.constexpr = NUM_CONSUMERS * BLOCK_M
         it0 = 0
         n = 0
@@ -104,7 +108,8 @@ if HAS_GLUON_HOPPER:
                                                                           BLOCK_N, IS_CAUSAL)
             mbarrier.wait(q_empty, (n & 1) ^ 1)
             _load_q(q_desc, q_bufs, q_bar, off_b, off_h, start_m, NUM_CONSUMERS, BLOCK_M)
-            load_kv_ring(k_desc, v_desc, ring, off_b, off_h, num_kv, it0, BLOCK_N, NUM_STAGES)
+            _load_kv(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, off_b, off_h, num_kv, it0,
+                     BLOCK_N, NUM_STAGES)
             it0 += num_kv
             n += 1
 
@@ -132,20 +137,16 @@ if HAS_GLUON_HOPPER:
                                          is_pure=False, pack=1)
 
     @gluon.jit
-    def _consumer(C: gl.constexpr, q_bufs, o_bufs, ring, q_bar, q_phase, q_empty, o_desc, L, item, it0, N_Q, N_K,
-                  qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    def _consumer(q_smem, o_smem, k_bufs, v_bufs, q_bar, q_phase, q_empty, k_ready, k_empty, v_ready, v_empty,
+                  o_desc, L, off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, it0, qk_scale,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
                   EXP2_EMULATED: gl.constexpr, RESCALE_UNDER_S: gl.constexpr):
-        """Consumer warp group C on its BLOCK_M query rows of work item `item` (`work_item`'s tuple): Algorithm 1 of
-        FA3 (pipelined). `ring` is `forward_shared`'s K/V ring, its slots continuing from `it0` (the key tiles of the
-        program's earlier work items); Q's barrier is in phase `q_phase`. O goes out through `o_bufs`: Q's own
-        buffers in a one-item program; in a PERSISTENT one buffers of its own, and Q's is released (`q_empty`) after
-        the last S, so that the next item's Q loads under this one's last P V and epilogue."""
-        q_smem = q_bufs.index(C)
-        o_smem = o_bufs.index(C)
-        pid_bh, off_b, off_h, start_m, num_kv, n_unmasked = item
-        start_m = start_m + C * BLOCK_M
-        k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty = ring
+        """One warp group's BLOCK_M query rows [start_m, start_m + BLOCK_M): Algorithm 1 of FA3 (pipelined). The
+        ring slots continue from `it0` (the key tiles of the program's earlier work items) and Q's barrier is in
+        phase `q_phase`. O goes out through `o_smem`: Q's own buffer in a one-item program; in a PERSISTENT one a
+        buffer of its own, and Q's is released (`q_empty`) after the last S, so that the next item's Q loads under
+        this one's last P V and epilogue."""
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -234,28 +235,43 @@ if HAS_GLUON_HOPPER:
             tma.store_wait(0)
 
     @gluon.jit
-    def _persistent_consumer(C: gl.constexpr, q_bufs, o_bufs, ring, q_bar, q_empty, o_desc, L, H, BH, SCHEDULE,
-                             GROUP: gl.constexpr, N_Q, N_K, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                             IS_CAUSAL: gl.constexpr, EXP2_EMULATED: gl.constexpr, RESCALE_UNDER_S: gl.constexpr,
-                             BALANCED: gl.constexpr):
+    def _consumer_partition(C: gl.constexpr, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                            o_desc, L, off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
+                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, EXP2_EMULATED: gl.constexpr,
+                            RESCALE_UNDER_S: gl.constexpr):
+        """Partition entry of consumer C: its Q buffer (also O's) and rows."""
+        _consumer(q_bufs.index(C), q_bufs.index(C), k_bufs, v_bufs, q_bar, 0, q_bar, k_ready, k_empty, v_ready,
+                  v_empty, o_desc, L, off_b, off_h, pid_bh, start_m + C * BLOCK_M, N_Q, N_K, num_kv, n_unmasked, 0,
+                  qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, False, EXP2_EMULATED, RESCALE_UNDER_S)
+
+    @gluon.jit
+    def _persistent_consumer(C: gl.constexpr, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty,
+                             v_ready, v_empty, o_desc, L, H, BH, SCHEDULE, GROUP: gl.constexpr, N_Q, N_K, qk_scale,
+                             HEAD_DIM: gl.constexpr,
+                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                             NUM_CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr, EXP2_EMULATED: gl.constexpr,
+                             RESCALE_UNDER_S: gl.constexpr, BALANCED: gl.constexpr):
         """Consumer C of a persistent program: its work items (`item_range`) in `work_item` numbering."""
         TILE_M: gl.constexpr = NUM_CONSUMERS * BLOCK_M
         it0 = 0
         n = 0
         first, stop, step = item_range(SCHEDULE, gl.cdiv(N_Q, TILE_M) * BH, BALANCED)
         for i in range(first, stop, step):
-            item = work_item(item_at(i, SCHEDULE, BALANCED), BH, H, GROUP, N_Q, N_K, TILE_M, BLOCK_N, IS_CAUSAL)
-            _consumer(C, q_bufs, o_bufs, ring, q_bar, n & 1, q_empty, o_desc, L, item, it0, N_Q, N_K, qk_scale,
-                      HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, True, EXP2_EMULATED, RESCALE_UNDER_S)
-            it0 += item[4]  # its key tiles
+            t = item_at(i, SCHEDULE, BALANCED)
+            pid_bh, off_b, off_h, start_m, num_kv, n_unmasked = work_item(t, BH, H, GROUP, N_Q, N_K, TILE_M,
+                                                                          BLOCK_N, IS_CAUSAL)
+            _consumer(q_bufs.index(C), o_bufs.index(C), k_bufs, v_bufs, q_bar, n & 1, q_empty, k_ready, k_empty,
+                      v_ready, v_empty, o_desc, L, off_b, off_h, pid_bh, start_m + C * BLOCK_M, N_Q, N_K, num_kv,
+                      n_unmasked, it0, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, True,
+                      EXP2_EMULATED, RESCALE_UNDER_S)
+            it0 += num_kv
             n += 1
         tma.store_wait(0)
 
     @gluon.jit
     def forward_shared(q_desc, k_desc, v_desc, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
-        """Shared memory of a forward program: Q (one tile per consumer) and its barrier, and the K/V ring: the tuple
-        (k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty)."""
+        """Shared memory of a forward program: Q (one tile per consumer), the K/V ring and their barriers."""
         dtype: gl.constexpr = q_desc.dtype
         q_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
         k_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -271,7 +287,7 @@ if HAS_GLUON_HOPPER:
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)
             mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
-        return q_bufs, q_bar, (k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty)
+        return q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty
 
     @gluon.jit
     def _gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, L, H, N_Q, N_K, qk_scale, GROUP: gl.constexpr,
@@ -283,42 +299,55 @@ if HAS_GLUON_HOPPER:
         TILE_M: gl.constexpr = NUM_CONSUMERS * BLOCK_M
         # 1. Work item: this program's (`work_item`, heaviest first).
         num_bh = gl.num_programs(0) // gl.cdiv(N_Q, TILE_M)
-        item = work_item(gl.program_id(0), num_bh, H, GROUP, N_Q, N_K, TILE_M, BLOCK_N, IS_CAUSAL)
-        _, off_b, off_h, start_m, num_kv, _ = item  # the loader's
+        pid_bh, off_b, off_h, start_m, num_kv, n_unmasked = work_item(gl.program_id(0), num_bh, H, GROUP, N_Q,
+                                                                      N_K, TILE_M, BLOCK_N, IS_CAUSAL)
         # 2. Shared memory: Q (one tile per consumer, reused for O), the K/V ring, barriers.
-        q_bufs, q_bar, ring = forward_shared(q_desc, k_desc, v_desc, NUM_STAGES, NUM_CONSUMERS)
-        descs = (q_desc, k_desc, v_desc)
+        q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty = forward_shared(q_desc, k_desc, v_desc,
+                                                                                           NUM_STAGES, NUM_CONSUMERS)
 
         # 3. Partitions: consumer 0 is the default (num_warps = 4); the others and the loader are workers. The
         #    argument tuples are written inline: a tuple assigned to a variable turns its constexprs into values.
         if NUM_CONSUMERS == 1:
             gl.warp_specialize([
-                (_consumer, (0, q_bufs, q_bufs, ring, q_bar, 0, q_bar, o_desc, L, item, 0, N_Q, N_K, qk_scale, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, False, EXP2_EMULATED, RESCALE_UNDER_S)),
-                (_loader, (descs, q_bufs, q_bar, ring, off_b, off_h, start_m, num_kv, NUM_CONSUMERS, BLOCK_M, BLOCK_N,
-                           NUM_STAGES)),
+                (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
+                                       off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED,
+                                       RESCALE_UNDER_S)),
+                (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                           off_b, off_h, start_m, num_kv, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
             ], [1], [LOADER_REGS])
         elif NUM_CONSUMERS == 2:
             gl.warp_specialize([
-                (_consumer, (0, q_bufs, q_bufs, ring, q_bar, 0, q_bar, o_desc, L, item, 0, N_Q, N_K, qk_scale, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, False, EXP2_EMULATED, RESCALE_UNDER_S)),
-                (_consumer, (1, q_bufs, q_bufs, ring, q_bar, 0, q_bar, o_desc, L, item, 0, N_Q, N_K, qk_scale, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, False, EXP2_EMULATED, RESCALE_UNDER_S)),
-                (_loader, (descs, q_bufs, q_bar, ring, off_b, off_h, start_m, num_kv, NUM_CONSUMERS, BLOCK_M, BLOCK_N,
-                           NUM_STAGES)),
+                (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
+                                       off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED,
+                                       RESCALE_UNDER_S)),
+                (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
+                                       off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED,
+                                       RESCALE_UNDER_S)),
+                (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                           off_b, off_h, start_m, num_kv, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
             ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
         else:
             gl.static_assert(NUM_CONSUMERS == 3, "NUM_CONSUMERS must be 1, 2 or 3")
             gl.warp_specialize([
-                (_consumer, (0, q_bufs, q_bufs, ring, q_bar, 0, q_bar, o_desc, L, item, 0, N_Q, N_K, qk_scale, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, False, EXP2_EMULATED, RESCALE_UNDER_S)),
-                (_consumer, (1, q_bufs, q_bufs, ring, q_bar, 0, q_bar, o_desc, L, item, 0, N_Q, N_K, qk_scale, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, False, EXP2_EMULATED, RESCALE_UNDER_S)),
-                (_consumer, (2, q_bufs, q_bufs, ring, q_bar, 0, q_bar, o_desc, L, item, 0, N_Q, N_K, qk_scale, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, False, EXP2_EMULATED, RESCALE_UNDER_S)),
-                (_loader, (descs, q_bufs, q_bar, ring, off_b, off_h, start_m, num_kv, NUM_CONSUMERS, BLOCK_M, BLOCK_N,
-                           NUM_STAGES)),
+                (_consumer_partition, (0, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
+                                       off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED,
+                                       RESCALE_UNDER_S)),
+                (_consumer_partition, (1, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
+                                       off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED,
+                                       RESCALE_UNDER_S)),
+                (_consumer_partition, (2, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, L,
+                                       off_b, off_h, pid_bh, start_m, N_Q, N_K, num_kv, n_unmasked, qk_scale,
+                                       HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, EXP2_EMULATED,
+                                       RESCALE_UNDER_S)),
+                (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                           off_b, off_h, start_m, num_kv, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
+
 
     @gluon.jit
     def _gluon_attn_fwd_persistent_kernel(q_desc, k_desc, v_desc, o_desc, L, H, BH, N_Q, N_K, qk_scale, SCHEDULE,
@@ -333,19 +362,23 @@ if HAS_GLUON_HOPPER:
         p, p + #programs, ...; its K/V ring runs on from one item to the next, and the next item's Q loads under the
         last P V and epilogue of the current one (O has buffers of its own)."""
         gl.static_assert(NUM_CONSUMERS == 2, "the persistent forward has two consumer groups")
-        q_bufs, q_bar, ring = forward_shared(q_desc, k_desc, v_desc, NUM_STAGES, NUM_CONSUMERS)
+        q_bufs, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty = forward_shared(q_desc, k_desc, v_desc,
+                                                                                           NUM_STAGES, NUM_CONSUMERS)
         o_bufs = gl.allocate_shared_memory(o_desc.dtype, [NUM_CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_empty, count=NUM_CONSUMERS)
         gl.warp_specialize([
-            (_persistent_consumer, (0, q_bufs, o_bufs, ring, q_bar, q_empty, o_desc, L, H, BH, SCHEDULE, GROUP, N_Q, N_K,
-                                    qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
-                                    EXP2_EMULATED, RESCALE_UNDER_S, BALANCED)),
-            (_persistent_consumer, (1, q_bufs, o_bufs, ring, q_bar, q_empty, o_desc, L, H, BH, SCHEDULE, GROUP, N_Q, N_K,
-                                    qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
-                                    EXP2_EMULATED, RESCALE_UNDER_S, BALANCED)),
-            (_persistent_loader, ((q_desc, k_desc, v_desc), q_bufs, q_bar, q_empty, ring, H, BH, SCHEDULE, GROUP, N_Q,
-                                  N_K, NUM_CONSUMERS, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, BALANCED)),
+            (_persistent_consumer, (0, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty, v_ready,
+                                    v_empty, o_desc, L, H, BH, SCHEDULE, GROUP, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_M,
+                                    BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, EXP2_EMULATED, RESCALE_UNDER_S,
+                                    BALANCED)),
+            (_persistent_consumer, (1, q_bufs, o_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty, v_ready,
+                                    v_empty, o_desc, L, H, BH, SCHEDULE, GROUP, N_Q, N_K, qk_scale, HEAD_DIM, BLOCK_M,
+                                    BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, EXP2_EMULATED, RESCALE_UNDER_S,
+                                    BALANCED)),
+            (_persistent_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, q_empty, k_ready, k_empty,
+                                  v_ready, v_empty, H, BH, SCHEDULE, GROUP, N_Q, N_K, NUM_CONSUMERS, BLOCK_M, BLOCK_N,
+                                  NUM_STAGES, IS_CAUSAL, BALANCED)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
