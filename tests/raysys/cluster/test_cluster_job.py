@@ -5,7 +5,8 @@ named actors and `[i/n]` tasks; the node's metrics endpoint: per-rank memory / u
 a wrong token is refused. A head whose dashboard agent port is taken cannot take jobs: `submit` says why.
 
 Each head runs as `ray start --head --block` in a subprocess we own, with its own temporary directory and free
-ports, and is stopped through its own process group (SIGTERM, then SIGKILL after 1 s): exactly what it started.
+ports. Its running jobs are stopped first (the jobs API; a driver sits outside the head's process group), then the
+head through its own process group (SIGTERM, then SIGKILL after 1 s): exactly what it started.
 `ray stop` is not used here: it stops every Ray on the machine, including the test session's own cluster.
 """
 
