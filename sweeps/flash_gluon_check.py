@@ -3,8 +3,8 @@
 For each knob config of `GluonConfig` (a config that fails to build or is wrong prints one line; the script goes on):
 (a) O and L against fp32 references on odd shapes, bf16 and fp16, causal and not, n_q != n_k; (b) forward time
 (`do_bench`, median) at four causal bf16 shapes beside SDPA cuDNN and flash and the tl kernel. `--part bwd|all` does
-the same for the two-pass `GluonBwd2Config`s and one-pass `GluonBwdConfig`s: (c) dQ, dK, dV against fp32 autograd
-(two-pass bitwise equal over two runs), (d) forward+backward and backward-only time. `--paired-rounds N` times each
+the same for the one-pass backward's `GluonBwdConfig`s: (c) dQ, dK, dV against fp32 autograd, (d) forward+backward
+and backward-only time. `--paired-rounds N` times each
 config against the one the gluon path launches in alternating rounds. Rows go to <out>/flash_gluon.parquet (never
 over an earlier one without `--overwrite`); FLOP conventions: docs/studies.md. Run:
 `PYTHONPATH=$PWD python3 sweeps/flash_gluon_check.py --out $OUT [--part all]`.
@@ -28,7 +28,6 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kernels.attention.gluon.backward as fgo
-import kernels.attention.gluon.backward_two_pass as fgb
 import kernels.attention.gluon.forward as fg
 from kernels.attention import flash_attention_bwd, flash_attention_flops, flash_attention_fwd
 from kernels.attention.checks import GLUON_HEAD_DIMS
@@ -72,8 +71,7 @@ BENCH_SHAPES = [(1, 16, 16384, 128), (1, 32, 32768, 128), (8, 16, 4096, 64), (4,
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 """Max |O - O_ref| allowed (inputs ~N(0, 1), outputs |O| < ~1); L gets the same."""
 BWD_CONFIGS = {
-    64: [fgb.DEFAULT_BWD2_CONFIGS[64], fgb.GluonBwd2Config(dkdv_block_m=32, dkdv_stages=3, dq_block_n=64),
-         DEFAULT_BWD_CONFIGS[64], *(fgo.GluonBwdConfig(num_stages=3, head_group=g) for g in (4, 8, 16)),
+    64: [DEFAULT_BWD_CONFIGS[64], *(fgo.GluonBwdConfig(num_stages=3, head_group=g) for g in (4, 8, 16)),
          fgo.GluonBwdConfig(num_stages=3, head_group=8, persistent=True),
          *(fgo.GluonBwdConfig(num_stages=3, head_group=g, dq_whole=False) for g in (4, 8)),
          fgo.GluonBwdConfig(num_stages=3, head_group=4, dk_late=True),
@@ -81,8 +79,7 @@ BWD_CONFIGS = {
          *(fgo.GluonBwdConfig(num_stages=s, head_group=g, dk_late=True, dq_buffers=2) for s in (2, 3) for g in (4, 8)),
          fgo.GluonBwdConfig(head_group=4, dq_buffers=2),
          fgo.GluonBwdConfig(head_group=4, dq_whole=False, dq_buffers=2)],
-    128: [fgb.DEFAULT_BWD2_CONFIGS[128], fgb.GluonBwd2Config(dkdv_block_m=64, dkdv_stages=2, dq_block_n=128),
-          DEFAULT_BWD_CONFIGS[128], *(fgo.GluonBwdConfig(head_group=g) for g in (1, 2, 4, 8)),
+    128: [DEFAULT_BWD_CONFIGS[128], *(fgo.GluonBwdConfig(head_group=g) for g in (1, 2, 4, 8)),
           *(fgo.GluonBwdConfig(head_group=g, dk_late=True) for g in (1, 2)),
           *(fgo.GluonBwdConfig(head_group=g, rows_tma=False, dk_late=late) for g in (2, 8) for late in (False, True)),
           fgo.GluonBwdConfig(head_group=2, persistent=True),
@@ -91,8 +88,7 @@ BWD_CONFIGS = {
           fgo.GluonBwdConfig(head_group=4, dq_whole=False, persistent=True),
           *(fgo.GluonBwdConfig(head_group=g, dq_whole=False, dq_buffers=2) for g in (1, 2, 4))],
 }
-"""Per head dim: the two-pass default and one other two-pass config (`GluonBwd2Config`), then the one-pass default
-(a `GluonBwdConfig` runs mode="one_pass") and its knobs: head groups, `persistent`, `dq_whole=False`, `dk_late`,
+"""Per head dim: the one-pass default and its knobs: head groups, `persistent`, `dq_whole=False`, `dk_late`,
 `rows_tma=False` (name without `/rt`), `dq_buffers=2` (`/q2`). What each knob does: docs/studies.md."""
 GRAD_TOL = {torch.bfloat16: 3e-2, torch.float16: 6e-3}
 """Max |g - g_ref| / max |g_ref| per gradient: P, dS and the gradients are rounded to the input dtype (relative
@@ -179,24 +175,11 @@ def _rel_err(g, ref) -> float:
     return ((g.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
 
 
-def _mode(config) -> str:
-    return "two_pass" if isinstance(config, fgb.GluonBwd2Config) else "one_pass"
-
-
-def _gluon_bwd(q, k, v, out, lse, do, causal, config):
-    """(dQ, dK, dV) by the Gluon backward `config` configures: two-pass or one-pass."""
-    run = fgb.gluon_attention_bwd2 if _mode(config) == "two_pass" else fgo.gluon_attention_bwd
-    return run(q, k, v, out, lse, do, causal, config)
-
-
-def check_bwd(config: fgo.GluonBwdConfig | fgb.GluonBwd2Config, head_dim: int) -> tuple[bool, list[dict]]:
+def check_bwd(config: fgo.GluonBwdConfig, head_dim: int) -> tuple[bool, list[dict]]:
     rows, ok = [], True
     for q_shape, n_k, causal, dtype, (q, k, v, do) in _check_cases(head_dim):
         out, lse = fg.gluon_attention_fwd(q, k, v, causal, gluon_fwd_config(q, k))
-        grads = _gluon_bwd(q, k, v, out, lse, do, causal, config)
-        # The two-pass backward has no atomics: a second run must be bitwise equal.
-        same = _mode(config) == "one_pass" or all(torch.equal(a, b) for a, b in zip(grads, _gluon_bwd(
-            q, k, v, out, lse, do, causal, config)))
+        grads = fgo.gluon_attention_bwd(q, k, v, out, lse, do, causal, config)
         torch.cuda.synchronize()
         refs = _grad_reference(q, k, v, do, causal)
         errs = [_rel_err(g, r) for g, r in zip(grads, refs)]
@@ -205,16 +188,16 @@ def check_bwd(config: fgo.GluonBwdConfig | fgb.GluonBwd2Config, head_dim: int) -
         except Exception as e:
             tl_errs = [float("nan")] * 3
             print(f"  (tl backward: {_short(e, 1)})", flush=True)
-        good = same and all(math.isfinite(e) and e <= GRAD_TOL[dtype] for e in errs) and all(
+        good = all(math.isfinite(e) and e <= GRAD_TOL[dtype] for e in errs) and all(
             g.dtype == dtype and g.shape == t.shape for g, t in zip(grads, (q, k, v)))
         ok &= good
         print(f"  check {config.name} {tuple(q_shape)} n_k={n_k} causal={causal} {str(dtype)[6:]}: rel max err "
               f"dq={errs[0]:.2e} dk={errs[1]:.2e} dv={errs[2]:.2e} (tl {tl_errs[0]:.1e} {tl_errs[1]:.1e} "
-              f"{tl_errs[2]:.1e}){'' if same else ' NOT DETERMINISTIC'} {'ok' if good else 'WRONG'}", flush=True)
+              f"{tl_errs[2]:.1e}) {'ok' if good else 'WRONG'}", flush=True)
         rows.append(_row(dict(kind="check_bwd", config=config.name, head_dim=head_dim, shape=str(q_shape),
                               n_k=n_k, causal=causal, dtype=str(dtype)),
                          dict(err_dq=errs[0], err_dk=errs[1], err_dv=errs[2], tl_err_dq=tl_errs[0],
-                              tl_err_dk=tl_errs[1], tl_err_dv=tl_errs[2], deterministic=same, ok=good)))
+                              tl_err_dk=tl_errs[1], tl_err_dv=tl_errs[2], ok=good)))
     return ok, rows
 
 
@@ -282,21 +265,18 @@ def run_bwd(rows: list[dict], paired_rounds: int = 0) -> None:
         except Exception as e:
             print(f"time gluon_fwd+auto_bwd {shape}: ERROR {_short(e, 2)}", flush=True)
         for config in passed[shape[-1]]:
-            provider = "gluon" if _mode(config) == "one_pass" else "gluon_2pass"
-
             def gluon(c=config):
                 out, lse = fg.gluon_attention_fwd(q, k, v, True, gluon_fwd_config(q, k))
-                return _gluon_bwd(q, k, v, out, lse, do, True, c)
+                return fgo.gluon_attention_bwd(q, k, v, out, lse, do, True, c)
             try:
-                rows.append(bench(gluon, shape, provider, config.name, kind="time_fwd_bwd"))
-                rows.append(bench(lambda c=config: _gluon_bwd(q, k, v, out, lse, do, True, c), shape, provider,
-                                  config.name, kind="time_bwd"))
+                rows.append(bench(gluon, shape, "gluon", config.name, kind="time_fwd_bwd"))
+                rows.append(bench(lambda c=config: fgo.gluon_attention_bwd(q, k, v, out, lse, do, True, c), shape,
+                                  "gluon", config.name, kind="time_bwd"))
             except Exception as e:
-                print(f"time {provider} {config.name} fwd+bwd {shape}: ERROR {_short(e, 2)}", flush=True)
+                print(f"time gluon {config.name} fwd+bwd {shape}: ERROR {_short(e, 2)}", flush=True)
         if paired_rounds and out is not None:
-            one_pass = [c for c in passed[shape[-1]] if _mode(c) == "one_pass"]
             rows.extend(paired_against_default(
-                shape, one_pass, gluon_bwd_config(q),
+                shape, passed[shape[-1]], gluon_bwd_config(q),
                 lambda c: fgo.gluon_attention_bwd(q, k, v, out, lse, do, True, c),
                 paired_rounds, mode="bwd"))
         q = k = v = do = out = lse = None

@@ -8,8 +8,8 @@ operands, and both groups' dS^T meet in a shared tile from which each program's 
 into an fp32 dQ by the TMA unit (`cp.reduce.async.bulk.tensor`): 5 matmuls per tile pair, dQ's last bits can vary run
 to run. `GluonBwdConfig.persistent` walks the same work items on one program per SM.
 
-The key-stationary pieces here (`load_kv_tiles`, `load_q_do_tile`, `key_stationary_shared`, `sdp_transposed`) are
-the dK/dV loop's first half, shared with the deterministic two-pass kernels (`backward_two_pass.py`).
+The key-stationary pieces (`load_kv_tiles`, `load_q_do_tile`, `key_stationary_shared`, `sdp_transposed`) are the dK/dV
+loop's first half. The deterministic backward is the tl kernels' two-pass one (`dispatch.gluon_bwd_chosen`).
 Usage: `dq, dk, dv = gluon_attention_bwd(q, k, v, out, lse, grad_out, is_causal, config)` (checked) or `launch_bwd`;
 `dispatch.gluon_bwd_config(q)` is the config the gluon path launches.
 """
@@ -105,8 +105,8 @@ if HAS_GLUON_HOPPER:
     def sdp_transposed(k, v, q, do, l2, keys, cols, start_m, start_n, N_K, qk_scale, s_layout: gl.constexpr,
                        BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
         """S^T = K Q^T and dP^T = V dO^T issued together (keys as wgmma rows), then P^T = exp(S^T / sqrt(d) - L)
-        under dP^T, diagonal and tail tiles masked: (P^T fp32, dP^T still in flight). The dK/dV loops' shared
-        first half (the one-pass one here, the two-pass one in backward_two_pass.py)."""
+        under dP^T, diagonal and tail tiles masked: (P^T fp32, dP^T still in flight). The dK/dV loop's first
+        half."""
         s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
         s = warpgroup_mma(k, q.permute((1, 0)), s, use_acc=False, is_async=True)
         dp = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
@@ -612,35 +612,17 @@ def bwd_launch_args(q, k, v, grad_out, dk, dv, lse, delta, dq_acc, is_causal: bo
     return grid, args, meta
 
 
-def check_bwd_inputs(where: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                     lse: torch.Tensor, grad_out: torch.Tensor, config, kind: type) -> None:
-    """Raise a ValueError prefixed by `where` unless a Gluon backward runs on these inputs with `config` (a `kind`)."""
-    reason = unsupported_reason(q, k, v)
-    if reason:
-        raise ValueError(f"{where}: {reason}")
-    if not isinstance(config, kind):
-        raise ValueError(f"{where}: config {config!r} is not a {kind.__name__}")
-    check_backward_inputs(q, out, lse, grad_out, where=f"{where}: ")
-
-
-def bwd_launch_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                      grad_out: torch.Tensor, is_causal: bool, config) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-    """(dO in q's dtype and TMA-readable, L contiguous, the launches' problem key) of a Gluon backward."""
-    grad_out = tma_ready(grad_out if grad_out.dtype == q.dtype else grad_out.to(q.dtype))
-    lse = lse.contiguous()
-    # What every launch's argument keys read (the new buffers are contiguous and aligned; q, k, v aligned: checked;
-    # dO made so; L's pointer, which the two-pass kernels read, by its alignment, as O's for the preprocess).
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), grad_out.stride(), q.dtype,
-           out.dtype, is_causal, config, lse.data_ptr() & 15, out.data_ptr() & 15)
-    return grad_out, lse, key
-
-
 def gluon_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                         grad_out: torch.Tensor, is_causal: bool, config: GluonBwdConfig
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) in the inputs' dtype from O and the natural-log L of the forward, inputs checked. dK, dV are
     written once per key; dQ is summed in fp32 by the TMA unit, its last bits can vary run to run."""
-    check_bwd_inputs("gluon_attention_bwd", q, k, v, out, lse, grad_out, config, GluonBwdConfig)
+    reason = unsupported_reason(q, k, v)
+    if reason:
+        raise ValueError(f"gluon_attention_bwd: {reason}")
+    if not isinstance(config, GluonBwdConfig):
+        raise ValueError(f"gluon_attention_bwd: config {config!r} is not a GluonBwdConfig")
+    check_backward_inputs(q, out, lse, grad_out, where="gluon_attention_bwd: ")
     return launch_bwd(q, k, v, out, lse, grad_out, is_causal, config)
 
 
@@ -649,7 +631,12 @@ def launch_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`gluon_attention_bwd` without the input checks, for callers that checked them already."""
     batch, heads, n_q, head_dim = q.shape
-    grad_out, lse, key = bwd_launch_inputs(q, k, v, out, lse, grad_out, is_causal, config)
+    grad_out = tma_ready(grad_out if grad_out.dtype == q.dtype else grad_out.to(q.dtype))  # TMA-readable
+    lse = lse.contiguous()
+    # What every launch's argument keys read (the new buffers are contiguous and aligned; q, k, v aligned: checked;
+    # dO made so; L's and O's pointers, which the preprocess reads, by their alignment).
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), grad_out.stride(), q.dtype,
+           out.dtype, is_causal, config, lse.data_ptr() & 15, out.data_ptr() & 15)
     with device_of(q):
         dk, dv = empty_like_layout(k), empty_like_layout(v)  # the inputs' layouts: valid TMA targets
         # D and L zero-padded to whole query tiles (as `bwd_launch_args` takes them) and the fp32 dQ accumulator

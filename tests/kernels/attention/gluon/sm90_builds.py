@@ -1,9 +1,9 @@
 """Builds of the Gluon kernels for sm_90 without a GPU, from their launchers' own arguments (the compile tests).
 
     built = sm90_build("fwd", config, head_dim, dtype, causal)              # [Built] on the installed Triton
-    built = sm90_build("bwd2", config, head_dim, dtype, causal, triton="3.6")  # (dK/dV, dQ) on another release
+    built = sm90_build("bwd", config, head_dim, dtype, causal, triton="3.6")   # on another release
 
-A recipe (`fwd`, `bwd`: the one-pass backward, `bwd2`: the two-pass backward's two kernels) builds its launcher's
+A recipe (`fwd`, `bwd`: the one-pass backward) builds its launcher's
 arguments for a (1, 3, 1000, d) query and a (1, 3, 777, d) key and compiles each kernel for sm_90 with that Triton's
 own ptxas. It runs in this process when this is the installed Triton outside the interpreter; else in a worker
 process (one per Triton, started once, fed pickled requests) with TRITON_INTERPRET=0 (the interpreter replaces the
@@ -100,15 +100,7 @@ def _bwd(config, head_dim, dtype, causal):
     return [(config.kernel, args, meta)]
 
 
-def _bwd2(config, head_dim, dtype, causal):
-    import kernels.attention.gluon.backward_two_pass as fgb
-
-    q, k, lse = _tensors(head_dim, dtype)
-    dkdv, dq = fgb.bwd2_launch_args(q, k, k, q, q, k, k, lse, lse, causal, config)
-    return [(fgb._gluon_attn_bwd_dkdv_kernel, *dkdv[1:]), (fgb._gluon_attn_bwd_dq_kernel, *dq[1:])]
-
-
-RECIPES = {"fwd": _fwd, "bwd": _bwd, "bwd2": _bwd2}
+RECIPES = {"fwd": _fwd, "bwd": _bwd}
 
 
 def _compile(kernel, args: tuple, meta: dict) -> Built:

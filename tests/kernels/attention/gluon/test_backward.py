@@ -1,4 +1,4 @@
-"""The Gluon one-pass backward (`kernels/attention/gluon/backward.py`), and both backwards against fp32 autograd.
+"""The Gluon one-pass backward (`kernels/attention/gluon/backward.py`) against fp32 autograd.
 
 CPU: the config rules, refusals before any build, builds for sm_90 (async wgmma, dQ by TMA reductions, the register
 split), and the one-pass preprocess kernel under the interpreter. GPU (sm_90): dQ, dK, dV against fp32 autograd with a
@@ -16,7 +16,6 @@ import torch
 import triton
 
 import kernels.attention.gluon.backward as fgo
-import kernels.attention.gluon.backward_two_pass as fgb
 import kernels.attention.gluon.forward as fg
 from kernels.attention import dispatch, flash_attention
 from kernels.attention.gluon import runtime
@@ -108,11 +107,6 @@ def test_bwd_refuses_mismatched_out_lse_and_grad_on_the_gpu():
             fgo.gluon_attention_bwd(*args, True, dispatch.gluon_bwd_config(q))
 
 
-ALT_BWD2_CONFIGS = {64: fgb.GluonBwd2Config(dkdv_block_m=32, dkdv_stages=3, dq_block_n=64),
-                    128: fgb.GluonBwd2Config(dkdv_block_m=64, dkdv_stages=2, dq_block_n=128)}
-"""Per head dim, the two-pass config the check sweep times beside the default (the other tile of each kernel)."""
-
-
 def _compile_sm90_bwd(config: fgo.GluonBwdConfig, head_dim: int, dtype: torch.dtype, causal: bool, release=None):
     return sm90_build("bwd", config, head_dim, dtype, causal, triton=release)[0]
 
@@ -157,12 +151,9 @@ def test_bwd_compiles_for_sm90(head_dim, causal, dtype, persistent, dq_whole, re
 @pytest.mark.parametrize("q_shape, n_k, causal", [
     ((1, 3, 1000, 128), 1000, True), ((1, 3, 1000, 128), 1000, False), ((2, 2, 777, 64), 777, True),
     ((1, 2, 513, 128), 1029, False), ((1, 2, 1029, 64), 513, True), ((1, 2, 513, 128), 1029, True)])
-@pytest.mark.parametrize("mode, alt", [("two_pass", False), ("two_pass", True), ("one_pass", False),
-                                       ("one_pass", "halves"), ("one_pass", "dk_late"),
-                                       ("one_pass", "rows_global"), ("one_pass", "dq_buffers")])
-def test_bwd_matches_fp32_autograd(q_shape, n_k, causal, dtype, tol, mode, alt):
-    """Both backwards against fp32 autograd: the two-pass with its default and alternative configs, the one-pass
-    with the config `auto` picks, with dQ in head-dim halves per group, with dK's wgmma after the dS^T store, with
+@pytest.mark.parametrize("alt", [False, "halves", "dk_late", "rows_global", "dq_buffers"])
+def test_bwd_matches_fp32_autograd(q_shape, n_k, causal, dtype, tol, alt):
+    """The one-pass backward against fp32 autograd: with the config `auto` picks, with dQ in head-dim halves per group, with dK's wgmma after the dS^T store, with
     L and D loaded from global memory (`rows_tma=False`), and with two dQ tiles per group (`dq_buffers`; at d 128
     with the halves, which leave shared memory for them)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -172,23 +163,20 @@ def test_bwd_matches_fp32_autograd(q_shape, n_k, causal, dtype, tol, mode, alt):
     qf, kf, vf = (t.float().requires_grad_() for t in (q, k, v))
     fp32_attention(qf, kf, vf, causal)[0].backward(do.float())
     out, lse = fg.gluon_attention_fwd(q, k, v, causal, dispatch.gluon_fwd_config(q, k))
-    if mode == "one_pass" and alt:
+    if alt:
         config = dataclasses.replace(dispatch.DEFAULT_BWD_CONFIGS[q_shape[-1]],
                                      dq_whole=not (alt == "halves" or (alt == "dq_buffers" and q_shape[-1] == 128)),
                                      dk_late=alt == "dk_late", rows_tma=alt != "rows_global",
                                      dq_buffers=2 if alt == "dq_buffers" else 1)
-    elif mode == "one_pass":
-        config = dispatch.gluon_bwd_config(q)
     else:
-        config = ALT_BWD2_CONFIGS[q_shape[-1]] if alt else fgb.DEFAULT_BWD2_CONFIGS[q_shape[-1]]
-    run = fgo.gluon_attention_bwd if mode == "one_pass" else fgb.gluon_attention_bwd2
-    grads = run(q, k, v, out, lse, do, causal, config)
+        config = dispatch.gluon_bwd_config(q)
+    grads = fgo.gluon_attention_bwd(q, k, v, out, lse, do, causal, config)
     for name, g, ref, t in zip("qkv", grads, (qf.grad, kf.grad, vf.grad), (q, k, v)):
         assert g.dtype == dtype and g.shape == t.shape, name
         # Max error relative to the largest gradient: P and dS are rounded to the input dtype (2^-9 bf16, 2^-12
         # fp16) and summed over ~1000 terms; a wrong row, tail or mask shows up as O(1).
         assert ((g.float() - ref).abs().max() / ref.abs().max()).item() <= tol, name
-    if mode == "two_pass" or alt or (causal and q_shape[-2] != n_k):
+    if alt or (causal and q_shape[-2] != n_k):
         return
     # Through autograd too: `flash_attention` on the gluon path (its forward, then this one-pass backward); its
     # contract takes causal attention only with n_q == n_k (check_attention_inputs).

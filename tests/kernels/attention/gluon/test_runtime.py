@@ -12,7 +12,6 @@ import torch
 import triton
 
 import kernels.attention.gluon.backward as fgo
-import kernels.attention.gluon.backward_two_pass as fgb
 import kernels.attention.gluon.forward as fg
 from kernels.attention import dispatch
 from kernels.attention.gluon import runtime
@@ -131,32 +130,29 @@ def test_tensor_descriptor_checks_once_per_layout_and_always_the_base(monkeypatc
     assert tuple(runtime.descriptor(strided, 64).strides) == strided.stride() and len(checked) == 3
 
 
-def _launch_bwd(*args):
-    """The Gluon backward launcher of the config (the last argument): two-pass or one-pass."""
-    return (fgb.launch_bwd2 if isinstance(args[-1], fgb.GluonBwd2Config) else fgo.launch_bwd)(*args)
-
-
 @needs_gluon
 def test_launch_keys_cover_what_the_arguments_specialise_on(monkeypatch):
     """The launchers' problem keys (`launch(..., key)`) stand for every argument's specialisation: equal for fresh
     tensors of one geometry, different for another stride, is_causal, config, or an L / O pointer off 16 bytes."""
     keys = []
     record = lambda kernel, grid, args, meta, key=None: keys.append((kernel, key))  # noqa: E731
-    for module in (fg, fgo, fgb):
+    for module in (fg, fgo):
         monkeypatch.setattr(module, "launch", record)
 
-    def misaligned(shape):  # contiguous, 4 bytes past a 16-byte boundary
-        return torch.zeros(math.prod(shape) + 1)[1:].view(shape)
+    def misaligned(shape, dtype=torch.float32):  # contiguous, one element past a 16-byte boundary
+        return torch.zeros(math.prod(shape) + 1, dtype=dtype)[1:].view(shape)
 
     q, lse = cpu((1, 2, 64, 128)), torch.zeros(1, 2, 64)
-    two_pass, one_pass = fgb.DEFAULT_BWD2_CONFIGS[128], dispatch.gluon_bwd_default(128, torch.bfloat16)
-    calls = [(q, q, lse, True, two_pass), (q.clone(), q.clone(), lse.clone(), True, two_pass),
-             (q, q, misaligned((1, 2, 64)), True, two_pass), (q, q, lse, False, two_pass),
-             (q, q, lse, True, one_pass), (q, q.transpose(1, 2).contiguous().transpose(1, 2), lse, True, two_pass)]
+    config = dispatch.gluon_bwd_default(128, torch.bfloat16)
+    other = dataclasses.replace(config, num_stages=config.num_stages % 3 + 1)
+    calls = [(q, q, lse, True, config), (q.clone(), q.clone(), lse.clone(), True, config),
+             (q, q, misaligned((1, 2, 64)), True, config), (q, misaligned((1, 2, 64, 128), q.dtype), lse, True, config),
+             (q, q, lse, False, config), (q, q, lse, True, other),
+             (q, q.transpose(1, 2).contiguous().transpose(1, 2), lse, True, config)]
     per_call = []
     for k, out, lse_t, causal, config in calls:
         keys.clear()
-        _launch_bwd(q, k, k, out, lse_t, q, causal, config)
+        fgo.launch_bwd(q, k, k, out, lse_t, q, causal, config)
         per_call.append(list(keys))
     assert per_call[0] == per_call[1]
     assert all(per_call[0] != other for other in per_call[2:]), per_call
@@ -171,13 +167,14 @@ def test_launch_keys_cover_what_the_arguments_specialise_on(monkeypatch):
 def test_gluon_outputs_come_out_in_the_inputs_layout(monkeypatch):
     """The Gluon launchers allocate O like q and dQ, dK, dV like q, k, v (the model's (B, S, H, D) projections viewed
     as (B, H, S, D)): merging O's heads and the projections' backward read views, not copies. L stays contiguous."""
-    for module in (fg, fgo, fgb):
+    for module in (fg, fgo):
         monkeypatch.setattr(module, "launch", lambda *args, **kwargs: None)
     q, k = cpu((1, 200, 2, 128)).transpose(1, 2), cpu((1, 150, 2, 128)).transpose(1, 2)
     for config in (dispatch.gluon_fwd_default(128, torch.bfloat16),
                    dataclasses.replace(dispatch.DEFAULT_FWD_CONFIGS[128], persistent=True)):
         out, lse = fg.launch_fwd(q, k, k, True, config)
         assert out.stride() == q.stride() and lse.is_contiguous() and lse.shape == q.shape[:-1]
-    for config in (fgb.DEFAULT_BWD2_CONFIGS[128], dispatch.gluon_bwd_default(128, torch.bfloat16)):
-        dq, dk, dv = _launch_bwd(q, k, k, out, lse, q, True, config)
+    for config in (dispatch.gluon_bwd_default(128, torch.bfloat16),
+                   dataclasses.replace(dispatch.gluon_bwd_default(128, torch.bfloat16), persistent=True)):
+        dq, dk, dv = fgo.launch_bwd(q, k, k, out, lse, q, True, config)
         assert (dq.stride(), dk.stride(), dv.stride()) == (q.stride(), k.stride(), k.stride())
