@@ -9,7 +9,7 @@ lines printed; most take `--resume`, so running a phase again continues it. Resu
 env RESULTS, default runs/gpu; never straight into the committed results/) and are packed into OUT/results.tgz
 (`--out`, env OUT, default /tmp/raysys-gpu); the FlashAttention checks (`flashcheck`, `candidates`) write into OUT
 and pack their logs into OUT/logs.tgz instead. Knobs read from the environment: ROUNDS, TRACE (alone), MATCH
-(gluoncheck), VARIANTS, PAIRED (gluontiles), those of `flashcheck` and
+(gluoncheck), VARIANTS, KERNELS, SHAPES, PAIRED (gluontiles), those of `flashcheck` and
 `candidates` (their functions say which), RAYSYS_GIT_SHA (rows name that commit; 12 digits), and WHEELS: a folder
 of .whl files (Ray and what it imports, for a host without them) installed with `pip --target .site` and put on
 the studies' PYTHONPATH. Exit status: 2 for an unknown phase or without the GPUs a phase needs (one line, nothing
@@ -135,12 +135,14 @@ def gluoncheck(ctx: Context) -> None:
 def gluontiles(ctx: Context) -> None:
     """The Gluon forward's and one-pass backward's knobs at two d-128 and one d-64 shape, each checked against the tl
     kernels and timed (8 processes compile the grid first) into RESULTS/flash_tiles.parquet and the tuned file
-    beside it; VARIANTS=gluon,gluon_persistent adds the persistent grids; each trial is also paired
+    beside it; VARIANTS=gluon,gluon_persistent adds the persistent grids, KERNELS (fwd,dkdvq) and SHAPES narrow the
+    grid (`flash_tiles.py`'s --kernels and --shapes); each trial is also paired
     against the launcher's config in PAIRED alternating rounds (default 4; 0: off). A phase cut off by its timeout
     continues when run again (--resume)."""
     ctx.run(py("flash_tiles_gluon", 420, "sweeps/flash_tiles.py", "--launcher", "local", "--variants",
-               os.environ.get("VARIANTS") or "gluon", "--kernels", "fwd,dkdvq", "--shapes",
-               "16384/128/bf16/causal,4x32/2048/128/bf16/causal,8x16/4096/64/bf16/causal", "--compile-workers", "8",
+               knob("VARIANTS", "gluon"), "--kernels", knob("KERNELS", "fwd,dkdvq"), "--shapes",
+               knob("SHAPES", "16384/128/bf16/causal,4x32/2048/128/bf16/causal,8x16/4096/64/bf16/causal"),
+               "--compile-workers", "8",
                "--paired-rounds", os.environ.get("PAIRED") or "4", "--out", "{results}", "--resume"))
 
 

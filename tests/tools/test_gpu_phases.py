@@ -136,6 +136,16 @@ def test_knobs_from_the_environment_reach_the_commands(tmp_path, monkeypatch):
     assert "20" in argv and argv[argv.index("--config-match") + 1] == "^bwd"
     monkeypatch.delenv("MATCH")
     assert "--config-match" not in [a for s in planned(tmp_path, "gluoncheck") for a in s.argv]
+    for name in ("KERNELS", "VARIANTS", "SHAPES"):
+        monkeypatch.delenv(name, raising=False)
+    tiles = [a for s in planned(tmp_path, "gluontiles") for a in s.argv]
+    assert tiles[tiles.index("--kernels") + 1] == "fwd,dkdvq" and tiles[tiles.index("--variants") + 1] == "gluon"
+    monkeypatch.setenv("KERNELS", "dkdvq")
+    monkeypatch.setenv("VARIANTS", "gluon_persistent")
+    monkeypatch.setenv("SHAPES", "16384/128/bf16/causal")
+    tiles = [a for s in planned(tmp_path, "gluontiles") for a in s.argv]
+    assert [tiles[tiles.index(flag) + 1] for flag in ("--kernels", "--variants", "--shapes")] == [
+        "dkdvq", "gluon_persistent", "16384/128/bf16/causal"]
 
 
 def test_studies_env_puts_this_checkout_and_the_carried_wheels_first(tmp_path, monkeypatch):
