@@ -266,6 +266,12 @@ def candidates(ctx: Context) -> None:
 
 
 LEADERBOARD = ("sweeps/leaderboard.py", "--size", "leaderboard", "--device", "cuda")
+GLUON_TESTS = py("flash_gluon_tests", 200, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-n", "4", "-k",
+                 "gluon", "tests/kernels/attention/test_interface_gpu.py", "tests/kernels/attention/gluon")
+README_LEADERBOARD = ("-m", "raysys", "leaderboard", "--size", "leaderboard", "--device", "cuda", "--batch-size", "1",
+                      "--no-batch2", "--variants", "best,today")
+"""The README's leaderboard command (`python -m raysys leaderboard --size leaderboard --device cuda`) at batch 1 with
+`best` and `today` only, what fits one call; without its --out."""
 PHASES: dict[str, Phase] = {
     "dist": Phase(2, 9, "NCCL-setting scan + collectives grid, DDP, sharded optimizer", (
         allreduce,
@@ -293,13 +299,15 @@ PHASES: dict[str, Phase] = {
         py("flash_grid", 250, "sweeps/flash_bench.py", "--studies", "grid", "--device", "cuda", "--out", "{results}",
            "--resume", "--time-budget-s", "230"))),
     "gluon": Phase(1, 7, "Gluon GPU tests, the paired hopper study, host time per call at 4x32x2048x128", (
-        py("flash_gluon_tests", 200, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-n", "4", "-k",
-           "gluon", "tests/kernels/attention/test_interface_gpu.py", "tests/kernels/attention/gluon"),
+        GLUON_TESTS,
         py("flash_hopper", 260, "sweeps/flash_bench.py", "--studies", "hopper", "--time-budget-s", "210", "--out",
            "{results}", "--resume", "--providers",
            "triton,triton_gluon,triton_gluon_1pass,triton_tma,triton_portable,sdpa_cudnn,sdpa_flash",
            "--paired-rounds", "9"),
         py("flash_host_cost", 90, "-m", "tools.flash_host_cost", "{results}", "--overwrite"))),
+    "headline": Phase(1, 9.5, "after a kernel, dispatch or default change: the Gluon GPU tests, then the README's "
+                              "leaderboard command as a user runs it, into RESULTS/headline", (
+        GLUON_TESTS, py("leaderboard_readme", 360, *README_LEADERBOARD, "--out", "{results}/headline"))),
     "gluoncheck": Phase(1, 6, "every Gluon config checked on odd shapes and timed (MATCH=REGEX picks)", (gluoncheck,)),
     "gluontiles": Phase(1, 6, "the Gluon kernels' launch knobs, paired (flash_tiles --variants gluon)", (gluontiles,)),
     "leaderboard": Phase(1, 8.5, "the 8B step's --check, then its ablation (issue 15), into RESULTS/leaderboard", (

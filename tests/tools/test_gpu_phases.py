@@ -27,8 +27,8 @@ def test_list_prints_every_phase_with_its_gpus(tmp_path):
     for line, phase in zip(lines, gpu.PHASES.values()):
         assert f"{phase.gpus} GPU" in line and phase.summary in line
     assert not (tmp_path / "out").exists() and not (tmp_path / "results").exists()
-    # the phases gpu_run.sh had, and flash_gpu_check.sh's two modes
-    assert set(gpu.PHASES) == {"dist", "allreduce", "fsdp", "paired", "compiled", "alone", "ckpt", "flash", "gluon",
+    # the phases gpu_run.sh had, flash_gpu_check.sh's two modes, and the check after a kernel change
+    assert set(gpu.PHASES) == {"headline", "dist", "allreduce", "fsdp", "paired", "compiled", "alone", "ckpt", "flash", "gluon",
                                "gluoncheck", "gluontiles", "leaderboard", "lbtune", "lb2", "tests", "e2e",
                                "flashcheck", "candidates"}
 
@@ -166,3 +166,15 @@ def test_the_runner_keeps_a_log_the_exit_code_and_a_timeout(tmp_path, capsys):
     background = ctx.start(gpu.Study("bg", 60, ("python", "-c", "print('{out}')")), done=tmp_path / "bg.done")
     ctx.wait([background])
     assert (tmp_path / "bg.log").read_text() == f"{tmp_path}\nbg exit code 0\n" and (tmp_path / "bg.done").exists()
+
+
+def test_headline_runs_the_readme_leaderboard_command_with_flags_it_takes(tmp_path):
+    from raysys.training.leaderboard_bench import build_leaderboard_parser
+
+    (tests, leaderboard) = planned(tmp_path, "headline")
+    assert tests.argv == gpu.PHASES["gluon"].steps[0].argv  # the same Gluon GPU tests as the gluon phase
+    argv = list(leaderboard.argv)
+    assert argv[:4] == ["python", "-m", "raysys", "leaderboard"]
+    args = build_leaderboard_parser().parse_args(argv[4:])
+    assert (args.size, args.device, args.batch_size, args.no_batch2) == ("leaderboard", "cuda", 1, True)
+    assert args.variants == "best,today" and args.out == "{results}/headline"
