@@ -159,8 +159,8 @@ if HAS_GLUON_HOPPER:
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
                            DK_LATE: gl.constexpr, ROWS_TMA: gl.constexpr):
-        """Consumer C of one work item's 2 * BLOCK_N keys: its BLOCK_N keys' dK, dV (the two-pass `_dkdv_consumer`,
-        S^T and dP^T with the keys as wgmma rows), and columns [C * HEAD_DIM / 2, ...) of the program's share of dQ(i)
+        """Consumer C of one work item's 2 * BLOCK_N keys: its BLOCK_N keys' dK, dV (S^T and dP^T
+        with the keys as wgmma rows), and columns [C * HEAD_DIM / 2, ...) of the program's share of dQ(i)
         = dS(i) K over all 2 * BLOCK_N keys: both groups' dS^T meet in shared memory (barrier `ds_ready`), so each
         dQ element is reduced once per program, by the TMA unit's bulk fp32 reduction. The ring slots continue from
         ring use `it0` (the query tiles of the program's earlier items) and `kv_bar` is in phase `kv_phase`; a
