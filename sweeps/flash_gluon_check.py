@@ -4,9 +4,9 @@ For each knob config of `GluonConfig` (a config that fails to build or is wrong 
 (a) O and L against fp32 references on odd shapes, bf16 and fp16, causal and not, n_q != n_k; (b) forward time
 (`do_bench`, median) at four causal bf16 shapes beside SDPA cuDNN and flash and the tl kernel. `--part bwd|all` does
 the same for the one-pass backward's `GluonBwdConfig`s: (c) dQ, dK, dV against fp32 autograd, (d) forward+backward
-and backward-only time. `--paired-rounds N` times each
-config against the one the gluon path launches in alternating rounds. Rows go to <out>/flash_gluon.parquet (never
-over an earlier one without `--overwrite`); FLOP conventions: docs/studies.md. Run:
+and backward-only time. `--paired-rounds N` times each config against the one the gluon path launches in alternating
+rounds. Rows go to <out>/flash_gluon.parquet (never over an earlier one without `--overwrite`); FLOP conventions:
+docs/studies.md. Run:
 `PYTHONPATH=$PWD python3 sweeps/flash_gluon_check.py --out $OUT [--part all]`.
 """
 
