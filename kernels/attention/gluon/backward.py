@@ -612,17 +612,35 @@ def bwd_launch_args(q, k, v, grad_out, dk, dv, lse, delta, dq_acc, is_causal: bo
     return grid, args, meta
 
 
+def check_bwd_inputs(where: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor, grad_out: torch.Tensor, config, kind: type) -> None:
+    """Raise a ValueError prefixed by `where` unless a Gluon backward runs on these inputs with `config` (a `kind`)."""
+    reason = unsupported_reason(q, k, v)
+    if reason:
+        raise ValueError(f"{where}: {reason}")
+    if not isinstance(config, kind):
+        raise ValueError(f"{where}: config {config!r} is not a {kind.__name__}")
+    check_backward_inputs(q, out, lse, grad_out, where=f"{where}: ")
+
+
+def bwd_launch_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                      grad_out: torch.Tensor, is_causal: bool, config) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """(dO in q's dtype and TMA-readable, L contiguous, the launches' problem key) of a Gluon backward."""
+    grad_out = tma_ready(grad_out if grad_out.dtype == q.dtype else grad_out.to(q.dtype))
+    lse = lse.contiguous()
+    # What every launch's argument keys read (the new buffers are contiguous and aligned; q, k, v aligned: checked;
+    # dO made so; L's and O's pointers, which the preprocess reads, by their alignment).
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), grad_out.stride(), q.dtype,
+           out.dtype, is_causal, config, lse.data_ptr() & 15, out.data_ptr() & 15)
+    return grad_out, lse, key
+
+
 def gluon_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                         grad_out: torch.Tensor, is_causal: bool, config: GluonBwdConfig
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) in the inputs' dtype from O and the natural-log L of the forward, inputs checked. dK, dV are
     written once per key; dQ is summed in fp32 by the TMA unit, its last bits can vary run to run."""
-    reason = unsupported_reason(q, k, v)
-    if reason:
-        raise ValueError(f"gluon_attention_bwd: {reason}")
-    if not isinstance(config, GluonBwdConfig):
-        raise ValueError(f"gluon_attention_bwd: config {config!r} is not a GluonBwdConfig")
-    check_backward_inputs(q, out, lse, grad_out, where="gluon_attention_bwd: ")
+    check_bwd_inputs("gluon_attention_bwd", q, k, v, out, lse, grad_out, config, GluonBwdConfig)
     return launch_bwd(q, k, v, out, lse, grad_out, is_causal, config)
 
 
@@ -631,12 +649,7 @@ def launch_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`gluon_attention_bwd` without the input checks, for callers that checked them already."""
     batch, heads, n_q, head_dim = q.shape
-    grad_out = tma_ready(grad_out if grad_out.dtype == q.dtype else grad_out.to(q.dtype))  # TMA-readable
-    lse = lse.contiguous()
-    # What every launch's argument keys read (the new buffers are contiguous and aligned; q, k, v aligned: checked;
-    # dO made so; L's and O's pointers, which the preprocess reads, by their alignment).
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), grad_out.stride(), q.dtype,
-           out.dtype, is_causal, config, lse.data_ptr() & 15, out.data_ptr() & 15)
+    grad_out, lse, key = bwd_launch_inputs(q, k, v, out, lse, grad_out, is_causal, config)
     with device_of(q):
         dk, dv = empty_like_layout(k), empty_like_layout(v)  # the inputs' layouts: valid TMA targets
         # D and L zero-padded to whole query tiles (as `bwd_launch_args` takes them) and the fp32 dQ accumulator
