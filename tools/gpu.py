@@ -136,14 +136,12 @@ def gluontiles(ctx: Context) -> None:
     """The Gluon forward's and one-pass backward's knobs at two d-128 and one d-64 shape, each checked against the tl
     kernels and timed (8 processes compile the grid first) into RESULTS/flash_tiles.parquet and the tuned file
     beside it; VARIANTS=gluon,gluon_persistent adds the persistent grids, KERNELS (fwd,dkdvq) and SHAPES narrow the
-    grid (`flash_tiles.py`'s --kernels and --shapes); each trial is also paired
-    against the launcher's config in PAIRED alternating rounds (default 4; 0: off). A phase cut off by its timeout
-    continues when run again (--resume)."""
+    grid (`flash_tiles.py`'s --kernels and --shapes); each trial is also paired against the launcher's config in
+    PAIRED alternating rounds (default 4; 0: off). A phase cut off by its timeout continues when run again (--resume)."""
     ctx.run(py("flash_tiles_gluon", 420, "sweeps/flash_tiles.py", "--launcher", "local", "--variants",
                knob("VARIANTS", "gluon"), "--kernels", knob("KERNELS", "fwd,dkdvq"), "--shapes",
                knob("SHAPES", "16384/128/bf16/causal,4x32/2048/128/bf16/causal,8x16/4096/64/bf16/causal"),
-               "--compile-workers", "8",
-               "--paired-rounds", os.environ.get("PAIRED") or "4", "--out", "{results}", "--resume"))
+               "--compile-workers", "8", "--paired-rounds", knob("PAIRED", "4"), "--out", "{results}", "--resume"))
 
 
 def knob(name: str, default: str) -> str:
@@ -306,7 +304,7 @@ PHASES: dict[str, Phase] = {
            "--paired-rounds", "9"),
         py("flash_host_cost", 90, "-m", "tools.flash_host_cost", "{results}", "--overwrite"))),
     "headline": Phase(1, 9.5, "after a kernel, dispatch or default change: the Gluon GPU tests, then the README's "
-                              "leaderboard command as a user runs it, into RESULTS/headline", (
+                              "leaderboard command at batch 1 (best, today), into RESULTS/headline", (
         GLUON_TESTS, py("leaderboard_readme", 360, *README_LEADERBOARD, "--out", "{results}/headline"))),
     "gluoncheck": Phase(1, 6, "every Gluon config checked on odd shapes and timed (MATCH=REGEX picks)", (gluoncheck,)),
     "gluontiles": Phase(1, 6, "the Gluon kernels' launch knobs, paired (flash_tiles --variants gluon)", (gluontiles,)),

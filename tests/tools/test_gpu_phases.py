@@ -28,9 +28,9 @@ def test_list_prints_every_phase_with_its_gpus(tmp_path):
         assert f"{phase.gpus} GPU" in line and phase.summary in line
     assert not (tmp_path / "out").exists() and not (tmp_path / "results").exists()
     # the phases gpu_run.sh had, flash_gpu_check.sh's two modes, and the check after a kernel change
-    assert set(gpu.PHASES) == {"headline", "dist", "allreduce", "fsdp", "paired", "compiled", "alone", "ckpt", "flash", "gluon",
-                               "gluoncheck", "gluontiles", "leaderboard", "lbtune", "lb2", "tests", "e2e",
-                               "flashcheck", "candidates"}
+    assert set(gpu.PHASES) == {"headline", "dist", "allreduce", "fsdp", "paired", "compiled", "alone", "ckpt",
+                               "flash", "gluon", "gluoncheck", "gluontiles", "leaderboard", "lbtune", "lb2", "tests",
+                               "e2e", "flashcheck", "candidates"}
 
 
 @pytest.mark.parametrize("args", [["gluon gluoncheck"], ["dist", "nope"], ["nope", "--dry-run"]])
